@@ -1,0 +1,18 @@
+"""ex_engine: hand-written GPU kernels ("factors") as drop-in .so plugins for inference engines.
+
+    from ex_engine import FactorRegistry, moe_fused_gemm, topk_softmax, fused_add_rmsnorm
+    reg = FactorRegistry.load("factors/")      # checks every plugin against the GPU
+
+See README.md and docs/factor-contract.md.
+"""
+from .errors import (ArgumentError, DeviceError, DeviceSideError, DTypeError, FactorError,
+                     FactorNotFoundError, KernelError, LayoutError, PluginLoadError, ShapeError)
+from .hardware import Hardware
+from .ops import default_registry, fused_add_rmsnorm, moe_fused_gemm, set_default_registry, topk_softmax
+from .registry import FactorRegistry
+
+__version__ = "0.1.0"
+__all__ = ["FactorRegistry", "Hardware", "topk_softmax", "fused_add_rmsnorm", "moe_fused_gemm",
+           "default_registry", "set_default_registry", "FactorError", "ArgumentError", "DTypeError",
+           "ShapeError", "LayoutError", "DeviceError", "KernelError", "DeviceSideError",
+           "FactorNotFoundError", "PluginLoadError"]

@@ -1,0 +1,201 @@
+"""One view of the arrays users pass: NumPy, CuPy and PyTorch, without copying.
+
+``TensorRef.of(x)`` reads pointer, shape, strides (in elements), dtype name and device from a
+NumPy array, a CuPy array, a torch tensor, or anything with ``__cuda_array_interface__``.
+The validator checks those; the Python fallbacks compute on ``raw()`` (a NumPy/CuPy view of the
+same memory) with ``load_f32``/``store``. bfloat16 is handled as uint16 bits, so NumPy without
+ml_dtypes and CuPy without bfloat16 support still work.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+_NP_NAMES = {"float32", "float16", "bfloat16", "int32", "int64", "float64", "uint16", "int16",
+             "int8", "uint8", "bool", "uint32", "uint64"}
+
+
+def _dtype_name(dt) -> str:
+    name = getattr(dt, "name", None) or str(dt)
+    name = name.replace("torch.", "")
+    return {"half": "float16", "float": "float32", "double": "float64"}.get(name, name)
+
+
+def get_xp(arr):
+    """numpy or cupy, whichever owns ``arr``."""
+    mod = type(arr).__module__
+    if mod.startswith("cupy"):
+        import cupy
+        return cupy
+    return np
+
+
+def bf16_bits_to_f32(xp, bits):
+    """float32 values of bfloat16 stored as uint16 bits (exact)."""
+    return (bits.astype(xp.uint32) << 16).view(xp.float32)
+
+
+def f32_to_bf16_bits(xp, values):
+    """uint16 bits of the bfloat16 nearest to each float32 (ties to even; NaN stays NaN)."""
+    f = xp.ascontiguousarray(values, dtype=xp.float32)
+    b = f.view(xp.uint32)
+    rounded = (b + xp.uint32(0x7FFF) + ((b >> 16) & xp.uint32(1))) >> 16
+    return xp.where(xp.isnan(f), xp.uint32(0x7FC0), rounded).astype(xp.uint16)
+
+
+def round_to_dtype(xp, values, dtype: str):
+    """float32 values rounded to ``dtype`` and back (what storing then loading would give)."""
+    if dtype == "bfloat16":
+        return bf16_bits_to_f32(xp, f32_to_bf16_bits(xp, values))
+    if dtype == "float16":
+        return values.astype(xp.float16).astype(xp.float32)
+    return values.astype(xp.float32)
+
+
+class Bits16:
+    """A uint16 NumPy/CuPy array tagged as bfloat16 (or float16): how to pass bf16 data from a
+    library that has no bf16 dtype (CuPy without ml_dtypes support). ``as_bfloat16(bits)``."""
+
+    def __init__(self, bits, dtype: str = "bfloat16"):
+        if getattr(bits, "dtype", None) is None or bits.dtype.itemsize != 2:
+            raise TypeError(f"Bits16: expected a 2-byte integer array, got {type(bits).__name__}")
+        self.bits, self.dtype = bits, dtype
+
+    @property
+    def shape(self):
+        return self.bits.shape
+
+
+def as_bfloat16(bits) -> Bits16:
+    """Tag a uint16 array of bfloat16 bit patterns so ex_engine treats it as bfloat16."""
+    return Bits16(bits, "bfloat16")
+
+
+@dataclass
+class TensorRef:
+    """Pointer, shape, strides (elements), dtype name and device of a user's array.
+
+    device is -1 for host memory, else the CUDA device ordinal. kind is 'numpy', 'cupy',
+    'torch' or 'cai' (any object with __cuda_array_interface__).
+    """
+    obj: Any
+    kind: str
+    ptr: int
+    shape: tuple
+    strides: tuple
+    dtype: str
+    itemsize: int
+    device: int
+
+    @classmethod
+    def of(cls, x, name: str = "array") -> "TensorRef":
+        """Describe ``x``. Raises TypeError naming ``name`` for anything that is not an array."""
+        mod = type(x).__module__
+        if isinstance(x, Bits16):
+            inner = cls.of(x.bits, name)
+            inner.obj, inner.dtype = x, x.dtype
+            return inner
+        if mod.startswith("torch"):
+            dt = _dtype_name(x.dtype)
+            dev = x.device.index if x.device.type == "cuda" else -1
+            if x.device.type == "cuda" and dev is None:
+                dev = 0
+            return cls(x, "torch", int(x.data_ptr()), tuple(x.shape), tuple(x.stride()), dt,
+                       x.element_size(), dev)
+        if isinstance(x, np.ndarray):
+            return cls._from_buffer(x, "numpy", x.ctypes.data, -1)
+        if mod.startswith("cupy"):
+            return cls._from_buffer(x, "cupy", x.data.ptr, x.device.id)
+        cai = getattr(x, "__cuda_array_interface__", None)
+        if cai is not None:
+            dt = np.dtype(cai["typestr"])
+            shape = tuple(cai["shape"])
+            if cai.get("strides") is None:
+                strides = tuple(int(np.prod(shape[i + 1:])) for i in range(len(shape)))
+            else:
+                strides = tuple(s // dt.itemsize for s in cai["strides"])
+            return cls(x, "cai", int(cai["data"][0]), shape, strides, _dtype_name(dt),
+                       dt.itemsize, 0)
+        raise TypeError(f"argument '{name}': expected a NumPy/CuPy array or a torch tensor, "
+                        f"got {type(x).__name__}")
+
+    @classmethod
+    def _from_buffer(cls, x, kind, ptr, device):
+        isz = x.dtype.itemsize
+        if any(s % isz for s in x.strides):
+            strides = tuple(s / isz for s in x.strides)  # fractional: rejected by the validator
+        else:
+            strides = tuple(s // isz for s in x.strides)
+        return cls(x, kind, int(ptr), tuple(x.shape), strides, _dtype_name(x.dtype), isz, device)
+
+    @property
+    def on_device(self) -> bool:
+        return self.device >= 0
+
+    @property
+    def size(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    def contiguous_strides(self) -> tuple:
+        out, acc = [], 1
+        for s in reversed(self.shape):
+            out.append(acc)
+            acc *= s
+        return tuple(reversed(out))
+
+    def is_contiguous(self) -> bool:
+        """C-contiguous (size-1 dimensions may have any stride; an empty array always is)."""
+        if self.size == 0:
+            return True
+        return all(st == cs or sh == 1
+                   for sh, st, cs in zip(self.shape, self.strides, self.contiguous_strides()))
+
+    # ---- computing on the same memory (used by the Python fallbacks) ----------------------
+    def raw(self):
+        """A NumPy/CuPy array over the same memory; bfloat16 appears as uint16 bits."""
+        x = self.obj
+        if isinstance(x, Bits16):
+            return x.bits.view(get_xp(x.bits).uint16)
+        if self.kind == "torch":
+            import torch
+            if self.dtype == "bfloat16":
+                x = x.view(torch.int16)
+            if self.on_device:
+                import cupy
+                a = cupy.asarray(x)
+            else:
+                a = x.numpy()
+            return a.view(a.dtype.str.replace("i2", "u2")) if self.dtype == "bfloat16" else a
+        if self.kind == "cai":
+            import cupy
+            x = cupy.asarray(x)
+        if self.dtype == "bfloat16":
+            return x.view(get_xp(x).uint16)
+        return x
+
+    def xp(self):
+        """The array module (numpy or cupy) that computes on this array."""
+        if self.on_device:
+            import cupy
+            return cupy
+        return np
+
+    def load_f32(self):
+        """float32 copy of the values (exact for 16-bit inputs)."""
+        a, xp = self.raw(), self.xp()
+        if self.dtype == "bfloat16":
+            return bf16_bits_to_f32(xp, a)
+        return a.astype(xp.float32)
+
+    def store(self, values) -> None:
+        """Write float/int ``values`` (same shape) into this array, rounding to its dtype."""
+        a, xp = self.raw(), self.xp()
+        if self.dtype == "bfloat16":
+            a[...] = f32_to_bf16_bits(xp, values)
+        else:
+            a[...] = values.astype(a.dtype) if hasattr(values, "astype") else values

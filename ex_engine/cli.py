@@ -1,0 +1,155 @@
+"""The ``ex-engine`` command line: list-factors, hardware, run moe, build.
+
+Every command has --help. Exit status: 0 success, 1 a check failed, 2 bad usage or error.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+
+from . import _paths
+from .errors import FactorError
+from .hardware import Hardware, list_profiles, resolve
+
+
+def _registry(args):
+    from .registry import FactorRegistry
+    return FactorRegistry.load(args.dir, hardware=args.hardware)
+
+
+def cmd_list_factors(args) -> int:
+    reg = _registry(args)
+    if args.json:
+        print(json.dumps({"hardware": reg.hardware.as_dict(), "note": reg.no_gpu_note,
+                          "plugins": [p.as_dict() for p in reg.plugins]}, indent=2))
+        return 0
+    hw = reg.hardware
+    print(f"hardware: {hw.name} (sm_{hw.cc_major}{hw.cc_minor}, {hw.multiprocessor_count} SMs, "
+          f"warp {hw.warp_size}; {hw.source})")
+    if reg.no_gpu_note:
+        print(f"note: {reg.no_gpu_note}")
+    if not reg.plugins:
+        print(f"no plugins (*.so) in {args.dir}; build them with `make` or `ex-engine build`")
+        return 0
+    rows = [("id", "name", "version", "status", "tuning (tpb/ipt/vec/smem/warps/stages)", "file", "reason")]
+    for p in reg.plugins:
+        t = p.tuning
+        tun = "/".join(str(t[k]) for k in ("threads_per_block", "items_per_thread", "vec_size",
+                                            "shared_mem_bytes", "num_warps", "num_stages")) if t else "-"
+        rows.append((str(p.factor_id) if p.name else "-", p.name or "?", p.version or "-",
+                     p.status, tun, p.path.name, p.reason))
+    widths = [max(len(r[i]) for r in rows) for i in range(6)]
+    for r in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r[:6], widths)) + ("  " + r[6] if r[6] else ""))
+    if args.why:
+        for p in reg.plugins:
+            print(f"\n{p.path.name}: {p.status}")
+            for c in p.checks:
+                print(f"  [{'ok' if c.ok else 'FAIL'}] {c.name}: {c.detail}")
+    return 0
+
+
+def cmd_hardware(args) -> int:
+    hw = resolve(args.profile) if args.profile else Hardware.detect()
+    if hw is None:
+        print("no GPU visible to CuPy; profiles available: " + ", ".join(list_profiles()))
+        print("show one with: ex-engine hardware --profile h200")
+        return 0 if not args.json else (print(json.dumps(None)) or 0)
+    if args.json:
+        print(json.dumps(hw.as_dict(), indent=2))
+        return 0
+    for k, v in hw.as_dict().items():
+        print(f"  {k:<32} {v}")
+    return 0
+
+
+def cmd_run_moe(args) -> int:
+    from .moe_layer import load_models, run_moe
+    reg = _registry(args)
+    models = sorted(load_models()) if args.model == "all" else [args.model]
+    ok = True
+    for i, m in enumerate(models):
+        for T in args.tokens:
+            if len(models) > 1 or len(args.tokens) > 1:
+                print(f"[{i + 1}/{len(models)}] ", end="")
+            res = run_moe(m, T, dtype=args.dtype, seed=args.seed, repeat=args.repeat, registry=reg)
+            ok &= res["ok"]
+    print("stats:", json.dumps(reg.stats()))
+    return 0 if ok else 1
+
+
+def cmd_build(args) -> int:
+    cmd = ["make", "-C", str(_paths.ROOT), f"-j{args.jobs}"]
+    if args.archs:
+        cmd.append(f"ARCHS={args.archs}")
+    print("running:", " ".join(cmd), flush=True)
+    return subprocess.call(cmd)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="ex-engine", description="Load, check and run ex_engine factor plugins.")
+    sub = ap.add_subparsers(dest="command", metavar="COMMAND")
+
+    def common(p):
+        p.add_argument("--dir", default=str(_paths.factors_dir()),
+                       help="folder of plugin libraries (default: %(default)s)")
+        p.add_argument("--hardware", default=None, metavar="PROFILE",
+                       help=f"check against a hardware profile ({', '.join(list_profiles())}) "
+                            "instead of the live GPU")
+
+    p = sub.add_parser("list-factors", help="every plugin found: id, name, version, tuning, status and reason",
+                       description="Load every plugin in the folder, check it against the hardware, "
+                                   "and print what loaded, what was rejected and why.")
+    common(p)
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("--why", action="store_true", help="also print every check each plugin went through")
+    p.set_defaults(fn=cmd_list_factors)
+
+    p = sub.add_parser("hardware", help="what the runtime sees: the live GPU or a profile",
+                       description="Print the ex_hardware_t the runtime fills from the live GPU or a profile.")
+    p.add_argument("--profile", default=None, help=f"a profile name ({', '.join(list_profiles())}) or YAML path")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(fn=cmd_hardware)
+
+    p = sub.add_parser("run", help="run a job through the registry (see: ex-engine run moe --help)",
+                       description="Run a job through the registry.")
+    rsub = p.add_subparsers(dest="job", metavar="JOB")
+    q = rsub.add_parser("moe", help="an MoE layer of a public model: router + routed experts, checked and timed",
+                        description="Build a model's MoE layer (router + routed experts, random weights "
+                                    "at the model's scale), run it through the registry, check it "
+                                    "against the reference, and print which path served each factor.")
+    common(q)
+    q.add_argument("--model", default="qwen3-30b-a3b",
+                   help="a model of manifests/moe_models.yaml, or 'all' (default: %(default)s)")
+    q.add_argument("--tokens", type=int, nargs="+", default=[64], help="token counts T (default: 64)")
+    q.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16", help="(default: %(default)s)")
+    q.add_argument("--seed", type=int, default=0, help="random seed (default: %(default)s)")
+    q.add_argument("--repeat", type=int, default=10, help="timed calls per factor on a GPU (default: %(default)s)")
+    q.set_defaults(fn=cmd_run_moe)
+    p.set_defaults(fn=lambda a: (p.print_help(), 2)[1])
+
+    p = sub.add_parser("build", help="compile every factors/*.cu into a .so with nvcc (runs make)",
+                       description="Run `make` in the project root: one .so per factors/*.cu.")
+    p.add_argument("--archs", default=None, help='nvcc -gencode flags (default: the Makefile\'s sm_90a + sm_80 + PTX)')
+    p.add_argument("-j", "--jobs", type=int, default=2, help="parallel nvcc jobs (default: %(default)s)")
+    p.set_defaults(fn=cmd_build)
+    return ap
+
+
+def main(argv=None) -> int:
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    if not getattr(args, "fn", None):
+        ap.print_help()
+        return 2
+    try:
+        return args.fn(args)
+    except FactorError as exc:
+        print(f"ex-engine: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

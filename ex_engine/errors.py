@@ -1,0 +1,62 @@
+"""Exceptions raised by ex_engine.
+
+Every error a user can see is a ``FactorError`` (or a subclass), and each message names the
+factor, the argument or plugin at fault, the rule, what was expected and what came.
+"""
+from __future__ import annotations
+
+
+class FactorError(Exception):
+    """Base class of every ex_engine error."""
+
+
+class PluginLoadError(FactorError):
+    """A plugin library could not be opened, or its ABI/tuning was refused."""
+
+
+class FactorNotFoundError(FactorError, KeyError):
+    """No factor of that name is registered (neither ready nor with a Python fallback)."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else ""
+
+
+class ArgumentError(FactorError, ValueError):
+    """An argument broke a rule of the factor's manifest.
+
+    Attributes: factor, argument, rule, expected, got.
+    """
+
+    def __init__(self, factor: str, argument: str, rule: str, expected, got):
+        self.factor, self.argument, self.rule = factor, argument, rule
+        self.expected, self.got = expected, got
+        super().__init__(f"{factor}: argument '{argument}': {rule}: expected {expected}, got {got}")
+
+
+class DTypeError(ArgumentError, TypeError):
+    """Wrong element type."""
+
+
+class ShapeError(ArgumentError):
+    """Wrong rank, wrong size, or a shape relation between arguments broken."""
+
+
+class LayoutError(ArgumentError):
+    """Non-contiguous or mis-strided array, or a misaligned pointer."""
+
+
+class DeviceError(ArgumentError):
+    """An array lives on the host where device memory is needed, or on another device."""
+
+
+class KernelError(FactorError, RuntimeError):
+    """A plugin kernel returned an error status (named), or CUDA reported an error after it."""
+
+    def __init__(self, factor: str, status: int, status_name: str, detail: str = ""):
+        self.factor, self.status, self.status_name, self.detail = factor, status, status_name, detail
+        msg = f"{factor}: kernel returned {status_name} ({status})"
+        super().__init__(msg + (f": {detail}" if detail else ""))
+
+
+class DeviceSideError(FactorError, RuntimeError):
+    """A kernel flagged bad input on the device (e.g. topk_ids outside [0, E))."""

@@ -1,0 +1,129 @@
+"""The hardware a factor is checked against: the live GPU (CuPy) or a named profile.
+
+A profile is a YAML file in manifests/hardware/ whose keys are the fields of ex_hardware_t
+(include/ex_engine.h). ``Hardware.detect()`` reads the live device when CuPy and a GPU are
+present; otherwise the registry uses a profile and never calls a kernel.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from . import _paths
+from .errors import FactorError
+
+FIELDS = ("cc_major", "cc_minor", "multiprocessor_count", "warp_size", "max_threads_per_block",
+          "max_threads_per_multiprocessor", "regs_per_block", "regs_per_multiprocessor",
+          "shared_mem_per_block", "shared_mem_per_block_optin", "shared_mem_per_multiprocessor",
+          "l2_cache_bytes", "global_mem_bytes")
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """One device's limits (units: threads, registers, bytes), as in ex_hardware_t.
+
+    ``source`` says where they came from ("device 0" or "profile h200"); ``live`` is True only
+    for a GPU in this process, the one case in which kernels can be called.
+    """
+    name: str
+    cc_major: int
+    cc_minor: int
+    multiprocessor_count: int
+    warp_size: int
+    max_threads_per_block: int
+    max_threads_per_multiprocessor: int
+    regs_per_block: int
+    regs_per_multiprocessor: int
+    shared_mem_per_block: int
+    shared_mem_per_block_optin: int
+    shared_mem_per_multiprocessor: int
+    l2_cache_bytes: int
+    global_mem_bytes: int
+    source: str = "profile"
+    live: bool = False
+    device_id: int = -1
+
+    @property
+    def compute_capability(self) -> int:
+        """10 * major + minor, e.g. 90 for Hopper."""
+        return 10 * self.cc_major + self.cc_minor
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def to_c(self, ffi):
+        """A new ``ex_hardware_t*`` (owned by the returned cdata) with these values."""
+        hw = ffi.new("ex_hardware_t*")
+        hw.name = self.name.encode()[:255]
+        for f in FIELDS:
+            setattr(hw, f, int(getattr(self, f)))
+        return hw
+
+    @classmethod
+    def from_profile(cls, name_or_path: str) -> "Hardware":
+        """Load a profile by name ('h200', 'a100', 'bi-v100') or by path to a YAML file.
+
+        Raises FactorError naming the known profiles if it does not exist or lacks a field.
+        """
+        path = Path(name_or_path)
+        if not path.suffix:
+            path = _paths.manifests_dir() / "hardware" / f"{name_or_path.lower()}.yaml"
+        if not path.exists():
+            raise FactorError(f"hardware profile '{name_or_path}': no such profile; "
+                              f"expected one of {list_profiles()} or a path to a YAML file")
+        data = yaml.safe_load(path.read_text()) or {}
+        missing = [f for f in ("name",) + FIELDS if f not in data]
+        if missing:
+            raise FactorError(f"hardware profile {path}: missing fields {missing}")
+        return cls(name=str(data["name"]), **{f: int(data[f]) for f in FIELDS},
+                   source=f"profile {path.stem}")
+
+    @classmethod
+    def from_device(cls, device_id: int | None = None) -> "Hardware":
+        """Read the live device through CuPy. Raises FactorError if CuPy or the GPU is absent."""
+        try:
+            import cupy
+            from cupy.cuda import runtime
+            if device_id is None:
+                device_id = cupy.cuda.Device().id
+            p = runtime.getDeviceProperties(device_id)
+        except Exception as exc:  # ImportError, CUDARuntimeError: no GPU here
+            raise FactorError(f"no CUDA device visible to CuPy: {exc}") from exc
+        name = p["name"].decode() if isinstance(p["name"], bytes) else str(p["name"])
+        return cls(
+            name=name, cc_major=p["major"], cc_minor=p["minor"],
+            multiprocessor_count=p["multiProcessorCount"], warp_size=p["warpSize"],
+            max_threads_per_block=p["maxThreadsPerBlock"],
+            max_threads_per_multiprocessor=p["maxThreadsPerMultiProcessor"],
+            regs_per_block=p["regsPerBlock"],
+            regs_per_multiprocessor=p.get("regsPerMultiprocessor", p["regsPerBlock"]),
+            shared_mem_per_block=p["sharedMemPerBlock"],
+            shared_mem_per_block_optin=p.get("sharedMemPerBlockOptin", p["sharedMemPerBlock"]),
+            shared_mem_per_multiprocessor=p.get("sharedMemPerMultiprocessor", p["sharedMemPerBlock"]),
+            l2_cache_bytes=p.get("l2CacheSize", 0), global_mem_bytes=p["totalGlobalMem"],
+            source=f"device {device_id}", live=True, device_id=device_id)
+
+    @classmethod
+    def detect(cls) -> "Hardware | None":
+        """The live device, or None when there is no CuPy or no GPU."""
+        try:
+            return cls.from_device()
+        except FactorError:
+            return None
+
+
+def list_profiles() -> list[str]:
+    """Names of the profiles in manifests/hardware/."""
+    return sorted(p.stem for p in (_paths.manifests_dir() / "hardware").glob("*.yaml"))
+
+
+def resolve(hardware) -> Hardware | None:
+    """Hardware from a Hardware, a profile name/path, 'auto' or None (the live device, if any)."""
+    if isinstance(hardware, Hardware):
+        return hardware
+    if hardware in (None, "auto", "device"):
+        return Hardware.detect()
+    return Hardware.from_profile(str(hardware))

@@ -1,0 +1,275 @@
+"""Factor manifests (manifests/<name>.yaml): each factor's contract, and the validator.
+
+A manifest names the kernel's output, input and aux inputs in ABI order, each with a symbolic
+shape ("T", "2*I"), allowed dtypes and a role; the order of dims[]; where each dim comes from
+(a size, a dtype code, a user parameter, a row stride); constraints between sizes; the Python
+fallback; tolerances and test shapes. ``Manifest.bind`` checks a call's arrays against it and
+returns the dims to pass, raising an ArgumentError subclass that names the factor, the
+argument, the rule, what was expected and what came.
+"""
+from __future__ import annotations
+
+import importlib
+import re
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from . import abi
+from .arrays import TensorRef
+from .errors import (ArgumentError, DeviceError, DTypeError, FactorError, LayoutError,
+                     ShapeError)
+
+_TERM = re.compile(r"^\s*(?:(\d+)\s*\*\s*)?([A-Za-z_]\w*)\s*(?:\*\s*(\d+))?\s*$")
+_CONSTRAINT = re.compile(r"^\s*(\w+)\s*(<=|<|==|>=|>)\s*(\w+)\s*$")
+
+
+def _parse_dim(expr):
+    """(coefficient, symbol) of a shape entry: 5 -> (5, None); 'T' -> (1, 'T'); '2*I' -> (2, 'I')."""
+    if isinstance(expr, int):
+        return expr, None
+    m = _TERM.match(str(expr))
+    if not m:
+        raise FactorError(f"manifest: cannot read shape entry {expr!r}; expected N, SYM or N*SYM")
+    return int(m.group(1) or m.group(3) or 1), m.group(2)
+
+
+@dataclass
+class TensorSpec:
+    """One array of the kernel call (output, input or an aux input)."""
+    name: str
+    role: str                      # output | input | inout | workspace
+    shape: list = field(default_factory=list)
+    dtypes: list = field(default_factory=list)
+    optional: bool = False
+    same_dtype_as: str | None = None
+    row_strided: bool = False      # rows may be spaced wider than the last dim (a view)
+    same_as_output: bool = False   # input and output are one array (in place)
+    parsed: list = field(default_factory=list)
+
+    @classmethod
+    def from_yaml(cls, d: dict, role: str) -> "TensorSpec":
+        spec = cls(name=d["name"], role=d.get("role", role), shape=list(d.get("shape", [])),
+                   dtypes=list(d.get("dtype", [])), optional=bool(d.get("optional", False)),
+                   same_dtype_as=d.get("same_dtype_as"), row_strided=bool(d.get("row_strided")),
+                   same_as_output=bool(d.get("same_as_output")))
+        spec.parsed = [_parse_dim(e) for e in spec.shape]
+        return spec
+
+
+@dataclass
+class Manifest:
+    """A factor's contract, loaded from YAML. See manifests/moe_fused_gemm.yaml for an example."""
+    name: str
+    id: int
+    summary: str
+    math: str
+    dims: list
+    output: TensorSpec
+    input: TensorSpec
+    aux: list
+    params: dict
+    dim_sources: dict
+    constraints: list
+    fallback: str | None
+    tolerance: dict
+    test_shapes: list
+    device_flags: dict = field(default_factory=dict)
+    memory: str = "device"         # 'device': kernels take CUDA pointers; 'host': CPU pointers
+    path: str = ""
+
+    @classmethod
+    def load(cls, path) -> "Manifest":
+        """Read and check a manifest file. Raises FactorError naming the file and the field."""
+        path = Path(path)
+        try:
+            d = yaml.safe_load(path.read_text())
+            m = cls(name=d["name"], id=int(d["id"]), summary=d.get("summary", ""),
+                    math=d.get("math", ""), dims=list(d["dims"]),
+                    output=TensorSpec.from_yaml(d["output"], "output"),
+                    input=TensorSpec.from_yaml(d["input"], "input"),
+                    aux=[TensorSpec.from_yaml(a, "input") for a in d.get("aux", [])],
+                    params=dict(d.get("params") or {}), dim_sources=dict(d.get("dim_sources") or {}),
+                    constraints=list(d.get("constraints") or []), fallback=d.get("fallback"),
+                    tolerance=dict(d.get("tolerance") or {}),
+                    test_shapes=list(d.get("test_shapes") or []),
+                    device_flags={int(k): str(v) for k, v in (d.get("device_flags") or {}).items()},
+                    memory=str(d.get("memory", "device")),
+                    path=str(path))
+        except (KeyError, TypeError, ValueError, yaml.YAMLError) as exc:
+            raise FactorError(f"manifest {path}: malformed ({type(exc).__name__}: {exc})") from exc
+        if m.memory not in ("device", "host"):
+            raise FactorError(f"manifest {path}: memory: expected 'device' or 'host', got {m.memory!r}")
+        if m.input.same_as_output:
+            m.input = TensorSpec(**{**m.output.__dict__, "role": "input", "same_as_output": True})
+        m._constraints = [_CONSTRAINT.match(c) for c in m.constraints]
+        if not all(m._constraints):
+            raise FactorError(f"manifest {path}: constraint not of the form 'A <= B': {m.constraints}")
+        return m
+
+    # ------------------------------------------------------------------------------------
+    @property
+    def tensors(self) -> list:
+        """Every array spec in ABI order: output, input, aux[0], aux[1], ..."""
+        return [self.output, self.input, *self.aux]
+
+    @property
+    def user_tensors(self) -> list:
+        """Array specs the caller provides (no workspace; an in-place input counted once)."""
+        return [t for t in self.tensors if t.role != "workspace" and not t.same_as_output]
+
+    @property
+    def workspace_index(self) -> int | None:
+        """Index into aux of the workspace, or None."""
+        for i, a in enumerate(self.aux):
+            if a.role == "workspace":
+                return i
+        return None
+
+    def fallback_fn(self):
+        """The Python fallback callable named by 'module:function', or None."""
+        if not self.fallback:
+            return None
+        mod, _, fn = self.fallback.partition(":")
+        return getattr(importlib.import_module(mod), fn)
+
+    def param_values(self, params: dict) -> dict:
+        """User parameters with defaults filled in and types checked."""
+        out = {}
+        for k in params:
+            if k not in self.params:
+                raise ArgumentError(self.name, k, "unknown parameter",
+                                    f"one of {sorted(self.params)}", repr(k))
+        for k, spec in self.params.items():
+            v = params.get(k, spec.get("default"))
+            typ = spec.get("type", "float")
+            if typ == "bool":
+                if not isinstance(v, (bool, int)) or v not in (0, 1, True, False):
+                    raise ArgumentError(self.name, k, "type", "a bool", repr(v))
+                v = bool(v)
+            elif typ == "int":
+                if isinstance(v, bool) or not isinstance(v, int):
+                    raise ArgumentError(self.name, k, "type", "an int", repr(v))
+            else:
+                try:
+                    v = float(v)
+                except (TypeError, ValueError):
+                    raise ArgumentError(self.name, k, "type", "a number", repr(v)) from None
+            out[k] = v
+        return out
+
+    def bind(self, arrays: dict, params: dict | None = None):
+        """Check ``arrays`` (name -> TensorRef or None) against this contract.
+
+        Returns (refs in ABI order, dims list, sizes dict, param values, device).
+        Raises DTypeError, ShapeError, LayoutError, DeviceError or ArgumentError.
+        """
+        name = self.name
+        pvals = self.param_values(params or {})
+        sizes: dict = {}
+        refs = []
+        device = None
+        for spec in self.tensors:
+            if spec.role == "workspace":
+                refs.append(None)
+                continue
+            ref = arrays.get(self.output.name) if spec.same_as_output else arrays.get(spec.name)
+            if ref is None:
+                if spec.optional:
+                    refs.append(None)
+                    continue
+                raise ArgumentError(name, spec.name, "required", "an array", "None")
+            refs.append(ref)
+            if spec.same_as_output:
+                continue
+            if spec.dtypes and ref.dtype not in spec.dtypes:
+                raise DTypeError(name, spec.name, "dtype", " or ".join(spec.dtypes), ref.dtype)
+            if len(ref.shape) != len(spec.parsed):
+                raise ShapeError(name, spec.name, "rank",
+                                 f"{len(spec.parsed)} dims {tuple(spec.shape)}",
+                                 f"{len(ref.shape)} dims {ref.shape}")
+            for axis, ((coef, sym), actual) in enumerate(zip(spec.parsed, ref.shape)):
+                if sym is None:
+                    want = coef
+                elif sym in sizes:
+                    want = coef * sizes[sym]
+                else:
+                    if actual % coef:
+                        raise ShapeError(name, spec.name, f"shape[{axis}] = {spec.shape[axis]}",
+                                         f"a multiple of {coef}", actual)
+                    sizes[sym] = actual // coef
+                    continue
+                if actual != want:
+                    where = f" ({sym}={sizes[sym]} from earlier arguments)" if sym else ""
+                    raise ShapeError(name, spec.name, f"shape[{axis}] = {spec.shape[axis]}",
+                                     f"{want}{where}", actual)
+            self._check_layout(spec, ref)
+            if device is None:
+                device = ref.device
+            elif ref.device != device:
+                place = lambda d: "host memory" if d < 0 else f"cuda:{d}"
+                raise DeviceError(name, spec.name, "device", place(device), place(ref.device))
+        for spec, ref in zip(self.tensors, refs):
+            if ref is not None and spec.same_dtype_as and not spec.same_as_output:
+                other = arrays.get(spec.same_dtype_as)
+                if other is not None and other.dtype != ref.dtype:
+                    raise DTypeError(name, spec.name, f"same dtype as {spec.same_dtype_as}",
+                                     other.dtype, ref.dtype)
+        for text, m in zip(self.constraints, self._constraints):
+            a, op, b = m.groups()
+            va = sizes.get(a, int(a) if a.isdigit() else None)
+            vb = sizes.get(b, int(b) if b.isdigit() else None)
+            if va is None or vb is None:
+                continue
+            ok = {"<=": va <= vb, "<": va < vb, "==": va == vb, ">=": va >= vb, ">": va > vb}[op]
+            if not ok:
+                arg = a if not a.isdigit() else b
+                raise ShapeError(name, arg, text, f"{a} {op} {b}", f"{a}={va}, {b}={vb}")
+        dims = [self._dim_value(d, sizes, pvals, arrays) for d in self.dims]
+        return refs, dims, sizes, pvals, (-1 if device is None else device)
+
+    def _check_layout(self, spec, ref):
+        if any(isinstance(s, float) for s in ref.strides):
+            raise LayoutError(self.name, spec.name, "strides", "whole elements", ref.strides)
+        if spec.row_strided and len(ref.shape) == 2:
+            ok = (ref.strides[1] == 1 or ref.shape[1] <= 1) and \
+                 (ref.strides[0] >= ref.shape[1] or ref.shape[0] <= 1)
+            expected = f"unit stride in the last dim and row stride >= {ref.shape[1]}"
+        else:
+            ok = ref.is_contiguous()
+            expected = f"C-contiguous strides {ref.contiguous_strides()}"
+        if not ok:
+            raise LayoutError(self.name, spec.name, "layout", expected, f"strides {ref.strides}")
+        if ref.ptr % ref.itemsize:
+            raise LayoutError(self.name, spec.name, "alignment",
+                              f"address a multiple of {ref.itemsize}", hex(ref.ptr))
+
+    def _dim_value(self, d, sizes, pvals, arrays) -> int:
+        if d in sizes:
+            return sizes[d]
+        src = self.dim_sources.get(d)
+        if src is None:
+            raise FactorError(f"manifest {self.path}: dim '{d}' has no size and no dim_source")
+        if "dtype_of" in src:
+            return abi.DTYPE_CODES[arrays[src["dtype_of"]].dtype]
+        if "param" in src:
+            v = pvals[src["param"]]
+            if src.get("encode") == "f64_bits":
+                return struct.unpack("<q", struct.pack("<d", float(v)))[0]
+            return int(v)
+        if "row_stride_of" in src:
+            ref = arrays[src["row_stride_of"]]
+            return int(ref.strides[0]) if len(ref.shape) == 2 and ref.shape[0] > 1 else int(ref.shape[-1])
+        raise FactorError(f"manifest {self.path}: dim '{d}': unknown source {src}")
+
+
+def load_all(folder) -> dict:
+    """name -> Manifest for every *.yaml in ``folder`` that is a factor manifest."""
+    out = {}
+    for p in sorted(Path(folder).glob("*.yaml")):
+        d = yaml.safe_load(p.read_text())
+        if isinstance(d, dict) and "dims" in d and "name" in d:
+            out[d["name"]] = Manifest.load(p)
+    return out

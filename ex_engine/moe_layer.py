@@ -1,0 +1,181 @@
+"""A real MoE layer (router + routed experts) at a public model's shapes, run through ex_engine.
+
+This is the main job behind ``ex-engine run moe``: it builds the layer with random weights at
+the model's scale (N(0, 0.02), as PERF.md's benchmark), routes with topk_softmax, runs the
+experts with moe_fused_gemm, and checks both against references (the router against the
+fallback's float32 semantics, the experts against float64).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import yaml
+
+from . import _paths
+from .arrays import Bits16, TensorRef, f32_to_bf16_bits
+from .errors import FactorError
+from .fallbacks import moe_fused_gemm_math, topk_softmax_math
+from .ops import moe_fused_gemm, topk_softmax
+
+
+@dataclass(frozen=True)
+class MoEShape:
+    """Routed-expert shape of one model: hidden H, per-expert intermediate I, E experts, top-K."""
+    model: str
+    H: int
+    I: int
+    E: int
+    K: int
+    renormalize: bool
+
+
+def load_models(path=None) -> dict:
+    """model name -> MoEShape, from manifests/moe_models.yaml (copied from shared/)."""
+    data = yaml.safe_load(open(path or _paths.manifests_dir() / "moe_models.yaml"))
+    return {name: MoEShape(name, int(m["H"]), int(m["I"]), int(m["E"]), int(m["K"]),
+                           bool(m.get("renormalize", False)))
+            for name, m in data["models"].items()}
+
+
+def model_shape(name: str) -> MoEShape:
+    """The MoEShape of ``name``. Raises FactorError listing the known models."""
+    models = load_models()
+    if name not in models:
+        raise FactorError(f"model '{name}': unknown; expected one of {sorted(models)}")
+    return models[name]
+
+
+def random_array(xp, rng, shape, dtype: str, std: float = 1.0):
+    """N(0, std^2) values of ``dtype`` on NumPy or CuPy; bfloat16 comes as a Bits16.
+
+    Drawn one leading slice at a time (one expert of a weight tensor), so the float32
+    temporaries stay small."""
+    out = xp.empty(shape, dtype=xp.uint16 if dtype == "bfloat16" else dtype)
+    for i in range(shape[0] if len(shape) == 3 else 1):
+        dst = out[i] if len(shape) == 3 else out
+        v = rng.standard_normal(dst.shape, dtype=xp.float32) * xp.float32(std)
+        dst[...] = f32_to_bf16_bits(xp, v) if dtype == "bfloat16" else v
+    return Bits16(out, "bfloat16") if dtype == "bfloat16" else out
+
+
+class MoELayer:
+    """Router weight (E, H) fp32, w13 (E, 2I, H) and w2 (E, H, I) of ``dtype`` on NumPy or CuPy."""
+
+    def __init__(self, shape: MoEShape, dtype: str = "bfloat16", xp=np, seed: int = 0):
+        self.shape, self.dtype, self.xp = shape, dtype, xp
+        rng = xp.random.default_rng(seed)
+        s = shape
+        self.router_weight = rng.standard_normal((s.E, s.H), dtype=xp.float32) * xp.float32(0.02)
+        self.w13 = random_array(xp, rng, (s.E, 2 * s.I, s.H), dtype, 0.02)
+        self.w2 = random_array(xp, rng, (s.E, s.H, s.I), dtype, 0.02)
+        self._rng = rng
+
+    def hidden_states(self, T: int):
+        """Fresh N(0, 1) activations (T, H)."""
+        return random_array(self.xp, self._rng, (T, self.shape.H), self.dtype, 1.0)
+
+    def router_logits(self, hidden_states):
+        """(T, E) float32 = hidden_states @ router_weight.T (computed in fp32)."""
+        return TensorRef.of(hidden_states).load_f32() @ self.router_weight.T
+
+    def forward(self, hidden_states, registry=None):
+        """(out (T,H), topk_weights, topk_ids, router_logits) through ex_engine's factors."""
+        logits = self.router_logits(hidden_states)
+        w, ids = topk_softmax(logits, self.shape.K, self.shape.renormalize, registry=registry)
+        out = moe_fused_gemm(hidden_states, self.w13, self.w2, w, ids, router_logits=logits,
+                             registry=registry)
+        return out, w, ids, logits
+
+    def reference(self, hidden_states, topk_weights, topk_ids):
+        """float64 reference of the experts (activation not rounded), on the same device."""
+        xp = self.xp
+        w13 = TensorRef.of(self.w13).raw()
+        w2 = TensorRef.of(self.w2).raw()
+        conv = (lambda a: TensorRef.of(Bits16(a)).load_f32()) if self.dtype == "bfloat16" \
+            else (lambda a: a.astype(xp.float32))
+        out, _ = moe_fused_gemm_math(xp, TensorRef.of(hidden_states).load_f32().astype(xp.float64),
+                                     lambda e: conv(w13[e]), lambda e: conv(w2[e]),
+                                     topk_weights.astype(xp.float64), topk_ids, self.shape.E,
+                                     None, accum=xp.float64)
+        return out
+
+
+def rel_error(xp, out, ref) -> float:
+    """||out - ref|| / ||ref|| in float64; inf if out has a NaN or ref is zero."""
+    o = out.astype(xp.float64)
+    if bool(xp.isnan(o).any()):
+        return float("inf")
+    den = float(xp.linalg.norm(ref))
+    return float(xp.linalg.norm(o - ref)) / den if den > 0 else float("inf")
+
+
+def _sync(xp):
+    if xp is not np:
+        xp.cuda.get_current_stream().synchronize()
+
+
+def time_call(xp, fn, repeat: int) -> float:
+    """Median wall time of ``fn()`` in µs over ``repeat`` calls, synchronising after each."""
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        _sync(xp)
+        times.append((time.perf_counter() - t0) * 1e6)
+    return float(np.median(times))
+
+
+def run_moe(model: str, tokens: int, dtype: str = "bfloat16", seed: int = 0, repeat: int = 10,
+            registry=None, echo=print) -> dict:
+    """Build ``model``'s MoE layer, run it through ``registry`` at T=``tokens``, check, time.
+
+    Runs on the GPU (CuPy) when the registry's hardware is a live device, else on NumPy with the
+    Python fallbacks. Returns a dict with the paths that served, the errors and the times;
+    'ok' is False if a check failed.
+    """
+    from .ops import default_registry
+    reg = registry or default_registry()
+    shape = model_shape(model)
+    if reg.hardware.live:
+        import cupy as xp
+    else:
+        xp = np
+    tol = reg.manifest("moe_fused_gemm").tolerance.get(dtype, 1e-2)
+    where = f"{reg.hardware.name} ({reg.hardware.source})" if reg.hardware.live else "the CPU (NumPy)"
+    echo(f"MoE layer {model}: T={tokens} H={shape.H} I={shape.I} E={shape.E} K={shape.K} "
+         f"renormalize={shape.renormalize} {dtype}, on {where}")
+    if reg.no_gpu_note:
+        echo(f"  note: {reg.no_gpu_note}")
+    layer = MoELayer(shape, dtype, xp, seed)
+    x = layer.hidden_states(tokens)
+    before = reg.stats()
+    out, w, ids, logits = layer.forward(x, reg)
+    paths = {}
+    after = reg.stats()
+    for name in ("topk_softmax", "moe_fused_gemm"):
+        diff = {k: after[name][k] - before.get(name, {}).get(k, 0) for k in after[name]}
+        paths[name] = next((k for k, v in diff.items() if v and k != "errors"), "?")
+    reg.check_device_errors()
+    # router: ids must equal the fallback semantics; weights close in fp32
+    w_ref, ids_ref = topk_softmax_math(xp, logits, shape.K, shape.renormalize)
+    ids_ok = bool((ids == ids_ref).all())
+    w_err = rel_error(xp, w, w_ref.astype(xp.float64))
+    # experts: float64 reference on the routing actually used
+    ref = layer.reference(x, w, ids)
+    err = rel_error(xp, TensorRef.of(out).load_f32(), ref)
+    reps = repeat if reg.hardware.live else 1
+    t_router = time_call(xp, lambda: topk_softmax(logits, shape.K, shape.renormalize, registry=reg), reps)
+    t_moe = time_call(xp, lambda: moe_fused_gemm(x, layer.w13, layer.w2, w, ids, registry=reg), reps)
+    ok = ids_ok and w_err < 1e-5 and err < tol
+    flops = 2.0 * tokens * shape.K * 3 * shape.H * shape.I
+    echo(f"  {'factor':<15} {'served by':<16} {'time (µs)':>11}  check")
+    echo(f"  {'topk_softmax':<15} {paths['topk_softmax']:<16} {t_router:>11.1f}  ids "
+         f"{'equal' if ids_ok else 'DIFFER'}, weights rel err {w_err:.1e} (tol 1e-5)")
+    echo(f"  {'moe_fused_gemm':<15} {paths['moe_fused_gemm']:<16} {t_moe:>11.1f}  rel err vs float64 "
+         f"{err:.2e} (tol {tol:g}); {flops / t_moe / 1e6:.1f} TFLOP/s (eager, host-timed)")
+    echo("  PASS" if ok else "  FAIL")
+    return {"model": model, "tokens": tokens, "dtype": dtype, "paths": paths, "ids_equal": ids_ok,
+            "router_weight_err": w_err, "rel_err": err, "tolerance": tol,
+            "time_us": {"topk_softmax": t_router, "moe_fused_gemm": t_moe}, "ok": ok}

@@ -1,0 +1,130 @@
+"""Typed functions, one per built-in factor: what an inference engine calls every step.
+
+Each accepts NumPy arrays, CuPy arrays or torch tensors (zero-copy; device arrays run on the
+caller's current stream), validates them against the factor's manifest and runs the chosen
+plugin, falling back to Python when no plugin takes the call. ``registry=None`` uses a
+process-wide registry loaded lazily from factors/ on first use.
+"""
+from __future__ import annotations
+
+import threading
+
+from .arrays import Bits16, TensorRef
+from .registry import FactorRegistry
+
+_default: FactorRegistry | None = None
+_default_lock = threading.Lock()
+
+
+def default_registry() -> FactorRegistry:
+    """The process-wide registry: FactorRegistry.load() of factors/, created on first use."""
+    global _default
+    with _default_lock:
+        if _default is None:
+            _default = FactorRegistry.load()
+        return _default
+
+
+def set_default_registry(registry: FactorRegistry | None) -> None:
+    """Replace the process-wide registry (None: load again on next use)."""
+    global _default
+    with _default_lock:
+        _default = registry
+
+
+def _empty(like, shape, dtype: str):
+    """An uninitialised array of ``shape``/``dtype`` from the same library and device as ``like``."""
+    ref = TensorRef.of(like)
+    if ref.kind == "torch":
+        import torch
+        return torch.empty(shape, dtype=getattr(torch, dtype), device=like.device)
+    if ref.on_device:
+        import cupy
+        with cupy.cuda.Device(ref.device):
+            if dtype == "bfloat16" and isinstance(like, Bits16):
+                return Bits16(cupy.empty(shape, dtype=cupy.uint16), "bfloat16")
+            return cupy.empty(shape, dtype=_np_dtype(dtype))
+    if dtype == "bfloat16" and isinstance(like, Bits16):
+        import numpy as np
+        return Bits16(np.empty(shape, dtype=np.uint16), "bfloat16")
+    import numpy as np
+    return np.empty(shape, dtype=_np_dtype(dtype))
+
+
+def _np_dtype(dtype: str):
+    if dtype == "bfloat16":
+        import ml_dtypes
+        return ml_dtypes.bfloat16
+    return dtype
+
+
+def topk_softmax(router_logits, top_k: int, renormalize: bool = False, *, topk_weights=None,
+                 topk_ids=None, registry: FactorRegistry | None = None):
+    """Router: softmax over the E experts of each token, then its top-k.
+
+    p = softmax(router_logits[t]) in fp32 (stable: max subtracted); topk_ids[t] = the top_k
+    experts by logit, ties to the lowest index, distinct; topk_weights[t,k] = p of that
+    expert, divided by the sum over k when ``renormalize``. NaN logits rank last with p = 0;
+    +inf logits share probability 1; an all -inf/NaN row is uniform. (Source: vLLM
+    csrc/moe/topk_softmax_kernels.cu; Shazeer et al. 2017.)
+
+    router_logits: (T, E) float32, float16 or bfloat16, contiguous.
+    top_k: K, 1 <= K <= E.  renormalize: bool.
+    topk_weights, topk_ids: optional outputs (T, K) float32 / int32; allocated if None.
+    Returns (topk_weights, topk_ids). Raises DTypeError, ShapeError (K > E), LayoutError,
+    DeviceError, KernelError.
+    """
+    ref = TensorRef.of(router_logits, "router_logits")
+    T = ref.shape[0] if len(ref.shape) == 2 else 0
+    if topk_weights is None:
+        topk_weights = _empty(router_logits, (T, top_k), "float32")
+    if topk_ids is None:
+        topk_ids = _empty(router_logits, (T, top_k), "int32")
+    (registry or default_registry()).dispatch(
+        "topk_softmax", {"router_logits": router_logits, "topk_weights": topk_weights,
+                         "topk_ids": topk_ids}, {"renormalize": renormalize})
+    return topk_weights, topk_ids
+
+
+def fused_add_rmsnorm(x, residual, weight, eps: float = 1e-6, *,
+                      registry: FactorRegistry | None = None):
+    """In place: residual += x; x = residual * rsqrt(mean(residual**2) + eps) * weight.
+
+    fp32 inside; the normalised value uses residual as rounded to its dtype (as vLLM's
+    fused_add_rms_norm). (Source: Zhang & Sennrich 2019, "Root Mean Square Layer
+    Normalization"; vLLM csrc/layernorm_kernels.cu.)
+
+    x, residual: (T, H), the same dtype (float16, bfloat16 or float32); rows may be views into
+    wider buffers (unit stride along H). weight: (H,) same dtype. eps: float > 0.
+    Returns (x, residual), both written in place. Raises DTypeError, ShapeError, LayoutError,
+    DeviceError, KernelError.
+    """
+    (registry or default_registry()).dispatch(
+        "fused_add_rmsnorm", {"x": x, "residual": residual, "weight": weight}, {"eps": eps})
+    return x, residual
+
+
+def moe_fused_gemm(hidden_states, w13, w2, topk_weights, topk_ids, *, router_logits=None,
+                   out=None, registry: FactorRegistry | None = None):
+    """Routed experts of an MoE layer.
+
+    out[t] = sum_k topk_weights[t,k] * w2[e] @ (silu(g) * u), [g; u] = w13[e] @ hidden_states[t],
+    e = topk_ids[t,k]; rows 0..I-1 of w13[e] are the gate g, rows I..2I-1 the up projection u.
+    fp32 accumulation; silu(g)*u rounded to the input dtype between the GEMMs. A slot whose id
+    is outside [0, E) contributes nothing and is reported by
+    ``registry.check_device_errors()``. (Source: Shazeer et al. 2017; vLLM fused_moe.)
+
+    hidden_states: (T, H) float16 or bfloat16.  w13: (E, 2I, H), w2: (E, H, I), same dtype.
+    topk_weights: (T, K) float32.  topk_ids: (T, K) int32.  router_logits: optional (T, E),
+    unused by the computation (part of the ABI).  out: optional (T, H), allocated if None.
+    All contiguous, on one device (or all on the host: Python fallback).
+    Returns out. Raises DTypeError, ShapeError, LayoutError, DeviceError, KernelError.
+    """
+    ref = TensorRef.of(hidden_states, "hidden_states")
+    if out is None:
+        out = _empty(hidden_states, ref.shape, ref.dtype)
+    (registry or default_registry()).dispatch(
+        "moe_fused_gemm", {"hidden_states": hidden_states, "out": out, "router_logits": router_logits,
+                           "w13": w13, "w2": w2, "topk_weights": topk_weights,
+                           "topk_ids": topk_ids})
+    return out

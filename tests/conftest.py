@@ -1,0 +1,52 @@
+"""Shared test helpers: building small plugins with gcc, GPU detection, references."""
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PLUGIN_SRC = ROOT / "tests" / "plugins" / "host_scale.c"
+
+
+def have_gpu() -> bool:
+    try:
+        import cupy
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:
+        return False
+
+
+def pytest_collection_modifyitems(config, items):
+    if have_gpu():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU with CuPy")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+def build_plugin(folder: Path, stem: str = "host_scale", defines: dict | None = None,
+                 manifest: bool = True, src: Path = PLUGIN_SRC) -> Path:
+    """Compile tests/plugins/host_scale.c with gcc into folder/<stem>.so (+ its manifest)."""
+    if shutil.which("gcc") is None:
+        pytest.skip("gcc not available")
+    folder.mkdir(parents=True, exist_ok=True)
+    out = folder / f"{stem}.so"
+    flags = []
+    for k, v in (defines or {}).items():
+        flags.append(f"-D{k}" if v is True else f"-D{k}={v}")
+    subprocess.run(["gcc", "-shared", "-fPIC", "-fvisibility=hidden", "-O1", f"-I{ROOT / 'include'}",
+                    *flags, "-o", str(out), str(src)], check=True)
+    if manifest:
+        name = (defines or {}).get("NAME", '"host_scale"').strip('"')
+        text = (ROOT / "tests" / "plugins" / "host_scale.yaml").read_text()
+        if name != "host_scale":
+            text = text.replace("name: host_scale", f"name: {name}")
+        fid = (defines or {}).get("FACTOR_ID")
+        if fid is not None:
+            text = text.replace("id: 1100", f"id: {fid}")
+        (folder / f"{name}.yaml").write_text(text)
+    return out

@@ -1,0 +1,91 @@
+/* A host-memory test plugin, built by the tests with gcc in many variants (-D flags):
+ *   out[i] = alpha * in[i] (float32), alpha from aux[0][0]; dims = {N}.
+ * BEHAVIOUR: 0 returns EX_OK, 1 returns EX_FALLBACK (with kernel_fallback doubling instead),
+ * 2 returns EX_FALLBACK with no kernel_fallback, 3 returns EX_ERR_SHAPE.
+ * Other knobs: ABI_OVERRIDE, RETURN_NULL, NULL_NAME, NULL_KERNEL, NO_GET_FACTOR, TPB, VERSION,
+ * NAME, FACTOR_ID. */
+#include "ex_engine.h"
+
+#ifndef BEHAVIOUR
+#define BEHAVIOUR 0
+#endif
+#ifndef TPB
+#define TPB 256
+#endif
+#ifndef VERSION
+#define VERSION "1.0.0"
+#endif
+#ifndef NAME
+#define NAME "host_scale"
+#endif
+#ifndef FACTOR_ID
+#define FACTOR_ID 1100
+#endif
+
+#ifdef ABI_OVERRIDE
+EX_EXPORT const uint32_t ex_abi_version = ABI_OVERRIDE;
+#else
+EX_DEFINE_ABI_VERSION();
+#endif
+
+static const char* g_err = "";
+static const char* last_error(void) { return g_err; }
+
+static int scale(void* output, const void* input, const void* aux[], int n_aux,
+                 const int64_t dims[], int n_dims, void* stream) {
+    (void)stream;
+    if (n_aux < 1 || n_dims < 1) return EX_ERR_INVALID_ARGUMENT;
+    float alpha = ((const float*)aux[0])[0];
+    for (int64_t i = 0; i < dims[0]; ++i) ((float*)output)[i] = alpha * ((const float*)input)[i];
+    return EX_OK;
+}
+
+static int kernel(void* output, const void* input, const void* aux[], int n_aux,
+                  const int64_t dims[], int n_dims, void* stream) {
+    if (BEHAVIOUR == 1 || BEHAVIOUR == 2) return EX_FALLBACK;
+    if (BEHAVIOUR == 3) { g_err = "N must be even"; return EX_ERR_SHAPE; }
+    return scale(output, input, aux, n_aux, dims, n_dims, stream);
+}
+
+static int kernel_fallback(void* output, const void* input, const void* aux[], int n_aux,
+                           const int64_t dims[], int n_dims, void* stream) {
+    (void)aux; (void)n_aux; (void)n_dims; (void)stream;
+    for (int64_t i = 0; i < dims[0]; ++i) ((float*)output)[i] = 2.0f * ((const float*)input)[i];
+    return EX_OK;
+}
+
+#ifndef NO_GET_FACTOR
+static ex_factor_t s_factor;
+EX_EXPORT ex_factor_t* ex_get_factor(const ex_hardware_t* hw) {
+#ifdef RETURN_NULL
+    (void)hw;
+    return NULL;
+#else
+    s_factor.abi_version = EX_ABI_VERSION;
+    s_factor.factor_id = FACTOR_ID;
+#ifdef NULL_NAME
+    s_factor.name = NULL;
+#else
+    s_factor.name = NAME;
+#endif
+    s_factor.version = VERSION;
+    s_factor.tuning.threads_per_block = TPB;
+    s_factor.tuning.items_per_thread = 1;
+    s_factor.tuning.vec_size = 4;
+    s_factor.tuning.shared_mem_bytes = 0;
+    s_factor.tuning.num_warps = TPB / hw->warp_size;
+    s_factor.tuning.num_stages = 1;
+#ifdef NULL_KERNEL
+    s_factor.kernel = NULL;
+#else
+    s_factor.kernel = kernel;
+#endif
+    s_factor.kernel_fallback = BEHAVIOUR == 1 ? kernel_fallback : NULL;
+    s_factor.workspace_size = NULL;
+    s_factor.last_error = last_error;
+    s_factor.priority = 0;
+    s_factor.description = "test: out = alpha * in on host memory";
+    return &s_factor;
+#endif
+}
+#endif

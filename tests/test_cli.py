@@ -1,0 +1,52 @@
+"""The ex-engine command line on a machine without a GPU."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from ex_engine.cli import build_parser, main
+
+
+@pytest.mark.parametrize("argv", [[], ["list-factors"], ["hardware"], ["run"], ["run", "moe"], ["build"]])
+def test_every_command_has_help(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(argv + ["--help"])
+    assert e.value.code == 0
+    assert "usage: ex-engine" in capsys.readouterr().out
+
+
+def test_hardware_profile_json(capsys):
+    assert main(["hardware", "--profile", "h200", "--json"]) == 0
+    hw = json.loads(capsys.readouterr().out)
+    assert hw["name"] == "NVIDIA H200" and hw["multiprocessor_count"] == 132 and hw["cc_major"] == 9
+
+
+def test_unknown_profile_is_a_clear_error(capsys):
+    assert main(["hardware", "--profile", "tpu9"]) == 2
+    err = capsys.readouterr().err
+    assert "hardware profile 'tpu9': no such profile; expected one of ['a100', 'bi-v100', 'h200']" in err
+
+
+def test_run_moe_on_the_cpu_fallback(tmp_path, capsys):
+    code = main(["run", "moe", "--model", "granite-3.0-3b-a800m", "--tokens", "1", "5", "--dir", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "python_fallback" in out and "PASS" in out and "ids equal" in out
+
+
+def test_run_moe_unknown_model(capsys):
+    assert main(["run", "moe", "--model", "gpt-5", "--tokens", "1"]) == 2
+    assert "model 'gpt-5': unknown; expected one of" in capsys.readouterr().err
+
+
+def test_console_entry_point_runs():
+    r = subprocess.run([sys.executable, "-m", "ex_engine", "hardware", "--profile", "a100"],
+                       capture_output=True, text=True)
+    assert r.returncode == 0 and "NVIDIA A100" in r.stdout
+
+
+def test_parser_lists_all_commands():
+    text = build_parser().format_help()
+    for cmd in ("list-factors", "hardware", "run", "build"):
+        assert cmd in text

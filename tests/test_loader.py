@@ -1,0 +1,147 @@
+"""The registry on small host-memory plugins built with gcc: loading, checks, dispatch, fallbacks."""
+import json
+
+import numpy as np
+import pytest
+
+from ex_engine import FactorRegistry, KernelError, abi
+from ex_engine.cli import main as cli_main
+from tests.conftest import build_plugin
+
+
+def call(reg, n=7, alpha=3.0):
+    x = np.random.default_rng().standard_normal(n).astype(np.float32) + 0.5
+    out = np.full(n, np.nan, np.float32)
+    path = reg.dispatch("host_scale", {"x": x, "out": out, "alpha": np.array([alpha], np.float32)})
+    return path, x, out
+
+
+def test_new_plugin_no_code_knows_is_loaded_and_dispatched(tmp_path):
+    build_plugin(tmp_path)
+    reg = FactorRegistry.load(tmp_path, hardware="h200")
+    p = reg.get("host_scale")
+    assert p is not None and p.status == "ready", [c.__dict__ for c in reg.plugins[0].checks]
+    assert p.factor_id == 1100 and p.version == "1.0.0" and p.tuning["num_warps"] == 8
+    path, x, out = call(reg)
+    assert path == "plugin"
+    np.testing.assert_array_equal(out, np.float32(3.0) * x)
+    assert reg.stats()["host_scale"] == {"plugin": 1, "kernel_fallback": 0, "python_fallback": 0, "errors": 0}
+
+
+def test_kernel_fallback_serves_when_kernel_declines(tmp_path):
+    build_plugin(tmp_path, defines={"BEHAVIOUR": 1})
+    reg = FactorRegistry.load(tmp_path, hardware="h200")
+    path, x, out = call(reg)
+    assert path == "kernel_fallback"
+    np.testing.assert_array_equal(out, 2 * x)
+
+
+def test_python_fallback_serves_when_c_paths_decline(tmp_path):
+    build_plugin(tmp_path, defines={"BEHAVIOUR": 2})
+    reg = FactorRegistry.load(tmp_path, hardware="h200")
+    path, x, out = call(reg, alpha=5.0)
+    assert path == "python_fallback"
+    np.testing.assert_allclose(out, 5 * x, rtol=1e-6)
+    assert reg.stats()["host_scale"]["python_fallback"] == 1
+
+
+def test_error_status_is_raised_by_name_with_detail(tmp_path):
+    build_plugin(tmp_path, defines={"BEHAVIOUR": 3})
+    reg = FactorRegistry.load(tmp_path, hardware="h200")
+    with pytest.raises(KernelError, match=r"EX_ERR_SHAPE \(3\): N must be even"):
+        call(reg)
+    assert reg.stats()["host_scale"]["errors"] == 1
+
+
+@pytest.mark.parametrize("defines,needle", [
+    ({"ABI_OVERRIDE": (2 << 16) | 0}, "library built against 2.0"),
+    ({"RETURN_NULL": True}, "returned NULL"),
+    ({"NULL_NAME": True}, "expected a name, got NULL"),
+    ({"NULL_KERNEL": True}, "expected a kernel function, got NULL"),
+    ({"NO_GET_FACTOR": True}, "ex_get_factor"),
+    ({"TPB": 2048}, "expected 1..1024, got 2048"),
+    ({"TPB": 48}, "expected a multiple of 32, got 48"),
+])
+def test_bad_plugin_is_rejected_with_reason_and_the_rest_keep_working(tmp_path, defines, needle):
+    build_plugin(tmp_path, "bad", defines={**defines, "NAME": '"host_scale_bad"', "FACTOR_ID": 1101})
+    build_plugin(tmp_path)  # a good one beside it
+    reg = FactorRegistry.load(tmp_path, hardware="h200")
+    bad = next(p for p in reg.plugins if p.path.stem == "bad")
+    assert bad.status == "rejected" and needle in bad.reason, bad.reason
+    assert call(reg)[0] == "plugin"
+
+
+def test_not_a_library_and_truncated_library_are_rejected(tmp_path):
+    good = build_plugin(tmp_path)
+    (tmp_path / "notes.so").write_text("this is not ELF")
+    (tmp_path / "trunc.so").write_bytes(good.read_bytes()[:200])
+    reg = FactorRegistry.load(tmp_path, hardware="h200")
+    st = {p.path.name: p for p in reg.plugins}
+    assert st["notes.so"].status == "rejected" and "not a loadable shared library" in st["notes.so"].reason
+    assert st["trunc.so"].status == "rejected"
+    assert reg.get("host_scale").status == "ready"
+
+
+def test_abi_version_read_before_any_code_runs(tmp_path):
+    build_plugin(tmp_path, defines={"ABI_OVERRIDE": (abi.ABI_VERSION_MAJOR + 1) << 16, "RETURN_NULL": True})
+    reg = FactorRegistry.load(tmp_path, hardware="h200")
+    p = reg.plugins[0]
+    assert [c.name for c in p.checks][-1] == "abi version"   # ex_get_factor never called
+    assert f"expected major {abi.ABI_VERSION_MAJOR}" in p.reason
+
+
+def test_missing_manifest_is_rejected(tmp_path):
+    build_plugin(tmp_path, manifest=False, defines={"NAME": '"nobody_knows"'})
+    reg = FactorRegistry.load(tmp_path, hardware="h200")
+    assert "nobody_knows.yaml" in reg.plugins[0].reason
+
+
+def test_same_name_higher_version_wins(tmp_path):
+    build_plugin(tmp_path, "a_old", defines={"VERSION": '"1.2.0"', "BEHAVIOUR": 1})
+    build_plugin(tmp_path, "b_new", defines={"VERSION": '"1.10.0"'})
+    reg = FactorRegistry.load(tmp_path, hardware="h200")
+    assert reg.get("host_scale").path.stem == "b_new"
+    old = next(p for p in reg.plugins if p.path.stem == "a_old")
+    assert old.status == "shadowed" and "version 1.10.0" in old.reason
+    assert call(reg)[0] == "plugin"
+
+
+def test_each_library_has_its_own_symbols(tmp_path):
+    build_plugin(tmp_path, "one", defines={"NAME": '"scale_one"', "FACTOR_ID": 1200})
+    build_plugin(tmp_path, "two", defines={"NAME": '"scale_two"', "FACTOR_ID": 1201, "BEHAVIOUR": 1})
+    reg = FactorRegistry.load(tmp_path, hardware="h200")
+    assert reg.get("scale_one").factor_id == 1200 and reg.get("scale_two").factor_id == 1201
+    x = np.ones(4, np.float32)
+    for name, want in (("scale_one", 3.0), ("scale_two", 2.0)):
+        out = np.zeros(4, np.float32)
+        reg.dispatch(name, {"x": x, "out": out, "alpha": np.array([3.0], np.float32)})
+        assert (out == want).all(), name
+
+
+def test_duplicate_id_with_other_name_is_rejected(tmp_path):
+    build_plugin(tmp_path)
+    build_plugin(tmp_path, "other", defines={"NAME": '"host_scale_other"'})  # same id 1100
+    reg = FactorRegistry.load(tmp_path, hardware="h200")
+    rejected = [p for p in reg.plugins if p.status == "rejected"]
+    assert len(rejected) == 1 and "factor id 1100 already taken" in rejected[0].reason
+
+
+def test_warp64_profile_changes_tuning_checks(tmp_path):
+    build_plugin(tmp_path, defines={"TPB": 96})
+    assert FactorRegistry.load(tmp_path, hardware="h200").get("host_scale") is not None
+    reg = FactorRegistry.load(tmp_path, hardware="bi-v100")
+    assert "expected a multiple of 64, got 96" in reg.plugins[0].reason
+
+
+def test_cli_list_factors_table_json_and_why(tmp_path, capsys):
+    build_plugin(tmp_path)
+    (tmp_path / "junk.so").write_text("junk")
+    assert cli_main(["list-factors", "--dir", str(tmp_path), "--hardware", "h200"]) == 0
+    out = capsys.readouterr().out
+    assert "host_scale" in out and "ready" in out and "junk.so" in out and "rejected" in out
+    assert cli_main(["list-factors", "--dir", str(tmp_path), "--hardware", "h200", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert {p["status"] for p in data["plugins"]} == {"ready", "rejected"}
+    assert cli_main(["list-factors", "--dir", str(tmp_path), "--hardware", "h200", "--why"]) == 0
+    out = capsys.readouterr().out
+    assert "[ok] threads_per_block <= max_threads_per_block" in out and "[FAIL] dlopen" in out

@@ -1,0 +1,120 @@
+"""Arguments are checked against the manifest before any C call, with clear messages."""
+import numpy as np
+import pytest
+
+from ex_engine import (ArgumentError, DeviceError, DTypeError, FactorRegistry, LayoutError,
+                       ShapeError, moe_fused_gemm, topk_softmax)
+from ex_engine.errors import FactorNotFoundError
+
+
+class FakeDeviceArray:
+    """Looks like a CUDA array (never dereferenced: validation fails before any call)."""
+
+    def __init__(self, shape, typestr="<f4", ptr=0x7F0000000000):
+        self.__cuda_array_interface__ = {"shape": shape, "typestr": typestr, "data": (ptr, False),
+                                         "strides": None, "version": 3}
+
+
+@pytest.fixture(scope="module")
+def reg(tmp_path_factory):
+    return FactorRegistry.load(tmp_path_factory.mktemp("empty"), hardware="h200")
+
+
+def moe_args(T=3, H=16, E=4, I=8, K=2, dtype=np.float16):
+    rng = np.random.default_rng()
+    return dict(hidden_states=rng.standard_normal((T, H)).astype(dtype),
+                w13=rng.standard_normal((E, 2 * I, H)).astype(dtype),
+                w2=rng.standard_normal((E, H, I)).astype(dtype),
+                topk_weights=np.full((T, K), 0.5, np.float32),
+                topk_ids=np.tile(np.arange(K, dtype=np.int32), (T, 1)))
+
+
+def test_wrong_dtype_names_factor_argument_rule_and_values(reg):
+    a = moe_args()
+    a["topk_ids"] = a["topk_ids"].astype(np.int64)
+    with pytest.raises(DTypeError) as e:
+        moe_fused_gemm(**a, registry=reg)
+    assert str(e.value) == "moe_fused_gemm: argument 'topk_ids': dtype: expected int32, got int64"
+
+
+def test_weights_of_another_dtype_than_hidden_states(reg):
+    a = moe_args()
+    a["w2"] = a["w2"].astype(np.float32)
+    with pytest.raises(DTypeError, match="argument 'w2': dtype: expected float16 or bfloat16, got float32"):
+        moe_fused_gemm(**a, registry=reg)
+
+
+def test_shape_relation(reg):
+    a = moe_args(I=8)
+    a["w2"] = a["w2"][:, :, :7].copy()
+    with pytest.raises(ShapeError, match=r"argument 'w2': shape\[2\] = I: expected 8 \(I=8 from earlier arguments\), got 7"):
+        moe_fused_gemm(**a, registry=reg)
+
+
+def test_odd_w13_rows(reg):
+    a = moe_args()
+    a["w13"] = a["w13"][:, :15].copy()
+    with pytest.raises(ShapeError, match=r"w13.*shape\[1\] = 2\*I.*expected a multiple of 2, got 15"):
+        moe_fused_gemm(**a, registry=reg)
+
+
+def test_wrong_rank(reg):
+    a = moe_args()
+    a["topk_ids"] = a["topk_ids"].reshape(-1)
+    with pytest.raises(ShapeError, match=r"topk_ids': rank: expected 2 dims \('T', 'K'\), got 1 dims"):
+        moe_fused_gemm(**a, registry=reg)
+
+
+def test_non_contiguous(reg):
+    a = moe_args()
+    a["w2"] = np.asfortranarray(a["w2"])
+    with pytest.raises(LayoutError, match="argument 'w2': layout: expected C-contiguous"):
+        moe_fused_gemm(**a, registry=reg)
+
+
+def test_misaligned_pointer(reg):
+    buf = np.zeros(3 * 8 * 4 + 1, np.uint8)
+    logits = np.frombuffer(buf.data, np.float32, 24, offset=1).reshape(3, 8)  # address odd
+    with pytest.raises(LayoutError, match="router_logits': alignment: expected address a multiple of 4"):
+        topk_softmax(logits, 2, registry=reg)
+
+
+def test_host_and_device_arrays_mixed(reg):
+    a = moe_args()
+    a["w13"] = FakeDeviceArray(a["w13"].shape, "<f2")
+    with pytest.raises(DeviceError, match="argument 'w13': device: expected host memory, got cuda:0"):
+        moe_fused_gemm(**a, registry=reg)
+
+
+def test_unknown_and_mistyped_parameters(reg):
+    x = np.ones((2, 8), np.float32)
+    with pytest.raises(ArgumentError, match="unknown parameter"):
+        reg.dispatch("topk_softmax", {"router_logits": x, "topk_weights": np.empty((2, 2), np.float32),
+                                      "topk_ids": np.empty((2, 2), np.int32)}, {"renorm": True})
+    with pytest.raises(ArgumentError, match="renormalize': type: expected a bool, got 'yes'"):
+        topk_softmax(x, 2, "yes", registry=reg)
+
+
+def test_missing_required_argument(reg):
+    a = moe_args()
+    with pytest.raises(ArgumentError, match="argument 'w2': required: expected an array, got None"):
+        reg.dispatch("moe_fused_gemm", {**a, "w2": None, "out": np.empty((3, 16), np.float16)})
+
+
+def test_not_an_array(reg):
+    with pytest.raises(TypeError, match="argument 'router_logits': expected a NumPy/CuPy array or a torch tensor, got list"):
+        topk_softmax([[1.0, 2.0]], 1, registry=reg)
+
+
+def test_unknown_factor(reg):
+    with pytest.raises(FactorNotFoundError, match="no factor named 'nope'"):
+        reg.dispatch("nope", {})
+
+
+def test_errors_are_counted(reg):
+    before = reg.stats().get("moe_fused_gemm", {}).get("errors", 0)
+    a = moe_args()
+    a["topk_weights"] = a["topk_weights"].astype(np.float16)
+    with pytest.raises(DTypeError):
+        moe_fused_gemm(**a, registry=reg)
+    assert reg.stats()["moe_fused_gemm"]["errors"] == before + 1
