@@ -59,3 +59,35 @@ def test_ptx_and_sm90a_code_are_embedded(built):
     out = subprocess.run([cuobjdump, "--list-elf", "--list-ptx", str(built / "moe_fused_gemm.so")],
                          capture_output=True, text=True).stdout
     assert "sm_90a" in out and "sm_80" in out and ".ptx" in out
+
+
+@pytest.fixture(scope="module")
+def template_plugin(tmp_path_factory):
+    """docs/template/my_op.cu built into a folder no code knows, with its manifest beside it."""
+    if shutil.which("nvcc") is None:
+        pytest.skip("nvcc not installed")
+    d = tmp_path_factory.mktemp("dropin")
+    subprocess.run(["nvcc", "-O2", "-std=c++17", "-gencode=arch=compute_80,code=sm_80",
+                    "-gencode=arch=compute_80,code=compute_80", "-Xcompiler", "-fPIC,-fvisibility=hidden",
+                    "-shared", f"-I{ROOT / 'include'}", "-o", str(d / "my_op.so"),
+                    str(ROOT / "docs" / "template" / "my_op.cu")], check=True)
+    shutil.copy(ROOT / "docs" / "template" / "my_op.yaml", d / "my_op.yaml")
+    return d
+
+
+def test_template_factor_drops_in(template_plugin):
+    reg = FactorRegistry.load(template_plugin, hardware="h200")
+    p = reg.get("my_op")
+    assert p is not None and p.status == "ready" and p.factor_id == 1024
+    assert p.manifest.path.endswith("my_op.yaml") and str(template_plugin) in p.manifest.path
+
+
+@pytest.mark.gpu
+def test_template_factor_dispatches_on_gpu(template_plugin):
+    import cupy as cp
+    reg = FactorRegistry.load(template_plugin)
+    x = cp.random.standard_normal(1000003, dtype=cp.float32)
+    out = cp.full_like(x, cp.nan)
+    assert reg.dispatch("my_op", {"x": x, "out": out}) == "plugin"
+    ref = x.astype(cp.float64) / (1 + cp.exp(-x.astype(cp.float64)))
+    assert float(cp.linalg.norm(out - ref) / cp.linalg.norm(ref)) < 1e-6

@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# One device call: set up, build the factors (unless already built and carried), run the GPU
+# tests, the main job on every model, and the benchmarks. Logs go to $OUT (or ./gpu_out).
+#
+#   bash scripts/gpu_check.sh [STAGE ...]    stages: setup build list tests selftest run bench
+#                                            (default: all of them, in that order)
+# On the lent H200: carry .whl (cffi + pycparser cp312 wheels: cffi is not installed there)
+# and, to skip the build there, the factors/*.so built here.
+set -u -o pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/gpu_out}
+mkdir -p "$OUT"
+stages=${*:-setup build list tests selftest run bench}
+has() { [[ " $stages " == *" $1 "* ]]; }
+status=0
+step() { echo; echo "=== $* ($(date +%T))"; }
+
+if has setup || has tests || has run || has bench || has list; then
+  if ! python3 -c "import cffi" 2>/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl || { echo "cannot install carried wheels from .whl/"; exit 2; }
+    export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+  fi
+  export PYTHONPATH=$PWD:${PYTHONPATH:-}
+  export PYTHONUNBUFFERED=1
+fi
+if has setup; then
+  step setup
+  nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,power.draw,temperature.gpu --format=csv
+  nvcc --version | tail -1
+  python3 -c "import cupy, numpy, yaml, ml_dtypes, cffi; print('cupy', cupy.__version__, 'numpy', numpy.__version__, 'cffi', cffi.__version__)"
+fi
+if has build; then
+  step build
+  make -j"$(nproc)" NVCC_THREADS=2 2>&1 | tee "$OUT/build.log" || status=1
+fi
+if has list; then
+  step list-factors
+  python3 -m ex_engine list-factors 2>&1 | tee "$OUT/list_factors.txt" || status=1
+fi
+if has tests; then
+  step GPU tests
+  python3 -m pytest -q -m gpu tests/test_gpu.py -rf 2>&1 | tee "$OUT/gpu_tests.log"; [ "${PIPESTATUS[0]}" = 0 ] || status=1
+fi
+if has selftest; then
+  for s in scripts/gpu_*_selftest.py; do
+    [ -f "$s" ] || continue
+    step "$s"
+    timeout 300 python3 "$s" 2>&1 | tee "$OUT/$(basename "$s" .py).log"; [ "${PIPESTATUS[0]}" = 0 ] || status=1
+  done
+fi
+if has run; then
+  step "run moe on every model"
+  python3 -m ex_engine run moe --model all --tokens 1 64 4096 2>&1 | tee "$OUT/run_moe.txt"; [ "${PIPESTATUS[0]}" = 0 ] || status=1
+fi
+if has bench && [ -f benchmarks/bench_moe.py ]; then
+  step benchmark
+  python3 benchmarks/bench_moe.py --json "$OUT/bench_moe.json" 2>&1 | tee "$OUT/bench_moe.txt"; [ "${PIPESTATUS[0]}" = 0 ] || status=1
+fi
+step "done: status $status"
+exit $status

@@ -1,0 +1,469 @@
+#!/usr/bin/env python3
+"""GPU self-test of factors/moe_fused_gemm.so (needs a CUDA GPU, CuPy; no cffi, no torch).
+
+    out[t] = sum_k topk_weights[t,k] * w2[e] @ (silu(g) * u),  [g; u] = w13[e] @ x[t],  e = topk_ids[t,k]
+
+Shapes: x (T,H), w13 (E,2I,H), w2 (E,H,I), topk_weights (T,K) fp32, topk_ids (T,K) int32, out (T,H);
+dims = {T, H, E, I, K, dtype}; aux = [router_logits (NULL), w13, w2, topk_weights, topk_ids, workspace].
+
+For bf16 and fp16 and each case: random inputs, `out` poisoned with NaN (and guard rows around it,
+guard bytes after the workspace), the call chain kernel -> kernel_fallback as the runtime does it,
+compared against a float64 reference (act rounded to the dtype, as the contract says); then a second
+call must give bit-identical output, a CUDA-graph replay too; invalid ids must set status bit 0.
+Prints a PASS/FAIL table and timings (informative: median of 20, eager and graph replay).
+Exit status 0 only if every check passed.
+
+    python3 scripts/gpu_moe_selftest.py [--so factors/moe_fused_gemm.so] [--no-timing] [--quick]
+"""
+import argparse
+import ctypes
+import os
+import sys
+from ctypes import POINTER, CFUNCTYPE, Structure, c_char, c_char_p, c_int, c_int32, c_int64, c_uint32, c_void_p
+
+import numpy as np
+import cupy as cp
+import cupyx
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+EX_DTYPE_FLOAT32, EX_DTYPE_FLOAT16, EX_DTYPE_BFLOAT16 = 0, 1, 2
+EX_OK, EX_FALLBACK = 0, -1
+STATUS_NAMES = {0: "EX_OK", -1: "EX_FALLBACK", 1: "EX_ERR_INVALID_ARGUMENT", 2: "EX_ERR_UNSUPPORTED_DTYPE",
+                3: "EX_ERR_SHAPE", 4: "EX_ERR_ALIGNMENT", 5: "EX_ERR_WORKSPACE", 6: "EX_ERR_CUDA",
+                7: "EX_ERR_INTERNAL"}
+
+# ---------------------------------------------------------------------------------------------
+# ctypes mirror of include/ex_engine.h
+# ---------------------------------------------------------------------------------------------
+
+KernelFn = CFUNCTYPE(c_int, c_void_p, c_void_p, POINTER(c_void_p), c_int, POINTER(c_int64), c_int, c_void_p)
+WorkspaceFn = CFUNCTYPE(c_int64, POINTER(c_int64), c_int)
+ErrorFn = CFUNCTYPE(c_char_p)
+
+
+class ExHardware(Structure):
+    _fields_ = [("name", c_char * 256), ("cc_major", c_int32), ("cc_minor", c_int32),
+                ("multiprocessor_count", c_int32), ("warp_size", c_int32),
+                ("max_threads_per_block", c_int32), ("max_threads_per_multiprocessor", c_int32),
+                ("regs_per_block", c_int32), ("regs_per_multiprocessor", c_int32),
+                ("shared_mem_per_block", c_int64), ("shared_mem_per_block_optin", c_int64),
+                ("shared_mem_per_multiprocessor", c_int64), ("l2_cache_bytes", c_int64),
+                ("global_mem_bytes", c_int64)]
+
+
+class ExTuning(Structure):
+    _fields_ = [("threads_per_block", c_int32), ("items_per_thread", c_int32), ("vec_size", c_int32),
+                ("shared_mem_bytes", c_int32), ("num_warps", c_int32), ("num_stages", c_int32)]
+
+
+class ExFactor(Structure):
+    _fields_ = [("abi_version", c_uint32), ("factor_id", c_int32), ("name", c_char_p), ("version", c_char_p),
+                ("tuning", ExTuning), ("kernel", KernelFn), ("kernel_fallback", KernelFn),
+                ("workspace_size", WorkspaceFn), ("last_error", ErrorFn), ("priority", c_int32),
+                ("reserved_i32", c_int32), ("description", c_char_p)]
+
+
+def hardware_from_device(dev=0):
+    p = cp.cuda.runtime.getDeviceProperties(dev)
+    hw = ExHardware()
+    name = p["name"] if isinstance(p["name"], bytes) else str(p["name"]).encode()
+    hw.name = name[:255]
+    hw.cc_major, hw.cc_minor = p["major"], p["minor"]
+    hw.multiprocessor_count = p["multiProcessorCount"]
+    hw.warp_size = p["warpSize"]
+    hw.max_threads_per_block = p["maxThreadsPerBlock"]
+    hw.max_threads_per_multiprocessor = p["maxThreadsPerMultiProcessor"]
+    hw.regs_per_block = p["regsPerBlock"]
+    hw.regs_per_multiprocessor = p["regsPerMultiprocessor"]
+    hw.shared_mem_per_block = p["sharedMemPerBlock"]
+    hw.shared_mem_per_block_optin = p["sharedMemPerBlockOptin"]
+    hw.shared_mem_per_multiprocessor = p["sharedMemPerMultiprocessor"]
+    hw.l2_cache_bytes = p["l2CacheSize"]
+    hw.global_mem_bytes = p["totalGlobalMem"]
+    return hw
+
+
+# ---------------------------------------------------------------------------------------------
+# bf16 as uint16 (CuPy has no bfloat16): round-to-nearest-even on the fp32 bits
+# ---------------------------------------------------------------------------------------------
+
+def f32_to_bf16_bits(x):
+    x = cp.asarray(x, dtype=cp.float32)
+    u = x.view(cp.uint32)
+    r = (u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
+    return cp.where(cp.isnan(x), np.uint32(0x7FC0), r).astype(cp.uint16)
+
+
+def bf16_bits_to_f32(b):
+    return (b.astype(cp.uint32) << np.uint32(16)).view(cp.float32)
+
+
+class Dt:
+    """One 16-bit dtype: its code, how to store fp32 values, how to read them back."""
+
+    def __init__(self, name):
+        self.name = name
+        self.code = EX_DTYPE_BFLOAT16 if name == "bf16" else EX_DTYPE_FLOAT16
+        self.tol = 1e-2 if name == "bf16" else 5e-3
+
+    def store(self, x32):           # fp32 cupy array -> device array of this dtype
+        return f32_to_bf16_bits(x32) if self.name == "bf16" else x32.astype(cp.float16)
+
+    def to_f64(self, d):            # device array of this dtype -> float64
+        return (bf16_bits_to_f32(d) if self.name == "bf16" else d.astype(cp.float32)).astype(cp.float64)
+
+    def round(self, x64):           # float64 -> nearest value of this dtype, as float64
+        return self.to_f64(self.store(x64.astype(cp.float32)))
+
+    def nan_fill(self, shape):
+        if self.name == "bf16":
+            return cp.full(shape, 0x7FC0, dtype=cp.uint16)
+        return cp.full(shape, cp.nan, dtype=cp.float16)
+
+    def raw(self, d):               # bit view for exact comparisons
+        return d.view(cp.uint16)
+
+
+# ---------------------------------------------------------------------------------------------
+# Reference (float64, on the GPU): act rounded to the dtype before the second GEMM
+# ---------------------------------------------------------------------------------------------
+
+def reference(dt, x, w13, w2, tw, ids, E, I):
+    T, H = x.shape
+    K = ids.shape[1]
+    x64 = dt.to_f64(x)
+    out = cp.zeros((T, H), dtype=cp.float64)
+    flat = cp.asnumpy(ids).reshape(-1)
+    twf = tw.reshape(-1).astype(cp.float64)
+    for e in np.unique(flat):
+        if e < 0 or e >= E:
+            continue  # invalid id: contributes nothing
+        slots = np.nonzero(flat == e)[0]
+        toks = cp.asarray(slots // K)
+        gu = x64[toks] @ dt.to_f64(w13[e]).T            # (n, 2I)
+        g, u = gu[:, :I], gu[:, I:]
+        act = dt.round(g / (1.0 + cp.exp(-g)) * u)
+        y = act @ dt.to_f64(w2[e]).T                    # (n, H)
+        cupyx.scatter_add(out, toks, twf[cp.asarray(slots)][:, None] * y)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Calling the factor as the runtime does: kernel, then kernel_fallback on -1
+# ---------------------------------------------------------------------------------------------
+
+class Factor:
+    def __init__(self, so_path):
+        self.lib = ctypes.CDLL(so_path)
+        self.lib.ex_get_factor.restype = POINTER(ExFactor)
+        self.lib.ex_get_factor.argtypes = [POINTER(ExHardware)]
+        self.hw = hardware_from_device(0)
+        fp = self.lib.ex_get_factor(ctypes.byref(self.hw))
+        if not fp:
+            raise RuntimeError("ex_get_factor returned NULL for this device")
+        self.f = fp.contents
+        self.abi = c_uint32.in_dll(self.lib, "ex_abi_version").value
+
+    def workspace_size(self, dims):
+        return int(self.f.workspace_size((c_int64 * len(dims))(*dims), len(dims)))
+
+    def last_error(self):
+        if not self.f.last_error:
+            return ""
+        s = self.f.last_error()
+        return s.decode() if s else ""
+
+    @staticmethod
+    def _call(fn, out_ptr, x_ptr, aux, dims, stream_ptr, n_aux=None, n_dims=None):
+        aux_arr = (c_void_p * len(aux))(*aux)
+        dims_arr = (c_int64 * len(dims))(*dims)
+        return fn(c_void_p(out_ptr), c_void_p(x_ptr), aux_arr, len(aux) if n_aux is None else n_aux,
+                  dims_arr, len(dims) if n_dims is None else n_dims, c_void_p(stream_ptr))
+
+    def call(self, out_ptr, x_ptr, aux, dims, stream_ptr, **kw):
+        """Returns (status, path)."""
+        rc = self._call(self.f.kernel, out_ptr, x_ptr, aux, dims, stream_ptr, **kw)
+        if rc == EX_FALLBACK and self.f.kernel_fallback:
+            return self._call(self.f.kernel_fallback, out_ptr, x_ptr, aux, dims, stream_ptr, **kw), "fallback"
+        return rc, "kernel"
+
+
+# ---------------------------------------------------------------------------------------------
+# Cases
+# ---------------------------------------------------------------------------------------------
+
+# name, T, H, E, I, K, expected path, special
+CASES = [
+    ("qwen3-30b decode", 1, 2048, 128, 768, 8, "kernel", None),
+    ("tiny", 3, 256, 40, 96, 8, "kernel", None),
+    ("manifest T=19", 19, 256, 40, 96, 6, "kernel", None),
+    ("olmoe T=64", 64, 2048, 64, 1024, 8, "kernel", None),
+    ("mid config", 512, 1024, 64, 512, 8, "kernel", None),
+    ("granite-ish T=1000", 1000, 512, 40, 256, 6, "kernel", None),
+    ("qwen3-30b prefill", 4096, 2048, 128, 768, 8, "kernel", None),
+    ("few experts (split)", 2, 1024, 8, 2048, 2, "kernel", None),
+    ("odd H, I", 130, 111, 40, 67, 8, "fallback", None),
+    ("all on expert 5", 256, 1024, 64, 512, 8, "kernel", "hot5"),
+    ("invalid ids", 16, 256, 40, 96, 4, "kernel", "badids"),
+    ("invalid ids, odd", 13, 111, 40, 67, 4, "fallback", "badids"),
+]
+QUICK = {"qwen3-30b decode", "tiny", "odd H, I", "all on expert 5", "invalid ids", "few experts (split)"}
+
+
+def make_inputs(dt, T, H, E, I, K, special):
+    x = dt.store(cp.random.standard_normal((T, H), dtype=cp.float32))
+    w13 = dt.store(cp.random.standard_normal((E, 2 * I, H), dtype=cp.float32) * np.float32(1.0 / np.sqrt(H)))
+    w2 = dt.store(cp.random.standard_normal((E, H, I), dtype=cp.float32) * np.float32(1.0 / np.sqrt(I)))
+    logits = cp.random.standard_normal((T, E), dtype=cp.float32)
+    if special == "hot5":
+        logits[:, 5] = -cp.inf                         # the others never pick 5
+    ids = cp.argsort(-logits, axis=1)[:, :K].astype(cp.int32)   # distinct per row
+    sel = cp.take_along_axis(logits, ids.astype(cp.int64), axis=1)
+    if special == "hot5":
+        ids[:, 0] = 5
+        sel[:, 0] = 0.0
+    w = cp.exp(sel - sel.max(axis=1, keepdims=True))
+    tw = (w / w.sum(axis=1, keepdims=True)).astype(cp.float32)
+    if special == "badids":
+        ids[min(3, T - 1), 1 % K] = E
+        ids[min(7, T - 1), 2 % K] = -1
+        ids[T - 1, K - 1] = 1 << 30
+    return x, w13, w2, cp.ascontiguousarray(tw), cp.ascontiguousarray(ids)
+
+
+def graph_capture(fac, stream, args):
+    """Capture one call into a CUDA graph; returns (graph, status) or (None, reason)."""
+    try:
+        stream.begin_capture()
+    except Exception as ex:  # noqa: BLE001 - API missing: report, do not fail the factor
+        return None, f"capture unavailable: {ex}"
+    rc, _ = fac.call(*args)
+    try:
+        graph = stream.end_capture()
+    except Exception as ex:  # noqa: BLE001
+        return None, f"end_capture failed: {ex} (status {rc})"
+    if rc != EX_OK:
+        return None, f"status {rc} during capture: {fac.last_error()}"
+    return graph, "ok"
+
+
+def time_it(fn, stream, n=20, warmup=3):
+    for _ in range(warmup):
+        fn()
+    stream.synchronize()
+    start, end = cp.cuda.Event(), cp.cuda.Event()
+    ts = []
+    for _ in range(n):
+        start.record(stream)
+        fn()
+        end.record(stream)
+        end.synchronize()
+        ts.append(cp.cuda.get_elapsed_time(start, end) * 1e3)
+    return float(np.median(ts))
+
+
+def run_case(fac, dt, case, stream, timing):
+    name, T, H, E, I, K, want_path, special = case
+    res = {"name": name, "dtype": dt.name, "shape": f"{T},{H},{E},{I},{K}", "fails": []}
+    fails = res["fails"]
+    x, w13, w2, tw, ids = make_inputs(dt, T, H, E, I, K, special)
+    dims = [T, H, E, I, K, dt.code]
+    ws_bytes = fac.workspace_size(dims)
+    if ws_bytes < 256:
+        fails.append(f"workspace_size {ws_bytes} < 256")
+    GUARD = 4096
+    ws = cp.zeros(ws_bytes + GUARD, dtype=cp.uint8)
+    ws[ws_bytes:] = 0xA5
+    # out with one guard row before and after, filled with a sentinel
+    out_buf = dt.nan_fill((T + 2, H))
+    sentinel = dt.store(cp.full((2, H), 1234.5, dtype=cp.float32))
+    out_buf[0] = sentinel[0]
+    out_buf[T + 1] = sentinel[1]
+    out = out_buf[1:T + 1]
+    aux = [None, w13.data.ptr, w2.data.ptr, tw.data.ptr, ids.data.ptr, ws.data.ptr]
+    args = (out.data.ptr, x.data.ptr, aux, dims, stream.ptr)
+    cp.cuda.Device().synchronize()
+
+    ref = reference(dt, x, w13, w2, tw, ids, E, I)
+    ref_norm = float(cp.linalg.norm(ref))
+
+    def one_call():
+        out[...] = dt.nan_fill((T, H))
+        ws[:4] = 0                                   # the runtime clears the status word
+        stream.synchronize()
+        rc, path = fac.call(*args)
+        stream.synchronize()
+        return rc, path
+
+    try:
+        rc, path = one_call()
+    except cp.cuda.runtime.CUDARuntimeError as ex:
+        fails.append(f"CUDA error: {ex}")
+        res.update(path="?", rel=float("nan"))
+        return res, True  # sticky error: stop
+    res["path"] = path
+    if rc != EX_OK:
+        fails.append(f"status {STATUS_NAMES.get(rc, rc)}: {fac.last_error()}")
+        res["rel"] = float("nan")
+        return res, False
+    if path != want_path:
+        fails.append(f"path {path}, expected {want_path}")
+    o64 = dt.to_f64(out)
+    has_nan = bool(cp.isnan(o64).any())
+    rel = float(cp.linalg.norm(o64 - ref)) / ref_norm if ref_norm > 0 else float("inf")
+    res["rel"] = rel
+    if has_nan:
+        fails.append("NaN left in out")
+    if not rel < dt.tol:
+        fails.append(f"rel err {rel:.3e} >= {dt.tol:g}")
+    zero_rel = float(cp.linalg.norm(cp.zeros_like(ref) - ref)) / ref_norm if ref_norm > 0 else 0.0
+    if not zero_rel >= dt.tol:                       # an all-zero output must fail this check
+        fails.append(f"check cannot tell a zero output from a right one (zero rel {zero_rel:.2e})")
+    if not bool(cp.array_equal(dt.raw(out_buf[0]), dt.raw(sentinel[0]))) or \
+            not bool(cp.array_equal(dt.raw(out_buf[T + 1]), dt.raw(sentinel[1]))):
+        fails.append("wrote outside out")
+    if not bool((ws[ws_bytes:] == 0xA5).all()):
+        fails.append("wrote past workspace_size")
+    status = int(ws[:4].view(cp.int32)[0].get())
+    res["status"] = status
+    if special == "badids":
+        if not status & 1:
+            fails.append("status bit 0 not set for invalid ids")
+    elif status != 0:
+        fails.append(f"status word {status:#x} for valid ids")
+
+    first = dt.raw(out).copy()
+    rc2, _ = one_call()
+    res["det"] = rc2 == EX_OK and bool(cp.array_equal(first, dt.raw(out)))
+    if not res["det"]:
+        fails.append("second call not bit-identical")
+
+    # CUDA graph: capture once, replay, compare bits
+    out[...] = dt.nan_fill((T, H))
+    ws[:4] = 0
+    cp.cuda.Device().synchronize()
+    graph, why = graph_capture(fac, stream, args)
+    res["graph"] = why
+    if graph is not None:
+        graph.launch(stream)
+        stream.synchronize()
+        if not bool(cp.array_equal(first, dt.raw(out))):
+            fails.append("graph replay not bit-identical")
+    elif not why.startswith("capture unavailable"):
+        fails.append(f"graph: {why}")
+
+    if timing:
+        res["us"] = time_it(lambda: fac.call(*args), stream)
+        if graph is not None:
+            res["us_graph"] = time_it(lambda: graph.launch(stream), stream)
+        flat = cp.asnumpy(ids).reshape(-1)
+        valid = flat[(flat >= 0) & (flat < E)]
+        hit = len(np.unique(valid))
+        res["bytes"] = hit * 3 * H * I * 2 + 2 * T * H * 2
+        res["flops"] = 2 * len(valid) * 3 * H * I
+    return res, False
+
+
+def error_code_checks(fac, stream):
+    """Cheap host-side guards: no GPU work is launched for any of these."""
+    rows = []
+    w = cp.zeros(64, dtype=cp.uint16)
+    ws = cp.zeros(1 << 16, dtype=cp.uint8)
+    p = w.data.ptr
+    good = [None, p, p, p, p, ws.data.ptr]
+
+    def expect(label, want, out, x, aux, dims, **kw):
+        rc, _ = fac.call(out, x, aux, dims, stream.ptr, **kw)
+        msg = fac.last_error() if rc not in (0, -1) else ""
+        rows.append((label, want, rc, msg))
+
+    expect("K > E", 3, p, p, good, [4, 64, 4, 64, 5, 2])
+    expect("dtype float32", 2, p, p, good, [4, 64, 4, 64, 2, EX_DTYPE_FLOAT32])
+    expect("H = 0", 3, p, p, good, [4, 0, 4, 64, 2, 2])
+    expect("T < 0", 3, p, p, good, [-1, 64, 4, 64, 2, 2])
+    expect("T = 0, NULL tensors", 0, None, None, [None] * 5 + [ws.data.ptr], [0, 64, 4, 64, 2, 2])
+    expect("NULL w13", 1, p, p, [None, None, p, p, p, ws.data.ptr], [4, 64, 4, 64, 2, 2])
+    expect("n_aux = 5", 1, p, p, good, [4, 64, 4, 64, 2, 2], n_aux=5)
+    expect("n_dims = 5", 1, p, p, good, [4, 64, 4, 64, 2, 2], n_dims=5)
+    stream.synchronize()
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--so", default=os.path.join(ROOT, "factors", "moe_fused_gemm.so"))
+    ap.add_argument("--no-timing", action="store_true")
+    ap.add_argument("--quick", action="store_true", help="small cases only")
+    a = ap.parse_args()
+
+    cp.random.seed(1234)
+    fac = Factor(a.so)
+    f, t = fac.f, fac.f.tuning
+    print(f"device: {fac.hw.name.decode()} (cc {fac.hw.cc_major}.{fac.hw.cc_minor}, "
+          f"{fac.hw.multiprocessor_count} SMs, smem optin {fac.hw.shared_mem_per_block_optin})")
+    print(f"factor: {f.name.decode()} {f.version.decode()} id={f.factor_id} abi={f.abi_version:#x} "
+          f"(exported ex_abi_version {fac.abi:#x}) priority={f.priority}")
+    print(f"tuning: threads={t.threads_per_block} warps={t.num_warps} items={t.items_per_thread} "
+          f"vec={t.vec_size} smem={t.shared_mem_bytes} stages={t.num_stages}")
+    print(f"description: {f.description.decode() if f.description else ''}")
+    failed = 0
+    meta_fail = []
+    if f.abi_version != fac.abi or f.factor_id != 2 or f.name != b"moe_fused_gemm":
+        meta_fail.append("factor metadata")
+    if t.threads_per_block % fac.hw.warp_size or t.num_warps * fac.hw.warp_size != t.threads_per_block \
+            or t.shared_mem_bytes > fac.hw.shared_mem_per_block_optin or t.num_stages < 1 or t.vec_size != 8:
+        meta_fail.append("tuning vs hardware")
+    if not f.kernel or not f.kernel_fallback or not f.workspace_size or not f.last_error:
+        meta_fail.append("NULL entry points")
+    if meta_fail:
+        print("FAIL:", ", ".join(meta_fail))
+        failed += len(meta_fail)
+
+    stream = cp.cuda.Stream(non_blocking=True)
+
+    print("\nerror codes (host guards)")
+    for label, want, rc, msg in error_code_checks(fac, stream):
+        ok = rc == want
+        failed += not ok
+        print(f"  {'PASS' if ok else 'FAIL'}  {label:22s} want {STATUS_NAMES[want]:26s} got "
+              f"{STATUS_NAMES.get(rc, rc)}  {msg}")
+
+    hdr = (f"{'':4s} {'case':22s} {'dt':4s} {'T,H,E,I,K':22s} {'path':8s} {'rel err':>9s} {'det':>3s} "
+           f"{'graph':>5s} {'status':>6s} {'us':>9s} {'us graph':>9s} {'TB/s':>6s} {'TFLOP/s':>7s}  notes")
+    print("\n" + hdr)
+    sticky = False
+    for dtn in ("bf16", "fp16"):
+        dt = Dt(dtn)
+        for case in CASES:
+            if a.quick and case[0] not in QUICK:
+                continue
+            if sticky:
+                break
+            try:
+                res, sticky = run_case(fac, dt, case, stream, not a.no_timing)
+            except cp.cuda.runtime.CUDARuntimeError as ex:
+                res = {"name": case[0], "dtype": dtn, "shape": ",".join(map(str, case[1:6])),
+                       "fails": [f"CUDA error: {ex}"]}
+                sticky = True
+            ok = not res["fails"]
+            failed += not ok
+            us, usg = res.get("us"), res.get("us_graph")
+            best = usg or us
+            tbs = f"{res['bytes'] / (best * 1e-6) / 1e12:6.2f}" if best else "     -"
+            tfl = f"{res['flops'] / (best * 1e-6) / 1e12:7.1f}" if best else "      -"
+            print(f"{'PASS' if ok else 'FAIL'} {res['name']:22s} {res['dtype']:4s} {res['shape']:22s} "
+                  f"{res.get('path', '?'):8s} {res.get('rel', float('nan')):9.2e} "
+                  f"{'yes' if res.get('det') else 'no':>3s} {'ok' if res.get('graph') == 'ok' else '-':>5s} "
+                  f"{res.get('status', -1):6d} {us if us else 0:9.1f} {usg if usg else 0:9.1f} {tbs} {tfl}  "
+                  f"{'; '.join(res['fails'])}", flush=True)
+            cp.get_default_memory_pool().free_all_blocks()
+    if sticky:
+        print("FAIL: a CUDA error left the context unusable; remaining cases skipped")
+        failed += 1
+    print(f"\n{'ALL PASS' if failed == 0 else f'{failed} FAILED'}")
+    return 0 if failed == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

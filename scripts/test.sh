@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# The test command (README, .ci/run): installs the package and test tools into .venv, builds
+# every factor with nvcc (if nvcc is installed), and runs pytest. GPU tests are skipped where
+# CuPy or a GPU is missing. Extra arguments go to pytest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  echo "[test] creating .venv"
+  "$PY" -m venv .venv
+fi
+echo "[test] installing ex_engine and test dependencies into .venv"
+.venv/bin/python -m pip install -q --disable-pip-version-check -e '.[test]'
+if command -v nvcc >/dev/null 2>&1; then
+  echo "[test] building factors (make -j2)"
+  make -j2
+else
+  echo "[test] nvcc not found: factor build tests will be skipped"
+fi
+echo "[test] running pytest"
+exec .venv/bin/python -m pytest -q "$@"

@@ -1,0 +1,243 @@
+"""The built plugins on a real GPU, through the registry, against float64 references.
+
+Marked `gpu`: skipped where CuPy or a GPU is missing. Outputs are poisoned (NaN) before every
+call, inputs drawn fresh, bf16 passed as Bits16 (uint16 bits) so CuPy needs no bf16 dtype.
+"""
+import math
+
+import numpy as np
+import pytest
+
+from ex_engine import DeviceSideError, FactorRegistry, fused_add_rmsnorm, moe_fused_gemm, topk_softmax
+from ex_engine.arrays import Bits16, TensorRef, f32_to_bf16_bits
+from ex_engine.fallbacks import moe_fused_gemm_math
+from ex_engine.moe_layer import load_models
+from tests.conftest import ROOT
+from tests.reference import rmsnorm_ref, topk_softmax_ref
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def cp():
+    import cupy
+    return cupy
+
+
+@pytest.fixture(scope="module")
+def reg():
+    r = FactorRegistry.load(ROOT / "factors")
+    assert r.hardware.live
+    return r
+
+
+def make(cp, values_f32, dtype):
+    """A CuPy array (or Bits16 for bf16) of ``dtype`` from float32 values."""
+    if dtype == "bfloat16":
+        return Bits16(f32_to_bf16_bits(cp, values_f32))
+    return values_f32.astype(dtype)
+
+
+def poison(cp, shape, dtype):
+    return make(cp, cp.full(shape, cp.nan, cp.float32), dtype)
+
+
+def f64(a):
+    return TensorRef.of(a).load_f32().astype("float64")
+
+
+def rel(cp, out, ref):
+    o = f64(out) if not hasattr(out, "dtype") or out.dtype != np.float64 else out
+    if bool(cp.isnan(o).any()):
+        return math.inf
+    return float(cp.linalg.norm(o - ref) / cp.linalg.norm(ref))
+
+
+def test_all_builtin_factors_ready_on_this_gpu(reg):
+    for name in ("topk_softmax", "fused_add_rmsnorm", "moe_fused_gemm"):
+        p = reg.get(name)
+        assert p is not None and p.status == "ready", [(q.path.name, q.reason) for q in reg.plugins]
+
+
+# ------------------------------------------------------------------------------ topk_softmax
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("T,E,K", [(1, 128, 8), (7, 40, 8), (1000, 64, 6), (300, 384, 8), (5, 1, 1), (9, 60, 60)])
+def test_topk_softmax_plugin(reg, cp, dtype, T, E, K):
+    logits = make(cp, cp.random.standard_normal((T, E), dtype=cp.float32) * 2, dtype)
+    w = cp.full((T, K), cp.nan, cp.float32)
+    ids = cp.full((T, K), -7, cp.int32)
+    topk_softmax(logits, K, True, topk_weights=w, topk_ids=ids, registry=reg)
+    assert reg.last_path["topk_softmax"] == "plugin"
+    W, I = topk_softmax_ref(f64(logits).get(), K, True)
+    np.testing.assert_array_equal(ids.get(), I)
+    assert rel(cp, w.astype(cp.float64), cp.asarray(W)) < 1e-5
+
+
+def test_topk_softmax_special_rows_match_fallback(reg, cp):
+    nan, inf = math.nan, math.inf
+    rows = np.array([[1, 3, 3, 0, 3, 2], [nan, 2, nan, 1, .5, 0], [inf, 0, inf, 5, -inf, 1],
+                     [-inf, -inf, nan, -inf, -inf, -inf], [6e4, 5.9e4, -6e4, 0, 1, 2]], np.float32)
+    logits = cp.asarray(rows)
+    w, ids = topk_softmax(logits, 3, False, registry=reg)
+    W, I = topk_softmax_ref(rows.astype(np.float64), 3, False)
+    np.testing.assert_array_equal(ids.get(), I)
+    np.testing.assert_allclose(w.get(), W, rtol=1e-5, atol=1e-7)
+
+
+# ------------------------------------------------------------------------------ fused_add_rmsnorm
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("T,H", [(1, 4096), (7, 111), (1000, 769), (64, 2048)])
+def test_fused_add_rmsnorm_plugin(reg, cp, dtype, T, H):
+    xv = cp.random.standard_normal((T, H), dtype=cp.float32)
+    rv = cp.random.standard_normal((T, H), dtype=cp.float32)
+    wv = 1 + 0.1 * cp.random.standard_normal(H, dtype=cp.float32)
+    x, r, w = make(cp, xv, dtype), make(cp, rv, dtype), make(cp, wv, dtype)
+    X, R = rmsnorm_ref(f64(x).get(), f64(r).get(), f64(w).get(), 1e-6, dtype)
+    fused_add_rmsnorm(x, r, w, 1e-6, registry=reg)
+    assert reg.last_path["fused_add_rmsnorm"] == "plugin"
+    tol = reg.manifest("fused_add_rmsnorm").tolerance[dtype]
+    assert rel(cp, x, cp.asarray(X)) < tol and rel(cp, r, cp.asarray(R)) < tol
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_fused_add_rmsnorm_views_and_misaligned_base(reg, cp, dtype):
+    T, H = 33, 769
+    bx = cp.full((T, H + 40), 7, dtype)
+    br = cp.full((T, H + 9), -3, dtype)
+    x, r = bx[:, 1:1 + H], br[:, 3:3 + H]              # row strides 809, 778; base +1/+3 elements
+    x[...] = cp.random.standard_normal((T, H))
+    r[...] = cp.random.standard_normal((T, H))
+    w = (1 + 0.1 * cp.random.standard_normal(H)).astype(dtype)
+    X, R = rmsnorm_ref(x.get().astype(np.float64), r.get().astype(np.float64), w.get(), 1e-5, dtype)
+    fused_add_rmsnorm(x, r, w, 1e-5, registry=reg)
+    assert reg.last_path["fused_add_rmsnorm"] == "plugin"
+    tol = reg.manifest("fused_add_rmsnorm").tolerance[dtype]
+    assert rel(cp, x.astype(cp.float64), cp.asarray(X)) < tol
+    assert rel(cp, r.astype(cp.float64), cp.asarray(R)) < tol
+    assert bool((bx[:, :1] == 7).all()) and bool((bx[:, 1 + H:] == 7).all())
+    assert bool((br[:, :3] == -3).all()) and bool((br[:, 3 + H:] == -3).all())
+
+
+# ------------------------------------------------------------------------------ moe_fused_gemm
+def moe_case(cp, T, H, E, I, K, dtype, skew=False):
+    x = make(cp, cp.random.standard_normal((T, H), dtype=cp.float32), dtype)
+    w13 = make(cp, cp.random.standard_normal((E, 2 * I, H), dtype=cp.float32) / math.sqrt(H), dtype)
+    w2 = make(cp, cp.random.standard_normal((E, H, I), dtype=cp.float32) / math.sqrt(I), dtype)
+    logits = cp.random.standard_normal((T, E), dtype=cp.float32)
+    if skew:
+        logits[:, :2] += 4.0
+    ids = cp.argsort(-logits, axis=1)[:, :K].astype(cp.int32)
+    w = cp.random.random((T, K), dtype=cp.float32) + 0.1
+    return x, w13, w2, (w / w.sum(1, keepdims=True)).astype(cp.float32), ids
+
+
+def moe_reference(cp, x, w13, w2, w, ids):
+    E = TensorRef.of(w13).shape[0]
+    w13r, w2r = TensorRef.of(w13), TensorRef.of(w2)
+    conv = lambda ref, e: TensorRef.of(Bits16(ref.raw()[e]) if ref.dtype == "bfloat16" else ref.raw()[e]).load_f32()
+    out, _ = moe_fused_gemm_math(cp, f64(x), lambda e: conv(w13r, e), lambda e: conv(w2r, e),
+                                 w.astype(cp.float64), ids, E, None, accum=cp.float64)
+    return out
+
+
+def run_moe_check(reg, cp, case, dtype, want_path=("plugin",)):
+    x, w13, w2, w, ids = case
+    T, H = TensorRef.of(x).shape
+    out = poison(cp, (T, H), dtype)
+    moe_fused_gemm(x, w13, w2, w, ids, out=out, registry=reg)
+    assert reg.last_path["moe_fused_gemm"] in want_path
+    ref = moe_reference(cp, x, w13, w2, w, ids)
+    tol = reg.manifest("moe_fused_gemm").tolerance[dtype]
+    err = rel(cp, out, ref)
+    assert err < tol, err
+    return out
+
+
+MODELS = load_models()
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("model", sorted(MODELS))
+@pytest.mark.parametrize("T", [1, 64])
+def test_moe_plugin_on_model_shapes(reg, cp, model, T, dtype):
+    s = MODELS[model]
+    run_moe_check(reg, cp, moe_case(cp, T, s.H, s.E, s.I, s.K, dtype), dtype)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("T,H,E,I,K", [(3, 256, 40, 96, 8), (1000, 512, 40, 256, 6), (4096, 2048, 128, 768, 8),
+                                       (19, 2048, 60, 1408, 4), (1, 64, 1, 32, 1)])
+def test_moe_plugin_awkward(reg, cp, T, H, E, I, K, dtype):
+    run_moe_check(reg, cp, moe_case(cp, T, H, E, I, K, dtype), dtype)
+
+
+@pytest.mark.parametrize("T,H,E,I,K", [(130, 111, 40, 67, 8), (3, 100, 5, 20, 2)])
+def test_moe_unaligned_sizes_go_to_kernel_fallback(reg, cp, T, H, E, I, K):
+    run_moe_check(reg, cp, moe_case(cp, T, H, E, I, K, "bfloat16"), "bfloat16",
+                  want_path=("kernel_fallback",))
+
+
+def test_moe_skewed_and_single_expert(reg, cp):
+    run_moe_check(reg, cp, moe_case(cp, 512, 1024, 64, 512, 8, "bfloat16", skew=True), "bfloat16")
+    x, w13, w2, w, ids = moe_case(cp, 256, 512, 16, 128, 4, "bfloat16")
+    ids[:, 0] = 5
+    ids[:, 1:] = cp.asarray(np.array([[6, 7, 8]] * 256, np.int32))  # 12 experts idle
+    run_moe_check(reg, cp, (x, w13, w2, w, ids), "bfloat16")
+
+
+def test_moe_is_deterministic(reg, cp):
+    case = moe_case(cp, 777, 1024, 40, 384, 8, "bfloat16")
+    a = run_moe_check(reg, cp, case, "bfloat16")
+    b = run_moe_check(reg, cp, case, "bfloat16")
+    assert bool((a.bits == b.bits).all())
+
+
+def test_moe_out_of_range_ids_are_skipped_and_reported(reg, cp):
+    x, w13, w2, w, ids = moe_case(cp, 64, 512, 16, 128, 4, "bfloat16")
+    ids[3, 1], ids[10, 0] = 16, -5
+    reg.check_device_errors()
+    run_moe_check(reg, cp, (x, w13, w2, w, ids), "bfloat16")
+    with pytest.raises(DeviceSideError, match="topk_id outside"):
+        reg.check_device_errors()
+
+
+def test_moe_call_is_capturable_in_a_cuda_graph(reg, cp):
+    x, w13, w2, w, ids = moe_case(cp, 64, 2048, 128, 768, 8, "bfloat16")
+    out = poison(cp, (64, 2048), "bfloat16")
+    moe_fused_gemm(x, w13, w2, w, ids, out=out, registry=reg)   # warm-up: workspace allocated
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        out.bits.fill(0xFFFF)
+        stream.begin_capture()
+        moe_fused_gemm(x, w13, w2, w, ids, out=out, registry=reg)
+        graph = stream.end_capture()
+        graph.launch(stream)
+    stream.synchronize()
+    assert rel(cp, out, moe_reference(cp, x, w13, w2, w, ids)) < 1e-2
+
+
+def test_moe_empty_batch_on_gpu(reg, cp):
+    x, w13, w2, w, ids = moe_case(cp, 0, 256, 8, 64, 2, "bfloat16")
+    out = moe_fused_gemm(x, w13, w2, w, ids, registry=reg)
+    assert TensorRef.of(out).shape == (0, 256)
+
+
+def test_torch_tensors_zero_copy(reg):
+    torch = pytest.importorskip("torch")
+    T, H, E, I, K = 16, 256, 8, 128, 2
+    x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+    w13 = torch.randn(E, 2 * I, H, device="cuda", dtype=torch.bfloat16) / H ** 0.5
+    w2 = torch.randn(E, H, I, device="cuda", dtype=torch.bfloat16) / I ** 0.5
+    logits = torch.randn(T, E, device="cuda")
+    w, ids = topk_softmax(logits, K, True, registry=reg)
+    assert isinstance(w, torch.Tensor) and w.dtype == torch.float32 and ids.dtype == torch.int32
+    out = moe_fused_gemm(x, w13, w2, w, ids, registry=reg)
+    assert isinstance(out, torch.Tensor) and reg.last_path["moe_fused_gemm"] == "plugin"
+    ref = torch.zeros(T, H, dtype=torch.float64, device="cuda")
+    for t in range(T):
+        for k in range(K):
+            e = int(ids[t, k])
+            gu = w13[e].double() @ x[t].double()
+            act = torch.nn.functional.silu(gu[:I]) * gu[I:]
+            ref[t] += float(w[t, k]) * (w2[e].double() @ act)
+    assert float((out.double() - ref).norm() / ref.norm()) < 1e-2
