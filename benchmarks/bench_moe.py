@@ -1,0 +1,227 @@
+#!/usr/bin/env python3
+"""moe_fused_gemm against the torch._grouped_mm pipeline and the Python fallback, side by side.
+
+For each model of manifests/moe_models.yaml and each T, in one process on one GPU: builds the
+layer (weights N(0, 0.02), bf16 by default), draws several independently routed input sets
+(softmax of N(0,1) logits, top-K, renormalised per the model), checks every implementation's
+output against a float32 reference, then times CUDA-graph replays that rotate over the sets (so
+the weights of one call are not in L2 from the last). Prints time, TFLOP/s, GB/s, ratio to the
+floor and to the peer; writes JSON.
+
+Floor (PERF.md): max(FLOPs / 787 TFLOP/s, bytes / 4.23 TB/s); FLOPs = 2*T*K*3*H*I; bytes = the
+distinct experts hit * 3*H*I*2 + activations in and out + routing.
+
+    python3 benchmarks/bench_moe.py [--models all] [--tokens 1 8 64 512 4096 16384] [--json F]
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from ex_engine import FactorRegistry, moe_fused_gemm  # noqa: E402
+from ex_engine.moe_layer import load_models  # noqa: E402
+
+PEAK_TFLOPS, PEAK_GBS = 787.0, 4230.0
+
+
+def routing(T, E, K, renormalize, skew, gen):
+    logits = torch.randn(T, E, device="cuda", generator=gen)
+    if skew:  # a few hot experts take most tokens
+        logits[:, : max(1, E // 16)] += 2.5
+    p = torch.softmax(logits, dim=-1)
+    w, ids = torch.topk(p, K, dim=-1)
+    if renormalize:
+        w = w / w.sum(-1, keepdim=True)
+    return w.float().contiguous(), ids.to(torch.int32).contiguous()
+
+
+def gmm_pipeline(x, w13, w2, w, ids):
+    """PERF.md's `gmm` peer: argsort by expert, grouped_mm w13, silu*up, grouped_mm w2, index_add."""
+    T, H = x.shape
+    E, I2, _ = w13.shape
+    I = I2 // 2
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=E)
+    offs = torch.cumsum(counts, 0).to(torch.int32)
+    tok = order // ids.shape[1]
+    xs = x.index_select(0, tok)
+    gu = torch._grouped_mm(xs, w13.transpose(1, 2), offs=offs)
+    act = torch.nn.functional.silu(gu[:, :I]) * gu[:, I:]
+    y = torch._grouped_mm(act, w2.transpose(1, 2), offs=offs)
+    out = torch.zeros(T, H, device=x.device, dtype=torch.float32)
+    out.index_add_(0, tok, y.float() * w.reshape(-1)[order, None])
+    return out.to(x.dtype)
+
+
+def reference(x, w13, w2, w, ids):
+    """float32 per-expert loop (no TF32), activation not rounded."""
+    T, H = x.shape
+    E, I2, _ = w13.shape
+    I = I2 // 2
+    out = torch.zeros(T, H, device=x.device, dtype=torch.float32)
+    xf = x.float()
+    for e in torch.unique(ids).tolist():
+        t, k = torch.nonzero(ids == e, as_tuple=True)
+        gu = xf[t] @ w13[e].float().T
+        act = torch.nn.functional.silu(gu[:, :I]) * gu[:, I:]
+        out.index_add_(0, t, (act @ w2[e].float().T) * w[t, k, None])
+    return out
+
+
+def rel(out, ref):
+    o = out.float()
+    if torch.isnan(o).any():
+        return float("inf")
+    return float((o - ref).norm() / ref.norm())
+
+
+def graph_time_us(fn, sets, replays=20):
+    """Median µs per call of CUDA-graph replays, each graph running fn once per input set."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for a in sets:
+            fn(*a)
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for a in sets:
+            fn(*a)
+    g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1000.0 / len(sets))
+    times.sort()
+    return times[len(times) // 2]
+
+
+def eager_time_us(fn, args, reps):
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn(*args)
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) * 1e6 / reps
+
+
+def host_overhead_us(fn, args, reps=200):
+    """Host time of one eager call (validation + dispatch + launches), device work overlapped."""
+    for _ in range(10):
+        fn(*args)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn(*args)
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return (t1 - t0) * 1e6 / reps
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--models", nargs="+", default=["all"])
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 64, 512, 4096, 16384])
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    ap.add_argument("--sets", type=int, default=4, help="independently routed input sets rotated per graph")
+    ap.add_argument("--skew", action="store_true", help="also run skewed routing (hot experts)")
+    ap.add_argument("--fallback-max-t", type=int, default=64, help="time the Python fallback up to this T")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    dt = getattr(torch, args.dtype)
+    models = load_models()
+    names = sorted(models) if args.models == ["all"] else args.models
+    reg = FactorRegistry.load()
+    assert reg.get("moe_fused_gemm") is not None, [(p.path.name, p.reason) for p in reg.plugins]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    except OSError:
+        commit = "?"
+    meta = {"date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(),
+            "commit": commit or "?", "dtype": args.dtype, "torch": torch.__version__}
+    rows = []
+    cases = [(m, T, False) for m in names for T in args.tokens]
+    if args.skew:
+        cases += [(m, T, True) for m in names for T in (64, 4096)]
+    hdr = (f"{'model':<22}{'T':>6} {'route':<6}{'floor':>9}{'ours':>9}{'x floor':>8}{'TFLOP/s':>8}"
+           f"{'GB/s':>7}{'gmm':>9}{'gmm/ours':>9}{'fallbk':>10}{'err':>9}")
+    print(f"# {meta}", flush=True)
+    print(hdr)
+    cur_model, layer = None, None
+    for i, (m, T, skew) in enumerate(cases):
+        s = models[m]
+        print(f"[{i + 1}/{len(cases)}] {m} T={T}{' skewed' if skew else ''} ...", file=sys.stderr, flush=True)
+        if m != cur_model:
+            layer = None
+            torch.cuda.empty_cache()
+            w13 = (torch.randn(s.E, 2 * s.I, s.H, device="cuda", generator=gen) * 0.02).to(dt)
+            w2 = (torch.randn(s.E, s.H, s.I, device="cuda", generator=gen) * 0.02).to(dt)
+            layer, cur_model = (w13, w2), m
+        w13, w2 = layer
+        sets = []
+        hit = 0
+        for _ in range(args.sets):
+            x = torch.randn(T, s.H, device="cuda", generator=gen).to(dt)
+            w, ids = routing(T, s.E, s.K, s.renormalize, skew, gen)
+            sets.append((x, w13, w2, w, ids))
+            hit += int(torch.unique(ids).numel())
+        hit /= args.sets
+        flops = 2.0 * T * s.K * 3 * s.H * s.I
+        bytes_ = hit * 3 * s.H * s.I * 2 + 2 * T * s.H * 2 + T * s.K * 8
+        floor = max(flops / PEAK_TFLOPS / 1e6, bytes_ / PEAK_GBS / 1e3)
+        ours = lambda x, w13, w2, w, ids: moe_fused_gemm(x, w13, w2, w, ids, registry=reg)
+        x, _, _, w, ids = sets[0]
+        ref = reference(x, w13, w2, w, ids)
+        err = rel(ours(*sets[0]), ref)
+        err_g = rel(gmm_pipeline(*sets[0]), ref)
+        row = {"model": m, "T": T, "skewed": skew, "H": s.H, "I": s.I, "E": s.E, "K": s.K,
+               "experts_hit": hit, "flops": flops, "bytes": bytes_, "floor_us": floor,
+               "err_ours": err, "err_gmm": err_g, "path": reg.last_path.get("moe_fused_gemm")}
+        if err > 1e-2:
+            row["error"] = f"ours rel err {err:.2e} > 1e-2: not timed"
+            print(f"{m:<22}{T:>6} FAILED CHECK: rel err {err:.3e}", flush=True)
+            rows.append(row)
+            continue
+        row["ours_us"] = graph_time_us(ours, sets)
+        row["gmm_us"] = graph_time_us(gmm_pipeline, sets) if err_g < 2e-2 else None
+        if T <= args.fallback_max_t:
+            reg_fb = FactorRegistry(hardware=reg.hardware)  # no plugins: Python fallback
+            row["fallback_us"] = eager_time_us(lambda *a: moe_fused_gemm(*a, registry=reg_fb), sets[0], 3)
+        if T == 1:
+            row["host_us"] = host_overhead_us(ours, sets[0])
+        row["x_floor"] = row["ours_us"] / floor
+        row["tflops"] = flops / row["ours_us"] / 1e6
+        row["gbs"] = bytes_ / row["ours_us"] / 1e3
+        row["gmm_over_ours"] = (row["gmm_us"] / row["ours_us"]) if row["gmm_us"] else None
+        rows.append(row)
+        g = f"{row['gmm_us']:>9.1f}{row['gmm_over_ours']:>9.2f}" if row["gmm_us"] else f"{'-':>9}{'-':>9}"
+        fb = f"{row['fallback_us']:>10.0f}" if "fallback_us" in row else f"{'-':>10}"
+        print(f"{m:<22}{T:>6} {'skew' if skew else 'unif':<6}{floor:>9.1f}{row['ours_us']:>9.1f}"
+              f"{row['x_floor']:>8.2f}{row['tflops']:>8.1f}{row['gbs']:>7.0f}{g}{fb}{err:>9.1e}", flush=True)
+        if "host_us" in row:
+            print(f"{'':<28}host time of one eager call: {row['host_us']:.1f} µs", flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    bad = [r for r in rows if "error" in r]
+    print(f"# {len(rows) - len(bad)} timed, {len(bad)} failed checks")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,57 @@
+#!/usr/bin/env python3
+"""Chart of bench_moe.py's JSON: time over floor against T, one line per implementation,
+one panel per model.   python3 benchmarks/plot_moe.py bench_moe.json -o benchmarks/moe_vs_floor.png"""
+import argparse
+import json
+from collections import defaultdict
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("json")
+    ap.add_argument("-o", "--output", default="benchmarks/moe_vs_floor.png")
+    a = ap.parse_args()
+    data = json.load(open(a.json))
+    rows = [r for r in data["rows"] if not r.get("skewed") and "ours_us" in r]
+    by_model = defaultdict(list)
+    for r in rows:
+        by_model[r["model"]].append(r)
+    n = len(by_model)
+    cols = min(4, n)
+    fig, axes = plt.subplots((n + cols - 1) // cols, cols, figsize=(4.2 * cols, 3.4 * ((n + cols - 1) // cols)),
+                             squeeze=False, sharey=True)
+    for ax, (model, rs) in zip(axes.flat, sorted(by_model.items())):
+        rs.sort(key=lambda r: r["T"])
+        T = [r["T"] for r in rs]
+        ax.plot(T, [r["ours_us"] / r["floor_us"] for r in rs], "o-", label="ex_engine")
+        g = [(r["T"], r["gmm_us"] / r["floor_us"]) for r in rs if r.get("gmm_us")]
+        if g:
+            ax.plot(*zip(*g), "s--", label="torch._grouped_mm pipeline")
+        f = [(r["T"], r["fallback_us"] / r["floor_us"]) for r in rs if r.get("fallback_us")]
+        if f:
+            ax.plot(*zip(*f), "x:", label="Python fallback")
+        ax.axhline(1.0, color="k", lw=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_title(model, fontsize=10)
+        ax.set_xlabel("tokens T")
+        ax.grid(True, which="both", alpha=0.3)
+    for ax in axes.flat[n:]:
+        ax.axis("off")
+    axes[0][0].set_ylabel("time / floor (1 = physical limit)")
+    axes[0][0].legend(fontsize=8)
+    m = data["meta"]
+    fig.suptitle(f"MoE layer time over the H200 floor, {m['dtype']}, CUDA-graph replay "
+                 f"({m['device']}, {m['date']}, commit {m['commit']})", fontsize=11)
+    fig.tight_layout()
+    fig.savefig(a.output, dpi=110)
+    print("wrote", a.output)
+
+
+if __name__ == "__main__":
+    main()

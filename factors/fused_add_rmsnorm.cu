@@ -1,0 +1,413 @@
+/*
+ * fused_add_rmsnorm.cu -- factor 1 (manifests/fused_add_rmsnorm.yaml), in place:
+ *
+ *   r           = residual[t] + x[t]                               (fp32)
+ *   residual[t] = round(r)                                         (to the tensors' dtype)
+ *   x[t]        = round(residual[t] * rsqrt(sum_h residual[t,h]^2 / H + eps) * weight)
+ *
+ *   The normalised value is the residual as rounded to its dtype (as vLLM's
+ *   fused_add_rms_norm); sum, rsqrt and products in fp32, one rounding at the end.
+ *
+ * Shapes and dtypes (x, residual, weight all one dtype: float32 | float16 | bfloat16)
+ *   output = input = x  (T, H), rows x_row_stride elements apart   (read and written)
+ *   aux[0]  residual    (T, H), rows residual_row_stride apart       (read and written)
+ *   aux[1]  weight      (H)
+ *   dims    {T, H, dtype, eps_bits (the IEEE-754 double's bits), x_row_stride, residual_row_stride}
+ *   Strides >= H.  Elements past H in a row are never touched.
+ *
+ * Build: make factors/fused_add_rmsnorm.so
+ *
+ * Variants
+ *   fused_add_rmsnorm_kernel<T, VEC, VPT>  the fast path: one block per row, each thread owns
+ *       VPT packs of VEC elements.  VEC = 16 bytes / element when H * elem, both strides and all
+ *       base pointers are 16-byte aligned, VEC = 1 otherwise.  The row's x, residual and weight
+ *       are loaded once (all loads in flight before the first use), the rounded residual stays in
+ *       registers through the block reduction (one barrier per row), then x is written.
+ *       Holds H <= 2048 * VEC (vector) or H <= 8192 (scalar) with 256 threads; beyond that it
+ *       returns EX_FALLBACK (-1).
+ *   fused_add_rmsnorm_generic_kernel<T>    kernel_fallback: any H, any alignment; one block per
+ *       row, two passes over global memory (the residual it wrote is read back).
+ *
+ * Napkin math (H200, 4.2 TB/s): bytes = T * H * elem * 4 (read x, residual; write both), the
+ * weight comes from L2.  T=16384, H=4096 bf16: 537 MB -> 128 us; T=4096, H=2048: 67 MB -> 16 us.
+ * Target >= 85% of the copy bandwidth for T=16384, H=2048..8192 bf16.
+ */
+#include <cuda_runtime.h>
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+
+#include <climits>
+#include <cstdarg>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+
+#include "ex_engine.h"
+
+EX_DEFINE_ABI_VERSION();
+
+namespace {
+
+constexpr int kMaxThreads = 256;  // threads per block the kernels are built for
+
+// ------------------------------------------------------------------------------------------
+// Element conversions: VEC elements <-> VEC floats (pairs for the 16-bit types)
+// ------------------------------------------------------------------------------------------
+
+template <typename T, int VEC>
+struct alignas(sizeof(T) * VEC) Pack {
+    T v[VEC];
+};
+
+template <typename T>
+struct Num;
+
+template <>
+struct Num<float> {
+    __device__ static float to_f(float v) { return v; }
+    __device__ static float from_f(float v) { return v; }
+};
+
+template <>
+struct Num<__half> {
+    using T2 = __half2;
+    __device__ static float to_f(__half v) { return __half2float(v); }
+    __device__ static __half from_f(float v) { return __float2half_rn(v); }
+    __device__ static float2 to_f2(T2 v) { return __half22float2(v); }
+    __device__ static T2 from_f2(float a, float b) { return __floats2half2_rn(a, b); }
+};
+
+template <>
+struct Num<__nv_bfloat16> {
+    using T2 = __nv_bfloat162;
+    __device__ static float to_f(__nv_bfloat16 v) { return __bfloat162float(v); }
+    __device__ static __nv_bfloat16 from_f(float v) { return __float2bfloat16_rn(v); }
+    __device__ static float2 to_f2(T2 v) { return __bfloat1622float2(v); }
+    __device__ static T2 from_f2(float a, float b) { return __floats2bfloat162_rn(a, b); }
+};
+
+template <typename T, int VEC>
+__device__ __forceinline__ void to_float(const Pack<T, VEC>& p, float (&f)[VEC]) {
+    if constexpr (sizeof(T) == 2 && VEC % 2 == 0) {
+        using T2 = typename Num<T>::T2;
+        const T2* p2 = reinterpret_cast<const T2*>(p.v);
+#pragma unroll
+        for (int i = 0; i < VEC / 2; ++i) {
+            const float2 q = Num<T>::to_f2(p2[i]);
+            f[2 * i] = q.x;
+            f[2 * i + 1] = q.y;
+        }
+    } else {
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) f[i] = Num<T>::to_f(p.v[i]);
+    }
+}
+
+template <typename T, int VEC>
+__device__ __forceinline__ void from_float(const float (&f)[VEC], Pack<T, VEC>& p) {
+    if constexpr (sizeof(T) == 2 && VEC % 2 == 0) {
+        using T2 = typename Num<T>::T2;
+        T2* p2 = reinterpret_cast<T2*>(p.v);
+#pragma unroll
+        for (int i = 0; i < VEC / 2; ++i) p2[i] = Num<T>::from_f2(f[2 * i], f[2 * i + 1]);
+    } else {
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) p.v[i] = Num<T>::from_f(f[i]);
+    }
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xFFFFFFFFu, v, o);
+    return v;
+}
+
+// Sum of `v` over the block, the same value in every thread (fixed order: deterministic).
+// `buf` alternates between two halves from one call to the next, so one barrier per call
+// suffices: a warp can only overwrite a half after every warp passed the next call's barrier,
+// that is after every thread finished reading it.
+__device__ __forceinline__ float block_sum(float v, float (&buf)[2][32], int parity) {
+    v = warp_sum(v);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+    if (lane == 0) buf[parity][warp] = v;
+    __syncthreads();
+    float total = 0.0f;
+    for (int w = 0; w < nwarps; ++w) total += buf[parity][w];
+    return total;
+}
+
+// ------------------------------------------------------------------------------------------
+// Fast kernel: one block per row, the row in registers
+// ------------------------------------------------------------------------------------------
+
+template <typename T, int VEC, int VPT>
+__global__ void __launch_bounds__(kMaxThreads)
+fused_add_rmsnorm_kernel(T* x_out,                      // (T, H) stride x_stride, may equal x_in
+                         const T* x_in,                 // (T, H) stride x_stride
+                         T* residual,                   // (T, H) stride r_stride
+                         const T* __restrict__ weight,  // (H)
+                         int64_t n_rows, int H, int64_t x_stride, int64_t r_stride, float eps) {
+    using P = Pack<T, VEC>;
+    __shared__ float red[2][32];
+    const int npack = H / VEC;  // H % VEC == 0 on this path
+    const int tid = threadIdx.x;
+    const P* wrow = reinterpret_cast<const P*>(weight);
+    int parity = 0;
+    for (int64_t row = blockIdx.x; row < n_rows; row += gridDim.x, parity ^= 1) {
+        const P* xin = reinterpret_cast<const P*>(x_in + row * x_stride);
+        P* xout = reinterpret_cast<P*>(x_out + row * x_stride);
+        P* res = reinterpret_cast<P*>(residual + row * r_stride);
+
+        P xv[VPT], rv[VPT], wv[VPT];
+#pragma unroll
+        for (int k = 0; k < VPT; ++k) {  // every load of the row issued before any use
+            const int i = tid + k * blockDim.x;
+            if (i < npack) {
+                xv[k] = xin[i];
+                rv[k] = res[i];
+                wv[k] = wrow[i];
+            }
+        }
+
+        float ss = 0.0f;
+#pragma unroll
+        for (int k = 0; k < VPT; ++k) {
+            const int i = tid + k * blockDim.x;
+            if (i < npack) {
+                float a[VEC], b[VEC];
+                to_float(xv[k], a);
+                to_float(rv[k], b);
+#pragma unroll
+                for (int e = 0; e < VEC; ++e) a[e] += b[e];
+                from_float(a, rv[k]);  // the residual, rounded to T
+                res[i] = rv[k];
+                to_float(rv[k], b);
+#pragma unroll
+                for (int e = 0; e < VEC; ++e) ss = fmaf(b[e], b[e], ss);
+            }
+        }
+
+        const float inv_rms = rsqrtf(block_sum(ss, red, parity) / (float)H + eps);
+
+#pragma unroll
+        for (int k = 0; k < VPT; ++k) {
+            const int i = tid + k * blockDim.x;
+            if (i < npack) {
+                float a[VEC], b[VEC];
+                to_float(rv[k], a);
+                to_float(wv[k], b);
+#pragma unroll
+                for (int e = 0; e < VEC; ++e) a[e] = a[e] * inv_rms * b[e];
+                P o;
+                from_float(a, o);
+                xout[i] = o;
+            }
+        }
+    }
+}
+
+// ------------------------------------------------------------------------------------------
+// Generic kernel (kernel_fallback): any H, any alignment, two passes over global memory
+// ------------------------------------------------------------------------------------------
+
+template <typename T>
+__global__ void __launch_bounds__(kMaxThreads)
+fused_add_rmsnorm_generic_kernel(T* x_out, const T* x_in, T* residual, const T* __restrict__ weight,
+                                 int64_t n_rows, int H, int64_t x_stride, int64_t r_stride,
+                                 float eps) {
+    __shared__ float red[2][32];
+    int parity = 0;
+    for (int64_t row = blockIdx.x; row < n_rows; row += gridDim.x, parity ^= 1) {
+        const T* xin = x_in + row * x_stride;
+        T* xout = x_out + row * x_stride;
+        T* res = residual + row * r_stride;
+        float ss = 0.0f;
+        for (int h = threadIdx.x; h < H; h += blockDim.x) {
+            const T rr = Num<T>::from_f(Num<T>::to_f(xin[h]) + Num<T>::to_f(res[h]));
+            res[h] = rr;
+            const float f = Num<T>::to_f(rr);
+            ss = fmaf(f, f, ss);
+        }
+        const float inv_rms = rsqrtf(block_sum(ss, red, parity) / (float)H + eps);
+        for (int h = threadIdx.x; h < H; h += blockDim.x)  // reads back this thread's own writes
+            xout[h] = Num<T>::from_f(Num<T>::to_f(res[h]) * inv_rms * Num<T>::to_f(weight[h]));
+    }
+}
+
+// ------------------------------------------------------------------------------------------
+// Host side
+// ------------------------------------------------------------------------------------------
+
+thread_local char g_last_error[256] = "";
+ex_factor_t g_factor;
+int g_threads = kMaxThreads;  // most threads per block, set from the hardware by ex_get_factor
+
+ex_status_t fail(ex_status_t st, const char* fmt, ...) __attribute__((format(printf, 2, 3)));
+ex_status_t fail(ex_status_t st, const char* fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(g_last_error, sizeof g_last_error, fmt, ap);
+    va_end(ap);
+    return st;
+}
+
+ex_status_t check_launch() {
+    const cudaError_t err = cudaGetLastError();
+    if (err != cudaSuccess)
+        return fail(EX_ERR_CUDA, "%s: %s", cudaGetErrorName(err), cudaGetErrorString(err));
+    return EX_OK;
+}
+
+struct Args {
+    void* x_out;
+    const void* x_in;
+    void* residual;
+    const void* weight;
+    int64_t T;
+    int H;
+    int64_t x_stride, r_stride;
+    float eps;
+    cudaStream_t stream;
+};
+
+unsigned grid_for(int64_t n_rows) { return (unsigned)(n_rows < INT_MAX ? n_rows : INT_MAX); }
+
+template <typename T, int VEC, int VPT>
+ex_status_t launch_fast(const Args& a, int threads) {
+    fused_add_rmsnorm_kernel<T, VEC, VPT><<<grid_for(a.T), threads, 0, a.stream>>>(
+        static_cast<T*>(a.x_out), static_cast<const T*>(a.x_in), static_cast<T*>(a.residual),
+        static_cast<const T*>(a.weight), a.T, a.H, a.x_stride, a.r_stride, a.eps);
+    return check_launch();
+}
+
+// The first VPT of the list whose thread count fits the block; threads = packs / VPT rounded up
+// to whole warps.  H=2048 bf16: 256 packs, VPT 1; 4096: VPT 2; 7168: VPT 4 with 224 threads.
+template <typename T, int VEC, int VPT, int... MORE>
+ex_status_t dispatch_vpt(const Args& a) {
+    const int npack = a.H / VEC;
+    if (npack <= VPT * g_threads)
+        return launch_fast<T, VEC, VPT>(a, ((npack + VPT - 1) / VPT + 31) / 32 * 32);
+    if constexpr (sizeof...(MORE) > 0) {
+        return dispatch_vpt<T, VEC, MORE...>(a);
+    } else {
+        return fail(EX_FALLBACK, "fused_add_rmsnorm: fast path holds H <= %d in registers here, got H=%d",
+                    VEC * VPT * g_threads, a.H);
+    }
+}
+
+template <typename T>
+ex_status_t dispatch_fast(const Args& a) {
+    constexpr int kVec = 16 / (int)sizeof(T);
+    const int64_t esz = (int64_t)sizeof(T);
+    const bool vec_ok = (a.H * esz) % 16 == 0 && (a.x_stride * esz) % 16 == 0 &&
+                        (a.r_stride * esz) % 16 == 0 &&
+                        reinterpret_cast<uintptr_t>(a.x_out) % 16 == 0 &&
+                        reinterpret_cast<uintptr_t>(a.x_in) % 16 == 0 &&
+                        reinterpret_cast<uintptr_t>(a.residual) % 16 == 0 &&
+                        reinterpret_cast<uintptr_t>(a.weight) % 16 == 0;
+    if (vec_ok) return dispatch_vpt<T, kVec, 1, 2, 4, 8>(a);
+    return dispatch_vpt<T, 1, 1, 4, 16, 32>(a);
+}
+
+template <typename T>
+ex_status_t launch_generic(const Args& a) {
+    fused_add_rmsnorm_generic_kernel<T><<<grid_for(a.T), g_threads, 0, a.stream>>>(
+        static_cast<T*>(a.x_out), static_cast<const T*>(a.x_in), static_cast<T*>(a.residual),
+        static_cast<const T*>(a.weight), a.T, a.H, a.x_stride, a.r_stride, a.eps);
+    return check_launch();
+}
+
+// Shared argument checks.  Returns EX_OK with a.T == 0 when there is nothing to do.
+ex_status_t parse_args(void* output, const void* input, const void* aux_inputs[], int n_aux,
+                       const int64_t dims[], int n_dims, void* stream, Args& a, int& dtype) {
+    g_last_error[0] = '\0';
+    if (dims == nullptr || n_dims < 6)  // {T, H, dtype, eps_bits, x_row_stride, residual_row_stride}
+        return fail(EX_ERR_INVALID_ARGUMENT,
+                    "fused_add_rmsnorm: expected 6 dims {T, H, dtype, eps_bits, x_row_stride, residual_row_stride}, got %d",
+                    n_dims);
+    if (aux_inputs == nullptr || n_aux < 2)  // aux = {residual (T, H), weight (H)}
+        return fail(EX_ERR_INVALID_ARGUMENT, "fused_add_rmsnorm: expected 2 aux inputs (residual, weight), got %d", n_aux);
+    const int64_t T = dims[0], H = dims[1], dt = dims[2], xs = dims[4], rs = dims[5];
+    if (T < 0 || H < 0 || xs < 0 || rs < 0)
+        return fail(EX_ERR_INVALID_ARGUMENT,
+                    "fused_add_rmsnorm: dims must be >= 0, got T=%lld H=%lld x_row_stride=%lld residual_row_stride=%lld",
+                    (long long)T, (long long)H, (long long)xs, (long long)rs);
+    if (dt != EX_DTYPE_FLOAT32 && dt != EX_DTYPE_FLOAT16 && dt != EX_DTYPE_BFLOAT16)
+        return fail(EX_ERR_UNSUPPORTED_DTYPE,
+                    "fused_add_rmsnorm: dtype must be float32, float16 or bfloat16 (0, 1, 2), got %lld", (long long)dt);
+    if (H < 1 || H > INT_MAX)  // 1 <= H
+        return fail(EX_ERR_SHAPE, "fused_add_rmsnorm: expected 1 <= H <= %d, got H=%lld", INT_MAX, (long long)H);
+    if (xs < H || rs < H)  // rows may not overlap
+        return fail(EX_ERR_SHAPE,
+                    "fused_add_rmsnorm: row strides must be >= H=%lld, got x_row_stride=%lld residual_row_stride=%lld",
+                    (long long)H, (long long)xs, (long long)rs);
+    double eps;
+    const uint64_t eps_bits = (uint64_t)dims[3];
+    memcpy(&eps, &eps_bits, sizeof eps);
+    a = Args{output, input, nullptr, nullptr, T, (int)H, xs, rs, (float)eps, static_cast<cudaStream_t>(stream)};
+    dtype = (int)dt;
+    if (T == 0) return EX_OK;
+    if (output == nullptr || input == nullptr || aux_inputs[0] == nullptr || aux_inputs[1] == nullptr)
+        return fail(EX_ERR_INVALID_ARGUMENT, "fused_add_rmsnorm: x, residual and weight must not be NULL");
+    a.residual = const_cast<void*>(aux_inputs[0]);
+    a.weight = aux_inputs[1];
+    return EX_OK;
+}
+
+int fused_add_rmsnorm(void* output, const void* input, const void* aux_inputs[], int n_aux,
+                      const int64_t dims[], int n_dims, void* stream) {
+    Args a;
+    int dtype = 0;
+    const ex_status_t st = parse_args(output, input, aux_inputs, n_aux, dims, n_dims, stream, a, dtype);
+    if (st != EX_OK || a.T == 0) return st;
+    switch (dtype) {
+        case EX_DTYPE_FLOAT32: return dispatch_fast<float>(a);
+        case EX_DTYPE_FLOAT16: return dispatch_fast<__half>(a);
+        default: return dispatch_fast<__nv_bfloat16>(a);
+    }
+}
+
+int fused_add_rmsnorm_generic(void* output, const void* input, const void* aux_inputs[], int n_aux,
+                              const int64_t dims[], int n_dims, void* stream) {
+    Args a;
+    int dtype = 0;
+    const ex_status_t st = parse_args(output, input, aux_inputs, n_aux, dims, n_dims, stream, a, dtype);
+    if (st != EX_OK || a.T == 0) return st;
+    switch (dtype) {
+        case EX_DTYPE_FLOAT32: return launch_generic<float>(a);
+        case EX_DTYPE_FLOAT16: return launch_generic<__half>(a);
+        default: return launch_generic<__nv_bfloat16>(a);
+    }
+}
+
+const char* fused_add_rmsnorm_last_error() { return g_last_error; }
+
+}  // namespace
+
+// Written for 32-lane warps (warp_sum, 32 warp slots in the reduction buffer): on hardware
+// with another warp size (the BI-V100 schedules 64) the factor declines (NULL).
+extern "C" EX_EXPORT ex_factor_t* ex_get_factor(const ex_hardware_t* hw) {
+    if (hw == nullptr || hw->warp_size != 32 || hw->max_threads_per_block < 32) return nullptr;
+    const int threads = hw->max_threads_per_block >= kMaxThreads ? kMaxThreads
+                                                                 : (hw->max_threads_per_block / 32) * 32;
+    g_threads = threads;
+    g_factor.abi_version = EX_ABI_VERSION;
+    g_factor.factor_id = EX_FACTOR_FUSED_ADD_RMSNORM;
+    g_factor.name = "fused_add_rmsnorm";
+    g_factor.version = "0.1.0";
+    g_factor.tuning.threads_per_block = threads;  // the most a launch uses; fewer for small H
+    g_factor.tuning.items_per_thread = 8;          // up to 8 packs of 16 bytes per thread
+    g_factor.tuning.vec_size = 8;                  // 16-byte accesses of 16-bit elements (4 for float32)
+    g_factor.tuning.shared_mem_bytes = 0;          // 256 bytes of static shared memory only
+    g_factor.tuning.num_warps = threads / 32;
+    g_factor.tuning.num_stages = 1;
+    g_factor.kernel = fused_add_rmsnorm;
+    g_factor.kernel_fallback = fused_add_rmsnorm_generic;
+    g_factor.workspace_size = nullptr;
+    g_factor.last_error = fused_add_rmsnorm_last_error;
+    g_factor.priority = 0;
+    g_factor.reserved_i32 = 0;
+    g_factor.description =
+        "residual += x; x = rmsnorm(residual) * weight, in place, one block per row held in registers";
+    return &g_factor;
+}
