@@ -42,7 +42,8 @@
  *   kernel_fallback  any H, I, alignment (of the element type): warp per (slot, i) for act, warp
  *                    per (t, h) for out; scalar loads, fp32, no tensor cores. Same status rule.
  *
- * Configs (chosen on the host from rows per expert = T*K/E; see kConfigs below):
+ * Configs (chosen on the host from rows per expert = T*K/E; table kCfg below;
+ * a config whose smem exceeds hw->shared_mem_per_block_optin is replaced by a smaller one):
  *   decode  BM=16,  BN1=32(x2 gate+up), BN2=64,  BK=64, 4 warps (1x4), 6 stages    rows/e <= 24
  *   mid     BM=64,  BN1=64(x2),         BN2=128, BK=64, 4 warps (2x2), 4 stages    rows/e <= 128
  *   prefill BM=128, BN1=64(x2),         BN2=128, BK=64, 8 warps (2x4), 3 stages    rows/e >  128
@@ -64,7 +65,11 @@
  *   tiles           int4[max_tiles(BM=16)]: {expert, first row, end row, 0}
  *   sorted_slots    int32[T*K]
  *   act             dtype[T*K, I]   (fast path: sorted order; fallback: slot order)
- *   y               dtype[S_cap, T*K, H]
+ *   y               dtype[S_cap, T*K, H]   (S_cap = 8 if T*K <= 32, else 1)
+ *
+ * Errors: cheap host checks only (NULL pointers, dims, dtype; a NULL workspace is
+ * EX_ERR_WORKSPACE); after the launches cudaGetLastError -> EX_ERR_CUDA with last_error() set.
+ * cudaFuncSetAttribute (smem opt-in) runs once per kernel instantiation, host-only.
  */
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -109,12 +114,25 @@ using CfgMid = MoeCfg<64, 64, 128, 2, 2, 4, 2>;       // T*K/E <= 128  (98,304 B
 using CfgPrefill = MoeCfg<128, 64, 128, 2, 4, 3, 2>;  // T*K/E >  128  (98,304 B smem)
 
 enum { CFG_DECODE = 0, CFG_MID = 1, CFG_PREFILL = 2, CFG_COUNT = 3 };
-static const int kCfgSmem[CFG_COUNT] = {CfgDecode::smem_max(), CfgMid::smem_max(),
-                                        CfgPrefill::smem_max()};
-static const int kCfgMaxRowsPerExpert[CFG_COUNT] = {24, 128, 0x7fffffff};
+
+// What the host needs of each config: when to pick it and what it launches with.
+struct CfgInfo {
+    int max_rows_per_expert;  // picked while T*K/E <= this
+    int smem;                 // largest dynamic smem of its two GEMMs
+    int threads, stages;
+    int items;                // 16-byte chunks each thread copies per GEMM1 stage
+};
+template <class C> constexpr CfgInfo cfg_info(int max_rows) {
+    return CfgInfo{max_rows, C::smem_max(), C::THREADS, C::STAGES,
+                   (C::BM + 2 * C::BN1) * (C::BK / 8) / C::THREADS};
+}
+static constexpr CfgInfo kCfg[CFG_COUNT] = {cfg_info<CfgDecode>(24), cfg_info<CfgMid>(128),
+                                            cfg_info<CfgPrefill>(0x7fffffff)};
 
 constexpr int kRouteThreads = 1024;
 constexpr int kSmallBM = 16;      // the smallest BM of any config: bounds the tile list
+static_assert(CfgDecode::BM == kSmallBM && CfgMid::BM >= kSmallBM && CfgPrefill::BM >= kSmallBM,
+              "the workspace's tile list is sized for the smallest BM");
 constexpr int kMaxSplits = 8;     // GEMM2 split over I, only for T*K <= kSplitMaxSlots
 constexpr int kSplitMaxSlots = 32;
 constexpr int kSimpleThreads = 256;  // combine and fallback kernels
@@ -769,7 +787,7 @@ static int64_t moe_workspace_size(const int64_t dims[], int n_dims) {
 static int pick_config(const Problem& P) {
     const int64_t rows_per_expert = P.TK / P.E;
     int c = 0;
-    while (c + 1 < CFG_COUNT && rows_per_expert > kCfgMaxRowsPerExpert[c]) ++c;
+    while (c + 1 < CFG_COUNT && rows_per_expert > kCfg[c].max_rows_per_expert) ++c;
     while (c > 0 && !s_cfg_allowed[c]) --c;  // smaller tiles when the big ones do not fit
     return s_cfg_allowed[c] ? c : -1;
 }
@@ -947,42 +965,33 @@ extern "C" EX_EXPORT ex_factor_t* ex_get_factor(const ex_hardware_t* hw) {
     if (hw->warp_size != 32) return nullptr;               // mma fragments assume 32 lanes
     if (hw->max_threads_per_block < kRouteThreads) return nullptr;
     bool allowed[CFG_COUNT];
-    int smem = 0, largest = -1;
+    int largest = -1;  // the largest config that fits: its tuning is the one reported
     for (int c = 0; c < CFG_COUNT; ++c) {
-        allowed[c] = kCfgSmem[c] <= hw->shared_mem_per_block_optin;
-        if (allowed[c]) {
-            if (kCfgSmem[c] > smem) smem = kCfgSmem[c];
-            largest = c;
-        }
+        allowed[c] = kCfg[c].smem <= hw->shared_mem_per_block_optin;
+        if (allowed[c]) largest = c;
     }
     if (!allowed[CFG_DECODE]) return nullptr;
     for (int c = 0; c < CFG_COUNT; ++c) s_cfg_allowed[c] = allowed[c];
     s_num_sms = hw->multiprocessor_count > 0 ? hw->multiprocessor_count : 1;
     s_smem_optin = (int)(hw->shared_mem_per_block_optin < 0x7fffffff ? hw->shared_mem_per_block_optin
                                                                       : 0x7fffffff);
+    int smem = 0;
+    for (int c = 0; c < CFG_COUNT; ++c)
+        if (allowed[c] && kCfg[c].smem > smem) smem = kCfg[c].smem;
 
-    // Tuning reported: the largest GEMM config this hardware runs (the router is one block of
-    // kRouteThreads threads with 16*E+4 bytes of dynamic smem; combine/fallback: 256 threads).
-    const int threads = largest == CFG_PREFILL ? CfgPrefill::THREADS
-                      : largest == CFG_MID     ? CfgMid::THREADS
-                                               : CfgDecode::THREADS;
-    const int stages = largest == CFG_PREFILL ? CfgPrefill::STAGES
-                     : largest == CFG_MID     ? CfgMid::STAGES
-                                              : CfgDecode::STAGES;
+    // Tuning reported: the largest GEMM config this hardware runs; shared_mem_bytes is the most
+    // dynamic smem any GEMM launch requests. Not in it: the router, one block of kRouteThreads
+    // threads with 16*E+4 bytes of dynamic smem; combine and fallback, 256 threads, no smem.
     s_factor.abi_version = EX_ABI_VERSION;
     s_factor.factor_id = EX_FACTOR_MOE_FUSED_GEMM;
     s_factor.name = "moe_fused_gemm";
     s_factor.version = "0.1.0";
-    s_factor.tuning.threads_per_block = threads;
-    s_factor.tuning.num_warps = threads / hw->warp_size;
+    s_factor.tuning.threads_per_block = kCfg[largest].threads;
+    s_factor.tuning.num_warps = kCfg[largest].threads / hw->warp_size;
     s_factor.tuning.vec_size = 8;  // 16-byte cp.async / vector accesses of 16-bit elements
-    // 16-byte chunks each thread copies per pipeline stage (A + B tiles of GEMM1)
-    s_factor.tuning.items_per_thread =
-        largest == CFG_PREFILL ? (CfgPrefill::BM + 2 * CfgPrefill::BN1) * 8 / CfgPrefill::THREADS
-        : largest == CFG_MID   ? (CfgMid::BM + 2 * CfgMid::BN1) * 8 / CfgMid::THREADS
-                               : (CfgDecode::BM + 2 * CfgDecode::BN1) * 8 / CfgDecode::THREADS;
+    s_factor.tuning.items_per_thread = kCfg[largest].items;
     s_factor.tuning.shared_mem_bytes = smem;
-    s_factor.tuning.num_stages = stages;
+    s_factor.tuning.num_stages = kCfg[largest].stages;
     s_factor.kernel = moe_kernel;
     s_factor.kernel_fallback = moe_kernel_fallback;
     s_factor.workspace_size = moe_workspace_size;
