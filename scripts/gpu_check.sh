@@ -40,22 +40,22 @@ if has list; then
 fi
 if has tests; then
   step GPU tests
-  python3 -m pytest -q -m gpu tests/test_gpu.py -rf 2>&1 | tee "$OUT/gpu_tests.log"; [ "${PIPESTATUS[0]}" = 0 ] || status=1
+  timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -m gpu tests/test_gpu.py tests/test_factors_build.py -rf -x --durations=5 2>&1 | tee "$OUT/gpu_tests.log"; [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
 if has selftest; then
   for s in scripts/gpu_*_selftest.py; do
     [ -f "$s" ] || continue
     step "$s"
-    timeout 300 python3 "$s" 2>&1 | tee "$OUT/$(basename "$s" .py).log"; [ "${PIPESTATUS[0]}" = 0 ] || status=1
+    timeout ${SELFTEST_TIMEOUT:-150} python3 "$s" ${SELFTEST_ARGS:-} 2>&1 | tee "$OUT/$(basename "$s" .py).log"; [ "${PIPESTATUS[0]}" = 0 ] || status=1
   done
 fi
 if has run; then
   step "run moe on every model"
-  python3 -m ex_engine run moe --model all --tokens 1 64 4096 2>&1 | tee "$OUT/run_moe.txt"; [ "${PIPESTATUS[0]}" = 0 ] || status=1
+  timeout ${RUN_TIMEOUT:-300} python3 -m ex_engine run moe --model all --tokens 1 64 4096 2>&1 | tee "$OUT/run_moe.txt"; [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
 if has bench && [ -f benchmarks/bench_moe.py ]; then
   step benchmark
-  python3 benchmarks/bench_moe.py --json "$OUT/bench_moe.json" 2>&1 | tee "$OUT/bench_moe.txt"; [ "${PIPESTATUS[0]}" = 0 ] || status=1
+  timeout ${BENCH_TIMEOUT:-500} python3 benchmarks/bench_moe.py ${BENCH_ARGS:-} --json "$OUT/bench_moe.json" 2>&1 | tee "$OUT/bench_moe.txt"; [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
 step "done: status $status"
 exit $status
