@@ -18,18 +18,19 @@
  * Build: make factors/fused_add_rmsnorm.so
  *
  * Variants
- *   fused_add_rmsnorm_kernel<T, VEC, VPT>  the fast path: one block per row, each thread owns
- *       VPT packs of VEC elements.  VEC = 16 bytes / element when H * elem, both strides and all
+ *   fused_add_rmsnorm_kernel<T, VEC, VPT, NT>  the fast path: one block of NT threads per row,
+ *       each thread owns VPT packs of VEC elements.  VEC = 16 bytes / element when H * elem, both strides and all
  *       base pointers are 16-byte aligned, VEC = 1 otherwise.  The row's x, residual and weight
  *       are loaded once (all loads in flight before the first use), the rounded residual stays in
  *       registers through the block reduction (one barrier per row), then x is written.
- *       Holds H <= 2048 * VEC (vector) or H <= 8192 (scalar) with 256 threads; beyond that it
+ *       NT is a template parameter so that the VPT offsets fold into the loads' immediates.
+ *       Holds H <= 2048 * VEC (vector) or H <= 4096 (scalar) with 256 threads; beyond that it
  *       returns EX_FALLBACK (-1).
  *   fused_add_rmsnorm_generic_kernel<T>    kernel_fallback: any H, any alignment; one block per
  *       row, two passes over global memory (the residual it wrote is read back).
  *
  * Napkin math (H200, 4.2 TB/s): bytes = T * H * elem * 4 (read x, residual; write both), the
- * weight comes from L2.  T=16384, H=4096 bf16: 537 MB -> 128 us; T=4096, H=2048: 67 MB -> 16 us.
+ * weight comes from L2 or L1.  T=16384, H=4096 bf16: 537 MB -> 128 us; T=4096, H=2048: 67 MB -> 16 us.
  * Target >= 85% of the copy bandwidth for T=16384, H=2048..8192 bf16.
  */
 #include <cuda_runtime.h>
@@ -77,12 +78,20 @@ struct Num<__half> {
     __device__ static T2 from_f2(float a, float b) { return __floats2half2_rn(a, b); }
 };
 
+// bf16 -> fp32 by moving the bits up (exact).  The header's conversion goes through cvt.f32.bf16
+// on sm_90, whose unpacking into 16-bit registers cost ptxas ~40 more registers per thread here.
 template <>
 struct Num<__nv_bfloat16> {
     using T2 = __nv_bfloat162;
-    __device__ static float to_f(__nv_bfloat16 v) { return __bfloat162float(v); }
+    __device__ static float to_f(__nv_bfloat16 v) {
+        return __uint_as_float((uint32_t)__bfloat16_as_ushort(v) << 16);
+    }
     __device__ static __nv_bfloat16 from_f(float v) { return __float2bfloat16_rn(v); }
-    __device__ static float2 to_f2(T2 v) { return __bfloat1622float2(v); }
+    __device__ static float2 to_f2(T2 v) {
+        uint32_t u;
+        memcpy(&u, &v, sizeof u);
+        return make_float2(__uint_as_float(u << 16), __uint_as_float(u & 0xFFFF0000u));
+    }
     __device__ static T2 from_f2(float a, float b) { return __floats2bfloat162_rn(a, b); }
 };
 
@@ -140,8 +149,8 @@ __device__ __forceinline__ float block_sum(float v, float (&buf)[2][32], int par
 // Fast kernel: one block per row, the row in registers
 // ------------------------------------------------------------------------------------------
 
-template <typename T, int VEC, int VPT>
-__global__ void __launch_bounds__(kMaxThreads)
+template <typename T, int VEC, int VPT, int NT>
+__global__ void __launch_bounds__(NT)
 fused_add_rmsnorm_kernel(T* x_out,                      // (T, H) stride x_stride, may equal x_in
                          const T* x_in,                 // (T, H) stride x_stride
                          T* residual,                   // (T, H) stride r_stride
@@ -161,7 +170,7 @@ fused_add_rmsnorm_kernel(T* x_out,                      // (T, H) stride x_strid
         P xv[VPT], rv[VPT], wv[VPT];
 #pragma unroll
         for (int k = 0; k < VPT; ++k) {  // every load of the row issued before any use
-            const int i = tid + k * blockDim.x;
+            const int i = tid + k * NT;  // NT constant: the offsets fold into the loads
             if (i < npack) {
                 xv[k] = xin[i];
                 rv[k] = res[i];
@@ -172,7 +181,7 @@ fused_add_rmsnorm_kernel(T* x_out,                      // (T, H) stride x_strid
         float ss = 0.0f;
 #pragma unroll
         for (int k = 0; k < VPT; ++k) {
-            const int i = tid + k * blockDim.x;
+            const int i = tid + k * NT;  // NT constant: the offsets fold into the loads
             if (i < npack) {
                 float a[VEC], b[VEC];
                 to_float(xv[k], a);
@@ -191,7 +200,7 @@ fused_add_rmsnorm_kernel(T* x_out,                      // (T, H) stride x_strid
 
 #pragma unroll
         for (int k = 0; k < VPT; ++k) {
-            const int i = tid + k * blockDim.x;
+            const int i = tid + k * NT;  // NT constant: the offsets fold into the loads
             if (i < npack) {
                 float a[VEC], b[VEC];
                 to_float(rv[k], a);
@@ -272,27 +281,38 @@ struct Args {
 
 unsigned grid_for(int64_t n_rows) { return (unsigned)(n_rows < INT_MAX ? n_rows : INT_MAX); }
 
-template <typename T, int VEC, int VPT>
-ex_status_t launch_fast(const Args& a, int threads) {
-    fused_add_rmsnorm_kernel<T, VEC, VPT><<<grid_for(a.T), threads, 0, a.stream>>>(
+template <typename T, int VEC, int VPT, int NT>
+ex_status_t launch_fast(const Args& a) {
+    fused_add_rmsnorm_kernel<T, VEC, VPT, NT><<<grid_for(a.T), NT, 0, a.stream>>>(
         static_cast<T*>(a.x_out), static_cast<const T*>(a.x_in), static_cast<T*>(a.residual),
         static_cast<const T*>(a.weight), a.T, a.H, a.x_stride, a.r_stride, a.eps);
     return check_launch();
 }
 
-// The first VPT of the list whose thread count fits the block; threads = packs / VPT rounded up
-// to whole warps.  H=2048 bf16: 256 packs, VPT 1; 4096: VPT 2; 7168: VPT 4 with 224 threads.
-template <typename T, int VEC, int VPT, int... MORE>
-ex_status_t dispatch_vpt(const Args& a) {
-    const int npack = a.H / VEC;
-    if (npack <= VPT * g_threads)
-        return launch_fast<T, VEC, VPT>(a, ((npack + VPT - 1) / VPT + 31) / 32 * 32);
-    if constexpr (sizeof...(MORE) > 0) {
-        return dispatch_vpt<T, VEC, MORE...>(a);
+// Block size NT and packs per thread VPT by the row's pack count (NT * VPT >= packs):
+//   vector (16-byte packs; bf16 H=2048: 256 packs, 4096: 512, 7168: 896, 8192: 1024)
+//   scalar (one element per pack: odd H, strides or pointers not 16-byte aligned)
+// ptxas -v (sm_90a, bf16): VPT 1: 32 registers, 2: 46, 4: 70, 8: 124; scalar VPT 16: 76.  A scalar
+// VPT of 32 took 200 (one block per SM), so longer unaligned rows go to the generic kernel.
+template <typename T, int VEC>
+ex_status_t dispatch_packs(const Args& a) {
+    const int n = a.H / VEC;
+    if (g_threads < kMaxThreads)  // hardware with smaller blocks: the generic kernel adapts
+        return fail(EX_FALLBACK, "fused_add_rmsnorm: fast path needs %d threads per block, have %d",
+                    kMaxThreads, g_threads);
+    if (n <= 64) return launch_fast<T, VEC, 1, 64>(a);
+    if (n <= 128) return launch_fast<T, VEC, 1, 128>(a);
+    if (n <= 256) return launch_fast<T, VEC, 1, 256>(a);
+    if constexpr (VEC > 1) {
+        if (n <= 512) return launch_fast<T, VEC, 2, 256>(a);
+        if (n <= 1024) return launch_fast<T, VEC, 4, 256>(a);
+        if (n <= 2048) return launch_fast<T, VEC, 8, 256>(a);
     } else {
-        return fail(EX_FALLBACK, "fused_add_rmsnorm: fast path holds H <= %d in registers here, got H=%d",
-                    VEC * VPT * g_threads, a.H);
+        if (n <= 1024) return launch_fast<T, VEC, 4, 256>(a);
+        if (n <= 4096) return launch_fast<T, VEC, 16, 256>(a);
     }
+    return fail(EX_FALLBACK, "fused_add_rmsnorm: fast path holds %d packs of %d per row in registers, got H=%d",
+                VEC > 1 ? 2048 : 4096, VEC, a.H);
 }
 
 template <typename T>
@@ -305,8 +325,7 @@ ex_status_t dispatch_fast(const Args& a) {
                         reinterpret_cast<uintptr_t>(a.x_in) % 16 == 0 &&
                         reinterpret_cast<uintptr_t>(a.residual) % 16 == 0 &&
                         reinterpret_cast<uintptr_t>(a.weight) % 16 == 0;
-    if (vec_ok) return dispatch_vpt<T, kVec, 1, 2, 4, 8>(a);
-    return dispatch_vpt<T, 1, 1, 4, 16, 32>(a);
+    return vec_ok ? dispatch_packs<T, kVec>(a) : dispatch_packs<T, 1>(a);
 }
 
 template <typename T>
