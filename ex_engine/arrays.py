@@ -17,10 +17,23 @@ _NP_NAMES = {"float32", "float16", "bfloat16", "int32", "int64", "float64", "uin
              "int8", "uint8", "bool", "uint32", "uint64"}
 
 
+_NAME_CACHE: dict = {}
+
+
 def _dtype_name(dt) -> str:
+    """'float32', 'bfloat16', ... for a NumPy/CuPy/torch dtype (cached: dtype.name is slow)."""
+    try:
+        return _NAME_CACHE[dt]
+    except (KeyError, TypeError):
+        pass
     name = getattr(dt, "name", None) or str(dt)
     name = name.replace("torch.", "")
-    return {"half": "float16", "float": "float32", "double": "float64"}.get(name, name)
+    name = {"half": "float16", "float": "float32", "double": "float64"}.get(name, name)
+    try:
+        _NAME_CACHE[dt] = name
+    except TypeError:
+        pass
+    return name
 
 
 def get_xp(arr):
@@ -88,6 +101,7 @@ class TensorRef:
     dtype: str
     itemsize: int
     device: int
+    contiguous: bool | None = None   # as the array's library reports it; None: compute
 
     @classmethod
     def of(cls, x, name: str = "array") -> "TensorRef":
@@ -99,11 +113,10 @@ class TensorRef:
             return inner
         if mod.startswith("torch"):
             dt = _dtype_name(x.dtype)
-            dev = x.device.index if x.device.type == "cuda" else -1
-            if x.device.type == "cuda" and dev is None:
-                dev = 0
-            return cls(x, "torch", int(x.data_ptr()), tuple(x.shape), tuple(x.stride()), dt,
-                       x.element_size(), dev)
+            d = x.device
+            dev = (d.index or 0) if d.type == "cuda" else -1
+            return cls(x, "torch", x.data_ptr(), tuple(x.shape), x.stride(), dt,
+                       x.element_size(), dev, x.is_contiguous())
         if isinstance(x, np.ndarray):
             return cls._from_buffer(x, "numpy", x.ctypes.data, -1)
         if mod.startswith("cupy"):
@@ -124,11 +137,13 @@ class TensorRef:
     @classmethod
     def _from_buffer(cls, x, kind, ptr, device):
         isz = x.dtype.itemsize
-        if any(s % isz for s in x.strides):
-            strides = tuple(s / isz for s in x.strides)  # fractional: rejected by the validator
+        bs = x.strides
+        if any(s % isz for s in bs):
+            strides = tuple(s / isz for s in bs)  # fractional: rejected by the validator
         else:
-            strides = tuple(s // isz for s in x.strides)
-        return cls(x, kind, int(ptr), tuple(x.shape), strides, _dtype_name(x.dtype), isz, device)
+            strides = tuple(s // isz for s in bs)
+        return cls(x, kind, ptr, x.shape, strides, _dtype_name(x.dtype), isz, device,
+                   x.flags.c_contiguous)
 
     @property
     def on_device(self) -> bool:
@@ -150,6 +165,8 @@ class TensorRef:
 
     def is_contiguous(self) -> bool:
         """C-contiguous (size-1 dimensions may have any stride; an empty array always is)."""
+        if self.contiguous is not None:
+            return self.contiguous
         if self.size == 0:
             return True
         return all(st == cs or sh == 1

@@ -239,11 +239,16 @@ class Manifest:
             expected = f"unit stride in the last dim and row stride >= {ref.shape[1]}"
         else:
             ok = ref.is_contiguous()
-            expected = f"C-contiguous strides {ref.contiguous_strides()}"
+            expected = None
         if not ok:
+            expected = expected or f"C-contiguous strides {ref.contiguous_strides()}"
             raise LayoutError(self.name, spec.name, "layout", expected, f"strides {ref.strides}")
+        self.check_alignment(spec.name, ref)
+
+    def check_alignment(self, name: str, ref) -> None:
+        """Raise LayoutError unless ref's address is a multiple of its element size."""
         if ref.ptr % ref.itemsize:
-            raise LayoutError(self.name, spec.name, "alignment",
+            raise LayoutError(self.name, name, "alignment",
                               f"address a multiple of {ref.itemsize}", hex(ref.ptr))
 
     def _dim_value(self, d, sizes, pvals, arrays) -> int:
