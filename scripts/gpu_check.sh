@@ -2,7 +2,7 @@
 # One device call: set up, build the factors (unless already built and carried), run the GPU
 # tests, the main job on every model, and the benchmarks. Logs go to $OUT (or ./gpu_out).
 #
-#   bash scripts/gpu_check.sh [STAGE ...]    stages: setup build list tests selftest run bench
+#   bash scripts/gpu_check.sh [STAGE ...]    stages: setup build list tests selftest run bench bench_rn
 #                                            (default: all of them, in that order)
 # On the lent H200: carry .whl (cffi + pycparser cp312 wheels: cffi is not installed there)
 # and, to skip the build there, the factors/*.so built here.
@@ -10,12 +10,12 @@ set -u -o pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu_out}
 mkdir -p "$OUT"
-stages=${*:-setup build list tests selftest run bench}
+stages=${*:-setup build list tests selftest run bench bench_rn}
 has() { [[ " $stages " == *" $1 "* ]]; }
 status=0
 step() { echo; echo "=== $* ($(date +%T))"; }
 
-if has setup || has tests || has run || has bench || has list; then
+if has setup || has tests || has run || has bench || has bench_rn || has list; then
   if ! python3 -c "import cffi" 2>/dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target /tmp/site .whl/*.whl || { echo "cannot install carried wheels from .whl/"; exit 2; }
@@ -56,6 +56,10 @@ fi
 if has bench && [ -f benchmarks/bench_moe.py ]; then
   step benchmark
   timeout ${BENCH_TIMEOUT:-500} python3 benchmarks/bench_moe.py ${BENCH_ARGS:-} --json "$OUT/bench_moe.json" 2>&1 | tee "$OUT/bench_moe.txt"; [ "${PIPESTATUS[0]}" = 0 ] || status=1
+fi
+if has bench_rn; then
+  step "router/norm benchmark"
+  timeout ${BENCH_TIMEOUT:-500} python3 benchmarks/bench_router_norm.py --json "$OUT/bench_router_norm.json" 2>&1 | tee "$OUT/bench_router_norm.txt"; [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
 step "done: status $status"
 exit $status

@@ -1,0 +1,151 @@
+#!/usr/bin/env python3
+"""topk_softmax and fused_add_rmsnorm against PyTorch eager and torch.compile, side by side.
+
+In one process on one GPU, bf16 (router logits fp32 as engines produce them), for each shape:
+checks our output against the PyTorch one, then times (a) eager calls, per call, as an engine
+calling from Python sees them (launch and host overhead included: median over many calls,
+synchronised every call) and (b) CUDA-graph replay (20 calls captured, device time per call).
+Prints µs and the fraction of the copy bandwidth (bytes that must be read and written once).
+
+    python3 benchmarks/bench_router_norm.py [--json F]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from ex_engine import FactorRegistry, fused_add_rmsnorm, topk_softmax  # noqa: E402
+
+COPY_GBS = 4230.0
+
+
+def torch_rmsnorm(x, residual, weight, eps):
+    r = (x.float() + residual.float()).to(x.dtype)
+    residual.copy_(r)
+    rf = r.float()
+    y = rf * torch.rsqrt(rf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
+    x.copy_(y.to(x.dtype))
+    return x, residual
+
+
+def torch_topk(logits, k, renormalize):
+    p = torch.softmax(logits.float(), dim=-1)
+    w, ids = torch.topk(p, k, dim=-1)
+    if renormalize:
+        w = w / w.sum(-1, keepdim=True)
+    return w, ids.to(torch.int32)
+
+
+def eager_us(fn, reps=200):
+    for _ in range(10):
+        fn()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        ts.append((time.perf_counter() - t0) * 1e6)
+    ts.sort()
+    return ts[len(ts) // 2]
+
+
+def host_us(fn, reps=500):
+    for _ in range(10):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return (t1 - t0) * 1e6 / reps
+
+
+def graph_us(fn, calls=20, replays=20):
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(calls):
+            fn()
+    g.replay()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(replays):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b) * 1000 / calls)
+    ts.sort()
+    return ts[len(ts) // 2]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    reg = FactorRegistry.load()
+    compiled_norm = torch.compile(torch_rmsnorm)
+    compiled_topk = torch.compile(torch_topk)
+    rows = []
+    print(f"{'op':<18}{'shape':<22}{'impl':<15}{'eager µs':>10}{'graph µs':>10}{'% copy':>8}{'host µs':>9}", flush=True)
+    for T, H in [(1, 4096), (4096, 2048), (4096, 7168), (16384, 4096), (16384, 7168)]:
+        print(f"[rmsnorm T={T} H={H}] ...", file=sys.stderr, flush=True)
+        x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+        r = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+        w = (1 + 0.1 * torch.randn(H, device="cuda")).to(torch.bfloat16)
+        x2, r2 = x.clone(), r.clone()
+        fused_add_rmsnorm(x, r, w, 1e-6, registry=reg)
+        torch_rmsnorm(x2, r2, w, 1e-6)
+        err = float((x.float() - x2.float()).norm() / x2.float().norm())
+        assert reg.last_path["fused_add_rmsnorm"] == "plugin" and err < 1e-2, err
+        nbytes = 4 * T * H * 2 + H * 2
+        impls = {"ex_engine": lambda: fused_add_rmsnorm(x, r, w, 1e-6, registry=reg),
+                 "torch eager": lambda: torch_rmsnorm(x, r, w, 1e-6),
+                 "torch.compile": lambda: compiled_norm(x, r, w, 1e-6)}
+        for name, fn in impls.items():
+            e, g = eager_us(fn), graph_us(fn)
+            h = host_us(fn) if name == "ex_engine" and T == 1 else None
+            rows.append({"op": "fused_add_rmsnorm", "T": T, "H": H, "impl": name, "eager_us": e,
+                         "graph_us": g, "copy_frac": nbytes / g / 1e3 / COPY_GBS, "host_us": h, "rel_err": err})
+            print(f"{'fused_add_rmsnorm':<18}{f'T={T} H={H}':<22}{name:<15}{e:>10.1f}{g:>10.1f}"
+                  f"{100 * nbytes / g / 1e3 / COPY_GBS:>7.0f}%{(f'{h:>9.1f}' if h else ''):>9}", flush=True)
+    for T, E, K in [(1, 128, 8), (4096, 64, 8), (4096, 128, 8), (16384, 128, 8), (16384, 384, 8)]:
+        print(f"[topk T={T} E={E}] ...", file=sys.stderr, flush=True)
+        logits = torch.randn(T, E, device="cuda")
+        w, ids = topk_softmax(logits, K, True, registry=reg)
+        w2, ids2 = torch_topk(logits, K, True)
+        assert reg.last_path["topk_softmax"] == "plugin"
+        same = bool((ids == ids2).all())
+        nbytes = T * E * 4 + T * K * 8
+        impls = {"ex_engine": lambda: topk_softmax(logits, K, True, registry=reg),
+                 "torch eager": lambda: torch_topk(logits, K, True),
+                 "torch.compile": lambda: compiled_topk(logits, K, True)}
+        for name, fn in impls.items():
+            e, g = eager_us(fn), graph_us(fn)
+            h = host_us(fn) if name == "ex_engine" and T == 1 else None
+            target = max(2 * nbytes / COPY_GBS / 1e3, 8.0)
+            rows.append({"op": "topk_softmax", "T": T, "E": E, "K": K, "impl": name, "eager_us": e,
+                         "graph_us": g, "target_us": target, "ids_equal_torch": same, "host_us": h})
+            print(f"{'topk_softmax':<18}{f'T={T} E={E} K={K}':<22}{name:<15}{e:>10.1f}{g:>10.1f}"
+                  f"{'':>8}{(f'{h:>9.1f}' if h else ''):>9}  target {target:.1f}", flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
