@@ -1,0 +1,1008 @@
+/*
+ * moe_fused_gemm.cuh -- factor 2, the routed experts of an MoE layer: the portable
+ * implementation (sm_80+), shared by two plugins:
+ *   factors/moe_fused_gemm.cu       this code only (sm_90a + sm_80 + compute_80 PTX)
+ *   factors/moe_fused_gemm_sm90.cu  Hopper: a CUTLASS wgmma grouped-GEMM prefill path, and this
+ *                                   code for decode/small shapes and as its kernel_fallback
+ * Everything here is static or inline: each plugin is one translation unit that includes it
+ * once and adds its own EX_DEFINE_ABI_VERSION() and ex_get_factor.
+ *
+ *   out[t] = sum_k topk_weights[t,k] * w2[e] @ (silu(g) * u),   [g; u] = w13[e] @ x[t],
+ *   e = topk_ids[t,k],  silu(g) = g / (1 + exp(-g)).
+ *   fp32 accumulation; act = silu(g)*u is rounded to the input dtype before the second GEMM
+ *   (as vLLM's fused_experts does). A slot whose id is outside [0, E) contributes nothing and
+ *   sets bit 0 of the int32 at workspace byte 0 (never cleared here: whoever reads it clears it).
+ *
+ * Shapes and dtypes (contract: manifests/moe_fused_gemm.yaml), dims = {T, H, E, I, K, dtype}:
+ *   output  out            (T, H)       fp16 | bf16 (same as hidden_states)
+ *   input   hidden_states  (T, H)       fp16 | bf16, row-major, contiguous
+ *   aux[0]  router_logits  (T, E)       optional, unused
+ *   aux[1]  w13            (E, 2I, H)   rows 0..I-1 of w13[e] are gate, I..2I-1 up
+ *   aux[2]  w2             (E, H, I)
+ *   aux[3]  topk_weights   (T, K)       fp32
+ *   aux[4]  topk_ids       (T, K)       int32
+ *   aux[5]  workspace      workspace_size(dims) bytes, 256-byte aligned
+ *
+ *
+ * Variants:
+ *   kernel           fast path, H % 8 == 0, I % 8 == 0, 16-byte aligned pointers, T*K < 2^31.
+ *                    Four launches, all on the caller's stream, no host sync (graph-capturable):
+ *                      1. moe_route_kernel     one block: histogram of ids per expert (smem
+ *                         atomics), cub::BlockScan exclusive sums (rows and BM-row tiles per
+ *                         expert), tile list {expert, first row, end row}, placement of every
+ *                         valid slot into sorted_slots (grouped by expert), status bit.
+ *                      2. moe_gemm_kernel<GATED> one block per (M-tile, N-tile): A rows
+ *                         gathered from hidden_states[sorted_slots[r] / K] by cp.async (zero
+ *                         fill past the ends), B = gate rows and the matching up rows of w13[e],
+ *                         ldmatrix + mma.sync m16n8k16 (fp32 accumulators), STAGES-deep cp.async
+ *                         pipeline; epilogue silu(g)*u -> act (sorted order, dtype).
+ *                      3. moe_gemm_kernel<!GATED> A = act rows, B = w2[e]; optional split over
+ *                         I (grid z) when few tiles; epilogue * topk_weights[slot] -> y[z][slot]
+ *                         (dtype, scattered back to slot order).
+ *                      4. moe_combine_kernel   out[t] = sum_k sum_z y[z][t*K+k] in fp32, 16-byte
+ *                         vectors, invalid slots skipped; rounded once. No atomics: the same
+ *                         inputs give bit-identical outputs.
+ *                    Surplus GEMM blocks (the grid is an upper bound computed from dims) read the
+ *                    tile count the router wrote and exit.
+ *   kernel_fallback  any H, I, alignment (of the element type): warp per (slot, i) for act, warp
+ *                    per (t, h) for out; scalar loads, fp32, no tensor cores. Same status rule.
+ *
+ * Configs (chosen on the host from rows per expert = T*K/E; table kCfg below;
+ * a config whose smem exceeds hw->shared_mem_per_block_optin is replaced by a smaller one):
+ *   decode  BM=16,  BN1=32(x2 gate+up), BN2=64,  BK=64, 4 warps (1x4), 6 stages    rows/e <= 24
+ *   mid     BM=64,  BN1=64(x2),         BN2=128, BK=64, 4 warps (2x2), 4 stages    rows/e <= 128
+ *   prefill BM=128, BN1=64(x2),         BN2=128, BK=64, 8 warps (2x4), 3 stages    rows/e >  128
+ *
+ * y is kept in the input dtype, not fp32: it halves the bytes of the largest intermediate
+ * (T*K*H) written by GEMM2 and read by the combine, which matters at prefill (qwen3-30b, T=4096:
+ * 134 MB vs 268 MB, ~30 us of the 393 us floor), and it matches vLLM's numerics
+ * (intermediate_cache3 in the activation dtype, moe_sum in fp32).
+ *
+ * Napkin math (H200: 4.23 TB/s copy, 787 TFLOP/s bf16 matmul; PERF.md):
+ *   bytes = experts hit * 3*H*I*2 (+ activations), FLOPs = 2*T*K*3*H*I.
+ *   qwen3-30b-a3b (H=2048, I=768, E=128, K=8): T=1: 8 experts * 9.4 MB = 75.5 MB -> 17.9 us;
+ *   T=4096: 309 GFLOP -> 393 us. Crossover near T*K/E ~ 200 rows per expert. mma.sync tops out
+ *   well below wgmma's 787 TFLOP/s on Hopper, so this version is aimed at the decode rows first.
+ *
+ * Workspace (all sections 256-byte aligned; a pure function of dims):
+ *   [0, 256)        status word (int32 at byte 0) and reserved
+ *   meta            int32[2]: number of tiles, number of valid rows
+ *   tiles           int4[max_tiles(BM=16)]: {expert, first row, end row, 0}
+ *   sorted_slots    int32[T*K]
+ *   act             dtype[T*K, I]   (fast path: sorted order; fallback: slot order)
+ *   y               dtype[S_cap, T*K, H]   (S_cap = 8 if T*K <= 32, else 1)
+ *
+ * Errors: cheap host checks only (NULL pointers, dims, dtype; a NULL workspace is
+ * EX_ERR_WORKSPACE); after the launches cudaGetLastError -> EX_ERR_CUDA with last_error() set.
+ * cudaFuncSetAttribute (smem opt-in) runs once per kernel instantiation, host-only.
+ */
+#ifndef EX_MOE_FUSED_GEMM_CUH
+#define EX_MOE_FUSED_GEMM_CUH
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cub/block/block_scan.cuh>
+
+#include <cstdint>
+#include <cstdio>
+#include <type_traits>
+
+#include "ex_engine.h"
+
+
+// ------------------------------------------------------------------------------------------
+// Configs
+// ------------------------------------------------------------------------------------------
+
+template <int BM_, int BN1_, int BN2_, int WARPS_M_, int WARPS_N_, int STAGES_, int MINB_>
+struct MoeCfg {
+    static constexpr int BM = BM_;        // rows (slots) per M-tile
+    static constexpr int BN1 = BN1_;      // act columns per GEMM1 block (gate BN1 + up BN1 rows)
+    static constexpr int BN2 = BN2_;      // output columns per GEMM2 block
+    static constexpr int BK = 64;         // reduction step: 128-byte smem rows, 8 x 16B chunks
+    static constexpr int WARPS_M = WARPS_M_;
+    static constexpr int WARPS_N = WARPS_N_;
+    static constexpr int THREADS = 32 * WARPS_M_ * WARPS_N_;
+    static constexpr int STAGES = STAGES_;
+    static constexpr int MINB = MINB_;    // __launch_bounds__ min blocks per SM
+    static constexpr int smem_bytes(bool gated) {
+        return STAGES * (BM + (gated ? 2 * BN1 : BN2)) * BK * 2;
+    }
+    static constexpr int smem_max() {
+        return smem_bytes(true) > smem_bytes(false) ? smem_bytes(true) : smem_bytes(false);
+    }
+};
+
+//                    BM  BN1  BN2 WM WN STAGES MINB
+using CfgDecode = MoeCfg<16, 32, 64, 1, 4, 6, 3>;     // T*K/E <= 24   (61,440 B smem)
+using CfgMid = MoeCfg<64, 64, 128, 2, 2, 4, 2>;       // T*K/E <= 128  (98,304 B smem)
+using CfgPrefill = MoeCfg<128, 64, 128, 2, 4, 3, 2>;  // T*K/E >  128  (98,304 B smem)
+
+enum { CFG_DECODE = 0, CFG_MID = 1, CFG_PREFILL = 2, CFG_COUNT = 3 };
+
+// What the host needs of each config: when to pick it and what it launches with.
+struct CfgInfo {
+    int max_rows_per_expert;  // picked while T*K/E <= this
+    int smem;                 // largest dynamic smem of its two GEMMs
+    int threads, stages;
+    int items;                // 16-byte chunks each thread copies per GEMM1 stage
+};
+template <class C> constexpr CfgInfo cfg_info(int max_rows) {
+    return CfgInfo{max_rows, C::smem_max(), C::THREADS, C::STAGES,
+                   (C::BM + 2 * C::BN1) * (C::BK / 8) / C::THREADS};
+}
+static constexpr CfgInfo kCfg[CFG_COUNT] = {cfg_info<CfgDecode>(24), cfg_info<CfgMid>(128),
+                                            cfg_info<CfgPrefill>(0x7fffffff)};
+
+constexpr int kRouteThreads = 1024;
+constexpr int kSmallBM = 16;      // the smallest BM of any config: bounds the tile list
+static_assert(CfgDecode::BM == kSmallBM && CfgMid::BM >= kSmallBM && CfgPrefill::BM >= kSmallBM,
+              "the workspace's tile list is sized for the smallest BM");
+constexpr int kMaxSplits = 8;     // GEMM2 split over I, only for T*K <= kSplitMaxSlots
+constexpr int kSplitMaxSlots = 32;
+constexpr int kSimpleThreads = 256;  // combine and fallback kernels
+
+// The factor's version: both plugins report the same one, so the registry's tie-break between
+// them is the priority (the Hopper plugin's 10 over this one's 0).
+#define MOE_FUSED_GEMM_VERSION "0.1.0"
+
+// ------------------------------------------------------------------------------------------
+// Device helpers
+// ------------------------------------------------------------------------------------------
+
+template <typename T> struct Elem;
+template <> struct Elem<__half> {
+    using T2 = __half2;
+    static __device__ __forceinline__ float to_f(__half v) { return __half2float(v); }
+    static __device__ __forceinline__ __half from_f(float v) { return __float2half_rn(v); }
+    static __device__ __forceinline__ T2 pack(float a, float b) { return __floats2half2_rn(a, b); }
+    static __device__ __forceinline__ float2 unpack(T2 v) { return __half22float2(v); }
+};
+template <> struct Elem<__nv_bfloat16> {
+    using T2 = __nv_bfloat162;
+    static __device__ __forceinline__ float to_f(__nv_bfloat16 v) { return __bfloat162float(v); }
+    static __device__ __forceinline__ __nv_bfloat16 from_f(float v) { return __float2bfloat16_rn(v); }
+    static __device__ __forceinline__ T2 pack(float a, float b) { return __floats2bfloat162_rn(a, b); }
+    static __device__ __forceinline__ float2 unpack(T2 v) { return __bfloat1622float2(v); }
+};
+
+__device__ __forceinline__ float silu_f(float g) { return g / (1.0f + expf(-g)); }
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+    return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// 16-byte global -> shared copy; src_bytes = 0 writes 16 zero bytes and reads nothing.
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
+    const int src_bytes = valid ? 16 : 0;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
+                 "r"(src_bytes)
+                 : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() {
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+template <int N> __device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t& r0, uint32_t& r1, uint32_t& r2,
+                                            uint32_t& r3, uint32_t addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+                 : "r"(addr));
+}
+__device__ __forceinline__ void ldmatrix_x2(uint32_t& r0, uint32_t& r1, uint32_t addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];\n"
+                 : "=r"(r0), "=r"(r1)
+                 : "r"(addr));
+}
+
+// D = A(16x16, row) * B(16x8, col) + D, fp32 accumulators.
+template <typename T>
+__device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4],
+                                          const uint32_t (&b)[2]) {
+    if constexpr (std::is_same<T, __nv_bfloat16>::value) {
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+            "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+    } else {
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+            "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+    }
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+// ------------------------------------------------------------------------------------------
+// Kernel 1: routing. One block. Dynamic smem: 4*E + 1 ints.
+//   cnt[e]   rows of expert e           row0[e]  exclusive prefix of cnt (first sorted row)
+//   cur[e]   placement cursor           toff[e]  exclusive prefix of ceil(cnt/BM), toff[E]=total
+// ------------------------------------------------------------------------------------------
+
+__global__ void __launch_bounds__(kRouteThreads)
+moe_route_kernel(const int* __restrict__ topk_ids, int TK, int E, int BM,
+                 int* __restrict__ status,        // workspace byte 0
+                 int* __restrict__ meta,          // [0] tiles, [1] valid rows
+                 int4* __restrict__ tiles,        // {e, first row, end row, 0}
+                 int* __restrict__ sorted_slots,  // (T*K,) slot of each sorted row
+                 int* __restrict__ expert_off)    // optional (E+1,): first sorted row of each
+                                                  // expert, [E] = valid rows (NULL: not written)
+{
+    using Scan = cub::BlockScan<int, kRouteThreads>;
+    __shared__ typename Scan::TempStorage scan_tmp;
+    extern __shared__ int route_smem[];
+    int* s_cnt = route_smem;
+    int* s_row0 = s_cnt + E;
+    int* s_cur = s_row0 + E;
+    int* s_toff = s_cur + E;  // E + 1 entries
+
+    const int tid = threadIdx.x;
+    for (int e = tid; e < E; e += kRouteThreads) s_cnt[e] = 0;
+    __syncthreads();
+
+    // 1. histogram; four independent loads in flight per thread
+    constexpr int U = 4;
+    int bad = 0;
+    for (long long s0 = tid; s0 < TK; s0 += (long long)kRouteThreads * U) {
+        int ev[U];
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const long long s = s0 + (long long)u * kRouteThreads;
+            ev[u] = (s < TK) ? __ldg(topk_ids + s) : 0;
+        }
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const long long s = s0 + (long long)u * kRouteThreads;
+            if (s < TK) {
+                if ((unsigned)ev[u] < (unsigned)E) atomicAdd(&s_cnt[ev[u]], 1);
+                else bad = 1;
+            }
+        }
+    }
+    bad = __syncthreads_or(bad);  // also the barrier after the histogram
+    if (bad && tid == 0) atomicOr(status, 1);
+
+    // 2. exclusive sums of rows and tiles per expert, E entries in chunks of the block size
+    int row_carry = 0, tile_carry = 0;
+    for (int base = 0; base < E; base += kRouteThreads) {
+        const int e = base + tid;
+        const int c = (e < E) ? s_cnt[e] : 0;
+        const int nt = (c + BM - 1) / BM;
+        int rex, ragg, tex, tagg;
+        Scan(scan_tmp).ExclusiveSum(c, rex, ragg);
+        __syncthreads();  // scan_tmp reused
+        Scan(scan_tmp).ExclusiveSum(nt, tex, tagg);
+        __syncthreads();
+        if (e < E) {
+            s_row0[e] = row_carry + rex;
+            s_cur[e] = row_carry + rex;
+            s_toff[e] = tile_carry + tex;
+            if (expert_off != nullptr) expert_off[e] = row_carry + rex;
+        }
+        row_carry += ragg;  // the aggregates reach every thread
+        tile_carry += tagg;
+    }
+    if (tid == 0) {
+        s_toff[E] = tile_carry;
+        meta[0] = tile_carry;
+        meta[1] = row_carry;
+        if (expert_off != nullptr) expert_off[E] = row_carry;
+    }
+    __syncthreads();
+
+    // 3. tile list: tile i belongs to the largest e with toff[e] <= i (necessarily non-empty)
+    for (int i = tid; i < tile_carry; i += kRouteThreads) {
+        int lo = 0, hi = E - 1;
+        while (lo < hi) {
+            const int mid = (lo + hi + 1) >> 1;
+            if (s_toff[mid] <= i) lo = mid;
+            else hi = mid - 1;
+        }
+        const int r0 = s_row0[lo] + (i - s_toff[lo]) * BM;
+        tiles[i] = make_int4(lo, r0, s_row0[lo] + s_cnt[lo], 0);
+    }
+
+    // 4. placement (order inside an expert is arbitrary; every row is computed independently,
+    //    so the outputs do not depend on it)
+    for (long long s0 = tid; s0 < TK; s0 += (long long)kRouteThreads * U) {
+        int ev[U];
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const long long s = s0 + (long long)u * kRouteThreads;
+            ev[u] = (s < TK) ? __ldg(topk_ids + s) : -1;
+        }
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const long long s = s0 + (long long)u * kRouteThreads;
+            if (s < TK && (unsigned)ev[u] < (unsigned)E) {
+                const int pos = atomicAdd(&s_cur[ev[u]], 1);
+                sorted_slots[pos] = (int)s;
+            }
+        }
+    }
+}
+
+// ------------------------------------------------------------------------------------------
+// Kernels 2 and 3: grouped GEMM over the tile list.
+//   GATED (GEMM1): C[r, n] = silu(A[r] . w13[e][n]) * (A[r] . w13[e][I+n]),
+//                  A[r] = hidden_states[sorted_slots[r] / K], N = I, Kd = H, C = act (sorted).
+//   !GATED (GEMM2): y[z][slot(r), n] = topk_weights[slot(r)] * (act[r] . w2[e][n]) over the
+//                  z-th range of k-tiles, N = H, Kd = I.
+// Smem tiles are [rows][BK=64] with the 16-byte chunk index XOR-swizzled by (row & 7), so both
+// the cp.async stores and the ldmatrix reads (8 rows, same logical chunk) are conflict-free.
+// ------------------------------------------------------------------------------------------
+
+struct GemmParams {
+    const void* a;             // GATED: hidden_states (T, H); else act (T*K, I)
+    const void* b;             // GATED: w13 (E, 2I, H);       else w2 (E, H, I)
+    void* c;                   // GATED: act (T*K, I);         else y (S, T*K, H)
+    const int* sorted_slots;   // (T*K,)
+    const int4* tiles;         // tile list
+    const int* meta;           // meta[0] = number of tiles
+    const float* topk_weights; // (T*K,)
+    int N;                     // output columns: I (GATED) or H
+    int Kd;                    // reduction length: H (GATED) or I
+    int topk;                  // K
+    int n_tiles_n;             // ceil(N / BN)
+    int kt_per_split;          // k-tiles per grid-z slice
+    long long split_stride;    // elements between y slices: T*K*H
+};
+
+template <typename T, class C, bool GATED>
+__global__ void __launch_bounds__(C::THREADS, C::MINB) moe_gemm_kernel(const GemmParams p) {
+    constexpr int BM = C::BM, BK = C::BK, STAGES = C::STAGES, NT = C::THREADS;
+    constexpr int BN = GATED ? C::BN1 : C::BN2;
+    constexpr int NB = GATED ? 2 : 1;  // B row groups: gate and up
+    constexpr int BNB = NB * BN;       // B rows in smem
+    constexpr int WARPS_N = C::WARPS_N;
+    constexpr int WM = BM / C::WARPS_M, WN = BN / WARPS_N;
+    constexpr int MI = WM / 16, NI = WN / 8, NF = NB * NI;
+    constexpr int CPR = BK / 8;  // 16-byte chunks per smem row
+    constexpr int A_CHUNKS = BM * CPR, B_CHUNKS = BNB * CPR;
+    constexpr int A_ITERS = (A_CHUNKS + NT - 1) / NT, B_ITERS = (B_CHUNKS + NT - 1) / NT;
+    constexpr int A_STAGE = BM * BK, B_STAGE = BNB * BK;  // elements
+    static_assert(BK == 64, "swizzle assumes 8 chunks per row");
+    static_assert(BM % (16 * C::WARPS_M) == 0 && BN % (8 * WARPS_N) == 0, "warp tiling");
+    static_assert(NT % CPR == 0, "a thread keeps one chunk column");
+    static_assert(STAGES >= 2, "pipeline");
+
+    extern __shared__ __align__(128) unsigned char gemm_smem[];
+    T* sA = reinterpret_cast<T*>(gemm_smem);
+    T* sB = sA + STAGES * A_STAGE;
+
+    const int tid = threadIdx.x;
+    const int tile = (int)(blockIdx.x / (unsigned)p.n_tiles_n);
+    const int ntile = (int)(blockIdx.x % (unsigned)p.n_tiles_n);
+    if (tile >= p.meta[0]) return;  // surplus block: the whole block leaves before any barrier
+    const int4 td = p.tiles[tile];
+    const int e = td.x, row0 = td.y, row_end = td.z;
+    const int n0 = ntile * BN;
+    const int KT = (p.Kd + BK - 1) / BK;
+    const int kt0 = blockIdx.z * p.kt_per_split;
+    const int kt1 = min(KT, kt0 + p.kt_per_split);
+    const int nkt = kt1 - kt0;  // >= 1: the host picks the split count so that no slice is empty
+
+    const T* A = static_cast<const T*>(p.a);
+    const T* B = static_cast<const T*>(p.b);
+
+    // Row sources of the chunks this thread copies (constant over k); nullptr = zero fill.
+    const T* a_src[A_ITERS];
+#pragma unroll
+    for (int j = 0; j < A_ITERS; ++j) {
+        const int idx = tid + j * NT;
+        const int r = idx / CPR;
+        a_src[j] = nullptr;
+        if (idx < A_CHUNKS && row0 + r < row_end) {
+            if constexpr (GATED) {
+                const int slot = p.sorted_slots[row0 + r];
+                a_src[j] = A + (long long)(slot / p.topk) * p.Kd;
+            } else {
+                a_src[j] = A + (long long)(row0 + r) * p.Kd;
+            }
+        }
+    }
+    const T* b_src[B_ITERS];
+#pragma unroll
+    for (int j = 0; j < B_ITERS; ++j) {
+        const int idx = tid + j * NT;
+        const int r = idx / CPR;
+        b_src[j] = nullptr;
+        if (idx < B_CHUNKS) {
+            const int n = n0 + ((GATED && r >= BN) ? r - BN : r);
+            if (n < p.N) {
+                // w13[e] rows: gate n, up I + n;  w2[e] rows: n
+                const long long grow = (GATED && r >= BN) ? (long long)p.N + n : (long long)n;
+                b_src[j] = B + ((long long)e * NB * p.N + grow) * p.Kd;
+            }
+        }
+    }
+    const int chunk = tid % CPR;  // the same for every j since NT % CPR == 0
+
+    auto load_stage = [&](int slot, int kt) {
+        const int col = kt * BK + chunk * 8;
+        const bool col_ok = col < p.Kd;  // Kd % 8 == 0: a chunk is all in or all out
+        const uint32_t dA = smem_u32(sA + slot * A_STAGE);
+        const uint32_t dB = smem_u32(sB + slot * B_STAGE);
+#pragma unroll
+        for (int j = 0; j < A_ITERS; ++j) {
+            const int idx = tid + j * NT;
+            if (A_CHUNKS % NT == 0 || idx < A_CHUNKS) {
+                const int r = idx / CPR;
+                const bool v = col_ok && a_src[j] != nullptr;
+                const void* src = v ? static_cast<const void*>(a_src[j] + col) : p.a;
+                cp_async16(dA + (uint32_t)(r * BK + ((chunk ^ (r & 7)) << 3)) * 2u, src, v);
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < B_ITERS; ++j) {
+            const int idx = tid + j * NT;
+            if (B_CHUNKS % NT == 0 || idx < B_CHUNKS) {
+                const int r = idx / CPR;
+                const bool v = col_ok && b_src[j] != nullptr;
+                const void* src = v ? static_cast<const void*>(b_src[j] + col) : p.b;
+                cp_async16(dB + (uint32_t)(r * BK + ((chunk ^ (r & 7)) << 3)) * 2u, src, v);
+            }
+        }
+    };
+
+    const int warp = tid >> 5, lane = tid & 31;
+    const int wm = warp / WARPS_N, wn = warp % WARPS_N;
+
+    float acc[MI][NF][4];
+#pragma unroll
+    for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+        for (int f = 0; f < NF; ++f)
+#pragma unroll
+            for (int q = 0; q < 4; ++q) acc[mi][f][q] = 0.0f;
+
+    // first smem row of B fragment f (8 rows): gate frags 0..NI-1, then up frags NI..2NI-1
+    auto b_frag_row = [&](int f) {
+        return (GATED && f >= NI) ? BN + wn * WN + (f - NI) * 8 : wn * WN + f * 8;
+    };
+
+    // Prologue: STAGES-1 stages in flight. One commit per stage, empty or not, so that
+    // wait_group<STAGES-2> below always means "the stage about to be used has landed".
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) {
+        if (s < nkt) load_stage(s, kt0 + s);
+        cp_async_commit();
+    }
+
+    for (int it = 0; it < nkt; ++it) {
+        cp_async_wait<STAGES - 2>();
+        __syncthreads();  // stage it visible to all; stage it-1 fully consumed by all
+        {
+            const int nxt = it + STAGES - 1;
+            if (nxt < nkt) load_stage(nxt % STAGES, kt0 + nxt);  // overwrites stage it-1
+            cp_async_commit();
+        }
+        const int slot = it % STAGES;
+        const uint32_t cA = smem_u32(sA + slot * A_STAGE);
+        const uint32_t cB = smem_u32(sB + slot * B_STAGE);
+#pragma unroll
+        for (int kk = 0; kk < BK / 16; ++kk) {
+            uint32_t af[MI][4];
+            uint32_t bf[NF][2];
+#pragma unroll
+            for (int mi = 0; mi < MI; ++mi) {
+                // matrices: rows 0-7/8-15 x k 0-7/8-15 -> a0, a1, a2, a3
+                const int r = wm * WM + mi * 16 + (lane & 15);
+                const int c = kk * 2 + (lane >> 4);
+                ldmatrix_x4(af[mi][0], af[mi][1], af[mi][2], af[mi][3],
+                            cA + (uint32_t)(r * BK + ((c ^ (r & 7)) << 3)) * 2u);
+            }
+#pragma unroll
+            for (int f = 0; f < NF; f += 2) {
+                // matrices: frag f k 0-7, frag f k 8-15, frag f+1 k 0-7, frag f+1 k 8-15
+                const int c = kk * 2 + ((lane >> 3) & 1);
+                if (f + 1 < NF) {
+                    const int r = b_frag_row(f + (lane >> 4)) + (lane & 7);
+                    ldmatrix_x4(bf[f][0], bf[f][1], bf[f + 1][0], bf[f + 1][1],
+                                cB + (uint32_t)(r * BK + ((c ^ (r & 7)) << 3)) * 2u);
+                } else {
+                    const int r = b_frag_row(f) + (lane & 7);
+                    ldmatrix_x2(bf[f][0], bf[f][1],
+                                cB + (uint32_t)(r * BK + ((c ^ (r & 7)) << 3)) * 2u);
+                }
+            }
+#pragma unroll
+            for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+                for (int f = 0; f < NF; ++f) mma_16816<T>(acc[mi][f], af[mi], bf[f]);
+        }
+    }
+    cp_async_wait<0>();  // only empty groups can remain; leave nothing in flight
+
+    // Epilogue. Accumulator fragment: c0,c1 at (row g, cols 2q, 2q+1), c2,c3 at row g + 8.
+    using E2 = typename Elem<T>::T2;
+    const int g = lane >> 2, q = lane & 3;
+#pragma unroll
+    for (int mi = 0; mi < MI; ++mi) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int grow = row0 + wm * WM + mi * 16 + g + h * 8;
+            if (grow >= row_end) continue;
+            if constexpr (GATED) {
+                T* crow = static_cast<T*>(p.c) + (long long)grow * p.N;
+#pragma unroll
+                for (int j = 0; j < NI; ++j) {
+                    const int n = n0 + wn * WN + j * 8 + 2 * q;  // even; N % 8 == 0
+                    if (n < p.N) {
+                        const float a0 = silu_f(acc[mi][j][2 * h]) * acc[mi][NI + j][2 * h];
+                        const float a1 =
+                            silu_f(acc[mi][j][2 * h + 1]) * acc[mi][NI + j][2 * h + 1];
+                        *reinterpret_cast<E2*>(crow + n) = Elem<T>::pack(a0, a1);
+                    }
+                }
+            } else {
+                const int slot = p.sorted_slots[grow];
+                const float w = p.topk_weights[slot];
+                T* crow = static_cast<T*>(p.c) + (long long)blockIdx.z * p.split_stride +
+                          (long long)slot * p.N;
+#pragma unroll
+                for (int j = 0; j < NI; ++j) {
+                    const int n = n0 + wn * WN + j * 8 + 2 * q;
+                    if (n < p.N)
+                        *reinterpret_cast<E2*>(crow + n) =
+                            Elem<T>::pack(w * acc[mi][j][2 * h], w * acc[mi][j][2 * h + 1]);
+                }
+            }
+        }
+    }
+}
+
+// ------------------------------------------------------------------------------------------
+// Kernel 4: combine. out[t, h8*8 .. +8] = sum_k [id valid] sum_z y[z][t*K+k, ...], fp32,
+// fixed order (deterministic), one 16-byte store.
+// ------------------------------------------------------------------------------------------
+
+template <typename T>
+__global__ void __launch_bounds__(kSimpleThreads)
+moe_combine_kernel(T* __restrict__ out, const T* __restrict__ y, const int* __restrict__ ids,
+                   int T_, int H, int E, int K, int S, long long split_stride) {
+    using E2 = typename Elem<T>::T2;
+    const int HV = H / 8;
+    const long long total = (long long)T_ * HV;
+    for (long long i = (long long)blockIdx.x * kSimpleThreads + threadIdx.x; i < total;
+         i += (long long)gridDim.x * kSimpleThreads) {
+        const long long t = i / HV;
+        const int hv = (int)(i - t * HV);
+        float acc[8];
+#pragma unroll
+        for (int v = 0; v < 8; ++v) acc[v] = 0.0f;
+        for (int k = 0; k < K; ++k) {
+            const long long slot = t * K + k;
+            const int e = __ldg(ids + slot);
+            if ((unsigned)e >= (unsigned)E) continue;  // invalid id: contributes nothing
+            const T* src = y + slot * H + (long long)hv * 8;
+            for (int z = 0; z < S; ++z) {
+                const uint4 raw = __ldg(reinterpret_cast<const uint4*>(src + z * split_stride));
+                const E2* v2 = reinterpret_cast<const E2*>(&raw);
+#pragma unroll
+                for (int v = 0; v < 4; ++v) {
+                    const float2 f = Elem<T>::unpack(v2[v]);
+                    acc[2 * v] += f.x;
+                    acc[2 * v + 1] += f.y;
+                }
+            }
+        }
+        uint4 res;
+        E2* r2 = reinterpret_cast<E2*>(&res);
+#pragma unroll
+        for (int v = 0; v < 4; ++v) r2[v] = Elem<T>::pack(acc[2 * v], acc[2 * v + 1]);
+        *reinterpret_cast<uint4*>(out + t * H + (long long)hv * 8) = res;
+    }
+}
+
+// ------------------------------------------------------------------------------------------
+// Fallback kernels: any H, I; scalar loads; a warp per dot product; fp32; no atomics on data.
+// ------------------------------------------------------------------------------------------
+
+// act[slot, i] = dtype(silu(x[t] . w13[e][i]) * (x[t] . w13[e][I+i])), 0 for an invalid id.
+template <typename T>
+__global__ void __launch_bounds__(kSimpleThreads)
+moe_fallback_act_kernel(T* __restrict__ act, const T* __restrict__ x, const T* __restrict__ w13,
+                        const int* __restrict__ ids, int* __restrict__ status, long long TK,
+                        int H, int E, int I, int K) {
+    const int lane = threadIdx.x & 31;
+    const long long n_warps = TK * I;
+    const long long stride = ((long long)gridDim.x * kSimpleThreads) >> 5;
+    for (long long w = ((long long)blockIdx.x * kSimpleThreads + threadIdx.x) >> 5; w < n_warps;
+         w += stride) {
+        const long long slot = w / I;
+        const int i = (int)(w - slot * I);
+        const int e = __ldg(ids + slot);
+        float r = 0.0f;
+        if ((unsigned)e < (unsigned)E) {
+            const T* xr = x + (slot / K) * H;
+            const T* gr = w13 + ((long long)e * 2 * I + i) * H;
+            const T* ur = gr + (long long)I * H;
+            float gs = 0.0f, us = 0.0f;
+            for (int h = lane; h < H; h += 32) {
+                const float xv = Elem<T>::to_f(xr[h]);
+                gs += xv * Elem<T>::to_f(gr[h]);
+                us += xv * Elem<T>::to_f(ur[h]);
+            }
+            gs = warp_sum(gs);
+            us = warp_sum(us);
+            r = silu_f(gs) * us;
+        } else if (lane == 0 && i == 0) {
+            atomicOr(status, 1);
+        }
+        if (lane == 0) act[w] = Elem<T>::from_f(r);  // w == slot * I + i
+    }
+}
+
+// out[t, h] = dtype(sum_k [id valid] topk_weights[t,k] * (w2[e][h] . act[t*K+k])).
+template <typename T>
+__global__ void __launch_bounds__(kSimpleThreads)
+moe_fallback_out_kernel(T* __restrict__ out, const T* __restrict__ act, const T* __restrict__ w2,
+                        const float* __restrict__ topk_weights, const int* __restrict__ ids,
+                        long long T_, int H, int E, int I, int K) {
+    const int lane = threadIdx.x & 31;
+    const long long n_warps = T_ * H;
+    const long long stride = ((long long)gridDim.x * kSimpleThreads) >> 5;
+    for (long long w = ((long long)blockIdx.x * kSimpleThreads + threadIdx.x) >> 5; w < n_warps;
+         w += stride) {
+        const long long t = w / H;
+        const int h = (int)(w - t * H);
+        float acc = 0.0f;
+        for (int k = 0; k < K; ++k) {
+            const long long slot = t * K + k;
+            const int e = __ldg(ids + slot);
+            if ((unsigned)e >= (unsigned)E) continue;
+            const T* wr = w2 + ((long long)e * H + h) * I;
+            const T* ar = act + slot * I;
+            float d = 0.0f;
+            for (int i = lane; i < I; i += 32) d += Elem<T>::to_f(wr[i]) * Elem<T>::to_f(ar[i]);
+            acc += __ldg(topk_weights + slot) * warp_sum(d);
+        }
+        if (lane == 0) out[w] = Elem<T>::from_f(acc);  // w == t * H + h
+    }
+}
+
+// ------------------------------------------------------------------------------------------
+// Host side: state, errors, workspace layout, argument checks
+// ------------------------------------------------------------------------------------------
+
+static int s_num_sms = 132;
+static int s_smem_optin = 232448;
+static bool s_cfg_allowed[CFG_COUNT] = {true, true, true};
+
+static thread_local char t_last_error[256];
+
+static int set_error(int status, const char* msg) {
+    snprintf(t_last_error, sizeof t_last_error, "%s", msg);
+    return status;
+}
+static int cuda_error(cudaError_t err) {
+    snprintf(t_last_error, sizeof t_last_error, "%s: %s", cudaGetErrorName(err),
+             cudaGetErrorString(err));
+    return EX_ERR_CUDA;
+}
+static const char* moe_last_error(void) { return t_last_error; }
+
+static int64_t align256(int64_t v) { return (v + 255) & ~(int64_t)255; }
+
+struct Problem {
+    int64_t T, H, E, I, K, dtype;
+    int64_t TK;
+};
+
+struct WsLayout {
+    int64_t meta, tiles, sorted, act, y, total;
+    int split_cap;
+};
+
+static int64_t max_tiles_for(int64_t TK, int64_t E, int64_t BM) {
+    // sum_e ceil(n_e / BM) <= floor(TK / BM) + (number of non-empty experts), and <= TK
+    const int64_t nonempty = E < TK ? E : TK;
+    const int64_t bound = TK / BM + nonempty;
+    return bound < TK ? bound : TK;
+}
+
+static WsLayout ws_layout(const Problem& P) {
+    WsLayout L;
+    int64_t off = 256;  // [0, 256): status word
+    L.meta = off;
+    off += 256;
+    L.tiles = off;
+    off += align256(max_tiles_for(P.TK, P.E, kSmallBM) * 16);
+    L.sorted = off;
+    off += align256(P.TK * 4);
+    L.act = off;
+    off += align256(P.TK * P.I * 2);
+    L.split_cap = (P.TK <= kSplitMaxSlots) ? kMaxSplits : 1;
+    L.y = off;
+    off += align256((int64_t)L.split_cap * P.TK * P.H * 2);
+    L.total = off;
+    return L;
+}
+
+// Checks shared by both paths. Returns EX_OK to go on, or a status (with the message set);
+// *done = true for T == 0 (nothing to do).
+static int check_args(void* output, const void* input, const void* aux[], int n_aux,
+                      const int64_t dims[], int n_dims, Problem* P, bool* done) {
+    *done = false;
+    t_last_error[0] = '\0';
+    char msg[192];
+    if (aux == nullptr || dims == nullptr)
+        return set_error(EX_ERR_INVALID_ARGUMENT, "moe_fused_gemm: aux_inputs and dims must not be NULL");
+    if (n_aux < 6) {
+        snprintf(msg, sizeof msg, "moe_fused_gemm: expected n_aux >= 6, got %d", n_aux);
+        return set_error(EX_ERR_INVALID_ARGUMENT, msg);
+    }
+    if (n_dims < 6) {
+        snprintf(msg, sizeof msg, "moe_fused_gemm: expected n_dims >= 6 (T,H,E,I,K,dtype), got %d", n_dims);
+        return set_error(EX_ERR_INVALID_ARGUMENT, msg);
+    }
+    P->T = dims[0]; P->H = dims[1]; P->E = dims[2]; P->I = dims[3]; P->K = dims[4];
+    P->dtype = dims[5];
+    if (P->dtype != EX_DTYPE_FLOAT16 && P->dtype != EX_DTYPE_BFLOAT16) {
+        snprintf(msg, sizeof msg, "moe_fused_gemm: expected dtype float16 (1) or bfloat16 (2), got %lld",
+                 (long long)P->dtype);
+        return set_error(EX_ERR_UNSUPPORTED_DTYPE, msg);
+    }
+    const int64_t lim = 0x7fffffff;
+    if (P->T < 0 || P->H < 1 || P->E < 1 || P->I < 1 || P->K < 1 || P->K > P->E ||
+        P->T > lim || P->H > lim || P->E > lim || P->I > lim) {
+        snprintf(msg, sizeof msg,
+                 "moe_fused_gemm: expected T >= 0, H, E, I >= 1, 1 <= K <= E; got T=%lld H=%lld "
+                 "E=%lld I=%lld K=%lld",
+                 (long long)P->T, (long long)P->H, (long long)P->E, (long long)P->I, (long long)P->K);
+        return set_error(EX_ERR_SHAPE, msg);
+    }
+    P->TK = P->T * P->K;
+    if (P->TK > lim - 4096) {
+        snprintf(msg, sizeof msg, "moe_fused_gemm: expected T*K < 2^31 - 4096, got %lld", (long long)P->TK);
+        return set_error(EX_ERR_SHAPE, msg);
+    }
+    if (P->T == 0) {
+        *done = true;  // nothing to write; pointers of empty tensors may be NULL
+        return EX_OK;
+    }
+    if (output == nullptr || input == nullptr || aux[1] == nullptr || aux[2] == nullptr ||
+        aux[3] == nullptr || aux[4] == nullptr)
+        return set_error(EX_ERR_INVALID_ARGUMENT,
+                         "moe_fused_gemm: out, hidden_states, w13, w2, topk_weights, topk_ids must not be NULL");
+    if (aux[5] == nullptr)
+        return set_error(EX_ERR_WORKSPACE, "moe_fused_gemm: workspace (aux[5]) must not be NULL");
+    return EX_OK;
+}
+
+static int64_t moe_workspace_size(const int64_t dims[], int n_dims) {
+    if (dims == nullptr || n_dims < 6) return 256;
+    Problem P;
+    P.T = dims[0]; P.H = dims[1]; P.E = dims[2]; P.I = dims[3]; P.K = dims[4]; P.dtype = dims[5];
+    const int64_t lim = 0x7fffffff;
+    if (P.T < 0 || P.H < 1 || P.E < 1 || P.I < 1 || P.K < 1 || P.K > P.E || P.T > lim ||
+        P.H > lim || P.E > lim || P.I > lim || P.T * P.K > lim - 4096)
+        return 256;  // the kernel rejects these dims
+    P.TK = P.T * P.K;
+    return ws_layout(P).total;
+}
+
+// ------------------------------------------------------------------------------------------
+// Launchers
+// ------------------------------------------------------------------------------------------
+
+static int pick_config(const Problem& P) {
+    const int64_t rows_per_expert = P.TK / P.E;
+    int c = 0;
+    while (c + 1 < CFG_COUNT && rows_per_expert > kCfg[c].max_rows_per_expert) ++c;
+    while (c > 0 && !s_cfg_allowed[c]) --c;  // smaller tiles when the big ones do not fit
+    return s_cfg_allowed[c] ? c : -1;
+}
+
+template <typename T, class C, bool GATED>
+static cudaError_t gemm_smem_opt_in() {
+    // once per instantiation (host-only, capture-safe); thread-safe static initialisation
+    static const cudaError_t err = cudaFuncSetAttribute(
+        moe_gemm_kernel<T, C, GATED>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+        C::smem_bytes(GATED));
+    return err;
+}
+
+template <typename T, class C>
+static int launch_fast(const Problem& P, void* out, const void* x, const void* w13,
+                       const void* w2, const float* topk_weights, const int* topk_ids,
+                       char* ws, cudaStream_t stream) {
+    const WsLayout L = ws_layout(P);
+    int* status = reinterpret_cast<int*>(ws);
+    int* meta = reinterpret_cast<int*>(ws + L.meta);
+    int4* tiles = reinterpret_cast<int4*>(ws + L.tiles);
+    int* sorted = reinterpret_cast<int*>(ws + L.sorted);
+    T* act = reinterpret_cast<T*>(ws + L.act);
+    T* y = reinterpret_cast<T*>(ws + L.y);
+
+    const int TK = (int)P.TK, H = (int)P.H, E = (int)P.E, I = (int)P.I, K = (int)P.K;
+    const int64_t max_tiles = max_tiles_for(P.TK, P.E, C::BM);
+    const int n_tiles_n1 = (I + C::BN1 - 1) / C::BN1;
+    const int n_tiles_n2 = (H + C::BN2 - 1) / C::BN2;
+    const int64_t blocks1 = max_tiles * n_tiles_n1, blocks2 = max_tiles * n_tiles_n2;
+    if (blocks1 > 0x7fffffff || blocks2 > 0x7fffffff) return EX_FALLBACK;
+
+    // GEMM2 split over I when the grid would leave SMs idle (few tokens, few experts)
+    const int KT2 = (I + C::BK - 1) / C::BK;
+    int S = 1;
+    while (S < L.split_cap && blocks2 * S < 2LL * s_num_sms && KT2 / (2 * S) >= 4) S *= 2;
+    const int kt_per_split = (KT2 + S - 1) / S;
+    S = (KT2 + kt_per_split - 1) / kt_per_split;  // no empty slice
+
+    // routing
+    const size_t route_smem = (size_t)(4 * E + 1) * sizeof(int);
+    if (route_smem + sizeof(typename cub::BlockScan<int, kRouteThreads>::TempStorage) + 1024 >
+        (size_t)s_smem_optin)
+        return EX_FALLBACK;  // absurd E: the fallback needs no routing
+    if (route_smem > 48 * 1024) {
+        static const cudaError_t err =
+            cudaFuncSetAttribute(moe_route_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                 s_smem_optin - (int)sizeof(typename cub::BlockScan<int, kRouteThreads>::TempStorage) - 1024);
+        if (err != cudaSuccess) return cuda_error(err);
+    }
+    cudaError_t err;
+    if ((err = gemm_smem_opt_in<T, C, true>()) != cudaSuccess) return cuda_error(err);
+    if ((err = gemm_smem_opt_in<T, C, false>()) != cudaSuccess) return cuda_error(err);
+
+    moe_route_kernel<<<1, kRouteThreads, route_smem, stream>>>(topk_ids, TK, E, C::BM, status,
+                                                                meta, tiles, sorted, nullptr);
+
+    GemmParams p1;
+    p1.a = x; p1.b = w13; p1.c = act;
+    p1.sorted_slots = sorted; p1.tiles = tiles; p1.meta = meta; p1.topk_weights = topk_weights;
+    p1.N = I; p1.Kd = H; p1.topk = K; p1.n_tiles_n = n_tiles_n1;
+    p1.kt_per_split = (H + C::BK - 1) / C::BK; p1.split_stride = 0;
+    moe_gemm_kernel<T, C, true>
+        <<<dim3((unsigned)blocks1, 1, 1), C::THREADS, C::smem_bytes(true), stream>>>(p1);
+
+    GemmParams p2 = p1;
+    p2.a = act; p2.b = w2; p2.c = y;
+    p2.N = H; p2.Kd = I; p2.n_tiles_n = n_tiles_n2;
+    p2.kt_per_split = kt_per_split; p2.split_stride = P.TK * P.H;
+    moe_gemm_kernel<T, C, false>
+        <<<dim3((unsigned)blocks2, 1, (unsigned)S), C::THREADS, C::smem_bytes(false), stream>>>(p2);
+
+    const int64_t vec = P.T * (P.H / 8);
+    int64_t cblocks = (vec + kSimpleThreads - 1) / kSimpleThreads;
+    const int64_t cap = (int64_t)s_num_sms * 16;
+    if (cblocks > cap) cblocks = cap;
+    moe_combine_kernel<T><<<(unsigned)cblocks, kSimpleThreads, 0, stream>>>(
+        static_cast<T*>(out), y, topk_ids, (int)P.T, H, E, K, S, P.TK * P.H);
+
+    if ((err = cudaGetLastError()) != cudaSuccess) return cuda_error(err);
+    return EX_OK;
+}
+
+template <typename T>
+static int dispatch_fast(const Problem& P, void* out, const void* x, const void* w13,
+                         const void* w2, const float* tw, const int* ids, char* ws,
+                         cudaStream_t stream) {
+    switch (pick_config(P)) {
+        case CFG_DECODE: return launch_fast<T, CfgDecode>(P, out, x, w13, w2, tw, ids, ws, stream);
+        case CFG_MID: return launch_fast<T, CfgMid>(P, out, x, w13, w2, tw, ids, ws, stream);
+        case CFG_PREFILL: return launch_fast<T, CfgPrefill>(P, out, x, w13, w2, tw, ids, ws, stream);
+        default: return EX_FALLBACK;
+    }
+}
+
+static bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
+
+static int moe_kernel(void* output, const void* input, const void* aux_inputs[], int n_aux,
+                      const int64_t dims[], int n_dims, void* stream) {
+    Problem P;
+    bool done;
+    const int st = check_args(output, input, aux_inputs, n_aux, dims, n_dims, &P, &done);
+    if (st != EX_OK || done) return st;
+    // fast path: 16-byte rows and 16-byte aligned tensors
+    if (P.H % 8 != 0 || P.I % 8 != 0) return EX_FALLBACK;
+    if (!aligned16(output) || !aligned16(input) || !aligned16(aux_inputs[1]) ||
+        !aligned16(aux_inputs[2]) || !aligned16(aux_inputs[5]) ||
+        (reinterpret_cast<uintptr_t>(aux_inputs[3]) & 3) || (reinterpret_cast<uintptr_t>(aux_inputs[4]) & 3))
+        return EX_FALLBACK;
+    const float* tw = static_cast<const float*>(aux_inputs[3]);
+    const int* ids = static_cast<const int*>(aux_inputs[4]);
+    char* ws = static_cast<char*>(const_cast<void*>(aux_inputs[5]));
+    cudaStream_t s = static_cast<cudaStream_t>(stream);
+    if (P.dtype == EX_DTYPE_BFLOAT16)
+        return dispatch_fast<__nv_bfloat16>(P, output, input, aux_inputs[1], aux_inputs[2], tw,
+                                            ids, ws, s);
+    return dispatch_fast<__half>(P, output, input, aux_inputs[1], aux_inputs[2], tw, ids, ws, s);
+}
+
+template <typename T>
+static int launch_fallback(const Problem& P, void* out, const void* x, const void* w13,
+                           const void* w2, const float* tw, const int* ids, char* ws,
+                           cudaStream_t stream) {
+    const WsLayout L = ws_layout(P);
+    int* status = reinterpret_cast<int*>(ws);
+    T* act = reinterpret_cast<T*>(ws + L.act);
+    const int64_t warps_per_block = kSimpleThreads / 32;
+    const int64_t cap = (int64_t)s_num_sms * 64;
+    int64_t b1 = (P.TK * P.I + warps_per_block - 1) / warps_per_block;
+    int64_t b2 = (P.T * P.H + warps_per_block - 1) / warps_per_block;
+    if (b1 > cap) b1 = cap;
+    if (b2 > cap) b2 = cap;
+    moe_fallback_act_kernel<T><<<(unsigned)b1, kSimpleThreads, 0, stream>>>(
+        act, static_cast<const T*>(x), static_cast<const T*>(w13), ids, status, P.TK, (int)P.H,
+        (int)P.E, (int)P.I, (int)P.K);
+    moe_fallback_out_kernel<T><<<(unsigned)b2, kSimpleThreads, 0, stream>>>(
+        static_cast<T*>(out), act, static_cast<const T*>(w2), tw, ids, P.T, (int)P.H, (int)P.E,
+        (int)P.I, (int)P.K);
+    const cudaError_t err = cudaGetLastError();
+    return err == cudaSuccess ? EX_OK : cuda_error(err);
+}
+
+static int moe_kernel_fallback(void* output, const void* input, const void* aux_inputs[],
+                               int n_aux, const int64_t dims[], int n_dims, void* stream) {
+    Problem P;
+    bool done;
+    const int st = check_args(output, input, aux_inputs, n_aux, dims, n_dims, &P, &done);
+    if (st != EX_OK || done) return st;
+    // element alignment only (2 bytes for the 16-bit tensors, 4 for the int32/fp32 ones)
+    if ((reinterpret_cast<uintptr_t>(output) | reinterpret_cast<uintptr_t>(input) |
+         reinterpret_cast<uintptr_t>(aux_inputs[1]) | reinterpret_cast<uintptr_t>(aux_inputs[2])) & 1 ||
+        (reinterpret_cast<uintptr_t>(aux_inputs[3]) | reinterpret_cast<uintptr_t>(aux_inputs[4]) |
+         reinterpret_cast<uintptr_t>(aux_inputs[5])) & 3)
+        return set_error(EX_ERR_ALIGNMENT,
+                         "moe_fused_gemm: expected 2-byte aligned fp16/bf16 tensors and 4-byte "
+                         "aligned topk_weights, topk_ids, workspace");
+    const float* tw = static_cast<const float*>(aux_inputs[3]);
+    const int* ids = static_cast<const int*>(aux_inputs[4]);
+    char* ws = static_cast<char*>(const_cast<void*>(aux_inputs[5]));
+    cudaStream_t s = static_cast<cudaStream_t>(stream);
+    if (P.dtype == EX_DTYPE_BFLOAT16)
+        return launch_fallback<__nv_bfloat16>(P, output, input, aux_inputs[1], aux_inputs[2], tw,
+                                              ids, ws, s);
+    return launch_fallback<__half>(P, output, input, aux_inputs[1], aux_inputs[2], tw, ids, ws, s);
+}
+
+// ------------------------------------------------------------------------------------------
+// Hardware check and tuning of the portable path (called from ex_get_factor; no CUDA calls)
+// ------------------------------------------------------------------------------------------
+
+// Returns false if the portable path cannot serve `hw`; otherwise records what the launchers
+// need of it (SM count, smem opt-in limit, configs that fit) and fills *tuning with what the
+// portable GEMMs launch with: the largest config this hardware runs; shared_mem_bytes is the most
+// dynamic smem any GEMM launch requests. Not in it: the router, one block of kRouteThreads
+// threads with 16*E+4 bytes of dynamic smem; combine and fallback, 256 threads, no smem.
+static bool moe_portable_init(const ex_hardware_t* hw, ex_tuning_t* tuning) {
+    if (hw == nullptr || hw->cc_major < 8) return false;  // bf16 mma.sync, cp.async: sm_80+
+    if (hw->warp_size != 32) return false;               // mma fragments assume 32 lanes
+    if (hw->max_threads_per_block < kRouteThreads) return false;
+    bool allowed[CFG_COUNT];
+    int largest = -1;  // the largest config that fits: its tuning is the one reported
+    for (int c = 0; c < CFG_COUNT; ++c) {
+        allowed[c] = kCfg[c].smem <= hw->shared_mem_per_block_optin;
+        if (allowed[c]) largest = c;
+    }
+    if (!allowed[CFG_DECODE]) return false;
+    for (int c = 0; c < CFG_COUNT; ++c) s_cfg_allowed[c] = allowed[c];
+    s_num_sms = hw->multiprocessor_count > 0 ? hw->multiprocessor_count : 1;
+    s_smem_optin = (int)(hw->shared_mem_per_block_optin < 0x7fffffff ? hw->shared_mem_per_block_optin
+                                                                      : 0x7fffffff);
+    int smem = 0;
+    for (int c = 0; c < CFG_COUNT; ++c)
+        if (allowed[c] && kCfg[c].smem > smem) smem = kCfg[c].smem;
+    tuning->threads_per_block = kCfg[largest].threads;
+    tuning->num_warps = kCfg[largest].threads / hw->warp_size;
+    tuning->vec_size = 8;  // 16-byte cp.async / vector accesses of 16-bit elements
+    tuning->items_per_thread = kCfg[largest].items;
+    tuning->shared_mem_bytes = smem;
+    tuning->num_stages = kCfg[largest].stages;
+    return true;
+}
+
+#endif  // EX_MOE_FUSED_GEMM_CUH
