@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import subprocess
 import sys
 import time
@@ -50,8 +51,9 @@ def gmm_pipeline(x, w13, w2, w, ids):
     I = I2 // 2
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=E)
-    offs = torch.cumsum(counts, 0).to(torch.int32)
+    # int32 end offsets per expert, computed on the device (graph-capturable, unlike bincount)
+    offs = torch.searchsorted(flat[order], torch.arange(E, device=x.device, dtype=flat.dtype),
+                              right=True).to(torch.int32)
     tok = order // ids.shape[1]
     xs = x.index_select(0, tok)
     gu = torch._grouped_mm(xs, w13.transpose(1, 2), offs=offs)
@@ -149,10 +151,13 @@ def main():
     reg = FactorRegistry.load()
     assert reg.get("moe_fused_gemm") is not None, [(p.path.name, p.reason) for p in reg.plugins]
     gen = torch.Generator(device="cuda").manual_seed(0)
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    except OSError:
-        commit = "?"
+    commit = os.environ.get("EX_COMMIT", "")
+    if not commit:
+        try:
+            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                    text=True).stdout.strip()
+        except OSError:
+            commit = "?"
     meta = {"date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(),
             "commit": commit or "?", "dtype": args.dtype, "torch": torch.__version__}
     rows = []

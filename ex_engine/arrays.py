@@ -112,11 +112,8 @@ class TensorRef:
             inner.obj, inner.dtype = x, x.dtype
             return inner
         if mod.startswith("torch"):
-            dt = _dtype_name(x.dtype)
-            d = x.device
-            dev = (d.index or 0) if d.type == "cuda" else -1
-            return cls(x, "torch", x.data_ptr(), tuple(x.shape), x.stride(), dt,
-                       x.element_size(), dev, x.is_contiguous())
+            return cls(x, "torch", x.data_ptr(), tuple(x.shape), x.stride(), _dtype_name(x.dtype),
+                       x.element_size(), x.get_device(), x.is_contiguous())  # -1: CPU
         if isinstance(x, np.ndarray):
             return cls._from_buffer(x, "numpy", x.ctypes.data, -1)
         if mod.startswith("cupy"):

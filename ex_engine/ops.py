@@ -32,9 +32,9 @@ def set_default_registry(registry: FactorRegistry | None) -> None:
         _default = registry
 
 
-def _empty(like, shape, dtype: str):
-    """An uninitialised array of ``shape``/``dtype`` from the same library and device as ``like``."""
-    ref = TensorRef.of(like)
+def _empty(ref: TensorRef, shape, dtype: str):
+    """An uninitialised array of ``shape``/``dtype`` from the same library and device as ``ref``."""
+    like = ref.obj
     if ref.kind == "torch":
         import torch
         return torch.empty(shape, dtype=getattr(torch, dtype), device=like.device)
@@ -77,9 +77,9 @@ def topk_softmax(router_logits, top_k: int, renormalize: bool = False, *, topk_w
     ref = TensorRef.of(router_logits, "router_logits")
     T = ref.shape[0] if len(ref.shape) == 2 else 0
     if topk_weights is None:
-        topk_weights = _empty(router_logits, (T, top_k), "float32")
+        topk_weights = _empty(ref, (T, top_k), "float32")
     if topk_ids is None:
-        topk_ids = _empty(router_logits, (T, top_k), "int32")
+        topk_ids = _empty(ref, (T, top_k), "int32")
     (registry or default_registry()).dispatch(
         "topk_softmax", {"router_logits": router_logits, "topk_weights": topk_weights,
                          "topk_ids": topk_ids}, {"renormalize": renormalize})
@@ -122,7 +122,7 @@ def moe_fused_gemm(hidden_states, w13, w2, topk_weights, topk_ids, *, router_log
     """
     ref = TensorRef.of(hidden_states, "hidden_states")
     if out is None:
-        out = _empty(hidden_states, ref.shape, ref.dtype)
+        out = _empty(ref, ref.shape, ref.dtype)
     (registry or default_registry()).dispatch(
         "moe_fused_gemm", {"hidden_states": hidden_states, "out": out, "router_logits": router_logits,
                            "w13": w13, "w2": w2, "topk_weights": topk_weights,

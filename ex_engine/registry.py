@@ -1,20 +1,23 @@
 """The factor registry: loads plugins, checks them against the hardware, dispatches calls.
 
-``FactorRegistry.load("factors/")`` opens every ``*.so`` in the folder with its own cffi
-handle, reads the ABI version it was built with (before running any of its code), calls its
-``ex_get_factor`` with the hardware, checks the tuning it returns, and keeps each plugin as
-ready or rejected with the reason. ``dispatch`` validates a call against the factor's manifest
-and runs kernel -> kernel_fallback -> Python fallback, counting which path served.
+``FactorRegistry.load("factors/")`` checks every ``*.so`` in the folder before running any
+of its code (its SHA-256 against a lock file, if given; the GPU code embedded in it against the
+hardware's compute capability; optionally a probe in a child process), opens it with its own
+cffi handle, reads the ABI version it was built with, calls its ``ex_get_factor`` with the
+hardware, checks the tuning it returns (optionally runs it against its Python fallback), and
+keeps each plugin as ready, shadowed or rejected with the reason. ``dispatch`` validates a call
+against the factor's manifest and runs kernel -> kernel_fallback -> Python fallback, counting
+which path served.
 """
 from __future__ import annotations
 
-import hashlib
+import re
 import threading
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import _paths, abi
+from . import _paths, abi, fatbin, trust
 from .arrays import TensorRef
 from .errors import (DeviceError, DeviceSideError, FactorError, FactorNotFoundError,
                      KernelError)
@@ -26,10 +29,18 @@ PATHS = ("plugin", "kernel_fallback", "python_fallback")
 
 @dataclass
 class Check:
-    """One check a plugin went through: name, passed or not, and what was expected/found."""
+    """One check a plugin went through: name, passed or not, and what was expected/found.
+
+    warn: passed only because the user asked for warnings (``lock_mode="warn"``)."""
     name: str
     ok: bool
     detail: str = ""
+    warn: bool = False
+
+    @property
+    def label(self) -> str:
+        """'ok', 'WARN' or 'FAIL', as ``list-factors --why`` prints it."""
+        return "FAIL" if not self.ok else "WARN" if self.warn else "ok"
 
 
 @dataclass
@@ -46,13 +57,14 @@ class Plugin:
     priority: int = 0
     description: str = ""
     sha256: str = ""
+    cuda_code: dict | None = None   # {'sass': ['sm_90a', ...], 'ptx': ['compute_80']}; None: no fatbin
     checks: list = field(default_factory=list)
     manifest: Manifest | None = None
     lib: object = None
     factor: object = None
 
-    def check(self, name: str, ok: bool, detail: str = "") -> bool:
-        self.checks.append(Check(name, ok, detail))
+    def check(self, name: str, ok: bool, detail: str = "", warn: bool = False) -> bool:
+        self.checks.append(Check(name, ok, detail, warn))
         if not ok and self.status != "rejected_final":
             self.reason = self.reason or f"{name}: {detail}"
         return ok
@@ -68,7 +80,7 @@ class Plugin:
                 "version": self.version, "abi": abi.version_str(self.abi_version) if self.abi_version else "",
                 "status": self.status, "reason": self.reason, "tuning": self.tuning,
                 "priority": self.priority, "description": self.description, "sha256": self.sha256,
-                "checks": [c.__dict__ for c in self.checks]}
+                "cuda_code": self.cuda_code, "checks": [c.__dict__ for c in self.checks]}
 
 
 def check_tuning(t: dict, hw: Hardware, min_elem_bytes: int = 2) -> list:
@@ -81,9 +93,12 @@ def check_tuning(t: dict, hw: Hardware, min_elem_bytes: int = 2) -> list:
                      f"expected a multiple of {ws}, got {tpb}"))
     out.append(Check("num_warps * warp_size == threads_per_block", t["num_warps"] * ws == tpb,
                      f"expected {tpb}, got {t['num_warps']} * {ws} = {t['num_warps'] * ws}"))
+    out.append(Check("threads_per_block <= max_threads_per_multiprocessor",
+                     tpb <= hw.max_threads_per_multiprocessor,
+                     f"expected <= {hw.max_threads_per_multiprocessor} (one block must fit an SM), got {tpb}"))
     out.append(Check("shared_mem_bytes <= shared_mem_per_block_optin",
                      0 <= t["shared_mem_bytes"] <= hw.shared_mem_per_block_optin,
-                     f"expected <= {hw.shared_mem_per_block_optin}, got {t['shared_mem_bytes']}"))
+                     f"expected 0..{hw.shared_mem_per_block_optin}, got {t['shared_mem_bytes']}"))
     vb = t["vec_size"] * min_elem_bytes
     out.append(Check("vec_size * element bytes <= 16", t["vec_size"] in (1, 2, 4, 8, 16) and vb <= 16,
                      f"expected a power of two with vec_size * {min_elem_bytes} B <= 16 B, "
@@ -99,9 +114,41 @@ def _stream_for(refs, device):
     for r in refs:
         if r is not None and r.kind == "torch":
             import torch
-            return torch.cuda.current_stream(device).cuda_stream
+            raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # fast path, no Stream object
+            return raw(device) if raw is not None else torch.cuda.current_stream(device).cuda_stream
     import cupy
     return cupy.cuda.get_current_stream().ptr
+
+
+class _StreamPtr:
+    """A raw cudaStream_t as an object of the CUDA stream protocol (for CuPy)."""
+
+    def __init__(self, ptr: int):
+        self.ptr = ptr
+
+    def __cuda_stream__(self):
+        return (0, self.ptr)
+
+
+def _cupy_stream(ptr: int):
+    """A CuPy stream object for a raw stream pointer (0: the legacy default stream)."""
+    import cupy
+    if ptr == 0:
+        return cupy.cuda.Stream.null
+    from_external = getattr(cupy.cuda.Stream, "from_external", None)
+    if from_external is not None:
+        return from_external(_StreamPtr(ptr))
+    return cupy.cuda.ExternalStream(ptr)
+
+
+def _is_capturing(stream: int) -> bool:
+    """True if ``stream`` is capturing a CUDA graph (or the query itself is refused, which
+    happens for the legacy stream while another stream captures)."""
+    try:
+        from cupy.cuda import runtime
+        return bool(runtime.streamIsCapturing(stream))
+    except Exception:
+        return True
 
 
 class FactorRegistry:
@@ -113,19 +160,34 @@ class FactorRegistry:
     library (<name>.yaml in its folder) takes precedence.
     """
 
-    def __init__(self, hardware=None, manifests_dir=None):
+    def __init__(self, hardware=None, manifests_dir=None, *, prefer=None, lock=None,
+                 lock_mode: str = "refuse", probe=None, probe_timeout: float = 10.0,
+                 verify: bool = False):
         hw = resolve(hardware)
         self.no_gpu_note = ""
         if hw is None:
             hw = Hardware.from_profile("h200")
             self.no_gpu_note = "no GPU visible: plugins checked against profile h200, calls use the Python fallbacks"
+        if lock_mode not in ("refuse", "warn"):
+            raise FactorError(f"lock_mode: expected 'refuse' or 'warn', got {lock_mode!r}")
+        if probe not in (None, "subprocess"):
+            raise FactorError(f"probe: expected None or 'subprocess', got {probe!r}")
         self.hardware: Hardware = hw
         self.manifests: dict = load_all(manifests_dir or _paths.manifests_dir())
         self.plugins: list = []
+        self.notes: list = []           # registry-wide remarks (e.g. a prefer= that matched nothing)
+        self.prefer: dict = dict(prefer or {})
+        self.lock = lock                # None, True (ex_engine.lock beside each library) or a path
+        self.lock_mode = lock_mode
+        self.probe = probe
+        self.probe_timeout = probe_timeout
+        self.verify = verify
+        self._locks: dict = {}
         self._chosen: dict = {}
         self._stats: dict = defaultdict(Counter)
         self._lock = threading.Lock()
-        self._workspaces: dict = {}
+        self._workspaces: dict = {}     # (factor, device, stream or host thread) -> buffer
+        self._ws_lock = threading.Lock()
         self._flags: dict = defaultdict(Counter)
         self._fallbacks: dict = {}
         self._bind_cache: dict = {}
@@ -134,10 +196,29 @@ class FactorRegistry:
 
     # ------------------------------------------------------------------ loading
     @classmethod
-    def load(cls, folder=None, hardware=None, manifests_dir=None) -> "FactorRegistry":
-        """A registry with every ``*.so`` of ``folder`` (default: factors/) loaded and checked."""
-        reg = cls(hardware=hardware, manifests_dir=manifests_dir)
-        reg.load_folder(folder or _paths.factors_dir())
+    def load(cls, folder=None, hardware=None, manifests_dir=None, *, prefer=None, lock=None,
+             lock_mode: str = "refuse", probe=None, probe_timeout: float = 10.0,
+             verify: bool = False) -> "FactorRegistry":
+        """A registry with every ``*.so`` of ``folder`` (default: factors/) loaded and checked.
+
+        prefer: {factor name: file name or path} -- that library wins over other ready plugins
+            of the same name, whatever their version and priority.
+        lock: a lock file path (``ex-engine lock``), or True for ``<folder>/ex_engine.lock``:
+            a library whose SHA-256 differs from the lock, or that the lock does not list, is
+            rejected before it is opened. lock_mode="warn" loads it with a warning check.
+        probe: "subprocess" -- open each library and call its ex_get_factor in a child process
+            first (``probe_timeout`` seconds); one that crashes or hangs there is rejected.
+        verify: run each ready plugin against its Python fallback on its manifest's test
+            shapes (device factors need a live GPU); a pass per (library sha256, GPU name) is
+            remembered in $EX_ENGINE_CACHE/verified.json (default ~/.cache/ex_engine).
+        Raises FactorError if ``folder`` is not a directory or the lock file is unreadable.
+        """
+        folder = Path(folder or _paths.factors_dir())
+        if lock is True:
+            lock = folder / trust.LOCK_NAME
+        reg = cls(hardware=hardware, manifests_dir=manifests_dir, prefer=prefer, lock=lock,
+                  lock_mode=lock_mode, probe=probe, probe_timeout=probe_timeout, verify=verify)
+        reg.load_folder(folder)
         return reg
 
     def load_folder(self, folder) -> list:
@@ -150,7 +231,8 @@ class FactorRegistry:
         return new
 
     def load_library(self, path) -> Plugin:
-        """Load one library file; returns its Plugin record (ready or rejected, never raises)."""
+        """Load one library file; returns its Plugin record (ready or rejected, never raises
+        except for an unreadable lock file)."""
         p = self._load_one(Path(path))
         self._choose()
         return p
@@ -161,18 +243,82 @@ class FactorRegistry:
             return Manifest.load(beside)
         return self.manifests.get(name)
 
+    def _lock_for(self, path: Path):
+        """(lock file path, {file name: sha256}) that applies to ``path``, or None."""
+        if self.lock is None or self.lock is False:
+            return None
+        lock_path = path.parent / trust.LOCK_NAME if self.lock is True else Path(self.lock)
+        if lock_path not in self._locks:
+            self._locks[lock_path] = trust.read_lock(lock_path)
+        return lock_path, self._locks[lock_path]
+
+    def _check_lock(self, p: Plugin) -> bool:
+        lock = self._lock_for(p.path)
+        if lock is None:
+            return True
+        lock_path, digests = lock
+        want = digests.get(p.path.name)
+        if want == p.sha256:
+            return p.check("sha256 lock", True, f"matches {lock_path}")
+        detail = (f"sha256 mismatch: lock has {want}, file has {p.sha256}" if want else
+                  f"sha256 mismatch: lock has no entry for '{p.path.name}', file has {p.sha256}")
+        detail += f" (lock {lock_path})"
+        if self.lock_mode == "warn":
+            return p.check("sha256 lock", True, "warning: " + detail + "; loaded anyway (lock_mode=warn)",
+                           warn=True)
+        return p.check("sha256 lock", False, detail + "; not opened")
+
+    def _check_cuda_code(self, p: Plugin, data: bytes) -> bool:
+        """GPU code embedded in the library vs the hardware's compute capability (no code runs)."""
+        hw = self.hardware
+        try:
+            entries = fatbin.library_code(data)
+        except fatbin.FatbinError as exc:
+            p.check("cuda code", True, f"not checked: {exc} (dlopen decides)")
+            return True
+        if entries is None:
+            return p.check("cuda code", True, "no .nv_fatbin section (a host-only library): check skipped")
+        p.cuda_code = {"sass": [e.name for e in entries if e.kind == "sass"],
+                       "ptx": [e.name for e in entries if e.kind == "ptx"]}
+        ok, detail = fatbin.check_code(entries, hw.cc_major, hw.cc_minor)
+        return p.check("cuda code", ok, f"{detail} ({hw.name}, cc {hw.cc_major}.{hw.cc_minor})")
+
+    @staticmethod
+    def _dlopen_reason(exc: OSError, path: Path) -> str:
+        """Why dlopen failed, from its message: a missing dependency, an unresolved symbol,
+        or not a loadable shared library."""
+        text = str(exc)
+        m = re.search(r"([^\s:'\"]+): cannot open shared object file", text)
+        if m and Path(m.group(1)).name != path.name:
+            return f"missing dependency {m.group(1)} (needed by {path.name}; check `ldd {path}`): {text}"
+        m = re.search(r"undefined symbol: (\S+)", text)
+        if m:
+            return f"unresolved symbol {m.group(1)} (a dependency missing or of another version): {text}"
+        return f"not a loadable shared library: {text}"
+
     def _load_one(self, path: Path) -> Plugin:
         p = Plugin(path=path)
         self.plugins.append(p)
         try:
-            p.sha256 = hashlib.sha256(path.read_bytes()).hexdigest()
+            data = path.read_bytes()
         except OSError as exc:
             p.check("read", False, str(exc))
             return p
+        p.sha256 = trust.sha256_hex(data)
+        # --- before any code of the library runs
+        if not self._check_lock(p):
+            return p
+        if not self._check_cuda_code(p, data):
+            return p
+        if self.probe == "subprocess":
+            ok, detail = trust.probe_library(path, self.hardware, self.probe_timeout)
+            if not p.check("probe (child process)", ok, detail):
+                return p
+        # --- open it
         try:
             p.lib = abi.dlopen(path)
         except OSError as exc:
-            p.check("dlopen", False, f"not a loadable shared library: {exc}")
+            p.check("dlopen", False, self._dlopen_reason(exc, path))
             return p
         p.check("dlopen", True, "opened with its own handle (RTLD_LOCAL)")
         try:
@@ -228,11 +374,40 @@ class FactorRegistry:
             p.check(c.name, c.ok, c.detail)
         if any(not c.ok for c in p.checks):
             return p
+        if self.verify:
+            from .verify import verify_at_load
+            ok, detail = verify_at_load(self, p)
+            if not p.check("verify", ok, detail):
+                return p
         p.status, p.reason = "ready", ""
         return p
 
+    def _preferred(self, p: Plugin) -> bool:
+        """True if the user's ``prefer`` names this library (by file name or path) for its factor."""
+        want = self.prefer.get(p.name)
+        if not want:
+            return False
+        want = Path(want)
+        if want.name != p.path.name:
+            return False
+        return len(want.parts) == 1 or want.resolve() == p.path.resolve()
+
+    @staticmethod
+    def _win_rule(win: Plugin, q: Plugin, prefer_text: str) -> str:
+        """Why ``win`` beats ``q``: the user's choice, then version, then priority, then file name."""
+        if prefer_text:
+            return f"the user's choice (prefer={prefer_text}) overrides version and priority"
+        if win.version_key() != q.version_key():
+            return f"higher version wins: {win.version} over {q.version}"
+        if win.priority != q.priority:
+            return f"same version {win.version}, higher priority wins: {win.priority} over {q.priority}"
+        return (f"same version {win.version} and priority {win.priority}: the file name that sorts "
+                f"last wins ({win.path.name} after {q.path.name})")
+
     def _choose(self) -> None:
-        """Pick one ready plugin per name: highest version, then priority, then file name."""
+        """Pick one ready plugin per name: the user's ``prefer``, else highest version, then
+        priority, then file name. Then one plugin per factor id. Losers say who won and why."""
+        self.notes = [n for n in self.notes if not n.startswith("prefer:")]
         by_name = defaultdict(list)
         for p in self.plugins:
             if p.status in ("ready", "shadowed"):
@@ -240,22 +415,37 @@ class FactorRegistry:
                 by_name[p.name].append(p)
         self._chosen = {}
         for name, ps in by_name.items():
-            ps.sort(key=lambda q: (q.version_key(), q.priority, str(q.path)), reverse=True)
+            ps.sort(key=lambda q: (self._preferred(q), q.version_key(), q.priority, str(q.path)), reverse=True)
             win = ps[0]
             self._chosen[name] = win
+            pref = f"{{{name!r}: {str(self.prefer[name])!r}}}" if self._preferred(win) else ""
             for q in ps[1:]:
                 q.status = "shadowed"
                 q.reason = (f"another plugin of '{name}' wins: {win.path.name} (version {win.version}, "
-                            f"priority {win.priority}) over version {q.version}, priority {q.priority}")
+                            f"priority {win.priority}) over this one (version {q.version}, priority "
+                            f"{q.priority}); rule: {self._win_rule(win, q, pref)}")
+        for name, want in self.prefer.items():
+            win = self._chosen.get(name)
+            if win is None or not self._preferred(win):
+                self.notes.append(f"prefer: {name} -> {want}: no ready plugin of that name from that file; "
+                                  + (f"chose {win.path.name} by version/priority" if win else "none is ready"))
         ids = defaultdict(list)
         for p in self._chosen.values():
             ids[p.factor_id].append(p)
         for fid, ps in ids.items():
             if len(ps) > 1:
-                ps.sort(key=lambda q: (q.manifest is not None and q.manifest.id == fid, str(q.path)))
+                ps.sort(key=lambda q: (q.manifest is not None and q.manifest.id == fid,
+                                       self._preferred(q), str(q.path)))
+                win = ps[-1]
                 for q in ps[:-1]:
+                    if win.manifest is not None and win.manifest.id == fid and (q.manifest is None or q.manifest.id != fid):
+                        rule = f"its manifest assigns id {fid}"
+                    elif self._preferred(win) and not self._preferred(q):
+                        rule = f"the user's choice (prefer={{{win.name!r}: {str(self.prefer[win.name])!r}}})"
+                    else:
+                        rule = f"both claim it; the file name that sorts last wins ({win.path.name} after {q.path.name})"
                     q.status = "rejected"
-                    q.reason = f"factor id {fid} already taken by '{ps[-1].name}' ({ps[-1].path.name})"
+                    q.reason = f"factor id {fid} already taken by '{win.name}' ({win.path.name}); rule: {rule}"
                     del self._chosen[q.name]
 
     # ------------------------------------------------------------------ queries
@@ -347,24 +537,84 @@ class FactorRegistry:
         """Use ``fn(arrays, sizes, params)`` as the Python fallback of ``name`` (over the manifest's)."""
         self._fallbacks[name] = fn
 
-    def _workspace(self, plugin: Plugin, dims, device: int):
-        """A zeroed buffer of at least workspace_size(dims) bytes, kept and grown per (factor, device)."""
+    def _workspace(self, plugin: Plugin, dims, device: int, stream: int):
+        """A zeroed buffer of at least workspace_size(dims) bytes, kept per (factor, device, stream).
+
+        One per stream, so calls on different streams (one per thread, say) never share scratch
+        memory or a status word; host factors key by the calling thread instead. Allocated on
+        first use and grown (status word carried over) under a lock; the hit path is one dict
+        lookup."""
         fn = plugin.factor.workspace_size
         if fn == abi.ffi.NULL:
             return None
         need = int(fn(dims, len(dims)))
-        key = (plugin.name, device)
-        buf = self._workspaces.get(key)
-        if buf is None or buf.nbytes < need:
-            if device < 0:
-                import numpy
-                buf = numpy.zeros(max(need, 256), dtype=numpy.uint8)
-            else:
-                import cupy
-                with cupy.cuda.Device(device):
-                    buf = cupy.zeros(max(need, 256), dtype=cupy.uint8)
+        buf = self._workspaces.get((plugin.name, device, stream))
+        if buf is not None and buf.nbytes >= need:
+            return buf
+        with self._ws_lock:
+            return self._new_workspace((plugin.name, device, stream), need)
+
+    def _new_workspace(self, key, need: int):
+        name, device, stream = key
+        old = self._workspaces.get(key)
+        if old is not None and old.nbytes >= need:
+            return old
+        size = max(need, 256)
+        if device < 0:
+            import numpy
+            buf = numpy.zeros(size, dtype=numpy.uint8)
+            if old is not None:
+                buf[:256] = old[:256]
             self._workspaces[key] = buf
+            return buf
+        import cupy
+        if _is_capturing(stream):
+            # nothing may be allocated into a graph: use one made by an earlier call (warm-up)
+            others = [b for (n, d, _), b in self._workspaces.items()
+                      if n == name and d == device and b.nbytes >= need]
+            if others:
+                buf = max(others, key=lambda b: b.nbytes)
+                self._workspaces[key] = buf
+                return buf
+        try:
+            with cupy.cuda.Device(device), _cupy_stream(stream):
+                buf = cupy.zeros(size, dtype=cupy.uint8)      # zeroed in stream order
+                if old is not None:
+                    buf[:256] = old[:256]
+        except Exception as exc:  # CUDARuntimeError, OutOfMemoryError
+            raise FactorError(f"{name}: cannot allocate a {size}-byte workspace on cuda:{device} "
+                              f"(stream 0x{stream:x}): {exc}. During CUDA-graph capture, call "
+                              "once with these shapes before capturing") from exc
+        self._workspaces[key] = buf
         return buf
+
+    def release_workspaces(self) -> None:
+        """Drop every kept workspace (after check_device_errors has read their status words);
+        the next call allocates again. For engines that retire streams."""
+        self.check_device_errors()
+        with self._ws_lock:
+            self._workspaces.clear()
+
+    def call_plugin(self, plugin: Plugin, arrays: dict, params: dict | None = None) -> str | None:
+        """Run one given ready plugin (not necessarily the chosen one) on ``arrays``.
+
+        Validates like ``dispatch`` and counts the path in ``stats()``, but never falls back to
+        Python: returns 'plugin', 'kernel_fallback', or None when both C paths declined.
+        Used by ``verify``. Raises ArgumentError subclasses, DeviceError, KernelError."""
+        m = plugin.manifest
+        refs_by_name = {k: TensorRef.of(v, k) for k, v in arrays.items() if v is not None}
+        refs, dims, _, _, device = m.bind(refs_by_name, params)
+        host = m.memory == "host"
+        if host and device >= 0:
+            raise DeviceError(plugin.name, m.tensors[0].name, "device", "host memory (a host factor)",
+                              f"cuda:{device}")
+        if not host and (not self.hardware.live or device != self.hardware.device_id):
+            where = f"cuda:{self.hardware.device_id}" if self.hardware.live else "a live GPU"
+            raise DeviceError(plugin.name, m.tensors[0].name, "device", f"arrays on {where}",
+                              "host memory" if device < 0 else f"cuda:{device}")
+        path = self._call_plugin(plugin, m, refs, dims, host=host)
+        self._count(plugin.name, path or "declined")
+        return path
 
     def _call_plugin(self, plugin: Plugin, m: Manifest, refs, dims, host: bool = False):
         ffi = abi.ffi
@@ -373,19 +623,23 @@ class FactorRegistry:
         ws_index = m.workspace_index
         for i, ref in enumerate(refs[2:]):
             aux[i] = ffi.NULL if ref is None else ffi.cast("const void*", ref.ptr)
+        stream = 0 if host else _stream_for(refs, self.hardware.device_id)
         if ws_index is not None:
-            ws = self._workspace(plugin, dims, -1 if host else self.hardware.device_id)
+            if host:
+                ws = self._workspace(plugin, dims, -1, threading.get_ident())
+            else:
+                ws = self._workspace(plugin, dims, self.hardware.device_id, stream)
             ptr = 0 if ws is None else (ws.ctypes.data if host else ws.data.ptr)
             aux[ws_index] = ffi.cast("const void*", ptr)
         dims_c = ffi.new("int64_t[]", dims)
-        stream = ffi.cast("void*", 0 if host else _stream_for(refs, self.hardware.device_id))
+        stream_c = ffi.cast("void*", stream)
         out = ffi.cast("void*", refs[0].ptr)
         inp = ffi.cast("const void*", refs[1].ptr)
-        status = f.kernel(out, inp, aux, len(m.aux), dims_c, len(dims), stream)
+        status = f.kernel(out, inp, aux, len(m.aux), dims_c, len(dims), stream_c)
         if status == abi.EX_OK:
             return "plugin"
         if status == abi.EX_FALLBACK and f.kernel_fallback != ffi.NULL:
-            status = f.kernel_fallback(out, inp, aux, len(m.aux), dims_c, len(dims), stream)
+            status = f.kernel_fallback(out, inp, aux, len(m.aux), dims_c, len(dims), stream_c)
             if status == abi.EX_OK:
                 return "kernel_fallback"
         if status == abi.EX_FALLBACK:
@@ -401,18 +655,32 @@ class FactorRegistry:
 
         Kernels set bits in the int32 at offset 0 of their workspace (moe_fused_gemm: bit 0,
         a topk_id outside [0, E)); the Python fallbacks report the same through counters.
-        Reading the device word synchronises with the device; call it outside graph capture.
+        Reads the status word of every workspace (one per factor, device and stream) after
+        synchronising each device, then clears them; call it outside graph capture.
         """
         problems = []
-        for (name, dev), buf in self._workspaces.items():
+        with self._ws_lock:
+            items = list(self._workspaces.items())
+        seen, synced = set(), set()
+        for (name, dev, _), buf in items:
+            if id(buf) in seen:          # one buffer adopted by a capturing stream
+                continue
+            seen.add(id(buf))
             if dev < 0:
                 word = int(buf[:4].view("int32")[0])
+                if word:
+                    buf[:4].fill(0)
             else:
                 import cupy
                 with cupy.cuda.Device(dev):
+                    if dev not in synced:
+                        cupy.cuda.runtime.deviceSynchronize()   # every stream's calls done
+                        synced.add(dev)
                     word = int(buf[:4].view(cupy.int32).get()[0])
+                    if word:
+                        buf[:4].fill(0)
+                        cupy.cuda.runtime.deviceSynchronize()
             if word:
-                buf[:4].fill(0)
                 problems.append(f"{name}: device status word 0x{word:x} "
                                 f"({self._flag_text(name, word)})")
         with self._lock:
