@@ -1,4 +1,4 @@
-"""The ``ex-engine`` command line: list-factors, hardware, run moe, build.
+"""The ``ex-engine`` command line: list-factors, hardware, run moe, verify, lock, build.
 
 Every command has --help. Exit status: 0 success, 1 a check failed, 2 bad usage or error.
 """
@@ -14,22 +14,35 @@ from .errors import FactorError
 from .hardware import Hardware, list_profiles, resolve
 
 
-def _registry(args):
+def _prefer(items) -> dict:
+    """{'name': 'file.so'} from ['name=file.so', ...]. Raises FactorError on a bad item."""
+    out = {}
+    for item in items or []:
+        name, sep, lib = item.partition("=")
+        if not sep or not name or not lib:
+            raise FactorError(f"--prefer: expected NAME=FILE (e.g. moe_fused_gemm=moe_fused_gemm.so), got {item!r}")
+        out[name] = lib
+    return out
+
+
+def _registry(args, verify: bool = False):
     from .registry import FactorRegistry
-    return FactorRegistry.load(args.dir, hardware=args.hardware)
+    return FactorRegistry.load(args.dir, hardware=args.hardware, prefer=_prefer(args.prefer),
+                               lock=args.lock, lock_mode="warn" if args.lock_warn else "refuse",
+                               probe="subprocess" if args.probe else None, verify=verify)
 
 
 def cmd_list_factors(args) -> int:
     reg = _registry(args)
     if args.json:
         print(json.dumps({"hardware": reg.hardware.as_dict(), "note": reg.no_gpu_note,
-                          "plugins": [p.as_dict() for p in reg.plugins]}, indent=2))
+                          "notes": reg.notes, "plugins": [p.as_dict() for p in reg.plugins]}, indent=2))
         return 0
     hw = reg.hardware
     print(f"hardware: {hw.name} (sm_{hw.cc_major}{hw.cc_minor}, {hw.multiprocessor_count} SMs, "
           f"warp {hw.warp_size}; {hw.source})")
-    if reg.no_gpu_note:
-        print(f"note: {reg.no_gpu_note}")
+    for note in ([reg.no_gpu_note] if reg.no_gpu_note else []) + reg.notes:
+        print(f"note: {note}")
     if not reg.plugins:
         print(f"no plugins (*.so) in {args.dir}; build them with `make` or `ex-engine build`")
         return 0
@@ -45,9 +58,10 @@ def cmd_list_factors(args) -> int:
         print("  ".join(c.ljust(w) for c, w in zip(r[:6], widths)) + ("  " + r[6] if r[6] else ""))
     if args.why:
         for p in reg.plugins:
-            print(f"\n{p.path.name}: {p.status}")
+            print(f"\n{p.path.name}: {p.status}" + (f" ({p.reason})" if p.status == "shadowed" else ""))
+            print(f"  sha256 {p.sha256 or '-'}")
             for c in p.checks:
-                print(f"  [{'ok' if c.ok else 'FAIL'}] {c.name}: {c.detail}")
+                print(f"  [{c.label}] {c.name}: {c.detail}")
     return 0
 
 
@@ -80,6 +94,17 @@ def cmd_run_moe(args) -> int:
     return 0 if ok else 1
 
 
+def cmd_lock(args) -> int:
+    from .trust import write_lock
+    path, digests = write_lock(args.dir, args.output)
+    for name, digest in digests.items():
+        print(f"  {digest}  {name}")
+    print(f"wrote {path} ({len(digests)} libraries; JSON {{file name: sha256}})")
+    if not digests:
+        print(f"note: no *.so in {args.dir}: every library will be refused under this lock")
+    return 0
+
+
 def cmd_build(args) -> int:
     cmd = ["make", "-C", str(_paths.ROOT), f"-j{args.jobs}"]
     if args.archs:
@@ -98,6 +123,14 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--hardware", default=None, metavar="PROFILE",
                        help=f"check against a hardware profile ({', '.join(list_profiles())}) "
                             "instead of the live GPU")
+        p.add_argument("--lock", default=None, metavar="FILE",
+                       help="refuse libraries whose SHA-256 differs from this lock file (ex-engine lock)")
+        p.add_argument("--lock-warn", action="store_true",
+                       help="with --lock: load mismatching libraries, with a warning check")
+        p.add_argument("--probe", action="store_true",
+                       help="open each library in a child process first; refuse one that crashes or hangs")
+        p.add_argument("--prefer", action="append", default=[], metavar="NAME=FILE",
+                       help="this library wins for factor NAME whatever its version or priority (repeatable)")
 
     p = sub.add_parser("list-factors", help="every plugin found: id, name, version, tuning, status and reason",
                        description="Load every plugin in the folder, check it against the hardware, "
@@ -129,6 +162,17 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--repeat", type=int, default=10, help="timed calls per factor on a GPU (default: %(default)s)")
     q.set_defaults(fn=cmd_run_moe)
     p.set_defaults(fn=lambda a: (p.print_help(), 2)[1])
+
+    p = sub.add_parser("lock", help="write the SHA-256 of every plugin library to a lock file",
+                       description="Write a lock file, JSON {file name: sha256}, of every *.so in the "
+                                   "folder. FactorRegistry.load(lock=...) and `list-factors --lock` "
+                                   "then refuse any library that differs or is not listed, before "
+                                   "opening it.")
+    p.add_argument("--dir", default=str(_paths.factors_dir()),
+                   help="folder of plugin libraries (default: %(default)s)")
+    p.add_argument("--output", default=None, metavar="FILE",
+                   help="lock file to write (default: <dir>/ex_engine.lock)")
+    p.set_defaults(fn=cmd_lock)
 
     p = sub.add_parser("build", help="compile every factors/*.cu into a .so with nvcc (runs make)",
                        description="Run `make` in the project root: one .so per factors/*.cu.")

@@ -29,8 +29,10 @@ def pytest_collection_modifyitems(config, items):
 
 
 def build_plugin(folder: Path, stem: str = "host_scale", defines: dict | None = None,
-                 manifest: bool = True, src: Path = PLUGIN_SRC) -> Path:
-    """Compile tests/plugins/host_scale.c with gcc into folder/<stem>.so (+ its manifest)."""
+                 manifest: bool = True, src: Path = PLUGIN_SRC, link: list | None = None) -> Path:
+    """Compile tests/plugins/host_scale.c with gcc into folder/<stem>.so (+ its manifest).
+
+    link: extra gcc arguments after the source (e.g. ["-L/dir", "-lexhelper"])."""
     if shutil.which("gcc") is None:
         pytest.skip("gcc not available")
     folder.mkdir(parents=True, exist_ok=True)
@@ -39,7 +41,7 @@ def build_plugin(folder: Path, stem: str = "host_scale", defines: dict | None = 
     for k, v in (defines or {}).items():
         flags.append(f"-D{k}" if v is True else f"-D{k}={v}")
     subprocess.run(["gcc", "-shared", "-fPIC", "-fvisibility=hidden", "-O1", f"-I{ROOT / 'include'}",
-                    *flags, "-o", str(out), str(src)], check=True)
+                    *flags, "-o", str(out), str(src), *(link or [])], check=True)
     if manifest:
         name = (defines or {}).get("NAME", '"host_scale"').strip('"')
         text = (ROOT / "tests" / "plugins" / "host_scale.yaml").read_text()
@@ -49,4 +51,17 @@ def build_plugin(folder: Path, stem: str = "host_scale", defines: dict | None = 
         if fid is not None:
             text = text.replace("id: 1100", f"id: {fid}")
         (folder / f"{name}.yaml").write_text(text)
+    return out
+
+
+def build_helper(folder: Path) -> Path:
+    """folder/libexhelper.so exporting ``float helper_alpha(float)`` (identity), for a plugin
+    built with ``defines={"HELPER": True}, link=["-L<folder>", "-lexhelper"]``."""
+    if shutil.which("gcc") is None:
+        pytest.skip("gcc not available")
+    folder.mkdir(parents=True, exist_ok=True)
+    src = folder / "exhelper.c"
+    src.write_text("float helper_alpha(float a) { return a; }\n")
+    out = folder / "libexhelper.so"
+    subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(out), str(src)], check=True)
     return out

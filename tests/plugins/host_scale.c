@@ -1,9 +1,11 @@
 /* A host-memory test plugin, built by the tests with gcc in many variants (-D flags):
  *   out[i] = alpha * in[i] (float32), alpha from aux[0][0]; dims = {N}.
  * BEHAVIOUR: 0 returns EX_OK, 1 returns EX_FALLBACK (with kernel_fallback doubling instead),
- * 2 returns EX_FALLBACK with no kernel_fallback, 3 returns EX_ERR_SHAPE.
+ * 2 returns EX_FALLBACK with no kernel_fallback, 3 returns EX_ERR_SHAPE, 4 returns EX_OK with a
+ * wrong result (alpha * in + 1: what `verify` must catch).
  * Other knobs: ABI_OVERRIDE, RETURN_NULL, NULL_NAME, NULL_KERNEL, NO_GET_FACTOR, TPB, VERSION,
- * NAME, FACTOR_ID. */
+ * NAME, FACTOR_ID, PRIORITY, CRASH (ex_get_factor dereferences NULL), HANG (ex_get_factor
+ * never returns), HELPER (the kernel calls helper_alpha() from a separate library). */
 #include "ex_engine.h"
 
 #ifndef BEHAVIOUR
@@ -21,6 +23,16 @@
 #ifndef FACTOR_ID
 #define FACTOR_ID 1100
 #endif
+#ifndef PRIORITY
+#define PRIORITY 0
+#endif
+
+#ifdef HELPER
+float helper_alpha(float a);   /* from libexhelper.so, linked by the test */
+#define ALPHA(a) helper_alpha(a)
+#else
+#define ALPHA(a) (a)
+#endif
 
 #ifdef ABI_OVERRIDE
 EX_EXPORT const uint32_t ex_abi_version = ABI_OVERRIDE;
@@ -35,8 +47,9 @@ static int scale(void* output, const void* input, const void* aux[], int n_aux,
                  const int64_t dims[], int n_dims, void* stream) {
     (void)stream;
     if (n_aux < 1 || n_dims < 1) return EX_ERR_INVALID_ARGUMENT;
-    float alpha = ((const float*)aux[0])[0];
-    for (int64_t i = 0; i < dims[0]; ++i) ((float*)output)[i] = alpha * ((const float*)input)[i];
+    float alpha = ALPHA(((const float*)aux[0])[0]);
+    float plus = BEHAVIOUR == 4 ? 1.0f : 0.0f;
+    for (int64_t i = 0; i < dims[0]; ++i) ((float*)output)[i] = alpha * ((const float*)input)[i] + plus;
     return EX_OK;
 }
 
@@ -57,6 +70,12 @@ static int kernel_fallback(void* output, const void* input, const void* aux[], i
 #ifndef NO_GET_FACTOR
 static ex_factor_t s_factor;
 EX_EXPORT ex_factor_t* ex_get_factor(const ex_hardware_t* hw) {
+#ifdef CRASH
+    *(volatile int*)0 = 1;
+#endif
+#ifdef HANG
+    for (volatile int spin = 1; spin;) {}
+#endif
 #ifdef RETURN_NULL
     (void)hw;
     return NULL;
@@ -83,7 +102,7 @@ EX_EXPORT ex_factor_t* ex_get_factor(const ex_hardware_t* hw) {
     s_factor.kernel_fallback = BEHAVIOUR == 1 ? kernel_fallback : NULL;
     s_factor.workspace_size = NULL;
     s_factor.last_error = last_error;
-    s_factor.priority = 0;
+    s_factor.priority = PRIORITY;
     s_factor.description = "test: out = alpha * in on host memory";
     return &s_factor;
 #endif

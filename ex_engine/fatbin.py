@@ -1,0 +1,155 @@
+"""Which GPUs a plugin library can run on, read from its embedded CUDA fatbin (no code runs).
+
+nvcc puts the device code of a shared library into the ELF section ``.nv_fatbin``: one or more
+fatbin containers, each a 16-byte header followed by entries, each entry a header and a
+payload (a cubin, i.e. SASS for one sm_XY, or PTX for one compute_XY). This module reads the
+section headers of the ELF file with ``struct`` and walks those headers; it never decompresses
+or loads anything, and needs neither cuobjdump nor a GPU.
+
+Layouts (little endian; as written by nvcc, see CUDA's fatbinary_section.h for the section
+name, and public fatbin readers for the headers):
+
+    container header (16 B): u32 magic 0xBA55ED50, u16 version, u16 header_size, u64 fat_size
+    entry header (>= 64 B):  u16 kind (1 PTX, 2 ELF/cubin), u16 version, u32 header_size,
+                             u64 payload_size, u32 compressed_size, u32 -, u16 minor,
+                             u16 major, u32 arch (e.g. 80, 90, 100), u32 name_offset,
+                             u32 name_len, u64 flags, ...
+    flags: 0x100000 an arch-specific target (sm_90a / compute_90a),
+           0x200000 a family-specific target (sm_100f / compute_100f)
+
+Rule (CUDA's compatibility rules): SASS for sm_XY runs on devices of compute capability X.y
+with y >= Y; sm_XYa only on exactly X.Y; PTX compute_XY is JIT-compiled for any cc >= X.Y;
+compute_XYa only for exactly X.Y; the family variants (f) stay within major X with y >= Y.
+"""
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+FATBIN_SECTION = ".nv_fatbin"
+FATBIN_MAGIC = 0xBA55ED50
+KIND_PTX, KIND_ELF = 1, 2
+FLAG_ARCH_SPECIFIC = 0x100000     # the 'a' suffix
+FLAG_FAMILY_SPECIFIC = 0x200000   # the 'f' suffix
+
+_CONTAINER = struct.Struct("<IHHQ")
+_ENTRY = struct.Struct("<HHIQIIHHIIIQ")   # up to and including flags: 48 bytes
+
+
+class FatbinError(ValueError):
+    """The file is not an ELF64 little-endian library, or its fatbin is malformed."""
+
+
+@dataclass(frozen=True)
+class CodeEntry:
+    """One entry of a fatbin: kind 'sass' or 'ptx', arch as an integer (90), suffix '', 'a', 'f'."""
+    kind: str
+    arch: int
+    suffix: str = ""
+
+    @property
+    def name(self) -> str:
+        """'sm_90a' for SASS, 'compute_80' for PTX."""
+        return f"{'sm' if self.kind == 'sass' else 'compute'}_{self.arch}{self.suffix}"
+
+    def runs_on(self, cc_major: int, cc_minor: int) -> bool:
+        """True if this code can run on a device of compute capability cc_major.cc_minor."""
+        major, minor = divmod(self.arch, 10)
+        if self.suffix == "a":
+            return (major, minor) == (cc_major, cc_minor)
+        if self.kind == "sass" or self.suffix == "f":
+            return major == cc_major and minor <= cc_minor
+        return (major, minor) <= (cc_major, cc_minor)   # plain PTX: JIT to any newer device
+
+
+def elf_sections(data: bytes) -> dict:
+    """name -> (offset, size) of every section of an ELF64 little-endian file.
+
+    Raises FatbinError if ``data`` is not such a file or its section table lies outside it
+    (a truncated library)."""
+    if data[:4] != b"\x7fELF":
+        raise FatbinError("not an ELF file")
+    if data[4] != 2 or data[5] != 1:
+        raise FatbinError(f"not a 64-bit little-endian ELF (class {data[4]}, data {data[5]})")
+    try:
+        e_shoff, = struct.unpack_from("<Q", data, 0x28)
+        e_shentsize, e_shnum, e_shstrndx = struct.unpack_from("<HHH", data, 0x3A)
+        sh = struct.Struct("<IIQQQQIIQQ")
+        if e_shoff == 0:
+            return {}
+        if e_shnum == 0:   # extended numbering: the count is in section 0's sh_size
+            e_shnum = sh.unpack_from(data, e_shoff)[5]
+        if e_shentsize < sh.size or e_shoff + e_shnum * e_shentsize > len(data):
+            raise FatbinError(f"section table ({e_shnum} x {e_shentsize} B at {e_shoff}) "
+                              f"beyond the end of the file ({len(data)} B): truncated?")
+        heads = [sh.unpack_from(data, e_shoff + i * e_shentsize) for i in range(e_shnum)]
+        str_off, str_size = heads[e_shstrndx][4], heads[e_shstrndx][5]
+        names = data[str_off:str_off + str_size]
+        out = {}
+        for h in heads:
+            end = names.find(b"\0", h[0])
+            out[names[h[0]:end].decode(errors="replace")] = (h[4], h[5])
+        return out
+    except (struct.error, IndexError) as exc:
+        raise FatbinError(f"malformed ELF header or section table: {exc}") from None
+
+
+def fatbin_entries(blob: bytes) -> list:
+    """Every CodeEntry of the fatbin containers in ``blob`` (the .nv_fatbin section's bytes).
+
+    Containers may be separated by alignment padding. Raises FatbinError on a malformed
+    header (sizes pointing outside the blob)."""
+    out, pos = [], 0
+    magic = struct.pack("<I", FATBIN_MAGIC)
+    while True:
+        pos = blob.find(magic, pos)
+        if pos < 0 or pos + _CONTAINER.size > len(blob):
+            return out
+        _, _, hsize, fat_size = _CONTAINER.unpack_from(blob, pos)
+        p, end = pos + hsize, pos + hsize + fat_size
+        if hsize < _CONTAINER.size or end > len(blob):
+            raise FatbinError(f"fatbin container at {pos}: size {fat_size} beyond the section")
+        while p + _ENTRY.size <= end:
+            kind, _, ehsize, psize, _, _, _, _, arch, _, _, flags = _ENTRY.unpack_from(blob, p)
+            if ehsize < _ENTRY.size or p + ehsize + psize > end:
+                raise FatbinError(f"fatbin entry at {p}: header {ehsize} B, payload {psize} B "
+                                  "beyond its container")
+            suffix = "a" if flags & FLAG_ARCH_SPECIFIC else "f" if flags & FLAG_FAMILY_SPECIFIC else ""
+            if kind in (KIND_PTX, KIND_ELF):
+                out.append(CodeEntry("ptx" if kind == KIND_PTX else "sass", arch, suffix))
+            p += ehsize + psize
+        pos = end
+
+
+def library_code(data: bytes) -> list | None:
+    """The CodeEntry list of a library's bytes (deduplicated, highest arch first), or None if
+    it has no .nv_fatbin section (a host-only library). Raises FatbinError."""
+    sections = elf_sections(data)
+    if FATBIN_SECTION not in sections:
+        return None
+    off, size = sections[FATBIN_SECTION]
+    if off + size > len(data):
+        raise FatbinError(f"section {FATBIN_SECTION} beyond the end of the file: truncated?")
+    entries = set(fatbin_entries(data[off:off + size]))
+    return sorted(entries, key=lambda e: (e.kind != "sass", -e.arch, e.suffix != "a", e.suffix))
+
+
+def describe(entries: list) -> str:
+    """'sm_90a, sm_80 SASS and compute_80 PTX' (or '... and no PTX', 'no SASS and ...')."""
+    sass = [e.name for e in entries if e.kind == "sass"]
+    ptx = [e.name for e in entries if e.kind == "ptx"]
+    return (f"{', '.join(sass) + ' SASS' if sass else 'no SASS'} and "
+            f"{', '.join(ptx) + ' PTX' if ptx else 'no PTX'}")
+
+
+def check_code(entries: list, cc_major: int, cc_minor: int) -> tuple:
+    """(ok, detail): can a device of cc_major.cc_minor run one of ``entries``?
+
+    SASS that runs natively is preferred over PTX that needs JIT compilation."""
+    target = f"sm_{cc_major}{cc_minor}"
+    for kind in ("sass", "ptx"):
+        for e in entries:
+            if e.kind == kind and e.runs_on(cc_major, cc_minor):
+                how = "SASS" if kind == "sass" else "PTX, JIT-compiled by the driver at first use"
+                return True, f"{target}: ok via {e.name} ({how}); library has {describe(entries)}"
+    return False, f"no SASS or PTX for {target}: library has {describe(entries)}"

@@ -1,0 +1,127 @@
+"""Checks made before a plugin's code runs in this process: lock files and the probe.
+
+Lock file (``ex-engine lock``): JSON, ``{"<file name>.so": "<sha256 hex>", ...}`` for every
+``*.so`` of a folder, sorted by name. ``FactorRegistry.load(..., lock=path)`` compares each
+library's digest with it before ``dlopen``.
+
+Probe (``FactorRegistry.load(..., probe="subprocess")``): a child Python process, with the same
+``sys.path``, opens the library and calls its ``ex_get_factor`` with the same hardware. A
+library that crashes or hangs there is reported and never opened in this process.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from .errors import FactorError
+
+LOCK_NAME = "ex_engine.lock"
+
+
+def sha256_hex(data: bytes) -> str:
+    """The SHA-256 digest of ``data`` as 64 hex digits."""
+    return hashlib.sha256(data).hexdigest()
+
+
+def lock_digests(folder) -> dict:
+    """file name -> sha256 of every ``*.so`` in ``folder`` (sorted by name)."""
+    return {p.name: sha256_hex(p.read_bytes()) for p in sorted(Path(folder).glob("*.so"))}
+
+
+def write_lock(folder, output=None) -> tuple:
+    """Write the lock file of ``folder`` (default ``folder/ex_engine.lock``).
+
+    Returns (path written, {file name: sha256}). Raises FactorError if ``folder`` is not a
+    directory."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise FactorError(f"lock: '{folder}' is not a directory")
+    digests = lock_digests(folder)
+    out = Path(output) if output else folder / LOCK_NAME
+    out.write_text(json.dumps(digests, indent=2, sort_keys=True) + "\n")
+    return out, digests
+
+
+def read_lock(path) -> dict:
+    """{file name: sha256} from a lock file. Raises FactorError if missing or malformed."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise FactorError(f"lock file {path}: not found; write one with `ex-engine lock`") from None
+    except (OSError, ValueError) as exc:
+        raise FactorError(f"lock file {path}: not readable JSON ({exc})") from None
+    if not isinstance(data, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                             for k, v in data.items()):
+        raise FactorError(f"lock file {path}: expected a JSON object {{file name: sha256}}, "
+                          f"got {type(data).__name__}")
+    return {k: v.lower() for k, v in data.items()}
+
+
+# ------------------------------------------------------------------------------------ probe
+_CHILD = r"""
+import json, sys
+sys.path[:] = json.loads(sys.argv[3])
+from ex_engine import abi
+from ex_engine.hardware import Hardware
+print("stage dlopen", flush=True)
+lib = abi.dlopen(sys.argv[1])
+try:
+    version = int(lib.ex_abi_version)
+except Exception:
+    print("stage done: no ex_abi_version", flush=True)
+    sys.exit(0)
+if version >> 16 != abi.ABI_VERSION_MAJOR:
+    print("stage done: other ABI", flush=True)      # never call a library of another ABI
+    sys.exit(0)
+hw = Hardware(**json.loads(sys.argv[2])).to_c(abi.ffi)
+print("stage ex_get_factor", flush=True)
+f = lib.ex_get_factor(hw)
+if f != abi.ffi.NULL and f.name != abi.ffi.NULL:
+    abi.ffi.string(f.name)
+    if f.version != abi.ffi.NULL:
+        abi.ffi.string(f.version)
+print("stage done", flush=True)
+"""
+
+
+def _signal_name(num: int) -> str:
+    try:
+        return signal.Signals(num).name
+    except ValueError:
+        return f"signal {num}"
+
+
+def probe_library(path, hardware, timeout: float = 10.0) -> tuple:
+    """Open ``path`` in a child process and call its ex_get_factor with ``hardware``.
+
+    Returns (ok, detail). Not ok: the child died of a signal ("crashed in ex_get_factor:
+    signal SIGSEGV") or ran past ``timeout`` seconds ("timed out after 10 s in
+    ex_get_factor"). A Python error in the child (an unloadable file, a missing symbol) is
+    ok here: the in-process checks report it without running the library's code.
+    """
+    cmd = [sys.executable, "-c", _CHILD, str(path), json.dumps(hardware.as_dict()),
+           json.dumps(sys.path)]
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        out, rc = r.stdout, r.returncode
+    except subprocess.TimeoutExpired as exc:
+        out = exc.stdout.decode(errors="replace") if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+        return False, f"timed out after {timeout:g} s in {_stage(out)}"
+    stage = _stage(out)
+    if rc < 0:
+        return False, f"crashed in {stage}: signal {_signal_name(-rc)}"
+    if stage.startswith("done") or rc == 0:
+        return True, "child process: opened and called ex_get_factor without crashing"
+    return True, (f"child process stopped in {stage} with exit status {rc} (a Python error: "
+                  "the checks below say why); no crash")
+
+
+def _stage(stdout: str) -> str:
+    """The last stage the child reached: 'dlopen', 'ex_get_factor' or 'done ...'."""
+    stages = [ln[6:] for ln in stdout.splitlines() if ln.startswith("stage ")]
+    return stages[-1] if stages else "start-up"
