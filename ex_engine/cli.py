@@ -94,6 +94,32 @@ def cmd_run_moe(args) -> int:
     return 0 if ok else 1
 
 
+def cmd_verify(args) -> int:
+    from . import verify
+    reg = _registry(args)
+    hw = reg.hardware
+    print(f"hardware: {hw.name} ({hw.source})")
+    for note in ([reg.no_gpu_note] if reg.no_gpu_note else []) + reg.notes:
+        print(f"note: {note}")
+    if not hw.live:
+        print("note: no live GPU: device factors cannot be run here; checking host factors only")
+    chosen = sorted((reg.get(n) for n in {p.name for p in reg.plugins if reg.get(p.name)}),
+                    key=lambda p: p.name)
+    if not chosen:
+        print(f"no ready plugins in {args.dir}")
+        return 0
+    results = []
+    for p in chosen:
+        print(f"verifying {p.name} ({p.path.name}) ...", flush=True)
+        results += verify.verify_plugin(reg, p, seed=args.seed)
+    print(verify.format_table(results))
+    n = {s: sum(r.status == s for r in results) for s in ("pass", "FAIL", "declined", "skipped")}
+    print(f"verify: {n['pass']} passed, {n['FAIL']} failed, {n['declined']} declined by the plugin "
+          f"(the Python fallback serves those), {n['skipped']} factor(s) skipped")
+    print("stats:", json.dumps(reg.stats()))
+    return 1 if n["FAIL"] else 0
+
+
 def cmd_lock(args) -> int:
     from .trust import write_lock
     path, digests = write_lock(args.dir, args.output)
@@ -162,6 +188,16 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--repeat", type=int, default=10, help="timed calls per factor on a GPU (default: %(default)s)")
     q.set_defaults(fn=cmd_run_moe)
     p.set_defaults(fn=lambda a: (p.print_help(), 2)[1])
+
+    p = sub.add_parser("verify", help="run every ready factor against its Python fallback on its test shapes",
+                       description="Run every ready factor against its Python fallback on the test "
+                                   "shapes of its manifest (each dtype of its main input, random "
+                                   "inputs as the manifest's `values` say) and print a pass/fail "
+                                   "table and the call counters. Without a GPU only host factors "
+                                   "run. Exit status 1 if a case failed.")
+    common(p)
+    p.add_argument("--seed", type=int, default=0, help="random seed (default: %(default)s)")
+    p.set_defaults(fn=cmd_verify)
 
     p = sub.add_parser("lock", help="write the SHA-256 of every plugin library to a lock file",
                        description="Write a lock file, JSON {file name: sha256}, of every *.so in the "

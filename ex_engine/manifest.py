@@ -47,6 +47,8 @@ class TensorSpec:
     same_dtype_as: str | None = None
     row_strided: bool = False      # rows may be spaced wider than the last dim (a view)
     same_as_output: bool = False   # input and output are one array (in place)
+    values: dict | None = None     # how `verify` draws test inputs: {normal: STD}, {uniform: [LO, HI]},
+                                   # {ids_below: SYM, distinct: true}; default N(0, 1) / ints in [0, 8)
     parsed: list = field(default_factory=list)
 
     @classmethod
@@ -54,7 +56,7 @@ class TensorSpec:
         spec = cls(name=d["name"], role=d.get("role", role), shape=list(d.get("shape", [])),
                    dtypes=list(d.get("dtype", [])), optional=bool(d.get("optional", False)),
                    same_dtype_as=d.get("same_dtype_as"), row_strided=bool(d.get("row_strided")),
-                   same_as_output=bool(d.get("same_as_output")))
+                   same_as_output=bool(d.get("same_as_output")), values=d.get("values"))
         spec.parsed = [_parse_dim(e) for e in spec.shape]
         return spec
 

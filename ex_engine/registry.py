@@ -595,12 +595,13 @@ class FactorRegistry:
         with self._ws_lock:
             self._workspaces.clear()
 
-    def call_plugin(self, plugin: Plugin, arrays: dict, params: dict | None = None) -> str | None:
+    def call_plugin(self, plugin: Plugin, arrays: dict, params: dict | None = None,
+                    count: bool = True) -> str | None:
         """Run one given ready plugin (not necessarily the chosen one) on ``arrays``.
 
-        Validates like ``dispatch`` and counts the path in ``stats()``, but never falls back to
-        Python: returns 'plugin', 'kernel_fallback', or None when both C paths declined.
-        Used by ``verify``. Raises ArgumentError subclasses, DeviceError, KernelError."""
+        Validates like ``dispatch`` and (if ``count``) counts the path in ``stats()``, but never
+        falls back to Python: returns 'plugin', 'kernel_fallback', or None when both C paths
+        declined. Used by ``verify``. Raises ArgumentError subclasses, DeviceError, KernelError."""
         m = plugin.manifest
         refs_by_name = {k: TensorRef.of(v, k) for k, v in arrays.items() if v is not None}
         refs, dims, _, _, device = m.bind(refs_by_name, params)
@@ -613,7 +614,8 @@ class FactorRegistry:
             raise DeviceError(plugin.name, m.tensors[0].name, "device", f"arrays on {where}",
                               "host memory" if device < 0 else f"cuda:{device}")
         path = self._call_plugin(plugin, m, refs, dims, host=host)
-        self._count(plugin.name, path or "declined")
+        if count and path:
+            self._count(plugin.name, path)
         return path
 
     def _call_plugin(self, plugin: Plugin, m: Manifest, refs, dims, host: bool = False):

@@ -1,0 +1,370 @@
+"""Does a plugin compute what its Python fallback computes? Run both on the manifest's test shapes.
+
+One place for the test inputs (``make_inputs``), shared by ``ex-engine verify``,
+``FactorRegistry.load(..., verify=True)`` and the tests. For each test shape of the manifest
+(``test_shapes``: sizes and parameters) and each dtype of its main input, draw random inputs
+as the manifest's ``values`` say (default N(0, 1) floats, ints in [0, 8); ``{normal: STD}``
+with STD a number or ``1/sqrt(SYM)``, ``{uniform: [LO, HI]}``, ``{ids_below: SYM, distinct:
+true}`` for ids distinct within each row), poison the outputs (NaN, -7), run the plugin on one
+copy and the Python fallback on another, and compare every output: integer outputs exactly,
+float outputs by ||got - want|| / ||want|| against the manifest's tolerance for that dtype.
+
+Device factors need a live GPU (CuPy); host factors (``memory: host``) run anywhere.
+A pass is remembered per (library sha256, GPU name) in ``$EX_ENGINE_CACHE/verified.json``
+(default ``~/.cache/ex_engine/verified.json``), so ``load(verify=True)`` does not repeat it.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .arrays import Bits16, TensorRef, f32_to_bf16_bits
+from .errors import FactorError
+
+_RSQRT = re.compile(r"^\s*1\s*/\s*sqrt\(\s*(\w+)\s*\)\s*$")
+
+
+@dataclass
+class CaseResult:
+    """One test shape x dtype. status: 'pass', 'FAIL', 'declined' (no C path took it: the Python
+    fallback would serve) or 'skipped'. error: the largest relative error over float outputs."""
+    factor: str
+    case: str
+    dtype: str
+    status: str
+    path: str = "-"
+    error: float | None = None
+    tol: float | None = None
+    detail: str = ""
+
+    @property
+    def failed(self) -> bool:
+        return self.status == "FAIL"
+
+
+# ------------------------------------------------------------------------------------ inputs
+def case_dtypes(m) -> list:
+    """The dtypes a test case iterates over: those of the manifest's main input."""
+    spec = m.output if m.input.same_as_output else m.input
+    return list(spec.dtypes) or ["float32"]
+
+
+def split_case(m, case: dict) -> tuple:
+    """(sizes, params) of one ``test_shapes`` entry: keys that are parameters go to params."""
+    sizes = {k: int(v) for k, v in case.items() if k not in m.params}
+    params = {k: v for k, v in case.items() if k in m.params}
+    return sizes, params
+
+
+def case_label(case: dict) -> str:
+    return " ".join(f"{k}={v}" for k, v in case.items())
+
+
+def tensor_dtype(m, spec, dtype: str) -> str:
+    """The dtype ``spec`` gets in a case whose main input has ``dtype``."""
+    main = m.output if m.input.same_as_output else m.input
+    if spec is main or spec.name == main.name:
+        return dtype
+    if spec.same_dtype_as:
+        other = next(t for t in m.tensors if t.name == spec.same_dtype_as and not t.same_as_output)
+        return tensor_dtype(m, other, dtype)
+    if dtype in spec.dtypes:
+        return dtype
+    return spec.dtypes[0] if spec.dtypes else "float32"
+
+
+def _shape(spec, sizes) -> tuple:
+    return tuple(c if s is None else c * sizes[s] for c, s in spec.parsed)
+
+
+def _scalar(v, sizes) -> float:
+    """A number, or 'SYM' / '1/sqrt(SYM)' resolved with the case's sizes."""
+    if isinstance(v, (int, float)):
+        return float(v)
+    m = _RSQRT.match(str(v))
+    if m:
+        return 1.0 / math.sqrt(max(sizes[m.group(1)], 1))
+    return float(sizes[str(v)]) if str(v) in sizes else float(v)
+
+
+def _to_dtype(xp, values_f32, dtype: str):
+    """An array of ``dtype`` (bfloat16 as Bits16) from float32 values."""
+    if dtype == "bfloat16":
+        return Bits16(f32_to_bf16_bits(xp, values_f32))
+    return values_f32.astype(dtype)
+
+
+def _draw(xp, rng, hrng, spec, shape, dtype: str, sizes):
+    """Random values for one input array, as its manifest ``values`` say (``rng``: xp's
+    generator for large float arrays; ``hrng``: NumPy's for ids and small draws)."""
+    v = spec.values or {}
+    if "ids_below" in v:
+        n = int(_scalar(v["ids_below"], sizes))
+        k = shape[-1] if shape else 1
+        rows = int(np.prod(shape)) // k if k else 0
+        if v.get("distinct"):
+            if k > n:
+                raise FactorError(f"{spec.name}: {k} distinct ids per row asked, only {n} exist")
+            ids = np.argsort(hrng.random((rows, n)), axis=1)[:, :k]
+        else:
+            ids = hrng.integers(0, max(n, 1), (rows, k))
+        return xp.asarray(ids.reshape(shape).astype(dtype))
+    if dtype.startswith("int"):
+        lo, hi = v.get("uniform", [0, 8])
+        return xp.asarray(hrng.integers(int(lo), int(hi), size=shape).astype(dtype))
+    if "uniform" in v:
+        lo, hi = (_scalar(x, sizes) for x in v["uniform"])
+        f = xp.asarray((hrng.random(shape) * (hi - lo) + lo).astype(np.float32))
+    else:
+        f = _normal(xp, rng, shape, _scalar(v.get("normal", 1.0), sizes))
+    return _to_dtype(xp, f, dtype)
+
+
+def _normal(xp, rng, shape, std: float):
+    """N(0, std^2) float32, drawn one leading slice at a time (weights can be large)."""
+    out = xp.empty(shape, dtype=xp.float32)
+    if len(shape) == 3:
+        for i in range(shape[0]):
+            out[i] = rng.standard_normal(shape[1:], dtype=xp.float32) * xp.float32(std)
+    else:
+        out[...] = rng.standard_normal(shape, dtype=xp.float32) * xp.float32(std)
+    return out
+
+
+def _poison(xp, shape, dtype: str):
+    if dtype.startswith("int"):
+        return xp.full(shape, -7, dtype=dtype)
+    return _to_dtype(xp, xp.full(shape, xp.nan, dtype=xp.float32), dtype)
+
+
+def make_inputs(m, case: dict, dtype: str, xp=np, seed: int = 0) -> tuple:
+    """(arrays, params) for one test case: every array the caller passes, by manifest name.
+
+    Inputs (role input/inout, and an in-place output) are random as the manifest's ``values``
+    say; outputs are poisoned (NaN floats, -7 ints); optional inputs are None; the workspace
+    is left to the registry. ``xp``: numpy or cupy (arrays are made on its current device).
+    Raises FactorError if the case lacks a size the shapes need."""
+    sizes, params = split_case(m, case)
+    rng, hrng = xp.random.default_rng(seed), np.random.default_rng(seed)
+    arrays = {}
+    for spec in m.user_tensors:
+        if spec.optional:
+            arrays[spec.name] = None
+            continue
+        try:
+            shape = _shape(spec, sizes)
+        except KeyError as exc:
+            raise FactorError(f"{m.name}: test shape {case}: no size for {exc} (needed by '{spec.name}')") from None
+        dt = tensor_dtype(m, spec, dtype)
+        is_input = spec.role in ("input", "inout") or (spec is m.output and m.input.same_as_output)
+        arrays[spec.name] = _draw(xp, rng, hrng, spec, shape, dt, sizes) if is_input else _poison(xp, shape, dt)
+    return arrays, params
+
+
+def clone(arrays: dict) -> dict:
+    """Deep copies of every array (Bits16 kept as Bits16)."""
+    out = {}
+    for k, a in arrays.items():
+        if a is None:
+            out[k] = None
+        elif isinstance(a, Bits16):
+            out[k] = Bits16(a.bits.copy(), a.dtype)
+        else:
+            out[k] = a.copy()
+    return out
+
+
+# ------------------------------------------------------------------------------------ compare
+def output_names(m) -> list:
+    """Names of the arrays a call writes: the output and every aux of role output/inout."""
+    return [m.output.name] + [a.name for a in m.aux if a.role in ("output", "inout")]
+
+
+def compare(m, got: dict, want: dict, dtype: str) -> tuple:
+    """(ok, largest relative error, detail) over the outputs of one case.
+
+    Integer outputs must be equal; float outputs within the manifest's tolerance for ``dtype``
+    (||got - want|| / ||want||, float64; NaN where the reference has none fails)."""
+    tol = float(m.tolerance.get(dtype, 1e-5))
+    worst, problems = 0.0, []
+    for name in output_names(m):
+        g, w = TensorRef.of(got[name], name), TensorRef.of(want[name], name)
+        if g.dtype.startswith("int"):
+            a, b = g.raw(), w.raw()
+            bad = int((a != b).sum())
+            if bad:
+                problems.append(f"{name}: {bad} of {b.size} values differ (must be equal)")
+            continue
+        xp = g.xp()
+        a, b = g.load_f32().astype(xp.float64), w.load_f32().astype(xp.float64)
+        nan_a, nan_b = xp.isnan(a), xp.isnan(b)
+        if bool((nan_a != nan_b).any()):
+            problems.append(f"{name}: {int((nan_a & ~nan_b).sum())} NaN where the fallback has a "
+                            "number (an element not written?)")
+            worst = math.inf
+            continue
+        a, b = xp.where(nan_a, 0, a), xp.where(nan_b, 0, b)
+        den = float(xp.linalg.norm(b)) if b.size else 0.0
+        err = float(xp.linalg.norm(a - b)) / den if den > 0 else \
+            (float(xp.abs(a - b).max()) if b.size else 0.0)
+        worst = max(worst, err)
+        if not err <= tol:
+            problems.append(f"{name}: relative error {err:.2e} > tolerance {tol:g} ({dtype})")
+    return not problems, worst, "; ".join(problems)
+
+
+# ------------------------------------------------------------------------------------ running
+def cannot_run(registry, plugin) -> str:
+    """Why ``plugin`` cannot be verified here ('' if it can)."""
+    m = plugin.manifest
+    if m is None:
+        return "no manifest"
+    if m.memory != "host" and not registry.hardware.live:
+        return f"a device factor and no live GPU (checked against {registry.hardware.source} only)"
+    if not (registry._fallbacks.get(m.name) or m.fallback):
+        return "the manifest names no Python fallback to compare with"
+    if not m.test_shapes:
+        return "the manifest declares no test_shapes"
+    return ""
+
+
+def run_case(registry, plugin, case: dict, dtype: str, seed: int = 0, count: bool = True) -> CaseResult:
+    """Run ``plugin`` and its Python fallback on one test case and compare."""
+    m = plugin.manifest
+    label = case_label(case)
+    tol = float(m.tolerance.get(dtype, 1e-5))
+    device = m.memory != "host"
+    xp = np
+    if device:
+        import cupy as xp
+    try:
+        if device:
+            with xp.cuda.Device(registry.hardware.device_id):
+                return _run_case(registry, plugin, m, case, dtype, seed, count, xp, label, tol)
+        return _run_case(registry, plugin, m, case, dtype, seed, count, xp, label, tol)
+    except FactorError as exc:
+        return CaseResult(m.name, label, dtype, "FAIL", "-", None, tol, f"{type(exc).__name__}: {exc}")
+
+
+def _run_case(registry, plugin, m, case, dtype, seed, count, xp, label, tol) -> CaseResult:
+    arrays, params = make_inputs(m, case, dtype, xp, seed)
+    ref = clone(arrays)
+    path = registry.call_plugin(plugin, arrays, params, count=count)
+    if xp is not np:
+        try:
+            xp.cuda.get_current_stream().synchronize()
+        except Exception as exc:   # CUDARuntimeError raised by an asynchronous fault
+            return CaseResult(m.name, label, dtype, "FAIL", path or "-", None, tol,
+                              f"CUDA error after the kernel: {exc}")
+    if path is None:
+        return CaseResult(m.name, label, dtype, "declined", "-", None, tol,
+                          "both C paths declined: the Python fallback would serve this call")
+    refs = {k: TensorRef.of(v, k) for k, v in ref.items() if v is not None}
+    _, _, sizes, pvals, _ = m.bind(refs, params)
+    fn = registry._fallbacks.get(m.name) or m.fallback_fn()
+    fn(refs, sizes, pvals)
+    ok, err, detail = compare(m, arrays, ref, dtype)
+    return CaseResult(m.name, label, dtype, "pass" if ok else "FAIL", path, err, tol, detail)
+
+
+def verify_plugin(registry, plugin, seed: int = 0, count: bool = True) -> list:
+    """Every (test shape, dtype) case of ``plugin``; a single 'skipped' result if it cannot run."""
+    why = cannot_run(registry, plugin)
+    if why:
+        return [CaseResult(plugin.name, "-", "-", "skipped", detail=why)]
+    m = plugin.manifest
+    out = []
+    for i, case in enumerate(m.test_shapes):
+        for j, dt in enumerate(case_dtypes(m)):
+            out.append(run_case(registry, plugin, case, dt, seed=seed * 1000 + i * 10 + j, count=count))
+    return out
+
+
+# ------------------------------------------------------------------------------------ cache
+def cache_file() -> Path:
+    """$EX_ENGINE_CACHE/verified.json, default ~/.cache/ex_engine/verified.json."""
+    base = os.environ.get("EX_ENGINE_CACHE") or Path.home() / ".cache" / "ex_engine"
+    return Path(base) / "verified.json"
+
+
+def _read_cache() -> dict:
+    try:
+        data = json.loads(cache_file().read_text())
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _write_cache(data: dict) -> None:
+    path = cache_file()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
+        tmp.replace(path)
+    except OSError:
+        pass   # a read-only home: verification is simply repeated next time
+
+
+def _cache_key(registry, plugin) -> str:
+    where = "host" if plugin.manifest.memory == "host" else registry.hardware.name
+    return f"{plugin.sha256}|{where}"
+
+
+def _manifest_digest(m) -> str:
+    import hashlib
+    try:
+        return hashlib.sha256(Path(m.path).read_bytes()).hexdigest()
+    except OSError:
+        return ""
+
+
+def verify_at_load(registry, plugin) -> tuple:
+    """(ok, detail) for ``FactorRegistry.load(..., verify=True)``: a cached pass, a fresh run
+    (remembered when it passes), or a skip that keeps the plugin (no GPU, no fallback)."""
+    why = cannot_run(registry, plugin)
+    if why:
+        return True, f"skipped: {why}"
+    key, cache = _cache_key(registry, plugin), _read_cache()
+    digest = _manifest_digest(plugin.manifest)
+    hit = cache.get(key)
+    if isinstance(hit, dict) and hit.get("manifest_sha256") == digest:
+        return True, (f"passed before ({hit.get('cases')} cases on {key.split('|', 1)[1]}, "
+                      f"{hit.get('when')}; cache {cache_file()})")
+    results = verify_plugin(registry, plugin, count=False)
+    failed = [r for r in results if r.failed]
+    if failed:
+        text = "; ".join(f"{r.case} {r.dtype}: {r.detail}" for r in failed[:3])
+        return False, f"{len(failed)} of {len(results)} cases failed against the Python fallback: {text}"
+    declined = sum(r.status == "declined" for r in results)
+    cache = _read_cache()
+    cache[key] = {"factor": plugin.name, "file": plugin.path.name, "cases": len(results),
+                  "manifest_sha256": digest, "when": time.strftime("%Y-%m-%d %H:%M:%S")}
+    _write_cache(cache)
+    return True, (f"{len(results) - declined} cases passed against the Python fallback"
+                  + (f", {declined} declined by the plugin" if declined else "") + f" (cached in {cache_file()})")
+
+
+# ------------------------------------------------------------------------------------ report
+def format_table(results: list) -> str:
+    """A fixed-width table: factor, dtype, case, path, error, tolerance, result (+ detail)."""
+    rows = [("factor", "dtype", "case", "served by", "rel err", "tol", "result")]
+    for r in results:
+        err = "-" if r.error is None else f"{r.error:.2e}"
+        tol = "-" if r.tol is None or r.status == "skipped" else f"{r.tol:g}"
+        rows.append((r.factor, r.dtype, r.case, r.path, err, tol, r.status))
+    widths = [max(len(row[i]) for row in rows) for i in range(7)]
+    lines = []
+    for row, r in zip(rows, [None] + results):
+        line = "  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip()
+        if r is not None and r.detail and r.status != "pass":
+            line += f"  {r.detail}"
+        lines.append(line)
+    return "\n".join(lines)

@@ -1,0 +1,174 @@
+"""ex-engine verify and load(verify=True): plugins against their Python fallbacks (CPU: the
+tests' host plugin; device factors are verified in test_gpu_trust.py)."""
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+from ex_engine import FactorRegistry
+from ex_engine.arrays import Bits16, TensorRef
+from ex_engine.cli import main as cli_main
+from ex_engine.manifest import load_all
+from ex_engine.verify import case_dtypes, compare, make_inputs, verify_plugin
+from tests.conftest import ROOT, build_plugin
+from tests.test_loader import call
+
+MANIFESTS = load_all(ROOT / "manifests")
+BUILTIN = ("topk_softmax", "fused_add_rmsnorm", "moe_fused_gemm")
+needs_built = pytest.mark.skipif(not all((ROOT / "factors" / f"{n}.so").exists() for n in BUILTIN)
+                                 or shutil.which("nvcc") is None, reason="factors/*.so not built")
+
+
+@pytest.fixture(autouse=True)
+def cache(tmp_path, monkeypatch):
+    """Every test gets its own verify cache (EX_ENGINE_CACHE)."""
+    monkeypatch.setenv("EX_ENGINE_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache" / "verified.json"
+
+
+# ------------------------------------------------------------------------------ inputs
+def test_moe_inputs_follow_the_manifest_values():
+    m = MANIFESTS["moe_fused_gemm"]
+    arrays, params = make_inputs(m, {"T": 50, "H": 64, "E": 12, "I": 32, "K": 6}, "bfloat16", seed=3)
+    assert params == {} and arrays["router_logits"] is None                  # optional: left out
+    assert isinstance(arrays["hidden_states"], Bits16) and isinstance(arrays["w13"], Bits16)
+    assert TensorRef.of(arrays["w13"]).shape == (12, 64, 64) and TensorRef.of(arrays["w2"]).shape == (12, 64, 32)
+    ids = arrays["topk_ids"]
+    assert ids.dtype == np.int32 and ids.shape == (50, 6) and ids.min() >= 0 and ids.max() < 12
+    assert all(len(set(row)) == 6 for row in ids.tolist())                   # distinct per row
+    w = arrays["topk_weights"]
+    assert w.dtype == np.float32 and (w >= 0.1).all() and (w <= 1.0).all()
+    assert abs(float(TensorRef.of(arrays["w13"]).load_f32().std()) - 1 / 8) < 0.02   # 1/sqrt(H)
+    assert np.isnan(TensorRef.of(arrays["out"]).load_f32()).all()            # output poisoned
+    again, _ = make_inputs(m, {"T": 50, "H": 64, "E": 12, "I": 32, "K": 6}, "bfloat16", seed=3)
+    assert (again["topk_ids"] == ids).all()                                  # seeded
+
+
+def test_inputs_of_every_builtin_manifest_bind_cleanly():
+    """What verify draws is a valid call of each manifest, for each dtype and a small shape."""
+    small = {"topk_softmax": {"T": 5, "E": 16, "K": 4, "renormalize": True},
+             "fused_add_rmsnorm": {"T": 3, "H": 40},
+             "moe_fused_gemm": {"T": 4, "H": 32, "E": 8, "I": 16, "K": 2}}
+    for name, case in small.items():
+        m = MANIFESTS[name]
+        for dt in case_dtypes(m):
+            arrays, params = make_inputs(m, case, dt)
+            refs = {k: TensorRef.of(v, k) for k, v in arrays.items() if v is not None}
+            m.bind(refs, params)
+        needed = {sym for t in m.user_tensors for _, sym in t.parsed if sym}
+        for shape in m.test_shapes:                 # every declared test shape names every size
+            assert needed <= set(shape), (name, shape)
+
+
+def test_in_place_output_gets_data_not_poison():
+    m = MANIFESTS["fused_add_rmsnorm"]
+    arrays, _ = make_inputs(m, {"T": 2, "H": 8}, "float32")
+    assert not np.isnan(arrays["x"]).any() and not np.isnan(arrays["residual"]).any()
+
+
+def test_compare_rules():
+    m = MANIFESTS["topk_softmax"]
+    w = np.random.default_rng(0).random((3, 2)).astype(np.float32)
+    ids = np.array([[0, 1], [2, 3], [4, 5]], np.int32)
+    ok, err, _ = compare(m, {"topk_weights": w, "topk_ids": ids}, {"topk_weights": w.copy(), "topk_ids": ids.copy()}, "float32")
+    assert ok and err == 0
+    ok, _, detail = compare(m, {"topk_weights": w, "topk_ids": ids[:, ::-1].copy()},
+                            {"topk_weights": w, "topk_ids": ids}, "float32")
+    assert not ok and "topk_ids: 6 of 6 values differ (must be equal)" in detail
+    bad = w.copy()
+    bad[0, 0] = np.nan
+    ok, _, detail = compare(m, {"topk_weights": bad, "topk_ids": ids}, {"topk_weights": w, "topk_ids": ids}, "float32")
+    assert not ok and "1 NaN where the fallback has a number" in detail
+    ok, _, detail = compare(m, {"topk_weights": w * 1.01, "topk_ids": ids}, {"topk_weights": w, "topk_ids": ids}, "float32")
+    assert not ok and "relative error 1.00e-02 > tolerance 1e-05 (float32)" in detail
+
+
+# ------------------------------------------------------------------------------ CLI
+def test_cli_verify_host_plugin_passes_and_prints_stats(tmp_path, capsys):
+    build_plugin(tmp_path)
+    assert cli_main(["verify", "--dir", str(tmp_path), "--hardware", "h200"]) == 0
+    out = capsys.readouterr().out
+    assert "no live GPU: device factors cannot be run here" in out
+    assert "host_scale  float32  N=7   plugin" in out and "pass" in out
+    assert "verify: 1 passed, 0 failed" in out
+    stats = json.loads(out.split("stats: ")[1])
+    assert stats["host_scale"]["plugin"] == 1
+
+
+@pytest.mark.parametrize("behaviour,needle", [
+    (4, "out: relative error"),                               # wrong result
+    (3, "KernelError: host_scale: kernel returned EX_ERR_SHAPE (3): N must be even"),
+])
+def test_cli_verify_fails_a_wrong_plugin(tmp_path, capsys, behaviour, needle):
+    build_plugin(tmp_path, defines={"BEHAVIOUR": behaviour})
+    assert cli_main(["verify", "--dir", str(tmp_path), "--hardware", "h200"]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL" in out and needle in out and "verify: 0 passed, 1 failed" in out
+
+
+def test_cli_verify_declined_is_not_a_failure(tmp_path, capsys):
+    build_plugin(tmp_path, defines={"BEHAVIOUR": 2})
+    assert cli_main(["verify", "--dir", str(tmp_path), "--hardware", "h200"]) == 0
+    assert "declined" in capsys.readouterr().out
+
+
+@needs_built
+def test_cli_verify_without_gpu_skips_device_factors(capsys):
+    code = cli_main(["verify", "--dir", str(ROOT / "factors"), "--hardware", "h200"])
+    out = capsys.readouterr().out
+    assert code == 0 and out.count("skipped  a device factor and no live GPU") >= 3, out
+
+
+# ------------------------------------------------------------------------------ load(verify=True)
+def test_load_verify_rejects_a_wrong_plugin_and_keeps_the_rest(tmp_path):
+    build_plugin(tmp_path, "wrong", defines={"BEHAVIOUR": 4, "NAME": '"host_scale_w"', "FACTOR_ID": 1106})
+    build_plugin(tmp_path)
+    reg = FactorRegistry.load(tmp_path, hardware="h200", verify=True)
+    wrong = next(p for p in reg.plugins if p.path.stem == "wrong")
+    assert wrong.status == "rejected"
+    assert wrong.reason.startswith("verify: 1 of 1 cases failed against the Python fallback: N=7 float32: "
+                                   "out: relative error"), wrong.reason
+    assert reg.get("host_scale") is not None and call(reg)[0] == "plugin"
+    assert reg.stats()["host_scale"]["plugin"] == 1          # verification calls are not counted
+
+
+def test_load_verify_remembers_a_pass(tmp_path, cache):
+    build_plugin(tmp_path / "lib")
+    reg = FactorRegistry.load(tmp_path / "lib", hardware="h200", verify=True)
+    check = reg.get("host_scale").checks[-1]
+    assert check.name == "verify" and check.ok and check.detail.startswith("1 cases passed")
+    data = json.loads(cache.read_text())
+    key = f"{reg.get('host_scale').sha256}|host"
+    assert data[key]["factor"] == "host_scale" and data[key]["cases"] == 1
+    reg = FactorRegistry.load(tmp_path / "lib", hardware="h200", verify=True)
+    assert reg.get("host_scale").checks[-1].detail.startswith("passed before (1 cases on host")
+    # another build of the library is verified again
+    build_plugin(tmp_path / "lib", defines={"VERSION": '"1.0.1"'})
+    reg = FactorRegistry.load(tmp_path / "lib", hardware="h200", verify=True)
+    assert reg.get("host_scale").checks[-1].detail.startswith("1 cases passed")
+
+
+def test_a_failure_is_not_cached(tmp_path, cache):
+    build_plugin(tmp_path, defines={"BEHAVIOUR": 4})
+    for _ in range(2):
+        reg = FactorRegistry.load(tmp_path, hardware="h200", verify=True)
+        assert reg.plugins[0].status == "rejected" and "relative error" in reg.plugins[0].reason
+    assert not cache.exists()
+
+
+@needs_built
+def test_load_verify_keeps_device_factors_without_gpu(tmp_path):
+    reg = FactorRegistry.load(ROOT / "factors", hardware="h200", verify=True)
+    for name in BUILTIN:
+        c = reg.get(name).checks[-1]
+        assert c.name == "verify" and c.ok and c.detail.startswith("skipped: a device factor and no live GPU")
+
+
+def test_verify_plugin_reports_skips(tmp_path):
+    build_plugin(tmp_path)
+    reg = FactorRegistry.load(tmp_path, hardware="h200")
+    p = reg.get("host_scale")
+    p.manifest.test_shapes = []
+    res = verify_plugin(reg, p)
+    assert [r.status for r in res] == ["skipped"] and "no test_shapes" in res[0].detail
