@@ -5,6 +5,11 @@
 #   make factors/topk_softmax.so                         one factor
 #   make clean
 #
+# factors/<name>_sm90.cu are Hopper-only plugins built on CUTLASS 3.x (wgmma, TMA): they are
+# compiled for SM90_ARCHS only (ARCHS does not apply to them), with CUTLASS's headers from the
+# pip package nvidia-cutlass, found through $(PYTHON) (`pip install nvidia-cutlass`, or
+# `pip install -e '.[build]'`; or pass CUTLASS_INC=/path/to/cutlass/include).
+#
 # Works with nvcc and no GPU.  Each rule prints what it builds and for which targets.
 
 NVCC      ?= nvcc
@@ -15,6 +20,14 @@ NVCCFLAGS ?= -O3 -std=c++17 -lineinfo --expt-relaxed-constexpr
 EXTRA_NVCCFLAGS ?=
 # keep nvcc's own threads within CI's 2 cores when make runs jobs in parallel
 NVCC_THREADS ?= 1
+PYTHON    ?= python3
+SM90_ARCHS ?= -gencode=arch=compute_90a,code=sm_90a
+SM90_NVCCFLAGS ?= -O3 -std=c++17 -lineinfo --expt-relaxed-constexpr -DNDEBUG
+# CUTLASS include folder (cutlass/ and cute/), from the nvidia-cutlass wheel as $(PYTHON) or,
+# failing that, the project's .venv sees it; looked up only when a *_sm90.so is built
+CUTLASS_INC ?= $(shell for py in $(PYTHON) .venv/bin/python; do \
+    $$py -c 'import cutlass_library, os; print(os.path.join(os.path.dirname(cutlass_library.__file__), "source", "include"))' 2>/dev/null && break; \
+    done)
 
 SOURCES := $(sort $(wildcard factors/*.cu))
 PLUGINS := $(SOURCES:.cu=.so)
@@ -27,6 +40,20 @@ factors/%.so: factors/%.cu include/ex_engine.h $(wildcard factors/*.cuh)
 	@start=$$(date +%s); \
 	$(NVCC) $(NVCCFLAGS) $(EXTRA_NVCCFLAGS) $(ARCHS) --threads $(NVCC_THREADS) \
 	    -Xcompiler -fPIC,-fvisibility=hidden -shared -Iinclude -o $@ $< || exit 1; \
+	echo "[ex_engine] built $@ in $$(( $$(date +%s) - start )) s"
+
+# Hopper-only plugins (a more specific pattern than the rule above, so make prefers it)
+factors/%_sm90.so: factors/%_sm90.cu include/ex_engine.h $(wildcard factors/*.cuh)
+	@if [ -z "$(CUTLASS_INC)" ] || [ ! -f "$(CUTLASS_INC)/cutlass/cutlass.h" ]; then \
+	    echo "[ex_engine] error: $@ needs CUTLASS's headers, found neither through $(PYTHON) nor" \
+	         ".venv/bin/python (CUTLASS_INC='$(CUTLASS_INC)')." >&2; \
+	    echo "[ex_engine]        install them: $(PYTHON) -m pip install nvidia-cutlass" \
+	         "(or pip install -e '.[build]'), or pass CUTLASS_INC=<cutlass>/include" >&2; \
+	    exit 1; fi
+	@echo "[ex_engine] nvcc $< -> $@ (targets: $(patsubst -gencode=arch=%,%,$(SM90_ARCHS)); CUTLASS $(CUTLASS_INC))"
+	@start=$$(date +%s); \
+	$(NVCC) $(SM90_NVCCFLAGS) $(EXTRA_NVCCFLAGS) $(SM90_ARCHS) --threads $(NVCC_THREADS) \
+	    -Xcompiler -fPIC,-fvisibility=hidden -shared -Iinclude -I"$(CUTLASS_INC)" -o $@ $< || exit 1; \
 	echo "[ex_engine] built $@ in $$(( $$(date +%s) - start )) s"
 
 list:

@@ -8,6 +8,8 @@
  */
 #include "moe_fused_gemm.cuh"
 
+using namespace exmoe;
+
 EX_DEFINE_ABI_VERSION();
 
 static ex_factor_t s_factor;

@@ -91,6 +91,10 @@
 
 #include "ex_engine.h"
 
+// Everything below lives in namespace exmoe, so that a plugin can include other libraries'
+// headers (CUTLASS/CuTe define cp_async_wait and friends too) in the same translation unit.
+namespace exmoe {
+
 
 // ------------------------------------------------------------------------------------------
 // Configs
@@ -1004,5 +1008,7 @@ static bool moe_portable_init(const ex_hardware_t* hw, ex_tuning_t* tuning) {
     tuning->num_stages = kCfg[largest].stages;
     return true;
 }
+
+}  // namespace exmoe
 
 #endif  // EX_MOE_FUSED_GEMM_CUH

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""GPU self-test of factors/moe_fused_gemm.so (needs a CUDA GPU, CuPy; no cffi, no torch).
+"""GPU self-test of the moe_fused_gemm plugins (needs a CUDA GPU, CuPy; no cffi, no torch).
 
     out[t] = sum_k topk_weights[t,k] * w2[e] @ (silu(g) * u),  [g; u] = w13[e] @ x[t],  e = topk_ids[t,k]
 
@@ -13,7 +13,12 @@ call must give bit-identical output, a CUDA-graph replay too; invalid ids must s
 Prints a PASS/FAIL table and timings (informative: median of 20, eager and graph replay).
 Exit status 0 only if every check passed.
 
-    python3 scripts/gpu_moe_selftest.py [--so factors/moe_fused_gemm.so] [--no-timing] [--quick]
+Libraries: by default both factors/moe_fused_gemm.so (portable, mma.sync) and, where it exists and
+serves this device (cc 9.0), factors/moe_fused_gemm_sm90.so (CUTLASS grouped GEMMs for prefill,
+T*K/E >= 64; the portable code below that), then a side-by-side table of graph-replay times.
+`--lib PATH` (repeatable) tests only the libraries named; a named one that declines the device fails.
+
+    python3 scripts/gpu_moe_selftest.py [--lib factors/moe_fused_gemm_sm90.so] [--no-timing] [--quick]
 """
 import argparse
 import ctypes
@@ -207,8 +212,25 @@ CASES = [
     ("all on expert 5", 256, 1024, 64, 512, 8, "kernel", "hot5"),
     ("invalid ids", 16, 256, 40, 96, 4, "kernel", "badids"),
     ("invalid ids, odd", 13, 111, 40, 67, 4, "fallback", "badids"),
+    # prefill shapes for the Hopper plugin's CUTLASS path (T*K/E >= 64)
+    ("qwen3-30b T=1024", 1024, 2048, 128, 768, 8, "kernel", None),
+    ("mixtral prefill", 4096, 4096, 8, 14336, 2, "kernel", None),
+    ("skewed, empty experts", 2048, 1024, 64, 512, 8, "kernel", "skew"),
+    ("invalid ids, prefill", 512, 256, 16, 128, 4, "kernel", "badids"),
+    ("all ids invalid", 256, 256, 8, 128, 2, "kernel", "allbad"),
 ]
-QUICK = {"qwen3-30b decode", "tiny", "odd H, I", "all on expert 5", "invalid ids", "few experts (split)"}
+QUICK = {"qwen3-30b decode", "tiny", "odd H, I", "all on expert 5", "invalid ids", "few experts (split)",
+         "granite-ish T=1000", "skewed, empty experts", "invalid ids, prefill", "all ids invalid"}
+CUTLASS_MIN_ROWS_PER_EXPERT = 64   # kSm90MinRowsPerExpert in factors/moe_fused_gemm_sm90.cu
+
+
+def sub_path(lib_name, path, T, H, E, I, K):
+    """Which code served a call: 'fallback', 'mma.sync' (portable fast path) or 'cutlass'."""
+    if path != "kernel":
+        return path
+    if "sm90" in lib_name and H % 8 == 0 and I % 8 == 0 and T * K >= CUTLASS_MIN_ROWS_PER_EXPERT * E:
+        return "cutlass"
+    return "mma.sync"
 
 
 def make_inputs(dt, T, H, E, I, K, special):
@@ -218,6 +240,10 @@ def make_inputs(dt, T, H, E, I, K, special):
     logits = cp.random.standard_normal((T, E), dtype=cp.float32)
     if special == "hot5":
         logits[:, 5] = -cp.inf                         # the others never pick 5
+    if special == "skew":                              # experts 0-3 in nearly every row, 4-7 and the
+        logits[:, :4] += 3.0                           # upper half never: empty groups at the start,
+        logits[:, 4:8] = -cp.inf                       # in the middle and at the end
+        logits[:, E // 2:] = -cp.inf
     ids = cp.argsort(-logits, axis=1)[:, :K].astype(cp.int32)   # distinct per row
     sel = cp.take_along_axis(logits, ids.astype(cp.int64), axis=1)
     if special == "hot5":
@@ -229,6 +255,8 @@ def make_inputs(dt, T, H, E, I, K, special):
         ids[min(3, T - 1), 1 % K] = E
         ids[min(7, T - 1), 2 % K] = -1
         ids[T - 1, K - 1] = 1 << 30
+    if special == "allbad":
+        ids[...] = E
     return x, w13, w2, cp.ascontiguousarray(tw), cp.ascontiguousarray(ids)
 
 
@@ -311,15 +339,21 @@ def run_case(fac, dt, case, stream, timing):
         fails.append(f"path {path}, expected {want_path}")
     o64 = dt.to_f64(out)
     has_nan = bool(cp.isnan(o64).any())
-    rel = float(cp.linalg.norm(o64 - ref)) / ref_norm if ref_norm > 0 else float("inf")
-    res["rel"] = rel
     if has_nan:
         fails.append("NaN left in out")
-    if not rel < dt.tol:
-        fails.append(f"rel err {rel:.3e} >= {dt.tol:g}")
-    zero_rel = float(cp.linalg.norm(cp.zeros_like(ref) - ref)) / ref_norm if ref_norm > 0 else 0.0
-    if not zero_rel >= dt.tol:                       # an all-zero output must fail this check
-        fails.append(f"check cannot tell a zero output from a right one (zero rel {zero_rel:.2e})")
+    if special == "allbad":                          # nothing contributes: exactly zero
+        rel = float(cp.abs(o64).max())
+        res["rel"] = rel
+        if not rel == 0.0:
+            fails.append(f"expected an all-zero output, max |out| = {rel:.3e}")
+    else:
+        rel = float(cp.linalg.norm(o64 - ref)) / ref_norm if ref_norm > 0 else float("inf")
+        res["rel"] = rel
+        if not rel < dt.tol:
+            fails.append(f"rel err {rel:.3e} >= {dt.tol:g}")
+        zero_rel = float(cp.linalg.norm(cp.zeros_like(ref) - ref)) / ref_norm if ref_norm > 0 else 0.0
+        if not zero_rel >= dt.tol:                   # an all-zero output must fail this check
+            fails.append(f"check cannot tell a zero output from a right one (zero rel {zero_rel:.2e})")
     if not bool(cp.array_equal(dt.raw(out_buf[0]), dt.raw(sentinel[0]))) or \
             not bool(cp.array_equal(dt.raw(out_buf[T + 1]), dt.raw(sentinel[1]))):
         fails.append("wrote outside out")
@@ -327,7 +361,7 @@ def run_case(fac, dt, case, stream, timing):
         fails.append("wrote past workspace_size")
     status = int(ws[:4].view(cp.int32)[0].get())
     res["status"] = status
-    if special == "badids":
+    if special in ("badids", "allbad"):
         if not status & 1:
             fails.append("status bit 0 not set for invalid ids")
     elif status != 0:
@@ -390,15 +424,19 @@ def error_code_checks(fac, stream):
     return rows
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--so", default=os.path.join(ROOT, "factors", "moe_fused_gemm.so"))
-    ap.add_argument("--no-timing", action="store_true")
-    ap.add_argument("--quick", action="store_true", help="small cases only")
-    a = ap.parse_args()
-
-    cp.random.seed(1234)
-    fac = Factor(a.so)
+def run_library(so_path, a, explicit):
+    """Every check and case on one library. Returns (failures, {(case, dtype): result}) or None
+    when the library declines this device and was not named explicitly."""
+    lib_name = os.path.basename(so_path)
+    print(f"\n=================== {lib_name}")
+    try:
+        fac = Factor(so_path)
+    except (OSError, RuntimeError) as ex:
+        if explicit:
+            print(f"FAIL: {so_path}: {ex}")
+            return 1, {}
+        print(f"skipped: {so_path}: {ex}")
+        return None
     f, t = fac.f, fac.f.tuning
     print(f"device: {fac.hw.name.decode()} (cc {fac.hw.cc_major}.{fac.hw.cc_minor}, "
           f"{fac.hw.multiprocessor_count} SMs, smem optin {fac.hw.shared_mem_per_block_optin})")
@@ -429,9 +467,10 @@ def main():
         print(f"  {'PASS' if ok else 'FAIL'}  {label:22s} want {STATUS_NAMES[want]:26s} got "
               f"{STATUS_NAMES.get(rc, rc)}  {msg}")
 
-    hdr = (f"{'':4s} {'case':22s} {'dt':4s} {'T,H,E,I,K':22s} {'path':8s} {'rel err':>9s} {'det':>3s} "
-           f"{'graph':>5s} {'status':>6s} {'us':>9s} {'us graph':>9s} {'TB/s':>6s} {'TFLOP/s':>7s}  notes")
+    hdr = (f"{'':4s} {'case':22s} {'dt':4s} {'T,H,E,I,K':22s} {'path':8s} {'code':8s} {'rel err':>9s} "
+           f"{'det':>3s} {'graph':>5s} {'status':>6s} {'us':>9s} {'us graph':>9s} {'TB/s':>6s} {'TFLOP/s':>7s}  notes")
     print("\n" + hdr)
+    results = {}
     sticky = False
     for dtn in ("bf16", "fp16"):
         dt = Dt(dtn)
@@ -440,6 +479,7 @@ def main():
                 continue
             if sticky:
                 break
+            cp.random.seed(1234)                     # the same inputs for every library
             try:
                 res, sticky = run_case(fac, dt, case, stream, not a.no_timing)
             except Exception as ex:  # noqa: BLE001 - a CUDA fault surfaces here; report and stop
@@ -452,15 +492,85 @@ def main():
             best = usg or us
             tbs = f"{res['bytes'] / (best * 1e-6) / 1e12:6.2f}" if best else "     -"
             tfl = f"{res['flops'] / (best * 1e-6) / 1e12:7.1f}" if best else "      -"
+            code = sub_path(lib_name, res.get("path", "?"), *case[1:6])
+            res["code"], res["tflops"] = code, (res["flops"] / (best * 1e-6) / 1e12 if best else None)
+            results[(case[0], dtn)] = res
             print(f"{'PASS' if ok else 'FAIL'} {res['name']:22s} {res['dtype']:4s} {res['shape']:22s} "
-                  f"{res.get('path', '?'):8s} {res.get('rel', float('nan')):9.2e} "
+                  f"{res.get('path', '?'):8s} {code:8s} {res.get('rel', float('nan')):9.2e} "
                   f"{'yes' if res.get('det') else 'no':>3s} {'ok' if res.get('graph') == 'ok' else '-':>5s} "
                   f"{res.get('status', -1):6d} {us if us else 0:9.1f} {usg if usg else 0:9.1f} {tbs} {tfl}  "
                   f"{'; '.join(res['fails'])}", flush=True)
             cp.get_default_memory_pool().free_all_blocks()
     if sticky:
-        print("FAIL: a CUDA error left the context unusable; remaining cases skipped")
+        print("FAIL: a CUDA error left the context unusable; remaining cases (and libraries) skipped")
         failed += 1
+    return failed, results, sticky
+
+
+def side_by_side(names, all_results):
+    """Graph-replay time and TFLOP/s of every case each library ran, in one table."""
+    print("\nside by side (graph replay, median of 20; TFLOP/s = 2*T*K*3*H*I / time, valid slots only)")
+    head = f"{'case':22s} {'dt':4s} {'T,H,E,I,K':22s}"
+    for n in names:
+        head += f" | {n[:24]:>24s} {'code':8s} {'us':>9s} {'TFLOP/s':>7s}"
+    print(head + (" | speedup" if len(names) == 2 else ""))
+    keys = []
+    for n in names:
+        for k in all_results[n]:
+            if k not in keys:
+                keys.append(k)
+    for k in keys:
+        row, times = "", []
+        shape = next(all_results[n][k]["shape"] for n in names if k in all_results[n])
+        for n in names:
+            r = all_results[n].get(k)
+            if r is None:
+                row += f" | {'':24s} {'-':8s} {'-':>9s} {'-':>7s}"
+                times.append(None)
+                continue
+            us = r.get("us_graph") or r.get("us")
+            times.append(us)
+            tf = f"{r['tflops']:7.1f}" if r.get("tflops") else "      -"
+            row += f" | {'':24s} {r.get('code', '?'):8s} {us if us else 0:9.1f} {tf}"
+        sp = ""
+        if len(names) == 2 and times[0] and times[1]:
+            sp = f" | {times[0] / times[1]:6.2f}x"
+        print(f"{k[0]:22s} {k[1]:4s} {shape:22s}{row}{sp}")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--lib", "--so", dest="libs", action="append", default=None,
+                    help="plugin library to test (repeatable); default: factors/moe_fused_gemm.so and "
+                         "factors/moe_fused_gemm_sm90.so")
+    ap.add_argument("--no-timing", action="store_true")
+    ap.add_argument("--quick", action="store_true", help="small cases only")
+    a = ap.parse_args()
+
+    explicit = a.libs is not None
+    libs = a.libs or [os.path.join(ROOT, "factors", "moe_fused_gemm.so"),
+                      os.path.join(ROOT, "factors", "moe_fused_gemm_sm90.so")]
+    failed = 0
+    names, all_results = [], {}
+    for so in libs:
+        if not explicit and not os.path.exists(so):
+            print(f"\nskipped: {so} (not built)")
+            continue
+        out = run_library(so, a, explicit)
+        if out is None:
+            continue
+        if len(out) == 2:
+            failed += out[0]
+            continue
+        n_fail, results, sticky = out
+        failed += n_fail
+        name = os.path.basename(so)
+        names.append(name)
+        all_results[name] = results
+        if sticky:
+            break
+    if len(names) > 1 and not a.no_timing:
+        side_by_side(names, all_results)
     print(f"\n{'ALL PASS' if failed == 0 else f'{failed} FAILED'}")
     return 0 if failed == 0 else 1
 

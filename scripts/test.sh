@@ -9,11 +9,11 @@ if [ ! -x .venv/bin/python ]; then
   echo "[test] creating .venv"
   "$PY" -m venv .venv
 fi
-echo "[test] installing ex_engine and test dependencies into .venv"
-.venv/bin/python -m pip install -q --disable-pip-version-check -e '.[test]'
+echo "[test] installing ex_engine, test and build dependencies (CUTLASS headers) into .venv"
+.venv/bin/python -m pip install -q --disable-pip-version-check -e '.[test,build]'
 if command -v nvcc >/dev/null 2>&1; then
   echo "[test] building factors (make -j2)"
-  make -j2
+  make -j2 PYTHON=.venv/bin/python
 else
   echo "[test] nvcc not found: factor build tests will be skipped"
 fi

@@ -1,21 +1,28 @@
 """Every factors/*.cu compiles (nvcc, no GPU needed) and the built plugins pass the registry's
 checks against hardware profiles."""
+import dataclasses
 import shutil
 import subprocess
+import sys
 
 import pytest
 
-from ex_engine import FactorRegistry
+from ex_engine import FactorRegistry, abi
+from ex_engine.hardware import Hardware
 from tests.conftest import ROOT
 
 BUILTIN = {"topk_softmax": 0, "fused_add_rmsnorm": 1, "moe_fused_gemm": 2}
+# Hopper-only plugins of a built-in factor (same name, id and version, higher priority): the one
+# the registry chooses on the h200 profile
+HOPPER = {"moe_fused_gemm": "moe_fused_gemm_sm90"}
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
 
 
 @pytest.fixture(scope="module")
 def built():
     """Run `make` (a no-op when the .so files are up to date, as after .ci/run's build step)."""
-    r = subprocess.run(["make", "-C", str(ROOT)], capture_output=True, text=True)
+    # PYTHON: the interpreter running the tests finds CUTLASS's headers (pip nvidia-cutlass)
+    r = subprocess.run(["make", "-C", str(ROOT), f"PYTHON={sys.executable}"], capture_output=True, text=True)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return ROOT / "factors"
 
@@ -38,8 +45,65 @@ def test_builtin_factors_ready_on_profile(built, profile):
     for name, fid in BUILTIN.items():
         p = reg.get(name)
         assert p is not None, [(q.path.name, q.reason) for q in reg.plugins]
-        assert p.factor_id == fid and p.status == "ready" and p.path.stem == name
+        stem = HOPPER.get(name, name) if profile == "h200" else name
+        assert p.factor_id == fid and p.status == "ready" and p.path.stem == stem, (p.path, p.reason)
         assert p.tuning["num_warps"] * 32 == p.tuning["threads_per_block"]
+
+
+@needs_nvcc
+def test_hopper_moe_plugin_chosen_on_h200_portable_elsewhere(built):
+    reg = FactorRegistry.load(built, hardware="h200")
+    win = reg.get("moe_fused_gemm")
+    portable = next(q for q in reg.plugins if q.path.stem == "moe_fused_gemm")
+    assert win.path.stem == "moe_fused_gemm_sm90" and win.priority == 10 and portable.priority == 0
+    assert win.version == portable.version and win.factor_id == portable.factor_id == 2
+    assert portable.status == "shadowed" and "moe_fused_gemm_sm90.so" in portable.reason
+    t = win.tuning  # the CUTLASS kernel: a producer and two consumer warpgroups, one block per SM
+    assert t["threads_per_block"] == 384 and t["num_warps"] == 12 and t["num_stages"] >= 3
+    assert 0 < t["shared_mem_bytes"] <= reg.hardware.shared_mem_per_block_optin
+    reg = FactorRegistry.load(built, hardware="a100")
+    sm90 = next(q for q in reg.plugins if q.path.stem == "moe_fused_gemm_sm90")
+    # refused: by the registry's check of the embedded code (sm_90a only) or by ex_get_factor
+    assert sm90.status == "rejected" and ("returned NULL" in sm90.reason or "no SASS or PTX" in sm90.reason)
+    assert reg.get("moe_fused_gemm").path.stem == "moe_fused_gemm"
+
+
+@needs_nvcc
+def test_hopper_moe_plugin_serves_cc_9_0_only(built):
+    """ex_get_factor itself (called directly, no registry checks first) declines all but cc 9.0."""
+    lib = abi.dlopen(built / "moe_fused_gemm_sm90.so")
+    h200 = Hardware.from_profile("h200")
+    for major, minor, ok in [(9, 0, True), (8, 0, False), (8, 9, False), (9, 1, False), (10, 0, False),
+                             (12, 0, False)]:
+        hw = dataclasses.replace(h200, cc_major=major, cc_minor=minor)
+        f = lib.ex_get_factor(hw.to_c(abi.ffi))
+        assert (f != abi.ffi.NULL) == ok, (major, minor)
+    a100 = Hardware.from_profile("a100")
+    assert lib.ex_get_factor(a100.to_c(abi.ffi)) == abi.ffi.NULL
+
+
+@needs_nvcc
+def test_hopper_moe_plugin_workspace(built):
+    """workspace_size: the portable layout's where the portable path runs (decode), more where the
+    CUTLASS path runs (T*K/E >= 64: sorted copies of x and the GEMM intermediates)."""
+    reg = FactorRegistry.load(built, hardware="h200")
+    win = reg.get("moe_fused_gemm")
+    portable = next(q for q in reg.plugins if q.path.stem == "moe_fused_gemm")
+
+    def ws(p, dims):
+        arr = abi.ffi.new("int64_t[]", dims)
+        return int(p.factor.workspace_size(arr, len(dims)))
+
+    for T, H, E, I, K in [(1, 2048, 128, 768, 8), (64, 2048, 64, 1024, 8), (3, 111, 40, 67, 8)]:
+        d = [T, H, E, I, K, 2]
+        assert ws(win, d) == ws(portable, d), d                     # portable path only
+    for T, H, E, I, K in [(4096, 2048, 128, 768, 8), (4096, 4096, 8, 14336, 2), (1000, 512, 40, 256, 6)]:
+        d = [T, H, E, I, K, 2]
+        TK = T * K
+        need = TK * (max(H, I) + max(2 * I, H)) * 2                 # xs/act and gate_up/ys
+        assert ws(win, d) >= max(ws(portable, d), need), d
+        assert ws(win, d) < need + ws(portable, d) + (8 << 20), d   # nothing unexpected
+    assert ws(win, [0, 2048, 128, 768, 8, 2]) == ws(portable, [0, 2048, 128, 768, 8, 2])
 
 
 @needs_nvcc

@@ -1,0 +1,636 @@
+/*
+ * moe_fused_gemm_sm90.cu -- factor 2 (moe_fused_gemm) for Hopper (sm_90a only): prefill through
+ * CUTLASS 3.x grouped GEMMs (wgmma + TMA, warp-specialised, persistent), everything else through
+ * the portable implementation in moe_fused_gemm.cuh.
+ *
+ * Same name, id, version and contract as factors/moe_fused_gemm.cu (manifests/moe_fused_gemm.yaml);
+ * priority 10, so the registry prefers this plugin where it loads. ex_get_factor returns NULL
+ * unless compute capability is exactly 9.0 (the library carries sm_90a code only).
+ *
+ *   kernel           rows per expert T*K/E >= kSm90MinRowsPerExpert, H % 8 == 0, I % 8 == 0,
+ *                    16-byte aligned tensors: the CUTLASS path below. Any other shape: the
+ *                    portable fast path (mma.sync) of moe_fused_gemm.cuh, unchanged.
+ *   kernel_fallback  the portable scalar fallback (any H, I).
+ *
+ * CUTLASS path: six launches on the caller's stream, no host sync, nothing on the host depends
+ * on device values (CUDA-graph capturable). The grouped GEMMs get E groups whose problem sizes
+ * and pointer arrays are written on the device; the host passes host_problem_shapes = nullptr
+ * (the persistent group scheduler launches one CTA per SM and skips groups with M = 0: a group
+ * with M = 0 has ceil(0/BM) = 0 tiles, so no CTA ever builds a TMA descriptor for it).
+ *   1. moe_route_kernel (moe_fused_gemm.cuh) sorted_slots grouped by expert, status bit 0 for an
+ *      id outside [0, E), meta[1] = valid rows, expert_off[e] = first sorted row of expert e.
+ *   2. sm90_prepare_kernel  threads 0..E-1: problem shapes, pointers and strides of both GEMMs;
+ *      every warp: rows r < meta[1]: xs[r] = hidden_states[sorted[r] / K] (16-byte copies),
+ *      slot_pos[sorted[r]] = r (the inverse permutation the combine reads).
+ *   3. GEMM1 (grouped, TN)  gu_e (M_e x 2I) = xs_e (M_e x H, row-major) . w13[e]^T
+ *                           (w13[e] is 2I x H row-major = K-major B, CUTLASS ColumnMajor)
+ *   4. sm90_silu_mul_kernel act[r] = dtype(silu(gu[r, :I]) * gu[r, I:]), rows r < meta[1]
+ *   5. GEMM2 (grouped, TN)  ys_e (M_e x H) = act_e (M_e x I) . w2[e]^T
+ *   6. sm90_combine_kernel  out[t] = dtype(sum_k [id valid] topk_weights[t,k] * ys[slot_pos[t*K+k]])
+ *                           in fp32, fixed k order: deterministic, no atomics, rounded once.
+ *   Numerics: gu is rounded to the dtype by GEMM1's epilogue before silu (as vLLM's
+ *   intermediate_cache1), act rounded to the dtype (the contract), ys rounded to the dtype.
+ *
+ * GEMM kernel (one type per dtype, shared by both GEMMs): KernelPtrArrayTmaWarpSpecializedCooperative,
+ * tile 128 x 256 x 64, cluster 1 x 2 x 1 (A multicast to the two CTAs of a pair of N tiles;
+ * clustering along N, not M, because M-tiles are rounded up to the cluster size per group and the
+ * groups are small), stages from StageCountAutoCarveout, epilogue
+ * PtrArrayTmaWarpSpecializedCooperative with no source C (beta = 0), fp32 accumulation.
+ *
+ * Workspace (a pure function of dims; sections 256-byte aligned):
+ *   [0, 256)   status word (int32 at byte 0), as the portable path
+ *   meta, tiles, sorted_slots         as the portable layout (the router writes them)
+ *   expert_off int32[E+1], slot_pos int32[T*K]
+ *   per GEMM g in {1, 2}: shapes[E] (int M,N,K), ptr_A[E], ptr_B[E], ptr_D[E], stride_A/B/D[E]
+ *   cutlass    GemmKernel::get_workspace_size for kSm90MaxSms SMs (per-SM TMA descriptors)
+ *   bufA       dtype[T*K, max(H, I)]   xs (GEMM1's A), later act (GEMM2's A)
+ *   bufB       dtype[T*K, max(2I, H)]  gu (GEMM1's D), later ys (GEMM2's D)
+ * workspace_size = max(portable layout, this layout) where this path can be chosen for the dims,
+ * else the portable layout.
+ */
+#include "cutlass/cutlass.h"
+#include "cutlass/numeric_types.h"
+#include "cute/tensor.hpp"
+#include "cutlass/device_kernel.h"
+#include "cutlass/epilogue/collective/collective_builder.hpp"
+#include "cutlass/epilogue/fusion/operations.hpp"
+#include "cutlass/gemm/collective/collective_builder.hpp"
+#include "cutlass/gemm/dispatch_policy.hpp"
+#include "cutlass/gemm/group_array_problem_shape.hpp"
+#include "cutlass/gemm/kernel/gemm_universal.hpp"
+
+#include <cstring>
+
+// after CUTLASS: its templates must not see the portable code's names (namespace exmoe anyway)
+#include "moe_fused_gemm.cuh"
+
+#if !defined(CUTLASS_ARCH_MMA_SM90_SUPPORTED) || !defined(CUTLASS_ARCH_MMA_MODIFIABLE_TMA_SM90_SUPPORTED)
+#error "moe_fused_gemm_sm90.cu needs CUDA >= 12.3 and CUTLASS >= 3.5 (TMA descriptor updates on sm_90)"
+#endif
+
+EX_DEFINE_ABI_VERSION();
+
+namespace exmoe {
+
+// ------------------------------------------------------------------------------------------
+// Thresholds
+// ------------------------------------------------------------------------------------------
+
+// The CUTLASS path serves T*K/E >= this many rows per expert (qwen3-30b: T >= 1024; mixtral,
+// phi-3.5-moe: T >= 256 and 512). Below, M-tiles of 128 rows would be mostly padding and the
+// portable mma.sync kernels (BM 16/64) are as fast: the weights' bytes bound both.
+constexpr int64_t kSm90MinRowsPerExpert = 64;
+// SM count the CUTLASS workspace (one TMA descriptor per SM and tensor) is sized for; the
+// launch uses min(multiprocessor_count, this).
+constexpr int kSm90MaxSms = 256;
+constexpr int kPrepThreads = 256;
+
+// ------------------------------------------------------------------------------------------
+// The grouped GEMM type (one per element type, shared by both GEMMs)
+// ------------------------------------------------------------------------------------------
+
+namespace sm90 {
+using namespace cute;
+
+template <typename ElementT>  // cutlass::bfloat16_t or cutlass::half_t
+struct GroupedGemm {
+    using ProblemShape = cutlass::gemm::GroupProblemShape<Shape<int, int, int>>;  // (M, N, K) per group
+    using TileShape = Shape<_128, _256, _64>;
+    using ClusterShape = Shape<_1, _2, _1>;
+    using LayoutA = cutlass::layout::RowMajor;     // M x K, K contiguous
+    using LayoutB = cutlass::layout::ColumnMajor;  // K x N with K contiguous = weights [N][K]
+    using LayoutD = cutlass::layout::RowMajor;     // M x N, N contiguous
+    static constexpr int kAlign = 128 / cutlass::sizeof_bits<ElementT>::value;  // 8: 16 bytes
+
+    using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+        cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
+        cutlass::epilogue::collective::EpilogueTileAuto, float, float,
+        void, LayoutD*, kAlign,         // no source C
+        ElementT, LayoutD*, kAlign,
+        cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative,
+        cutlass::epilogue::fusion::LinearCombination<ElementT, float, void, float>>::CollectiveOp;
+
+    using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+        cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp,
+        ElementT, LayoutA*, kAlign, ElementT, LayoutB*, kAlign, float,
+        TileShape, ClusterShape,
+        cutlass::gemm::collective::StageCountAutoCarveout<
+            static_cast<int>(sizeof(typename CollectiveEpilogue::SharedStorage))>,
+        cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative>::CollectiveOp;
+
+    using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop, CollectiveEpilogue>;
+
+    using Shape3 = typename ProblemShape::UnderlyingProblemShape;
+    using StrideA = typename Kernel::InternalStrideA;
+    using StrideB = typename Kernel::InternalStrideB;
+    using StrideD = typename Kernel::InternalStrideD;
+    using EA = typename Kernel::ElementA;
+    using EB = typename Kernel::ElementB;
+    using ED = typename Kernel::ElementD;
+    static constexpr int kStages = CollectiveMainloop::DispatchPolicy::Stages;
+    static constexpr int kClusterX = size<0>(ClusterShape{});
+    static constexpr int kClusterY = size<1>(ClusterShape{});
+};
+
+// The device-written arguments of one grouped GEMM (E entries each, in the workspace).
+template <class G>
+struct GroupArrays {
+    typename G::Shape3* shapes;
+    const typename G::EA** a;
+    const typename G::EB** b;
+    typename G::ED** d;
+    typename G::StrideA* sa;
+    typename G::StrideB* sb;
+    typename G::StrideD* sd;
+};
+
+template <typename T> struct CutlassType;
+template <> struct CutlassType<__nv_bfloat16> { using type = cutlass::bfloat16_t; };
+template <> struct CutlassType<__half> { using type = cutlass::half_t; };
+
+}  // namespace sm90
+
+// The strides are cute::Stride<int64_t, _1, _0> (leading dimension, unit, no batch); checked so
+// that writing get<0> is all a stride needs.
+static_assert(std::is_same<sm90::GroupedGemm<cutlass::bfloat16_t>::StrideA,
+                           cute::Stride<int64_t, cute::Int<1>, cute::Int<0>>>::value, "StrideA");
+static_assert(std::is_same<sm90::GroupedGemm<cutlass::bfloat16_t>::StrideB,
+                           cute::Stride<int64_t, cute::Int<1>, cute::Int<0>>>::value, "StrideB");
+static_assert(std::is_same<sm90::GroupedGemm<cutlass::bfloat16_t>::StrideD,
+                           cute::Stride<int64_t, cute::Int<1>, cute::Int<0>>>::value, "StrideD");
+
+// ------------------------------------------------------------------------------------------
+// Kernel 2: group arguments of both GEMMs + gather of the hidden states into expert order
+// ------------------------------------------------------------------------------------------
+
+template <typename T, class G>
+__global__ void __launch_bounds__(kPrepThreads)
+sm90_prepare_kernel(const T* __restrict__ x, T* __restrict__ xs, const int* __restrict__ sorted,
+                    const int* __restrict__ meta, const int* __restrict__ expert_off,
+                    int* __restrict__ slot_pos, const T* __restrict__ w13, const T* __restrict__ w2,
+                    T* __restrict__ gu, T* __restrict__ act, T* __restrict__ ys, int H, int I, int E,
+                    int K, sm90::GroupArrays<G> g1, sm90::GroupArrays<G> g2) {
+    using EA = typename G::EA;
+    using EB = typename G::EB;
+    using ED = typename G::ED;
+    const long long gtid = (long long)blockIdx.x * kPrepThreads + threadIdx.x;
+    const long long nthreads = (long long)gridDim.x * kPrepThreads;
+
+    // per-expert problem sizes, pointers and strides (an empty expert gets M = 0: no tiles)
+    for (long long e = gtid; e < E; e += nthreads) {
+        const long long off = expert_off[e];
+        const int m = expert_off[e + 1] - (int)off;
+        g1.shapes[e] = typename G::Shape3(m, 2 * I, H);
+        g1.a[e] = reinterpret_cast<const EA*>(xs + off * H);
+        g1.b[e] = reinterpret_cast<const EB*>(w13 + e * 2LL * I * H);
+        g1.d[e] = reinterpret_cast<ED*>(gu + off * 2LL * I);
+        typename G::StrideA sa1{}; cute::get<0>(sa1) = H;       // A: M x H, row-major
+        typename G::StrideB sb1{}; cute::get<0>(sb1) = H;       // B: 2I rows of H
+        typename G::StrideD sd1{}; cute::get<0>(sd1) = 2LL * I; // D: M x 2I, row-major
+        g1.sa[e] = sa1; g1.sb[e] = sb1; g1.sd[e] = sd1;
+
+        g2.shapes[e] = typename G::Shape3(m, H, I);
+        g2.a[e] = reinterpret_cast<const EA*>(act + off * I);
+        g2.b[e] = reinterpret_cast<const EB*>(w2 + e * (long long)H * I);
+        g2.d[e] = reinterpret_cast<ED*>(ys + off * H);
+        typename G::StrideA sa2{}; cute::get<0>(sa2) = I;
+        typename G::StrideB sb2{}; cute::get<0>(sb2) = I;
+        typename G::StrideD sd2{}; cute::get<0>(sd2) = H;
+        g2.sa[e] = sa2; g2.sb[e] = sb2; g2.sd[e] = sd2;
+    }
+
+    // gather: one warp per sorted row, 16-byte copies, 4 in flight per lane
+    const int rows = meta[1];
+    const int lane = threadIdx.x & 31;
+    const int HV = H >> 3;
+    for (long long r = gtid >> 5; r < rows; r += nthreads >> 5) {
+        const int slot = sorted[r];
+        if (lane == 0) slot_pos[slot] = (int)r;
+        const uint4* src = reinterpret_cast<const uint4*>(x + (long long)(slot / K) * H);
+        uint4* dst = reinterpret_cast<uint4*>(xs + r * H);
+        int c = lane;
+        for (; c + 96 < HV; c += 128) {
+            const uint4 v0 = __ldg(src + c), v1 = __ldg(src + c + 32), v2 = __ldg(src + c + 64),
+                        v3 = __ldg(src + c + 96);
+            dst[c] = v0; dst[c + 32] = v1; dst[c + 64] = v2; dst[c + 96] = v3;
+        }
+        for (; c < HV; c += 32) dst[c] = __ldg(src + c);
+    }
+}
+
+// ------------------------------------------------------------------------------------------
+// Kernel 4: act[r, i] = dtype(silu(gu[r, i]) * gu[r, I + i]) for the valid rows, 8 per thread
+// ------------------------------------------------------------------------------------------
+
+template <typename T>
+__global__ void __launch_bounds__(kSimpleThreads)
+sm90_silu_mul_kernel(T* __restrict__ act, const T* __restrict__ gu, const int* __restrict__ meta, int I) {
+    using E2 = typename Elem<T>::T2;
+    const int IV = I >> 3;
+    const long long total = (long long)meta[1] * IV;
+    for (long long i = (long long)blockIdx.x * kSimpleThreads + threadIdx.x; i < total;
+         i += (long long)gridDim.x * kSimpleThreads) {
+        const long long r = i / IV;
+        const int c = (int)(i - r * IV);
+        const T* grow = gu + r * 2LL * I + (long long)c * 8;
+        const uint4 graw = __ldg(reinterpret_cast<const uint4*>(grow));
+        const uint4 uraw = __ldg(reinterpret_cast<const uint4*>(grow + I));
+        const E2* g2 = reinterpret_cast<const E2*>(&graw);
+        const E2* u2 = reinterpret_cast<const E2*>(&uraw);
+        uint4 res;
+        E2* r2 = reinterpret_cast<E2*>(&res);
+#pragma unroll
+        for (int v = 0; v < 4; ++v) {
+            const float2 g = Elem<T>::unpack(g2[v]);
+            const float2 u = Elem<T>::unpack(u2[v]);
+            r2[v] = Elem<T>::pack(silu_f(g.x) * u.x, silu_f(g.y) * u.y);
+        }
+        *reinterpret_cast<uint4*>(act + r * I + (long long)c * 8) = res;
+    }
+}
+
+// ------------------------------------------------------------------------------------------
+// Kernel 6: out[t, 8 cols] = dtype(sum_k [id valid] w[t,k] * ys[slot_pos[t*K+k], 8 cols]), fp32,
+// k in order (deterministic); four rows' loads in flight per thread.
+// ------------------------------------------------------------------------------------------
+
+template <typename T>
+__global__ void __launch_bounds__(kSimpleThreads)
+sm90_combine_kernel(T* __restrict__ out, const T* __restrict__ ys, const int* __restrict__ slot_pos,
+                    const float* __restrict__ tw, const int* __restrict__ ids, int T_, int H, int E, int K) {
+    using E2 = typename Elem<T>::T2;
+    const int HV = H >> 3;
+    const long long total = (long long)T_ * HV;
+    for (long long i = (long long)blockIdx.x * kSimpleThreads + threadIdx.x; i < total;
+         i += (long long)gridDim.x * kSimpleThreads) {
+        const long long t = i / HV;
+        const int hv = (int)(i - t * HV);
+        float acc[8];
+#pragma unroll
+        for (int v = 0; v < 8; ++v) acc[v] = 0.0f;
+        for (int k0 = 0; k0 < K; k0 += 4) {
+            uint4 raw[4];
+            float w[4];
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const int k = k0 + j;
+                w[j] = 0.0f;
+                raw[j] = make_uint4(0u, 0u, 0u, 0u);
+                if (k < K) {
+                    const long long slot = t * K + k;
+                    const int e = __ldg(ids + slot);
+                    if ((unsigned)e < (unsigned)E) {  // invalid id: contributes nothing
+                        w[j] = __ldg(tw + slot);
+                        const long long r = __ldg(slot_pos + slot);
+                        raw[j] = __ldg(reinterpret_cast<const uint4*>(ys + r * H) + hv);
+                    }
+                }
+            }
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                if (k0 + j >= K) break;
+                const E2* v2 = reinterpret_cast<const E2*>(&raw[j]);
+#pragma unroll
+                for (int v = 0; v < 4; ++v) {
+                    const float2 f = Elem<T>::unpack(v2[v]);
+                    acc[2 * v] = fmaf(w[j], f.x, acc[2 * v]);
+                    acc[2 * v + 1] = fmaf(w[j], f.y, acc[2 * v + 1]);
+                }
+            }
+        }
+        uint4 res;
+        E2* r2 = reinterpret_cast<E2*>(&res);
+#pragma unroll
+        for (int v = 0; v < 4; ++v) r2[v] = Elem<T>::pack(acc[2 * v], acc[2 * v + 1]);
+        *reinterpret_cast<uint4*>(out + t * H + (long long)hv * 8) = res;
+    }
+}
+
+// ------------------------------------------------------------------------------------------
+// Host: state, workspace layout, path choice
+// ------------------------------------------------------------------------------------------
+
+static bool s_sm90_enabled = false;  // set by ex_get_factor: the CUTLASS kernel fits this hardware
+
+using GemmBf16 = sm90::GroupedGemm<cutlass::bfloat16_t>;
+using GemmF16 = sm90::GroupedGemm<cutlass::half_t>;
+
+// CUTLASS workspace bytes (per-SM TMA descriptors) for kSm90MaxSms SMs, the larger of the two
+// element types; a function of the kernel types only.
+template <class G> static int64_t cutlass_ws_bytes_for() {
+    typename G::Kernel::Arguments args{};
+    args.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
+    args.problem_shape = typename G::ProblemShape{1, nullptr, nullptr};
+    args.hw_info.sm_count = kSm90MaxSms;
+    return (int64_t)G::Kernel::get_workspace_size(args);
+}
+static int64_t cutlass_ws_bytes() {
+    const int64_t a = cutlass_ws_bytes_for<GemmBf16>(), b = cutlass_ws_bytes_for<GemmF16>();
+    return a > b ? a : b;
+}
+
+struct Sm90Layout {
+    int64_t meta, tiles, sorted, expert_off, slot_pos;
+    int64_t grp[2][7];  // shapes, a, b, d, sa, sb, sd
+    int64_t cutlass, cutlass_bytes, bufA, bufB, total;
+};
+
+static Sm90Layout sm90_layout(const Problem& P) {
+    Sm90Layout L;
+    int64_t off = 256;  // [0, 256): status word
+    L.meta = off;
+    off += 256;
+    L.tiles = off;  // the router's tile list, sized as in the portable layout
+    off += align256(max_tiles_for(P.TK, P.E, kSmallBM) * 16);
+    L.sorted = off;
+    off += align256(P.TK * 4);
+    L.expert_off = off;
+    off += align256((P.E + 1) * 4);
+    L.slot_pos = off;
+    off += align256(P.TK * 4);
+    static_assert(sizeof(GemmBf16::Shape3) == 12 && sizeof(GemmF16::Shape3) == 12, "shape (M,N,K) of int");
+    static_assert(sizeof(GemmBf16::StrideA) == 8 && sizeof(GemmBf16::StrideB) == 8 &&
+                  sizeof(GemmBf16::StrideD) == 8, "strides of one int64");
+    for (int g = 0; g < 2; ++g) {
+        L.grp[g][0] = off;
+        off += align256(P.E * 12);
+        for (int j = 1; j < 7; ++j) {
+            L.grp[g][j] = off;
+            off += align256(P.E * 8);
+        }
+    }
+    L.cutlass = off;
+    L.cutlass_bytes = align256(cutlass_ws_bytes());
+    off += L.cutlass_bytes;
+    L.bufA = off;
+    off += align256(P.TK * (P.H > P.I ? P.H : P.I) * 2);
+    L.bufB = off;
+    off += align256(P.TK * (2 * P.I > P.H ? 2 * P.I : P.H) * 2);
+    L.total = off;
+    return L;
+}
+
+// Whether the dims take the CUTLASS path (given 16-byte aligned tensors); a function of dims
+// and of the hardware seen by ex_get_factor.
+static bool sm90_path_for(const Problem& P) {
+    return s_sm90_enabled && P.T > 0 && P.H % 8 == 0 && P.I % 8 == 0 &&
+           P.TK >= kSm90MinRowsPerExpert * P.E;
+}
+
+static int64_t sm90_workspace_size(const int64_t dims[], int n_dims) {
+    const int64_t portable = moe_workspace_size(dims, n_dims);
+    if (dims == nullptr || n_dims < 6) return portable;
+    Problem P;
+    P.T = dims[0]; P.H = dims[1]; P.E = dims[2]; P.I = dims[3]; P.K = dims[4]; P.dtype = dims[5];
+    const int64_t lim = 0x7fffffff;
+    if (P.T < 0 || P.H < 1 || P.E < 1 || P.I < 1 || P.K < 1 || P.K > P.E || P.T > lim ||
+        P.H > lim || P.E > lim || P.I > lim || P.T * P.K > lim - 4096)
+        return portable;  // the kernel rejects these dims
+    P.TK = P.T * P.K;
+    if (!sm90_path_for(P)) return portable;
+    const int64_t mine = sm90_layout(P).total;
+    return mine > portable ? mine : portable;
+}
+
+// ------------------------------------------------------------------------------------------
+// Host: one grouped GEMM launch
+// ------------------------------------------------------------------------------------------
+
+// Params of the last launch per (GEMM, element type, thread): to_underlying_arguments builds
+// three TMA descriptors on the host (driver entry point + cuTensorMapEncodeTiled) whose contents
+// depend only on the workspace address and the dims, so an identical call reuses them.
+template <class G, int WHICH>
+struct ParamsCache {
+    bool valid = false;
+    int64_t key[8] = {};
+    typename G::Kernel::Params params;
+};
+
+template <class G, int WHICH>
+static int run_grouped_gemm(const sm90::GroupArrays<G>& ga, int E, void* cutlass_ws,
+                            const int64_t key[8], cudaStream_t stream) {
+    using GK = typename G::Kernel;
+    static thread_local ParamsCache<G, WHICH> cache;
+    if (!cache.valid || std::memcmp(cache.key, key, sizeof cache.key) != 0) {
+        typename GK::Arguments args{};
+        args.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
+        args.problem_shape = typename G::ProblemShape{E, ga.shapes, nullptr};  // no host shapes
+        args.mainloop.ptr_A = ga.a;
+        args.mainloop.dA = ga.sa;
+        args.mainloop.ptr_B = ga.b;
+        args.mainloop.dB = ga.sb;
+        args.epilogue.thread.alpha = 1.0f;
+        args.epilogue.thread.beta = 0.0f;
+        args.epilogue.ptr_C = nullptr;
+        args.epilogue.dC = nullptr;
+        args.epilogue.ptr_D = ga.d;
+        args.epilogue.dD = ga.sd;
+        args.hw_info.device_id = 0;  // unused: sm_count is given
+        args.hw_info.sm_count = s_num_sms < kSm90MaxSms ? s_num_sms : kSm90MaxSms;
+        args.hw_info.max_active_clusters = 0;
+        if (!GK::can_implement(args))
+            return set_error(EX_ERR_INTERNAL, "moe_fused_gemm_sm90: CUTLASS can_implement failed");
+        if ((size_t)GK::get_workspace_size(args) > (size_t)cutlass_ws_bytes())
+            return set_error(EX_ERR_INTERNAL, "moe_fused_gemm_sm90: CUTLASS workspace larger than reserved");
+        if (GK::initialize_workspace(args, cutlass_ws, stream) != cutlass::Status::kSuccess)
+            return set_error(EX_ERR_INTERNAL, "moe_fused_gemm_sm90: CUTLASS initialize_workspace failed");
+        cache.params = GK::to_underlying_arguments(args, cutlass_ws);
+        std::memcpy(cache.key, key, sizeof cache.key);
+        cache.valid = true;
+    }
+    const int smem = GK::SharedStorageSize;
+    static const cudaError_t attr_err = [] {
+        cudaError_t e = cudaFuncSetAttribute(cutlass::device_kernel<GK>,
+                                             cudaFuncAttributeMaxDynamicSharedMemorySize, GK::SharedStorageSize);
+        return e;
+    }();
+    if (attr_err != cudaSuccess) return cuda_error(attr_err);
+
+    const dim3 grid = GK::get_grid_shape(cache.params);
+    const dim3 block = GK::get_block_shape();
+    cudaLaunchConfig_t cfg = {};
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = G::kClusterX;
+    attr[0].val.clusterDim.y = G::kClusterY;
+    attr[0].val.clusterDim.z = 1;
+    cfg.gridDim = grid;
+    cfg.blockDim = block;
+    cfg.dynamicSmemBytes = (size_t)smem;
+    cfg.stream = stream;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    const cudaError_t err = cudaLaunchKernelEx(&cfg, cutlass::device_kernel<GK>, cache.params);
+    if (err != cudaSuccess) {
+        cache.valid = false;
+        return cuda_error(err);
+    }
+    return EX_OK;
+}
+
+// ------------------------------------------------------------------------------------------
+// Host: the CUTLASS path
+// ------------------------------------------------------------------------------------------
+
+template <typename T>
+static int launch_sm90(const Problem& P, void* out, const void* x, const void* w13, const void* w2,
+                       const float* tw, const int* ids, char* ws, cudaStream_t stream) {
+    using G = sm90::GroupedGemm<typename sm90::CutlassType<T>::type>;
+    const Sm90Layout L = sm90_layout(P);
+    int* status = reinterpret_cast<int*>(ws);
+    int* meta = reinterpret_cast<int*>(ws + L.meta);
+    int4* tiles = reinterpret_cast<int4*>(ws + L.tiles);
+    int* sorted = reinterpret_cast<int*>(ws + L.sorted);
+    int* expert_off = reinterpret_cast<int*>(ws + L.expert_off);
+    int* slot_pos = reinterpret_cast<int*>(ws + L.slot_pos);
+    sm90::GroupArrays<G> ga[2];
+    for (int g = 0; g < 2; ++g) {
+        ga[g].shapes = reinterpret_cast<typename G::Shape3*>(ws + L.grp[g][0]);
+        ga[g].a = reinterpret_cast<const typename G::EA**>(ws + L.grp[g][1]);
+        ga[g].b = reinterpret_cast<const typename G::EB**>(ws + L.grp[g][2]);
+        ga[g].d = reinterpret_cast<typename G::ED**>(ws + L.grp[g][3]);
+        ga[g].sa = reinterpret_cast<typename G::StrideA*>(ws + L.grp[g][4]);
+        ga[g].sb = reinterpret_cast<typename G::StrideB*>(ws + L.grp[g][5]);
+        ga[g].sd = reinterpret_cast<typename G::StrideD*>(ws + L.grp[g][6]);
+    }
+    void* cutlass_ws = ws + L.cutlass;
+    T* bufA = reinterpret_cast<T*>(ws + L.bufA);  // xs, then act
+    T* bufB = reinterpret_cast<T*>(ws + L.bufB);  // gu, then ys
+
+    const int TK = (int)P.TK, H = (int)P.H, E = (int)P.E, I = (int)P.I, K = (int)P.K;
+
+    // 1. routing (one block), also writing expert_off
+    using Scan = cub::BlockScan<int, kRouteThreads>;
+    const size_t route_smem = (size_t)(4 * E + 1) * sizeof(int);
+    if (route_smem + sizeof(typename Scan::TempStorage) + 1024 > (size_t)s_smem_optin)
+        return EX_FALLBACK;  // absurd E
+    if (route_smem > 48 * 1024) {
+        static const cudaError_t err = cudaFuncSetAttribute(
+            moe_route_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+            s_smem_optin - (int)sizeof(typename Scan::TempStorage) - 1024);
+        if (err != cudaSuccess) return cuda_error(err);
+    }
+    moe_route_kernel<<<1, kRouteThreads, route_smem, stream>>>(ids, TK, E, 128, status, meta, tiles,
+                                                                sorted, expert_off);
+
+    // 2. group arguments + gather (a warp per row; grid capped, grid-stride)
+    {
+        const int64_t cap = (int64_t)s_num_sms * 8;
+        int64_t blocks = (P.TK * 32 + kPrepThreads - 1) / kPrepThreads;
+        if (blocks > cap) blocks = cap;
+        if (blocks < 1) blocks = 1;
+        sm90_prepare_kernel<T, G><<<(unsigned)blocks, kPrepThreads, 0, stream>>>(
+            static_cast<const T*>(x), bufA, sorted, meta, expert_off, slot_pos,
+            static_cast<const T*>(w13), static_cast<const T*>(w2), bufB, bufA, bufB, H, I, E, K,
+            ga[0], ga[1]);
+    }
+    cudaError_t err = cudaGetLastError();
+    if (err != cudaSuccess) return cuda_error(err);
+
+    // 3. GEMM1: gu = xs . w13[e]^T per expert
+    const int64_t key[8] = {(int64_t)(uintptr_t)ws, P.T, P.H, P.E, P.I, P.K, P.dtype, s_num_sms};
+    int st = run_grouped_gemm<G, 1>(ga[0], E, cutlass_ws, key, stream);
+    if (st != EX_OK) return st;
+
+    // 4. act = silu(g) * u (valid rows only; the bound on the grid is from dims)
+    {
+        const int64_t vec = P.TK * (P.I / 8);
+        int64_t blocks = (vec + kSimpleThreads - 1) / kSimpleThreads;
+        const int64_t cap = (int64_t)s_num_sms * 16;
+        if (blocks > cap) blocks = cap;
+        if (blocks < 1) blocks = 1;
+        sm90_silu_mul_kernel<T><<<(unsigned)blocks, kSimpleThreads, 0, stream>>>(bufA, bufB, meta, I);
+    }
+
+    // 5. GEMM2: ys = act . w2[e]^T per expert
+    st = run_grouped_gemm<G, 2>(ga[1], E, cutlass_ws, key, stream);
+    if (st != EX_OK) return st;
+
+    // 6. weighted combine in fp32
+    {
+        const int64_t vec = P.T * (P.H / 8);
+        int64_t blocks = (vec + kSimpleThreads - 1) / kSimpleThreads;
+        const int64_t cap = (int64_t)s_num_sms * 16;
+        if (blocks > cap) blocks = cap;
+        if (blocks < 1) blocks = 1;
+        sm90_combine_kernel<T><<<(unsigned)blocks, kSimpleThreads, 0, stream>>>(
+            static_cast<T*>(out), bufB, slot_pos, tw, ids, (int)P.T, H, E, K);
+    }
+    if ((err = cudaGetLastError()) != cudaSuccess) return cuda_error(err);
+    return EX_OK;
+}
+
+static int sm90_kernel(void* output, const void* input, const void* aux_inputs[], int n_aux,
+                       const int64_t dims[], int n_dims, void* stream) {
+    Problem P;
+    bool done;
+    const int st = check_args(output, input, aux_inputs, n_aux, dims, n_dims, &P, &done);
+    if (st != EX_OK || done) return st;
+    const bool aligned = aligned16(output) && aligned16(input) && aligned16(aux_inputs[1]) &&
+                         aligned16(aux_inputs[2]) && aligned16(aux_inputs[5]) &&
+                         !(reinterpret_cast<uintptr_t>(aux_inputs[3]) & 3) &&
+                         !(reinterpret_cast<uintptr_t>(aux_inputs[4]) & 3);
+    if (!aligned || !sm90_path_for(P))  // decode, small or unaligned shapes: the portable path
+        return moe_kernel(output, input, aux_inputs, n_aux, dims, n_dims, stream);
+    const float* tw = static_cast<const float*>(aux_inputs[3]);
+    const int* ids = static_cast<const int*>(aux_inputs[4]);
+    char* ws = static_cast<char*>(const_cast<void*>(aux_inputs[5]));
+    cudaStream_t s = static_cast<cudaStream_t>(stream);
+    int rc;
+    if (P.dtype == EX_DTYPE_BFLOAT16)
+        rc = launch_sm90<__nv_bfloat16>(P, output, input, aux_inputs[1], aux_inputs[2], tw, ids, ws, s);
+    else
+        rc = launch_sm90<__half>(P, output, input, aux_inputs[1], aux_inputs[2], tw, ids, ws, s);
+    if (rc == EX_FALLBACK)  // declined before launching anything (absurd E): portable path
+        return moe_kernel(output, input, aux_inputs, n_aux, dims, n_dims, stream);
+    return rc;
+}
+
+// ------------------------------------------------------------------------------------------
+// Entry point
+// ------------------------------------------------------------------------------------------
+
+static ex_factor_t s_factor;
+
+}  // namespace exmoe
+
+extern "C" EX_EXPORT ex_factor_t* ex_get_factor(const ex_hardware_t* hw) {
+    using namespace exmoe;
+    // sm_90a machine code only: exactly compute capability 9.0 (not 9.x > 0, not 10.x)
+    if (hw == nullptr || hw->cc_major != 9 || hw->cc_minor != 0) return nullptr;
+    ex_tuning_t tuning;
+    if (!moe_portable_init(hw, &tuning)) return nullptr;
+    constexpr int kSmem = GemmBf16::Kernel::SharedStorageSize > GemmF16::Kernel::SharedStorageSize
+                              ? GemmBf16::Kernel::SharedStorageSize
+                              : GemmF16::Kernel::SharedStorageSize;
+    constexpr int kThreads = (int)GemmBf16::Kernel::MaxThreadsPerBlock;
+    static_assert(kThreads == (int)GemmF16::Kernel::MaxThreadsPerBlock, "one block shape");
+    s_sm90_enabled = kSmem <= hw->shared_mem_per_block_optin && kThreads <= hw->max_threads_per_block &&
+                     hw->warp_size == 32;
+    if (s_sm90_enabled) {
+        // Tuning reported: the grouped GEMM (one producer + two consumer warpgroups, its smem
+        // and pipeline depth); the other launches are the portable kernels' (its tuning) and
+        // 256-thread elementwise kernels.
+        tuning.threads_per_block = kThreads;
+        tuning.num_warps = kThreads / hw->warp_size;
+        tuning.vec_size = 8;
+        tuning.items_per_thread = 1;
+        if (kSmem > tuning.shared_mem_bytes) tuning.shared_mem_bytes = kSmem;
+        tuning.num_stages = GemmBf16::kStages;
+    }
+    s_factor.abi_version = EX_ABI_VERSION;
+    s_factor.factor_id = EX_FACTOR_MOE_FUSED_GEMM;
+    s_factor.name = "moe_fused_gemm";
+    s_factor.version = MOE_FUSED_GEMM_VERSION;
+    s_factor.tuning = tuning;
+    s_factor.kernel = sm90_kernel;
+    s_factor.kernel_fallback = moe_kernel_fallback;
+    s_factor.workspace_size = sm90_workspace_size;
+    s_factor.last_error = moe_last_error;
+    s_factor.priority = 10;
+    s_factor.reserved_i32 = 0;
+    s_factor.description =
+        "routed MoE experts, Hopper: CUTLASS wgmma/TMA grouped GEMMs for prefill (T*K/E >= 64), "
+        "portable mma.sync path below";
+    return &s_factor;
+}
