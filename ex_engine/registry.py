@@ -694,7 +694,8 @@ class FactorRegistry:
             raise DeviceSideError("; ".join(problems))
 
     def _flag_text(self, name, word) -> str:
-        m = self.manifests.get(name)
+        p = self._chosen.get(name)
+        m = p.manifest if p is not None and p.manifest is not None else self.manifests.get(name)
         bits = (getattr(m, "device_flags", None) or {}) if m else {}
         texts = [bits.get(b, f"bit {b}") for b in range(32) if word >> b & 1]
         return ", ".join(texts)

@@ -5,7 +5,9 @@
  * wrong result (alpha * in + 1: what `verify` must catch).
  * Other knobs: ABI_OVERRIDE, RETURN_NULL, NULL_NAME, NULL_KERNEL, NO_GET_FACTOR, TPB, VERSION,
  * NAME, FACTOR_ID, PRIORITY, CRASH (ex_get_factor dereferences NULL), HANG (ex_get_factor
- * never returns), HELPER (the kernel calls helper_alpha() from a separate library). */
+ * never returns), HELPER (the kernel calls helper_alpha() from a separate library), WORKSPACE
+ * (aux[1] is a runtime workspace: the product goes through scratch memory there, and a negative
+ * alpha sets bit 0 of its status word; manifest tests/plugins/host_scale_ws.yaml). */
 #include "ex_engine.h"
 
 #ifndef BEHAVIOUR
@@ -49,9 +51,23 @@ static int scale(void* output, const void* input, const void* aux[], int n_aux,
     if (n_aux < 1 || n_dims < 1) return EX_ERR_INVALID_ARGUMENT;
     float alpha = ALPHA(((const float*)aux[0])[0]);
     float plus = BEHAVIOUR == 4 ? 1.0f : 0.0f;
+#ifdef WORKSPACE
+    if (n_aux < 2 || aux[1] == NULL) return EX_ERR_WORKSPACE;
+    if (alpha < 0.0f) *(int32_t*)aux[1] |= 1;
+    float* scratch = (float*)((char*)aux[1] + 256);   /* shared scratch would be overwritten */
+    for (int64_t i = 0; i < dims[0]; ++i) scratch[i] = alpha * ((const float*)input)[i] + plus;
+    for (int64_t i = 0; i < dims[0]; ++i) ((float*)output)[i] = scratch[i];
+#else
     for (int64_t i = 0; i < dims[0]; ++i) ((float*)output)[i] = alpha * ((const float*)input)[i] + plus;
+#endif
     return EX_OK;
 }
+
+#ifdef WORKSPACE
+static int64_t workspace_size(const int64_t dims[], int n_dims) {
+    return n_dims < 1 ? 0 : 256 + 4 * dims[0];
+}
+#endif
 
 static int kernel(void* output, const void* input, const void* aux[], int n_aux,
                   const int64_t dims[], int n_dims, void* stream) {
@@ -100,7 +116,11 @@ EX_EXPORT ex_factor_t* ex_get_factor(const ex_hardware_t* hw) {
     s_factor.kernel = kernel;
 #endif
     s_factor.kernel_fallback = BEHAVIOUR == 1 ? kernel_fallback : NULL;
+#ifdef WORKSPACE
+    s_factor.workspace_size = workspace_size;
+#else
     s_factor.workspace_size = NULL;
+#endif
     s_factor.last_error = last_error;
     s_factor.priority = PRIORITY;
     s_factor.description = "test: out = alpha * in on host memory";
