@@ -7,7 +7,8 @@
  * priority 10, so the registry prefers this plugin where it loads. ex_get_factor returns NULL
  * unless compute capability is exactly 9.0 (the library carries sm_90a code only).
  *
- *   kernel           rows per expert T*K/E >= kSm90MinRowsPerExpert, H % 8 == 0, I % 8 == 0,
+ *   kernel           rows per expert T*K/E >= kSm90MinRowsPerExpert (64; environment override
+ *                    EX_MOE_SM90_MIN_ROWS_PER_EXPERT), H % 8 == 0, I % 8 == 0,
  *                    16-byte aligned tensors: the CUTLASS path below. Any other shape: the
  *                    portable fast path (mma.sync) of moe_fused_gemm.cuh, unchanged.
  *   kernel_fallback  the portable scalar fallback (any H, I).
@@ -59,6 +60,7 @@
 #include "cutlass/gemm/group_array_problem_shape.hpp"
 #include "cutlass/gemm/kernel/gemm_universal.hpp"
 
+#include <cstdlib>
 #include <cstring>
 
 // after CUTLASS: its templates must not see the portable code's names (namespace exmoe anyway)
@@ -79,6 +81,8 @@ namespace exmoe {
 // The CUTLASS path serves T*K/E >= this many rows per expert (qwen3-30b: T >= 1024; mixtral,
 // phi-3.5-moe: T >= 256 and 512). Below, M-tiles of 128 rows would be mostly padding and the
 // portable mma.sync kernels (BM 16/64) are as fast: the weights' bytes bound both.
+// The environment variable EX_MOE_SM90_MIN_ROWS_PER_EXPERT (a decimal integer >= 0, read by
+// ex_get_factor) overrides it, for tuning and tests: 0 sends every aligned shape to CUTLASS.
 constexpr int64_t kSm90MinRowsPerExpert = 64;
 // SM count the CUTLASS workspace (one TMA descriptor per SM and tensor) is sized for; the
 // launch uses min(multiprocessor_count, this).
@@ -311,6 +315,7 @@ sm90_combine_kernel(T* __restrict__ out, const T* __restrict__ ys, const int* __
 // ------------------------------------------------------------------------------------------
 
 static bool s_sm90_enabled = false;  // set by ex_get_factor: the CUTLASS kernel fits this hardware
+static int64_t s_sm90_min_rows = kSm90MinRowsPerExpert;  // set by ex_get_factor
 
 using GemmBf16 = sm90::GroupedGemm<cutlass::bfloat16_t>;
 using GemmF16 = sm90::GroupedGemm<cutlass::half_t>;
@@ -374,7 +379,7 @@ static Sm90Layout sm90_layout(const Problem& P) {
 // and of the hardware seen by ex_get_factor.
 static bool sm90_path_for(const Problem& P) {
     return s_sm90_enabled && P.T > 0 && P.H % 8 == 0 && P.I % 8 == 0 &&
-           P.TK >= kSm90MinRowsPerExpert * P.E;
+           P.TK / P.E >= s_sm90_min_rows;  // floor(T*K/E) >= n  <=>  T*K >= n*E
 }
 
 static int64_t sm90_workspace_size(const int64_t dims[], int n_dims) {
@@ -607,6 +612,12 @@ extern "C" EX_EXPORT ex_factor_t* ex_get_factor(const ex_hardware_t* hw) {
     static_assert(kThreads == (int)GemmF16::Kernel::MaxThreadsPerBlock, "one block shape");
     s_sm90_enabled = kSmem <= hw->shared_mem_per_block_optin && kThreads <= hw->max_threads_per_block &&
                      hw->warp_size == 32;
+    s_sm90_min_rows = kSm90MinRowsPerExpert;
+    if (const char* v = std::getenv("EX_MOE_SM90_MIN_ROWS_PER_EXPERT")) {
+        char* end = nullptr;
+        const long long n = std::strtoll(v, &end, 10);
+        if (end != v && *end == '\0' && n >= 0) s_sm90_min_rows = n;
+    }
     if (s_sm90_enabled) {
         // Tuning reported: the grouped GEMM (one producer + two consumer warpgroups, its smem
         // and pipeline depth); the other launches are the portable kernels' (its tuning) and

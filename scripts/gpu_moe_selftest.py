@@ -224,11 +224,14 @@ QUICK = {"qwen3-30b decode", "tiny", "odd H, I", "all on expert 5", "invalid ids
 CUTLASS_MIN_ROWS_PER_EXPERT = 64   # kSm90MinRowsPerExpert in factors/moe_fused_gemm_sm90.cu
 
 
-def sub_path(lib_name, path, T, H, E, I, K):
+FORCE_ENV = "EX_MOE_SM90_MIN_ROWS_PER_EXPERT"  # read by the sm90 plugin's ex_get_factor
+
+
+def sub_path(lib_name, path, T, H, E, I, K, min_rows=CUTLASS_MIN_ROWS_PER_EXPERT):
     """Which code served a call: 'fallback', 'mma.sync' (portable fast path) or 'cutlass'."""
     if path != "kernel":
         return path
-    if "sm90" in lib_name and H % 8 == 0 and I % 8 == 0 and T * K >= CUTLASS_MIN_ROWS_PER_EXPERT * E:
+    if "sm90" in lib_name and H % 8 == 0 and I % 8 == 0 and (T * K) // E >= min_rows:
         return "cutlass"
     return "mma.sync"
 
@@ -424,13 +427,22 @@ def error_code_checks(fac, stream):
     return rows
 
 
-def run_library(so_path, a, explicit):
-    """Every check and case on one library. Returns (failures, {(case, dtype): result}) or None
-    when the library declines this device and was not named explicitly."""
+def run_library(so_path, a, explicit, forced=False):
+    """Every check and case on one library. Returns (failures, {(case, dtype): result}, sticky),
+    (failures, {}) when it could not be loaded, or None when the library declines this device and
+    was not named explicitly. forced: the sm90 plugin with EX_MOE_SM90_MIN_ROWS_PER_EXPERT=0 (every
+    aligned shape through CUTLASS), on the cases that change path that way (small T: many empty
+    groups, M of a few rows)."""
     lib_name = os.path.basename(so_path)
-    print(f"\n=================== {lib_name}")
+    min_rows = 0 if forced else CUTLASS_MIN_ROWS_PER_EXPERT
+    print(f"\n=================== {lib_name}" + (f" with {FORCE_ENV}=0" if forced else ""))
     try:
-        fac = Factor(so_path)
+        if forced:
+            os.environ[FORCE_ENV] = "0"
+        try:
+            fac = Factor(so_path)
+        finally:
+            os.environ.pop(FORCE_ENV, None)
     except (OSError, RuntimeError) as ex:
         if explicit:
             print(f"FAIL: {so_path}: {ex}")
@@ -477,6 +489,10 @@ def run_library(so_path, a, explicit):
         for case in CASES:
             if a.quick and case[0] not in QUICK:
                 continue
+            if forced and sub_path(lib_name, "kernel", *case[1:6]) == "cutlass":
+                continue                             # already on the CUTLASS path without forcing
+            if forced and sub_path(lib_name, "kernel", *case[1:6], min_rows=0) != "cutlass":
+                continue                             # odd H, I: forcing changes nothing
             if sticky:
                 break
             cp.random.seed(1234)                     # the same inputs for every library
@@ -492,7 +508,7 @@ def run_library(so_path, a, explicit):
             best = usg or us
             tbs = f"{res['bytes'] / (best * 1e-6) / 1e12:6.2f}" if best else "     -"
             tfl = f"{res['flops'] / (best * 1e-6) / 1e12:7.1f}" if best else "      -"
-            code = sub_path(lib_name, res.get("path", "?"), *case[1:6])
+            code = sub_path(lib_name, res.get("path", "?"), *case[1:6], min_rows=min_rows)
             res["code"], res["tflops"] = code, (res["flops"] / (best * 1e-6) / 1e12 if best else None)
             results[(case[0], dtn)] = res
             print(f"{'PASS' if ok else 'FAIL'} {res['name']:22s} {res['dtype']:4s} {res['shape']:22s} "
@@ -513,7 +529,7 @@ def side_by_side(names, all_results):
     head = f"{'case':22s} {'dt':4s} {'T,H,E,I,K':22s}"
     for n in names:
         head += f" | {n[:24]:>24s} {'code':8s} {'us':>9s} {'TFLOP/s':>7s}"
-    print(head + (" | speedup" if len(names) == 2 else ""))
+    print(head + (" | speedup 1st/2nd" if len(names) >= 2 else ""))
     keys = []
     for n in names:
         for k in all_results[n]:
@@ -533,7 +549,7 @@ def side_by_side(names, all_results):
             tf = f"{r['tflops']:7.1f}" if r.get("tflops") else "      -"
             row += f" | {'':24s} {r.get('code', '?'):8s} {us if us else 0:9.1f} {tf}"
         sp = ""
-        if len(names) == 2 and times[0] and times[1]:
+        if len(names) >= 2 and times[0] and times[1]:
             sp = f" | {times[0] / times[1]:6.2f}x"
         print(f"{k[0]:22s} {k[1]:4s} {shape:22s}{row}{sp}")
 
@@ -545,18 +561,23 @@ def main():
                          "factors/moe_fused_gemm_sm90.so")
     ap.add_argument("--no-timing", action="store_true")
     ap.add_argument("--quick", action="store_true", help="small cases only")
+    ap.add_argument("--no-forced", action="store_true",
+                    help=f"skip the extra pass of the sm90 plugin with {FORCE_ENV}=0")
     a = ap.parse_args()
 
     explicit = a.libs is not None
     libs = a.libs or [os.path.join(ROOT, "factors", "moe_fused_gemm.so"),
                       os.path.join(ROOT, "factors", "moe_fused_gemm_sm90.so")]
+    runs = [(so, False) for so in libs]
+    if not a.no_forced:
+        runs += [(so, True) for so in libs if "sm90" in os.path.basename(so)]
     failed = 0
     names, all_results = [], {}
-    for so in libs:
+    for so, forced in runs:
         if not explicit and not os.path.exists(so):
             print(f"\nskipped: {so} (not built)")
             continue
-        out = run_library(so, a, explicit)
+        out = run_library(so, a, explicit, forced)
         if out is None:
             continue
         if len(out) == 2:
@@ -564,7 +585,7 @@ def main():
             continue
         n_fail, results, sticky = out
         failed += n_fail
-        name = os.path.basename(so)
+        name = os.path.basename(so) + (" (forced)" if forced else "")
         names.append(name)
         all_results[name] = results
         if sticky:
