@@ -120,27 +120,6 @@ def _stream_for(refs, device):
     return cupy.cuda.get_current_stream().ptr
 
 
-class _StreamPtr:
-    """A raw cudaStream_t as an object of the CUDA stream protocol (for CuPy)."""
-
-    def __init__(self, ptr: int):
-        self.ptr = ptr
-
-    def __cuda_stream__(self):
-        return (0, self.ptr)
-
-
-def _cupy_stream(ptr: int):
-    """A CuPy stream object for a raw stream pointer (0: the legacy default stream)."""
-    import cupy
-    if ptr == 0:
-        return cupy.cuda.Stream.null
-    from_external = getattr(cupy.cuda.Stream, "from_external", None)
-    if from_external is not None:
-        return from_external(_StreamPtr(ptr))
-    return cupy.cuda.ExternalStream(ptr)
-
-
 def _is_capturing(stream: int) -> bool:
     """True if ``stream`` is capturing a CUDA graph (or the query itself is refused, which
     happens for the legacy stream while another stream captures)."""
@@ -188,6 +167,7 @@ class FactorRegistry:
         self._lock = threading.Lock()
         self._workspaces: dict = {}     # (factor, device, stream or host thread) -> buffer
         self._ws_lock = threading.Lock()
+        self._retired: list = []         # grown-out-of device workspaces, dropped after a sync
         self._flags: dict = defaultdict(Counter)
         self._fallbacks: dict = {}
         self._bind_cache: dict = {}
@@ -555,6 +535,12 @@ class FactorRegistry:
             return self._new_workspace((plugin.name, device, stream), need)
 
     def _new_workspace(self, key, need: int):
+        """Allocate (or grow) the workspace of ``key``; called under _ws_lock.
+
+        Device buffers are zeroed (and a grown one gets the old status word) by async copies on
+        the call's own stream, after the allocating CuPy stream's pending work. A replaced
+        buffer is kept until the next check_device_errors (which synchronises), so a kernel
+        still running on it never sees its memory reused."""
         name, device, stream = key
         old = self._workspaces.get(key)
         if old is not None and old.nbytes >= need:
@@ -568,8 +554,10 @@ class FactorRegistry:
             self._workspaces[key] = buf
             return buf
         import cupy
-        if _is_capturing(stream):
-            # nothing may be allocated into a graph: use one made by an earlier call (warm-up)
+        from cupy.cuda import runtime
+        capturing = _is_capturing(stream)
+        if capturing:
+            # nothing should be allocated into a graph: use one made by an earlier call (warm-up)
             others = [b for (n, d, _), b in self._workspaces.items()
                       if n == name and d == device and b.nbytes >= need]
             if others:
@@ -577,10 +565,17 @@ class FactorRegistry:
                 self._workspaces[key] = buf
                 return buf
         try:
-            with cupy.cuda.Device(device), _cupy_stream(stream):
-                buf = cupy.zeros(size, dtype=cupy.uint8)      # zeroed in stream order
+            with cupy.cuda.Device(device):
+                buf = cupy.empty(size, dtype=cupy.uint8)
+                current = cupy.cuda.get_current_stream()
+                if current.ptr != stream and not capturing:
+                    ready = cupy.cuda.Event(disable_timing=True)
+                    ready.record(current)
+                    runtime.streamWaitEvent(stream, ready.ptr)
+                runtime.memsetAsync(buf.data.ptr, 0, size, stream)
                 if old is not None:
-                    buf[:256] = old[:256]
+                    runtime.memcpyAsync(buf.data.ptr, old.data.ptr, 256, runtime.memcpyDeviceToDevice, stream)
+                    self._retired.append(old)
         except Exception as exc:  # CUDARuntimeError, OutOfMemoryError
             raise FactorError(f"{name}: cannot allocate a {size}-byte workspace on cuda:{device} "
                               f"(stream 0x{stream:x}): {exc}. During CUDA-graph capture, call "
@@ -663,6 +658,7 @@ class FactorRegistry:
         problems = []
         with self._ws_lock:
             items = list(self._workspaces.items())
+            retired, self._retired = self._retired, []
         seen, synced = set(), set()
         for (name, dev, _), buf in items:
             if id(buf) in seen:          # one buffer adopted by a capturing stream
@@ -685,6 +681,13 @@ class FactorRegistry:
             if word:
                 problems.append(f"{name}: device status word 0x{word:x} "
                                 f"({self._flag_text(name, word)})")
+        for buf in retired:             # freed only once no kernel can still be using them
+            if buf.device.id not in synced:
+                import cupy
+                with cupy.cuda.Device(buf.device.id):
+                    cupy.cuda.runtime.deviceSynchronize()
+                synced.add(buf.device.id)
+        del retired
         with self._lock:
             for name, c in self._flags.items():
                 for k, n in c.items():

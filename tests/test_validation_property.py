@@ -170,27 +170,31 @@ def calls(draw, name):
     if draw(st.integers(0, 9)) == 5:       # now and then a size that breaks a constraint
         sizes[draw(st.sampled_from(["K", "H", "I", "E"]))] = draw(st.integers(0, 7))
     main = draw(st.sampled_from(next(iter(c["args"].values()))[1]))
-    arrays = {}
+    n_args, arrays = len(c["args"]), {}
     for arg, (sym, dtypes) in c["args"].items():
         if arg in c["optional"] and draw(st.booleans()):
             arrays[arg] = None
             continue
-        if draw(st.integers(0, 60)) == 30:
-            arrays[arg] = None              # a required argument left out
-            continue
         shape = [2 * sizes[s[1:]] if s.startswith("2") else sizes[s] for s in sym]
         dtype = as_choice(main if main in dtypes else dtypes[0])
-        if draw(st.integers(0, 11)) == 5:
-            dtype = draw(st.sampled_from(DTYPES))
-        elif dtype == "bf16_bits" and draw(st.booleans()):
+        if dtype == "bf16_bits" and draw(st.booleans()):
             dtype = "bf16_ml"
-        mutate = draw(st.integers(0, 13))
-        if mutate == 5 and shape:
-            shape[draw(st.integers(0, len(shape) - 1))] += draw(st.sampled_from([-1, 1]))
-            shape = [max(s, 0) for s in shape]
-        elif mutate == 6:
-            shape = shape[:-1] if draw(st.booleans()) and shape else shape + [1]
-        layout = draw(st.sampled_from(LAYOUTS)) if draw(st.integers(0, 5)) == 3 else "contiguous"
+        layout = "contiguous"
+        # about one argument per call is changed in one way (most such changes break a rule)
+        if draw(st.integers(0, n_args)) == n_args // 2 + 1:
+            kind = draw(st.sampled_from(["dtype", "size", "rank", "layout", "layout", "missing"]))
+            if kind == "dtype":
+                dtype = draw(st.sampled_from(DTYPES))
+            elif kind == "size" and shape:
+                shape[draw(st.integers(0, len(shape) - 1))] += draw(st.sampled_from([-1, 1]))
+                shape = [max(s, 0) for s in shape]
+            elif kind == "rank":
+                shape = shape[:-1] if draw(st.booleans()) and shape else shape + [1]
+            elif kind == "layout":
+                layout = draw(st.sampled_from(LAYOUTS))
+            elif kind == "missing":
+                arrays[arg] = None
+                continue
         arrays[arg] = build(shape, dtype, layout)
     return arrays, c["params"](_Drawer(draw))
 
@@ -224,7 +228,7 @@ def test_the_generator_makes_both_valid_and_invalid_calls(reg):
     """The property above is only as good as its inputs: both outcomes must be common."""
     outcomes = {name: [] for name in CONTRACTS}
 
-    @settings(max_examples=300, deadline=None, database=None)
+    @settings(max_examples=300, deadline=None, database=None, derandomize=True)
     @given(data=st.data())
     def sample(data):
         name = data.draw(st.sampled_from(sorted(CONTRACTS)))
@@ -234,4 +238,4 @@ def test_the_generator_makes_both_valid_and_invalid_calls(reg):
     sample()
     for name, res in outcomes.items():
         if len(res) >= 30:
-            assert 0.15 < sum(res) / len(res) < 0.9, (name, sum(res), len(res))
+            assert 0.15 < sum(res) / len(res) < 0.85, (name, sum(res), len(res))
