@@ -60,14 +60,23 @@ def test_other_abi_names_both_versions(tmp_path):
 @pytest.mark.parametrize("defines,check", [
     ({"NO_GET_FACTOR": True}, "symbol ex_get_factor"),
     ({"RETURN_NULL": True}, "ex_get_factor(hw)"),
+    ({"STRUCT_ABI": (1 << 16) | 9}, "struct abi_version"),
     ({"NULL_NAME": True}, "name"),
     ({"NULL_KERNEL": True}, "kernel"),
+    ({"VERSION": "NULL"}, "version"),
 ])
 def test_each_struct_problem_fails_its_own_check(tmp_path, defines, check):
     build_plugin(tmp_path, defines=defines)
     p = FactorRegistry.load(tmp_path, hardware="h200").plugins[0]
     assert p.status == "rejected" and p.checks[-1].name == check and not p.checks[-1].ok
     assert p.reason.startswith(check + ":")
+
+
+def test_id_other_than_the_manifest_is_refused(tmp_path):
+    build_plugin(tmp_path, defines={"FACTOR_ID": 1108}, manifest=False)
+    (tmp_path / "host_scale.yaml").write_text((ROOT / "tests" / "plugins" / "host_scale.yaml").read_text())
+    p = FactorRegistry.load(tmp_path, hardware="h200").plugins[0]
+    assert p.status == "rejected" and p.reason.startswith("manifest id: expected id 1100") and "library says 1108" in p.reason
 
 
 # ------------------------------------------------------------------------------ tuning

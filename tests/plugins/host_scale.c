@@ -4,7 +4,7 @@
  * 2 returns EX_FALLBACK with no kernel_fallback, 3 returns EX_ERR_SHAPE, 4 returns EX_OK with a
  * wrong result (alpha * in + 1: what `verify` must catch).
  * Other knobs: ABI_OVERRIDE, RETURN_NULL, NULL_NAME, NULL_KERNEL, NO_GET_FACTOR, TPB, VERSION,
- * NAME, FACTOR_ID, PRIORITY, CRASH (ex_get_factor dereferences NULL), HANG (ex_get_factor
+ * NAME, FACTOR_ID, PRIORITY, STRUCT_ABI (the struct's abi_version), CRASH (ex_get_factor dereferences NULL), HANG (ex_get_factor
  * never returns), HELPER (the kernel calls helper_alpha() from a separate library), WORKSPACE
  * (aux[1] is a runtime workspace: the product goes through scratch memory there, and a negative
  * alpha sets bit 0 of its status word; manifest tests/plugins/host_scale_ws.yaml). */
@@ -96,7 +96,11 @@ EX_EXPORT ex_factor_t* ex_get_factor(const ex_hardware_t* hw) {
     (void)hw;
     return NULL;
 #else
+#ifdef STRUCT_ABI
+    s_factor.abi_version = STRUCT_ABI;
+#else
     s_factor.abi_version = EX_ABI_VERSION;
+#endif
     s_factor.factor_id = FACTOR_ID;
 #ifdef NULL_NAME
     s_factor.name = NULL;
