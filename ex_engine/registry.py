@@ -414,16 +414,12 @@ class FactorRegistry:
             ids[p.factor_id].append(p)
         for fid, ps in ids.items():
             if len(ps) > 1:
-                ps.sort(key=lambda q: (q.manifest is not None and q.manifest.id == fid,
-                                       self._preferred(q), str(q.path)))
+                ps.sort(key=lambda q: (self._preferred(q), q.version_key(), q.priority, str(q.path)))
                 win = ps[-1]
                 for q in ps[:-1]:
-                    if win.manifest is not None and win.manifest.id == fid and (q.manifest is None or q.manifest.id != fid):
-                        rule = f"its manifest assigns id {fid}"
-                    elif self._preferred(win) and not self._preferred(q):
-                        rule = f"the user's choice (prefer={{{win.name!r}: {str(self.prefer[win.name])!r}}})"
-                    else:
-                        rule = f"both claim it; the file name that sorts last wins ({win.path.name} after {q.path.name})"
+                    pref = (f"{{{win.name!r}: {str(self.prefer[win.name])!r}}}"
+                            if self._preferred(win) and not self._preferred(q) else "")
+                    rule = "both claim it; " + self._win_rule(win, q, pref)
                     q.status = "rejected"
                     q.reason = f"factor id {fid} already taken by '{win.name}' ({win.path.name}); rule: {rule}"
                     del self._chosen[q.name]
