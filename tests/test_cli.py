@@ -8,7 +8,8 @@ import pytest
 from ex_engine.cli import build_parser, main
 
 
-@pytest.mark.parametrize("argv", [[], ["list-factors"], ["hardware"], ["run"], ["run", "moe"], ["build"]])
+@pytest.mark.parametrize("argv", [[], ["list-factors"], ["hardware"], ["run"], ["run", "moe"], ["build"],
+                                  ["verify"], ["lock"]])
 def test_every_command_has_help(argv, capsys):
     with pytest.raises(SystemExit) as e:
         main(argv + ["--help"])
@@ -48,5 +49,10 @@ def test_console_entry_point_runs():
 
 def test_parser_lists_all_commands():
     text = build_parser().format_help()
-    for cmd in ("list-factors", "hardware", "run", "build"):
+    for cmd in ("list-factors", "hardware", "run", "build", "verify", "lock"):
         assert cmd in text
+
+
+def test_prefer_option_needs_name_equals_file(tmp_path, capsys):
+    assert main(["list-factors", "--dir", str(tmp_path), "--prefer", "moe_fused_gemm"]) == 2
+    assert "--prefer: expected NAME=FILE" in capsys.readouterr().err
