@@ -22,7 +22,7 @@ def ws_plugin(folder):
 
 def run_threads(n, fn):
     """Run fn(i) in n threads released together by a barrier; re-raise the first error."""
-    barrier, errors, results = threading.Barrier(n), [], [None] * n
+    barrier, errors, results = threading.Barrier(n, timeout=60), [], [None] * n
 
     def body(i):
         try:

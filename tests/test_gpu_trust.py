@@ -108,17 +108,18 @@ def _bits(a):
 
 def test_concurrent_streams_give_the_serial_results(reg, cp):
     """One thread per CuPy stream, each calling moe_fused_gemm and topk_softmax repeatedly: the
-    outputs equal those of serial calls bit for bit (each stream has its own workspace)."""
+    outputs equal those of serial calls bit for bit (each stream has its own workspace).
+    T = 64 and 512 (T*K/E = 8 and 64: the portable path and, on Hopper, the sm90 plugin's)."""
     n_threads, calls = 4, 8
-    cases = [_moe_case(reg, cp, seed) for seed in range(n_threads)]
+    cases = [_moe_case(reg, cp, seed, T=64 if seed % 2 == 0 else 512) for seed in range(n_threads)]
     logits = [cp.random.standard_normal((64, 128), dtype=cp.float32) for _ in range(n_threads)]
 
     def run(i):
         a = dict(cases[i])
         a["out"] = Bits16(cp.empty_like(a["out"].bits))
         reg.dispatch("moe_fused_gemm", a)
-        w = cp.empty((64, 8), cp.float32)
-        ids = cp.empty((64, 8), cp.int32)
+        w = cp.empty((logits[i].shape[0], 8), cp.float32)
+        ids = cp.empty((logits[i].shape[0], 8), cp.int32)
         reg.dispatch("topk_softmax", {"router_logits": logits[i], "topk_weights": w, "topk_ids": ids},
                      {"renormalize": True})
         return a["out"], w, ids
@@ -128,7 +129,7 @@ def test_concurrent_streams_give_the_serial_results(reg, cp):
     serial = [tuple(_bits(x) for x in outs) for outs in serial]
     assert reg.last_path["moe_fused_gemm"] in ("plugin", "kernel_fallback")
 
-    barrier, results, errors = threading.Barrier(n_threads), [None] * n_threads, []
+    barrier, results, errors = threading.Barrier(n_threads, timeout=120), [None] * n_threads, []
 
     def body(i):
         try:
