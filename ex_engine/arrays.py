@@ -177,6 +177,7 @@ class TensorRef:
             return x.bits.view(get_xp(x.bits).uint16)
         if self.kind == "torch":
             import torch
+            x = x.detach()   # same memory; numpy()/__cuda_array_interface__ refuse requires_grad
             if self.dtype == "bfloat16":
                 x = x.view(torch.int16)
             if self.on_device:
