@@ -1,0 +1,337 @@
+"""ex_engine.integrations.transformers: transformers MoE models on ex_engine's factors.
+
+Tiny Qwen3-MoE, OLMoE and Mixtral models (H 64, 8 experts, top-2, I 32, 2 layers, vocab 128,
+bf16, weights initialised by transformers). CPU part: the patched model runs its routers and
+experts through ex_engine's Python fallbacks (NumPy on the tensors' memory) and matches the
+stock model; undo restores everything. GPU part (marked ``gpu``): the same on CUDA through the
+plugins, greedy generation, and a CUDA-graph decode step. Skipped where torch or transformers
+is missing (CI installs ex_engine[test] only: see README, "PyTorch and transformers").
+"""
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from ex_engine import FactorRegistry  # noqa: E402
+from ex_engine.integrations import transformers as hf  # noqa: E402
+from tests.conftest import ROOT  # noqa: E402
+
+FAMILIES = ["qwen3_moe", "olmoe", "mixtral"]
+V, H, E, K, I, LAYERS = 128, 64, 8, 2, 32, 2
+
+
+def tiny_model(family, device="cpu", seed=0, **over):
+    """A tiny bf16 model of ``family``, weights drawn by transformers' own initialisation."""
+    common = dict(vocab_size=V, hidden_size=H, num_hidden_layers=LAYERS, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=256, num_experts_per_tok=K,
+                  bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    if family == "qwen3_moe":
+        cfg = transformers.Qwen3MoeConfig(**{**common, "norm_topk_prob": True, **over}, head_dim=16,
+                                          intermediate_size=4 * I, moe_intermediate_size=I,
+                                          num_experts=E)
+        cls = transformers.Qwen3MoeForCausalLM
+    elif family == "olmoe":
+        cfg = transformers.OlmoeConfig(**{**common, **over}, intermediate_size=I, num_experts=E)
+        cls = transformers.OlmoeForCausalLM
+    else:
+        cfg = transformers.MixtralConfig(**{**common, **over}, intermediate_size=I, num_local_experts=E)
+        cls = transformers.MixtralForCausalLM
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = cls(cfg)
+    model = model.to(torch.bfloat16).eval()
+    model.set_experts_implementation("eager")     # the stock reference: transformers' expert loop
+    return model
+
+
+@pytest.fixture(scope="module")
+def reg():
+    return FactorRegistry.load(ROOT / "factors")
+
+
+def prompt(device="cpu", n=8, seed=1):
+    return torch.randint(0, V, (1, n), generator=torch.Generator().manual_seed(seed)).to(device)
+
+
+def logits_of(model, ids):
+    with torch.no_grad():
+        return model(ids).logits.float()
+
+
+def assert_logits_close(got, ref, what=""):
+    """Within bf16 noise: 2% of the largest logit (the expert outputs are rounded differently)."""
+    err = float((got - ref).abs().max())
+    tol = 2e-2 * float(ref.abs().max()) + 1e-3
+    assert err <= tol, f"{what}: max |logit diff| {err:.4g} > {tol:.4g}"
+    return err
+
+
+def check_greedy(ref_logits, toks_ref, toks_got, tol):
+    """Tokens equal; a flip is accepted only at a near-tie of the stock logits (top two within
+    ``tol``), and is reported in the assertion message otherwise."""
+    for s, (a, b) in enumerate(zip(toks_ref, toks_got)):
+        if a != b:
+            row = ref_logits[s]
+            gap = float(row[a] - row[b])
+            assert gap <= tol, f"token {s}: stock {a}, ex_engine {b}, stock logit gap {gap:.4g} > {tol:.4g}"
+            return s
+    return None
+
+
+# ------------------------------------------------------------------------------ CPU
+@pytest.mark.parametrize("family", FAMILIES)
+def test_patched_model_matches_stock_on_cpu(reg, family):
+    m = tiny_model(family)
+    ids = prompt()
+    ref = logits_of(m, ids)
+    before = dict(reg.stats().get("moe_fused_gemm", {}))
+    with hf.patch_moe(m, registry=reg) as handle:
+        assert handle.families == [family] and len(handle.blocks) == LAYERS
+        assert handle.repacked_bytes == 0
+        got = logits_of(m, ids)
+        s = handle.stats()
+    assert s["moe_fused_gemm"]["python_fallback"] - before.get("python_fallback", 0) == LAYERS
+    assert s["topk_softmax"]["python_fallback"] >= LAYERS
+    assert_logits_close(got, ref, family)
+    assert torch.equal(logits_of(m, ids), ref)         # undone: stock again, bit for bit
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_undo_restores_forwards_and_leaves_parameters_untouched(reg, family):
+    m = tiny_model(family)
+    params = {n: (p.data_ptr(), p.clone()) for n, p in m.named_parameters()}
+    blocks = hf.find_moe_blocks(m)
+    assert len(blocks) == LAYERS
+    handle = hf.patch_moe(m, registry=reg)
+    for _, blk, _ in blocks:
+        assert "forward" in vars(blk.gate) and "forward" in vars(blk.experts)
+        assert "forward" not in vars(blk)                  # the block's own forward stays stock
+    with torch.no_grad():
+        m(prompt())
+    handle.undo()
+    handle.undo()                                          # idempotent
+    assert not handle.active and "undone" in repr(handle)
+    for _, blk, _ in blocks:
+        assert "forward" not in vars(blk.gate) and "forward" not in vars(blk.experts)
+        assert not hasattr(blk.experts, hf._MARK)
+        assert type(blk.experts).forward is blk.experts.forward.__func__
+    for n, p in m.named_parameters():
+        ptr, val = params[n]
+        assert p.data_ptr() == ptr and torch.equal(p, val), n
+
+
+@pytest.mark.parametrize("family,norm", [("qwen3_moe", True), ("qwen3_moe", False), ("olmoe", False),
+                                         ("olmoe", True), ("mixtral", True)])
+def test_router_keeps_each_familys_semantics(reg, family, norm):
+    over = {} if family == "mixtral" else {"norm_topk_prob": norm}
+    m = tiny_model(family, **over)
+    router = m.model.layers[0].mlp.gate
+    x = torch.randn(20, H, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    with torch.no_grad():
+        l0, w0, i0 = router(x)
+        with hf.patch_moe(m, registry=reg):
+            l1, w1, i1 = router(x)
+    assert torch.equal(l0, l1)
+    assert i1.dtype == torch.int32 and w1.dtype == torch.float32
+    # the same experts with the same weights. bf16 logits of a tiny model tie often: the order
+    # among tied experts is free, and at a tie across the top-k boundary ex_engine takes the
+    # lower index where torch.topk on the CPU may not (such rows are skipped, and counted)
+    top = l0.float().sort(-1, descending=True).values
+    boundary_tie = top[:, K - 1] == top[:, K]
+    assert int(boundary_tie.sum()) <= 2
+    keep = ~boundary_tie
+    i0s, o0 = i0[keep].sort(-1)
+    i1s, o1 = i1[keep].long().sort(-1)
+    assert torch.equal(i0s, i1s)
+    torch.testing.assert_close(w1[keep].gather(1, o1), w0[keep].float().gather(1, o0), rtol=1e-2, atol=1e-3)
+    if family != "mixtral":
+        assert w0.dtype == torch.bfloat16                     # the stock router rounds to bf16 ...
+        assert torch.equal(w1, w1.to(torch.bfloat16).float())  # ... and so does the patched one
+    sums = w1.sum(-1)
+    if norm:
+        torch.testing.assert_close(sums, torch.ones_like(sums), rtol=1e-2, atol=1e-2)
+    else:
+        assert bool((sums < 0.99).all())                    # K=2 of 8: not renormalised
+
+
+def test_experts_accept_stock_router_outputs(reg):
+    """The patched experts also take what the stock router returns (int64 ids, bf16 weights)."""
+    m = tiny_model("qwen3_moe")
+    mlp = m.model.layers[0].mlp
+    x = torch.randn(5, H, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    with torch.no_grad():
+        _, w, ids = mlp.gate(x)
+        ref = mlp.experts(x, ids, w).float()
+        with hf.patch_moe(m, registry=reg):
+            got = mlp.experts(x, ids, w)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), ref, rtol=2e-2, atol=2e-3)
+
+
+def test_static_decoder_matches_full_forward(reg):
+    m = tiny_model("qwen3_moe")
+    ids = prompt()
+    with hf.patch_moe(m, registry=reg):
+        d = hf.StaticDecoder(m, batch_size=1, max_len=32)
+        steps = [d.prefill(ids)]
+        seq = ids[0].tolist()
+        for _ in range(6):
+            t = steps[-1].argmax(-1)
+            seq.append(int(t))
+            steps.append(d.step(t))
+        full = logits_of(m, torch.tensor([seq]))[0, ids.shape[1] - 1:]
+    # the same math; only the fallback's matmul batching (T=1 vs T=14) differs: bf16 noise
+    assert_logits_close(torch.stack([s[0].float() for s in steps]), full, "static decoder")
+
+
+def test_greedy_generate_on_cpu(reg):
+    m = tiny_model("mixtral")
+    ids = prompt()
+    with torch.no_grad():
+        ref = m.generate(ids, max_new_tokens=8, do_sample=False)
+        ref_logits = logits_of(m, ref)[0, ids.shape[1] - 1:]
+        with hf.patch_moe(m, registry=reg):
+            got = m.generate(ids, max_new_tokens=8, do_sample=False)
+    tol = 2e-2 * float(ref_logits.abs().max())
+    check_greedy(ref_logits, ref[0, 8:].tolist(), got[0, 8:].tolist(), tol)
+
+
+def test_unsupported_models_are_refused_before_anything_is_patched(reg):
+    m = tiny_model("qwen3_moe").float()                  # fp32 experts: not a factor dtype
+    with pytest.raises(hf.UnsupportedModelError, match="float16 or bfloat16"):
+        hf.patch_moe(m, registry=reg)
+    assert all("forward" not in vars(mod) for mod in m.modules())
+    dense = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=V, hidden_size=H, intermediate_size=I, num_hidden_layers=1, num_attention_heads=4))
+    with pytest.raises(hf.UnsupportedModelError, match="no sparse-MoE block"):
+        hf.patch_moe(dense, registry=reg)
+    with pytest.raises(hf.UnsupportedModelError, match="no sparse-MoE block"):
+        hf.patch_moe(tiny_model("olmoe"), registry=reg, families=["mixtral"])
+
+
+def test_patching_twice_is_refused(reg):
+    m = tiny_model("olmoe")
+    with hf.patch_moe(m, registry=reg):
+        with pytest.raises(hf.UnsupportedModelError, match="already has an instance-level forward"):
+            hf.patch_moe(m, registry=reg)
+    hf.patch_moe(m, registry=reg).undo()                 # fine again after undo
+
+
+def test_a_new_family_by_adapter_with_repack(reg):
+    """register_adapter: a subclass is matched along the MRO; a repack copy is made once and
+    freed by undo."""
+    from transformers.models.qwen3_moe import modeling_qwen3_moe as q
+
+    class MyBlock(q.Qwen3MoeSparseMoeBlock):
+        pass
+
+    m = tiny_model("qwen3_moe")
+    for layer in m.model.layers:
+        old = layer.mlp
+        layer.mlp = MyBlock(m.config)
+        layer.mlp.load_state_dict(old.state_dict())
+    m = m.to(torch.bfloat16)
+    ids = prompt()
+    ref = logits_of(m, ids)
+    calls = []
+
+    def repack(experts):
+        calls.append(1)
+        return experts.gate_up_proj.detach().clone(), experts.down_proj.detach().clone()
+
+    hf.register_adapter(hf.MoEAdapter("my_block", ("MyBlock",), renormalize=lambda b, r: True,
+                                      repack=repack))
+    try:
+        with hf.patch_moe(m, registry=reg) as handle:
+            assert handle.families == ["my_block"]       # the subclass's adapter wins
+            assert len(calls) == LAYERS
+            assert handle.repacked_bytes == LAYERS * 3 * E * I * H * 2
+            assert_logits_close(logits_of(m, ids), ref, "repacked")
+            assert len(calls) == LAYERS                  # once, at patch time
+        assert handle.repacked_bytes == 0
+    finally:
+        hf.ADAPTERS.pop("my_block")
+
+
+# ------------------------------------------------------------------------------ GPU
+@pytest.fixture(scope="module")
+def greg():
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA here")
+    r = FactorRegistry.load(ROOT / "factors")
+    assert r.hardware.live
+    return r
+
+
+def served_on_gpu(stats_before, stats_after):
+    for name in ("topk_softmax", "moe_fused_gemm"):
+        a, b = stats_before.get(name, {}), stats_after[name]
+        gpu = sum(b.get(k, 0) - a.get(k, 0) for k in ("plugin", "kernel_fallback"))
+        assert gpu > 0, (name, b)
+        assert b.get("python_fallback", 0) == a.get("python_fallback", 0), (name, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", FAMILIES)
+def test_gpu_patched_model_logits_and_greedy_tokens(greg, family):
+    m = tiny_model(family, device="cuda")
+    ids = prompt("cuda")
+    with torch.no_grad():
+        ref = m.generate(ids, max_new_tokens=16, do_sample=False)
+    ref_logits = logits_of(m, ref)
+    before = {k: dict(v) for k, v in greg.stats().items()}
+    params = {n: p.data_ptr() for n, p in m.named_parameters()}
+    with hf.patch_moe(m, registry=greg) as handle:
+        got_logits = logits_of(m, ref)                   # teacher-forced on the stock tokens
+        with torch.no_grad():
+            got = m.generate(ids, max_new_tokens=16, do_sample=False)
+        served_on_gpu(before, handle.stats())
+    assert {n: p.data_ptr() for n, p in m.named_parameters()} == params
+    err = assert_logits_close(got_logits, ref_logits, family)
+    check_greedy(ref_logits[0, 7:], ref[0, 8:].tolist(), got[0, 8:].tolist(), 4 * err + 1e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", FAMILIES)
+def test_gpu_decode_step_captured_in_a_cuda_graph(greg, family):
+    """One decode step of the patched model (attention, StaticCache update, router and experts
+    through the plugins) captured once and replayed: same tokens and logits as eager steps."""
+    m = tiny_model(family, device="cuda")
+    ids = prompt("cuda")
+    runs = {}
+    with hf.patch_moe(m, registry=greg):
+        for graph in (False, True):
+            d = hf.StaticDecoder(m, batch_size=1, max_len=40, graph=graph)
+            logits = d.prefill(ids)
+            toks, rows = [], []
+            for _ in range(16):
+                rows.append(logits[0].float())           # the logits that choose this token
+                t = logits.argmax(-1)
+                toks.append(int(t))
+                logits = d.step(t)
+            runs[graph] = (toks, torch.stack(rows))
+            if graph:
+                assert d.graph is not None
+    (toks_g, rows_g), (toks_e, rows_e) = runs[True], runs[False]
+    if toks_g == toks_e:        # same kernels, same inputs: the logits agree (bitwise if deterministic)
+        assert_logits_close(rows_g, rows_e, "graph vs eager")
+    else:
+        check_greedy(rows_e, toks_e, toks_g, 1e-2)
+
+
+@pytest.mark.gpu
+def test_gpu_patch_warms_up_so_capture_needs_no_allocation(greg):
+    """After patch_moe (warm-up at 1 token), a bare router+experts call of 1 token captures."""
+    m = tiny_model("qwen3_moe", device="cuda", seed=3)
+    mlp = m.model.layers[0].mlp
+    x = torch.randn(1, 1, H, device="cuda", dtype=torch.bfloat16)
+    a = torch.ones(8, 8, device="cuda", dtype=torch.bfloat16)
+    torch.cuda.synchronize()
+    (a @ a).sum().item()                             # cuBLAS initialised outside capture
+    with hf.patch_moe(m, registry=greg), torch.no_grad():
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):                    # no eager call of the block before
+            out = mlp(x)
+        g.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(out.float(), mlp(x).float(), rtol=1e-2, atol=1e-3)
