@@ -87,6 +87,8 @@
 
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
+#include <cstring>
 #include <type_traits>
 
 #include "ex_engine.h"
@@ -123,6 +125,10 @@ struct MoeCfg {
 using CfgDecode = MoeCfg<16, 32, 64, 1, 4, 6, 3>;     // T*K/E <= 24   (61,440 B smem)
 using CfgMid = MoeCfg<64, 64, 128, 2, 2, 4, 2>;       // T*K/E <= 128  (98,304 B smem)
 using CfgPrefill = MoeCfg<128, 64, 128, 2, 4, 3, 2>;  // T*K/E >  128  (98,304 B smem)
+// Tiny decode (EX_MOE_DECODE_CONFIG != old): chosen instead of CfgDecode when its whole grid fits
+// in one wave of 4 blocks per SM (qwen3/olmoe/granite/deepseek at T=1). Twice the blocks of
+// CfgDecode, 8 stages: about 2x the weight bytes in flight per SM, and the last wave is full.
+using CfgTiny = MoeCfg<16, 16, 32, 1, 2, 8, 4>;       // (49,152 B smem, 64 threads)
 
 enum { CFG_DECODE = 0, CFG_MID = 1, CFG_PREFILL = 2, CFG_COUNT = 3 };
 
@@ -139,10 +145,13 @@ template <class C> constexpr CfgInfo cfg_info(int max_rows) {
 }
 static constexpr CfgInfo kCfg[CFG_COUNT] = {cfg_info<CfgDecode>(24), cfg_info<CfgMid>(128),
                                             cfg_info<CfgPrefill>(0x7fffffff)};
+static constexpr CfgInfo kCfgTiny = cfg_info<CfgTiny>(24);
+constexpr int kTinyBlocksPerSm = 4;  // CfgTiny's grid must fit in this many blocks per SM
 
 constexpr int kRouteThreads = 1024;
 constexpr int kSmallBM = 16;      // the smallest BM of any config: bounds the tile list
-static_assert(CfgDecode::BM == kSmallBM && CfgMid::BM >= kSmallBM && CfgPrefill::BM >= kSmallBM,
+static_assert(CfgDecode::BM == kSmallBM && CfgMid::BM >= kSmallBM && CfgPrefill::BM >= kSmallBM &&
+                  CfgTiny::BM == kSmallBM,
               "the workspace's tile list is sized for the smallest BM");
 constexpr int kMaxSplits = 8;     // GEMM2 split over I, only for T*K <= kSplitMaxSlots
 constexpr int kSplitMaxSlots = 32;
@@ -223,6 +232,21 @@ __device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4],
     }
 }
 
+// Programmatic dependent launch (sm_90+; no-ops elsewhere and when the grid was launched without
+// the attribute). wait: block until the preceding grid has completed and its writes are visible;
+// every kernel launched with the attribute calls it before its first global access.
+// launch_dependents: let the next grid's blocks be scheduled now (they still wait for our end).
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
@@ -253,6 +277,7 @@ moe_route_kernel(const int* __restrict__ topk_ids, int TK, int E, int BM,
     int* s_toff = s_cur + E;  // E + 1 entries
 
     const int tid = threadIdx.x;
+    pdl_launch_dependents();  // GEMM1 blocks may get resident; they wait for this grid's end
     for (int e = tid; e < E; e += kRouteThreads) s_cnt[e] = 0;
     __syncthreads();
 
@@ -362,6 +387,9 @@ struct GemmParams {
     int n_tiles_n;             // ceil(N / BN)
     int kt_per_split;          // k-tiles per grid-z slice
     long long split_stride;    // elements between y slices: T*K*H
+    int m_tiles;               // > 0: block order M-tile fastest (blockIdx.x = ntile * m_tiles +
+                               // tile), so the M-tiles of one expert read the same weight rows
+                               // at the same time (L2 hits); 0: N-tile fastest
 };
 
 template <typename T, class C, bool GATED>
@@ -387,8 +415,12 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) moe_gemm_kernel(const Gem
     T* sB = sA + STAGES * A_STAGE;
 
     const int tid = threadIdx.x;
-    const int tile = (int)(blockIdx.x / (unsigned)p.n_tiles_n);
-    const int ntile = (int)(blockIdx.x % (unsigned)p.n_tiles_n);
+    pdl_wait();  // before any global access (meta, tiles, A are the previous grids' outputs)
+    const bool m_fast = p.m_tiles > 0;
+    const int tile = m_fast ? (int)(blockIdx.x % (unsigned)p.m_tiles)
+                            : (int)(blockIdx.x / (unsigned)p.n_tiles_n);
+    const int ntile = m_fast ? (int)(blockIdx.x / (unsigned)p.m_tiles)
+                             : (int)(blockIdx.x % (unsigned)p.n_tiles_n);
     if (tile >= p.meta[0]) return;  // surplus block: the whole block leaves before any barrier
     const int4 td = p.tiles[tile];
     const int e = td.x, row0 = td.y, row_end = td.z;
@@ -529,6 +561,7 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) moe_gemm_kernel(const Gem
         }
     }
     cp_async_wait<0>();  // only empty groups can remain; leave nothing in flight
+    pdl_launch_dependents();
 
     // Epilogue. Accumulator fragment: c0,c1 at (row g, cols 2q, 2q+1), c2,c3 at row g + 8.
     using E2 = typename Elem<T>::T2;
@@ -578,6 +611,7 @@ __global__ void __launch_bounds__(kSimpleThreads)
 moe_combine_kernel(T* __restrict__ out, const T* __restrict__ y, const int* __restrict__ ids,
                    int T_, int H, int E, int K, int S, long long split_stride) {
     using E2 = typename Elem<T>::T2;
+    pdl_wait();
     const int HV = H / 8;
     const long long total = (long long)T_ * HV;
     for (long long i = (long long)blockIdx.x * kSimpleThreads + threadIdx.x; i < total;
@@ -685,6 +719,45 @@ moe_fallback_out_kernel(T* __restrict__ out, const T* __restrict__ act, const T*
 static int s_num_sms = 132;
 static int s_smem_optin = 232448;
 static bool s_cfg_allowed[CFG_COUNT] = {true, true, true};
+static bool s_pdl_ok = false;  // cc >= 9.0: programmatic dependent launch
+
+// Decode choices, read per call from EX_MOE_DECODE_CONFIG (so one process can compare them):
+//   old    the previous choices: CfgDecode for T*K/E <= 24, N-tile-fastest block order, plain
+//          launches
+//   nopdl  new tiling: CfgTiny when its grid fits in one wave, M-tile-fastest block order for
+//          the BM=16 configs; plain launches
+//   new    (default, anything else) nopdl's tiling, and GEMM1, GEMM2, combine launched with
+//          programmatic dependent launch on sm_90+ (the launch of each overlaps the previous
+//          kernel's tail; each waits for it before touching memory)
+enum { MODE_OLD = 0, MODE_NOPDL = 1, MODE_NEW = 2 };
+static int decode_mode() {
+    const char* v = std::getenv("EX_MOE_DECODE_CONFIG");
+    if (v == nullptr) return MODE_NEW;
+    if (std::strcmp(v, "old") == 0) return MODE_OLD;
+    if (std::strcmp(v, "nopdl") == 0) return MODE_NOPDL;
+    return MODE_NEW;
+}
+
+// A launch, with the programmatic-stream-serialization attribute when pdl is set.
+template <typename... KArgs, typename... Args>
+static cudaError_t launch_k(void (*kern)(KArgs...), dim3 grid, dim3 block, size_t smem,
+                            cudaStream_t stream, bool pdl, Args... args) {
+    if (!pdl) {
+        kern<<<grid, block, smem, stream>>>(args...);
+        return cudaSuccess;  // launch errors: cudaGetLastError after the last launch
+    }
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = grid;
+    cfg.blockDim = block;
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = stream;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    return cudaLaunchKernelEx(&cfg, kern, args...);
+}
 
 static thread_local char t_last_error[256];
 
@@ -823,8 +896,9 @@ static cudaError_t gemm_smem_opt_in() {
 template <typename T, class C>
 static int launch_fast(const Problem& P, void* out, const void* x, const void* w13,
                        const void* w2, const float* topk_weights, const int* topk_ids,
-                       char* ws, cudaStream_t stream) {
+                       char* ws, cudaStream_t stream, int mode) {
     const WsLayout L = ws_layout(P);
+    const bool pdl = mode == MODE_NEW && s_pdl_ok;
     int* status = reinterpret_cast<int*>(ws);
     int* meta = reinterpret_cast<int*>(ws + L.meta);
     int4* tiles = reinterpret_cast<int4*>(ws + L.tiles);
@@ -869,22 +943,27 @@ static int launch_fast(const Problem& P, void* out, const void* x, const void* w
     p1.sorted_slots = sorted; p1.tiles = tiles; p1.meta = meta; p1.topk_weights = topk_weights;
     p1.N = I; p1.Kd = H; p1.topk = K; p1.n_tiles_n = n_tiles_n1;
     p1.kt_per_split = (H + C::BK - 1) / C::BK; p1.split_stride = 0;
-    moe_gemm_kernel<T, C, true>
-        <<<dim3((unsigned)blocks1, 1, 1), C::THREADS, C::smem_bytes(true), stream>>>(p1);
+    p1.m_tiles = (mode != MODE_OLD && C::BM == kSmallBM) ? (int)max_tiles : 0;
+    if ((err = launch_k(moe_gemm_kernel<T, C, true>, dim3((unsigned)blocks1, 1, 1),
+                        dim3(C::THREADS), C::smem_bytes(true), stream, pdl, p1)) != cudaSuccess)
+        return cuda_error(err);
 
     GemmParams p2 = p1;
     p2.a = act; p2.b = w2; p2.c = y;
     p2.N = H; p2.Kd = I; p2.n_tiles_n = n_tiles_n2;
     p2.kt_per_split = kt_per_split; p2.split_stride = P.TK * P.H;
-    moe_gemm_kernel<T, C, false>
-        <<<dim3((unsigned)blocks2, 1, (unsigned)S), C::THREADS, C::smem_bytes(false), stream>>>(p2);
+    if ((err = launch_k(moe_gemm_kernel<T, C, false>, dim3((unsigned)blocks2, 1, (unsigned)S),
+                        dim3(C::THREADS), C::smem_bytes(false), stream, pdl, p2)) != cudaSuccess)
+        return cuda_error(err);
 
     const int64_t vec = P.T * (P.H / 8);
     int64_t cblocks = (vec + kSimpleThreads - 1) / kSimpleThreads;
     const int64_t cap = (int64_t)s_num_sms * 16;
     if (cblocks > cap) cblocks = cap;
-    moe_combine_kernel<T><<<(unsigned)cblocks, kSimpleThreads, 0, stream>>>(
-        static_cast<T*>(out), y, topk_ids, (int)P.T, H, E, K, S, P.TK * P.H);
+    if ((err = launch_k(moe_combine_kernel<T>, dim3((unsigned)cblocks), dim3(kSimpleThreads), 0,
+                        stream, pdl, static_cast<T*>(out), static_cast<const T*>(y), topk_ids,
+                        (int)P.T, H, E, K, S, (long long)(P.TK * P.H))) != cudaSuccess)
+        return cuda_error(err);
 
     if ((err = cudaGetLastError()) != cudaSuccess) return cuda_error(err);
     return EX_OK;
@@ -894,10 +973,19 @@ template <typename T>
 static int dispatch_fast(const Problem& P, void* out, const void* x, const void* w13,
                          const void* w2, const float* tw, const int* ids, char* ws,
                          cudaStream_t stream) {
-    switch (pick_config(P)) {
-        case CFG_DECODE: return launch_fast<T, CfgDecode>(P, out, x, w13, w2, tw, ids, ws, stream);
-        case CFG_MID: return launch_fast<T, CfgMid>(P, out, x, w13, w2, tw, ids, ws, stream);
-        case CFG_PREFILL: return launch_fast<T, CfgPrefill>(P, out, x, w13, w2, tw, ids, ws, stream);
+    const int mode = decode_mode();
+    const int c = pick_config(P);
+    if (c == CFG_DECODE && mode != MODE_OLD && kCfgTiny.smem <= s_smem_optin) {
+        // tiny T*K: CfgTiny when all its GEMM1 blocks are resident at once
+        const int64_t blocks_tiny =
+            max_tiles_for(P.TK, P.E, CfgTiny::BM) * ((P.I + CfgTiny::BN1 - 1) / CfgTiny::BN1);
+        if (blocks_tiny <= (int64_t)kTinyBlocksPerSm * s_num_sms)
+            return launch_fast<T, CfgTiny>(P, out, x, w13, w2, tw, ids, ws, stream, mode);
+    }
+    switch (c) {
+        case CFG_DECODE: return launch_fast<T, CfgDecode>(P, out, x, w13, w2, tw, ids, ws, stream, mode);
+        case CFG_MID: return launch_fast<T, CfgMid>(P, out, x, w13, w2, tw, ids, ws, stream, mode);
+        case CFG_PREFILL: return launch_fast<T, CfgPrefill>(P, out, x, w13, w2, tw, ids, ws, stream, mode);
         default: return EX_FALLBACK;
     }
 }
@@ -995,6 +1083,7 @@ static bool moe_portable_init(const ex_hardware_t* hw, ex_tuning_t* tuning) {
     if (!allowed[CFG_DECODE]) return false;
     for (int c = 0; c < CFG_COUNT; ++c) s_cfg_allowed[c] = allowed[c];
     s_num_sms = hw->multiprocessor_count > 0 ? hw->multiprocessor_count : 1;
+    s_pdl_ok = hw->cc_major >= 9;
     s_smem_optin = (int)(hw->shared_mem_per_block_optin < 0x7fffffff ? hw->shared_mem_per_block_optin
                                                                       : 0x7fffffff);
     int smem = 0;
