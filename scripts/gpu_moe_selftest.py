@@ -18,7 +18,16 @@ serves this device (cc 9.0), factors/moe_fused_gemm_sm90.so (CUTLASS grouped GEM
 T*K/E >= 64; the portable code below that), then a side-by-side table of graph-replay times.
 `--lib PATH` (repeatable) tests only the libraries named; a named one that declines the device fails.
 
+Decode choices: the portable path reads EX_MOE_DECODE_CONFIG per call (old | nopdl | new, default
+new; see factors/moe_fused_gemm.cuh). Every case above runs with the default; then, unless
+--no-decode, the decode shapes of PERF.md (DECODE_CASES: qwen3/olmoe/granite/deepseek T=1, mixtral
+T=64, qwen3 T=64; uniform routing, weights rotated over several sets so they are not served from
+L2) run once per mode on each library, each checked the same way (float64, poisoned out,
+determinism, graph replay), and a table gives graph-replay time, the floor (weight bytes of the
+experts hit / 4.23 TB/s) and time/floor per mode.
+
     python3 scripts/gpu_moe_selftest.py [--lib factors/moe_fused_gemm_sm90.so] [--no-timing] [--quick]
+                                        [--no-decode] [--modes old,nopdl,new]
 """
 import argparse
 import ctypes
@@ -225,6 +234,18 @@ CUTLASS_MIN_ROWS_PER_EXPERT = 64   # kSm90MinRowsPerExpert in factors/moe_fused_
 
 
 FORCE_ENV = "EX_MOE_SM90_MIN_ROWS_PER_EXPERT"  # read by the sm90 plugin's ex_get_factor
+DECODE_ENV = "EX_MOE_DECODE_CONFIG"             # read by the portable path on every call
+COPY_TBS = 4.23                                 # PERF.md device-copy ceiling, TB/s
+
+# PERF.md's decode shapes: name, T, H, E, I, K
+DECODE_CASES = [
+    ("qwen3-30b T=1", 1, 2048, 128, 768, 8),
+    ("olmoe T=1", 1, 2048, 64, 1024, 8),
+    ("granite T=1", 1, 1536, 40, 512, 8),
+    ("deepseek T=1", 1, 2048, 64, 1408, 6),
+    ("mixtral T=64", 64, 4096, 8, 14336, 2),
+    ("qwen3-30b T=64", 64, 2048, 128, 768, 8),
+]
 
 
 def sub_path(lib_name, path, T, H, E, I, K, min_rows=CUTLASS_MIN_ROWS_PER_EXPERT):
@@ -294,7 +315,10 @@ def time_it(fn, stream, n=20, warmup=3):
     return float(np.median(ts))
 
 
-def run_case(fac, dt, case, stream, timing):
+def run_case(fac, dt, case, stream, timing, rotate=1):
+    """rotate > 1: also time graph replay over `rotate` independently drawn input sets (weights
+    included), one graph each, replayed round-robin, so that the weights are not served from L2
+    (us_rot: median per call)."""
     name, T, H, E, I, K, want_path, special = case
     res = {"name": name, "dtype": dt.name, "shape": f"{T},{H},{E},{I},{K}", "fails": []}
     fails = res["fails"]
@@ -399,7 +423,45 @@ def run_case(fac, dt, case, stream, timing):
         hit = len(np.unique(valid))
         res["bytes"] = hit * 3 * H * I * 2 + 2 * T * H * 2
         res["flops"] = 2 * len(valid) * 3 * H * I
+        res["floor_us"] = hit * 3 * H * I * 2 / (COPY_TBS * 1e12) * 1e6
+        if rotate > 1 and graph is not None:
+            res["us_rot"], res["floor_rot_us"] = time_rotated(fac, dt, case, stream, rotate)
     return res, False
+
+
+def time_rotated(fac, dt, case, stream, n_sets):
+    """Graph replay over n_sets independent input sets (each its own graph), round-robin; returns
+    (median us per call, mean floor us over the sets)."""
+    name, T, H, E, I, K, _, special = case
+    dims = [T, H, E, I, K, dt.code]
+    keep, graphs, floors = [], [], []
+    for _ in range(n_sets):
+        x, w13, w2, tw, ids = make_inputs(dt, T, H, E, I, K, special)
+        ws = cp.zeros(max(fac.workspace_size(dims), 256), dtype=cp.uint8)
+        out = cp.empty((T, H), dtype=x.dtype)
+        aux = [None, w13.data.ptr, w2.data.ptr, tw.data.ptr, ids.data.ptr, ws.data.ptr]
+        cp.cuda.Device().synchronize()
+        g, why = graph_capture(fac, stream, (out.data.ptr, x.data.ptr, aux, dims, stream.ptr))
+        if g is None:
+            return None, None
+        keep.append((x, w13, w2, tw, ids, ws, out))
+        graphs.append(g)
+        hit = len(np.unique(cp.asnumpy(ids)))
+        floors.append(hit * 3 * H * I * 2 / (COPY_TBS * 1e12) * 1e6)
+    for g in graphs:
+        g.launch(stream)
+    stream.synchronize()
+    start, end = cp.cuda.Event(), cp.cuda.Event()
+    ts = []
+    for _ in range(10):
+        start.record(stream)
+        for g in graphs:
+            g.launch(stream)
+        end.record(stream)
+        end.synchronize()
+        ts.append(cp.cuda.get_elapsed_time(start, end) * 1e3 / n_sets)
+    del keep
+    return float(np.median(ts)), float(np.mean(floors))
 
 
 def error_code_checks(fac, stream):
@@ -517,10 +579,77 @@ def run_library(so_path, a, explicit, forced=False):
                   f"{res.get('status', -1):6d} {us if us else 0:9.1f} {usg if usg else 0:9.1f} {tbs} {tfl}  "
                   f"{'; '.join(res['fails'])}", flush=True)
             cp.get_default_memory_pool().free_all_blocks()
+    if not sticky and not forced and not a.no_decode:
+        n_fail, sticky = decode_pass(fac, a, stream, results)
+        failed += n_fail
     if sticky:
         print("FAIL: a CUDA error left the context unusable; remaining cases (and libraries) skipped")
         failed += 1
     return failed, results, sticky
+
+
+def decode_pass(fac, a, stream, results):
+    """PERF.md's decode shapes under each EX_MOE_DECODE_CONFIG mode: checked like every case, timed
+    by graph replay over rotated input sets. Results go into `results` keyed (name [mode], dtype)."""
+    modes = [m for m in a.modes.split(",") if m]
+    dtypes = ("bf16",) if a.quick else ("bf16", "fp16")
+    print(f"\ndecode shapes per {DECODE_ENV} mode ({', '.join(modes)}); us rot = graph replay over "
+          f"{a.rotate} rotated input sets; floor = weight bytes of the experts hit / {COPY_TBS} TB/s")
+    print(f"{'':4s} {'case':30s} {'dt':4s} {'rel err':>9s} {'det':>3s} {'graph':>5s} {'us graph':>9s} "
+          f"{'us rot':>9s} {'floor':>7s} {'x floor':>7s}  notes")
+    failed, sticky = 0, False
+    saved = os.environ.get(DECODE_ENV)
+    try:
+        for dtn in dtypes:
+            dt = Dt(dtn)
+            for (name, T, H, E, I, K) in DECODE_CASES:
+                for mode in modes:
+                    if sticky:
+                        break
+                    os.environ[DECODE_ENV] = mode
+                    case = (f"{name} [{mode}]", T, H, E, I, K, "kernel", None)
+                    cp.random.seed(4321)             # the same inputs for every mode and library
+                    try:
+                        res, sticky = run_case(fac, dt, case, stream, not a.no_timing,
+                                               rotate=a.rotate)
+                    except Exception as ex:  # noqa: BLE001
+                        res = {"name": case[0], "dtype": dtn, "shape": f"{T},{H},{E},{I},{K}",
+                               "fails": [f"{type(ex).__name__}: {ex}"]}
+                        sticky = True
+                    ok = not res["fails"]
+                    failed += not ok
+                    usr, fl = res.get("us_rot"), res.get("floor_rot_us")
+                    best = usr or res.get("us_graph") or res.get("us")
+                    fl = fl or res.get("floor_us")
+                    res["code"] = "mma.sync"
+                    res["tflops"] = res["flops"] / (best * 1e-6) / 1e12 if best and "flops" in res else None
+                    res["x_floor"] = best / fl if best and fl else None
+                    results[(case[0], dtn)] = res
+                    print(f"{'PASS' if ok else 'FAIL'} {case[0]:30s} {dtn:4s} {res.get('rel', float('nan')):9.2e} "
+                          f"{'yes' if res.get('det') else 'no':>3s} {'ok' if res.get('graph') == 'ok' else '-':>5s} "
+                          f"{res.get('us_graph') or 0:9.1f} {usr or 0:9.1f} {fl or 0:7.1f} "
+                          f"{res['x_floor'] if res.get('x_floor') else 0:7.2f}  {'; '.join(res['fails'])}",
+                          flush=True)
+                    cp.get_default_memory_pool().free_all_blocks()
+    finally:
+        if saved is None:
+            os.environ.pop(DECODE_ENV, None)
+        else:
+            os.environ[DECODE_ENV] = saved
+    if not a.no_timing and len(modes) >= 2:
+        print(f"\ndecode summary (us rot per mode, x floor; last column: {modes[0]} / {modes[-1]})")
+        for dtn in dtypes:
+            for (name, *_rest) in DECODE_CASES:
+                rs = [results.get((f"{name} [{m}]", dtn)) for m in modes]
+                cells, ts = "", []
+                for m, r in zip(modes, rs):
+                    us = (r or {}).get("us_rot") or (r or {}).get("us_graph")
+                    xf = (r or {}).get("x_floor")
+                    ts.append(us)
+                    cells += f" | {m}: {us or 0:8.1f} us {xf or 0:5.2f}x"
+                sp = f" | {ts[0] / ts[-1]:5.2f}x" if ts[0] and ts[-1] else ""
+                print(f"  {name:18s} {dtn:4s}{cells}{sp}")
+    return failed, sticky
 
 
 def side_by_side(names, all_results):
@@ -544,10 +673,11 @@ def side_by_side(names, all_results):
                 row += f" | {'':24s} {'-':8s} {'-':>9s} {'-':>7s}"
                 times.append(None)
                 continue
-            us = r.get("us_graph") or r.get("us")
+            us = r.get("us_rot") or r.get("us_graph") or r.get("us")
             times.append(us)
             tf = f"{r['tflops']:7.1f}" if r.get("tflops") else "      -"
-            row += f" | {'':24s} {r.get('code', '?'):8s} {us if us else 0:9.1f} {tf}"
+            xf = f" ({r['x_floor']:.2f}x floor)" if r.get("x_floor") else ""
+            row += f" | {xf:>24s} {r.get('code', '?'):8s} {us if us else 0:9.1f} {tf}"
         sp = ""
         if len(names) >= 2 and times[0] and times[1]:
             sp = f" | {times[0] / times[1]:6.2f}x"
@@ -563,6 +693,12 @@ def main():
     ap.add_argument("--quick", action="store_true", help="small cases only")
     ap.add_argument("--no-forced", action="store_true",
                     help=f"skip the extra pass of the sm90 plugin with {FORCE_ENV}=0")
+    ap.add_argument("--no-decode", action="store_true",
+                    help=f"skip the decode shapes run once per {DECODE_ENV} mode")
+    ap.add_argument("--modes", default="old,nopdl,new",
+                    help=f"{DECODE_ENV} values to compare on the decode shapes (default old,nopdl,new)")
+    ap.add_argument("--rotate", type=int, default=4,
+                    help="input sets rotated in the decode timings (weights not served from L2)")
     a = ap.parse_args()
 
     explicit = a.libs is not None
