@@ -40,7 +40,7 @@ if has list; then
 fi
 if has tests; then
   step GPU tests
-  timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -m gpu tests/test_gpu.py tests/test_factors_build.py -rf --maxfail=20 --durations=5 2>&1 | tee "$OUT/gpu_tests.log"; [ "${PIPESTATUS[0]}" = 0 ] || status=1
+  timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -m gpu tests/ -rf --maxfail=20 --durations=5 2>&1 | tee "$OUT/gpu_tests.log"; [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
 if has selftest; then
   for s in scripts/gpu_*_selftest.py; do
