@@ -254,10 +254,6 @@ def run_model(name: str, args) -> dict:
         f"{'equal' if ex['tokens_equal'] else 'differ'}, max|dlogit| {ex['max_logit_diff']:.4g} "
         f"(tolerance {tol_ex:.4g}); {best:.2f} ms/token vs stock eager {base:.2f} "
         f"({base / best:.1f}x), fastest stock {fastest_stock:.2f} ({fastest_stock / best:.2f}x)")
-    del model, handle
-    gc.collect()
-    if cuda:
-        torch.cuda.empty_cache()
     return res
 
 
@@ -297,6 +293,9 @@ def main(argv=None) -> int:
         t = time.perf_counter()
         results["models"][name] = run_model(name, args)
         results["models"][name]["seconds"] = time.perf_counter() - t
+        gc.collect()                        # the model is gone with run_model's frame
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
     results["seconds"] = time.perf_counter() - t0
     results["ok"] = all(m["ok"] for m in results["models"].values())
     log(f"[hf_moe] done in {results['seconds']:.1f} s: {'OK' if results['ok'] else 'MISMATCH'}")
