@@ -49,9 +49,18 @@
  *
  * Configs (chosen on the host from rows per expert = T*K/E; table kCfg below;
  * a config whose smem exceeds hw->shared_mem_per_block_optin is replaced by a smaller one):
+ *   tiny    BM=16,  BN1=16(x2 gate+up), BN2=32,  BK=64, 2 warps (1x2), 8 stages    decode, when
+ *           its GEMM1 grid (upper bound) fits 4 blocks per SM (T=1 on qwen3/olmoe/granite/deepseek)
  *   decode  BM=16,  BN1=32(x2 gate+up), BN2=64,  BK=64, 4 warps (1x4), 6 stages    rows/e <= 24
  *   mid     BM=64,  BN1=64(x2),         BN2=128, BK=64, 4 warps (2x2), 4 stages    rows/e <= 128
  *   prefill BM=128, BN1=64(x2),         BN2=128, BK=64, 8 warps (2x4), 3 stages    rows/e >  128
+ * EX_MOE_DECODE_CONFIG (read per call): old = no tiny config, N-tile-fastest block order, plain
+ * launches (the choices before tiny existed); nopdl = tiny, and M-tile-fastest block order for
+ * the BM=16 configs while the grid's A tiles fit in a quarter of L2 (an expert's M-tiles then
+ * stream the same weight rows at the same time: one DRAM read instead of one per M-tile, e.g.
+ * mixtral T=64 where ~45% of the experts get 17-32 rows); new (default) = nopdl + programmatic
+ * dependent launch of GEMM1, GEMM2 and combine on sm_90+ (each launch overlaps the previous
+ * kernel's tail; each kernel waits for its predecessor before its first global access).
  *
  * y is kept in the input dtype, not fp32: it halves the bytes of the largest intermediate
  * (T*K*H) written by GEMM2 and read by the combine, which matters at prefill (qwen3-30b, T=4096:
@@ -720,6 +729,7 @@ static int s_num_sms = 132;
 static int s_smem_optin = 232448;
 static bool s_cfg_allowed[CFG_COUNT] = {true, true, true};
 static bool s_pdl_ok = false;  // cc >= 9.0: programmatic dependent launch
+static int64_t s_l2_bytes = 50LL << 20;
 
 // Decode choices, read per call from EX_MOE_DECODE_CONFIG (so one process can compare them):
 //   old    the previous choices: CfgDecode for T*K/E <= 24, N-tile-fastest block order, plain
@@ -943,7 +953,11 @@ static int launch_fast(const Problem& P, void* out, const void* x, const void* w
     p1.sorted_slots = sorted; p1.tiles = tiles; p1.meta = meta; p1.topk_weights = topk_weights;
     p1.N = I; p1.Kd = H; p1.topk = K; p1.n_tiles_n = n_tiles_n1;
     p1.kt_per_split = (H + C::BK - 1) / C::BK; p1.split_stride = 0;
-    p1.m_tiles = (mode != MODE_OLD && C::BM == kSmallBM) ? (int)max_tiles : 0;
+    // M-tile-fastest order only while every A tile of the grid (re-read once per N-tile) stays
+    // well inside L2; otherwise the old order, which reuses one A tile over consecutive blocks
+    const bool m_fast_ok = mode != MODE_OLD && C::BM == kSmallBM;
+    const int64_t a_bytes1 = max_tiles * C::BM * P.H * 2, a_bytes2 = max_tiles * C::BM * P.I * 2;
+    p1.m_tiles = (m_fast_ok && a_bytes1 <= s_l2_bytes / 4) ? (int)max_tiles : 0;
     if ((err = launch_k(moe_gemm_kernel<T, C, true>, dim3((unsigned)blocks1, 1, 1),
                         dim3(C::THREADS), C::smem_bytes(true), stream, pdl, p1)) != cudaSuccess)
         return cuda_error(err);
@@ -952,6 +966,7 @@ static int launch_fast(const Problem& P, void* out, const void* x, const void* w
     p2.a = act; p2.b = w2; p2.c = y;
     p2.N = H; p2.Kd = I; p2.n_tiles_n = n_tiles_n2;
     p2.kt_per_split = kt_per_split; p2.split_stride = P.TK * P.H;
+    p2.m_tiles = (m_fast_ok && a_bytes2 <= s_l2_bytes / 4) ? (int)max_tiles : 0;
     if ((err = launch_k(moe_gemm_kernel<T, C, false>, dim3((unsigned)blocks2, 1, (unsigned)S),
                         dim3(C::THREADS), C::smem_bytes(false), stream, pdl, p2)) != cudaSuccess)
         return cuda_error(err);
@@ -1084,6 +1099,7 @@ static bool moe_portable_init(const ex_hardware_t* hw, ex_tuning_t* tuning) {
     for (int c = 0; c < CFG_COUNT; ++c) s_cfg_allowed[c] = allowed[c];
     s_num_sms = hw->multiprocessor_count > 0 ? hw->multiprocessor_count : 1;
     s_pdl_ok = hw->cc_major >= 9;
+    if (hw->l2_cache_bytes > 0) s_l2_bytes = hw->l2_cache_bytes;
     s_smem_optin = (int)(hw->shared_mem_per_block_optin < 0x7fffffff ? hw->shared_mem_per_block_optin
                                                                       : 0x7fffffff);
     int smem = 0;
