@@ -241,3 +241,18 @@ def test_torch_tensors_zero_copy(reg):
             act = torch.nn.functional.silu(gu[:I]) * gu[I:]
             ref[t] += float(w[t, k]) * (w2[e].double() @ act)
     assert float((out.double() - ref).norm() / ref.norm()) < 1e-2
+
+
+def test_moe_index_arithmetic_beyond_2_pow_31(reg, cp):
+    """T*K*H > 2^31 elements: offsets into the T*K x H intermediates must be 64-bit."""
+    T, H, E, I, K = 32768, 8200, 8, 64, 8      # T*K*H = 2.15e9 > 2^31
+    assert T * K * H > 2**31
+    x, w13, w2, w, ids = moe_case(cp, T, H, E, I, K, "bfloat16")
+    out = poison(cp, (T, H), "bfloat16")
+    moe_fused_gemm(x, w13, w2, w, ids, out=out, registry=reg)
+    assert reg.last_path["moe_fused_gemm"] == "plugin"
+    rows = cp.asarray(np.array([0, 1, T // 2, T - 2, T - 1]))     # check the last rows too
+    sub = (Bits16(x.bits[rows]), w13, w2, w[rows], ids[rows])
+    ref = moe_reference(cp, *sub)
+    assert rel(cp, Bits16(out.bits[rows]), ref) < 1e-2
+    assert not bool(cp.isnan(TensorRef.of(out).load_f32()).any())
