@@ -262,3 +262,25 @@ def test_moe_index_arithmetic_beyond_2_pow_31(cp, library):
     ref = moe_reference(cp, *sub)
     assert rel(cp, Bits16(out.bits[rows]), ref) < 1e-2
     assert not bool(cp.isnan(TensorRef.of(out).load_f32()).any())
+
+
+def test_moe_out_of_range_ids_under_graph_capture(reg, cp):
+    """The in-kernel guard works inside a CUDA graph: no out-of-bounds write, flag raised."""
+    x, w13, w2, w, ids = moe_case(cp, 64, 2048, 128, 768, 8, "bfloat16")
+    out = poison(cp, (64, 2048), "bfloat16")
+    moe_fused_gemm(x, w13, w2, w, ids, out=out, registry=reg)      # warm-up outside capture
+    reg.check_device_errors()
+    ids[5, 3], ids[40, 0] = 128, -2                                 # set before capture: the graph reads them
+    guard = cp.full(4096, 0x7F7F, cp.uint16)                        # a neighbour allocation to watch
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        stream.begin_capture()
+        moe_fused_gemm(x, w13, w2, w, ids, out=out, registry=reg)
+        graph = stream.end_capture()
+        out.bits.fill(0xFFFF)
+        graph.launch(stream)
+    stream.synchronize()
+    assert rel(cp, out, moe_reference(cp, x, w13, w2, w, ids)) < 1e-2
+    assert bool((guard == 0x7F7F).all())
+    with pytest.raises(DeviceSideError, match="topk_id outside"):
+        reg.check_device_errors()
