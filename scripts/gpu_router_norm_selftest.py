@@ -155,7 +155,8 @@ class Table:
         return sum(r[1] for r in self.rows.values())
 
     def show(self):
-        print(f"\n{'group':46s} {'cases':>6s} {'fail':>5s} {'worst':>10s}  result")
+        print("\n'worst': topk = largest relative weight error; rmsnorm = largest norm-wise error / tolerance")
+        print(f"{'group':46s} {'cases':>6s} {'fail':>5s} {'worst':>10s}  result")
         for g, (n, f, w, d) in self.rows.items():
             print(f"{g:46s} {n:6d} {f:5d} {w:10.3g}  {'PASS' if f == 0 else 'FAIL: ' + d[:120]}")
 
