@@ -51,6 +51,15 @@ def _empty(ref: TensorRef, shape, dtype: str):
     return np.empty(shape, dtype=_np_dtype(dtype))
 
 
+def _float32_of(arr):
+    """The float32 dtype of ``arr``'s library (torch.float32 or numpy's, which CuPy takes)."""
+    if type(arr).__module__.startswith("torch"):
+        import torch
+        return torch.float32
+    import numpy as np
+    return np.float32
+
+
 def _np_dtype(dtype: str):
     if dtype == "bfloat16":
         import ml_dtypes
@@ -76,6 +85,11 @@ def topk_softmax(router_logits, top_k: int, renormalize: bool = False, *, topk_w
     """
     ref = TensorRef.of(router_logits, "router_logits")
     T = ref.shape[0] if len(ref.shape) == 2 else 0
+    if topk_weights is None and topk_ids is None and isinstance(top_k, int) and top_k > 0:
+        # one allocation for both outputs (host time per call): ids in [0], weights in [1]
+        both = _empty(ref, (2, T, top_k), "int32")
+        topk_ids = both[0]
+        topk_weights = both[1].view(_float32_of(both))
     if topk_weights is None:
         topk_weights = _empty(ref, (T, top_k), "float32")
     if topk_ids is None:

@@ -469,11 +469,12 @@ class FactorRegistry:
             else:
                 order, dims, sizes, pvals, device = hit
                 refs = [refs_by_name.get(n) for n in order]
-                for i, spec in enumerate(m.tensors):
-                    if refs[i] is not None and spec.role != "workspace":
-                        m.check_alignment(spec.name, refs[i])
-                if m.workspace_index is not None:
-                    refs[2 + m.workspace_index] = None
+                for r, spec in zip(refs, m.tensors):
+                    if r is not None and r.ptr % r.itemsize:
+                        m.check_alignment(spec.name, r)   # raises the LayoutError
+                ws = m.workspace_index
+                if ws is not None:
+                    refs[2 + ws] = None
         except FactorError:
             self._count(name, "errors")
             raise
