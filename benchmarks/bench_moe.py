@@ -29,6 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ex_engine import FactorRegistry, moe_fused_gemm  # noqa: E402
 from ex_engine.moe_layer import load_models  # noqa: E402
+from _timing import graph_us, host_us  # noqa: E402
 
 PEAK_TFLOPS, PEAK_GBS = 787.0, 4230.0
 
@@ -86,33 +87,6 @@ def rel(out, ref):
     return float((o - ref).norm() / ref.norm())
 
 
-def graph_time_us(fn, sets, replays=20):
-    """Median µs per call of CUDA-graph replays, each graph running fn once per input set."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for a in sets:
-            fn(*a)
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for a in sets:
-            fn(*a)
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1000.0 / len(sets))
-    times.sort()
-    return times[len(times) // 2]
-
-
 def eager_time_us(fn, args, reps):
     torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -120,19 +94,6 @@ def eager_time_us(fn, args, reps):
         fn(*args)
     torch.cuda.synchronize()
     return (time.perf_counter() - t0) * 1e6 / reps
-
-
-def host_overhead_us(fn, args, reps=200):
-    """Host time of one eager call (validation + dispatch + launches), device work overlapped."""
-    for _ in range(10):
-        fn(*args)
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        fn(*args)
-    t1 = time.perf_counter()
-    torch.cuda.synchronize()
-    return (t1 - t0) * 1e6 / reps
 
 
 def main():
@@ -203,13 +164,13 @@ def main():
             print(f"{m:<22}{T:>6} FAILED CHECK: rel err {err:.3e}", flush=True)
             rows.append(row)
             continue
-        row["ours_us"] = graph_time_us(ours, sets)
-        row["gmm_us"] = graph_time_us(gmm_pipeline, sets) if err_g < 2e-2 else None
+        row["ours_us"] = graph_us([lambda a=a: ours(*a) for a in sets])
+        row["gmm_us"] = graph_us([lambda a=a: gmm_pipeline(*a) for a in sets]) if err_g < 2e-2 else None
         if T <= args.fallback_max_t:
             reg_fb = FactorRegistry(hardware=reg.hardware)  # no plugins: Python fallback
             row["fallback_us"] = eager_time_us(lambda *a: moe_fused_gemm(*a, registry=reg_fb), sets[0], 3)
         if T == 1:
-            row["host_us"] = host_overhead_us(ours, sets[0])
+            row["host_us"] = host_us(lambda: ours(*sets[0]))
         row["x_floor"] = row["ours_us"] / floor
         row["tflops"] = flops / row["ours_us"] / 1e6
         row["gbs"] = bytes_ / row["ours_us"] / 1e3

@@ -22,6 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ex_engine import FactorRegistry, fused_add_rmsnorm, topk_softmax  # noqa: E402
+from _timing import graph_us, host_us  # noqa: E402
 
 COPY_GBS = 4230.0
 
@@ -57,48 +58,6 @@ def eager_us(fn, reps=200):
     return ts[len(ts) // 2]
 
 
-def host_us(fn, reps=500):
-    for _ in range(10):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    t1 = time.perf_counter()
-    torch.cuda.synchronize()
-    return (t1 - t0) * 1e6 / reps
-
-
-def graph_us(fns, calls=20, replays=20):
-    """Device µs per call of a CUDA graph of ``calls`` calls cycling over ``fns`` (one per input
-    set, so that the sets together exceed the 60 MB L2 and nothing is served from cache)."""
-    fns = fns if isinstance(fns, list) else [fns]
-    calls = max(calls, len(fns))
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for fn in fns:
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(calls):
-            fns[i % len(fns)]()
-    g.replay()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) * 1000 / calls)
-    ts.sort()
-    return ts[len(ts) // 2]
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", default=None)
@@ -127,8 +86,8 @@ def main():
         for name, f in impls.items():
             fn = (lambda f=f: f(x, r))
             e = eager_us(fn)
-            g = graph_us([(lambda f=f, a=a, b=b: f(a, b)) for a, b in sets])
-            h = host_us(fn) if name == "ex_engine" and T == 1 else None
+            g = graph_us([(lambda f=f, a=a, b=b: f(a, b)) for a, b in sets], calls=20)
+            h = host_us(fn, reps=500) if name == "ex_engine" and T == 1 else None
             rows.append({"op": "fused_add_rmsnorm", "T": T, "H": H, "impl": name, "eager_us": e,
                          "graph_us": g, "copy_frac": nbytes / g / 1e3 / COPY_GBS, "host_us": h, "rel_err": err})
             print(f"{'fused_add_rmsnorm':<18}{f'T={T} H={H}':<22}{name:<15}{e:>10.1f}{g:>10.1f}"
@@ -149,8 +108,8 @@ def main():
         for name, f in impls.items():
             fn = (lambda f=f: f(logits))
             e = eager_us(fn)
-            g = graph_us([(lambda f=f, lg=lg: f(lg)) for lg in sets])
-            h = host_us(fn) if name == "ex_engine" and T == 1 else None
+            g = graph_us([(lambda f=f, lg=lg: f(lg)) for lg in sets], calls=20)
+            h = host_us(fn, reps=500) if name == "ex_engine" and T == 1 else None
             target = max(2 * nbytes / COPY_GBS / 1e3, 8.0)
             rows.append({"op": "topk_softmax", "T": T, "E": E, "K": K, "impl": name, "eager_us": e,
                          "graph_us": g, "target_us": target, "ids_equal_torch": same, "host_us": h})

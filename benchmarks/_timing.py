@@ -1,0 +1,55 @@
+"""Timers shared by the benchmarks (torch, one CUDA device).
+
+graph_us: device µs per call of a CUDA graph that cycles over ``fns`` (one zero-argument
+callable per input set, so the sets can be rotated past the L2); host_us: host µs of one eager
+call, device work left to overlap.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+
+def graph_us(fns, calls: int | None = None, replays: int = 20) -> float:
+    """Median device µs per call over ``replays`` replays of a graph of ``calls`` calls
+    (default: one per callable) cycling over ``fns``; each callable runs once on a side stream
+    before capture (warm-up, lazy allocations)."""
+    fns = fns if isinstance(fns, list) else [fns]
+    calls = max(calls or len(fns), len(fns))
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for fn in fns:
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for i in range(calls):
+            fns[i % len(fns)]()
+    g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1000.0 / calls)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def host_us(fn, reps: int = 200) -> float:
+    """Host µs of one eager call of ``fn()`` (validation, dispatch, launches), after 10 warm-ups."""
+    for _ in range(10):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return (t1 - t0) * 1e6 / reps
