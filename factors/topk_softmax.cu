@@ -517,30 +517,31 @@ ex_status_t parse_args(void* output, const void* input, const void* aux_inputs[]
     return EX_OK;
 }
 
-int topk_softmax(void* output, const void* input, const void* aux_inputs[], int n_aux,
-                 const int64_t dims[], int n_dims, void* stream) {
+// Parses the call, then runs launch(T{}, args) with T the element type named in dims.
+template <typename Launch>
+int run_for_dtype(void* output, const void* input, const void* aux_inputs[], int n_aux,
+                  const int64_t dims[], int n_dims, void* stream, Launch launch) {
     Args a;
     int dtype = 0;
     const ex_status_t st = parse_args(output, input, aux_inputs, n_aux, dims, n_dims, stream, a, dtype);
     if (st != EX_OK || a.T == 0) return st;
     switch (dtype) {
-        case EX_DTYPE_FLOAT32: return dispatch_fast<float>(a);
-        case EX_DTYPE_FLOAT16: return dispatch_fast<__half>(a);
-        default: return dispatch_fast<__nv_bfloat16>(a);
+        case EX_DTYPE_FLOAT32: return launch(float{}, a);
+        case EX_DTYPE_FLOAT16: return launch(__half{}, a);
+        default: return launch(__nv_bfloat16{}, a);
     }
+}
+
+int topk_softmax(void* output, const void* input, const void* aux_inputs[], int n_aux,
+                 const int64_t dims[], int n_dims, void* stream) {
+    return run_for_dtype(output, input, aux_inputs, n_aux, dims, n_dims, stream,
+                         [](auto t, const Args& a) { return dispatch_fast<decltype(t)>(a); });
 }
 
 int topk_softmax_generic(void* output, const void* input, const void* aux_inputs[], int n_aux,
                          const int64_t dims[], int n_dims, void* stream) {
-    Args a;
-    int dtype = 0;
-    const ex_status_t st = parse_args(output, input, aux_inputs, n_aux, dims, n_dims, stream, a, dtype);
-    if (st != EX_OK || a.T == 0) return st;
-    switch (dtype) {
-        case EX_DTYPE_FLOAT32: return launch_generic<float>(a);
-        case EX_DTYPE_FLOAT16: return launch_generic<__half>(a);
-        default: return launch_generic<__nv_bfloat16>(a);
-    }
+    return run_for_dtype(output, input, aux_inputs, n_aux, dims, n_dims, stream,
+                         [](auto t, const Args& a) { return launch_generic<decltype(t)>(a); });
 }
 
 const char* topk_softmax_last_error() { return g_last_error; }
