@@ -6,7 +6,7 @@
 See README.md and docs/factor-contract.md.
 """
 from .errors import (ArgumentError, DeviceError, DeviceSideError, DTypeError, FactorError,
-                     FactorNotFoundError, KernelError, LayoutError, PluginLoadError, ShapeError)
+                     FactorNotFoundError, KernelError, LayoutError, ShapeError)
 from .hardware import Hardware
 from .ops import default_registry, fused_add_rmsnorm, moe_fused_gemm, set_default_registry, topk_softmax
 from .registry import FactorRegistry
@@ -15,4 +15,4 @@ __version__ = "0.1.0"
 __all__ = ["FactorRegistry", "Hardware", "topk_softmax", "fused_add_rmsnorm", "moe_fused_gemm",
            "default_registry", "set_default_registry", "FactorError", "ArgumentError", "DTypeError",
            "ShapeError", "LayoutError", "DeviceError", "KernelError", "DeviceSideError",
-           "FactorNotFoundError", "PluginLoadError"]
+           "FactorNotFoundError"]

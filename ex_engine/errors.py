@@ -10,10 +10,6 @@ class FactorError(Exception):
     """Base class of every ex_engine error."""
 
 
-class PluginLoadError(FactorError):
-    """A plugin library could not be opened, or its ABI/tuning was refused."""
-
-
 class FactorNotFoundError(FactorError, KeyError):
     """No factor of that name is registered (neither ready nor with a Python fallback)."""
 

@@ -65,7 +65,7 @@ class Plugin:
 
     def check(self, name: str, ok: bool, detail: str = "", warn: bool = False) -> bool:
         self.checks.append(Check(name, ok, detail, warn))
-        if not ok and self.status != "rejected_final":
+        if not ok:
             self.reason = self.reason or f"{name}: {detail}"
         return ok
 
