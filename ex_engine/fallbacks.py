@@ -130,13 +130,44 @@ def moe_fused_gemm_math(xp, hidden_states, w13_of, w2_of, topk_weights, topk_ids
     return out, n_invalid
 
 
+def apply_expert_map(xp, topk_ids, expert_map, E: int):
+    """(local ids, n ids outside [0, G), n map values outside [-1, E)) under expert parallelism.
+
+    topk_ids (T, K) int32 hold global ids in [0, G); expert_map (G,) int32 gives each one's
+    local expert in [0, E) or -1 (an expert on another rank). Every slot that does not land on
+    a local expert gets -1 (contributes nothing). expert_map None: ids are local, G = E.
+    Source: vLLM FusedMoE expert_map (global -> local, -1 elsewhere).
+    """
+    ids = topk_ids.astype(xp.int32)
+    if expert_map is None:
+        bad = (ids < 0) | (ids >= E)
+        return xp.where(bad, -1, ids).astype(xp.int32), int(bad.sum()), 0
+    G = expert_map.shape[0]
+    in_range = (ids >= 0) & (ids < G)
+    local = expert_map[xp.clip(ids, 0, max(G - 1, 0))].astype(xp.int32)
+    local = xp.where(in_range, local, -1)
+    bad_map = in_range & ((local < -1) | (local >= E))
+    local = xp.where(bad_map, -1, local).astype(xp.int32)
+    return local, int((~in_range).sum()), int(bad_map.sum())
+
+
 def moe_fused_gemm(arrays, sizes, params):
-    """Fallback of factor 2: writes out (T,H). Returns {'invalid_topk_ids': n} when n > 0."""
+    """Fallback of factor 2: writes out (T,H). Returns counts of bad slots when there are any:
+    {'invalid_topk_ids': n} (ids outside [0, G)), {'invalid_expert_map': n} (map values outside
+    [-1, E)). Slots of experts mapped to -1 (other ranks) contribute nothing."""
     hs = arrays["hidden_states"]
     xp, dt = hs.xp(), hs.dtype
     w13_raw, w2_raw = arrays["w13"].raw(), arrays["w2"].raw()
-    out, n_invalid = moe_fused_gemm_math(
+    emap = arrays.get("expert_map")
+    ids, n_invalid, n_bad_map = apply_expert_map(
+        xp, arrays["topk_ids"].raw(), None if emap is None else emap.raw(), sizes["E"])
+    out, _ = moe_fused_gemm_math(
         xp, hs.load_f32(), lambda e: _f32(xp, w13_raw[e], dt), lambda e: _f32(xp, w2_raw[e], dt),
-        arrays["topk_weights"].raw(), arrays["topk_ids"].raw(), sizes["E"], dt)
+        arrays["topk_weights"].raw(), ids, sizes["E"], dt)
     arrays["out"].store(out)
-    return {"invalid_topk_ids": n_invalid} if n_invalid else None
+    flags = {}
+    if n_invalid:
+        flags["invalid_topk_ids"] = n_invalid
+    if n_bad_map:
+        flags["invalid_expert_map"] = n_bad_map
+    return flags or None

@@ -47,6 +47,8 @@ class TensorSpec:
     same_dtype_as: str | None = None
     row_strided: bool = False      # rows may be spaced wider than the last dim (a view)
     same_as_output: bool = False   # input and output are one array (in place)
+    absent_requires: str | None = None  # optional array: a constraint ("G == E") that must hold
+                                   # when it is not given
     values: dict | None = None     # how `verify` draws test inputs: {normal: STD}, {uniform: [LO, HI]},
                                    # {ids_below: SYM, distinct: true}; default N(0, 1) / ints in [0, 8)
     parsed: list = field(default_factory=list)
@@ -56,7 +58,8 @@ class TensorSpec:
         spec = cls(name=d["name"], role=d.get("role", role), shape=list(d.get("shape", [])),
                    dtypes=list(d.get("dtype", [])), optional=bool(d.get("optional", False)),
                    same_dtype_as=d.get("same_dtype_as"), row_strided=bool(d.get("row_strided")),
-                   same_as_output=bool(d.get("same_as_output")), values=d.get("values"))
+                   same_as_output=bool(d.get("same_as_output")), values=d.get("values"),
+                   absent_requires=d.get("absent_requires"))
         spec.parsed = [_parse_dim(e) for e in spec.shape]
         return spec
 
@@ -107,7 +110,8 @@ class Manifest:
         if m.input.same_as_output:
             m.input = TensorSpec(**{**m.output.__dict__, "role": "input", "same_as_output": True})
         m._constraints = [_CONSTRAINT.match(c) for c in m.constraints]
-        if not all(m._constraints):
+        m._absent = [(t, _CONSTRAINT.match(t.absent_requires)) for t in m.aux if t.absent_requires]
+        if not all(m._constraints) or not all(c for _, c in m._absent):
             raise FactorError(f"manifest {path}: constraint not of the form 'A <= B': {m.constraints}")
         return m
 
@@ -219,18 +223,29 @@ class Manifest:
                 if other is not None and other.dtype != ref.dtype:
                     raise DTypeError(name, spec.name, f"same dtype as {spec.same_dtype_as}",
                                      other.dtype, ref.dtype)
+        for d, src in self.dim_sources.items():
+            # a size no given array fixes (its array is optional and absent) takes another's
+            if d not in sizes and "default_dim" in src and src["default_dim"] in sizes:
+                sizes[d] = sizes[src["default_dim"]]
         for text, m in zip(self.constraints, self._constraints):
-            a, op, b = m.groups()
-            va = sizes.get(a, int(a) if a.isdigit() else None)
-            vb = sizes.get(b, int(b) if b.isdigit() else None)
-            if va is None or vb is None:
-                continue
-            ok = {"<=": va <= vb, "<": va < vb, "==": va == vb, ">=": va >= vb, ">": va > vb}[op]
-            if not ok:
-                arg = a if not a.isdigit() else b
-                raise ShapeError(name, arg, text, f"{a} {op} {b}", f"{a}={va}, {b}={vb}")
+            self._check_constraint(m, sizes, None, text)
+        for spec, m in self._absent:
+            if arrays.get(spec.name) is None:
+                self._check_constraint(m, sizes, spec.name, f"{spec.absent_requires} when {spec.name} "
+                                       "is not given")
         dims = [self._dim_value(d, sizes, pvals, arrays) for d in self.dims]
         return refs, dims, sizes, pvals, (-1 if device is None else device)
+
+    def _check_constraint(self, m, sizes, arg, text):
+        a, op, b = m.groups()
+        va = sizes.get(a, int(a) if a.isdigit() else None)
+        vb = sizes.get(b, int(b) if b.isdigit() else None)
+        if va is None or vb is None:
+            return
+        ok = {"<=": va <= vb, "<": va < vb, "==": va == vb, ">=": va >= vb, ">": va > vb}[op]
+        if not ok:
+            arg = arg or (a if not a.isdigit() else b)
+            raise ShapeError(self.name, arg, text, f"{a} {op} {b}", f"{a}={va}, {b}={vb}")
 
     def _check_layout(self, spec, ref):
         if any(isinstance(s, float) for s in ref.strides):
@@ -268,6 +283,9 @@ class Manifest:
             if src.get("encode") == "f64_bits":
                 return struct.unpack("<q", struct.pack("<d", float(v)))[0]
             return int(v)
+        if "default_dim" in src:      # reached only when neither this size nor its default is known
+            raise FactorError(f"manifest {self.path}: dim '{d}': default_dim {src['default_dim']!r} "
+                              "is not a size of any array")
         if "row_stride_of" in src:
             ref = arrays[src["row_stride_of"]]
             return int(ref.strides[0]) if len(ref.shape) == 2 and ref.shape[0] > 1 else int(ref.shape[-1])

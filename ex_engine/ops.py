@@ -119,18 +119,26 @@ def fused_add_rmsnorm(x, residual, weight, eps: float = 1e-6, *,
 
 
 def moe_fused_gemm(hidden_states, w13, w2, topk_weights, topk_ids, *, router_logits=None,
-                   out=None, registry: FactorRegistry | None = None):
+                   expert_map=None, out=None, registry: FactorRegistry | None = None):
     """Routed experts of an MoE layer.
 
     out[t] = sum_k topk_weights[t,k] * w2[e] @ (silu(g) * u), [g; u] = w13[e] @ hidden_states[t],
     e = topk_ids[t,k]; rows 0..I-1 of w13[e] are the gate g, rows I..2I-1 the up projection u.
     fp32 accumulation; silu(g)*u rounded to the input dtype between the GEMMs. A slot whose id
-    is outside [0, E) contributes nothing and is reported by
+    is outside [0, G) contributes nothing and is reported by
     ``registry.check_device_errors()``. (Source: Shazeer et al. 2017; vLLM fused_moe.)
 
+    Expert parallelism: with ``expert_map`` (G,) int32, topk_ids are global ids in [0, G) and
+    w13/w2 hold only this rank's E local experts; e = expert_map[id] in [0, E), or -1 for an
+    expert on another rank, whose slots contribute nothing and cost no GEMM work. out is
+    written for every token (zero where no slot is local), so the sum over ranks whose maps
+    partition the experts is the full layer (see ex_engine.distributed). Without a map G = E.
+    (Source: vLLM FusedMoE expert_map; Lepikhin et al. 2020, GShard.)
+
     hidden_states: (T, H) float16 or bfloat16.  w13: (E, 2I, H), w2: (E, H, I), same dtype.
-    topk_weights: (T, K) float32.  topk_ids: (T, K) int32.  router_logits: optional (T, E),
-    unused by the computation (part of the ABI).  out: optional (T, H), allocated if None.
+    topk_weights: (T, K) float32.  topk_ids: (T, K) int32, 1 <= K <= G.  expert_map: optional
+    (G,) int32, values in [-1, E).  router_logits: optional (T, G), unused by the computation
+    (part of the ABI).  out: optional (T, H), allocated if None.
     All contiguous, on one device (or all on the host: Python fallback).
     Returns out. Raises DTypeError, ShapeError, LayoutError, DeviceError, KernelError.
     """
@@ -140,5 +148,5 @@ def moe_fused_gemm(hidden_states, w13, w2, topk_weights, topk_ids, *, router_log
     (registry or default_registry()).dispatch(
         "moe_fused_gemm", {"hidden_states": hidden_states, "out": out, "router_logits": router_logits,
                            "w13": w13, "w2": w2, "topk_weights": topk_weights,
-                           "topk_ids": topk_ids})
+                           "topk_ids": topk_ids, "expert_map": expert_map})
     return out

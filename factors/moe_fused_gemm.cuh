@@ -13,15 +13,21 @@
  *   (as vLLM's fused_experts does). A slot whose id is outside [0, E) contributes nothing and
  *   sets bit 0 of the int32 at workspace byte 0 (never cleared here: whoever reads it clears it).
  *
- * Shapes and dtypes (contract: manifests/moe_fused_gemm.yaml), dims = {T, H, E, I, K, dtype}:
+ * Shapes and dtypes (contract: manifests/moe_fused_gemm.yaml), dims = {T, H, E, I, K, dtype, G}
+ * (G, the number of global experts, may be left out: G = E):
  *   output  out            (T, H)       fp16 | bf16 (same as hidden_states)
  *   input   hidden_states  (T, H)       fp16 | bf16, row-major, contiguous
- *   aux[0]  router_logits  (T, E)       optional, unused
+ *   aux[0]  router_logits  (T, G)       optional, unused
  *   aux[1]  w13            (E, 2I, H)   rows 0..I-1 of w13[e] are gate, I..2I-1 up
  *   aux[2]  w2             (E, H, I)
  *   aux[3]  topk_weights   (T, K)       fp32
  *   aux[4]  topk_ids       (T, K)       int32
  *   aux[5]  workspace      workspace_size(dims) bytes, 256-byte aligned
+ *   aux[6]  expert_map     (G,)         int32, optional (expert parallelism): topk_ids are global
+ *                          ids in [0, G); expert_map[id] is the local expert in [0, E) that w13/w2
+ *                          hold, or -1 for an expert on another rank: that slot contributes
+ *                          nothing and is never routed to a GEMM tile. Without it G must equal E.
+ *                          A map value outside [-1, E) sets status bit 1 (the slot is skipped).
  *
  *
  * Variants:
@@ -262,6 +268,28 @@ __device__ __forceinline__ float warp_sum(float v) {
     return v;
 }
 
+// Expert parallelism: topk_ids hold global ids in [0, G); an optional expert map (G,) int32
+// gives each one's local index in [0, E), or -1 for an expert that lives on another rank.
+// Without a map, G == E and ids are local.
+struct ExpertMap {
+    const int* map;  // (G,) int32 or nullptr
+    int G;           // number of global experts
+};
+
+// Local expert of topk id `id`, or -1 when the slot contributes nothing. Sets bits of `bad`:
+// 1 = id outside [0, G); 2 = map value outside [-1, E) (both slots contribute nothing).
+__device__ __forceinline__ int local_expert(const ExpertMap& m, int id, int E, int& bad) {
+    if ((unsigned)id >= (unsigned)m.G) {
+        bad |= 1;
+        return -1;
+    }
+    if (m.map == nullptr) return id;
+    const int l = __ldg(m.map + id);
+    if ((unsigned)l < (unsigned)E) return l;
+    if (l != -1) bad |= 2;
+    return -1;
+}
+
 // ------------------------------------------------------------------------------------------
 // Kernel 1: routing. One block. Dynamic smem: 4*E + 1 ints.
 //   cnt[e]   rows of expert e           row0[e]  exclusive prefix of cnt (first sorted row)
@@ -269,7 +297,7 @@ __device__ __forceinline__ float warp_sum(float v) {
 // ------------------------------------------------------------------------------------------
 
 __global__ void __launch_bounds__(kRouteThreads)
-moe_route_kernel(const int* __restrict__ topk_ids, int TK, int E, int BM,
+moe_route_kernel(const int* __restrict__ topk_ids, const ExpertMap em, int TK, int E, int BM,
                  int* __restrict__ status,        // workspace byte 0
                  int* __restrict__ meta,          // [0] tiles, [1] valid rows
                  int4* __restrict__ tiles,        // {e, first row, end row, 0}
@@ -304,13 +332,13 @@ moe_route_kernel(const int* __restrict__ topk_ids, int TK, int E, int BM,
         for (int u = 0; u < U; ++u) {
             const long long s = s0 + (long long)u * kRouteThreads;
             if (s < TK) {
-                if ((unsigned)ev[u] < (unsigned)E) atomicAdd(&s_cnt[ev[u]], 1);
-                else bad = 1;
+                const int l = local_expert(em, ev[u], E, bad);
+                if (l >= 0) atomicAdd(&s_cnt[l], 1);
             }
         }
     }
-    bad = __syncthreads_or(bad);  // also the barrier after the histogram
-    if (bad && tid == 0) atomicOr(status, 1);
+    if (bad) atomicOr(status, bad);  // rare (bad input): one atomic per thread that saw it
+    __syncthreads();                 // the histogram is complete
 
     // 2. exclusive sums of rows and tiles per expert, E entries in chunks of the block size
     int row_carry = 0, tile_carry = 0;
@@ -364,8 +392,10 @@ moe_route_kernel(const int* __restrict__ topk_ids, int TK, int E, int BM,
 #pragma unroll
         for (int u = 0; u < U; ++u) {
             const long long s = s0 + (long long)u * kRouteThreads;
-            if (s < TK && (unsigned)ev[u] < (unsigned)E) {
-                const int pos = atomicAdd(&s_cur[ev[u]], 1);
+            int unused = 0;
+            const int l = (s < TK) ? local_expert(em, ev[u], E, unused) : -1;
+            if (l >= 0) {
+                const int pos = atomicAdd(&s_cur[l], 1);
                 sorted_slots[pos] = (int)s;
             }
         }
@@ -618,7 +648,7 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) moe_gemm_kernel(const Gem
 template <typename T>
 __global__ void __launch_bounds__(kSimpleThreads)
 moe_combine_kernel(T* __restrict__ out, const T* __restrict__ y, const int* __restrict__ ids,
-                   int T_, int H, int E, int K, int S, long long split_stride) {
+                   const ExpertMap em, int T_, int H, int E, int K, int S, long long split_stride) {
     using E2 = typename Elem<T>::T2;
     pdl_wait();
     const int HV = H / 8;
@@ -632,8 +662,8 @@ moe_combine_kernel(T* __restrict__ out, const T* __restrict__ y, const int* __re
         for (int v = 0; v < 8; ++v) acc[v] = 0.0f;
         for (int k = 0; k < K; ++k) {
             const long long slot = t * K + k;
-            const int e = __ldg(ids + slot);
-            if ((unsigned)e >= (unsigned)E) continue;  // invalid id: contributes nothing
+            int unused = 0;
+            if (local_expert(em, __ldg(ids + slot), E, unused) < 0) continue;  // contributes nothing
             const T* src = y + slot * H + (long long)hv * 8;
             for (int z = 0; z < S; ++z) {
                 const uint4 raw = __ldg(reinterpret_cast<const uint4*>(src + z * split_stride));
@@ -662,8 +692,8 @@ moe_combine_kernel(T* __restrict__ out, const T* __restrict__ y, const int* __re
 template <typename T>
 __global__ void __launch_bounds__(kSimpleThreads)
 moe_fallback_act_kernel(T* __restrict__ act, const T* __restrict__ x, const T* __restrict__ w13,
-                        const int* __restrict__ ids, int* __restrict__ status, long long TK,
-                        int H, int E, int I, int K) {
+                        const int* __restrict__ ids, const ExpertMap em, int* __restrict__ status,
+                        long long TK, int H, int E, int I, int K) {
     const int lane = threadIdx.x & 31;
     const long long n_warps = TK * I;
     const long long stride = ((long long)gridDim.x * kSimpleThreads) >> 5;
@@ -671,9 +701,10 @@ moe_fallback_act_kernel(T* __restrict__ act, const T* __restrict__ x, const T* _
          w += stride) {
         const long long slot = w / I;
         const int i = (int)(w - slot * I);
-        const int e = __ldg(ids + slot);
+        int bad = 0;
+        const int e = local_expert(em, __ldg(ids + slot), E, bad);
         float r = 0.0f;
-        if ((unsigned)e < (unsigned)E) {
+        if (e >= 0) {
             const T* xr = x + (slot / K) * H;
             const T* gr = w13 + ((long long)e * 2 * I + i) * H;
             const T* ur = gr + (long long)I * H;
@@ -686,8 +717,8 @@ moe_fallback_act_kernel(T* __restrict__ act, const T* __restrict__ x, const T* _
             gs = warp_sum(gs);
             us = warp_sum(us);
             r = silu_f(gs) * us;
-        } else if (lane == 0 && i == 0) {
-            atomicOr(status, 1);
+        } else if (bad && lane == 0 && i == 0) {
+            atomicOr(status, bad);
         }
         if (lane == 0) act[w] = Elem<T>::from_f(r);  // w == slot * I + i
     }
@@ -698,7 +729,7 @@ template <typename T>
 __global__ void __launch_bounds__(kSimpleThreads)
 moe_fallback_out_kernel(T* __restrict__ out, const T* __restrict__ act, const T* __restrict__ w2,
                         const float* __restrict__ topk_weights, const int* __restrict__ ids,
-                        long long T_, int H, int E, int I, int K) {
+                        const ExpertMap em, long long T_, int H, int E, int I, int K) {
     const int lane = threadIdx.x & 31;
     const long long n_warps = T_ * H;
     const long long stride = ((long long)gridDim.x * kSimpleThreads) >> 5;
@@ -709,8 +740,9 @@ moe_fallback_out_kernel(T* __restrict__ out, const T* __restrict__ act, const T*
         float acc = 0.0f;
         for (int k = 0; k < K; ++k) {
             const long long slot = t * K + k;
-            const int e = __ldg(ids + slot);
-            if ((unsigned)e >= (unsigned)E) continue;
+            int unused = 0;
+            const int e = local_expert(em, __ldg(ids + slot), E, unused);
+            if (e < 0) continue;
             const T* wr = w2 + ((long long)e * H + h) * I;
             const T* ar = act + slot * I;
             float d = 0.0f;
@@ -786,8 +818,36 @@ static int64_t align256(int64_t v) { return (v + 255) & ~(int64_t)255; }
 
 struct Problem {
     int64_t T, H, E, I, K, dtype;
+    int64_t G;                 // global experts (dims[6]; E when absent)
     int64_t TK;
+    const int* expert_map;     // aux[6]: (G,) int32 global -> local id or -1; nullptr: none
+    ExpertMap em() const { return ExpertMap{expert_map, (int)G}; }
 };
+
+// Reads dims {T, H, E, I, K, dtype[, G]} into *P and checks their ranges. Returns false if the
+// kernel must reject them (the message is in msg).
+static bool read_dims(const int64_t dims[], int n_dims, Problem* P, char* msg, size_t n) {
+    P->T = dims[0]; P->H = dims[1]; P->E = dims[2]; P->I = dims[3]; P->K = dims[4];
+    P->dtype = dims[5];
+    P->G = n_dims >= 7 ? dims[6] : P->E;
+    P->expert_map = nullptr;
+    const int64_t lim = 0x7fffffff;
+    if (P->T < 0 || P->H < 1 || P->E < 1 || P->I < 1 || P->K < 1 || P->G < 1 || P->K > P->G ||
+        P->T > lim || P->H > lim || P->E > lim || P->I > lim || P->G > lim) {
+        snprintf(msg, n,
+                 "moe_fused_gemm: expected T >= 0, H, E, I, G >= 1, 1 <= K <= G; got T=%lld H=%lld "
+                 "E=%lld I=%lld K=%lld G=%lld",
+                 (long long)P->T, (long long)P->H, (long long)P->E, (long long)P->I,
+                 (long long)P->K, (long long)P->G);
+        return false;
+    }
+    P->TK = P->T * P->K;
+    if (P->TK > lim - 4096) {
+        snprintf(msg, n, "moe_fused_gemm: expected T*K < 2^31 - 4096, got %lld", (long long)P->TK);
+        return false;
+    }
+    return true;
+}
 
 struct WsLayout {
     int64_t meta, tiles, sorted, act, y, total;
@@ -836,27 +896,22 @@ static int check_args(void* output, const void* input, const void* aux[], int n_
         snprintf(msg, sizeof msg, "moe_fused_gemm: expected n_dims >= 6 (T,H,E,I,K,dtype), got %d", n_dims);
         return set_error(EX_ERR_INVALID_ARGUMENT, msg);
     }
-    P->T = dims[0]; P->H = dims[1]; P->E = dims[2]; P->I = dims[3]; P->K = dims[4];
-    P->dtype = dims[5];
+    const bool dims_ok = read_dims(dims, n_dims, P, msg, sizeof msg);
     if (P->dtype != EX_DTYPE_FLOAT16 && P->dtype != EX_DTYPE_BFLOAT16) {
         snprintf(msg, sizeof msg, "moe_fused_gemm: expected dtype float16 (1) or bfloat16 (2), got %lld",
                  (long long)P->dtype);
         return set_error(EX_ERR_UNSUPPORTED_DTYPE, msg);
     }
-    const int64_t lim = 0x7fffffff;
-    if (P->T < 0 || P->H < 1 || P->E < 1 || P->I < 1 || P->K < 1 || P->K > P->E ||
-        P->T > lim || P->H > lim || P->E > lim || P->I > lim) {
+    if (!dims_ok) return set_error(EX_ERR_SHAPE, msg);
+    P->expert_map = n_aux >= 7 ? static_cast<const int*>(aux[6]) : nullptr;
+    if (P->expert_map == nullptr && P->G != P->E) {
         snprintf(msg, sizeof msg,
-                 "moe_fused_gemm: expected T >= 0, H, E, I >= 1, 1 <= K <= E; got T=%lld H=%lld "
-                 "E=%lld I=%lld K=%lld",
-                 (long long)P->T, (long long)P->H, (long long)P->E, (long long)P->I, (long long)P->K);
+                 "moe_fused_gemm: expected G == E without an expert_map (aux[6]); got G=%lld E=%lld",
+                 (long long)P->G, (long long)P->E);
         return set_error(EX_ERR_SHAPE, msg);
     }
-    P->TK = P->T * P->K;
-    if (P->TK > lim - 4096) {
-        snprintf(msg, sizeof msg, "moe_fused_gemm: expected T*K < 2^31 - 4096, got %lld", (long long)P->TK);
-        return set_error(EX_ERR_SHAPE, msg);
-    }
+    if (reinterpret_cast<uintptr_t>(P->expert_map) & 3)
+        return set_error(EX_ERR_ALIGNMENT, "moe_fused_gemm: expert_map (aux[6]) must be 4-byte aligned");
     if (P->T == 0) {
         *done = true;  // nothing to write; pointers of empty tensors may be NULL
         return EX_OK;
@@ -873,12 +928,8 @@ static int check_args(void* output, const void* input, const void* aux[], int n_
 static int64_t moe_workspace_size(const int64_t dims[], int n_dims) {
     if (dims == nullptr || n_dims < 6) return 256;
     Problem P;
-    P.T = dims[0]; P.H = dims[1]; P.E = dims[2]; P.I = dims[3]; P.K = dims[4]; P.dtype = dims[5];
-    const int64_t lim = 0x7fffffff;
-    if (P.T < 0 || P.H < 1 || P.E < 1 || P.I < 1 || P.K < 1 || P.K > P.E || P.T > lim ||
-        P.H > lim || P.E > lim || P.I > lim || P.T * P.K > lim - 4096)
-        return 256;  // the kernel rejects these dims
-    P.TK = P.T * P.K;
+    char msg[192];
+    if (!read_dims(dims, n_dims, &P, msg, sizeof msg)) return 256;  // the kernel rejects these dims
     return ws_layout(P).total;
 }
 
@@ -887,7 +938,7 @@ static int64_t moe_workspace_size(const int64_t dims[], int n_dims) {
 // ------------------------------------------------------------------------------------------
 
 static int pick_config(const Problem& P) {
-    const int64_t rows_per_expert = P.TK / P.E;
+    const int64_t rows_per_expert = P.TK / P.G;  // per local expert, also under an expert map
     int c = 0;
     while (c + 1 < CFG_COUNT && rows_per_expert > kCfg[c].max_rows_per_expert) ++c;
     while (c > 0 && !s_cfg_allowed[c]) --c;  // smaller tiles when the big ones do not fit
@@ -945,8 +996,8 @@ static int launch_fast(const Problem& P, void* out, const void* x, const void* w
     if ((err = gemm_smem_opt_in<T, C, true>()) != cudaSuccess) return cuda_error(err);
     if ((err = gemm_smem_opt_in<T, C, false>()) != cudaSuccess) return cuda_error(err);
 
-    moe_route_kernel<<<1, kRouteThreads, route_smem, stream>>>(topk_ids, TK, E, C::BM, status,
-                                                                meta, tiles, sorted, nullptr);
+    moe_route_kernel<<<1, kRouteThreads, route_smem, stream>>>(topk_ids, P.em(), TK, E, C::BM,
+                                                                status, meta, tiles, sorted, nullptr);
 
     GemmParams p1;
     p1.a = x; p1.b = w13; p1.c = act;
@@ -977,7 +1028,7 @@ static int launch_fast(const Problem& P, void* out, const void* x, const void* w
     if (cblocks > cap) cblocks = cap;
     if ((err = launch_k(moe_combine_kernel<T>, dim3((unsigned)cblocks), dim3(kSimpleThreads), 0,
                         stream, pdl, static_cast<T*>(out), static_cast<const T*>(y), topk_ids,
-                        (int)P.T, H, E, K, S, (long long)(P.TK * P.H))) != cudaSuccess)
+                        P.em(), (int)P.T, H, E, K, S, (long long)(P.TK * P.H))) != cudaSuccess)
         return cuda_error(err);
 
     if ((err = cudaGetLastError()) != cudaSuccess) return cuda_error(err);
@@ -1043,10 +1094,10 @@ static int launch_fallback(const Problem& P, void* out, const void* x, const voi
     if (b1 > cap) b1 = cap;
     if (b2 > cap) b2 = cap;
     moe_fallback_act_kernel<T><<<(unsigned)b1, kSimpleThreads, 0, stream>>>(
-        act, static_cast<const T*>(x), static_cast<const T*>(w13), ids, status, P.TK, (int)P.H,
+        act, static_cast<const T*>(x), static_cast<const T*>(w13), ids, P.em(), status, P.TK, (int)P.H,
         (int)P.E, (int)P.I, (int)P.K);
     moe_fallback_out_kernel<T><<<(unsigned)b2, kSimpleThreads, 0, stream>>>(
-        static_cast<T*>(out), act, static_cast<const T*>(w2), tw, ids, P.T, (int)P.H, (int)P.E,
+        static_cast<T*>(out), act, static_cast<const T*>(w2), tw, ids, P.em(), P.T, (int)P.H, (int)P.E,
         (int)P.I, (int)P.K);
     const cudaError_t err = cudaGetLastError();
     return err == cudaSuccess ? EX_OK : cuda_error(err);

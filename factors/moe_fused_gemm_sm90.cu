@@ -261,7 +261,8 @@ sm90_silu_mul_kernel(T* __restrict__ act, const T* __restrict__ gu, const int* _
 template <typename T>
 __global__ void __launch_bounds__(kSimpleThreads)
 sm90_combine_kernel(T* __restrict__ out, const T* __restrict__ ys, const int* __restrict__ slot_pos,
-                    const float* __restrict__ tw, const int* __restrict__ ids, int T_, int H, int E, int K) {
+                    const float* __restrict__ tw, const int* __restrict__ ids, const ExpertMap em,
+                    int T_, int H, int E, int K) {
     using E2 = typename Elem<T>::T2;
     const int HV = H >> 3;
     const long long total = (long long)T_ * HV;
@@ -282,8 +283,8 @@ sm90_combine_kernel(T* __restrict__ out, const T* __restrict__ ys, const int* __
                 raw[j] = make_uint4(0u, 0u, 0u, 0u);
                 if (k < K) {
                     const long long slot = t * K + k;
-                    const int e = __ldg(ids + slot);
-                    if ((unsigned)e < (unsigned)E) {  // invalid id: contributes nothing
+                    int unused = 0;
+                    if (local_expert(em, __ldg(ids + slot), E, unused) >= 0) {  // else: nothing
                         w[j] = __ldg(tw + slot);
                         const long long r = __ldg(slot_pos + slot);
                         raw[j] = __ldg(reinterpret_cast<const uint4*>(ys + r * H) + hv);
@@ -379,19 +380,15 @@ static Sm90Layout sm90_layout(const Problem& P) {
 // and of the hardware seen by ex_get_factor.
 static bool sm90_path_for(const Problem& P) {
     return s_sm90_enabled && P.T > 0 && P.H % 8 == 0 && P.I % 8 == 0 &&
-           P.TK / P.E >= s_sm90_min_rows;  // floor(T*K/E) >= n  <=>  T*K >= n*E
+           P.TK / P.G >= s_sm90_min_rows;  // floor(T*K/G) >= n  <=>  T*K >= n*G (rows per expert)
 }
 
 static int64_t sm90_workspace_size(const int64_t dims[], int n_dims) {
     const int64_t portable = moe_workspace_size(dims, n_dims);
     if (dims == nullptr || n_dims < 6) return portable;
     Problem P;
-    P.T = dims[0]; P.H = dims[1]; P.E = dims[2]; P.I = dims[3]; P.K = dims[4]; P.dtype = dims[5];
-    const int64_t lim = 0x7fffffff;
-    if (P.T < 0 || P.H < 1 || P.E < 1 || P.I < 1 || P.K < 1 || P.K > P.E || P.T > lim ||
-        P.H > lim || P.E > lim || P.I > lim || P.T * P.K > lim - 4096)
-        return portable;  // the kernel rejects these dims
-    P.TK = P.T * P.K;
+    char msg[192];
+    if (!read_dims(dims, n_dims, &P, msg, sizeof msg)) return portable;  // the kernel rejects these
     if (!sm90_path_for(P)) return portable;
     const int64_t mine = sm90_layout(P).total;
     return mine > portable ? mine : portable;
@@ -515,8 +512,8 @@ static int launch_sm90(const Problem& P, void* out, const void* x, const void* w
             s_smem_optin - (int)sizeof(typename Scan::TempStorage) - 1024);
         if (err != cudaSuccess) return cuda_error(err);
     }
-    moe_route_kernel<<<1, kRouteThreads, route_smem, stream>>>(ids, TK, E, 128, status, meta, tiles,
-                                                                sorted, expert_off);
+    moe_route_kernel<<<1, kRouteThreads, route_smem, stream>>>(ids, P.em(), TK, E, 128, status, meta,
+                                                                tiles, sorted, expert_off);
 
     // 2. group arguments + gather (a warp per row; grid capped, grid-stride)
     {
@@ -559,7 +556,7 @@ static int launch_sm90(const Problem& P, void* out, const void* x, const void* w
         if (blocks > cap) blocks = cap;
         if (blocks < 1) blocks = 1;
         sm90_combine_kernel<T><<<(unsigned)blocks, kSimpleThreads, 0, stream>>>(
-            static_cast<T*>(out), bufB, slot_pos, tw, ids, (int)P.T, H, E, K);
+            static_cast<T*>(out), bufB, slot_pos, tw, ids, P.em(), (int)P.T, H, E, K);
     }
     if ((err = cudaGetLastError()) != cudaSuccess) return cuda_error(err);
     return EX_OK;

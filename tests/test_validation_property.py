@@ -26,21 +26,23 @@ CONTRACTS = {
         args={"router_logits": (("T", "E"), F3), "topk_weights": (("T", "K"), ["float32"]),
               "topk_ids": (("T", "K"), ["int32"])},
         optional=set(), row_strided=set(), same_dtype={},
-        ok_sizes=lambda s: 1 <= s["K"] <= s["E"],
+        ok_sizes=lambda s, present: 1 <= s["K"] <= s["E"],
         params=lambda d: {"renormalize": d.draw(st.booleans())}),
     "fused_add_rmsnorm": dict(
         args={"x": (("T", "H"), F3), "residual": (("T", "H"), F3), "weight": (("H",), F3)},
         optional=set(), row_strided={"x", "residual"}, same_dtype={"residual": "x", "weight": "x"},
-        ok_sizes=lambda s: s["H"] >= 1,
+        ok_sizes=lambda s, present: s["H"] >= 1,
         params=lambda d: {"eps": d.draw(st.floats(1e-8, 1e-2))}),
     "moe_fused_gemm": dict(
         args={"hidden_states": (("T", "H"), F2), "out": (("T", "H"), F2),
-              "router_logits": (("T", "E"), F3), "w13": (("E", "2I", "H"), F2),
+              "router_logits": (("T", "G"), F3), "w13": (("E", "2I", "H"), F2),
               "w2": (("E", "H", "I"), F2), "topk_weights": (("T", "K"), ["float32"]),
-              "topk_ids": (("T", "K"), ["int32"])},
-        optional={"router_logits"}, row_strided=set(),
+              "topk_ids": (("T", "K"), ["int32"]), "expert_map": (("G",), ["int32"])},
+        optional={"router_logits", "expert_map"}, row_strided=set(),
         same_dtype={"out": "hidden_states", "w13": "hidden_states", "w2": "hidden_states"},
-        ok_sizes=lambda s: 1 <= s["K"] <= s["E"] and s["H"] >= 1 and s["I"] >= 1,
+        # G (global experts) is E unless an array gives it; without an expert_map it must be E
+        ok_sizes=lambda s, present: (1 <= s["K"] <= s.get("G", s["E"]) and s["H"] >= 1 and s["I"] >= 1
+                                     and ("expert_map" in present or s.get("G", s["E"]) == s["E"])),
         params=lambda d: {}),
 }
 DTYPES = ["float32", "float16", "bf16_bits", "bf16_ml", "int32", "int64", "float64", "uint16"]
@@ -142,7 +144,7 @@ def oracle(contract: dict, arrays: dict) -> list:
     for key, vals in sizes.items():
         if len(vals) > 1:
             broken.append(f"{key}: inconsistent {sorted(vals)}")
-    if not broken and not contract["ok_sizes"]({k: v.pop() for k, v in sizes.items()}):
+    if not broken and not contract["ok_sizes"]({k: v.pop() for k, v in sizes.items()}, set(info)):
         broken.append("size constraint")
     for name, other in contract["same_dtype"].items():
         if name in info and other in info and info[name]["dtype"] != info[other]["dtype"]:
@@ -164,7 +166,10 @@ def calls(draw, name):
     c = CONTRACTS[name]
     sizes = {"T": draw(st.integers(0, 4)), "E": draw(st.integers(1, 6)), "H": draw(st.integers(1, 5)),
              "I": draw(st.integers(1, 4))}
-    sizes["K"] = draw(st.integers(1, sizes["E"]))
+    sizes["G"] = sizes["E"]                                  # global experts (expert_map)
+    if "expert_map" in c["args"] and draw(st.booleans()):
+        sizes["G"] = draw(st.integers(1, 8))
+    sizes["K"] = draw(st.integers(1, min(sizes["E"], sizes["G"])))
     # Hypothesis favours 0 and the bounds, so rare mutations trigger on a middle value: the
     # simplest (shrunk) example is then the unmutated, valid call.
     if draw(st.integers(0, 9)) == 5:       # now and then a size that breaks a constraint
