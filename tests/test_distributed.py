@@ -1,0 +1,218 @@
+"""Expert parallelism on the CPU (no torch needed): the partition and expert-map math, and the
+sum over simulated ranks of the expert-parallel outputs (NumPy, Python fallback of
+moe_fused_gemm with an expert map) against the full layer."""
+import os
+import subprocess
+import sys
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from ex_engine import ArgumentError, FactorError, FactorRegistry, ShapeError, moe_fused_gemm
+from ex_engine.distributed import (ExpertParallelMoE, expert_owner, expert_partition,
+                                   make_expert_map)
+from tests.conftest import ROOT
+from tests.reference import moe_ref, random_routing, rel_err
+
+NP = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
+
+
+@pytest.fixture(scope="module")
+def reg(tmp_path_factory):
+    """A registry with no plugins: every call takes the Python fallback."""
+    return FactorRegistry.load(tmp_path_factory.mktemp("empty"), hardware="h200")
+
+
+# ------------------------------------------------------------------------------ partition / map
+@pytest.mark.parametrize("E", [8, 60, 128, 2, 1])
+@pytest.mark.parametrize("N", [1, 2, 3, 8])
+def test_partition_owns_every_expert_once(E, N):
+    parts = [expert_partition(E, N, r) for r in range(N)]
+    owned = np.zeros(E, int)
+    nxt = 0
+    for r, (first, count) in enumerate(parts):
+        assert first == nxt, "contiguous blocks in rank order"
+        assert count == E // N + (1 if r < E % N else 0), "the first E % N ranks get one more"
+        owned[first:first + count] += 1
+        nxt = first + count
+    assert nxt == E and (owned == 1).all()
+    assert max(c for _, c in parts) - min(c for _, c in parts) <= 1
+    owner = expert_owner(E, N)
+    assert owner.dtype == np.int32 and owner.shape == (E,)
+    for r, (first, count) in enumerate(parts):
+        assert (owner[first:first + count] == r).all()
+
+
+@pytest.mark.parametrize("E", [8, 60, 128, 2])
+@pytest.mark.parametrize("N", [1, 2, 3, 8])
+def test_expert_maps_are_consistent(E, N):
+    maps = np.stack([make_expert_map(E, N, r) for r in range(N)])
+    assert maps.dtype == np.int32 and maps.shape == (N, E) and maps[0].flags.c_contiguous
+    assert ((maps >= -1)).all()
+    assert ((maps >= 0).sum(axis=0) == 1).all(), "each global expert is local on exactly one rank"
+    owner = expert_owner(E, N)
+    for r in range(N):
+        first, count = expert_partition(E, N, r)
+        m = maps[r]
+        assert (m[first:first + count] == np.arange(count)).all()
+        assert (np.delete(m, np.arange(first, first + count)) == -1).all()
+        assert ((m >= 0) == (owner == r)).all()
+        assert m.max(initial=-1) < count, "values in [-1, E_local)"
+    if N == 1:
+        assert (maps[0] == np.arange(E)).all()
+
+
+def test_partition_examples():
+    assert [expert_partition(60, 8, r) for r in range(8)] == \
+        [(0, 8), (8, 8), (16, 8), (24, 8), (32, 7), (39, 7), (46, 7), (53, 7)]
+    assert [expert_partition(8, 3, r) for r in range(3)] == [(0, 3), (3, 3), (6, 2)]
+    assert expert_partition(2, 3, 2) == (2, 0)
+    assert make_expert_map(2, 3, 2).tolist() == [-1, -1]
+
+
+@pytest.mark.parametrize("args,argument", [((0, 2, 0), "num_experts"), ((8, 0, 0), "world_size"),
+                                           ((8, 2, 2), "rank"), ((8, 2, -1), "rank"),
+                                           ((8.0, 2, 0), "num_experts"), ((8, 2, True), "rank")])
+def test_partition_errors_name_the_argument(args, argument):
+    with pytest.raises(ArgumentError, match=f"argument '{argument}'"):
+        expert_partition(*args)
+    with pytest.raises(ArgumentError, match=f"argument '{argument}'"):
+        make_expert_map(*args)
+
+
+def test_import_does_not_need_torch():
+    code = "import sys, ex_engine.distributed; assert 'torch' not in sys.modules, 'torch imported'"
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+
+
+# ------------------------------------------------------------------------------ the math, plain
+@pytest.mark.parametrize("E,K,N", [(8, 2, 3), (60, 4, 8), (5, 2, 8)])
+def test_ranks_sum_to_the_full_layer_float64(E, K, N):
+    """The identity the scheme rests on, on the float64 reference with no factor involved:
+    remapping ids through each rank's map (-1: skipped) and summing over ranks gives the layer."""
+    rng = np.random.default_rng(E * 100 + N)
+    T, H, I = 13, 24, 10
+    x = rng.standard_normal((T, H))
+    w13 = rng.standard_normal((E, 2 * I, H)) / H ** 0.5
+    w2 = rng.standard_normal((E, H, I)) / I ** 0.5
+    w, ids = random_routing(rng, T, E, K)
+    full = moe_ref(x, w13, w2, w, ids)
+    total = np.zeros_like(full)
+    for r in range(N):
+        first, count = expert_partition(E, N, r)
+        local_ids = make_expert_map(E, N, r)[ids]
+        total += moe_ref(x, w13[first:first + count], w2[first:first + count], w, local_ids)
+    np.testing.assert_allclose(total, full, rtol=1e-12, atol=1e-12)
+
+
+# ------------------------------------------------------------------------------ through the fallback
+def _layer(rng, T, H, I, E, K, dtype):
+    npdt = NP[dtype]
+    x = rng.standard_normal((T, H)).astype(npdt)
+    w13 = (rng.standard_normal((E, 2 * I, H)) / H ** 0.5).astype(npdt)
+    w2 = (rng.standard_normal((E, H, I)) / I ** 0.5).astype(npdt)
+    w, ids = random_routing(rng, T, E, K)
+    return x, w13, w2, w, ids
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("E,K", [(8, 2), (60, 4), (128, 8)])
+@pytest.mark.parametrize("N", [1, 2, 3, 8])
+def test_simulated_ranks_sum_to_the_full_factor(reg, dtype, E, K, N):
+    rng = np.random.default_rng(E + 1000 * N)
+    T, H, I = 19, 64, 32
+    x, w13, w2, w, ids = _layer(rng, T, H, I, E, K, dtype)
+    full = moe_fused_gemm(x, w13, w2, w, ids, registry=reg).astype(np.float64)
+    ref = moe_ref(x, w13, w2, w, ids)
+    total = np.zeros((T, H))
+    owner = expert_owner(E, N)
+    for r in range(N):
+        layer = ExpertParallelMoE.from_global(w13, w2, rank=r, world_size=N, registry=reg)
+        assert (layer.first, layer.count) == expert_partition(E, N, r)
+        out = np.full((T, H), np.nan, NP[dtype])                 # poisoned: fully written
+        got = layer.forward_local(x, w, ids, out=out)
+        assert got is out and not np.isnan(out.astype(np.float32)).any()
+        # a token none of whose experts live here gets exact zeros
+        idle = ~(owner[ids] == r).any(axis=1)
+        assert (out[idle].astype(np.float32) == 0).all()
+        # ... and it is what the factor gives with this rank's map and weights, called directly
+        if layer.count:
+            direct = moe_fused_gemm(x, layer.w13, layer.w2, w, ids, registry=reg,
+                                    expert_map=make_expert_map(E, N, r))
+            assert direct.astype(np.float32).tobytes() == out.astype(np.float32).tobytes()
+        total += out.astype(np.float64)
+    tol = reg.manifest("moe_fused_gemm").tolerance[dtype]
+    assert rel_err(total, full) < tol
+    assert rel_err(total, ref) < tol
+    if N == 1:   # one rank: the factor itself
+        assert rel_err(total, full) == 0.0
+
+
+def test_forward_with_one_rank_is_the_factor(reg):
+    rng = np.random.default_rng(7)
+    x, w13, w2, w, ids = _layer(rng, 5, 32, 16, 8, 2, "bfloat16")
+    layer = ExpertParallelMoE.from_global(w13, w2, rank=0, world_size=1, registry=reg)
+    assert layer.count == 8 and layer.expert_map.tolist() == list(range(8))
+    out = layer(x, w, ids)
+    full = moe_fused_gemm(x, w13, w2, w, ids, registry=reg)
+    assert out.tobytes() == full.tobytes()
+
+
+def test_rank_without_experts_writes_zeros(reg):
+    rng = np.random.default_rng(3)
+    x, w13, w2, w, ids = _layer(rng, 4, 32, 16, 2, 2, "bfloat16")
+    layer = ExpertParallelMoE.from_global(w13, w2, rank=2, world_size=3, registry=reg)
+    assert layer.count == 0 and layer.w13.shape == (0, 32, 32)
+    out = layer.forward_local(x, w, ids, out=np.full((4, 32), np.nan, ml_dtypes.bfloat16))
+    assert (out.astype(np.float32) == 0).all()
+
+
+def test_from_global_copies_or_views(reg):
+    rng = np.random.default_rng(4)
+    _, w13, w2, _, _ = _layer(rng, 1, 32, 16, 8, 2, "bfloat16")
+    a = ExpertParallelMoE.from_global(w13, w2, rank=1, world_size=3, registry=reg)
+    b = ExpertParallelMoE.from_global(w13, w2, rank=1, world_size=3, registry=reg, copy=False)
+    assert (a.first, a.count) == (3, 3)
+    assert not np.shares_memory(a.w13, w13) and np.shares_memory(b.w13, w13)
+    assert a.w13.tobytes() == w13[3:6].tobytes() and a.w2.tobytes() == w2[3:6].tobytes()
+    assert a.w13.flags.c_contiguous and b.w13.flags.c_contiguous
+
+
+def test_layer_errors_name_the_argument(reg):
+    rng = np.random.default_rng(5)
+    x, w13, w2, w, ids = _layer(rng, 3, 32, 16, 8, 2, "bfloat16")
+    with pytest.raises(ShapeError, match=r"argument 'w13': experts of rank 1 of 2 .*expected w13.shape\[0\] == 4, got 3"):
+        ExpertParallelMoE(w13[:3], w2[:3], 8, rank=1, world_size=2)
+    with pytest.raises(ShapeError, match=r"argument 'w2': shape"):
+        ExpertParallelMoE(w13[:4], w2[:4, :, :8], 8, rank=1, world_size=2)
+    with pytest.raises(ArgumentError, match=r"argument 'rank'"):
+        ExpertParallelMoE.from_global(w13, w2, rank=2, world_size=2)
+    with pytest.raises(ArgumentError, match=r"argument 'w2': same dtype as w13"):
+        ExpertParallelMoE(w13[:4], w2[:4].astype(np.float16), 8, rank=0, world_size=2)
+    layer = ExpertParallelMoE.from_global(w13, w2, rank=0, world_size=2, registry=reg)
+    with pytest.raises(ShapeError, match=r"argument 'hidden_states': shape: expected \(T, 32\)"):
+        layer.forward_local(x[:, :16], w, ids)
+    with pytest.raises(FactorError, match=r"needs torch tensors"):
+        layer.forward(x, w, ids)       # world_size 2 on NumPy: no collective possible
+
+
+# ------------------------------------------------------------------------------ real ranks (CPU)
+@pytest.mark.parametrize("nproc,E", [(2, 8), (3, 8), (3, 2)])
+def test_forward_all_reduce_over_gloo(nproc, E):
+    """init_from_env + ExpertParallelMoE.forward in real processes (torchrun, gloo, torch CPU
+    tensors through the Python fallback): every rank ends with the full layer. Needs torch
+    (skipped in CI, which does not install it)."""
+    pytest.importorskip("torch.distributed.run")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_RANK",
+                                                                      "MASTER_"))}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    env["OMP_NUM_THREADS"] = "1"
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                        f"--nproc_per_node={nproc}", str(ROOT / "tests" / "ep_gloo_worker.py"),
+                        str(E), "13", "32", "16", "2"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    text = r.stdout + r.stderr
+    assert r.returncode == 0, text[-4000:]
+    assert text.count("PASS") == nproc and "FAIL" not in text, text[-4000:]
