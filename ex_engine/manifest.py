@@ -166,9 +166,11 @@ class Manifest:
             out[k] = v
         return out
 
-    def bind(self, arrays: dict, params: dict | None = None):
+    def bind(self, arrays: dict, params: dict | None = None, tuned=None):
         """Check ``arrays`` (name -> TensorRef or None) against this contract.
 
+        ``tuned(factor, dim, sizes, default) -> int`` gives the dims whose source is
+        ``{tuned: DEFAULT}`` (a registry passes its TuningTable.value); None: DEFAULT.
         Returns (refs in ABI order, dims list, sizes dict, param values, device).
         Raises DTypeError, ShapeError, LayoutError, DeviceError or ArgumentError.
         """
@@ -233,7 +235,7 @@ class Manifest:
             if arrays.get(spec.name) is None:
                 self._check_constraint(m, sizes, spec.name, f"{spec.absent_requires} when {spec.name} "
                                        "is not given")
-        dims = [self._dim_value(d, sizes, pvals, arrays) for d in self.dims]
+        dims = [self._dim_value(d, sizes, pvals, arrays, tuned) for d in self.dims]
         return refs, dims, sizes, pvals, (-1 if device is None else device)
 
     def _check_constraint(self, m, sizes, arg, text):
@@ -270,7 +272,7 @@ class Manifest:
             raise LayoutError(self.name, name, "alignment",
                               f"address a multiple of {ref.itemsize}", hex(ref.ptr))
 
-    def _dim_value(self, d, sizes, pvals, arrays) -> int:
+    def _dim_value(self, d, sizes, pvals, arrays, tuned=None) -> int:
         if d in sizes:
             return sizes[d]
         src = self.dim_sources.get(d)
@@ -283,6 +285,9 @@ class Manifest:
             if src.get("encode") == "f64_bits":
                 return struct.unpack("<q", struct.pack("<d", float(v)))[0]
             return int(v)
+        if "tuned" in src:            # a launch choice kept as data (manifests/tuning/)
+            default = int(src["tuned"])
+            return tuned(self.name, d, sizes, default) if tuned is not None else default
         if "default_dim" in src:      # reached only when neither this size nor its default is known
             raise FactorError(f"manifest {self.path}: dim '{d}': default_dim {src['default_dim']!r} "
                               "is not a size of any array")

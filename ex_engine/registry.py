@@ -23,6 +23,7 @@ from .errors import (DeviceError, DeviceSideError, FactorError, FactorNotFoundEr
                      KernelError)
 from .hardware import Hardware, resolve
 from .manifest import Manifest, load_all
+from .tuning import TuningTable
 
 PATHS = ("plugin", "kernel_fallback", "python_fallback")
 
@@ -171,6 +172,7 @@ class FactorRegistry:
         self._flags: dict = defaultdict(Counter)
         self._fallbacks: dict = {}
         self._bind_cache: dict = {}
+        self.tuning: TuningTable = TuningTable.for_hardware(hw)   # manifests/tuning/<device>.yaml
         self.last_path: dict = {}
         self._hw_c = hw.to_c(abi.ffi)
 
@@ -461,7 +463,7 @@ class FactorRegistry:
         hit = self._bind_cache.get(sig)
         try:
             if hit is None:
-                refs, dims, sizes, pvals, device = m.bind(refs_by_name, params)
+                refs, dims, sizes, pvals, device = m.bind(refs_by_name, params, self.tuning.value)
                 if len(self._bind_cache) > 4096:
                     self._bind_cache.clear()
                 self._bind_cache[sig] = ([s.name if not s.same_as_output else m.output.name
@@ -509,6 +511,12 @@ class FactorRegistry:
     def _count(self, name, key):
         with self._lock:
             self._stats[name][key] += 1
+
+    def set_tuning(self, name: str, fn) -> None:
+        """Fill ``name``'s tuned dims with ``fn(sizes) -> int`` instead of the tuning table
+        (benchmarks/tune_moe.py forces each choice this way); None restores the table."""
+        self.tuning.override(name, fn)
+        self._bind_cache.clear()
 
     def set_fallback(self, name: str, fn) -> None:
         """Use ``fn(arrays, sizes, params)`` as the Python fallback of ``name`` (over the manifest's)."""
@@ -596,7 +604,7 @@ class FactorRegistry:
         declined. Used by ``verify``. Raises ArgumentError subclasses, DeviceError, KernelError."""
         m = plugin.manifest
         refs_by_name = {k: TensorRef.of(v, k) for k, v in arrays.items() if v is not None}
-        refs, dims, _, _, device = m.bind(refs_by_name, params)
+        refs, dims, _, _, device = m.bind(refs_by_name, params, self.tuning.value)
         host = m.memory == "host"
         if host and device >= 0:
             raise DeviceError(plugin.name, m.tensors[0].name, "device", "host memory (a host factor)",

@@ -13,8 +13,9 @@
  *   (as vLLM's fused_experts does). A slot whose id is outside [0, E) contributes nothing and
  *   sets bit 0 of the int32 at workspace byte 0 (never cleared here: whoever reads it clears it).
  *
- * Shapes and dtypes (contract: manifests/moe_fused_gemm.yaml), dims = {T, H, E, I, K, dtype, G}
- * (G, the number of global experts, may be left out: G = E):
+ * Shapes and dtypes (contract: manifests/moe_fused_gemm.yaml), dims = {T, H, E, I, K, dtype, G,
+ * config} (G, the number of global experts, may be left out: G = E; config, the tile
+ * configuration, may be left out or -1: chosen from T*K/G as below, else kTileConfig*):
  *   output  out            (T, H)       fp16 | bf16 (same as hidden_states)
  *   input   hidden_states  (T, H)       fp16 | bf16, row-major, contiguous
  *   aux[0]  router_logits  (T, G)       optional, unused
@@ -146,6 +147,15 @@ using CfgPrefill = MoeCfg<128, 64, 128, 2, 4, 3, 2>;  // T*K/E >  128  (98,304 B
 using CfgTiny = MoeCfg<16, 16, 32, 1, 2, 8, 4>;       // (49,152 B smem, 64 threads)
 
 enum { CFG_DECODE = 0, CFG_MID = 1, CFG_PREFILL = 2, CFG_COUNT = 3 };
+// Values of dims[7] (the manifest's `config` dim; manifests/tuning/*.yaml hold tuned ones).
+enum {
+    kTileConfigAuto = -1,
+    kTileConfigTiny = 0,
+    kTileConfigDecode = 1,   // = CFG_DECODE + 1
+    kTileConfigMid = 2,
+    kTileConfigPrefill = 3,
+    kTileConfigGrouped = 4,  // moe_fused_gemm_sm90.so's CUTLASS grouped GEMM (else: auto)
+};
 
 // What the host needs of each config: when to pick it and what it launches with.
 struct CfgInfo {
@@ -819,6 +829,9 @@ static int64_t align256(int64_t v) { return (v + 255) & ~(int64_t)255; }
 struct Problem {
     int64_t T, H, E, I, K, dtype;
     int64_t G;                 // global experts (dims[6]; E when absent)
+    int64_t config;            // dims[7], tile configuration: -1 (absent) = chosen here from
+                               // T*K/G; 0 tiny, 1 decode, 2 mid, 3 prefill, 4 Hopper grouped GEMM
+                               // (kTileConfig*; the registry passes tuned values, manifests/tuning)
     int64_t TK;
     const int* expert_map;     // aux[6]: (G,) int32 global -> local id or -1; nullptr: none
     ExpertMap em() const { return ExpertMap{expert_map, (int)G}; }
@@ -830,6 +843,7 @@ static bool read_dims(const int64_t dims[], int n_dims, Problem* P, char* msg, s
     P->T = dims[0]; P->H = dims[1]; P->E = dims[2]; P->I = dims[3]; P->K = dims[4];
     P->dtype = dims[5];
     P->G = n_dims >= 7 ? dims[6] : P->E;
+    P->config = n_dims >= 8 ? dims[7] : -1;
     P->expert_map = nullptr;
     const int64_t lim = 0x7fffffff;
     if (P->T < 0 || P->H < 1 || P->E < 1 || P->I < 1 || P->K < 1 || P->G < 1 || P->K > P->G ||
@@ -844,6 +858,11 @@ static bool read_dims(const int64_t dims[], int n_dims, Problem* P, char* msg, s
     P->TK = P->T * P->K;
     if (P->TK > lim - 4096) {
         snprintf(msg, n, "moe_fused_gemm: expected T*K < 2^31 - 4096, got %lld", (long long)P->TK);
+        return false;
+    }
+    if (P->config < kTileConfigAuto || P->config > kTileConfigGrouped) {
+        snprintf(msg, n, "moe_fused_gemm: expected config (dims[7]) in [-1, 4], got %lld",
+                 (long long)P->config);
         return false;
     }
     return true;
@@ -1040,6 +1059,17 @@ static int dispatch_fast(const Problem& P, void* out, const void* x, const void*
                          const void* w2, const float* tw, const int* ids, char* ws,
                          cudaStream_t stream) {
     const int mode = decode_mode();
+    // a configuration named by dims[7] (tuned data), when this hardware can run it
+    if (P.config == kTileConfigTiny && kCfgTiny.smem <= s_smem_optin)
+        return launch_fast<T, CfgTiny>(P, out, x, w13, w2, tw, ids, ws, stream, mode);
+    switch (P.config >= kTileConfigDecode && P.config <= kTileConfigPrefill &&
+                    s_cfg_allowed[P.config - kTileConfigDecode]
+                ? (int)P.config : -1) {
+        case kTileConfigDecode: return launch_fast<T, CfgDecode>(P, out, x, w13, w2, tw, ids, ws, stream, mode);
+        case kTileConfigMid: return launch_fast<T, CfgMid>(P, out, x, w13, w2, tw, ids, ws, stream, mode);
+        case kTileConfigPrefill: return launch_fast<T, CfgPrefill>(P, out, x, w13, w2, tw, ids, ws, stream, mode);
+        default: break;  // -1, 4 (not this path's) or one this hardware cannot run: choose here
+    }
     const int c = pick_config(P);
     if (c == CFG_DECODE && mode != MODE_OLD && kCfgTiny.smem <= s_smem_optin) {
         // tiny T*K: CfgTiny when all its GEMM1 blocks are resident at once

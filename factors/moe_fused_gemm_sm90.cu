@@ -379,8 +379,9 @@ static Sm90Layout sm90_layout(const Problem& P) {
 // Whether the dims take the CUTLASS path (given 16-byte aligned tensors); a function of dims
 // and of the hardware seen by ex_get_factor.
 static bool sm90_path_for(const Problem& P) {
-    return s_sm90_enabled && P.T > 0 && P.H % 8 == 0 && P.I % 8 == 0 &&
-           P.TK / P.G >= s_sm90_min_rows;  // floor(T*K/G) >= n  <=>  T*K >= n*G (rows per expert)
+    if (!(s_sm90_enabled && P.T > 0 && P.H % 8 == 0 && P.I % 8 == 0)) return false;
+    if (P.config >= 0) return P.config == kTileConfigGrouped;  // tuned choice (dims[7])
+    return P.TK / P.G >= s_sm90_min_rows;  // floor(T*K/G) >= n  <=>  T*K >= n*G (rows per expert)
 }
 
 static int64_t sm90_workspace_size(const int64_t dims[], int n_dims) {

@@ -3,7 +3,8 @@
 # tests, the main job on every model, and the benchmarks. Logs go to $OUT (or ./gpu_out).
 #
 #   bash scripts/gpu_check.sh [STAGE ...]    stages: setup build list tests selftest run bench bench_rn
-#                                            (default: all of them, in that order)
+#                                            tune ep (default: all but tune and ep, in that order;
+#                                            ep runs on every GPU of the machine)
 # On the lent H200: carry .whl (cffi + pycparser cp312 wheels: cffi is not installed there)
 # and, to skip the build there, the factors/*.so built here.
 set -u -o pipefail
@@ -15,7 +16,7 @@ has() { [[ " $stages " == *" $1 "* ]]; }
 status=0
 step() { echo; echo "=== $* ($(date +%T))"; }
 
-if has setup || has tests || has run || has bench || has bench_rn || has list; then
+if has setup || has tests || has run || has bench || has bench_rn || has list || has tune || has ep; then
   if ! python3 -c "import cffi" 2>/dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target /tmp/site .whl/*.whl || { echo "cannot install carried wheels from .whl/"; exit 2; }
@@ -60,6 +61,19 @@ fi
 if has bench_rn; then
   step "router/norm benchmark"
   timeout ${BENCH_TIMEOUT:-500} python3 benchmarks/bench_router_norm.py --json "$OUT/bench_router_norm.json" 2>&1 | tee "$OUT/bench_router_norm.txt"; [ "${PIPESTATUS[0]}" = 0 ] || status=1
+fi
+if has tune; then
+  step "tune moe_fused_gemm tile configurations (writes $OUT/tuning.yaml; copy it to manifests/tuning/)"
+  timeout ${TUNE_TIMEOUT:-400} python3 benchmarks/tune_moe.py ${TUNE_ARGS:-} --out "$OUT/tuning.yaml" 2>&1 | tee "$OUT/tune_moe.txt"; [ "${PIPESTATUS[0]}" = 0 ] || status=1
+fi
+if has ep; then
+  step "expert parallelism over NCCL: check and benchmark on 1..$(nvidia-smi -L | wc -l) GPUs"
+  export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+  ngpu=$(nvidia-smi -L | wc -l)
+  timeout ${EP_TIMEOUT:-300} torchrun --standalone --nproc_per_node="$ngpu" examples/ep_moe.py --check 2>&1 | tee "$OUT/ep_check.txt"; [ "${PIPESTATUS[0]}" = 0 ] || status=1
+  for n in $(seq 1 "$ngpu"); do
+    timeout ${EP_TIMEOUT:-300} torchrun --standalone --nproc_per_node="$n" examples/ep_moe.py --bench --json "$OUT/ep_bench_$n.json" 2>&1 | tee "$OUT/ep_bench_$n.txt"; [ "${PIPESTATUS[0]}" = 0 ] || status=1
+  done
 fi
 step "done: status $status"
 exit $status

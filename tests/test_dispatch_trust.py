@@ -155,7 +155,7 @@ def test_dims_beyond_2_31_elements_are_exact_int64(tmp_path):
     from ex_engine.arrays import TensorRef
     m = reg.manifest("moe_fused_gemm")
     _, dims, sizes, _, device = m.bind({k: TensorRef.of(v, k) for k, v in arrays.items()})
-    assert dims == [T, H, E, I, K, abi.DTYPE_CODES["float16"], E] and device == 0  # G = E: no map
+    assert dims == [T, H, E, I, K, abi.DTYPE_CODES["float16"], E, -1] and device == 0  # G = E, config auto
     assert sizes["T"] * sizes["K"] * sizes["H"] == 1 << 35
     c = abi.ffi.new("int64_t[]", dims + [sizes["T"] * sizes["K"] * sizes["H"]])
     assert list(c) == dims + [1 << 35]

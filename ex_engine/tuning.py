@@ -1,0 +1,145 @@
+"""Tuned launch choices kept as data: manifests/tuning/<profile>.yaml, one file per device.
+
+A factor whose manifest has a dim with ``dim_sources: {NAME: {tuned: DEFAULT}}`` gets that
+dim from this table: the entry for the call's shape (the keys the file lists, e.g. H, I, G, K)
+and the largest tuned T not above the call's T (the smallest tuned T below it). A shape the file
+does not list runs on DEFAULT (the kernel's own heuristic) and, on a live GPU, a TuningWarning
+says so once per shape, naming the file and the tuner (benchmarks/tune_moe.py) that fills it.
+
+File format (written by benchmarks/tune_moe.py)::
+
+    device: NVIDIA H200            # matched against Hardware.name
+    multiprocessor_count: 132      # and its SM count
+    moe_fused_gemm:
+      dim: config                  # the manifest dim this table fills
+      key: [H, I, G, K]            # sizes that select a shape entry
+      values: {tiny: 0, decode: 1, mid: 2, prefill: 3, grouped: 4}
+      shapes:
+        - {H: 2048, I: 768, G: 128, K: 8, model: qwen3-30b-a3b,
+           by_T: [[1, tiny, 30.1, 31.0], [64, decode, 80.2, 80.9], [4096, grouped, 790.0, 792.3]]}
+"""
+from __future__ import annotations
+
+import bisect
+import threading
+import warnings
+from pathlib import Path
+
+import yaml
+
+from . import _paths
+from .errors import FactorError
+
+
+class TuningWarning(UserWarning):
+    """A call ran on a default launch choice: no tuned entry for its shape on this device."""
+
+
+def tuning_dir() -> Path:
+    """manifests/tuning/ (one YAML file per device)."""
+    return _paths.manifests_dir() / "tuning"
+
+
+class FactorTuning:
+    """One factor's table: shape key -> sorted [(T, value)]."""
+
+    def __init__(self, factor: str, data: dict, path: str):
+        try:
+            self.factor, self.path = factor, path
+            self.dim = str(data["dim"])
+            self.key = [str(k) for k in data["key"]]
+            self.values = {str(k): int(v) for k, v in data["values"].items()}
+            self.table: dict = {}
+            for entry in data.get("shapes") or []:
+                shape = tuple(int(entry[k]) for k in self.key)
+                # rows [T, choice, ...]: anything after the choice (measured µs) is a note
+                rows = sorted((int(r[0]), self._value(r[1])) for r in entry["by_T"])
+                self.table[shape] = ([t for t, _ in rows], [v for _, v in rows])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise FactorError(f"tuning file {path}: {factor}: malformed ({type(exc).__name__}: {exc}); "
+                              "expected dim, key, values, shapes[{<key sizes>, by_T: [[T, choice]]}]") from exc
+
+    def _value(self, v) -> int:
+        if isinstance(v, str):
+            if v not in self.values:
+                raise ValueError(f"choice {v!r} not in values {sorted(self.values)}")
+            return self.values[v]
+        return int(v)
+
+    def lookup(self, sizes: dict) -> int | None:
+        """The tuned value for these sizes, or None when the shape has no entry."""
+        try:
+            shape = tuple(sizes[k] for k in self.key)
+        except KeyError:
+            return None
+        hit = self.table.get(shape)
+        if hit is None:
+            return None
+        ts, vs = hit
+        i = bisect.bisect_right(ts, sizes.get("T", 0)) - 1
+        return vs[max(i, 0)]
+
+
+class TuningTable:
+    """Every factor's tuned choices for one device (empty when no file matches it)."""
+
+    def __init__(self, factors: dict | None = None, path: str | None = None, warn: bool = False):
+        self.factors: dict = factors or {}
+        self.path = path
+        self.warn = warn
+        self._warned: set = set()
+        self._lock = threading.Lock()
+        self._overrides: dict = {}
+
+    @classmethod
+    def for_hardware(cls, hardware, folder=None) -> "TuningTable":
+        """The table of the file in ``folder`` (manifests/tuning/) whose device and SM count
+        match ``hardware``; warnings on defaults only for a live GPU."""
+        folder = Path(folder) if folder else tuning_dir()
+        warn = bool(getattr(hardware, "live", False))
+        if hardware is None or not folder.is_dir():
+            return cls(warn=warn)
+        for p in sorted(folder.glob("*.yaml")):
+            data = yaml.safe_load(p.read_text()) or {}
+            if str(data.get("device")) != hardware.name:
+                continue
+            sms = data.get("multiprocessor_count")
+            if sms is not None and int(sms) != hardware.multiprocessor_count:
+                continue
+            factors = {k: FactorTuning(k, v, str(p)) for k, v in data.items()
+                       if isinstance(v, dict) and "shapes" in v}
+            return cls(factors, str(p), warn)
+        return cls(warn=warn)
+
+    def override(self, factor: str, fn) -> None:
+        """Use ``fn(sizes) -> int`` for ``factor``'s tuned dim (the tuner forces each choice);
+        None removes the override."""
+        with self._lock:
+            if fn is None:
+                self._overrides.pop(factor, None)
+            else:
+                self._overrides[factor] = fn
+
+    def value(self, factor: str, dim: str, sizes: dict, default: int) -> int:
+        """The value of ``factor``'s tuned dim ``dim`` for ``sizes``; ``default`` (with a
+        TuningWarning once per shape on a live GPU) when the table has no entry."""
+        fn = self._overrides.get(factor)
+        if fn is not None:
+            return int(fn(sizes))
+        ft = self.factors.get(factor)
+        v = ft.lookup(sizes) if ft is not None and ft.dim == dim else None
+        if v is not None:
+            return v
+        if self.warn:
+            key = ft.key if ft is not None else sorted(k for k in sizes if k != "T")
+            shape = tuple((k, sizes.get(k)) for k in key)
+            with self._lock:
+                new = (factor, shape) not in self._warned
+                self._warned.add((factor, shape))
+            if new:
+                where = self.path or f"{tuning_dir()} (no file for this device)"
+                warnings.warn(
+                    f"{factor}: no tuned {dim} for {', '.join(f'{k}={v}' for k, v in shape)} in "
+                    f"{where}; running on the kernel's default choice. Run benchmarks/tune_moe.py "
+                    "on this GPU to tune it.", TuningWarning, stacklevel=4)
+        return default

@@ -1,0 +1,106 @@
+"""Tuned launch choices as data (manifests/tuning/*.yaml, ex_engine/tuning.py)."""
+import warnings
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import yaml
+
+from ex_engine import FactorRegistry
+from ex_engine.arrays import TensorRef
+from ex_engine.errors import FactorError
+from ex_engine.tuning import TuningTable, TuningWarning, tuning_dir
+
+H200 = SimpleNamespace(name="NVIDIA H200", multiprocessor_count=132, live=True)
+
+
+def write(tmp_path, body, name="dev.yaml"):
+    p = tmp_path / name
+    p.write_text(yaml.safe_dump(body))
+    return tmp_path
+
+
+TABLE = {"device": "NVIDIA H200", "multiprocessor_count": 132,
+         "moe_fused_gemm": {"dim": "config", "key": ["H", "I", "G", "K"],
+                            "values": {"tiny": 0, "decode": 1, "mid": 2, "prefill": 3, "grouped": 4},
+                            "shapes": [{"H": 64, "I": 32, "G": 8, "K": 2, "model": "toy",
+                                        "by_T": [[1, "tiny", 5.0, 6.0], [64, "mid"], [4096, 4]]}]}}
+
+
+def test_lookup_takes_the_largest_tuned_T_not_above_the_call(tmp_path):
+    t = TuningTable.for_hardware(H200, write(tmp_path, TABLE))
+    v = lambda T: t.value("moe_fused_gemm", "config", {"H": 64, "I": 32, "G": 8, "K": 2, "T": T}, -1)
+    assert [v(T) for T in (0, 1, 63, 64, 4095, 4096, 10 ** 6)] == [0, 0, 0, 2, 2, 4, 4]
+
+
+def test_untuned_shape_warns_once_and_uses_the_default(tmp_path):
+    t = TuningTable.for_hardware(H200, write(tmp_path, TABLE))
+    sizes = {"H": 128, "I": 32, "G": 8, "K": 2, "T": 5}
+    with pytest.warns(TuningWarning, match=r"no tuned config for H=128, I=32, G=8, K=2 .*tune_moe.py"):
+        assert t.value("moe_fused_gemm", "config", sizes, -1) == -1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")               # the second call of that shape is quiet
+        assert t.value("moe_fused_gemm", "config", {**sizes, "T": 9}, -1) == -1
+
+
+def test_no_file_for_this_device_or_no_gpu(tmp_path):
+    other = SimpleNamespace(name="NVIDIA A100-SXM4-80GB", multiprocessor_count=108, live=False)
+    t = TuningTable.for_hardware(other, write(tmp_path, TABLE))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")               # no live GPU: no warning, the default
+        assert t.value("moe_fused_gemm", "config", {"H": 64, "I": 32, "G": 8, "K": 2, "T": 1}, -1) == -1
+    fewer_sms = SimpleNamespace(name="NVIDIA H200", multiprocessor_count=66, live=True)
+    assert TuningTable.for_hardware(fewer_sms, write(tmp_path, TABLE)).factors == {}
+
+
+def test_malformed_file_is_a_clear_error(tmp_path):
+    bad = {**TABLE, "moe_fused_gemm": {**TABLE["moe_fused_gemm"],
+                                       "shapes": [{"H": 64, "I": 32, "G": 8, "K": 2, "by_T": [[1, "huge"]]}]}}
+    with pytest.raises(FactorError, match=r"tuning file .*moe_fused_gemm.*huge"):
+        TuningTable.for_hardware(H200, write(tmp_path, bad))
+
+
+def test_registry_passes_the_tuned_config_as_dims7(tmp_path):
+    (tmp_path / "none").mkdir()
+    reg = FactorRegistry.load(tmp_path / "none", hardware="h200")
+    reg.tuning = TuningTable.for_hardware(H200, write(tmp_path, TABLE))
+    m = reg.manifest("moe_fused_gemm")
+    arrays = {"hidden_states": np.zeros((64, 64), np.float16), "out": np.zeros((64, 64), np.float16),
+              "w13": np.zeros((8, 64, 64), np.float16), "w2": np.zeros((8, 64, 32), np.float16),
+              "topk_weights": np.zeros((64, 2), np.float32), "topk_ids": np.zeros((64, 2), np.int32)}
+    refs = {k: TensorRef.of(v, k) for k, v in arrays.items()}
+    _, dims, _, _, _ = m.bind(refs, None, reg.tuning.value)
+    assert dims[6:] == [8, 2]                        # G = E = 8, config 'mid' for T = 64
+    _, dims, _, _, _ = m.bind(refs)                  # no table: the manifest's default
+    assert dims[7] == -1
+    reg.set_tuning("moe_fused_gemm", lambda sizes: 3)   # the tuner's override
+    assert reg.tuning.value("moe_fused_gemm", "config", {}, -1) == 3
+    reg.set_tuning("moe_fused_gemm", None)
+
+
+def test_shipped_tuning_files_parse():
+    for p in sorted(tuning_dir().glob("*.yaml")):
+        data = yaml.safe_load(p.read_text())
+        hw = SimpleNamespace(name=data["device"], multiprocessor_count=data["multiprocessor_count"],
+                             live=False)
+        t = TuningTable.for_hardware(hw, tuning_dir())
+        assert "moe_fused_gemm" in t.factors and t.factors["moe_fused_gemm"].table, p
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", [-1, 0, 1, 2, 3, 4])
+@pytest.mark.parametrize("T,H,G,I,K", [(1, 2048, 128, 768, 8), (300, 512, 40, 256, 6), (4096, 1024, 16, 512, 2)])
+def test_every_forced_config_is_correct_on_the_gpu(config, T, H, G, I, K):
+    """What the tuner times: each tile configuration, forced through dims[7], on the plugin."""
+    import cupy
+    from ex_engine import moe_fused_gemm
+    from tests.conftest import ROOT
+    from tests.test_expert_map import _case, _poison, _reference, _rel
+    reg = FactorRegistry.load(ROOT / "factors")
+    reg.set_tuning("moe_fused_gemm", lambda sizes: config)
+    x, w13, w2, w, ids = _case(cupy, T, H, G, I, K, "bfloat16", seed=config + 7)
+    out = _poison(cupy, x)
+    moe_fused_gemm(x, w13, w2, w, ids, out=out, registry=reg)
+    assert reg.last_path["moe_fused_gemm"] == "plugin"
+    assert _rel(cupy, out, _reference(cupy, x, w13, w2, w, ids, None, G)) < 1e-2
+    reg.check_device_errors()
