@@ -36,6 +36,40 @@ def _dtype_name(dt) -> str:
     return name
 
 
+_KINDS: dict = {}          # type -> 'torch' | 'numpy' | 'cupy' | 'bits16' | 'other'
+_TORCH_DTYPES: dict = {}   # torch dtype -> (name, itemsize)
+
+
+def _kind_of(x) -> str:
+    """Which library ``x`` comes from, remembered per type (TensorRef.of runs on every call)."""
+    t = type(x)
+    mod = t.__module__
+    if issubclass(t, Bits16):
+        kind = "bits16"
+    elif mod.startswith("torch"):
+        kind = "torch"
+    elif issubclass(t, np.ndarray):
+        kind = "numpy"
+    elif mod.startswith("cupy"):
+        kind = "cupy"
+    else:
+        kind = "other"
+    _KINDS[t] = kind
+    return kind
+
+
+def data_ptr(x) -> int:
+    """The address of a NumPy/CuPy array's or torch tensor's first element."""
+    kind = _KINDS.get(type(x)) or _kind_of(x)
+    if kind == "torch":
+        return x.data_ptr()
+    if kind == "numpy":
+        return x.__array_interface__["data"][0]
+    if kind == "cupy":
+        return x.data.ptr
+    return TensorRef.of(x).ptr
+
+
 def get_xp(arr):
     """numpy or cupy, whichever owns ``arr``."""
     mod = type(arr).__module__
@@ -106,17 +140,22 @@ class TensorRef:
     @classmethod
     def of(cls, x, name: str = "array") -> "TensorRef":
         """Describe ``x``. Raises TypeError naming ``name`` for anything that is not an array."""
-        mod = type(x).__module__
-        if isinstance(x, Bits16):
+        kind = _KINDS.get(type(x))
+        if kind is None:
+            kind = _kind_of(x)
+        if kind == "torch":
+            info = _TORCH_DTYPES.get(x.dtype)
+            if info is None:
+                info = _TORCH_DTYPES[x.dtype] = (_dtype_name(x.dtype), x.element_size())
+            return cls(x, "torch", x.data_ptr(), tuple(x.shape), x.stride(), info[0], info[1],
+                       x.get_device(), x.is_contiguous())  # -1: CPU
+        if kind == "numpy":
+            return cls._from_buffer(x, "numpy", x.__array_interface__["data"][0], -1)
+        if kind == "bits16":
             inner = cls.of(x.bits, name)
             inner.obj, inner.dtype = x, x.dtype
             return inner
-        if mod.startswith("torch"):
-            return cls(x, "torch", x.data_ptr(), tuple(x.shape), x.stride(), _dtype_name(x.dtype),
-                       x.element_size(), x.get_device(), x.is_contiguous())  # -1: CPU
-        if isinstance(x, np.ndarray):
-            return cls._from_buffer(x, "numpy", x.ctypes.data, -1)
-        if mod.startswith("cupy"):
+        if kind == "cupy":
             return cls._from_buffer(x, "cupy", x.data.ptr, x.device.id)
         cai = getattr(x, "__cuda_array_interface__", None)
         if cai is not None:
@@ -133,9 +172,12 @@ class TensorRef:
 
     @classmethod
     def _from_buffer(cls, x, kind, ptr, device):
-        isz = x.dtype.itemsize
+        isz = x.itemsize
         bs = x.strides
-        if any(s % isz for s in bs):
+        if len(bs) == 2:        # the common case, without generators (host overhead)
+            s0, s1 = bs
+            strides = (s0 / isz, s1 / isz) if s0 % isz or s1 % isz else (s0 // isz, s1 // isz)
+        elif any(s % isz for s in bs):
             strides = tuple(s / isz for s in bs)  # fractional: rejected by the validator
         else:
             strides = tuple(s // isz for s in bs)

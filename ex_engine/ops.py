@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 
-from .arrays import Bits16, TensorRef
+from .arrays import Bits16, TensorRef, data_ptr
 from .registry import FactorRegistry
 
 _default: FactorRegistry | None = None
@@ -85,18 +85,25 @@ def topk_softmax(router_logits, top_k: int, renormalize: bool = False, *, topk_w
     """
     ref = TensorRef.of(router_logits, "router_logits")
     T = ref.shape[0] if len(ref.shape) == 2 else 0
+    w_arg = ids_arg = None
     if topk_weights is None and topk_ids is None and isinstance(top_k, int) and top_k > 0:
-        # one allocation for both outputs (host time per call): ids in [0], weights in [1]
+        # one allocation for both outputs (host time per call): ids in [0], weights in [1];
+        # described here as what they are (C-contiguous (T, K), 4-byte elements, one base
+        # address) instead of being read back from the arrays; dispatch validates them as usual
         both = _empty(ref, (2, T, top_k), "int32")
         topk_ids = both[0]
         topk_weights = both[1].view(_float32_of(both))
+        base, kind = data_ptr(both), "cupy" if ref.kind == "cai" else ref.kind
+        ids_arg = TensorRef(topk_ids, kind, base, (T, top_k), (top_k, 1), "int32", 4, ref.device, True)
+        w_arg = TensorRef(topk_weights, kind, base + 4 * T * top_k, (T, top_k), (top_k, 1), "float32", 4,
+                          ref.device, True)
     if topk_weights is None:
         topk_weights = _empty(ref, (T, top_k), "float32")
     if topk_ids is None:
         topk_ids = _empty(ref, (T, top_k), "int32")
     (registry or default_registry()).dispatch(
-        "topk_softmax", {"router_logits": router_logits, "topk_weights": topk_weights,
-                         "topk_ids": topk_ids}, {"renormalize": renormalize})
+        "topk_softmax", {"router_logits": ref, "topk_weights": w_arg or topk_weights,
+                         "topk_ids": ids_arg or topk_ids}, {"renormalize": renormalize})
     return topk_weights, topk_ids
 
 

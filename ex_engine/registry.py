@@ -110,15 +110,34 @@ def check_tuning(t: dict, hw: Hardware, min_elem_bytes: int = 2) -> list:
     return out
 
 
+_current_stream = {}   # 'torch' / 'cupy' -> fn(device) -> the current stream's handle (int)
+
+
+def _stream_getter(kind: str):
+    fn = _current_stream.get(kind)
+    if fn is None:
+        if kind == "torch":
+            import torch
+            raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # fast path, no Stream object
+            fn = raw if raw is not None else (lambda d: torch.cuda.current_stream(d).cuda_stream)
+        else:
+            import cupy
+            fn = lambda d: cupy.cuda.get_current_stream().ptr  # noqa: E731 (CuPy's current device)
+        _current_stream[kind] = fn
+    return fn
+
+
 def _stream_for(refs, device):
     """The caller's current stream: torch's if any array is a torch tensor, else CuPy's."""
     for r in refs:
         if r is not None and r.kind == "torch":
-            import torch
-            raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # fast path, no Stream object
-            return raw(device) if raw is not None else torch.cuda.current_stream(device).cuda_stream
-    import cupy
-    return cupy.cuda.get_current_stream().ptr
+            return _stream_getter("torch")(device)
+    return _stream_getter("cupy")(device)
+
+
+# The kernels' C type with every pointer as intptr_t (the same calling convention on the
+# 64-bit platforms plugins are built for), so a call passes Python ints without casts.
+_KERNEL_INT_T = "int(*)(intptr_t, intptr_t, intptr_t *, int, int64_t *, int, intptr_t)"
 
 
 def _is_capturing(stream: int) -> bool:
@@ -171,7 +190,8 @@ class FactorRegistry:
         self._retired: list = []         # grown-out-of device workspaces, dropped after a sync
         self._flags: dict = defaultdict(Counter)
         self._fallbacks: dict = {}
-        self._bind_cache: dict = {}
+        self._bind_cache: dict = {}     # call signature -> what bind() returned, ready for the C call
+        self._entries: dict = {}        # id(plugin) -> (plugin, kernel, kernel_fallback) as _KERNEL_INT_T
         self.tuning: TuningTable = TuningTable.for_hardware(hw)   # manifests/tuning/<device>.yaml
         self.last_path: dict = {}
         self._hw_c = hw.to_c(abi.ffi)
@@ -454,27 +474,33 @@ class FactorRegistry:
         manifest; KernelError if a kernel returns an error status (named).
         """
         m = self.manifest(name)
-        refs_by_name = {k: TensorRef.of(v, k) for k, v in arrays.items() if v is not None}
-        # A call with the same dtypes, shapes, strides, device and params as an earlier valid
-        # one needs only its pointers checked: the bound dims are reused (host overhead).
+        # arrays may hold TensorRefs already made by the caller (ops.* describe what they allocate)
+        refs_by_name = {k: v if type(v) is TensorRef else TensorRef.of(v, k)
+                        for k, v in arrays.items() if v is not None}
+        # A call with the same dtypes, shapes, strides, device and params (values and types) as
+        # an earlier valid one needs only its pointers checked: the bound dims are reused (host
+        # overhead); anything else is bound, i.e. checked in full, again.
         sig = (name, tuple((k, r.dtype, r.shape, r.strides, r.device, r.contiguous)
                            for k, r in refs_by_name.items()),
-               tuple(sorted(params.items())) if params else ())
+               tuple((k, type(v), v) for k, v in params.items()) if params else ())
         hit = self._bind_cache.get(sig)
+        dims_c = None
         try:
             if hit is None:
                 refs, dims, sizes, pvals, device = m.bind(refs_by_name, params, self.tuning.value)
                 if len(self._bind_cache) > 4096:
                     self._bind_cache.clear()
+                tensors = m.tensors
                 self._bind_cache[sig] = ([s.name if not s.same_as_output else m.output.name
-                                          for s in m.tensors], dims, sizes, pvals, device)
+                                          for s in tensors], [s.name for s in tensors],
+                                         m.workspace_index, dims, sizes, pvals, device,
+                                         abi.ffi.new("int64_t[]", dims))
             else:
-                order, dims, sizes, pvals, device = hit
+                order, names, ws, dims, sizes, pvals, device, dims_c = hit
                 refs = [refs_by_name.get(n) for n in order]
-                for r, spec in zip(refs, m.tensors):
+                for r, spec_name in zip(refs, names):
                     if r is not None and r.ptr % r.itemsize:
-                        m.check_alignment(spec.name, r)   # raises the LayoutError
-                ws = m.workspace_index
+                        m.check_alignment(spec_name, r)   # raises the LayoutError
                 if ws is not None:
                     refs[2 + ws] = None
         except FactorError:
@@ -487,13 +513,13 @@ class FactorRegistry:
                 self._count(name, "errors")
                 raise DeviceError(name, m.tensors[0].name, "device", "host memory (a host factor)",
                                   f"cuda:{device}")
-            path = self._call_plugin(plugin, m, refs, dims, host=True)
+            path = self._call_plugin(plugin, m, refs, dims, host=True, dims_c=dims_c)
         elif plugin is not None and device >= 0 and self.hardware.live:
             if device != self.hardware.device_id:
                 self._count(name, "errors")
                 raise DeviceError(name, m.tensors[0].name, "device", f"cuda:{self.hardware.device_id} "
                                   "(the registry's device)", f"cuda:{device}")
-            path = self._call_plugin(plugin, m, refs, dims)
+            path = self._call_plugin(plugin, m, refs, dims, dims_c=dims_c)
         if path is None:
             fn = self._fallbacks.get(name) or m.fallback_fn()
             if fn is None:
@@ -618,30 +644,36 @@ class FactorRegistry:
             self._count(plugin.name, path)
         return path
 
-    def _call_plugin(self, plugin: Plugin, m: Manifest, refs, dims, host: bool = False):
+    def _entry_points(self, plugin: Plugin):
+        """(kernel, kernel_fallback or None) of ``plugin`` as _KERNEL_INT_T, made once."""
+        e = self._entries.get(id(plugin))
+        if e is None or e[0] is not plugin:
+            ffi, f = abi.ffi, plugin.factor
+            fb = None if f.kernel_fallback == ffi.NULL else ffi.cast(_KERNEL_INT_T, f.kernel_fallback)
+            e = self._entries[id(plugin)] = (plugin, ffi.cast(_KERNEL_INT_T, f.kernel), fb)
+        return e[1], e[2]
+
+    def _call_plugin(self, plugin: Plugin, m: Manifest, refs, dims, host: bool = False, dims_c=None):
         ffi = abi.ffi
         f = plugin.factor
-        aux = ffi.new("const void*[]", max(len(m.aux), 1))
+        kernel, kernel_fallback = self._entry_points(plugin)
+        aux = [0 if ref is None else ref.ptr for ref in refs[2:]] or [0]   # NULL: absent
         ws_index = m.workspace_index
-        for i, ref in enumerate(refs[2:]):
-            aux[i] = ffi.NULL if ref is None else ffi.cast("const void*", ref.ptr)
         stream = 0 if host else _stream_for(refs, self.hardware.device_id)
         if ws_index is not None:
             if host:
                 ws = self._workspace(plugin, dims, -1, threading.get_ident())
             else:
                 ws = self._workspace(plugin, dims, self.hardware.device_id, stream)
-            ptr = 0 if ws is None else (ws.ctypes.data if host else ws.data.ptr)
-            aux[ws_index] = ffi.cast("const void*", ptr)
-        dims_c = ffi.new("int64_t[]", dims)
-        stream_c = ffi.cast("void*", stream)
-        out = ffi.cast("void*", refs[0].ptr)
-        inp = ffi.cast("const void*", refs[1].ptr)
-        status = f.kernel(out, inp, aux, len(m.aux), dims_c, len(dims), stream_c)
+            aux[ws_index] = 0 if ws is None else (ws.ctypes.data if host else ws.data.ptr)
+        if dims_c is None:
+            dims_c = ffi.new("int64_t[]", dims)
+        n_aux, n_dims, out, inp = len(m.aux), len(dims), refs[0].ptr, refs[1].ptr
+        status = kernel(out, inp, aux, n_aux, dims_c, n_dims, stream)
         if status == abi.EX_OK:
             return "plugin"
-        if status == abi.EX_FALLBACK and f.kernel_fallback != ffi.NULL:
-            status = f.kernel_fallback(out, inp, aux, len(m.aux), dims_c, len(dims), stream_c)
+        if status == abi.EX_FALLBACK and kernel_fallback is not None:
+            status = kernel_fallback(out, inp, aux, n_aux, dims_c, n_dims, stream)
             if status == abi.EX_OK:
                 return "kernel_fallback"
         if status == abi.EX_FALLBACK:
