@@ -98,18 +98,20 @@ def eager_time_us(fn, args, reps):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--models", nargs="+", default=["all"])
-    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 64, 512, 4096, 16384])
-    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    ap.add_argument("--models", nargs="+", default=["all"], help="models of manifests/moe_models.yaml, or all")
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 64, 512, 4096, 16384], help="token counts T")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"], help="activation and weight dtype")
     ap.add_argument("--sets", type=int, default=4, help="independently routed input sets rotated per graph")
     ap.add_argument("--skew", action="store_true", help="also run skewed routing (hot experts)")
     ap.add_argument("--fallback-max-t", type=int, default=64, help="time the Python fallback up to this T")
-    ap.add_argument("--json", default=None)
+    ap.add_argument("--json", default=None, help="write meta and every row here")
+    ap.add_argument("--factors", default=None,
+                    help="folder of plugin libraries to load (default factors/): e.g. an older build, to compare")
     args = ap.parse_args()
     dt = getattr(torch, args.dtype)
     models = load_models()
     names = sorted(models) if args.models == ["all"] else args.models
-    reg = FactorRegistry.load()
+    reg = FactorRegistry.load(args.factors)
     assert reg.get("moe_fused_gemm") is not None, [(p.path.name, p.reason) for p in reg.plugins]
     gen = torch.Generator(device="cuda").manual_seed(0)
     commit = os.environ.get("EX_COMMIT", "")
@@ -120,7 +122,8 @@ def main():
         except OSError:
             commit = "?"
     meta = {"date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(),
-            "commit": commit or "?", "dtype": args.dtype, "torch": torch.__version__}
+            "commit": commit or "?", "dtype": args.dtype, "torch": torch.__version__,
+            "plugin": reg.get("moe_fused_gemm").path.name, "factors": str(args.factors or "factors/")}
     rows = []
     cases = [(m, T, False) for m in names for T in args.tokens]
     if args.skew:

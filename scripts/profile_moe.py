@@ -1,0 +1,50 @@
+"""Run one moe_fused_gemm call per (model, T) inside a CUDA profiler range, for Nsight Compute.
+
+    ncu --profile-from-start off --metrics gpu__time_duration.sum,dram__bytes_read.sum \\
+        python3 scripts/profile_moe.py --models qwen3-30b-a3b olmoe-1b-7b --tokens 1
+
+Each case: build the layer (N(0, 0.02) bf16 weights), route, three warm-up calls outside the
+range, then one call inside it, so the profile shows that call's kernels only (serialised by
+ncu: the per-kernel durations add up to more than the overlapped PDL launch).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import cupy  # noqa: E402
+
+from ex_engine import FactorRegistry, moe_fused_gemm, topk_softmax  # noqa: E402
+from ex_engine.moe_layer import MoELayer, load_models  # noqa: E402
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--models", nargs="+", default=["qwen3-30b-a3b"], help="models of moe_models.yaml")
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1], help="token counts T")
+    ap.add_argument("--factors", default=None, help="plugin folder (default factors/)")
+    args = ap.parse_args()
+    reg = FactorRegistry.load(args.factors)
+    models = load_models()
+    for m in args.models:
+        s = models[m]
+        layer = MoELayer(s, "bfloat16", cupy, seed=1)
+        for T in args.tokens:
+            x = layer.hidden_states(T)
+            w, ids = topk_softmax(layer.router_logits(x), s.K, s.renormalize, registry=reg)
+            for _ in range(3):
+                moe_fused_gemm(x, layer.w13, layer.w2, w, ids, registry=reg)
+            cupy.cuda.runtime.deviceSynchronize()
+            print(f"[profile_moe] {m} T={T}: profiled call follows", flush=True)
+            cupy.cuda.runtime.profilerStart()
+            moe_fused_gemm(x, layer.w13, layer.w2, w, ids, registry=reg)
+            cupy.cuda.runtime.deviceSynchronize()
+            cupy.cuda.runtime.profilerStop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
