@@ -34,7 +34,8 @@
  * Variants:
  *   kernel           fast path, H % 8 == 0, I % 8 == 0, 16-byte aligned pointers, T*K < 2^31.
  *                    Four launches, all on the caller's stream, no host sync (graph-capturable):
- *                      1. moe_route_kernel     one block: histogram of ids per expert (smem
+ *                      1. moe_route_kernel     one block (128 threads for T*K <= 2048, else
+ *                         1024): histogram of ids per expert (smem
  *                         atomics), cub::BlockScan exclusive sums (rows and BM-row tiles per
  *                         expert), tile list {expert, first row, end row}, placement of every
  *                         valid slot into sorted_slots (grouped by expert), status bit.
@@ -47,7 +48,8 @@
  *                         I (grid z) when few tiles; epilogue * topk_weights[slot] -> y[z][slot]
  *                         (dtype, scattered back to slot order).
  *                      4. moe_combine_kernel   out[t] = sum_k sum_z y[z][t*K+k] in fp32, 16-byte
- *                         vectors, invalid slots skipped; rounded once. No atomics: the same
+ *                         vectors, 8 (k, z) loads in flight per thread, invalid slots skipped;
+ *                         rounded once. No atomics: the same
  *                         inputs give bit-identical outputs.
  *                    Surplus GEMM blocks (the grid is an upper bound computed from dims) read the
  *                    tile count the router wrote and exit.
@@ -173,7 +175,9 @@ static constexpr CfgInfo kCfg[CFG_COUNT] = {cfg_info<CfgDecode>(24), cfg_info<Cf
 static constexpr CfgInfo kCfgTiny = cfg_info<CfgTiny>(24);
 constexpr int kTinyBlocksPerSm = 4;  // CfgTiny's grid must fit in this many blocks per SM
 
-constexpr int kRouteThreads = 1024;
+constexpr int kRouteThreads = 1024;      // router block for many slots
+constexpr int kRouteThreadsSmall = 128;  // ... for at most kRouteSmallSlots slots (decode: a
+constexpr int kRouteSmallSlots = 2048;   // shorter scan and cheaper barriers, ~2 us less)
 constexpr int kSmallBM = 16;      // the smallest BM of any config: bounds the tile list
 static_assert(CfgDecode::BM == kSmallBM && CfgMid::BM >= kSmallBM && CfgPrefill::BM >= kSmallBM &&
                   CfgTiny::BM == kSmallBM,
@@ -306,6 +310,7 @@ __device__ __forceinline__ int local_expert(const ExpertMap& m, int id, int E, i
 //   cur[e]   placement cursor           toff[e]  exclusive prefix of ceil(cnt/BM), toff[E]=total
 // ------------------------------------------------------------------------------------------
 
+template <int kRouteThreads>
 __global__ void __launch_bounds__(kRouteThreads)
 moe_route_kernel(const int* __restrict__ topk_ids, const ExpertMap em, int TK, int E, int BM,
                  int* __restrict__ status,        // workspace byte 0
@@ -660,8 +665,10 @@ __global__ void __launch_bounds__(kSimpleThreads)
 moe_combine_kernel(T* __restrict__ out, const T* __restrict__ y, const int* __restrict__ ids,
                    const ExpertMap em, int T_, int H, int E, int K, int S, long long split_stride) {
     using E2 = typename Elem<T>::T2;
+    constexpr int R = 8;  // (k, z) terms whose loads are in flight together
     pdl_wait();
     const int HV = H / 8;
+    const int n_terms = K * S;  // summed k-major, z-minor (the same order in every chunk size)
     const long long total = (long long)T_ * HV;
     for (long long i = (long long)blockIdx.x * kSimpleThreads + threadIdx.x; i < total;
          i += (long long)gridDim.x * kSimpleThreads) {
@@ -670,14 +677,30 @@ moe_combine_kernel(T* __restrict__ out, const T* __restrict__ y, const int* __re
         float acc[8];
 #pragma unroll
         for (int v = 0; v < 8; ++v) acc[v] = 0.0f;
-        for (int k = 0; k < K; ++k) {
-            const long long slot = t * K + k;
-            int unused = 0;
-            if (local_expert(em, __ldg(ids + slot), E, unused) < 0) continue;  // contributes nothing
-            const T* src = y + slot * H + (long long)hv * 8;
-            for (int z = 0; z < S; ++z) {
-                const uint4 raw = __ldg(reinterpret_cast<const uint4*>(src + z * split_stride));
-                const E2* v2 = reinterpret_cast<const E2*>(&raw);
+        // decode has few tokens and many terms (K up to 8+, S up to kMaxSplits): issuing R loads
+        // at once instead of one after the other is most of this kernel's latency
+        for (int p0 = 0; p0 < n_terms; p0 += R) {
+            uint4 raw[R];
+            bool use[R];
+#pragma unroll
+            for (int j = 0; j < R; ++j) {
+                const int p = p0 + j;
+                use[j] = false;
+                if (p < n_terms) {
+                    const int k = p / S, z = p - k * S;
+                    const long long slot = t * K + k;
+                    int unused = 0;
+                    if (local_expert(em, __ldg(ids + slot), E, unused) >= 0) {  // else nothing
+                        raw[j] = __ldg(reinterpret_cast<const uint4*>(
+                            y + slot * H + (long long)hv * 8 + z * split_stride));
+                        use[j] = true;
+                    }
+                }
+            }
+#pragma unroll
+            for (int j = 0; j < R; ++j) {
+                if (!use[j]) continue;
+                const E2* v2 = reinterpret_cast<const E2*>(&raw[j]);
 #pragma unroll
                 for (int v = 0; v < 4; ++v) {
                     const float2 f = Elem<T>::unpack(v2[v]);
@@ -973,6 +996,35 @@ static cudaError_t gemm_smem_opt_in() {
     return err;
 }
 
+// The routing launch (kernel 1): a small block when there are few slots. Returns EX_OK,
+// EX_FALLBACK (E so large that its counters do not fit in shared memory: the callers' scalar
+// paths need no routing) or EX_ERR_CUDA. expert_off may be nullptr.
+template <int NT>
+static int launch_route_nt(const Problem& P, int BM, int* status, int* meta, int4* tiles,
+                           int* sorted, int* expert_off, const int* topk_ids, cudaStream_t stream) {
+    const size_t scan_bytes = sizeof(typename cub::BlockScan<int, NT>::TempStorage);
+    const size_t route_smem = (size_t)(4 * P.E + 1) * sizeof(int);
+    if (route_smem + scan_bytes + 1024 > (size_t)s_smem_optin) return EX_FALLBACK;
+    if (route_smem > 48 * 1024) {
+        static const cudaError_t err =
+            cudaFuncSetAttribute(moe_route_kernel<NT>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                 s_smem_optin - (int)scan_bytes - 1024);
+        if (err != cudaSuccess) return cuda_error(err);
+    }
+    moe_route_kernel<NT><<<1, NT, route_smem, stream>>>(topk_ids, P.em(), (int)P.TK, (int)P.E, BM,
+                                                        status, meta, tiles, sorted, expert_off);
+    return EX_OK;
+}
+
+static int launch_route(const Problem& P, int BM, int* status, int* meta, int4* tiles,
+                        int* sorted, int* expert_off, const int* topk_ids, cudaStream_t stream) {
+    if (P.TK <= kRouteSmallSlots)
+        return launch_route_nt<kRouteThreadsSmall>(P, BM, status, meta, tiles, sorted, expert_off,
+                                                   topk_ids, stream);
+    return launch_route_nt<kRouteThreads>(P, BM, status, meta, tiles, sorted, expert_off, topk_ids,
+                                          stream);
+}
+
 template <typename T, class C>
 static int launch_fast(const Problem& P, void* out, const void* x, const void* w13,
                        const void* w2, const float* topk_weights, const int* topk_ids,
@@ -986,7 +1038,7 @@ static int launch_fast(const Problem& P, void* out, const void* x, const void* w
     T* act = reinterpret_cast<T*>(ws + L.act);
     T* y = reinterpret_cast<T*>(ws + L.y);
 
-    const int TK = (int)P.TK, H = (int)P.H, E = (int)P.E, I = (int)P.I, K = (int)P.K;
+    const int H = (int)P.H, E = (int)P.E, I = (int)P.I, K = (int)P.K;
     const int64_t max_tiles = max_tiles_for(P.TK, P.E, C::BM);
     const int n_tiles_n1 = (I + C::BN1 - 1) / C::BN1;
     const int n_tiles_n2 = (H + C::BN2 - 1) / C::BN2;
@@ -1000,23 +1052,13 @@ static int launch_fast(const Problem& P, void* out, const void* x, const void* w
     const int kt_per_split = (KT2 + S - 1) / S;
     S = (KT2 + kt_per_split - 1) / kt_per_split;  // no empty slice
 
-    // routing
-    const size_t route_smem = (size_t)(4 * E + 1) * sizeof(int);
-    if (route_smem + sizeof(typename cub::BlockScan<int, kRouteThreads>::TempStorage) + 1024 >
-        (size_t)s_smem_optin)
-        return EX_FALLBACK;  // absurd E: the fallback needs no routing
-    if (route_smem > 48 * 1024) {
-        static const cudaError_t err =
-            cudaFuncSetAttribute(moe_route_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                 s_smem_optin - (int)sizeof(typename cub::BlockScan<int, kRouteThreads>::TempStorage) - 1024);
-        if (err != cudaSuccess) return cuda_error(err);
-    }
     cudaError_t err;
     if ((err = gemm_smem_opt_in<T, C, true>()) != cudaSuccess) return cuda_error(err);
     if ((err = gemm_smem_opt_in<T, C, false>()) != cudaSuccess) return cuda_error(err);
 
-    moe_route_kernel<<<1, kRouteThreads, route_smem, stream>>>(topk_ids, P.em(), TK, E, C::BM,
-                                                                status, meta, tiles, sorted, nullptr);
+    // routing (EX_FALLBACK for an absurd E: the scalar fallback needs no routing)
+    const int rs = launch_route(P, C::BM, status, meta, tiles, sorted, nullptr, topk_ids, stream);
+    if (rs != EX_OK) return rs;
 
     GemmParams p1;
     p1.a = x; p1.b = w13; p1.c = act;

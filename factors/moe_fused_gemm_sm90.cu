@@ -500,21 +500,11 @@ static int launch_sm90(const Problem& P, void* out, const void* x, const void* w
     T* bufA = reinterpret_cast<T*>(ws + L.bufA);  // xs, then act
     T* bufB = reinterpret_cast<T*>(ws + L.bufB);  // gu, then ys
 
-    const int TK = (int)P.TK, H = (int)P.H, E = (int)P.E, I = (int)P.I, K = (int)P.K;
+    const int H = (int)P.H, E = (int)P.E, I = (int)P.I, K = (int)P.K;
 
     // 1. routing (one block), also writing expert_off
-    using Scan = cub::BlockScan<int, kRouteThreads>;
-    const size_t route_smem = (size_t)(4 * E + 1) * sizeof(int);
-    if (route_smem + sizeof(typename Scan::TempStorage) + 1024 > (size_t)s_smem_optin)
-        return EX_FALLBACK;  // absurd E
-    if (route_smem > 48 * 1024) {
-        static const cudaError_t err = cudaFuncSetAttribute(
-            moe_route_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-            s_smem_optin - (int)sizeof(typename Scan::TempStorage) - 1024);
-        if (err != cudaSuccess) return cuda_error(err);
-    }
-    moe_route_kernel<<<1, kRouteThreads, route_smem, stream>>>(ids, P.em(), TK, E, 128, status, meta,
-                                                                tiles, sorted, expert_off);
+    const int rs = launch_route(P, 128, status, meta, tiles, sorted, expert_off, ids, stream);
+    if (rs != EX_OK) return rs;  // EX_FALLBACK: absurd E
 
     // 2. group arguments + gather (a warp per row; grid capped, grid-stride)
     {
