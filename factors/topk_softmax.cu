@@ -17,22 +17,29 @@
  * use redux.sync, so sm_80 is the oldest target).
  *
  * Variants
- *   topk_softmax_kernel<T, G, NV>     the fast path, E <= 1024.  A group of G lanes owns a row
- *       (32/G rows per warp); each lane loads NV 16-byte vectors of the row once and keeps them
- *       in registers.  Every element becomes one unsigned "composite" key that orders like
- *       (logit desc, index asc) with NaN -> -inf and -0 -> +0, so a single max finds the winner
- *       and its index at once: bf16 keeps 16 value bits above 16 index bits, fp16 19 above 13
- *       (the bits an fp16 value uses in fp32), fp32 a 64-bit key.  Each lane caches the top 3
- *       keys it holds; the K rounds are a group-wide max (redux.sync for G >= 16, xor shuffles
- *       below), the owning lane pops its cache, and only a lane that runs out of cache rescans
- *       its registers (for keys below the one it just gave up).
+ *   topk_softmax_kernel<T, G, NV, D, RP, KC>   the fast path, E <= 1024.  A group of G lanes owns
+ *       a row (32/G rows per warp).  Lane g owns the EPL = NV * 16/sizeof(T) experts
+ *       g*EPL .. g*EPL+EPL-1, loaded once with NV 16-byte vectors and held in registers as fp32
+ *       (NaN -> -inf), so lane order is expert order.  One pass over them keeps the lane's D
+ *       best (value desc, expert asc) in a sorted cache: fp32 compares and selects, ~10-14
+ *       instructions a logit; one more pass sums exp(l - m).  Each of the K rounds is then one
+ *       32-bit group max (redux.sync; RP = 2: two full-warp ones for G = 16, whose masked
+ *       redux was slower; shuffles below 16 lanes) of the cached best's order-preserving key
+ *       (-0 -> +0), a ballot of the lanes holding it (the lowest holds the lowest expert: ties),
+ *       one shuffle of the winner's expert to the round's owner lane, and a predicated pop of
+ *       the winner's cache.  A lane that gives up all D with rounds to go finds its next best
+ *       by a scan of its registers (rare: D = 4 where a lane holds 1/8 of the row).  KC = 8:
+ *       K fixed at 8 and the rounds unrolled (the common router; other K run a loop).
  *   topk_softmax_generic_kernel<T>    kernel_fallback, any E: one warp per row, K passes over
  *       the row in global memory (cached), the same keys and the same probability rule.
  *   The fast kernel returns EX_FALLBACK (-1) for E > 1024 and the runtime calls the generic one.
  *
- * Napkin math (H200, 4.2 TB/s): T=16384, E=128, K=8, bf16 reads 4.2 MB of logits and writes
- * 1.0 MB of weights and ids: 1.25 us of memory traffic.  E=384: 13.6 MB, 3.2 us.  The work is
- * the K rounds (one group max each) and one exp per logit; target max(2 x bytes time, 8 us).
+ * Napkin math (H200, 4.2 TB/s): T=16384, E=128, K=8, fp32 reads 8.4 MB of logits and writes
+ * 1.0 MB of weights and ids: 2.2 us of memory traffic.  E=384: 26.2 MB, 6.2 us.  Target
+ * max(2 x bytes time, 8 us).  The kernel is bound by instructions, not bytes: ~15-20 per logit
+ * (cache, exp sum, conversion) and ~35 per round per warp.  Measured (H200, graph replay, fp32
+ * logits, K=8): T=16384 E=128 7.5 us (the old two-reduction kernel 14.7), E=384 14.0-14.4 us
+ * (23.6; the 12.4 us target is missed), T=4096 E=64 3.5 us, E=128 4.3 us.
  */
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -70,53 +77,34 @@ __device__ __forceinline__ uint32_t key_to_bits(uint32_t k) {
     return (k & 0x80000000u) ? (k ^ 0x80000000u) : ~k;
 }
 
-// Per element type: how a logit is stored in the raw registers, and its composite key.
-// A composite is > 0 for every real element; 0 marks "none".
+// Per element type: the 32-bit word of two (or one) -inf elements, the fp32 value of element i
+// of a 32-bit word (i < 32 / bits per element), and of a 16-bit pattern.
 template <typename T>
-struct Logit;
+struct Elem;
 
 template <>
-struct Logit<float> {
-    using Comp = uint64_t;
-    static constexpr int kElemsPerWord = 1;
-    static constexpr uint32_t kNegInfBits = 0xFF800000u;
-    __device__ static float to_float(uint32_t bits) { return __uint_as_float(bits); }
-    __device__ static Comp make(float f, uint32_t idx) {
-        return ((uint64_t)ordered_key(f) << 32) | (uint64_t)(0xFFFFFFFFu - idx);
-    }
-    __device__ static float value(Comp c) { return __uint_as_float(key_to_bits((uint32_t)(c >> 32))); }
-    __device__ static int index(Comp c) { return (int)(0xFFFFFFFFu - (uint32_t)c); }
-};
-
-// 16-bit types: the value occupies the top (32 - kLowBits) bits of its fp32 ordered key
-// (exactly: conversion to fp32 is exact and leaves the low kLowBits bits of the float zero),
-// and the low kLowBits bits hold (2^kLowBits - 1 - index).  kLowBits >= 13 > log2(1024).
-template <int kLowBits, uint32_t kNegInf16>
-struct Logit16 {
-    using Comp = uint32_t;
-    static constexpr int kElemsPerWord = 2;
-    static constexpr uint32_t kNegInfBits = kNegInf16;
-    static constexpr uint32_t kLowMax = (1u << kLowBits) - 1u;
-    static constexpr uint32_t kHighMask = ~kLowMax;
-    __device__ static Comp make(float f, uint32_t idx) {
-        return (ordered_key(f) & kHighMask) | (kLowMax - idx);
-    }
-    __device__ static float value(Comp c) {
-        return __uint_as_float(key_to_bits(c & kHighMask) & kHighMask);
-    }
-    __device__ static int index(Comp c) { return (int)(kLowMax - (c & kLowMax)); }
+struct Elem<float> {
+    static constexpr uint32_t kNegInfWord = 0xFF800000u;
+    __device__ static float word_elem(uint32_t w, int) { return __uint_as_float(w); }
+    __device__ static float bits16(uint32_t) { return 0.0f; }
 };
 
 template <>
-struct Logit<__nv_bfloat16> : Logit16<16, 0xFF80u> {
-    __device__ static float to_float(uint32_t bits16) { return __uint_as_float(bits16 << 16); }
+struct Elem<__nv_bfloat16> {
+    static constexpr uint32_t kNegInfWord = 0xFF80FF80u;
+    __device__ static float word_elem(uint32_t w, int i) {
+        return __uint_as_float(i ? (w & 0xFFFF0000u) : (w << 16));
+    }
+    __device__ static float bits16(uint32_t b) { return __uint_as_float(b << 16); }
 };
 
 template <>
-struct Logit<__half> : Logit16<13, 0xFC00u> {
-    __device__ static float to_float(uint32_t bits16) {
-        return __half2float(__ushort_as_half((unsigned short)bits16));
+struct Elem<__half> {
+    static constexpr uint32_t kNegInfWord = 0xFC00FC00u;
+    __device__ static float word_elem(uint32_t w, int i) {
+        return __half2float(__ushort_as_half((unsigned short)(i ? (w >> 16) : (w & 0xFFFFu))));
     }
+    __device__ static float bits16(uint32_t b) { return __half2float(__ushort_as_half((unsigned short)b)); }
 };
 
 // ------------------------------------------------------------------------------------------
@@ -129,39 +117,37 @@ __device__ __forceinline__ uint32_t group_mask(int lane) {
     else return ((1u << G) - 1u) << (lane & ~(G - 1));
 }
 
-// Every lane of the warp must call these (uniform control flow).
-template <int G>
-__device__ __forceinline__ uint32_t group_max(uint32_t v, int lane) {
+// Every lane of the warp must call these (uniform control flow).  RP picks how a group of
+// G >= 16 lanes reduces: 0 redux.sync with the group's mask, 1 xor shuffles, 2 (G = 16 only)
+// one full-warp redux.sync per half-warp.  Below 16 lanes: xor shuffles.
+template <int G, int RP, bool kMax>
+__device__ __forceinline__ uint32_t group_reduce(uint32_t v, int lane) {
     if constexpr (G == 1) {
         return v;
-    } else if constexpr (G >= 16) {
-        return __reduce_max_sync(group_mask<G>(lane), v);
-    } else {
-#pragma unroll
-        for (int o = G / 2; o > 0; o >>= 1) v = max(v, __shfl_xor_sync(0xFFFFFFFFu, v, o));
-        return v;
-    }
-}
-
-template <int G>
-__device__ __forceinline__ uint64_t group_max(uint64_t v, int lane) {
-    if constexpr (G == 1) {
-        return v;
-    } else if constexpr (G >= 16) {
-        const uint32_t mask = group_mask<G>(lane);
-        const uint32_t vhi = (uint32_t)(v >> 32);
-        const uint32_t hi = __reduce_max_sync(mask, vhi);
-        const uint32_t lo = __reduce_max_sync(mask, vhi == hi ? (uint32_t)v : 0u);
-        return ((uint64_t)hi << 32) | lo;
+    } else if constexpr (G == 32 && RP != 1) {
+        return kMax ? __reduce_max_sync(0xFFFFFFFFu, v) : __reduce_min_sync(0xFFFFFFFFu, v);
+    } else if constexpr (G == 16 && RP == 2) {
+        const bool upper = lane >= 16;
+        const uint32_t none = kMax ? 0u : 0xFFFFFFFFu;
+        const uint32_t lo = kMax ? __reduce_max_sync(0xFFFFFFFFu, upper ? none : v)
+                                 : __reduce_min_sync(0xFFFFFFFFu, upper ? none : v);
+        const uint32_t hi = kMax ? __reduce_max_sync(0xFFFFFFFFu, upper ? v : none)
+                                 : __reduce_min_sync(0xFFFFFFFFu, upper ? v : none);
+        return upper ? hi : lo;
+    } else if constexpr (G >= 16 && RP == 0) {
+        return kMax ? __reduce_max_sync(group_mask<G>(lane), v) : __reduce_min_sync(group_mask<G>(lane), v);
     } else {
 #pragma unroll
         for (int o = G / 2; o > 0; o >>= 1) {
-            const uint64_t w = __shfl_xor_sync(0xFFFFFFFFu, v, o);
-            v = w > v ? w : v;
+            const uint32_t w = __shfl_xor_sync(0xFFFFFFFFu, v, o);
+            v = kMax ? max(v, w) : min(v, w);
         }
         return v;
     }
 }
+
+template <int G, int RP = 0>
+__device__ __forceinline__ uint32_t group_max(uint32_t v, int lane) { return group_reduce<G, RP, true>(v, lane); }
 
 // Butterfly sum: every lane of the group ends with the same value (same tree, commutative adds).
 template <int G>
@@ -171,171 +157,246 @@ __device__ __forceinline__ float group_sum(float v) {
     return v;
 }
 
-__device__ __forceinline__ uint64_t warp_max_u64(uint64_t v) { return group_max<32>(v, 0); }
+__device__ __forceinline__ uint64_t warp_max_u64(uint64_t v) {
+    const uint32_t vhi = (uint32_t)(v >> 32);
+    const uint32_t hi = __reduce_max_sync(0xFFFFFFFFu, vhi);
+    const uint32_t lo = __reduce_max_sync(0xFFFFFFFFu, vhi == hi ? (uint32_t)v : 0u);
+    return ((uint64_t)hi << 32) | lo;
+}
 
 // ------------------------------------------------------------------------------------------
 // Probability of one logit given the row's max m and normaliser S (see the header rule)
 // ------------------------------------------------------------------------------------------
 
+// exp(d) for d <= 0 (or -inf -> 0): ex2.approx with results below 2^-126 flushed to 0, which
+// the weights (>= 1e-7 absolute tolerance) cannot see.
+__device__ __forceinline__ float exp_nonpos(float d) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(d * 1.4426950408889634f));
+    return y;
+}
+
 // Unnormalised weight u(l): exp(l - m) for finite m (NaN -> 0); for m = +inf, 1 on +inf
 // entries and 0 elsewhere; for m = -inf (all -inf or NaN), 1 everywhere.  S = sum of u.
 __device__ __forceinline__ float unnormalised(float l, float m) {
-    if (isfinite(m)) return __expf(fmaxf(l - m, -INFINITY));  // NaN - m = NaN -> -inf -> 0
+    if (isfinite(m)) return exp_nonpos(fmaxf(l - m, -INFINITY));  // NaN - m = NaN -> -inf -> 0
     if (m > 0.0f) return l == INFINITY ? 1.0f : 0.0f;
     return 1.0f;
 }
 
-// Keep the three largest composites a >= b >= c (duplicates never occur but 0 may).
-template <typename Comp>
-__device__ __forceinline__ void insert3(Comp x, Comp& a, Comp& b, Comp& c) {
-    const Comp a2 = x > a ? x : a;
-    const Comp x1 = x > a ? a : x;
-    const Comp b2 = x1 > b ? x1 : b;
-    const Comp x2 = x1 > b ? b : x1;
-    a = a2;
-    b = b2;
-    c = x2 > c ? x2 : c;
+// ------------------------------------------------------------------------------------------
+// The lane's cache: its D best elements (value desc, slot asc) as fp32 values and slots (the
+// lane's element numbers, ascending with the expert index).  Elements arrive in ascending
+// slot order, so strict compares keep the earlier one first on ties.
+// ------------------------------------------------------------------------------------------
+
+// Order-preserving key of a NaN-free float, -0 as +0; every key is > 0 (0 marks "empty").
+__device__ __forceinline__ uint32_t value_key(float f) {
+    const uint32_t u = __float_as_uint(f + 0.0f);
+    return u ^ ((uint32_t)((int32_t)u >> 31) | 0x80000000u);
 }
+
+constexpr uint32_t kNoSlot = 0xFFFFu;  // an empty cache entry (slots are < kMaxFastExperts)
+
+template <int D>
+struct TopD {
+    float v[D];
+    uint32_t sl[D];
+
+    // x arrives after every element held.  SPARSE: entries may be empty (below everything).
+    template <bool SPARSE>
+    __device__ __forceinline__ void insert(float x, uint32_t s) {
+        bool p[D];
+#pragma unroll
+        for (int i = 0; i < D; ++i) p[i] = (SPARSE && sl[i] == kNoSlot) || x > v[i];
+#pragma unroll
+        for (int i = D - 1; i > 0; --i) {
+            v[i] = p[i - 1] ? v[i - 1] : (p[i] ? x : v[i]);
+            sl[i] = p[i - 1] ? sl[i - 1] : (p[i] ? s : sl[i]);
+        }
+        v[0] = p[0] ? x : v[0];
+        sl[0] = p[0] ? s : sl[0];
+    }
+    template <int EPL>
+    __device__ __forceinline__ void build(const float (&x)[EPL]) {
+#pragma unroll
+        for (int i = 0; i < D; ++i) {
+            v[i] = -INFINITY;
+            sl[i] = kNoSlot;
+        }
+#pragma unroll
+        for (int k = 0; k < EPL; ++k) {
+            if (k < D) insert<true>(x[k], (uint32_t)k);
+            else insert<false>(x[k], (uint32_t)k);
+        }
+    }
+    __device__ __forceinline__ bool empty() const { return sl[0] == kNoSlot; }
+    __device__ __forceinline__ uint32_t key() const { return empty() ? 0u : value_key(v[0]); }
+    // drop the best if `on` (predicated, no branch)
+    __device__ __forceinline__ void pop_if(bool on) {
+#pragma unroll
+        for (int i = 0; i + 1 < D; ++i) {
+            v[i] = on ? v[i + 1] : v[i];
+            sl[i] = on ? sl[i + 1] : sl[i];
+        }
+        v[D - 1] = on ? -INFINITY : v[D - 1];
+        sl[D - 1] = on ? kNoSlot : sl[D - 1];
+    }
+    // the cache ran out: hold the best element ranked below (pv, ps), the one just given up
+    // (empty if none is left).  Rare: the lane gave up D elements with rounds to go.
+    template <int EPL>
+    __device__ __forceinline__ void refill(const float (&x)[EPL], float pv, uint32_t ps) {
+        float bv = -INFINITY;
+        uint32_t bs = kNoSlot;
+#pragma unroll
+        for (int k = 0; k < EPL; ++k) {
+            const bool below = x[k] < pv || (x[k] == pv && (uint32_t)k > ps);
+            const bool take = below && (bs == kNoSlot || x[k] > bv);
+            bv = take ? x[k] : bv;
+            bs = take ? (uint32_t)k : bs;
+        }
+        v[0] = bv;
+        sl[0] = bs;
+    }
+};
 
 // ------------------------------------------------------------------------------------------
 // Fast kernel: G lanes per row, NV 16-byte vectors per lane, rows in registers
 // ------------------------------------------------------------------------------------------
 
-template <typename T, int G, int NV>
+template <typename T, int G, int NV, int D = 3, int RP = 2, int KC = 0>
 __global__ void __launch_bounds__(kMaxThreads)
 topk_softmax_kernel(float* __restrict__ out_w,          // (T, K)
                     int32_t* __restrict__ out_id,       // (T, K)
                     const T* __restrict__ logits,       // (T, E)
-                    int64_t n_rows, int E, int K, int renormalize, int vec_ok) {
-    using L = Logit<T>;
-    using Comp = typename L::Comp;
+                    int64_t n_rows, int E, int K_, int renormalize, int vec_ok) {
+    const int K = KC > 0 ? KC : K_;         // KC > 0: K is KC, and the rounds unroll
     constexpr int V = 16 / (int)sizeof(T);  // elements per 16-byte vector
     constexpr int EPL = V * NV;             // elements per lane
     constexpr int R = 32 / G;               // rows per warp
     constexpr int WORDS = NV * 4;           // 32-bit registers holding the lane's raw logits
-    constexpr int EPW = L::kElemsPerWord;
+    constexpr int EPW = 4 / (int)sizeof(T); // elements per 32-bit word
     static_assert(G >= 1 && G <= 32 && (G & (G - 1)) == 0, "G must be a power of two <= 32");
+    static_assert(D >= 1 && D <= EPL, "cache deeper than the lane's elements");
+    using El = Elem<T>;
 
     const int lane = threadIdx.x & 31;
     const int g = lane & (G - 1);  // lane within the row's group
     const int sub = lane / G;      // row within the warp
+    const int gfirst = sub * G;    // the group's first lane
     const int warps_per_block = blockDim.x >> 5;
     const int64_t warp_stride = (int64_t)gridDim.x * warps_per_block;
+    const int64_t n_tasks = (n_rows + R - 1) / R;  // a task: the R rows of one warp
+    // Lane g owns experts [g * EPL, (g + 1) * EPL) (its slots 0..EPL-1), so lane order is
+    // expert order: among lanes holding equal values the lowest lane holds the lowest expert.
+    const int gbase = g * EPL;
 
-    // Element k of a lane (k = j * V + v, vector j, slot v) is expert j*G*V + g*V + v.
-    const int gbase = g * V;
-
-    for (int64_t wr = (int64_t)blockIdx.x * warps_per_block + (threadIdx.x >> 5); wr * R < n_rows;
-         wr += warp_stride) {
-        const int64_t t = wr * R + sub;
+    for (int64_t task = (int64_t)blockIdx.x * warps_per_block + (threadIdx.x >> 5); task < n_tasks;
+         task += warp_stride) {  // warp-uniform
+        const int64_t t = task * R + sub;
         const bool row_ok = t < n_rows;
-        const int lim = row_ok ? E : 0;  // experts below lim are real
 
-        // ---- load the lane's logits once (invalid slots read as -inf) -----------------------
+        // ---- load the lane's logits once (experts >= E read as -inf) ------------------------
         uint32_t raw[WORDS];
-        const uint32_t fill = EPW == 2 ? (L::kNegInfBits | (L::kNegInfBits << 16)) : L::kNegInfBits;
-        if (vec_ok) {
-            const uint4* row = reinterpret_cast<const uint4*>(logits + (row_ok ? t : 0) * (int64_t)E);
-#pragma unroll
-            for (int j = 0; j < NV; ++j) {
-                uint4 q = make_uint4(fill, fill, fill, fill);
-                if (j * G * V + gbase < lim) q = __ldg(row + (j * G * V + gbase) / V);
-                raw[4 * j + 0] = q.x;
-                raw[4 * j + 1] = q.y;
-                raw[4 * j + 2] = q.z;
-                raw[4 * j + 3] = q.w;
-            }
-        } else {
+        {
+            const int lim = row_ok ? E : 0;
             const T* row = logits + (row_ok ? t : 0) * (int64_t)E;
+            if (vec_ok) {  // E * sizeof(T) a multiple of 16: a vector is all in or all out
+                const uint4* rv = reinterpret_cast<const uint4*>(row + gbase);
 #pragma unroll
-            for (int w = 0; w < WORDS; ++w) raw[w] = 0;
+                for (int j = 0; j < NV; ++j) {
+                    uint4 q = make_uint4(El::kNegInfWord, El::kNegInfWord, El::kNegInfWord, El::kNegInfWord);
+                    if (gbase + j * V < lim) q = __ldg(rv + j);
+                    raw[4 * j + 0] = q.x;
+                    raw[4 * j + 1] = q.y;
+                    raw[4 * j + 2] = q.z;
+                    raw[4 * j + 3] = q.w;
+                }
+            } else {
 #pragma unroll
-            for (int k = 0; k < EPL; ++k) {
-                const int idx = (k / V) * G * V + gbase + (k % V);
-                uint32_t bits;
-                if constexpr (EPW == 2) {
-                    bits = idx < lim ? (uint32_t)__ldg(reinterpret_cast<const unsigned short*>(row) + idx)
-                                     : L::kNegInfBits;
-                    raw[k / 2] |= bits << (16 * (k & 1));
-                } else {
-                    bits = idx < lim ? __ldg(reinterpret_cast<const uint32_t*>(row) + idx) : L::kNegInfBits;
-                    raw[k] = bits;
+                for (int w = 0; w < WORDS; ++w) raw[w] = El::kNegInfWord;
+#pragma unroll
+                for (int k = 0; k < EPL; ++k) {
+                    if (gbase + k < lim) {
+                        if constexpr (EPW == 2) {
+                            const uint32_t b = __ldg(reinterpret_cast<const unsigned short*>(row) + gbase + k);
+                            const int sh = 16 * (k & 1);
+                            raw[k / 2] = (raw[k / 2] & ~(0xFFFFu << sh)) | (b << sh);
+                        } else {
+                            raw[k] = __ldg(reinterpret_cast<const uint32_t*>(row) + gbase + k);
+                        }
+                    }
                 }
             }
         }
 
-        auto elem = [&](int k) -> float {  // k is a compile-time constant in every unrolled use
-            if constexpr (EPW == 2) return L::to_float((raw[k / 2] >> (16 * (k & 1))) & 0xFFFFu);
-            else return L::to_float(raw[k]);
-        };
-        auto elem_idx = [&](int k) -> int { return (k / V) * G * V + gbase + (k % V); };
-
-        // ---- the lane's three largest composites ----------------------------------------------
-        Comp c0 = 0, c1 = 0, c2 = 0;
+        // ---- fp32 values, NaN -> -inf, and the lane's D best ---------------------------------
+        float x[EPL];
 #pragma unroll
-        for (int k = 0; k < EPL; ++k) {
-            const int idx = elem_idx(k);
-            if (idx < lim) insert3(L::make(elem(k), (uint32_t)idx), c0, c1, c2);
-        }
+        for (int k = 0; k < EPL; ++k) x[k] = fmaxf(El::word_elem(raw[k / EPW], k % EPW), -INFINITY);
+        TopD<D> c;
+        c.build(x);
 
-        // ---- row max (NaN ignored) and the softmax normaliser --------------------------------
-        const Comp w0 = group_max<G>(c0, lane);
-        const float m = L::value(w0);  // decoded from the top key: -inf if all -inf / NaN
+        // ---- row max (round 0's winner) and the softmax normaliser ---------------------------
+        uint32_t key = c.key();
+        uint32_t hi = group_max<G, RP>(key, lane);
+        const float m = __uint_as_float(key_to_bits(hi));  // -inf if all -inf / NaN
         float s = 0.0f;
         if (isfinite(m)) {
 #pragma unroll
-            for (int k = 0; k < EPL; ++k) s += __expf(fmaxf(elem(k) - m, -INFINITY));
+            for (int k = 0; k < EPL; ++k) s += exp_nonpos(x[k] - m);
         } else if (m > 0.0f) {
 #pragma unroll
-            for (int k = 0; k < EPL; ++k) s += elem(k) == INFINITY ? 1.0f : 0.0f;
+            for (int k = 0; k < EPL; ++k) s += x[k] == INFINITY ? 1.0f : 0.0f;
         } else {
             s = g == 0 ? (float)E : 0.0f;
         }
         s = group_sum<G>(s);  // every lane of the group holds S
 
-        // ---- K rounds of group-wide argmax ---------------------------------------------------
-        Comp mine = 0;        // K <= G: lane g keeps the winner of round g
-        float psum_l = 0.0f;  // K > G: sum of the weights this lane wrote
-        Comp w = w0;
-        for (int r = 0; r < K; ++r) {
-            if (r > 0) w = group_max<G>(c0, lane);
-            if (w != 0 && c0 == w) {  // this lane holds the winner: pop it
-                c0 = c1;
-                c1 = c2;
-                c2 = 0;
-                if (c0 == 0 && r + 1 < K) {  // cache empty: refill from keys below the winner
+        // ---- K rounds: the group's max key; its lowest holder gives up its best --------------
+        uint32_t mine_key = 0;  // K <= G: lane g keeps the winner of round g
+        uint32_t mine_id = 0;
+        float psum_l = 0.0f;    // K > G: sum of the weights this lane wrote
 #pragma unroll
-                    for (int k = 0; k < EPL; ++k) {
-                        const int idx = elem_idx(k);
-                        const Comp x = L::make(elem(k), (uint32_t)idx);
-                        if (idx < lim && x < w) insert3(x, c0, c1, c2);
-                    }
-                }
-            }
+        for (int r = 0; r < K; ++r) {
+            uint32_t held = __ballot_sync(0xFFFFFFFFu, key == hi);
+            if constexpr (G < 32) held = (held >> gfirst) & ((1u << G) - 1u);
+            const int w = __ffs(held) - 1;  // the winning lane of the group
+            const uint32_t id = __shfl_sync(0xFFFFFFFFu, c.sl[0] + (uint32_t)gbase, gfirst + w);
             if (K <= G) {
-                if (g == r) mine = w;
+                mine_key = g == r ? hi : mine_key;
+                mine_id = g == r ? id : mine_id;
             } else if (g == (r & (G - 1))) {
-                const float p = unnormalised(L::value(w), m) / s;
+                const float p = __fdividef(unnormalised(__uint_as_float(key_to_bits(hi)), m), s);
                 psum_l += p;
                 if (row_ok) {
                     out_w[t * K + r] = p;
-                    out_id[t * K + r] = L::index(w);
+                    out_id[t * K + r] = (int)id;
                 }
+            }
+            const bool popped = g == w;
+            const float pv = c.v[0];
+            const uint32_t ps = c.sl[0];
+            c.pop_if(popped);
+            if (r + 1 < K) {
+                if (popped && c.empty()) c.refill(x, pv, ps);
+                key = c.key();
+                hi = group_max<G, RP>(key, lane);
             }
         }
 
-        // ---- weights out -----------------------------------------------------------------------
+        // ---- weights out ------------------------------------------------------------------------
         if (K <= G) {
-            const float p = g < K ? unnormalised(L::value(mine), m) / s : 0.0f;
+            const float p = g < K ? __fdividef(unnormalised(__uint_as_float(key_to_bits(mine_key)), m), s) : 0.0f;
             const float psum = renormalize ? group_sum<G>(p) : 1.0f;
             if (row_ok && g < K) {
-                out_w[t * K + g] = renormalize ? p / psum : p;
-                out_id[t * K + g] = L::index(mine);
+                out_w[t * K + g] = renormalize ? __fdividef(p, psum) : p;
+                out_id[t * K + g] = (int)mine_id;
             }
         } else if (renormalize) {
             const float psum = group_sum<G>(psum_l);
             if (row_ok) {
-                for (int r = g; r < K; r += G) out_w[t * K + r] = out_w[t * K + r] / psum;  // own writes
+                for (int r = g; r < K; r += G) out_w[t * K + r] = __fdividef(out_w[t * K + r], psum);  // own writes
             }
         }
     }
@@ -354,7 +415,7 @@ __device__ __forceinline__ float load_float(const T* p) {
     if constexpr (sizeof(T) == 4) return __ldg(reinterpret_cast<const float*>(p));
     else {
         const uint32_t b = __ldg(reinterpret_cast<const unsigned short*>(p));
-        return Logit<T>::to_float(b);
+        return Elem<T>::bits16(b);
     }
 }
 
@@ -436,43 +497,55 @@ struct Args {
     cudaStream_t stream;
 };
 
-template <typename T, int G, int NV>
+template <typename T, int G, int NV, int D = 3, int RP = 2, int KC = 0>
 ex_status_t launch_fast(const Args& a, bool vec_ok) {
     static_assert(G * (16 / (int)sizeof(T)) * NV <= kMaxFastExperts, "capacity above the fast range");
     const int threads = g_threads;
     const int64_t rows_per_block = (int64_t)(threads / 32) * (32 / G);
-    topk_softmax_kernel<T, G, NV><<<grid_for(a.T, rows_per_block), threads, 0, a.stream>>>(
+    topk_softmax_kernel<T, G, NV, D, RP, KC><<<grid_for(a.T, rows_per_block), threads, 0, a.stream>>>(
         a.w, a.id, static_cast<const T*>(a.logits), a.T, a.E, a.K, a.renormalize, vec_ok ? 1 : 0);
     return check_launch();
 }
 
-// Group width G and vectors per lane NV for each E: about 16..32 logits per lane, and rows
-// packed several to a warp when E is small.  Capacity G * (16 / sizeof(T)) * NV >= E.
+inline bool vectorisable(const Args& a, size_t elem_bytes) {
+    return (reinterpret_cast<uintptr_t>(a.logits) % 16 == 0) && ((int64_t)a.E * (int64_t)elem_bytes) % 16 == 0;
+}
+
+// K = 8 (the common router) gets kernels with the rounds unrolled; other K a runtime loop.
+template <typename T, int G, int NV, int D>
+ex_status_t launch_k(const Args& a, bool vec_ok) {
+    return a.K == 8 ? launch_fast<T, G, NV, D, 2, 8>(a, vec_ok) : launch_fast<T, G, NV, D, 2, 0>(a, vec_ok);
+}
+
+// Group width G, vectors per lane NV and cache depth D for each E (capacity G * V * NV >= E,
+// V = 16 / sizeof(T)), from H200 graph-replay timings of every candidate at T = 16384, K = 8
+// (.tune/tune.cu, not in the build): 4 rows to a warp (G = 8, a lane holds 1/8 of the row and
+// keeps its 4 best) up to 128 (fp32) / 256 (16-bit) experts, 16 or 32 lanes per row beyond.
 template <typename T>
 ex_status_t dispatch_fast(const Args& a) {
-    const bool vec_ok = (reinterpret_cast<uintptr_t>(a.logits) % 16 == 0) &&
-                        ((int64_t)a.E * (int64_t)sizeof(T)) % 16 == 0;
+    const bool vec_ok = vectorisable(a, sizeof(T));
     const int E = a.E;
     if constexpr (sizeof(T) == 2) {  // 8 logits per vector
-        if (E <= 8) return launch_fast<T, 1, 1>(a, vec_ok);
-        if (E <= 16) return launch_fast<T, 1, 2>(a, vec_ok);
-        if (E <= 32) return launch_fast<T, 2, 2>(a, vec_ok);
-        if (E <= 64) return launch_fast<T, 4, 2>(a, vec_ok);
-        if (E <= 128) return launch_fast<T, 8, 2>(a, vec_ok);
-        if (E <= 256) return launch_fast<T, 16, 2>(a, vec_ok);
-        if (E <= 384) return launch_fast<T, 16, 3>(a, vec_ok);
-        if (E <= 512) return launch_fast<T, 16, 4>(a, vec_ok);
-        if (E <= 1024) return launch_fast<T, 32, 4>(a, vec_ok);
+        if (E <= 8) return launch_k<T, 1, 1, 3>(a, vec_ok);
+        if (E <= 16) return launch_k<T, 2, 1, 3>(a, vec_ok);
+        if (E <= 32) return launch_k<T, 4, 1, 3>(a, vec_ok);
+        if (E <= 64) return launch_k<T, 8, 1, 4>(a, vec_ok);
+        if (E <= 128) return launch_k<T, 8, 2, 4>(a, vec_ok);
+        if (E <= 256) return launch_k<T, 8, 4, 4>(a, vec_ok);
+        if (E <= 384) return launch_k<T, 16, 3, 3>(a, vec_ok);
+        if (E <= 512) return launch_k<T, 32, 2, 3>(a, vec_ok);
+        if (E <= 1024) return launch_k<T, 32, 4, 3>(a, vec_ok);
     } else {  // 4 logits per vector
-        if (E <= 4) return launch_fast<T, 1, 1>(a, vec_ok);
-        if (E <= 8) return launch_fast<T, 1, 2>(a, vec_ok);
-        if (E <= 16) return launch_fast<T, 2, 2>(a, vec_ok);
-        if (E <= 32) return launch_fast<T, 4, 2>(a, vec_ok);
-        if (E <= 64) return launch_fast<T, 8, 2>(a, vec_ok);
-        if (E <= 128) return launch_fast<T, 16, 2>(a, vec_ok);
-        if (E <= 256) return launch_fast<T, 16, 4>(a, vec_ok);
-        if (E <= 512) return launch_fast<T, 32, 4>(a, vec_ok);
-        if (E <= 1024) return launch_fast<T, 32, 8>(a, vec_ok);
+        if (E <= 4) return launch_k<T, 1, 1, 3>(a, vec_ok);
+        if (E <= 8) return launch_k<T, 2, 1, 3>(a, vec_ok);
+        if (E <= 16) return launch_k<T, 4, 1, 3>(a, vec_ok);
+        if (E <= 32) return launch_k<T, 8, 1, 3>(a, vec_ok);
+        if (E <= 64) return launch_k<T, 8, 2, 4>(a, vec_ok);
+        if (E <= 128) return launch_k<T, 8, 4, 4>(a, vec_ok);
+        if (E <= 256) return launch_k<T, 16, 4, 3>(a, vec_ok);
+        if (E <= 384) return launch_k<T, 32, 3, 3>(a, vec_ok);
+        if (E <= 512) return launch_k<T, 32, 4, 3>(a, vec_ok);
+        if (E <= 1024) return launch_k<T, 32, 8, 3>(a, vec_ok);
     }
     return fail(EX_FALLBACK, "topk_softmax: fast path holds E <= %d in registers, got E=%d",
                 kMaxFastExperts, E);
@@ -572,6 +645,6 @@ extern "C" EX_EXPORT ex_factor_t* ex_get_factor(const ex_hardware_t* hw) {
     g_factor.priority = 0;
     g_factor.reserved_i32 = 0;
     g_factor.description =
-        "router: fp32 softmax over E logits, top-K by group-wide argmax in registers (E <= 1024; any E via fallback)";
+        "router: fp32 softmax over E logits, top-K from per-lane register caches by group reductions (E <= 1024; any E via fallback)";
     return &g_factor;
 }
