@@ -8,7 +8,7 @@ synchronised every call) and (b) CUDA-graph replay (>= 20 calls captured, rotati
 sets of >= 256 MB together so the 60 MB L2 serves nothing; device time per call).
 Prints µs and the fraction of the copy bandwidth (bytes that must be read and written once).
 
-    python3 benchmarks/bench_router_norm.py [--json F]
+    python3 benchmarks/bench_router_norm.py [--json F] [--only topk|rmsnorm] [--no-torch]
 """
 from __future__ import annotations
 
@@ -61,13 +61,17 @@ def eager_us(fn, reps=200):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", default=None)
+    ap.add_argument("--only", choices=("topk", "rmsnorm"), default=None, help="one op only")
+    ap.add_argument("--no-torch", action="store_true", help="time ex_engine only (no PyTorch eager / torch.compile)")
     args = ap.parse_args()
     reg = FactorRegistry.load()
     compiled_norm = torch.compile(torch_rmsnorm)
     compiled_topk = torch.compile(torch_topk)
     rows = []
     print(f"{'op':<18}{'shape':<22}{'impl':<15}{'eager µs':>10}{'graph µs':>10}{'% copy':>8}{'host µs':>9}", flush=True)
-    for T, H in [(1, 4096), (4096, 2048), (4096, 7168), (16384, 4096), (16384, 7168)]:
+    norm_shapes = [(1, 4096), (4096, 2048), (4096, 7168), (16384, 4096), (16384, 7168)]
+    topk_shapes = [(1, 128, 8), (4096, 64, 8), (4096, 128, 8), (16384, 128, 8), (16384, 384, 8)]
+    for T, H in ([] if args.only == "topk" else norm_shapes):
         print(f"[rmsnorm T={T} H={H}] ...", file=sys.stderr, flush=True)
         x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
         r = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
@@ -84,6 +88,8 @@ def main():
                  "torch eager": lambda a, b: torch_rmsnorm(a, b, w, 1e-6),
                  "torch.compile": lambda a, b: compiled_norm(a, b, w, 1e-6)}
         for name, f in impls.items():
+            if args.no_torch and name != "ex_engine":
+                continue
             fn = (lambda f=f: f(x, r))
             e = eager_us(fn)
             g = graph_us([(lambda f=f, a=a, b=b: f(a, b)) for a, b in sets], calls=20)
@@ -92,7 +98,7 @@ def main():
                          "graph_us": g, "copy_frac": nbytes / g / 1e3 / COPY_GBS, "host_us": h, "rel_err": err})
             print(f"{'fused_add_rmsnorm':<18}{f'T={T} H={H}':<22}{name:<15}{e:>10.1f}{g:>10.1f}"
                   f"{100 * nbytes / g / 1e3 / COPY_GBS:>7.0f}%{(f'{h:>9.1f}' if h else ''):>9}", flush=True)
-    for T, E, K in [(1, 128, 8), (4096, 64, 8), (4096, 128, 8), (16384, 128, 8), (16384, 384, 8)]:
+    for T, E, K in ([] if args.only == "rmsnorm" else topk_shapes):
         print(f"[topk T={T} E={E}] ...", file=sys.stderr, flush=True)
         logits = torch.randn(T, E, device="cuda")
         w, ids = topk_softmax(logits, K, True, registry=reg)
@@ -106,6 +112,8 @@ def main():
                  "torch eager": lambda lg: torch_topk(lg, K, True),
                  "torch.compile": lambda lg: compiled_topk(lg, K, True)}
         for name, f in impls.items():
+            if args.no_torch and name != "ex_engine":
+                continue
             fn = (lambda f=f: f(logits))
             e = eager_us(fn)
             g = graph_us([(lambda f=f, lg=lg: f(lg)) for lg in sets], calls=20)
