@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from ex_engine import FactorRegistry, moe_fused_gemm
+from ex_engine import moe_fused_gemm
 from ex_engine.arrays import Bits16, TensorRef, f32_to_bf16_bits
 from ex_engine.distributed import ExpertParallelMoE, expert_owner, expert_partition, make_expert_map
 from ex_engine.fallbacks import moe_fused_gemm_math
@@ -25,17 +25,7 @@ pytestmark = pytest.mark.gpu
 SHAPES = {"qwen3": (2048, 768, 128, 8), "mixtral-ish": (4096, 3584, 8, 2)}
 
 
-@pytest.fixture(scope="module")
-def cp():
-    import cupy
-    return cupy
-
-
-@pytest.fixture(scope="module")
-def reg():
-    r = FactorRegistry.load(ROOT / "factors")
-    assert r.hardware.live
-    return r
+from tests.test_gpu import cp, reg  # noqa: E402,F401  (the GPU tests' fixtures: CuPy, the built factors)
 
 
 def gpu_count() -> int:
