@@ -53,6 +53,10 @@
  *                         inputs give bit-identical outputs.
  *                    Surplus GEMM blocks (the grid is an upper bound computed from dims) read the
  *                    tile count the router wrote and exit.
+ *                    T*K <= 32 with the BM=16 configs (decode): no routing launch; every GEMM1
+ *                    block routes the slots itself in one warp (ballots, shuffles: the same tile
+ *                    list) and block 0 writes the routing for GEMM2 (EX_MOE_DECODE_CONFIG=unfused
+ *                    keeps the separate launch, for comparison).
  *   kernel_fallback  any H, I, alignment (of the element type): warp per (slot, i) for act, warp
  *                    per (t, h) for out; scalar loads, fp32, no tensor cores. Same status rule.
  *
@@ -444,7 +448,57 @@ struct GemmParams {
     int m_tiles;               // > 0: block order M-tile fastest (blockIdx.x = ntile * m_tiles +
                                // tile), so the M-tiles of one expert read the same weight rows
                                // at the same time (L2 hits); 0: N-tile fastest
+    // Fused routing (GEMM1 of BM = 16 configs, T*K <= kFusedRouteSlots): route_ids != nullptr
+    // means there was no routing launch: each block routes the T*K slots itself in one warp,
+    // and block 0 writes meta, tiles, sorted_slots (w_*) and the status bits for GEMM2.
+    const int* route_ids;      // topk_ids (T*K,)
+    ExpertMap em;
+    int E;                     // local experts
+    int TK;
+    int* status;
+    int* w_meta;
+    int4* w_tiles;
+    int* w_sorted;
 };
+
+constexpr int kFusedRouteSlots = 32;  // one warp routes them with ballots and shuffles
+
+// Routing of at most 32 slots by one warp (lane = slot), the same result as moe_route_kernel
+// up to the order of slots inside an expert (here: by slot index): s_sorted[r] = slot of sorted
+// row r, s_tiles[i] = {expert, first row, end row, 0}; returns the tile count in every lane,
+// the valid row count in *n_rows. bad: the status bits of the lane's slot.
+template <int BM>
+__device__ __forceinline__ int warp_route(const GemmParams& p, int lane, int* s_e, int* s_sorted,
+                                          int4* s_tiles, int* n_rows, int& bad) {
+    constexpr unsigned kAll = 0xffffffffu;
+    const int l = lane < p.TK ? local_expert(p.em, __ldg(p.route_ids + lane), p.E, bad) : -1;
+    int rank = 0;  // position of (l, lane) among the valid slots, ordered by expert then slot
+    for (int j = 0; j < 32; ++j) {
+        const int lj = __shfl_sync(kAll, l, j);
+        rank += (lj >= 0 && (lj < l || (lj == l && j < lane))) ? 1 : 0;
+    }
+    const int nvalid = __popc(__ballot_sync(kAll, l >= 0));
+    if (l >= 0) {
+        s_e[rank] = l;
+        s_sorted[rank] = lane;
+    }
+    __syncwarp();
+    const bool in = lane < nvalid;  // lane = sorted row from here on
+    const int er = in ? s_e[lane] : -1;
+    const unsigned estart = __ballot_sync(kAll, in && (lane == 0 || s_e[lane - 1] != er));
+    const unsigned upto = kAll >> (31 - lane);  // bits 0..lane
+    const int first = in ? 31 - __clz(estart & upto) : 0;
+    const bool tstart = in && ((lane - first) % BM == 0);
+    const unsigned tmask = __ballot_sync(kAll, tstart);
+    if (tstart) {
+        const unsigned later = estart & ~upto;  // expert starts after this row
+        const int eend = later ? __ffs(later) - 1 : nvalid;
+        s_tiles[__popc(tmask & (upto >> 1))] = make_int4(er, lane, min(lane + BM, eend), 0);
+    }
+    __syncwarp();
+    *n_rows = nvalid;
+    return __popc(tmask);
+}
 
 template <typename T, class C, bool GATED>
 __global__ void __launch_bounds__(C::THREADS, C::MINB) moe_gemm_kernel(const GemmParams p) {
@@ -475,8 +529,35 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) moe_gemm_kernel(const Gem
                             : (int)(blockIdx.x / (unsigned)p.n_tiles_n);
     const int ntile = m_fast ? (int)(blockIdx.x / (unsigned)p.m_tiles)
                              : (int)(blockIdx.x % (unsigned)p.n_tiles_n);
-    if (tile >= p.meta[0]) return;  // surplus block: the whole block leaves before any barrier
-    const int4 td = p.tiles[tile];
+    // fused routing: scratch at the start of the pipeline's smem, read before the prologue
+    int* r_e = reinterpret_cast<int*>(gemm_smem);
+    int* r_sorted = r_e + kFusedRouteSlots;
+    int4* r_tiles = reinterpret_cast<int4*>(r_sorted + kFusedRouteSlots);
+    int* r_count = reinterpret_cast<int*>(r_tiles + kFusedRouteSlots);
+    const bool fused = GATED && BM == kSmallBM && p.route_ids != nullptr;
+    int n_tiles;
+    if (fused) {
+        if (tid < 32) {
+            int bad = 0, n_rows;
+            const int nt = warp_route<BM>(p, tid, r_e, r_sorted, r_tiles, &n_rows, bad);
+            if (tid == 0) r_count[0] = nt;
+            if (blockIdx.x == 0 && blockIdx.z == 0) {  // the routing GEMM2 and combine read
+                if (bad) atomicOr(p.status, bad);
+                if (tid < nt) p.w_tiles[tid] = r_tiles[tid];
+                if (tid < n_rows) p.w_sorted[tid] = r_sorted[tid];
+                if (tid == 0) {
+                    p.w_meta[0] = nt;
+                    p.w_meta[1] = n_rows;
+                }
+            }
+        }
+        __syncthreads();
+        n_tiles = r_count[0];
+    } else {
+        n_tiles = p.meta[0];
+    }
+    if (tile >= n_tiles) return;  // surplus block: the whole block leaves before any barrier
+    const int4 td = fused ? r_tiles[tile] : p.tiles[tile];
     const int e = td.x, row0 = td.y, row_end = td.z;
     const int n0 = ntile * BN;
     const int KT = (p.Kd + BK - 1) / BK;
@@ -496,7 +577,7 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) moe_gemm_kernel(const Gem
         a_src[j] = nullptr;
         if (idx < A_CHUNKS && row0 + r < row_end) {
             if constexpr (GATED) {
-                const int slot = p.sorted_slots[row0 + r];
+                const int slot = fused ? r_sorted[row0 + r] : p.sorted_slots[row0 + r];
                 a_src[j] = A + (long long)(slot / p.topk) * p.Kd;
             } else {
                 a_src[j] = A + (long long)(row0 + r) * p.Kd;
@@ -563,6 +644,7 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) moe_gemm_kernel(const Gem
         return (GATED && f >= NI) ? BN + wn * WN + (f - NI) * 8 : wn * WN + f * 8;
     };
 
+    if (fused) __syncthreads();  // routing scratch read by all: the pipeline may reuse it
     // Prologue: STAGES-1 stages in flight. One commit per stage, empty or not, so that
     // wait_group<STAGES-2> below always means "the stage about to be used has landed".
 #pragma unroll
@@ -804,12 +886,13 @@ static int64_t s_l2_bytes = 50LL << 20;
 //   new    (default, anything else) nopdl's tiling, and GEMM1, GEMM2, combine launched with
 //          programmatic dependent launch on sm_90+ (the launch of each overlaps the previous
 //          kernel's tail; each waits for it before touching memory)
-enum { MODE_OLD = 0, MODE_NOPDL = 1, MODE_NEW = 2 };
+enum { MODE_OLD = 0, MODE_NOPDL = 1, MODE_NEW = 2, MODE_UNFUSED = 3 };
 static int decode_mode() {
     const char* v = std::getenv("EX_MOE_DECODE_CONFIG");
     if (v == nullptr) return MODE_NEW;
     if (std::strcmp(v, "old") == 0) return MODE_OLD;
     if (std::strcmp(v, "nopdl") == 0) return MODE_NOPDL;
+    if (std::strcmp(v, "unfused") == 0) return MODE_UNFUSED;
     return MODE_NEW;
 }
 
@@ -1030,7 +1113,10 @@ static int launch_fast(const Problem& P, void* out, const void* x, const void* w
                        const void* w2, const float* topk_weights, const int* topk_ids,
                        char* ws, cudaStream_t stream, int mode) {
     const WsLayout L = ws_layout(P);
-    const bool pdl = mode == MODE_NEW && s_pdl_ok;
+    const bool pdl = (mode == MODE_NEW || mode == MODE_UNFUSED) && s_pdl_ok;
+    // decode with a handful of slots: GEMM1 routes them itself (no routing launch to wait for)
+    const bool fused_route = C::BM == kSmallBM && P.TK <= kFusedRouteSlots &&
+                             (mode == MODE_NEW || mode == MODE_NOPDL);
     int* status = reinterpret_cast<int*>(ws);
     int* meta = reinterpret_cast<int*>(ws + L.meta);
     int4* tiles = reinterpret_cast<int4*>(ws + L.tiles);
@@ -1057,14 +1143,19 @@ static int launch_fast(const Problem& P, void* out, const void* x, const void* w
     if ((err = gemm_smem_opt_in<T, C, false>()) != cudaSuccess) return cuda_error(err);
 
     // routing (EX_FALLBACK for an absurd E: the scalar fallback needs no routing)
-    const int rs = launch_route(P, C::BM, status, meta, tiles, sorted, nullptr, topk_ids, stream);
-    if (rs != EX_OK) return rs;
+    if (!fused_route) {
+        const int rs = launch_route(P, C::BM, status, meta, tiles, sorted, nullptr, topk_ids, stream);
+        if (rs != EX_OK) return rs;
+    }
 
     GemmParams p1;
     p1.a = x; p1.b = w13; p1.c = act;
     p1.sorted_slots = sorted; p1.tiles = tiles; p1.meta = meta; p1.topk_weights = topk_weights;
     p1.N = I; p1.Kd = H; p1.topk = K; p1.n_tiles_n = n_tiles_n1;
     p1.kt_per_split = (H + C::BK - 1) / C::BK; p1.split_stride = 0;
+    p1.route_ids = fused_route ? topk_ids : nullptr;
+    p1.em = P.em(); p1.E = E; p1.TK = (int)P.TK;
+    p1.status = status; p1.w_meta = meta; p1.w_tiles = tiles; p1.w_sorted = sorted;
     // M-tile-fastest order only while every A tile of the grid (re-read once per N-tile) stays
     // well inside L2; otherwise the old order, which reuses one A tile over consecutive blocks
     const bool m_fast_ok = mode != MODE_OLD && C::BM == kSmallBM;
@@ -1076,6 +1167,7 @@ static int launch_fast(const Problem& P, void* out, const void* x, const void* w
 
     GemmParams p2 = p1;
     p2.a = act; p2.b = w2; p2.c = y;
+    p2.route_ids = nullptr;  // GEMM2 reads the routing GEMM1 (or the router) wrote
     p2.N = H; p2.Kd = I; p2.n_tiles_n = n_tiles_n2;
     p2.kt_per_split = kt_per_split; p2.split_stride = P.TK * P.H;
     p2.m_tiles = (m_fast_ok && a_bytes2 <= s_l2_bytes / 4) ? (int)max_tiles : 0;
