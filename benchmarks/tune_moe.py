@@ -68,9 +68,11 @@ def main() -> int:
     device = torch.cuda.get_device_name()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     out = Path(args.out) if args.out else tuning_dir() / (
-        "h200.yaml" if "H200" in device else re.sub(r"\W+", "_", device.lower()) + ".yaml")
+        "h200.yaml" if (device, sms) == ("NVIDIA H200", 132)
+        else re.sub(r"\W+", "_", device.lower()).strip("_") + f"_{sms}sm.yaml")
     data = yaml.safe_load(out.read_text()) if out.exists() else None
-    data = data or {}
+    if not isinstance(data, dict) or (data.get("device"), data.get("multiprocessor_count")) != (device, sms):
+        data = {}                  # another device's (or no) table: start a new one, merge nothing
     data.update({"device": device, "multiprocessor_count": sms})
     table = data.setdefault("moe_fused_gemm", {})
     table.update({"dim": "config", "key": KEY, "values": VALUES})

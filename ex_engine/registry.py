@@ -192,7 +192,10 @@ class FactorRegistry:
         self._fallbacks: dict = {}
         self._bind_cache: dict = {}     # call signature -> what bind() returned, ready for the C call
         self._entries: dict = {}        # id(plugin) -> (plugin, kernel, kernel_fallback) as _KERNEL_INT_T
-        self.tuning: TuningTable = TuningTable.for_hardware(hw)   # manifests/tuning/<device>.yaml
+        # tuned launch choices: <manifests>/tuning/<device>.yaml (a malformed file is skipped)
+        self.tuning: TuningTable = TuningTable.for_hardware(
+            hw, Path(manifests_dir or _paths.manifests_dir()) / "tuning")
+        self.notes.extend(f"tuning: {msg}; skipped" for msg in self.tuning.problems)
         self.last_path: dict = {}
         self._hw_c = hw.to_c(abi.ffi)
 

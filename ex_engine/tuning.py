@@ -40,31 +40,52 @@ def tuning_dir() -> Path:
     return _paths.manifests_dir() / "tuning"
 
 
+def _int(v, what: str, lo: int | None = None) -> int:
+    """An int (not a bool or a float) >= lo, else ValueError naming ``what``."""
+    if isinstance(v, bool) or not isinstance(v, int) or (lo is not None and v < lo):
+        raise ValueError(f"{what}: expected an integer{f' >= {lo}' if lo is not None else ''}, got {v!r}")
+    return v
+
+
 class FactorTuning:
     """One factor's table: shape key -> sorted [(T, value)]."""
 
-    def __init__(self, factor: str, data: dict, path: str):
+    def __init__(self, factor: str, data, path: str):
         try:
             self.factor, self.path = factor, path
+            if not isinstance(data, dict):
+                raise TypeError(f"expected a mapping, got {type(data).__name__}")
             self.dim = str(data["dim"])
             self.key = [str(k) for k in data["key"]]
-            self.values = {str(k): int(v) for k, v in data["values"].items()}
+            if not isinstance(data["values"], dict) or not data["values"]:
+                raise TypeError("values: expected a mapping of choice names to integers")
+            self.values = {str(k): _int(v, f"values.{k}") for k, v in data["values"].items()}
+            if not isinstance(data["shapes"], list):
+                raise TypeError("shapes: expected a list")
             self.table: dict = {}
-            for entry in data.get("shapes") or []:
-                shape = tuple(int(entry[k]) for k in self.key)
+            for i, entry in enumerate(data["shapes"]):
+                shape = tuple(_int(entry[k], f"shapes[{i}].{k}", 1) for k in self.key)
+                if shape in self.table:
+                    raise ValueError(f"shapes[{i}]: {dict(zip(self.key, shape))} listed twice")
                 # rows [T, choice, ...]: anything after the choice (measured µs) is a note
-                rows = sorted((int(r[0]), self._value(r[1])) for r in entry["by_T"])
+                rows = sorted((_int(r[0], f"shapes[{i}].by_T T", 0), self._value(r[1]))
+                              for r in entry["by_T"])
+                if not rows or len({t for t, _ in rows}) != len(rows):
+                    raise ValueError(f"shapes[{i}].by_T: expected rows [T, choice] with distinct T")
                 self.table[shape] = ([t for t, _ in rows], [v for _, v in rows])
-        except (KeyError, TypeError, ValueError) as exc:
+        except (KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
             raise FactorError(f"tuning file {path}: {factor}: malformed ({type(exc).__name__}: {exc}); "
                               "expected dim, key, values, shapes[{<key sizes>, by_T: [[T, choice]]}]") from exc
 
     def _value(self, v) -> int:
+        """A choice: one of the names in values, or one of their integers."""
         if isinstance(v, str):
             if v not in self.values:
                 raise ValueError(f"choice {v!r} not in values {sorted(self.values)}")
             return self.values[v]
-        return int(v)
+        if _int(v, "choice") not in self.values.values():
+            raise ValueError(f"choice {v!r} not in values {sorted(self.values.values())}")
+        return v
 
     def lookup(self, sizes: dict) -> int | None:
         """The tuned value for these sizes, or None when the shape has no entry."""
@@ -83,10 +104,12 @@ class FactorTuning:
 class TuningTable:
     """Every factor's tuned choices for one device (empty when no file matches it)."""
 
-    def __init__(self, factors: dict | None = None, path: str | None = None, warn: bool = False):
+    def __init__(self, factors: dict | None = None, path: str | None = None, warn: bool = False,
+                 problems: list | None = None):
         self.factors: dict = factors or {}
         self.path = path
         self.warn = warn
+        self.problems: list = problems or []   # files skipped as malformed (message each)
         self._warned: set = set()
         self._lock = threading.Lock()
         self._overrides: dict = {}
@@ -94,22 +117,39 @@ class TuningTable:
     @classmethod
     def for_hardware(cls, hardware, folder=None) -> "TuningTable":
         """The table of the file in ``folder`` (manifests/tuning/) whose device and SM count
-        match ``hardware``; warnings on defaults only for a live GPU."""
+        match ``hardware``; warnings on defaults only for a live GPU. A malformed file is
+        skipped (a TuningWarning and an entry in ``problems`` say why): like a bad plugin, it
+        never stops the registry; its shapes run on the kernels' defaults."""
         folder = Path(folder) if folder else tuning_dir()
         warn = bool(getattr(hardware, "live", False))
         if hardware is None or not folder.is_dir():
             return cls(warn=warn)
+        problems = []
         for p in sorted(folder.glob("*.yaml")):
-            data = yaml.safe_load(p.read_text()) or {}
-            if str(data.get("device")) != hardware.name:
-                continue
-            sms = data.get("multiprocessor_count")
-            if sms is not None and int(sms) != hardware.multiprocessor_count:
-                continue
-            factors = {k: FactorTuning(k, v, str(p)) for k, v in data.items()
-                       if isinstance(v, dict) and "shapes" in v}
-            return cls(factors, str(p), warn)
-        return cls(warn=warn)
+            try:
+                try:
+                    data = yaml.safe_load(p.read_text())
+                except (yaml.YAMLError, UnicodeDecodeError) as exc:
+                    raise FactorError(f"tuning file {p}: not readable YAML ({type(exc).__name__}: {exc})") from exc
+                if not isinstance(data, dict):
+                    raise FactorError(f"tuning file {p}: expected a mapping with device, "
+                                      f"multiprocessor_count and one table per factor, got {type(data).__name__}")
+                if str(data.get("device")) != hardware.name:
+                    continue
+                sms = data.get("multiprocessor_count")
+                try:
+                    if sms is not None and _int(sms, "multiprocessor_count", 1) != hardware.multiprocessor_count:
+                        continue
+                except ValueError as exc:
+                    raise FactorError(f"tuning file {p}: {exc}") from exc
+                factors = {k: FactorTuning(k, v, str(p)) for k, v in data.items()
+                           if k not in ("device", "multiprocessor_count")}
+                return cls(factors, str(p), warn, problems)
+            except FactorError as exc:
+                problems.append(str(exc))
+                warnings.warn(f"{exc}; skipped (its shapes run on the kernels' defaults)",
+                              TuningWarning, stacklevel=2)
+        return cls(warn=warn, problems=problems)
 
     def override(self, factor: str, fn) -> None:
         """Use ``fn(sizes) -> int`` for ``factor``'s tuned dim (the tuner forces each choice);

@@ -53,11 +53,50 @@ def test_no_file_for_this_device_or_no_gpu(tmp_path):
     assert TuningTable.for_hardware(fewer_sms, write(tmp_path, TABLE)).factors == {}
 
 
-def test_malformed_file_is_a_clear_error(tmp_path):
-    bad = {**TABLE, "moe_fused_gemm": {**TABLE["moe_fused_gemm"],
-                                       "shapes": [{"H": 64, "I": 32, "G": 8, "K": 2, "by_T": [[1, "huge"]]}]}}
-    with pytest.raises(FactorError, match=r"tuning file .*moe_fused_gemm.*huge"):
-        TuningTable.for_hardware(H200, write(tmp_path, bad))
+def _mt(**over):
+    return {**TABLE, "moe_fused_gemm": {**TABLE["moe_fused_gemm"], **over}}
+
+
+SHAPE = {"H": 64, "I": 32, "G": 8, "K": 2}
+
+
+@pytest.mark.parametrize("body,why", [
+    (_mt(shapes=[{**SHAPE, "by_T": [[1, "huge"]]}]), "huge"),
+    (_mt(shapes=[{**SHAPE, "by_T": [[1, 99]]}]), "choice 99"),
+    (_mt(shapes=[{**SHAPE, "by_T": [[64]]}]), "IndexError"),
+    (_mt(shapes=[{**SHAPE, "by_T": [[-1, "tiny"]]}]), "by_T T"),
+    (_mt(shapes=[{**SHAPE, "by_T": [[1.5, "tiny"]]}]), "by_T T"),
+    (_mt(shapes=[{**SHAPE, "by_T": [[1, "tiny"]]}] * 2), "listed twice"),
+    (_mt(values=["tiny"]), "values"),
+    (_mt(key=["H", "I", "GG", "K"]), "KeyError"),
+    ({**{k: v for k, v in TABLE.items() if k != "moe_fused_gemm"},
+      "moe_fused_gemm": {k: v for k, v in TABLE["moe_fused_gemm"].items() if k != "shapes"}}, "shapes"),
+    ({**TABLE, "multiprocessor_count": "lots"}, "multiprocessor_count"),
+    ([1, 2, 3], "expected a mapping"),
+])
+def test_malformed_file_is_reported_and_skipped(tmp_path, body, why):
+    with pytest.warns(TuningWarning, match=f"tuning file .*{why}.*skipped"):
+        t = TuningTable.for_hardware(H200, write(tmp_path, body))
+    assert t.factors == {} and len(t.problems) == 1 and why.split()[0] in t.problems[0]
+
+
+def test_unreadable_yaml_is_reported_and_skipped(tmp_path):
+    (tmp_path / "bad.yaml").write_text("device: [unclosed\n")
+    with pytest.warns(TuningWarning, match=r"tuning file .*bad.yaml: not readable YAML"):
+        t = TuningTable.for_hardware(H200, write(tmp_path, TABLE, "z_good.yaml"))
+    assert "moe_fused_gemm" in t.factors        # the good file further on still serves
+
+
+def test_registry_keeps_working_with_a_broken_tuning_file(tmp_path):
+    import shutil
+    from ex_engine import _paths
+    shutil.copytree(_paths.manifests_dir(), tmp_path / "m", ignore=shutil.ignore_patterns("tuning"))
+    (tmp_path / "m" / "tuning").mkdir()
+    (tmp_path / "m" / "tuning" / "h200.yaml").write_text("- not a table\n")
+    (tmp_path / "none").mkdir()
+    with pytest.warns(TuningWarning, match="expected a mapping"):
+        reg = FactorRegistry.load(tmp_path / "none", hardware="h200", manifests_dir=tmp_path / "m")
+    assert any("tuning" in n for n in reg.notes) and reg.tuning.factors == {}
 
 
 def test_registry_passes_the_tuned_config_as_dims7(tmp_path):
