@@ -139,7 +139,8 @@ class TensorRef:
 
     @classmethod
     def of(cls, x, name: str = "array") -> "TensorRef":
-        """Describe ``x``. Raises TypeError naming ``name`` for anything that is not an array."""
+        """Describe ``x``. Raises DTypeError (a FactorError and a TypeError) naming ``name`` for
+        anything that is not an array."""
         kind = _KINDS.get(type(x))
         if kind is None:
             kind = _kind_of(x)
@@ -167,8 +168,9 @@ class TensorRef:
                 strides = tuple(s // dt.itemsize for s in cai["strides"])
             return cls(x, "cai", int(cai["data"][0]), shape, strides, _dtype_name(dt),
                        dt.itemsize, 0)
-        raise TypeError(f"argument '{name}': expected a NumPy/CuPy array or a torch tensor, "
-                        f"got {type(x).__name__}")
+        from .errors import DTypeError     # a FactorError (and a TypeError), naming the argument
+        raise DTypeError("ex_engine", name, "type", "a NumPy/CuPy array or a torch tensor",
+                         type(x).__name__)
 
     @classmethod
     def _from_buffer(cls, x, kind, ptr, device):

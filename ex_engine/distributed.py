@@ -402,6 +402,7 @@ class ExpertParallelMoE:
         if out is None:
             out = _empty_like(hidden_states)
         if self.count == 0:            # a rank with no experts (world_size > G): contributes 0
+            self._check_without_experts(hidden_states, topk_weights, topk_ids, out, router_logits)
             _zero(out)
             return out
         from .ops import moe_fused_gemm
@@ -411,6 +412,24 @@ class ExpertParallelMoE:
         return moe_fused_gemm(hidden_states, self.w13, self.w2, topk_weights, topk_ids,
                               router_logits=router_logits, expert_map=self._map_arg, out=out,
                               registry=self.registry)
+
+    def _check_without_experts(self, hidden_states, topk_weights, topk_ids, out, router_logits):
+        """The factor's argument checks for a rank that holds no expert (nothing to launch):
+        its manifest binds the caller's arrays with a one-expert stand-in for w13/w2 (no
+        memory), so a bad dtype, shape, layout or device raises here as on the other ranks.
+        topk_ids' values are checked on the ranks that own experts (check_device_errors)."""
+        from .arrays import TensorRef
+        m = self.registry.manifest("moe_fused_gemm")
+
+        def stand_in(shape):
+            strides = tuple(int(np.prod(shape[i + 1:])) for i in range(len(shape)))
+            return TensorRef(None, self.kind, 0, shape, strides, self.dtype, 2, self.device, True)
+        arrays = {"hidden_states": hidden_states, "out": out, "topk_weights": topk_weights,
+                  "topk_ids": topk_ids, "router_logits": router_logits, "expert_map": self._map_arg}
+        refs = {k: TensorRef.of(v, k) for k, v in arrays.items() if v is not None}
+        refs["w13"] = stand_in((1, 2 * self.I, self.H))
+        refs["w2"] = stand_in((1, self.H, self.I))
+        m.bind(refs)
 
     def forward(self, hidden_states, topk_weights, topk_ids, *, out=None, router_logits=None):
         """The layer's full routed-expert output on every rank: forward_local, then an NCCL

@@ -177,19 +177,21 @@ class Manifest:
         name = self.name
         pvals = self.param_values(params or {})
         sizes: dict = {}
-        refs = []
+        tensors = self.tensors
+        refs = [None] * len(tensors)
         device = None
-        for spec in self.tensors:
+        # inputs first, outputs last: the sizes come from what the caller computes with, so a
+        # wrongly sized output is the argument an error names
+        for i in sorted(range(len(tensors)), key=lambda i: tensors[i].role == "output"):
+            spec = tensors[i]
             if spec.role == "workspace":
-                refs.append(None)
                 continue
             ref = arrays.get(self.output.name) if spec.same_as_output else arrays.get(spec.name)
             if ref is None:
                 if spec.optional:
-                    refs.append(None)
                     continue
                 raise ArgumentError(name, spec.name, "required", "an array", "None")
-            refs.append(ref)
+            refs[i] = ref
             if spec.same_as_output:
                 continue
             if spec.dtypes and ref.dtype not in spec.dtypes:

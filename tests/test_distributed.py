@@ -9,7 +9,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from ex_engine import ArgumentError, FactorError, FactorRegistry, ShapeError, moe_fused_gemm
+from ex_engine import ArgumentError, DTypeError, FactorError, FactorRegistry, ShapeError, moe_fused_gemm
 from ex_engine.distributed import (ExpertParallelMoE, expert_owner, expert_partition,
                                    make_expert_map)
 from tests.conftest import ROOT
@@ -167,6 +167,13 @@ def test_rank_without_experts_writes_zeros(reg):
     assert layer.count == 0 and layer.w13.shape == (0, 32, 32)
     out = layer.forward_local(x, w, ids, out=np.full((4, 32), np.nan, ml_dtypes.bfloat16))
     assert (out.astype(np.float32) == 0).all()
+    # nothing to launch there, but the same argument checks as on the ranks with experts
+    with pytest.raises(ShapeError, match="'out'"):
+        layer.forward_local(x, w, ids, out=np.zeros((3, 3), ml_dtypes.bfloat16))
+    with pytest.raises(DTypeError, match="'topk_ids'"):
+        layer.forward_local(x, w, ids.astype(np.int64))
+    with pytest.raises(DTypeError, match="'topk_weights'"):
+        layer.forward_local(x, w.astype(np.float64), ids)
 
 
 def test_from_global_copies_or_views(reg):

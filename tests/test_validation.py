@@ -102,7 +102,7 @@ def test_missing_required_argument(reg):
 
 
 def test_not_an_array(reg):
-    with pytest.raises(TypeError, match="argument 'router_logits': expected a NumPy/CuPy array or a torch tensor, got list"):
+    with pytest.raises(DTypeError, match="argument 'router_logits': type: expected a NumPy/CuPy array or a torch tensor, got list"):
         topk_softmax([[1.0, 2.0]], 1, registry=reg)
 
 

@@ -41,7 +41,7 @@ CONTRACTS = {
         optional={"router_logits", "expert_map"}, row_strided=set(),
         same_dtype={"out": "hidden_states", "w13": "hidden_states", "w2": "hidden_states"},
         # G (global experts) is E unless an array gives it; without an expert_map it must be E
-        ok_sizes=lambda s, present: (1 <= s["K"] <= s.get("G", s["E"]) and s["H"] >= 1 and s["I"] >= 1
+        ok_sizes=lambda s, present: (1 <= s["K"] <= s.get("G", s["E"]) and s["E"] >= 1 and s["H"] >= 1 and s["I"] >= 1
                                      and ("expert_map" in present or s.get("G", s["E"]) == s["E"])),
         params=lambda d: {}),
 }
