@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Markdown table of bench_moe.py's JSON, with PERF.md's vLLM times beside ours.
     python3 benchmarks/table_moe.py bench_moe.json"""
+import argparse
 import json
 import sys
 
@@ -30,4 +31,6 @@ def main(path):
               f"{vl} | {vr} | {fb} |")
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("json", help="the --json output of benchmarks/bench_moe.py")
+    main(ap.parse_args().json)

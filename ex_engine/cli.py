@@ -14,6 +14,17 @@ from .errors import FactorError
 from .hardware import Hardware, list_profiles, resolve
 
 
+def _token_count(v: str) -> int:
+    """argparse type: an integer T >= 0."""
+    try:
+        n = int(v)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {v!r}")
+    return n
+
+
 def _prefer(items) -> dict:
     """{'name': 'file.so'} from ['name=file.so', ...]. Raises FactorError on a bad item."""
     out = {}
@@ -182,8 +193,9 @@ def build_parser() -> argparse.ArgumentParser:
     common(q)
     q.add_argument("--model", default="qwen3-30b-a3b",
                    help="a model of manifests/moe_models.yaml, or 'all' (default: %(default)s)")
-    q.add_argument("--tokens", type=int, nargs="+", default=[64], help="token counts T (default: 64)")
-    q.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16", help="(default: %(default)s)")
+    q.add_argument("--tokens", type=_token_count, nargs="+", default=[64], help="token counts T >= 0 (default: 64)")
+    q.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16",
+                   help="activation and weight dtype (default: %(default)s)")
     q.add_argument("--seed", type=int, default=0, help="random seed (default: %(default)s)")
     q.add_argument("--repeat", type=int, default=10, help="timed calls per factor on a GPU (default: %(default)s)")
     q.set_defaults(fn=cmd_run_moe)
@@ -229,6 +241,10 @@ def main(argv=None) -> int:
     except FactorError as exc:
         print(f"ex-engine: error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:          # `ex-engine list-factors | head`: the reader left early
+        import os
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
 
 
 if __name__ == "__main__":

@@ -167,9 +167,22 @@ def reference_f64(x, w13, w2, w, ids):
     return out
 
 
+def token_count(v: str) -> int:
+    """argparse type: an integer T >= 0."""
+    try:
+        n = int(v)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {v!r}")
+    return n
+
+
 def rel_err(out, ref) -> float:
-    """||out - ref|| / ||ref|| in float64; inf if out has a NaN or ref is zero."""
+    """||out - ref|| / ||ref|| in float64; inf if out has a NaN or ref is zero; 0 when empty."""
     o = out.double()
+    if o.numel() == 0:
+        return 0.0
     if bool(torch.isnan(o).any()):
         return math.inf
     den = float(ref.double().norm())
@@ -387,7 +400,7 @@ def main(argv=None) -> int:
     ap.add_argument("--models", nargs="+", default=DEFAULT_MODELS, choices=sorted(MODELS),
                     metavar="MODEL", help=f"models of manifests/moe_models.yaml (default: "
                                           f"{' '.join(DEFAULT_MODELS)}; any of {', '.join(sorted(MODELS))})")
-    ap.add_argument("--tokens", nargs="+", type=int, default=[64, 4096], metavar="T",
+    ap.add_argument("--tokens", nargs="+", type=token_count, default=[64, 4096], metavar="T",
                     help="token counts (default: 64 4096)")
     ap.add_argument("--dtype", default="bfloat16", choices=sorted(TORCH_DTYPES),
                     help="activation and weight dtype (default bfloat16)")

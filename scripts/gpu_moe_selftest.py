@@ -36,8 +36,11 @@ import sys
 from ctypes import POINTER, CFUNCTYPE, Structure, c_char, c_char_p, c_int, c_int32, c_int64, c_uint32, c_void_p
 
 import numpy as np
-import cupy as cp
-import cupyx
+try:                       # a GPU script; without CuPy only --help works
+    import cupy as cp
+    import cupyx
+except ImportError:
+    cp = cupyx = None
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -689,7 +692,7 @@ def main():
     ap.add_argument("--lib", "--so", dest="libs", action="append", default=None,
                     help="plugin library to test (repeatable); default: factors/moe_fused_gemm.so and "
                          "factors/moe_fused_gemm_sm90.so")
-    ap.add_argument("--no-timing", action="store_true")
+    ap.add_argument("--no-timing", action="store_true", help="correctness only, no timings")
     ap.add_argument("--quick", action="store_true", help="small cases only")
     ap.add_argument("--no-forced", action="store_true",
                     help=f"skip the extra pass of the sm90 plugin with {FORCE_ENV}=0")
@@ -700,6 +703,9 @@ def main():
     ap.add_argument("--rotate", type=int, default=4,
                     help="input sets rotated in the decode timings (weights not served from L2)")
     a = ap.parse_args()
+    if cp is None:
+        print("gpu_moe_selftest: needs CuPy and a CUDA GPU", file=sys.stderr)
+        return 2
 
     explicit = a.libs is not None
     libs = a.libs or [os.path.join(ROOT, "factors", "moe_fused_gemm.so"),

@@ -15,8 +15,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import cupy  # noqa: E402
-
 from ex_engine import FactorRegistry, moe_fused_gemm, topk_softmax  # noqa: E402
 from ex_engine.moe_layer import MoELayer, load_models  # noqa: E402
 
@@ -27,6 +25,11 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, nargs="+", default=[1], help="token counts T")
     ap.add_argument("--factors", default=None, help="plugin folder (default factors/)")
     args = ap.parse_args()
+    try:
+        import cupy
+    except ImportError:
+        print("profile_moe: needs CuPy and a CUDA GPU", file=sys.stderr)
+        return 2
     reg = FactorRegistry.load(args.factors)
     models = load_models()
     for m in args.models:
