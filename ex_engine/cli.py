@@ -14,7 +14,7 @@ from .errors import FactorError
 from .hardware import Hardware, list_profiles, resolve
 
 
-def _token_count(v: str) -> int:
+def token_count(v: str) -> int:
     """argparse type: an integer T >= 0."""
     try:
         n = int(v)
@@ -193,7 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
     common(q)
     q.add_argument("--model", default="qwen3-30b-a3b",
                    help="a model of manifests/moe_models.yaml, or 'all' (default: %(default)s)")
-    q.add_argument("--tokens", type=_token_count, nargs="+", default=[64], help="token counts T >= 0 (default: 64)")
+    q.add_argument("--tokens", type=token_count, nargs="+", default=[64], help="token counts T >= 0 (default: 64)")
     q.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16",
                    help="activation and weight dtype (default: %(default)s)")
     q.add_argument("--seed", type=int, default=0, help="random seed (default: %(default)s)")

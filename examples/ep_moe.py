@@ -51,6 +51,7 @@ from ex_engine import FactorRegistry, moe_fused_gemm, set_default_registry, topk
 from ex_engine.distributed import (ExpertParallelMoE, expert_owner, expert_partition,  # noqa: E402
                                    init_from_env, shutdown)
 from ex_engine.hardware import Hardware  # noqa: E402
+from ex_engine.cli import token_count  # noqa: E402
 from ex_engine.moe_layer import load_models  # noqa: E402
 
 MODELS = load_models()
@@ -165,17 +166,6 @@ def reference_f64(x, w13, w2, w, ids):
         y = act @ w2[e].double().T
         out.index_add_(0, tok, w[tok, slot].double()[:, None] * y)
     return out
-
-
-def token_count(v: str) -> int:
-    """argparse type: an integer T >= 0."""
-    try:
-        n = int(v)
-    except ValueError:
-        n = -1
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {v!r}")
-    return n
 
 
 def rel_err(out, ref) -> float:
