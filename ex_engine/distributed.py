@@ -113,6 +113,8 @@ def init_from_env(backend: str = "nccl") -> DistInfo:
     rank, world = _env_int("RANK", None), _env_int("WORLD_SIZE", None)
     if rank is None or world is None:
         return DistInfo(0, 1, local_rank)
+    if world < 1:
+        raise ArgumentError("init_from_env", "WORLD_SIZE", "a process count", "WORLD_SIZE >= 1", world)
     if not 0 <= rank < world:
         raise ArgumentError("init_from_env", "RANK", "0 <= RANK < WORLD_SIZE",
                             f"0 <= RANK < {world}", rank)
@@ -358,7 +360,12 @@ class ExpertParallelMoE:
             raise ShapeError("ExpertParallelMoE.from_global", "w2", "shape", f"({r13.shape[0]}, H, I)",
                              r2.shape)
         G = r13.shape[0]
-        if rank is None or world_size is None:
+        if (rank is None) != (world_size is None):
+            given, missing = ("rank", "world_size") if world_size is None else ("world_size", "rank")
+            raise ArgumentError("ExpertParallelMoE.from_global", missing, f"given with {given}",
+                                "both rank and world_size, or neither (from torch.distributed)",
+                                f"{given} only")
+        if rank is None:
             r, n = cls._dist_rank_world(group)
             rank = r if rank is None else rank
             world_size = n if world_size is None else world_size

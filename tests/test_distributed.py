@@ -223,3 +223,21 @@ def test_forward_all_reduce_over_gloo(nproc, E):
     text = r.stdout + r.stderr
     assert r.returncode == 0, text[-4000:]
     assert text.count("PASS") == nproc and "FAIL" not in text, text[-4000:]
+
+
+def test_from_global_needs_rank_and_world_size_together(reg):
+    rng = np.random.default_rng(5)
+    _, w13, w2, _, _ = _layer(rng, 2, 32, 16, 4, 2, "bfloat16")
+    with pytest.raises(ArgumentError, match="'world_size'.*both rank and world_size"):
+        ExpertParallelMoE.from_global(w13, w2, rank=1, registry=reg)
+    with pytest.raises(ArgumentError, match="'rank'"):
+        ExpertParallelMoE.from_global(w13, w2, world_size=2, registry=reg)
+
+
+def test_init_from_env_names_a_bad_world_size(monkeypatch):
+    pytest.importorskip("torch")
+    from ex_engine.distributed import init_from_env
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "0")
+    with pytest.raises(ArgumentError, match="'WORLD_SIZE'"):
+        init_from_env(backend="gloo")
