@@ -384,9 +384,9 @@ class ExpertParallelMoE:
         return 0, 1
 
     def __repr__(self) -> str:
-        return (f"ExpertParallelMoE(rank {self.rank}/{self.world_size}: experts {self.first}.."
-                f"{self.first + self.count - 1} of {self.num_experts}, H={self.H}, I={self.I}, "
-                f"{self.dtype}, {self.kind})")
+        held = (f"experts {self.first}..{self.first + self.count - 1}" if self.count else "no experts")
+        return (f"ExpertParallelMoE(rank {self.rank}/{self.world_size}: {held} of {self.num_experts}, "
+                f"H={self.H}, I={self.I}, {self.dtype}, {self.kind})")
 
     # ---- compute ------------------------------------------------------------------------------
     def forward_local(self, hidden_states, topk_weights, topk_ids, *, out=None, router_logits=None):
