@@ -38,12 +38,12 @@
 #include <cuda_bf16.h>
 
 #include <climits>
-#include <cstdarg>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
 
 #include "ex_engine.h"
+#include "ex_plugin.cuh"
 
 EX_DEFINE_ABI_VERSION();
 
@@ -247,25 +247,10 @@ fused_add_rmsnorm_generic_kernel(T* x_out, const T* x_in, T* residual, const T* 
 // Host side
 // ------------------------------------------------------------------------------------------
 
-thread_local char g_last_error[256] = "";
 ex_factor_t g_factor;
 int g_threads = kMaxThreads;  // most threads per block, set from the hardware by ex_get_factor
-
-ex_status_t fail(ex_status_t st, const char* fmt, ...) __attribute__((format(printf, 2, 3)));
-ex_status_t fail(ex_status_t st, const char* fmt, ...) {
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(g_last_error, sizeof g_last_error, fmt, ap);
-    va_end(ap);
-    return st;
-}
-
-ex_status_t check_launch() {
-    const cudaError_t err = cudaGetLastError();
-    if (err != cudaSuccess)
-        return fail(EX_ERR_CUDA, "%s: %s", cudaGetErrorName(err), cudaGetErrorString(err));
-    return EX_OK;
-}
+using explugin::check_launch;
+using explugin::fail;
 
 struct Args {
     void* x_out;
@@ -339,7 +324,7 @@ ex_status_t launch_generic(const Args& a) {
 // Shared argument checks.  Returns EX_OK with a.T == 0 when there is nothing to do.
 ex_status_t parse_args(void* output, const void* input, const void* aux_inputs[], int n_aux,
                        const int64_t dims[], int n_dims, void* stream, Args& a, int& dtype) {
-    g_last_error[0] = '\0';
+    explugin::clear_error();
     if (dims == nullptr || n_dims < 6)  // {T, H, dtype, eps_bits, x_row_stride, residual_row_stride}
         return fail(EX_ERR_INVALID_ARGUMENT,
                     "fused_add_rmsnorm: expected 6 dims {T, H, dtype, eps_bits, x_row_stride, residual_row_stride}, got %d",
@@ -381,11 +366,7 @@ int run_for_dtype(void* output, const void* input, const void* aux_inputs[], int
     int dtype = 0;
     const ex_status_t st = parse_args(output, input, aux_inputs, n_aux, dims, n_dims, stream, a, dtype);
     if (st != EX_OK || a.T == 0) return st;
-    switch (dtype) {
-        case EX_DTYPE_FLOAT32: return launch(float{}, a);
-        case EX_DTYPE_FLOAT16: return launch(__half{}, a);
-        default: return launch(__nv_bfloat16{}, a);
-    }
+    return explugin::launch_for_dtype(dtype, a, launch);
 }
 
 int fused_add_rmsnorm(void* output, const void* input, const void* aux_inputs[], int n_aux,
@@ -400,16 +381,13 @@ int fused_add_rmsnorm_generic(void* output, const void* input, const void* aux_i
                          [](auto t, const Args& a) { return launch_generic<decltype(t)>(a); });
 }
 
-const char* fused_add_rmsnorm_last_error() { return g_last_error; }
-
 }  // namespace
 
 // Written for 32-lane warps (warp_sum, 32 warp slots in the reduction buffer): on hardware
 // with another warp size (the BI-V100 schedules 64) the factor declines (NULL).
 extern "C" EX_EXPORT ex_factor_t* ex_get_factor(const ex_hardware_t* hw) {
     if (hw == nullptr || hw->warp_size != 32 || hw->max_threads_per_block < 32) return nullptr;
-    const int threads = hw->max_threads_per_block >= kMaxThreads ? kMaxThreads
-                                                                 : (hw->max_threads_per_block / 32) * 32;
+    const int threads = explugin::block_threads(hw, kMaxThreads);
     g_threads = threads;
     g_factor.abi_version = EX_ABI_VERSION;
     g_factor.factor_id = EX_FACTOR_FUSED_ADD_RMSNORM;
@@ -424,7 +402,7 @@ extern "C" EX_EXPORT ex_factor_t* ex_get_factor(const ex_hardware_t* hw) {
     g_factor.kernel = fused_add_rmsnorm;
     g_factor.kernel_fallback = fused_add_rmsnorm_generic;
     g_factor.workspace_size = nullptr;
-    g_factor.last_error = fused_add_rmsnorm_last_error;
+    g_factor.last_error = explugin::last_error;
     g_factor.priority = 0;
     g_factor.reserved_i32 = 0;
     g_factor.description =

@@ -25,7 +25,7 @@ extern "C" EX_EXPORT ex_factor_t* ex_get_factor(const ex_hardware_t* hw) {
     s_factor.kernel = moe_kernel;
     s_factor.kernel_fallback = moe_kernel_fallback;
     s_factor.workspace_size = moe_workspace_size;
-    s_factor.last_error = moe_last_error;
+    s_factor.last_error = explugin::last_error;
     s_factor.priority = 0;
     s_factor.reserved_i32 = 0;
     s_factor.description =

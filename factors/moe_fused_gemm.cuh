@@ -114,6 +114,7 @@
 #include <type_traits>
 
 #include "ex_engine.h"
+#include "ex_plugin.cuh"
 
 // Everything below lives in namespace exmoe, so that a plugin can include other libraries'
 // headers (CUTLASS/CuTe define cp_async_wait and friends too) in the same translation unit.
@@ -917,20 +918,24 @@ static cudaError_t launch_k(void (*kern)(KArgs...), dim3 grid, dim3 block, size_
     return cudaLaunchKernelEx(&cfg, kern, args...);
 }
 
-static thread_local char t_last_error[256];
-
+// the last-error text is ex_plugin.cuh's (ex_factor_t.last_error = explugin::last_error)
 static int set_error(int status, const char* msg) {
-    snprintf(t_last_error, sizeof t_last_error, "%s", msg);
-    return status;
+    return explugin::fail(static_cast<ex_status_t>(status), "%s", msg);
 }
 static int cuda_error(cudaError_t err) {
-    snprintf(t_last_error, sizeof t_last_error, "%s: %s", cudaGetErrorName(err),
-             cudaGetErrorString(err));
-    return EX_ERR_CUDA;
+    return explugin::fail(EX_ERR_CUDA, "%s: %s", cudaGetErrorName(err), cudaGetErrorString(err));
 }
-static const char* moe_last_error(void) { return t_last_error; }
 
 static int64_t align256(int64_t v) { return (v + 255) & ~(int64_t)255; }
+
+// Blocks of a grid-stride launch: enough for `items` at `per_block` each, at most `per_sm` blocks
+// on each SM, at least 1.
+static unsigned capped_blocks(int64_t items, int64_t per_block, int64_t per_sm) {
+    int64_t blocks = (items + per_block - 1) / per_block;
+    const int64_t cap = (int64_t)s_num_sms * per_sm;
+    if (blocks > cap) blocks = cap;
+    return blocks < 1 ? 1u : (unsigned)blocks;
+}
 
 struct Problem {
     int64_t T, H, E, I, K, dtype;
@@ -1009,7 +1014,7 @@ static WsLayout ws_layout(const Problem& P) {
 static int check_args(void* output, const void* input, const void* aux[], int n_aux,
                       const int64_t dims[], int n_dims, Problem* P, bool* done) {
     *done = false;
-    t_last_error[0] = '\0';
+    explugin::clear_error();
     char msg[192];
     if (aux == nullptr || dims == nullptr)
         return set_error(EX_ERR_INVALID_ARGUMENT, "moe_fused_gemm: aux_inputs and dims must not be NULL");
@@ -1175,11 +1180,8 @@ static int launch_fast(const Problem& P, void* out, const void* x, const void* w
                         dim3(C::THREADS), C::smem_bytes(false), stream, pdl, p2)) != cudaSuccess)
         return cuda_error(err);
 
-    const int64_t vec = P.T * (P.H / 8);
-    int64_t cblocks = (vec + kSimpleThreads - 1) / kSimpleThreads;
-    const int64_t cap = (int64_t)s_num_sms * 16;
-    if (cblocks > cap) cblocks = cap;
-    if ((err = launch_k(moe_combine_kernel<T>, dim3((unsigned)cblocks), dim3(kSimpleThreads), 0,
+    const unsigned cblocks = capped_blocks(P.T * (P.H / 8), kSimpleThreads, 16);
+    if ((err = launch_k(moe_combine_kernel<T>, dim3(cblocks), dim3(kSimpleThreads), 0,
                         stream, pdl, static_cast<T*>(out), static_cast<const T*>(y), topk_ids,
                         P.em(), (int)P.T, H, E, K, S, (long long)(P.TK * P.H))) != cudaSuccess)
         return cuda_error(err);
@@ -1251,16 +1253,13 @@ static int launch_fallback(const Problem& P, void* out, const void* x, const voi
     const WsLayout L = ws_layout(P);
     int* status = reinterpret_cast<int*>(ws);
     T* act = reinterpret_cast<T*>(ws + L.act);
-    const int64_t warps_per_block = kSimpleThreads / 32;
-    const int64_t cap = (int64_t)s_num_sms * 64;
-    int64_t b1 = (P.TK * P.I + warps_per_block - 1) / warps_per_block;
-    int64_t b2 = (P.T * P.H + warps_per_block - 1) / warps_per_block;
-    if (b1 > cap) b1 = cap;
-    if (b2 > cap) b2 = cap;
-    moe_fallback_act_kernel<T><<<(unsigned)b1, kSimpleThreads, 0, stream>>>(
+    const int64_t warps_per_block = kSimpleThreads / 32;  // a warp per dot product
+    const unsigned b1 = capped_blocks(P.TK * P.I, warps_per_block, 64);
+    const unsigned b2 = capped_blocks(P.T * P.H, warps_per_block, 64);
+    moe_fallback_act_kernel<T><<<b1, kSimpleThreads, 0, stream>>>(
         act, static_cast<const T*>(x), static_cast<const T*>(w13), ids, P.em(), status, P.TK, (int)P.H,
         (int)P.E, (int)P.I, (int)P.K);
-    moe_fallback_out_kernel<T><<<(unsigned)b2, kSimpleThreads, 0, stream>>>(
+    moe_fallback_out_kernel<T><<<b2, kSimpleThreads, 0, stream>>>(
         static_cast<T*>(out), act, static_cast<const T*>(w2), tw, ids, P.em(), P.T, (int)P.H, (int)P.E,
         (int)P.I, (int)P.K);
     const cudaError_t err = cudaGetLastError();

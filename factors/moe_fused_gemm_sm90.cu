@@ -507,16 +507,10 @@ static int launch_sm90(const Problem& P, void* out, const void* x, const void* w
     if (rs != EX_OK) return rs;  // EX_FALLBACK: absurd E
 
     // 2. group arguments + gather (a warp per row; grid capped, grid-stride)
-    {
-        const int64_t cap = (int64_t)s_num_sms * 8;
-        int64_t blocks = (P.TK * 32 + kPrepThreads - 1) / kPrepThreads;
-        if (blocks > cap) blocks = cap;
-        if (blocks < 1) blocks = 1;
-        sm90_prepare_kernel<T, G><<<(unsigned)blocks, kPrepThreads, 0, stream>>>(
-            static_cast<const T*>(x), bufA, sorted, meta, expert_off, slot_pos,
-            static_cast<const T*>(w13), static_cast<const T*>(w2), bufB, bufA, bufB, H, I, E, K,
-            ga[0], ga[1]);
-    }
+    sm90_prepare_kernel<T, G><<<capped_blocks(P.TK * 32, kPrepThreads, 8), kPrepThreads, 0, stream>>>(
+        static_cast<const T*>(x), bufA, sorted, meta, expert_off, slot_pos,
+        static_cast<const T*>(w13), static_cast<const T*>(w2), bufB, bufA, bufB, H, I, E, K,
+        ga[0], ga[1]);
     cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess) return cuda_error(err);
 
@@ -526,29 +520,17 @@ static int launch_sm90(const Problem& P, void* out, const void* x, const void* w
     if (st != EX_OK) return st;
 
     // 4. act = silu(g) * u (valid rows only; the bound on the grid is from dims)
-    {
-        const int64_t vec = P.TK * (P.I / 8);
-        int64_t blocks = (vec + kSimpleThreads - 1) / kSimpleThreads;
-        const int64_t cap = (int64_t)s_num_sms * 16;
-        if (blocks > cap) blocks = cap;
-        if (blocks < 1) blocks = 1;
-        sm90_silu_mul_kernel<T><<<(unsigned)blocks, kSimpleThreads, 0, stream>>>(bufA, bufB, meta, I);
-    }
+    sm90_silu_mul_kernel<T><<<capped_blocks(P.TK * (P.I / 8), kSimpleThreads, 16), kSimpleThreads, 0,
+                              stream>>>(bufA, bufB, meta, I);
 
     // 5. GEMM2: ys = act . w2[e]^T per expert
     st = run_grouped_gemm<G, 2>(ga[1], E, cutlass_ws, key, stream);
     if (st != EX_OK) return st;
 
     // 6. weighted combine in fp32
-    {
-        const int64_t vec = P.T * (P.H / 8);
-        int64_t blocks = (vec + kSimpleThreads - 1) / kSimpleThreads;
-        const int64_t cap = (int64_t)s_num_sms * 16;
-        if (blocks > cap) blocks = cap;
-        if (blocks < 1) blocks = 1;
-        sm90_combine_kernel<T><<<(unsigned)blocks, kSimpleThreads, 0, stream>>>(
-            static_cast<T*>(out), bufB, slot_pos, tw, ids, P.em(), (int)P.T, H, E, K);
-    }
+    sm90_combine_kernel<T><<<capped_blocks(P.T * (P.H / 8), kSimpleThreads, 16), kSimpleThreads, 0,
+                             stream>>>(static_cast<T*>(out), bufB, slot_pos, tw, ids, P.em(), (int)P.T,
+                                       H, E, K);
     if ((err = cudaGetLastError()) != cudaSuccess) return cuda_error(err);
     return EX_OK;
 }
@@ -625,7 +607,7 @@ extern "C" EX_EXPORT ex_factor_t* ex_get_factor(const ex_hardware_t* hw) {
     s_factor.kernel = sm90_kernel;
     s_factor.kernel_fallback = moe_kernel_fallback;
     s_factor.workspace_size = sm90_workspace_size;
-    s_factor.last_error = moe_last_error;
+    s_factor.last_error = explugin::last_error;
     s_factor.priority = 10;
     s_factor.reserved_i32 = 0;
     s_factor.description =
