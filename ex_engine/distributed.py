@@ -213,12 +213,8 @@ def make_expert_map(num_experts: int, world_size: int, rank: int) -> np.ndarray:
 # array helpers (NumPy, CuPy, Bits16, torch), no torch import unless the array is torch's
 # ---------------------------------------------------------------------------------------------
 def _kind(x) -> str:
-    mod = type(x.bits if isinstance(x, Bits16) else x).__module__
-    if mod.startswith("torch"):
-        return "torch"
-    if mod.startswith("cupy"):
-        return "cupy"
-    return "numpy"
+    """'torch', 'cupy' or 'numpy' (a Bits16 by the array it wraps): arrays.TensorRef's kinds."""
+    return TensorRef.of(x).kind
 
 
 def _slice_experts(w, first: int, count: int, copy: bool):
@@ -255,18 +251,6 @@ def _zero(out) -> None:
         out.zero_()
     else:
         out[...] = 0
-
-
-def _empty_like(x):
-    if isinstance(x, Bits16):
-        return Bits16(_empty_like(x.bits), x.dtype)
-    if _kind(x) == "torch":
-        import torch
-        return torch.empty_like(x, memory_format=torch.contiguous_format)
-    if _kind(x) == "cupy":
-        import cupy
-        return cupy.empty_like(x)
-    return np.empty_like(x)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -406,13 +390,13 @@ class ExpertParallelMoE:
         if ref.kind != self.kind or ref.device != self.device:
             raise DeviceError("ExpertParallelMoE", "hidden_states", "same library and device as the weights",
                               f"{self.kind} on device {self.device}", f"{ref.kind} on device {ref.device}")
+        from .ops import _empty, moe_fused_gemm
         if out is None:
-            out = _empty_like(hidden_states)
+            out = _empty(ref, ref.shape, ref.dtype)   # ops' allocator: same library and device
         if self.count == 0:            # a rank with no experts (world_size > G): contributes 0
             self._check_without_experts(hidden_states, topk_weights, topk_ids, out, router_logits)
             _zero(out)
             return out
-        from .ops import moe_fused_gemm
         if self._map_arg is None:
             return moe_fused_gemm(hidden_states, self.w13, self.w2, topk_weights, topk_ids,
                                   router_logits=router_logits, out=out, registry=self.registry)

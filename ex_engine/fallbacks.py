@@ -158,12 +158,14 @@ def moe_fused_gemm(arrays, sizes, params):
     hs = arrays["hidden_states"]
     xp, dt = hs.xp(), hs.dtype
     w13_raw, w2_raw = arrays["w13"].raw(), arrays["w2"].raw()
-    emap = arrays.get("expert_map")
-    ids, n_invalid, n_bad_map = apply_expert_map(
-        xp, arrays["topk_ids"].raw(), None if emap is None else emap.raw(), sizes["E"])
-    out, _ = moe_fused_gemm_math(
+    ids, emap, n_bad_map = arrays["topk_ids"].raw(), arrays.get("expert_map"), 0
+    if emap is not None:      # global ids -> local (-1 elsewhere); counts the bad ones itself
+        ids, n_invalid, n_bad_map = apply_expert_map(xp, ids, emap.raw(), sizes["E"])
+    out, n_outside = moe_fused_gemm_math(
         xp, hs.load_f32(), lambda e: _f32(xp, w13_raw[e], dt), lambda e: _f32(xp, w2_raw[e], dt),
         arrays["topk_weights"].raw(), ids, sizes["E"], dt)
+    if emap is None:
+        n_invalid = n_outside     # ids outside [0, E) (with a map, -1 also means "another rank")
     arrays["out"].store(out)
     flags = {}
     if n_invalid:

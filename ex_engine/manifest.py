@@ -111,6 +111,9 @@ class Manifest:
             m.input = TensorSpec(**{**m.output.__dict__, "role": "input", "same_as_output": True})
         m._constraints = [_CONSTRAINT.match(c) for c in m.constraints]
         m._absent = [(t, _CONSTRAINT.match(t.absent_requires)) for t in m.aux if t.absent_requires]
+        # bind checks inputs first, outputs last: the sizes come from what the caller computes
+        # with, so a wrongly sized output is the argument an error names
+        m._bind_order = sorted(range(len(m.tensors)), key=lambda i: m.tensors[i].role == "output")
         if not all(m._constraints) or not all(c for _, c in m._absent):
             raise FactorError(f"manifest {path}: constraint not of the form 'A <= B': {m.constraints}")
         return m
@@ -180,9 +183,7 @@ class Manifest:
         tensors = self.tensors
         refs = [None] * len(tensors)
         device = None
-        # inputs first, outputs last: the sizes come from what the caller computes with, so a
-        # wrongly sized output is the argument an error names
-        for i in sorted(range(len(tensors)), key=lambda i: tensors[i].role == "output"):
+        for i in self._bind_order:
             spec = tensors[i]
             if spec.role == "workspace":
                 continue
