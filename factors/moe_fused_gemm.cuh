@@ -55,8 +55,14 @@
  *                    tile count the router wrote and exit.
  *                    T*K <= 32 with the BM=16 configs (decode): no routing launch; every GEMM1
  *                    block routes the slots itself in one warp (ballots, shuffles: the same tile
- *                    list) and block 0 writes the routing for GEMM2 (EX_MOE_DECODE_CONFIG=unfused
- *                    keeps the separate launch, for comparison).
+ *                    list), and so does every GEMM2 block, which issues the cp.async of its
+ *                    first STAGES-1 weight tiles before its griddepcontrol.wait (topk_ids and w2
+ *                    are inputs that GEMM1 already waited for), then waits and loads act (only
+ *                    where GEMM1 fits in one wave, else GEMM2 reads the routing GEMM1's block 0
+ *                    wrote). A grid that fits in one wave lets the next one launch right after
+ *                    its own wait, so GEMM2's blocks fill the SM slots GEMM1 leaves free and
+ *                    stream w2 during GEMM1's tail (EX_MOE_DECODE_CONFIG=late: GEMM2 reads the routing GEMM1's
+ *                    block 0 wrote, launches after main loops; unfused: separate routing launch).
  *   kernel_fallback  any H, I, alignment (of the element type): warp per (slot, i) for act, warp
  *                    per (t, h) for out; scalar loads, fp32, no tensor cores. Same status rule.
  *
@@ -449,9 +455,12 @@ struct GemmParams {
     int m_tiles;               // > 0: block order M-tile fastest (blockIdx.x = ntile * m_tiles +
                                // tile), so the M-tiles of one expert read the same weight rows
                                // at the same time (L2 hits); 0: N-tile fastest
-    // Fused routing (GEMM1 of BM = 16 configs, T*K <= kFusedRouteSlots): route_ids != nullptr
-    // means there was no routing launch: each block routes the T*K slots itself in one warp,
-    // and block 0 writes meta, tiles, sorted_slots (w_*) and the status bits for GEMM2.
+    // Fused routing (BM = 16 configs, T*K <= kFusedRouteSlots): route_ids != nullptr means
+    // there was no routing launch: each block routes the T*K slots itself in one warp. GEMM1's
+    // block 0 writes meta, tiles, sorted_slots (w_*) and the status bits (for a GEMM2 that does
+    // not route itself). A GEMM2 that routes itself reads topk_ids and w2 before its
+    // griddepcontrol.wait: GEMM1 waited for every earlier kernel before it let GEMM2 launch,
+    // so those inputs are final; only act (GEMM1's output) is read after the wait.
     const int* route_ids;      // topk_ids (T*K,)
     ExpertMap em;
     int E;                     // local experts
@@ -460,6 +469,9 @@ struct GemmParams {
     int* w_meta;
     int4* w_tiles;
     int* w_sorted;
+    int early;                 // 1: launch_dependents right after the wait (the next grid's blocks
+                               // take the SM slots this grid leaves free and prefetch; only when
+                               // this grid fits in one wave, so they never delay its blocks)
 };
 
 constexpr int kFusedRouteSlots = 32;  // one warp routes them with ballots and shuffles
@@ -524,25 +536,30 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) moe_gemm_kernel(const Gem
     T* sB = sA + STAGES * A_STAGE;
 
     const int tid = threadIdx.x;
-    pdl_wait();  // before any global access (meta, tiles, A are the previous grids' outputs)
-    const bool m_fast = p.m_tiles > 0;
-    const int tile = m_fast ? (int)(blockIdx.x % (unsigned)p.m_tiles)
-                            : (int)(blockIdx.x / (unsigned)p.n_tiles_n);
-    const int ntile = m_fast ? (int)(blockIdx.x / (unsigned)p.m_tiles)
-                             : (int)(blockIdx.x % (unsigned)p.n_tiles_n);
     // fused routing: scratch at the start of the pipeline's smem, read before the prologue
     int* r_e = reinterpret_cast<int*>(gemm_smem);
     int* r_sorted = r_e + kFusedRouteSlots;
     int4* r_tiles = reinterpret_cast<int4*>(r_sorted + kFusedRouteSlots);
     int* r_count = reinterpret_cast<int*>(r_tiles + kFusedRouteSlots);
-    const bool fused = GATED && BM == kSmallBM && p.route_ids != nullptr;
+    const bool fused = BM == kSmallBM && p.route_ids != nullptr;
+    // GEMM2 routing itself: topk_ids and w2 are read before the wait (see GemmParams)
+    const bool pre = !GATED && fused;
+    if (!pre) {
+        pdl_wait();  // before any global access (meta, tiles, A: the previous grids' outputs)
+        if (p.early) pdl_launch_dependents();
+    }
+    const bool m_fast = p.m_tiles > 0;
+    const int tile = m_fast ? (int)(blockIdx.x % (unsigned)p.m_tiles)
+                            : (int)(blockIdx.x / (unsigned)p.n_tiles_n);
+    const int ntile = m_fast ? (int)(blockIdx.x / (unsigned)p.m_tiles)
+                             : (int)(blockIdx.x % (unsigned)p.n_tiles_n);
     int n_tiles;
     if (fused) {
         if (tid < 32) {
             int bad = 0, n_rows;
             const int nt = warp_route<BM>(p, tid, r_e, r_sorted, r_tiles, &n_rows, bad);
             if (tid == 0) r_count[0] = nt;
-            if (blockIdx.x == 0 && blockIdx.z == 0) {  // the routing GEMM2 and combine read
+            if (GATED && blockIdx.x == 0 && blockIdx.z == 0) {  // the routing GEMM2 and combine read
                 if (bad) atomicOr(p.status, bad);
                 if (tid < nt) p.w_tiles[tid] = r_tiles[tid];
                 if (tid < n_rows) p.w_sorted[tid] = r_sorted[tid];
@@ -602,11 +619,10 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) moe_gemm_kernel(const Gem
     }
     const int chunk = tid % CPR;  // the same for every j since NT % CPR == 0
 
-    auto load_stage = [&](int slot, int kt) {
+    auto load_a = [&](int slot, int kt) {
         const int col = kt * BK + chunk * 8;
         const bool col_ok = col < p.Kd;  // Kd % 8 == 0: a chunk is all in or all out
         const uint32_t dA = smem_u32(sA + slot * A_STAGE);
-        const uint32_t dB = smem_u32(sB + slot * B_STAGE);
 #pragma unroll
         for (int j = 0; j < A_ITERS; ++j) {
             const int idx = tid + j * NT;
@@ -617,6 +633,11 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) moe_gemm_kernel(const Gem
                 cp_async16(dA + (uint32_t)(r * BK + ((chunk ^ (r & 7)) << 3)) * 2u, src, v);
             }
         }
+    };
+    auto load_b = [&](int slot, int kt) {
+        const int col = kt * BK + chunk * 8;
+        const bool col_ok = col < p.Kd;
+        const uint32_t dB = smem_u32(sB + slot * B_STAGE);
 #pragma unroll
         for (int j = 0; j < B_ITERS; ++j) {
             const int idx = tid + j * NT;
@@ -627,6 +648,10 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) moe_gemm_kernel(const Gem
                 cp_async16(dB + (uint32_t)(r * BK + ((chunk ^ (r & 7)) << 3)) * 2u, src, v);
             }
         }
+    };
+    auto load_stage = [&](int slot, int kt) {
+        load_a(slot, kt);
+        load_b(slot, kt);
     };
 
     const int warp = tid >> 5, lane = tid & 31;
@@ -645,13 +670,39 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) moe_gemm_kernel(const Gem
         return (GATED && f >= NI) ? BN + wn * WN + (f - NI) * 8 : wn * WN + f * 8;
     };
 
+    // GEMM2's epilogue rows -> slots, read now (the fused routing's scratch is about to go)
+    int ep_slot[GATED ? 1 : MI][2];
+    if constexpr (!GATED) {
+#pragma unroll
+        for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int grow = row0 + wm * WM + mi * 16 + (lane >> 2) + h * 8;
+                ep_slot[mi][h] = grow < row_end ? (fused ? r_sorted[grow] : p.sorted_slots[grow]) : 0;
+            }
+    }
     if (fused) __syncthreads();  // routing scratch read by all: the pipeline may reuse it
     // Prologue: STAGES-1 stages in flight. One commit per stage, empty or not, so that
     // wait_group<STAGES-2> below always means "the stage about to be used has landed".
+    if (pre) {
+        // the weights of the prologue's stages first, before the wait: they join group 0,
+        // which every later wait_group covers
 #pragma unroll
-    for (int s = 0; s < STAGES - 1; ++s) {
-        if (s < nkt) load_stage(s, kt0 + s);
-        cp_async_commit();
+        for (int s = 0; s < STAGES - 1; ++s)
+            if (s < nkt) load_b(s, kt0 + s);
+        pdl_wait();  // act is GEMM1's output
+        if (p.early) pdl_launch_dependents();
+#pragma unroll
+        for (int s = 0; s < STAGES - 1; ++s) {
+            if (s < nkt) load_a(s, kt0 + s);
+            cp_async_commit();
+        }
+    } else {
+#pragma unroll
+        for (int s = 0; s < STAGES - 1; ++s) {
+            if (s < nkt) load_stage(s, kt0 + s);
+            cp_async_commit();
+        }
     }
 
     for (int it = 0; it < nkt; ++it) {
@@ -698,7 +749,7 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) moe_gemm_kernel(const Gem
         }
     }
     cp_async_wait<0>();  // only empty groups can remain; leave nothing in flight
-    pdl_launch_dependents();
+    if (!p.early) pdl_launch_dependents();
 
     // Epilogue. Accumulator fragment: c0,c1 at (row g, cols 2q, 2q+1), c2,c3 at row g + 8.
     using E2 = typename Elem<T>::T2;
@@ -722,7 +773,7 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) moe_gemm_kernel(const Gem
                     }
                 }
             } else {
-                const int slot = p.sorted_slots[grow];
+                const int slot = ep_slot[mi][h];
                 const float w = p.topk_weights[slot];
                 T* crow = static_cast<T*>(p.c) + (long long)blockIdx.z * p.split_stride +
                           (long long)slot * p.N;
@@ -884,16 +935,22 @@ static int64_t s_l2_bytes = 50LL << 20;
 //          launches
 //   nopdl  new tiling: CfgTiny when its grid fits in one wave, M-tile-fastest block order for
 //          the BM=16 configs; plain launches
-//   new    (default, anything else) nopdl's tiling, and GEMM1, GEMM2, combine launched with
-//          programmatic dependent launch on sm_90+ (the launch of each overlaps the previous
-//          kernel's tail; each waits for it before touching memory)
-enum { MODE_OLD = 0, MODE_NOPDL = 1, MODE_NEW = 2, MODE_UNFUSED = 3 };
+//   late   nopdl's tiling, and GEMM1, GEMM2, combine launched with programmatic dependent
+//          launch on sm_90+ (each lets the next launch after its main loop, and waits for the
+//          previous one before touching memory); GEMM2 reads the routing GEMM1 wrote
+//   new    (default, anything else) late, and with T*K <= 32 on a BM=16 config: a grid that
+//          fits in one wave lets the next one launch as soon as it has waited, and GEMM2 routes
+//          itself and streams its first weight stages before it waits for GEMM1 (so w2's bytes
+//          flow while GEMM1's tail runs)
+//   unfused  new's launches with the separate routing launch (and no fused routing anywhere)
+enum { MODE_OLD = 0, MODE_NOPDL = 1, MODE_NEW = 2, MODE_UNFUSED = 3, MODE_LATE = 4 };
 static int decode_mode() {
     const char* v = std::getenv("EX_MOE_DECODE_CONFIG");
     if (v == nullptr) return MODE_NEW;
     if (std::strcmp(v, "old") == 0) return MODE_OLD;
     if (std::strcmp(v, "nopdl") == 0) return MODE_NOPDL;
     if (std::strcmp(v, "unfused") == 0) return MODE_UNFUSED;
+    if (std::strcmp(v, "late") == 0) return MODE_LATE;
     return MODE_NEW;
 }
 
@@ -1118,10 +1175,14 @@ static int launch_fast(const Problem& P, void* out, const void* x, const void* w
                        const void* w2, const float* topk_weights, const int* topk_ids,
                        char* ws, cudaStream_t stream, int mode) {
     const WsLayout L = ws_layout(P);
-    const bool pdl = (mode == MODE_NEW || mode == MODE_UNFUSED) && s_pdl_ok;
+    const bool pdl = (mode == MODE_NEW || mode == MODE_LATE || mode == MODE_UNFUSED) && s_pdl_ok;
     // decode with a handful of slots: GEMM1 routes them itself (no routing launch to wait for)
     const bool fused_route = C::BM == kSmallBM && P.TK <= kFusedRouteSlots &&
-                             (mode == MODE_NEW || mode == MODE_NOPDL);
+                             (mode == MODE_NEW || mode == MODE_LATE || mode == MODE_NOPDL);
+    // ... and GEMM2 too, prefetching weights before its wait; early launches of the next grid
+    // where this one fits in one wave (MINB blocks per SM: the launch bounds guarantee them)
+    const bool early = fused_route && pdl && mode == MODE_NEW;
+    const int64_t wave = (int64_t)C::MINB * s_num_sms;
     int* status = reinterpret_cast<int*>(ws);
     int* meta = reinterpret_cast<int*>(ws + L.meta);
     int4* tiles = reinterpret_cast<int4*>(ws + L.tiles);
@@ -1161,6 +1222,7 @@ static int launch_fast(const Problem& P, void* out, const void* x, const void* w
     p1.route_ids = fused_route ? topk_ids : nullptr;
     p1.em = P.em(); p1.E = E; p1.TK = (int)P.TK;
     p1.status = status; p1.w_meta = meta; p1.w_tiles = tiles; p1.w_sorted = sorted;
+    p1.early = early && blocks1 <= wave;
     // M-tile-fastest order only while every A tile of the grid (re-read once per N-tile) stays
     // well inside L2; otherwise the old order, which reuses one A tile over consecutive blocks
     const bool m_fast_ok = mode != MODE_OLD && C::BM == kSmallBM;
@@ -1172,7 +1234,10 @@ static int launch_fast(const Problem& P, void* out, const void* x, const void* w
 
     GemmParams p2 = p1;
     p2.a = act; p2.b = w2; p2.c = y;
-    p2.route_ids = nullptr;  // GEMM2 reads the routing GEMM1 (or the router) wrote
+    // GEMM2 routes itself only where its blocks can start during GEMM1 (GEMM1 fits in a wave);
+    // elsewhere (T = 4 on qwen3-30b, say) reading the routing GEMM1 wrote measured ~1 us faster
+    p2.route_ids = p1.early ? topk_ids : nullptr;  // else the routing GEMM1 (or the router) wrote
+    p2.early = early && blocks2 * S <= wave;
     p2.N = H; p2.Kd = I; p2.n_tiles_n = n_tiles_n2;
     p2.kt_per_split = kt_per_split; p2.split_stride = P.TK * P.H;
     p2.m_tiles = (m_fast_ok && a_bytes2 <= s_l2_bytes / 4) ? (int)max_tiles : 0;

@@ -18,7 +18,7 @@ serves this device (cc 9.0), factors/moe_fused_gemm_sm90.so (CUTLASS grouped GEM
 T*K/E >= 64; the portable code below that), then a side-by-side table of graph-replay times.
 `--lib PATH` (repeatable) tests only the libraries named; a named one that declines the device fails.
 
-Decode choices: the portable path reads EX_MOE_DECODE_CONFIG per call (old | nopdl | new, default
+Decode choices: the portable path reads EX_MOE_DECODE_CONFIG per call (old | nopdl | late | new, default
 new; see factors/moe_fused_gemm.cuh). Every case above runs with the default; then, unless
 --no-decode, the decode shapes of PERF.md (DECODE_CASES: qwen3/olmoe/granite/deepseek T=1, mixtral
 T=64, qwen3 T=64; uniform routing, weights rotated over several sets so they are not served from
@@ -27,7 +27,7 @@ determinism, graph replay), and a table gives graph-replay time, the floor (weig
 experts hit / 4.23 TB/s) and time/floor per mode.
 
     python3 scripts/gpu_moe_selftest.py [--lib factors/moe_fused_gemm_sm90.so] [--no-timing] [--quick]
-                                        [--no-decode] [--modes old,nopdl,new]
+                                        [--no-decode] [--modes old,nopdl,late,new]
 """
 import argparse
 import ctypes
@@ -698,8 +698,8 @@ def main():
                     help=f"skip the extra pass of the sm90 plugin with {FORCE_ENV}=0")
     ap.add_argument("--no-decode", action="store_true",
                     help=f"skip the decode shapes run once per {DECODE_ENV} mode")
-    ap.add_argument("--modes", default="old,nopdl,new",
-                    help=f"{DECODE_ENV} values to compare on the decode shapes (default old,nopdl,new)")
+    ap.add_argument("--modes", default="old,nopdl,late,new",
+                    help=f"{DECODE_ENV} values to compare on the decode shapes (default old,nopdl,late,new)")
     ap.add_argument("--rotate", type=int, default=4,
                     help="input sets rotated in the decode timings (weights not served from L2)")
     a = ap.parse_args()

@@ -289,15 +289,17 @@ def test_moe_out_of_range_ids_under_graph_capture(reg, cp):
 @pytest.mark.parametrize("T,H,E,I,K", [(1, 2048, 128, 768, 8), (3, 2048, 64, 1024, 8), (4, 4096, 8, 14336, 2),
                                        (1, 1536, 40, 512, 8), (32, 512, 16, 256, 1)])
 def test_moe_fused_routing_equals_the_routing_launch(reg, cp, monkeypatch, T, H, E, I, K):
-    """T*K <= 32: GEMM1 routes in-block; the outputs equal the separate routing launch's, bit
-    for bit (rows are independent, the combine's order is fixed), and invalid ids are flagged."""
+    """T*K <= 32: GEMM1 routes in-block (new: GEMM2 too, prefetching w2 before it waits for
+    GEMM1); the outputs equal the separate routing launch's, bit for bit (rows are independent,
+    the combine's order is fixed), and invalid ids are flagged."""
     x, w13, w2, w, ids = moe_case(cp, T, H, E, I, K, "bfloat16")
     ids[0, 0] = E + 3                                   # an invalid slot in the first token
     outs = []
-    for mode in ("new", "unfused"):
+    for mode in ("new", "late", "unfused"):
         monkeypatch.setenv("EX_MOE_DECODE_CONFIG", mode)
         reg.check_device_errors()
         outs.append(run_moe_check(reg, cp, (x, w13, w2, w, ids), "bfloat16"))
         with pytest.raises(DeviceSideError, match="topk_id outside"):
             reg.check_device_errors()
-    assert bool((outs[0].bits == outs[1].bits).all())
+    for o in outs[1:]:
+        assert bool((outs[0].bits == o.bits).all())
