@@ -6,6 +6,7 @@ call, device work left to overlap.
 """
 from __future__ import annotations
 
+import statistics
 import time
 
 import torch
@@ -42,14 +43,21 @@ def graph_us(fns, calls: int | None = None, replays: int = 20) -> float:
     return times[len(times) // 2]
 
 
-def host_us(fn, reps: int = 200) -> float:
-    """Host µs of one eager call of ``fn()`` (validation, dispatch, launches), after 10 warm-ups."""
+def host_us(fn, reps: int = 200, trials: int = 7) -> float:
+    """Host µs of one eager call of ``fn()`` (validation, dispatch, launches), after 10 warm-ups:
+    the median over ``trials`` runs of ``reps // trials`` back-to-back calls each (the lent
+    machine's host timings jump by tens of µs for a moment now and then; the median of several
+    short runs is what a call costs most of the time, the mean of one long run is not)."""
     for _ in range(10):
         fn()
     torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    t1 = time.perf_counter()
-    torch.cuda.synchronize()
-    return (t1 - t0) * 1e6 / reps
+    n = max(1, reps // trials)
+    per_call = []
+    for _ in range(trials):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        t1 = time.perf_counter()
+        torch.cuda.synchronize()
+        per_call.append((t1 - t0) * 1e6 / n)
+    return statistics.median(per_call)

@@ -486,7 +486,7 @@ __device__ __forceinline__ int warp_route(const GemmParams& p, int lane, int* s_
     constexpr unsigned kAll = 0xffffffffu;
     const int l = lane < p.TK ? local_expert(p.em, __ldg(p.route_ids + lane), p.E, bad) : -1;
     int rank = 0;  // position of (l, lane) among the valid slots, ordered by expert then slot
-    for (int j = 0; j < 32; ++j) {
+    for (int j = 0; j < p.TK; ++j) {  // lanes >= T*K hold no slot (l = -1)
         const int lj = __shfl_sync(kAll, l, j);
         rank += (lj >= 0 && (lj < l || (lj == l && j < lane))) ? 1 : 0;
     }

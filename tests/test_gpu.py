@@ -303,3 +303,20 @@ def test_moe_fused_routing_equals_the_routing_launch(reg, cp, monkeypatch, T, H,
             reg.check_device_errors()
     for o in outs[1:]:
         assert bool((outs[0].bits == o.bits).all())
+
+
+@pytest.mark.parametrize("mode", ["new", "late", "unfused"])
+@pytest.mark.parametrize("T,H,E,I,K", [(1, 2048, 128, 768, 8), (4, 4096, 8, 14336, 2), (3, 1544, 40, 512, 8)])
+def test_moe_decode_with_no_valid_slot_writes_zeros(reg, cp, monkeypatch, mode, T, H, E, I, K):
+    """Every id invalid (no GEMM tile at all, every GEMM block a surplus one): out is still
+    written, all zeros (by the combine, H = 1544 included), and the ids are flagged."""
+    x, w13, w2, w, ids = moe_case(cp, T, H, E, I, K, "bfloat16")
+    ids[:] = E + 1
+    monkeypatch.setenv("EX_MOE_DECODE_CONFIG", mode)
+    reg.check_device_errors()
+    out = poison(cp, (T, H), "bfloat16")
+    moe_fused_gemm(x, w13, w2, w, ids, out=out, registry=reg)
+    assert reg.last_path["moe_fused_gemm"] == "plugin"
+    with pytest.raises(DeviceSideError, match="topk_id outside"):
+        reg.check_device_errors()
+    assert bool((f64(out) == 0).all())
