@@ -72,6 +72,8 @@
  *           its GEMM1 grid (upper bound) fits 4 blocks per SM (T=1 on qwen3/olmoe/granite/deepseek)
  *   decode  BM=16,  BN1=32(x2 gate+up), BN2=64,  BK=64, 4 warps (1x4), 6 stages    rows/e <= 24
  *   mid     BM=64,  BN1=64(x2),         BN2=128, BK=64, 4 warps (2x2), 4 stages    rows/e <= 128
+ *   mid32   BM=32,  BN1=64(x2),         BN2=128, BK=64, 4 warps (1x4), 5 stages    tuned data
+ *           only (dims[7] = 5): 17-32 rows per expert without the half-empty BM=64 tile
  *   prefill BM=128, BN1=64(x2),         BN2=128, BK=64, 8 warps (2x4), 3 stages    rows/e >  128
  * EX_MOE_DECODE_CONFIG (read per call): old = no tiny config, N-tile-fastest block order, plain
  * launches (the choices before tiny existed); nopdl = tiny, and M-tile-fastest block order for
@@ -153,6 +155,10 @@ struct MoeCfg {
 //                    BM  BN1  BN2 WM WN STAGES MINB
 using CfgDecode = MoeCfg<16, 32, 64, 1, 4, 6, 3>;     // T*K/E <= 24   (61,440 B smem)
 using CfgMid = MoeCfg<64, 64, 128, 2, 2, 4, 2>;       // T*K/E <= 128  (98,304 B smem)
+// Half-height mid tile (tuned data only, dims[7] = 5): 17-32 rows per expert fill a BM=64 tile
+// half; BM=32 halves the wasted mma work, and an expert with more rows gets M-tiles that run
+// side by side (M-tile-fastest order) and share its weight rows through L2.
+using CfgMid32 = MoeCfg<32, 64, 128, 1, 4, 5, 2>;     // (102,400 B smem)
 using CfgPrefill = MoeCfg<128, 64, 128, 2, 4, 3, 2>;  // T*K/E >  128  (98,304 B smem)
 // Tiny decode (EX_MOE_DECODE_CONFIG != old): chosen instead of CfgDecode when its whole grid fits
 // in one wave of 4 blocks per SM (qwen3/olmoe/granite/deepseek at T=1). Twice the blocks of
@@ -168,6 +174,8 @@ enum {
     kTileConfigMid = 2,
     kTileConfigPrefill = 3,
     kTileConfigGrouped = 4,  // moe_fused_gemm_sm90.so's CUTLASS grouped GEMM (else: auto)
+    kTileConfigMid32 = 5,    // CfgMid32
+    kTileConfigMax = 5,
 };
 
 // What the host needs of each config: when to pick it and what it launches with.
@@ -190,7 +198,7 @@ constexpr int kRouteThreads = 1024;      // router block for many slots
 constexpr int kRouteThreadsSmall = 128;  // ... for at most kRouteSmallSlots slots (decode: a
 constexpr int kRouteSmallSlots = 2048;   // shorter scan and cheaper barriers, ~2 us less)
 constexpr int kSmallBM = 16;      // the smallest BM of any config: bounds the tile list
-static_assert(CfgDecode::BM == kSmallBM && CfgMid::BM >= kSmallBM && CfgPrefill::BM >= kSmallBM &&
+static_assert(CfgDecode::BM == kSmallBM && CfgMid::BM >= kSmallBM && CfgMid32::BM >= kSmallBM && CfgPrefill::BM >= kSmallBM &&
                   CfgTiny::BM == kSmallBM,
               "the workspace's tile list is sized for the smallest BM");
 constexpr int kMaxSplits = 8;     // GEMM2 split over I, only for T*K <= kSplitMaxSlots
@@ -1028,9 +1036,9 @@ static bool read_dims(const int64_t dims[], int n_dims, Problem* P, char* msg, s
         snprintf(msg, n, "moe_fused_gemm: expected T*K < 2^31 - 4096, got %lld", (long long)P->TK);
         return false;
     }
-    if (P->config < kTileConfigAuto || P->config > kTileConfigGrouped) {
-        snprintf(msg, n, "moe_fused_gemm: expected config (dims[7]) in [-1, 4], got %lld",
-                 (long long)P->config);
+    if (P->config < kTileConfigAuto || P->config > kTileConfigMax) {
+        snprintf(msg, n, "moe_fused_gemm: expected config (dims[7]) in [-1, %d], got %lld",
+                 kTileConfigMax, (long long)P->config);
         return false;
     }
     return true;
@@ -1225,7 +1233,7 @@ static int launch_fast(const Problem& P, void* out, const void* x, const void* w
     p1.early = early && blocks1 <= wave;
     // M-tile-fastest order only while every A tile of the grid (re-read once per N-tile) stays
     // well inside L2; otherwise the old order, which reuses one A tile over consecutive blocks
-    const bool m_fast_ok = mode != MODE_OLD && C::BM == kSmallBM;
+    const bool m_fast_ok = mode != MODE_OLD && C::BM <= 32;  // decode, tiny, mid32
     const int64_t a_bytes1 = max_tiles * C::BM * P.H * 2, a_bytes2 = max_tiles * C::BM * P.I * 2;
     p1.m_tiles = (m_fast_ok && a_bytes1 <= s_l2_bytes / 4) ? (int)max_tiles : 0;
     if ((err = launch_k(moe_gemm_kernel<T, C, true>, dim3((unsigned)blocks1, 1, 1),
@@ -1263,6 +1271,8 @@ static int dispatch_fast(const Problem& P, void* out, const void* x, const void*
     // a configuration named by dims[7] (tuned data), when this hardware can run it
     if (P.config == kTileConfigTiny && kCfgTiny.smem <= s_smem_optin)
         return launch_fast<T, CfgTiny>(P, out, x, w13, w2, tw, ids, ws, stream, mode);
+    if (P.config == kTileConfigMid32 && CfgMid32::smem_max() <= s_smem_optin)
+        return launch_fast<T, CfgMid32>(P, out, x, w13, w2, tw, ids, ws, stream, mode);
     switch (P.config >= kTileConfigDecode && P.config <= kTileConfigPrefill &&
                     s_cfg_allowed[P.config - kTileConfigDecode]
                 ? (int)P.config : -1) {
