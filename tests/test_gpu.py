@@ -166,7 +166,10 @@ def test_moe_plugin_on_model_shapes(reg, cp, model, T, dtype):
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("T,H,E,I,K", [(3, 256, 40, 96, 8), (1000, 512, 40, 256, 6), (4096, 2048, 128, 768, 8),
-                                       (19, 2048, 60, 1408, 4), (1, 64, 1, 32, 1)])
+                                       (19, 2048, 60, 1408, 4), (1, 64, 1, 32, 1),
+                                       # prefill rows per expert with I > H (mixtral's ratio):
+                                       # the Hopper path's buffers hold xs, gu, act and ys in turn
+                                       (1024, 256, 8, 1024, 2), (2048, 512, 16, 1408, 6)])
 def test_moe_plugin_awkward(reg, cp, T, H, E, I, K, dtype):
     run_moe_check(reg, cp, moe_case(cp, T, H, E, I, K, dtype), dtype)
 
