@@ -30,6 +30,18 @@
  *       the winner's cache.  A lane that gives up all D with rounds to go finds its next best
  *       by a scan of its registers (rare: D = 4 where a lane holds 1/8 of the row).  KC = 8:
  *       K fixed at 8 and the rounds unrolled (the common router; other K run a loop).
+ *   topk_softmax_pkey_kernel<T, G, NV, D, KC, RL, MB>   G = 16 / 32, K < G, K < E, 16-byte rows
+ *       (E = 257..384; see "Packed-key kernel" below).  Same registers, but each element
+ *       becomes one 32-bit key: its order-preserving key with the low B = log2 G + log2 EPL bits
+ *       replaced by its (lane, slot) position, reversed, so keys are unique in a row and a lane's
+ *       D best are kept by unsigned min/max alone (~9 instructions an element instead of ~10-14).
+ *       A round is one group max + a predicated pop (~15 SASS instructions instead of ~30: no
+ *       ballot, no shuffle, no slot bookkeeping).  K+1 rounds, then e_1..e_{K+1} are checked in
+ *       exact arithmetic (fp32 values reloaded, 16-bit values exact in the key); a warp with a
+ *       row that fails a check, or whose row max is non-finite or above 2^16, recomputes with
+ *       the exact path above (exact_rows).  With renormalize the softmax sum is skipped (it
+ *       cancels).  SASS count, fp32 E=384 K=8 renormalize, G=32: ~390 instructions a row on the
+ *       fast path against ~520 for topk_softmax_kernel<float, 32, 3, 3> (not a timing).
  *   topk_softmax_generic_kernel<T>    kernel_fallback, any E: one warp per row, K passes over
  *       the row in global memory (cached), the same keys and the same probability rule.
  *   The fast kernel returns EX_FALLBACK (-1) for E > 1024 and the runtime calls the generic one.
@@ -38,8 +50,9 @@
  * 1.0 MB of weights and ids: 2.2 us of memory traffic.  E=384: 26.2 MB, 6.2 us.  Target
  * max(2 x bytes time, 8 us).  The kernel is bound by instructions, not bytes: ~15-20 per logit
  * (cache, exp sum, conversion) and ~35 per round per warp.  Measured (H200, graph replay, fp32
- * logits, K=8): T=16384 E=128 7.5 us (the old two-reduction kernel 14.7), E=384 14.0-14.4 us
- * (23.6; the 12.4 us target is missed), T=4096 E=64 3.5 us, E=128 4.3 us.
+ * logits, K=8): T=16384 E=128 7.5 us (the old two-reduction kernel 14.7), E=384 12.9-13.0 us
+ * with the packed-key kernel (13.9-14.2 before it, in the same call; 23.6 for the old kernel;
+ * the 12.4 us target is still missed by ~4%), T=4096 E=64 3.5 us, E=128 4.3 us.
  */
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -261,7 +274,165 @@ struct TopD {
 };
 
 // ------------------------------------------------------------------------------------------
-// Fast kernel: G lanes per row, NV 16-byte vectors per lane, rows in registers
+// Row loads: lane g of a group holds experts g*EPL .. g*EPL+EPL-1 of its row as fp32, NaN -> -inf
+// (experts >= E, and rows past the end, read as -inf)
+// ------------------------------------------------------------------------------------------
+
+// Loads through the non-coherent path; AGAIN: volatile asm, so a reload of the same row is not
+// merged with the first load (which would keep the first values live in registers).
+template <bool AGAIN>
+__device__ __forceinline__ uint4 ld_v4(const uint4* p) {
+    if constexpr (!AGAIN) return __ldg(p);
+    uint4 q;
+    asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(q.x), "=r"(q.y), "=r"(q.z), "=r"(q.w) : "l"(p));
+    return q;
+}
+template <bool AGAIN>
+__device__ __forceinline__ uint32_t ld_u32(const uint32_t* p) {
+    if constexpr (!AGAIN) return __ldg(p);
+    uint32_t v;
+    asm volatile("ld.global.nc.u32 %0, [%1];" : "=r"(v) : "l"(p));
+    return v;
+}
+template <bool AGAIN>
+__device__ __forceinline__ uint32_t ld_u16(const unsigned short* p) {
+    if constexpr (!AGAIN) return __ldg(p);
+    unsigned short v;
+    asm volatile("ld.global.nc.u16 %0, [%1];" : "=h"(v) : "l"(p));
+    return v;
+}
+
+// VONLY: the caller guarantees vec_ok (the packed-key kernel runs only on 16-byte rows).
+template <typename T, int NV, bool AGAIN = false, bool VONLY = false>
+__device__ __forceinline__ void load_lane(const T* __restrict__ logits, int64_t t, bool row_ok, int E,
+                                          int gbase, int vec_ok, float (&x)[NV * 16 / (int)sizeof(T)]) {
+    constexpr int V = 16 / (int)sizeof(T);  // elements per 16-byte vector
+    constexpr int EPL = V * NV;             // elements per lane
+    constexpr int WORDS = NV * 4;           // 32-bit registers holding the lane's raw logits
+    constexpr int EPW = 4 / (int)sizeof(T); // elements per 32-bit word
+    using El = Elem<T>;
+    uint32_t raw[WORDS];
+    const int lim = row_ok ? E : 0;
+    const T* row = logits + (row_ok ? t : 0) * (int64_t)E;
+    if (VONLY || vec_ok) {  // E * sizeof(T) a multiple of 16: a vector is all in or all out
+        const uint4* rv = reinterpret_cast<const uint4*>(row + gbase);
+#pragma unroll
+        for (int j = 0; j < NV; ++j) {
+            uint4 q = make_uint4(El::kNegInfWord, El::kNegInfWord, El::kNegInfWord, El::kNegInfWord);
+            if (gbase + j * V < lim) q = ld_v4<AGAIN>(rv + j);
+            raw[4 * j + 0] = q.x;
+            raw[4 * j + 1] = q.y;
+            raw[4 * j + 2] = q.z;
+            raw[4 * j + 3] = q.w;
+        }
+    } else {
+#pragma unroll
+        for (int w = 0; w < WORDS; ++w) raw[w] = El::kNegInfWord;
+#pragma unroll
+        for (int k = 0; k < EPL; ++k) {
+            if (gbase + k < lim) {
+                if constexpr (EPW == 2) {
+                    const uint32_t b = ld_u16<AGAIN>(reinterpret_cast<const unsigned short*>(row) + gbase + k);
+                    const int sh = 16 * (k & 1);
+                    raw[k / 2] = (raw[k / 2] & ~(0xFFFFu << sh)) | (b << sh);
+                } else {
+                    raw[k] = ld_u32<AGAIN>(reinterpret_cast<const uint32_t*>(row) + gbase + k);
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int k = 0; k < EPL; ++k) x[k] = fmaxf(El::word_elem(raw[k / EPW], k % EPW), -INFINITY);
+}
+
+// ------------------------------------------------------------------------------------------
+// Exact top-K of the R rows of a warp from the lanes' registers: the lane's D best in a sorted
+// fp32 cache, K rounds of group max + ballot + shuffle (see the header).  Every lane of the warp
+// calls it (uniform control flow); it writes the outputs of its rows.
+// ------------------------------------------------------------------------------------------
+
+template <int G, int EPL, int D, int RP, int KC>
+__device__ __forceinline__ void exact_rows(const float (&x)[EPL], float* __restrict__ out_w,
+                                           int32_t* __restrict__ out_id, int64_t t, bool row_ok,
+                                           int E, int K_, int renormalize, int lane) {
+    const int K = KC > 0 ? KC : K_;  // KC > 0: K is KC, and the rounds unroll
+    const int g = lane & (G - 1);   // lane within the row's group
+    const int gfirst = lane & ~(G - 1);
+    const int gbase = g * EPL;
+    TopD<D> c;
+    c.build(x);
+
+    // ---- row max (round 0's winner) and the softmax normaliser -------------------------------
+    uint32_t key = c.key();
+    uint32_t hi = group_max<G, RP>(key, lane);
+    const float m = __uint_as_float(key_to_bits(hi));  // -inf if all -inf / NaN
+    float s = 0.0f;
+    if (isfinite(m)) {
+#pragma unroll
+        for (int k = 0; k < EPL; ++k) s += exp_nonpos(x[k] - m);
+    } else if (m > 0.0f) {
+#pragma unroll
+        for (int k = 0; k < EPL; ++k) s += x[k] == INFINITY ? 1.0f : 0.0f;
+    } else {
+        s = g == 0 ? (float)E : 0.0f;
+    }
+    s = group_sum<G>(s);  // every lane of the group holds S
+
+    // ---- K rounds: the group's max key; its lowest holder gives up its best ------------------
+    uint32_t mine_key = 0;  // K <= G: lane g keeps the winner of round g
+    uint32_t mine_id = 0;
+    float psum_l = 0.0f;    // K > G: sum of the weights this lane wrote
+#pragma unroll
+    for (int r = 0; r < K; ++r) {
+        uint32_t held = __ballot_sync(0xFFFFFFFFu, key == hi);
+        if constexpr (G < 32) held = (held >> gfirst) & ((1u << G) - 1u);
+        const int w = __ffs(held) - 1;  // the winning lane of the group
+        const uint32_t id = __shfl_sync(0xFFFFFFFFu, c.sl[0] + (uint32_t)gbase, gfirst + w);
+        if (K <= G) {
+            mine_key = g == r ? hi : mine_key;
+            mine_id = g == r ? id : mine_id;
+        } else if (g == (r & (G - 1))) {
+            const float p = __fdividef(unnormalised(__uint_as_float(key_to_bits(hi)), m), s);
+            psum_l += p;
+            if (row_ok) {
+                out_w[t * K + r] = p;
+                out_id[t * K + r] = (int)id;
+            }
+        }
+        const bool popped = g == w;
+        const float pv = c.v[0];
+        const uint32_t ps = c.sl[0];
+        c.pop_if(popped);
+        if (r + 1 < K) {
+            if (popped && c.empty()) c.refill(x, pv, ps);
+            key = c.key();
+            hi = group_max<G, RP>(key, lane);
+        }
+    }
+
+    // ---- weights out --------------------------------------------------------------------------
+    if (K <= G) {
+        const float p = g < K ? __fdividef(unnormalised(__uint_as_float(key_to_bits(mine_key)), m), s) : 0.0f;
+        const float psum = renormalize ? group_sum<G>(p) : 1.0f;
+        if (row_ok && g < K) {
+            out_w[t * K + g] = renormalize ? __fdividef(p, psum) : p;
+            out_id[t * K + g] = (int)mine_id;
+        }
+    } else if (renormalize) {
+        const float psum = group_sum<G>(psum_l);
+        if (row_ok) {
+            for (int r = g; r < K; r += G) out_w[t * K + r] = __fdividef(out_w[t * K + r], psum);  // own writes
+        }
+    }
+}
+
+#ifdef TOPK_TUNE_COUNTERS
+__device__ unsigned long long g_tune_exact_warps;  // tuner builds only: warps sent to exact_rows
+#endif
+
+// ------------------------------------------------------------------------------------------
+// Fast kernel: G lanes per row, NV 16-byte vectors per lane, rows in registers (exact rounds)
 // ------------------------------------------------------------------------------------------
 
 template <typename T, int G, int NV, int D = 3, int RP = 2, int KC = 0>
@@ -270,133 +441,245 @@ topk_softmax_kernel(float* __restrict__ out_w,          // (T, K)
                     int32_t* __restrict__ out_id,       // (T, K)
                     const T* __restrict__ logits,       // (T, E)
                     int64_t n_rows, int E, int K_, int renormalize, int vec_ok) {
-    const int K = KC > 0 ? KC : K_;         // KC > 0: K is KC, and the rounds unroll
-    constexpr int V = 16 / (int)sizeof(T);  // elements per 16-byte vector
-    constexpr int EPL = V * NV;             // elements per lane
-    constexpr int R = 32 / G;               // rows per warp
-    constexpr int WORDS = NV * 4;           // 32-bit registers holding the lane's raw logits
-    constexpr int EPW = 4 / (int)sizeof(T); // elements per 32-bit word
+    constexpr int EPL = 16 / (int)sizeof(T) * NV;  // elements per lane
+    constexpr int R = 32 / G;                      // rows per warp
     static_assert(G >= 1 && G <= 32 && (G & (G - 1)) == 0, "G must be a power of two <= 32");
     static_assert(D >= 1 && D <= EPL, "cache deeper than the lane's elements");
-    using El = Elem<T>;
 
     const int lane = threadIdx.x & 31;
-    const int g = lane & (G - 1);  // lane within the row's group
-    const int sub = lane / G;      // row within the warp
-    const int gfirst = sub * G;    // the group's first lane
+    const int sub = lane / G;  // row within the warp
     const int warps_per_block = blockDim.x >> 5;
     const int64_t warp_stride = (int64_t)gridDim.x * warps_per_block;
     const int64_t n_tasks = (n_rows + R - 1) / R;  // a task: the R rows of one warp
     // Lane g owns experts [g * EPL, (g + 1) * EPL) (its slots 0..EPL-1), so lane order is
     // expert order: among lanes holding equal values the lowest lane holds the lowest expert.
-    const int gbase = g * EPL;
+    const int gbase = (lane & (G - 1)) * EPL;
 
     for (int64_t task = (int64_t)blockIdx.x * warps_per_block + (threadIdx.x >> 5); task < n_tasks;
          task += warp_stride) {  // warp-uniform
         const int64_t t = task * R + sub;
         const bool row_ok = t < n_rows;
+        float x[EPL];
+        load_lane<T, NV>(logits, t, row_ok, E, gbase, vec_ok, x);
+        exact_rows<G, EPL, D, RP, KC>(x, out_w, out_id, t, row_ok, E, K_, renormalize, lane);
+    }
+}
 
-        // ---- load the lane's logits once (experts >= E read as -inf) ------------------------
-        uint32_t raw[WORDS];
-        {
-            const int lim = row_ok ? E : 0;
-            const T* row = logits + (row_ok ? t : 0) * (int64_t)E;
-            if (vec_ok) {  // E * sizeof(T) a multiple of 16: a vector is all in or all out
-                const uint4* rv = reinterpret_cast<const uint4*>(row + gbase);
+// ------------------------------------------------------------------------------------------
+// Packed-key kernel (G = 16 or 32, K < G, K < E, rows of whole aligned 16-byte vectors): the
+// rounds on one 32-bit key per element.  H200, fp32 T=16384 E=384 K=8: 12.9-13.0 us (the
+// sorted-cache kernel 13.9-14.2 us in the same call).
+//
+//   P = (ordered_key(l) with its low B bits replaced by the element's position, reversed)
+//
+// where the position is (G-1-g, lane field of log2 G bits) : (2^KB-1-slot, KB bits), so P is
+// unique in its row and P order is (truncated key desc, expert asc).  A lane keeps its D best P
+// by unsigned min/max (no slot bookkeeping); each round is one group max (its low bits name the
+// winner: no ballot, no shuffle) and a predicated pop where the key matches.  K+1 rounds give
+// e_1..e_{K+1} in P order.  P order differs from the exact order only (i) between elements of
+// equal truncated key and (ii) between +0 and -0 (keys one apart), so the top K by P are the
+// exact top K, in exact order, when: e_1..e_{K+1} are in exact order pairwise (values reloaded
+// / decoded exactly), e_K is not 0 or denormal, and e_K, e_{K+1} differ in truncated key or the
+// row has no element with low B mantissa bits set (always so for fp16 / bf16 logits, B <= 13).
+// The weights use m' (the upper end of the top key's truncation bucket, >= m, within 2^B ulps)
+// as the softmax shift: the same shift in numerator and normaliser, exact in real arithmetic.
+// Without renormalize the normaliser is summed per lane against the lane's max, then scaled
+// by exp(lane max - m').  A lane that gives up its D cached keys with rounds to go refills with
+// its D best keys below the one it gave up (rare for D = 3).  A warp where any row fails a
+// check, or has a non-finite or large (> 2^16) m', recomputes its rows with exact_rows (ties,
+// +-0 and special values follow that code's rules).  The checks were validated against a
+// float64 reference with a bit-level Python model (~130k rows of near ties, special values,
+// +-0 mixes), then on the H200 by scripts/gpu_router_norm_selftest.py and the GPU tests.
+// ------------------------------------------------------------------------------------------
+
+constexpr int ceil_log2(int n) { return n <= 1 ? 0 : 1 + ceil_log2((n + 1) / 2); }
+
+// exp2(a) for a <= ~0 (ex2.approx, results below 2^-126 flushed to 0)
+__device__ __forceinline__ float ex2_approx(float a) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(a));
+    return y;
+}
+
+// (l & i) | (~l & ~i & q): one LOP3 (the compiler splits the C form into three)
+__device__ __forceinline__ uint32_t pk_merge(uint32_t q, uint32_t l, uint32_t i) {
+    uint32_t r;
+    asm("lop3.b32 %0, %1, %2, %3, 0x98;" : "=r"(r) : "r"(q), "r"(l), "r"(i));
+    return r;
+}
+
+template <int D>
+__device__ __forceinline__ void pk_insert(uint32_t (&c)[D], uint32_t p) {
 #pragma unroll
-                for (int j = 0; j < NV; ++j) {
-                    uint4 q = make_uint4(El::kNegInfWord, El::kNegInfWord, El::kNegInfWord, El::kNegInfWord);
-                    if (gbase + j * V < lim) q = __ldg(rv + j);
-                    raw[4 * j + 0] = q.x;
-                    raw[4 * j + 1] = q.y;
-                    raw[4 * j + 2] = q.z;
-                    raw[4 * j + 3] = q.w;
-                }
-            } else {
+    for (int i = 0; i + 1 < D; ++i) {
+        const uint32_t hi = max(c[i], p);
+        p = min(c[i], p);
+        c[i] = hi;
+    }
+    c[D - 1] = max(c[D - 1], p);
+}
+
+// The lane's packed key of its element k (x = its value, NaN already -inf); lreg: the lane's
+// position bits (lane field G-1-g, slot field all ones).
+template <int LB, int KB>
+__device__ __forceinline__ uint32_t pk_key(float x, int k, uint32_t lreg) {
+    const uint32_t u = __float_as_uint(x);
+    const uint32_t q = u ^ ((uint32_t)((int32_t)u >> 31) | 0x80000000u);  // ordered_key, -0 below +0
+    // imm: lane field all ones, slot field 2^KB-1-k.  Where lreg and imm are both 0 (the high
+    // bits) the key passes; elsewhere one of them is all ones and the other supplies the field.
+    const uint32_t imm = (((1u << LB) - 1u) << KB) | ((1u << KB) - 1u - (uint32_t)k);
+    return pk_merge(q, lreg, imm);
+}
+
+// RL: the refill and the exact path reload the lane's logits (L1 / L2) instead of keeping them
+// in registers through the rounds.  MB: min blocks per SM for the register allocation.
+template <typename T, int G, int NV, int D = 3, int KC = 0, bool RL = true, int MB = 1>
+__global__ void __launch_bounds__(kMaxThreads, MB)
+topk_softmax_pkey_kernel(float* __restrict__ out_w, int32_t* __restrict__ out_id,
+                         const T* __restrict__ logits, int64_t n_rows, int E, int K_,
+                         int renormalize, int vec_ok) {
+    const int K = KC > 0 ? KC : K_;
+    constexpr int EPL = 16 / (int)sizeof(T) * NV;  // elements per lane
+    constexpr int R = 32 / G;                      // rows per warp
+    constexpr int RP = 2;                          // G = 16: two full-warp redux
+    constexpr int LB = ceil_log2(G);               // lane field bits
+    constexpr int KB = ceil_log2(EPL);             // slot field bits
+    constexpr int B = LB + KB;                     // truncated key bits
+    constexpr uint32_t MASK = (1u << B) - 1u;
+    constexpr uint32_t KMASK = (1u << KB) - 1u;
+    constexpr float kLog2e = 1.4426950408889634f;
+    static_assert(G == 16 || G == 32, "packed keys: 16 or 32 lanes per row");
+    static_assert(B <= 13, "fp16 / bf16 logits must keep exact keys (13 zero mantissa bits in fp32)");
+    static_assert(D >= 1 && D <= EPL, "cache deeper than the lane's elements");
+
+    const int lane = threadIdx.x & 31;
+    const int g = lane & (G - 1);
+    const int sub = lane / G;
+    const int warps_per_block = blockDim.x >> 5;
+    const int64_t warp_stride = (int64_t)gridDim.x * warps_per_block;
+    const int64_t n_tasks = (n_rows + R - 1) / R;
+    const int gbase = g * EPL;
+    const uint32_t lreg = ((uint32_t)(G - 1 - g) << KB) | KMASK;
+
+    for (int64_t task = (int64_t)blockIdx.x * warps_per_block + (threadIdx.x >> 5); task < n_tasks;
+         task += warp_stride) {  // warp-uniform
+        const int64_t t = task * R + sub;
+        const bool row_ok = t < n_rows;
+        float x[EPL];
+        load_lane<T, NV, false, true>(logits, t, row_ok, E, gbase, 1, x);
+
+        // ---- packed keys, the lane's D best; without renormalize the lane's exp sum ------------
+        uint32_t c[D];
 #pragma unroll
-                for (int w = 0; w < WORDS; ++w) raw[w] = El::kNegInfWord;
+        for (int i = 0; i < D; ++i) c[i] = 0u;  // 0: empty, below every key
+        uint32_t bits_or = 0u;                   // fp32: OR of the values' bits (low B bits: dirty)
 #pragma unroll
-                for (int k = 0; k < EPL; ++k) {
-                    if (gbase + k < lim) {
-                        if constexpr (EPW == 2) {
-                            const uint32_t b = __ldg(reinterpret_cast<const unsigned short*>(row) + gbase + k);
-                            const int sh = 16 * (k & 1);
-                            raw[k / 2] = (raw[k / 2] & ~(0xFFFFu << sh)) | (b << sh);
+        for (int k = 0; k < EPL; ++k) {
+            if constexpr (sizeof(T) == 4) bits_or |= __float_as_uint(x[k]);
+            pk_insert<D>(c, pk_key<LB, KB>(x[k], k, lreg));
+        }
+        float xmax = -INFINITY, s_lane = 0.0f;  // sum of exp(x - xmax) over the lane
+        if (!renormalize) {  // with renormalize the normaliser cancels
+#pragma unroll
+            for (int k = 0; k < EPL; ++k) xmax = fmaxf(xmax, x[k]);
+#pragma unroll
+            for (int k = 0; k < EPL; ++k) s_lane += exp_nonpos(fmaxf(x[k] - xmax, -INFINITY));
+        }
+
+        uint32_t hi = group_max<G, RP>(c[0], lane);
+        // m': the largest value of the top key's bucket (the +inf bucket holds +inf alone)
+        const float mval = __uint_as_float(key_to_bits(min(hi | MASK, 0xFF800000u)));
+        bool bad = !(fabsf(mval) <= 65536.0f);  // non-finite or large: exact_rows
+        const float mL = mval * kLog2e;
+        bool any_bad = __any_sync(0xFFFFFFFFu, bad);
+
+        uint32_t mine = 0u;  // lane g <= K: the key of round g's winner
+        if (!any_bad) {
+            // ---- K + 1 rounds ------------------------------------------------------------------
+#pragma unroll
+            for (int r = 0; r <= K; ++r) {
+                if (r > 0) hi = group_max<G, RP>(c[0], lane);
+                mine = g == r ? hi : mine;
+                if (r < K) {
+                    const bool pop = c[0] == hi;  // keys are unique: the winner alone
+#pragma unroll
+                    for (int i = 0; i + 1 < D; ++i) c[i] = pop ? c[i + 1] : c[i];
+                    c[D - 1] = pop ? 0u : c[D - 1];
+                    if (pop && c[0] == 0u) {  // rare: the lane gave up its D best; next D below hi
+                        if constexpr (RL) {
+                            float y[EPL];
+                            load_lane<T, NV, true, true>(logits, t, row_ok, E, gbase, 1, y);
+#pragma unroll
+                            for (int k = 0; k < EPL; ++k) {
+                                const uint32_t p = pk_key<LB, KB>(y[k], k, lreg);
+                                pk_insert<D>(c, p < hi ? p : 0u);
+                            }
                         } else {
-                            raw[k] = __ldg(reinterpret_cast<const uint32_t*>(row) + gbase + k);
+#pragma unroll
+                            for (int k = 0; k < EPL; ++k) {
+                                const uint32_t p = pk_key<LB, KB>(x[k], k, lreg);
+                                pk_insert<D>(c, p < hi ? p : 0u);
+                            }
                         }
                     }
                 }
             }
-        }
 
-        // ---- fp32 values, NaN -> -inf, and the lane's D best ---------------------------------
-        float x[EPL];
-#pragma unroll
-        for (int k = 0; k < EPL; ++k) x[k] = fmaxf(El::word_elem(raw[k / EPW], k % EPW), -INFINITY);
-        TopD<D> c;
-        c.build(x);
-
-        // ---- row max (round 0's winner) and the softmax normaliser ---------------------------
-        uint32_t key = c.key();
-        uint32_t hi = group_max<G, RP>(key, lane);
-        const float m = __uint_as_float(key_to_bits(hi));  // -inf if all -inf / NaN
-        float s = 0.0f;
-        if (isfinite(m)) {
-#pragma unroll
-            for (int k = 0; k < EPL; ++k) s += exp_nonpos(x[k] - m);
-        } else if (m > 0.0f) {
-#pragma unroll
-            for (int k = 0; k < EPL; ++k) s += x[k] == INFINITY ? 1.0f : 0.0f;
-        } else {
-            s = g == 0 ? (float)E : 0.0f;
-        }
-        s = group_sum<G>(s);  // every lane of the group holds S
-
-        // ---- K rounds: the group's max key; its lowest holder gives up its best --------------
-        uint32_t mine_key = 0;  // K <= G: lane g keeps the winner of round g
-        uint32_t mine_id = 0;
-        float psum_l = 0.0f;    // K > G: sum of the weights this lane wrote
-#pragma unroll
-        for (int r = 0; r < K; ++r) {
-            uint32_t held = __ballot_sync(0xFFFFFFFFu, key == hi);
-            if constexpr (G < 32) held = (held >> gfirst) & ((1u << G) - 1u);
-            const int w = __ffs(held) - 1;  // the winning lane of the group
-            const uint32_t id = __shfl_sync(0xFFFFFFFFu, c.sl[0] + (uint32_t)gbase, gfirst + w);
-            if (K <= G) {
-                mine_key = g == r ? hi : mine_key;
-                mine_id = g == r ? id : mine_id;
-            } else if (g == (r & (G - 1))) {
-                const float p = __fdividef(unnormalised(__uint_as_float(key_to_bits(hi)), m), s);
-                psum_l += p;
-                if (row_ok) {
-                    out_w[t * K + r] = p;
-                    out_id[t * K + r] = (int)id;
+            // ---- e_1..e_{K+1}: exact values, checks ----------------------------------------------
+            const uint32_t pos = mine & MASK;
+            const int idx = (int)((G - 1) - (pos >> KB)) * EPL + (int)(KMASK - (pos & KMASK));
+            float xv = -INFINITY;
+            if constexpr (sizeof(T) == 4) {
+                if (g <= K && row_ok) xv = fmaxf(__ldg(reinterpret_cast<const float*>(logits) + t * (int64_t)E + idx), -INFINITY);
+            } else {  // 16-bit logits: the key is exact (its low B bits are the fill of the value)
+                xv = __uint_as_float(key_to_bits(mine >= 0x80000000u ? (mine & ~MASK) : (mine | MASK)));
+            }
+            const float nx = __shfl_down_sync(0xFFFFFFFFu, xv, 1);
+            const int nidx = __shfl_down_sync(0xFFFFFFFFu, idx, 1);
+            const uint32_t nmine = __shfl_down_sync(0xFFFFFFFFu, mine, 1);
+            bool same_bucket = false;
+            if (g < K) {
+                if (!(xv > nx || (xv == nx && idx < nidx))) bad = true;  // not in exact order
+                if (g == K - 1) {
+                    if (fabsf(xv) < 1e-30f) bad = true;                // +-0 may straddle e_K
+                    same_bucket = (mine ^ nmine) <= MASK;
                 }
             }
-            const bool popped = g == w;
-            const float pv = c.v[0];
-            const uint32_t ps = c.sl[0];
-            c.pop_if(popped);
-            if (r + 1 < K) {
-                if (popped && c.empty()) c.refill(x, pv, ps);
-                key = c.key();
-                hi = group_max<G, RP>(key, lane);
+            if constexpr (sizeof(T) == 4) {
+                // e_K and e_{K+1} share a bucket: an element after e_{K+1} in that bucket could
+                // be exactly above e_K unless no element of the row has low bits set
+                if (__any_sync(0xFFFFFFFFu, same_bucket)) {
+                    uint32_t dirty = __ballot_sync(0xFFFFFFFFu, (bits_or & MASK) != 0u);
+                    if constexpr (G < 32) dirty = (dirty >> (lane & ~(G - 1))) & ((1u << G) - 1u);
+                    if (same_bucket && dirty != 0u) bad = true;
+                }
+            }
+            any_bad = __any_sync(0xFFFFFFFFu, bad);
+            if (!any_bad) {
+                // ---- weights out ---------------------------------------------------------------
+                const float u = g < K ? ex2_approx(fmaf(xv, kLog2e, -mL)) : 0.0f;
+                float den;
+                if (renormalize) {
+                    den = group_sum<G>(u);
+                } else {  // sum over lanes of s_lane * exp(xmax - m'); an all -inf lane adds 0
+                    den = group_sum<G>(xmax == -INFINITY ? 0.0f : s_lane * ex2_approx(fmaf(xmax, kLog2e, -mL)));
+                }
+                if (row_ok && g < K) {
+                    out_w[t * K + g] = __fdividef(u, den);
+                    out_id[t * K + g] = idx;
+                }
             }
         }
-
-        // ---- weights out ------------------------------------------------------------------------
-        if (K <= G) {
-            const float p = g < K ? __fdividef(unnormalised(__uint_as_float(key_to_bits(mine_key)), m), s) : 0.0f;
-            const float psum = renormalize ? group_sum<G>(p) : 1.0f;
-            if (row_ok && g < K) {
-                out_w[t * K + g] = renormalize ? __fdividef(p, psum) : p;
-                out_id[t * K + g] = (int)mine_id;
-            }
-        } else if (renormalize) {
-            const float psum = group_sum<G>(psum_l);
-            if (row_ok) {
-                for (int r = g; r < K; r += G) out_w[t * K + r] = __fdividef(out_w[t * K + r], psum);  // own writes
+        if (any_bad) {
+#ifdef TOPK_TUNE_COUNTERS
+            if (lane == 0) atomicAdd(&g_tune_exact_warps, 1ull);
+#endif
+            if constexpr (RL) {
+                float y[EPL];
+                load_lane<T, NV, true, true>(logits, t, row_ok, E, gbase, 1, y);
+                exact_rows<G, EPL, 3, RP, KC>(y, out_w, out_id, t, row_ok, E, K_, renormalize, lane);
+            } else {
+                exact_rows<G, EPL, 3, RP, KC>(x, out_w, out_id, t, row_ok, E, K_, renormalize, lane);
             }
         }
     }
@@ -502,10 +785,31 @@ ex_status_t launch_k(const Args& a, bool vec_ok) {
     return a.K == 8 ? launch_fast<T, G, NV, D, 2, 8>(a, vec_ok) : launch_fast<T, G, NV, D, 2, 0>(a, vec_ok);
 }
 
+template <typename T, int G, int NV, int D, int KC, bool RL = true, int MB = 1>
+ex_status_t launch_pkey(const Args& a, bool vec_ok) {
+    static_assert(G * (16 / (int)sizeof(T)) * NV <= kMaxFastExperts, "capacity above the fast range");
+    const int threads = g_threads;
+    const int64_t rows_per_block = (int64_t)(threads / 32) * (32 / G);
+    topk_softmax_pkey_kernel<T, G, NV, D, KC, RL, MB><<<grid_for(a.T, rows_per_block), threads, 0, a.stream>>>(
+        a.w, a.id, static_cast<const T*>(a.logits), a.T, a.E, a.K, a.renormalize, vec_ok ? 1 : 0);
+    return check_launch();
+}
+
+// The packed-key kernel where it applies (K < G lanes per row, K < E, rows of whole 16-byte
+// vectors at a 16-byte aligned base), else the exact one.
+template <typename T, int G, int NV, int DP, int D>
+ex_status_t launch_pk(const Args& a, bool vec_ok) {
+    if (vec_ok && a.K < G && a.K < a.E)
+        return a.K == 8 ? launch_pkey<T, G, NV, DP, 8>(a, vec_ok) : launch_pkey<T, G, NV, DP, 0>(a, vec_ok);
+    return launch_k<T, G, NV, D>(a, vec_ok);
+}
+
 // Group width G, vectors per lane NV and cache depth D for each E (capacity G * V * NV >= E,
 // V = 16 / sizeof(T)), from H200 graph-replay timings of every candidate at T = 16384, K = 8
 // (.tune/tune.cu, not in the build): 4 rows to a warp (G = 8, a lane holds 1/8 of the row and
 // keeps its 4 best) up to 128 (fp32) / 256 (16-bit) experts, 16 or 32 lanes per row beyond.
+// E in 257..384 goes to the packed-key kernel where it applies (launch_pk): NOT yet timed on a
+// GPU (the variant tuner abtest/topk/src/tune.cu + run_tune.py is ready for that).
 template <typename T>
 ex_status_t dispatch_fast(const Args& a) {
     const bool vec_ok = vectorisable(a, sizeof(T));
@@ -517,7 +821,7 @@ ex_status_t dispatch_fast(const Args& a) {
         if (E <= 64) return launch_k<T, 8, 1, 4>(a, vec_ok);
         if (E <= 128) return launch_k<T, 8, 2, 4>(a, vec_ok);
         if (E <= 256) return launch_k<T, 8, 4, 4>(a, vec_ok);
-        if (E <= 384) return launch_k<T, 16, 3, 3>(a, vec_ok);
+        if (E <= 384) return launch_pk<T, 16, 3, 3, 3>(a, vec_ok);
         if (E <= 512) return launch_k<T, 32, 2, 3>(a, vec_ok);
         if (E <= 1024) return launch_k<T, 32, 4, 3>(a, vec_ok);
     } else {  // 4 logits per vector
@@ -528,7 +832,7 @@ ex_status_t dispatch_fast(const Args& a) {
         if (E <= 64) return launch_k<T, 8, 2, 4>(a, vec_ok);
         if (E <= 128) return launch_k<T, 8, 4, 4>(a, vec_ok);
         if (E <= 256) return launch_k<T, 16, 4, 3>(a, vec_ok);
-        if (E <= 384) return launch_k<T, 32, 3, 3>(a, vec_ok);
+        if (E <= 384) return launch_pk<T, 32, 3, 3, 3>(a, vec_ok);
         if (E <= 512) return launch_k<T, 32, 4, 3>(a, vec_ok);
         if (E <= 1024) return launch_k<T, 32, 8, 3>(a, vec_ok);
     }
