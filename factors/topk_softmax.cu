@@ -31,7 +31,7 @@
  *       by a scan of its registers (rare: D = 4 where a lane holds 1/8 of the row).  KC = 8:
  *       K fixed at 8 and the rounds unrolled (the common router; other K run a loop).
  *   topk_softmax_pkey_kernel<T, G, NV, D, KC, RL, MB>   G = 16 / 32, K < G, K < E, 16-byte rows
- *       (E = 257..384; see "Packed-key kernel" below).  Same registers, but each element
+ *       (E = 129..512 with renormalize; see "Packed-key kernel" below).  Same registers, but each element
  *       becomes one 32-bit key: its order-preserving key with the low B = log2 G + log2 EPL bits
  *       replaced by its (lane, slot) position, reversed, so keys are unique in a row and a lane's
  *       D best are kept by unsigned min/max alone (~9 instructions an element instead of ~10-14).
@@ -795,21 +795,26 @@ ex_status_t launch_pkey(const Args& a, bool vec_ok) {
     return check_launch();
 }
 
-// The packed-key kernel where it applies (K < G lanes per row, K < E, rows of whole 16-byte
-// vectors at a 16-byte aligned base), else the exact one.
-template <typename T, int G, int NV, int DP, int D>
+// The packed-key kernel <G, NV, DP, RL, MB> where it applies and was timed faster: renormalize
+// (without it the per-lane softmax sum made it 1-5% slower than the exact kernel at E = 384),
+// K < G lanes per row, K < E, rows of whole 16-byte vectors at a 16-byte aligned base; else the
+// exact kernel <GX, NVX, DX>.
+template <typename T, int G, int NV, int DP, int GX, int NVX, int DX, bool RL = true, int MB = 1>
 ex_status_t launch_pk(const Args& a, bool vec_ok) {
-    if (vec_ok && a.K < G && a.K < a.E)
-        return a.K == 8 ? launch_pkey<T, G, NV, DP, 8>(a, vec_ok) : launch_pkey<T, G, NV, DP, 0>(a, vec_ok);
-    return launch_k<T, G, NV, D>(a, vec_ok);
+    if (vec_ok && a.renormalize && a.K < G && a.K < a.E)
+        return a.K == 8 ? launch_pkey<T, G, NV, DP, 8, RL, MB>(a, vec_ok)
+                        : launch_pkey<T, G, NV, DP, 0, RL, MB>(a, vec_ok);
+    return launch_k<T, GX, NVX, DX>(a, vec_ok);
 }
 
 // Group width G, vectors per lane NV and cache depth D for each E (capacity G * V * NV >= E,
 // V = 16 / sizeof(T)), from H200 graph-replay timings of every candidate at T = 16384, K = 8
 // (.tune/tune.cu, not in the build): 4 rows to a warp (G = 8, a lane holds 1/8 of the row and
 // keeps its 4 best) up to 128 (fp32) / 256 (16-bit) experts, 16 or 32 lanes per row beyond.
-// E in 257..384 goes to the packed-key kernel where it applies (launch_pk): NOT yet timed on a
-// GPU (the variant tuner abtest/topk/src/tune.cu + run_tune.py is ready for that).
+// E in 129..512 goes to the packed-key kernel where it applies (launch_pk), with the variant
+// the same tuner timed fastest on the H200 (renormalize, K = 8, T = 16384, graph replay, µs,
+// exact kernel -> packed-key): fp32 E=256 11.13 -> 10.38, E=384 13.57 -> 12.36, E=512 15.98 ->
+// 14.68; bf16 E=256 10.54 -> 8.99, E=384 12.92 -> 11.39, E=512 15.36 -> 12.42.
 template <typename T>
 ex_status_t dispatch_fast(const Args& a) {
     const bool vec_ok = vectorisable(a, sizeof(T));
@@ -820,9 +825,9 @@ ex_status_t dispatch_fast(const Args& a) {
         if (E <= 32) return launch_k<T, 4, 1, 3>(a, vec_ok);
         if (E <= 64) return launch_k<T, 8, 1, 4>(a, vec_ok);
         if (E <= 128) return launch_k<T, 8, 2, 4>(a, vec_ok);
-        if (E <= 256) return launch_k<T, 8, 4, 4>(a, vec_ok);
-        if (E <= 384) return launch_pk<T, 16, 3, 3, 3>(a, vec_ok);
-        if (E <= 512) return launch_k<T, 32, 2, 3>(a, vec_ok);
+        if (E <= 256) return launch_pk<T, 16, 2, 3, 8, 4, 4>(a, vec_ok);
+        if (E <= 384) return launch_pk<T, 16, 3, 3, 16, 3, 3, true, 4>(a, vec_ok);
+        if (E <= 512) return launch_pk<T, 32, 2, 3, 32, 2, 3>(a, vec_ok);
         if (E <= 1024) return launch_k<T, 32, 4, 3>(a, vec_ok);
     } else {  // 4 logits per vector
         if (E <= 4) return launch_k<T, 1, 1, 3>(a, vec_ok);
@@ -831,9 +836,9 @@ ex_status_t dispatch_fast(const Args& a) {
         if (E <= 32) return launch_k<T, 8, 1, 3>(a, vec_ok);
         if (E <= 64) return launch_k<T, 8, 2, 4>(a, vec_ok);
         if (E <= 128) return launch_k<T, 8, 4, 4>(a, vec_ok);
-        if (E <= 256) return launch_k<T, 16, 4, 3>(a, vec_ok);
-        if (E <= 384) return launch_pk<T, 32, 3, 3, 3>(a, vec_ok);
-        if (E <= 512) return launch_k<T, 32, 4, 3>(a, vec_ok);
+        if (E <= 256) return launch_pk<T, 32, 2, 3, 16, 4, 3>(a, vec_ok);
+        if (E <= 384) return launch_pk<T, 32, 3, 3, 32, 3, 3, false, 5>(a, vec_ok);
+        if (E <= 512) return launch_pk<T, 32, 4, 3, 32, 4, 3>(a, vec_ok);
         if (E <= 1024) return launch_k<T, 32, 8, 3>(a, vec_ok);
     }
     return fail(EX_FALLBACK, "topk_softmax: fast path holds E <= %d in registers, got E=%d",
