@@ -50,9 +50,10 @@
  * 1.0 MB of weights and ids: 2.2 us of memory traffic.  E=384: 26.2 MB, 6.2 us.  Target
  * max(2 x bytes time, 8 us).  The kernel is bound by instructions, not bytes: ~15-20 per logit
  * (cache, exp sum, conversion) and ~35 per round per warp.  Measured (H200, graph replay, fp32
- * logits, K=8): T=16384 E=128 7.5 us (the old two-reduction kernel 14.7), E=384 12.9-13.0 us
- * with the packed-key kernel (13.9-14.2 before it, in the same call; 23.6 for the old kernel;
- * the 12.4 us target is still missed by ~4%), T=4096 E=64 3.5 us, E=128 4.3 us.
+ * logits, K=8): T=16384 E=128 7.5 us (the old two-reduction kernel 14.7), E=384 12.7 us
+ * (bench_router_norm; 12.3 by the variant tuner's timer) with the packed-key kernel (13.9-14.2
+ * before it; 23.6 for the old kernel; the 12.4 us target is met by one timer, missed by ~2% by
+ * the other), T=4096 E=64 3.5 us, E=128 4.3 us.
  */
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -467,8 +468,8 @@ topk_softmax_kernel(float* __restrict__ out_w,          // (T, K)
 
 // ------------------------------------------------------------------------------------------
 // Packed-key kernel (G = 16 or 32, K < G, K < E, rows of whole aligned 16-byte vectors): the
-// rounds on one 32-bit key per element.  H200, fp32 T=16384 E=384 K=8: 12.9-13.0 us (the
-// sorted-cache kernel 13.9-14.2 us in the same call).
+// rounds on one 32-bit key per element.  H200, fp32 T=16384 E=384 K=8: 12.7 us in bench_router_norm (the
+// sorted-cache kernel: 13.9-14.2 us).
 //
 //   P = (ordered_key(l) with its low B bits replaced by the element's position, reversed)
 //
@@ -488,7 +489,7 @@ topk_softmax_kernel(float* __restrict__ out_w,          // (T, K)
 // its D best keys below the one it gave up (rare for D = 3).  A warp where any row fails a
 // check, or has a non-finite or large (> 2^16) m', recomputes its rows with exact_rows (ties,
 // +-0 and special values follow that code's rules).  The checks were validated against a
-// float64 reference with a bit-level Python model (~130k rows of near ties, special values,
+// float64 reference with a bit-level Python model (benchmarks/topk_variants/model.py; ~130k rows of near ties, special values,
 // +-0 mixes), then on the H200 by scripts/gpu_router_norm_selftest.py and the GPU tests.
 // ------------------------------------------------------------------------------------------
 
@@ -809,7 +810,7 @@ ex_status_t launch_pk(const Args& a, bool vec_ok) {
 
 // Group width G, vectors per lane NV and cache depth D for each E (capacity G * V * NV >= E,
 // V = 16 / sizeof(T)), from H200 graph-replay timings of every candidate at T = 16384, K = 8
-// (.tune/tune.cu, not in the build): 4 rows to a warp (G = 8, a lane holds 1/8 of the row and
+// (benchmarks/topk_variants/, not in the build): 4 rows to a warp (G = 8, a lane holds 1/8 of the row and
 // keeps its 4 best) up to 128 (fp32) / 256 (16-bit) experts, 16 or 32 lanes per row beyond.
 // E in 129..512 goes to the packed-key kernel where it applies (launch_pk), with the variant
 // the same tuner timed fastest on the H200 (renormalize, K = 8, T = 16384, graph replay, µs,
