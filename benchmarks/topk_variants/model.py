@@ -158,7 +158,11 @@ def check(l32, G, EPL, D, K, renorm, is16, tag, stats):
 
 
 def main():
-    n = int(sys.argv[1]) if len(sys.argv) > 1 else 200
+    import argparse
+    ap = argparse.ArgumentParser(description="Bit-level model of topk_softmax's packed-key fast path "
+                                             "against a float64 reference (CPU only).")
+    ap.add_argument("n_rows", type=int, nargs="?", default=200, help="rows per data set (default 200)")
+    n = ap.parse_args().n_rows
     rng = np.random.default_rng(5)
     configs = [(32, 12, 3, 384, 0), (32, 12, 2, 384, 0), (16, 24, 3, 384, 0), (16, 24, 3, 384, 1),
                (16, 24, 2, 384, 2), (32, 12, 3, 300, 0), (16, 8, 2, 128, 0), (32, 16, 2, 512, 2),

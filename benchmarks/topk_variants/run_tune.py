@@ -21,7 +21,11 @@ import sys
 import time
 
 import numpy as np
-import cupy as cp
+
+try:
+    import cupy as cp
+except ImportError:  # --help works anywhere; a run needs CuPy and a GPU
+    cp = None
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.abspath(os.path.join(HERE, "..", ".."))
@@ -220,6 +224,9 @@ def main():
     ap.add_argument("--factors", nargs="*", default=["factors"],
                     help="plugin folders (relative to the repository) whose topk_softmax.so to time")
     args = ap.parse_args()
+    if cp is None:
+        print("run_tune: needs CuPy and a CUDA GPU", file=sys.stderr)
+        return 2
     os.makedirs(args.out, exist_ok=True)
     res = {"timing": [], "checks": {}, "regs": {}, "exact_frac": {}, "factor_timing": []}
     stream = cp.cuda.Stream(non_blocking=True)
@@ -322,4 +329,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
