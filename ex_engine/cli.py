@@ -133,7 +133,10 @@ def cmd_verify(args) -> int:
 
 def cmd_lock(args) -> int:
     from .trust import write_lock
-    path, digests = write_lock(args.dir, args.output)
+    try:
+        path, digests = write_lock(args.dir, args.output)
+    except OSError as exc:   # e.g. --output in a folder that does not exist
+        raise FactorError(f"lock: cannot write the lock file: {exc}") from exc
     for name, digest in digests.items():
         print(f"  {digest}  {name}")
     print(f"wrote {path} ({len(digests)} libraries; JSON {{file name: sha256}})")
@@ -199,7 +202,8 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--seed", type=int, default=0, help="random seed (default: %(default)s)")
     q.add_argument("--repeat", type=int, default=10, help="timed calls per factor on a GPU (default: %(default)s)")
     q.set_defaults(fn=cmd_run_moe)
-    p.set_defaults(fn=lambda a: (p.print_help(), 2)[1])
+    # `ex-engine run` without a job: run's own help (bind p now: p is rebound below)
+    p.set_defaults(fn=lambda a, run_parser=p: (run_parser.print_help(), 2)[1])
 
     p = sub.add_parser("verify", help="run every ready factor against its Python fallback on its test shapes",
                        description="Run every ready factor against its Python fallback on the test "

@@ -56,3 +56,15 @@ def test_parser_lists_all_commands():
 def test_prefer_option_needs_name_equals_file(tmp_path, capsys):
     assert main(["list-factors", "--dir", str(tmp_path), "--prefer", "moe_fused_gemm"]) == 2
     assert "--prefer: expected NAME=FILE" in capsys.readouterr().err
+
+
+def test_run_without_a_job_prints_runs_help(capsys):
+    """`ex-engine run` alone: run's usage (not the last subcommand's), exit status 2."""
+    assert main(["run"]) == 2
+    out = capsys.readouterr().out
+    assert "usage: ex-engine run" in out and "ex-engine build" not in out
+
+
+def test_lock_to_a_missing_folder_is_a_clear_error(tmp_path, capsys):
+    assert main(["lock", "--dir", str(tmp_path), "--output", str(tmp_path / "no" / "x.lock")]) == 2
+    assert "ex-engine: error: lock: cannot write the lock file" in capsys.readouterr().err
