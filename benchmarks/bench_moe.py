@@ -24,7 +24,10 @@ import sys
 import time
 from pathlib import Path
 
-import torch
+try:
+    import torch
+except ImportError:  # --help works without it; a run says it needs it
+    torch = None
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ex_engine import FactorRegistry, moe_fused_gemm  # noqa: E402
@@ -108,6 +111,9 @@ def main():
     ap.add_argument("--factors", default=None,
                     help="folder of plugin libraries to load (default factors/): e.g. an older build, to compare")
     args = ap.parse_args()
+    if torch is None:
+        print("bench_moe: needs PyTorch and a CUDA GPU (README: 'On a GPU machine')", file=sys.stderr)
+        return 2
     dt = getattr(torch, args.dtype)
     models = load_models()
     names = sorted(models) if args.models == ["all"] else args.models

@@ -18,7 +18,10 @@ import sys
 import time
 from pathlib import Path
 
-import torch
+try:
+    import torch
+except ImportError:  # --help works without it; a run says it needs it
+    torch = None
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ex_engine import FactorRegistry, fused_add_rmsnorm, topk_softmax  # noqa: E402
@@ -64,6 +67,9 @@ def main():
     ap.add_argument("--only", choices=("topk", "rmsnorm"), default=None, help="one op only")
     ap.add_argument("--no-torch", action="store_true", help="time ex_engine only (no PyTorch eager / torch.compile)")
     args = ap.parse_args()
+    if torch is None:
+        print("bench_router_norm: needs PyTorch and a CUDA GPU (README: 'On a GPU machine')", file=sys.stderr)
+        return 2
     reg = FactorRegistry.load()
     compiled_norm = torch.compile(torch_rmsnorm)
     compiled_topk = torch.compile(torch_topk)
@@ -128,4 +134,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

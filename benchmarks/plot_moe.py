@@ -3,12 +3,16 @@
 one panel per model.   python3 benchmarks/plot_moe.py bench_moe.json -o benchmarks/moe_vs_floor.png"""
 import argparse
 import json
+import sys
 from collections import defaultdict
 
-import matplotlib
+try:
+    import matplotlib
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: E402
+except ImportError:  # --help works without it; a run says it needs it
+    plt = None
 
 
 def main():
@@ -16,6 +20,9 @@ def main():
     ap.add_argument("json")
     ap.add_argument("-o", "--output", default="benchmarks/moe_vs_floor.png")
     a = ap.parse_args()
+    if plt is None:
+        print("plot_moe: needs matplotlib (pip install matplotlib)", file=sys.stderr)
+        return 2
     data = json.load(open(a.json))
     rows = [r for r in data["rows"] if not r.get("skewed") and "ours_us" in r]
     by_model = defaultdict(list)
@@ -54,4 +61,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

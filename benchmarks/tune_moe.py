@@ -21,7 +21,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
+try:
+    import torch  # noqa: E402
+except ImportError:  # --help works without it; a run says it needs it
+    torch = None
 import yaml  # noqa: E402
 
 from _timing import graph_us  # noqa: E402
@@ -61,6 +64,9 @@ def main() -> int:
     ap.add_argument("--out", default=None,
                     help="tuning file to write (default manifests/tuning/<profile>.yaml for this GPU)")
     args = ap.parse_args()
+    if torch is None:
+        print("tune_moe: needs PyTorch and a CUDA GPU (README: 'On a GPU machine')", file=sys.stderr)
+        return 2
     reg = FactorRegistry.load()
     plugin = reg.get("moe_fused_gemm")
     if plugin is None:
