@@ -66,7 +66,7 @@
  *   kernel_fallback  any H, I, alignment (of the element type): warp per (slot, i) for act, warp
  *                    per (t, h) for out; scalar loads, fp32, no tensor cores. Same status rule.
  *
- * Configs (chosen on the host from rows per expert = T*K/E; table kCfg below;
+ * Configs (chosen on the host from rows per expert = T*K/G; table kCfg below; dims[7] >= 0 forces one;
  * a config whose smem exceeds hw->shared_mem_per_block_optin is replaced by a smaller one):
  *   tiny    BM=16,  BN1=16(x2 gate+up), BN2=32,  BK=64, 2 warps (1x2), 8 stages    decode, when
  *           its GEMM1 grid (upper bound) fits 4 blocks per SM (T=1 on qwen3/olmoe/granite/deepseek)
@@ -75,13 +75,17 @@
  *   mid32   BM=32,  BN1=64(x2),         BN2=128, BK=64, 4 warps (1x4), 5 stages    tuned data
  *           only (dims[7] = 5): 17-32 rows per expert without the half-empty BM=64 tile
  *   prefill BM=128, BN1=64(x2),         BN2=128, BK=64, 8 warps (2x4), 3 stages    rows/e >  128
- * EX_MOE_DECODE_CONFIG (read per call): old = no tiny config, N-tile-fastest block order, plain
- * launches (the choices before tiny existed); nopdl = tiny, and M-tile-fastest block order for
- * the BM=16 configs while the grid's A tiles fit in a quarter of L2 (an expert's M-tiles then
- * stream the same weight rows at the same time: one DRAM read instead of one per M-tile, e.g.
- * mixtral T=64 where ~45% of the experts get 17-32 rows); new (default) = nopdl + programmatic
- * dependent launch of GEMM1, GEMM2 and combine on sm_90+ (each launch overlaps the previous
- * kernel's tail; each kernel waits for its predecessor before its first global access).
+ * EX_MOE_DECODE_CONFIG (read per call; decode_mode() below): old = no tiny config, N-tile-fastest
+ * block order, plain launches, a routing launch (the choices before tiny existed); nopdl = tiny,
+ * GEMM1's fused routing for T*K <= 32 on the BM=16 configs, and M-tile-fastest block order for
+ * the BM<=32 configs (tiny, decode, mid32) while the grid's A tiles fit in a quarter of L2 (an
+ * expert's M-tiles then stream the same weight rows at the same time: one DRAM read instead of
+ * one per M-tile, e.g. mixtral T=64 where ~45% of the experts get 17-32 rows); late = nopdl +
+ * programmatic dependent launch of GEMM1, GEMM2 and combine on sm_90+ (each launch overlaps the
+ * previous kernel's tail; each kernel waits for its predecessor before its first global access);
+ * new (default; also any unknown value) = late + the early launches and GEMM2's own routing and
+ * weight prefetch above; unfused = late's launches with the separate routing launch (no fused
+ * routing, no early launches).
  *
  * y is kept in the input dtype, not fp32: it halves the bytes of the largest intermediate
  * (T*K*H) written by GEMM2 and read by the combine, which matters at prefill (qwen3-30b, T=4096:
@@ -1006,8 +1010,9 @@ struct Problem {
     int64_t T, H, E, I, K, dtype;
     int64_t G;                 // global experts (dims[6]; E when absent)
     int64_t config;            // dims[7], tile configuration: -1 (absent) = chosen here from
-                               // T*K/G; 0 tiny, 1 decode, 2 mid, 3 prefill, 4 Hopper grouped GEMM
-                               // (kTileConfig*; the registry passes tuned values, manifests/tuning)
+                               // T*K/G; 0 tiny, 1 decode, 2 mid, 3 prefill, 4 Hopper grouped GEMM,
+                               // 5 mid32 (kTileConfig*; the registry passes tuned values,
+                               // manifests/tuning; outside [-1, 5]: read_dims rejects the call)
     int64_t TK;
     const int* expert_map;     // aux[6]: (G,) int32 global -> local id or -1; nullptr: none
     ExpertMap em() const { return ExpertMap{expert_map, (int)G}; }
