@@ -143,3 +143,27 @@ def test_every_forced_config_is_correct_on_the_gpu(config, T, H, G, I, K):
     assert reg.last_path["moe_fused_gemm"] == "plugin"
     assert _rel(cupy, out, _reference(cupy, x, w13, w2, w, ids, None, G)) < 1e-2
     reg.check_device_errors()
+
+
+def test_config_values_agree_with_the_kernel():
+    """The tuner's names (benchmarks/tune_moe.py), the shipped tuning files and the kernel's
+    accepted range of dims[7] (kTileConfig* in factors/moe_fused_gemm.cuh) agree: a value the
+    kernel does not know would make every call of that shape fail with a KernelError on a GPU."""
+    import re
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    src = (root / "factors" / "moe_fused_gemm.cuh").read_text()
+    consts = {m[0]: int(m[1]) for m in re.findall(r"\b(kTileConfig\w+)\s*=\s*(-?\d+)", src)}
+    lo, hi = consts["kTileConfigAuto"], consts["kTileConfigMax"]
+    sys.path.insert(0, str(root / "benchmarks"))
+    try:
+        import tune_moe                      # imports without torch (a run needs it)
+    finally:
+        sys.path.remove(str(root / "benchmarks"))
+    assert sorted(tune_moe.VALUES.values()) == list(range(lo, hi + 1)), (tune_moe.VALUES, lo, hi)
+    for name, v in tune_moe.CONFIGS.items():
+        assert consts.get("kTileConfig" + name.capitalize()) == v, name
+    for p in sorted(tuning_dir().glob("*.yaml")):
+        table = yaml.safe_load(p.read_text())["moe_fused_gemm"]
+        assert table["values"] == tune_moe.VALUES, p
