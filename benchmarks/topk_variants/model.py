@@ -161,8 +161,13 @@ def main():
     import argparse
     ap = argparse.ArgumentParser(description="Bit-level model of topk_softmax's packed-key fast path "
                                              "against a float64 reference (CPU only).")
-    ap.add_argument("n_rows", type=int, nargs="?", default=200, help="rows per data set (default 200)")
+    def positive(v):
+        if not v.isdigit() or int(v) < 1:
+            raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {v!r}")
+        return int(v)
+    ap.add_argument("n_rows", type=positive, nargs="?", default=200, help="rows per data set (default 200)")
     n = ap.parse_args().n_rows
+    failures = 0
     rng = np.random.default_rng(5)
     configs = [(32, 12, 3, 384, 0), (32, 12, 2, 384, 0), (16, 24, 3, 384, 0), (16, 24, 3, 384, 1),
                (16, 24, 2, 384, 2), (32, 12, 3, 300, 0), (16, 8, 2, 128, 0), (32, 16, 2, 512, 2),
@@ -199,7 +204,10 @@ def main():
                     check(l32.astype(np.float32), G, EPL, D, K, renorm, is16, f"G{G} EPL{EPL} D{D} E{E} {dtype} K{K} r{renorm} {name}", stats)
                     if K == 8 and renorm == 1 or "FAIL" in stats:
                         print(f"G{G} EPL{EPL} D{D} E{E} {dtype:8s} K{K} r{renorm} {name:9s} {stats}")
+                    failures += stats.get("FAIL", 0)
+    print(f"model: {failures} failed check(s)")
+    return 1 if failures else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
