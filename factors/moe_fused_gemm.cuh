@@ -1012,7 +1012,8 @@ struct Problem {
     int64_t config;            // dims[7], tile configuration: -1 (absent) = chosen here from
                                // T*K/G; 0 tiny, 1 decode, 2 mid, 3 prefill, 4 Hopper grouped GEMM,
                                // 5 mid32 (kTileConfig*; the registry passes tuned values,
-                               // manifests/tuning; outside [-1, 5]: read_dims rejects the call)
+                               // manifests/tuning; below -1: read_dims rejects the
+                               // call; above 5, a later plugin's value: read as -1)
     int64_t TK;
     const int* expert_map;     // aux[6]: (G,) int32 global -> local id or -1; nullptr: none
     ExpertMap em() const { return ExpertMap{expert_map, (int)G}; }
@@ -1041,11 +1042,14 @@ static bool read_dims(const int64_t dims[], int n_dims, Problem* P, char* msg, s
         snprintf(msg, n, "moe_fused_gemm: expected T*K < 2^31 - 4096, got %lld", (long long)P->TK);
         return false;
     }
-    if (P->config < kTileConfigAuto || P->config > kTileConfigMax) {
-        snprintf(msg, n, "moe_fused_gemm: expected config (dims[7]) in [-1, %d], got %lld",
-                 kTileConfigMax, (long long)P->config);
+    if (P->config < kTileConfigAuto) {
+        snprintf(msg, n, "moe_fused_gemm: expected config (dims[7]) >= -1, got %lld",
+                 (long long)P->config);
         return false;
     }
+    // a configuration newer than this build (tuning data written for a later plugin): a launch
+    // hint, not part of the math, so this build chooses its own instead of refusing the call
+    if (P->config > kTileConfigMax) P->config = kTileConfigAuto;
     return true;
 }
 
