@@ -298,7 +298,7 @@ def test_moe_fused_routing_equals_the_routing_launch(reg, cp, monkeypatch, T, H,
     x, w13, w2, w, ids = moe_case(cp, T, H, E, I, K, "bfloat16")
     ids[0, 0] = E + 3                                   # an invalid slot in the first token
     outs = []
-    for mode in ("new", "late", "unfused"):
+    for mode in ("new", "late", "nopdl", "unfused"):
         monkeypatch.setenv("EX_MOE_DECODE_CONFIG", mode)
         reg.check_device_errors()
         outs.append(run_moe_check(reg, cp, (x, w13, w2, w, ids), "bfloat16"))
