@@ -64,6 +64,12 @@ def main() -> int:
     ap.add_argument("--out", default=None,
                     help="tuning file to write (default manifests/tuning/<profile>.yaml for this GPU)")
     args = ap.parse_args()
+    models = load_models()
+    unknown = [m for m in args.models if m != "all" and m not in models]
+    if unknown:
+        print(f"tune_moe: --models: unknown {', '.join(unknown)}; expected 'all' or some of "
+              f"{', '.join(sorted(models))}", file=sys.stderr)
+        return 2
     if torch is None:
         print("tune_moe: needs PyTorch and a CUDA GPU (README: 'On a GPU machine')", file=sys.stderr)
         return 2
@@ -78,15 +84,21 @@ def main() -> int:
     out = Path(args.out) if args.out else tuning_dir() / (
         "h200.yaml" if (device, sms) == ("NVIDIA H200", 132)
         else re.sub(r"\W+", "_", device.lower()).strip("_") + f"_{sms}sm.yaml")
-    data = yaml.safe_load(out.read_text()) if out.exists() else None
+    text = out.read_text() if out.exists() else ""
+    data = yaml.safe_load(text) if text else None
+    notes = []                     # the merged file's own comment lines, kept below the new header
     if not isinstance(data, dict) or (data.get("device"), data.get("multiprocessor_count")) != (device, sms):
         data = {}                  # another device's (or no) table: start a new one, merge nothing
+    else:
+        for line in text.splitlines():
+            if not line.startswith("#"):
+                break
+            notes.append(line)
     data.update({"device": device, "multiprocessor_count": sms})
     table = data.setdefault("moe_fused_gemm", {})
     table.update({"dim": "config", "key": KEY, "values": VALUES})
     shapes = {tuple(e[k] for k in KEY): e for e in table.get("shapes") or []}
 
-    models = load_models()
     names = sorted(models) if args.models == ["all"] else args.models
     gen = torch.Generator(device="cuda").manual_seed(0)
     dt = torch.bfloat16
@@ -144,6 +156,9 @@ def main() -> int:
               "# by_T rows: [T, configuration, its µs, µs of the kernel's own choice ('auto')]; a\n"
               f"# configuration is recorded where it beat auto by more than {args.margin:.0%}. A call\n"
               "# uses the row of the largest T not above its own. Format: ex_engine/tuning.py.\n")
+    if notes:                      # what the merged file said of its earlier rows
+        header += "# Earlier header of this file (its rows not re-tuned here keep its provenance):\n"
+        header += "".join(n + "\n" for n in notes)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(header + yaml.safe_dump(data, sort_keys=False, default_flow_style=None, width=100))
     print(f"# wrote {out}; {failed} configuration(s) failed their check", flush=True)
