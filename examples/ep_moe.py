@@ -44,8 +44,11 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")            # before torch/NCCL: no NVLink multicast
 os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+try:  # --help works without PyTorch; a run needs it
+    import torch  # noqa: E402
+    import torch.distributed as dist  # noqa: E402
+except ImportError:
+    torch = dist = None
 
 from ex_engine import FactorRegistry, moe_fused_gemm, set_default_registry, topk_softmax  # noqa: E402
 from ex_engine.distributed import (ExpertParallelMoE, expert_owner, expert_partition,  # noqa: E402
@@ -56,7 +59,7 @@ from ex_engine.moe_layer import load_models  # noqa: E402
 
 MODELS = load_models()
 DEFAULT_MODELS = ["qwen3-30b-a3b", "mixtral-8x7b"]
-TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16} if torch else {}
 
 
 class Ctx:
@@ -409,6 +412,9 @@ def main(argv=None) -> int:
     ap.add_argument("--tiny", action="store_true",
                     help="tiny layers (H 64, I 32, at most 16 experts, top-4): a smoke test")
     args = ap.parse_args(argv)
+    if torch is None:
+        print("[ep_moe] needs PyTorch (torchrun, torch.distributed)", file=sys.stderr)
+        return 2
     if not (args.check or args.bench):
         args.check = True
     cuda = args.device == "cuda"

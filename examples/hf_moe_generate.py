@@ -36,7 +36,10 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-import torch  # noqa: E402
+try:  # --help works without PyTorch; a run needs it (and transformers)
+    import torch  # noqa: E402
+except ImportError:
+    torch = None
 
 MODELS = {
     "qwen3": dict(family="qwen3_moe", label="Qwen3-30B-A3B", layers=4, H=2048, heads=32, kv_heads=4,
@@ -267,13 +270,16 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--rtol", type=float, default=2e-2,
                     help="logit tolerance as a fraction of the largest |logit| (default 0.02)")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--device", default="cuda" if torch is not None and torch.cuda.is_available() else "cpu")
     ap.add_argument("--tiny", action="store_true", help="tiny dimensions (a CPU smoke test)")
     ap.add_argument("--no-graph", action="store_true", help="skip the CUDA-graph variant")
     ap.add_argument("--stock-graph", action="store_true",
                     help="also capture stock grouped_mm in a CUDA graph (run last per model)")
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args(argv)
+    if torch is None:
+        print("hf_moe_generate: needs PyTorch and transformers", file=sys.stderr)
+        return 2
     import transformers
     names = list(MODELS) if args.model == "all" else [args.model]
     info = {"torch": torch.__version__, "transformers": transformers.__version__, "device": args.device}
