@@ -165,7 +165,12 @@ class TuningTable:
         TuningWarning once per shape on a live GPU) when the table has no entry."""
         fn = self._overrides.get(factor)
         if fn is not None:
-            return int(fn(sizes))
+            v = fn(sizes)
+            # an integer (NumPy's too), not a bool or a float that int() would quietly truncate
+            if isinstance(v, bool) or not hasattr(v, "__index__"):
+                raise FactorError(f"{factor}: the tuning override for dim {dim!r} returned "
+                                  f"{v!r} ({type(v).__name__}); expected an integer")
+            return int(v)
         ft = self.factors.get(factor)
         v = ft.lookup(sizes) if ft is not None and ft.dim == dim else None
         if v is not None:

@@ -114,6 +114,12 @@ def test_registry_passes_the_tuned_config_as_dims7(tmp_path):
     assert dims[7] == -1
     reg.set_tuning("moe_fused_gemm", lambda sizes: 3)   # the tuner's override
     assert reg.tuning.value("moe_fused_gemm", "config", {}, -1) == 3
+    reg.set_tuning("moe_fused_gemm", lambda sizes: np.int64(5))
+    assert reg.tuning.value("moe_fused_gemm", "config", {}, -1) == 5
+    for bad in (2.5, True, "mid32", None):              # never truncated or coerced quietly
+        reg.set_tuning("moe_fused_gemm", lambda sizes, v=bad: v)
+        with pytest.raises(FactorError, match="expected an integer"):
+            reg.tuning.value("moe_fused_gemm", "config", {}, -1)
     reg.set_tuning("moe_fused_gemm", None)
 
 
