@@ -61,8 +61,9 @@
  *                    where GEMM1 fits in one wave, else GEMM2 reads the routing GEMM1's block 0
  *                    wrote). A grid that fits in one wave lets the next one launch right after
  *                    its own wait, so GEMM2's blocks fill the SM slots GEMM1 leaves free and
- *                    stream w2 during GEMM1's tail (EX_MOE_DECODE_CONFIG=late: GEMM2 reads the routing GEMM1's
- *                    block 0 wrote, launches after main loops; unfused: separate routing launch).
+ *                    stream w2 during GEMM1's tail (EX_MOE_DECODE_CONFIG=late: GEMM2 reads the
+ *                    routing GEMM1's block 0 wrote, launches after main loops; unfused: separate
+ *                    routing launch).
  *   kernel_fallback  any H, I, alignment (of the element type): warp per (slot, i) for act, warp
  *                    per (t, h) for out; scalar loads, fp32, no tensor cores. Same status rule.
  *
@@ -202,8 +203,8 @@ constexpr int kRouteThreads = 1024;      // router block for many slots
 constexpr int kRouteThreadsSmall = 128;  // ... for at most kRouteSmallSlots slots (decode: a
 constexpr int kRouteSmallSlots = 2048;   // shorter scan and cheaper barriers, ~2 us less)
 constexpr int kSmallBM = 16;      // the smallest BM of any config: bounds the tile list
-static_assert(CfgDecode::BM == kSmallBM && CfgMid::BM >= kSmallBM && CfgMid32::BM >= kSmallBM && CfgPrefill::BM >= kSmallBM &&
-                  CfgTiny::BM == kSmallBM,
+static_assert(CfgDecode::BM == kSmallBM && CfgMid::BM >= kSmallBM && CfgMid32::BM >= kSmallBM &&
+                  CfgPrefill::BM >= kSmallBM && CfgTiny::BM == kSmallBM,
               "the workspace's tile list is sized for the smallest BM");
 constexpr int kMaxSplits = 8;     // GEMM2 split over I, only for T*K <= kSplitMaxSlots
 constexpr int kSplitMaxSlots = 32;

@@ -13,6 +13,25 @@ from gpu_router_norm_selftest import topk_reference, topk_logits, to_storage, to
 M32 = 0xFFFFFFFF
 
 
+def hard_rows(rng, T, E):
+    """Three (T, E) float32 logit sets that stress the top-k checks, drawn in this order from
+    ``rng`` (run_tune.py uses the same draws): N(0, 4) values, a copy with near ties (a few of
+    each row's top 10 within an ulp or two of one value) and a mix of +0, -0 and +-|values|."""
+    base = (rng.standard_normal((T, E)) * 2).astype(np.float32)
+    nt = base.copy()
+    for t in range(T):
+        top = np.argsort(-nt[t])[:10]
+        v = nt[t, top[rng.integers(0, 10)]]
+        for j in top[rng.permutation(10)[:rng.integers(2, 6)]]:
+            nt[t, j] = np.nextafter(v, np.float32(np.inf) if rng.random() < .5 else np.float32(-np.inf)) \
+                if rng.random() < 0.7 else v
+            v = nt[t, j] if rng.random() < 0.5 else v
+    zs = np.where(rng.random((T, E)) < 0.5, np.float32(0), -np.abs(base))
+    zs = np.where(rng.random((T, E)) < 0.5, -zs, zs)
+    zs = np.where(zs == 0, np.where(rng.random((T, E)) < .5, np.float32(-0.0), np.float32(0.0)), zs)
+    return base, nt, zs.astype(np.float32)
+
+
 def ceil_log2(n):
     return 0 if n <= 1 else 1 + ceil_log2((n + 1) // 2)
 
@@ -180,23 +199,11 @@ def main():
                 datasets = {}
                 s, _ = topk_logits(rng, n, E, dtype)
                 datasets["selftest"] = to_f32(s, dtype)
-                base = (rng.standard_normal((n, E)) * 2).astype(np.float32)
-                # near ties: a few values within a handful of ulps of each other
-                nt = base.copy()
-                for t in range(n):
-                    top = np.argsort(-nt[t])[:10]
-                    v = nt[t, top[rng.integers(0, 10)]]
-                    for j in top[rng.permutation(10)[:rng.integers(2, 6)]]:
-                        nt[t, j] = np.nextafter(v, np.float32(np.inf) if rng.random() < .5 else np.float32(-np.inf)) \
-                            if rng.random() < 0.7 else v
-                        v = nt[t, j] if rng.random() < 0.5 else v
+                base, nt, zs = hard_rows(rng, n, E)
                 datasets["neartie"] = to_f32(to_storage(nt, dtype), dtype)
                 datasets["ints"] = to_f32(to_storage(np.round(base), dtype), dtype)
                 datasets["bf16ish"] = to_f32(to_storage(to_f32(to_storage(base, "bfloat16"), "bfloat16"), dtype), dtype)
-                zs = np.where(rng.random((n, E)) < 0.5, np.float32(0), -np.abs(base))
-                zs = np.where(rng.random((n, E)) < 0.5, -zs, zs).astype(np.float32)
-                zs = np.where(zs == 0, np.where(rng.random((n, E)) < .5, np.float32(-0.0), np.float32(0.0)), zs)
-                datasets["zeros"] = to_f32(to_storage(zs.astype(np.float32), dtype), dtype)
+                datasets["zeros"] = to_f32(to_storage(zs, dtype), dtype)
                 big = (base * 3e4).astype(np.float32)
                 datasets["big"] = to_f32(to_storage(big, dtype), dtype)
                 for name, l32 in datasets.items():

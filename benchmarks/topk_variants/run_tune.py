@@ -31,6 +31,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.abspath(os.path.join(HERE, "..", ".."))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 import gpu_router_norm_selftest as st  # noqa: E402
+from model import hard_rows  # noqa: E402  (this folder: the same draws as the bit-level model)
 
 DT = {"float32": 0, "float16": 1, "bfloat16": 2}
 
@@ -79,18 +80,7 @@ def datasets(rng, T, E, dtype):
     out = {}
     s, l64 = st.topk_logits(rng, T, E, dtype)
     out["selftest"] = (s, l64)
-    base = (rng.standard_normal((T, E)) * 2).astype(np.float32)
-    nt = base.copy()
-    for t in range(T):
-        top = np.argsort(-nt[t])[:10]
-        v = nt[t, top[rng.integers(0, 10)]]
-        for j in top[rng.permutation(10)[:rng.integers(2, 6)]]:
-            nt[t, j] = np.nextafter(v, np.float32(np.inf) if rng.random() < .5 else np.float32(-np.inf)) \
-                if rng.random() < 0.7 else v
-            v = nt[t, j] if rng.random() < 0.5 else v
-    zs = np.where(rng.random((T, E)) < 0.5, np.float32(0), -np.abs(base))
-    zs = np.where(rng.random((T, E)) < 0.5, -zs, zs)
-    zs = np.where(zs == 0, np.where(rng.random((T, E)) < .5, np.float32(-0.0), np.float32(0.0)), zs).astype(np.float32)
+    base, nt, zs = hard_rows(rng, T, E)
     for name, a in (("neartie", nt), ("ints", np.round(base)), ("zeros", zs), ("normal", base)):
         s = st.to_storage(a.astype(np.float32), dtype)
         out[name] = (s, st.to_f32(s, dtype).astype(np.float64))

@@ -82,41 +82,33 @@ int r_pk() {
     X(81, pk, 32, 2, 3, true, 1)         \
     X(82, pk, 32, 2, 2, true, 1)
 
-template <typename T>
-int run_f32(int v, const Args& a) {
-#define X(id, kind, G, NV, D, RL, MB) \
+#define LAUNCH(id, kind, G, NV, D, RL, MB) \
     case id: return v_##kind<T, G, NV, D, RL, MB>(a);
-    switch (v) { VARIANTS_F32(X) }
-#undef X
-    return -100;
-}
-
-template <typename T>
-int run_16(int v, const Args& a) {
-#define X(id, kind, G, NV, D, RL, MB) \
-    case id: return v_##kind<T, G, NV, D, RL, MB>(a);
-    switch (v) { VARIANTS_16(X) }
-#undef X
-    return -100;
-}
-
-template <typename T>
-int regs_f32(int v) {
-#define X(id, kind, G, NV, D, RL, MB) \
+#define REGS(id, kind, G, NV, D, RL, MB) \
     case id: return r_##kind<T, G, NV, D, RL, MB>();
-    switch (v) { VARIANTS_F32(X) }
-#undef X
+
+// variant v of the table for T's size (only that table is instantiated); -100: no such variant
+template <typename T>
+int run(int v, const Args& a) {
+    if constexpr (sizeof(T) == 4) {
+        switch (v) { VARIANTS_F32(LAUNCH) }
+    } else {
+        switch (v) { VARIANTS_16(LAUNCH) }
+    }
     return -100;
 }
 
 template <typename T>
-int regs_16(int v) {
-#define X(id, kind, G, NV, D, RL, MB) \
-    case id: return r_##kind<T, G, NV, D, RL, MB>();
-    switch (v) { VARIANTS_16(X) }
-#undef X
+int regs(int v) {
+    if constexpr (sizeof(T) == 4) {
+        switch (v) { VARIANTS_F32(REGS) }
+    } else {
+        switch (v) { VARIANTS_16(REGS) }
+    }
     return -100;
 }
+#undef LAUNCH
+#undef REGS
 
 }  // namespace
 
@@ -126,15 +118,15 @@ extern "C" EX_EXPORT int tune_launch(int v, int dtype, void* w, void* ids, const
     Args a{static_cast<float*>(w), static_cast<int32_t*>(ids), logits, (int64_t)T, E, K, renorm,
            static_cast<cudaStream_t>(stream)};
     g_threads = kMaxThreads;
-    if (dtype == 0) return run_f32<float>(v, a);
-    if (dtype == 1) return run_16<__half>(v, a);
-    return run_16<__nv_bfloat16>(v, a);
+    if (dtype == 0) return run<float>(v, a);
+    if (dtype == 1) return run<__half>(v, a);
+    return run<__nv_bfloat16>(v, a);
 }
 
 extern "C" EX_EXPORT int tune_regs(int v, int dtype) {
-    if (dtype == 0) return regs_f32<float>(v);
-    if (dtype == 1) return regs_16<__half>(v);
-    return regs_16<__nv_bfloat16>(v);
+    if (dtype == 0) return regs<float>(v);
+    if (dtype == 1) return regs<__half>(v);
+    return regs<__nv_bfloat16>(v);
 }
 
 extern "C" EX_EXPORT unsigned long long tune_exact_warps(int reset) {
