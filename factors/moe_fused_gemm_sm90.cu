@@ -13,7 +13,8 @@
  *                    portable fast path (mma.sync) of moe_fused_gemm.cuh, unchanged.
  *   kernel_fallback  the portable scalar fallback (any H, I).
  *
- * CUTLASS path: six launches on the caller's stream, no host sync, nothing on the host depends
+ * CUTLASS path: five launches (six where I % 128 != 0) on the caller's stream, no host sync,
+ * nothing on the host depends
  * on device values (CUDA-graph capturable). The grouped GEMMs get E groups whose problem sizes
  * and pointer arrays are written on the device; the host passes host_problem_shapes = nullptr
  * (the persistent group scheduler launches one CTA per SM and skips groups with M = 0: a group
@@ -23,16 +24,25 @@
  *   2. sm90_prepare_kernel  threads 0..E-1: problem shapes, pointers and strides of both GEMMs;
  *      every warp: rows r < meta[1]: xs[r] = hidden_states[sorted[r] / K] (16-byte copies),
  *      slot_pos[sorted[r]] = r (the inverse permutation the combine reads).
- *   3. GEMM1 (grouped, TN)  gu_e (M_e x 2I) = xs_e (M_e x H, row-major) . w13[e]^T
- *                           (w13[e] is 2I x H row-major = K-major B, CUTLASS ColumnMajor)
+ *   3. GEMM1 (grouped, TN)  I % 128 == 0 (every model of moe_models.yaml): GatedGemm1, act_e
+ *                           (M_e x I) = dtype(silu(dtype(g)) * dtype(u)) with g, u the gate and
+ *                           up halves of xs_e . w13[e]^T, computed in the epilogue (B stages hold
+ *                           128 gate rows and the matching 128 up rows; see GatedMainloop);
+ *                           else gu_e (M_e x 2I) = xs_e (M_e x H, row-major) . w13[e]^T
+ *                           (w13[e] is 2I x H row-major = K-major B, CUTLASS ColumnMajor) and
  *   4. sm90_silu_mul_kernel act[r] = dtype(silu(gu[r, :I]) * gu[r, I:]), rows r < meta[1]
+ *                           (EX_MOE_SM90_SILU_IN_GEMM1=0 at load time: always this way, for A/B)
  *   5. GEMM2 (grouped, TN)  ys_e (M_e x H) = act_e (M_e x I) . w2[e]^T
  *   6. sm90_combine_kernel  out[t] = dtype(sum_k [id valid] topk_weights[t,k] * ys[slot_pos[t*K+k]])
  *                           in fp32, fixed k order: deterministic, no atomics, rounded once.
  *   Numerics: gu is rounded to the dtype by GEMM1's epilogue before silu (as vLLM's
- *   intermediate_cache1), act rounded to the dtype (the contract), ys rounded to the dtype.
+ *   intermediate_cache1), act rounded to the dtype (the contract), ys rounded to the dtype. The
+ *   gated epilogue's silu uses __expf and __fdividef (a few fp32 ulps from the ungated kernel's
+ *   before act's rounding; on the H200 the outputs of six models at T = 4096 came out identical).
  *
- * GEMM kernel (one type per dtype, shared by both GEMMs): KernelPtrArrayTmaWarpSpecializedCooperative,
+ * GEMM kernel (one type per dtype for GEMM2 and the ungated GEMM1, plus GatedGemm1 per dtype,
+ * which shares its tile, schedule and mainloop and swaps the B load and the epilogue):
+ * KernelPtrArrayTmaWarpSpecializedCooperative,
  * tile 128 x 256 x 64, cluster 1 x 2 x 1 (A multicast to the two CTAs of a pair of N tiles;
  * clustering along N, not M, because M-tiles are rounded up to the cluster size per group and the
  * groups are small), stages from StageCountAutoCarveout, epilogue
@@ -44,8 +54,9 @@
  *   expert_off int32[E+1], slot_pos int32[T*K]
  *   per GEMM g in {1, 2}: shapes[E] (int M,N,K), ptr_A[E], ptr_B[E], ptr_D[E], stride_A/B/D[E]
  *   cutlass    GemmKernel::get_workspace_size for kSm90MaxSms SMs (per-SM TMA descriptors)
- *   bufA       dtype[T*K, max(H, I)]   xs (GEMM1's A), later act (GEMM2's A)
- *   bufB       dtype[T*K, max(2I, H)]  gu (GEMM1's D), later ys (GEMM2's D)
+ *   bufA       dtype[T*K, max(H, I)]   xs (GEMM1's A); later ys (gated) or act (ungated)
+ *   bufB       dtype[T*K, max(2I, H)]  act (gated GEMM1's D); or gu, later ys (ungated)
+ *   No launch reads and writes the same buffer (the gated GEMM1 writes act while it still reads xs).
  * workspace_size = max(portable layout, this layout) where this path can be chosen for the dims,
  * else the portable layout.
  */
@@ -151,6 +162,352 @@ struct GroupArrays {
 template <typename T> struct CutlassType;
 template <> struct CutlassType<__nv_bfloat16> { using type = cutlass::bfloat16_t; };
 template <> struct CutlassType<__half> { using type = cutlass::half_t; };
+template <class G> struct IsGated : std::false_type {};
+
+// ------------------------------------------------------------------------------------------
+// GEMM1 with silu(gate) * up in its epilogue (needs I % 128 == 0)
+//
+// The CTA tile is 128 x 256 as above, but its 256 B rows are two boxes of 128 weight rows:
+// w13[e] rows [128 j, 128 j + 128) (gate) land in smem rows 0..127 and rows [I + 128 j, ...)
+// (up) in rows 128..255 of the same stage, so accumulator columns c and c + 128 of the tile are
+// gate and up of act column 128 j + c. The problem shape stays (M, 2I, H): the scheduler makes
+// 2I / 256 = I / 128 N-tiles per expert, j = the tile's N index. B's smem stage (256 x 64,
+// 128-byte swizzle atoms of 8 x 64 stacked along N) is, element for element, two consecutive
+// 128 x 64 stages, so the TMA writes a (128, 64, 2 * Stages) view of the same buffer and the MMA
+// reads it unchanged. The epilogue (no smem, direct stores) rounds gate and up to the dtype
+// first, as the unfused path's GEMM1 epilogue does, so act is bit-identical to it.
+// ------------------------------------------------------------------------------------------
+
+template <class Base>
+struct GatedMainloop : Base {
+    using typename Base::TileShape;
+    using typename Base::InternalElementA;
+    using typename Base::InternalElementB;
+    using typename Base::InternalStrideA;
+    using typename Base::InternalStrideB;
+    using typename Base::SmemLayoutA;
+    using typename Base::SmemLayoutB;
+    using typename Base::SmemLayoutAtomB;
+    using typename Base::MainloopPipeline;
+    using typename Base::TensorStorage;
+    using typename Base::TensorMapStorage;
+    using typename Base::Arguments;
+    using DispatchPolicy = typename Base::DispatchPolicy;
+    static constexpr int kStages = DispatchPolicy::Stages;
+    using HalfN = Int<decltype(size<1>(TileShape{}))::value / 2>;
+    using BK = Int<decltype(size<2>(TileShape{}))::value>;
+    using TileShapeH = Shape<Int<decltype(size<0>(TileShape{}))::value>, HalfN, BK>;
+    // the B stages as 2 * Stages stages of half the rows (same bytes, same swizzle)
+    using SmemLayoutBH = decltype(tile_to_shape(SmemLayoutAtomB{}, make_shape(HalfN{}, BK{}, Int<2 * kStages>{}),
+                                                Step<_1, _2, _3>{}));
+    static_assert(cute::is_same_v<typename Base::GmemTiledCopyB, SM90_TMA_LOAD>, "B not multicast (cluster M = 1)");
+    static_assert(!cutlass::gemm::detail::is_major<0, InternalStrideB>(), "B K-major");
+    static_assert(cosize(SmemLayoutBH{}) == cosize(SmemLayoutB{}), "same B buffer");
+    using TMA_BH = decltype(make_tma_copy(
+        SM90_TMA_LOAD{},
+        make_tensor(static_cast<InternalElementB const*>(nullptr), repeat_like(InternalStrideB{}, int32_t(0)),
+                    InternalStrideB{}),
+        SmemLayoutBH{}(_, _, cute::Int<0>{}), make_shape(HalfN{}, BK{}), _1{}));
+
+    struct Params : Base::Params {
+        TMA_BH tma_load_bh;
+    };
+
+    template <class ProblemShape>
+    static Params to_underlying_arguments(ProblemShape problem_shapes, Arguments const& args, void* workspace) {
+        auto init_shape = repeat_like(typename ProblemShape::UnderlyingProblemShape{}, int32_t(1));
+        InternalElementB const* ptr_B_first = reinterpret_cast<InternalElementB const*>(
+            reinterpret_cast<uint64_t>(args.ptr_B) & 0xFFFFFFFFFFFFFFF0);
+        Tensor tensor_b = make_tensor(ptr_B_first, make_layout(make_shape(get<1>(init_shape), get<2>(init_shape),
+                                                                          int32_t(1)),
+                                                               InternalStrideB{}));
+        TMA_BH bh = make_tma_copy(SM90_TMA_LOAD{}, tensor_b, SmemLayoutBH{}(_, _, cute::Int<0>{}),
+                                  make_shape(HalfN{}, BK{}), _1{});
+        return Params{Base::to_underlying_arguments(problem_shapes, args, workspace), bh};
+    }
+
+    template <class ProblemShape_MNKL>
+    CUTLASS_DEVICE auto load_init(ProblemShape_MNKL const& problem_shape_MNKL, Params const& p) const {
+        using X = Underscore;
+        auto [M, N, K, L] = problem_shape_MNKL;
+        Tensor mA_mkl = p.tma_load_a.get_tma_tensor(make_shape(M, K, int32_t(1)));
+        Tensor mB_nkl = p.tma_load_bh.get_tma_tensor(make_shape(N, K, int32_t(1)));
+        Tensor gA_mkl = local_tile(mA_mkl, TileShape{}, make_coord(_, _, _), Step<_1, X, _1>{});   // (BM,BK,m,k,l)
+        Tensor gB_nkl = local_tile(mB_nkl, TileShapeH{}, make_coord(_, _, _), Step<X, _1, _1>{});  // (BN/2,BK,n,k,l)
+        return cute::make_tuple(gA_mkl, gB_nkl);
+    }
+
+    template <class TensorA, class TensorB, class TensorMapA, class TensorMapB, class KTileIterator,
+              class BlockCoord>
+    CUTLASS_DEVICE void load(Params const& p, MainloopPipeline pipeline,
+                             typename Base::PipelineState smem_pipe_write,
+                             cute::tuple<TensorA, TensorB> const& load_inputs,
+                             cute::tuple<TensorMapA, TensorMapB> const& input_tensormaps,
+                             BlockCoord const& blk_coord, KTileIterator k_tile_iter, int k_tile_count,
+                             int thread_idx, uint32_t block_rank_in_cluster, TensorStorage& shared_tensors) {
+        int lane_predicate = cute::elect_one_sync();
+        if (lane_predicate) {
+            Tensor sA = make_tensor(make_smem_ptr(shared_tensors.smem_A.data()), SmemLayoutA{});    // (BM,BK,PIPE)
+            Tensor sB = make_tensor(make_smem_ptr(shared_tensors.smem_B.data()), SmemLayoutBH{});   // (BN/2,BK,2*PIPE)
+            constexpr uint32_t cluster_shape_x = get<0>(typename DispatchPolicy::ClusterShape());
+            uint2 cluster_local_block_id = {block_rank_in_cluster % cluster_shape_x,
+                                            block_rank_in_cluster / cluster_shape_x};
+            Tensor gA_mkl = get<0>(load_inputs);
+            Tensor gB_nkl = get<1>(load_inputs);
+            auto block_tma_a = p.tma_load_a.get_slice(cluster_local_block_id.y);
+            auto block_tma_b = p.tma_load_bh.get_slice(0);
+            auto [m_coord, n_coord, k_coord, l_coord] = blk_coord;
+            const int n_up = int(size<2>(gB_nkl)) / 2;  // I / 128 half-tiles of gate rows precede the up rows
+            Tensor gA = gA_mkl(_, _, m_coord, _, l_coord);
+            Tensor gBg = gB_nkl(_, _, n_coord, _, l_coord);
+            Tensor gBu = gB_nkl(_, _, n_coord + n_up, _, l_coord);
+            Tensor tAgA = block_tma_a.partition_S(gA);
+            Tensor tAsA = block_tma_a.partition_D(sA);
+            Tensor tBgBg = block_tma_b.partition_S(gBg);
+            Tensor tBgBu = block_tma_b.partition_S(gBu);
+            Tensor tBsB = block_tma_b.partition_D(sB);
+            uint16_t mcast_mask_a = 0;
+            if constexpr (cute::is_same_v<typename Base::GmemTiledCopyA, SM90_TMA_LOAD_MULTICAST>) {
+                auto block_layout = Layout<typename DispatchPolicy::ClusterShape>{};
+                for (int n = 0; n < size<1>(block_layout); ++n)
+                    mcast_mask_a |= (uint16_t(1) << block_layout(cluster_local_block_id.x, n, Int<0>{}));
+            }
+            CUTLASS_PRAGMA_NO_UNROLL
+            for (; k_tile_count > 0; --k_tile_count) {
+                pipeline.producer_acquire(smem_pipe_write);
+                using BarrierType = typename MainloopPipeline::ProducerBarrierType;
+                BarrierType* tma_barrier = pipeline.producer_get_barrier(smem_pipe_write);
+                const int write_stage = smem_pipe_write.index();
+                copy(p.tma_load_a.with(get<0>(input_tensormaps), *tma_barrier, mcast_mask_a),
+                     tAgA(_, _, _, *k_tile_iter), tAsA(_, _, _, write_stage));
+                copy(p.tma_load_bh.with(get<1>(input_tensormaps), *tma_barrier, 0),
+                     tBgBg(_, _, _, *k_tile_iter), tBsB(_, _, _, 2 * write_stage));
+                copy(p.tma_load_bh.with(get<1>(input_tensormaps), *tma_barrier, 0),
+                     tBgBu(_, _, _, *k_tile_iter), tBsB(_, _, _, 2 * write_stage + 1));
+                ++k_tile_iter;
+                ++smem_pipe_write;
+            }
+        }
+    }
+
+    CUTLASS_DEVICE auto tensormaps_init(Params const& p, TensorMapStorage& shared_tensormaps, int32_t sm_count,
+                                        int32_t sm_idx) {
+        cute::TmaDescriptor* gmem_tensormap = reinterpret_cast<cute::TmaDescriptor*>(p.tensormaps);
+        cute::TmaDescriptor* tma_desc_a = &gmem_tensormap[sm_idx];
+        cute::TmaDescriptor* tma_desc_b = &gmem_tensormap[sm_idx + sm_count];
+        if (cute::elect_one_sync()) {
+            Tensor pA = make_tensor(p.tma_load_a.get_tma_descriptor(), Int<1>{}, Int<1>{});
+            Tensor sA = make_tensor(make_smem_ptr(&shared_tensormaps.smem_tensormap_A), Int<1>{}, Int<1>{});
+            Tensor pB = make_tensor(p.tma_load_bh.get_tma_descriptor(), Int<1>{}, Int<1>{});
+            Tensor sB = make_tensor(make_smem_ptr(&shared_tensormaps.smem_tensormap_B), Int<1>{}, Int<1>{});
+            copy(recast<uint128_t>(pA), recast<uint128_t>(sA));
+            copy(recast<uint128_t>(pB), recast<uint128_t>(sB));
+        }
+        __syncwarp();
+        return cute::make_tuple(tma_desc_a, tma_desc_b);
+    }
+
+    template <class ProblemShape_MNKL>
+    CUTLASS_DEVICE void tensormaps_replace_global_tensor_properties(TensorMapStorage& shared_tensormaps,
+                                                                    Params const& p, int32_t next_group,
+                                                                    ProblemShape_MNKL problem_shape_mnkl) {
+        const uint32_t M = get<0>(problem_shape_mnkl);
+        const uint32_t N = get<1>(problem_shape_mnkl);
+        const uint32_t K = get<2>(problem_shape_mnkl);
+        cute::array<uint32_t, 5> shape_A = {1, 1, 1, 1, 1};
+        cute::array<uint64_t, 5> stride_A = {0, 0, 0, 0, 0};
+        cute::array<uint32_t, 5> shape_B = {1, 1, 1, 1, 1};
+        cute::array<uint64_t, 5> stride_B = {0, 0, 0, 0, 0};
+        InternalElementA const* ptr_A = nullptr;
+        Tensor tensor_a = make_tensor(ptr_A, make_shape(M, K, Int<1>{}), p.dA[next_group]);
+        InternalElementB const* ptr_B = nullptr;
+        Tensor tensor_b = make_tensor(ptr_B, make_shape(N, K, Int<1>{}), p.dB[next_group]);
+        cute::detail::fill_tma_gmem_shape_stride(p.tma_load_a, tensor_a, shape_A, stride_A);
+        cute::detail::fill_tma_gmem_shape_stride(p.tma_load_bh, tensor_b, shape_B, stride_B);
+        for (uint64_t& st : stride_A) st = (st * sizeof_bits_v<InternalElementA>) / 8;
+        for (uint64_t& st : stride_B) st = (st * sizeof_bits_v<InternalElementB>) / 8;
+        cute::tma_descriptor_replace_dims_strides_in_shared_mem(shared_tensormaps.smem_tensormap_A, shape_A, stride_A);
+        cute::tma_descriptor_replace_dims_strides_in_shared_mem(shared_tensormaps.smem_tensormap_B, shape_B, stride_B);
+    }
+
+    template <class TensorMapA, class TensorMapB, class ProblemShape_MNKL>
+    CUTLASS_DEVICE void tensormaps_perform_update(TensorMapStorage& shared_tensormaps, Params const& p,
+                                                  cute::tuple<TensorMapA, TensorMapB> const& input_tensormaps,
+                                                  ProblemShape_MNKL problem_shape_mnkl, int32_t next_batch) {
+        if (cute::elect_one_sync()) {
+            this->tensormaps_replace_global_address(shared_tensormaps, p, next_batch);
+            tensormaps_replace_global_tensor_properties(shared_tensormaps, p, next_batch, problem_shape_mnkl);
+        }
+    }
+};
+
+// silu with the hardware's approximate exp2 and reciprocal (2 MUFU operations): within a few
+// float ulps of g / (1 + expf(-g)); -inf as exp's result gives 0, as it should.
+__device__ __forceinline__ float silu_fast(float g) { return __fdividef(g, 1.0f + __expf(-g)); }
+
+// Operator-style epilogue (wrapped by Sm90TmaWarpSpecializedAdapter): act[row, 128 j + c] =
+// dtype(silu(dtype(acc[row, c])) * dtype(acc[row, 128 + c])), c < 128, for rows < M and act
+// columns < N / 2 = I. ptr_D / dD: act of the group (GEMM2's A pointers and strides).
+template <typename ElementT, typename TNative>
+struct GatedEpilogueOp {
+    using EpilogueSchedule = cutlass::epilogue::PtrArrayNoSmemWarpSpecialized;
+    using DispatchPolicy = EpilogueSchedule;
+    using ElementOutput = ElementT;
+    using ElementAccumulator = float;
+    using ElementCompute = float;
+    using ElementScalar = float;
+    using ElementC = ElementT;
+    using ElementD = ElementT;
+    using InternalStrideC = cute::Stride<int64_t, cute::Int<1>, cute::Int<0>>;
+    using InternalStrideD = InternalStrideC;
+    using StrideC = InternalStrideC*;
+    using StrideD = InternalStrideD*;
+    using GmemTiledCopyC = void;
+    using GmemTiledCopyD = void;
+    struct SharedStorage {};
+    using TensorMapStorage = SharedStorage;
+    struct Arguments {
+        ElementD** ptr_D = nullptr;
+        StrideD dD = nullptr;
+    };
+    using Params = Arguments;
+
+    template <class ProblemShape>
+    static constexpr Params to_underlying_arguments(ProblemShape const&, Arguments const& args, void*) { return args; }
+    template <class ProblemShape>
+    static size_t get_workspace_size(ProblemShape const&, Arguments const&, int) { return 0; }
+    template <class ProblemShape>
+    static cutlass::Status initialize_workspace(ProblemShape const&, Arguments const&, void*, cudaStream_t,
+                                                cutlass::CudaHostAdapter* = nullptr) {
+        return cutlass::Status::kSuccess;
+    }
+    template <class ProblemShape>
+    static bool can_implement(ProblemShape const&, Arguments const& args) { return args.ptr_D != nullptr; }
+
+    CUTLASS_HOST_DEVICE GatedEpilogueOp(Params const& p) : params(p) {}
+    CUTLASS_DEVICE bool is_source_needed() { return false; }
+
+    template <class ProblemShapeMNKL, class BlockShapeMNK, class BlockCoordMNKL, class FrgEngine, class FrgLayout,
+              class TiledMma, class ResidueMNK>
+    CUTLASS_DEVICE void operator()(ProblemShapeMNKL problem_shape_mnkl, BlockShapeMNK blk_shape_MNK,
+                                   BlockCoordMNKL blk_coord_mnkl,
+                                   cute::Tensor<FrgEngine, FrgLayout> const& accumulators, TiledMma tiled_mma,
+                                   ResidueMNK, int thread_idx, char*) {
+        using E2 = typename Elem<TNative>::T2;
+        constexpr int BM = size<0>(BlockShapeMNK{});
+        constexpr int BN = size<1>(BlockShapeMNK{});
+        // fragment of one thread: ((2 cols, 2 rows, BN/8 column blocks), 1, 1); block b + BN/16
+        // holds the columns 128 to the right of block b
+        static_assert(is_static<FrgLayout>::value, "static accumulator layout");
+        static_assert(rank(FrgLayout{}) == 3 && size<1>(FrgLayout{}) == 1 && size<2>(FrgLayout{}) == 1,
+                      "one MMA per warpgroup tile");
+        static_assert(size<0, 0>(FrgLayout{}) == 2 && size<0, 1>(FrgLayout{}) == 2 &&
+                      size<0, 2>(FrgLayout{}) == BN / 8, "wgmma m64nNk16 accumulator fragment");
+        constexpr int NB2 = BN / 16;
+        const int M = get<0>(problem_shape_mnkl);
+        const int I = get<1>(problem_shape_mnkl) / 2;
+        auto [m_coord, n_coord, k_coord, l_coord] = blk_coord_mnkl;
+        const int64_t ld = get<0>(params.dD[l_coord]);
+        const int row0 = int(m_coord) * BM;
+        const int col0 = int(n_coord) * (BN / 2);
+        TNative* D = reinterpret_cast<TNative*>(params.ptr_D[l_coord]);
+        Tensor cD = make_identity_tensor(make_shape(Int<BM>{}, Int<BN>{}));
+        auto thr_mma = tiled_mma.get_thread_slice(thread_idx);
+        Tensor tCcD = thr_mma.partition_C(cD);
+#if defined(EX_SM90_EPI_ACCURATE)
+        CUTLASS_PRAGMA_UNROLL
+        for (int b = 0; b < NB2; ++b) {
+            CUTLASS_PRAGMA_UNROLL
+            for (int h = 0; h < 2; ++h) {
+                const auto crd = tCcD(make_coord(make_coord(0, h, b), 0, 0));
+                const int r = row0 + int(get<0>(crd));
+                const int c = col0 + int(get<1>(crd));
+                const float2 g = Elem<TNative>::unpack(Elem<TNative>::pack(
+                    accumulators(make_coord(make_coord(0, h, b), 0, 0)),
+                    accumulators(make_coord(make_coord(1, h, b), 0, 0))));
+                const float2 u = Elem<TNative>::unpack(Elem<TNative>::pack(
+                    accumulators(make_coord(make_coord(0, h, b + NB2), 0, 0)),
+                    accumulators(make_coord(make_coord(1, h, b + NB2), 0, 0))));
+                if (r < M && c < I)
+                    *reinterpret_cast<E2*>(D + (int64_t)r * ld + c) =
+                        Elem<TNative>::pack(silu_f(g.x) * u.x, silu_f(g.y) * u.y);
+            }
+        }
+#else
+        // The 4 threads of a quad hold the same two rows, columns 8 b + 2 q + {0, 1} of every
+        // 8-column block b (q = lane & 3). Per row and group of 4 blocks, a 4 x 4 transpose of
+        // the packed pairs in the quad (2 shuffle rounds) gives thread q block 4 g + q whole:
+        // one 16-byte store instead of four 4-byte ones.
+        static_assert(NB2 % 4 == 0, "groups of 4 column blocks");
+        if (col0 >= I) return;  // the N-tile past the last (cluster padding): I % (BN/2) == 0
+        const int q = int(threadIdx.x) & 3;
+        const bool q_hi = (q & 2) != 0, q_odd = (q & 1) != 0;
+        CUTLASS_PRAGMA_UNROLL
+        for (int h = 0; h < 2; ++h) {
+            const int r = row0 + int(get<0>(tCcD(make_coord(make_coord(0, h, 0), 0, 0))));
+            TNative* drow = D + (int64_t)r * ld + col0;
+            CUTLASS_PRAGMA_UNROLL
+            for (int gi = 0; gi < NB2 / 4; ++gi) {
+                uint32_t a[4];
+                CUTLASS_PRAGMA_UNROLL
+                for (int j = 0; j < 4; ++j) {
+                    const int b = 4 * gi + j;
+                    const float2 g = Elem<TNative>::unpack(Elem<TNative>::pack(
+                        accumulators(make_coord(make_coord(0, h, b), 0, 0)),
+                        accumulators(make_coord(make_coord(1, h, b), 0, 0))));
+                    const float2 u = Elem<TNative>::unpack(Elem<TNative>::pack(
+                        accumulators(make_coord(make_coord(0, h, b + NB2), 0, 0)),
+                        accumulators(make_coord(make_coord(1, h, b + NB2), 0, 0))));
+                    const E2 v = Elem<TNative>::pack(silu_fast(g.x) * u.x, silu_fast(g.y) * u.y);
+                    a[j] = *reinterpret_cast<const uint32_t*>(&v);
+                }
+                // round 1 (lanes q, q ^ 2), round 2 (q, q ^ 1): a[p] ends as thread p's pair of block 4 gi + q
+                uint32_t r0 = __shfl_xor_sync(0xffffffffu, q_hi ? a[0] : a[2], 2);
+                uint32_t r1 = __shfl_xor_sync(0xffffffffu, q_hi ? a[1] : a[3], 2);
+                if (q_hi) { a[0] = r0; a[1] = r1; } else { a[2] = r0; a[3] = r1; }
+                r0 = __shfl_xor_sync(0xffffffffu, q_odd ? a[0] : a[1], 1);
+                r1 = __shfl_xor_sync(0xffffffffu, q_odd ? a[2] : a[3], 1);
+                if (q_odd) { a[0] = r0; a[2] = r1; } else { a[1] = r0; a[3] = r1; }
+                if (r < M)
+                    *reinterpret_cast<uint4*>(drow + 8 * (4 * gi + q)) = make_uint4(a[0], a[1], a[2], a[3]);
+            }
+        }
+#endif
+    }
+
+    Params params;
+};
+
+template <typename ElementT, typename TNative>
+struct GatedGemm1 {
+    using Base = GroupedGemm<ElementT>;
+    using ProblemShape = typename Base::ProblemShape;
+    using TileShape = typename Base::TileShape;
+    using ClusterShape = typename Base::ClusterShape;
+    using CollectiveEpilogue =
+        cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<GatedEpilogueOp<ElementT, TNative>>;
+    using CollectiveMainloop = GatedMainloop<typename cutlass::gemm::collective::CollectiveBuilder<
+        cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp,
+        ElementT, typename Base::LayoutA*, Base::kAlign, ElementT, typename Base::LayoutB*, Base::kAlign, float,
+        TileShape, ClusterShape,
+        cutlass::gemm::collective::StageCountAutoCarveout<
+            static_cast<int>(sizeof(typename CollectiveEpilogue::SharedStorage))>,
+        cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative>::CollectiveOp>;
+    using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop, CollectiveEpilogue>;
+    using Shape3 = typename Base::Shape3;
+    using StrideA = typename Kernel::InternalStrideA;
+    using StrideB = typename Kernel::InternalStrideB;
+    using StrideD = typename Kernel::InternalStrideD;
+    using EA = typename Kernel::ElementA;
+    using EB = typename Kernel::ElementB;
+    using ED = typename Kernel::ElementD;
+    static constexpr int kStages = CollectiveMainloop::DispatchPolicy::Stages;
+    static constexpr int kClusterX = size<0>(ClusterShape{});
+    static constexpr int kClusterY = size<1>(ClusterShape{});
+};
+
+template <typename ElementT, typename TNative>
+struct IsGated<GatedGemm1<ElementT, TNative>> : std::true_type {};
 
 }  // namespace sm90
 
@@ -317,9 +674,14 @@ sm90_combine_kernel(T* __restrict__ out, const T* __restrict__ ys, const int* __
 
 static bool s_sm90_enabled = false;  // set by ex_get_factor: the CUTLASS kernel fits this hardware
 static int64_t s_sm90_min_rows = kSm90MinRowsPerExpert;  // set by ex_get_factor
+// set by ex_get_factor: GEMM1 computes silu(g) * u in its epilogue where I % 128 == 0
+// (EX_MOE_SM90_SILU_IN_GEMM1=0: the separate silu_mul launch, for comparison)
+static bool s_sm90_gated = true;
 
 using GemmBf16 = sm90::GroupedGemm<cutlass::bfloat16_t>;
 using GemmF16 = sm90::GroupedGemm<cutlass::half_t>;
+using GatedBf16 = sm90::GatedGemm1<cutlass::bfloat16_t, __nv_bfloat16>;
+using GatedF16 = sm90::GatedGemm1<cutlass::half_t, __half>;
 
 // CUTLASS workspace bytes (per-SM TMA descriptors) for kSm90MaxSms SMs, the larger of the two
 // element types; a function of the kernel types only.
@@ -331,8 +693,11 @@ template <class G> static int64_t cutlass_ws_bytes_for() {
     return (int64_t)G::Kernel::get_workspace_size(args);
 }
 static int64_t cutlass_ws_bytes() {
-    const int64_t a = cutlass_ws_bytes_for<GemmBf16>(), b = cutlass_ws_bytes_for<GemmF16>();
-    return a > b ? a : b;
+    int64_t m = cutlass_ws_bytes_for<GemmBf16>();
+    for (int64_t b : {cutlass_ws_bytes_for<GemmF16>(), cutlass_ws_bytes_for<GatedBf16>(),
+                      cutlass_ws_bytes_for<GatedF16>()})
+        m = b > m ? b : m;
+    return m;
 }
 
 struct Sm90Layout {
@@ -409,10 +774,17 @@ struct ParamsCache {
     typename G::Kernel::Params params;
 };
 
-template <class G, int WHICH>
-static int run_grouped_gemm(const sm90::GroupArrays<G>& ga, int E, void* cutlass_ws,
-                            const int64_t key[8], cudaStream_t stream) {
+template <class G, int WHICH, class GA>
+static int run_grouped_gemm(const sm90::GroupArrays<GA>& ga_in, int E, void* cutlass_ws,
+                            const int64_t key[8], cudaStream_t stream, void* gated_d = nullptr,
+                            void* gated_sd = nullptr) {
     using GK = typename G::Kernel;
+    static_assert(std::is_same<typename G::Shape3, typename GA::Shape3>::value &&
+                  std::is_same<typename G::EA, typename GA::EA>::value &&
+                  std::is_same<typename G::StrideA, typename GA::StrideA>::value &&
+                  std::is_same<typename G::StrideB, typename GA::StrideB>::value &&
+                  std::is_same<typename G::StrideD, typename GA::StrideD>::value, "same arrays");
+    const sm90::GroupArrays<G>& ga = reinterpret_cast<const sm90::GroupArrays<G>&>(ga_in);
     static thread_local ParamsCache<G, WHICH> cache;
     if (!cache.valid || std::memcmp(cache.key, key, sizeof cache.key) != 0) {
         typename GK::Arguments args{};
@@ -422,12 +794,17 @@ static int run_grouped_gemm(const sm90::GroupArrays<G>& ga, int E, void* cutlass
         args.mainloop.dA = ga.sa;
         args.mainloop.ptr_B = ga.b;
         args.mainloop.dB = ga.sb;
-        args.epilogue.thread.alpha = 1.0f;
-        args.epilogue.thread.beta = 0.0f;
-        args.epilogue.ptr_C = nullptr;
-        args.epilogue.dC = nullptr;
-        args.epilogue.ptr_D = ga.d;
-        args.epilogue.dD = ga.sd;
+        if constexpr (sm90::IsGated<G>::value) {
+            args.epilogue.ptr_D = reinterpret_cast<typename G::ED**>(gated_d);
+            args.epilogue.dD = reinterpret_cast<typename G::StrideD*>(gated_sd);
+        } else {
+            args.epilogue.thread.alpha = 1.0f;
+            args.epilogue.thread.beta = 0.0f;
+            args.epilogue.ptr_C = nullptr;
+            args.epilogue.dC = nullptr;
+            args.epilogue.ptr_D = ga.d;
+            args.epilogue.dD = ga.sd;
+        }
         args.hw_info.device_id = 0;  // unused: sm_count is given
         args.hw_info.sm_count = s_num_sms < kSm90MaxSms ? s_num_sms : kSm90MaxSms;
         args.hw_info.max_active_clusters = 0;
@@ -497,8 +874,17 @@ static int launch_sm90(const Problem& P, void* out, const void* x, const void* w
         ga[g].sd = reinterpret_cast<typename G::StrideD*>(ws + L.grp[g][6]);
     }
     void* cutlass_ws = ws + L.cutlass;
-    T* bufA = reinterpret_cast<T*>(ws + L.bufA);  // xs, then act
-    T* bufB = reinterpret_cast<T*>(ws + L.bufB);  // gu, then ys
+    // xs is GEMM1's A; GEMM1 writes gu (then silu_mul act) or, gated, act; GEMM2 reads act and
+    // writes ys. A buffer is never read and written by the same launch: xs, act, ys in bufA, bufB,
+    // bufA when gated (GEMM1 still reads xs while its epilogue writes act), else xs/act in bufA,
+    // gu/ys in bufB.
+    const bool gated = s_sm90_gated && P.I % 128 == 0;
+    T* bufA = reinterpret_cast<T*>(ws + L.bufA);
+    T* bufB = reinterpret_cast<T*>(ws + L.bufB);
+    T* xs = bufA;
+    T* gu = bufB;
+    T* act = gated ? bufB : bufA;
+    T* ys = gated ? bufA : bufB;
 
     const int H = (int)P.H, E = (int)P.E, I = (int)P.I, K = (int)P.K;
 
@@ -508,20 +894,26 @@ static int launch_sm90(const Problem& P, void* out, const void* x, const void* w
 
     // 2. group arguments + gather (a warp per row; grid capped, grid-stride)
     sm90_prepare_kernel<T, G><<<capped_blocks(P.TK * 32, kPrepThreads, 8), kPrepThreads, 0, stream>>>(
-        static_cast<const T*>(x), bufA, sorted, meta, expert_off, slot_pos,
-        static_cast<const T*>(w13), static_cast<const T*>(w2), bufB, bufA, bufB, H, I, E, K,
+        static_cast<const T*>(x), xs, sorted, meta, expert_off, slot_pos,
+        static_cast<const T*>(w13), static_cast<const T*>(w2), gu, act, ys, H, I, E, K,
         ga[0], ga[1]);
     cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess) return cuda_error(err);
 
-    // 3. GEMM1: gu = xs . w13[e]^T per expert
+    // 3. GEMM1: act = silu(g) * u straight from the epilogue (I % 128 == 0), else gu = xs . w13[e]^T
+    //    and 4. act = silu(g) * u (valid rows only; the bound on the grid is from dims)
     const int64_t key[8] = {(int64_t)(uintptr_t)ws, P.T, P.H, P.E, P.I, P.K, P.dtype, s_num_sms};
-    int st = run_grouped_gemm<G, 1>(ga[0], E, cutlass_ws, key, stream);
-    if (st != EX_OK) return st;
-
-    // 4. act = silu(g) * u (valid rows only; the bound on the grid is from dims)
-    sm90_silu_mul_kernel<T><<<capped_blocks(P.TK * (P.I / 8), kSimpleThreads, 16), kSimpleThreads, 0,
-                              stream>>>(bufA, bufB, meta, I);
+    int st;
+    if (gated) {
+        using GG = sm90::GatedGemm1<typename sm90::CutlassType<T>::type, T>;
+        st = run_grouped_gemm<GG, 1>(ga[0], E, cutlass_ws, key, stream, (void*)ga[1].a, (void*)ga[1].sa);
+        if (st != EX_OK) return st;
+    } else {
+        st = run_grouped_gemm<G, 1>(ga[0], E, cutlass_ws, key, stream);
+        if (st != EX_OK) return st;
+        sm90_silu_mul_kernel<T><<<capped_blocks(P.TK * (P.I / 8), kSimpleThreads, 16), kSimpleThreads, 0,
+                                  stream>>>(act, gu, meta, I);
+    }
 
     // 5. GEMM2: ys = act . w2[e]^T per expert
     st = run_grouped_gemm<G, 2>(ga[1], E, cutlass_ws, key, stream);
@@ -529,7 +921,7 @@ static int launch_sm90(const Problem& P, void* out, const void* x, const void* w
 
     // 6. weighted combine in fp32
     sm90_combine_kernel<T><<<capped_blocks(P.T * (P.H / 8), kSimpleThreads, 16), kSimpleThreads, 0,
-                             stream>>>(static_cast<T*>(out), bufB, slot_pos, tw, ids, P.em(), (int)P.T,
+                             stream>>>(static_cast<T*>(out), ys, slot_pos, tw, ids, P.em(), (int)P.T,
                                        H, E, K);
     if ((err = cudaGetLastError()) != cudaSuccess) return cuda_error(err);
     return EX_OK;
@@ -575,11 +967,15 @@ extern "C" EX_EXPORT ex_factor_t* ex_get_factor(const ex_hardware_t* hw) {
     if (hw == nullptr || hw->cc_major != 9 || hw->cc_minor != 0) return nullptr;
     ex_tuning_t tuning;
     if (!moe_portable_init(hw, &tuning)) return nullptr;
-    constexpr int kSmem = GemmBf16::Kernel::SharedStorageSize > GemmF16::Kernel::SharedStorageSize
-                              ? GemmBf16::Kernel::SharedStorageSize
-                              : GemmF16::Kernel::SharedStorageSize;
+    int kSmem = GemmBf16::Kernel::SharedStorageSize > GemmF16::Kernel::SharedStorageSize
+                    ? GemmBf16::Kernel::SharedStorageSize
+                    : GemmF16::Kernel::SharedStorageSize;
+    for (int b : {(int)GatedBf16::Kernel::SharedStorageSize, (int)GatedF16::Kernel::SharedStorageSize})
+        kSmem = b > kSmem ? b : kSmem;
     constexpr int kThreads = (int)GemmBf16::Kernel::MaxThreadsPerBlock;
-    static_assert(kThreads == (int)GemmF16::Kernel::MaxThreadsPerBlock, "one block shape");
+    static_assert(kThreads == (int)GemmF16::Kernel::MaxThreadsPerBlock &&
+                  kThreads == (int)GatedBf16::Kernel::MaxThreadsPerBlock &&
+                  kThreads == (int)GatedF16::Kernel::MaxThreadsPerBlock, "one block shape");
     s_sm90_enabled = kSmem <= hw->shared_mem_per_block_optin && kThreads <= hw->max_threads_per_block &&
                      hw->warp_size == 32;
     s_sm90_min_rows = kSm90MinRowsPerExpert;
@@ -588,6 +984,8 @@ extern "C" EX_EXPORT ex_factor_t* ex_get_factor(const ex_hardware_t* hw) {
         const long long n = std::strtoll(v, &end, 10);
         if (end != v && *end == '\0' && n >= 0) s_sm90_min_rows = n;
     }
+    s_sm90_gated = true;
+    if (const char* v = std::getenv("EX_MOE_SM90_SILU_IN_GEMM1")) s_sm90_gated = std::strcmp(v, "0") != 0;
     if (s_sm90_enabled) {
         // Tuning reported: the grouped GEMM (one producer + two consumer warpgroups, its smem
         // and pipeline depth); the other launches are the portable kernels' (its tuning) and

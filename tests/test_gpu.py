@@ -169,7 +169,10 @@ def test_moe_plugin_on_model_shapes(reg, cp, model, T, dtype):
                                        (19, 2048, 60, 1408, 4), (1, 64, 1, 32, 1),
                                        # prefill rows per expert with I > H (mixtral's ratio):
                                        # the Hopper path's buffers hold xs, gu, act and ys in turn
-                                       (1024, 256, 8, 1024, 2), (2048, 512, 16, 1408, 6)])
+                                       (1024, 256, 8, 1024, 2), (2048, 512, 16, 1408, 6),
+                                       # Hopper path with I % 128 != 0: the ungated GEMM1 and
+                                       # the separate silu launch
+                                       (1024, 512, 8, 200, 2)])
 def test_moe_plugin_awkward(reg, cp, T, H, E, I, K, dtype):
     run_moe_check(reg, cp, moe_case(cp, T, H, E, I, K, dtype), dtype)
 
