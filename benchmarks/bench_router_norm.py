@@ -63,7 +63,7 @@ def eager_us(fn, reps=200):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--json", default=None)
+    ap.add_argument("--json", default=None, help="write meta and every row here")
     ap.add_argument("--only", choices=("topk", "rmsnorm"), default=None, help="one op only")
     ap.add_argument("--no-torch", action="store_true", help="time ex_engine only (no PyTorch eager / torch.compile)")
     args = ap.parse_args()

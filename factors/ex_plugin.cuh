@@ -2,7 +2,8 @@
  * ex_plugin.cuh -- host-side plumbing shared by the built-in factors (included by each plugin's
  * one translation unit; every .so stays self-contained): the thread-local last-error text behind
  * ex_factor_t.last_error, printf-style failure, the CUDA launch check, the block size a piece of
- * hardware allows, and the switch from an ex_dtype_t code to the element type of a launch.
+ * hardware allows, the switch from an ex_dtype_t code to the element type of a launch, and
+ * programmatic dependent launch (device side and host side).
  */
 #ifndef EX_PLUGIN_CUH
 #define EX_PLUGIN_CUH
@@ -13,6 +14,8 @@
 
 #include <cstdarg>
 #include <cstdio>
+#include <cstdlib>
+#include <cstring>
 
 #include "ex_engine.h"
 
@@ -58,6 +61,55 @@ static int launch_for_dtype(int dtype, const Args& a, Launch launch) {
         case EX_DTYPE_FLOAT16: return launch(__half{}, a);
         default: return launch(__nv_bfloat16{}, a);
     }
+}
+
+// Programmatic dependent launch (sm_90+; no-ops elsewhere and when the grid was launched without
+// the attribute). wait: block until the preceding grid has completed and its writes are visible;
+// every kernel launched with the attribute calls it before its first global access.
+// launch_dependents: let the next grid's blocks be scheduled now (they still wait for our end).
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
+// Whether the launches of topk_softmax and fused_add_rmsnorm carry the programmatic-stream-
+// serialization attribute: the hardware has it (g_pdl_hw, set by ex_get_factor: cc >= 9.0) and
+// the environment variable EX_PDL is not "0" (read per call, so one process can compare).
+// With it, a launch's blocks may be scheduled while the previous kernel in the stream finishes;
+// they wait for it (pdl_wait) before touching memory, so only the launch latency overlaps.
+static bool g_pdl_hw = false;
+static bool pdl_enabled() {
+    if (!g_pdl_hw) return false;
+    const char* v = std::getenv("EX_PDL");
+    return v == nullptr || std::strcmp(v, "0") != 0;
+}
+
+// A kernel launch, with the programmatic-stream-serialization attribute when pdl is set. Returns
+// the launch's error (a plain <<<>>> launch: cudaSuccess, errors reach cudaGetLastError).
+template <typename... KArgs, typename... Args>
+static cudaError_t launch_kernel(void (*kern)(KArgs...), dim3 grid, dim3 block, size_t smem,
+                                 cudaStream_t stream, bool pdl, Args... args) {
+    if (!pdl) {
+        kern<<<grid, block, smem, stream>>>(args...);
+        return cudaSuccess;
+    }
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = grid;
+    cfg.blockDim = block;
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = stream;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    return cudaLaunchKernelEx(&cfg, kern, static_cast<KArgs>(args)...);
 }
 
 }  // namespace explugin

@@ -156,6 +156,8 @@ fused_add_rmsnorm_kernel(T* x_out,                      // (T, H) stride x_strid
                          T* residual,                   // (T, H) stride r_stride
                          const T* __restrict__ weight,  // (H)
                          int64_t n_rows, int H, int64_t x_stride, int64_t r_stride, float eps) {
+    explugin::pdl_wait();  // launched with PDL: the previous kernel's writes are visible
+    explugin::pdl_launch_dependents();
     using P = Pack<T, VEC>;
     __shared__ float red[2][32];
     const int npack = H / VEC;  // H % VEC == 0 on this path
@@ -224,6 +226,8 @@ __global__ void __launch_bounds__(kMaxThreads)
 fused_add_rmsnorm_generic_kernel(T* x_out, const T* x_in, T* residual, const T* __restrict__ weight,
                                  int64_t n_rows, int H, int64_t x_stride, int64_t r_stride,
                                  float eps) {
+    explugin::pdl_wait();  // launched with PDL: the previous kernel's writes are visible
+    explugin::pdl_launch_dependents();
     __shared__ float red[2][32];
     int parity = 0;
     for (int64_t row = blockIdx.x; row < n_rows; row += gridDim.x, parity ^= 1) {
@@ -268,9 +272,10 @@ unsigned grid_for(int64_t n_rows) { return (unsigned)(n_rows < INT_MAX ? n_rows 
 
 template <typename T, int VEC, int VPT, int NT>
 ex_status_t launch_fast(const Args& a) {
-    fused_add_rmsnorm_kernel<T, VEC, VPT, NT><<<grid_for(a.T), NT, 0, a.stream>>>(
-        static_cast<T*>(a.x_out), static_cast<const T*>(a.x_in), static_cast<T*>(a.residual),
-        static_cast<const T*>(a.weight), a.T, a.H, a.x_stride, a.r_stride, a.eps);
+    (void)explugin::launch_kernel(fused_add_rmsnorm_kernel<T, VEC, VPT, NT>, grid_for(a.T), NT, 0, a.stream,
+                                  explugin::pdl_enabled(), static_cast<T*>(a.x_out),
+                                  static_cast<const T*>(a.x_in), static_cast<T*>(a.residual),
+                                  static_cast<const T*>(a.weight), a.T, a.H, a.x_stride, a.r_stride, a.eps);
     return check_launch();
 }
 
@@ -315,9 +320,10 @@ ex_status_t dispatch_fast(const Args& a) {
 
 template <typename T>
 ex_status_t launch_generic(const Args& a) {
-    fused_add_rmsnorm_generic_kernel<T><<<grid_for(a.T), g_threads, 0, a.stream>>>(
-        static_cast<T*>(a.x_out), static_cast<const T*>(a.x_in), static_cast<T*>(a.residual),
-        static_cast<const T*>(a.weight), a.T, a.H, a.x_stride, a.r_stride, a.eps);
+    (void)explugin::launch_kernel(fused_add_rmsnorm_generic_kernel<T>, grid_for(a.T), g_threads, 0, a.stream,
+                                  explugin::pdl_enabled(), static_cast<T*>(a.x_out),
+                                  static_cast<const T*>(a.x_in), static_cast<T*>(a.residual),
+                                  static_cast<const T*>(a.weight), a.T, a.H, a.x_stride, a.r_stride, a.eps);
     return check_launch();
 }
 
@@ -389,6 +395,7 @@ extern "C" EX_EXPORT ex_factor_t* ex_get_factor(const ex_hardware_t* hw) {
     if (hw == nullptr || hw->warp_size != 32 || hw->max_threads_per_block < 32) return nullptr;
     const int threads = explugin::block_threads(hw, kMaxThreads);
     g_threads = threads;
+    explugin::g_pdl_hw = hw->cc_major >= 9;
     g_factor.abi_version = EX_ABI_VERSION;
     g_factor.factor_id = EX_FACTOR_FUSED_ADD_RMSNORM;
     g_factor.name = "fused_add_rmsnorm";

@@ -285,20 +285,9 @@ __device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4],
     }
 }
 
-// Programmatic dependent launch (sm_90+; no-ops elsewhere and when the grid was launched without
-// the attribute). wait: block until the preceding grid has completed and its writes are visible;
-// every kernel launched with the attribute calls it before its first global access.
-// launch_dependents: let the next grid's blocks be scheduled now (they still wait for our end).
-__device__ __forceinline__ void pdl_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.wait;\n" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void pdl_launch_dependents() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-#endif
-}
+// Programmatic dependent launch: ex_plugin.cuh
+using explugin::pdl_wait;
+using explugin::pdl_launch_dependents;
 
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
@@ -353,6 +342,7 @@ moe_route_kernel(const int* __restrict__ topk_ids, const ExpertMap em, int TK, i
     int* s_toff = s_cur + E;  // E + 1 entries
 
     const int tid = threadIdx.x;
+    pdl_wait();               // launched with PDL: the previous kernel (topk_softmax, say) is done
     pdl_launch_dependents();  // GEMM1 blocks may get resident; they wait for this grid's end
     for (int e = tid; e < E; e += kRouteThreads) s_cnt[e] = 0;
     __syncthreads();
@@ -967,25 +957,11 @@ static int decode_mode() {
     return MODE_NEW;
 }
 
-// A launch, with the programmatic-stream-serialization attribute when pdl is set.
+// A launch, with the programmatic-stream-serialization attribute when pdl is set (ex_plugin.cuh).
 template <typename... KArgs, typename... Args>
 static cudaError_t launch_k(void (*kern)(KArgs...), dim3 grid, dim3 block, size_t smem,
                             cudaStream_t stream, bool pdl, Args... args) {
-    if (!pdl) {
-        kern<<<grid, block, smem, stream>>>(args...);
-        return cudaSuccess;  // launch errors: cudaGetLastError after the last launch
-    }
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = grid;
-    cfg.blockDim = block;
-    cfg.dynamicSmemBytes = smem;
-    cfg.stream = stream;
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[0].val.programmaticStreamSerializationAllowed = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
-    return cudaLaunchKernelEx(&cfg, kern, args...);
+    return explugin::launch_kernel(kern, grid, block, smem, stream, pdl, args...);
 }
 
 // the last-error text is ex_plugin.cuh's (ex_factor_t.last_error = explugin::last_error)
@@ -1164,7 +1140,8 @@ static cudaError_t gemm_smem_opt_in() {
 // paths need no routing) or EX_ERR_CUDA. expert_off may be nullptr.
 template <int NT>
 static int launch_route_nt(const Problem& P, int BM, int* status, int* meta, int4* tiles,
-                           int* sorted, int* expert_off, const int* topk_ids, cudaStream_t stream) {
+                           int* sorted, int* expert_off, const int* topk_ids, cudaStream_t stream,
+                           bool pdl) {
     const size_t scan_bytes = sizeof(typename cub::BlockScan<int, NT>::TempStorage);
     const size_t route_smem = (size_t)(4 * P.E + 1) * sizeof(int);
     if (route_smem + scan_bytes + 1024 > (size_t)s_smem_optin) return EX_FALLBACK;
@@ -1174,18 +1151,20 @@ static int launch_route_nt(const Problem& P, int BM, int* status, int* meta, int
                                  s_smem_optin - (int)scan_bytes - 1024);
         if (err != cudaSuccess) return cuda_error(err);
     }
-    moe_route_kernel<NT><<<1, NT, route_smem, stream>>>(topk_ids, P.em(), (int)P.TK, (int)P.E, BM,
-                                                        status, meta, tiles, sorted, expert_off);
-    return EX_OK;
+    const cudaError_t err = launch_k(moe_route_kernel<NT>, dim3(1), dim3(NT), route_smem, stream, pdl,
+                                     topk_ids, P.em(), (int)P.TK, (int)P.E, BM, status, meta, tiles,
+                                     sorted, expert_off);
+    return err == cudaSuccess ? EX_OK : cuda_error(err);
 }
 
 static int launch_route(const Problem& P, int BM, int* status, int* meta, int4* tiles,
-                        int* sorted, int* expert_off, const int* topk_ids, cudaStream_t stream) {
+                        int* sorted, int* expert_off, const int* topk_ids, cudaStream_t stream,
+                        bool pdl = false) {
     if (P.TK <= kRouteSmallSlots)
         return launch_route_nt<kRouteThreadsSmall>(P, BM, status, meta, tiles, sorted, expert_off,
-                                                   topk_ids, stream);
+                                                   topk_ids, stream, pdl);
     return launch_route_nt<kRouteThreads>(P, BM, status, meta, tiles, sorted, expert_off, topk_ids,
-                                          stream);
+                                          stream, pdl);
 }
 
 template <typename T, class C>
@@ -1228,7 +1207,7 @@ static int launch_fast(const Problem& P, void* out, const void* x, const void* w
 
     // routing (EX_FALLBACK for an absurd E: the scalar fallback needs no routing)
     if (!fused_route) {
-        const int rs = launch_route(P, C::BM, status, meta, tiles, sorted, nullptr, topk_ids, stream);
+        const int rs = launch_route(P, C::BM, status, meta, tiles, sorted, nullptr, topk_ids, stream, pdl);
         if (rs != EX_OK) return rs;
     }
 

@@ -442,6 +442,8 @@ topk_softmax_kernel(float* __restrict__ out_w,          // (T, K)
                     int32_t* __restrict__ out_id,       // (T, K)
                     const T* __restrict__ logits,       // (T, E)
                     int64_t n_rows, int E, int K_, int renormalize, int vec_ok) {
+    explugin::pdl_wait();  // launched with PDL: the previous kernel's writes are visible
+    explugin::pdl_launch_dependents();
     constexpr int EPL = 16 / (int)sizeof(T) * NV;  // elements per lane
     constexpr int R = 32 / G;                      // rows per warp
     static_assert(G >= 1 && G <= 32 && (G & (G - 1)) == 0, "G must be a power of two <= 32");
@@ -539,6 +541,8 @@ __global__ void __launch_bounds__(kMaxThreads, MB)
 topk_softmax_pkey_kernel(float* __restrict__ out_w, int32_t* __restrict__ out_id,
                          const T* __restrict__ logits, int64_t n_rows, int E, int K_,
                          int renormalize, int vec_ok) {
+    explugin::pdl_wait();  // launched with PDL: the previous kernel's writes are visible
+    explugin::pdl_launch_dependents();
     const int K = KC > 0 ? KC : K_;
     constexpr int EPL = 16 / (int)sizeof(T) * NV;  // elements per lane
     constexpr int R = 32 / G;                      // rows per warp
@@ -708,6 +712,8 @@ __global__ void __launch_bounds__(kMaxThreads)
 topk_softmax_generic_kernel(float* __restrict__ out_w, int32_t* __restrict__ out_id,
                             const T* __restrict__ logits, int64_t n_rows, int E, int K,
                             int renormalize) {
+    explugin::pdl_wait();  // launched with PDL: the previous kernel's writes are visible
+    explugin::pdl_launch_dependents();
     const int lane = threadIdx.x & 31;
     const int warps_per_block = blockDim.x >> 5;
     for (int64_t t = (int64_t)blockIdx.x * warps_per_block + (threadIdx.x >> 5); t < n_rows;
@@ -771,8 +777,9 @@ ex_status_t launch_fast(const Args& a, bool vec_ok) {
     static_assert(G * (16 / (int)sizeof(T)) * NV <= kMaxFastExperts, "capacity above the fast range");
     const int threads = g_threads;
     const int64_t rows_per_block = (int64_t)(threads / 32) * (32 / G);
-    topk_softmax_kernel<T, G, NV, D, RP, KC><<<grid_for(a.T, rows_per_block), threads, 0, a.stream>>>(
-        a.w, a.id, static_cast<const T*>(a.logits), a.T, a.E, a.K, a.renormalize, vec_ok ? 1 : 0);
+    (void)explugin::launch_kernel(topk_softmax_kernel<T, G, NV, D, RP, KC>, grid_for(a.T, rows_per_block),
+                                  threads, 0, a.stream, explugin::pdl_enabled(), a.w, a.id,
+                                  static_cast<const T*>(a.logits), a.T, a.E, a.K, a.renormalize, vec_ok ? 1 : 0);
     return check_launch();
 }
 
@@ -791,8 +798,10 @@ ex_status_t launch_pkey(const Args& a, bool vec_ok) {
     static_assert(G * (16 / (int)sizeof(T)) * NV <= kMaxFastExperts, "capacity above the fast range");
     const int threads = g_threads;
     const int64_t rows_per_block = (int64_t)(threads / 32) * (32 / G);
-    topk_softmax_pkey_kernel<T, G, NV, D, KC, RL, MB><<<grid_for(a.T, rows_per_block), threads, 0, a.stream>>>(
-        a.w, a.id, static_cast<const T*>(a.logits), a.T, a.E, a.K, a.renormalize, vec_ok ? 1 : 0);
+    (void)explugin::launch_kernel(topk_softmax_pkey_kernel<T, G, NV, D, KC, RL, MB>,
+                                  grid_for(a.T, rows_per_block), threads, 0, a.stream,
+                                  explugin::pdl_enabled(), a.w, a.id, static_cast<const T*>(a.logits),
+                                  a.T, a.E, a.K, a.renormalize, vec_ok ? 1 : 0);
     return check_launch();
 }
 
@@ -849,8 +858,9 @@ ex_status_t dispatch_fast(const Args& a) {
 template <typename T>
 ex_status_t launch_generic(const Args& a) {
     const int threads = g_threads;
-    topk_softmax_generic_kernel<T><<<grid_for(a.T, threads / 32), threads, 0, a.stream>>>(
-        a.w, a.id, static_cast<const T*>(a.logits), a.T, a.E, a.K, a.renormalize);
+    (void)explugin::launch_kernel(topk_softmax_generic_kernel<T>, grid_for(a.T, threads / 32), threads, 0,
+                                  a.stream, explugin::pdl_enabled(), a.w, a.id,
+                                  static_cast<const T*>(a.logits), a.T, a.E, a.K, a.renormalize);
     return check_launch();
 }
 
@@ -916,6 +926,7 @@ extern "C" EX_EXPORT ex_factor_t* ex_get_factor(const ex_hardware_t* hw) {
     if (hw == nullptr || hw->warp_size != 32 || hw->max_threads_per_block < 32) return nullptr;
     const int threads = explugin::block_threads(hw, kMaxThreads);
     g_threads = threads;
+    explugin::g_pdl_hw = hw->cc_major >= 9;
     g_factor.abi_version = EX_ABI_VERSION;
     g_factor.factor_id = EX_FACTOR_TOPK_SOFTMAX;
     g_factor.name = "topk_softmax";
