@@ -1,0 +1,124 @@
+#!/usr/bin/env python3
+"""Per-kernel GPU times of moe_fused_gemm calls, from PyTorch's profiler (CUPTI kernel trace).
+
+    python3 scripts/kernel_times_moe.py --cases qwen3-30b-a3b:512 olmoe-1b-7b:4096 [--calls 8]
+
+For each case (model of moe_models.yaml : T): builds the layer (N(0, 0.02) weights, bf16 by
+default), three independently routed input sets (as benchmarks/bench_moe.py), three warm-up
+calls, then --calls eager calls under torch.profiler; prints, per kernel name, the mean µs per
+call, its share of the summed kernel time, and the wall time from the first kernel's start to
+the last kernel's end per call. Kernels launched with programmatic dependent launch overlap
+their neighbours, so the per-kernel times add up to more than the wall time; the wall time of
+eager calls also includes launch gaps that a CUDA graph removes. Needs no hardware counters
+(works where Nsight Compute cannot read them). Environment variables such as
+EX_MOE_SM90_MIN_ROWS_PER_EXPERT apply as for any call (read when the plugin loads).
+"""
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+try:
+    import torch
+except ImportError:  # --help works without it
+    torch = None
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+
+def short_name(name: str) -> str:
+    """A readable kernel name: CUTLASS's device_kernel<...> as cutlass_gemm, templates dropped."""
+    if "cutlass" in name and "device_kernel" in name:
+        return "cutlass_grouped_gemm"
+    name = re.sub(r"^void ", "", name)
+    base = name.split("<", 1)[0].split("(", 1)[0]
+    if base.endswith("moe_gemm_kernel"):  # GATED is the third template argument
+        return "moe_gemm_kernel<GEMM1>" if re.search(r",\s*true\s*>", name) else "moe_gemm_kernel<GEMM2>"
+    return base.rsplit("::", 1)[-1]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--cases", nargs="+", required=True, help="model:T pairs, e.g. qwen3-30b-a3b:512")
+    ap.add_argument("--calls", type=int, default=8, help="profiled calls per case")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    ap.add_argument("--factors", default=None, help="plugin folder (default factors/)")
+    args = ap.parse_args()
+    if torch is None or not torch.cuda.is_available():
+        print("kernel_times_moe: needs PyTorch and a CUDA GPU", file=sys.stderr)
+        return 2
+    from torch.profiler import ProfilerActivity, profile
+
+    from bench_moe import routing
+    from ex_engine import FactorRegistry, moe_fused_gemm
+    from ex_engine.moe_layer import load_models
+
+    models = load_models()
+    cases = []
+    for c in args.cases:
+        m, _, t = c.partition(":")
+        if m not in models or not t.isdigit():
+            print(f"kernel_times_moe: case {c!r}: expected model:T with a model of "
+                  f"moe_models.yaml ({', '.join(sorted(models))})", file=sys.stderr)
+            return 2
+        cases.append((m, int(t)))
+    dt = getattr(torch, args.dtype)
+    reg = FactorRegistry.load(args.factors)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for i, (m, T) in enumerate(cases):
+        print(f"[{i + 1}/{len(cases)}] {m} T={T} ...", file=sys.stderr, flush=True)
+        s = models[m]
+        w13 = (torch.randn(s.E, 2 * s.I, s.H, device="cuda", generator=gen) * 0.02).to(dt)
+        w2 = (torch.randn(s.E, s.H, s.I, device="cuda", generator=gen) * 0.02).to(dt)
+        sets = []
+        for _ in range(3):
+            x = torch.randn(T, s.H, device="cuda", generator=gen).to(dt)
+            w, ids = routing(T, s.E, s.K, s.renormalize, False, gen)
+            sets.append((x, w13, w2, w, ids))
+        for a in sets:
+            moe_fused_gemm(*a, registry=reg)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for j in range(args.calls):
+                moe_fused_gemm(*sets[j % 3], registry=reg)
+                torch.cuda.synchronize()
+        per = defaultdict(float)
+        spans = []
+        for ev in prof.events():
+            if ev.device_type != torch.autograd.DeviceType.CUDA or ev.name.startswith("Memcpy") \
+                    or ev.name.startswith("Memset"):
+                continue
+            per[short_name(ev.name)] += ev.time_range.end - ev.time_range.start
+            spans.append((ev.time_range.start, ev.time_range.end))
+        total = sum(per.values())
+        # wall per call: kernels grouped into calls by the gaps between them (calls are synchronised)
+        spans.sort()
+        walls, cur = [], None
+        for a, b in spans:
+            if cur is None or a > cur[1] + 20:  # > 20 µs idle: the next call
+                if cur:
+                    walls.append(cur[1] - cur[0])
+                cur = [a, b]
+            else:
+                cur[1] = max(cur[1], b)
+        if cur:
+            walls.append(cur[1] - cur[0])
+        walls.sort()
+        wall = walls[len(walls) // 2] if walls else 0.0
+        path = reg.last_path.get("moe_fused_gemm")
+        print(f"{m} T={T} ({path}): kernels {total / args.calls:.1f} µs per call, wall {wall:.1f} µs "
+              f"(median of {len(walls)} calls)", flush=True)
+        for k, v in sorted(per.items(), key=lambda kv: -kv[1]):
+            print(f"    {k:<36}{v / args.calls:>9.1f} µs {100 * v / total:>5.1f}%", flush=True)
+        del w13, w2, sets
+        torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
