@@ -39,6 +39,16 @@
  *                         atomics), cub::BlockScan exclusive sums (rows and BM-row tiles per
  *                         expert), tile list {expert, first row, end row}, placement of every
  *                         valid slot into sorted_slots (grouped by expert), status bit.
+ *                         T*K > 8192 (kRouteMultiBlockSlots; EX_MOE_ROUTE_MULTIBLOCK_SLOTS, read
+ *                         at init, overrides it, 0 = always): two launches of B = min(64,
+ *                         ceil(T*K/2048)) blocks of 512 threads, block b owning a contiguous
+ *                         range of slots: moe_route_hist_kernel (per-block histogram ->
+ *                         route_hist[b][e], status bit), then moe_route_place_kernel
+ *                         (programmatic dependent launch: reads its ids, waits; every block sums
+ *                         route_hist over blocks and scans over experts itself, block 0 writes
+ *                         meta, all share the tile list, each places its own slots from cursors
+ *                         starting after the rows of the blocks before it). Same outputs (the
+ *                         order inside an expert aside, which no output depends on).
  *                      2. moe_gemm_kernel<GATED> one block per (M-tile, N-tile): A rows
  *                         gathered from hidden_states[sorted_slots[r] / K] by cp.async (zero
  *                         fill past the ends), B = gate rows and the matching up rows of w13[e],
@@ -101,6 +111,9 @@
  *
  * Workspace (all sections 256-byte aligned; a pure function of dims):
  *   [0, 256)        status word (int32 at byte 0) and reserved
+ *   route_hist      int32[B, min(E, 16384)] (B = route_mb_blocks(T*K) <= 64): the multi-block
+ *                   routing's per-block histograms; at byte 256 (kRouteHistOffset) in both
+ *                   plugins' layouts, reserved whichever routing runs
  *   meta            int32[2]: number of tiles, number of valid rows
  *   tiles           int4[max_tiles(BM=16)]: {expert, first row, end row, 0}
  *   sorted_slots    int32[T*K]
@@ -423,6 +436,208 @@ moe_route_kernel(const int* __restrict__ topk_ids, const ExpertMap em, int TK, i
             const long long s = s0 + (long long)u * kRouteThreads;
             int unused = 0;
             const int l = (s < TK) ? local_expert(em, ev[u], E, unused) : -1;
+            if (l >= 0) {
+                const int pos = atomicAdd(&s_cur[l], 1);
+                sorted_slots[pos] = (int)s;
+            }
+        }
+    }
+}
+
+// ------------------------------------------------------------------------------------------
+// Kernel 1, multi-block (T*K > s_route_mb_slots): two launches over the same B blocks, block b
+// owning the contiguous slots [b*S, min((b+1)*S, T*K)) (S, B: route_mb_span/route_mb_blocks,
+// functions of T*K only). The outputs are those of moe_route_kernel (the same meta, tiles,
+// expert_off; sorted_slots holds the same slots per expert, in another order inside an expert).
+//   1a. moe_route_hist_kernel   per-block histogram (smem atomics) -> hist[b][e] (plain stores
+//       of every entry: nothing to zero), status bits of invalid ids.
+//   1b. moe_route_place_kernel  (programmatic dependent launch: its blocks read their ids while
+//       1a runs, then wait) every block reads all of hist: tot[e] = sum over blocks, pre[e] = sum
+//       over the blocks before it; the exclusive sums over experts as moe_route_kernel (each
+//       block computes them, no third launch), cursor[e] = row0[e] + pre[e]; block 0 writes meta
+//       and expert_off, the blocks share the tile list (grid-stride), each places its own slots.
+// ------------------------------------------------------------------------------------------
+
+constexpr int kRouteMbThreads = 512;         // threads of both multi-block routing kernels
+constexpr int kRouteMbUnroll = 4;            // slots per thread per pass (independent loads)
+constexpr int kRouteMbSlotsPerBlock = kRouteMbThreads * kRouteMbUnroll;  // 2048: one pass
+constexpr int kRouteMbMaxBlocks = 64;        // beyond 64 * 2048 slots, blocks take more passes
+constexpr int64_t kRouteMbMaxExperts = 16384;  // more local experts: the single-block launch
+                                               // (whose smem check declines them anyway)
+constexpr int64_t kRouteHistOffset = 256;    // hist's byte offset in both workspace layouts
+
+template <int NT>
+__global__ void __launch_bounds__(NT)
+moe_route_hist_kernel(const int* __restrict__ topk_ids, const ExpertMap em, int TK, int E, int S,
+                      int* __restrict__ status,  // workspace byte 0
+                      int* __restrict__ hist)    // (B, E): rows of expert e among block b's slots
+{
+    extern __shared__ int route_smem[];
+    int* s_cnt = route_smem;  // E entries
+    const int tid = threadIdx.x;
+    pdl_wait();  // launched with PDL: the previous kernel (topk_softmax, say) is done
+    // the placement launch's blocks may get resident now: they read their ids (final: this grid
+    // has waited for their writer), then wait for this grid's end before they read hist
+    pdl_launch_dependents();
+    for (int e = tid; e < E; e += NT) s_cnt[e] = 0;
+    __syncthreads();
+
+    const long long lo = (long long)blockIdx.x * S;
+    const long long hi = lo + S < TK ? lo + S : TK;
+    constexpr int U = kRouteMbUnroll;
+    int bad = 0;
+    for (long long s0 = lo + tid; s0 < hi; s0 += (long long)NT * U) {
+        int ev[U];
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const long long s = s0 + (long long)u * NT;
+            ev[u] = (s < hi) ? __ldg(topk_ids + s) : 0;
+        }
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            if (s0 + (long long)u * NT < hi) {
+                const int l = local_expert(em, ev[u], E, bad);
+                if (l >= 0) atomicAdd(&s_cnt[l], 1);
+            }
+        }
+    }
+    if (bad) atomicOr(status, bad);
+    __syncthreads();
+    int* row = hist + (long long)blockIdx.x * E;
+    for (int e = tid; e < E; e += NT) row[e] = s_cnt[e];
+}
+
+template <int NT>
+__global__ void __launch_bounds__(NT)
+moe_route_place_kernel(const int* __restrict__ topk_ids, const ExpertMap em, int TK, int E, int BM,
+                       int S,
+                       const int* __restrict__ hist,    // (gridDim.x, E), from moe_route_hist_kernel
+                       int* __restrict__ meta, int4* __restrict__ tiles,
+                       int* __restrict__ sorted_slots, int* __restrict__ expert_off)
+{
+    using Scan = cub::BlockScan<int, NT>;
+    __shared__ typename Scan::TempStorage scan_tmp;
+    extern __shared__ int route_smem[];
+    int* s_cnt = route_smem;      // rows of expert e over all blocks
+    int* s_row0 = s_cnt + E;      // first sorted row of expert e
+    int* s_cur = s_row0 + E;      // pre[e] (rows of e in the blocks before this one), then cursor
+    int* s_toff = s_cur + E;      // E + 1 entries: first tile of expert e
+
+    const int tid = threadIdx.x;
+    const int b = blockIdx.x, B = gridDim.x;
+    pdl_launch_dependents();  // GEMM1 blocks may get resident; they wait for this grid's end
+    for (int e = tid; e < E; e += NT) {
+        s_cnt[e] = 0;
+        s_cur[e] = 0;
+    }
+
+    // this block's first pass of slots, before the wait: topk_ids and the expert map are inputs,
+    // final once the histogram launch has passed its own griddepcontrol.wait, and this grid
+    // launches only once every block of that one has passed it (its launch_dependents follows)
+    const long long lo = (long long)b * S;
+    const long long hi = lo + S < TK ? lo + S : TK;
+    constexpr int U = kRouteMbUnroll;
+    int first[U];
+    {
+        int ev[U];
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const long long s = lo + tid + (long long)u * NT;
+            ev[u] = (s < hi) ? __ldg(topk_ids + s) : -1;
+        }
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            int unused = 0;
+            first[u] = (lo + tid + (long long)u * NT < hi) ? local_expert(em, ev[u], E, unused) : -1;
+        }
+    }
+    __syncthreads();  // counters zeroed
+    pdl_wait();       // hist is the previous grid's output
+
+    // 1. totals and prefix over blocks: every (block, expert) entry once, 8 loads in flight
+    //    (L2 only: written by the previous grid)
+    const int n = B * E;
+    for (int i0 = tid; i0 < n; i0 += NT * 8) {
+        int h[8];
+#pragma unroll
+        for (int u = 0; u < 8; ++u) {
+            const int i = i0 + u * NT;
+            h[u] = (i < n) ? __ldcg(hist + i) : 0;
+        }
+#pragma unroll
+        for (int u = 0; u < 8; ++u) {
+            const int i = i0 + u * NT;
+            if (i < n && h[u] != 0) {
+                const int e = i % E;
+                atomicAdd(&s_cnt[e], h[u]);
+                if (i / E < b) atomicAdd(&s_cur[e], h[u]);
+            }
+        }
+    }
+    __syncthreads();
+
+    // 2. exclusive sums of rows and tiles per expert (as moe_route_kernel; in every block)
+    int row_carry = 0, tile_carry = 0;
+    for (int base = 0; base < E; base += NT) {
+        const int e = base + tid;
+        const int c = (e < E) ? s_cnt[e] : 0;
+        const int nt = (c + BM - 1) / BM;
+        int rex, ragg, tex, tagg;
+        Scan(scan_tmp).ExclusiveSum(c, rex, ragg);
+        __syncthreads();  // scan_tmp reused
+        Scan(scan_tmp).ExclusiveSum(nt, tex, tagg);
+        __syncthreads();
+        if (e < E) {
+            s_row0[e] = row_carry + rex;
+            s_cur[e] += row_carry + rex;
+            s_toff[e] = tile_carry + tex;
+            if (b == 0 && expert_off != nullptr) expert_off[e] = row_carry + rex;
+        }
+        row_carry += ragg;
+        tile_carry += tagg;
+    }
+    if (tid == 0) {
+        s_toff[E] = tile_carry;
+        if (b == 0) {
+            meta[0] = tile_carry;
+            meta[1] = row_carry;
+            if (expert_off != nullptr) expert_off[E] = row_carry;
+        }
+    }
+    __syncthreads();
+
+    // 3. tile list, shared by the blocks (tile i: the largest e with toff[e] <= i)
+    for (long long i = (long long)b * NT + tid; i < tile_carry; i += (long long)B * NT) {
+        int lo_e = 0, hi_e = E - 1;
+        while (lo_e < hi_e) {
+            const int mid = (lo_e + hi_e + 1) >> 1;
+            if (s_toff[mid] <= i) lo_e = mid;
+            else hi_e = mid - 1;
+        }
+        const int r0 = s_row0[lo_e] + ((int)i - s_toff[lo_e]) * BM;
+        tiles[i] = make_int4(lo_e, r0, s_row0[lo_e] + s_cnt[lo_e], 0);
+    }
+
+    // 4. placement of this block's slots: the first pass from registers, then the others
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+        if (first[u] >= 0) {
+            const int pos = atomicAdd(&s_cur[first[u]], 1);
+            sorted_slots[pos] = (int)(lo + tid + (long long)u * NT);
+        }
+    }
+    for (long long s0 = lo + tid + (long long)NT * U; s0 < hi; s0 += (long long)NT * U) {
+        int ev[U];
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const long long s = s0 + (long long)u * NT;
+            ev[u] = (s < hi) ? __ldg(topk_ids + s) : -1;
+        }
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const long long s = s0 + (long long)u * NT;
+            int unused = 0;
+            const int l = (s < hi) ? local_expert(em, ev[u], E, unused) : -1;
             if (l >= 0) {
                 const int pos = atomicAdd(&s_cur[l], 1);
                 sorted_slots[pos] = (int)s;
@@ -932,6 +1147,11 @@ static int s_smem_optin = 232448;
 static bool s_cfg_allowed[CFG_COUNT] = {true, true, true};
 static bool s_pdl_ok = false;  // cc >= 9.0: programmatic dependent launch
 static int64_t s_l2_bytes = 50LL << 20;
+// Routing of more than this many slots (T*K) takes the multi-block launches (kernel 1,
+// multi-block), fewer the single-block moe_route_kernel. moe_portable_init sets it from
+// EX_MOE_ROUTE_MULTIBLOCK_SLOTS (decimal >= 0; 0: multi-block whenever a routing launch runs).
+constexpr int64_t kRouteMultiBlockSlots = 8192;
+static int64_t s_route_mb_slots = kRouteMultiBlockSlots;
 
 // Decode choices, read per call from EX_MOE_DECODE_CONFIG (so one process can compare them):
 //   old    the previous choices: CfgDecode for T*K/E <= 24, N-tile-fastest block order, plain
@@ -1031,9 +1251,27 @@ static bool read_dims(const int64_t dims[], int n_dims, Problem* P, char* msg, s
 }
 
 struct WsLayout {
-    int64_t meta, tiles, sorted, act, y, total;
+    int64_t route, meta, tiles, sorted, act, y, total;
     int split_cap;
 };
+
+// Multi-block routing: slots per block (S) and blocks (B), functions of T*K only.
+static int64_t route_mb_span(int64_t TK) {
+    const int64_t per_block = (TK + kRouteMbMaxBlocks - 1) / kRouteMbMaxBlocks;
+    return per_block > kRouteMbSlotsPerBlock ? per_block : kRouteMbSlotsPerBlock;
+}
+static int64_t route_mb_blocks(int64_t TK) {
+    const int64_t S = route_mb_span(TK);
+    const int64_t B = (TK + S - 1) / S;
+    return B < 1 ? 1 : B;
+}
+// Bytes of the multi-block routing's hist (B, E) int32 section, at byte kRouteHistOffset of the
+// workspace in both layouts (ws_layout, and sm90_layout in moe_fused_gemm_sm90.cu): reserved
+// for every T*K (a function of dims, whatever the environment picks), at most 64 * E * 4 bytes.
+static int64_t route_hist_bytes(const Problem& P) {
+    const int64_t E = P.E < kRouteMbMaxExperts ? P.E : kRouteMbMaxExperts;
+    return align256(route_mb_blocks(P.TK) * E * 4);
+}
 
 static int64_t max_tiles_for(int64_t TK, int64_t E, int64_t BM) {
     // sum_e ceil(n_e / BM) <= floor(TK / BM) + (number of non-empty experts), and <= TK
@@ -1045,6 +1283,8 @@ static int64_t max_tiles_for(int64_t TK, int64_t E, int64_t BM) {
 static WsLayout ws_layout(const Problem& P) {
     WsLayout L;
     int64_t off = 256;  // [0, 256): status word
+    L.route = off;      // = kRouteHistOffset: launch_route finds it there
+    off += route_hist_bytes(P);
     L.meta = off;
     off += 256;
     L.tiles = off;
@@ -1157,9 +1397,53 @@ static int launch_route_nt(const Problem& P, int BM, int* status, int* meta, int
     return err == cudaSuccess ? EX_OK : cuda_error(err);
 }
 
+// The multi-block routing: the histogram launch (with PDL when pdl is set, as the single-block
+// routing: it waits before it reads), then the placement launch (programmatic dependent launch on
+// sm_90+). Same returns as launch_route_nt (the same smem rule: its placement kernel holds the
+// same 4*E+1 counters).
+static int launch_route_mb(const Problem& P, int BM, int* status, int* meta, int4* tiles,
+                           int* sorted, int* expert_off, const int* topk_ids, cudaStream_t stream,
+                           bool pdl) {
+    constexpr int NT = kRouteMbThreads;
+    const size_t scan_bytes = sizeof(cub::BlockScan<int, NT>::TempStorage);
+    const size_t place_smem = (size_t)(4 * P.E + 1) * sizeof(int);
+    const size_t hist_smem = (size_t)P.E * sizeof(int);
+    if (place_smem + scan_bytes + 1024 > (size_t)s_smem_optin) return EX_FALLBACK;
+    if (hist_smem > 48 * 1024) {
+        static const cudaError_t err =
+            cudaFuncSetAttribute(moe_route_hist_kernel<NT>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                 s_smem_optin - 1024);
+        if (err != cudaSuccess) return cuda_error(err);
+    }
+    if (place_smem > 48 * 1024) {
+        static const cudaError_t err =
+            cudaFuncSetAttribute(moe_route_place_kernel<NT>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                 s_smem_optin - (int)scan_bytes - 1024);
+        if (err != cudaSuccess) return cuda_error(err);
+    }
+    const int S = (int)route_mb_span(P.TK);
+    const unsigned B = (unsigned)route_mb_blocks(P.TK);
+    int* hist = reinterpret_cast<int*>(reinterpret_cast<char*>(status) + kRouteHistOffset);
+    cudaError_t err = launch_k(moe_route_hist_kernel<NT>, dim3(B), dim3(NT), hist_smem, stream, pdl,
+                               topk_ids, P.em(), (int)P.TK, (int)P.E, S, status, hist);
+    if (err != cudaSuccess) return cuda_error(err);
+    err =
+        launch_k(moe_route_place_kernel<NT>, dim3(B), dim3(NT), place_smem, stream, s_pdl_ok,
+                 topk_ids, P.em(), (int)P.TK, (int)P.E, BM, S, (const int*)hist, meta, tiles,
+                 sorted, expert_off);
+    if (err != cudaSuccess) return cuda_error(err);
+    return EX_OK;
+}
+
+// The routing of both paths (the portable GEMMs and the Hopper plugin's CUTLASS path).
+// status is the workspace's first byte (both layouts: the status word, then the multi-block
+// routing's hist section at kRouteHistOffset). T*K > s_route_mb_slots: the multi-block launches;
+// else one block (a small one for few slots).
 static int launch_route(const Problem& P, int BM, int* status, int* meta, int4* tiles,
                         int* sorted, int* expert_off, const int* topk_ids, cudaStream_t stream,
                         bool pdl = false) {
+    if (P.TK > s_route_mb_slots && P.E <= kRouteMbMaxExperts)
+        return launch_route_mb(P, BM, status, meta, tiles, sorted, expert_off, topk_ids, stream, pdl);
     if (P.TK <= kRouteSmallSlots)
         return launch_route_nt<kRouteThreadsSmall>(P, BM, status, meta, tiles, sorted, expert_off,
                                                    topk_ids, stream, pdl);
@@ -1362,7 +1646,8 @@ static int moe_kernel_fallback(void* output, const void* input, const void* aux_
 // need of it (SM count, smem opt-in limit, configs that fit) and fills *tuning with what the
 // portable GEMMs launch with: the largest config this hardware runs; shared_mem_bytes is the most
 // dynamic smem any GEMM launch requests. Not in it: the router, one block of kRouteThreads
-// threads with 16*E+4 bytes of dynamic smem; combine and fallback, 256 threads, no smem.
+// threads with 16*E+4 bytes of dynamic smem (multi-block: up to 64 blocks of kRouteMbThreads,
+// the same smem at most); combine and fallback, 256 threads, no smem.
 static bool moe_portable_init(const ex_hardware_t* hw, ex_tuning_t* tuning) {
     if (hw == nullptr || hw->cc_major < 8) return false;  // bf16 mma.sync, cp.async: sm_80+
     if (hw->warp_size != 32) return false;               // mma fragments assume 32 lanes
@@ -1377,6 +1662,12 @@ static bool moe_portable_init(const ex_hardware_t* hw, ex_tuning_t* tuning) {
     for (int c = 0; c < CFG_COUNT; ++c) s_cfg_allowed[c] = allowed[c];
     s_num_sms = hw->multiprocessor_count > 0 ? hw->multiprocessor_count : 1;
     s_pdl_ok = hw->cc_major >= 9;
+    s_route_mb_slots = kRouteMultiBlockSlots;
+    if (const char* v = std::getenv("EX_MOE_ROUTE_MULTIBLOCK_SLOTS")) {
+        char* end = nullptr;
+        const long long n = std::strtoll(v, &end, 10);
+        if (end != v && *end == '\0' && n >= 0) s_route_mb_slots = n;
+    }
     if (hw->l2_cache_bytes > 0) s_l2_bytes = hw->l2_cache_bytes;
     s_smem_optin = (int)(hw->shared_mem_per_block_optin < 0x7fffffff ? hw->shared_mem_per_block_optin
                                                                       : 0x7fffffff);

@@ -50,6 +50,8 @@
  *
  * Workspace (a pure function of dims; sections 256-byte aligned):
  *   [0, 256)   status word (int32 at byte 0), as the portable path
+ *   route_hist int32[B, E] at byte 256, as the portable layout (launch_route's multi-block
+ *              routing finds it there: kRouteHistOffset)
  *   meta, tiles, sorted_slots         as the portable layout (the router writes them)
  *   expert_off int32[E+1], slot_pos int32[T*K]
  *   per GEMM g in {1, 2}: shapes[E] (int M,N,K), ptr_A[E], ptr_B[E], ptr_D[E], stride_A/B/D[E]
@@ -709,6 +711,7 @@ struct Sm90Layout {
 static Sm90Layout sm90_layout(const Problem& P) {
     Sm90Layout L;
     int64_t off = 256;  // [0, 256): status word
+    off += route_hist_bytes(P);  // multi-block routing's hist at kRouteHistOffset, as ws_layout
     L.meta = off;
     off += 256;
     L.tiles = off;  // the router's tile list, sized as in the portable layout

@@ -4,6 +4,7 @@ Marked `gpu`: skipped where CuPy or a GPU is missing. Outputs are poisoned (NaN)
 call, inputs drawn fresh, bf16 passed as Bits16 (uint16 bits) so CuPy needs no bf16 dtype.
 """
 import math
+import os
 
 import numpy as np
 import pytest
@@ -326,3 +327,148 @@ def test_moe_decode_with_no_valid_slot_writes_zeros(reg, cp, monkeypatch, mode, 
     with pytest.raises(DeviceSideError, match="topk_id outside"):
         reg.check_device_errors()
     assert bool((f64(out) == 0).all())
+
+
+# ------------------------------------------------------------------------------ multi-block routing
+ROUTE_ENV = "EX_MOE_ROUTE_MULTIBLOCK_SLOTS"      # read by ex_get_factor (moe_portable_init)
+SM90_ENV = "EX_MOE_SM90_MIN_ROWS_PER_EXPERT"     # read by the sm90 plugin's ex_get_factor
+ROUTE_LIBS = [("moe_fused_gemm.so", None), ("moe_fused_gemm_sm90.so", 0)]   # (library, sm90 min rows)
+
+
+@pytest.fixture
+def route_reg():
+    """load(library, route_slots, sm90_min_rows): a registry whose moe_fused_gemm is `library`,
+    its ex_get_factor called with those variables set. A plugin's settings are process-wide (one
+    dlopen handle per library): load a registry right before the calls it is meant for. At the
+    end the caller's environment is restored and every library's ex_get_factor called again, so
+    the module's `reg` gets its settings back."""
+    saved = {k: os.environ.get(k) for k in (ROUTE_ENV, SM90_ENV)}
+
+    def load(library, route_slots, sm90_min_rows=None):
+        if not (ROOT / "factors" / library).exists():
+            pytest.skip(f"{library} not built")
+        os.environ[ROUTE_ENV] = str(route_slots)
+        if sm90_min_rows is None:
+            os.environ.pop(SM90_ENV, None)
+        else:
+            os.environ[SM90_ENV] = str(sm90_min_rows)
+        r = FactorRegistry.load(ROOT / "factors", prefer={"moe_fused_gemm": library})
+        p = r.get("moe_fused_gemm")
+        if p is None or p.path.name != library:
+            pytest.skip(f"{library} not ready on this GPU")
+        return r
+
+    try:
+        yield load
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        FactorRegistry.load(ROOT / "factors")
+
+
+def route_case(cp, kind):
+    """(x, w13, w2, w, ids, expert_map, flags): awkward routing inputs, bf16; flags = the device
+    flags (DeviceSideError texts) the call must raise."""
+    if kind == "awkward":                  # E=40, T*K = 8000: 4 blocks of 2048 slots, the last short
+        return (*moe_case(cp, 1000, 512, 40, 256, 8, "bfloat16"), None, ())
+    if kind == "one expert":               # every slot on expert 3 (5 blocks), 15 experts empty
+        x, w13, w2, w, ids = moe_case(cp, 10000, 256, 16, 128, 1, "bfloat16")
+        ids[:] = 3
+        return x, w13, w2, w, ids, None, ()
+    if kind == "empty experts":            # experts 4-7 and 32-63 never chosen
+        x, w13, w2, w, ids = moe_case(cp, 2048, 256, 64, 128, 4, "bfloat16")
+        logits = cp.random.standard_normal((2048, 64), dtype=cp.float32)
+        logits[:, :4] += 3.0
+        logits[:, 4:8] = -cp.inf
+        logits[:, 32:] = -cp.inf
+        ids[:] = cp.argsort(-logits, axis=1)[:, :4].astype(cp.int32)
+        return x, w13, w2, w, ids, None, ()
+    if kind == "small tiles":              # 18 rows per expert: BM = 16 tiles (portable plugin)
+        return (*moe_case(cp, 1200, 256, 128, 256, 2, "bfloat16"), None, ())
+    if kind == "qwen3-ish":                # T*K = 32768: 16 blocks
+        return (*moe_case(cp, 4096, 256, 128, 128, 8, "bfloat16"), None, ())
+    if kind == "many passes":              # T*K = 160000 > 64 * 2048: 64 blocks of 2500 slots
+        return (*moe_case(cp, 20000, 128, 24, 64, 8, "bfloat16"), None, ())
+    if kind == "expert map":               # G=64 global ids, E=24 local experts, the rest -1;
+        G, E, T, K = 64, 24, 1500, 6       # invalid ids and one invalid map value
+        x, w13, w2, w, _ = moe_case(cp, T, 256, E, 128, K, "bfloat16")
+        ids = cp.argsort(cp.random.standard_normal((T, G), dtype=cp.float32), axis=1)[:, :K].astype(cp.int32)
+        emap = np.full(G, -1, np.int32)
+        emap[5:5 + E] = np.arange(E, dtype=np.int32)[::-1]   # local order differs from global
+        emap[40] = E + 7                                     # outside [-1, E): flag bit 1
+        ids[3, 1], ids[700, 0], ids[T - 1, K - 1] = G, -1, 1 << 30
+        return x, w13, w2, w, ids, cp.asarray(emap), ("topk_id outside", "expert_map value outside")
+    raise ValueError(kind)
+
+
+def route_reference(cp, x, w13, w2, w, ids, emap):
+    if emap is not None:
+        G, E = emap.shape[0], TensorRef.of(w13).shape[0]
+        inside = (ids >= 0) & (ids < G)
+        local = cp.where(inside, emap[cp.clip(ids, 0, G - 1)], -1)
+        ids = cp.where((local >= 0) & (local < E), local, -1).astype(cp.int32)
+    return moe_reference(cp, x, w13, w2, w, ids)
+
+
+def route_run(r, cp, case):
+    x, w13, w2, w, ids, emap, flags = case
+    T, H = TensorRef.of(x).shape
+    r.check_device_errors()
+    out = poison(cp, (T, H), "bfloat16")
+    moe_fused_gemm(x, w13, w2, w, ids, expert_map=emap, out=out, registry=r)
+    assert r.last_path["moe_fused_gemm"] == "plugin"
+    if flags:
+        with pytest.raises(DeviceSideError) as exc:
+            r.check_device_errors()
+        for f in flags:
+            assert f in str(exc.value), (f, str(exc.value))
+    else:
+        r.check_device_errors()
+    return out
+
+
+@pytest.mark.parametrize("library,sm90_min_rows", ROUTE_LIBS)
+@pytest.mark.parametrize("kind", ["awkward", "one expert", "empty experts", "small tiles", "qwen3-ish",
+                                  "many passes", "expert map"])
+def test_moe_multiblock_routing_equals_single_block(route_reg, cp, library, sm90_min_rows, kind):
+    """EX_MOE_ROUTE_MULTIBLOCK_SLOTS=0 forces the multi-block routing (histogram launch, then
+    placement launch), a huge value the single-block one: both match the float64 reference, flag
+    the same invalid ids, and give bit-identical outputs (only the order of the slots inside an
+    expert differs, on which no output depends). sm90: every aligned shape on the CUTLASS path."""
+    case = route_case(cp, kind)
+    ref = route_reference(cp, *case[:6])
+    outs = []
+    for slots in (0, 1 << 40):
+        r = route_reg(library, slots, sm90_min_rows)
+        out = route_run(r, cp, case)
+        tol = r.manifest("moe_fused_gemm").tolerance["bfloat16"]
+        assert rel(cp, out, ref) < tol, (slots, rel(cp, out, ref))
+        outs.append(out)
+    assert bool((outs[0].bits == outs[1].bits).all())
+
+
+@pytest.mark.parametrize("library,sm90_min_rows", ROUTE_LIBS)
+def test_moe_multiblock_routing_under_graph_capture(route_reg, cp, library, sm90_min_rows):
+    """The multi-block routing (programmatic dependent launch of its placement) inside a CUDA
+    graph: the replay equals the eager call, bit for bit, and still flags invalid ids."""
+    r = route_reg(library, 0, sm90_min_rows)
+    x, w13, w2, w, ids = moe_case(cp, 1000, 512, 40, 256, 8, "bfloat16")
+    ids[10, 2] = 40
+    eager = poison(cp, (1000, 512), "bfloat16")
+    moe_fused_gemm(x, w13, w2, w, ids, out=eager, registry=r)     # warm-up: workspace allocated
+    with pytest.raises(DeviceSideError, match="topk_id outside"):
+        r.check_device_errors()
+    out = poison(cp, (1000, 512), "bfloat16")
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        stream.begin_capture()
+        moe_fused_gemm(x, w13, w2, w, ids, out=out, registry=r)
+        graph = stream.end_capture()
+        graph.launch(stream)
+    stream.synchronize()
+    assert bool((out.bits == eager.bits).all())
+    with pytest.raises(DeviceSideError, match="topk_id outside"):
+        r.check_device_errors()
