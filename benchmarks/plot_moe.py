@@ -1,10 +1,15 @@
 #!/usr/bin/env python3
 """Chart of bench_moe.py's JSON: time over floor against T, one line per implementation,
-one panel per model.   python3 benchmarks/plot_moe.py bench_moe.json -o benchmarks/moe_vs_floor.png"""
+one panel per model (uniform routing; vLLM's times are PERF.md's, measured in another process on
+the same inputs).   python3 benchmarks/plot_moe.py bench_moe.json -o benchmarks/moe_vs_floor.png"""
 import argparse
 import json
 import sys
 from collections import defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from perf_peers import VLLM_US  # noqa: E402
 
 try:
     import matplotlib
@@ -39,19 +44,30 @@ def main():
         g = [(r["T"], r["gmm_us"] / r["floor_us"]) for r in rs if r.get("gmm_us")]
         if g:
             ax.plot(*zip(*g), "s--", label="torch._grouped_mm pipeline")
+        v = [(r["T"], VLLM_US[(model, r["T"])] / r["floor_us"]) for r in rs if (model, r["T"]) in VLLM_US]
+        if v:
+            ax.plot(*zip(*v), "^:", label="vLLM fused_moe (PERF.md)")
         f = [(r["T"], r["fallback_us"] / r["floor_us"]) for r in rs if r.get("fallback_us")]
         if f:
             ax.plot(*zip(*f), "x:", label="Python fallback")
         ax.axhline(1.0, color="k", lw=0.8)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
+        ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda y, _: f"{y:g}"))
+        ax.yaxis.set_minor_formatter(matplotlib.ticker.FuncFormatter(
+            lambda y, _: f"{y:g}" if y in (1.5, 2, 3, 5) else ""))
         ax.set_title(model, fontsize=10)
         ax.set_xlabel("tokens T")
         ax.grid(True, which="both", alpha=0.3)
     for ax in axes.flat[n:]:
         ax.axis("off")
     axes[0][0].set_ylabel("time / floor (1 = physical limit)")
-    axes[0][0].legend(fontsize=8)
+    for ax in axes.flat[:n]:  # the first panel with every line carries the legend
+        if len(ax.get_lines()) > len(axes[0][0].get_lines()):
+            ax.legend(fontsize=7)
+            break
+    else:
+        axes[0][0].legend(fontsize=7)
     m = data["meta"]
     fig.suptitle(f"MoE layer time over the H200 floor, {m['dtype']}, CUDA-graph replay "
                  f"({m['device']}, {m['date']}, commit {m['commit']})", fontsize=11)
