@@ -83,8 +83,9 @@
  *           its GEMM1 grid (upper bound) fits 4 blocks per SM (T=1 on qwen3/olmoe/granite/deepseek)
  *   decode  BM=16,  BN1=32(x2 gate+up), BN2=64,  BK=64, 4 warps (1x4), 6 stages    rows/e <= 24
  *   mid     BM=64,  BN1=64(x2),         BN2=128, BK=64, 4 warps (2x2), 4 stages    rows/e <= 128
- *   mid32   BM=32,  BN1=64(x2),         BN2=128, BK=64, 4 warps (1x4), 5 stages    tuned data
- *           only (dims[7] = 5): 17-32 rows per expert without the half-empty BM=64 tile
+ *   mid32   BM=32,  BN1=64(x2),         BN2=128, BK=64, 4 warps (1x4), 5 stages    rows/e in
+ *           12..28 (kMid32MinRows..kMid32MaxRows, in place of decode or mid), or dims[7] = 5:
+ *           no half-empty BM=64 tile, no second BM=16 tile per expert
  *   prefill BM=128, BN1=64(x2),         BN2=128, BK=64, 8 warps (2x4), 3 stages    rows/e >  128
  * EX_MOE_DECODE_CONFIG (read per call; decode_mode() below): old = no tiny config, N-tile-fastest
  * block order, plain launches, a routing launch (the choices before tiny existed); nopdl = tiny,
@@ -211,6 +212,10 @@ static constexpr CfgInfo kCfg[CFG_COUNT] = {cfg_info<CfgDecode>(24), cfg_info<Cf
                                             cfg_info<CfgPrefill>(0x7fffffff)};
 static constexpr CfgInfo kCfgTiny = cfg_info<CfgTiny>(24);
 constexpr int kTinyBlocksPerSm = 4;  // CfgTiny's grid must fit in this many blocks per SM
+// Rows per expert where the kernel's own choice is CfgMid32 (H200, tune_moe, seven models:
+// mid32 beat decode and mid by 4-26% at 16, 24 and 25 rows per expert, lost at 8 and 32)
+constexpr int64_t kMid32MinRows = 12;
+constexpr int64_t kMid32MaxRows = 28;
 
 constexpr int kRouteThreads = 1024;      // router block for many slots
 constexpr int kRouteThreadsSmall = 128;  // ... for at most kRouteSmallSlots slots (decode: a
@@ -1555,6 +1560,10 @@ static int dispatch_fast(const Problem& P, void* out, const void* x, const void*
         default: break;  // -1, 4 (not this path's) or one this hardware cannot run: choose here
     }
     const int c = pick_config(P);
+    const int64_t rows_per_expert = P.TK / P.G;
+    if ((c == CFG_DECODE || c == CFG_MID) && mode != MODE_OLD && rows_per_expert >= kMid32MinRows &&
+        rows_per_expert <= kMid32MaxRows && CfgMid32::smem_max() <= s_smem_optin)
+        return launch_fast<T, CfgMid32>(P, out, x, w13, w2, tw, ids, ws, stream, mode);
     if (c == CFG_DECODE && mode != MODE_OLD && kCfgTiny.smem <= s_smem_optin) {
         // tiny T*K: CfgTiny when all its GEMM1 blocks are resident at once
         const int64_t blocks_tiny =

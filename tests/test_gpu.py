@@ -173,7 +173,9 @@ def test_moe_plugin_on_model_shapes(reg, cp, model, T, dtype):
                                        (1024, 256, 8, 1024, 2), (2048, 512, 16, 1408, 6),
                                        # Hopper path with I % 128 != 0: the ungated GEMM1 and
                                        # the separate silu launch
-                                       (1024, 512, 8, 200, 2)])
+                                       (1024, 512, 8, 200, 2),
+                                       # 16 rows per expert: the kernel's own choice is mid32
+                                       (130, 1024, 16, 200, 2)])
 def test_moe_plugin_awkward(reg, cp, T, H, E, I, K, dtype):
     run_moe_check(reg, cp, moe_case(cp, T, H, E, I, K, dtype), dtype)
 
