@@ -86,11 +86,13 @@
  *   mid32   BM=32,  BN1=64(x2),         BN2=128, BK=64, 4 warps (1x4), 5 stages    rows/e in
  *           12..28 (kMid32MinRows..kMid32MaxRows, in place of decode or mid), or dims[7] = 5:
  *           no half-empty BM=64 tile, no second BM=16 tile per expert
+ *   mid48   BM=48,  BN1=64(x2),         BN2=128, BK=64, 4 warps (1x4), 5 stages    tuned data
+ *           only (dims[7] = 6): 29-48 rows per expert in one M-tile
  *   prefill BM=128, BN1=64(x2),         BN2=128, BK=64, 8 warps (2x4), 3 stages    rows/e >  128
  * EX_MOE_DECODE_CONFIG (read per call; decode_mode() below): old = no tiny config, N-tile-fastest
  * block order, plain launches, a routing launch (the choices before tiny existed); nopdl = tiny,
  * GEMM1's fused routing for T*K <= 32 on the BM=16 configs, and M-tile-fastest block order for
- * the BM<=32 configs (tiny, decode, mid32) while the grid's A tiles fit in a quarter of L2 (an
+ * the BM<=48 configs (tiny, decode, mid32, mid48) while the grid's A tiles fit in a quarter of L2 (an
  * expert's M-tiles then stream the same weight rows at the same time: one DRAM read instead of
  * one per M-tile, e.g. mixtral T=64 where ~45% of the experts get 17-32 rows); late = nopdl +
  * programmatic dependent launch of GEMM1, GEMM2 and combine on sm_90+ (each launch overlaps the
@@ -178,6 +180,10 @@ using CfgMid = MoeCfg<64, 64, 128, 2, 2, 4, 2>;       // T*K/E <= 128  (98,304 B
 // half; BM=32 halves the wasted mma work, and an expert with more rows gets M-tiles that run
 // side by side (M-tile-fastest order) and share its weight rows through L2.
 using CfgMid32 = MoeCfg<32, 64, 128, 1, 4, 5, 2>;     // (102,400 B smem)
+// Three-quarter mid tile (tuned data only, dims[7] = 6): 29-48 rows per expert (qwen3-30b,
+// deepseek, qwen3-235b at T = 512) in one M-tile, a third less padding than BM=64 and no second
+// tile (and second weight read) per expert as with BM=32.
+using CfgMid48 = MoeCfg<48, 64, 128, 1, 4, 5, 2>;     // (112,640 B smem)
 using CfgPrefill = MoeCfg<128, 64, 128, 2, 4, 3, 2>;  // T*K/E >  128  (98,304 B smem)
 // Tiny decode (EX_MOE_DECODE_CONFIG != old): chosen instead of CfgDecode when its whole grid fits
 // in one wave of 4 blocks per SM (qwen3/olmoe/granite/deepseek at T=1). Twice the blocks of
@@ -194,7 +200,8 @@ enum {
     kTileConfigPrefill = 3,
     kTileConfigGrouped = 4,  // moe_fused_gemm_sm90.so's CUTLASS grouped GEMM (else: auto)
     kTileConfigMid32 = 5,    // CfgMid32
-    kTileConfigMax = 5,
+    kTileConfigMid48 = 6,    // CfgMid48
+    kTileConfigMax = 6,
 };
 
 // What the host needs of each config: when to pick it and what it launches with.
@@ -222,6 +229,7 @@ constexpr int kRouteThreadsSmall = 128;  // ... for at most kRouteSmallSlots slo
 constexpr int kRouteSmallSlots = 2048;   // shorter scan and cheaper barriers, ~2 us less)
 constexpr int kSmallBM = 16;      // the smallest BM of any config: bounds the tile list
 static_assert(CfgDecode::BM == kSmallBM && CfgMid::BM >= kSmallBM && CfgMid32::BM >= kSmallBM &&
+                  CfgMid48::BM >= kSmallBM &&
                   CfgPrefill::BM >= kSmallBM && CfgTiny::BM == kSmallBM,
               "the workspace's tile list is sized for the smallest BM");
 constexpr int kMaxSplits = 8;     // GEMM2 split over I, only for T*K <= kSplitMaxSlots
@@ -1213,9 +1221,9 @@ struct Problem {
     int64_t G;                 // global experts (dims[6]; E when absent)
     int64_t config;            // dims[7], tile configuration: -1 (absent) = chosen here from
                                // T*K/G; 0 tiny, 1 decode, 2 mid, 3 prefill, 4 Hopper grouped GEMM,
-                               // 5 mid32 (kTileConfig*; the registry passes tuned values,
-                               // manifests/tuning; below -1: read_dims rejects the
-                               // call; above 5, a later plugin's value: read as -1)
+                               // 5 mid32, 6 mid48 (kTileConfig*; the registry passes tuned
+                               // values, manifests/tuning; below -1: read_dims rejects the
+                               // call; above 6, a later plugin's value: read as -1)
     int64_t TK;
     const int* expert_map;     // aux[6]: (G,) int32 global -> local id or -1; nullptr: none
     ExpertMap em() const { return ExpertMap{expert_map, (int)G}; }
@@ -1511,7 +1519,7 @@ static int launch_fast(const Problem& P, void* out, const void* x, const void* w
     p1.early = early && blocks1 <= wave;
     // M-tile-fastest order only while every A tile of the grid (re-read once per N-tile) stays
     // well inside L2; otherwise the old order, which reuses one A tile over consecutive blocks
-    const bool m_fast_ok = mode != MODE_OLD && C::BM <= 32;  // decode, tiny, mid32
+    const bool m_fast_ok = mode != MODE_OLD && C::BM <= 48;  // decode, tiny, mid32, mid48
     const int64_t a_bytes1 = max_tiles * C::BM * P.H * 2, a_bytes2 = max_tiles * C::BM * P.I * 2;
     p1.m_tiles = (m_fast_ok && a_bytes1 <= s_l2_bytes / 4) ? (int)max_tiles : 0;
     if ((err = launch_k(moe_gemm_kernel<T, C, true>, dim3((unsigned)blocks1, 1, 1),
@@ -1551,6 +1559,8 @@ static int dispatch_fast(const Problem& P, void* out, const void* x, const void*
         return launch_fast<T, CfgTiny>(P, out, x, w13, w2, tw, ids, ws, stream, mode);
     if (P.config == kTileConfigMid32 && CfgMid32::smem_max() <= s_smem_optin)
         return launch_fast<T, CfgMid32>(P, out, x, w13, w2, tw, ids, ws, stream, mode);
+    if (P.config == kTileConfigMid48 && CfgMid48::smem_max() <= s_smem_optin)
+        return launch_fast<T, CfgMid48>(P, out, x, w13, w2, tw, ids, ws, stream, mode);
     switch (P.config >= kTileConfigDecode && P.config <= kTileConfigPrefill &&
                     s_cfg_allowed[P.config - kTileConfigDecode]
                 ? (int)P.config : -1) {
