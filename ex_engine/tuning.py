@@ -59,7 +59,9 @@ class FactorTuning:
             self.key = [str(k) for k in data["key"]]
             if not isinstance(data["values"], dict) or not data["values"]:
                 raise TypeError("values: expected a mapping of choice names to integers")
-            self.values = {str(k): _int(v, f"values.{k}") for k, v in data["values"].items()}
+            # -1: the kernel's own choice; below that no kernel accepts a value (moe_fused_gemm
+            # refuses the call), so the file is refused here instead
+            self.values = {str(k): _int(v, f"values.{k}", -1) for k, v in data["values"].items()}
             if not isinstance(data["shapes"], list):
                 raise TypeError("shapes: expected a list")
             self.table: dict = {}

@@ -68,6 +68,7 @@ SHAPE = {"H": 64, "I": 32, "G": 8, "K": 2}
     (_mt(shapes=[{**SHAPE, "by_T": [[1.5, "tiny"]]}]), "by_T T"),
     (_mt(shapes=[{**SHAPE, "by_T": [[1, "tiny"]]}] * 2), "listed twice"),
     (_mt(values=["tiny"]), "values"),
+    (_mt(values={"tiny": 0, "broken": -5}), "values.broken"),   # below -1: no kernel takes it
     (_mt(key=["H", "I", "GG", "K"]), "KeyError"),
     ({**{k: v for k, v in TABLE.items() if k != "moe_fused_gemm"},
       "moe_fused_gemm": {k: v for k, v in TABLE["moe_fused_gemm"].items() if k != "shapes"}}, "shapes"),
