@@ -1,8 +1,10 @@
 #!/usr/bin/env python3
 """A/B timing of moe_fused_gemm builds or settings in one process (CUDA-graph replay, rotated inputs).
 
-    python3 benchmarks/ab_moe.py --cases qwen3-30b-a3b:512 mixtral-8x7b:64 \
-        --configs on=factors:EX_MOE_PERSIST=1 off=factors:EX_MOE_PERSIST=0 old=/tmp/old_factors
+    cp -r factors /tmp/one_block        # a copy (not a link): its own handle, its own settings
+    python3 benchmarks/ab_moe.py --cases qwen3-30b-a3b:4096 olmoe-1b-7b:4096 \
+        --configs new=factors one=/tmp/one_block:EX_MOE_ROUTE_MULTIBLOCK_SLOTS=1000000000 \
+                  nopdl=factors:EX_MOE_DECODE_CONFIG=nopdl old=/tmp/old_factors
 
 Each config is NAME=FOLDER[:VAR=VALUE,VAR=VALUE]: a folder of plugin libraries (loaded once,
 each with its own handle) and environment variables set while that config runs (variables
@@ -30,7 +32,7 @@ except ImportError:  # --help works without it
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from ex_engine import FactorRegistry, moe_fused_gemm  # noqa: E402
+from ex_engine import FactorError, FactorRegistry, moe_fused_gemm  # noqa: E402
 from ex_engine.moe_layer import load_models  # noqa: E402
 from _timing import graph_us  # noqa: E402
 from bench_moe import reference, rel, routing  # noqa: E402
@@ -38,14 +40,23 @@ from bench_moe import reference, rel, routing  # noqa: E402
 ENV_KEYS: set = set()  # every variable any config sets: unset before each config's own
 
 
+# read by a plugin when it loads: two configs that differ in one of these need their own folders
+LOAD_TIME_VARS = {"EX_MOE_SM90_MIN_ROWS_PER_EXPERT", "EX_MOE_SM90_SILU_IN_GEMM1",
+                  "EX_MOE_ROUTE_MULTIBLOCK_SLOTS"}
+
+
 def parse_cfg(c):
-    name, rest = c.split("=", 1)
+    name, sep, rest = c.partition("=")
+    if not sep or not name or not rest:
+        print(f"ab_moe: config {c!r}: expected NAME=FOLDER[:VAR=VALUE,...]", file=sys.stderr)
+        raise SystemExit(2)
     folder, _, envs = rest.partition(":")
     env = {}
     for kv in filter(None, envs.split(",")):
         k, sep, v = kv.partition("=")
         if not sep or not k:
-            raise SystemExit(f"ab_moe: config {c!r}: expected NAME=FOLDER[:VAR=VALUE,...]")
+            print(f"ab_moe: config {c!r}: expected NAME=FOLDER[:VAR=VALUE,...]", file=sys.stderr)
+        raise SystemExit(2)
         env[k] = v
     ENV_KEYS.update(env)
     return name, folder, env
@@ -67,23 +78,46 @@ def main():
     ap.add_argument("--no-ref", action="store_true", help="skip the float32 reference check")
     ap.add_argument("--rounds", type=int, default=2, help="timing rounds, config order reversed every other round")
     args = ap.parse_args()
+    models = load_models()
+    cfgs = [parse_cfg(c) for c in args.configs]
+    names = [n for n, _, _ in cfgs]
+    if len(cfgs) < 2 or len(set(names)) != len(names):
+        print(f"ab_moe: --configs: expected two or more configs with distinct names, got {names}",
+              file=sys.stderr)
+        return 2
+    for n, folder, env in cfgs:
+        for n2, folder2, env2 in cfgs:
+            diff = {k for k in LOAD_TIME_VARS if env.get(k) != env2.get(k)}
+            if n < n2 and folder == folder2 and diff:
+                print(f"ab_moe: configs {n} and {n2} load the same folder {folder} but differ in "
+                      f"{', '.join(sorted(diff))}, read when a plugin loads: copy the folder "
+                      f"(cp -r {folder} /tmp/{n2}) and give {n2} the copy", file=sys.stderr)
+                return 2
+        if not Path(folder).is_dir():
+            print(f"ab_moe: config {n}: folder {folder!r} does not exist", file=sys.stderr)
+            return 2
+    for case in args.cases:
+        m, _, t = case.partition(":")
+        if m not in models or not t.isdigit() or int(t) < 1:
+            print(f"ab_moe: case {case!r}: expected model:T with T >= 1, model one of "
+                  f"{', '.join(sorted(models))}", file=sys.stderr)
+            return 2
+    if args.rounds < 1 or args.sets < 1:
+        print("ab_moe: --rounds and --sets must be >= 1", file=sys.stderr)
+        return 2
     if torch is None or not torch.cuda.is_available():
         print("ab_moe: needs PyTorch and a CUDA GPU", file=sys.stderr)
         return 2
     dt = getattr(torch, args.dtype)
-    models = load_models()
-    cfgs = [parse_cfg(c) for c in args.configs]
-    for case in args.cases:
-        m, _, t = case.partition(":")
-        if m not in models or not t.isdigit():
-            print(f"ab_moe: case {case!r}: expected model:T, model one of {', '.join(sorted(models))}",
-                  file=sys.stderr)
-            return 2
     regs = {}
-    for _, folder, env in cfgs:
+    for n, folder, env in cfgs:
         if folder not in regs:
             set_env(env)  # ex_get_factor reads some variables at load time
-            regs[folder] = FactorRegistry.load(folder)
+            try:
+                regs[folder] = FactorRegistry.load(folder)
+            except FactorError as exc:
+                print(f"ab_moe: config {n}: {exc}", file=sys.stderr)
+                return 2
             p = regs[folder].get("moe_fused_gemm")
             print(f"# {folder}: {p.path if p else None}", flush=True)
     gen = torch.Generator(device="cuda").manual_seed(0)

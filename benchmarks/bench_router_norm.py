@@ -111,6 +111,7 @@ def main():
         w2, ids2 = torch_topk(logits, K, True)
         assert reg.last_path["topk_softmax"] == "plugin"
         same = bool((ids == ids2).all())
+        differ = int((ids != ids2).any(dim=1).sum())  # rows whose ids differ from torch.topk's
         nbytes = T * E * 4 + T * K * 8
         nsets = max(1, -(-256 * 2**20 // nbytes))
         sets = [logits] + [torch.randn_like(logits) for _ in range(min(nsets, 64) - 1)]
@@ -126,7 +127,7 @@ def main():
             h = host_us(fn, reps=500) if name == "ex_engine" and T == 1 else None
             target = max(2 * nbytes / COPY_GBS / 1e3, 8.0)
             rows.append({"op": "topk_softmax", "T": T, "E": E, "K": K, "impl": name, "eager_us": e,
-                         "graph_us": g, "target_us": target, "ids_equal_torch": same, "host_us": h})
+                         "graph_us": g, "target_us": target, "ids_equal_torch": same, "ids_rows_differ": differ, "host_us": h})
             print(f"{'topk_softmax':<18}{f'T={T} E={E} K={K}':<22}{name:<15}{e:>10.1f}{g:>10.1f}"
                   f"{'':>8}{(f'{h:>9.1f}' if h else ''):>9}  target {target:.1f}", flush=True)
     if args.json:

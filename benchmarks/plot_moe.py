@@ -28,8 +28,17 @@ def main():
     if plt is None:
         print("plot_moe: needs matplotlib (pip install matplotlib)", file=sys.stderr)
         return 2
-    data = json.load(open(a.json))
-    rows = [r for r in data["rows"] if not r.get("skewed") and "ours_us" in r]
+    try:
+        data = json.load(open(a.json))
+        rows = [r for r in data["rows"] if not r.get("skewed") and "ours_us" in r]
+        data["meta"]["dtype"]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        print(f"plot_moe: {a.json}: expected the JSON that bench_moe.py --json writes "
+              f"(meta and rows): {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
+    if not rows:
+        print(f"plot_moe: {a.json}: no timed uniform-routing rows to plot", file=sys.stderr)
+        return 2
     by_model = defaultdict(list)
     for r in rows:
         by_model[r["model"]].append(r)

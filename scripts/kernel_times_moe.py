@@ -33,8 +33,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 def short_name(name: str) -> str:
     """A readable kernel name: CUTLASS's device_kernel<...> as cutlass_gemm, templates dropped."""
-    if "cutlass" in name and "device_kernel" in name:
-        return "cutlass_grouped_gemm"
+    if "cutlass" in name and "device_kernel" in name:  # the gated GEMM1 has its own mainloop type
+        return "cutlass_grouped_gemm<gated GEMM1>" if "GatedMainloop" in name else "cutlass_grouped_gemm"
     name = re.sub(r"^void ", "", name)
     base = name.split("<", 1)[0].split("(", 1)[0]
     if base.endswith("moe_gemm_kernel"):  # GATED is the third template argument
@@ -49,26 +49,34 @@ def main() -> int:
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     ap.add_argument("--factors", default=None, help="plugin folder (default factors/)")
     args = ap.parse_args()
-    if torch is None or not torch.cuda.is_available():
-        print("kernel_times_moe: needs PyTorch and a CUDA GPU", file=sys.stderr)
-        return 2
-    from torch.profiler import ProfilerActivity, profile
-
-    from bench_moe import routing
-    from ex_engine import FactorRegistry, moe_fused_gemm
+    from ex_engine import FactorError, FactorRegistry, moe_fused_gemm
     from ex_engine.moe_layer import load_models
 
     models = load_models()
     cases = []
     for c in args.cases:
         m, _, t = c.partition(":")
-        if m not in models or not t.isdigit():
-            print(f"kernel_times_moe: case {c!r}: expected model:T with a model of "
+        if m not in models or not t.isdigit() or int(t) < 1:
+            print(f"kernel_times_moe: case {c!r}: expected model:T with T >= 1 and a model of "
                   f"moe_models.yaml ({', '.join(sorted(models))})", file=sys.stderr)
             return 2
         cases.append((m, int(t)))
+    if args.calls < 1:
+        print(f"kernel_times_moe: --calls: expected >= 1, got {args.calls}", file=sys.stderr)
+        return 2
+    if torch is None or not torch.cuda.is_available():
+        print("kernel_times_moe: needs PyTorch and a CUDA GPU", file=sys.stderr)
+        return 2
+    from torch.profiler import ProfilerActivity, profile
+
+    from bench_moe import routing
+
     dt = getattr(torch, args.dtype)
-    reg = FactorRegistry.load(args.factors)
+    try:
+        reg = FactorRegistry.load(args.factors)
+    except FactorError as exc:
+        print(f"kernel_times_moe: --factors: {exc}", file=sys.stderr)
+        return 2
     gen = torch.Generator(device="cuda").manual_seed(0)
     for i, (m, T) in enumerate(cases):
         print(f"[{i + 1}/{len(cases)}] {m} T={T} ...", file=sys.stderr, flush=True)
