@@ -63,6 +63,35 @@ static int launch_for_dtype(int dtype, const Args& a, Launch launch) {
     }
 }
 
+// A decimal integer >= 0 from the environment variable `name` (a tuning or comparison switch read
+// when the plugin loads), else `fallback`; a set but malformed value ("abc", "-1", "8192 ") is
+// reported on stderr and the fallback kept.
+static long long env_count(const char* name, long long fallback) {
+    const char* v = std::getenv(name);
+    if (v == nullptr) return fallback;
+    char* end = nullptr;
+    const long long n = std::strtoll(v, &end, 10);
+    if (end != v && *end == '\0' && n >= 0) return n;
+    std::fprintf(stderr, "[ex_engine] %s='%s' ignored: expected a decimal integer >= 0; using %lld\n",
+                 name, v, fallback);
+    return fallback;
+}
+
+// An on/off switch from the environment: unset or anything but "0" = on ("0" = off); a value
+// other than "0" or "1" is reported on stderr (and counts as on).
+static bool env_switch(const char* name) {
+    const char* v = std::getenv(name);
+    if (v == nullptr) return true;
+    if (std::strcmp(v, "0") == 0) return false;
+    if (std::strcmp(v, "1") != 0) {
+        static thread_local const char* warned = nullptr;  // once per variable in a row
+        if (warned != name)
+            std::fprintf(stderr, "[ex_engine] %s='%s': only 0 turns it off; on\n", name, v);
+        warned = name;
+    }
+    return true;
+}
+
 // Programmatic dependent launch (sm_90+; no-ops elsewhere and when the grid was launched without
 // the attribute). wait: block until the preceding grid has completed and its writes are visible;
 // every kernel launched with the attribute calls it before its first global access.
@@ -84,11 +113,7 @@ __device__ __forceinline__ void pdl_launch_dependents() {
 // With it, a launch's blocks may be scheduled while the previous kernel in the stream finishes;
 // they wait for it (pdl_wait) before touching memory, so only the launch latency overlaps.
 static bool g_pdl_hw = false;
-static bool pdl_enabled() {
-    if (!g_pdl_hw) return false;
-    const char* v = std::getenv("EX_PDL");
-    return v == nullptr || std::strcmp(v, "0") != 0;
-}
+static bool pdl_enabled() { return g_pdl_hw && env_switch("EX_PDL"); }
 
 // A kernel launch, with the programmatic-stream-serialization attribute when pdl is set. Returns
 // the launch's error (a plain <<<>>> launch: cudaSuccess, errors reach cudaGetLastError).

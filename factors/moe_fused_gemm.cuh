@@ -33,7 +33,8 @@
  *
  * Variants:
  *   kernel           fast path, H % 8 == 0, I % 8 == 0, 16-byte aligned pointers, T*K < 2^31.
- *                    Four launches, all on the caller's stream, no host sync (graph-capturable):
+ *                    Four launches (five with the multi-block routing, three with the fused
+ *                    routing below), all on the caller's stream, no host sync (graph-capturable):
  *                      1. moe_route_kernel     one block (128 threads for T*K <= 2048, else
  *                         1024): histogram of ids per expert (smem
  *                         atomics), cub::BlockScan exclusive sums (rows and BM-row tiles per
@@ -81,7 +82,8 @@
  * a config whose smem exceeds hw->shared_mem_per_block_optin is replaced by a smaller one):
  *   tiny    BM=16,  BN1=16(x2 gate+up), BN2=32,  BK=64, 2 warps (1x2), 8 stages    decode, when
  *           its GEMM1 grid (upper bound) fits 4 blocks per SM (T=1 on qwen3/olmoe/granite/deepseek)
- *   decode  BM=16,  BN1=32(x2 gate+up), BN2=64,  BK=64, 4 warps (1x4), 6 stages    rows/e <= 24
+ *   decode  BM=16,  BN1=32(x2 gate+up), BN2=64,  BK=64, 4 warps (1x4), 6 stages    rows/e < 12
+ *           (rows/e <= 24 under EX_MOE_DECODE_CONFIG=old)
  *   mid     BM=64,  BN1=64(x2),         BN2=128, BK=64, 4 warps (2x2), 4 stages    rows/e <= 128
  *   mid32   BM=32,  BN1=64(x2),         BN2=128, BK=64, 4 warps (1x4), 5 stages    rows/e in
  *           12..28 (kMid32MinRows..kMid32MaxRows, in place of decode or mid), or dims[7] = 5:
@@ -174,11 +176,11 @@ struct MoeCfg {
 };
 
 //                    BM  BN1  BN2 WM WN STAGES MINB
-using CfgDecode = MoeCfg<16, 32, 64, 1, 4, 6, 3>;     // T*K/E <= 24   (61,440 B smem)
+using CfgDecode = MoeCfg<16, 32, 64, 1, 4, 6, 3>;     // T*K/G < 12 (old mode: <= 24)  (61,440 B smem)
 using CfgMid = MoeCfg<64, 64, 128, 2, 2, 4, 2>;       // T*K/E <= 128  (98,304 B smem)
-// Half-height mid tile (tuned data only, dims[7] = 5): 17-32 rows per expert fill a BM=64 tile
-// half; BM=32 halves the wasted mma work, and an expert with more rows gets M-tiles that run
-// side by side (M-tile-fastest order) and share its weight rows through L2.
+// Half-height mid tile (the kernel's choice at 12..28 rows per expert, or dims[7] = 5): such
+// experts fill a BM=64 tile half; BM=32 halves the wasted mma work, and an expert with more rows
+// gets M-tiles that run side by side (M-tile-fastest order) and share its weight rows through L2.
 using CfgMid32 = MoeCfg<32, 64, 128, 1, 4, 5, 2>;     // (102,400 B smem)
 // Three-quarter mid tile (tuned data only, dims[7] = 6): 29-48 rows per expert (qwen3-30b,
 // deepseek, qwen3-235b at T = 512) in one M-tile, a third less padding than BM=64 and no second
@@ -1170,7 +1172,7 @@ static int64_t s_route_mb_slots = kRouteMultiBlockSlots;
 //   old    the previous choices: CfgDecode for T*K/E <= 24, N-tile-fastest block order, plain
 //          launches
 //   nopdl  new tiling: CfgTiny when its grid fits in one wave, M-tile-fastest block order for
-//          the BM=16 configs; plain launches
+//          the BM <= 48 configs; plain launches
 //   late   nopdl's tiling, and GEMM1, GEMM2, combine launched with programmatic dependent
 //          launch on sm_90+ (each lets the next launch after its main loop, and waits for the
 //          previous one before touching memory); GEMM2 reads the routing GEMM1 wrote
@@ -1681,12 +1683,7 @@ static bool moe_portable_init(const ex_hardware_t* hw, ex_tuning_t* tuning) {
     for (int c = 0; c < CFG_COUNT; ++c) s_cfg_allowed[c] = allowed[c];
     s_num_sms = hw->multiprocessor_count > 0 ? hw->multiprocessor_count : 1;
     s_pdl_ok = hw->cc_major >= 9;
-    s_route_mb_slots = kRouteMultiBlockSlots;
-    if (const char* v = std::getenv("EX_MOE_ROUTE_MULTIBLOCK_SLOTS")) {
-        char* end = nullptr;
-        const long long n = std::strtoll(v, &end, 10);
-        if (end != v && *end == '\0' && n >= 0) s_route_mb_slots = n;
-    }
+    s_route_mb_slots = explugin::env_count("EX_MOE_ROUTE_MULTIBLOCK_SLOTS", kRouteMultiBlockSlots);
     if (hw->l2_cache_bytes > 0) s_l2_bytes = hw->l2_cache_bytes;
     s_smem_optin = (int)(hw->shared_mem_per_block_optin < 0x7fffffff ? hw->shared_mem_per_block_optin
                                                                       : 0x7fffffff);

@@ -7,19 +7,21 @@
  * priority 10, so the registry prefers this plugin where it loads. ex_get_factor returns NULL
  * unless compute capability is exactly 9.0 (the library carries sm_90a code only).
  *
- *   kernel           rows per expert T*K/E >= kSm90MinRowsPerExpert (64; environment override
+ *   kernel           rows per expert T*K/G >= kSm90MinRowsPerExpert (64; environment override
  *                    EX_MOE_SM90_MIN_ROWS_PER_EXPERT), H % 8 == 0, I % 8 == 0,
  *                    16-byte aligned tensors: the CUTLASS path below. Any other shape: the
  *                    portable fast path (mma.sync) of moe_fused_gemm.cuh, unchanged.
  *   kernel_fallback  the portable scalar fallback (any H, I).
  *
- * CUTLASS path: five launches (six where I % 128 != 0) on the caller's stream, no host sync,
+ * CUTLASS path: five or six launches on the caller's stream (one more for the routing when
+ * T*K > 8192 slots, one more for silu*up when I % 128 != 0), no host sync,
  * nothing on the host depends
  * on device values (CUDA-graph capturable). The grouped GEMMs get E groups whose problem sizes
  * and pointer arrays are written on the device; the host passes host_problem_shapes = nullptr
  * (the persistent group scheduler launches one CTA per SM and skips groups with M = 0: a group
  * with M = 0 has ceil(0/BM) = 0 tiles, so no CTA ever builds a TMA descriptor for it).
- *   1. moe_route_kernel (moe_fused_gemm.cuh) sorted_slots grouped by expert, status bit 0 for an
+ *   1. launch_route (moe_fused_gemm.cuh: one block, or two multi-block launches for T*K > 8192)
+ *      sorted_slots grouped by expert, status bit 0 for an
  *      id outside [0, E), meta[1] = valid rows, expert_off[e] = first sorted row of expert e.
  *   2. sm90_prepare_kernel  threads 0..E-1: problem shapes, pointers and strides of both GEMMs;
  *      every warp: rows r < meta[1]: xs[r] = hidden_states[sorted[r] / K] (16-byte copies),
@@ -91,7 +93,7 @@ namespace exmoe {
 // Thresholds
 // ------------------------------------------------------------------------------------------
 
-// The CUTLASS path serves T*K/E >= this many rows per expert (qwen3-30b: T >= 1024; mixtral,
+// The CUTLASS path serves T*K/G >= this many rows per expert (qwen3-30b: T >= 1024; mixtral,
 // phi-3.5-moe: T >= 256 and 512). Below, M-tiles of 128 rows would be mostly padding and the
 // portable mma.sync kernels (BM 16/64) are as fast: the weights' bytes bound both.
 // The environment variable EX_MOE_SM90_MIN_ROWS_PER_EXPERT (a decimal integer >= 0, read by
@@ -891,7 +893,7 @@ static int launch_sm90(const Problem& P, void* out, const void* x, const void* w
 
     const int H = (int)P.H, E = (int)P.E, I = (int)P.I, K = (int)P.K;
 
-    // 1. routing (one block), also writing expert_off
+    // 1. routing (one block, or two launches of many blocks for large T*K), also writing expert_off
     const int rs = launch_route(P, 128, status, meta, tiles, sorted, expert_off, ids, stream);
     if (rs != EX_OK) return rs;  // EX_FALLBACK: absurd E
 
@@ -981,14 +983,8 @@ extern "C" EX_EXPORT ex_factor_t* ex_get_factor(const ex_hardware_t* hw) {
                   kThreads == (int)GatedF16::Kernel::MaxThreadsPerBlock, "one block shape");
     s_sm90_enabled = kSmem <= hw->shared_mem_per_block_optin && kThreads <= hw->max_threads_per_block &&
                      hw->warp_size == 32;
-    s_sm90_min_rows = kSm90MinRowsPerExpert;
-    if (const char* v = std::getenv("EX_MOE_SM90_MIN_ROWS_PER_EXPERT")) {
-        char* end = nullptr;
-        const long long n = std::strtoll(v, &end, 10);
-        if (end != v && *end == '\0' && n >= 0) s_sm90_min_rows = n;
-    }
-    s_sm90_gated = true;
-    if (const char* v = std::getenv("EX_MOE_SM90_SILU_IN_GEMM1")) s_sm90_gated = std::strcmp(v, "0") != 0;
+    s_sm90_min_rows = explugin::env_count("EX_MOE_SM90_MIN_ROWS_PER_EXPERT", kSm90MinRowsPerExpert);
+    s_sm90_gated = explugin::env_switch("EX_MOE_SM90_SILU_IN_GEMM1");
     if (s_sm90_enabled) {
         // Tuning reported: the grouped GEMM (one producer + two consumer warpgroups, its smem
         // and pipeline depth); the other launches are the portable kernels' (its tuning) and
@@ -1012,7 +1008,7 @@ extern "C" EX_EXPORT ex_factor_t* ex_get_factor(const ex_hardware_t* hw) {
     s_factor.priority = 10;
     s_factor.reserved_i32 = 0;
     s_factor.description =
-        "routed MoE experts, Hopper: CUTLASS wgmma/TMA grouped GEMMs for prefill (T*K/E >= 64), "
+        "routed MoE experts, Hopper: CUTLASS wgmma/TMA grouped GEMMs for prefill (T*K/G >= 64), "
         "portable mma.sync path below";
     return &s_factor;
 }

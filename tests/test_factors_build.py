@@ -155,3 +155,22 @@ def test_template_factor_dispatches_on_gpu(template_plugin):
     assert reg.dispatch("my_op", {"x": x, "out": out}) == "plugin"
     ref = x.astype(cp.float64) / (1 + cp.exp(-x.astype(cp.float64)))
     assert float(cp.linalg.norm(out - ref) / cp.linalg.norm(ref)) < 1e-6
+
+
+@needs_nvcc
+@pytest.mark.parametrize("var,value,says", [
+    ("EX_MOE_ROUTE_MULTIBLOCK_SLOTS", "abc", "ignored: expected a decimal integer >= 0; using 8192"),
+    ("EX_MOE_SM90_MIN_ROWS_PER_EXPERT", "-1", "ignored: expected a decimal integer >= 0; using 64"),
+    ("EX_MOE_SM90_SILU_IN_GEMM1", "off", "only 0 turns it off"),
+])
+def test_a_malformed_switch_is_reported_when_the_plugins_load(built, var, value, says):
+    """The moe plugins read these switches in ex_get_factor (host code: a hardware profile is
+    enough); a value they cannot use is named on stderr, the default kept, the plugin still loads."""
+    code = ("from ex_engine import FactorRegistry; from ex_engine.hardware import Hardware; "
+            "r = FactorRegistry.load(hardware=Hardware.from_profile('h200')); "
+            "print(r.get('moe_fused_gemm').path.name)")
+    env = {**__import__("os").environ, var: value}
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=env)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert p.stdout.strip() == "moe_fused_gemm_sm90.so"
+    assert f"{var}='{value}' {says}" in p.stderr if "ignored" in says else f"{var}='{value}': {says}" in p.stderr

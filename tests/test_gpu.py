@@ -388,8 +388,8 @@ def route_case(cp, kind):
         logits[:, 32:] = -cp.inf
         ids[:] = cp.argsort(-logits, axis=1)[:, :4].astype(cp.int32)
         return x, w13, w2, w, ids, None, ()
-    if kind == "small tiles":              # 18 rows per expert: BM = 16 tiles (portable plugin)
-        return (*moe_case(cp, 1200, 256, 128, 256, 2, "bfloat16"), None, ())
+    if kind == "small tiles":              # 9 rows per expert: BM = 16 tiles (portable plugin;
+        return (*moe_case(cp, 1200, 256, 256, 256, 2, "bfloat16"), None, ())  # 12..28: BM = 32)
     if kind == "qwen3-ish":                # T*K = 32768: 16 blocks
         return (*moe_case(cp, 4096, 256, 128, 128, 8, "bfloat16"), None, ())
     if kind == "many passes":              # T*K = 160000 > 64 * 2048: 64 blocks of 2500 slots
