@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from ex_engine import FactorError, FactorRegistry, moe_fused_gemm  # noqa: E402
 from ex_engine.moe_layer import load_models  # noqa: E402
 from _timing import graph_us  # noqa: E402
-from bench_moe import reference, rel, routing  # noqa: E402
+from bench_moe import input_sets, layer_weights, reference, rel  # noqa: E402
 
 ENV_KEYS: set = set()  # every variable any config sets: unset before each config's own
 
@@ -132,15 +132,9 @@ def main():
         if layer_key != m:
             layer = None
             torch.cuda.empty_cache()
-            w13 = (torch.randn(s.E, 2 * s.I, s.H, device="cuda", generator=gen) * 0.02).to(dt)
-            w2 = (torch.randn(s.E, s.H, s.I, device="cuda", generator=gen) * 0.02).to(dt)
-            layer, layer_key = (w13, w2), m
+            layer, layer_key = layer_weights(s, dt, gen), m
         w13, w2 = layer
-        sets = []
-        for _ in range(args.sets):
-            x = torch.randn(T, s.H, device="cuda", generator=gen).to(dt)
-            w, ids = routing(T, s.E, s.K, s.renormalize, False, gen)
-            sets.append((x, w13, w2, w, ids))
+        sets = input_sets(s, T, args.sets, w13, w2, dt, gen)
         outs, checks = [], {}
         for name, folder, env in cfgs:
             set_env(env)

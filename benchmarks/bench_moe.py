@@ -48,6 +48,24 @@ def routing(T, E, K, renormalize, skew, gen):
     return w.float().contiguous(), ids.to(torch.int32).contiguous()
 
 
+def layer_weights(s, dt, gen):
+    """w13 (E, 2I, H) and w2 (E, H, I) of model shape ``s``: N(0, 0.02) in dtype ``dt`` (PERF.md)."""
+    w13 = (torch.randn(s.E, 2 * s.I, s.H, device="cuda", generator=gen) * 0.02).to(dt)
+    w2 = (torch.randn(s.E, s.H, s.I, device="cuda", generator=gen) * 0.02).to(dt)
+    return w13, w2
+
+
+def input_sets(s, T, n, w13, w2, dt, gen, skew=False):
+    """``n`` independently routed calls of the layer: (hidden_states (T, H) N(0, 1) in ``dt``,
+    w13, w2, topk_weights (T, K) fp32, topk_ids (T, K) int32), drawn in that order."""
+    sets = []
+    for _ in range(n):
+        x = torch.randn(T, s.H, device="cuda", generator=gen).to(dt)
+        w, ids = routing(T, s.E, s.K, s.renormalize, skew, gen)
+        sets.append((x, w13, w2, w, ids))
+    return sets
+
+
 def gmm_pipeline(x, w13, w2, w, ids):
     """PERF.md's `gmm` peer: argsort by expert, grouped_mm w13, silu*up, grouped_mm w2, index_add."""
     T, H = x.shape
@@ -145,18 +163,10 @@ def main():
         if m != cur_model:
             layer = None
             torch.cuda.empty_cache()
-            w13 = (torch.randn(s.E, 2 * s.I, s.H, device="cuda", generator=gen) * 0.02).to(dt)
-            w2 = (torch.randn(s.E, s.H, s.I, device="cuda", generator=gen) * 0.02).to(dt)
-            layer, cur_model = (w13, w2), m
+            layer, cur_model = layer_weights(s, dt, gen), m
         w13, w2 = layer
-        sets = []
-        hit = 0
-        for _ in range(args.sets):
-            x = torch.randn(T, s.H, device="cuda", generator=gen).to(dt)
-            w, ids = routing(T, s.E, s.K, s.renormalize, skew, gen)
-            sets.append((x, w13, w2, w, ids))
-            hit += int(torch.unique(ids).numel())
-        hit /= args.sets
+        sets = input_sets(s, T, args.sets, w13, w2, dt, gen, skew)
+        hit = sum(int(torch.unique(a[4]).numel()) for a in sets) / args.sets
         flops = 2.0 * T * s.K * 3 * s.H * s.I
         bytes_ = hit * 3 * s.H * s.I * 2 + 2 * T * s.H * 2 + T * s.K * 8
         floor = max(flops / PEAK_TFLOPS / 1e6, bytes_ / PEAK_GBS / 1e3)

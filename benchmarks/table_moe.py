@@ -3,7 +3,6 @@
     python3 benchmarks/table_moe.py bench_moe.json"""
 import argparse
 import json
-import sys
 
 from perf_peers import VLLM_US
 

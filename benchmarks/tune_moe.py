@@ -28,7 +28,7 @@ except ImportError:  # --help works without it; a run says it needs it
 import yaml  # noqa: E402
 
 from _timing import graph_us  # noqa: E402
-from bench_moe import reference, rel, routing  # noqa: E402
+from bench_moe import input_sets, layer_weights, reference, rel  # noqa: E402
 from ex_engine import FactorRegistry, moe_fused_gemm  # noqa: E402
 from ex_engine.moe_layer import load_models  # noqa: E402
 from ex_engine.tuning import tuning_dir  # noqa: E402
@@ -113,14 +113,9 @@ def main() -> int:
         print(f"[{i + 1}/{len(cases)}] {m} T={T} ...", file=sys.stderr, flush=True)
         if m != cur:
             torch.cuda.empty_cache()
-            w13 = (torch.randn(s.E, 2 * s.I, s.H, device="cuda", generator=gen) * 0.02).to(dt)
-            w2 = (torch.randn(s.E, s.H, s.I, device="cuda", generator=gen) * 0.02).to(dt)
+            w13, w2 = layer_weights(s, dt, gen)
             cur = m
-        sets = []
-        for _ in range(args.sets):
-            x = torch.randn(T, s.H, device="cuda", generator=gen).to(dt)
-            w, ids = routing(T, s.E, s.K, s.renormalize, False, gen)
-            sets.append((x, w13, w2, w, ids))
+        sets = input_sets(s, T, args.sets, w13, w2, dt, gen)
         ref = reference(*sets[0])
         times = {}
         names = []

@@ -69,7 +69,7 @@ def main() -> int:
         return 2
     from torch.profiler import ProfilerActivity, profile
 
-    from bench_moe import routing
+    from bench_moe import input_sets, layer_weights
 
     dt = getattr(torch, args.dtype)
     try:
@@ -81,13 +81,8 @@ def main() -> int:
     for i, (m, T) in enumerate(cases):
         print(f"[{i + 1}/{len(cases)}] {m} T={T} ...", file=sys.stderr, flush=True)
         s = models[m]
-        w13 = (torch.randn(s.E, 2 * s.I, s.H, device="cuda", generator=gen) * 0.02).to(dt)
-        w2 = (torch.randn(s.E, s.H, s.I, device="cuda", generator=gen) * 0.02).to(dt)
-        sets = []
-        for _ in range(3):
-            x = torch.randn(T, s.H, device="cuda", generator=gen).to(dt)
-            w, ids = routing(T, s.E, s.K, s.renormalize, False, gen)
-            sets.append((x, w13, w2, w, ids))
+        w13, w2 = layer_weights(s, dt, gen)
+        sets = input_sets(s, T, 3, w13, w2, dt, gen)
         for a in sets:
             moe_fused_gemm(*a, registry=reg)
         torch.cuda.synchronize()
