@@ -112,7 +112,7 @@ namespace sm90 {
 using namespace cute;
 
 template <typename ElementT>  // cutlass::bfloat16_t or cutlass::half_t
-struct GroupedGemm {
+struct GroupedGemmKernel {
     using ProblemShape = cutlass::gemm::GroupProblemShape<Shape<int, int, int>>;  // (M, N, K) per group
     using TileShape = Shape<_128, _256, _64>;
     using ClusterShape = Shape<_1, _2, _1>;
@@ -138,18 +138,26 @@ struct GroupedGemm {
         cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative>::CollectiveOp;
 
     using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop, CollectiveEpilogue>;
+};
 
-    using Shape3 = typename ProblemShape::UnderlyingProblemShape;
+// The names the host code reads of a kernel type K (GroupedGemmKernel, GatedGemm1Kernel).
+template <class K>
+struct GemmTypes : K {
+    using typename K::Kernel;
+    using Shape3 = typename K::ProblemShape::UnderlyingProblemShape;
     using StrideA = typename Kernel::InternalStrideA;
     using StrideB = typename Kernel::InternalStrideB;
     using StrideD = typename Kernel::InternalStrideD;
     using EA = typename Kernel::ElementA;
     using EB = typename Kernel::ElementB;
     using ED = typename Kernel::ElementD;
-    static constexpr int kStages = CollectiveMainloop::DispatchPolicy::Stages;
-    static constexpr int kClusterX = size<0>(ClusterShape{});
-    static constexpr int kClusterY = size<1>(ClusterShape{});
+    static constexpr int kStages = K::CollectiveMainloop::DispatchPolicy::Stages;
+    static constexpr int kClusterX = size<0>(typename K::ClusterShape{});
+    static constexpr int kClusterY = size<1>(typename K::ClusterShape{});
 };
+
+template <typename ElementT>
+using GroupedGemm = GemmTypes<GroupedGemmKernel<ElementT>>;
 
 // The device-written arguments of one grouped GEMM (E entries each, in the workspace).
 template <class G>
@@ -483,8 +491,8 @@ struct GatedEpilogueOp {
 };
 
 template <typename ElementT, typename TNative>
-struct GatedGemm1 {
-    using Base = GroupedGemm<ElementT>;
+struct GatedGemm1Kernel {
+    using Base = GroupedGemmKernel<ElementT>;
     using ProblemShape = typename Base::ProblemShape;
     using TileShape = typename Base::TileShape;
     using ClusterShape = typename Base::ClusterShape;
@@ -498,20 +506,13 @@ struct GatedGemm1 {
             static_cast<int>(sizeof(typename CollectiveEpilogue::SharedStorage))>,
         cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative>::CollectiveOp>;
     using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop, CollectiveEpilogue>;
-    using Shape3 = typename Base::Shape3;
-    using StrideA = typename Kernel::InternalStrideA;
-    using StrideB = typename Kernel::InternalStrideB;
-    using StrideD = typename Kernel::InternalStrideD;
-    using EA = typename Kernel::ElementA;
-    using EB = typename Kernel::ElementB;
-    using ED = typename Kernel::ElementD;
-    static constexpr int kStages = CollectiveMainloop::DispatchPolicy::Stages;
-    static constexpr int kClusterX = size<0>(ClusterShape{});
-    static constexpr int kClusterY = size<1>(ClusterShape{});
 };
 
 template <typename ElementT, typename TNative>
-struct IsGated<GatedGemm1<ElementT, TNative>> : std::true_type {};
+using GatedGemm1 = GemmTypes<GatedGemm1Kernel<ElementT, TNative>>;
+
+template <typename ElementT, typename TNative>
+struct IsGated<GemmTypes<GatedGemm1Kernel<ElementT, TNative>>> : std::true_type {};
 
 }  // namespace sm90
 
