@@ -56,7 +56,7 @@ def parse_cfg(c):
         k, sep, v = kv.partition("=")
         if not sep or not k:
             print(f"ab_moe: config {c!r}: expected NAME=FOLDER[:VAR=VALUE,...]", file=sys.stderr)
-        raise SystemExit(2)
+            raise SystemExit(2)
         env[k] = v
     ENV_KEYS.update(env)
     return name, folder, env

@@ -1,0 +1,35 @@
+"""CPU tests of the benchmark tools' argument parsing (they import without torch)."""
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def ab_moe():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import ab_moe as mod
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    return mod
+
+
+def test_ab_moe_config_with_variables(ab_moe):
+    name, folder, env = ab_moe.parse_cfg("t64=/tmp/f:EX_A=1,EX_B=x")
+    assert (name, folder, env) == ("t64", "/tmp/f", {"EX_A": "1", "EX_B": "x"})
+    assert {"EX_A", "EX_B"} <= ab_moe.ENV_KEYS
+
+
+def test_ab_moe_config_without_variables(ab_moe):
+    assert ab_moe.parse_cfg("base=factors") == ("base", "factors", {})
+
+
+@pytest.mark.parametrize("bad", ["nofolder", "=factors", "a=", "a=f:NOVALUE", "a=f:=1"])
+def test_ab_moe_malformed_config_exits_2(ab_moe, bad, capsys):
+    with pytest.raises(SystemExit) as e:
+        ab_moe.parse_cfg(bad)
+    assert e.value.code == 2
+    assert "expected NAME=FOLDER" in capsys.readouterr().err
