@@ -40,7 +40,7 @@
  *                         atomics), cub::BlockScan exclusive sums (rows and BM-row tiles per
  *                         expert), tile list {expert, first row, end row}, placement of every
  *                         valid slot into sorted_slots (grouped by expert), status bit.
- *                         T*K > 8192 (kRouteMultiBlockSlots; EX_MOE_ROUTE_MULTIBLOCK_SLOTS, read
+ *                         T*K > 2048 (kRouteMultiBlockSlots; EX_MOE_ROUTE_MULTIBLOCK_SLOTS, read
  *                         at init, overrides it, 0 = always): two launches of B = min(64,
  *                         ceil(T*K/2048)) blocks of 512 threads, block b owning a contiguous
  *                         range of slots: moe_route_hist_kernel (per-block histogram ->
@@ -203,7 +203,8 @@ enum {
     kTileConfigGrouped = 4,  // moe_fused_gemm_sm90.so's CUTLASS grouped GEMM (else: auto)
     kTileConfigMid32 = 5,    // CfgMid32
     kTileConfigMid48 = 6,    // CfgMid48
-    kTileConfigMax = 6,
+    kTileConfigGrouped64 = 7,  // moe_fused_gemm_sm90.so's grouped GEMM on 64-row tiles (else: auto)
+    kTileConfigMax = 7,
 };
 
 // What the host needs of each config: when to pick it and what it launches with.
@@ -1165,7 +1166,10 @@ static int64_t s_l2_bytes = 50LL << 20;
 // Routing of more than this many slots (T*K) takes the multi-block launches (kernel 1,
 // multi-block), fewer the single-block moe_route_kernel. moe_portable_init sets it from
 // EX_MOE_ROUTE_MULTIBLOCK_SLOTS (decimal >= 0; 0: multi-block whenever a routing launch runs).
-constexpr int64_t kRouteMultiBlockSlots = 8192;
+// 2048 (was 8192 until 2026-12-01): on the H200 the multi-block routing was faster at 8192 slots
+// (qwen3-30b T = 1024: 374.6 -> 368.7 us a call, olmoe T = 1024: 317.6 -> 313.4) and no slower
+// at 2048-4096 (within 0.6%, ab_route_h200_2026-12-01.json).
+constexpr int64_t kRouteMultiBlockSlots = 2048;
 static int64_t s_route_mb_slots = kRouteMultiBlockSlots;
 
 // Decode choices, read per call from EX_MOE_DECODE_CONFIG (so one process can compare them):
@@ -1223,9 +1227,10 @@ struct Problem {
     int64_t G;                 // global experts (dims[6]; E when absent)
     int64_t config;            // dims[7], tile configuration: -1 (absent) = chosen here from
                                // T*K/G; 0 tiny, 1 decode, 2 mid, 3 prefill, 4 Hopper grouped GEMM,
-                               // 5 mid32, 6 mid48 (kTileConfig*; the registry passes tuned
-                               // values, manifests/tuning; below -1: read_dims rejects the
-                               // call; above 6, a later plugin's value: read as -1)
+                               // 5 mid32, 6 mid48, 7 Hopper grouped GEMM on 64-row tiles
+                               // (kTileConfig*; the registry passes tuned values,
+                               // manifests/tuning; below -1: read_dims rejects the call; above
+                               // 7, a later plugin's value: read as -1)
     int64_t TK;
     const int* expert_map;     // aux[6]: (G,) int32 global -> local id or -1; nullptr: none
     ExpertMap em() const { return ExpertMap{expert_map, (int)G}; }

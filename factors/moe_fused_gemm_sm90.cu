@@ -14,13 +14,13 @@
  *   kernel_fallback  the portable scalar fallback (any H, I).
  *
  * CUTLASS path: five or six launches on the caller's stream (one more for the routing when
- * T*K > 8192 slots, one more for silu*up when I % 128 != 0), no host sync,
+ * T*K > 2048 slots, one more for silu*up when I % 128 != 0), no host sync,
  * nothing on the host depends
  * on device values (CUDA-graph capturable). The grouped GEMMs get E groups whose problem sizes
  * and pointer arrays are written on the device; the host passes host_problem_shapes = nullptr
  * (the persistent group scheduler launches one CTA per SM and skips groups with M = 0: a group
  * with M = 0 has ceil(0/BM) = 0 tiles, so no CTA ever builds a TMA descriptor for it).
- *   1. launch_route (moe_fused_gemm.cuh: one block, or two multi-block launches for T*K > 8192)
+ *   1. launch_route (moe_fused_gemm.cuh: one block, or two multi-block launches for T*K > 2048)
  *      sorted_slots grouped by expert, status bit 0 for an
  *      id outside [0, E), meta[1] = valid rows, expert_off[e] = first sorted row of expert e.
  *   2. sm90_prepare_kernel  threads 0..E-1: problem shapes, pointers and strides of both GEMMs;
@@ -42,9 +42,11 @@
  *   gated epilogue's silu uses __expf and __fdividef (a few fp32 ulps from the ungated kernel's
  *   before act's rounding; on the H200 the outputs of six models at T = 4096 came out identical).
  *
- * GEMM kernel (one type per dtype for GEMM2 and the ungated GEMM1, plus GatedGemm1 per dtype,
- * which shares its tile, schedule and mainloop and swaps the B load and the epilogue):
- * KernelPtrArrayTmaWarpSpecializedCooperative,
+ * GEMM kernel (one type per dtype and tiling for GEMM2 and the ungated GEMM1, plus GatedGemm1 per
+ * dtype and tiling, which shares its tile, schedule and mainloop and swaps the B load and the
+ * epilogue). Two tilings: Tile64 (64 x 256 x 64, ping-pong: each consumer warpgroup on its own
+ * tile) only where dims[7] = 7 (tuned data) or EX_MOE_SM90_TILE64_MAX_ROWS asks for it; else
+ * Tile128: KernelPtrArrayTmaWarpSpecializedCooperative,
  * tile 128 x 256 x 64, cluster 1 x 2 x 1 (A multicast to the two CTAs of a pair of N tiles;
  * clustering along N, not M, because M-tiles are rounded up to the cluster size per group and the
  * groups are small), stages from StageCountAutoCarveout, epilogue
@@ -99,6 +101,14 @@ namespace exmoe {
 // The environment variable EX_MOE_SM90_MIN_ROWS_PER_EXPERT (a decimal integer >= 0, read by
 // ex_get_factor) overrides it, for tuning and tests: 0 sends every aligned shape to CUTLASS.
 constexpr int64_t kSm90MinRowsPerExpert = 64;
+// Below this many rows per expert the CUTLASS path runs 64-row tiles (sm90::Tile64), from it on
+// 128-row tiles (Tile128). 0: Tile64 only where dims[7] = 7 (tuned data) asks for it: on the H200
+// (2026-12-01, tune_moe over T = 256..4096, seven models) Tile64 lost to Tile128 at every T where
+// the CUTLASS path is the kernel's own choice (e.g. qwen3-30b T = 2048: 577 vs 485 us; its two
+// consumer warpgroups on two tiles load 1.7x the smem bytes per FLOP), and won only at 32-50 rows
+// per expert (qwen3-30b T = 512: 341 vs 351 us for the best portable tile). Environment
+// override EX_MOE_SM90_TILE64_MAX_ROWS (decimal >= 0).
+constexpr int64_t kSm90Tile64MaxRows = 0;
 // SM count the CUTLASS workspace (one TMA descriptor per SM and tensor) is sized for; the
 // launch uses min(multiprocessor_count, this).
 constexpr int kSm90MaxSms = 256;
@@ -111,10 +121,26 @@ constexpr int kPrepThreads = 256;
 namespace sm90 {
 using namespace cute;
 
-template <typename ElementT>  // cutlass::bfloat16_t or cutlass::half_t
+// Two tilings of the same grouped GEMM. Tile128: 128 x 256 x 64 CTA tiles, both consumer
+// warpgroups on one tile (cooperative), for many rows per expert. Tile64: 64 x 256 x 64 tiles,
+// each consumer warpgroup on its own tile, the two alternating between MMA and epilogue
+// (ping-pong): half the M padding per expert (an expert with 136 rows needs 3 x 64 rows, not
+// 2 x 128), for the middle range of rows per expert.
+struct Tile128 {
+    using TileShape = Shape<_128, _256, _64>;
+    using KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
+    using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
+};
+struct Tile64 {
+    using TileShape = Shape<_64, _256, _64>;
+    using KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong;
+    using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
+};
+
+template <typename ElementT, class Tile = Tile128>  // ElementT: cutlass::bfloat16_t or cutlass::half_t
 struct GroupedGemmKernel {
     using ProblemShape = cutlass::gemm::GroupProblemShape<Shape<int, int, int>>;  // (M, N, K) per group
-    using TileShape = Shape<_128, _256, _64>;
+    using TileShape = typename Tile::TileShape;
     using ClusterShape = Shape<_1, _2, _1>;
     using LayoutA = cutlass::layout::RowMajor;     // M x K, K contiguous
     using LayoutB = cutlass::layout::ColumnMajor;  // K x N with K contiguous = weights [N][K]
@@ -126,7 +152,7 @@ struct GroupedGemmKernel {
         cutlass::epilogue::collective::EpilogueTileAuto, float, float,
         void, LayoutD*, kAlign,         // no source C
         ElementT, LayoutD*, kAlign,
-        cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative,
+        typename Tile::EpilogueSchedule,
         cutlass::epilogue::fusion::LinearCombination<ElementT, float, void, float>>::CollectiveOp;
 
     using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
@@ -135,7 +161,7 @@ struct GroupedGemmKernel {
         TileShape, ClusterShape,
         cutlass::gemm::collective::StageCountAutoCarveout<
             static_cast<int>(sizeof(typename CollectiveEpilogue::SharedStorage))>,
-        cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative>::CollectiveOp;
+        typename Tile::KernelSchedule>::CollectiveOp;
 
     using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop, CollectiveEpilogue>;
 };
@@ -156,8 +182,8 @@ struct GemmTypes : K {
     static constexpr int kClusterY = size<1>(typename K::ClusterShape{});
 };
 
-template <typename ElementT>
-using GroupedGemm = GemmTypes<GroupedGemmKernel<ElementT>>;
+template <typename ElementT, class Tile = Tile128>
+using GroupedGemm = GemmTypes<GroupedGemmKernel<ElementT, Tile>>;
 
 // The device-written arguments of one grouped GEMM (E entries each, in the workspace).
 template <class G>
@@ -490,9 +516,9 @@ struct GatedEpilogueOp {
     Params params;
 };
 
-template <typename ElementT, typename TNative>
+template <typename ElementT, typename TNative, class Tile = Tile128>
 struct GatedGemm1Kernel {
-    using Base = GroupedGemmKernel<ElementT>;
+    using Base = GroupedGemmKernel<ElementT, Tile>;
     using ProblemShape = typename Base::ProblemShape;
     using TileShape = typename Base::TileShape;
     using ClusterShape = typename Base::ClusterShape;
@@ -504,15 +530,15 @@ struct GatedGemm1Kernel {
         TileShape, ClusterShape,
         cutlass::gemm::collective::StageCountAutoCarveout<
             static_cast<int>(sizeof(typename CollectiveEpilogue::SharedStorage))>,
-        cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative>::CollectiveOp>;
+        typename Tile::KernelSchedule>::CollectiveOp>;
     using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop, CollectiveEpilogue>;
 };
 
-template <typename ElementT, typename TNative>
-using GatedGemm1 = GemmTypes<GatedGemm1Kernel<ElementT, TNative>>;
+template <typename ElementT, typename TNative, class Tile = Tile128>
+using GatedGemm1 = GemmTypes<GatedGemm1Kernel<ElementT, TNative, Tile>>;
 
-template <typename ElementT, typename TNative>
-struct IsGated<GemmTypes<GatedGemm1Kernel<ElementT, TNative>>> : std::true_type {};
+template <typename ElementT, typename TNative, class Tile>
+struct IsGated<GemmTypes<GatedGemm1Kernel<ElementT, TNative, Tile>>> : std::true_type {};
 
 }  // namespace sm90
 
@@ -679,6 +705,14 @@ sm90_combine_kernel(T* __restrict__ out, const T* __restrict__ ys, const int* __
 
 static bool s_sm90_enabled = false;  // set by ex_get_factor: the CUTLASS kernel fits this hardware
 static int64_t s_sm90_min_rows = kSm90MinRowsPerExpert;  // set by ex_get_factor
+static int64_t s_sm90_tile64_max_rows = kSm90Tile64MaxRows;  // set by ex_get_factor
+// set by ex_get_factor: the grouped GEMMs' persistent tile order (CUTLASS's group scheduler:
+// raster along M, swizzle 1 by default; EX_MOE_SM90_RASTER_N=1 rasters along N,
+// EX_MOE_SM90_SWIZZLE=1|2|4|8 sets max_swizzle_size), for comparisons. On the H200 (2026-12-01,
+// ab_raster_h200_2026-12-01.json, T = 4096 of six models, 3 rounds) no setting won everywhere:
+// swizzle 4 was 1-3% faster on five models and 2% slower on olmoe; the default stays.
+static bool s_sm90_raster_n = false;
+static int s_sm90_swizzle = 1;
 // set by ex_get_factor: GEMM1 computes silu(g) * u in its epilogue where I % 128 == 0
 // (EX_MOE_SM90_SILU_IN_GEMM1=0: the separate silu_mul launch, for comparison)
 static bool s_sm90_gated = true;
@@ -687,9 +721,13 @@ using GemmBf16 = sm90::GroupedGemm<cutlass::bfloat16_t>;
 using GemmF16 = sm90::GroupedGemm<cutlass::half_t>;
 using GatedBf16 = sm90::GatedGemm1<cutlass::bfloat16_t, __nv_bfloat16>;
 using GatedF16 = sm90::GatedGemm1<cutlass::half_t, __half>;
+using Gemm64Bf16 = sm90::GroupedGemm<cutlass::bfloat16_t, sm90::Tile64>;
+using Gemm64F16 = sm90::GroupedGemm<cutlass::half_t, sm90::Tile64>;
+using Gated64Bf16 = sm90::GatedGemm1<cutlass::bfloat16_t, __nv_bfloat16, sm90::Tile64>;
+using Gated64F16 = sm90::GatedGemm1<cutlass::half_t, __half, sm90::Tile64>;
 
-// CUTLASS workspace bytes (per-SM TMA descriptors) for kSm90MaxSms SMs, the larger of the two
-// element types; a function of the kernel types only.
+// CUTLASS workspace bytes (per-SM TMA descriptors) for kSm90MaxSms SMs, the largest over the
+// kernel types (two element types, two tilings); a function of the kernel types only.
 template <class G> static int64_t cutlass_ws_bytes_for() {
     typename G::Kernel::Arguments args{};
     args.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
@@ -700,7 +738,9 @@ template <class G> static int64_t cutlass_ws_bytes_for() {
 static int64_t cutlass_ws_bytes() {
     int64_t m = cutlass_ws_bytes_for<GemmBf16>();
     for (int64_t b : {cutlass_ws_bytes_for<GemmF16>(), cutlass_ws_bytes_for<GatedBf16>(),
-                      cutlass_ws_bytes_for<GatedF16>()})
+                      cutlass_ws_bytes_for<GatedF16>(), cutlass_ws_bytes_for<Gemm64Bf16>(),
+                      cutlass_ws_bytes_for<Gemm64F16>(), cutlass_ws_bytes_for<Gated64Bf16>(),
+                      cutlass_ws_bytes_for<Gated64F16>()})
         m = b > m ? b : m;
     return m;
 }
@@ -751,8 +791,16 @@ static Sm90Layout sm90_layout(const Problem& P) {
 // and of the hardware seen by ex_get_factor.
 static bool sm90_path_for(const Problem& P) {
     if (!(s_sm90_enabled && P.T > 0 && P.H % 8 == 0 && P.I % 8 == 0)) return false;
-    if (P.config >= 0) return P.config == kTileConfigGrouped;  // tuned choice (dims[7])
+    if (P.config >= 0)  // tuned choice (dims[7])
+        return P.config == kTileConfigGrouped || P.config == kTileConfigGrouped64;
     return P.TK / P.G >= s_sm90_min_rows;  // floor(T*K/G) >= n  <=>  T*K >= n*G (rows per expert)
+}
+
+// Of the CUTLASS path's two tilings, whether the dims take the 64-row one (Tile64): a tuned
+// choice (dims[7] = 7 Tile64, 4 Tile128), else fewer than s_sm90_tile64_max_rows rows per expert.
+static bool sm90_tile64_for(const Problem& P) {
+    if (P.config >= 0) return P.config == kTileConfigGrouped64;
+    return P.TK / P.G < s_sm90_tile64_max_rows;
 }
 
 static int64_t sm90_workspace_size(const int64_t dims[], int n_dims) {
@@ -811,6 +859,9 @@ static int run_grouped_gemm(const sm90::GroupArrays<GA>& ga_in, int E, void* cut
             args.epilogue.ptr_D = ga.d;
             args.epilogue.dD = ga.sd;
         }
+        using Raster = decltype(args.scheduler.raster_order);
+        args.scheduler.raster_order = s_sm90_raster_n ? Raster::AlongN : Raster::AlongM;
+        args.scheduler.max_swizzle_size = s_sm90_swizzle;
         args.hw_info.device_id = 0;  // unused: sm_count is given
         args.hw_info.sm_count = s_num_sms < kSm90MaxSms ? s_num_sms : kSm90MaxSms;
         args.hw_info.max_active_clusters = 0;
@@ -858,10 +909,13 @@ static int run_grouped_gemm(const sm90::GroupArrays<GA>& ga_in, int E, void* cut
 // Host: the CUTLASS path
 // ------------------------------------------------------------------------------------------
 
-template <typename T>
+template <typename T, class Tile>
 static int launch_sm90(const Problem& P, void* out, const void* x, const void* w13, const void* w2,
                        const float* tw, const int* ids, char* ws, cudaStream_t stream) {
-    using G = sm90::GroupedGemm<typename sm90::CutlassType<T>::type>;
+    // the group arrays' types (shapes, pointers, strides) are the same for both tilings
+    using CT = typename sm90::CutlassType<T>::type;
+    using G = sm90::GroupedGemm<CT>;
+    using GT = sm90::GroupedGemm<CT, Tile>;
     const Sm90Layout L = sm90_layout(P);
     int* status = reinterpret_cast<int*>(ws);
     int* meta = reinterpret_cast<int*>(ws + L.meta);
@@ -911,18 +965,18 @@ static int launch_sm90(const Problem& P, void* out, const void* x, const void* w
     const int64_t key[8] = {(int64_t)(uintptr_t)ws, P.T, P.H, P.E, P.I, P.K, P.dtype, s_num_sms};
     int st;
     if (gated) {
-        using GG = sm90::GatedGemm1<typename sm90::CutlassType<T>::type, T>;
+        using GG = sm90::GatedGemm1<CT, T, Tile>;
         st = run_grouped_gemm<GG, 1>(ga[0], E, cutlass_ws, key, stream, (void*)ga[1].a, (void*)ga[1].sa);
         if (st != EX_OK) return st;
     } else {
-        st = run_grouped_gemm<G, 1>(ga[0], E, cutlass_ws, key, stream);
+        st = run_grouped_gemm<GT, 1>(ga[0], E, cutlass_ws, key, stream);
         if (st != EX_OK) return st;
         sm90_silu_mul_kernel<T><<<capped_blocks(P.TK * (P.I / 8), kSimpleThreads, 16), kSimpleThreads, 0,
                                   stream>>>(act, gu, meta, I);
     }
 
     // 5. GEMM2: ys = act . w2[e]^T per expert
-    st = run_grouped_gemm<G, 2>(ga[1], E, cutlass_ws, key, stream);
+    st = run_grouped_gemm<GT, 2>(ga[1], E, cutlass_ws, key, stream);
     if (st != EX_OK) return st;
 
     // 6. weighted combine in fp32
@@ -949,11 +1003,16 @@ static int sm90_kernel(void* output, const void* input, const void* aux_inputs[]
     const int* ids = static_cast<const int*>(aux_inputs[4]);
     char* ws = static_cast<char*>(const_cast<void*>(aux_inputs[5]));
     cudaStream_t s = static_cast<cudaStream_t>(stream);
+    const void* w13 = aux_inputs[1];
+    const void* w2 = aux_inputs[2];
+    const bool t64 = sm90_tile64_for(P);
     int rc;
     if (P.dtype == EX_DTYPE_BFLOAT16)
-        rc = launch_sm90<__nv_bfloat16>(P, output, input, aux_inputs[1], aux_inputs[2], tw, ids, ws, s);
+        rc = t64 ? launch_sm90<__nv_bfloat16, sm90::Tile64>(P, output, input, w13, w2, tw, ids, ws, s)
+                 : launch_sm90<__nv_bfloat16, sm90::Tile128>(P, output, input, w13, w2, tw, ids, ws, s);
     else
-        rc = launch_sm90<__half>(P, output, input, aux_inputs[1], aux_inputs[2], tw, ids, ws, s);
+        rc = t64 ? launch_sm90<__half, sm90::Tile64>(P, output, input, w13, w2, tw, ids, ws, s)
+                 : launch_sm90<__half, sm90::Tile128>(P, output, input, w13, w2, tw, ids, ws, s);
     if (rc == EX_FALLBACK)  // declined before launching anything (absurd E): portable path
         return moe_kernel(output, input, aux_inputs, n_aux, dims, n_dims, stream);
     return rc;
@@ -976,16 +1035,29 @@ extern "C" EX_EXPORT ex_factor_t* ex_get_factor(const ex_hardware_t* hw) {
     int kSmem = GemmBf16::Kernel::SharedStorageSize > GemmF16::Kernel::SharedStorageSize
                     ? GemmBf16::Kernel::SharedStorageSize
                     : GemmF16::Kernel::SharedStorageSize;
-    for (int b : {(int)GatedBf16::Kernel::SharedStorageSize, (int)GatedF16::Kernel::SharedStorageSize})
+    for (int b : {(int)GatedBf16::Kernel::SharedStorageSize, (int)GatedF16::Kernel::SharedStorageSize,
+                  (int)Gemm64Bf16::Kernel::SharedStorageSize, (int)Gemm64F16::Kernel::SharedStorageSize,
+                  (int)Gated64Bf16::Kernel::SharedStorageSize, (int)Gated64F16::Kernel::SharedStorageSize})
         kSmem = b > kSmem ? b : kSmem;
     constexpr int kThreads = (int)GemmBf16::Kernel::MaxThreadsPerBlock;
     static_assert(kThreads == (int)GemmF16::Kernel::MaxThreadsPerBlock &&
                   kThreads == (int)GatedBf16::Kernel::MaxThreadsPerBlock &&
-                  kThreads == (int)GatedF16::Kernel::MaxThreadsPerBlock, "one block shape");
+                  kThreads == (int)GatedF16::Kernel::MaxThreadsPerBlock &&
+                  kThreads == (int)Gemm64Bf16::Kernel::MaxThreadsPerBlock &&
+                  kThreads == (int)Gemm64F16::Kernel::MaxThreadsPerBlock &&
+                  kThreads == (int)Gated64Bf16::Kernel::MaxThreadsPerBlock &&
+                  kThreads == (int)Gated64F16::Kernel::MaxThreadsPerBlock, "one block shape");
     s_sm90_enabled = kSmem <= hw->shared_mem_per_block_optin && kThreads <= hw->max_threads_per_block &&
                      hw->warp_size == 32;
     s_sm90_min_rows = explugin::env_count("EX_MOE_SM90_MIN_ROWS_PER_EXPERT", kSm90MinRowsPerExpert);
+    s_sm90_tile64_max_rows = explugin::env_count("EX_MOE_SM90_TILE64_MAX_ROWS", kSm90Tile64MaxRows);
     s_sm90_gated = explugin::env_switch("EX_MOE_SM90_SILU_IN_GEMM1");
+    s_sm90_raster_n = explugin::env_count("EX_MOE_SM90_RASTER_N", 0) != 0;
+    const int64_t swz = explugin::env_count("EX_MOE_SM90_SWIZZLE", 1);
+    s_sm90_swizzle = (swz == 2 || swz == 4 || swz == 8) ? (int)swz : 1;
+    if (swz != s_sm90_swizzle)
+        std::fprintf(stderr, "[ex_engine] EX_MOE_SM90_SWIZZLE='%s' ignored: expected 1, 2, 4 or 8; using 1\n",
+                     std::getenv("EX_MOE_SM90_SWIZZLE"));
     if (s_sm90_enabled) {
         // Tuning reported: the grouped GEMM (one producer + two consumer warpgroups, its smem
         // and pipeline depth); the other launches are the portable kernels' (its tuning) and

@@ -34,7 +34,11 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 def short_name(name: str) -> str:
     """A readable kernel name: CUTLASS's device_kernel<...> as cutlass_gemm, templates dropped."""
     if "cutlass" in name and "device_kernel" in name:  # the gated GEMM1 has its own mainloop type
-        return "cutlass_grouped_gemm<gated GEMM1>" if "GatedMainloop" in name else "cutlass_grouped_gemm"
+        if "GatedMainloop" in name:
+            return "cutlass_grouped_gemm<gated GEMM1>"
+        tile = re.search(r"C<(\d+)>,\s*cute::C<(\d+)>,\s*cute::C<(\d+)>", name)  # TileShape
+        tile = tile.groups() if tile else None
+        return "cutlass_grouped_gemm<64-row tiles>" if tile == ("64", "256", "64") else "cutlass_grouped_gemm"
     name = re.sub(r"^void ", "", name)
     base = name.split("<", 1)[0].split("(", 1)[0]
     if base.endswith("moe_gemm_kernel"):  # GATED is the third template argument
@@ -48,6 +52,10 @@ def main() -> int:
     ap.add_argument("--calls", type=int, default=8, help="profiled calls per case")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     ap.add_argument("--factors", default=None, help="plugin folder (default factors/)")
+    ap.add_argument("--config", default=None,
+                    help="force a tile configuration by name (benchmarks/tune_moe.py's CONFIGS: "
+                         "tiny, decode, mid, ..., grouped, grouped64); default: tuned data or the "
+                         "kernel's own choice")
     args = ap.parse_args()
     from ex_engine import FactorError, FactorRegistry, moe_fused_gemm
     from ex_engine.moe_layer import load_models
@@ -61,6 +69,12 @@ def main() -> int:
                   f"moe_models.yaml ({', '.join(sorted(models))})", file=sys.stderr)
             return 2
         cases.append((m, int(t)))
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from tune_moe import VALUES
+    if args.config is not None and args.config not in VALUES:
+        print(f"kernel_times_moe: --config: expected one of {', '.join(VALUES)}, got {args.config!r}",
+              file=sys.stderr)
+        return 2
     if args.calls < 1:
         print(f"kernel_times_moe: --calls: expected >= 1, got {args.calls}", file=sys.stderr)
         return 2
@@ -77,6 +91,8 @@ def main() -> int:
     except FactorError as exc:
         print(f"kernel_times_moe: --factors: {exc}", file=sys.stderr)
         return 2
+    if args.config is not None:
+        reg.set_tuning("moe_fused_gemm", lambda sizes, v=VALUES[args.config]: v)
     gen = torch.Generator(device="cuda").manual_seed(0)
     for i, (m, T) in enumerate(cases):
         print(f"[{i + 1}/{len(cases)}] {m} T={T} ...", file=sys.stderr, flush=True)

@@ -180,6 +180,37 @@ def test_moe_plugin_awkward(reg, cp, T, H, E, I, K, dtype):
     run_moe_check(reg, cp, moe_case(cp, T, H, E, I, K, dtype), dtype)
 
 
+@pytest.mark.parametrize("config", [4, 7])     # Tile128 (cooperative), Tile64 (ping-pong)
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("kind", ["T=1", "T=3 E=40", "E=40", "ungated I=200", "I > H", "one expert",
+                                  "empty experts"])
+def test_moe_sm90_tilings_on_awkward_shapes(cp, config, dtype, kind):
+    """Both tilings of the Hopper plugin's grouped GEMMs, forced through dims[7] (what the tuner
+    times): tiny and awkward shapes, one expert with every slot, idle experts, the gated GEMM1
+    (I % 128 == 0) and the ungated one with the separate silu launch."""
+    if not (ROOT / "factors" / "moe_fused_gemm_sm90.so").exists():
+        pytest.skip("moe_fused_gemm_sm90.so not built")
+    r = FactorRegistry.load(ROOT / "factors", prefer={"moe_fused_gemm": "moe_fused_gemm_sm90.so"})
+    if r.get("moe_fused_gemm") is None or r.get("moe_fused_gemm").path.name != "moe_fused_gemm_sm90.so":
+        pytest.skip("moe_fused_gemm_sm90.so not ready on this GPU")
+    r.set_tuning("moe_fused_gemm", lambda sizes: config)
+    shapes = {"T=1": (1, 2048, 128, 768, 8), "T=3 E=40": (3, 256, 40, 128, 8),
+              "E=40": (1000, 512, 40, 256, 6), "ungated I=200": (1024, 512, 8, 200, 2),
+              "I > H": (700, 256, 8, 1024, 2), "one expert": (3000, 512, 16, 384, 1),
+              "empty experts": (2048, 256, 64, 128, 4)}
+    x, w13, w2, w, ids = moe_case(cp, *shapes[kind], dtype)
+    if kind == "one expert":
+        ids[:] = 3
+    if kind == "empty experts":                          # experts 4-7 and 32-63 never chosen
+        logits = cp.random.standard_normal((2048, 64), dtype=cp.float32)
+        logits[:, :4] += 3.0
+        logits[:, 4:8] = -cp.inf
+        logits[:, 32:] = -cp.inf
+        ids[:] = cp.argsort(-logits, axis=1)[:, :4].astype(cp.int32)
+    run_moe_check(r, cp, (x, w13, w2, w, ids), dtype)
+    r.check_device_errors()
+
+
 @pytest.mark.parametrize("T,H,E,I,K", [(130, 111, 40, 67, 8), (3, 100, 5, 20, 2)])
 def test_moe_unaligned_sizes_go_to_kernel_fallback(reg, cp, T, H, E, I, K):
     run_moe_check(reg, cp, moe_case(cp, T, H, E, I, K, "bfloat16"), "bfloat16",
@@ -312,6 +343,38 @@ def test_moe_fused_routing_equals_the_routing_launch(reg, cp, monkeypatch, T, H,
             reg.check_device_errors()
     for o in outs[1:]:
         assert bool((outs[0].bits == o.bits).all())
+
+
+@pytest.mark.parametrize("prefetch", ["off", "start", "end", "start_nohint"])
+@pytest.mark.parametrize("T,H,E,I,K", [(1, 2048, 128, 768, 8), (3, 1544, 40, 512, 8), (16, 1024, 64, 256, 2)])
+def test_moe_decode_survives_garbage_workspace_and_graph_replay(reg, cp, monkeypatch, prefetch, T, H, E, I, K):
+    """Decode (new mode: routing inside both GEMMs, early launches; each L2 prefetch mode of
+    w2): a workspace full of garbage (nothing of an earlier call may be relied on), repeated
+    eager calls and graph replays all give the unfused mode's output (separate routing launch),
+    bit for bit."""
+    case = moe_case(cp, T, H, E, I, K, "bfloat16")
+    monkeypatch.setenv("EX_MOE_DECODE_CONFIG", "unfused")
+    want = run_moe_check(reg, cp, case, "bfloat16")
+    monkeypatch.setenv("EX_MOE_DECODE_CONFIG", "new")
+    monkeypatch.setenv("EX_MOE_DECODE_L2_PREFETCH", prefetch)
+    outs = [run_moe_check(reg, cp, case, "bfloat16")]
+    for buf in reg._workspaces.values():               # counters and scratch: garbage
+        buf[256:] = 0x55
+    outs.append(run_moe_check(reg, cp, case, "bfloat16"))
+    out = poison(cp, (T, H), "bfloat16")
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        stream.begin_capture()
+        moe_fused_gemm(*case, out=out, registry=reg)
+        graph = stream.end_capture()
+        for _ in range(3):
+            out.bits.fill(0xFFFF)
+            graph.launch(stream)
+            stream.synchronize()
+            outs.append(Bits16(out.bits.copy()))
+    reg.check_device_errors()
+    for o in outs:
+        assert bool((o.bits == want.bits).all())
 
 
 @pytest.mark.parametrize("mode", ["new", "late", "unfused"])
