@@ -201,6 +201,8 @@ def main():
               f"{row['x_floor']:>8.2f}{row['tflops']:>8.1f}{row['gbs']:>7.0f}{g}{fb}{err:>9.1e}", flush=True)
         if "host_us" in row:
             print(f"{'':<28}host time of one eager call: {row['host_us']:.1f} µs", flush=True)
+        if args.json:  # after every row: a run cut short still leaves what it measured
+            Path(args.json).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     if args.json:
         Path(args.json).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     bad = [r for r in rows if "error" in r]
