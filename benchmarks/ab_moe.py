@@ -22,6 +22,7 @@ import argparse
 import json
 import os
 import sys
+from statistics import median
 from pathlib import Path
 
 try:
@@ -88,7 +89,8 @@ def main():
     for n, folder, env in cfgs:
         for n2, folder2, env2 in cfgs:
             diff = {k for k in LOAD_TIME_VARS if env.get(k) != env2.get(k)}
-            if n < n2 and folder == folder2 and diff:
+            same = Path(folder).resolve() == Path(folder2).resolve()  # ./factors is factors/
+            if n < n2 and same and diff:
                 print(f"ab_moe: configs {n} and {n2} load the same folder {folder} but differ in "
                       f"{', '.join(sorted(diff))}, read when a plugin loads: copy the folder "
                       f"(cp -r {folder} /tmp/{n2}) and give {n2} the copy", file=sys.stderr)
@@ -102,6 +104,9 @@ def main():
             print(f"ab_moe: case {case!r}: expected model:T with T >= 1, model one of "
                   f"{', '.join(sorted(models))}", file=sys.stderr)
             return 2
+    if args.json and not Path(args.json).resolve().parent.is_dir():
+        print(f"ab_moe: --json: folder {Path(args.json).parent} does not exist", file=sys.stderr)
+        return 2
     if args.rounds < 1 or args.sets < 1:
         print("ab_moe: --rounds and --sets must be >= 1", file=sys.stderr)
         return 2
@@ -119,7 +124,10 @@ def main():
                 print(f"ab_moe: config {n}: {exc}", file=sys.stderr)
                 return 2
             p = regs[folder].get("moe_fused_gemm")
-            print(f"# {folder}: {p.path if p else None}", flush=True)
+            if p is None:
+                print(f"ab_moe: config {n}: no ready moe_fused_gemm plugin in {folder}", file=sys.stderr)
+                return 2
+            print(f"# {folder}: {p.path}", flush=True)
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows = []
     layer_key, layer = None, None
@@ -162,7 +170,7 @@ def main():
                 reg = regs[folder]
                 times[name].append(graph_us([lambda a=a, reg=reg: moe_fused_gemm(*a, registry=reg) for a in sets]))
         row = {"model": m, "T": T, "checks": checks,
-               "us": {n: (sorted(v)[len(v) // 2] if v else None) for n, v in times.items()}, "raw": times}
+               "us": {n: (median(v) if v else None) for n, v in times.items()}, "raw": times}
         rows.append(row)
         print(f"{m:<22}{T:>6} " + "".join(
             f"{row['us'][n]:>12.1f}" if row["us"][n] else f"{'FAIL':>12}" for n, _, _ in cfgs), flush=True)

@@ -129,7 +129,7 @@ def main():
     ap.add_argument("--factors", default=None,
                     help="folder of plugin libraries to load (default factors/): e.g. an older build, to compare")
     args = ap.parse_args()
-    if torch is None:
+    if torch is None or not torch.cuda.is_available():
         print("bench_moe: needs PyTorch and a CUDA GPU (README: 'On a GPU machine')", file=sys.stderr)
         return 2
     dt = getattr(torch, args.dtype)

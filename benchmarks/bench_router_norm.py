@@ -67,7 +67,7 @@ def main():
     ap.add_argument("--only", choices=("topk", "rmsnorm"), default=None, help="one op only")
     ap.add_argument("--no-torch", action="store_true", help="time ex_engine only (no PyTorch eager / torch.compile)")
     args = ap.parse_args()
-    if torch is None:
+    if torch is None or not torch.cuda.is_available():
         print("bench_router_norm: needs PyTorch and a CUDA GPU (README: 'On a GPU machine')", file=sys.stderr)
         return 2
     reg = FactorRegistry.load()

@@ -49,16 +49,16 @@ def main():
     for ax, (model, rs) in zip(axes.flat, sorted(by_model.items())):
         rs.sort(key=lambda r: r["T"])
         T = [r["T"] for r in rs]
-        ax.plot(T, [r["ours_us"] / r["floor_us"] for r in rs], "o-", label="ex_engine")
+        ax.plot(T, [r["ours_us"] / r["floor_us"] for r in rs], "o-", color="C0", label="ex_engine")
         g = [(r["T"], r["gmm_us"] / r["floor_us"]) for r in rs if r.get("gmm_us")]
         if g:
-            ax.plot(*zip(*g), "s--", label="torch._grouped_mm pipeline")
+            ax.plot(*zip(*g), "s--", color="C1", label="torch._grouped_mm pipeline")
         v = [(r["T"], VLLM_US[(model, r["T"])] / r["floor_us"]) for r in rs if (model, r["T"]) in VLLM_US]
         if v:
-            ax.plot(*zip(*v), "^:", label="vLLM fused_moe (PERF.md)")
+            ax.plot(*zip(*v), "^:", color="C2", label="vLLM fused_moe (PERF.md)")
         f = [(r["T"], r["fallback_us"] / r["floor_us"]) for r in rs if r.get("fallback_us")]
         if f:
-            ax.plot(*zip(*f), "x:", label="Python fallback")
+            ax.plot(*zip(*f), "x:", color="C3", label="Python fallback")
         ax.axhline(1.0, color="k", lw=0.8)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")

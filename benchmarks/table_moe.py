@@ -3,13 +3,20 @@
     python3 benchmarks/table_moe.py bench_moe.json"""
 import argparse
 import json
+import sys
 
 from perf_peers import VLLM_US
 
 
 def main(path):
-    d = json.load(open(path))
-    m = d["meta"]
+    try:
+        d = json.load(open(path))
+        m = d["meta"]
+        d["rows"], m["device"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        print(f"table_moe: {path}: expected the JSON that bench_moe.py --json writes (meta and rows): "
+              f"{type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
     print(f"{m['device']}, {m['date']}, commit {m['commit']}, {m['dtype']}, torch {m['torch']}; "
           "µs per call, CUDA-graph replay over 4 independently routed input sets\n")
     print("| model | T | routing | floor | ours | ours/floor | TFLOP/s | GB/s | gmm | gmm/ours | vLLM (PERF.md) | vLLM/ours | fallback |")
@@ -32,4 +39,4 @@ def main(path):
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("json", help="the --json output of benchmarks/bench_moe.py")
-    main(ap.parse_args().json)
+    sys.exit(main(ap.parse_args().json))

@@ -68,13 +68,17 @@ def main() -> int:
     ap.add_argument("--out", default=None,
                     help="tuning file to write (default manifests/tuning/<profile>.yaml for this GPU)")
     args = ap.parse_args()
+    if min(args.tokens) < 1 or args.sets < 1 or args.margin < 0:
+        print(f"tune_moe: expected --tokens >= 1, --sets >= 1 and --margin >= 0, got --tokens "
+              f"{' '.join(map(str, args.tokens))} --sets {args.sets} --margin {args.margin}", file=sys.stderr)
+        return 2
     models = load_models()
     unknown = [m for m in args.models if m != "all" and m not in models]
     if unknown:
         print(f"tune_moe: --models: unknown {', '.join(unknown)}; expected 'all' or some of "
               f"{', '.join(sorted(models))}", file=sys.stderr)
         return 2
-    if torch is None:
+    if torch is None or not torch.cuda.is_available():
         print("tune_moe: needs PyTorch and a CUDA GPU (README: 'On a GPU machine')", file=sys.stderr)
         return 2
     reg = FactorRegistry.load()
@@ -108,7 +112,7 @@ def main() -> int:
     dt = torch.bfloat16
     cases = [(m, T) for m in names for T in args.tokens]
     print(f"# tuning moe_fused_gemm with {plugin.path.name} on {device} ({sms} SMs)", flush=True)
-    print(f"{'model':<22}{'T':>6}  " + "".join(f"{c:>9}" for c in ["auto", *CONFIGS]) + "  best")
+    print(f"{'model':<22}{'T':>6}  " + "".join(f"{c:>10}" for c in ["auto", *CONFIGS]) + "  best")
     cur, failed = None, 0
     for i, (m, T) in enumerate(cases):
         s = models[m]
@@ -141,7 +145,7 @@ def main() -> int:
         best = min(tuned, key=tuned.get)
         if tuned[best] > times["auto"] * (1 - args.margin):
             best = "auto"              # no configuration is clearly better than the default
-        print(f"{m:<22}{T:>6}  " + "".join(f"{times[c]:>9.1f}" if c in times else f"{'-':>9}"
+        print(f"{m:<22}{T:>6}  " + "".join(f"{times[c]:>10.1f}" if c in times else f"{'-':>10}"
                                            for c in ["auto", *CONFIGS]) + f"  {best}", flush=True)
         key = (s.H, s.I, s.E, s.K)
         entry = shapes.setdefault(key, {"H": s.H, "I": s.I, "G": s.E, "K": s.K, "model": m, "by_T": []})

@@ -72,7 +72,7 @@ def cmd_list_factors(args) -> int:
             print(f"\n{p.path.name}: {p.status}" + (f" ({p.reason})" if p.status == "shadowed" else ""))
             print(f"  sha256 {p.sha256 or '-'}")
             for c in p.checks:
-                print(f"  [{c.label}] {c.name}: {c.detail}")
+                print(f"  [{c.label}] {c.name}: {c.detail}" if c.detail else f"  [{c.label}] {c.name}")
     return 0
 
 
@@ -92,6 +92,9 @@ def cmd_hardware(args) -> int:
 
 def cmd_run_moe(args) -> int:
     from .moe_layer import load_models, run_moe
+    if args.repeat < 1:  # (--tokens is checked by its argparse type)
+        print(f"ex-engine run moe: --repeat: expected >= 1, got {args.repeat}", file=sys.stderr)
+        return 2
     reg = _registry(args)
     models = sorted(load_models()) if args.model == "all" else [args.model]
     ok = True
@@ -117,8 +120,8 @@ def cmd_verify(args) -> int:
     chosen = sorted((reg.get(n) for n in {p.name for p in reg.plugins if reg.get(p.name)}),
                     key=lambda p: p.name)
     if not chosen:
-        print(f"no ready plugins in {args.dir}")
-        return 0
+        print(f"no ready plugins in {args.dir}: nothing verified (list-factors --why says why)", file=sys.stderr)
+        return 1
     results = []
     for p in chosen:
         print(f"verifying {p.name} ({p.path.name}) ...", flush=True)
@@ -146,9 +149,15 @@ def cmd_lock(args) -> int:
 
 
 def cmd_build(args) -> int:
-    cmd = ["make", "-C", str(_paths.ROOT), f"-j{args.jobs}"]
+    if args.jobs < 1:
+        print(f"ex-engine build: --jobs: expected >= 1, got {args.jobs}", file=sys.stderr)
+        return 2
+    # PYTHON: the Makefile finds CUTLASS's headers through this interpreter (any venv's name)
+    cmd = ["make", "-C", str(_paths.ROOT), f"-j{args.jobs}", f"PYTHON={sys.executable}"]
     if args.archs:
-        cmd.append(f"ARCHS={args.archs}")
+        # other targets than the ones the .so files were built for: make cannot tell from file
+        # dates, so rebuild everything (-B)
+        cmd += ["-B", f"ARCHS={args.archs}"]
     print("running:", " ".join(cmd), flush=True)
     return subprocess.call(cmd)
 
@@ -228,7 +237,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("build", help="compile every factors/*.cu into a .so with nvcc (runs make)",
                        description="Run `make` in the project root: one .so per factors/*.cu.")
-    p.add_argument("--archs", default=None, help='nvcc -gencode flags (default: the Makefile\'s sm_90a + sm_80 + PTX)')
+    p.add_argument("--archs", default=None,
+                   help="nvcc -gencode flags for the portable plugins, written with '=' because they start "
+                        "with '-': --archs='-gencode=arch=compute_80,code=sm_80' (default: the Makefile's "
+                        "sm_90a + sm_80 + PTX); rebuilds every plugin")
     p.add_argument("-j", "--jobs", type=int, default=2, help="parallel nvcc jobs (default: %(default)s)")
     p.set_defaults(fn=cmd_build)
     return ap

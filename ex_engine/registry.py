@@ -65,10 +65,15 @@ class Plugin:
     factor: object = None
 
     def check(self, name: str, ok: bool, detail: str = "", warn: bool = False) -> bool:
+        """Record a check whose detail describes the outcome either way; returns ok."""
         self.checks.append(Check(name, ok, detail, warn))
         if not ok:
             self.reason = self.reason or f"{name}: {detail}"
         return ok
+
+    def require(self, name: str, ok: bool, failure: str, passed: str = "") -> bool:
+        """Record a check whose detail is only meant for a failure (``passed`` otherwise)."""
+        return self.check(name, ok, passed if ok else failure)
 
     def version_key(self) -> tuple:
         parts = []
@@ -333,10 +338,10 @@ class FactorRegistry:
                     f"not exported ({exc}); build with EX_DEFINE_ABI_VERSION() from include/ex_engine.h")
             return p
         major = p.abi_version >> 16
-        if not p.check("abi version", major == abi.ABI_VERSION_MAJOR,
+        if not p.require("abi version", major == abi.ABI_VERSION_MAJOR,
                        f"expected major {abi.ABI_VERSION_MAJOR} (runtime ABI "
                        f"{abi.version_str(abi.ABI_VERSION)}), library built against "
-                       f"{abi.version_str(p.abi_version)}"):
+                       f"{abi.version_str(p.abi_version)}", abi.version_str(p.abi_version)):
             return p
         try:
             get = p.lib.ex_get_factor
@@ -344,15 +349,15 @@ class FactorRegistry:
             p.check("symbol ex_get_factor", False, f"not exported ({exc})")
             return p
         f = get(self._hw_c)
-        if not p.check("ex_get_factor(hw)", f != abi.ffi.NULL,
+        if not p.require("ex_get_factor(hw)", f != abi.ffi.NULL,
                        f"returned NULL for {self.hardware.name} ({self.hardware.source}): "
                        "the factor declines this hardware"):
             return p
         p.factor = f
-        if not p.check("struct abi_version", f.abi_version == p.abi_version,
+        if not p.require("struct abi_version", f.abi_version == p.abi_version,
                        f"expected {abi.version_str(p.abi_version)}, got {abi.version_str(f.abi_version)}"):
             return p
-        if not p.check("name", f.name != abi.ffi.NULL, "expected a name, got NULL"):
+        if not p.require("name", f.name != abi.ffi.NULL, "expected a name, got NULL"):
             return p
         p.name = abi.ffi.string(f.name).decode(errors="replace")
         p.factor_id = int(f.factor_id)
@@ -360,23 +365,24 @@ class FactorRegistry:
         p.priority = int(f.priority)
         p.description = abi.ffi.string(f.description).decode(errors="replace") if f.description != abi.ffi.NULL else ""
         p.tuning = {k: int(getattr(f.tuning, k)) for k in abi.TUNING_FIELDS}
-        if not p.check("kernel", f.kernel != abi.ffi.NULL, "expected a kernel function, got NULL"):
+        if not p.require("kernel", f.kernel != abi.ffi.NULL, "expected a kernel function, got NULL"):
             return p
-        if not p.check("version", bool(p.version), "expected a version string, got NULL/empty"):
+        if not p.require("version", bool(p.version), "expected a version string, got NULL/empty"):
             return p
         p.check("name matches file stem", True,  # informative: a renamed drop-in still loads
                 "yes" if p.name == path.stem else f"note: name '{p.name}' differs from file '{path.name}'")
         m = self._find_manifest(p.name, path.parent)
-        if not p.check("manifest", m is not None,
-                       f"expected {p.name}.yaml beside the library or in the manifests folder, found none"):
+        if not p.require("manifest", m is not None,
+                       f"expected {p.name}.yaml beside the library or in the manifests folder, found none",
+                       str(m.path) if m is not None else ""):
             return p
         p.manifest = m
-        if not p.check("manifest id", m.id == p.factor_id,
+        if not p.require("manifest id", m.id == p.factor_id,
                        f"expected id {m.id} (from {m.path}), library says {p.factor_id}"):
             return p
         elem = min((abi.DTYPE_BYTES.get(d, 4) for d in (m.input.dtypes or ["float32"])), default=4)
         for c in check_tuning(p.tuning, self.hardware, elem):
-            p.check(c.name, c.ok, c.detail)
+            p.check(c.name, c.ok, c.detail)  # "expected <= limit, got value": informative either way
         if any(not c.ok for c in p.checks):
             return p
         if self.verify:

@@ -99,9 +99,9 @@
  * one per M-tile, e.g. mixtral T=64 where ~45% of the experts get 17-32 rows); late = nopdl +
  * programmatic dependent launch of GEMM1, GEMM2 and combine on sm_90+ (each launch overlaps the
  * previous kernel's tail; each kernel waits for its predecessor before its first global access);
- * new (default; also any unknown value) = late + the early launches and GEMM2's own routing and
- * weight prefetch above; unfused = late's launches with the separate routing launch (no fused
- * routing, no early launches).
+ * new (default; an unknown value is named on stderr and runs new) = late + the early launches
+ * and GEMM2's own routing and weight prefetch above; unfused = late's launches with the separate
+ * routing launch (no fused routing, no early launches).
  *
  * y is kept in the input dtype, not fp32: it halves the bytes of the largest intermediate
  * (T*K*H) written by GEMM2 and read by the combine, which matters at prefill (qwen3-30b, T=4096:
@@ -1193,6 +1193,14 @@ static int decode_mode() {
     if (std::strcmp(v, "nopdl") == 0) return MODE_NOPDL;
     if (std::strcmp(v, "unfused") == 0) return MODE_UNFUSED;
     if (std::strcmp(v, "late") == 0) return MODE_LATE;
+    if (std::strcmp(v, "new") != 0) {  // a misspelt mode is named, once per value in a row
+        static thread_local char warned[32] = "";
+        if (std::strncmp(warned, v, sizeof warned - 1) != 0) {
+            std::fprintf(stderr, "[ex_engine] EX_MOE_DECODE_CONFIG='%s' ignored: expected old, nopdl, "
+                                 "late, new or unfused; using new\n", v);
+            std::snprintf(warned, sizeof warned, "%s", v);
+        }
+    }
     return MODE_NEW;
 }
 

@@ -103,8 +103,8 @@ namespace exmoe {
 constexpr int64_t kSm90MinRowsPerExpert = 64;
 // Below this many rows per expert the CUTLASS path runs 64-row tiles (sm90::Tile64), from it on
 // 128-row tiles (Tile128). 0: Tile64 only where dims[7] = 7 (tuned data) asks for it: on the H200
-// (2026-12-01, tune_moe over T = 256..4096, seven models) Tile64 lost to Tile128 at every T where
-// the CUTLASS path is the kernel's own choice (e.g. qwen3-30b T = 2048: 577 vs 485 us; its two
+// (2026-12-01, tune_moe over T = 256..4096, seven models) Tile64 lost to Tile128 at nearly every
+// T where the CUTLASS path is the kernel's own choice (granite T = 768 within 3%) (e.g. qwen3-30b T = 2048: 577 vs 485 us; its two
 // consumer warpgroups on two tiles load 1.7x the smem bytes per FLOP), and won only at 32-50 rows
 // per expert (qwen3-30b T = 512: 341 vs 351 us for the best portable tile). Environment
 // override EX_MOE_SM90_TILE64_MAX_ROWS (decimal >= 0).
@@ -710,7 +710,7 @@ static int64_t s_sm90_tile64_max_rows = kSm90Tile64MaxRows;  // set by ex_get_fa
 // raster along M, swizzle 1 by default; EX_MOE_SM90_RASTER_N=1 rasters along N,
 // EX_MOE_SM90_SWIZZLE=1|2|4|8 sets max_swizzle_size), for comparisons. On the H200 (2026-12-01,
 // ab_raster_h200_2026-12-01.json, T = 4096 of six models, 3 rounds) no setting won everywhere:
-// swizzle 4 was 1-3% faster on five models and 2% slower on olmoe; the default stays.
+// swizzle 4 was 0.6-3% faster on five models and 2% slower on olmoe; the default stays.
 static bool s_sm90_raster_n = false;
 static int s_sm90_swizzle = 1;
 // set by ex_get_factor: GEMM1 computes silu(g) * u in its epilogue where I % 128 == 0

@@ -13,6 +13,12 @@ OUT=${OUT:-$PWD/gpu_out}
 mkdir -p "$OUT"
 stages=${*:-setup build list tests selftest run bench bench_rn}
 has() { [[ " $stages " == *" $1 "* ]]; }
+for s in $stages; do
+  case " setup build list tests selftest run bench bench_rn tune ep " in
+    *" $s "*) ;;
+    *) echo "gpu_check.sh: unknown stage '$s'; expected some of: setup build list tests selftest run bench bench_rn tune ep" >&2; exit 2 ;;
+  esac
+done
 status=0
 step() { echo; echo "=== $* ($(date +%T))"; }
 
@@ -64,6 +70,9 @@ if has bench_rn; then
 fi
 if has tune; then
   step "tune moe_fused_gemm tile configurations (writes $OUT/tuning.yaml; copy it to manifests/tuning/)"
+  # start from the shipped table: tune_moe.py merges into --out (rows it does not re-tune are
+  # kept) when the file is this GPU's, and starts a new table when it is another GPU's
+  [ -f "$OUT/tuning.yaml" ] || cp manifests/tuning/h200.yaml "$OUT/tuning.yaml"
   timeout ${TUNE_TIMEOUT:-400} python3 benchmarks/tune_moe.py ${TUNE_ARGS:-} --out "$OUT/tuning.yaml" 2>&1 | tee "$OUT/tune_moe.txt"; [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
 if has ep; then

@@ -569,7 +569,11 @@ def main():
     ap.add_argument("--quick", action="store_true", help="skip T=16384 in the topk sweep")
     args = ap.parse_args()
 
-    import cupy as cp
+    try:
+        import cupy as cp
+    except ImportError:
+        print("gpu_router_norm_selftest: needs CuPy and a CUDA GPU", file=sys.stderr)
+        return 2
 
     hw = hardware_from_device(cp)
     print(f"device: {hw.name.decode(errors='replace')}  cc {hw.cc_major}.{hw.cc_minor}  "

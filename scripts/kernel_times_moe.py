@@ -53,9 +53,9 @@ def main() -> int:
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     ap.add_argument("--factors", default=None, help="plugin folder (default factors/)")
     ap.add_argument("--config", default=None,
-                    help="force a tile configuration by name (benchmarks/tune_moe.py's CONFIGS: "
-                         "tiny, decode, mid, ..., grouped, grouped64); default: tuned data or the "
-                         "kernel's own choice")
+                    help="force a tile configuration by name: auto (the kernel's own choice, "
+                         "ignoring the tuning file) or one of benchmarks/tune_moe.py's CONFIGS (tiny, "
+                         "decode, mid, ..., grouped, grouped64); default: tuned data, else auto")
     args = ap.parse_args()
     from ex_engine import FactorError, FactorRegistry, moe_fused_gemm
     from ex_engine.moe_layer import load_models
@@ -74,6 +74,9 @@ def main() -> int:
     if args.config is not None and args.config not in VALUES:
         print(f"kernel_times_moe: --config: expected one of {', '.join(VALUES)}, got {args.config!r}",
               file=sys.stderr)
+        return 2
+    if args.factors is not None and not Path(args.factors).is_dir():
+        print(f"kernel_times_moe: --factors: folder {args.factors!r} does not exist", file=sys.stderr)
         return 2
     if args.calls < 1:
         print(f"kernel_times_moe: --calls: expected >= 1, got {args.calls}", file=sys.stderr)

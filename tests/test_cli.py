@@ -68,3 +68,28 @@ def test_run_without_a_job_prints_runs_help(capsys):
 def test_lock_to_a_missing_folder_is_a_clear_error(tmp_path, capsys):
     assert main(["lock", "--dir", str(tmp_path), "--output", str(tmp_path / "no" / "x.lock")]) == 2
     assert "ex-engine: error: lock: cannot write the lock file" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,says", [
+    (["run", "moe", "--model", "granite-3.0-3b-a800m", "--tokens", "1", "--repeat", "0"], "--repeat: expected >= 1, got 0"),
+    (["build", "--jobs", "0"], "--jobs: expected >= 1, got 0"),
+])
+def test_bad_counts_are_refused_before_any_work(argv, says, capsys):
+    assert main(argv) == 2
+    assert says in capsys.readouterr().err
+
+
+def test_verify_with_no_ready_plugin_fails(tmp_path, capsys):
+    assert main(["verify", "--dir", str(tmp_path)]) == 1
+    assert "nothing verified" in capsys.readouterr().err
+
+
+def test_list_factors_why_shows_no_failure_text_on_passed_checks(capsys):
+    from tests.conftest import ROOT
+    if not (ROOT / "factors" / "topk_softmax.so").exists():
+        pytest.skip("factors not built")
+    assert main(["list-factors", "--why", "--hardware", "h200"]) == 0
+    out = capsys.readouterr().out
+    for line in out.splitlines():
+        if line.strip().startswith("[ok]"):
+            assert "returned NULL" not in line and "got NULL" not in line and "found none" not in line, line
