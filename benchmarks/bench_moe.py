@@ -149,6 +149,11 @@ def main():
             "commit": commit or "?", "dtype": args.dtype, "torch": torch.__version__,
             "plugin": reg.get("moe_fused_gemm").path.name, "factors": str(args.factors or "factors/")}
     rows = []
+
+    def save():  # after every row: a run cut short still leaves what it measured
+        if args.json:
+            Path(args.json).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+
     cases = [(m, T, False) for m in names for T in args.tokens]
     if args.skew:
         cases += [(m, T, True) for m in names for T in (64, 4096)]
@@ -182,6 +187,7 @@ def main():
             row["error"] = f"ours rel err {err:.2e} > 1e-2: not timed"
             print(f"{m:<22}{T:>6} FAILED CHECK: rel err {err:.3e}", flush=True)
             rows.append(row)
+            save()
             continue
         row["ours_us"] = graph_us([lambda a=a: ours(*a) for a in sets])
         row["gmm_us"] = graph_us([lambda a=a: gmm_pipeline(*a) for a in sets]) if err_g < 2e-2 else None
@@ -201,10 +207,7 @@ def main():
               f"{row['x_floor']:>8.2f}{row['tflops']:>8.1f}{row['gbs']:>7.0f}{g}{fb}{err:>9.1e}", flush=True)
         if "host_us" in row:
             print(f"{'':<28}host time of one eager call: {row['host_us']:.1f} µs", flush=True)
-        if args.json:  # after every row: a run cut short still leaves what it measured
-            Path(args.json).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    if args.json:
-        Path(args.json).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+        save()
     bad = [r for r in rows if "error" in r]
     print(f"# {len(rows) - len(bad)} timed, {len(bad)} failed checks")
     return 1 if bad else 0

@@ -92,6 +92,27 @@ static bool env_switch(const char* name) {
     return true;
 }
 
+// One of n named choices from the environment variable `name`: the index of its value in
+// names[], `fallback` when unset; any other value is reported on stderr (once per value in a
+// row, so a switch read per call does not flood) and gives `fallback`.
+static int env_choice(const char* name, const char* const names[], int n, int fallback) {
+    const char* v = std::getenv(name);
+    if (v == nullptr) return fallback;
+    for (int i = 0; i < n; ++i)
+        if (std::strcmp(v, names[i]) == 0) return i;
+    static thread_local char warned[96] = "";
+    char key[96];
+    std::snprintf(key, sizeof key, "%s=%s", name, v);
+    if (std::strcmp(key, warned) != 0) {
+        std::fprintf(stderr, "[ex_engine] %s='%s' ignored: expected ", name, v);
+        for (int i = 0; i < n; ++i)
+            std::fprintf(stderr, "%s%s", names[i], i + 2 < n ? ", " : (i + 1 < n ? " or " : ""));
+        std::fprintf(stderr, "; using %s\n", names[fallback]);
+        std::snprintf(warned, sizeof warned, "%s", key);
+    }
+    return fallback;
+}
+
 // Programmatic dependent launch (sm_90+; no-ops elsewhere and when the grid was launched without
 // the attribute). wait: block until the preceding grid has completed and its writes are visible;
 // every kernel launched with the attribute calls it before its first global access.

@@ -1187,21 +1187,8 @@ static int64_t s_route_mb_slots = kRouteMultiBlockSlots;
 //   unfused  new's launches with the separate routing launch (and no fused routing anywhere)
 enum { MODE_OLD = 0, MODE_NOPDL = 1, MODE_NEW = 2, MODE_UNFUSED = 3, MODE_LATE = 4 };
 static int decode_mode() {
-    const char* v = std::getenv("EX_MOE_DECODE_CONFIG");
-    if (v == nullptr) return MODE_NEW;
-    if (std::strcmp(v, "old") == 0) return MODE_OLD;
-    if (std::strcmp(v, "nopdl") == 0) return MODE_NOPDL;
-    if (std::strcmp(v, "unfused") == 0) return MODE_UNFUSED;
-    if (std::strcmp(v, "late") == 0) return MODE_LATE;
-    if (std::strcmp(v, "new") != 0) {  // a misspelt mode is named, once per value in a row
-        static thread_local char warned[32] = "";
-        if (std::strncmp(warned, v, sizeof warned - 1) != 0) {
-            std::fprintf(stderr, "[ex_engine] EX_MOE_DECODE_CONFIG='%s' ignored: expected old, nopdl, "
-                                 "late, new or unfused; using new\n", v);
-            std::snprintf(warned, sizeof warned, "%s", v);
-        }
-    }
-    return MODE_NEW;
+    static const char* const kNames[] = {"old", "nopdl", "new", "unfused", "late"};  // MODE_* order
+    return explugin::env_choice("EX_MOE_DECODE_CONFIG", kNames, 5, MODE_NEW);
 }
 
 // A launch, with the programmatic-stream-serialization attribute when pdl is set (ex_plugin.cuh).

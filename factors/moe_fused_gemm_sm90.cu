@@ -77,6 +77,7 @@
 #include "cutlass/gemm/group_array_problem_shape.hpp"
 #include "cutlass/gemm/kernel/gemm_universal.hpp"
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 
@@ -104,10 +105,11 @@ constexpr int64_t kSm90MinRowsPerExpert = 64;
 // Below this many rows per expert the CUTLASS path runs 64-row tiles (sm90::Tile64), from it on
 // 128-row tiles (Tile128). 0: Tile64 only where dims[7] = 7 (tuned data) asks for it: on the H200
 // (2026-12-01, tune_moe over T = 256..4096, seven models) Tile64 lost to Tile128 at nearly every
-// T where the CUTLASS path is the kernel's own choice (granite T = 768 within 3%) (e.g. qwen3-30b T = 2048: 577 vs 485 us; its two
-// consumer warpgroups on two tiles load 1.7x the smem bytes per FLOP), and won only at 32-50 rows
-// per expert (qwen3-30b T = 512: 341 vs 351 us for the best portable tile). Environment
-// override EX_MOE_SM90_TILE64_MAX_ROWS (decimal >= 0).
+// T where the CUTLASS path is the kernel's own choice (e.g. qwen3-30b T = 2048: 577 vs 485 us;
+// granite T = 768 the exception, within 3%; its two consumer warpgroups on two tiles load 1.7x
+// the smem bytes per FLOP), and won only at 32-50 rows per expert (qwen3-30b T = 512: 341 vs
+// 351 us for the best portable tile). Environment override EX_MOE_SM90_TILE64_MAX_ROWS
+// (decimal >= 0).
 constexpr int64_t kSm90Tile64MaxRows = 0;
 // SM count the CUTLASS workspace (one TMA descriptor per SM and tensor) is sized for; the
 // launch uses min(multiprocessor_count, this).
@@ -726,8 +728,7 @@ using Gemm64F16 = sm90::GroupedGemm<cutlass::half_t, sm90::Tile64>;
 using Gated64Bf16 = sm90::GatedGemm1<cutlass::bfloat16_t, __nv_bfloat16, sm90::Tile64>;
 using Gated64F16 = sm90::GatedGemm1<cutlass::half_t, __half, sm90::Tile64>;
 
-// CUTLASS workspace bytes (per-SM TMA descriptors) for kSm90MaxSms SMs, the largest over the
-// kernel types (two element types, two tilings); a function of the kernel types only.
+// CUTLASS workspace bytes (per-SM TMA descriptors) for kSm90MaxSms SMs of one kernel type.
 template <class G> static int64_t cutlass_ws_bytes_for() {
     typename G::Kernel::Arguments args{};
     args.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
@@ -735,15 +736,22 @@ template <class G> static int64_t cutlass_ws_bytes_for() {
     args.hw_info.sm_count = kSm90MaxSms;
     return (int64_t)G::Kernel::get_workspace_size(args);
 }
-static int64_t cutlass_ws_bytes() {
-    int64_t m = cutlass_ws_bytes_for<GemmBf16>();
-    for (int64_t b : {cutlass_ws_bytes_for<GemmF16>(), cutlass_ws_bytes_for<GatedBf16>(),
-                      cutlass_ws_bytes_for<GatedF16>(), cutlass_ws_bytes_for<Gemm64Bf16>(),
-                      cutlass_ws_bytes_for<Gemm64F16>(), cutlass_ws_bytes_for<Gated64Bf16>(),
-                      cutlass_ws_bytes_for<Gated64F16>()})
-        m = b > m ? b : m;
-    return m;
-}
+
+// Every CUTLASS kernel type the plugin launches (two element types x two tilings, gated GEMM1 or
+// not); the workspace, smem and block-shape figures are taken over all of them.
+template <class G0, class... Gs>
+struct KernelSet {
+    static constexpr int kThreads = (int)G0::Kernel::MaxThreadsPerBlock;
+    static_assert(((kThreads == (int)Gs::Kernel::MaxThreadsPerBlock) && ...), "one block shape");
+    static constexpr int kSmem = std::max({(int)G0::Kernel::SharedStorageSize, (int)Gs::Kernel::SharedStorageSize...});
+    // the largest CUTLASS workspace; a function of the kernel types only, computed once
+    static int64_t ws_bytes() {
+        static const int64_t bytes = std::max({cutlass_ws_bytes_for<G0>(), cutlass_ws_bytes_for<Gs>()...});
+        return bytes;
+    }
+};
+using AllKernels = KernelSet<GemmBf16, GemmF16, GatedBf16, GatedF16, Gemm64Bf16, Gemm64F16, Gated64Bf16, Gated64F16>;
+static int64_t cutlass_ws_bytes() { return AllKernels::ws_bytes(); }
 
 struct Sm90Layout {
     int64_t meta, tiles, sorted, expert_off, slot_pos;
@@ -1032,32 +1040,16 @@ extern "C" EX_EXPORT ex_factor_t* ex_get_factor(const ex_hardware_t* hw) {
     if (hw == nullptr || hw->cc_major != 9 || hw->cc_minor != 0) return nullptr;
     ex_tuning_t tuning;
     if (!moe_portable_init(hw, &tuning)) return nullptr;
-    int kSmem = GemmBf16::Kernel::SharedStorageSize > GemmF16::Kernel::SharedStorageSize
-                    ? GemmBf16::Kernel::SharedStorageSize
-                    : GemmF16::Kernel::SharedStorageSize;
-    for (int b : {(int)GatedBf16::Kernel::SharedStorageSize, (int)GatedF16::Kernel::SharedStorageSize,
-                  (int)Gemm64Bf16::Kernel::SharedStorageSize, (int)Gemm64F16::Kernel::SharedStorageSize,
-                  (int)Gated64Bf16::Kernel::SharedStorageSize, (int)Gated64F16::Kernel::SharedStorageSize})
-        kSmem = b > kSmem ? b : kSmem;
-    constexpr int kThreads = (int)GemmBf16::Kernel::MaxThreadsPerBlock;
-    static_assert(kThreads == (int)GemmF16::Kernel::MaxThreadsPerBlock &&
-                  kThreads == (int)GatedBf16::Kernel::MaxThreadsPerBlock &&
-                  kThreads == (int)GatedF16::Kernel::MaxThreadsPerBlock &&
-                  kThreads == (int)Gemm64Bf16::Kernel::MaxThreadsPerBlock &&
-                  kThreads == (int)Gemm64F16::Kernel::MaxThreadsPerBlock &&
-                  kThreads == (int)Gated64Bf16::Kernel::MaxThreadsPerBlock &&
-                  kThreads == (int)Gated64F16::Kernel::MaxThreadsPerBlock, "one block shape");
+    constexpr int kSmem = AllKernels::kSmem;
+    constexpr int kThreads = AllKernels::kThreads;
     s_sm90_enabled = kSmem <= hw->shared_mem_per_block_optin && kThreads <= hw->max_threads_per_block &&
                      hw->warp_size == 32;
     s_sm90_min_rows = explugin::env_count("EX_MOE_SM90_MIN_ROWS_PER_EXPERT", kSm90MinRowsPerExpert);
     s_sm90_tile64_max_rows = explugin::env_count("EX_MOE_SM90_TILE64_MAX_ROWS", kSm90Tile64MaxRows);
     s_sm90_gated = explugin::env_switch("EX_MOE_SM90_SILU_IN_GEMM1");
     s_sm90_raster_n = explugin::env_count("EX_MOE_SM90_RASTER_N", 0) != 0;
-    const int64_t swz = explugin::env_count("EX_MOE_SM90_SWIZZLE", 1);
-    s_sm90_swizzle = (swz == 2 || swz == 4 || swz == 8) ? (int)swz : 1;
-    if (swz != s_sm90_swizzle)
-        std::fprintf(stderr, "[ex_engine] EX_MOE_SM90_SWIZZLE='%s' ignored: expected 1, 2, 4 or 8; using 1\n",
-                     std::getenv("EX_MOE_SM90_SWIZZLE"));
+    static const char* const kSwizzles[] = {"1", "2", "4", "8"};
+    s_sm90_swizzle = 1 << explugin::env_choice("EX_MOE_SM90_SWIZZLE", kSwizzles, 4, 0);
     if (s_sm90_enabled) {
         // Tuning reported: the grouped GEMM (one producer + two consumer warpgroups, its smem
         // and pipeline depth); the other launches are the portable kernels' (its tuning) and

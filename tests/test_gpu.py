@@ -132,6 +132,15 @@ def moe_case(cp, T, H, E, I, K, dtype, skew=False):
     return x, w13, w2, (w / w.sum(1, keepdims=True)).astype(cp.float32), ids
 
 
+def empty_experts_ids(cp, T, E=64, K=4):
+    """(T, K) int32 top-k ids over E experts, experts 0-3 hot, 4-7 and 32.. never chosen."""
+    logits = cp.random.standard_normal((T, E), dtype=cp.float32)
+    logits[:, :4] += 3.0
+    logits[:, 4:8] = -cp.inf
+    logits[:, 32:] = -cp.inf
+    return cp.argsort(-logits, axis=1)[:, :K].astype(cp.int32)
+
+
 def moe_reference(cp, x, w13, w2, w, ids):
     E = TensorRef.of(w13).shape[0]
     w13r, w2r = TensorRef.of(w13), TensorRef.of(w2)
@@ -201,12 +210,8 @@ def test_moe_sm90_tilings_on_awkward_shapes(cp, config, dtype, kind):
     x, w13, w2, w, ids = moe_case(cp, *shapes[kind], dtype)
     if kind == "one expert":
         ids[:] = 3
-    if kind == "empty experts":                          # experts 4-7 and 32-63 never chosen
-        logits = cp.random.standard_normal((2048, 64), dtype=cp.float32)
-        logits[:, :4] += 3.0
-        logits[:, 4:8] = -cp.inf
-        logits[:, 32:] = -cp.inf
-        ids[:] = cp.argsort(-logits, axis=1)[:, :4].astype(cp.int32)
+    if kind == "empty experts":
+        ids[:] = empty_experts_ids(cp, 2048)
     run_moe_check(r, cp, (x, w13, w2, w, ids), dtype)
     r.check_device_errors()
 
@@ -443,13 +448,9 @@ def route_case(cp, kind):
         x, w13, w2, w, ids = moe_case(cp, 10000, 256, 16, 128, 1, "bfloat16")
         ids[:] = 3
         return x, w13, w2, w, ids, None, ()
-    if kind == "empty experts":            # experts 4-7 and 32-63 never chosen
+    if kind == "empty experts":
         x, w13, w2, w, ids = moe_case(cp, 2048, 256, 64, 128, 4, "bfloat16")
-        logits = cp.random.standard_normal((2048, 64), dtype=cp.float32)
-        logits[:, :4] += 3.0
-        logits[:, 4:8] = -cp.inf
-        logits[:, 32:] = -cp.inf
-        ids[:] = cp.argsort(-logits, axis=1)[:, :4].astype(cp.int32)
+        ids[:] = empty_experts_ids(cp, 2048)
         return x, w13, w2, w, ids, None, ()
     if kind == "small tiles":              # 9 rows per expert: BM = 16 tiles (portable plugin;
         return (*moe_case(cp, 1200, 256, 256, 256, 2, "bfloat16"), None, ())  # 12..28: BM = 32)
