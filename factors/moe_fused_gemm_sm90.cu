@@ -995,6 +995,14 @@ static int launch_sm90(const Problem& P, void* out, const void* x, const void* w
     return EX_OK;
 }
 
+// The CUTLASS path in the tiling the dims take (sm90_tile64_for).
+template <typename T>
+static int launch_sm90_tiled(const Problem& P, void* out, const void* x, const void* w13, const void* w2,
+                             const float* tw, const int* ids, char* ws, cudaStream_t stream) {
+    return sm90_tile64_for(P) ? launch_sm90<T, sm90::Tile64>(P, out, x, w13, w2, tw, ids, ws, stream)
+                              : launch_sm90<T, sm90::Tile128>(P, out, x, w13, w2, tw, ids, ws, stream);
+}
+
 static int sm90_kernel(void* output, const void* input, const void* aux_inputs[], int n_aux,
                        const int64_t dims[], int n_dims, void* stream) {
     Problem P;
@@ -1011,16 +1019,9 @@ static int sm90_kernel(void* output, const void* input, const void* aux_inputs[]
     const int* ids = static_cast<const int*>(aux_inputs[4]);
     char* ws = static_cast<char*>(const_cast<void*>(aux_inputs[5]));
     cudaStream_t s = static_cast<cudaStream_t>(stream);
-    const void* w13 = aux_inputs[1];
-    const void* w2 = aux_inputs[2];
-    const bool t64 = sm90_tile64_for(P);
-    int rc;
-    if (P.dtype == EX_DTYPE_BFLOAT16)
-        rc = t64 ? launch_sm90<__nv_bfloat16, sm90::Tile64>(P, output, input, w13, w2, tw, ids, ws, s)
-                 : launch_sm90<__nv_bfloat16, sm90::Tile128>(P, output, input, w13, w2, tw, ids, ws, s);
-    else
-        rc = t64 ? launch_sm90<__half, sm90::Tile64>(P, output, input, w13, w2, tw, ids, ws, s)
-                 : launch_sm90<__half, sm90::Tile128>(P, output, input, w13, w2, tw, ids, ws, s);
+    const int rc = P.dtype == EX_DTYPE_BFLOAT16
+                       ? launch_sm90_tiled<__nv_bfloat16>(P, output, input, aux_inputs[1], aux_inputs[2], tw, ids, ws, s)
+                       : launch_sm90_tiled<__half>(P, output, input, aux_inputs[1], aux_inputs[2], tw, ids, ws, s);
     if (rc == EX_FALLBACK)  // declined before launching anything (absurd E): portable path
         return moe_kernel(output, input, aux_inputs, n_aux, dims, n_dims, stream);
     return rc;

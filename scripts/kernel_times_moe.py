@@ -69,8 +69,7 @@ def main() -> int:
                   f"moe_models.yaml ({', '.join(sorted(models))})", file=sys.stderr)
             return 2
         cases.append((m, int(t)))
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from tune_moe import VALUES
+    from tune_moe import VALUES  # benchmarks/ is on sys.path (top of this file)
     if args.config is not None and args.config not in VALUES:
         print(f"kernel_times_moe: --config: expected one of {', '.join(VALUES)}, got {args.config!r}",
               file=sys.stderr)
