@@ -43,7 +43,8 @@ ENV_KEYS: set = set()  # every variable any config sets: unset before each confi
 
 # read by a plugin when it loads: two configs that differ in one of these need their own folders
 LOAD_TIME_VARS = {"EX_MOE_SM90_MIN_ROWS_PER_EXPERT", "EX_MOE_SM90_SILU_IN_GEMM1", "EX_MOE_SM90_TILE64_MAX_ROWS",
-                  "EX_MOE_SM90_RASTER_N", "EX_MOE_SM90_SWIZZLE", "EX_MOE_ROUTE_MULTIBLOCK_SLOTS"}
+                  "EX_MOE_SM90_RASTER_N", "EX_MOE_SM90_SWIZZLE", "EX_MOE_ROUTE_MULTIBLOCK_SLOTS",
+                  "EX_MOE_SM90_GEMM2_PINGPONG"}
 
 
 def parse_cfg(c):

@@ -34,7 +34,8 @@
  *                           (w13[e] is 2I x H row-major = K-major B, CUTLASS ColumnMajor) and
  *   4. sm90_silu_mul_kernel act[r] = dtype(silu(gu[r, :I]) * gu[r, I:]), rows r < meta[1]
  *                           (EX_MOE_SM90_SILU_IN_GEMM1=0 at load time: always this way, for A/B)
- *   5. GEMM2 (grouped, TN)  ys_e (M_e x H) = act_e (M_e x I) . w2[e]^T
+ *   5. GEMM2 (grouped, TN)  ys_e (M_e x H) = act_e (M_e x I) . w2[e]^T (under Tile128 with
+ *                           I <= 1024 on 128 x 128 ping-pong tiles, Tile128N128)
  *   6. sm90_combine_kernel  out[t] = dtype(sum_k [id valid] topk_weights[t,k] * ys[slot_pos[t*K+k]])
  *                           in fp32, fixed k order: deterministic, no atomics, rounded once.
  *   Numerics: gu is rounded to the dtype by GEMM1's epilogue before silu (as vLLM's
@@ -50,7 +51,9 @@
  * tile 128 x 256 x 64, cluster 1 x 2 x 1 (A multicast to the two CTAs of a pair of N tiles;
  * clustering along N, not M, because M-tiles are rounded up to the cluster size per group and the
  * groups are small), stages from StageCountAutoCarveout, epilogue
- * PtrArrayTmaWarpSpecializedCooperative with no source C (beta = 0), fp32 accumulation.
+ * PtrArrayTmaWarpSpecializedCooperative with no source C (beta = 0), fp32 accumulation. GEMM2 under
+ * Tile128 with a short reduction (I <= kSm90Gemm2PingpongMaxI) runs on Tile128N128 (128 x 128 x 64,
+ * ping-pong, same cluster) instead.
  *
  * Workspace (a pure function of dims; sections 256-byte aligned):
  *   [0, 256)   status word (int32 at byte 0), as the portable path
@@ -111,6 +114,13 @@ constexpr int64_t kSm90MinRowsPerExpert = 64;
 // 351 us for the best portable tile). Environment override EX_MOE_SM90_TILE64_MAX_ROWS
 // (decimal >= 0).
 constexpr int64_t kSm90Tile64MaxRows = 0;
+// Under Tile128, GEMM2 (reduction over I) runs on 128 x 128 ping-pong tiles (sm90::Tile128N128)
+// where I <= this, else on Tile128 as GEMM1. H200, 2026-12-01, per-kernel GEMM2 times at
+// T = 4096, two rounds each: ping-pong 2-4% faster at I = 512, 768, 1024 (granite 106.0 vs
+// 108.5 us, qwen3-30b 219.0 vs 228.8, olmoe 239.0 vs 243.7), slower from I = 1408 on (deepseek
+// 261.0 vs 253.9, phi-3.5 I = 6400 765 vs 643, mixtral I = 14336 1692 vs 1444), where the
+// epilogue is a small share of a tile's time and the 128 x 256 tile's operand reuse wins.
+constexpr int64_t kSm90Gemm2PingpongMaxI = 1024;
 // SM count the CUTLASS workspace (one TMA descriptor per SM and tensor) is sized for; the
 // launch uses min(multiprocessor_count, this).
 constexpr int kSm90MaxSms = 256;
@@ -135,6 +145,14 @@ struct Tile128 {
 };
 struct Tile64 {
     using TileShape = Shape<_64, _256, _64>;
+    using KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong;
+    using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
+};
+// GEMM2 under Tile128 where I <= kSm90Gemm2PingpongMaxI: 128 x 128 x 64 tiles, ping-pong (one
+// consumer warpgroup's epilogue runs while the other's MMAs do). With a short reduction (I = 768:
+// 12 k-steps per tile) the cooperative tile's epilogue, not hidden, is a large share of its time.
+struct Tile128N128 {
+    using TileShape = Shape<_128, _128, _64>;
     using KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong;
     using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
 };
@@ -718,6 +736,9 @@ static int s_sm90_swizzle = 1;
 // set by ex_get_factor: GEMM1 computes silu(g) * u in its epilogue where I % 128 == 0
 // (EX_MOE_SM90_SILU_IN_GEMM1=0: the separate silu_mul launch, for comparison)
 static bool s_sm90_gated = true;
+// set by ex_get_factor: under Tile128, GEMM2 runs on Tile128N128 where I <= kSm90Gemm2PingpongMaxI
+// (EX_MOE_SM90_GEMM2_PINGPONG=0: always on Tile128 as GEMM1, for comparison)
+static bool s_sm90_gemm2_pp = true;
 
 using GemmBf16 = sm90::GroupedGemm<cutlass::bfloat16_t>;
 using GemmF16 = sm90::GroupedGemm<cutlass::half_t>;
@@ -727,6 +748,8 @@ using Gemm64Bf16 = sm90::GroupedGemm<cutlass::bfloat16_t, sm90::Tile64>;
 using Gemm64F16 = sm90::GroupedGemm<cutlass::half_t, sm90::Tile64>;
 using Gated64Bf16 = sm90::GatedGemm1<cutlass::bfloat16_t, __nv_bfloat16, sm90::Tile64>;
 using Gated64F16 = sm90::GatedGemm1<cutlass::half_t, __half, sm90::Tile64>;
+using GemmPpBf16 = sm90::GroupedGemm<cutlass::bfloat16_t, sm90::Tile128N128>;
+using GemmPpF16 = sm90::GroupedGemm<cutlass::half_t, sm90::Tile128N128>;
 
 // CUTLASS workspace bytes (per-SM TMA descriptors) for kSm90MaxSms SMs of one kernel type.
 template <class G> static int64_t cutlass_ws_bytes_for() {
@@ -750,7 +773,8 @@ struct KernelSet {
         return bytes;
     }
 };
-using AllKernels = KernelSet<GemmBf16, GemmF16, GatedBf16, GatedF16, Gemm64Bf16, Gemm64F16, Gated64Bf16, Gated64F16>;
+using AllKernels = KernelSet<GemmBf16, GemmF16, GatedBf16, GatedF16, Gemm64Bf16, Gemm64F16, Gated64Bf16, Gated64F16,
+                             GemmPpBf16, GemmPpF16>;
 static int64_t cutlass_ws_bytes() { return AllKernels::ws_bytes(); }
 
 struct Sm90Layout {
@@ -984,7 +1008,10 @@ static int launch_sm90(const Problem& P, void* out, const void* x, const void* w
     }
 
     // 5. GEMM2: ys = act . w2[e]^T per expert
-    st = run_grouped_gemm<GT, 2>(ga[1], E, cutlass_ws, key, stream);
+    if (std::is_same<Tile, sm90::Tile128>::value && s_sm90_gemm2_pp && P.I <= kSm90Gemm2PingpongMaxI)
+        st = run_grouped_gemm<sm90::GroupedGemm<CT, sm90::Tile128N128>, 2>(ga[1], E, cutlass_ws, key, stream);
+    else
+        st = run_grouped_gemm<GT, 2>(ga[1], E, cutlass_ws, key, stream);
     if (st != EX_OK) return st;
 
     // 6. weighted combine in fp32
@@ -1048,6 +1075,7 @@ extern "C" EX_EXPORT ex_factor_t* ex_get_factor(const ex_hardware_t* hw) {
     s_sm90_min_rows = explugin::env_count("EX_MOE_SM90_MIN_ROWS_PER_EXPERT", kSm90MinRowsPerExpert);
     s_sm90_tile64_max_rows = explugin::env_count("EX_MOE_SM90_TILE64_MAX_ROWS", kSm90Tile64MaxRows);
     s_sm90_gated = explugin::env_switch("EX_MOE_SM90_SILU_IN_GEMM1");
+    s_sm90_gemm2_pp = explugin::env_switch("EX_MOE_SM90_GEMM2_PINGPONG");
     s_sm90_raster_n = explugin::env_count("EX_MOE_SM90_RASTER_N", 0) != 0;
     static const char* const kSwizzles[] = {"1", "2", "4", "8"};
     s_sm90_swizzle = 1 << explugin::env_choice("EX_MOE_SM90_SWIZZLE", kSwizzles, 4, 0);
