@@ -45,7 +45,8 @@
  *
  * GEMM kernel (one type per dtype and tiling for GEMM2 and the ungated GEMM1, plus GatedGemm1 per
  * dtype and tiling, which shares its tile, schedule and mainloop and swaps the B load and the
- * epilogue). Two tilings: Tile64 (64 x 256 x 64, ping-pong: each consumer warpgroup on its own
+ * epilogue; GEMM2 also on Tile128N128, see below). Two tilings: Tile64 (64 x 256 x 64,
+ * ping-pong: each consumer warpgroup on its own
  * tile) only where dims[7] = 7 (tuned data) or EX_MOE_SM90_TILE64_MAX_ROWS asks for it; else
  * Tile128: KernelPtrArrayTmaWarpSpecializedCooperative,
  * tile 128 x 256 x 64, cluster 1 x 2 x 1 (A multicast to the two CTAs of a pair of N tiles;
@@ -116,7 +117,7 @@ constexpr int64_t kSm90MinRowsPerExpert = 64;
 constexpr int64_t kSm90Tile64MaxRows = 0;
 // Under Tile128, GEMM2 (reduction over I) runs on 128 x 128 ping-pong tiles (sm90::Tile128N128)
 // where I <= this, else on Tile128 as GEMM1. H200, 2026-12-01, per-kernel GEMM2 times at
-// T = 4096, two rounds each: ping-pong 2-4% faster at I = 512, 768, 1024 (granite 106.0 vs
+// T = 4096, two rounds each: ping-pong 2-4.5% faster at I = 512, 768, 1024 (granite 106.0 vs
 // 108.5 us, qwen3-30b 219.0 vs 228.8, olmoe 239.0 vs 243.7), slower from I = 1408 on (deepseek
 // 261.0 vs 253.9, phi-3.5 I = 6400 765 vs 643, mixtral I = 14336 1692 vs 1444), where the
 // epilogue is a small share of a tile's time and the 128 x 256 tile's operand reuse wins.
@@ -127,7 +128,7 @@ constexpr int kSm90MaxSms = 256;
 constexpr int kPrepThreads = 256;
 
 // ------------------------------------------------------------------------------------------
-// The grouped GEMM type (one per element type, shared by both GEMMs)
+// The grouped GEMM types (per element type and tiling; GEMM2 has a third tiling, Tile128N128)
 // ------------------------------------------------------------------------------------------
 
 namespace sm90 {
@@ -137,7 +138,8 @@ using namespace cute;
 // warpgroups on one tile (cooperative), for many rows per expert. Tile64: 64 x 256 x 64 tiles,
 // each consumer warpgroup on its own tile, the two alternating between MMA and epilogue
 // (ping-pong): half the M padding per expert (an expert with 136 rows needs 3 x 64 rows, not
-// 2 x 128), for the middle range of rows per expert.
+// 2 x 128), for the middle range of rows per expert. Under Tile128, GEMM2 with a short
+// reduction runs on a third, Tile128N128 (below).
 struct Tile128 {
     using TileShape = Shape<_128, _256, _64>;
     using KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
@@ -761,7 +763,8 @@ template <class G> static int64_t cutlass_ws_bytes_for() {
 }
 
 // Every CUTLASS kernel type the plugin launches (two element types x two tilings, gated GEMM1 or
-// not); the workspace, smem and block-shape figures are taken over all of them.
+// not, plus GEMM2's 128 x 128 ping-pong type); the workspace, smem and block-shape figures are
+// taken over all of them.
 template <class G0, class... Gs>
 struct KernelSet {
     static constexpr int kThreads = (int)G0::Kernel::MaxThreadsPerBlock;

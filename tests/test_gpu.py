@@ -189,15 +189,17 @@ def test_moe_plugin_awkward(reg, cp, T, H, E, I, K, dtype):
     run_moe_check(reg, cp, moe_case(cp, T, H, E, I, K, dtype), dtype)
 
 
-@pytest.mark.parametrize("config", [4, 7])     # Tile128 (cooperative), Tile64 (ping-pong)
+# Tile128 (cooperative; GEMM2 on 128 x 128 ping-pong tiles where I <= 1024), Tile64 (ping-pong)
+@pytest.mark.parametrize("config", [4, 7])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("kind", ["T=1", "T=3 E=40", "E=40", "ungated I=200", "I > H", "one expert",
-                                  "empty experts", "H=200"])
+                                  "empty experts", "H=200", "I=1408"])
 def test_moe_sm90_tilings_on_awkward_shapes(cp, config, dtype, kind):
     """Both tilings of the Hopper plugin's grouped GEMMs, forced through dims[7] (what the tuner
     times): tiny and awkward shapes, one expert with every slot, idle experts, the gated GEMM1
     (I % 128 == 0) and the ungated one with the separate silu launch; H = 200 leaves a last
-    k-tile of 8 of the 64 columns for the TMA to zero-fill."""
+    k-tile of 8 of the 64 columns for the TMA to zero-fill; I = 1408 keeps GEMM2 on the 128-row
+    tiling's cooperative tile (the other shapes have I <= 1024: ping-pong)."""
     if not (ROOT / "factors" / "moe_fused_gemm_sm90.so").exists():
         pytest.skip("moe_fused_gemm_sm90.so not built")
     r = FactorRegistry.load(ROOT / "factors", prefer={"moe_fused_gemm": "moe_fused_gemm_sm90.so"})
@@ -207,7 +209,8 @@ def test_moe_sm90_tilings_on_awkward_shapes(cp, config, dtype, kind):
     shapes = {"T=1": (1, 2048, 128, 768, 8), "T=3 E=40": (3, 256, 40, 128, 8),
               "E=40": (1000, 512, 40, 256, 6), "ungated I=200": (1024, 512, 8, 200, 2),
               "I > H": (700, 256, 8, 1024, 2), "one expert": (3000, 512, 16, 384, 1),
-              "empty experts": (2048, 256, 64, 128, 4), "H=200": (1000, 200, 16, 256, 4)}
+              "empty experts": (2048, 256, 64, 128, 4), "H=200": (1000, 200, 16, 256, 4),
+              "I=1408": (700, 256, 8, 1408, 2)}
     x, w13, w2, w, ids = moe_case(cp, *shapes[kind], dtype)
     if kind == "one expert":
         ids[:] = 3
