@@ -38,7 +38,8 @@ def short_name(name: str) -> str:
             return "cutlass_grouped_gemm<gated GEMM1>"
         tile = re.search(r"C<(\d+)>,\s*cute::C<(\d+)>,\s*cute::C<(\d+)>", name)  # TileShape
         tile = tile.groups() if tile else None
-        return "cutlass_grouped_gemm<64-row tiles>" if tile == ("64", "256", "64") else "cutlass_grouped_gemm"
+        labels = {("64", "256", "64"): "<64-row tiles>", ("128", "128", "64"): "<128 x 128 tiles>"}
+        return "cutlass_grouped_gemm" + labels.get(tile, "")
     name = re.sub(r"^void ", "", name)
     base = name.split("<", 1)[0].split("(", 1)[0]
     if base.endswith("moe_gemm_kernel"):  # GATED is the third template argument

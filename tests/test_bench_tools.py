@@ -33,3 +33,26 @@ def test_ab_moe_malformed_config_exits_2(ab_moe, bad, capsys):
         ab_moe.parse_cfg(bad)
     assert e.value.code == 2
     assert "expected NAME=FOLDER" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def kernel_times():
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import kernel_times_moe as mod
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    return mod
+
+
+@pytest.mark.parametrize("tile,label", [((128, 256, 64), "cutlass_grouped_gemm"),
+                                        ((64, 256, 64), "cutlass_grouped_gemm<64-row tiles>"),
+                                        ((128, 128, 64), "cutlass_grouped_gemm<128 x 128 tiles>")])
+def test_kernel_times_names_the_cutlass_tilings(kernel_times, tile, label):
+    m, n, k = tile
+    name = ("void cutlass::device_kernel<cutlass::gemm::kernel::GemmUniversal<cutlass::gemm::"
+            "GroupProblemShape<cute::tuple<int, int, int>>, cutlass::gemm::collective::CollectiveMma<"
+            f"cute::tuple<cute::C<{m}>, cute::C<{n}>, cute::C<{k}>>, float>>>(void)")
+    assert kernel_times.short_name(name) == label
+    gated = name.replace("CollectiveMma<", "exmoe::sm90::GatedMainloop<cutlass::gemm::collective::CollectiveMma<")
+    assert kernel_times.short_name(gated) == "cutlass_grouped_gemm<gated GEMM1>"
