@@ -46,8 +46,8 @@
  * GEMM kernel (one type per dtype and tiling for GEMM2 and the ungated GEMM1, plus GatedGemm1 per
  * dtype and tiling, which shares its tile, schedule and mainloop and swaps the B load and the
  * epilogue; GEMM2 also on Tile128N128, see below). Two tilings: Tile64 (64 x 256 x 64,
- * ping-pong: each consumer warpgroup on its own
- * tile) only where dims[7] = 7 (tuned data) or EX_MOE_SM90_TILE64_MAX_ROWS asks for it; else
+ * ping-pong: each consumer warpgroup on its own tile) only where dims[7] = 7 (tuned data) or
+ * EX_MOE_SM90_TILE64_MAX_ROWS asks for it; else
  * Tile128: KernelPtrArrayTmaWarpSpecializedCooperative,
  * tile 128 x 256 x 64, cluster 1 x 2 x 1 (A multicast to the two CTAs of a pair of N tiles;
  * clustering along N, not M, because M-tiles are rounded up to the cluster size per group and the
@@ -838,6 +838,11 @@ static bool sm90_tile64_for(const Problem& P) {
     return P.TK / P.G < s_sm90_tile64_max_rows;
 }
 
+// Under the 128-row tiling, whether GEMM2 runs on Tile128N128 (short reduction over I).
+static bool sm90_gemm2_pingpong_for(const Problem& P) {
+    return s_sm90_gemm2_pp && P.I <= kSm90Gemm2PingpongMaxI;
+}
+
 static int64_t sm90_workspace_size(const int64_t dims[], int n_dims) {
     const int64_t portable = moe_workspace_size(dims, n_dims);
     if (dims == nullptr || n_dims < 6) return portable;
@@ -1011,7 +1016,7 @@ static int launch_sm90(const Problem& P, void* out, const void* x, const void* w
     }
 
     // 5. GEMM2: ys = act . w2[e]^T per expert
-    if (std::is_same<Tile, sm90::Tile128>::value && s_sm90_gemm2_pp && P.I <= kSm90Gemm2PingpongMaxI)
+    if (std::is_same<Tile, sm90::Tile128>::value && sm90_gemm2_pingpong_for(P))
         st = run_grouped_gemm<sm90::GroupedGemm<CT, sm90::Tile128N128>, 2>(ga[1], E, cutlass_ws, key, stream);
     else
         st = run_grouped_gemm<GT, 2>(ga[1], E, cutlass_ws, key, stream);

@@ -1,4 +1,5 @@
 """CPU tests of the benchmark tools' argument parsing (they import without torch)."""
+import importlib
 import sys
 from pathlib import Path
 
@@ -7,14 +8,18 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def import_tool(folder: str, module: str):
+    """Import a script of ROOT/folder as a module, with the folder on sys.path only meanwhile."""
+    sys.path.insert(0, str(ROOT / folder))
+    try:
+        return importlib.import_module(module)
+    finally:
+        sys.path.remove(str(ROOT / folder))
+
+
 @pytest.fixture(scope="module")
 def ab_moe():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import ab_moe as mod
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
-    return mod
+    return import_tool("benchmarks", "ab_moe")
 
 
 def test_ab_moe_config_with_variables(ab_moe):
@@ -37,12 +42,7 @@ def test_ab_moe_malformed_config_exits_2(ab_moe, bad, capsys):
 
 @pytest.fixture(scope="module")
 def kernel_times():
-    sys.path.insert(0, str(ROOT / "scripts"))
-    try:
-        import kernel_times_moe as mod
-    finally:
-        sys.path.remove(str(ROOT / "scripts"))
-    return mod
+    return import_tool("scripts", "kernel_times_moe")
 
 
 @pytest.mark.parametrize("tile,label", [((128, 256, 64), "cutlass_grouped_gemm"),
