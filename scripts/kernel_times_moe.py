@@ -31,6 +31,10 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 
+# the Hopper plugin's grouped GEMM tilings (TileShape M, N, K) other than the 128 x 256 default
+CUTLASS_TILE_LABELS = {("64", "256", "64"): "<64-row tiles>", ("128", "128", "64"): "<128 x 128 tiles>"}
+
+
 def short_name(name: str) -> str:
     """A readable kernel name: CUTLASS's device_kernel<...> as cutlass_gemm, templates dropped."""
     if "cutlass" in name and "device_kernel" in name:  # the gated GEMM1 has its own mainloop type
@@ -38,8 +42,7 @@ def short_name(name: str) -> str:
             return "cutlass_grouped_gemm<gated GEMM1>"
         tile = re.search(r"C<(\d+)>,\s*cute::C<(\d+)>,\s*cute::C<(\d+)>", name)  # TileShape
         tile = tile.groups() if tile else None
-        labels = {("64", "256", "64"): "<64-row tiles>", ("128", "128", "64"): "<128 x 128 tiles>"}
-        return "cutlass_grouped_gemm" + labels.get(tile, "")
+        return "cutlass_grouped_gemm" + CUTLASS_TILE_LABELS.get(tile, "")
     name = re.sub(r"^void ", "", name)
     base = name.split("<", 1)[0].split("(", 1)[0]
     if base.endswith("moe_gemm_kernel"):  # GATED is the third template argument
