@@ -7,7 +7,9 @@
                   nopdl=factors:EX_MOE_DECODE_CONFIG=nopdl old=/tmp/old_factors
 
 Each config is NAME=FOLDER[:VAR=VALUE,VAR=VALUE]: a folder of plugin libraries (loaded once,
-each with its own handle) and environment variables set while that config runs (variables
+each with its own handle) and environment variables set while that config runs; the pseudo-variable
+config=NAME forces one of benchmarks/tune_moe.py's tile configurations (dims[7], as the tuner does)
+instead, e.g. `swap=factors:config=swap96 base=factors:config=grouped` (variables
 that a plugin reads when it loads, such as EX_MOE_SM90_MIN_ROWS_PER_EXPERT, are set while its
 folder loads, so give such a config its own folder). Every config's output on the first input
 set is compared with the first config's (max abs difference, relative difference) and the
@@ -60,14 +62,28 @@ def parse_cfg(c):
             print(f"ab_moe: config {c!r}: expected NAME=FOLDER[:VAR=VALUE,...]", file=sys.stderr)
             raise SystemExit(2)
         env[k] = v
-    ENV_KEYS.update(env)
+    if "config" in env:
+        from tune_moe import VALUES  # benchmarks/ is on sys.path (top of this file)
+        if env["config"] not in VALUES:
+            print(f"ab_moe: config {c!r}: config={env['config']}: expected one of {', '.join(VALUES)}",
+                  file=sys.stderr)
+            raise SystemExit(2)
+    ENV_KEYS.update(k for k in env if k != "config")
     return name, folder, env
 
 
-def set_env(env):
+def set_env(env, reg=None):
+    """Set a config's environment variables (unsetting every other config's) and, given its
+    registry, its forced tile configuration (config=NAME; else the tuning data's)."""
     for k in ENV_KEYS:
         os.environ.pop(k, None)
-    os.environ.update(env)
+    os.environ.update({k: v for k, v in env.items() if k != "config"})
+    if reg is not None:
+        if "config" in env:
+            from tune_moe import VALUES
+            reg.set_tuning("moe_fused_gemm", lambda sizes, v=VALUES[env["config"]]: v)
+        else:
+            reg.set_tuning("moe_fused_gemm", None)
 
 
 def main():
@@ -146,8 +162,8 @@ def main():
         sets = input_sets(s, T, args.sets, w13, w2, dt, gen)
         outs, checks = [], {}
         for name, folder, env in cfgs:
-            set_env(env)
             reg = regs[folder]
+            set_env(env, reg)
             o = moe_fused_gemm(*sets[0], registry=reg)
             torch.cuda.synchronize()
             reg.check_device_errors() if hasattr(reg, "check_device_errors") else None
@@ -167,8 +183,8 @@ def main():
             for name, folder, env in order:
                 if checks[name]["rel_vs_first"] > 2e-2:
                     continue
-                set_env(env)
                 reg = regs[folder]
+                set_env(env, reg)
                 times[name].append(graph_us([lambda a=a, reg=reg: moe_fused_gemm(*a, registry=reg) for a in sets]))
         row = {"model": m, "T": T, "checks": checks,
                "us": {n: (median(v) if v else None) for n, v in times.items()}, "raw": times}

@@ -32,7 +32,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 
 # the Hopper plugin's grouped GEMM tilings (TileShape M, N, K) other than the 128 x 256 default
-CUTLASS_TILE_LABELS = {("64", "256", "64"): "<64-row tiles>", ("128", "128", "64"): "<128 x 128 tiles>"}
+CUTLASS_TILE_LABELS = {("64", "256", "64"): "<64-row tiles>", ("128", "128", "64"): "<128 x 128 tiles>",
+                       ("128", "96", "64"): "<swapped, 96 token rows>"}
 
 
 def short_name(name: str) -> str:
@@ -40,9 +41,11 @@ def short_name(name: str) -> str:
     if "cutlass" in name and "device_kernel" in name:  # the gated GEMM1 has its own mainloop type
         if "GatedMainloop" in name:
             return "cutlass_grouped_gemm<gated GEMM1>"
-        tile = re.search(r"C<(\d+)>,\s*cute::C<(\d+)>,\s*cute::C<(\d+)>", name)  # TileShape
-        tile = tile.groups() if tile else None
-        return "cutlass_grouped_gemm" + CUTLASS_TILE_LABELS.get(tile, "")
+        # the TileShape among the name's (C<a>, C<b>, C<c>) triples (cluster shapes are others)
+        for tile in re.findall(r"C<(\d+)>,\s*cute::C<(\d+)>,\s*cute::C<(\d+)>", name):
+            if tile in CUTLASS_TILE_LABELS:
+                return "cutlass_grouped_gemm" + CUTLASS_TILE_LABELS[tile]
+        return "cutlass_grouped_gemm"
     name = re.sub(r"^void ", "", name)
     base = name.split("<", 1)[0].split("(", 1)[0]
     if base.endswith("moe_gemm_kernel"):  # GATED is the third template argument
@@ -59,7 +62,7 @@ def main() -> int:
     ap.add_argument("--config", default=None,
                     help="force a tile configuration by name: auto (the kernel's own choice, "
                          "ignoring the tuning file) or one of benchmarks/tune_moe.py's CONFIGS (tiny, "
-                         "decode, mid, ..., grouped, grouped64); default: tuned data, else auto")
+                         "decode, mid, ..., grouped, grouped64, swap96); default: tuned data, else auto")
     args = ap.parse_args()
     from ex_engine import FactorError, FactorRegistry, moe_fused_gemm
     from ex_engine.moe_layer import load_models
