@@ -9,7 +9,7 @@
 Each config is NAME=FOLDER[:VAR=VALUE,VAR=VALUE]: a folder of plugin libraries (loaded once,
 each with its own handle) and environment variables set while that config runs; the pseudo-variable
 config=NAME forces one of benchmarks/tune_moe.py's tile configurations (dims[7], as the tuner does)
-instead, e.g. `swap=factors:config=swap96 base=factors:config=grouped` (variables
+instead, e.g. `t64=factors:config=grouped64 t128=factors:config=grouped` (variables
 that a plugin reads when it loads, such as EX_MOE_SM90_MIN_ROWS_PER_EXPERT, are set while its
 folder loads, so give such a config its own folder). Every config's output on the first input
 set is compared with the first config's (max abs difference, relative difference) and the

@@ -2,7 +2,7 @@
 
 For each model of manifests/moe_models.yaml and each T, forces every tile configuration the
 kernels know (tiny, decode, mid, mid32, mid48, prefill and, with the Hopper plugin, grouped,
-grouped64 and swap96), checks each
+and grouped64), checks each
 output against a float32 reference, times it (CUDA-graph replay over rotated input sets, as
 bench_moe.py), and writes the fastest per (H, I, G, K, T) to a tuning file that the registry
 reads (manifests/tuning/<device>.yaml; ex_engine/tuning.py documents the format). Entries of
@@ -35,7 +35,7 @@ from ex_engine.moe_layer import load_models  # noqa: E402
 from ex_engine.tuning import tuning_dir  # noqa: E402
 
 CONFIGS = {"tiny": 0, "decode": 1, "mid": 2, "prefill": 3, "grouped": 4, "mid32": 5, "mid48": 6,
-           "grouped64": 7, "swap96": 8}
+           "grouped64": 7}
 VALUES = {"auto": -1, **CONFIGS}   # auto: the kernel's own choice from T*K/G
 KEY = ["H", "I", "G", "K"]
 
@@ -53,8 +53,6 @@ def candidates(rows_per_expert: float, grouped: bool) -> list:
         out += ["mid48"]
     if rows_per_expert >= 16:
         out += ["prefill"] + (["grouped", "grouped64"] if grouped else [])
-    if grouped and 32 <= rows_per_expert <= 96:
-        out += ["swap96"]
     return out
 
 

@@ -204,9 +204,7 @@ enum {
     kTileConfigMid32 = 5,    // CfgMid32
     kTileConfigMid48 = 6,    // CfgMid48
     kTileConfigGrouped64 = 7,  // moe_fused_gemm_sm90.so's grouped GEMM on 64-row tiles (else: auto)
-    kTileConfigSwap96 = 8,   // moe_fused_gemm_sm90.so's grouped GEMM with the operands swapped:
-                             // 128 weight rows x 96 token rows per tile (else: auto)
-    kTileConfigMax = 8,
+    kTileConfigMax = 7,
 };
 
 // What the host needs of each config: when to pick it and what it launches with.

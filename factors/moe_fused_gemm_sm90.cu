@@ -140,19 +140,12 @@ using namespace cute;
 // (ping-pong): half the M padding per expert (an expert with 136 rows needs 3 x 64 rows, not
 // 2 x 128), for the middle range of rows per expert. Under Tile128, GEMM2 with a short
 // reduction runs on a third, Tile128N128 (below).
-// What the tilings share unless they say otherwise: clusters of two N-tiles (A multicast), D
-// row-major (tokens x features), the operands in their natural roles (A = token rows).
-struct TileDefaults {
-    using ClusterShape = Shape<_1, _2, _1>;
-    using LayoutD = cutlass::layout::RowMajor;
-    static constexpr bool kSwap = false;
-};
-struct Tile128 : TileDefaults {
+struct Tile128 {
     using TileShape = Shape<_128, _256, _64>;
     using KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
     using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
 };
-struct Tile64 : TileDefaults {
+struct Tile64 {
     using TileShape = Shape<_64, _256, _64>;
     using KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong;
     using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
@@ -160,38 +153,20 @@ struct Tile64 : TileDefaults {
 // GEMM2 under Tile128 where I <= kSm90Gemm2PingpongMaxI: 128 x 128 x 64 tiles, ping-pong (one
 // consumer warpgroup's epilogue runs while the other's MMAs do). With a short reduction (I = 768:
 // 12 k-steps per tile) the cooperative tile's epilogue, not hidden, is a large share of its time.
-struct Tile128N128 : TileDefaults {
+struct Tile128N128 {
     using TileShape = Shape<_128, _128, _64>;
     using KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong;
     using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
-};
-// The operands swapped (dims[7] = 8, tuned data only): D^T = W . X^T per expert, A = the
-// expert's weight rows (M = 2I for GEMM1, H for GEMM2, always full 128-row tiles), B = its token
-// rows (N = the expert's rows, padded to NS = 96, not to a multiple of 64: wgmma's N runs in steps
-// of 8), D column-major (D^T's column r is token row r of gu or ys, so the buffers keep their
-// row-major layout). For ~50-96 rows per expert, where a 128-row M-tile is mostly padding and
-// the weight-row tiles, 2-4x as many as the 128 x 256 tiling's, spread over the SMs in more
-// even waves. Clusters of two weight-row tiles share the token tile (B multicast). Cooperative:
-// each consumer warpgroup takes 64 weight rows x NS. No gated epilogue (gate and up rows would
-// sit in different warpgroups): GEMM1 writes gu, silu_mul follows.
-template <int NS>
-struct TileSwap {
-    using TileShape = Shape<_128, Int<NS>, _64>;
-    using ClusterShape = Shape<_2, _1, _1>;
-    using LayoutD = cutlass::layout::ColumnMajor;
-    static constexpr bool kSwap = true;
-    using KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
-    using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
 };
 
 template <typename ElementT, class Tile = Tile128>  // ElementT: cutlass::bfloat16_t or cutlass::half_t
 struct GroupedGemmKernel {
     using ProblemShape = cutlass::gemm::GroupProblemShape<Shape<int, int, int>>;  // (M, N, K) per group
     using TileShape = typename Tile::TileShape;
-    using ClusterShape = typename Tile::ClusterShape;
-    using LayoutA = cutlass::layout::RowMajor;     // M x K, K contiguous (token rows; swapped: weights)
-    using LayoutB = cutlass::layout::ColumnMajor;  // K x N with K contiguous = weights [N][K] (swapped: token rows)
-    using LayoutD = typename Tile::LayoutD;        // M x N, N contiguous (swapped: M contiguous)
+    using ClusterShape = Shape<_1, _2, _1>;
+    using LayoutA = cutlass::layout::RowMajor;     // M x K, K contiguous
+    using LayoutB = cutlass::layout::ColumnMajor;  // K x N with K contiguous = weights [N][K]
+    using LayoutD = cutlass::layout::RowMajor;     // M x N, N contiguous
     static constexpr int kAlign = 128 / cutlass::sizeof_bits<ElementT>::value;  // 8: 16 bytes
 
     using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
@@ -602,17 +577,7 @@ static_assert(std::is_same<sm90::GroupedGemm<cutlass::bfloat16_t>::StrideD,
 // Kernel 2: group arguments of both GEMMs + gather of the hidden states into expert order
 // ------------------------------------------------------------------------------------------
 
-// D's leading dimension: get<0> of a row-major stride (ld, _1, _0), get<1> of the swapped
-// tilings' column-major one (_1, ld, _0).
-template <bool kSwap, class S>
-__device__ __forceinline__ S ld_stride(int64_t ld) {
-    S s{};
-    if constexpr (kSwap) cute::get<1>(s) = ld;
-    else cute::get<0>(s) = ld;
-    return s;
-}
-
-template <typename T, class G, bool kSwap>
+template <typename T, class G>
 __global__ void __launch_bounds__(kPrepThreads)
 sm90_prepare_kernel(const T* __restrict__ x, T* __restrict__ xs, const int* __restrict__ sorted,
                     const int* __restrict__ meta, const int* __restrict__ expert_off,
@@ -622,36 +587,30 @@ sm90_prepare_kernel(const T* __restrict__ x, T* __restrict__ xs, const int* __re
     using EA = typename G::EA;
     using EB = typename G::EB;
     using ED = typename G::ED;
-    static_assert(std::is_same<EA, EB>::value, "A and B of one element type (they swap roles)");
     const long long gtid = (long long)blockIdx.x * kPrepThreads + threadIdx.x;
     const long long nthreads = (long long)gridDim.x * kPrepThreads;
 
-    // per-expert problem sizes, pointers and strides (an empty expert gets M = 0, swapped N = 0:
-    // no tiles). Token rows: row-major, H (GEMM1) or I (GEMM2) apart; weights: [2I][H] and [H][I].
+    // per-expert problem sizes, pointers and strides (an empty expert gets M = 0: no tiles)
     for (long long e = gtid; e < E; e += nthreads) {
         const long long off = expert_off[e];
         const int m = expert_off[e + 1] - (int)off;
-        const EA* tok1 = reinterpret_cast<const EA*>(xs + off * H);
-        const EA* wgt1 = reinterpret_cast<const EA*>(w13 + e * 2LL * I * H);
-        const EA* tok2 = reinterpret_cast<const EA*>(act + off * I);
-        const EA* wgt2 = reinterpret_cast<const EA*>(w2 + e * (long long)H * I);
-        g1.shapes[e] = kSwap ? typename G::Shape3(2 * I, m, H) : typename G::Shape3(m, 2 * I, H);
-        g1.a[e] = kSwap ? wgt1 : tok1;
-        g1.b[e] = kSwap ? tok1 : wgt1;
+        g1.shapes[e] = typename G::Shape3(m, 2 * I, H);
+        g1.a[e] = reinterpret_cast<const EA*>(xs + off * H);
+        g1.b[e] = reinterpret_cast<const EB*>(w13 + e * 2LL * I * H);
         g1.d[e] = reinterpret_cast<ED*>(gu + off * 2LL * I);
-        typename G::StrideA sa1{}; cute::get<0>(sa1) = H;       // A: rows of H (K-major)
-        typename G::StrideB sb1{}; cute::get<0>(sb1) = H;       // B: rows of H (K-major)
-        g1.sa[e] = sa1; g1.sb[e] = sb1;
-        g1.sd[e] = ld_stride<kSwap, typename G::StrideD>(2LL * I);  // gu: M x 2I, row-major
+        typename G::StrideA sa1{}; cute::get<0>(sa1) = H;       // A: M x H, row-major
+        typename G::StrideB sb1{}; cute::get<0>(sb1) = H;       // B: 2I rows of H
+        typename G::StrideD sd1{}; cute::get<0>(sd1) = 2LL * I; // D: M x 2I, row-major
+        g1.sa[e] = sa1; g1.sb[e] = sb1; g1.sd[e] = sd1;
 
-        g2.shapes[e] = kSwap ? typename G::Shape3(H, m, I) : typename G::Shape3(m, H, I);
-        g2.a[e] = kSwap ? wgt2 : tok2;
-        g2.b[e] = kSwap ? tok2 : wgt2;
+        g2.shapes[e] = typename G::Shape3(m, H, I);
+        g2.a[e] = reinterpret_cast<const EA*>(act + off * I);
+        g2.b[e] = reinterpret_cast<const EB*>(w2 + e * (long long)H * I);
         g2.d[e] = reinterpret_cast<ED*>(ys + off * H);
         typename G::StrideA sa2{}; cute::get<0>(sa2) = I;
         typename G::StrideB sb2{}; cute::get<0>(sb2) = I;
-        g2.sa[e] = sa2; g2.sb[e] = sb2;
-        g2.sd[e] = ld_stride<kSwap, typename G::StrideD>(H);  // ys: M x H, row-major
+        typename G::StrideD sd2{}; cute::get<0>(sd2) = H;
+        g2.sa[e] = sa2; g2.sb[e] = sb2; g2.sd[e] = sd2;
     }
 
     // gather: one warp per sorted row, 16-byte copies, 4 in flight per lane
@@ -793,10 +752,6 @@ using Gated64Bf16 = sm90::GatedGemm1<cutlass::bfloat16_t, __nv_bfloat16, sm90::T
 using Gated64F16 = sm90::GatedGemm1<cutlass::half_t, __half, sm90::Tile64>;
 using GemmPpBf16 = sm90::GroupedGemm<cutlass::bfloat16_t, sm90::Tile128N128>;
 using GemmPpF16 = sm90::GroupedGemm<cutlass::half_t, sm90::Tile128N128>;
-using Swap96Bf16 = sm90::GroupedGemm<cutlass::bfloat16_t, sm90::TileSwap<96>>;
-using Swap96F16 = sm90::GroupedGemm<cutlass::half_t, sm90::TileSwap<96>>;
-static_assert(std::is_same<Swap96Bf16::StrideD, cute::Stride<cute::Int<1>, int64_t, cute::Int<0>>>::value &&
-                  sizeof(Swap96Bf16::StrideD) == 8, "swapped D: column-major, one int64 (the workspace's 8 bytes)");
 
 // CUTLASS workspace bytes (per-SM TMA descriptors) for kSm90MaxSms SMs of one kernel type.
 template <class G> static int64_t cutlass_ws_bytes_for() {
@@ -822,7 +777,7 @@ struct KernelSet {
     }
 };
 using AllKernels = KernelSet<GemmBf16, GemmF16, GatedBf16, GatedF16, Gemm64Bf16, Gemm64F16, Gated64Bf16, Gated64F16,
-                             GemmPpBf16, GemmPpF16, Swap96Bf16, Swap96F16>;
+                             GemmPpBf16, GemmPpF16>;
 static int64_t cutlass_ws_bytes() { return AllKernels::ws_bytes(); }
 
 struct Sm90Layout {
@@ -872,8 +827,7 @@ static Sm90Layout sm90_layout(const Problem& P) {
 static bool sm90_path_for(const Problem& P) {
     if (!(s_sm90_enabled && P.T > 0 && P.H % 8 == 0 && P.I % 8 == 0)) return false;
     if (P.config >= 0)  // tuned choice (dims[7])
-        return P.config == kTileConfigGrouped || P.config == kTileConfigGrouped64 ||
-               P.config == kTileConfigSwap96;
+        return P.config == kTileConfigGrouped || P.config == kTileConfigGrouped64;
     return P.TK / P.G >= s_sm90_min_rows;  // floor(T*K/G) >= n  <=>  T*K >= n*G (rows per expert)
 }
 
@@ -998,11 +952,10 @@ static int run_grouped_gemm(const sm90::GroupArrays<GA>& ga_in, int E, void* cut
 template <typename T, class Tile>
 static int launch_sm90(const Problem& P, void* out, const void* x, const void* w13, const void* w2,
                        const float* tw, const int* ids, char* ws, cudaStream_t stream) {
-    // the group arrays' types (shapes, pointers, strides) are the same for the unswapped tilings;
-    // the swapped ones have their own D stride type (same bytes)
+    // the group arrays' types (shapes, pointers, strides) are the same for both tilings
     using CT = typename sm90::CutlassType<T>::type;
+    using G = sm90::GroupedGemm<CT>;
     using GT = sm90::GroupedGemm<CT, Tile>;
-    using G = std::conditional_t<Tile::kSwap, GT, sm90::GroupedGemm<CT>>;
     const Sm90Layout L = sm90_layout(P);
     int* status = reinterpret_cast<int*>(ws);
     int* meta = reinterpret_cast<int*>(ws + L.meta);
@@ -1025,7 +978,7 @@ static int launch_sm90(const Problem& P, void* out, const void* x, const void* w
     // writes ys. A buffer is never read and written by the same launch: xs, act, ys in bufA, bufB,
     // bufA when gated (GEMM1 still reads xs while its epilogue writes act), else xs/act in bufA,
     // gu/ys in bufB.
-    const bool gated = !Tile::kSwap && s_sm90_gated && P.I % 128 == 0;
+    const bool gated = s_sm90_gated && P.I % 128 == 0;
     T* bufA = reinterpret_cast<T*>(ws + L.bufA);
     T* bufB = reinterpret_cast<T*>(ws + L.bufB);
     T* xs = bufA;
@@ -1040,7 +993,7 @@ static int launch_sm90(const Problem& P, void* out, const void* x, const void* w
     if (rs != EX_OK) return rs;  // EX_FALLBACK: absurd E
 
     // 2. group arguments + gather (a warp per row; grid capped, grid-stride)
-    sm90_prepare_kernel<T, G, Tile::kSwap><<<capped_blocks(P.TK * 32, kPrepThreads, 8), kPrepThreads, 0, stream>>>(
+    sm90_prepare_kernel<T, G><<<capped_blocks(P.TK * 32, kPrepThreads, 8), kPrepThreads, 0, stream>>>(
         static_cast<const T*>(x), xs, sorted, meta, expert_off, slot_pos,
         static_cast<const T*>(w13), static_cast<const T*>(w2), gu, act, ys, H, I, E, K,
         ga[0], ga[1]);
@@ -1050,15 +1003,12 @@ static int launch_sm90(const Problem& P, void* out, const void* x, const void* w
     // 3. GEMM1: act = silu(g) * u straight from the epilogue (I % 128 == 0), else gu = xs . w13[e]^T
     //    and 4. act = silu(g) * u (valid rows only; the bound on the grid is from dims)
     const int64_t key[8] = {(int64_t)(uintptr_t)ws, P.T, P.H, P.E, P.I, P.K, P.dtype, s_num_sms};
-    int st = EX_OK;
-    if constexpr (!Tile::kSwap) {  // (no gated type for the swapped tilings; gated is false there)
-        if (gated) {
-            using GG = sm90::GatedGemm1<CT, T, Tile>;
-            st = run_grouped_gemm<GG, 1>(ga[0], E, cutlass_ws, key, stream, (void*)ga[1].a, (void*)ga[1].sa);
-            if (st != EX_OK) return st;
-        }
-    }
-    if (!gated) {
+    int st;
+    if (gated) {
+        using GG = sm90::GatedGemm1<CT, T, Tile>;
+        st = run_grouped_gemm<GG, 1>(ga[0], E, cutlass_ws, key, stream, (void*)ga[1].a, (void*)ga[1].sa);
+        if (st != EX_OK) return st;
+    } else {
         st = run_grouped_gemm<GT, 1>(ga[0], E, cutlass_ws, key, stream);
         if (st != EX_OK) return st;
         sm90_silu_mul_kernel<T><<<capped_blocks(P.TK * (P.I / 8), kSimpleThreads, 16), kSimpleThreads, 0,
@@ -1066,14 +1016,10 @@ static int launch_sm90(const Problem& P, void* out, const void* x, const void* w
     }
 
     // 5. GEMM2: ys = act . w2[e]^T per expert
-    bool gemm2_done = false;
-    if constexpr (std::is_same<Tile, sm90::Tile128>::value) {
-        if (sm90_gemm2_pingpong_for(P)) {
-            st = run_grouped_gemm<sm90::GroupedGemm<CT, sm90::Tile128N128>, 2>(ga[1], E, cutlass_ws, key, stream);
-            gemm2_done = true;
-        }
-    }
-    if (!gemm2_done) st = run_grouped_gemm<GT, 2>(ga[1], E, cutlass_ws, key, stream);
+    if (std::is_same<Tile, sm90::Tile128>::value && sm90_gemm2_pingpong_for(P))
+        st = run_grouped_gemm<sm90::GroupedGemm<CT, sm90::Tile128N128>, 2>(ga[1], E, cutlass_ws, key, stream);
+    else
+        st = run_grouped_gemm<GT, 2>(ga[1], E, cutlass_ws, key, stream);
     if (st != EX_OK) return st;
 
     // 6. weighted combine in fp32
@@ -1088,8 +1034,6 @@ static int launch_sm90(const Problem& P, void* out, const void* x, const void* w
 template <typename T>
 static int launch_sm90_tiled(const Problem& P, void* out, const void* x, const void* w13, const void* w2,
                              const float* tw, const int* ids, char* ws, cudaStream_t stream) {
-    if (P.config == kTileConfigSwap96)
-        return launch_sm90<T, sm90::TileSwap<96>>(P, out, x, w13, w2, tw, ids, ws, stream);
     return sm90_tile64_for(P) ? launch_sm90<T, sm90::Tile64>(P, out, x, w13, w2, tw, ids, ws, stream)
                               : launch_sm90<T, sm90::Tile128>(P, out, x, w13, w2, tw, ids, ws, stream);
 }

@@ -32,8 +32,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 
 # the Hopper plugin's grouped GEMM tilings (TileShape M, N, K) other than the 128 x 256 default
-CUTLASS_TILE_LABELS = {("64", "256", "64"): "<64-row tiles>", ("128", "128", "64"): "<128 x 128 tiles>",
-                       ("128", "96", "64"): "<swapped, 96 token rows>"}
+CUTLASS_TILE_LABELS = {("64", "256", "64"): "<64-row tiles>", ("128", "128", "64"): "<128 x 128 tiles>"}
 
 
 def short_name(name: str) -> str:
@@ -62,7 +61,7 @@ def main() -> int:
     ap.add_argument("--config", default=None,
                     help="force a tile configuration by name: auto (the kernel's own choice, "
                          "ignoring the tuning file) or one of benchmarks/tune_moe.py's CONFIGS (tiny, "
-                         "decode, mid, ..., grouped, grouped64, swap96); default: tuned data, else auto")
+                         "decode, mid, ..., grouped, grouped64); default: tuned data, else auto")
     args = ap.parse_args()
     from ex_engine import FactorError, FactorRegistry, moe_fused_gemm
     from ex_engine.moe_layer import load_models
