@@ -68,13 +68,16 @@
  *                    block routes the slots itself in one warp (ballots, shuffles: the same tile
  *                    list), and so does every GEMM2 block, which issues the cp.async of its
  *                    first STAGES-1 weight tiles before its griddepcontrol.wait (topk_ids and w2
- *                    are inputs that GEMM1 already waited for), then waits and loads act (only
- *                    where GEMM1 fits in one wave, else GEMM2 reads the routing GEMM1's block 0
- *                    wrote). A grid that fits in one wave lets the next one launch right after
- *                    its own wait, so GEMM2's blocks fill the SM slots GEMM1 leaves free and
- *                    stream w2 during GEMM1's tail (EX_MOE_DECODE_CONFIG=late: GEMM2 reads the
- *                    routing GEMM1's block 0 wrote, launches after main loops; unfused: separate
- *                    routing launch).
+ *                    are inputs that GEMM1 already waited for), then waits and loads act.
+ *                    With more slots, the routing launch's tile list is final before GEMM1
+ *                    starts, and GEMM2 reads it (through L2) and streams its first weight
+ *                    stages before its wait as well. GEMM1 and GEMM2 let the next grid launch
+ *                    right after their own wait: its blocks become resident once this grid's
+ *                    last blocks have started, fill the SM slots its last wave leaves free and
+ *                    stream w2 during GEMM1's tail (EX_MOE_DECODE_CONFIG=onewave: only grids
+ *                    that fit in one wave launch early, and GEMM2 routes itself only then; late:
+ *                    GEMM2 reads the routing GEMM1's block 0 wrote, launches after main loops;
+ *                    unfused: separate routing launch).
  *   kernel_fallback  any H, I, alignment (of the element type): warp per (slot, i) for act, warp
  *                    per (t, h) for out; scalar loads, fp32, no tensor cores. Same status rule.
  *
@@ -99,9 +102,11 @@
  * one per M-tile, e.g. mixtral T=64 where ~45% of the experts get 17-32 rows); late = nopdl +
  * programmatic dependent launch of GEMM1, GEMM2 and combine on sm_90+ (each launch overlaps the
  * previous kernel's tail; each kernel waits for its predecessor before its first global access);
- * new (default; an unknown value is named on stderr and runs new) = late + the early launches
- * and GEMM2's own routing and weight prefetch above; unfused = late's launches with the separate
- * routing launch (no fused routing, no early launches).
+ * onewave = late + the early launches (grids that fit in one wave) and GEMM2's own routing and
+ * weight prefetch above; new (default; an unknown value is named on stderr and runs new) =
+ * onewave + early launches of GEMM1's and GEMM2's successors whatever their wave count, and GEMM2's
+ * weight prefetch before its wait also after a routing launch (T*K > 32); unfused = late's
+ * launches with the separate routing launch (no fused routing, no early launches).
  *
  * y is kept in the input dtype, not fp32: it halves the bytes of the largest intermediate
  * (T*K*H) written by GEMM2 and read by the combine, which matters at prefill (qwen3-30b, T=4096:
@@ -704,8 +709,13 @@ struct GemmParams {
     int4* w_tiles;
     int* w_sorted;
     int early;                 // 1: launch_dependents right after the wait (the next grid's blocks
-                               // take the SM slots this grid leaves free and prefetch; only when
-                               // this grid fits in one wave, so they never delay its blocks)
+                               // take the SM slots this grid leaves free and prefetch; they become
+                               // resident only once this grid's last blocks have started, so they
+                               // never delay its blocks)
+    int pre_ws;                // GEMM2 (EX_MOE_DECODE_CONFIG=new): the routing launch wrote meta,
+                               // tiles and sorted_slots before GEMM1 started, so they are final:
+                               // read them (through L2) and stream the first weight stages before
+                               // the wait, as a GEMM2 that routes itself does
 };
 
 constexpr int kFusedRouteSlots = 32;  // one warp routes them with ballots and shuffles
@@ -777,7 +787,7 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) moe_gemm_kernel(const Gem
     int* r_count = reinterpret_cast<int*>(r_tiles + kFusedRouteSlots);
     const bool fused = BM == kSmallBM && p.route_ids != nullptr;
     // GEMM2 routing itself: topk_ids and w2 are read before the wait (see GemmParams)
-    const bool pre = !GATED && fused;
+    const bool pre = !GATED && (fused || p.pre_ws);
     if (!pre) {
         pdl_wait();  // before any global access (meta, tiles, A: the previous grids' outputs)
         if (p.early) pdl_launch_dependents();
@@ -806,10 +816,10 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) moe_gemm_kernel(const Gem
         __syncthreads();
         n_tiles = r_count[0];
     } else {
-        n_tiles = p.meta[0];
+        n_tiles = __ldcg(p.meta);
     }
     if (tile >= n_tiles) return;  // surplus block: the whole block leaves before any barrier
-    const int4 td = fused ? r_tiles[tile] : p.tiles[tile];
+    const int4 td = fused ? r_tiles[tile] : __ldcg(p.tiles + tile);
     const int e = td.x, row0 = td.y, row_end = td.z;
     const int n0 = ntile * BN;
     const int KT = (p.Kd + BK - 1) / BK;
@@ -912,7 +922,7 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) moe_gemm_kernel(const Gem
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
                 const int grow = row0 + wm * WM + mi * 16 + (lane >> 2) + h * 8;
-                ep_slot[mi][h] = grow < row_end ? (fused ? r_sorted[grow] : p.sorted_slots[grow]) : 0;
+                ep_slot[mi][h] = grow < row_end ? (fused ? r_sorted[grow] : __ldcg(p.sorted_slots + grow)) : 0;
             }
     }
     if (fused) __syncthreads();  // routing scratch read by all: the pipeline may reuse it
@@ -1180,15 +1190,24 @@ static int64_t s_route_mb_slots = kRouteMultiBlockSlots;
 //   late   nopdl's tiling, and GEMM1, GEMM2, combine launched with programmatic dependent
 //          launch on sm_90+ (each lets the next launch after its main loop, and waits for the
 //          previous one before touching memory); GEMM2 reads the routing GEMM1 wrote
-//   new    (default, anything else) late, and with T*K <= 32 on a BM=16 config: a grid that
-//          fits in one wave lets the next one launch as soon as it has waited, and GEMM2 routes
-//          itself and streams its first weight stages before it waits for GEMM1 (so w2's bytes
-//          flow while GEMM1's tail runs)
-//   unfused  new's launches with the separate routing launch (and no fused routing anywhere)
-enum { MODE_OLD = 0, MODE_NOPDL = 1, MODE_NEW = 2, MODE_UNFUSED = 3, MODE_LATE = 4 };
+//   onewave  late, and with T*K <= 32 on a BM=16 config: a grid that fits in one wave lets the
+//          next one launch as soon as it has waited, and GEMM2 routes itself and streams its
+//          first weight stages before it waits for GEMM1 (so w2's bytes flow while GEMM1's tail
+//          runs) (the default until 2026-12-01, session nine)
+//   new    (default, anything else) onewave, and every config's GEMM1 and GEMM2 let the next
+//          grid launch as soon as they have waited, whatever their wave count (the next grid's
+//          blocks become resident only once this grid's last blocks have started, so they
+//          take the slots its last wave leaves free); GEMM2 streams its first weight stages
+//          before its wait also after a routing launch (T*K > 32: meta, tiles and sorted_slots
+//          were final before GEMM1 started; read through L2) or routes itself (T*K <= 32).
+//          H200, 2026-12-01, shipped plugin: 0.1-4.5% faster than onewave on 15 of 18 rows at
+//          T = 1..512 (qwen3-30b T = 8 127.7 -> 124.4 us, granite T = 8 53.8 -> 51.3), 0.4-1.0%
+//          slower on qwen3-30b T = 1 and 256 and granite T = 1 (ab_decode_wide_h200_2026-12-01.json)
+//   unfused  late's launches with the separate routing launch (and no fused routing anywhere)
+enum { MODE_OLD = 0, MODE_NOPDL = 1, MODE_NEW = 2, MODE_UNFUSED = 3, MODE_LATE = 4, MODE_ONEWAVE = 5 };
 static int decode_mode() {
-    static const char* const kNames[] = {"old", "nopdl", "new", "unfused", "late"};  // MODE_* order
-    return explugin::env_choice("EX_MOE_DECODE_CONFIG", kNames, 5, MODE_NEW);
+    static const char* const kNames[] = {"old", "nopdl", "new", "unfused", "late", "onewave"};  // MODE_* order
+    return explugin::env_choice("EX_MOE_DECODE_CONFIG", kNames, 6, MODE_NEW);
 }
 
 // A launch, with the programmatic-stream-serialization attribute when pdl is set (ex_plugin.cuh).
@@ -1471,13 +1490,16 @@ static int launch_fast(const Problem& P, void* out, const void* x, const void* w
                        const void* w2, const float* topk_weights, const int* topk_ids,
                        char* ws, cudaStream_t stream, int mode) {
     const WsLayout L = ws_layout(P);
-    const bool pdl = (mode == MODE_NEW || mode == MODE_LATE || mode == MODE_UNFUSED) && s_pdl_ok;
+    const bool pdl =
+        (mode == MODE_NEW || mode == MODE_LATE || mode == MODE_UNFUSED || mode == MODE_ONEWAVE) && s_pdl_ok;
     // decode with a handful of slots: GEMM1 routes them itself (no routing launch to wait for)
     const bool fused_route = C::BM == kSmallBM && P.TK <= kFusedRouteSlots &&
-                             (mode == MODE_NEW || mode == MODE_LATE || mode == MODE_NOPDL);
+                             (mode == MODE_NEW || mode == MODE_LATE || mode == MODE_NOPDL || mode == MODE_ONEWAVE);
     // ... and GEMM2 too, prefetching weights before its wait; early launches of the next grid
     // where this one fits in one wave (MINB blocks per SM: the launch bounds guarantee them)
-    const bool early = fused_route && pdl && mode == MODE_NEW;
+    const bool early = fused_route && pdl && (mode == MODE_NEW || mode == MODE_ONEWAVE);
+    // new: early launches whatever the wave count (see decode_mode)
+    const bool wide = pdl && mode == MODE_NEW;
     const int64_t wave = (int64_t)C::MINB * s_num_sms;
     int* status = reinterpret_cast<int*>(ws);
     int* meta = reinterpret_cast<int*>(ws + L.meta);
@@ -1518,7 +1540,8 @@ static int launch_fast(const Problem& P, void* out, const void* x, const void* w
     p1.route_ids = fused_route ? topk_ids : nullptr;
     p1.em = P.em(); p1.E = E; p1.TK = (int)P.TK;
     p1.status = status; p1.w_meta = meta; p1.w_tiles = tiles; p1.w_sorted = sorted;
-    p1.early = early && blocks1 <= wave;
+    p1.early = (early && blocks1 <= wave) || wide;
+    p1.pre_ws = 0;
     // M-tile-fastest order only while every A tile of the grid (re-read once per N-tile) stays
     // well inside L2; otherwise the old order, which reuses one A tile over consecutive blocks
     const bool m_fast_ok = mode != MODE_OLD && C::BM <= 48;  // decode, tiny, mid32, mid48
@@ -1532,8 +1555,9 @@ static int launch_fast(const Problem& P, void* out, const void* x, const void* w
     p2.a = act; p2.b = w2; p2.c = y;
     // GEMM2 routes itself only where its blocks can start during GEMM1 (GEMM1 fits in a wave);
     // elsewhere (T = 4 on qwen3-30b, say) reading the routing GEMM1 wrote measured ~1 us faster
-    p2.route_ids = p1.early ? topk_ids : nullptr;  // else the routing GEMM1 (or the router) wrote
-    p2.early = early && blocks2 * S <= wave;
+    p2.route_ids = p1.early && fused_route ? topk_ids : nullptr;  // else the routing GEMM1 (or the router) wrote
+    p2.pre_ws = wide && !fused_route;
+    p2.early = (early && blocks2 * S <= wave) || wide;
     p2.N = H; p2.Kd = I; p2.n_tiles_n = n_tiles_n2;
     p2.kt_per_split = kt_per_split; p2.split_stride = P.TK * P.H;
     p2.m_tiles = (m_fast_ok && a_bytes2 <= s_l2_bytes / 4) ? (int)max_tiles : 0;

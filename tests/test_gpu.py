@@ -344,7 +344,7 @@ def test_moe_fused_routing_equals_the_routing_launch(reg, cp, monkeypatch, T, H,
     x, w13, w2, w, ids = moe_case(cp, T, H, E, I, K, "bfloat16")
     ids[0, 0] = E + 3                                   # an invalid slot in the first token
     outs = []
-    for mode in ("new", "late", "nopdl", "unfused"):
+    for mode in ("new", "onewave", "late", "nopdl", "unfused"):
         monkeypatch.setenv("EX_MOE_DECODE_CONFIG", mode)
         reg.check_device_errors()
         outs.append(run_moe_check(reg, cp, (x, w13, w2, w, ids), "bfloat16"))
@@ -354,11 +354,14 @@ def test_moe_fused_routing_equals_the_routing_launch(reg, cp, monkeypatch, T, H,
         assert bool((outs[0].bits == o.bits).all())
 
 
-@pytest.mark.parametrize("T,H,E,I,K", [(1, 2048, 128, 768, 8), (3, 1544, 40, 512, 8), (16, 1024, 64, 256, 2)])
+@pytest.mark.parametrize("T,H,E,I,K", [(1, 2048, 128, 768, 8), (3, 1544, 40, 512, 8), (16, 1024, 64, 256, 2),
+                                       (8, 2048, 128, 768, 8), (64, 1024, 64, 256, 8)])
 def test_moe_decode_survives_garbage_workspace_and_graph_replay(reg, cp, monkeypatch, T, H, E, I, K):
-    """Decode (new mode: routing inside both GEMMs, early launches): a workspace full of
-    garbage (nothing of an earlier call may be relied on), repeated eager calls and graph
-    replays all give the unfused mode's output (separate routing launch), bit for bit."""
+    """Decode (new mode: routing inside both GEMMs for T*K <= 32, else GEMM2 reading the routing
+    launch's tile list before it waits for GEMM1; early launches whatever the wave count): a
+    workspace full of garbage (nothing of an earlier call may be relied on), repeated eager
+    calls and graph replays all give the unfused mode's output (separate routing launch, no
+    early launches), bit for bit."""
     case = moe_case(cp, T, H, E, I, K, "bfloat16")
     monkeypatch.setenv("EX_MOE_DECODE_CONFIG", "unfused")
     want = run_moe_check(reg, cp, case, "bfloat16")
@@ -383,8 +386,9 @@ def test_moe_decode_survives_garbage_workspace_and_graph_replay(reg, cp, monkeyp
         assert bool((o.bits == want.bits).all())
 
 
-@pytest.mark.parametrize("mode", ["new", "late", "unfused"])
-@pytest.mark.parametrize("T,H,E,I,K", [(1, 2048, 128, 768, 8), (4, 4096, 8, 14336, 2), (3, 1544, 40, 512, 8)])
+@pytest.mark.parametrize("mode", ["new", "onewave", "late", "unfused"])
+@pytest.mark.parametrize("T,H,E,I,K", [(1, 2048, 128, 768, 8), (4, 4096, 8, 14336, 2), (3, 1544, 40, 512, 8),
+                                       (8, 1024, 64, 256, 8)])
 def test_moe_decode_with_no_valid_slot_writes_zeros(reg, cp, monkeypatch, mode, T, H, E, I, K):
     """Every id invalid (no GEMM tile at all, every GEMM block a surplus one): out is still
     written, all zeros (by the combine, H = 1544 included), and the ids are flagged."""
