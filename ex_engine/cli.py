@@ -79,9 +79,13 @@ def cmd_list_factors(args) -> int:
 def cmd_hardware(args) -> int:
     hw = resolve(args.profile) if args.profile else Hardware.detect()
     if hw is None:
-        print("no GPU visible to CuPy; profiles available: " + ", ".join(list_profiles()))
-        print("show one with: ex-engine hardware --profile h200")
-        return 0 if not args.json else (print(json.dumps(None)) or 0)
+        # with --json, stdout holds the JSON alone (null: no GPU); the remark goes to stderr
+        note = sys.stderr if args.json else sys.stdout
+        print("no GPU visible to CuPy; profiles available: " + ", ".join(list_profiles()), file=note)
+        print("show one with: ex-engine hardware --profile h200", file=note)
+        if args.json:
+            print(json.dumps(None))
+        return 0
     if args.json:
         print(json.dumps(hw.as_dict(), indent=2))
         return 0

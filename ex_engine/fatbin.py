@@ -40,6 +40,35 @@ class FatbinError(ValueError):
     """The file is not an ELF64 little-endian library, or its fatbin is malformed."""
 
 
+class TruncatedElfError(FatbinError):
+    """An ELF64 file whose section table or loadable segments reach past its end: opening it
+    with dlopen maps pages beyond the end of the file, and touching them kills the process
+    with SIGBUS (an interrupted copy or build leaves such a file)."""
+
+
+_PHDR = struct.Struct("<IIQQQQQQ")  # Elf64_Phdr: type, flags, offset, vaddr, paddr, filesz, memsz, align
+PT_LOAD = 1
+
+
+def check_segments(data: bytes) -> None:
+    """Raise TruncatedElfError if a PT_LOAD segment of the ELF64 little-endian ``data`` lies
+    (partly) beyond its end; return quietly for anything else (elf_sections judges the rest)."""
+    if data[:4] != b"\x7fELF" or len(data) < 0x40 or data[4] != 2 or data[5] != 1:
+        return
+    e_phoff, = struct.unpack_from("<Q", data, 0x20)
+    e_phentsize, e_phnum = struct.unpack_from("<HH", data, 0x36)
+    if e_phoff == 0 or e_phnum == 0:
+        return
+    if e_phentsize < _PHDR.size or e_phoff + e_phnum * e_phentsize > len(data):
+        raise TruncatedElfError(f"program header table ({e_phnum} x {e_phentsize} B at {e_phoff}) "
+                                f"beyond the end of the file ({len(data)} B): truncated")
+    for i in range(e_phnum):
+        p_type, _, p_offset, _, _, p_filesz, _, _ = _PHDR.unpack_from(data, e_phoff + i * e_phentsize)
+        if p_type == PT_LOAD and p_offset + p_filesz > len(data):
+            raise TruncatedElfError(f"loadable segment {i} (bytes {p_offset}..{p_offset + p_filesz}) "
+                                    f"beyond the end of the file ({len(data)} B): truncated")
+
+
 @dataclass(frozen=True)
 class CodeEntry:
     """One entry of a fatbin: kind 'sass' or 'ptx', arch as an integer (90), suffix '', 'a', 'f'."""
@@ -80,8 +109,8 @@ def elf_sections(data: bytes) -> dict:
         if e_shnum == 0:   # extended numbering: the count is in section 0's sh_size
             e_shnum = sh.unpack_from(data, e_shoff)[5]
         if e_shentsize < sh.size or e_shoff + e_shnum * e_shentsize > len(data):
-            raise FatbinError(f"section table ({e_shnum} x {e_shentsize} B at {e_shoff}) "
-                              f"beyond the end of the file ({len(data)} B): truncated?")
+            raise TruncatedElfError(f"section table ({e_shnum} x {e_shentsize} B at {e_shoff}) "
+                                    f"beyond the end of the file ({len(data)} B): truncated")
         heads = [sh.unpack_from(data, e_shoff + i * e_shentsize) for i in range(e_shnum)]
         str_off, str_size = heads[e_shstrndx][4], heads[e_shstrndx][5]
         names = data[str_off:str_off + str_size]
@@ -129,7 +158,7 @@ def library_code(data: bytes) -> list | None:
         return None
     off, size = sections[FATBIN_SECTION]
     if off + size > len(data):
-        raise FatbinError(f"section {FATBIN_SECTION} beyond the end of the file: truncated?")
+        raise TruncatedElfError(f"section {FATBIN_SECTION} beyond the end of the file: truncated")
     entries = set(fatbin_entries(data[off:off + size]))
     return sorted(entries, key=lambda e: (e.kind != "sass", -e.arch, e.suffix != "a", e.suffix))
 

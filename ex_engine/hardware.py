@@ -72,8 +72,11 @@ class Hardware:
         if not path.suffix:
             path = _paths.manifests_dir() / "hardware" / f"{name_or_path.lower()}.yaml"
         if not path.exists():
+            folder = _paths.manifests_dir() / "hardware"
+            where = "" if folder.is_dir() else (
+                f" (the profiles folder {folder} does not exist: check EX_ENGINE_MANIFESTS)")
             raise FactorError(f"hardware profile '{name_or_path}': no such profile; "
-                              f"expected one of {list_profiles()} or a path to a YAML file")
+                              f"expected one of {list_profiles()} or a path to a YAML file{where}")
         data = yaml.safe_load(path.read_text()) or {}
         missing = [f for f in ("name",) + FIELDS if f not in data]
         if missing:

@@ -2,7 +2,8 @@
 
 A manifest names the kernel's output, input and aux inputs in ABI order, each with a symbolic
 shape ("T", "2*I"), allowed dtypes and a role; the order of dims[]; where each dim comes from
-(a size, a dtype code, a user parameter, a row stride); constraints between sizes; the Python
+(a size, a dtype code, a user parameter, a row stride); user parameters ({type: float | int |
+bool, default, gt: a lower bound a float must exceed}); constraints between sizes; the Python
 fallback; tolerances and test shapes. ``Manifest.bind`` checks a call's arrays against it and
 returns the dims to pass, raising an ArgumentError subclass that names the factor, the
 argument, the rule, what was expected and what came.
@@ -155,17 +156,22 @@ class Manifest:
             v = params.get(k, spec.get("default"))
             typ = spec.get("type", "float")
             if typ == "bool":
-                if not isinstance(v, (bool, int)) or v not in (0, 1, True, False):
+                np_bool = getattr(v, "dtype", None) is not None and v.dtype.kind == "b" and v.shape == ()
+                if not (np_bool or isinstance(v, (bool, int))) or v not in (0, 1, True, False):
                     raise ArgumentError(self.name, k, "type", "a bool", repr(v))
                 v = bool(v)
             elif typ == "int":
                 if isinstance(v, bool) or not isinstance(v, int):
                     raise ArgumentError(self.name, k, "type", "an int", repr(v))
             else:
+                if isinstance(v, (str, bytes)):  # float('1e-6') would parse it
+                    raise ArgumentError(self.name, k, "type", "a number", repr(v))
                 try:
                     v = float(v)
                 except (TypeError, ValueError):
                     raise ArgumentError(self.name, k, "type", "a number", repr(v)) from None
+                if "gt" in spec and not v > float(spec["gt"]):  # NaN fails too
+                    raise ArgumentError(self.name, k, "value", f"a number > {spec['gt']}", repr(v))
             out[k] = v
         return out
 
@@ -300,11 +306,23 @@ class Manifest:
         raise FactorError(f"manifest {self.path}: dim '{d}': unknown source {src}")
 
 
-def load_all(folder) -> dict:
-    """name -> Manifest for every *.yaml in ``folder`` that is a factor manifest."""
+def load_all(folder, errors: dict | None = None) -> dict:
+    """name -> Manifest for every *.yaml in ``folder`` that is a factor manifest.
+
+    A file that cannot be read or checked raises FactorError naming it, unless ``errors`` is
+    given: then errors[file stem] = the message and the other files still load (a registry
+    rejects only the plugins that need the broken manifest)."""
     out = {}
     for p in sorted(Path(folder).glob("*.yaml")):
-        d = yaml.safe_load(p.read_text())
-        if isinstance(d, dict) and "dims" in d and "name" in d:
-            out[d["name"]] = Manifest.load(p)
+        try:
+            try:
+                d = yaml.safe_load(p.read_text())
+            except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+                raise FactorError(f"manifest {p}: malformed ({type(exc).__name__}: {exc})") from exc
+            if isinstance(d, dict) and "dims" in d and "name" in d:
+                out[d["name"]] = Manifest.load(p)
+        except FactorError as exc:
+            if errors is None:
+                raise
+            errors[p.stem] = str(exc)
     return out

@@ -7,9 +7,11 @@ process-wide registry loaded lazily from factors/ on first use.
 """
 from __future__ import annotations
 
+import operator
 import threading
 
 from .arrays import Bits16, TensorRef, data_ptr
+from .errors import ArgumentError, ShapeError
 from .registry import FactorRegistry
 
 _default: FactorRegistry | None = None
@@ -80,9 +82,20 @@ def topk_softmax(router_logits, top_k: int, renormalize: bool = False, *, topk_w
     router_logits: (T, E) float32, float16 or bfloat16, contiguous.
     top_k: K, 1 <= K <= E.  renormalize: bool.
     topk_weights, topk_ids: optional outputs (T, K) float32 / int32; allocated if None.
-    Returns (topk_weights, topk_ids). Raises DTypeError, ShapeError (K > E), LayoutError,
-    DeviceError, KernelError.
+    Returns (topk_weights, topk_ids). Raises ArgumentError (top_k not an int >= 1), DTypeError,
+    ShapeError (K > E, or outputs given with another K), LayoutError, DeviceError, KernelError.
     """
+    if isinstance(top_k, bool) or not hasattr(top_k, "__index__"):
+        raise ArgumentError("topk_softmax", "top_k", "type", "an int >= 1", repr(top_k))
+    top_k = operator.index(top_k)
+    if top_k < 1:
+        raise ArgumentError("topk_softmax", "top_k", "value", "an int >= 1", top_k)
+    for name, arr in (("topk_weights", topk_weights), ("topk_ids", topk_ids)):
+        if arr is not None:
+            shape = TensorRef.of(arr, name).shape
+            if len(shape) == 2 and shape[1] != top_k:
+                raise ShapeError("topk_softmax", "top_k", f"the width of {name} given",
+                                 f"{shape[1]} (its shape {tuple(shape)})", top_k)
     ref = TensorRef.of(router_logits, "router_logits")
     T = ref.shape[0] if len(ref.shape) == 2 else 0
     w_arg = ids_arg = None

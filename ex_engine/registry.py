@@ -177,7 +177,9 @@ class FactorRegistry:
         if probe not in (None, "subprocess"):
             raise FactorError(f"probe: expected None or 'subprocess', got {probe!r}")
         self.hardware: Hardware = hw
-        self.manifests: dict = load_all(manifests_dir or _paths.manifests_dir())
+        # a malformed manifest rejects only the plugins that need it (see _find_manifest)
+        self.manifest_errors: dict = {}  # file stem -> message
+        self.manifests: dict = load_all(manifests_dir or _paths.manifests_dir(), self.manifest_errors)
         self.plugins: list = []
         self.notes: list = []           # registry-wide remarks (e.g. a prefer= that matched nothing)
         self.prefer: dict = dict(prefer or {})
@@ -201,6 +203,7 @@ class FactorRegistry:
         self.tuning: TuningTable = TuningTable.for_hardware(
             hw, Path(manifests_dir or _paths.manifests_dir()) / "tuning")
         self.notes.extend(f"tuning: {msg}; skipped" for msg in self.tuning.problems)
+        self.notes.extend(f"{msg}; skipped" for msg in self.manifest_errors.values())
         self.last_path: dict = {}
         self._hw_c = hw.to_c(abi.ffi)
 
@@ -248,10 +251,17 @@ class FactorRegistry:
         return p
 
     def _find_manifest(self, name: str, folder: Path):
+        """(Manifest or None, why none): the one beside the library, else the manifests folder's."""
         beside = folder / f"{name}.yaml"
         if beside.exists():
-            return Manifest.load(beside)
-        return self.manifests.get(name)
+            try:
+                return Manifest.load(beside), ""
+            except FactorError as exc:
+                return None, str(exc)
+        m = self.manifests.get(name)
+        if m is None and name in self.manifest_errors:
+            return None, self.manifest_errors[name]
+        return m, ""
 
     def _lock_for(self, path: Path):
         """(lock file path, {file name: sha256}) that applies to ``path``, or None."""
@@ -282,7 +292,11 @@ class FactorRegistry:
         """GPU code embedded in the library vs the hardware's compute capability (no code runs)."""
         hw = self.hardware
         try:
+            fatbin.check_segments(data)
             entries = fatbin.library_code(data)
+        except fatbin.TruncatedElfError as exc:  # dlopen would map pages past the end: SIGBUS
+            return p.check("elf", False, f"{exc}; not opened (dlopen of a truncated library "
+                                         "crashes the process when it touches the missing pages)")
         except fatbin.FatbinError as exc:
             p.check("cuda code", True, f"not checked: {exc} (dlopen decides)")
             return True
@@ -333,7 +347,7 @@ class FactorRegistry:
         p.check("dlopen", True, "opened with its own handle (RTLD_LOCAL)")
         try:
             p.abi_version = int(p.lib.ex_abi_version)
-        except (AttributeError, OSError) as exc:
+        except (AttributeError, OSError, KeyError) as exc:  # cffi: KeyError for a missing variable
             p.check("symbol ex_abi_version", False,
                     f"not exported ({exc}); build with EX_DEFINE_ABI_VERSION() from include/ex_engine.h")
             return p
@@ -345,7 +359,7 @@ class FactorRegistry:
             return p
         try:
             get = p.lib.ex_get_factor
-        except (AttributeError, OSError) as exc:
+        except (AttributeError, OSError, KeyError) as exc:
             p.check("symbol ex_get_factor", False, f"not exported ({exc})")
             return p
         f = get(self._hw_c)
@@ -371,9 +385,9 @@ class FactorRegistry:
             return p
         p.check("name matches file stem", True,  # informative: a renamed drop-in still loads
                 "yes" if p.name == path.stem else f"note: name '{p.name}' differs from file '{path.name}'")
-        m = self._find_manifest(p.name, path.parent)
+        m, why = self._find_manifest(p.name, path.parent)
         if not p.require("manifest", m is not None,
-                       f"expected {p.name}.yaml beside the library or in the manifests folder, found none",
+                       why or f"expected {p.name}.yaml beside the library or in the manifests folder, found none",
                        str(m.path) if m is not None else ""):
             return p
         p.manifest = m

@@ -17,6 +17,15 @@ def test_every_command_has_help(argv, capsys):
     assert "usage: ex-engine" in capsys.readouterr().out
 
 
+def test_hardware_json_is_json_alone(capsys):
+    """`hardware --json` prints only JSON on stdout: the live GPU's fields, or null without a
+    GPU (the remark then goes to stderr)."""
+    assert main(["hardware", "--json"]) == 0
+    out = capsys.readouterr().out
+    d = json.loads(out)
+    assert d is None or "cc_major" in d, out
+
+
 def test_hardware_profile_json(capsys):
     assert main(["hardware", "--profile", "h200", "--json"]) == 0
     hw = json.loads(capsys.readouterr().out)

@@ -6,7 +6,7 @@ import pytest
 
 from ex_engine import FactorRegistry, KernelError, abi
 from ex_engine.cli import main as cli_main
-from tests.conftest import build_plugin
+from tests.conftest import ROOT, build_plugin
 
 
 def call(reg, n=7, alpha=3.0):
@@ -145,3 +145,77 @@ def test_cli_list_factors_table_json_and_why(tmp_path, capsys):
     assert cli_main(["list-factors", "--dir", str(tmp_path), "--hardware", "h200", "--why"]) == 0
     out = capsys.readouterr().out
     assert "[ok] threads_per_block <= max_threads_per_block" in out and "[FAIL] dlopen" in out
+
+
+def test_truncated_elf_is_rejected_before_dlopen(tmp_path):
+    """A library cut short (an interrupted copy or build) is rejected from its bytes: dlopen of
+    a file whose loadable segments reach past its end can kill the process with SIGBUS. Loaded
+    in a child process, so a regression fails this test instead of crashing the run."""
+    import subprocess
+    import sys
+    from ex_engine import fatbin
+    good = build_plugin(tmp_path / "src")
+    data = good.read_bytes()
+    cuts = [len(data) // 4, len(data) // 2, len(data) - 64]
+    for cut in cuts:
+        with pytest.raises(fatbin.TruncatedElfError, match="beyond the end of the file"):
+            fatbin.check_segments(data[:cut]) or fatbin.elf_sections(data[:cut])
+    fatbin.check_segments(data)  # the whole file passes
+    big = ROOT / "factors" / "topk_softmax.so"  # a real plugin, ~20 MB: the case that crashed
+    folder = tmp_path / "plugins"
+    build_plugin(folder)
+    sources = [(f"cut{i}.so", data[:c]) for i, c in enumerate(cuts)]
+    if big.exists():
+        sources.append(("topk_cut.so", big.read_bytes()[:20000]))
+    for name, blob in sources:
+        (folder / name).write_bytes(blob)
+    code = ("import sys; from ex_engine import FactorRegistry\n"
+            f"r = FactorRegistry.load({str(folder)!r}, hardware='h200')\n"
+            "for p in r.plugins: print(p.path.name, p.status, p.reason)\n"
+            "assert r.get('host_scale').status == 'ready'\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=ROOT)
+    assert res.returncode == 0, (res.returncode, res.stdout, res.stderr)
+    lines = {ln.split(" ", 1)[0]: ln for ln in res.stdout.splitlines()}
+    for name, _ in sources:
+        assert "rejected" in lines[name] and "truncated" in lines[name], lines[name]
+
+
+def test_a_library_without_the_abi_symbol_is_rejected_and_the_rest_load(tmp_path):
+    """Any shared library in the folder (here cffi's own extension module) is rejected for its
+    missing ex_abi_version, not a reason to abort the load."""
+    import shutil
+    import _cffi_backend
+    build_plugin(tmp_path)
+    shutil.copy(_cffi_backend.__file__, tmp_path / "other.so")
+    reg = FactorRegistry.load(tmp_path, hardware="h200")
+    other = next(p for p in reg.plugins if p.path.name == "other.so")
+    assert other.status == "rejected" and "ex_abi_version" in other.reason, other.reason
+    assert call(reg)[0] == "plugin"
+
+
+def test_a_malformed_manifest_rejects_only_its_plugin(tmp_path):
+    """Beside a library or in the manifests folder, a manifest that does not parse rejects the
+    plugin that needs it (its reason names the file) and the registry loads the rest."""
+    import shutil
+    beside = tmp_path / "beside"
+    build_plugin(beside)
+    build_plugin(beside, "bad", defines={"NAME": '"host_scale_bad"', "FACTOR_ID": 1101})
+    (beside / "host_scale_bad.yaml").write_text("name: host_scale_bad\nid: [unclosed\n")
+    reg = FactorRegistry.load(beside, hardware="h200")
+    bad = next(p for p in reg.plugins if p.path.stem == "bad")
+    assert bad.status == "rejected" and "host_scale_bad.yaml: malformed" in bad.reason, bad.reason
+    assert call(reg)[0] == "plugin"
+
+    mdir, plugins = tmp_path / "manifests", tmp_path / "plugins"
+    mdir.mkdir()
+    shutil.copy(ROOT / "tests" / "plugins" / "host_scale.yaml", mdir / "host_scale.yaml")
+    (mdir / "host_scale_bad.yaml").write_text("name: host_scale_bad\nid: 0\n")  # no dims: not a manifest
+    (mdir / "broken.yaml").write_text("name: broken\ndims: [T\n")
+    build_plugin(plugins, manifest=False)
+    build_plugin(plugins, "broken", manifest=False, defines={"NAME": '"broken"', "FACTOR_ID": 1102})
+    reg = FactorRegistry.load(plugins, hardware="h200", manifests_dir=mdir)
+    broken = next(p for p in reg.plugins if p.path.stem == "broken")
+    assert broken.status == "rejected" and "broken.yaml: malformed" in broken.reason, broken.reason
+    assert any("broken.yaml: malformed" in n for n in reg.notes), reg.notes
+    assert call(reg)[0] == "plugin"

@@ -118,3 +118,32 @@ def test_errors_are_counted(reg):
     with pytest.raises(DTypeError):
         moe_fused_gemm(**a, registry=reg)
     assert reg.stats()["moe_fused_gemm"]["errors"] == before + 1
+
+
+@pytest.mark.parametrize("top_k", [0, -1, 2.0, "4", None, True])
+def test_top_k_must_be_a_positive_int(reg, top_k):
+    lg = np.random.default_rng().standard_normal((3, 8)).astype(np.float32)
+    with pytest.raises(ArgumentError, match="topk_softmax: argument 'top_k'.*expected an int >= 1"):
+        topk_softmax(lg, top_k, registry=reg)
+
+
+def test_top_k_must_match_the_outputs_given(reg):
+    """Outputs of another width than top_k are an error naming top_k (they once silently gave
+    top-2 for top_k = 8)."""
+    lg = np.random.default_rng().standard_normal((3, 16)).astype(np.float32)
+    w, ids = np.empty((3, 2), np.float32), np.empty((3, 2), np.int32)
+    with pytest.raises(ShapeError, match="argument 'top_k'.*topk_weights given.*got 8"):
+        topk_softmax(lg, 8, topk_weights=w, topk_ids=ids, registry=reg)
+    with pytest.raises(ShapeError, match="argument 'top_k'.*topk_ids given.*got 8"):
+        topk_softmax(lg, 8, topk_ids=ids, registry=reg)
+    w2, i2 = topk_softmax(lg, np.int64(2), topk_weights=w, topk_ids=ids, renormalize=np.True_, registry=reg)
+    assert w2 is w and i2 is ids and np.allclose(w.sum(axis=1), 1.0, atol=1e-6)
+
+
+@pytest.mark.parametrize("eps", [0.0, -10.0, float("nan"), "1e-6"])
+def test_rmsnorm_eps_must_be_a_positive_number(reg, eps):
+    from ex_engine import fused_add_rmsnorm
+    x = np.ones((2, 8), np.float32)
+    with pytest.raises(ArgumentError, match="fused_add_rmsnorm: argument 'eps'"):
+        fused_add_rmsnorm(x, np.zeros_like(x), np.ones(8, np.float32), eps=eps, registry=reg)
+    assert (x == 1).all()  # nothing ran
