@@ -38,6 +38,9 @@ def _prefer(items) -> dict:
 
 def _registry(args, verify: bool = False):
     from .registry import FactorRegistry
+    if args.lock_warn and not args.lock:
+        raise FactorError("--lock-warn: expected together with --lock FILE (it says what to do "
+                          "with a library the lock does not match), got no --lock")
     return FactorRegistry.load(args.dir, hardware=args.hardware, prefer=_prefer(args.prefer),
                                lock=args.lock, lock_mode="warn" if args.lock_warn else "refuse",
                                probe="subprocess" if args.probe else None, verify=verify)

@@ -186,6 +186,7 @@ class Manifest:
         name = self.name
         pvals = self.param_values(params or {})
         sizes: dict = {}
+        origin: dict = {}           # size symbol -> the argument whose shape fixed it
         tensors = self.tensors
         refs = [None] * len(tensors)
         device = None
@@ -217,9 +218,10 @@ class Manifest:
                         raise ShapeError(name, spec.name, f"shape[{axis}] = {spec.shape[axis]}",
                                          f"a multiple of {coef}", actual)
                     sizes[sym] = actual // coef
+                    origin[sym] = spec.name
                     continue
                 if actual != want:
-                    where = f" ({sym}={sizes[sym]} from earlier arguments)" if sym else ""
+                    where = f" ({sym}={sizes[sym]} from {origin[sym]})" if sym else ""
                     raise ShapeError(name, spec.name, f"shape[{axis}] = {spec.shape[axis]}",
                                      f"{want}{where}", actual)
             self._check_layout(spec, ref)
@@ -238,16 +240,19 @@ class Manifest:
             # a size no given array fixes (its array is optional and absent) takes another's
             if d not in sizes and "default_dim" in src and src["default_dim"] in sizes:
                 sizes[d] = sizes[src["default_dim"]]
+                origin[d] = f"{origin[src['default_dim']]}, as {src['default_dim']}"
         for text, m in zip(self.constraints, self._constraints):
-            self._check_constraint(m, sizes, None, text)
+            self._check_constraint(m, sizes, None, text, origin)
         for spec, m in self._absent:
             if arrays.get(spec.name) is None:
                 self._check_constraint(m, sizes, spec.name, f"{spec.absent_requires} when {spec.name} "
-                                       "is not given")
+                                       "is not given", origin)
         dims = [self._dim_value(d, sizes, pvals, arrays, tuned) for d in self.dims]
         return refs, dims, sizes, pvals, (-1 if device is None else device)
 
-    def _check_constraint(self, m, sizes, arg, text):
+    def _check_constraint(self, m, sizes, arg, text, origin=None):
+        """Raise ShapeError if the sizes break ``A op B``; it names ``arg``, else the argument
+        whose shape fixed the constraint's size, and says where each size came from."""
         a, op, b = m.groups()
         va = sizes.get(a, int(a) if a.isdigit() else None)
         vb = sizes.get(b, int(b) if b.isdigit() else None)
@@ -255,8 +260,11 @@ class Manifest:
             return
         ok = {"<=": va <= vb, "<": va < vb, "==": va == vb, ">=": va >= vb, ">": va > vb}[op]
         if not ok:
-            arg = arg or (a if not a.isdigit() else b)
-            raise ShapeError(self.name, arg, text, f"{a} {op} {b}", f"{a}={va}, {b}={vb}")
+            origin = origin or {}
+            syms = [s for s in (a, b) if not s.isdigit()]
+            arg = arg or origin.get(syms[0], syms[0])
+            got = ", ".join(f"{s}={sizes[s]}" + (f" (from {origin[s]})" if s in origin else "") for s in syms)
+            raise ShapeError(self.name, arg, text, f"{a} {op} {b}", got)
 
     def _check_layout(self, spec, ref):
         if any(isinstance(s, float) for s in ref.strides):

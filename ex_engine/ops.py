@@ -97,6 +97,9 @@ def topk_softmax(router_logits, top_k: int, renormalize: bool = False, *, topk_w
                 raise ShapeError("topk_softmax", "top_k", f"the width of {name} given",
                                  f"{shape[1]} (its shape {tuple(shape)})", top_k)
     ref = TensorRef.of(router_logits, "router_logits")
+    if len(ref.shape) == 2 and top_k > ref.shape[1]:
+        raise ShapeError("topk_softmax", "top_k", "K <= E", f"at most E = {ref.shape[1]} (router_logits' "
+                         f"width)", top_k)
     T = ref.shape[0] if len(ref.shape) == 2 else 0
     w_arg = ids_arg = None
     if topk_weights is None and topk_ids is None and isinstance(top_k, int) and top_k > 0:

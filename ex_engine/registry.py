@@ -19,8 +19,8 @@ from pathlib import Path
 
 from . import _paths, abi, fatbin, trust
 from .arrays import TensorRef
-from .errors import (DeviceError, DeviceSideError, FactorError, FactorNotFoundError,
-                     KernelError)
+from .errors import (ArgumentError, DeviceError, DeviceSideError, FactorError, FactorNotFoundError,
+                     KernelError, LayoutError)
 from .hardware import Hardware, resolve
 from .manifest import Manifest, load_all
 from .tuning import TuningTable
@@ -153,6 +153,12 @@ def _is_capturing(stream: int) -> bool:
         return bool(runtime.streamIsCapturing(stream))
     except Exception:
         return True
+
+
+def _writable(obj) -> bool:
+    """False for a NumPy array (or a Bits16 wrapping one) flagged read-only."""
+    flags = getattr(getattr(obj, "bits", obj), "flags", None)
+    return getattr(flags, "writeable", True) is not False
 
 
 class FactorRegistry:
@@ -510,6 +516,10 @@ class FactorRegistry:
         dims_c = None
         try:
             if hit is None:
+                unknown = sorted(set(arrays) - {t.name for t in m.user_tensors})
+                if unknown:  # a misspelt optional array would otherwise be dropped silently
+                    raise ArgumentError(name, unknown[0], "unknown argument",
+                                        f"one of {sorted(t.name for t in m.user_tensors)}", repr(unknown[0]))
                 refs, dims, sizes, pvals, device = m.bind(refs_by_name, params, self.tuning.value)
                 if len(self._bind_cache) > 4096:
                     self._bind_cache.clear()
@@ -526,6 +536,12 @@ class FactorRegistry:
                         m.check_alignment(spec_name, r)   # raises the LayoutError
                 if ws is not None:
                     refs[2 + ws] = None
+            if device < 0:  # host arrays: NumPy's read-only flag is a promise the call must keep
+                for spec in m.tensors:
+                    r = refs_by_name.get(spec.name) if spec.role in ("output", "inout") else None
+                    if r is not None and not _writable(r.obj):
+                        raise LayoutError(name, spec.name, "writable", "a writable array (the factor "
+                                          "writes it)", "a read-only array")
         except FactorError:
             self._count(name, "errors")
             raise
@@ -547,7 +563,18 @@ class FactorRegistry:
             fn = self._fallbacks.get(name) or m.fallback_fn()
             if fn is None:
                 self._count(name, "errors")
-                raise FactorError(f"{name}: no plugin took the call and the manifest names no Python fallback")
+                if plugin is None:
+                    why = "no ready plugin of that name is loaded"
+                elif device < 0:
+                    why = ("the arrays are in host memory and its plugin runs on the GPU (pass device "
+                           "arrays: CuPy or torch on cuda)")
+                elif not self.hardware.live:
+                    why = (f"the registry has no live GPU (plugins checked against the profile "
+                           f"{self.hardware.name}) and so calls no device plugin")
+                else:
+                    why = "its plugin and kernel_fallback declined the call"
+                raise FactorError(f"{name}: no plugin took the call ({why}) and the manifest names no "
+                                  "Python fallback")
             flags = fn(refs_by_name, sizes, pvals)
             if flags:
                 with self._lock:

@@ -47,7 +47,7 @@ def test_weights_of_another_dtype_than_hidden_states(reg):
 def test_shape_relation(reg):
     a = moe_args(I=8)
     a["w2"] = a["w2"][:, :, :7].copy()
-    with pytest.raises(ShapeError, match=r"argument 'w2': shape\[2\] = I: expected 8 \(I=8 from earlier arguments\), got 7"):
+    with pytest.raises(ShapeError, match=r"argument 'w2': shape\[2\] = I: expected 8 \(I=8 from w13\), got 7"):
         moe_fused_gemm(**a, registry=reg)
 
 
@@ -147,3 +147,18 @@ def test_rmsnorm_eps_must_be_a_positive_number(reg, eps):
     with pytest.raises(ArgumentError, match="fused_add_rmsnorm: argument 'eps'"):
         fused_add_rmsnorm(x, np.zeros_like(x), np.ones(8, np.float32), eps=eps, registry=reg)
     assert (x == 1).all()  # nothing ran
+
+
+def test_read_only_output_and_misspelt_argument(reg):
+    """A read-only NumPy output is refused before the call (NumPy's flag is a promise); an
+    array name the manifest does not know is an error, not silently dropped."""
+    x, residual, w = np.ones((2, 8), np.float32), np.zeros((2, 8), np.float32), np.ones(8, np.float32)
+    residual.flags.writeable = False
+    from ex_engine import fused_add_rmsnorm
+    with pytest.raises(LayoutError, match="argument 'residual': writable: expected a writable array"):
+        fused_add_rmsnorm(x, residual, w, registry=reg)
+    assert (x == 1).all()
+    a = moe_args()
+    with pytest.raises(ArgumentError, match="argument 'expert_mapp': unknown argument"):
+        reg.dispatch("moe_fused_gemm", {**a, "out": np.empty_like(a["hidden_states"]),
+                                        "expert_mapp": np.arange(4, dtype=np.int32)})
