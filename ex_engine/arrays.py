@@ -106,8 +106,11 @@ class Bits16:
     library that has no bf16 dtype (CuPy without ml_dtypes support). ``as_bfloat16(bits)``."""
 
     def __init__(self, bits, dtype: str = "bfloat16"):
-        if getattr(bits, "dtype", None) is None or bits.dtype.itemsize != 2:
-            raise TypeError(f"Bits16: expected a 2-byte integer array, got {type(bits).__name__}")
+        dt = getattr(bits, "dtype", None)
+        if dt is None or dt.itemsize != 2 or getattr(dt, "kind", "u") not in "ui":
+            # a float16 array here would be reinterpreted bit for bit (its values lost)
+            got = type(bits).__name__ if dt is None else f"{type(bits).__name__} of dtype {dt}"
+            raise TypeError(f"Bits16: expected a 2-byte integer array (uint16 or int16 bit patterns), got {got}")
         self.bits, self.dtype = bits, dtype
 
     @property

@@ -162,3 +162,12 @@ def test_read_only_output_and_misspelt_argument(reg):
     with pytest.raises(ArgumentError, match="argument 'expert_mapp': unknown argument"):
         reg.dispatch("moe_fused_gemm", {**a, "out": np.empty_like(a["hidden_states"]),
                                         "expert_mapp": np.arange(4, dtype=np.int32)})
+
+
+def test_as_bfloat16_takes_bit_patterns_only():
+    """float16 (or float32) values handed to as_bfloat16 would be reinterpreted bit for bit."""
+    from ex_engine.arrays import as_bfloat16
+    assert as_bfloat16(np.zeros(4, np.uint16)).dtype == "bfloat16"
+    for bad in (np.zeros(4, np.float16), np.zeros(4, np.float32)):
+        with pytest.raises(TypeError, match="expected a 2-byte integer array .* got ndarray of dtype"):
+            as_bfloat16(bad)
