@@ -8,6 +8,7 @@ ml_dtypes and CuPy without bfloat16 support still work.
 """
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +30,8 @@ def _dtype_name(dt) -> str:
     name = getattr(dt, "name", None) or str(dt)
     name = name.replace("torch.", "")
     name = {"half": "float16", "float": "float32", "double": "float64"}.get(name, name)
+    if getattr(dt, "byteorder", "=") == (">" if sys.byteorder == "little" else "<"):
+        name += " (non-native byte order)"  # matches no manifest dtype: refused, never misread
     try:
         _NAME_CACHE[dt] = name
     except TypeError:
@@ -111,6 +114,10 @@ class Bits16:
             # a float16 array here would be reinterpreted bit for bit (its values lost)
             got = type(bits).__name__ if dt is None else f"{type(bits).__name__} of dtype {dt}"
             raise TypeError(f"Bits16: expected a 2-byte integer array (uint16 or int16 bit patterns), got {got}")
+        if getattr(dt, "byteorder", "=") == (">" if sys.byteorder == "little" else "<"):
+            raise TypeError(f"Bits16: expected bit patterns in native byte order, got dtype {dt.str}")
+        if dtype not in ("bfloat16", "float16"):
+            raise ValueError(f"Bits16: dtype: expected 'bfloat16' or 'float16', got {dtype!r}")
         self.bits, self.dtype = bits, dtype
 
     @property
@@ -220,8 +227,9 @@ class TensorRef:
     def raw(self):
         """A NumPy/CuPy array over the same memory; bfloat16 appears as uint16 bits."""
         x = self.obj
-        if isinstance(x, Bits16):
-            return x.bits.view(get_xp(x.bits).uint16)
+        if isinstance(x, Bits16):  # bfloat16 as its bits; float16 as the values the bits are
+            xp = get_xp(x.bits)
+            return x.bits.view(xp.uint16 if x.dtype == "bfloat16" else xp.float16)
         if self.kind == "torch":
             import torch
             x = x.detach()   # same memory; numpy()/__cuda_array_interface__ refuse requires_grad

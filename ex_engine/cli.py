@@ -105,12 +105,12 @@ def cmd_run_moe(args) -> int:
     reg = _registry(args)
     models = sorted(load_models()) if args.model == "all" else [args.model]
     ok = True
-    for i, m in enumerate(models):
-        for T in args.tokens:
-            if len(models) > 1 or len(args.tokens) > 1:
-                print(f"[{i + 1}/{len(models)}] ", end="")
-            res = run_moe(m, T, dtype=args.dtype, seed=args.seed, repeat=args.repeat, registry=reg)
-            ok &= res["ok"]
+    runs = [(m, T) for m in models for T in args.tokens]
+    for i, (m, T) in enumerate(runs):
+        if len(runs) > 1:
+            print(f"[{i + 1}/{len(runs)}] ", end="")
+        res = run_moe(m, T, dtype=args.dtype, seed=args.seed, repeat=args.repeat, registry=reg)
+        ok &= res["ok"]
     print("stats:", json.dumps(reg.stats()))
     return 0 if ok else 1
 

@@ -98,6 +98,8 @@ def elf_sections(data: bytes) -> dict:
     (a truncated library)."""
     if data[:4] != b"\x7fELF":
         raise FatbinError("not an ELF file")
+    if len(data) < 0x40:
+        raise TruncatedElfError(f"ELF header cut short ({len(data)} of 64 B): truncated")
     if data[4] != 2 or data[5] != 1:
         raise FatbinError(f"not a 64-bit little-endian ELF (class {data[4]}, data {data[5]})")
     try:

@@ -77,7 +77,12 @@ class Hardware:
                 f" (the profiles folder {folder} does not exist: check EX_ENGINE_MANIFESTS)")
             raise FactorError(f"hardware profile '{name_or_path}': no such profile; "
                               f"expected one of {list_profiles()} or a path to a YAML file{where}")
-        data = yaml.safe_load(path.read_text()) or {}
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except (OSError, ValueError, yaml.YAMLError) as exc:
+            raise FactorError(f"hardware profile {path}: malformed ({type(exc).__name__}: {exc})") from None
+        if not isinstance(data, dict):
+            raise FactorError(f"hardware profile {path}: expected a mapping of fields, got {type(data).__name__}")
         missing = [f for f in ("name",) + FIELDS if f not in data]
         if missing:
             raise FactorError(f"hardware profile {path}: missing fields {missing}")

@@ -104,8 +104,14 @@ class Manifest:
                     device_flags={int(k): str(v) for k, v in (d.get("device_flags") or {}).items()},
                     memory=str(d.get("memory", "device")),
                     path=str(path))
-        except (KeyError, TypeError, ValueError, yaml.YAMLError) as exc:
+        except (KeyError, TypeError, ValueError, OSError, yaml.YAMLError) as exc:
             raise FactorError(f"manifest {path}: malformed ({type(exc).__name__}: {exc})") from exc
+        except FactorError as exc:  # a field's own check (a shape entry, say): name the file
+            raise FactorError(f"manifest {path}: {exc}") from exc
+        for k, spec in m.params.items():
+            if not isinstance(spec, dict) or spec.get("type", "float") not in ("float", "int", "bool"):
+                raise FactorError(f"manifest {path}: params: {k}: expected {{type: float | int | bool, "
+                                  f"default: ...}}, got {spec!r}")
         if m.memory not in ("device", "host"):
             raise FactorError(f"manifest {path}: memory: expected 'device' or 'host', got {m.memory!r}")
         if m.input.same_as_output:
@@ -129,6 +135,14 @@ class Manifest:
     def user_tensors(self) -> list:
         """Array specs the caller provides (no workspace; an in-place input counted once)."""
         return [t for t in self.tensors if t.role != "workspace" and not t.same_as_output]
+
+    @property
+    def user_names(self) -> frozenset:
+        """Names of user_tensors (computed once)."""
+        names = self.__dict__.get("_user_names")
+        if names is None:
+            names = self.__dict__["_user_names"] = frozenset(t.name for t in self.user_tensors)
+        return names
 
     @property
     def workspace_index(self) -> int | None:
@@ -164,14 +178,14 @@ class Manifest:
                 if isinstance(v, bool) or not isinstance(v, int):
                     raise ArgumentError(self.name, k, "type", "an int", repr(v))
             else:
-                if isinstance(v, (str, bytes)):  # float('1e-6') would parse it
+                if isinstance(v, (str, bytes, bool)):  # float('1e-6') would parse it; True is no eps
                     raise ArgumentError(self.name, k, "type", "a number", repr(v))
                 try:
                     v = float(v)
                 except (TypeError, ValueError):
                     raise ArgumentError(self.name, k, "type", "a number", repr(v)) from None
-                if "gt" in spec and not v > float(spec["gt"]):  # NaN fails too
-                    raise ArgumentError(self.name, k, "value", f"a number > {spec['gt']}", repr(v))
+                if "gt" in spec and not float(spec["gt"]) < v < float("inf"):  # NaN fails too
+                    raise ArgumentError(self.name, k, "value", f"a finite number > {spec['gt']}", repr(v))
             out[k] = v
         return out
 
@@ -327,8 +341,8 @@ def load_all(folder, errors: dict | None = None) -> dict:
                 d = yaml.safe_load(p.read_text())
             except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
                 raise FactorError(f"manifest {p}: malformed ({type(exc).__name__}: {exc})") from exc
-            if isinstance(d, dict) and "dims" in d and "name" in d:
-                out[d["name"]] = Manifest.load(p)
+            if isinstance(d, dict) and "name" in d and ("dims" in d or "id" in d):
+                out[d["name"]] = Manifest.load(p)  # a factor manifest (one missing a key is named)
         except FactorError as exc:
             if errors is None:
                 raise

@@ -32,11 +32,17 @@ class MoEShape:
 
 
 def load_models(path=None) -> dict:
-    """model name -> MoEShape, from manifests/moe_models.yaml (copied from shared/)."""
-    data = yaml.safe_load(open(path or _paths.manifests_dir() / "moe_models.yaml"))
-    return {name: MoEShape(name, int(m["H"]), int(m["I"]), int(m["E"]), int(m["K"]),
-                           bool(m.get("renormalize", False)))
-            for name, m in data["models"].items()}
+    """model name -> MoEShape, from manifests/moe_models.yaml (copied from shared/).
+    Raises FactorError naming the file if it cannot be read or lacks a field."""
+    path = path or _paths.manifests_dir() / "moe_models.yaml"
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f)
+        return {name: MoEShape(name, int(m["H"]), int(m["I"]), int(m["E"]), int(m["K"]),
+                               bool(m.get("renormalize", False)))
+                for name, m in data["models"].items()}
+    except (OSError, KeyError, TypeError, ValueError, AttributeError, yaml.YAMLError) as exc:
+        raise FactorError(f"model list {path}: malformed or unreadable ({type(exc).__name__}: {exc})") from None
 
 
 def model_shape(name: str) -> MoEShape:
@@ -176,8 +182,10 @@ def run_moe(model: str, tokens: int, dtype: str = "bfloat16", seed: int = 0, rep
     echo(f"  {'factor':<15} {'served by':<16} {'time (µs)':>11}  check")
     echo(f"  {'topk_softmax':<15} {paths['topk_softmax']:<16} {t_router:>11.1f}  ids "
          f"{'equal' if ids_ok else 'DIFFER'}, weights rel err {w_err:.1e} (tol 1e-5)")
+    rate = flops / t_moe / 1e6  # TFLOP/s
+    rate = f"{rate:.1f} TFLOP/s" if rate >= 0.1 else f"{rate * 1e3:.2f} GFLOP/s"
     echo(f"  {'moe_fused_gemm':<15} {paths['moe_fused_gemm']:<16} {t_moe:>11.1f}  rel err vs float64 "
-         f"{err:.2e} (tol {tol:g}); {flops / t_moe / 1e6:.1f} TFLOP/s (eager, host-timed)")
+         f"{err:.2e} (tol {tol:g}); {rate} (eager, host-timed)")
     echo("  PASS" if ok else "  FAIL")
     return {"model": model, "tokens": tokens, "dtype": dtype, "paths": paths, "ids_equal": ids_ok,
             "router_weight_err": w_err, "rel_err": err, "tolerance": tol,

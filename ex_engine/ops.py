@@ -85,9 +85,12 @@ def topk_softmax(router_logits, top_k: int, renormalize: bool = False, *, topk_w
     Returns (topk_weights, topk_ids). Raises ArgumentError (top_k not an int >= 1), DTypeError,
     ShapeError (K > E, or outputs given with another K), LayoutError, DeviceError, KernelError.
     """
-    if isinstance(top_k, bool) or not hasattr(top_k, "__index__"):
-        raise ArgumentError("topk_softmax", "top_k", "type", "an int >= 1", repr(top_k))
-    top_k = operator.index(top_k)
+    try:
+        if isinstance(top_k, bool):
+            raise TypeError
+        top_k = operator.index(top_k)
+    except TypeError:
+        raise ArgumentError("topk_softmax", "top_k", "type", "an int >= 1", repr(top_k)) from None
     if top_k < 1:
         raise ArgumentError("topk_softmax", "top_k", "value", "an int >= 1", top_k)
     for name, arr in (("topk_weights", topk_weights), ("topk_ids", topk_ids)):

@@ -180,6 +180,9 @@ class FactorRegistry:
             self.no_gpu_note = "no GPU visible: plugins checked against profile h200, calls use the Python fallbacks"
         if lock_mode not in ("refuse", "warn"):
             raise FactorError(f"lock_mode: expected 'refuse' or 'warn', got {lock_mode!r}")
+        if lock_mode == "warn" and not lock:
+            raise FactorError("lock_mode='warn': expected together with lock= (a lock file, or True), "
+                              f"got lock={lock!r}")
         if probe not in (None, "subprocess"):
             raise FactorError(f"probe: expected None or 'subprocess', got {probe!r}")
         self.hardware: Hardware = hw
@@ -512,22 +515,28 @@ class FactorRegistry:
         sig = (name, tuple((k, r.dtype, r.shape, r.strides, r.device, r.contiguous)
                            for k, r in refs_by_name.items()),
                tuple((k, type(v), v) for k, v in params.items()) if params else ())
-        hit = self._bind_cache.get(sig)
+        try:
+            hit = self._bind_cache.get(sig)
+            cacheable = True
+        except TypeError:  # an unhashable parameter value (a 0-d array, a list): bound, not cached
+            hit, cacheable = None, False
         dims_c = None
         try:
+            # a misspelt array name would otherwise be dropped silently (on a cache hit every
+            # non-None name is known already: only None values need the check)
+            if (hit is None or len(arrays) != len(refs_by_name)) and not m.user_names.issuperset(arrays):
+                bad = sorted(set(arrays) - m.user_names)[0]
+                raise ArgumentError(name, bad, "unknown argument", f"one of {sorted(m.user_names)}", repr(bad))
             if hit is None:
-                unknown = sorted(set(arrays) - {t.name for t in m.user_tensors})
-                if unknown:  # a misspelt optional array would otherwise be dropped silently
-                    raise ArgumentError(name, unknown[0], "unknown argument",
-                                        f"one of {sorted(t.name for t in m.user_tensors)}", repr(unknown[0]))
                 refs, dims, sizes, pvals, device = m.bind(refs_by_name, params, self.tuning.value)
                 if len(self._bind_cache) > 4096:
                     self._bind_cache.clear()
                 tensors = m.tensors
-                self._bind_cache[sig] = ([s.name if not s.same_as_output else m.output.name
+                dims_c = abi.ffi.new("int64_t[]", dims)
+                if cacheable:
+                    self._bind_cache[sig] = ([s.name if not s.same_as_output else m.output.name
                                           for s in tensors], [s.name for s in tensors],
-                                         m.workspace_index, dims, sizes, pvals, device,
-                                         abi.ffi.new("int64_t[]", dims))
+                                         m.workspace_index, dims, sizes, pvals, device, dims_c)
             else:
                 order, names, ws, dims, sizes, pvals, device, dims_c = hit
                 refs = [refs_by_name.get(n) for n in order]

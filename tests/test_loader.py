@@ -156,9 +156,9 @@ def test_truncated_elf_is_rejected_before_dlopen(tmp_path):
     from ex_engine import fatbin
     good = build_plugin(tmp_path / "src")
     data = good.read_bytes()
-    cuts = [len(data) // 4, len(data) // 2, len(data) - 64]
+    cuts = [4, 5, 63, len(data) // 4, len(data) // 2, len(data) - 64]
     for cut in cuts:
-        with pytest.raises(fatbin.TruncatedElfError, match="beyond the end of the file"):
+        with pytest.raises(fatbin.TruncatedElfError, match="truncated"):
             fatbin.check_segments(data[:cut]) or fatbin.elf_sections(data[:cut])
     fatbin.check_segments(data)  # the whole file passes
     big = ROOT / "factors" / "topk_softmax.so"  # a real plugin, ~20 MB: the case that crashed
@@ -210,7 +210,7 @@ def test_a_malformed_manifest_rejects_only_its_plugin(tmp_path):
     mdir, plugins = tmp_path / "manifests", tmp_path / "plugins"
     mdir.mkdir()
     shutil.copy(ROOT / "tests" / "plugins" / "host_scale.yaml", mdir / "host_scale.yaml")
-    (mdir / "host_scale_bad.yaml").write_text("name: host_scale_bad\nid: 0\n")  # no dims: not a manifest
+    (mdir / "host_scale_bad.yaml").write_text("name: host_scale_bad\nid: 0\n")  # no dims: malformed too
     (mdir / "broken.yaml").write_text("name: broken\ndims: [T\n")
     build_plugin(plugins, manifest=False)
     build_plugin(plugins, "broken", manifest=False, defines={"NAME": '"broken"', "FACTOR_ID": 1102})
@@ -219,3 +219,44 @@ def test_a_malformed_manifest_rejects_only_its_plugin(tmp_path):
     assert broken.status == "rejected" and "broken.yaml: malformed" in broken.reason, broken.reason
     assert any("broken.yaml: malformed" in n for n in reg.notes), reg.notes
     assert call(reg)[0] == "plugin"
+
+
+def test_manifest_problems_name_the_file_and_spare_the_rest(tmp_path, monkeypatch):
+    """An unreadable manifest beside a plugin (here a folder in its place), a misspelt key and a
+    bad params entry each refuse only their plugin, naming the file; a malformed hardware
+    profile or model list is a FactorError naming the file, not a traceback."""
+    import shutil
+    from ex_engine import FactorError
+    from ex_engine.hardware import Hardware
+    from ex_engine.moe_layer import load_models
+    folder = tmp_path / "plugins"
+    build_plugin(folder)
+    for stem, text in (("a", None), ("b", "name: host_scale_b\nid: 1102\ndim: [N]\n"),
+                       ("c", None)):
+        name = f"host_scale_{stem}"
+        build_plugin(folder, stem, defines={"NAME": f'"{name}"', "FACTOR_ID": 1101 + ord(stem) - 97})
+        (folder / f"{name}.yaml").unlink()
+        if stem == "a":
+            (folder / f"{name}.yaml").mkdir()
+        elif stem == "b":
+            (folder / f"{name}.yaml").write_text(text)
+        else:
+            good = (ROOT / "tests" / "plugins" / "host_scale.yaml").read_text()
+            (folder / f"{name}.yaml").write_text(good.replace("name: host_scale", f"name: {name}")
+                                                 .replace("id: 1100", "id: 1103") + "params: {alpha2: 3}\n")
+    reg = FactorRegistry.load(folder, hardware="h200")
+    st = {p.path.stem: p for p in reg.plugins}
+    assert "host_scale_a.yaml: malformed (IsADirectoryError" in st["a"].reason, st["a"].reason
+    assert "host_scale_b.yaml: malformed (KeyError: 'dims')" in st["b"].reason, st["b"].reason
+    assert "host_scale_c.yaml: params: alpha2: expected" in st["c"].reason, st["c"].reason
+    assert call(reg)[0] == "plugin"
+
+    mdir = tmp_path / "manifests"
+    shutil.copytree(ROOT / "manifests", mdir)
+    (mdir / "hardware" / "h200.yaml").write_text("name: [\n")
+    (mdir / "moe_models.yaml").write_text("models: [\n")
+    monkeypatch.setenv("EX_ENGINE_MANIFESTS", str(mdir))
+    with pytest.raises(FactorError, match="hardware profile .*h200.yaml: malformed"):
+        Hardware.from_profile("h200")
+    with pytest.raises(FactorError, match="model list .*moe_models.yaml: malformed"):
+        load_models()

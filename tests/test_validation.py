@@ -120,7 +120,7 @@ def test_errors_are_counted(reg):
     assert reg.stats()["moe_fused_gemm"]["errors"] == before + 1
 
 
-@pytest.mark.parametrize("top_k", [0, -1, 2.0, "4", None, True])
+@pytest.mark.parametrize("top_k", [0, -1, 2.0, "4", None, True, np.array(2.0), np.array([2])])
 def test_top_k_must_be_a_positive_int(reg, top_k):
     lg = np.random.default_rng().standard_normal((3, 8)).astype(np.float32)
     with pytest.raises(ArgumentError, match="topk_softmax: argument 'top_k'.*expected an int >= 1"):
@@ -140,7 +140,7 @@ def test_top_k_must_match_the_outputs_given(reg):
     assert w2 is w and i2 is ids and np.allclose(w.sum(axis=1), 1.0, atol=1e-6)
 
 
-@pytest.mark.parametrize("eps", [0.0, -10.0, float("nan"), "1e-6"])
+@pytest.mark.parametrize("eps", [0.0, -10.0, float("nan"), float("inf"), True, "1e-6", [1e-6]])
 def test_rmsnorm_eps_must_be_a_positive_number(reg, eps):
     from ex_engine import fused_add_rmsnorm
     x = np.ones((2, 8), np.float32)
@@ -171,3 +171,34 @@ def test_as_bfloat16_takes_bit_patterns_only():
     for bad in (np.zeros(4, np.float16), np.zeros(4, np.float32)):
         with pytest.raises(TypeError, match="expected a 2-byte integer array .* got ndarray of dtype"):
             as_bfloat16(bad)
+
+
+def test_bits16_float16_tag_byte_order_and_array_parameters(reg):
+    """Bits16(..., 'float16') computes on the values its bits are; other tags and non-native byte
+    orders are refused; a 0-d array parameter (unhashable) is checked and accepted, not a raw
+    TypeError; a misspelt name passed as None is refused also on a cached call."""
+    from ex_engine import fused_add_rmsnorm
+    from ex_engine.arrays import Bits16
+    vals = np.array([[1.0, 2.0, 0.5, 0.0]], np.float16)
+    w16, ids16 = topk_softmax(Bits16(vals.view(np.uint16), "float16"), 2, registry=reg)
+    w, ids = topk_softmax(vals, 2, registry=reg)
+    assert (ids16 == ids).all() and np.allclose(w16, w) and abs(w16[0, 0] - 0.5793) < 1e-3
+    with pytest.raises(ValueError, match="expected 'bfloat16' or 'float16', got 'float32'"):
+        Bits16(np.zeros(4, np.uint16), "float32")
+    with pytest.raises(TypeError, match="native byte order"):
+        Bits16(np.zeros(4, ">u2"))
+    with pytest.raises(DTypeError, match="non-native byte order"):
+        topk_softmax(np.ones((2, 8), ">f4"), 2, registry=reg)
+    x, r, g = np.ones((2, 8), np.float32), np.zeros((2, 8), np.float32), np.ones(8, np.float32)
+    fused_add_rmsnorm(x, r, g, eps=np.array(1e-6), registry=reg)
+    assert np.allclose(x, 1.0, atol=1e-3)
+    a = dict(moe_args(), out=np.empty((3, 16), np.float16))
+    reg.dispatch("moe_fused_gemm", a)
+    with pytest.raises(ArgumentError, match="argument 'expert_mapp': unknown argument"):
+        reg.dispatch("moe_fused_gemm", {**a, "expert_mapp": None})   # same signature: cached
+
+
+def test_lock_warn_needs_a_lock(tmp_path):
+    from ex_engine import FactorError
+    with pytest.raises(FactorError, match="lock_mode='warn': expected together with lock="):
+        FactorRegistry.load(tmp_path, hardware="h200", lock_mode="warn")
