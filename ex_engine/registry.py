@@ -330,6 +330,11 @@ class FactorRegistry:
         return f"not a loadable shared library: {text}"
 
     def _load_one(self, path: Path) -> Plugin:
+        # the same file again (load_folder twice, say): its record, not a duplicate; a process
+        # holds one copy of a library, so opening it again could not see a rebuilt file anyway
+        for q in self.plugins:
+            if q.path.resolve() == path.resolve():
+                return q
         p = Plugin(path=path)
         self.plugins.append(p)
         try:

@@ -202,3 +202,18 @@ def test_lock_warn_needs_a_lock(tmp_path):
     from ex_engine import FactorError
     with pytest.raises(FactorError, match="lock_mode='warn': expected together with lock="):
         FactorRegistry.load(tmp_path, hardware="h200", lock_mode="warn")
+
+
+def test_router_logits_wider_than_the_experts_asks_for_the_map_and_a_folder_loads_once(reg, tmp_path):
+    """router_logits over more experts than w13 holds means a missing expert_map (expert
+    parallelism): the error names expert_map and says where G and E came from."""
+    a = moe_args(E=4)
+    lg = np.zeros((3, 5), np.float32)
+    with pytest.raises(ShapeError, match=r"argument 'expert_map': G == E .*got G=5 \(from router_logits\), "
+                                         r"E=4 \(from w13\)"):
+        moe_fused_gemm(**a, router_logits=lg, registry=reg)
+    from tests.conftest import build_plugin
+    build_plugin(tmp_path)
+    r = FactorRegistry.load(tmp_path, hardware="h200")
+    again = r.load_folder(tmp_path)
+    assert len(r.plugins) == 1 and again[0] is r.plugins[0] and r.get("host_scale").status == "ready"
