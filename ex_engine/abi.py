@@ -57,6 +57,8 @@ ex_factor_t* ex_get_factor(const ex_hardware_t* hw);
 
 ffi = FFI()
 ffi.cdef(CDEF)
+# EX_FACTOR_BUILTIN_LAST (1023): ids 0..it are ex_engine's own factors (from the cdef above)
+FACTOR_BUILTIN_LAST = ffi.typeof("ex_factor_id_t").relements["EX_FACTOR_BUILTIN_LAST"]
 # A second FFI that includes the types and adds the plugin's two symbols; kept apart so that
 # opening a library that lacks one symbol fails on first access, not at dlopen.
 lib_ffi = FFI()

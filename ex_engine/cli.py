@@ -15,7 +15,7 @@ from .hardware import Hardware, list_profiles, resolve
 
 
 def token_count(v: str) -> int:
-    """argparse type: an integer T >= 0."""
+    """argparse type: an integer >= 0 (a token count T, a seed)."""
     try:
         n = int(v)
     except ValueError:
@@ -215,7 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--tokens", type=token_count, nargs="+", default=[64], help="token counts T >= 0 (default: 64)")
     q.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16",
                    help="activation and weight dtype (default: %(default)s)")
-    q.add_argument("--seed", type=int, default=0, help="random seed (default: %(default)s)")
+    q.add_argument("--seed", type=token_count, default=0, help="random seed >= 0 (default: %(default)s)")
     q.add_argument("--repeat", type=int, default=10, help="timed calls per factor on a GPU (default: %(default)s)")
     q.set_defaults(fn=cmd_run_moe)
     # `ex-engine run` without a job: run's own help (bind p now: p is rebound below)
@@ -228,7 +228,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "table and the call counters. Without a GPU only host factors "
                                    "run. Exit status 1 if a case failed.")
     common(p)
-    p.add_argument("--seed", type=int, default=0, help="random seed (default: %(default)s)")
+    p.add_argument("--seed", type=token_count, default=0, help="random seed >= 0 (default: %(default)s)")
     p.set_defaults(fn=cmd_verify)
 
     p = sub.add_parser("lock", help="write the SHA-256 of every plugin library to a lock file",

@@ -256,6 +256,15 @@ def _zero(out) -> None:
 # ---------------------------------------------------------------------------------------------
 # the layer
 # ---------------------------------------------------------------------------------------------
+def _both_or_neither(fn: str, rank, world_size) -> None:
+    """Raise ArgumentError unless rank and world_size are both given or both None (then both
+    come from torch.distributed: one alone would mix a caller's rank with another world)."""
+    if (rank is None) != (world_size is None):
+        given, missing = ("rank", "world_size") if world_size is None else ("world_size", "rank")
+        raise ArgumentError(fn, missing, f"given with {given}",
+                            "both rank and world_size, or neither (from torch.distributed)", f"{given} only")
+
+
 class ExpertParallelMoE:
     """This rank's experts of one MoE layer, and the expert-parallel forward.
 
@@ -287,6 +296,7 @@ class ExpertParallelMoE:
         argument (fn 'ExpertParallelMoE').
         """
         fn = "ExpertParallelMoE"
+        _both_or_neither(fn, rank, world_size)
         if rank is None or world_size is None:
             r, n = self._dist_rank_world(group)
             rank = r if rank is None else rank
@@ -344,11 +354,7 @@ class ExpertParallelMoE:
             raise ShapeError("ExpertParallelMoE.from_global", "w2", "shape", f"({r13.shape[0]}, H, I)",
                              r2.shape)
         G = r13.shape[0]
-        if (rank is None) != (world_size is None):
-            given, missing = ("rank", "world_size") if world_size is None else ("world_size", "rank")
-            raise ArgumentError("ExpertParallelMoE.from_global", missing, f"given with {given}",
-                                "both rank and world_size, or neither (from torch.distributed)",
-                                f"{given} only")
+        _both_or_neither("ExpertParallelMoE.from_global", rank, world_size)
         if rank is None:
             r, n = cls._dist_rank_world(group)
             rank = r if rank is None else rank

@@ -56,7 +56,9 @@ class TensorSpec:
 
     @classmethod
     def from_yaml(cls, d: dict, role: str) -> "TensorSpec":
-        spec = cls(name=d["name"], role=d.get("role", role), shape=list(d.get("shape", [])),
+        # an in-place input may omit its name: it is the output's (Manifest.load copies it)
+        name = d.get("name", "") if d.get("same_as_output") else d["name"]
+        spec = cls(name=name, role=d.get("role", role), shape=list(d.get("shape", [])),
                    dtypes=list(d.get("dtype", [])), optional=bool(d.get("optional", False)),
                    same_dtype_as=d.get("same_dtype_as"), row_strided=bool(d.get("row_strided")),
                    same_as_output=bool(d.get("same_as_output")), values=d.get("values"),
@@ -114,6 +116,9 @@ class Manifest:
                                   f"default: ...}}, got {spec!r}")
         if m.memory not in ("device", "host"):
             raise FactorError(f"manifest {path}: memory: expected 'device' or 'host', got {m.memory!r}")
+        problem = m._structure_problem()
+        if problem:
+            raise FactorError(f"manifest {path}: {problem}")
         if m.input.same_as_output:
             m.input = TensorSpec(**{**m.output.__dict__, "role": "input", "same_as_output": True})
         m._constraints = [_CONSTRAINT.match(c) for c in m.constraints]
@@ -124,6 +129,41 @@ class Manifest:
         if not all(m._constraints) or not all(c for _, c in m._absent):
             raise FactorError(f"manifest {path}: constraint not of the form 'A <= B': {m.constraints}")
         return m
+
+    def _structure_problem(self) -> str:
+        """What in the manifest's cross-references is wrong ('' if nothing): every dim has a size
+        or a source, every source names an existing array, parameter or size, constraints
+        compare known sizes, dtypes and roles are known ones (checked at load, so that a broken
+        manifest refuses its plugin there instead of failing every call)."""
+        arrays = [self.output, self.input, *self.aux]
+        names = {t.name for t in arrays}
+        syms = {sym for t in arrays for _, sym in t.parsed if sym is not None}
+        for t in arrays:
+            if t.role not in ("input", "output", "inout", "workspace"):
+                return f"{t.name}: role: expected input, output, inout or workspace, got {t.role!r}"
+            bad = [d for d in t.dtypes if d not in abi.DTYPE_CODES]
+            if bad:
+                return f"{t.name}: dtype: expected some of {sorted(abi.DTYPE_CODES)}, got {bad}"
+            if t.same_dtype_as is not None and t.same_dtype_as not in names:
+                return f"{t.name}: same_dtype_as: expected an array of the manifest, got {t.same_dtype_as!r}"
+        kinds = {"dtype_of": names, "row_stride_of": names, "param": set(self.params),
+                 "default_dim": syms, "tuned": None}
+        for d, src in self.dim_sources.items():
+            kind = next((k for k in kinds if isinstance(src, dict) and k in src), None)
+            if kind is None:
+                return f"dim_sources: {d}: expected one of {sorted(kinds)}, got {src!r}"
+            if kinds[kind] is not None and src[kind] not in kinds[kind]:
+                return f"dim_sources: {d}: {kind}: expected one of {sorted(kinds[kind])}, got {src[kind]!r}"
+        for d in self.dims:
+            if d not in syms and d not in self.dim_sources:
+                return f"dims: {d}: expected a size of an array's shape or a dim_sources entry, got neither"
+        known = syms | set(self.dim_sources)
+        for text in self.constraints + [t.absent_requires for t in self.aux if t.absent_requires]:
+            m = _CONSTRAINT.match(str(text))
+            unknown = [s for s in (m.groups()[::2] if m else []) if not s.isdigit() and s not in known]
+            if unknown:
+                return f"constraint {text!r}: {unknown[0]} is no size of the manifest's arrays"
+        return ""
 
     # ------------------------------------------------------------------------------------
     @property
@@ -153,11 +193,19 @@ class Manifest:
         return None
 
     def fallback_fn(self):
-        """The Python fallback callable named by 'module:function', or None."""
+        """The Python fallback callable named by 'module:function', or None. Raises FactorError
+        naming the manifest if it cannot be imported or is not callable."""
         if not self.fallback:
             return None
         mod, _, fn = self.fallback.partition(":")
-        return getattr(importlib.import_module(mod), fn)
+        try:
+            f = getattr(importlib.import_module(mod), fn)
+        except Exception as exc:  # ImportError, AttributeError, or the module's own error
+            raise FactorError(f"manifest {self.path}: fallback {self.fallback!r} cannot be loaded "
+                              f"({type(exc).__name__}: {exc})") from None
+        if not callable(f):
+            raise FactorError(f"manifest {self.path}: fallback {self.fallback!r} is not callable")
+        return f
 
     def param_values(self, params: dict) -> dict:
         """User parameters with defaults filled in and types checked."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import re
 import threading
+import warnings
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -293,6 +294,8 @@ class FactorRegistry:
                   f"sha256 mismatch: lock has no entry for '{p.path.name}', file has {p.sha256}")
         detail += f" (lock {lock_path})"
         if self.lock_mode == "warn":
+            self.notes.append(f"lock: {p.path.name}: {detail}; loaded anyway (lock_mode=warn)")
+            warnings.warn(f"{p.path}: {detail}; loaded anyway (lock_mode=warn)", stacklevel=3)
             return p.check("sha256 lock", True, "warning: " + detail + "; loaded anyway (lock_mode=warn)",
                            warn=True)
         return p.check("sha256 lock", False, detail + "; not opened")
@@ -408,6 +411,26 @@ class FactorRegistry:
         if not p.require("manifest id", m.id == p.factor_id,
                        f"expected id {m.id} (from {m.path}), library says {p.factor_id}"):
             return p
+        # ids 0..EX_FACTOR_BUILTIN_LAST are ex_engine's own: a library of another name cannot take
+        # one that a built-in manifest owns (it would shadow the built-in by version or priority)
+        owner = next((q.name for q in self.manifests.values() if q.id == p.factor_id), None)
+        if not p.require("factor id", not (p.factor_id <= abi.FACTOR_BUILTIN_LAST and owner not in (None, p.name)),
+                       f"id {p.factor_id} is reserved for ex_engine's '{owner}' (ids 0-{abi.FACTOR_BUILTIN_LAST}); "
+                       f"third-party factors take ids from {abi.FACTOR_BUILTIN_LAST + 1}"):
+            return p
+        gpu_code = bool(p.cuda_code and (p.cuda_code.get("sass") or p.cuda_code.get("ptx")))
+        if not p.require("memory", not (m.memory == "host" and gpu_code),
+                       f"manifest {m.path} says memory: host (host pointers) but the library carries GPU "
+                       "code: a host factor's library must not be a CUDA one"):
+            return p
+        if m.fallback:
+            try:
+                m.fallback_fn()
+                ok, detail = True, m.fallback
+            except FactorError as exc:
+                ok, detail = False, str(exc)
+            if not p.require("python fallback", ok, detail):
+                return p
         elem = min((abi.DTYPE_BYTES.get(d, 4) for d in (m.input.dtypes or ["float32"])), default=4)
         for c in check_tuning(p.tuning, self.hardware, elem):
             p.check(c.name, c.ok, c.detail)  # "expected <= limit, got value": informative either way
@@ -415,7 +438,10 @@ class FactorRegistry:
             return p
         if self.verify:
             from .verify import verify_at_load
-            ok, detail = verify_at_load(self, p)
+            try:
+                ok, detail = verify_at_load(self, p)
+            except Exception as exc:  # a manifest's test_shapes or tolerance it cannot use, say
+                ok, detail = False, f"could not run: {type(exc).__name__}: {exc} (manifest {m.path})"
             if not p.check("verify", ok, detail):
                 return p
         p.status, p.reason = "ready", ""

@@ -2,8 +2,8 @@
 
 A factor whose manifest has a dim with ``dim_sources: {NAME: {tuned: DEFAULT}}`` gets that
 dim from this table: the entry for the call's shape (the keys the file lists, e.g. H, I, G, K)
-and the largest tuned T not above the call's T (the smallest tuned T below it). A shape the file
-does not list runs on DEFAULT (the kernel's own heuristic) and, on a live GPU, a TuningWarning
+and the largest tuned T not above the call's T (a T below every tuned T runs on DEFAULT, quietly:
+a row tuned at T = 4096 says nothing of T = 1). A shape the file does not list runs on DEFAULT (the kernel's own heuristic) and, on a live GPU, a TuningWarning
 says so once per shape, naming the file and the tuner (benchmarks/tune_moe.py) that fills it.
 
 File format (written by benchmarks/tune_moe.py)::
@@ -33,6 +33,9 @@ from .errors import FactorError
 
 class TuningWarning(UserWarning):
     """A call ran on a default launch choice: no tuned entry for its shape on this device."""
+
+
+BELOW = object()  # lookup(): the shape is tuned, but only for larger T (the default applies, quietly)
 
 
 def tuning_dir() -> Path:
@@ -90,7 +93,8 @@ class FactorTuning:
         return v
 
     def lookup(self, sizes: dict) -> int | None:
-        """The tuned value for these sizes, or None when the shape has no entry."""
+        """The tuned value for these sizes; None when the shape has no entry, BELOW when its rows
+        all lie above the call's T."""
         try:
             shape = tuple(sizes[k] for k in self.key)
         except KeyError:
@@ -100,7 +104,7 @@ class FactorTuning:
             return None
         ts, vs = hit
         i = bisect.bisect_right(ts, sizes.get("T", 0)) - 1
-        return vs[max(i, 0)]
+        return vs[i] if i >= 0 else BELOW  # below every tuned T: the default, not the first row
 
 
 class TuningTable:
@@ -175,6 +179,8 @@ class TuningTable:
             return int(v)
         ft = self.factors.get(factor)
         v = ft.lookup(sizes) if ft is not None and ft.dim == dim else None
+        if v is BELOW:
+            return default
         if v is not None:
             return v
         if self.warn:

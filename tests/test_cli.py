@@ -17,6 +17,12 @@ def test_every_command_has_help(argv, capsys):
     assert "usage: ex-engine" in capsys.readouterr().out
 
 
+def test_seed_must_be_non_negative(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["verify", "--seed", "-1"])
+    assert e.value.code == 2 and "--seed: expected an integer >= 0, got '-1'" in capsys.readouterr().err
+
+
 def test_hardware_json_is_json_alone(capsys):
     """`hardware --json` prints only JSON on stdout: the live GPU's fields, or null without a
     GPU (the remark then goes to stderr)."""

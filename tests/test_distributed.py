@@ -232,6 +232,11 @@ def test_from_global_needs_rank_and_world_size_together(reg):
         ExpertParallelMoE.from_global(w13, w2, rank=1, registry=reg)
     with pytest.raises(ArgumentError, match="'rank'"):
         ExpertParallelMoE.from_global(w13, w2, world_size=2, registry=reg)
+    # and so does the constructor (world_size alone once became rank 0 quietly)
+    with pytest.raises(ArgumentError, match="ExpertParallelMoE: argument 'rank': given with world_size"):
+        ExpertParallelMoE(w13[:2], w2[:2], 4, world_size=2, registry=reg)
+    with pytest.raises(ArgumentError, match="ExpertParallelMoE: argument 'world_size': given with rank"):
+        ExpertParallelMoE(w13[:2], w2[:2], 4, rank=1, registry=reg)
 
 
 def test_init_from_env_names_a_bad_world_size(monkeypatch):

@@ -260,3 +260,50 @@ def test_manifest_problems_name_the_file_and_spare_the_rest(tmp_path, monkeypatc
         Hardware.from_profile("h200")
     with pytest.raises(FactorError, match="model list .*moe_models.yaml: malformed"):
         load_models()
+
+
+def _manifest_variant(folder, stem, name, fid, change):
+    """A host_scale plugin named ``name`` with id ``fid`` whose manifest beside it went through
+    ``change(text) -> text``."""
+    build_plugin(folder, stem, defines={"NAME": f'"{name}"', "FACTOR_ID": fid})
+    text = (ROOT / "tests" / "plugins" / "host_scale.yaml").read_text()
+    text = text.replace("name: host_scale", f"name: {name}").replace("id: 1100", f"id: {fid}")
+    (folder / f"{name}.yaml").write_text(change(text))
+
+
+def test_manifest_cross_references_fallback_and_reserved_ids_are_checked_at_load(tmp_path):
+    """What would fail on every call (a dim with no source, a source naming nothing, an
+    unknown dtype, a fallback that does not import) or hijack a built-in (another name on a
+    reserved id) refuses that plugin at load, naming the file; load(verify=True) survives a
+    manifest whose test shapes it cannot use."""
+    folder = tmp_path / "p"
+    build_plugin(folder)
+    cases = {
+        "dims": (lambda t: t.replace("dims: [N]", "dims: [N, dtyp]"), "dims: dtyp"),
+        "src": (lambda t: t + "dim_sources: {dt: {dtype_of: y}}\n", "dim_sources: dt: dtype_of"),
+        "dtype": (lambda t: t.replace("input: {name: x, shape: [N], dtype: [float32]}",
+                                      "input: {name: x, shape: [N], dtype: [float8]}"), "dtype: expected"),
+        "constraint": (lambda t: t + "constraints: ['N <= M']\n", "M is no size"),
+        "fallback": (lambda t: t.replace("fallback: tests.plugins.host_scale_fallback:scale",
+                                         "fallback: nosuch_mod:scale"), "fallback 'nosuch_mod:scale' cannot be loaded"),
+    }
+    for i, (stem, (change, _)) in enumerate(cases.items()):
+        _manifest_variant(folder, stem, f"host_scale_{stem}", 1101 + i, change)
+    build_plugin(folder, "evil", defines={"NAME": '"evil"', "FACTOR_ID": 0, "VERSION": '"9.0.0"'})
+    text = (ROOT / "tests" / "plugins" / "host_scale.yaml").read_text()
+    (folder / "evil.yaml").write_text(text.replace("name: host_scale", "name: evil").replace("id: 1100", "id: 0"))
+    reg = FactorRegistry.load(folder, hardware="h200")
+    st = {p.path.stem: p for p in reg.plugins}
+    for stem, (_, needle) in cases.items():
+        assert st[stem].status == "rejected" and needle in st[stem].reason, (stem, st[stem].reason)
+        assert f"host_scale_{stem}.yaml" in st[stem].reason, st[stem].reason
+    assert st["evil"].status == "rejected" and "reserved for ex_engine's 'topk_softmax'" in st["evil"].reason
+    assert call(reg)[0] == "plugin"
+
+    vfolder = tmp_path / "v"
+    build_plugin(vfolder)
+    _manifest_variant(vfolder, "neg", "host_scale_neg", 1110, lambda t: t.replace("{N: 7}", "{N: -3}"))
+    reg = FactorRegistry.load(vfolder, hardware="h200", verify=True)
+    st = {p.path.stem: p for p in reg.plugins}
+    assert st["neg"].status == "rejected" and "could not run" in st["neg"].reason, st["neg"].reason
+    assert st["host_scale"].status == "ready", st["host_scale"].reason

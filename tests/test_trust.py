@@ -206,9 +206,11 @@ def test_lock_warn_mode_loads_with_a_warning(tmp_path, capsys):
     build_plugin(tmp_path)
     lock = tmp_path / "my.lock"
     lock.write_text(json.dumps({"host_scale.so": "0" * 64}))
-    reg = FactorRegistry.load(tmp_path, hardware="h200", lock=lock, lock_mode="warn")
+    with pytest.warns(UserWarning, match="sha256 mismatch.*loaded anyway"):
+        reg = FactorRegistry.load(tmp_path, hardware="h200", lock=lock, lock_mode="warn")
     p = reg.get("host_scale")
     assert p is not None and p.checks[0].warn and "sha256 mismatch: lock has 000" in p.checks[0].detail
+    assert any(n.startswith("lock: host_scale.so: sha256 mismatch") for n in reg.notes), reg.notes
     assert call(reg)[0] == "plugin"
     assert cli_main(["list-factors", "--dir", str(tmp_path), "--hardware", "h200", "--lock", str(lock),
                      "--lock-warn", "--why"]) == 0

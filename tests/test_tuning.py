@@ -30,7 +30,7 @@ TABLE = {"device": "NVIDIA H200", "multiprocessor_count": 132,
 def test_lookup_takes_the_largest_tuned_T_not_above_the_call(tmp_path):
     t = TuningTable.for_hardware(H200, write(tmp_path, TABLE))
     v = lambda T: t.value("moe_fused_gemm", "config", {"H": 64, "I": 32, "G": 8, "K": 2, "T": T}, -1)
-    assert [v(T) for T in (0, 1, 63, 64, 4095, 4096, 10 ** 6)] == [0, 0, 0, 2, 2, 4, 4]
+    assert [v(T) for T in (0, 1, 63, 64, 4095, 4096, 10 ** 6)] == [-1, 0, 0, 2, 2, 4, 4]  # T=0: below every row
 
 
 def test_untuned_shape_warns_once_and_uses_the_default(tmp_path):
