@@ -212,8 +212,9 @@ def test_lock_warn_mode_loads_with_a_warning(tmp_path, capsys):
     assert p is not None and p.checks[0].warn and "sha256 mismatch: lock has 000" in p.checks[0].detail
     assert any(n.startswith("lock: host_scale.so: sha256 mismatch") for n in reg.notes), reg.notes
     assert call(reg)[0] == "plugin"
-    assert cli_main(["list-factors", "--dir", str(tmp_path), "--hardware", "h200", "--lock", str(lock),
-                     "--lock-warn", "--why"]) == 0
+    with pytest.warns(UserWarning, match="loaded anyway"):
+        assert cli_main(["list-factors", "--dir", str(tmp_path), "--hardware", "h200", "--lock", str(lock),
+                         "--lock-warn", "--why"]) == 0
     assert "[WARN] sha256 lock: warning: sha256 mismatch" in capsys.readouterr().out
     assert cli_main(["list-factors", "--dir", str(tmp_path), "--hardware", "h200", "--lock", str(lock)]) == 0
     assert "rejected" in capsys.readouterr().out
