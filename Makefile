@@ -1,9 +1,15 @@
 # Builds every factors/<name>.cu into factors/<name>.so, one standalone plugin each.
 #
 #   make                      all factors, for Hopper (sm_90a) plus a portable sm_80 build with PTX
-#   make ARCHS="-gencode=arch=compute_80,code=sm_80"     another set of targets
+#   make -B ARCHS="-gencode=arch=compute_80,code=sm_80"  another set of targets (-B: make cannot
+#                                                         tell targets from file dates; or
+#                                                         `ex-engine build --archs=...`)
 #   make factors/topk_softmax.so                         one factor
-#   make clean
+#   make list | help | clean
+#   variables: NVCC, ARCHS, NVCCFLAGS, EXTRA_NVCCFLAGS (added to both rules, e.g. -DNAME=1),
+#              NVCC_THREADS (nvcc --threads per job; default 1), PYTHON, CUTLASS_INC
+#   The Hopper plugin (moe_fused_gemm_sm90.so: CUTLASS templates) takes 2-4 minutes on 2 cores;
+#   the others 5-60 s each.
 #
 # factors/<name>_sm90.cu are Hopper-only plugins built on CUTLASS 3.x (wgmma, TMA): they are
 # compiled for SM90_ARCHS only (ARCHS does not apply to them), with CUTLASS's headers from the
@@ -32,10 +38,17 @@ CUTLASS_INC ?= $(shell for py in $(PYTHON) .venv/bin/python; do \
 SOURCES := $(sort $(wildcard factors/*.cu))
 PLUGINS := $(SOURCES:.cu=.so)
 
-.PHONY: all clean list
+.PHONY: all clean list help check-nvcc
 all: $(PLUGINS)
 
-factors/%.so: factors/%.cu include/ex_engine.h $(wildcard factors/*.cuh)
+help:
+	@sed -n '1,/^$$/p' Makefile | sed 's/^# \{0,1\}//'
+
+# a clear word where nvcc is missing (each rule needs it)
+check-nvcc:
+	@command -v $(NVCC) >/dev/null 2>&1 || { 	    echo "[ex_engine] error: $(NVCC) not found on PATH: install the CUDA toolkit (12.4+) or pass NVCC=/path/to/nvcc" >&2; 	    exit 1; }
+
+factors/%.so: factors/%.cu include/ex_engine.h $(wildcard factors/*.cuh) | check-nvcc
 	@echo "[ex_engine] nvcc $< -> $@ (targets: $(patsubst -gencode=arch=%,%,$(ARCHS)))"
 	@start=$$(date +%s); \
 	$(NVCC) $(NVCCFLAGS) $(EXTRA_NVCCFLAGS) $(ARCHS) --threads $(NVCC_THREADS) \
@@ -43,10 +56,13 @@ factors/%.so: factors/%.cu include/ex_engine.h $(wildcard factors/*.cuh)
 	echo "[ex_engine] built $@ in $$(( $$(date +%s) - start )) s"
 
 # Hopper-only plugins (a more specific pattern than the rule above, so make prefers it)
-factors/%_sm90.so: factors/%_sm90.cu include/ex_engine.h $(wildcard factors/*.cuh)
+factors/%_sm90.so: factors/%_sm90.cu include/ex_engine.h $(wildcard factors/*.cuh) | check-nvcc
 	@if [ -z "$(CUTLASS_INC)" ] || [ ! -f "$(CUTLASS_INC)/cutlass/cutlass.h" ]; then \
+	    $(if $(filter command line environment,$(origin CUTLASS_INC)), \
+	    echo "[ex_engine] error: $@ needs CUTLASS's headers: CUTLASS_INC='$(CUTLASS_INC)' (given)" \
+	         "has no cutlass/cutlass.h." >&2;, \
 	    echo "[ex_engine] error: $@ needs CUTLASS's headers, found neither through $(PYTHON) nor" \
-	         ".venv/bin/python (CUTLASS_INC='$(CUTLASS_INC)')." >&2; \
+	         ".venv/bin/python (CUTLASS_INC='$(CUTLASS_INC)')." >&2;) \
 	    echo "[ex_engine]        install them: $(PYTHON) -m pip install nvidia-cutlass" \
 	         "(or pip install -e '.[build]'), or pass CUTLASS_INC=<cutlass>/include" >&2; \
 	    exit 1; fi

@@ -129,14 +129,30 @@ def main():
     ap.add_argument("--factors", default=None,
                     help="folder of plugin libraries to load (default factors/): e.g. an older build, to compare")
     args = ap.parse_args()
+    models = load_models()
+    names = sorted(models) if args.models == ["all"] else args.models
+    # every argument checked before any work (a mistake found after a row would lose it)
+    problems = [f"--models: {m!r} is not one of all, {', '.join(sorted(models))}" for m in names if m not in models]
+    if min(args.tokens) < 1:
+        problems.append(f"--tokens: expected T >= 1, got {' '.join(map(str, args.tokens))}")
+    if args.sets < 1:
+        problems.append(f"--sets: expected >= 1, got {args.sets}")
+    if args.json and not Path(args.json).resolve().parent.is_dir():
+        problems.append(f"--json: folder {Path(args.json).parent} does not exist")
+    if args.factors is not None and not Path(args.factors).is_dir():
+        problems.append(f"--factors: folder {args.factors!r} does not exist")
+    if problems:
+        print("bench_moe: " + "; ".join(problems), file=sys.stderr)
+        return 2
     if torch is None or not torch.cuda.is_available():
         print("bench_moe: needs PyTorch and a CUDA GPU (README: 'On a GPU machine')", file=sys.stderr)
         return 2
     dt = getattr(torch, args.dtype)
-    models = load_models()
-    names = sorted(models) if args.models == ["all"] else args.models
     reg = FactorRegistry.load(args.factors)
-    assert reg.get("moe_fused_gemm") is not None, [(p.path.name, p.reason) for p in reg.plugins]
+    if reg.get("moe_fused_gemm") is None:
+        print("bench_moe: no ready moe_fused_gemm plugin in "
+              f"{args.factors or 'factors/'}: {[(p.path.name, p.reason) for p in reg.plugins]}", file=sys.stderr)
+        return 2
     gen = torch.Generator(device="cuda").manual_seed(0)
     commit = os.environ.get("EX_COMMIT", "")
     if not commit:

@@ -63,10 +63,15 @@ def eager_us(fn, reps=200):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--json", default=None, help="write meta and every row here")
+    ap.add_argument("--json", default=None, help="write every row here (a JSON list)")
     ap.add_argument("--only", choices=("topk", "rmsnorm"), default=None, help="one op only")
-    ap.add_argument("--no-torch", action="store_true", help="time ex_engine only (no PyTorch eager / torch.compile)")
+    ap.add_argument("--no-torch", action="store_true",
+                    help="time ex_engine only, not the PyTorch eager / torch.compile peers (PyTorch is "
+                         "still needed: it makes the inputs and times the calls)")
     args = ap.parse_args()
+    if args.json and not Path(args.json).resolve().parent.is_dir():
+        print(f"bench_router_norm: --json: folder {Path(args.json).parent} does not exist", file=sys.stderr)
+        return 2
     if torch is None or not torch.cuda.is_available():
         print("bench_router_norm: needs PyTorch and a CUDA GPU (README: 'On a GPU machine')", file=sys.stderr)
         return 2

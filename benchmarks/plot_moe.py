@@ -22,9 +22,13 @@ except ImportError:  # --help works without it; a run says it needs it
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("json")
-    ap.add_argument("-o", "--output", default="benchmarks/moe_vs_floor.png")
+    ap.add_argument("json", help="the --json output of benchmarks/bench_moe.py")
+    ap.add_argument("-o", "--output", default="benchmarks/moe_vs_floor.png",
+                    help="PNG to write (default: %(default)s, which it overwrites)")
     a = ap.parse_args()
+    if not Path(a.output).resolve().parent.is_dir():
+        print(f"plot_moe: --output: folder {Path(a.output).parent} does not exist", file=sys.stderr)
+        return 2
     if plt is None:
         print("plot_moe: needs matplotlib (pip install matplotlib)", file=sys.stderr)
         return 2

@@ -166,7 +166,11 @@ def cmd_build(args) -> int:
         # dates, so rebuild everything (-B)
         cmd += ["-B", f"ARCHS={args.archs}"]
     print("running:", " ".join(cmd), flush=True)
-    return subprocess.call(cmd)
+    try:
+        return subprocess.call(cmd)
+    except FileNotFoundError:
+        print("ex-engine build: needs `make` (and nvcc, CUDA 12.4+) on PATH; found no make", file=sys.stderr)
+        return 2
 
 
 def build_parser() -> argparse.ArgumentParser:

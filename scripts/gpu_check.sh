@@ -11,6 +11,10 @@ set -u -o pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu_out}
 mkdir -p "$OUT"
+if [ "${1:-}" = "-h" ] || [ "${1:-}" = "--help" ]; then
+  sed -n '2,9p' "$0" | sed 's/^# \{0,1\}//'
+  exit 0
+fi
 stages=${*:-setup build list tests selftest run bench bench_rn}
 has() { [[ " $stages " == *" $1 "* ]]; }
 for s in $stages; do
@@ -33,9 +37,10 @@ if has setup || has tests || has run || has bench || has bench_rn || has list ||
 fi
 if has setup; then
   step setup
-  nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,power.draw,temperature.gpu --format=csv
-  nvcc --version | tail -1
-  python3 -c "import cupy, numpy, yaml, ml_dtypes, cffi; print('cupy', cupy.__version__, 'numpy', numpy.__version__, 'cffi', cffi.__version__)"
+  # a device check on a machine without the device, the toolkit or CuPy has checked nothing: fail
+  nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,power.draw,temperature.gpu --format=csv || status=1
+  nvcc --version | tail -1; [ "${PIPESTATUS[0]}" = 0 ] || status=1
+  python3 -c "import cupy, numpy, yaml, ml_dtypes, cffi; print('cupy', cupy.__version__, 'numpy', numpy.__version__, 'cffi', cffi.__version__); assert cupy.cuda.runtime.getDeviceCount() > 0, 'no CUDA device'" || status=1
 fi
 if has build; then
   step build
@@ -48,6 +53,8 @@ fi
 if has tests; then
   step GPU tests
   timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -m gpu tests/ -rf --maxfail=20 --durations=5 2>&1 | tee "$OUT/gpu_tests.log"; [ "${PIPESTATUS[0]}" = 0 ] || status=1
+  # every GPU test skipped (no GPU, no CuPy) is no pass
+  grep -Eq "[1-9][0-9]* passed" "$OUT/gpu_tests.log" || { echo "gpu_check.sh: no GPU test ran"; status=1; }
 fi
 if has selftest; then
   for s in scripts/gpu_*_selftest.py; do

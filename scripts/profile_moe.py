@@ -25,13 +25,21 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, nargs="+", default=[1], help="token counts T")
     ap.add_argument("--factors", default=None, help="plugin folder (default factors/)")
     args = ap.parse_args()
+    models = load_models()
+    problems = [f"--models: {m!r} is not one of {', '.join(sorted(models))}" for m in args.models if m not in models]
+    if min(args.tokens) < 1:
+        problems.append(f"--tokens: expected T >= 1, got {' '.join(map(str, args.tokens))}")
+    if args.factors is not None and not Path(args.factors).is_dir():
+        problems.append(f"--factors: folder {args.factors!r} does not exist")
+    if problems:
+        print("profile_moe: " + "; ".join(problems), file=sys.stderr)
+        return 2
     try:
         import cupy
     except ImportError:
         print("profile_moe: needs CuPy and a CUDA GPU", file=sys.stderr)
         return 2
     reg = FactorRegistry.load(args.factors)
-    models = load_models()
     for m in args.models:
         s = models[m]
         layer = MoELayer(s, "bfloat16", cupy, seed=1)
