@@ -31,7 +31,7 @@ except ImportError:  # --help works without it; a run says it needs it
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ex_engine import FactorRegistry, moe_fused_gemm  # noqa: E402
-from ex_engine.moe_layer import load_models  # noqa: E402
+from ex_engine.moe_layer import case_problems, load_models  # noqa: E402
 from _timing import graph_us, host_us  # noqa: E402
 
 PEAK_TFLOPS, PEAK_GBS = 787.0, 4230.0
@@ -132,15 +132,11 @@ def main():
     models = load_models()
     names = sorted(models) if args.models == ["all"] else args.models
     # every argument checked before any work (a mistake found after a row would lose it)
-    problems = [f"--models: {m!r} is not one of all, {', '.join(sorted(models))}" for m in names if m not in models]
-    if min(args.tokens) < 1:
-        problems.append(f"--tokens: expected T >= 1, got {' '.join(map(str, args.tokens))}")
+    problems = case_problems(models, names, args.tokens, args.factors, all_ok=True)
     if args.sets < 1:
         problems.append(f"--sets: expected >= 1, got {args.sets}")
     if args.json and not Path(args.json).resolve().parent.is_dir():
         problems.append(f"--json: folder {Path(args.json).parent} does not exist")
-    if args.factors is not None and not Path(args.factors).is_dir():
-        problems.append(f"--factors: folder {args.factors!r} does not exist")
     if problems:
         print("bench_moe: " + "; ".join(problems), file=sys.stderr)
         return 2

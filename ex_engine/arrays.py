@@ -14,6 +14,9 @@ from typing import Any
 
 import numpy as np
 
+# numpy's dtype.byteorder mark of the byte order that is not this machine's
+_NON_NATIVE = ">" if sys.byteorder == "little" else "<"
+
 _NP_NAMES = {"float32", "float16", "bfloat16", "int32", "int64", "float64", "uint16", "int16",
              "int8", "uint8", "bool", "uint32", "uint64"}
 
@@ -30,7 +33,7 @@ def _dtype_name(dt) -> str:
     name = getattr(dt, "name", None) or str(dt)
     name = name.replace("torch.", "")
     name = {"half": "float16", "float": "float32", "double": "float64"}.get(name, name)
-    if getattr(dt, "byteorder", "=") == (">" if sys.byteorder == "little" else "<"):
+    if getattr(dt, "byteorder", "=") == _NON_NATIVE:
         name += " (non-native byte order)"  # matches no manifest dtype: refused, never misread
     try:
         _NAME_CACHE[dt] = name
@@ -114,7 +117,7 @@ class Bits16:
             # a float16 array here would be reinterpreted bit for bit (its values lost)
             got = type(bits).__name__ if dt is None else f"{type(bits).__name__} of dtype {dt}"
             raise TypeError(f"Bits16: expected a 2-byte integer array (uint16 or int16 bit patterns), got {got}")
-        if getattr(dt, "byteorder", "=") == (">" if sys.byteorder == "little" else "<"):
+        if getattr(dt, "byteorder", "=") == _NON_NATIVE:
             raise TypeError(f"Bits16: expected bit patterns in native byte order, got dtype {dt.str}")
         if dtype not in ("bfloat16", "float16"):
             raise ValueError(f"Bits16: dtype: expected 'bfloat16' or 'float16', got {dtype!r}")

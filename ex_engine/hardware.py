@@ -69,10 +69,10 @@ class Hardware:
         Raises FactorError naming the known profiles if it does not exist or lacks a field.
         """
         path = Path(name_or_path)
+        folder = _paths.manifests_dir() / "hardware"
         if not path.suffix:
-            path = _paths.manifests_dir() / "hardware" / f"{name_or_path.lower()}.yaml"
+            path = folder / f"{name_or_path.lower()}.yaml"
         if not path.exists():
-            folder = _paths.manifests_dir() / "hardware"
             where = "" if folder.is_dir() else (
                 f" (the profiles folder {folder} does not exist: check EX_ENGINE_MANIFESTS)")
             raise FactorError(f"hardware profile '{name_or_path}': no such profile; "

@@ -10,6 +10,7 @@ argument, the rule, what was expected and what came.
 """
 from __future__ import annotations
 
+import functools
 import importlib
 import re
 import struct
@@ -176,13 +177,10 @@ class Manifest:
         """Array specs the caller provides (no workspace; an in-place input counted once)."""
         return [t for t in self.tensors if t.role != "workspace" and not t.same_as_output]
 
-    @property
+    @functools.cached_property
     def user_names(self) -> frozenset:
         """Names of user_tensors (computed once)."""
-        names = self.__dict__.get("_user_names")
-        if names is None:
-            names = self.__dict__["_user_names"] = frozenset(t.name for t in self.user_tensors)
-        return names
+        return frozenset(t.name for t in self.user_tensors)
 
     @property
     def workspace_index(self) -> int | None:

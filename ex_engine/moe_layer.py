@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import yaml
@@ -43,6 +44,19 @@ def load_models(path=None) -> dict:
                 for name, m in data["models"].items()}
     except (OSError, KeyError, TypeError, ValueError, AttributeError, yaml.YAMLError) as exc:
         raise FactorError(f"model list {path}: malformed or unreadable ({type(exc).__name__}: {exc})") from None
+
+
+def case_problems(models: dict, names, tokens, factors=None, all_ok: bool = False) -> list:
+    """What is wrong with a benchmark tool's --models / --tokens / --factors (strings; [] if
+    nothing): models not in ``models`` (``all_ok``: 'all' is a choice too), T < 1, a plugin
+    folder that does not exist. Checked before any work, so a mistake loses no measurement."""
+    choices = (["all"] if all_ok else []) + sorted(models)
+    out = [f"--models: {m!r} is not one of {', '.join(choices)}" for m in names if m not in models]
+    if min(tokens) < 1:
+        out.append(f"--tokens: expected T >= 1, got {' '.join(map(str, tokens))}")
+    if factors is not None and not Path(factors).is_dir():
+        out.append(f"--factors: folder {factors!r} does not exist")
+    return out
 
 
 def model_shape(name: str) -> MoEShape:

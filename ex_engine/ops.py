@@ -93,19 +93,20 @@ def topk_softmax(router_logits, top_k: int, renormalize: bool = False, *, topk_w
         raise ArgumentError("topk_softmax", "top_k", "type", "an int >= 1", repr(top_k)) from None
     if top_k < 1:
         raise ArgumentError("topk_softmax", "top_k", "value", "an int >= 1", top_k)
-    for name, arr in (("topk_weights", topk_weights), ("topk_ids", topk_ids)):
-        if arr is not None:
-            shape = TensorRef.of(arr, name).shape
-            if len(shape) == 2 and shape[1] != top_k:
-                raise ShapeError("topk_softmax", "top_k", f"the width of {name} given",
-                                 f"{shape[1]} (its shape {tuple(shape)})", top_k)
+    # outputs given: described once here, checked against top_k, and handed to dispatch as refs
+    given = {name: TensorRef.of(arr, name) for name, arr in (("topk_weights", topk_weights),
+                                                              ("topk_ids", topk_ids)) if arr is not None}
+    for name, r in given.items():
+        if len(r.shape) == 2 and r.shape[1] != top_k:
+            raise ShapeError("topk_softmax", "top_k", f"the width of {name} given",
+                             f"{r.shape[1]} (its shape {tuple(r.shape)})", top_k)
     ref = TensorRef.of(router_logits, "router_logits")
     if len(ref.shape) == 2 and top_k > ref.shape[1]:
         raise ShapeError("topk_softmax", "top_k", "K <= E", f"at most E = {ref.shape[1]} (router_logits' "
                          f"width)", top_k)
     T = ref.shape[0] if len(ref.shape) == 2 else 0
-    w_arg = ids_arg = None
-    if topk_weights is None and topk_ids is None and isinstance(top_k, int) and top_k > 0:
+    w_arg, ids_arg = given.get("topk_weights"), given.get("topk_ids")
+    if topk_weights is None and topk_ids is None:
         # one allocation for both outputs (host time per call): ids in [0], weights in [1];
         # described here as what they are (C-contiguous (T, K), 4-byte elements, one base
         # address) instead of being read back from the arrays; dispatch validates them as usual

@@ -335,8 +335,9 @@ class FactorRegistry:
     def _load_one(self, path: Path) -> Plugin:
         # the same file again (load_folder twice, say): its record, not a duplicate; a process
         # holds one copy of a library, so opening it again could not see a rebuilt file anyway
+        where = path.resolve()
         for q in self.plugins:
-            if q.path.resolve() == path.resolve():
+            if q.path.resolve() == where:
                 return q
         p = Plugin(path=path)
         self.plugins.append(p)

@@ -1553,8 +1553,9 @@ static int launch_fast(const Problem& P, void* out, const void* x, const void* w
 
     GemmParams p2 = p1;
     p2.a = act; p2.b = w2; p2.c = y;
-    // GEMM2 routes itself only where its blocks can start during GEMM1 (GEMM1 fits in a wave);
-    // elsewhere (T = 4 on qwen3-30b, say) reading the routing GEMM1 wrote measured ~1 us faster
+    // GEMM2 routes itself (fused routing) wherever its blocks can start during GEMM1: under new
+    // always, under onewave where GEMM1 fits in a wave (elsewhere, T = 4 on qwen3-30b say, reading
+    // the routing GEMM1 wrote measured ~1 us faster without early launches)
     p2.route_ids = p1.early && fused_route ? topk_ids : nullptr;  // else the routing GEMM1 (or the router) wrote
     p2.pre_ws = wide && !fused_route;
     p2.early = (early && blocks2 * S <= wave) || wide;

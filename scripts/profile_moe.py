@@ -16,7 +16,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ex_engine import FactorRegistry, moe_fused_gemm, topk_softmax  # noqa: E402
-from ex_engine.moe_layer import MoELayer, load_models  # noqa: E402
+from ex_engine.moe_layer import MoELayer, case_problems, load_models  # noqa: E402
 
 
 def main() -> int:
@@ -26,11 +26,7 @@ def main() -> int:
     ap.add_argument("--factors", default=None, help="plugin folder (default factors/)")
     args = ap.parse_args()
     models = load_models()
-    problems = [f"--models: {m!r} is not one of {', '.join(sorted(models))}" for m in args.models if m not in models]
-    if min(args.tokens) < 1:
-        problems.append(f"--tokens: expected T >= 1, got {' '.join(map(str, args.tokens))}")
-    if args.factors is not None and not Path(args.factors).is_dir():
-        problems.append(f"--factors: folder {args.factors!r} does not exist")
+    problems = case_problems(models, args.models, args.tokens, args.factors)
     if problems:
         print("profile_moe: " + "; ".join(problems), file=sys.stderr)
         return 2
