@@ -182,6 +182,19 @@ class Manifest:
         """Names of user_tensors (computed once)."""
         return frozenset(t.name for t in self.user_tensors)
 
+    @functools.cached_property
+    def size_names(self) -> frozenset:
+        """Sizes a call binds (the symbols of the arrays' shapes and the dims that default to
+        one of them, e.g. G): what a tuning table's key may name, besides T."""
+        syms = {sym for t in self.tensors for _, sym in t.parsed if sym is not None}
+        return frozenset(syms | {d for d, src in self.dim_sources.items()
+                                 if isinstance(src, dict) and "default_dim" in src})
+
+    @property
+    def tuned_dims(self) -> list:
+        """Dims whose source is ``{tuned: DEFAULT}`` (a tuning table fills them)."""
+        return [d for d, src in self.dim_sources.items() if isinstance(src, dict) and "tuned" in src]
+
     @property
     def workspace_index(self) -> int | None:
         """Index into aux of the workspace, or None."""

@@ -111,9 +111,10 @@ class TuningTable:
     """Every factor's tuned choices for one device (empty when no file matches it)."""
 
     def __init__(self, factors: dict | None = None, path: str | None = None, warn: bool = False,
-                 problems: list | None = None):
+                 problems: list | None = None, folder=None):
         self.factors: dict = factors or {}
         self.path = path
+        self.folder = Path(folder) if folder else tuning_dir()   # where the files were looked for
         self.warn = warn
         self.problems: list = problems or []   # files skipped as malformed (message each)
         self._warned: set = set()
@@ -121,15 +122,16 @@ class TuningTable:
         self._overrides: dict = {}
 
     @classmethod
-    def for_hardware(cls, hardware, folder=None) -> "TuningTable":
+    def for_hardware(cls, hardware, folder=None, report: bool = True) -> "TuningTable":
         """The table of the file in ``folder`` (manifests/tuning/) whose device and SM count
         match ``hardware``; warnings on defaults only for a live GPU. A malformed file is
-        skipped (a TuningWarning and an entry in ``problems`` say why): like a bad plugin, it
+        skipped (an entry in ``problems`` says why, and with ``report`` a TuningWarning; a
+        registry passes report=False and lists ``problems`` in its notes): like a bad plugin, it
         never stops the registry; its shapes run on the kernels' defaults."""
         folder = Path(folder) if folder else tuning_dir()
         warn = bool(getattr(hardware, "live", False))
         if hardware is None or not folder.is_dir():
-            return cls(warn=warn)
+            return cls(warn=warn, folder=folder)
         problems = []
         for p in sorted(folder.glob("*.yaml")):
             try:
@@ -140,7 +142,10 @@ class TuningTable:
                 if not isinstance(data, dict):
                     raise FactorError(f"tuning file {p}: expected a mapping with device, "
                                       f"multiprocessor_count and one table per factor, got {type(data).__name__}")
-                if str(data.get("device")) != hardware.name:
+                if not isinstance(data.get("device"), str) or not data["device"]:
+                    raise FactorError(f"tuning file {p}: device: expected the name of the GPU it was "
+                                      f"tuned on (as `ex-engine hardware` prints it), got {data.get('device')!r}")
+                if data["device"] != hardware.name:
                     continue
                 sms = data.get("multiprocessor_count")
                 try:
@@ -150,12 +155,34 @@ class TuningTable:
                     raise FactorError(f"tuning file {p}: {exc}") from exc
                 factors = {k: FactorTuning(k, v, str(p)) for k, v in data.items()
                            if k not in ("device", "multiprocessor_count")}
-                return cls(factors, str(p), warn, problems)
+                return cls(factors, str(p), warn, problems, folder)
             except FactorError as exc:
                 problems.append(str(exc))
-                warnings.warn(f"{exc}; skipped (its shapes run on the kernels' defaults)",
-                              TuningWarning, stacklevel=2)
-        return cls(warn=warn, problems=problems)
+                if report:
+                    warnings.warn(f"{exc}; skipped (its shapes run on the kernels' defaults)",
+                                  TuningWarning, stacklevel=2)
+        return cls(warn=warn, problems=problems, folder=folder)
+
+    def unused(self, manifests: dict) -> list:
+        """Why parts of the loaded file can never apply (one message each; empty if none): a
+        table for a factor no manifest names, a dim that is not one of that factor's tuned dims,
+        a key that is no size of its calls. Such a table never matches a call (its shapes run on
+        the defaults), so a misspelt name would otherwise pass unnoticed."""
+        out = []
+        for name, ft in sorted(self.factors.items()):
+            m = manifests.get(name)
+            if m is None:
+                out.append(f"tuning file {self.path}: {name}: no factor of that name has a manifest "
+                           f"(known: {', '.join(sorted(manifests)) or 'none'}); its table is never used")
+                continue
+            if ft.dim not in m.tuned_dims:
+                out.append(f"tuning file {self.path}: {name}: dim: expected one of {name}'s tuned dims "
+                           f"{m.tuned_dims}, got {ft.dim!r}; its table is never used")
+            bad = [k for k in ft.key if k not in m.size_names and k != "T"]
+            if bad:
+                out.append(f"tuning file {self.path}: {name}: key: {bad} no size of {name}'s calls "
+                           f"(expected some of {sorted(m.size_names)}); its table is never used")
+        return out
 
     def override(self, factor: str, fn) -> None:
         """Use ``fn(sizes) -> int`` for ``factor``'s tuned dim (the tuner forces each choice);
@@ -190,7 +217,8 @@ class TuningTable:
                 new = (factor, shape) not in self._warned
                 self._warned.add((factor, shape))
             if new:
-                where = self.path or f"{tuning_dir()} (no file for this device)"
+                where = self.path or (f"the tuning files (skipped: {'; '.join(self.problems)})"
+                                      if self.problems else f"{self.folder} (no file for this device)")
                 warnings.warn(
                     f"{factor}: no tuned {dim} for {', '.join(f'{k}={v}' for k, v in shape)} in "
                     f"{where}; running on the kernel's default choice. Run benchmarks/tune_moe.py "

@@ -73,6 +73,8 @@ SHAPE = {"H": 64, "I": 32, "G": 8, "K": 2}
     ({**{k: v for k, v in TABLE.items() if k != "moe_fused_gemm"},
       "moe_fused_gemm": {k: v for k, v in TABLE["moe_fused_gemm"].items() if k != "shapes"}}, "shapes"),
     ({**TABLE, "multiprocessor_count": "lots"}, "multiprocessor_count"),
+    ({k: v for k, v in TABLE.items() if k != "device"}, "device: expected the name"),   # never matched silently
+    ({**TABLE, "device": 7}, "device: expected the name"),
     ([1, 2, 3], "expected a mapping"),
 ])
 def test_malformed_file_is_reported_and_skipped(tmp_path, body, why):
@@ -88,16 +90,43 @@ def test_unreadable_yaml_is_reported_and_skipped(tmp_path):
     assert "moe_fused_gemm" in t.factors        # the good file further on still serves
 
 
-def test_registry_keeps_working_with_a_broken_tuning_file(tmp_path):
+def _registry_with_tuning(tmp_path, body):
     import shutil
     from ex_engine import _paths
     shutil.copytree(_paths.manifests_dir(), tmp_path / "m", ignore=shutil.ignore_patterns("tuning"))
     (tmp_path / "m" / "tuning").mkdir()
-    (tmp_path / "m" / "tuning" / "h200.yaml").write_text("- not a table\n")
+    (tmp_path / "m" / "tuning" / "h200.yaml").write_text(yaml.safe_dump(body))
     (tmp_path / "none").mkdir()
-    with pytest.warns(TuningWarning, match="expected a mapping"):
-        reg = FactorRegistry.load(tmp_path / "none", hardware="h200", manifests_dir=tmp_path / "m")
-    assert any("tuning" in n for n in reg.notes) and reg.tuning.factors == {}
+    return FactorRegistry.load(tmp_path / "none", hardware="h200", manifests_dir=tmp_path / "m")
+
+
+def test_registry_keeps_working_with_a_broken_tuning_file(tmp_path):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")               # reported once: a note, not also a warning
+        reg = _registry_with_tuning(tmp_path, ["not a table"])
+    notes = [n for n in reg.notes if n.startswith("tuning:")]
+    assert len(notes) == 1 and "expected a mapping" in notes[0] and "skipped" in notes[0], reg.notes
+    assert reg.tuning.factors == {}
+    # a call on a live GPU then names the skipped file instead of "no file for this device"
+    reg.tuning.warn = True
+    with pytest.warns(TuningWarning, match=r"h200.yaml: expected a mapping.*kernel's default"):
+        reg.tuning.value("moe_fused_gemm", "config", {"H": 64, "I": 32, "G": 8, "K": 2, "T": 1}, -1)
+
+
+@pytest.mark.parametrize("body,why", [
+    ({**{k: v for k, v in TABLE.items() if k != "moe_fused_gemm"}, "moe_fused_gem": TABLE["moe_fused_gemm"]},
+     "moe_fused_gem: no factor of that name has a manifest"),
+    (_mt(dim="confg"), "dim: expected one of moe_fused_gemm's tuned dims ['config'], got 'confg'"),
+    (_mt(key=["H", "I", "GG", "K"], shapes=[{"H": 64, "I": 32, "GG": 8, "K": 2, "by_T": [[1, "tiny"]]}]),
+     "key: ['GG'] no size of moe_fused_gemm's calls"),
+])
+def test_a_table_that_can_never_apply_is_noted(tmp_path, body, why):
+    """A misspelt factor, dim or key parses but never matches a call: the registry says so."""
+    reg = _registry_with_tuning(tmp_path, body)
+    notes = [n for n in reg.notes if n.startswith("tuning:")]
+    assert len(notes) == 1 and why in notes[0] and "never used" in notes[0], reg.notes
+    good = _registry_with_tuning(tmp_path / "good", TABLE)
+    assert not [n for n in good.notes if n.startswith("tuning:")], good.notes
 
 
 def test_registry_passes_the_tuned_config_as_dims7(tmp_path):
@@ -131,6 +160,8 @@ def test_shipped_tuning_files_parse():
                              live=False)
         t = TuningTable.for_hardware(hw, tuning_dir())
         assert "moe_fused_gemm" in t.factors and t.factors["moe_fused_gemm"].table, p
+        from ex_engine.manifest import load_all
+        assert t.unused(load_all(tuning_dir().parent)) == [], p       # every table applies
 
 
 @pytest.mark.gpu
