@@ -211,8 +211,9 @@ class FactorRegistry:
         self._entries: dict = {}        # id(plugin) -> (plugin, kernel, kernel_fallback) as _KERNEL_INT_T
         # tuned launch choices: <manifests>/tuning/<device>.yaml (a malformed file is skipped)
         self.tuning: TuningTable = TuningTable.for_hardware(
-            hw, Path(manifests_dir or _paths.manifests_dir()) / "tuning")
+            hw, Path(manifests_dir or _paths.manifests_dir()) / "tuning", report=False)
         self.notes.extend(f"tuning: {msg}; skipped" for msg in self.tuning.problems)
+        self.notes.extend(f"tuning: {msg}" for msg in self.tuning.unused(self.manifests))
         self.notes.extend(f"{msg}; skipped" for msg in self.manifest_errors.values())
         self.last_path: dict = {}
         self._hw_c = hw.to_c(abi.ffi)
@@ -249,9 +250,28 @@ class FactorRegistry:
         folder = Path(folder)
         if not folder.is_dir():
             raise FactorError(f"factor folder '{folder}': not a directory")
-        new = [self._load_one(p) for p in sorted(folder.glob("*.so"))]
+        files = sorted(folder.glob("*.so"))
+        new = [self._load_one(p) for p in files]
+        self._note_missing_locked(folder, {p.name for p in files})
         self._choose()
         return new
+
+    def _note_missing_locked(self, folder: Path, present: set) -> None:
+        """A note per library the folder's lock lists but the folder lacks (deleted or renamed
+        since `ex-engine lock`: nothing runs from it, but the lock no longer describes the
+        folder). Only for a lock that sits in ``folder``: a lock given by path may list several
+        folders' files."""
+        if self.lock is None or self.lock is False:
+            return
+        lock_path = folder / trust.LOCK_NAME if self.lock is True else Path(self.lock)
+        if not lock_path.is_file() or lock_path.parent.resolve() != folder.resolve():
+            return   # a missing lock is reported by the first library it should cover
+        _, digests = self._lock_for(folder / "_")
+        for name in sorted(set(digests) - present):
+            note = (f"lock: {lock_path} lists {name}, which {folder} does not have "
+                    "(deleted or renamed since the lock was written)")
+            if note not in self.notes:
+                self.notes.append(note)
 
     def load_library(self, path) -> Plugin:
         """Load one library file; returns its Plugin record (ready or rejected, never raises

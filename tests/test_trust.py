@@ -220,6 +220,25 @@ def test_lock_warn_mode_loads_with_a_warning(tmp_path, capsys):
     assert "rejected" in capsys.readouterr().out
 
 
+def test_a_locked_library_that_is_gone_is_noted(tmp_path, capsys):
+    build_plugin(tmp_path)
+    build_plugin(tmp_path, "second", defines={"NAME": '"host_scale_2"', "FACTOR_ID": 1107})
+    assert cli_main(["lock", "--dir", str(tmp_path)]) == 0
+    reg = FactorRegistry.load(tmp_path, hardware="h200", lock=True)
+    assert not [n for n in reg.notes if n.startswith("lock:")], reg.notes
+    (tmp_path / "second.so").unlink()
+    reg = FactorRegistry.load(tmp_path, hardware="h200", lock=True)
+    reg.load_folder(tmp_path)                        # loaded again: still one note
+    notes = [n for n in reg.notes if n.startswith("lock:")]
+    assert notes == [f"lock: {tmp_path / 'ex_engine.lock'} lists second.so, which {tmp_path} does not "
+                     "have (deleted or renamed since the lock was written)"], reg.notes
+    assert reg.get("host_scale") is not None         # the rest loads as before
+    capsys.readouterr()
+    assert cli_main(["list-factors", "--dir", str(tmp_path), "--hardware", "h200",
+                     "--lock", str(tmp_path / "ex_engine.lock")]) == 0
+    assert "lists second.so" in capsys.readouterr().out
+
+
 def test_missing_lock_file_is_an_error(tmp_path, capsys):
     build_plugin(tmp_path)
     with pytest.raises(FactorError, match="lock file .*nope.lock: not found; write one with `ex-engine lock`"):
