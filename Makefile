@@ -5,7 +5,7 @@
 #                                                         tell targets from file dates; or
 #                                                         `ex-engine build --archs=...`)
 #   make factors/topk_softmax.so                         one factor
-#   make list | help | clean
+#   make list | help | clean (clean names any factors/*.so it leaves: one no source builds)
 #   variables: NVCC, ARCHS, NVCCFLAGS, EXTRA_NVCCFLAGS (added to both rules, e.g. -DNAME=1),
 #              NVCC_THREADS (nvcc --threads per job; default 1), PYTHON, CUTLASS_INC
 #   The Hopper plugin (moe_fused_gemm_sm90.so: CUTLASS templates) takes 2-4 minutes on 2 cores;
@@ -75,5 +75,10 @@ factors/%_sm90.so: factors/%_sm90.cu include/ex_engine.h $(wildcard factors/*.cu
 list:
 	@echo $(PLUGINS)
 
+# removes the plugins built from factors/*.cu; a *.so with no source there (a third-party plugin
+# dropped in, or one whose source was renamed or deleted) is left in place and named
 clean:
 	rm -f $(PLUGINS)
+	@for so in $(filter-out $(PLUGINS),$(wildcard factors/*.so)); do \
+	    echo "[ex_engine] left $$so: no factors/*.cu builds it (a third-party plugin, or its source was renamed or deleted); remove it by hand if it is stale"; \
+	done
