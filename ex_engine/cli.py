@@ -138,7 +138,12 @@ def cmd_verify(args) -> int:
     print(f"verify: {n['pass']} passed, {n['FAIL']} failed, {n['declined']} declined by the plugin "
           f"(the Python fallback serves those), {n['skipped']} factor(s) skipped")
     print("stats:", json.dumps(reg.stats()))
-    return 1 if n["FAIL"] else 0
+    if n["FAIL"]:
+        return 1
+    if args.strict and n["skipped"]:
+        print(f"verify --strict: {n['skipped']} factor(s) skipped, not run (exit status 3)", file=sys.stderr)
+        return 3
+    return 0
 
 
 def cmd_lock(args) -> int:
@@ -230,9 +235,14 @@ def build_parser() -> argparse.ArgumentParser:
                                    "shapes of its manifest (each dtype of its main input, random "
                                    "inputs as the manifest's `values` say) and print a pass/fail "
                                    "table and the call counters. Without a GPU only host factors "
-                                   "run. Exit status 1 if a case failed.")
+                                   "run. Exit status 1 if a case failed; with --strict, 3 if "
+                                   "a factor was skipped (e.g. no GPU), so that a check that "
+                                   "checked nothing does not pass.")
     common(p)
     p.add_argument("--seed", type=token_count, default=0, help="random seed >= 0 (default: %(default)s)")
+    p.add_argument("--strict", action="store_true",
+                   help="exit status 3 when any ready factor was skipped (a device factor without "
+                        "a live GPU): every one must have been run")
     p.set_defaults(fn=cmd_verify)
 
     p = sub.add_parser("lock", help="write the SHA-256 of every plugin library to a lock file",

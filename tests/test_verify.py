@@ -119,6 +119,14 @@ def test_cli_verify_without_gpu_skips_device_factors(capsys):
     code = cli_main(["verify", "--dir", str(ROOT / "factors"), "--hardware", "h200"])
     out = capsys.readouterr().out
     assert code == 0 and out.count("skipped  a device factor and no live GPU") >= 3, out
+    # --strict: a verification that ran none of them does not pass
+    assert cli_main(["verify", "--dir", str(ROOT / "factors"), "--hardware", "h200", "--strict"]) == 3
+    assert "verify --strict: 3 factor(s) skipped" in capsys.readouterr().err
+
+
+def test_cli_verify_strict_passes_when_everything_ran(tmp_path, capsys):
+    build_plugin(tmp_path)                           # a host factor: runs without a GPU
+    assert cli_main(["verify", "--dir", str(tmp_path), "--hardware", "h200", "--strict"]) == 0
 
 
 # ------------------------------------------------------------------------------ load(verify=True)
