@@ -190,6 +190,13 @@ class Manifest:
         return frozenset(syms | {d for d, src in self.dim_sources.items()
                                  if isinstance(src, dict) and "default_dim" in src})
 
+    @functools.cached_property
+    def written_names(self) -> tuple:
+        """Arrays the factor writes, in ABI order (output and inout roles; an in-place input is
+        its output)."""
+        return tuple(t.name for t in self.tensors
+                     if t.role in ("output", "inout") and not t.same_as_output)
+
     @property
     def tuned_dims(self) -> list:
         """Dims whose source is ``{tuned: DEFAULT}`` (a tuning table fills them)."""

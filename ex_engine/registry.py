@@ -162,6 +162,59 @@ def _writable(obj) -> bool:
     return getattr(flags, "writeable", True) is not False
 
 
+def _byte_spans(refs_by_name: dict) -> dict:
+    """name -> (first, end) byte offsets from the array's pointer that it covers (strides may be
+    any sign); arrays with no element are left out. A function of shapes and strides only, so a
+    call signature's spans are computed once (the bind cache keeps them)."""
+    spans = {}
+    for k, r in refs_by_name.items():
+        lo, hi = 0, r.itemsize
+        for n, st in zip(r.shape, r.strides):
+            if n == 0:
+                break
+            step = (n - 1) * int(st) * r.itemsize
+            if step < 0:
+                lo += step
+            else:
+                hi += step
+        else:
+            spans[k] = (lo, hi)
+    return spans
+
+
+def _check_no_overlap(factor: str, written, refs_by_name: dict, spans: dict) -> None:
+    """Raises LayoutError when an array the factor writes shares memory with another argument
+    (``out`` is ``hidden_states``, ``x`` is ``residual``): the kernels read and write them as
+    distinct arrays, so the result would be silently wrong. Compares the byte ranges the arrays'
+    shapes and strides span (conservative for interleaved strided views)."""
+    for w in written:
+        sw = spans.get(w)
+        if sw is None:
+            continue
+        rw = refs_by_name[w]
+        w0, w1 = rw.ptr + sw[0], rw.ptr + sw[1]
+        for k, sk in spans.items():
+            if k != w:
+                rk = refs_by_name[k]
+                if (rw.device == rk.device and rk.ptr + sk[0] < w1 and w0 < rk.ptr + sk[1]
+                        and not _interleaved_rows(rw, rk)):
+                    raise LayoutError(factor, w, "memory", f"an array of its own (the factor writes it), "
+                                      f"sharing no memory with '{k}'", f"one that overlaps '{k}'")
+
+
+def _interleaved_rows(a, b) -> bool:
+    """True when two 2-D row-strided views of one wider buffer (x = buf[:, :H], residual =
+    buf[:, H:], say: the same row stride, unit stride along a row) never share a byte: their
+    column ranges are disjoint modulo the row stride."""
+    if (len(a.shape) != 2 or len(b.shape) != 2 or a.strides[1] != 1 or b.strides[1] != 1
+            or a.strides[0] * a.itemsize != b.strides[0] * b.itemsize or a.strides[0] <= 0):
+        return False
+    period = a.strides[0] * a.itemsize
+    wa, wb = a.shape[1] * a.itemsize, b.shape[1] * b.itemsize
+    r = (b.ptr - a.ptr) % period
+    return wa <= r and r + wb <= period
+
+
 class FactorRegistry:
     """Plugins found in folders, the one chosen per factor name, and the dispatch to them.
 
@@ -585,18 +638,20 @@ class FactorRegistry:
                     self._bind_cache.clear()
                 tensors = m.tensors
                 dims_c = abi.ffi.new("int64_t[]", dims)
+                spans = _byte_spans(refs_by_name)
                 if cacheable:
                     self._bind_cache[sig] = ([s.name if not s.same_as_output else m.output.name
                                           for s in tensors], [s.name for s in tensors],
-                                         m.workspace_index, dims, sizes, pvals, device, dims_c)
+                                         m.workspace_index, dims, sizes, pvals, device, dims_c, spans)
             else:
-                order, names, ws, dims, sizes, pvals, device, dims_c = hit
+                order, names, ws, dims, sizes, pvals, device, dims_c, spans = hit
                 refs = [refs_by_name.get(n) for n in order]
                 for r, spec_name in zip(refs, names):
                     if r is not None and r.ptr % r.itemsize:
                         m.check_alignment(spec_name, r)   # raises the LayoutError
                 if ws is not None:
                     refs[2 + ws] = None
+            _check_no_overlap(name, m.written_names, refs_by_name, spans)
             if device < 0:  # host arrays: NumPy's read-only flag is a promise the call must keep
                 for spec in m.tensors:
                     r = refs_by_name.get(spec.name) if spec.role in ("output", "inout") else None

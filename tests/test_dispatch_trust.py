@@ -172,7 +172,8 @@ def test_dims_beyond_2_31_elements_are_exact_int64(tmp_path):
 def test_device_arrays_to_a_host_factor_are_refused(tmp_path):
     build_plugin(tmp_path)
     reg = FactorRegistry.load(tmp_path, hardware="h200")
-    a = {"x": FakeDeviceArray((4,)), "out": FakeDeviceArray((4,)), "alpha": FakeDeviceArray((1,))}
+    a = {"x": FakeDeviceArray((4,), ptr=0x7F0000000000), "out": FakeDeviceArray((4,), ptr=0x7F0000001000),
+         "alpha": FakeDeviceArray((1,), ptr=0x7F0000002000)}
     with pytest.raises(DeviceError, match="host_scale: argument 'out': device: expected host memory "
                                           r"\(a host factor\), got cuda:0"):
         reg.dispatch("host_scale", a)

@@ -164,6 +164,34 @@ def test_read_only_output_and_misspelt_argument(reg):
                                         "expert_mapp": np.arange(4, dtype=np.int32)})
 
 
+def test_an_output_that_shares_memory_with_another_argument_is_refused(reg):
+    """x is residual, out is hidden_states, two outputs in one buffer: refused before the call
+    (the kernels treat them as distinct arrays; the result would be silently wrong), on the
+    first call of a shape and on the cached path alike; row views of one wider buffer that
+    share no byte (x = buf[:, :H], residual = buf[:, H:]) are accepted."""
+    from ex_engine import fused_add_rmsnorm
+    w = np.ones(8, np.float32)
+    for _ in range(2):                                   # first call, then the bind cache's path
+        x, residual = np.ones((2, 8), np.float32), np.zeros((2, 8), np.float32)
+        fused_add_rmsnorm(x, residual, w, registry=reg)  # distinct arrays: fine
+        with pytest.raises(LayoutError, match="argument 'x': memory: .* sharing no memory with "
+                                              "'residual', got one that overlaps 'residual'"):
+            fused_add_rmsnorm(x, x, w, registry=reg)
+        buf = np.ones((2, 24), np.float32)
+        with pytest.raises(LayoutError, match="overlaps 'residual'"):
+            fused_add_rmsnorm(buf[:, :8], buf[:, 4:12], w, registry=reg)   # half of each row shared
+        before = buf.copy()
+        fused_add_rmsnorm(buf[:, :8], buf[:, 8:16], w, registry=reg)      # interleaved, disjoint
+        assert (buf[:, 16:] == before[:, 16:]).all()
+    a = moe_args()
+    with pytest.raises(LayoutError, match="argument 'out': memory: .*overlaps 'hidden_states'"):
+        moe_fused_gemm(**a, out=a["hidden_states"], registry=reg)
+    both = np.zeros((2, 3, 2), np.float32)               # topk_weights and topk_ids in one buffer
+    with pytest.raises(LayoutError, match="overlaps"):
+        topk_softmax(np.ones((3, 4), np.float32), 2, topk_weights=both[0],
+                     topk_ids=both[0].view(np.int32), registry=reg)
+
+
 def test_as_bfloat16_takes_bit_patterns_only():
     """float16 (or float32) values handed to as_bfloat16 would be reinterpreted bit for bit."""
     from ex_engine.arrays import as_bfloat16
