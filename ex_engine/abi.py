@@ -7,6 +7,8 @@ library's ``ex_get_factor`` and ``ex_abi_version`` resolve to that library's own
 """
 from __future__ import annotations
 
+import os
+
 import re
 from pathlib import Path
 
@@ -107,5 +109,9 @@ def version_str(v: int) -> str:
 
 
 def dlopen(path: str):
-    """Open one plugin with its own handle (RTLD_NOW | RTLD_LOCAL). Raises OSError."""
-    return lib_ffi.dlopen(str(path), lib_ffi.RTLD_NOW | lib_ffi.RTLD_LOCAL)
+    """Open one plugin file with its own handle (RTLD_NOW | RTLD_LOCAL). Raises OSError.
+
+    The path is made absolute first: dlopen reads a name without a '/' ('topk_softmax.so', as
+    a listing of the folder '.' gives) as a library to search for on LD_LIBRARY_PATH and the
+    system paths, i.e. possibly another file than the one whose bytes were checked."""
+    return lib_ffi.dlopen(os.path.abspath(str(path)), lib_ffi.RTLD_NOW | lib_ffi.RTLD_LOCAL)

@@ -104,7 +104,7 @@ def probe_library(path, hardware, timeout: float = 10.0) -> tuple:
     ex_get_factor"). A Python error in the child (an unloadable file, a missing symbol) is
     ok here: the in-process checks report it without running the library's code.
     """
-    cmd = [sys.executable, "-c", _CHILD, str(path), json.dumps(hardware.as_dict()),
+    cmd = [sys.executable, "-c", _CHILD, str(Path(path).absolute()), json.dumps(hardware.as_dict()),
            json.dumps(sys.path)]
     try:
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)

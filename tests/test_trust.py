@@ -220,6 +220,22 @@ def test_lock_warn_mode_loads_with_a_warning(tmp_path, capsys):
     assert "rejected" in capsys.readouterr().out
 
 
+def test_a_folder_given_as_dot_opens_its_own_files(tmp_path, monkeypatch):
+    """dlopen reads 'host_scale.so' (no '/') as a name to search the library path for, not as
+    the file in the current folder whose bytes the lock checked: the registry opens the file
+    by its absolute path."""
+    build_plugin(tmp_path)
+    assert cli_main(["lock", "--dir", str(tmp_path)]) == 0
+    monkeypatch.chdir(tmp_path)
+    for reg in (FactorRegistry.load(".", hardware="h200", lock=True),
+                FactorRegistry.load(".", hardware="h200", probe="subprocess")):
+        p = reg.get("host_scale")
+        assert p is not None and p.status == "ready", reg.plugins[0].reason
+        assert call(reg)[0] == "plugin"
+    reg = FactorRegistry.load(tmp_path / "..", hardware="h200")   # nothing there: no error
+    assert reg.load_library("host_scale.so").status == "ready"
+
+
 def test_a_locked_library_that_is_gone_is_noted(tmp_path, capsys):
     build_plugin(tmp_path)
     build_plugin(tmp_path, "second", defines={"NAME": '"host_scale_2"', "FACTOR_ID": 1107})
