@@ -50,11 +50,15 @@ def cmd_list_factors(args) -> int:
     reg = _registry(args)
     if args.json:
         print(json.dumps({"hardware": reg.hardware.as_dict(), "note": reg.no_gpu_note,
-                          "notes": reg.notes, "plugins": [p.as_dict() for p in reg.plugins]}, indent=2))
+                          "tuning_file": reg.tuning.path, "notes": reg.notes,
+                          "plugins": [p.as_dict() for p in reg.plugins]}, indent=2))
         return 0
     hw = reg.hardware
     print(f"hardware: {hw.name} (sm_{hw.cc_major}{hw.cc_minor}, {hw.multiprocessor_count} SMs, "
           f"warp {hw.warp_size}; {hw.source})")
+    print(f"tuning: {reg.tuning.path}" if reg.tuning.path else
+          f"tuning: no file for {hw.name} ({hw.multiprocessor_count} SMs) in {reg.tuning.folder}: "
+          "tuned dims take the kernels' defaults")
     for note in ([reg.no_gpu_note] if reg.no_gpu_note else []) + reg.notes:
         print(f"note: {note}")
     if not reg.plugins:

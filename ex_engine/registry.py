@@ -266,7 +266,8 @@ class FactorRegistry:
         self.tuning: TuningTable = TuningTable.for_hardware(
             hw, Path(manifests_dir or _paths.manifests_dir()) / "tuning", report=False)
         self.notes.extend(f"tuning: {msg}; skipped" for msg in self.tuning.problems)
-        self.notes.extend(f"tuning: {msg}" for msg in self.tuning.unused(self.manifests))
+        self.notes.extend(f"tuning: {msg}" for msg in self.tuning.remarks)
+        self._note_unused_tuning()
         self.notes.extend(f"{msg}; skipped" for msg in self.manifest_errors.values())
         self.last_path: dict = {}
         self._hw_c = hw.to_c(abi.ffi)
@@ -543,9 +544,20 @@ class FactorRegistry:
         return (f"same version {win.version} and priority {win.priority}: the file name that sorts "
                 f"last wins ({win.path.name} after {q.path.name})")
 
+    def _note_unused_tuning(self) -> None:
+        """Notes for the tuning file's tables that can never apply, against every manifest known
+        so far (the manifests folder's and those found beside libraries); recomputed after each
+        load, so a table for a plugin whose manifest sits beside it is not called unused."""
+        marker = "its table is never used"
+        self.notes = [n for n in self.notes if not (n.startswith("tuning:") and marker in n)]
+        known = dict(self.manifests)
+        known.update({p.name: p.manifest for p in self.plugins if p.manifest is not None})
+        self.notes.extend(f"tuning: {msg}" for msg in self.tuning.unused(known))
+
     def _choose(self) -> None:
         """Pick one ready plugin per name: the user's ``prefer``, else highest version, then
         priority, then file name. Then one plugin per factor id. Losers say who won and why."""
+        self._note_unused_tuning()
         self.notes = [n for n in self.notes if not n.startswith("prefer:")]
         by_name = defaultdict(list)
         for p in self.plugins:

@@ -59,7 +59,10 @@ class FactorTuning:
             if not isinstance(data, dict):
                 raise TypeError(f"expected a mapping, got {type(data).__name__}")
             self.dim = str(data["dim"])
-            self.key = [str(k) for k in data["key"]]
+            key = data["key"]
+            if not isinstance(key, list) or not key or not all(isinstance(k, str) for k in key):
+                raise TypeError(f"key: expected a non-empty list of size names (e.g. [H, I, G, K]), got {key!r}")
+            self.key = key
             if not isinstance(data["values"], dict) or not data["values"]:
                 raise TypeError("values: expected a mapping of choice names to integers")
             # -1: the kernel's own choice; below that no kernel accepts a value (moe_fused_gemm
@@ -69,6 +72,12 @@ class FactorTuning:
                 raise TypeError("shapes: expected a list")
             self.table: dict = {}
             for i, entry in enumerate(data["shapes"]):
+                if not isinstance(entry, dict):
+                    raise TypeError(f"shapes[{i}]: expected a mapping {{<key sizes>, by_T}}, got {entry!r}")
+                missing = [k for k in self.key if k not in entry]
+                if missing:
+                    raise ValueError(f"shapes[{i}]: no {missing[0]!r}, a size the key {self.key} names "
+                                     f"(the entry has {sorted(map(str, entry))})")
                 shape = tuple(_int(entry[k], f"shapes[{i}].{k}", 1) for k in self.key)
                 if shape in self.table:
                     raise ValueError(f"shapes[{i}]: {dict(zip(self.key, shape))} listed twice")
@@ -111,57 +120,92 @@ class TuningTable:
     """Every factor's tuned choices for one device (empty when no file matches it)."""
 
     def __init__(self, factors: dict | None = None, path: str | None = None, warn: bool = False,
-                 problems: list | None = None, folder=None):
+                 problems: list | None = None, folder=None, remarks: list | None = None):
         self.factors: dict = factors or {}
         self.path = path
         self.folder = Path(folder) if folder else tuning_dir()   # where the files were looked for
         self.warn = warn
         self.problems: list = problems or []   # files skipped as malformed (message each)
+        self.remarks: list = remarks or []     # well-formed files not used, and why (message each)
         self._warned: set = set()
         self._lock = threading.Lock()
         self._overrides: dict = {}
 
     @classmethod
     def for_hardware(cls, hardware, folder=None, report: bool = True) -> "TuningTable":
-        """The table of the file in ``folder`` (manifests/tuning/) whose device and SM count
-        match ``hardware``; warnings on defaults only for a live GPU. A malformed file is
-        skipped (an entry in ``problems`` says why, and with ``report`` a TuningWarning; a
-        registry passes report=False and lists ``problems`` in its notes): like a bad plugin, it
-        never stops the registry; its shapes run on the kernels' defaults."""
+        """The table of the file in ``folder`` (manifests/tuning/*.yaml or *.yml) whose device
+        and SM count match ``hardware``; warnings on defaults only for a live GPU.
+
+        Every file is read. A malformed one is skipped (an entry in ``problems`` says why, and
+        with ``report`` a TuningWarning; a registry passes report=False and lists ``problems`` in
+        its notes): like a bad plugin, it never stops the registry; its shapes run on the
+        kernels' defaults. Of several files for this device the first by name is used and the
+        others are named in ``remarks``, as is a file for this GPU's name in other letter case
+        or for another SM count."""
         folder = Path(folder) if folder else tuning_dir()
         warn = bool(getattr(hardware, "live", False))
         if hardware is None or not folder.is_dir():
             return cls(warn=warn, folder=folder)
-        problems = []
-        for p in sorted(folder.glob("*.yaml")):
+        problems, remarks, chosen = [], [], None
+        for p in sorted([*folder.glob("*.yaml"), *folder.glob("*.yml")]):
             try:
-                try:
-                    data = yaml.safe_load(p.read_text())
-                except (yaml.YAMLError, UnicodeDecodeError) as exc:
-                    raise FactorError(f"tuning file {p}: not readable YAML ({type(exc).__name__}: {exc})") from exc
-                if not isinstance(data, dict):
-                    raise FactorError(f"tuning file {p}: expected a mapping with device, "
-                                      f"multiprocessor_count and one table per factor, got {type(data).__name__}")
-                if not isinstance(data.get("device"), str) or not data["device"]:
-                    raise FactorError(f"tuning file {p}: device: expected the name of the GPU it was "
-                                      f"tuned on (as `ex-engine hardware` prints it), got {data.get('device')!r}")
-                if data["device"] != hardware.name:
+                data = cls._read(p)
+                device, sms = data["device"], data.get("multiprocessor_count")
+                if device != hardware.name:
+                    if device.lower() == hardware.name.lower():
+                        remarks.append(f"tuning file {p}: device {device!r} is not this GPU's name "
+                                       f"{hardware.name!r} (letter case differs): not used")
                     continue
-                sms = data.get("multiprocessor_count")
-                try:
-                    if sms is not None and _int(sms, "multiprocessor_count", 1) != hardware.multiprocessor_count:
-                        continue
-                except ValueError as exc:
-                    raise FactorError(f"tuning file {p}: {exc}") from exc
+                if sms is not None and sms != hardware.multiprocessor_count:
+                    remarks.append(f"tuning file {p}: for {device} with {sms} SMs; this one has "
+                                   f"{hardware.multiprocessor_count}: not used")
+                    continue
                 factors = {k: FactorTuning(k, v, str(p)) for k, v in data.items()
                            if k not in ("device", "multiprocessor_count")}
-                return cls(factors, str(p), warn, problems, folder)
+                if chosen is not None:
+                    remarks.append(f"tuning file {p}: also for {device}; {chosen[1]} (first by name) "
+                                   "is used, this one is not")
+                    continue
+                chosen = (factors, str(p))
             except FactorError as exc:
                 problems.append(str(exc))
                 if report:
                     warnings.warn(f"{exc}; skipped (its shapes run on the kernels' defaults)",
                                   TuningWarning, stacklevel=2)
-        return cls(warn=warn, problems=problems, folder=folder)
+        if chosen is None:
+            return cls(warn=warn, problems=problems, folder=folder, remarks=remarks)
+        return cls(chosen[0], chosen[1], warn, problems, folder, remarks)
+
+    @staticmethod
+    def _read(p: Path) -> dict:
+        """The file's mapping, its device and SM count checked. Raises FactorError."""
+        try:
+            text = p.read_text()
+        except (OSError, UnicodeDecodeError) as exc:   # a dangling link, a folder, binary data
+            raise FactorError(f"tuning file {p}: not readable ({type(exc).__name__}: {exc})") from exc
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            first = " ".join(str(exc).split())            # one line in notes and warnings
+            raise FactorError(f"tuning file {p}: not readable YAML ({type(exc).__name__}: {first})") from exc
+        if not isinstance(data, dict):
+            raise FactorError(f"tuning file {p}: expected a mapping with device, "
+                              f"multiprocessor_count and one table per factor, got {type(data).__name__}")
+        if not isinstance(data.get("device"), str) or not data["device"]:
+            raise FactorError(f"tuning file {p}: device: expected the name of the GPU it was "
+                              f"tuned on (as `ex-engine hardware` prints it), got {data.get('device')!r}")
+        sms = data.get("multiprocessor_count")
+        try:
+            if sms is not None:
+                _int(sms, "multiprocessor_count", 1)
+        except ValueError as exc:
+            raise FactorError(f"tuning file {p}: {exc}") from exc
+        for k, v in data.items():
+            if k not in ("device", "multiprocessor_count") and not isinstance(v, dict):
+                raise FactorError(f"tuning file {p}: top-level key {k!r}: expected a factor's table "
+                                  f"(a mapping with dim, key, values, shapes) or device / "
+                                  f"multiprocessor_count, got {type(v).__name__}")
+        return data
 
     def unused(self, manifests: dict) -> list:
         """Why parts of the loaded file can never apply (one message each; empty if none): a
@@ -217,8 +261,9 @@ class TuningTable:
                 new = (factor, shape) not in self._warned
                 self._warned.add((factor, shape))
             if new:
-                where = self.path or (f"the tuning files (skipped: {'; '.join(self.problems)})"
-                                      if self.problems else f"{self.folder} (no file for this device)")
+                where = self.path or (f"{self.folder} (no file for this device; skipped as "
+                                      f"malformed: {'; '.join(self.problems)})" if self.problems
+                                      else f"{self.folder} (no file for this device)")
                 warnings.warn(
                     f"{factor}: no tuned {dim} for {', '.join(f'{k}={v}' for k, v in shape)} in "
                     f"{where}; running on the kernel's default choice. Run benchmarks/tune_moe.py "

@@ -108,3 +108,13 @@ def test_list_factors_why_shows_no_failure_text_on_passed_checks(capsys):
     for line in out.splitlines():
         if line.strip().startswith("[ok]"):
             assert "returned NULL" not in line and "got NULL" not in line and "found none" not in line, line
+
+
+def test_list_factors_names_the_tuning_file_in_use(tmp_path, capsys):
+    from ex_engine.tuning import tuning_dir
+    assert main(["list-factors", "--dir", str(tmp_path), "--hardware", "h200"]) == 0
+    assert f"tuning: {tuning_dir() / 'h200.yaml'}" in capsys.readouterr().out
+    assert main(["list-factors", "--dir", str(tmp_path), "--hardware", "a100"]) == 0
+    assert "tuning: no file for NVIDIA A100-SXM4-80GB (108 SMs) in" in capsys.readouterr().out
+    assert main(["list-factors", "--dir", str(tmp_path), "--hardware", "h200", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["tuning_file"] == str(tuning_dir() / "h200.yaml")

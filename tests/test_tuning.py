@@ -69,7 +69,10 @@ SHAPE = {"H": 64, "I": 32, "G": 8, "K": 2}
     (_mt(shapes=[{**SHAPE, "by_T": [[1, "tiny"]]}] * 2), "listed twice"),
     (_mt(values=["tiny"]), "values"),
     (_mt(values={"tiny": 0, "broken": -5}), "values.broken"),   # below -1: no kernel takes it
-    (_mt(key=["H", "I", "GG", "K"]), "KeyError"),
+    (_mt(key=["H", "I", "GG", "K"]), r"shapes\[0\]: no 'GG', a size the key"),
+    (_mt(key="HIGK"), "key: expected a non-empty list"),
+    (_mt(key=[]), "key: expected a non-empty list"),
+    ({**TABLE, "notes": "hello"}, "top-level key 'notes': expected a factor's table"),
     ({**{k: v for k, v in TABLE.items() if k != "moe_fused_gemm"},
       "moe_fused_gemm": {k: v for k, v in TABLE["moe_fused_gemm"].items() if k != "shapes"}}, "shapes"),
     ({**TABLE, "multiprocessor_count": "lots"}, "multiprocessor_count"),
@@ -80,7 +83,35 @@ SHAPE = {"H": 64, "I": 32, "G": 8, "K": 2}
 def test_malformed_file_is_reported_and_skipped(tmp_path, body, why):
     with pytest.warns(TuningWarning, match=f"tuning file .*{why}.*skipped"):
         t = TuningTable.for_hardware(H200, write(tmp_path, body))
-    assert t.factors == {} and len(t.problems) == 1 and why.split()[0] in t.problems[0]
+    assert t.factors == {} and len(t.problems) == 1 and why.split()[0].replace("\\", "") in t.problems[0]
+
+
+def test_unreadable_files_and_folders_named_yaml_are_skipped(tmp_path):
+    (tmp_path / "a_dangling.yaml").symlink_to(tmp_path / "nowhere")
+    (tmp_path / "b_folder.yaml").mkdir()
+    (tmp_path / "c_binary.yaml").write_bytes(b"\xff\xfe\x00garbage")
+    with pytest.warns(TuningWarning, match="not readable"):
+        t = TuningTable.for_hardware(H200, write(tmp_path, TABLE, "z_good.yaml"))
+    assert "moe_fused_gemm" in t.factors and len(t.problems) == 3, t.problems
+    assert all("\n" not in p for p in t.problems)
+
+
+def test_which_file_serves_and_which_are_passed_over(tmp_path):
+    """Of two files for this device the first by name serves and the other is named; files
+    for this GPU's name in other case or another SM count are named too; .yml is read."""
+    write(tmp_path, TABLE, "h200.bak.yaml")
+    write(tmp_path, TABLE, "h200.yaml")
+    write(tmp_path, {**TABLE, "device": "nvidia h200"}, "lower.yml")
+    write(tmp_path, {**TABLE, "multiprocessor_count": 114}, "pcie.yaml")
+    write(tmp_path, {**TABLE, "device": "NVIDIA A100-SXM4-80GB"}, "a100.yaml")
+    t = TuningTable.for_hardware(H200, tmp_path)
+    assert t.path.endswith("h200.bak.yaml") and not t.problems
+    r = "\n".join(t.remarks)
+    assert len(t.remarks) == 3, r
+    assert "h200.yaml: also for NVIDIA H200;" in r and "h200.bak.yaml (first by name) is used" in r
+    assert "lower.yml: device 'nvidia h200' is not this GPU's name 'NVIDIA H200'" in r
+    assert "pcie.yaml: for NVIDIA H200 with 114 SMs; this one has 132: not used" in r
+    assert "a100" not in r                                  # another GPU's file: nothing to say
 
 
 def test_unreadable_yaml_is_reported_and_skipped(tmp_path):
@@ -127,6 +158,20 @@ def test_a_table_that_can_never_apply_is_noted(tmp_path, body, why):
     assert len(notes) == 1 and why in notes[0] and "never used" in notes[0], reg.notes
     good = _registry_with_tuning(tmp_path / "good", TABLE)
     assert not [n for n in good.notes if n.startswith("tuning:")], good.notes
+
+
+def test_a_table_for_a_plugin_with_its_manifest_beside_it_is_checked_against_that_manifest(tmp_path):
+    """A plugin's manifest may sit beside its library instead of in the manifests folder: its
+    table is checked against that one once the plugin has loaded (not called unknown)."""
+    from tests.conftest import build_plugin
+    table = {"dim": "N", "key": ["N"], "values": {"a": 0}, "shapes": [{"N": 7, "by_T": [[1, "a"]]}]}
+    reg = _registry_with_tuning(tmp_path, {**TABLE, "host_scale": table})
+    assert any("host_scale: no factor of that name has a manifest" in n for n in reg.notes), reg.notes
+    build_plugin(tmp_path / "plugins")
+    reg.load_folder(tmp_path / "plugins")
+    notes = [n for n in reg.notes if "host_scale" in n and n.startswith("tuning:")]
+    assert notes == [f"tuning: tuning file {tmp_path / 'm' / 'tuning' / 'h200.yaml'}: host_scale: dim: expected "
+                     "one of host_scale's tuned dims [], got 'N'; its table is never used"], reg.notes
 
 
 def test_registry_passes_the_tuned_config_as_dims7(tmp_path):
