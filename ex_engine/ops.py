@@ -83,7 +83,8 @@ def topk_softmax(router_logits, top_k: int, renormalize: bool = False, *, topk_w
     top_k: K, 1 <= K <= E.  renormalize: bool.
     topk_weights, topk_ids: optional outputs (T, K) float32 / int32; allocated if None.
     Returns (topk_weights, topk_ids). Raises ArgumentError (top_k not an int >= 1), DTypeError,
-    ShapeError (K > E, or outputs given with another K), LayoutError, DeviceError, KernelError.
+    ShapeError (K > E, or outputs given with another K), LayoutError (also: an output sharing
+    memory with router_logits or with the other output), DeviceError, KernelError.
     """
     try:
         if isinstance(top_k, bool):
@@ -137,8 +138,9 @@ def fused_add_rmsnorm(x, residual, weight, eps: float = 1e-6, *,
 
     x, residual: (T, H), the same dtype (float16, bfloat16 or float32); rows may be views into
     wider buffers (unit stride along H). weight: (H,) same dtype. eps: float > 0.
-    Returns (x, residual), both written in place. Raises DTypeError, ShapeError, LayoutError,
-    DeviceError, KernelError.
+    Returns (x, residual), both written in place. Raises DTypeError, ShapeError, LayoutError
+    (also: x and residual, or either and weight, sharing memory; views of one wider buffer that
+    share no byte are fine), DeviceError, KernelError.
     """
     (registry or default_registry()).dispatch(
         "fused_add_rmsnorm", {"x": x, "residual": residual, "weight": weight}, {"eps": eps})
@@ -167,7 +169,8 @@ def moe_fused_gemm(hidden_states, w13, w2, topk_weights, topk_ids, *, router_log
     (G,) int32, values in [-1, E).  router_logits: optional (T, G), unused by the computation
     (part of the ABI).  out: optional (T, H), allocated if None.
     All contiguous, on one device (or all on the host: Python fallback).
-    Returns out. Raises DTypeError, ShapeError, LayoutError, DeviceError, KernelError.
+    Returns out. Raises DTypeError, ShapeError, LayoutError (also: out sharing memory with
+    another argument, e.g. out=hidden_states), DeviceError, KernelError.
     """
     ref = TensorRef.of(hidden_states, "hidden_states")
     if out is None:

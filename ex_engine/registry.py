@@ -18,6 +18,8 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 from . import _paths, abi, fatbin, trust
 from .arrays import TensorRef
 from .errors import (ArgumentError, DeviceError, DeviceSideError, FactorError, FactorNotFoundError,
@@ -197,22 +199,26 @@ def _check_no_overlap(factor: str, written, refs_by_name: dict, spans: dict) -> 
             if k != w:
                 rk = refs_by_name[k]
                 if (rw.device == rk.device and rk.ptr + sk[0] < w1 and w0 < rk.ptr + sk[1]
-                        and not _interleaved_rows(rw, rk)):
+                        and _share_memory(rw, rk)):
                     raise LayoutError(factor, w, "memory", f"an array of its own (the factor writes it), "
                                       f"sharing no memory with '{k}'", f"one that overlaps '{k}'")
 
 
-def _interleaved_rows(a, b) -> bool:
-    """True when two 2-D row-strided views of one wider buffer (x = buf[:, :H], residual =
-    buf[:, H:], say: the same row stride, unit stride along a row) never share a byte: their
-    column ranges are disjoint modulo the row stride."""
-    if (len(a.shape) != 2 or len(b.shape) != 2 or a.strides[1] != 1 or b.strides[1] != 1
-            or a.strides[0] * a.itemsize != b.strides[0] * b.itemsize or a.strides[0] <= 0):
-        return False
-    period = a.strides[0] * a.itemsize
-    wa, wb = a.shape[1] * a.itemsize, b.shape[1] * b.itemsize
-    r = (b.ptr - a.ptr) % period
-    return wa <= r and r + wb <= period
+def _share_memory(a, b) -> bool:
+    """Whether two arrays whose byte ranges intersect really share a byte (interleaved row views
+    of one wider buffer, a small array inside another's strided span, need not): NumPy's exact
+    test on stand-in arrays that carry only the pointers, shapes and strides (device pointers
+    too: shares_memory never reads memory). Too hard to decide: assumed shared."""
+    def standin(r):
+        holder = type("_Span", (), {})()
+        holder.__array_interface__ = {
+            "data": (r.ptr, False), "shape": tuple(r.shape), "typestr": f"|V{r.itemsize}",
+            "strides": tuple(int(st) * r.itemsize for st in r.strides), "version": 3}
+        return np.asarray(holder)
+    try:
+        return bool(np.shares_memory(standin(a), standin(b), max_work=10 ** 6))
+    except getattr(np, "exceptions", np).TooHardError:   # np.TooHardError before NumPy 1.25
+        return True
 
 
 class FactorRegistry:
@@ -809,6 +815,7 @@ class FactorRegistry:
         m = plugin.manifest
         refs_by_name = {k: TensorRef.of(v, k) for k, v in arrays.items() if v is not None}
         refs, dims, _, _, device = m.bind(refs_by_name, params, self.tuning.value)
+        _check_no_overlap(plugin.name, m.written_names, refs_by_name, _byte_spans(refs_by_name))
         host = m.memory == "host"
         if host and device >= 0:
             raise DeviceError(plugin.name, m.tensors[0].name, "device", "host memory (a host factor)",

@@ -307,3 +307,18 @@ def test_manifest_cross_references_fallback_and_reserved_ids_are_checked_at_load
     st = {p.path.stem: p for p in reg.plugins}
     assert st["neg"].status == "rejected" and "could not run" in st["neg"].reason, st["neg"].reason
     assert st["host_scale"].status == "ready", st["host_scale"].reason
+
+
+def test_call_plugin_refuses_overlapping_arrays_as_dispatch_does(tmp_path):
+    """verify's entry point (call_plugin) checks what dispatch checks: out is x is refused."""
+    from ex_engine import LayoutError
+    build_plugin(tmp_path)
+    reg = FactorRegistry.load(tmp_path, hardware="h200")
+    p = reg.get("host_scale")
+    x = np.ones(7, np.float32)
+    alpha = np.array([2.0], np.float32)
+    with pytest.raises(LayoutError, match="argument 'out': memory: .*overlaps 'x'"):
+        reg.call_plugin(p, {"x": x, "out": x, "alpha": alpha})
+    assert (x == 1).all()
+    out = np.zeros(7, np.float32)
+    assert reg.call_plugin(p, {"x": x, "out": out, "alpha": alpha}) == "plugin" and (out == 2).all()

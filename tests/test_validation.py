@@ -183,6 +183,13 @@ def test_an_output_that_shares_memory_with_another_argument_is_refused(reg):
         before = buf.copy()
         fused_add_rmsnorm(buf[:, :8], buf[:, 8:16], w, registry=reg)      # interleaved, disjoint
         assert (buf[:, 16:] == before[:, 16:]).all()
+        b = np.ones((5, 16), np.float32)                 # weight inside x's span, sharing no byte
+        fused_add_rmsnorm(b[:4, :8], np.zeros((4, 8), np.float32), b[4, 8:], registry=reg)
+        flat = np.ones(64, np.float32)                   # rows of stride 7 and 9 in one buffer, disjoint
+        x2 = np.lib.stride_tricks.as_strided(flat, (2, 3), (7 * 4, 4))
+        r2 = np.lib.stride_tricks.as_strided(flat[3:], (2, 3), (9 * 4, 4))
+        assert not np.shares_memory(x2, r2)
+        fused_add_rmsnorm(x2, r2, np.ones(3, np.float32), registry=reg)
     a = moe_args()
     with pytest.raises(LayoutError, match="argument 'out': memory: .*overlaps 'hidden_states'"):
         moe_fused_gemm(**a, out=a["hidden_states"], registry=reg)
