@@ -54,6 +54,8 @@ def _kind_of(x) -> str:
         kind = "bits16"
     elif mod.startswith("torch"):
         kind = "torch"
+    elif issubclass(t, np.matrix):
+        kind = "other"   # its * is a matrix product and its rows stay 2-D: refused, not misread
     elif issubclass(t, np.ndarray):
         kind = "numpy"
     elif mod.startswith("cupy"):

@@ -236,8 +236,10 @@ class Manifest:
             v = params.get(k, spec.get("default"))
             typ = spec.get("type", "float")
             if typ == "bool":
+                # True/False, 0/1 (Python's or NumPy's integers), or a NumPy bool scalar
                 np_bool = getattr(v, "dtype", None) is not None and v.dtype.kind == "b" and v.shape == ()
-                if not (np_bool or isinstance(v, (bool, int))) or v not in (0, 1, True, False):
+                integral = hasattr(v, "__index__") and getattr(v, "shape", ()) == ()
+                if not (np_bool or integral) or v not in (0, 1, True, False):
                     raise ArgumentError(self.name, k, "type", "a bool", repr(v))
                 v = bool(v)
             elif typ == "int":

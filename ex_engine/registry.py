@@ -11,6 +11,7 @@ which path served.
 """
 from __future__ import annotations
 
+import os
 import re
 import threading
 import warnings
@@ -22,8 +23,8 @@ import numpy as np
 
 from . import _paths, abi, fatbin, trust
 from .arrays import TensorRef
-from .errors import (ArgumentError, DeviceError, DeviceSideError, FactorError, FactorNotFoundError,
-                     KernelError, LayoutError)
+from .errors import (ArgumentError, DeviceError, DeviceSideError, DTypeError, FactorError,
+                     FactorNotFoundError, KernelError, LayoutError)
 from .hardware import Hardware, resolve
 from .manifest import Manifest, load_all
 from .tuning import TuningTable
@@ -245,6 +246,17 @@ class FactorRegistry:
                               f"got lock={lock!r}")
         if probe not in (None, "subprocess"):
             raise FactorError(f"probe: expected None or 'subprocess', got {probe!r}")
+        if isinstance(probe_timeout, bool) or not isinstance(probe_timeout, (int, float)) or not probe_timeout > 0:
+            raise FactorError(f"probe_timeout: expected a number of seconds > 0, got {probe_timeout!r}")
+        if not (lock is None or isinstance(lock, bool) or (isinstance(lock, (str, os.PathLike)) and str(lock))):
+            raise FactorError(f"lock: expected a lock file path, True (<folder>/{trust.LOCK_NAME}) or None, "
+                              f"got {lock!r}")
+        if prefer is not None and not (isinstance(prefer, dict) and all(
+                isinstance(k, str) and isinstance(v, (str, os.PathLike)) for k, v in prefer.items())):
+            raise FactorError(f"prefer: expected a mapping {{factor name: library file name or path}}, "
+                              f"got {prefer!r}")
+        if manifests_dir is not None and not Path(manifests_dir).is_dir():
+            raise FactorError(f"manifests_dir '{manifests_dir}': not a directory")
         self.hardware: Hardware = hw
         # a malformed manifest rejects only the plugins that need it (see _find_manifest)
         self.manifest_errors: dict = {}  # file stem -> message
@@ -297,6 +309,8 @@ class FactorRegistry:
             remembered in $EX_ENGINE_CACHE/verified.json (default ~/.cache/ex_engine).
         Raises FactorError if ``folder`` is not a directory or the lock file is unreadable.
         """
+        if folder is not None and not isinstance(folder, (str, os.PathLike)):
+            raise FactorError(f"folder: expected a directory path, got {type(folder).__name__} {folder!r}")
         folder = Path(folder or _paths.factors_dir())
         if lock is True:
             lock = folder / trust.LOCK_NAME
@@ -328,7 +342,7 @@ class FactorRegistry:
             return   # a missing lock is reported by the first library it should cover
         _, digests = self._lock_for(folder / "_")
         for name in sorted(set(digests) - present):
-            note = (f"lock: {lock_path} lists {name}, which {folder} does not have "
+            note = (f"lock: {lock_path.resolve()} lists {name}, which {folder.resolve()} does not have "
                     "(deleted or renamed since the lock was written)")
             if note not in self.notes:
                 self.notes.append(note)
@@ -630,8 +644,16 @@ class FactorRegistry:
         """
         m = self.manifest(name)
         # arrays may hold TensorRefs already made by the caller (ops.* describe what they allocate)
-        refs_by_name = {k: v if type(v) is TensorRef else TensorRef.of(v, k)
-                        for k, v in arrays.items() if v is not None}
+        try:
+            refs_by_name = {k: v if type(v) is TensorRef else TensorRef.of(v, k)
+                            for k, v in arrays.items() if v is not None}
+        except AttributeError:
+            if isinstance(arrays, dict):
+                raise
+            raise ArgumentError(name, "arrays", "type", "a dict {argument name: array}",
+                                type(arrays).__name__) from None
+        except DTypeError as exc:   # TensorRef.of does not know the factor: name it
+            raise DTypeError(name, exc.argument, exc.rule, exc.expected, exc.got) from None
         # A call with the same dtypes, shapes, strides, device and params (values and types) as
         # an earlier valid one needs only its pointers checked: the bound dims are reused (host
         # overhead); anything else is bound, i.e. checked in full, again.

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -55,10 +56,13 @@ def read_lock(path) -> dict:
         raise FactorError(f"lock file {path}: not found; write one with `ex-engine lock`") from None
     except (OSError, ValueError) as exc:
         raise FactorError(f"lock file {path}: not readable JSON ({exc})") from None
-    if not isinstance(data, dict) or not all(isinstance(k, str) and isinstance(v, str)
-                                             for k, v in data.items()):
+    if not isinstance(data, dict):
         raise FactorError(f"lock file {path}: expected a JSON object {{file name: sha256}}, "
                           f"got {type(data).__name__}")
+    for k, v in data.items():
+        if not isinstance(v, str) or not re.fullmatch(r"[0-9a-fA-F]{64}", v):
+            raise FactorError(f"lock file {path}: entry {k!r}: expected a SHA-256 digest "
+                              f"(64 hex digits, as `ex-engine lock` writes), got {v!r}")
     return {k: v.lower() for k, v in data.items()}
 
 

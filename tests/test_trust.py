@@ -245,14 +245,28 @@ def test_a_locked_library_that_is_gone_is_noted(tmp_path, capsys):
     (tmp_path / "second.so").unlink()
     reg = FactorRegistry.load(tmp_path, hardware="h200", lock=True)
     reg.load_folder(tmp_path)                        # loaded again: still one note
+    reg.load_folder(tmp_path / ".." / tmp_path.name)   # under another spelling too
     notes = [n for n in reg.notes if n.startswith("lock:")]
-    assert notes == [f"lock: {tmp_path / 'ex_engine.lock'} lists second.so, which {tmp_path} does not "
+    where = tmp_path.resolve()
+    assert notes == [f"lock: {where / 'ex_engine.lock'} lists second.so, which {where} does not "
                      "have (deleted or renamed since the lock was written)"], reg.notes
     assert reg.get("host_scale") is not None         # the rest loads as before
     capsys.readouterr()
     assert cli_main(["list-factors", "--dir", str(tmp_path), "--hardware", "h200",
                      "--lock", str(tmp_path / "ex_engine.lock")]) == 0
     assert "lists second.so" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("content,msg", [
+    ('{"host_scale.so": 123}', "entry 'host_scale.so': expected a SHA-256 digest .* got 123"),
+    ('{"host_scale.so": "abc def"}', "entry 'host_scale.so': expected a SHA-256 digest"),
+    ('["host_scale.so"]', "expected a JSON object .* got list"),
+])
+def test_a_malformed_lock_file_is_an_error_naming_the_entry(tmp_path, content, msg):
+    build_plugin(tmp_path)
+    (tmp_path / "ex_engine.lock").write_text(content)
+    with pytest.raises(FactorError, match=msg):
+        FactorRegistry.load(tmp_path, hardware="h200", lock=True)
 
 
 def test_missing_lock_file_is_an_error(tmp_path, capsys):

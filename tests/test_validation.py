@@ -252,3 +252,33 @@ def test_router_logits_wider_than_the_experts_asks_for_the_map_and_a_folder_load
     r = FactorRegistry.load(tmp_path, hardware="h200")
     again = r.load_folder(tmp_path)
     assert len(r.plugins) == 1 and again[0] is r.plugins[0] and r.get("host_scale").status == "ready"
+
+
+def test_registry_and_dispatch_arguments_of_the_wrong_kind_are_named(tmp_path):
+    """Each gives a FactorError naming the argument (they gave a raw TypeError/ValueError/
+    AttributeError, or were accepted and made every later step fail)."""
+    from ex_engine.errors import FactorError
+    cases = [(dict(prefer=["x"]), "prefer: expected a mapping"),
+             (dict(lock=123), "lock: expected a lock file path"),
+             (dict(lock=""), "lock: expected a lock file path"),
+             (dict(probe_timeout=-1), "probe_timeout: expected a number of seconds > 0"),
+             (dict(manifests_dir=tmp_path / "nowhere"), "manifests_dir '.*nowhere': not a directory")]
+    for kw, msg in cases:
+        with pytest.raises(FactorError, match=msg):
+            FactorRegistry.load(tmp_path, hardware="h200", **kw)
+    with pytest.raises(FactorError, match="folder: expected a directory path, got int 5"):
+        FactorRegistry.load(5, hardware="h200")
+    reg = FactorRegistry.load(tmp_path, hardware="h200")
+    with pytest.raises(ArgumentError, match="topk_softmax: argument 'arrays': type: expected a dict"):
+        reg.dispatch("topk_softmax", [1, 2])
+    with pytest.raises(DTypeError, match="^topk_softmax: argument 'router_logits': type: expected a NumPy"):
+        reg.dispatch("topk_softmax", {"router_logits": [1.0, 2.0]}, {"top_k": 1})
+    x = np.random.default_rng().random((4, 8)).astype(np.float32)
+    with pytest.raises(DTypeError, match="argument 'x': type: .* got matrix"):   # its * is a matmul
+        from ex_engine import fused_add_rmsnorm
+        fused_add_rmsnorm(np.asmatrix(x), np.asmatrix(x.copy()), np.ones(8, np.float32), registry=reg)
+    for v in (1, np.int64(1), np.bool_(True), True):            # a bool, whatever integer type says it
+        topk_softmax(x, 2, renormalize=v, registry=reg)
+    for v in (2, 1.0, "1"):
+        with pytest.raises(ArgumentError, match="argument 'renormalize': type: expected a bool"):
+            topk_softmax(x, 2, renormalize=v, registry=reg)
