@@ -8,8 +8,8 @@
 #   make list | help | clean (clean names any factors/*.so it leaves: one no source builds)
 #   variables: NVCC, ARCHS, NVCCFLAGS, EXTRA_NVCCFLAGS (added to both rules, e.g. -DNAME=1),
 #              NVCC_THREADS (nvcc --threads per job; default 1), PYTHON, CUTLASS_INC
-#   The Hopper plugin (moe_fused_gemm_sm90.so: CUTLASS templates) takes 2-4 minutes on 2 cores;
-#   the others 5-60 s each.
+#   The Hopper plugin (moe_fused_gemm_sm90.so: CUTLASS templates) takes 1.5-3 minutes on 2 cores;
+#   the others 5-60 s each. Every factor needs sm_80 or newer (ARCHS must name such targets).
 #
 # factors/<name>_sm90.cu are Hopper-only plugins built on CUTLASS 3.x (wgmma, TMA): they are
 # compiled for SM90_ARCHS only (ARCHS does not apply to them), with CUTLASS's headers from the
@@ -38,6 +38,8 @@ CUTLASS_INC ?= $(shell for py in $(PYTHON) .venv/bin/python; do \
 SOURCES := $(sort $(wildcard factors/*.cu))
 PLUGINS := $(SOURCES:.cu=.so)
 
+# a half-written .so (nvcc killed, disk full) is deleted, never left to be loaded
+.DELETE_ON_ERROR:
 .PHONY: all clean list help check-nvcc
 all: $(PLUGINS)
 
@@ -46,6 +48,7 @@ help:
 
 # a clear word where nvcc is missing (each rule needs it)
 check-nvcc:
+	@if [ -z "$(strip $(ARCHS))" ]; then echo "[ex_engine] error: ARCHS is empty: give at least one target of sm_80 or newer, e.g. ARCHS=\"-gencode=arch=compute_80,code=sm_80\"" >&2; exit 1; fi
 	@command -v $(NVCC) >/dev/null 2>&1 || { 	    echo "[ex_engine] error: $(NVCC) not found on PATH: install the CUDA toolkit (12.4+) or pass NVCC=/path/to/nvcc" >&2; 	    exit 1; }
 
 factors/%.so: factors/%.cu include/ex_engine.h $(wildcard factors/*.cuh) | check-nvcc

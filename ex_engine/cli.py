@@ -1,6 +1,7 @@
 """The ``ex-engine`` command line: list-factors, hardware, run moe, verify, lock, build.
 
-Every command has --help. Exit status: 0 success, 1 a check failed, 2 bad usage or error.
+Every command has --help. Exit status: 0 success, 1 a check failed, 2 bad usage or error,
+3 `verify --strict` skipped a factor.
 """
 from __future__ import annotations
 
