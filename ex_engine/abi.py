@@ -8,7 +8,6 @@ library's ``ex_get_factor`` and ``ex_abi_version`` resolve to that library's own
 from __future__ import annotations
 
 import os
-
 import re
 from pathlib import Path
 

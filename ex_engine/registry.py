@@ -188,8 +188,9 @@ def _byte_spans(refs_by_name: dict) -> dict:
 def _check_no_overlap(factor: str, written, refs_by_name: dict, spans: dict) -> None:
     """Raises LayoutError when an array the factor writes shares memory with another argument
     (``out`` is ``hidden_states``, ``x`` is ``residual``): the kernels read and write them as
-    distinct arrays, so the result would be silently wrong. Compares the byte ranges the arrays'
-    shapes and strides span (conservative for interleaved strided views)."""
+    distinct arrays, so the result would be silently wrong. Exact: the byte ranges the arrays'
+    shapes and strides span first (cheap, every call), then, only where two ranges meet,
+    whether a byte is really shared (views of one wider buffer need not share one)."""
     for w in written:
         sw = spans.get(w)
         if sw is None:
@@ -340,7 +341,7 @@ class FactorRegistry:
         lock_path = folder / trust.LOCK_NAME if self.lock is True else Path(self.lock)
         if not lock_path.is_file() or lock_path.parent.resolve() != folder.resolve():
             return   # a missing lock is reported by the first library it should cover
-        _, digests = self._lock_for(folder / "_")
+        _, digests = self._lock_for(folder / "_")   # (any file of the folder names its lock)
         for name in sorted(set(digests) - present):
             note = (f"lock: {lock_path.resolve()} lists {name}, which {folder.resolve()} does not have "
                     "(deleted or renamed since the lock was written)")
