@@ -254,6 +254,7 @@ def test_router_logits_wider_than_the_experts_asks_for_the_map_and_a_folder_load
     assert len(r.plugins) == 1 and again[0] is r.plugins[0] and r.get("host_scale").status == "ready"
 
 
+@pytest.mark.filterwarnings("ignore::PendingDeprecationWarning")   # np.asmatrix's own warning
 def test_registry_and_dispatch_arguments_of_the_wrong_kind_are_named(tmp_path):
     """Each gives a FactorError naming the argument (they gave a raw TypeError/ValueError/
     AttributeError, or were accepted and made every later step fail)."""
