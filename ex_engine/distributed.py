@@ -413,9 +413,11 @@ class ExpertParallelMoE:
     def _check_without_experts(self, hidden_states, topk_weights, topk_ids, out, router_logits):
         """The factor's argument checks for a rank that holds no expert (nothing to launch):
         its manifest binds the caller's arrays with a one-expert stand-in for w13/w2 (no
-        memory), so a bad dtype, shape, layout or device raises here as on the other ranks.
+        memory), so a bad dtype, shape, layout or device raises here as on the other ranks, and
+        so does an out that shares memory with another argument or is read-only.
         topk_ids' values are checked on the ranks that own experts (check_device_errors)."""
         from .arrays import TensorRef
+        from .registry import check_writes
         m = self.registry.manifest("moe_fused_gemm")
 
         def stand_in(shape):
@@ -424,9 +426,11 @@ class ExpertParallelMoE:
         arrays = {"hidden_states": hidden_states, "out": out, "topk_weights": topk_weights,
                   "topk_ids": topk_ids, "router_logits": router_logits, "expert_map": self._map_arg}
         refs = {k: TensorRef.of(v, k) for k, v in arrays.items() if v is not None}
+        given = dict(refs)                  # the caller's arrays (the stand-ins have no memory)
         refs["w13"] = stand_in((1, 2 * self.I, self.H))
         refs["w2"] = stand_in((1, self.H, self.I))
-        m.bind(refs)
+        *_, device = m.bind(refs)
+        check_writes("moe_fused_gemm", m, given, device=device)   # out=hidden_states, read-only out
 
     def forward(self, hidden_states, topk_weights, topk_ids, *, out=None, router_logits=None):
         """The layer's full routed-expert output on every rank: forward_local, then an NCCL

@@ -206,6 +206,22 @@ def _check_no_overlap(factor: str, written, refs_by_name: dict, spans: dict) -> 
                                       f"sharing no memory with '{k}'", f"one that overlaps '{k}'")
 
 
+def check_writes(factor: str, m: Manifest, refs_by_name: dict, spans: dict | None = None,
+                 device: int = 0) -> None:
+    """What a factor's writes need beyond its manifest's shapes and dtypes: no written array
+    shares memory with another argument (_check_no_overlap), and on the host (device < 0) every
+    written NumPy array is writable (its read-only flag is a promise the call must keep).
+    ``spans``: _byte_spans(refs_by_name), when the caller has them already. Raises LayoutError."""
+    _check_no_overlap(factor, m.written_names, refs_by_name,
+                      _byte_spans(refs_by_name) if spans is None else spans)
+    if device < 0:
+        for w in m.written_names:
+            r = refs_by_name.get(w)
+            if r is not None and not _writable(r.obj):
+                raise LayoutError(factor, w, "writable", "a writable array (the factor writes it)",
+                                  "a read-only array")
+
+
 def _share_memory(a, b) -> bool:
     """Whether two arrays whose byte ranges intersect really share a byte (interleaved row views
     of one wider buffer, a small array inside another's strided span, need not): NumPy's exact
@@ -692,13 +708,7 @@ class FactorRegistry:
                         m.check_alignment(spec_name, r)   # raises the LayoutError
                 if ws is not None:
                     refs[2 + ws] = None
-            _check_no_overlap(name, m.written_names, refs_by_name, spans)
-            if device < 0:  # host arrays: NumPy's read-only flag is a promise the call must keep
-                for spec in m.tensors:
-                    r = refs_by_name.get(spec.name) if spec.role in ("output", "inout") else None
-                    if r is not None and not _writable(r.obj):
-                        raise LayoutError(name, spec.name, "writable", "a writable array (the factor "
-                                          "writes it)", "a read-only array")
+            check_writes(name, m, refs_by_name, spans, device)
         except FactorError:
             self._count(name, "errors")
             raise
@@ -838,7 +848,7 @@ class FactorRegistry:
         m = plugin.manifest
         refs_by_name = {k: TensorRef.of(v, k) for k, v in arrays.items() if v is not None}
         refs, dims, _, _, device = m.bind(refs_by_name, params, self.tuning.value)
-        _check_no_overlap(plugin.name, m.written_names, refs_by_name, _byte_spans(refs_by_name))
+        check_writes(plugin.name, m, refs_by_name, device=device)
         host = m.memory == "host"
         if host and device >= 0:
             raise DeviceError(plugin.name, m.tensors[0].name, "device", "host memory (a host factor)",

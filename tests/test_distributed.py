@@ -9,7 +9,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from ex_engine import ArgumentError, DTypeError, FactorError, FactorRegistry, ShapeError, moe_fused_gemm
+from ex_engine import (ArgumentError, DTypeError, FactorError, FactorRegistry, LayoutError, ShapeError,
+                       moe_fused_gemm)
 from ex_engine.distributed import (ExpertParallelMoE, expert_owner, expert_partition,
                                    make_expert_map)
 from tests.conftest import ROOT
@@ -174,6 +175,15 @@ def test_rank_without_experts_writes_zeros(reg):
         layer.forward_local(x, w, ids.astype(np.int64))
     with pytest.raises(DTypeError, match="'topk_weights'"):
         layer.forward_local(x, w.astype(np.float64), ids)
+    # out=hidden_states: refused before any write, as on the ranks with experts (it zeroed x)
+    before = x.copy()
+    with pytest.raises(LayoutError, match="argument 'out': memory: .*overlaps 'hidden_states'"):
+        layer.forward_local(x, w, ids, out=x)
+    assert x.tobytes() == before.tobytes()
+    ro = np.full((4, 32), np.nan, ml_dtypes.bfloat16)
+    ro.flags.writeable = False
+    with pytest.raises(LayoutError, match="argument 'out': writable"):
+        layer.forward_local(x, w, ids, out=ro)
 
 
 def test_from_global_copies_or_views(reg):
