@@ -96,6 +96,31 @@ def test_patched_model_matches_stock_on_cpu(reg, family):
     assert torch.equal(logits_of(m, ids), ref)         # undone: stock again, bit for bit
 
 
+def test_grad_mode_runs_the_stock_forwards_so_gradients_flow(reg):
+    """The factors have no backward: under grad mode with parameters that require grad the
+    patched forwards hand the call to the stock ones (a warning says so) and every parameter
+    gets its gradient, as unpatched; under no_grad the factors serve."""
+    m = tiny_model("qwen3_moe")
+    ids = prompt()
+    m.zero_grad()
+    m(ids).logits.float().sum().backward()
+    want = {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+    m.zero_grad()
+    with hf.patch_moe(m, registry=reg) as handle:
+        served = lambda: sum(handle.stats()["moe_fused_gemm"].values())   # every path's calls
+        before = served()
+        hf._GRAD_WARNED.clear()
+        with pytest.warns(UserWarning, match="grad mode .* the stock forward runs"):
+            m(ids).logits.float().sum().backward()
+        assert served() == before                                           # the factors did not run
+        got = {n: p.grad for n, p in m.named_parameters() if p.grad is not None}
+        assert got.keys() == want.keys() and any("gate" in n for n in got)
+        for n in want:
+            assert torch.equal(got[n], want[n]), n
+        logits_of(m, ids)                                                   # no_grad: the factors
+        assert served() == before + LAYERS
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_undo_restores_forwards_and_leaves_parameters_untouched(reg, family):
     m = tiny_model(family)

@@ -32,8 +32,9 @@ boundary, ex_engine takes the lower expert index; ``torch.topk`` leaves the choi
 
 The experts: moe_fused_gemm accumulates in fp32 and rounds silu(g)*u to the model dtype between
 the GEMMs; the stock eager loop rounds each expert's contribution to the model dtype and sums them
-in that dtype, so outputs differ by bf16 rounding (not by more). Inference only: no autograd
-through the factors.
+in that dtype, so outputs differ by bf16 rounding (not by more). Inference only: the factors
+have no backward, so under grad mode with tensors that require grad (training) the patched
+forwards hand the call to the stock ones, with a warning once per module class.
 
 CUDA graphs. Nothing in the patched forwards synchronises, reads a device value on the host, or
 allocates outside torch's allocator (outputs come from ``torch.empty``); the factors run on
@@ -226,10 +227,33 @@ def _check_block(name, block, a: MoEAdapter) -> _Block:
                   bool(a.renormalize(block, router)), a.weights_dtype == "logits", repacked)
 
 
+_GRAD_WARNED: set = set()
+
+
+def _needs_grad(module, *tensors) -> bool:
+    """True under grad mode when an input or a parameter of ``module`` requires grad: the
+    factors have no backward, so the patched forward hands the call to the stock one (with a
+    warning once per module class), and training through a patched model stays correct."""
+    if not torch.is_grad_enabled():
+        return False
+    if not (any(t.requires_grad for t in tensors) or any(p.requires_grad for p in module.parameters())):
+        return False
+    key = type(module).__name__
+    if key not in _GRAD_WARNED:
+        _GRAD_WARNED.add(key)
+        warnings.warn(f"ex_engine.patch_moe: {key} called under grad mode with tensors that require "
+                      "grad: the stock forward runs there (ex_engine's factors have no backward); "
+                      "use torch.no_grad() or torch.inference_mode() for the factors", stacklevel=3)
+    return True
+
+
 def _router_forward(b: _Block, reg: FactorRegistry):
     router, K, renorm, round_w = b.router, b.K, b.renormalize, b.round_weights
+    stock = type(router).forward
 
     def forward(hidden_states):
+        if _needs_grad(router, hidden_states):
+            return stock(router, hidden_states)
         h = hidden_states.reshape(-1, router.weight.shape[-1])
         logits = F.linear(h, router.weight)                         # (T, E), model dtype
         w, ids = topk_softmax(logits, K, renorm, registry=reg)      # fp32 (T, K), int32 (T, K)
@@ -250,7 +274,11 @@ def _experts_forward(b: _Block, adapter: MoEAdapter, reg: FactorRegistry):
         def weights():
             return adapter.weights(experts)
 
+    stock = type(experts).forward
+
     def forward(hidden_states, top_k_index, top_k_weights):
+        if _needs_grad(experts, hidden_states, top_k_weights):
+            return stock(experts, hidden_states, top_k_index, top_k_weights)
         w13, w2 = weights()
         x = hidden_states if hidden_states.dtype == w13.dtype else hidden_states.to(w13.dtype)
         x = x.contiguous()                                          # no-op for the stock (T, H) view
