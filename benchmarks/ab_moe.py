@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from ex_engine import FactorError, FactorRegistry, moe_fused_gemm  # noqa: E402
-from ex_engine.moe_layer import load_models  # noqa: E402
+from ex_engine.moe_layer import load_models, output_file_problem  # noqa: E402
 from _timing import graph_us  # noqa: E402
 from bench_moe import input_sets, layer_weights, reference, rel  # noqa: E402
 
@@ -121,8 +121,8 @@ def main():
             print(f"ab_moe: case {case!r}: expected model:T with T >= 1, model one of "
                   f"{', '.join(sorted(models))}", file=sys.stderr)
             return 2
-    if args.json and not Path(args.json).resolve().parent.is_dir():
-        print(f"ab_moe: --json: folder {Path(args.json).parent} does not exist", file=sys.stderr)
+    if output_file_problem("--json", args.json):
+        print(f"ab_moe: {output_file_problem('--json', args.json)}", file=sys.stderr)
         return 2
     if args.rounds < 1 or args.sets < 1:
         print("ab_moe: --rounds and --sets must be >= 1", file=sys.stderr)

@@ -7,6 +7,7 @@ fallback's float32 semantics, the experts against float64).
 """
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,11 +53,32 @@ def case_problems(models: dict, names, tokens, factors=None, all_ok: bool = Fals
     folder that does not exist. Checked before any work, so a mistake loses no measurement."""
     choices = (["all"] if all_ok else []) + sorted(models)
     out = [f"--models: {m!r} is not one of {', '.join(choices)}" for m in names if m not in models]
-    if min(tokens) < 1:
+    if not tokens:
+        out.append("--tokens: expected at least one T")
+    elif min(tokens) < 1:
         out.append(f"--tokens: expected T >= 1, got {' '.join(map(str, tokens))}")
     if factors is not None and not Path(factors).is_dir():
         out.append(f"--factors: folder {factors!r} does not exist")
     return out
+
+
+def output_file_problem(flag: str, path) -> str:
+    """What stops a tool from writing its output file ``path`` ('' if nothing): a folder in its
+    place, a parent folder that does not exist, no write permission. Tools check it before any
+    work, so a bad destination never loses a run's measurements at the end."""
+    if path is None:
+        return ""
+    p = Path(path)
+    if p.is_dir():
+        return f"{flag}: {path} is a folder; expected a file path"
+    parent = p.resolve().parent
+    if not parent.is_dir():
+        return f"{flag}: folder {p.parent} does not exist"
+    if p.exists() and not os.access(p, os.W_OK):
+        return f"{flag}: {path} is not writable"
+    if not p.exists() and not os.access(parent, os.W_OK):
+        return f"{flag}: folder {p.parent} is not writable"
+    return ""
 
 
 def model_shape(name: str) -> MoEShape:

@@ -55,7 +55,7 @@ from ex_engine.distributed import (ExpertParallelMoE, expert_owner, expert_parti
                                    init_from_env, shutdown)
 from ex_engine.hardware import Hardware  # noqa: E402
 from ex_engine.cli import token_count  # noqa: E402
-from ex_engine.moe_layer import load_models  # noqa: E402
+from ex_engine.moe_layer import load_models, output_file_problem  # noqa: E402
 
 MODELS = load_models()
 DEFAULT_MODELS = ["qwen3-30b-a3b", "mixtral-8x7b"]
@@ -412,6 +412,17 @@ def main(argv=None) -> int:
     ap.add_argument("--tiny", action="store_true",
                     help="tiny layers (H 64, I 32, at most 16 experts, top-4): a smoke test")
     args = ap.parse_args(argv)
+    problems = [output_file_problem("--json", args.json)]
+    if args.replays < 1 or args.calls < 0:
+        problems.append(f"--replays: expected >= 1 and --calls >= 0 (0: the default), got "
+                        f"--replays {args.replays} --calls {args.calls}")
+    if min(args.tokens) < 1:
+        problems.append(f"--tokens: expected T >= 1, got {' '.join(map(str, args.tokens))}")
+    problems = [p for p in problems if p]
+    if problems:
+        for p in problems:
+            print(f"[ep_moe] {p}", file=sys.stderr)
+        return 2
     if torch is None:
         print("[ep_moe] needs PyTorch (torchrun, torch.distributed)", file=sys.stderr)
         return 2

@@ -36,6 +36,8 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from ex_engine.moe_layer import output_file_problem  # noqa: E402
+
 try:  # --help works without PyTorch; a run needs it (and transformers)
     import torch  # noqa: E402
 except ImportError:
@@ -279,6 +281,29 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if torch is None:
         print("hf_moe_generate: needs PyTorch and transformers", file=sys.stderr)
+        return 2
+    problems = [output_file_problem("--json", args.json)]
+    if args.tokens < 5:
+        problems.append(f"--tokens: expected >= 5 (the first 4 steps are warm-ups, not timed), got {args.tokens}")
+    if args.prompt_len < 1 or args.vocab < 2:
+        problems.append(f"--prompt-len: expected >= 1 and --vocab >= 2, got {args.prompt_len} and {args.vocab}")
+    if args.layers is not None and args.layers < 1:
+        problems.append(f"--layers: expected >= 1, got {args.layers}")
+    if not args.rtol > 0:
+        problems.append(f"--rtol: expected a fraction > 0, got {args.rtol}")
+    try:
+        dev = torch.device(args.device)
+        if dev.type not in ("cpu", "cuda"):
+            problems.append(f"--device: expected cpu or cuda[:N], got {args.device!r}")
+        elif dev.type == "cuda" and not (torch.cuda.is_available() and (dev.index or 0) < torch.cuda.device_count()):
+            problems.append(f"--device {args.device}: no such CUDA device here "
+                            f"({torch.cuda.device_count()} visible); use --device cpu --tiny for a smoke test")
+    except RuntimeError:
+        problems.append(f"--device: expected cpu or cuda[:N], got {args.device!r}")
+    problems = [p for p in problems if p]
+    if problems:
+        for p in problems:
+            print(f"hf_moe_generate: {p}", file=sys.stderr)
         return 2
     import transformers
     names = list(MODELS) if args.model == "all" else [args.model]

@@ -703,6 +703,12 @@ def main():
     ap.add_argument("--rotate", type=int, default=4,
                     help="input sets rotated in the decode timings (weights not served from L2)")
     a = ap.parse_args()
+    known_modes = ("old", "nopdl", "late", "onewave", "new", "unfused")   # the .cuh's decode_mode()
+    bad = [m for m in a.modes.split(",") if m not in known_modes]
+    if bad or a.rotate < 1:
+        print(f"gpu_moe_selftest: expected --modes from {','.join(known_modes)} and --rotate >= 1, "
+              f"got --modes {a.modes} --rotate {a.rotate}", file=sys.stderr)
+        return 2
     if cp is None:
         print("gpu_moe_selftest: needs CuPy and a CUDA GPU", file=sys.stderr)
         return 2

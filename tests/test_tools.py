@@ -1,0 +1,37 @@
+"""The benchmark and example scripts refuse a bad output destination before any work (a run's
+measurements were lost at its end), on a machine without a GPU or PyTorch too."""
+import subprocess
+import sys
+
+import pytest
+
+from ex_engine.moe_layer import output_file_problem
+from tests.conftest import ROOT
+
+SCRIPTS = [
+    ["benchmarks/bench_moe.py", "--json"],
+    ["benchmarks/bench_router_norm.py", "--json"],
+    ["benchmarks/ab_moe.py", "--cases", "qwen3-30b-a3b:1", "--configs", "a=factors", "b=factors", "--json"],
+    ["benchmarks/tune_moe.py", "--out"],
+    ["examples/ep_moe.py", "--json"],
+]
+
+
+def test_output_file_problem(tmp_path):
+    assert output_file_problem("--json", None) == ""
+    assert output_file_problem("--json", tmp_path / "new.json") == ""
+    (tmp_path / "old.json").write_text("{}")
+    assert output_file_problem("--json", tmp_path / "old.json") == ""
+    assert output_file_problem("--json", tmp_path) == f"--json: {tmp_path} is a folder; expected a file path"
+    assert "folder" in output_file_problem("--out", tmp_path / "nowhere" / "x.yaml")
+    assert "does not exist" in output_file_problem("--out", tmp_path / "nowhere" / "x.yaml")
+
+
+@pytest.mark.parametrize("argv", SCRIPTS, ids=lambda a: a[0])
+def test_scripts_refuse_a_bad_output_destination_first(tmp_path, argv):
+    for dest, msg in ((tmp_path, "is a folder; expected a file path"),
+                      (tmp_path / "nowhere" / "x.json", "does not exist")):
+        r = subprocess.run([sys.executable, *argv, str(dest)], cwd=ROOT, capture_output=True,
+                           text=True, timeout=120)
+        assert r.returncode == 2 and msg in r.stderr, (argv, r.returncode, r.stdout, r.stderr)
+        assert not (tmp_path / "nowhere").exists()
