@@ -332,7 +332,8 @@ class ExpertParallelMoE:
         self.w13, self.w2, self.H, self.I = w13, w2, H, I
         self.dtype, self.kind, self.device = r13.dtype, r13.kind, r13.device
         self.group = group
-        self.registry = registry if registry is not None else registry_for_device(self.device)
+        from .ops import resolve_registry
+        self.registry = resolve_registry(registry) if registry is not None else registry_for_device(self.device)
         self.expert_map = _map_like(make_expert_map(self.num_experts, self.world_size, self.rank), w13)
         # the rank that owns every expert calls the factor without a map (identical result)
         self._map_arg = None if self.count == self.num_experts else self.expert_map

@@ -19,7 +19,7 @@ from . import _paths
 from .arrays import Bits16, TensorRef, f32_to_bf16_bits
 from .errors import FactorError
 from .fallbacks import moe_fused_gemm_math, topk_softmax_math
-from .ops import moe_fused_gemm, topk_softmax
+from .ops import moe_fused_gemm, resolve_registry, topk_softmax
 
 
 @dataclass(frozen=True)
@@ -180,8 +180,7 @@ def run_moe(model: str, tokens: int, dtype: str = "bfloat16", seed: int = 0, rep
     Python fallbacks. Returns a dict with the paths that served, the errors and the times;
     'ok' is False if a check failed.
     """
-    from .ops import default_registry
-    reg = registry or default_registry()
+    reg = resolve_registry(registry)
     shape = model_shape(model)
     if reg.hardware.live:
         import cupy as xp

@@ -11,7 +11,7 @@ import operator
 import threading
 
 from .arrays import Bits16, TensorRef, data_ptr
-from .errors import ArgumentError, ShapeError
+from .errors import ArgumentError, FactorError, ShapeError
 from .registry import FactorRegistry
 
 _default: FactorRegistry | None = None
@@ -25,6 +25,17 @@ def default_registry() -> FactorRegistry:
         if _default is None:
             _default = FactorRegistry.load()
         return _default
+
+
+def resolve_registry(registry) -> FactorRegistry:
+    """``registry`` itself, or the process-wide one for None. Raises FactorError for anything
+    else (a string, say, that would fail later as an AttributeError deep in a call)."""
+    if registry is None:
+        return default_registry()
+    if not isinstance(registry, FactorRegistry):
+        raise FactorError(f"registry: expected a FactorRegistry or None, got {type(registry).__name__} "
+                          f"{registry!r:.80}")
+    return registry
 
 
 def set_default_registry(registry: FactorRegistry | None) -> None:
@@ -122,7 +133,7 @@ def topk_softmax(router_logits, top_k: int, renormalize: bool = False, *, topk_w
         topk_weights = _empty(ref, (T, top_k), "float32")
     if topk_ids is None:
         topk_ids = _empty(ref, (T, top_k), "int32")
-    (registry or default_registry()).dispatch(
+    resolve_registry(registry).dispatch(
         "topk_softmax", {"router_logits": ref, "topk_weights": w_arg or topk_weights,
                          "topk_ids": ids_arg or topk_ids}, {"renormalize": renormalize})
     return topk_weights, topk_ids
@@ -142,7 +153,7 @@ def fused_add_rmsnorm(x, residual, weight, eps: float = 1e-6, *,
     (also: x and residual, or either and weight, sharing memory; views of one wider buffer that
     share no byte are fine), DeviceError, KernelError.
     """
-    (registry or default_registry()).dispatch(
+    resolve_registry(registry).dispatch(
         "fused_add_rmsnorm", {"x": x, "residual": residual, "weight": weight}, {"eps": eps})
     return x, residual
 
@@ -175,7 +186,7 @@ def moe_fused_gemm(hidden_states, w13, w2, topk_weights, topk_ids, *, router_log
     ref = TensorRef.of(hidden_states, "hidden_states")
     if out is None:
         out = _empty(ref, ref.shape, ref.dtype)
-    (registry or default_registry()).dispatch(
+    resolve_registry(registry).dispatch(
         "moe_fused_gemm", {"hidden_states": hidden_states, "out": out, "router_logits": router_logits,
                            "w13": w13, "w2": w2, "topk_weights": topk_weights,
                            "topk_ids": topk_ids, "expert_map": expert_map})

@@ -121,6 +121,24 @@ def test_grad_mode_runs_the_stock_forwards_so_gradients_flow(reg):
         assert served() == before + LAYERS
 
 
+def test_bad_arguments_of_the_integration_are_named(reg):
+    from ex_engine.errors import FactorError
+    with pytest.raises(hf.UnsupportedModelError, match="model: expected a torch.nn.Module .* got str"):
+        hf.patch_moe("model", registry=reg)
+    m = tiny_model("qwen3_moe")
+    with pytest.raises(FactorError, match="registry: expected a FactorRegistry or None, got str"):
+        hf.patch_moe(m, registry="x")
+    assert not any(hasattr(mod, hf._MARK) for mod in m.modules())     # nothing patched
+    for kw in ({"batch_size": 0}, {"max_len": -5}, {"batch_size": 1.5}):
+        with pytest.raises(ValueError, match="StaticDecoder: (batch_size|max_len): expected an int >= 1"):
+            hf.StaticDecoder(m, **kw)
+    d = hf.StaticDecoder(m, batch_size=2, max_len=16)
+    d.prefill(torch.zeros(2, 3, dtype=torch.long))
+    for bad in (torch.tensor([1, 2, 3]), torch.tensor([1.5, 2.0])):
+        with pytest.raises(ValueError, match="step: tokens: expected 2 integer token ids"):
+            d.step(bad)
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_undo_restores_forwards_and_leaves_parameters_untouched(reg, family):
     m = tiny_model(family)

@@ -283,3 +283,16 @@ def test_registry_and_dispatch_arguments_of_the_wrong_kind_are_named(tmp_path):
     for v in (2, 1.0, "1"):
         with pytest.raises(ArgumentError, match="argument 'renormalize': type: expected a bool"):
             topk_softmax(x, 2, renormalize=v, registry=reg)
+
+
+def test_a_registry_argument_that_is_no_registry_is_named(reg):
+    from ex_engine.errors import FactorError
+    from ex_engine.distributed import ExpertParallelMoE
+    x = np.ones((2, 4), np.float32)
+    with pytest.raises(FactorError, match="registry: expected a FactorRegistry or None, got str 'x'"):
+        topk_softmax(x, 2, registry="x")
+    a = moe_args()
+    with pytest.raises(FactorError, match="registry: expected a FactorRegistry or None, got dict"):
+        moe_fused_gemm(**a, registry={})
+    with pytest.raises(FactorError, match="registry: expected a FactorRegistry"):
+        ExpertParallelMoE.from_global(a["w13"], a["w2"], rank=0, world_size=1, registry="x")

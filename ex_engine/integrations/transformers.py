@@ -64,7 +64,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from ..ops import default_registry, moe_fused_gemm, topk_softmax
+from ..ops import moe_fused_gemm, resolve_registry, topk_softmax
 from ..registry import FactorRegistry
 
 __all__ = ["MoEAdapter", "MoEPatch", "StaticDecoder", "UnsupportedModelError", "ADAPTERS",
@@ -402,13 +402,16 @@ def patch_moe(model, registry: FactorRegistry | None = None, *, families=None,
     has no supported MoE block or a block does not fit (all blocks are checked before any is
     patched).
     """
+    if not isinstance(model, torch.nn.Module):
+        raise UnsupportedModelError(f"model: expected a torch.nn.Module (a transformers model), "
+                                    f"got {type(model).__name__}")
     blocks = find_moe_blocks(model, families)
     if not blocks:
         known = sorted(c for a in ADAPTERS.values() for c in a.block_classes)
         raise UnsupportedModelError(f"{type(model).__name__}: no sparse-MoE block of a supported family "
                                     f"found (known blocks: {known}); see register_adapter")
     records = [(_check_block(name, blk, a), a) for name, blk, a in blocks]
-    reg = registry or default_registry()
+    reg = resolve_registry(registry)
     notes = []
     devs = {(r.repacked[0] if r.repacked else r.experts.gate_up_proj).device for r, _ in records}
     for d in devs:
@@ -450,12 +453,19 @@ class StaticDecoder:
     stream (warm-up: cuBLAS, ex_engine workspaces) and is captured after it.
 
     model: a causal LM (patched or not) on one device, sdpa or eager attention.
-    batch_size, max_len: the static shapes (prompt + generated tokens <= max_len).
+    batch_size, max_len: the static shapes, ints >= 1 (prompt + generated tokens <= max_len).
+    Raises ValueError for batch_size or max_len < 1, an attention implementation other than sdpa
+    or eager, or graph=True on a model that is not on a CUDA device; prefill and step raise
+    ValueError for input ids of another batch size (or a prompt of max_len or more), float ids,
+    and a step past max_len.
     """
 
     def __init__(self, model, batch_size: int = 1, max_len: int = 256, graph: bool = False,
                  capture_error_mode: str = "global"):
         from transformers import StaticCache
+        for name, v in (("batch_size", batch_size), ("max_len", max_len)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"StaticDecoder: {name}: expected an int >= 1, got {v!r}")
         p = next(model.parameters())
         self.model, self.device, self.dtype = model, p.device, p.dtype
         self.batch_size, self.max_len = batch_size, max_len
@@ -504,6 +514,9 @@ class StaticDecoder:
         """Feed ``tokens`` (B,) at the next position; returns that position's logits (B, V) (a copy)."""
         if self.next_pos >= self.max_len:
             raise ValueError(f"step: the static cache holds {self.max_len} positions, all used")
+        if tokens.numel() != self.batch_size or tokens.is_floating_point() or tokens.is_complex():
+            raise ValueError(f"step: tokens: expected {self.batch_size} integer token ids, got "
+                             f"{tuple(tokens.shape)} {tokens.dtype}")
         self.ids.copy_(tokens.view(-1, 1))
         self.pos.fill_(self.next_pos)
         if not self.use_graph:
