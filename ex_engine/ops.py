@@ -93,7 +93,8 @@ def topk_softmax(router_logits, top_k: int, renormalize: bool = False, *, topk_w
     router_logits: (T, E) float32, float16 or bfloat16, contiguous.
     top_k: K, 1 <= K <= E.  renormalize: bool.
     topk_weights, topk_ids: optional outputs (T, K) float32 / int32; allocated if None.
-    Returns (topk_weights, topk_ids). Raises ArgumentError (top_k not an int >= 1), DTypeError,
+    Returns (topk_weights, topk_ids). Raises ArgumentError (top_k not an int >= 1, renormalize
+    not a bool or 0/1), DTypeError,
     ShapeError (K > E, or outputs given with another K), LayoutError (also: an output sharing
     memory with router_logits or with the other output), DeviceError, KernelError.
     """
@@ -149,9 +150,12 @@ def fused_add_rmsnorm(x, residual, weight, eps: float = 1e-6, *,
 
     x, residual: (T, H), the same dtype (float16, bfloat16 or float32); rows may be views into
     wider buffers (unit stride along H). weight: (H,) same dtype. eps: float > 0.
+    Range: the sum of squares is fp32 (as vLLM's kernel), so a row whose values reach ~1e19
+    overflows it and comes out as zeros; float16 rows are far from that.
     Returns (x, residual), both written in place. Raises DTypeError, ShapeError, LayoutError
     (also: x and residual, or either and weight, sharing memory; views of one wider buffer that
-    share no byte are fine), DeviceError, KernelError.
+    share no byte are fine), ArgumentError (eps not a finite number > 0), DeviceError,
+    KernelError.
     """
     resolve_registry(registry).dispatch(
         "fused_add_rmsnorm", {"x": x, "residual": residual, "weight": weight}, {"eps": eps})
@@ -177,9 +181,13 @@ def moe_fused_gemm(hidden_states, w13, w2, topk_weights, topk_ids, *, router_log
 
     hidden_states: (T, H) float16 or bfloat16.  w13: (E, 2I, H), w2: (E, H, I), same dtype.
     topk_weights: (T, K) float32.  topk_ids: (T, K) int32, 1 <= K <= G.  expert_map: optional
-    (G,) int32, values in [-1, E).  router_logits: optional (T, G), unused by the computation
-    (part of the ABI).  out: optional (T, H), allocated if None.
+    (G,) int32, values in [-1, E).  router_logits: optional (T, G) float32, float16 or
+    bfloat16, unused by the computation (part of the ABI).  out: optional (T, H), allocated if
+    None.
     All contiguous, on one device (or all on the host: Python fallback).
+    Range: silu(g)*u and out are rounded to the input dtype, so in float16 an activation beyond
+    65504 becomes inf (NaN downstream) and values below ~6e-5 lose digits (subnormals): inputs
+    must be scaled as a model's are (activations O(1)); bfloat16 has float32's range.
     Returns out. Raises DTypeError, ShapeError, LayoutError (also: out sharing memory with
     another argument, e.g. out=hidden_states), DeviceError, KernelError.
     """

@@ -296,3 +296,14 @@ def test_a_registry_argument_that_is_no_registry_is_named(reg):
         moe_fused_gemm(**a, registry={})
     with pytest.raises(FactorError, match="registry: expected a FactorRegistry"):
         ExpertParallelMoE.from_global(a["w13"], a["w2"], rank=0, world_size=1, registry="x")
+
+
+def test_run_moe_checks_its_arguments(reg):
+    from ex_engine.errors import FactorError
+    from ex_engine.moe_layer import run_moe
+    for kw, msg in (({"tokens": -1}, "tokens: expected an int >= 1"), ({"tokens": 2.5}, "tokens"),
+                    ({"tokens": 1, "seed": -1}, "seed: expected an int >= 0"),
+                    ({"tokens": 1, "repeat": 0}, "repeat: expected an int >= 1"),
+                    ({"tokens": 1, "dtype": "foo"}, "dtype: expected 'bfloat16' or 'float16'")):
+        with pytest.raises(FactorError, match=f"run_moe: {msg}"):
+            run_moe("qwen3-30b-a3b", registry=reg, echo=lambda *a: None, **kw)
