@@ -213,6 +213,7 @@ class TensorRef:
         return n
 
     def contiguous_strides(self) -> tuple:
+        """The strides (elements) a C-contiguous array of this shape has."""
         out, acc = [], 1
         for s in reversed(self.shape):
             out.append(acc)

@@ -141,7 +141,9 @@ _registries: dict = {}
 def registry_for_device(device: int):
     """The FactorRegistry for CUDA device ``device`` (-1: the host): ex_engine's process-wide
     default registry when it is that device's, else one loaded from factors/ for it (cached).
-    A registry dispatches plugins on one device only; under torchrun each rank uses its own."""
+    A registry dispatches plugins on one device only; under torchrun each rank uses its own.
+    Raises FactorError when the factor folder cannot be loaded, or a CUDA error from reading
+    device ``device``'s properties (no such device)."""
     from .hardware import Hardware
     from .ops import default_registry
     reg = default_registry()
@@ -186,7 +188,8 @@ def expert_partition(num_experts: int, world_size: int, rank: int) -> tuple[int,
 
 
 def expert_owner(num_experts: int, world_size: int) -> np.ndarray:
-    """(num_experts,) int32: the rank that owns each global expert (``expert_partition``)."""
+    """(num_experts,) int32: the rank that owns each global expert (``expert_partition``).
+    Raises ArgumentError naming the argument: num_experts < 1, world_size < 1, a non-integer."""
     _check_partition_args("expert_owner", num_experts, world_size)
     owner = np.empty(num_experts, np.int32)
     for r in range(world_size):
@@ -385,7 +388,8 @@ class ExpertParallelMoE:
         owns of topk_weights[t,k] * w2[e] @ (silu(g) * u) (the rest contribute 0).
 
         hidden_states: (T, H), the weights' dtype. topk_weights: (T, K) float32. topk_ids:
-        (T, K) int32 GLOBAL ids in [0, G). out: optional (T, H) of the weights' dtype, fully
+        (T, K) int32 GLOBAL ids in [0, G), 1 <= K <= G. router_logits: optional (T, G) float32,
+        float16 or bfloat16 (unused by the math). out: optional (T, H) of the weights' dtype, fully
         written (zeros for tokens with no local expert); allocated if None. All on the weights'
         library/device, contiguous. No host synchronisation, no collective: capturable.
         Returns out. Raises the factor's ArgumentError subclasses (naming the argument) and

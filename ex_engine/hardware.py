@@ -52,6 +52,7 @@ class Hardware:
         return 10 * self.cc_major + self.cc_minor
 
     def as_dict(self) -> dict:
+        """The fields as a plain dict (JSON-ready; ``Hardware(**d)`` rebuilds it)."""
         return dataclasses.asdict(self)
 
     def to_c(self, ffi):

@@ -57,6 +57,8 @@ class TensorSpec:
 
     @classmethod
     def from_yaml(cls, d: dict, role: str) -> "TensorSpec":
+        """The spec of one array entry of a manifest (``role`` unless the entry names its own).
+        Raises KeyError for an entry without a name (Manifest.load reports it as malformed)."""
         # an in-place input may omit its name: it is the output's (Manifest.load copies it)
         name = d.get("name", "") if d.get("same_as_output") else d["name"]
         spec = cls(name=name, role=d.get("role", role), shape=list(d.get("shape", [])),

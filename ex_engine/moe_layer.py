@@ -93,7 +93,8 @@ def random_array(xp, rng, shape, dtype: str, std: float = 1.0):
     """N(0, std^2) values of ``dtype`` on NumPy or CuPy; bfloat16 comes as a Bits16.
 
     Drawn one leading slice at a time (one expert of a weight tensor), so the float32
-    temporaries stay small."""
+    temporaries stay small. dtype: 'bfloat16', 'float16' or 'float32'; anything else raises
+    NumPy's (or CuPy's) TypeError for an unknown dtype."""
     out = xp.empty(shape, dtype=xp.uint16 if dtype == "bfloat16" else dtype)
     for i in range(shape[0] if len(shape) == 3 else 1):
         dst = out[i] if len(shape) == 3 else out
@@ -103,7 +104,9 @@ def random_array(xp, rng, shape, dtype: str, std: float = 1.0):
 
 
 class MoELayer:
-    """Router weight (E, H) fp32, w13 (E, 2I, H) and w2 (E, H, I) of ``dtype`` on NumPy or CuPy."""
+    """Router weight (E, H) fp32, w13 (E, 2I, H) and w2 (E, H, I) of ``dtype`` on NumPy or CuPy
+    (xp), drawn N(0, 0.02^2) from ``seed`` (PERF.md's inputs). bfloat16 arrays come as Bits16.
+    shape: an MoEShape (model_shape(name)); dtype: 'bfloat16' or 'float16'."""
 
     def __init__(self, shape: MoEShape, dtype: str = "bfloat16", xp=np, seed: int = 0):
         self.shape, self.dtype, self.xp = shape, dtype, xp
@@ -115,7 +118,7 @@ class MoELayer:
         self._rng = rng
 
     def hidden_states(self, T: int):
-        """Fresh N(0, 1) activations (T, H)."""
+        """Fresh N(0, 1) activations (T, H) of the layer's dtype (bfloat16 as a Bits16)."""
         return random_array(self.xp, self._rng, (T, self.shape.H), self.dtype, 1.0)
 
     def router_logits(self, hidden_states):
@@ -123,7 +126,9 @@ class MoELayer:
         return TensorRef.of(hidden_states).load_f32() @ self.router_weight.T
 
     def forward(self, hidden_states, registry=None):
-        """(out (T,H), topk_weights, topk_ids, router_logits) through ex_engine's factors."""
+        """(out (T, H) of the layer's dtype, topk_weights (T, K) float32, topk_ids (T, K) int32,
+        router_logits (T, E) float32) through ex_engine's factors (``registry``: None for the
+        default). Raises what topk_softmax and moe_fused_gemm raise."""
         logits = self.router_logits(hidden_states)
         w, ids = topk_softmax(logits, self.shape.K, self.shape.renormalize, registry=registry)
         out = moe_fused_gemm(hidden_states, self.w13, self.w2, w, ids, router_logits=logits,
@@ -131,7 +136,8 @@ class MoELayer:
         return out, w, ids, logits
 
     def reference(self, hidden_states, topk_weights, topk_ids):
-        """float64 reference of the experts (activation not rounded), on the same device."""
+        """(T, H) float64 reference of the experts (activation not rounded), on the same
+        device: moe_fused_gemm_math in float64 on the layer's weights."""
         xp = self.xp
         w13 = TensorRef.of(self.w13).raw()
         w2 = TensorRef.of(self.w2).raw()
@@ -145,8 +151,9 @@ class MoELayer:
 
 
 def rel_error(xp, out, ref) -> float:
-    """||out - ref|| / ||ref|| in float64; inf if out has a NaN or ref is zero; 0 for an empty
-    output (T = 0: nothing to compare)."""
+    """||out - ref|| / ||ref|| in float64 over all elements (out and ref of one shape, e.g.
+    (T, H)); inf if out has a NaN or ref is zero; 0 for an empty output (T = 0: nothing to
+    compare)."""
     o = out.astype(xp.float64)
     if o.size == 0:
         return 0.0

@@ -80,12 +80,15 @@ class Plugin:
         return self.check(name, ok, passed if ok else failure)
 
     def version_key(self) -> tuple:
+        """The version "MAJOR.MINOR.PATCH" as a tuple of ints for ordering (a part that is not
+        a number counts as 0)."""
         parts = []
         for p in self.version.split("."):
             parts.append(int(p) if p.isdigit() else 0)
         return tuple(parts)
 
     def as_dict(self) -> dict:
+        """Everything known of this library, JSON-ready (``list-factors --json``)."""
         return {"path": str(self.path), "name": self.name, "id": self.factor_id,
                 "version": self.version, "abi": abi.version_str(self.abi_version) if self.abi_version else "",
                 "status": self.status, "reason": self.reason, "tuning": self.tuning,

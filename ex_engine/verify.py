@@ -64,6 +64,7 @@ def split_case(m, case: dict) -> tuple:
 
 
 def case_label(case: dict) -> str:
+    """'T=1 H=2048 ...': a test shape as the verify table prints it."""
     return " ".join(f"{k}={v}" for k, v in case.items())
 
 
