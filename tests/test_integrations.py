@@ -378,3 +378,15 @@ def test_gpu_patch_warms_up_so_capture_needs_no_allocation(greg):
         g.replay()
         torch.cuda.synchronize()
         torch.testing.assert_close(out.float(), mlp(x).float(), rtol=1e-2, atol=1e-3)
+
+
+def test_adapter_families_and_warmup_arguments_are_checked(reg):
+    m = tiny_model("qwen3_moe")
+    with pytest.raises(hf.UnsupportedModelError, match=r"families: \['x'\] not registered"):
+        hf.patch_moe(m, registry=reg, families="qwen3_moe,x")
+    assert len(hf.find_moe_blocks(m, "qwen3_moe")) == LAYERS           # a string: one name, not a substring
+    with pytest.raises(ValueError, match="block_classes: expected a tuple of class names"):
+        hf.register_adapter(hf.MoEAdapter("strs", "Qwen3MoeSparseMoeBlock", renormalize=lambda b, r: True))
+    with pytest.raises(ValueError, match="warmup: tokens: expected an iterable of ints >= 1"):
+        hf.patch_moe(m, registry=reg, warmup_tokens=5)
+    assert not any(hasattr(mod, hf._MARK) for mod in m.modules())     # undone

@@ -61,8 +61,12 @@ import warnings
 from dataclasses import dataclass
 from typing import Callable
 
-import torch
-import torch.nn.functional as F
+try:
+    import torch
+    import torch.nn.functional as F
+except ImportError as _exc:   # say what to install instead of a bare "No module named 'torch'"
+    raise ImportError("ex_engine.integrations.transformers needs PyTorch and transformers: "
+                      "pip install -e '.[hf]'") from _exc
 
 from ..ops import moe_fused_gemm, resolve_registry, topk_softmax
 from ..registry import FactorRegistry
@@ -114,7 +118,12 @@ ADAPTERS: dict = {}
 
 
 def register_adapter(adapter: MoEAdapter) -> MoEAdapter:
-    """Make ``patch_moe`` recognise ``adapter.block_classes`` (replaces an adapter of the same family)."""
+    """Make ``patch_moe`` recognise ``adapter.block_classes`` (replaces an adapter of the same
+    family). Raises ValueError for a weights_dtype other than 'logits' or 'float32', or
+    block_classes that is not a tuple of class names (a bare string would match by substring)."""
+    if not isinstance(adapter.block_classes, tuple) or not all(isinstance(c, str) for c in adapter.block_classes):
+        raise ValueError(f"MoEAdapter {adapter.family}: block_classes: expected a tuple of class names, "
+                         f"got {adapter.block_classes!r}")
     if adapter.weights_dtype not in ("logits", "float32"):
         raise ValueError(f"MoEAdapter {adapter.family}: weights_dtype: expected 'logits' or 'float32', "
                          f"got {adapter.weights_dtype!r}")
@@ -146,6 +155,13 @@ def _adapter_for(module, families=None):
 def find_moe_blocks(model, families=None) -> list:
     """[(qualified name, block, adapter)] for every sparse-MoE block of a registered family."""
     out = []
+    if isinstance(families, str):      # 'qwen3_moe,x' would match by substring
+        families = [f.strip() for f in families.split(",")]
+    if families is not None:
+        unknown = sorted(set(families) - set(ADAPTERS))
+        if unknown:
+            raise UnsupportedModelError(f"families: {unknown} not registered; expected some of "
+                                        f"{sorted(ADAPTERS)} (see register_adapter)")
     for name, mod in model.named_modules():
         a = _adapter_for(mod, families)
         if a is not None:
@@ -331,7 +347,12 @@ class MoEPatch:
         on zeros, on the current stream, then synchronise: the registry allocates each factor's
         workspace now (CuPy), so later calls can be captured in a CUDA graph. The workspace is
         sized by the largest T; capturing more tokens than warmed up fails with a FactorError
-        that says so. No-op for CPU models. Must not be called during capture."""
+        that says so. No-op for CPU models. tokens: an iterable of ints >= 1. Raises
+        RuntimeError when called during capture, ValueError for tokens that are not ints >= 1."""
+        if isinstance(tokens, int) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 1
+                                               for t in tokens):
+            raise ValueError(f"MoEPatch.warmup: tokens: expected an iterable of ints >= 1 (e.g. (1, 64)), "
+                             f"got {tokens!r}")
         devices = set()
         for r in self._records:
             w13, w2 = r.repacked or (r.experts.gate_up_proj, r.experts.down_proj)
