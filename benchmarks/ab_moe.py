@@ -99,33 +99,31 @@ def main():
     models = load_models()
     cfgs = [parse_cfg(c) for c in args.configs]
     names = [n for n, _, _ in cfgs]
+    problems = []                       # every one at once, before any work
     if len(cfgs) < 2 or len(set(names)) != len(names):
-        print(f"ab_moe: --configs: expected two or more configs with distinct names, got {names}",
-              file=sys.stderr)
-        return 2
+        problems.append(f"--configs: expected two or more configs with distinct names, got {names}")
     for n, folder, env in cfgs:
         for n2, folder2, env2 in cfgs:
             diff = {k for k in LOAD_TIME_VARS if env.get(k) != env2.get(k)}
             same = Path(folder).resolve() == Path(folder2).resolve()  # ./factors is factors/
             if n < n2 and same and diff:
-                print(f"ab_moe: configs {n} and {n2} load the same folder {folder} but differ in "
-                      f"{', '.join(sorted(diff))}, read when a plugin loads: copy the folder "
-                      f"(cp -r {folder} /tmp/{n2}) and give {n2} the copy", file=sys.stderr)
-                return 2
+                problems.append(f"configs {n} and {n2} load the same folder {folder} but differ in "
+                                f"{', '.join(sorted(diff))}, read when a plugin loads: copy the folder "
+                                f"(cp -r {folder} /tmp/{n2}) and give {n2} the copy")
         if not Path(folder).is_dir():
-            print(f"ab_moe: config {n}: folder {folder!r} does not exist", file=sys.stderr)
-            return 2
+            problems.append(f"config {n}: folder {folder!r} does not exist")
     for case in args.cases:
         m, _, t = case.partition(":")
         if m not in models or not t.isdigit() or int(t) < 1:
-            print(f"ab_moe: case {case!r}: expected model:T with T >= 1, model one of "
-                  f"{', '.join(sorted(models))}", file=sys.stderr)
-            return 2
-    if output_file_problem("--json", args.json):
-        print(f"ab_moe: {output_file_problem('--json', args.json)}", file=sys.stderr)
-        return 2
+            problems.append(f"case {case!r}: expected model:T with T >= 1, model one of "
+                            f"{', '.join(sorted(models))}")
+    problems.append(output_file_problem("--json", args.json))
     if args.rounds < 1 or args.sets < 1:
-        print("ab_moe: --rounds and --sets must be >= 1", file=sys.stderr)
+        problems.append(f"--rounds and --sets: expected >= 1, got {args.rounds} and {args.sets}")
+    problems = [p for p in problems if p]
+    if problems:
+        for p in problems:
+            print(f"ab_moe: {p}", file=sys.stderr)
         return 2
     if torch is None or not torch.cuda.is_available():
         print("ab_moe: needs PyTorch and a CUDA GPU", file=sys.stderr)
