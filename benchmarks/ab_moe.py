@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from ex_engine import FactorError, FactorRegistry, moe_fused_gemm  # noqa: E402
-from ex_engine.moe_layer import load_models, output_file_problem  # noqa: E402
+from ex_engine.moe_layer import load_models, output_file_problem, report_problems  # noqa: E402
 from _timing import graph_us  # noqa: E402
 from bench_moe import input_sets, layer_weights, reference, rel  # noqa: E402
 
@@ -120,10 +120,7 @@ def main():
     problems.append(output_file_problem("--json", args.json))
     if args.rounds < 1 or args.sets < 1:
         problems.append(f"--rounds and --sets: expected >= 1, got {args.rounds} and {args.sets}")
-    problems = [p for p in problems if p]
-    if problems:
-        for p in problems:
-            print(f"ab_moe: {p}", file=sys.stderr)
+    if report_problems("ab_moe", problems):
         return 2
     if torch is None or not torch.cuda.is_available():
         print("ab_moe: needs PyTorch and a CUDA GPU", file=sys.stderr)

@@ -8,6 +8,7 @@ fallback's float32 semantics, the experts against float64).
 from __future__ import annotations
 
 import os
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -79,6 +80,15 @@ def output_file_problem(flag: str, path) -> str:
     if not p.exists() and not os.access(parent, os.W_OK):
         return f"{flag}: folder {p.parent} is not writable"
     return ""
+
+
+def report_problems(tool: str, problems) -> bool:
+    """Print each non-empty problem as '<tool>: <problem>' on stderr; True if there was any (the
+    tool then exits with status 2 before any work)."""
+    problems = [p for p in problems if p]
+    for p in problems:
+        print(f"{tool}: {p}", file=sys.stderr)
+    return bool(problems)
 
 
 def model_shape(name: str) -> MoEShape:

@@ -55,7 +55,7 @@ from ex_engine.distributed import (ExpertParallelMoE, expert_owner, expert_parti
                                    init_from_env, shutdown)
 from ex_engine.hardware import Hardware  # noqa: E402
 from ex_engine.cli import token_count  # noqa: E402
-from ex_engine.moe_layer import load_models, output_file_problem  # noqa: E402
+from ex_engine.moe_layer import load_models, output_file_problem, report_problems  # noqa: E402
 
 MODELS = load_models()
 DEFAULT_MODELS = ["qwen3-30b-a3b", "mixtral-8x7b"]
@@ -418,10 +418,7 @@ def main(argv=None) -> int:
                         f"--replays {args.replays} --calls {args.calls}")
     if min(args.tokens) < 1:
         problems.append(f"--tokens: expected T >= 1, got {' '.join(map(str, args.tokens))}")
-    problems = [p for p in problems if p]
-    if problems:
-        for p in problems:
-            print(f"[ep_moe] {p}", file=sys.stderr)
+    if report_problems("[ep_moe]", problems):
         return 2
     if torch is None:
         print("[ep_moe] needs PyTorch (torchrun, torch.distributed)", file=sys.stderr)

@@ -36,7 +36,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from ex_engine.moe_layer import output_file_problem  # noqa: E402
+from ex_engine.moe_layer import output_file_problem, report_problems  # noqa: E402
 
 try:  # --help works without PyTorch; a run needs it (and transformers)
     import torch  # noqa: E402
@@ -300,10 +300,7 @@ def main(argv=None) -> int:
                             f"({torch.cuda.device_count()} visible); use --device cpu --tiny for a smoke test")
     except RuntimeError:
         problems.append(f"--device: expected cpu or cuda[:N], got {args.device!r}")
-    problems = [p for p in problems if p]
-    if problems:
-        for p in problems:
-            print(f"hf_moe_generate: {p}", file=sys.stderr)
+    if report_problems("hf_moe_generate", problems):
         return 2
     import transformers
     names = list(MODELS) if args.model == "all" else [args.model]
