@@ -48,10 +48,10 @@ help:
 
 # a clear word where nvcc is missing (each rule needs it)
 check-nvcc:
-	@if [ -z "$(strip $(ARCHS))" ]; then echo "[ex_engine] error: ARCHS is empty: give at least one target of sm_80 or newer, e.g. ARCHS=\"-gencode=arch=compute_80,code=sm_80\"" >&2; exit 1; fi
 	@command -v $(NVCC) >/dev/null 2>&1 || { 	    echo "[ex_engine] error: $(NVCC) not found on PATH: install the CUDA toolkit (12.4+) or pass NVCC=/path/to/nvcc" >&2; 	    exit 1; }
 
 factors/%.so: factors/%.cu include/ex_engine.h $(wildcard factors/*.cuh) | check-nvcc
+	@if [ -z "$(strip $(ARCHS))" ]; then echo "[ex_engine] error: ARCHS is empty: give at least one target of sm_80 or newer, e.g. ARCHS=\"-gencode=arch=compute_80,code=sm_80\"" >&2; exit 1; fi
 	@echo "[ex_engine] nvcc $< -> $@ (targets: $(patsubst -gencode=arch=%,%,$(ARCHS)))"
 	@start=$$(date +%s); \
 	$(NVCC) $(NVCCFLAGS) $(EXTRA_NVCCFLAGS) $(ARCHS) --threads $(NVCC_THREADS) \

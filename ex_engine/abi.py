@@ -7,7 +7,6 @@ library's ``ex_get_factor`` and ``ex_abi_version`` resolve to that library's own
 """
 from __future__ import annotations
 
-import os
 import re
 from pathlib import Path
 
@@ -112,5 +111,8 @@ def dlopen(path: str):
 
     The path is made absolute first: dlopen reads a name without a '/' ('topk_softmax.so', as
     a listing of the folder '.' gives) as a library to search for on LD_LIBRARY_PATH and the
-    system paths, i.e. possibly another file than the one whose bytes were checked."""
-    return lib_ffi.dlopen(os.path.abspath(str(path)), lib_ffi.RTLD_NOW | lib_ffi.RTLD_LOCAL)
+    system paths, i.e. possibly another file than the one whose bytes were checked. Only the
+    current folder is prepended (Path.absolute), never '..' folded away as os.path.abspath
+    does: through a symlinked folder 'link/../x.so' is another file than 'x.so' beside 'link',
+    and the kernel resolves the path dlopen gets as it resolved the one the bytes were read from."""
+    return lib_ffi.dlopen(str(Path(path).absolute()), lib_ffi.RTLD_NOW | lib_ffi.RTLD_LOCAL)

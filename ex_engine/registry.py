@@ -225,17 +225,22 @@ def check_writes(factor: str, m: Manifest, refs_by_name: dict, spans: dict | Non
                                   "a read-only array")
 
 
+class _Span:
+    """Carries an __array_interface__ (read-only: never written, never read)."""
+
+    def __init__(self, interface: dict):
+        self.__array_interface__ = interface
+
+
 def _share_memory(a, b) -> bool:
     """Whether two arrays whose byte ranges intersect really share a byte (interleaved row views
     of one wider buffer, a small array inside another's strided span, need not): NumPy's exact
     test on stand-in arrays that carry only the pointers, shapes and strides (device pointers
     too: shares_memory never reads memory). Too hard to decide: assumed shared."""
     def standin(r):
-        holder = type("_Span", (), {})()
-        holder.__array_interface__ = {
-            "data": (r.ptr, False), "shape": tuple(r.shape), "typestr": f"|V{r.itemsize}",
-            "strides": tuple(int(st) * r.itemsize for st in r.strides), "version": 3}
-        return np.asarray(holder)
+        return np.asarray(_Span({
+            "data": (r.ptr, True), "shape": tuple(r.shape), "typestr": f"|V{r.itemsize}",
+            "strides": tuple(int(st) * r.itemsize for st in r.strides), "version": 3}))
     try:
         return bool(np.shares_memory(standin(a), standin(b), max_work=10 ** 6))
     except getattr(np, "exceptions", np).TooHardError:   # np.TooHardError before NumPy 1.25
@@ -266,7 +271,8 @@ class FactorRegistry:
                               f"got lock={lock!r}")
         if probe not in (None, "subprocess"):
             raise FactorError(f"probe: expected None or 'subprocess', got {probe!r}")
-        if isinstance(probe_timeout, bool) or not isinstance(probe_timeout, (int, float)) or not probe_timeout > 0:
+        if (isinstance(probe_timeout, bool) or not isinstance(probe_timeout, (int, float))
+                or not 0 < probe_timeout < float("inf")):
             raise FactorError(f"probe_timeout: expected a number of seconds > 0, got {probe_timeout!r}")
         if not (lock is None or isinstance(lock, bool) or (isinstance(lock, (str, os.PathLike)) and str(lock))):
             raise FactorError(f"lock: expected a lock file path, True (<folder>/{trust.LOCK_NAME}) or None, "

@@ -7,6 +7,7 @@ stock model; undo restores everything. GPU part (marked ``gpu``): the same on CU
 plugins, greedy generation, and a CUDA-graph decode step. Skipped where torch or transformers
 is missing (CI installs ex_engine[test] only: see README, "PyTorch and transformers").
 """
+import warnings
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -390,3 +391,26 @@ def test_adapter_families_and_warmup_arguments_are_checked(reg):
     with pytest.raises(ValueError, match="warmup: tokens: expected an iterable of ints >= 1"):
         hf.patch_moe(m, registry=reg, warmup_tokens=5)
     assert not any(hasattr(mod, hf._MARK) for mod in m.modules())     # undone
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_training_only_the_experts_through_a_patched_model(reg, family):
+    """Router frozen, experts trainable (fine-tuning the experts): the router runs the factor,
+    the experts the stock forward, which gets the stock router's types (int64 ids: it crashed in
+    one_hot on int32); every gradient equals the unpatched model's."""
+    m = tiny_model(family)
+    for n, p in m.named_parameters():
+        p.requires_grad = "experts" in n
+    ids = prompt()
+    m(ids).logits.float().sum().backward()
+    want = {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+    assert want and all("experts" in n for n in want)
+    m.zero_grad()
+    with hf.patch_moe(m, registry=reg):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")           # the grad-mode note
+            m(ids).logits.float().sum().backward()
+    got = {n: p.grad for n, p in m.named_parameters() if p.grad is not None}
+    assert got.keys() == want.keys()
+    for n in want:
+        torch.testing.assert_close(got[n], want[n], rtol=2e-2, atol=1e-3, msg=n)

@@ -236,6 +236,19 @@ def test_a_folder_given_as_dot_opens_its_own_files(tmp_path, monkeypatch):
     assert reg.load_library("host_scale.so").status == "ready"
 
 
+def test_a_path_through_a_symlinked_folder_opens_the_file_the_lock_checked(tmp_path):
+    """'link/../x.so' is resolved by the kernel through the link; folding '..' away in the
+    text (os.path.abspath) opened another file than the one whose bytes the lock had checked."""
+    build_plugin(tmp_path / "deep" / "dir")
+    build_plugin(tmp_path / "deep")                                   # the locked library
+    assert cli_main(["lock", "--dir", str(tmp_path / "deep")]) == 0
+    build_plugin(tmp_path, defines={"NAME": '"not_the_locked_one"', "FACTOR_ID": 1108})
+    (tmp_path / "link").symlink_to(tmp_path / "deep" / "dir")
+    reg = FactorRegistry.load(tmp_path / "link" / "..", hardware="h200", lock=True)
+    p = reg.plugins[0]
+    assert p.status == "ready" and p.name == "host_scale", (p.name, p.reason)
+
+
 def test_a_locked_library_that_is_gone_is_noted(tmp_path, capsys):
     build_plugin(tmp_path)
     build_plugin(tmp_path, "second", defines={"NAME": '"host_scale_2"', "FACTOR_ID": 1107})

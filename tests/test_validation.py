@@ -184,7 +184,7 @@ def test_an_output_that_shares_memory_with_another_argument_is_refused(reg):
         fused_add_rmsnorm(buf[:, :8], buf[:, 8:16], w, registry=reg)      # interleaved, disjoint
         assert (buf[:, 16:] == before[:, 16:]).all()
         b = np.ones((5, 16), np.float32)                 # weight inside x's span, sharing no byte
-        fused_add_rmsnorm(b[:4, :8], np.zeros((4, 8), np.float32), b[4, 8:], registry=reg)
+        fused_add_rmsnorm(b[:4, :8], np.zeros((4, 8), np.float32), b[1, 8:], registry=reg)
         flat = np.ones(64, np.float32)                   # rows of stride 7 and 9 in one buffer, disjoint
         x2 = np.lib.stride_tricks.as_strided(flat, (2, 3), (7 * 4, 4))
         r2 = np.lib.stride_tricks.as_strided(flat[3:], (2, 3), (9 * 4, 4))
@@ -263,6 +263,7 @@ def test_registry_and_dispatch_arguments_of_the_wrong_kind_are_named(tmp_path):
              (dict(lock=123), "lock: expected a lock file path"),
              (dict(lock=""), "lock: expected a lock file path"),
              (dict(probe_timeout=-1), "probe_timeout: expected a number of seconds > 0"),
+             (dict(probe_timeout=float("inf")), "probe_timeout: expected a number of seconds > 0"),
              (dict(manifests_dir=tmp_path / "nowhere"), "manifests_dir '.*nowhere': not a directory")]
     for kw, msg in cases:
         with pytest.raises(FactorError, match=msg):

@@ -294,7 +294,11 @@ def _experts_forward(b: _Block, adapter: MoEAdapter, reg: FactorRegistry):
 
     def forward(hidden_states, top_k_index, top_k_weights):
         if _needs_grad(experts, hidden_states, top_k_weights):
-            return stock(experts, hidden_states, top_k_index, top_k_weights)
+            # the router may have run the factor (frozen, input without grad): the stock experts
+            # want the stock router's types, int64 ids and (where it casts them) weights of the
+            # model's dtype; no-ops after a stock router
+            tw = top_k_weights.to(hidden_states.dtype) if b.round_weights else top_k_weights
+            return stock(experts, hidden_states, top_k_index.long(), tw)
         w13, w2 = weights()
         x = hidden_states if hidden_states.dtype == w13.dtype else hidden_states.to(w13.dtype)
         x = x.contiguous()                                          # no-op for the stock (T, H) view
@@ -349,10 +353,15 @@ class MoEPatch:
         sized by the largest T; capturing more tokens than warmed up fails with a FactorError
         that says so. No-op for CPU models. tokens: an iterable of ints >= 1. Raises
         RuntimeError when called during capture, ValueError for tokens that are not ints >= 1."""
-        if isinstance(tokens, int) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 1
-                                               for t in tokens):
+        given = tokens
+        try:
+            tokens = tuple(tokens)          # once: a generator would be used up by the check
+        except TypeError:
+            tokens = None
+        if tokens is None or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 1
+                                     for t in tokens):
             raise ValueError(f"MoEPatch.warmup: tokens: expected an iterable of ints >= 1 (e.g. (1, 64)), "
-                             f"got {tokens!r}")
+                             f"got {given!r}")
         devices = set()
         for r in self._records:
             w13, w2 = r.repacked or (r.experts.gate_up_proj, r.experts.down_proj)
