@@ -150,10 +150,12 @@ def main():
               f"{args.factors or 'factors/'}: {[(p.path.name, p.reason) for p in reg.plugins]}", file=sys.stderr)
         return 2
     gen = torch.Generator(device="cuda").manual_seed(0)
+    # the commit the tree is at; '-dirty' when the tree differs from it (a copy of a working tree
+    # on a GPU machine may carry an older .git: then EX_COMMIT names the code really measured)
     commit = os.environ.get("EX_COMMIT", "")
     if not commit:
         try:
-            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+            commit = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True,
                                     text=True).stdout.strip()
         except OSError:
             commit = "?"
