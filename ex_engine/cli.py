@@ -159,7 +159,8 @@ def cmd_lock(args) -> int:
         raise FactorError(f"lock: cannot write the lock file: {exc}") from exc
     for name, digest in digests.items():
         print(f"  {digest}  {name}")
-    print(f"wrote {path} ({len(digests)} libraries; JSON {{file name: sha256}})")
+    print(f"wrote {path} ({len(digests)} librar{'y' if len(digests) == 1 else 'ies'}; "
+          "JSON {file name: sha256})")
     if not digests:
         print(f"note: no *.so in {args.dir}: every library will be refused under this lock")
     return 0

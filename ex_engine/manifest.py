@@ -110,7 +110,8 @@ class Manifest:
                     memory=str(d.get("memory", "device")),
                     path=str(path))
         except (KeyError, TypeError, ValueError, OSError, yaml.YAMLError) as exc:
-            raise FactorError(f"manifest {path}: malformed ({type(exc).__name__}: {exc})") from exc
+            one_line = " ".join(str(exc).split())     # YAML's errors span lines: one in notes
+            raise FactorError(f"manifest {path}: malformed ({type(exc).__name__}: {one_line})") from exc
         except FactorError as exc:  # a field's own check (a shape entry, say): name the file
             raise FactorError(f"manifest {path}: {exc}") from exc
         for k, spec in m.params.items():
@@ -410,7 +411,8 @@ def load_all(folder, errors: dict | None = None) -> dict:
             try:
                 d = yaml.safe_load(p.read_text())
             except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
-                raise FactorError(f"manifest {p}: malformed ({type(exc).__name__}: {exc})") from exc
+                raise FactorError(f"manifest {p}: malformed ({type(exc).__name__}: "
+                                  f"{' '.join(str(exc).split())})") from exc
             if isinstance(d, dict) and "name" in d and ("dims" in d or "id" in d):
                 out[d["name"]] = Manifest.load(p)  # a factor manifest (one missing a key is named)
         except FactorError as exc:

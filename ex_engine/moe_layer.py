@@ -194,12 +194,13 @@ def run_moe(model: str, tokens: int, dtype: str = "bfloat16", seed: int = 0, rep
     """Build ``model``'s MoE layer, run it through ``registry`` at T=``tokens``, check, time.
 
     Runs on the GPU (CuPy) when the registry's hardware is a live device, else on NumPy with the
-    Python fallbacks. model: a name of manifests/moe_models.yaml; tokens: T >= 1; dtype:
+    Python fallbacks. model: a name of manifests/moe_models.yaml; tokens: T >= 0 (0: an empty
+    batch, nothing to compare); dtype:
     'bfloat16' or 'float16'; seed >= 0; repeat >= 1 timed calls. Returns a dict with the paths
     that served, the errors and the times; 'ok' is False if a check failed. Raises FactorError
     for an unknown model, another registry type, or an argument out of those ranges.
     """
-    for name, v, lo in (("tokens", tokens, 1), ("seed", seed, 0), ("repeat", repeat, 1)):
+    for name, v, lo in (("tokens", tokens, 0), ("seed", seed, 0), ("repeat", repeat, 1)):
         if isinstance(v, bool) or not isinstance(v, int) or v < lo:
             raise FactorError(f"run_moe: {name}: expected an int >= {lo}, got {v!r}")
     if dtype not in ("bfloat16", "float16"):

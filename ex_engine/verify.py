@@ -270,7 +270,12 @@ def _run_case(registry, plugin, m, case, dtype, seed, count, xp, label, tol) -> 
     refs = {k: TensorRef.of(v, k) for k, v in ref.items() if v is not None}
     _, _, sizes, pvals, _ = m.bind(refs, params)
     fn = registry._fallbacks.get(m.name) or m.fallback_fn()
-    fn(refs, sizes, pvals)
+    try:
+        fn(refs, sizes, pvals)
+    except Exception as exc:   # a broken fallback is this case's failure, not verify's crash
+        return CaseResult(m.name, label, dtype, "FAIL", path, None, tol,
+                          f"the Python fallback raised {type(exc).__name__}: {exc} (expected "
+                          "fn(arrays, sizes, params), docs/factor-contract.md)")
     ok, err, detail = compare(m, arrays, ref, dtype)
     return CaseResult(m.name, label, dtype, "pass" if ok else "FAIL", path, err, tol, detail)
 

@@ -9,12 +9,12 @@
 # and, to skip the build there, the factors/*.so built here.
 set -u -o pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-$PWD/gpu_out}
-mkdir -p "$OUT"
 if [ "${1:-}" = "-h" ] || [ "${1:-}" = "--help" ]; then
   sed -n '2,9p' "$0" | sed 's/^# \{0,1\}//'
   exit 0
 fi
+OUT=${OUT:-$PWD/gpu_out}
+mkdir -p "$OUT"
 stages=${*:-setup build list tests selftest run bench bench_rn}
 has() { [[ " $stages " == *" $1 "* ]]; }
 for s in $stages; do

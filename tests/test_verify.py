@@ -181,3 +181,12 @@ def test_verify_plugin_reports_skips(tmp_path):
     p.manifest.test_shapes = []
     res = verify_plugin(reg, p)
     assert [r.status for r in res] == ["skipped"] and "no test_shapes" in res[0].detail
+
+
+def test_cli_verify_reports_a_fallback_of_the_wrong_signature_as_a_failure(tmp_path, capsys):
+    build_plugin(tmp_path)
+    y = tmp_path / "host_scale.yaml"
+    y.write_text(y.read_text().replace("host_scale_fallback:scale", "host_scale_fallback:wrong_signature"))
+    assert cli_main(["verify", "--dir", str(tmp_path), "--hardware", "h200"]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL" in out and "the Python fallback raised TypeError" in out and "fn(arrays, sizes, params)" in out
