@@ -225,6 +225,13 @@ def check_writes(factor: str, m: Manifest, refs_by_name: dict, spans: dict | Non
                                   "a read-only array")
 
 
+_IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_SEMVER = re.compile(r"\d+\.\d+\.\d+")
+# ex_engine's own factors, from the ABI's ex_factor_id_t (whatever manifests folder is loaded)
+_BUILTIN_IDS = {v: k[len("EX_FACTOR_"):].lower() for k, v in abi.ffi.typeof("ex_factor_id_t").relements.items()
+                if v <= abi.FACTOR_BUILTIN_LAST and k != "EX_FACTOR_BUILTIN_LAST"}
+
+
 class _Span:
     """Carries an __array_interface__ (read-only: never written, never read)."""
 
@@ -521,6 +528,14 @@ class FactorRegistry:
             return p
         if not p.require("version", bool(p.version), "expected a version string, got NULL/empty"):
             return p
+        # the header's rules on names and versions: a name is also the manifest's file stem, so
+        # '../x' or '/tmp/x' would pick a manifest outside the folders; versions order plugins
+        if not p.require("name is an identifier", _IDENT.fullmatch(p.name) is not None,
+                         f"expected letters, digits and _ (the manifest's file stem), got {p.name!r}"):
+            return p
+        if not p.require("version is MAJOR.MINOR.PATCH", _SEMVER.fullmatch(p.version) is not None,
+                         f"expected three dot-separated numbers (e.g. 1.0.0), got {p.version!r}"):
+            return p
         p.check("name matches file stem", True,  # informative: a renamed drop-in still loads
                 "yes" if p.name == path.stem else f"note: name '{p.name}' differs from file '{path.name}'")
         m, why = self._find_manifest(p.name, path.parent)
@@ -534,10 +549,13 @@ class FactorRegistry:
             return p
         # ids 0..EX_FACTOR_BUILTIN_LAST are ex_engine's own: a library of another name cannot take
         # one that a built-in manifest owns (it would shadow the built-in by version or priority)
-        owner = next((q.name for q in self.manifests.values() if q.id == p.factor_id), None)
-        if not p.require("factor id", not (p.factor_id <= abi.FACTOR_BUILTIN_LAST and owner not in (None, p.name)),
-                       f"id {p.factor_id} is reserved for ex_engine's '{owner}' (ids 0-{abi.FACTOR_BUILTIN_LAST}); "
-                       f"third-party factors take ids from {abi.FACTOR_BUILTIN_LAST + 1}"):
+        owner = _BUILTIN_IDS.get(p.factor_id) or next(
+            (q.name for q in self.manifests.values() if q.id == p.factor_id), None)
+        if not p.require("factor id", p.factor_id > abi.FACTOR_BUILTIN_LAST or owner == p.name,
+                       (f"id {p.factor_id} is reserved for ex_engine's '{owner}'" if owner else
+                        f"id {p.factor_id} is in ex_engine's reserved range") +
+                       f" (ids 0-{abi.FACTOR_BUILTIN_LAST}, negative ids are invalid); third-party "
+                       f"factors take ids from {abi.FACTOR_BUILTIN_LAST + 1}"):
             return p
         gpu_code = bool(p.cuda_code and (p.cuda_code.get("sass") or p.cuda_code.get("ptx")))
         if not p.require("memory", not (m.memory == "host" and gpu_code),

@@ -72,24 +72,37 @@ import json, sys
 sys.path[:] = json.loads(sys.argv[3])
 from ex_engine import abi
 from ex_engine.hardware import Hardware
-print("stage dlopen", flush=True)
-lib = abi.dlopen(sys.argv[1])
+
+
+def main():
+    print("stage dlopen", flush=True)
+    lib = abi.dlopen(sys.argv[1])
+    try:
+        version = int(lib.ex_abi_version)
+    except Exception:
+        return "no ex_abi_version"
+    if version >> 16 != abi.ABI_VERSION_MAJOR:
+        return "other ABI"                            # never call a library of another ABI
+    hw = Hardware(**json.loads(sys.argv[2])).to_c(abi.ffi)
+    print("stage ex_get_factor", flush=True)
+    f = lib.ex_get_factor(hw)
+    if f == abi.ffi.NULL:
+        return ""
+    # every field the in-process load reads, read here first (a bad pointer crashes the child)
+    for name in ("name", "version", "description"):
+        p = getattr(f, name)
+        if p != abi.ffi.NULL:
+            abi.ffi.string(p)
+    for k in abi.TUNING_FIELDS:
+        int(getattr(f.tuning, k))
+    return ""
+
+
 try:
-    version = int(lib.ex_abi_version)
-except Exception:
-    print("stage done: no ex_abi_version", flush=True)
-    sys.exit(0)
-if version >> 16 != abi.ABI_VERSION_MAJOR:
-    print("stage done: other ABI", flush=True)      # never call a library of another ABI
-    sys.exit(0)
-hw = Hardware(**json.loads(sys.argv[2])).to_c(abi.ffi)
-print("stage ex_get_factor", flush=True)
-f = lib.ex_get_factor(hw)
-if f != abi.ffi.NULL and f.name != abi.ffi.NULL:
-    abi.ffi.string(f.name)
-    if f.version != abi.ffi.NULL:
-        abi.ffi.string(f.version)
-print("stage done", flush=True)
+    what = main()
+except Exception as exc:   # a Python-level error: the in-process checks report it
+    what = f"python error {type(exc).__name__}"
+print(("stage done: " + what) if what else "stage done", flush=True)
 """
 
 
@@ -104,9 +117,12 @@ def probe_library(path, hardware, timeout: float = 10.0) -> tuple:
     """Open ``path`` in a child process and call its ex_get_factor with ``hardware``.
 
     Returns (ok, detail). Not ok: the child died of a signal ("crashed in ex_get_factor:
-    signal SIGSEGV") or ran past ``timeout`` seconds ("timed out after 10 s in
-    ex_get_factor"). A Python error in the child (an unloadable file, a missing symbol) is
-    ok here: the in-process checks report it without running the library's code.
+    signal SIGSEGV"), ran past ``timeout`` seconds ("timed out after 10 s in
+    ex_get_factor"), or was ended by the library before it finished ("exited with status 0 in
+    ex_get_factor": exit() in a constructor or in ex_get_factor would end the caller's process
+    too). The child reads every field of the factor struct the in-process load reads. A Python
+    error in the child (an unloadable file, a missing symbol) is ok here: the in-process checks
+    report it without running the library's code.
     """
     cmd = [sys.executable, "-c", _CHILD, str(Path(path).absolute()), json.dumps(hardware.as_dict()),
            json.dumps(sys.path)]
@@ -119,10 +135,10 @@ def probe_library(path, hardware, timeout: float = 10.0) -> tuple:
     stage = _stage(out)
     if rc < 0:
         return False, f"crashed in {stage}: signal {_signal_name(-rc)}"
-    if stage.startswith("done") or rc == 0:
+    if stage.startswith("done") and rc == 0:
         return True, "child process: opened and called ex_get_factor without crashing"
-    return True, (f"child process stopped in {stage} with exit status {rc} (a Python error: "
-                  "the checks below say why); no crash")
+    # the library ended the process itself (exit() in a constructor or in ex_get_factor)
+    return False, f"exited with status {rc} in {stage} (the library ended the child process)"
 
 
 def _stage(stdout: str) -> str:

@@ -64,9 +64,16 @@ def test_other_abi_names_both_versions(tmp_path):
     ({"NULL_NAME": True}, "name"),
     ({"NULL_KERNEL": True}, "kernel"),
     ({"VERSION": "NULL"}, "version"),
+    ({"VERSION": '"x.y"'}, "version is MAJOR.MINOR.PATCH"),
+    ({"VERSION": '"1.2.3.4.5-rc1"'}, "version is MAJOR.MINOR.PATCH"),
+    ({"NAME": '"../good/host_scale"'}, "name is an identifier"),
+    ({"NAME": '"/tmp/host_scale"'}, "name is an identifier"),
+    ({"FACTOR_ID": -5}, "factor id"),
+    ({"FACTOR_ID": 500}, "factor id"),
+    ({"NAME": '"evil"', "FACTOR_ID": 0}, "factor id"),
 ])
 def test_each_struct_problem_fails_its_own_check(tmp_path, defines, check):
-    build_plugin(tmp_path, defines=defines)
+    build_plugin(tmp_path, defines=defines, manifest="/" not in defines.get("NAME", ""))
     p = FactorRegistry.load(tmp_path, hardware="h200").plugins[0]
     assert p.status == "rejected" and p.checks[-1].name == check and not p.checks[-1].ok
     assert p.reason.startswith(check + ":")
@@ -169,6 +176,23 @@ def test_probe_reports_a_hang(tmp_path):
     p = FactorRegistry.load(tmp_path, hardware="h200", probe="subprocess", probe_timeout=2).plugins[0]
     assert p.status == "rejected" and p.lib is None
     assert p.reason == "probe (child process): timed out after 2 s in ex_get_factor", p.reason
+
+
+@pytest.mark.parametrize("defines,reason", [
+    ({"EXIT_IN_GET": 0}, "exited with status 0 in ex_get_factor (the library ended the child process)"),
+    ({"EXIT_IN_GET": 3}, "exited with status 3 in ex_get_factor"),
+    ({"BAD_DESCRIPTION": True}, "crashed in ex_get_factor: signal SIGSEGV"),
+])
+def test_probe_refuses_a_library_that_ends_or_would_crash_the_process(tmp_path, defines, reason):
+    """exit() in ex_get_factor ended the caller's process silently (status 0) after the probe had
+    passed it; a wild description pointer passed the probe (which did not read it) and then
+    crashed the caller. The rest of the folder still loads."""
+    build_plugin(tmp_path, "bad", defines={**defines, "NAME": '"host_scale_bad"', "FACTOR_ID": 1109})
+    build_plugin(tmp_path)
+    reg = FactorRegistry.load(tmp_path, hardware="h200", probe="subprocess")
+    bad = by_stem(reg, "bad")
+    assert bad.status == "rejected" and bad.lib is None and reason in bad.reason, bad.reason
+    assert reg.get("host_scale").status == "ready" and call(reg)[0] == "plugin"
 
 
 def test_probe_passes_good_and_other_abi_plugins_on(tmp_path):

@@ -5,10 +5,12 @@
  * wrong result (alpha * in + 1: what `verify` must catch).
  * Other knobs: ABI_OVERRIDE, RETURN_NULL, NULL_NAME, NULL_KERNEL, NO_GET_FACTOR, TPB, VERSION,
  * NAME, FACTOR_ID, PRIORITY, STRUCT_ABI (the struct's abi_version), CRASH (ex_get_factor dereferences NULL), HANG (ex_get_factor
- * never returns), HELPER (the kernel calls helper_alpha() from a separate library), WORKSPACE
+ * never returns), EXIT_IN_GET (ex_get_factor calls exit(N)), BAD_DESCRIPTION (a wild description
+ * pointer), HELPER (the kernel calls helper_alpha() from a separate library), WORKSPACE
  * (aux[1] is a runtime workspace: the product goes through scratch memory there, and a negative
  * alpha sets bit 0 of its status word; manifest tests/plugins/host_scale_ws.yaml). */
 #include "ex_engine.h"
+#include <stdlib.h>
 
 #ifndef BEHAVIOUR
 #define BEHAVIOUR 0
@@ -92,6 +94,9 @@ EX_EXPORT ex_factor_t* ex_get_factor(const ex_hardware_t* hw) {
 #ifdef HANG
     for (volatile int spin = 1; spin;) {}
 #endif
+#ifdef EXIT_IN_GET
+    exit(EXIT_IN_GET);   /* ends the caller's process: the probe must refuse it */
+#endif
 #ifdef RETURN_NULL
     (void)hw;
     return NULL;
@@ -127,7 +132,11 @@ EX_EXPORT ex_factor_t* ex_get_factor(const ex_hardware_t* hw) {
 #endif
     s_factor.last_error = last_error;
     s_factor.priority = PRIORITY;
+#ifdef BAD_DESCRIPTION
+    s_factor.description = (const char*)0x10;   /* a pointer the runtime must not follow in-process */
+#else
     s_factor.description = "test: out = alpha * in on host memory";
+#endif
     return &s_factor;
 #endif
 }
