@@ -86,7 +86,7 @@ STATUS_NAMES = {
     3: "EX_ERR_SHAPE", 4: "EX_ERR_ALIGNMENT", 5: "EX_ERR_WORKSPACE", 6: "EX_ERR_CUDA",
     7: "EX_ERR_INTERNAL",
 }
-EX_OK, EX_FALLBACK = 0, -1
+EX_OK, EX_FALLBACK, EX_ERR_WORKSPACE = 0, -1, 5
 
 # ex_dtype_t codes by the dtype names ex_engine uses everywhere
 DTYPE_CODES = {"float32": 0, "float16": 1, "bfloat16": 2, "int32": 3, "int64": 4}

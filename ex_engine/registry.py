@@ -225,6 +225,7 @@ def check_writes(factor: str, m: Manifest, refs_by_name: dict, spans: dict | Non
                                   "a read-only array")
 
 
+_MAX_WORKSPACE = 1 << 40   # bytes: a workspace_size beyond this (or below 0) is a plugin bug
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _SEMVER = re.compile(r"\d+\.\d+\.\d+")
 # ex_engine's own factors, from the ABI's ex_factor_id_t (whatever manifests folder is loaded)
@@ -468,6 +469,9 @@ class FactorRegistry:
                 return q
         p = Plugin(path=path)
         self.plugins.append(p)
+        if path.exists() and not path.is_file():   # a FIFO would block the read, /dev/zero never end it
+            p.check("read", False, "not a regular file (a folder, a FIFO, a device or a link to one)")
+            return p
         try:
             data = path.read_bytes()
         except OSError as exc:
@@ -759,6 +763,8 @@ class FactorRegistry:
                 self._count(name, "errors")
                 if plugin is None:
                     why = "no ready plugin of that name is loaded"
+                elif m.memory == "host" and device < 0:
+                    why = "its plugin and kernel_fallback declined the call"
                 elif device < 0:
                     why = ("the arrays are in host memory and its plugin runs on the GPU (pass device "
                            "arrays: CuPy or torch on cuda)")
@@ -803,6 +809,11 @@ class FactorRegistry:
         if fn == abi.ffi.NULL:
             return None
         need = int(fn(dims, len(dims)))
+        if not 0 <= need <= _MAX_WORKSPACE:
+            self._count(plugin.name, "errors")
+            raise KernelError(plugin.name, abi.EX_ERR_WORKSPACE, abi.status_name(abi.EX_ERR_WORKSPACE),
+                              f"workspace_size returned {need} bytes for dims {list(dims)}: expected "
+                              f"0..{_MAX_WORKSPACE} (a plugin bug)")
         buf = self._workspaces.get((plugin.name, device, stream))
         if buf is not None and buf.nbytes >= need:
             return buf
@@ -822,8 +833,10 @@ class FactorRegistry:
             return old
         size = max(need, 256)
         if device < 0:
-            import numpy
-            buf = numpy.zeros(size, dtype=numpy.uint8)
+            # 256-byte aligned as rule 11 promises (NumPy aligns to 16 or 64 only)
+            raw = np.zeros(size + 256, dtype=np.uint8)
+            start = -raw.ctypes.data % 256
+            buf = raw[start:start + size]
             if old is not None:
                 buf[:256] = old[:256]
             self._workspaces[key] = buf
@@ -925,7 +938,8 @@ class FactorRegistry:
             return None
         detail = ""
         if f.last_error != ffi.NULL:
-            detail = ffi.string(f.last_error()).decode(errors="replace")
+            text = f.last_error()
+            detail = ffi.string(text).decode(errors="replace") if text != ffi.NULL else ""
         self._count(plugin.name, "errors")
         raise KernelError(plugin.name, status, abi.status_name(status), detail)
 

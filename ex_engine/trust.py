@@ -29,8 +29,18 @@ def sha256_hex(data: bytes) -> str:
 
 
 def lock_digests(folder) -> dict:
-    """file name -> sha256 of every ``*.so`` in ``folder`` (sorted by name)."""
-    return {p.name: sha256_hex(p.read_bytes()) for p in sorted(Path(folder).glob("*.so"))}
+    """file name -> sha256 of every regular ``*.so`` file in ``folder`` (sorted by name; a
+    folder, FIFO or device named *.so is left out: the registry refuses those anyway).
+    Raises FactorError naming a library that cannot be read."""
+    out = {}
+    for p in sorted(Path(folder).glob("*.so")):
+        if not p.is_file():
+            continue
+        try:
+            out[p.name] = sha256_hex(p.read_bytes())
+        except OSError as exc:
+            raise FactorError(f"lock: cannot read library {p}: {exc}") from exc
+    return out
 
 
 def write_lock(folder, output=None) -> tuple:

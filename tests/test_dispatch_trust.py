@@ -6,16 +6,17 @@ import threading
 import numpy as np
 import pytest
 
-from ex_engine import (DeviceError, DeviceSideError, FactorRegistry, abi, fused_add_rmsnorm,
-                       moe_fused_gemm, topk_softmax)
+from ex_engine import (DeviceError, DeviceSideError, FactorError, FactorRegistry, KernelError, abi,
+                       fused_add_rmsnorm, moe_fused_gemm, topk_softmax)
 from tests.conftest import ROOT, build_plugin
 from tests.test_validation import FakeDeviceArray
 
 
-def ws_plugin(folder):
-    """host_scale.c with -DWORKSPACE: the product goes through the runtime's workspace."""
+def ws_plugin(folder, **defines):
+    """host_scale.c with -DWORKSPACE: the product goes through the runtime's workspace (which it
+    requires 256-byte aligned, contract rule 11)."""
     build_plugin(folder, "host_scale_ws", defines={"WORKSPACE": True, "NAME": '"host_scale_ws"',
-                                                   "FACTOR_ID": 1107}, manifest=False)
+                                                   "FACTOR_ID": 1107, **defines}, manifest=False)
     shutil.copy(ROOT / "tests" / "plugins" / "host_scale_ws.yaml", folder / "host_scale_ws.yaml")
     return FactorRegistry.load(folder, hardware="h200")
 
@@ -177,3 +178,39 @@ def test_device_arrays_to_a_host_factor_are_refused(tmp_path):
     with pytest.raises(DeviceError, match="host_scale: argument 'out': device: expected host memory "
                                           r"\(a host factor\), got cuda:0"):
         reg.dispatch("host_scale", a)
+
+
+def test_host_workspace_is_256_byte_aligned_and_a_bad_size_is_a_named_error(tmp_path):
+    """Rule 11 promises a 256-byte aligned workspace (NumPy's buffers were 16/64-aligned: the
+    kernel refused with EX_ERR_ALIGNMENT most of the time); a workspace_size below 0 or absurdly
+    large is the plugin's bug, reported as EX_ERR_WORKSPACE (not a 256-byte buffer, not NumPy's
+    MemoryError) and counted."""
+    reg = ws_plugin(tmp_path / "ok")
+    x, alpha = np.ones(7, np.float32), np.array([2.0], np.float32)
+    for n in range(40):                                   # fresh buffers of many sizes: all aligned
+        xs = np.ones(7 + n, np.float32)
+        out = np.empty_like(xs)
+        reg._workspaces.clear()
+        assert reg.dispatch("host_scale_ws", {"x": xs, "out": out, "alpha": alpha}) == "plugin"
+        assert (out == 2).all()
+    for size in ("-5", "(1LL << 50)"):
+        bad = ws_plugin(tmp_path / f"ws{len(size)}", WS_BYTES=size)
+        with pytest.raises(KernelError, match=r"EX_ERR_WORKSPACE .*workspace_size returned"):
+            bad.dispatch("host_scale_ws", {"x": x, "out": np.empty_like(x), "alpha": alpha})
+        assert bad.stats()["host_scale_ws"]["errors"] == 1
+
+
+def test_a_null_error_text_and_a_host_decline_are_reported_plainly(tmp_path):
+    build_plugin(tmp_path / "a", defines={"BEHAVIOUR": 3, "NULL_ERROR_TEXT": True})
+    reg = FactorRegistry.load(tmp_path / "a", hardware="h200")
+    x, alpha = np.ones(8, np.float32), np.array([2.0], np.float32)
+    with pytest.raises(KernelError, match="EX_ERR_SHAPE"):      # was: RuntimeError from cffi on NULL
+        reg.dispatch("host_scale", {"x": x, "out": np.empty_like(x), "alpha": alpha})
+    assert reg.stats()["host_scale"]["errors"] == 1
+    build_plugin(tmp_path / "b", defines={"BEHAVIOUR": 2}, manifest=False)
+    text = (ROOT / "tests" / "plugins" / "host_scale.yaml").read_text()
+    (tmp_path / "b" / "host_scale.yaml").write_text(text.replace(
+        "fallback: tests.plugins.host_scale_fallback:scale", "fallback: null"))
+    reg = FactorRegistry.load(tmp_path / "b", hardware="h200")
+    with pytest.raises(FactorError, match="its plugin and kernel_fallback declined the call"):
+        reg.dispatch("host_scale", {"x": x, "out": np.empty_like(x), "alpha": alpha})

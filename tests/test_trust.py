@@ -2,6 +2,7 @@
 hardware, lock files, crashing plugins, competing plugins of one factor (CPU tests; the GPU
 ones are in test_gpu_trust.py)."""
 import json
+import os
 import shutil
 import struct
 from pathlib import Path
@@ -380,3 +381,18 @@ def test_cli_why_prints_every_check_of_every_plugin(tmp_path, capsys):
                    "[ok] dlopen", "[ok] abi version", "[ok] num_stages >= 1",
                    "[ok] cuda code: not checked: not an ELF file", "[FAIL] dlopen: not a loadable shared library"):
         assert needle in out, needle
+
+
+def test_files_named_so_that_are_not_regular_files_are_refused_without_reading(tmp_path, capsys):
+    """A FIFO named x.so blocked the load (and `ex-engine lock`) for ever; a link to /dev/zero
+    read without end. Refused with a reason; the rest loads; lock skips them."""
+    build_plugin(tmp_path)
+    os.mkfifo(tmp_path / "fifo.so")
+    (tmp_path / "zero.so").symlink_to("/dev/zero")
+    reg = FactorRegistry.load(tmp_path, hardware="h200")
+    for stem in ("fifo", "zero"):
+        p = by_stem(reg, stem)
+        assert p.status == "rejected" and p.reason.startswith("read: not a regular file"), p.reason
+    assert reg.get("host_scale").status == "ready"
+    assert cli_main(["lock", "--dir", str(tmp_path)]) == 0
+    assert list(json.loads((tmp_path / "ex_engine.lock").read_text())) == ["host_scale.so"]

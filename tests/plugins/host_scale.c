@@ -10,6 +10,7 @@
  * (aux[1] is a runtime workspace: the product goes through scratch memory there, and a negative
  * alpha sets bit 0 of its status word; manifest tests/plugins/host_scale_ws.yaml). */
 #include "ex_engine.h"
+#include <stdint.h>
 #include <stdlib.h>
 
 #ifndef BEHAVIOUR
@@ -45,7 +46,11 @@ EX_DEFINE_ABI_VERSION();
 #endif
 
 static const char* g_err = "";
+#ifdef NULL_ERROR_TEXT
+static const char* last_error(void) { return NULL; }   /* a plugin bug the runtime must survive */
+#else
 static const char* last_error(void) { return g_err; }
+#endif
 
 static int scale(void* output, const void* input, const void* aux[], int n_aux,
                  const int64_t dims[], int n_dims, void* stream) {
@@ -55,6 +60,7 @@ static int scale(void* output, const void* input, const void* aux[], int n_aux,
     float plus = BEHAVIOUR == 4 ? 1.0f : 0.0f;
 #ifdef WORKSPACE
     if (n_aux < 2 || aux[1] == NULL) return EX_ERR_WORKSPACE;
+    if ((uintptr_t)aux[1] % 256 != 0) return EX_ERR_ALIGNMENT;   /* rule 11: 256-byte aligned */
     if (alpha < 0.0f) *(int32_t*)aux[1] |= 1;
     float* scratch = (float*)((char*)aux[1] + 256);   /* shared scratch would be overwritten */
     for (int64_t i = 0; i < dims[0]; ++i) scratch[i] = alpha * ((const float*)input)[i] + plus;
@@ -67,7 +73,12 @@ static int scale(void* output, const void* input, const void* aux[], int n_aux,
 
 #ifdef WORKSPACE
 static int64_t workspace_size(const int64_t dims[], int n_dims) {
+#ifdef WS_BYTES
+    (void)dims; (void)n_dims;
+    return WS_BYTES;
+#else
     return n_dims < 1 ? 0 : 256 + 4 * dims[0];
+#endif
 }
 #endif
 
