@@ -6,10 +6,13 @@
  *     const uint32_t ex_abi_version;                       (= EX_ABI_VERSION)
  *     ex_factor_t*   ex_get_factor(const ex_hardware_t* hw);
  *
- * The runtime reads `ex_abi_version` before it runs any code of the library and refuses a
- * library whose major version differs from its own.  It then calls `ex_get_factor` once with
- * the hardware it targets, checks the returned tuning against that hardware, and afterwards
- * calls `kernel` (then `kernel_fallback`, then its Python fallback) on device pointers.
+ * The runtime reads `ex_abi_version` before it calls any function of the library (dlopen has
+ * run the library's static constructors by then: keep them side-effect free) and refuses a
+ * library whose major version differs from its own.  It then calls `ex_get_factor` with the
+ * hardware it targets (once per registry that loads the library; a process holds one copy of
+ * the library, so keep no state there that a second call for other hardware would break),
+ * checks the returned tuning against that hardware, and afterwards calls `kernel` (then
+ * `kernel_fallback`, then its Python fallback) on device pointers.
  *
  * This header is a specification: types, constants and comments, no logic.  The Python
  * binding (ex_engine/abi.py) mirrors it; tests/test_abi.py checks that both agree byte for
