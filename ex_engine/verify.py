@@ -254,9 +254,41 @@ def run_case(registry, plugin, case: dict, dtype: str, seed: int = 0, count: boo
         return CaseResult(m.name, label, dtype, "FAIL", "-", None, tol, f"{type(exc).__name__}: {exc}")
 
 
+_GUARD_BYTES = 4096
+_GUARD_FILL = 0xA5
+
+
+def _guarded(xp, a, name: str):
+    """(a copy of ``a`` inside a buffer with _GUARD_BYTES of a fill pattern on each side, a
+    function returning what the kernel wrote outside it: '' if nothing)."""
+    base = a.bits if isinstance(a, Bits16) else a
+    n = base.nbytes
+    buf = xp.full(n + 2 * _GUARD_BYTES, _GUARD_FILL, dtype=xp.uint8)
+    view = buf[_GUARD_BYTES:_GUARD_BYTES + n].view(base.dtype).reshape(base.shape)
+    view[...] = base
+
+    def outside() -> str:
+        before = int((buf[:_GUARD_BYTES] != _GUARD_FILL).sum())
+        after = int((buf[_GUARD_BYTES + n:] != _GUARD_FILL).sum())
+        where = []
+        if after:
+            where.append(f"{after} byte(s) past its end")
+        if before:
+            where.append(f"{before} byte(s) before its start")
+        return f"{name}: the kernel wrote {' and '.join(where)}" if where else ""
+    return (Bits16(view, a.dtype) if isinstance(a, Bits16) else view), outside
+
+
 def _run_case(registry, plugin, m, case, dtype, seed, count, xp, label, tol) -> CaseResult:
     arrays, params = make_inputs(m, case, dtype, xp, seed)
     ref = clone(arrays)
+    # every array the kernel writes sits between guard bytes: a write out of bounds fails the
+    # case (a small overrun passed before, and a host one corrupted the heap)
+    guards = []
+    for name in output_names(m):
+        if arrays.get(name) is not None:
+            arrays[name], outside = _guarded(xp, arrays[name], name)
+            guards.append(outside)
     path = registry.call_plugin(plugin, arrays, params, count=count)
     if xp is not np:
         try:
@@ -264,6 +296,9 @@ def _run_case(registry, plugin, m, case, dtype, seed, count, xp, label, tol) -> 
         except Exception as exc:   # CUDARuntimeError raised by an asynchronous fault
             return CaseResult(m.name, label, dtype, "FAIL", path or "-", None, tol,
                               f"CUDA error after the kernel: {exc}")
+    overrun = "; ".join(g for g in (check() for check in guards) if g)
+    if overrun:
+        return CaseResult(m.name, label, dtype, "FAIL", path or "-", None, tol, overrun)
     if path is None:
         return CaseResult(m.name, label, dtype, "declined", "-", None, tol,
                           "both C paths declined: the Python fallback would serve this call")

@@ -190,3 +190,13 @@ def test_cli_verify_reports_a_fallback_of_the_wrong_signature_as_a_failure(tmp_p
     assert cli_main(["verify", "--dir", str(tmp_path), "--hardware", "h200"]) == 1
     out = capsys.readouterr().out
     assert "FAIL" in out and "the Python fallback raised TypeError" in out and "fn(arrays, sizes, params)" in out
+
+
+@pytest.mark.parametrize("oob", [1, 64])
+def test_cli_verify_fails_a_kernel_that_writes_past_its_output(tmp_path, capsys, oob):
+    """Every written array sits between guard bytes: one float too many passed before (and
+    corrupted the heap of the process)."""
+    build_plugin(tmp_path, defines={"OOB": oob})
+    assert cli_main(["verify", "--dir", str(tmp_path), "--hardware", "h200"]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL" in out and f"out: the kernel wrote {4 * oob} byte(s) past its end" in out, out

@@ -6,7 +6,7 @@
  * Other knobs: ABI_OVERRIDE, RETURN_NULL, NULL_NAME, NULL_KERNEL, NO_GET_FACTOR, TPB, VERSION,
  * NAME, FACTOR_ID, PRIORITY, STRUCT_ABI (the struct's abi_version), CRASH (ex_get_factor dereferences NULL), HANG (ex_get_factor
  * never returns), EXIT_IN_GET (ex_get_factor calls exit(N)), BAD_DESCRIPTION (a wild description
- * pointer), HELPER (the kernel calls helper_alpha() from a separate library), WORKSPACE
+ * pointer), OOB (writes OOB floats past the output's end), HELPER (the kernel calls helper_alpha() from a separate library), WORKSPACE
  * (aux[1] is a runtime workspace: the product goes through scratch memory there, and a negative
  * alpha sets bit 0 of its status word; manifest tests/plugins/host_scale_ws.yaml). */
 #include "ex_engine.h"
@@ -66,7 +66,11 @@ static int scale(void* output, const void* input, const void* aux[], int n_aux,
     for (int64_t i = 0; i < dims[0]; ++i) scratch[i] = alpha * ((const float*)input)[i] + plus;
     for (int64_t i = 0; i < dims[0]; ++i) ((float*)output)[i] = scratch[i];
 #else
+#ifndef OOB
+#define OOB 0
+#endif
     for (int64_t i = 0; i < dims[0]; ++i) ((float*)output)[i] = alpha * ((const float*)input)[i] + plus;
+    for (int64_t i = dims[0]; i < dims[0] + OOB; ++i) ((float*)output)[i] = 0.0f;   /* out of bounds */
 #endif
     return EX_OK;
 }
