@@ -414,7 +414,12 @@ def load_all(folder, errors: dict | None = None) -> dict:
                 raise FactorError(f"manifest {p}: malformed ({type(exc).__name__}: "
                                   f"{' '.join(str(exc).split())})") from exc
             if isinstance(d, dict) and "name" in d and ("dims" in d or "id" in d):
-                out[d["name"]] = Manifest.load(p)  # a factor manifest (one missing a key is named)
+                m = Manifest.load(p)  # a factor manifest (one missing a key is named)
+                if m.name in out:
+                    raise FactorError(f"manifest {p}: names '{m.name}', as {out[m.name].path} does "
+                                      "already; one manifest per factor name (the first by file "
+                                      "name is used)")
+                out[m.name] = m
         except FactorError as exc:
             if errors is None:
                 raise

@@ -547,6 +547,10 @@ class FactorRegistry:
                        why or f"expected {p.name}.yaml beside the library or in the manifests folder, found none",
                        str(m.path) if m is not None else ""):
             return p
+        if not p.require("manifest name", m.name == p.name,
+                         f"{m.path} names '{m.name}', the library '{p.name}': the manifest must "
+                         "name its factor as the library does"):
+            return p
         p.manifest = m
         if not p.require("manifest id", m.id == p.factor_id,
                        f"expected id {m.id} (from {m.path}), library says {p.factor_id}"):

@@ -396,3 +396,21 @@ def test_files_named_so_that_are_not_regular_files_are_refused_without_reading(t
     assert reg.get("host_scale").status == "ready"
     assert cli_main(["lock", "--dir", str(tmp_path)]) == 0
     assert list(json.loads((tmp_path / "ex_engine.lock").read_text())) == ["host_scale.so"]
+
+
+def test_a_manifest_must_name_its_factor_as_the_library_does(tmp_path):
+    """foo.so (factor foo) with a foo.yaml that says name: bar loaded, and its errors spoke of
+    'bar'; two manifests of one name in the folder: the second was taken silently."""
+    build_plugin(tmp_path, manifest=False)
+    text = (ROOT / "tests" / "plugins" / "host_scale.yaml").read_text()
+    (tmp_path / "host_scale.yaml").write_text(text.replace("name: host_scale", "name: other_name"))
+    p = FactorRegistry.load(tmp_path, hardware="h200").plugins[0]
+    assert p.status == "rejected" and p.reason.startswith("manifest name:") and "names 'other_name'" in p.reason
+    mdir = tmp_path / "m"
+    mdir.mkdir()
+    (mdir / "a.yaml").write_text(text)
+    (mdir / "b.yaml").write_text(text)
+    (tmp_path / "empty").mkdir()
+    reg = FactorRegistry.load(tmp_path / "empty", hardware="h200", manifests_dir=mdir)
+    assert any("b.yaml: names 'host_scale', as" in n and "a.yaml does already" in n for n in reg.notes), reg.notes
+    assert str(reg.manifests["host_scale"].path).endswith("a.yaml")
