@@ -979,7 +979,7 @@ class FactorRegistry:
                         buf[:4].fill(0)
                         cupy.cuda.runtime.deviceSynchronize()
             if word:
-                problems.append(f"{name}: device status word 0x{word:x} "
+                problems.append(f"{name}: device status word 0x{word & 0xFFFFFFFF:x} "
                                 f"({self._flag_text(name, word)})")
         for buf in retired:             # freed only once no kernel can still be using them
             if buf.device.id not in synced:
