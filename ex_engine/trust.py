@@ -80,11 +80,11 @@ def read_lock(path) -> dict:
 _CHILD = r"""
 import json, sys
 sys.path[:] = json.loads(sys.argv[3])
-from ex_engine import abi
-from ex_engine.hardware import Hardware
 
 
 def main():
+    from ex_engine import abi
+    from ex_engine.hardware import Hardware
     print("stage dlopen", flush=True)
     lib = abi.dlopen(sys.argv[1])
     try:
@@ -147,6 +147,8 @@ def probe_library(path, hardware, timeout: float = 10.0) -> tuple:
         return False, f"crashed in {stage}: signal {_signal_name(-rc)}"
     if stage.startswith("done") and rc == 0:
         return True, "child process: opened and called ex_get_factor without crashing"
+    if stage == "start-up":   # the child never reached the library (e.g. its Python failed)
+        return True, f"child process ended with status {rc} before opening the library; not probed"
     # the library ended the process itself (exit() in a constructor or in ex_get_factor)
     return False, f"exited with status {rc} in {stage} (the library ended the child process)"
 
