@@ -1490,11 +1490,10 @@ static int launch_fast(const Problem& P, void* out, const void* x, const void* w
                        const void* w2, const float* topk_weights, const int* topk_ids,
                        char* ws, cudaStream_t stream, int mode) {
     const WsLayout L = ws_layout(P);
-    const bool pdl =
-        (mode == MODE_NEW || mode == MODE_LATE || mode == MODE_UNFUSED || mode == MODE_ONEWAVE) && s_pdl_ok;
+    const bool pdl = mode != MODE_OLD && mode != MODE_NOPDL && s_pdl_ok;  // the PDL modes
     // decode with a handful of slots: GEMM1 routes them itself (no routing launch to wait for)
     const bool fused_route = C::BM == kSmallBM && P.TK <= kFusedRouteSlots &&
-                             (mode == MODE_NEW || mode == MODE_LATE || mode == MODE_NOPDL || mode == MODE_ONEWAVE);
+                             mode != MODE_OLD && mode != MODE_UNFUSED;
     // ... and GEMM2 too, prefetching weights before its wait; early launches of the next grid
     // where this one fits in one wave (MINB blocks per SM: the launch bounds guarantee them)
     const bool early = fused_route && pdl && (mode == MODE_NEW || mode == MODE_ONEWAVE);
