@@ -31,7 +31,7 @@ except ImportError:  # --help works without it; a run says it needs it
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ex_engine import FactorRegistry, moe_fused_gemm  # noqa: E402
-from ex_engine.moe_layer import case_problems, load_models, output_file_problem  # noqa: E402
+from ex_engine.moe_layer import case_problems, load_models, output_file_problem, report_problems  # noqa: E402
 from _timing import graph_us, host_us  # noqa: E402
 
 PEAK_TFLOPS, PEAK_GBS = 787.0, 4230.0
@@ -135,10 +135,8 @@ def main():
     problems = case_problems(models, names, args.tokens, args.factors, all_ok=True)
     if args.sets < 1:
         problems.append(f"--sets: expected >= 1, got {args.sets}")
-    if output_file_problem("--json", args.json):
-        problems.append(output_file_problem("--json", args.json))
-    if problems:
-        print("bench_moe: " + "; ".join(problems), file=sys.stderr)
+    problems.append(output_file_problem("--json", args.json))
+    if report_problems("bench_moe", problems):
         return 2
     if torch is None or not torch.cuda.is_available():
         print("bench_moe: needs PyTorch and a CUDA GPU (README: 'On a GPU machine')", file=sys.stderr)

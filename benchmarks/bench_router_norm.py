@@ -25,7 +25,7 @@ except ImportError:  # --help works without it; a run says it needs it
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ex_engine import FactorRegistry, fused_add_rmsnorm, topk_softmax  # noqa: E402
-from ex_engine.moe_layer import output_file_problem  # noqa: E402
+from ex_engine.moe_layer import output_file_problem, report_problems  # noqa: E402
 from _timing import graph_us, host_us  # noqa: E402
 
 COPY_GBS = 4230.0
@@ -70,8 +70,7 @@ def main():
                     help="time ex_engine only, not the PyTorch eager / torch.compile peers (PyTorch is "
                          "still needed: it makes the inputs and times the calls)")
     args = ap.parse_args()
-    if output_file_problem("--json", args.json):
-        print(f"bench_router_norm: {output_file_problem('--json', args.json)}", file=sys.stderr)
+    if report_problems("bench_router_norm", [output_file_problem("--json", args.json)]):
         return 2
     if torch is None or not torch.cuda.is_available():
         print("bench_router_norm: needs PyTorch and a CUDA GPU (README: 'On a GPU machine')", file=sys.stderr)

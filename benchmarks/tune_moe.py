@@ -31,7 +31,7 @@ import yaml  # noqa: E402
 from _timing import graph_us  # noqa: E402
 from bench_moe import input_sets, layer_weights, reference, rel  # noqa: E402
 from ex_engine import FactorRegistry, moe_fused_gemm  # noqa: E402
-from ex_engine.moe_layer import load_models, output_file_problem  # noqa: E402
+from ex_engine.moe_layer import case_problems, load_models, output_file_problem, report_problems  # noqa: E402
 from ex_engine.tuning import tuning_dir  # noqa: E402
 
 CONFIGS = {"tiny": 0, "decode": 1, "mid": 2, "prefill": 3, "grouped": 4, "mid32": 5, "mid48": 6,
@@ -68,18 +68,13 @@ def main() -> int:
     ap.add_argument("--out", default=None,
                     help="tuning file to write (default manifests/tuning/<profile>.yaml for this GPU)")
     args = ap.parse_args()
-    if min(args.tokens) < 1 or args.sets < 1 or args.margin < 0:
-        print(f"tune_moe: expected --tokens >= 1, --sets >= 1 and --margin >= 0, got --tokens "
-              f"{' '.join(map(str, args.tokens))} --sets {args.sets} --margin {args.margin}", file=sys.stderr)
-        return 2
-    if output_file_problem("--out", args.out):
-        print(f"tune_moe: {output_file_problem('--out', args.out)}", file=sys.stderr)
-        return 2
     models = load_models()
-    unknown = [m for m in args.models if m != "all" and m not in models]
-    if unknown:
-        print(f"tune_moe: --models: unknown {', '.join(unknown)}; expected 'all' or some of "
-              f"{', '.join(sorted(models))}", file=sys.stderr)
+    # every argument checked before any work (the tuning file is written after the whole run)
+    problems = case_problems(models, [m for m in args.models if m != "all"], args.tokens, all_ok=True)
+    if args.sets < 1 or args.margin < 0:
+        problems.append(f"--sets and --margin: expected >= 1 and >= 0, got {args.sets} and {args.margin}")
+    problems.append(output_file_problem("--out", args.out))
+    if report_problems("tune_moe", problems):
         return 2
     if torch is None or not torch.cuda.is_available():
         print("tune_moe: needs PyTorch and a CUDA GPU (README: 'On a GPU machine')", file=sys.stderr)

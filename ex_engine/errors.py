@@ -10,6 +10,12 @@ class FactorError(Exception):
     """Base class of every ex_engine error."""
 
 
+def one_line(exc: BaseException) -> str:
+    """``exc``'s message on one line (YAML's parser errors span several: notes and table rows
+    keep one)."""
+    return " ".join(str(exc).split())
+
+
 class FactorNotFoundError(FactorError, KeyError):
     """No factor of that name is registered (neither ready nor with a Python fallback)."""
 

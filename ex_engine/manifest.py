@@ -22,7 +22,7 @@ import yaml
 from . import abi
 from .arrays import TensorRef
 from .errors import (ArgumentError, DeviceError, DTypeError, FactorError, LayoutError,
-                     ShapeError)
+                     ShapeError, one_line)
 
 _TERM = re.compile(r"^\s*(?:(\d+)\s*\*\s*)?([A-Za-z_]\w*)\s*(?:\*\s*(\d+))?\s*$")
 _CONSTRAINT = re.compile(r"^\s*(\w+)\s*(<=|<|==|>=|>)\s*(\w+)\s*$")
@@ -92,11 +92,12 @@ class Manifest:
     path: str = ""
 
     @classmethod
-    def load(cls, path) -> "Manifest":
-        """Read and check a manifest file. Raises FactorError naming the file and the field."""
+    def load(cls, path, data=None) -> "Manifest":
+        """Read and check a manifest file (``data``: its contents already parsed, as load_all
+        has them). Raises FactorError naming the file and the field."""
         path = Path(path)
         try:
-            d = yaml.safe_load(path.read_text())
+            d = yaml.safe_load(path.read_text()) if data is None else data
             m = cls(name=d["name"], id=int(d["id"]), summary=d.get("summary", ""),
                     math=d.get("math", ""), dims=list(d["dims"]),
                     output=TensorSpec.from_yaml(d["output"], "output"),
@@ -110,8 +111,7 @@ class Manifest:
                     memory=str(d.get("memory", "device")),
                     path=str(path))
         except (KeyError, TypeError, ValueError, OSError, yaml.YAMLError) as exc:
-            one_line = " ".join(str(exc).split())     # YAML's errors span lines: one in notes
-            raise FactorError(f"manifest {path}: malformed ({type(exc).__name__}: {one_line})") from exc
+            raise FactorError(f"manifest {path}: malformed ({type(exc).__name__}: {one_line(exc)})") from exc
         except FactorError as exc:  # a field's own check (a shape entry, say): name the file
             raise FactorError(f"manifest {path}: {exc}") from exc
         for k, spec in m.params.items():
@@ -139,9 +139,9 @@ class Manifest:
         or a source, every source names an existing array, parameter or size, constraints
         compare known sizes, dtypes and roles are known ones (checked at load, so that a broken
         manifest refuses its plugin there instead of failing every call)."""
-        arrays = [self.output, self.input, *self.aux]
+        arrays = self.tensors
         names = {t.name for t in arrays}
-        syms = {sym for t in arrays for _, sym in t.parsed if sym is not None}
+        syms = self.shape_symbols
         for t in arrays:
             if t.role not in ("input", "output", "inout", "workspace"):
                 return f"{t.name}: role: expected input, output, inout or workspace, got {t.role!r}"
@@ -186,12 +186,16 @@ class Manifest:
         return frozenset(t.name for t in self.user_tensors)
 
     @functools.cached_property
+    def shape_symbols(self) -> frozenset:
+        """The size symbols of the arrays' shapes (T, H, E, ...)."""
+        return frozenset(sym for t in self.tensors for _, sym in t.parsed if sym is not None)
+
+    @functools.cached_property
     def size_names(self) -> frozenset:
         """Sizes a call binds (the symbols of the arrays' shapes and the dims that default to
         one of them, e.g. G): what a tuning table's key may name, besides T."""
-        syms = {sym for t in self.tensors for _, sym in t.parsed if sym is not None}
-        return frozenset(syms | {d for d, src in self.dim_sources.items()
-                                 if isinstance(src, dict) and "default_dim" in src})
+        return self.shape_symbols | {d for d, src in self.dim_sources.items()
+                                     if isinstance(src, dict) and "default_dim" in src}
 
     @functools.cached_property
     def written_names(self) -> tuple:
@@ -411,10 +415,9 @@ def load_all(folder, errors: dict | None = None) -> dict:
             try:
                 d = yaml.safe_load(p.read_text())
             except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
-                raise FactorError(f"manifest {p}: malformed ({type(exc).__name__}: "
-                                  f"{' '.join(str(exc).split())})") from exc
+                raise FactorError(f"manifest {p}: malformed ({type(exc).__name__}: {one_line(exc)})") from exc
             if isinstance(d, dict) and "name" in d and ("dims" in d or "id" in d):
-                m = Manifest.load(p)  # a factor manifest (one missing a key is named)
+                m = Manifest.load(p, d)  # a factor manifest (one missing a key is named)
                 if m.name in out:
                     raise FactorError(f"manifest {p}: names '{m.name}', as {out[m.name].path} does "
                                       "already; one manifest per factor name (the first by file "

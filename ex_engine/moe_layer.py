@@ -195,8 +195,8 @@ def run_moe(model: str, tokens: int, dtype: str = "bfloat16", seed: int = 0, rep
 
     Runs on the GPU (CuPy) when the registry's hardware is a live device, else on NumPy with the
     Python fallbacks. model: a name of manifests/moe_models.yaml; tokens: T >= 0 (0: an empty
-    batch, nothing to compare); dtype:
-    'bfloat16' or 'float16'; seed >= 0; repeat >= 1 timed calls. Returns a dict with the paths
+    batch, nothing to compare); dtype: 'bfloat16' or 'float16'; seed >= 0; repeat >= 1 timed
+    calls. Returns a dict with the paths
     that served, the errors and the times; 'ok' is False if a check failed. Raises FactorError
     for an unknown model, another registry type, or an argument out of those ranges.
     """

@@ -296,6 +296,7 @@ class FactorRegistry:
         self.manifest_errors: dict = {}  # file stem -> message
         self.manifests: dict = load_all(manifests_dir or _paths.manifests_dir(), self.manifest_errors)
         self.plugins: list = []
+        self._by_path: dict = {}        # resolved library path -> its Plugin (loaded once)
         self.notes: list = []           # registry-wide remarks (e.g. a prefer= that matched nothing)
         self.prefer: dict = dict(prefer or {})
         self.lock = lock                # None, True (ex_engine.lock beside each library) or a path
@@ -369,10 +370,8 @@ class FactorRegistry:
         since `ex-engine lock`: nothing runs from it, but the lock no longer describes the
         folder). Only for a lock that sits in ``folder``: a lock given by path may list several
         folders' files."""
-        if self.lock is None or self.lock is False:
-            return
-        lock_path = folder / trust.LOCK_NAME if self.lock is True else Path(self.lock)
-        if not lock_path.is_file() or lock_path.parent.resolve() != folder.resolve():
+        lock_path = self._lock_path(folder)
+        if lock_path is None or not lock_path.is_file() or lock_path.parent.resolve() != folder.resolve():
             return   # a missing lock is reported by the first library it should cover
         _, digests = self._lock_for(folder / "_")   # (any file of the folder names its lock)
         for name in sorted(set(digests) - present):
@@ -401,11 +400,17 @@ class FactorRegistry:
             return None, self.manifest_errors[name]
         return m, ""
 
-    def _lock_for(self, path: Path):
-        """(lock file path, {file name: sha256}) that applies to ``path``, or None."""
+    def _lock_path(self, folder: Path):
+        """The lock file that applies to the libraries of ``folder``, or None (no lock)."""
         if self.lock is None or self.lock is False:
             return None
-        lock_path = path.parent / trust.LOCK_NAME if self.lock is True else Path(self.lock)
+        return folder / trust.LOCK_NAME if self.lock is True else Path(self.lock)
+
+    def _lock_for(self, path: Path):
+        """(lock file path, {file name: sha256}) that applies to ``path``, or None."""
+        lock_path = self._lock_path(path.parent)
+        if lock_path is None:
+            return None
         if lock_path not in self._locks:
             self._locks[lock_path] = trust.read_lock(lock_path)
         return lock_path, self._locks[lock_path]
@@ -464,10 +469,9 @@ class FactorRegistry:
         # the same file again (load_folder twice, say): its record, not a duplicate; a process
         # holds one copy of a library, so opening it again could not see a rebuilt file anyway
         where = path.resolve()
-        for q in self.plugins:
-            if q.path.resolve() == where:
-                return q
-        p = Plugin(path=path)
+        if where in self._by_path:
+            return self._by_path[where]
+        p = self._by_path[where] = Plugin(path=path)
         self.plugins.append(p)
         if path.exists() and not path.is_file():   # a FIFO would block the read, /dev/zero never end it
             p.check("read", False, "not a regular file (a folder, a FIFO, a device or a link to one)")
@@ -767,15 +771,13 @@ class FactorRegistry:
                 self._count(name, "errors")
                 if plugin is None:
                     why = "no ready plugin of that name is loaded"
-                elif m.memory == "host" and device < 0:
-                    why = "its plugin and kernel_fallback declined the call"
-                elif device < 0:
+                elif m.memory != "host" and device < 0:
                     why = ("the arrays are in host memory and its plugin runs on the GPU (pass device "
                            "arrays: CuPy or torch on cuda)")
-                elif not self.hardware.live:
+                elif m.memory != "host" and not self.hardware.live:
                     why = (f"the registry has no live GPU (plugins checked against the profile "
                            f"{self.hardware.name}) and so calls no device plugin")
-                else:
+                else:   # a plugin was called: it and its kernel_fallback said EX_FALLBACK
                     why = "its plugin and kernel_fallback declined the call"
                 raise FactorError(f"{name}: no plugin took the call ({why}) and the manifest names no "
                                   "Python fallback")

@@ -28,7 +28,7 @@ from pathlib import Path
 import yaml
 
 from . import _paths
-from .errors import FactorError
+from .errors import FactorError, one_line
 
 
 class TuningWarning(UserWarning):
@@ -186,8 +186,7 @@ class TuningTable:
         try:
             data = yaml.safe_load(text)
         except yaml.YAMLError as exc:
-            first = " ".join(str(exc).split())            # one line in notes and warnings
-            raise FactorError(f"tuning file {p}: not readable YAML ({type(exc).__name__}: {first})") from exc
+            raise FactorError(f"tuning file {p}: not readable YAML ({type(exc).__name__}: {one_line(exc)})") from exc
         if not isinstance(data, dict):
             raise FactorError(f"tuning file {p}: expected a mapping with device, "
                               f"multiprocessor_count and one table per factor, got {type(data).__name__}")

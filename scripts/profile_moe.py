@@ -16,7 +16,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ex_engine import FactorRegistry, moe_fused_gemm, topk_softmax  # noqa: E402
-from ex_engine.moe_layer import MoELayer, case_problems, load_models  # noqa: E402
+from ex_engine.moe_layer import MoELayer, case_problems, load_models, report_problems  # noqa: E402
 
 
 def main() -> int:
@@ -26,9 +26,7 @@ def main() -> int:
     ap.add_argument("--factors", default=None, help="plugin folder (default factors/)")
     args = ap.parse_args()
     models = load_models()
-    problems = case_problems(models, args.models, args.tokens, args.factors)
-    if problems:
-        print("profile_moe: " + "; ".join(problems), file=sys.stderr)
+    if report_problems("profile_moe", case_problems(models, args.models, args.tokens, args.factors)):
         return 2
     try:
         import cupy
