@@ -128,8 +128,12 @@ class Manifest:
         m._constraints = [_CONSTRAINT.match(c) for c in m.constraints]
         m._absent = [(t, _CONSTRAINT.match(t.absent_requires)) for t in m.aux if t.absent_requires]
         # bind checks inputs first, outputs last: the sizes come from what the caller computes
-        # with, so a wrongly sized output is the argument an error names
-        m._bind_order = sorted(range(len(m.tensors)), key=lambda i: m.tensors[i].role == "output")
+        # with, so a wrongly sized output is the argument an error names. Among the inputs the
+        # required ones come first, then optional ones that define a size when given (an
+        # absent_requires entry: moe_fused_gemm's expert_map fixes G), then the other optional
+        # ones (router_logits, which the computation does not read, is checked against that G)
+        m._bind_order = sorted(range(len(m.tensors)), key=lambda i: (
+            m.tensors[i].role == "output", m.tensors[i].optional, not m.tensors[i].absent_requires))
         if not all(m._constraints) or not all(c for _, c in m._absent):
             raise FactorError(f"manifest {path}: constraint not of the form 'A <= B': {m.constraints}")
         return m

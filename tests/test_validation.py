@@ -233,6 +233,19 @@ def test_bits16_float16_tag_byte_order_and_array_parameters(reg):
         reg.dispatch("moe_fused_gemm", {**a, "expert_mapp": None})   # same signature: cached
 
 
+def test_router_logits_of_another_width_than_the_expert_map_is_the_argument_named(reg):
+    """G comes from expert_map when one is given (it defines the global experts), so router_logits
+    of another width is the argument named, with where G came from (it named expert_map, the
+    array the computation reads, with G taken from router_logits, which it never reads)."""
+    a = moe_args(E=4)
+    em = np.array([0, 1, 2, 3, -1, -1], np.int32)
+    with pytest.raises(ShapeError, match=r"argument 'router_logits': shape\[1\] = G: expected 6 "
+                                         r"\(G=6 from expert_map\), got 5"):
+        moe_fused_gemm(**a, router_logits=np.zeros((3, 5), np.float32), expert_map=em, registry=reg)
+    out = moe_fused_gemm(**a, router_logits=np.zeros((3, 6), np.float32), expert_map=em, registry=reg)
+    assert out.shape == (3, 16) and np.isfinite(out.astype(np.float32)).all()
+
+
 def test_lock_warn_needs_a_lock(tmp_path):
     from ex_engine import FactorError
     with pytest.raises(FactorError, match="lock_mode='warn': expected together with lock="):
