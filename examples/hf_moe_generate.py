@@ -279,9 +279,6 @@ def main(argv=None) -> int:
                     help="also capture stock grouped_mm in a CUDA graph (run last per model)")
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args(argv)
-    if torch is None:
-        print("hf_moe_generate: needs PyTorch and transformers", file=sys.stderr)
-        return 2
     problems = [output_file_problem("--json", args.json)]
     if args.tokens < 5:
         problems.append(f"--tokens: expected >= 5 (the first 4 steps are warm-ups, not timed), got {args.tokens}")
@@ -291,6 +288,10 @@ def main(argv=None) -> int:
         problems.append(f"--layers: expected >= 1, got {args.layers}")
     if not args.rtol > 0:
         problems.append(f"--rtol: expected a fraction > 0, got {args.rtol}")
+    if torch is None:   # every argument problem is reported with this one, not after its fix
+        problems.append("needs PyTorch and transformers: pip install -e '.[hf]'")
+        report_problems("hf_moe_generate", problems)
+        return 2
     try:
         dev = torch.device(args.device)
         if dev.type not in ("cpu", "cuda"):

@@ -14,6 +14,7 @@ SCRIPTS = [
     ["benchmarks/ab_moe.py", "--cases", "qwen3-30b-a3b:1", "--configs", "a=factors", "b=factors", "--json"],
     ["benchmarks/tune_moe.py", "--out"],
     ["examples/ep_moe.py", "--json"],
+    ["examples/hf_moe_generate.py", "--json"],
 ]
 
 
@@ -35,3 +36,12 @@ def test_scripts_refuse_a_bad_output_destination_first(tmp_path, argv):
                            text=True, timeout=120)
         assert r.returncode == 2 and msg in r.stderr, (argv, r.returncode, r.stdout, r.stderr)
         assert not (tmp_path / "nowhere").exists()
+
+
+def test_hf_moe_generate_reports_every_argument_problem_at_once():
+    """Without PyTorch it said only that PyTorch was missing: the bad arguments surfaced one
+    install later. Now each problem is a line, the missing PyTorch one of them."""
+    r = subprocess.run([sys.executable, "examples/hf_moe_generate.py", "--tokens", "2", "--rtol", "0"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert "--tokens: expected >= 5" in r.stderr and "--rtol: expected a fraction > 0" in r.stderr
