@@ -9,7 +9,9 @@ from collections import defaultdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from perf_peers import VLLM_US  # noqa: E402
+from ex_engine.moe_layer import output_file_problem, report_problems  # noqa: E402
 
 try:
     import matplotlib
@@ -26,11 +28,8 @@ def main():
     ap.add_argument("-o", "--output", default="benchmarks/moe_vs_floor.png",
                     help="PNG to write (default: %(default)s, which it overwrites)")
     a = ap.parse_args()
-    if not Path(a.output).resolve().parent.is_dir():
-        print(f"plot_moe: --output: folder {Path(a.output).parent} does not exist", file=sys.stderr)
-        return 2
-    if plt is None:
-        print("plot_moe: needs matplotlib (pip install matplotlib)", file=sys.stderr)
+    if report_problems("plot_moe", [output_file_problem("--output", a.output),
+                                    "" if plt else "needs matplotlib (pip install matplotlib)"]):
         return 2
     try:
         data = json.load(open(a.json))

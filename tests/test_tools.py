@@ -15,6 +15,7 @@ SCRIPTS = [
     ["benchmarks/tune_moe.py", "--out"],
     ["examples/ep_moe.py", "--json"],
     ["examples/hf_moe_generate.py", "--json"],
+    ["benchmarks/plot_moe.py", "bench_moe.json", "-o"],
 ]
 
 
