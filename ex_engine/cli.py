@@ -137,7 +137,7 @@ def cmd_verify(args) -> int:
     results = []
     for p in chosen:
         print(f"verifying {p.name} ({p.path.name}) ...", flush=True)
-        results += verify.verify_plugin(reg, p, seed=args.seed)
+        results += verify.verify_plugin(reg, p, seed=args.seed, isolate=not args.in_process)
     print(verify.format_table(results))
     n = {s: sum(r.status == s for r in results) for s in ("pass", "FAIL", "declined", "skipped")}
     print(f"verify: {n['pass']} passed, {n['FAIL']} failed, {n['declined']} declined by the plugin "
@@ -240,7 +240,9 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Run every ready factor against its Python fallback on the test "
                                    "shapes of its manifest (each dtype of its main input, random "
                                    "inputs as the manifest's `values` say) and print a pass/fail "
-                                   "table and the call counters. Without a GPU only host factors "
+                                   "table and the call counters. Each plugin's checks run in a "
+                                   "child process (a kernel that crashes or hangs is a FAIL row). "
+                                   "Without a GPU only host factors "
                                    "run. Exit status 1 if a case failed; with --strict, 3 if "
                                    "a factor was skipped (e.g. no GPU), so that a check that "
                                    "checked nothing does not pass.")
@@ -249,6 +251,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--strict", action="store_true",
                    help="exit status 3 when any ready factor was skipped (a device factor without "
                         "a live GPU): every one must have been run")
+    p.add_argument("--in-process", action="store_true",
+                   help="run the checks in this process (default: each plugin's in a child process, "
+                        "so that a kernel that crashes or hangs is a FAIL row and the others still run)")
     p.set_defaults(fn=cmd_verify)
 
     p = sub.add_parser("lock", help="write the SHA-256 of every plugin library to a lock file",

@@ -294,7 +294,8 @@ class FactorRegistry:
         self.hardware: Hardware = hw
         # a malformed manifest rejects only the plugins that need it (see _find_manifest)
         self.manifest_errors: dict = {}  # file stem -> message
-        self.manifests: dict = load_all(manifests_dir or _paths.manifests_dir(), self.manifest_errors)
+        self.manifests_dir = Path(manifests_dir or _paths.manifests_dir())
+        self.manifests: dict = load_all(self.manifests_dir, self.manifest_errors)
         self.plugins: list = []
         self._by_path: dict = {}        # resolved library path -> its Plugin (loaded once)
         self.notes: list = []           # registry-wide remarks (e.g. a prefer= that matched nothing)
@@ -317,7 +318,7 @@ class FactorRegistry:
         self._entries: dict = {}        # id(plugin) -> (plugin, kernel, kernel_fallback) as _KERNEL_INT_T
         # tuned launch choices: <manifests>/tuning/<device>.yaml (a malformed file is skipped)
         self.tuning: TuningTable = TuningTable.for_hardware(
-            hw, Path(manifests_dir or _paths.manifests_dir()) / "tuning", report=False)
+            hw, self.manifests_dir / "tuning", report=False)
         self.notes.extend(f"tuning: {msg}; skipped" for msg in self.tuning.problems)
         self.notes.extend(f"tuning: {msg}" for msg in self.tuning.remarks)
         self._note_unused_tuning()
@@ -339,6 +340,7 @@ class FactorRegistry:
             rejected before it is opened. lock_mode="warn" loads it with a warning check.
         probe: "subprocess" -- open each library and call its ex_get_factor in a child process
             first (``probe_timeout`` seconds); one that crashes or hangs there is rejected.
+            With verify=True the verification runs in a child process too.
         verify: run each ready plugin against its Python fallback on its manifest's test
             shapes (device factors need a live GPU); a pass per (library sha256, GPU name) is
             remembered in $EX_ENGINE_CACHE/verified.json (default ~/.cache/ex_engine).

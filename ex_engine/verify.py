@@ -315,17 +315,80 @@ def _run_case(registry, plugin, m, case, dtype, seed, count, xp, label, tol) -> 
     return CaseResult(m.name, label, dtype, "pass" if ok else "FAIL", path, err, tol, detail)
 
 
-def verify_plugin(registry, plugin, seed: int = 0, count: bool = True) -> list:
-    """Every (test shape, dtype) case of ``plugin``; a single 'skipped' result if it cannot run."""
+CHILD_TIMEOUT_S = 900.0   # one plugin's cases in a child process (the GPU's take seconds)
+
+
+def verify_plugin(registry, plugin, seed: int = 0, count: bool = True, isolate: bool = False,
+                  timeout: float = CHILD_TIMEOUT_S) -> list:
+    """Every (test shape, dtype) case of ``plugin``; a single 'skipped' result if it cannot run.
+
+    isolate: run the cases in a child process (``timeout`` seconds for all of them), so that a
+    kernel that crashes (a far out-of-bounds write, an abort) or hangs is one FAIL row and this
+    process goes on; its calls are added to ``registry.stats()`` when ``count``. A fallback set
+    with ``registry.set_fallback`` exists in this process only: such a plugin runs here."""
     why = cannot_run(registry, plugin)
     if why:
         return [CaseResult(plugin.name, "-", "-", "skipped", detail=why)]
+    if isolate and plugin.name not in registry._fallbacks:
+        return _verify_in_child(registry, plugin, seed, count, timeout)
     m = plugin.manifest
     out = []
     for i, case in enumerate(m.test_shapes):
         for j, dt in enumerate(case_dtypes(m)):
             out.append(run_case(registry, plugin, case, dt, seed=seed * 1000 + i * 10 + j, count=count))
     return out
+
+
+# ------------------------------------------------------------------------------------ child
+_CHILD = r"""
+import dataclasses, json, sys
+sys.path[:] = json.loads(sys.argv[1])
+from ex_engine.hardware import Hardware
+from ex_engine.registry import FactorRegistry
+from ex_engine.verify import CaseResult, verify_plugin
+a = json.loads(sys.argv[2])
+reg = FactorRegistry(hardware=Hardware(**a["hardware"]), manifests_dir=a["manifests_dir"])
+p = reg.load_library(a["path"])
+if p.status != "ready":
+    res = [CaseResult(p.name, "-", "-", "FAIL", detail=f"not ready in the child process: {p.reason}")]
+else:
+    res = verify_plugin(reg, p, seed=a["seed"], count=True)
+print("RESULT " + json.dumps({"results": [dataclasses.asdict(r) for r in res],
+                              "stats": reg.stats().get(p.name, {})}), flush=True)
+"""
+
+
+def _verify_in_child(registry, plugin, seed: int, count: bool, timeout: float) -> list:
+    """verify_plugin's cases in a child process that loads only ``plugin``'s library (same
+    hardware, same manifests); a crash, a hang or an exit there is a FAIL row."""
+    import signal
+    import subprocess
+    import sys
+    args = {"hardware": registry.hardware.as_dict(), "manifests_dir": str(registry.manifests_dir),
+            "path": str(plugin.path.absolute()), "seed": seed}
+    cmd = [sys.executable, "-c", _CHILD, json.dumps(sys.path), json.dumps(args)]
+
+    def fail(detail):
+        return [CaseResult(plugin.name, "-", "-", "FAIL", detail=f"{detail} (verify's child process)")]
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return fail(f"timed out after {timeout:g} s")
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
+    if r.returncode < 0:
+        try:
+            sig = signal.Signals(-r.returncode).name
+        except ValueError:
+            sig = f"signal {-r.returncode}"
+        return fail(f"crashed: {sig}")
+    if r.returncode != 0 or not lines:
+        last = (r.stderr.strip().splitlines() or ["no message"])[-1]
+        return fail(f"ended with status {r.returncode} before reporting: {last}")
+    data = json.loads(lines[-1][7:])
+    if count:
+        with registry._lock:
+            registry._stats[plugin.name].update({k: v for k, v in data["stats"].items() if v})
+    return [CaseResult(**d) for d in data["results"]]
 
 
 # ------------------------------------------------------------------------------------ cache
@@ -379,7 +442,7 @@ def verify_at_load(registry, plugin) -> tuple:
     if isinstance(hit, dict) and hit.get("manifest_sha256") == digest:
         return True, (f"passed before ({hit.get('cases')} cases on {key.split('|', 1)[1]}, "
                       f"{hit.get('when')}; cache {cache_file()})")
-    results = verify_plugin(registry, plugin, count=False)
+    results = verify_plugin(registry, plugin, count=False, isolate=registry.probe == "subprocess")
     failed = [r for r in results if r.failed]
     if failed:
         text = "; ".join(f"{r.case} {r.dtype}: {r.detail}" for r in failed[:3])

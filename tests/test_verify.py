@@ -200,3 +200,42 @@ def test_cli_verify_fails_a_kernel_that_writes_past_its_output(tmp_path, capsys,
     assert cli_main(["verify", "--dir", str(tmp_path), "--hardware", "h200"]) == 1
     out = capsys.readouterr().out
     assert "FAIL" in out and f"out: the kernel wrote {4 * oob} byte(s) past its end" in out, out
+
+
+# ------------------------------------------------------------------------------ child process
+def test_cli_verify_survives_a_kernel_that_crashes_and_checks_the_others(tmp_path, capsys):
+    """Each plugin's checks run in a child process: a kernel that writes far out of bounds
+    (SIGSEGV) is a FAIL row and the command goes on (it ended the process before)."""
+    build_plugin(tmp_path, "crash", defines={"CRASH_IN_KERNEL": 8, "NAME": '"host_scale_c"',
+                                             "FACTOR_ID": 1107})
+    build_plugin(tmp_path)
+    assert cli_main(["verify", "--dir", str(tmp_path), "--hardware", "h200"]) == 1
+    out = capsys.readouterr().out
+    assert "host_scale_c  -        -" in out and "FAIL  crashed: SIGSEGV (verify's child process)" in out, out
+    assert "verify: 1 passed, 1 failed" in out
+    stats = json.loads(out.split("stats: ")[1])
+    assert stats["host_scale"]["plugin"] == 1        # the child's calls are counted here
+
+
+def test_verify_in_a_child_times_out_a_kernel_that_hangs(tmp_path):
+    build_plugin(tmp_path, defines={"HANG_IN_KERNEL": True})
+    reg = FactorRegistry.load(tmp_path, hardware="h200")
+    res = verify_plugin(reg, reg.get("host_scale"), isolate=True, timeout=3)
+    assert [(r.status, r.detail) for r in res] == [("FAIL", "timed out after 3 s (verify's child process)")]
+
+
+def test_load_verify_with_probe_rejects_a_crashing_kernel_and_keeps_the_rest(tmp_path, cache):
+    build_plugin(tmp_path, "crash", defines={"CRASH_IN_KERNEL": 8, "NAME": '"host_scale_c"',
+                                             "FACTOR_ID": 1107})
+    build_plugin(tmp_path)
+    reg = FactorRegistry.load(tmp_path, hardware="h200", verify=True, probe="subprocess")
+    crash = next(p for p in reg.plugins if p.path.stem == "crash")
+    assert crash.status == "rejected" and "crashed: SIGSEGV (verify's child process)" in crash.reason
+    assert reg.get("host_scale") is not None and call(reg)[0] == "plugin"
+    assert reg.get("host_scale").checks[-1].detail.startswith("1 cases passed")
+
+
+def test_cli_verify_in_process_still_runs_here(tmp_path, capsys):
+    build_plugin(tmp_path)
+    assert cli_main(["verify", "--dir", str(tmp_path), "--hardware", "h200", "--in-process"]) == 0
+    assert "verify: 1 passed, 0 failed" in capsys.readouterr().out

@@ -6,7 +6,8 @@
  * Other knobs: ABI_OVERRIDE, RETURN_NULL, NULL_NAME, NULL_KERNEL, NO_GET_FACTOR, TPB, VERSION,
  * NAME, FACTOR_ID, PRIORITY, STRUCT_ABI (the struct's abi_version), CRASH (ex_get_factor dereferences NULL), HANG (ex_get_factor
  * never returns), EXIT_IN_GET (ex_get_factor calls exit(N)), BAD_DESCRIPTION (a wild description
- * pointer), OOB (writes OOB floats past the output's end), HELPER (the kernel calls helper_alpha() from a separate library), WORKSPACE
+ * pointer), OOB (writes OOB floats past the output's end), CRASH_IN_KERNEL (the kernel writes to
+ * that address, e.g. 8: SIGSEGV), HANG_IN_KERNEL (the kernel never returns), HELPER (the kernel calls helper_alpha() from a separate library), WORKSPACE
  * (aux[1] is a runtime workspace: the product goes through scratch memory there, and a negative
  * alpha sets bit 0 of its status word; manifest tests/plugins/host_scale_ws.yaml). */
 #include "ex_engine.h"
@@ -58,6 +59,12 @@ static int scale(void* output, const void* input, const void* aux[], int n_aux,
     if (n_aux < 1 || n_dims < 1) return EX_ERR_INVALID_ARGUMENT;
     float alpha = ALPHA(((const float*)aux[0])[0]);
     float plus = BEHAVIOUR == 4 ? 1.0f : 0.0f;
+#ifdef CRASH_IN_KERNEL
+    *(volatile int*)(uintptr_t)CRASH_IN_KERNEL = 1;   /* a write far out of any array: SIGSEGV */
+#endif
+#ifdef HANG_IN_KERNEL
+    for (volatile int spin = 1; spin;) {}
+#endif
 #ifdef WORKSPACE
     if (n_aux < 2 || aux[1] == NULL) return EX_ERR_WORKSPACE;
     if ((uintptr_t)aux[1] % 256 != 0) return EX_ERR_ALIGNMENT;   /* rule 11: 256-byte aligned */
