@@ -3,8 +3,7 @@
 // Build and run on an H100/H200 (needs the driver library for cuTensorMapEncodeTiled):
 //   nvcc -O2 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -o tma_rowgather tma_rowgather.cu -lcuda && ./tma_rowgather
 // Results: benchmarks/RESULTS.md, section "What bounds the memory-bound GEMMs".
-#include <cuda.h>
-#include <cuda_runtime.h>
+#include "tma_util.cuh"
 #include <cstdio>
 #include <cstdint>
 #include <cstdlib>
@@ -12,23 +11,10 @@
 #include <algorithm>
 #include <random>
 
-#define CK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { printf("CUDA %s at %d: %s\n", #x, __LINE__, cudaGetErrorString(e)); exit(1);} } while (0)
-#define CU(x) do { CUresult e = (x); if (e != CUDA_SUCCESS) { const char* s; cuGetErrorString(e, &s); printf("CU %s at %d: %s\n", #x, __LINE__, s); exit(1);} } while (0)
 
 constexpr int H = 2048, T = 4096, K = 8, SLOTS = T * K, BM = 128, BK = 64, STAGES = 4;
 constexpr int A_BYTES = BM * BK * 2, B_BYTES = 256 * BK * 2;
 
-__device__ __forceinline__ uint32_t smem_u32(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
-__device__ __forceinline__ void mbar_init(uint64_t* b, int n) { asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(smem_u32(b)), "r"(n)); }
-__device__ __forceinline__ void mbar_expect(uint64_t* b, int bytes) { asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(smem_u32(b)), "r"(bytes)); }
-__device__ __forceinline__ void mbar_arrive(uint64_t* b) { asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(smem_u32(b))); }
-__device__ __forceinline__ void mbar_wait(uint64_t* b, int parity) {
-    asm volatile("{\n .reg .pred p;\n W: mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n @!p bra W;\n}" :: "r"(smem_u32(b)), "r"(parity));
-}
-__device__ __forceinline__ void tma2d(void* dst, const CUtensorMap* m, int c0, int c1, uint64_t* bar) {
-    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];"
-                 :: "r"(smem_u32(dst)), "l"(m), "r"(c0), "r"(c1), "r"(smem_u32(bar)) : "memory");
-}
 
 // correctness: tile mt, k-tile kt, rows gathered per row (mode 1) or by box from xs (mode 0)
 __global__ void check_kernel(const __grid_constant__ CUtensorMap row_map, const __grid_constant__ CUtensorMap xs_map,
@@ -59,11 +45,7 @@ __global__ void __launch_bounds__(64) stream_kernel(const __grid_constant__ CUte
     uint8_t* sB = base + STAGES * A_BYTES;      // STAGES x 32 KB
     __shared__ uint64_t full[STAGES], empty[STAGES];
     int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    if (threadIdx.x == 0) {
-        for (int s = 0; s < STAGES; ++s) { mbar_init(&full[s], 1); mbar_init(&empty[s], 1); }
-        asm volatile("fence.mbarrier_init.release.cluster;");
-    }
-    __syncthreads();
+    init_ring(full, empty, STAGES);
     const int MT = SLOTS / BM, KT = H / BK, NB = 1536 * 128 / 256;
     const int bytes = A_BYTES + (with_b ? B_BYTES : 0);
     if (warp == 0) {
@@ -93,19 +75,7 @@ __global__ void __launch_bounds__(64) stream_kernel(const __grid_constant__ CUte
             }
         }
     } else if (warp == 1) {
-        int s = 0, ph = 0;
-        unsigned long long acc = 0;
-        for (int t = blockIdx.x; t < n_tiles; t += gridDim.x)
-            for (int kt = 0; kt < KT; ++kt) {
-                if (lane == 0) mbar_wait(&full[s], ph);
-                __syncwarp();
-                acc += ((uint32_t*)(sA + s * A_BYTES))[lane];
-                if (spin) { long long t0 = clock64(); while (clock64() - t0 < spin) {} }
-                __syncwarp();
-                if (lane == 0) mbar_arrive(&empty[s]);
-                if (++s == STAGES) { s = 0; ph ^= 1; }
-            }
-        if (acc == 42) sink[0] = acc;
+        consume_ring(full, empty, STAGES, strided_tiles(n_tiles) * (H / BK), sA, A_BYTES, spin, sink);
     }
 }
 
@@ -121,11 +91,7 @@ __global__ void __launch_bounds__(64) stream64_kernel(const __grid_constant__ CU
     constexpr int A64 = 64 * BK * 2, STG = A64 + B_BYTES;
     __shared__ uint64_t full[8], empty[8];
     int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    if (threadIdx.x == 0) {
-        for (int s = 0; s < stages; ++s) { mbar_init(&full[s], 1); mbar_init(&empty[s], 1); }
-        asm volatile("fence.mbarrier_init.release.cluster;");
-    }
-    __syncthreads();
+    init_ring(full, empty, stages);
     const int MT = 4096 * 8 / 8 / 64, KT = H / BK, NB = 1536 * 128 / 256;   // T=512: 4096 rows / 64
     if (warp == 0) {
         int s = 0, ph = 0, issued = 0;
@@ -151,32 +117,10 @@ __global__ void __launch_bounds__(64) stream64_kernel(const __grid_constant__ CU
             }
         }
     } else if (warp == 1) {
-        int s = 0, ph = 0;
-        unsigned long long acc = 0;
-        for (int t = blockIdx.x; t < n_tiles; t += gridDim.x)
-            for (int kt = 0; kt < KT; ++kt) {
-                if (lane == 0) mbar_wait(&full[s], ph);
-                __syncwarp();
-                acc += ((uint32_t*)(base + s * STG))[lane];
-                if (spin) { long long t0 = clock64(); while (clock64() - t0 < spin) {} }
-                __syncwarp();
-                if (lane == 0) mbar_arrive(&empty[s]);
-                if (++s == stages) { s = 0; ph ^= 1; }
-            }
-        if (acc == 42) sink[0] = acc;
+        consume_ring(full, empty, stages, strided_tiles(n_tiles) * (H / BK), base, STG, spin, sink);
     }
 }
 
-static CUtensorMap make_map(void* p, uint64_t rows, uint32_t box_rows) {
-    CUtensorMap m;
-    cuuint64_t dims[2] = {H, rows};
-    cuuint64_t strides[1] = {H * 2};
-    cuuint32_t box[2] = {BK, box_rows};
-    cuuint32_t es[2] = {1, 1};
-    CU(cuTensorMapEncodeTiled(&m, CU_TENSOR_MAP_DATA_TYPE_UINT16, 2, p, dims, strides, box, es, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                              CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE));
-    return m;
-}
 
 static uint16_t val(int r, int c) { return (uint16_t)(((uint32_t)(r * H + c) * 2654435761u) >> 16); }
 
@@ -198,7 +142,7 @@ int main() {
     CK(cudaMemcpy(xs, hxs.data(), hxs.size() * 2, cudaMemcpyHostToDevice));
     CK(cudaMemset(w, 1, wrows * H * 2));
     CK(cudaMemcpy(rows, hrows.data(), SLOTS * 4, cudaMemcpyHostToDevice));
-    CUtensorMap row_map = make_map(src, T, 1), xs_map = make_map(xs, SLOTS, BM), w_map = make_map(w, wrows, 128);
+    CUtensorMap row_map = make_map(src, H, T, 1), xs_map = make_map(xs, H, SLOTS, BM), w_map = make_map(w, H, wrows, 128);
     // --- correctness
     std::vector<uint16_t> o0(A_BYTES / 2), o1(A_BYTES / 2);
     int bad = 0, badf = 0;
@@ -238,7 +182,7 @@ int main() {
     }
 
     {
-        CUtensorMap xs64_map = make_map(xs, 4096, 64);   // T = 512 x K = 8 rows: 16.8 MB, L2-resident
+        CUtensorMap xs64_map = make_map(xs, H, 4096, 64);   // T = 512 x K = 8 rows: 16.8 MB, L2-resident
         const int n64 = 128 * 6 + 40;                      // qwen3-30b T = 512 GEMM1 tiles (approx.)
         for (int stages : {3, 5}) {
             int sm64 = stages * (64 * BK * 2 + B_BYTES) + 1024;

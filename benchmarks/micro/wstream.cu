@@ -4,32 +4,14 @@
 //   nvcc -O2 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -o wstream wstream.cu -lcuda && ./wstream
 // ONLY_GEMMLIKE=1 skips the stage-shape sweep (for Nsight Compute: ncu -k regex:gstream ./wstream).
 // Results: benchmarks/RESULTS.md, section "What bounds the memory-bound GEMMs".
-#include <cuda.h>
-#include <cuda_runtime.h>
+#include "tma_util.cuh"
 #include <cstdio>
 #include <cstdint>
 #include <cstdlib>
 #include <algorithm>
 
-#define CK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { printf("CUDA %s at %d: %s\n", #x, __LINE__, cudaGetErrorString(e)); exit(1);} } while (0)
-#define CU(x) do { CUresult e = (x); if (e != CUDA_SUCCESS) { const char* s; cuGetErrorString(e, &s); printf("CU %s at %d: %s\n", #x, __LINE__, s); exit(1);} } while (0)
 
 constexpr int H = 2048, STAGE = 32768;
-__device__ __forceinline__ uint32_t smem_u32(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
-__device__ __forceinline__ void mbar_init(uint64_t* b, int n) { asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(smem_u32(b)), "r"(n)); }
-__device__ __forceinline__ void mbar_expect(uint64_t* b, int bytes) { asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(smem_u32(b)), "r"(bytes)); }
-__device__ __forceinline__ void mbar_arrive(uint64_t* b) { asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(smem_u32(b))); }
-__device__ __forceinline__ void mbar_wait(uint64_t* b, int parity) {
-    asm volatile("{\n .reg .pred p;\n W: mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n @!p bra W;\n}" :: "r"(smem_u32(b)), "r"(parity));
-}
-__device__ __forceinline__ void tma2d(void* dst, const CUtensorMap* m, int c0, int c1, uint64_t* bar) {
-    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];"
-                 :: "r"(smem_u32(dst)), "l"(m), "r"(c0), "r"(c1), "r"(smem_u32(bar)) : "memory");
-}
-__device__ __forceinline__ void bulk(void* dst, const void* src, int bytes, uint64_t* bar) {
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-                 :: "r"(smem_u32(dst)), "l"(src), "r"(bytes), "r"(smem_u32(bar)) : "memory");
-}
 
 // pattern p: a tile is R = 256 >> p rows x all H columns; a stage is R rows x (64 << p) columns
 // (boxes of 64 columns x min(R, 128) rows); p = 4: contiguous 32 KB bulk copies.
@@ -40,11 +22,7 @@ __global__ void __launch_bounds__(64) wstream(const __grid_constant__ CUtensorMa
     uint8_t* base = (uint8_t*)(((uintptr_t)smem_raw + 1023) & ~uintptr_t(1023));
     __shared__ uint64_t full[8], empty[8];
     int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    if (threadIdx.x == 0) {
-        for (int s = 0; s < stages; ++s) { mbar_init(&full[s], 1); mbar_init(&empty[s], 1); }
-        asm volatile("fence.mbarrier_init.release.cluster;");
-    }
-    __syncthreads();
+    init_ring(full, empty, stages);
     const int R = p < 4 ? 256 >> p : 8, C = p < 4 ? 64 << p : 2048;  // p = 4: 8 rows x 4 KB contiguous
     const long long n_tiles = rows / R;
     const int kt_n = H / C;
@@ -71,22 +49,7 @@ __global__ void __launch_bounds__(64) wstream(const __grid_constant__ CUtensorMa
             }
         }
     } else if (warp == 1) {
-        const int R2 = R, kt_n2 = kt_n;
-        int s = 0, ph = 0;
-        unsigned long long acc = 0;
-        for (long long i = 0;; ++i) {
-            long long t = order ? (long long)blockIdx.x * ((n_tiles + gridDim.x - 1) / gridDim.x) + i : blockIdx.x + i * gridDim.x;
-            if (order ? (i >= (n_tiles + gridDim.x - 1) / gridDim.x || t >= n_tiles) : t >= n_tiles) break;
-            for (int kt = 0; kt < kt_n2; ++kt) {
-                if (lane == 0) mbar_wait(&full[s], ph);
-                __syncwarp();
-                acc += ((uint32_t*)(base + s * STAGE))[lane];
-                __syncwarp();
-                if (lane == 0) mbar_arrive(&empty[s]);
-                if (++s == stages) { s = 0; ph ^= 1; }
-            }
-        }
-        if (acc == 42 + R2) sink[0] = acc;
+        consume_ring(full, empty, stages, order ? max(0LL, min((n_tiles + gridDim.x - 1) / gridDim.x, n_tiles - (long long)blockIdx.x * ((n_tiles + gridDim.x - 1) / gridDim.x))) * kt_n : strided_tiles(n_tiles) * kt_n, base, STAGE, 0, sink);
     }
 }
 
@@ -100,11 +63,7 @@ __global__ void __launch_bounds__(64) gstream(const __grid_constant__ CUtensorMa
     __shared__ uint64_t full[8], empty[8];
     int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int stage_bytes = STAGE + a_rows * 128;
-    if (threadIdx.x == 0) {
-        for (int s = 0; s < stages; ++s) { mbar_init(&full[s], 1); mbar_init(&empty[s], 1); }
-        asm volatile("fence.mbarrier_init.release.cluster;");
-    }
-    __syncthreads();
+    init_ring(full, empty, stages);
     if (warp == 0 && lane == 0) {
         int s = 0, ph = 0;
         for (int t = blockIdx.x; t < n_tiles; t += gridDim.x)
@@ -118,32 +77,10 @@ __global__ void __launch_bounds__(64) gstream(const __grid_constant__ CUtensorMa
                 if (++s == stages) { s = 0; ph ^= 1; }
             }
     } else if (warp == 1) {
-        int s = 0, ph = 0;
-        unsigned long long acc = 0;
-        for (int t = blockIdx.x; t < n_tiles; t += gridDim.x)
-            for (int kt = 0; kt < H / 64; ++kt) {
-                if (lane == 0) mbar_wait(&full[s], ph);
-                __syncwarp();
-                acc += ((uint32_t*)(base + s * stage_bytes))[lane];
-                __syncwarp();
-                if (lane == 0) mbar_arrive(&empty[s]);
-                if (++s == stages) { s = 0; ph ^= 1; }
-            }
-        if (acc == 42) sink[0] = acc;
+        consume_ring(full, empty, stages, strided_tiles(n_tiles) * (H / 64), base, stage_bytes, 0, sink);
     }
 }
 
-static CUtensorMap make_map(void* p, uint64_t rows, uint32_t box_rows) {
-    if (box_rows == 0) box_rows = 64;
-    CUtensorMap m;
-    cuuint64_t dims[2] = {H, rows};
-    cuuint64_t strides[1] = {H * 2};
-    cuuint32_t box[2] = {64, box_rows};
-    cuuint32_t es[2] = {1, 1};
-    CU(cuTensorMapEncodeTiled(&m, CU_TENSOR_MAP_DATA_TYPE_UINT16, 2, p, dims, strides, box, es, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                              CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE));
-    return m;
-}
 
 int main() {
     int nsm; CK(cudaDeviceGetAttribute(&nsm, cudaDevAttrMultiProcessorCount, 0));
@@ -151,7 +88,7 @@ int main() {
     uint8_t* w; unsigned long long* sink;
     CK(cudaMalloc(&w, rows * H * 2)); CK(cudaMalloc(&sink, 8));
     CK(cudaMemset(w, 1, rows * H * 2));
-    CUtensorMap mw_all = make_map(w, rows, 128); CUtensorMap m128 = make_map(w, rows, 128), m64 = make_map(w, rows, 64), m32 = make_map(w, rows, 32);
+    CUtensorMap mw_all = make_map(w, H, rows, 128); CUtensorMap m128 = make_map(w, H, rows, 128), m64 = make_map(w, H, rows, 64), m32 = make_map(w, H, rows, 32);
     cudaEvent_t e0, e1; cudaEventCreate(&e0); cudaEventCreate(&e1);
     const char* names[5] = {"256 rows x 128 B", "128 rows x 256 B", " 64 rows x 512 B", " 32 rows x 1 KB ", "contiguous 32 KB"};
     for (int stages : {5}) if (getenv("ONLY_GEMMLIKE") == nullptr)
@@ -172,7 +109,7 @@ int main() {
 
     {
         uint8_t* a; CK(cudaMalloc(&a, 32768LL * H * 2)); CK(cudaMemset(a, 2, 32768LL * H * 2));
-        CUtensorMap ma64 = make_map(a, 32768, 64), ma128 = make_map(a, 32768, 128);
+        CUtensorMap ma64 = make_map(a, H, 32768, 64), ma128 = make_map(a, H, 32768, 128);
         for (int n_tiles : {808, 792, 1584, 1600})
             for (int a_rows : {0, 64, 128})
                 for (int a_region : {4096, 32768}) {
