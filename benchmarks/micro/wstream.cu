@@ -17,7 +17,7 @@ constexpr int H = 2048, STAGE = 32768;
 // (boxes of 64 columns x min(R, 128) rows); p = 4: contiguous 32 KB bulk copies.
 __global__ void __launch_bounds__(64) wstream(const __grid_constant__ CUtensorMap m128, const __grid_constant__ CUtensorMap m64,
                                               const __grid_constant__ CUtensorMap m32, const uint8_t* w, long long rows, int p,
-                                              int stages, int order, unsigned long long* sink) {
+                                              int stages, int order, unsigned long long* sink, long long row0 = 0) {
     extern __shared__ __align__(1024) uint8_t smem_raw[];
     uint8_t* base = (uint8_t*)(((uintptr_t)smem_raw + 1023) & ~uintptr_t(1023));
     __shared__ uint64_t full[8], empty[8];
@@ -38,12 +38,12 @@ __global__ void __launch_bounds__(64) wstream(const __grid_constant__ CUtensorMa
                 mbar_expect(&full[s], STAGE);
                 uint8_t* d = base + s * STAGE;
                 if (p == 4) {
-                    bulk(d, w + t * (long long)R * H * 2, STAGE, &full[s]);
+                    bulk(d, w + (row0 + t * (long long)R) * H * 2, STAGE, &full[s]);
                 } else {
                     int nb = 0;
                     for (int c = 0; c < C; c += 64)
                         for (int r = 0; r < R; r += box_rows, ++nb)
-                            tma2d(d + nb * box_rows * 128, m, kt * C + c, (int)(t * R + r), &full[s]);
+                            tma2d(d + nb * box_rows * 128, m, kt * C + c, (int)(row0 + t * R + r), &full[s]);
                 }
                 if (++s == stages) { s = 0; ph ^= 1; }
             }
@@ -91,6 +91,31 @@ int main() {
     CUtensorMap mw_all = make_map(w, H, rows, 128); CUtensorMap m128 = make_map(w, H, rows, 128), m64 = make_map(w, H, rows, 64), m32 = make_map(w, H, rows, 32);
     cudaEvent_t e0, e1; cudaEventCreate(&e0); cudaEventCreate(&e1);
     const char* names[5] = {"256 rows x 128 B", "128 rows x 256 B", " 64 rows x 512 B", " 32 rows x 1 KB ", "contiguous 32 KB"};
+    if (const char* sizes = getenv("SIZES_MB")) {   // short streams: decode-sized weight reads
+        const int stages = 5, smem = stages * STAGE + 1024;
+        CK(cudaFuncSetAttribute(wstream, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+        for (const char* q = sizes; *q;) {
+            char* end;
+            const double mb = strtod(q, &end);
+            if (end == q) break;
+            q = end;
+            const long long n = (long long)(mb * 1e6 / (H * 2)) / 256 * 256;   // rows, whole tiles
+            for (int p : {0, 4}) {
+                float t[21];
+                for (int i = 0; i < 21; ++i) {   // each launch reads another range (no L2 reuse)
+                    const long long row0 = (i * 7919LL * 256) % (rows - n) / 256 * 256;
+                    cudaEventRecord(e0);
+                    wstream<<<nsm, 64, smem>>>(m128, m64, m32, w, n, p, stages, 0, sink, row0);
+                    cudaEventRecord(e1); CK(cudaEventSynchronize(e1));
+                    cudaEventElapsedTime(&t[i], e0, e1);
+                }
+                std::sort(t + 1, t + 21);
+                printf("one launch, %6.1f MB, stage %s: median %6.2f us (%4.2f TB/s), min %6.2f us\n", n * H * 2 / 1e6,
+                       names[p], t[10] * 1e3, n * H * 2 / (t[10] * 1e-3) / 1e12, t[1] * 1e3);
+            }
+        }
+        return 0;
+    }
     for (int stages : {5}) if (getenv("ONLY_GEMMLIKE") == nullptr)
         for (int order : {0})
             for (int p = 0; p < 5; ++p) {
