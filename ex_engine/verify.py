@@ -349,7 +349,10 @@ from ex_engine.verify import CaseResult, verify_plugin
 a = json.loads(sys.argv[2])
 reg = FactorRegistry(hardware=Hardware(**a["hardware"]), manifests_dir=a["manifests_dir"])
 p = reg.load_library(a["path"])
-if p.status != "ready":
+if p.sha256 != a["sha256"]:   # the file changed after the parent checked it (and its lock)
+    res = [CaseResult(p.name, "-", "-", "FAIL", detail="the library file changed after it was loaded "
+                      f"(sha256 {a['sha256'][:12]}... then, {str(p.sha256)[:12]}... now)")]
+elif p.status != "ready":
     res = [CaseResult(p.name, "-", "-", "FAIL", detail=f"not ready in the child process: {p.reason}")]
 else:
     res = verify_plugin(reg, p, seed=a["seed"], count=True)
@@ -365,7 +368,7 @@ def _verify_in_child(registry, plugin, seed: int, count: bool, timeout: float) -
     import subprocess
     import sys
     args = {"hardware": registry.hardware.as_dict(), "manifests_dir": str(registry.manifests_dir),
-            "path": str(plugin.path.absolute()), "seed": seed}
+            "path": str(plugin.path.absolute()), "sha256": plugin.sha256, "seed": seed}
     cmd = [sys.executable, "-c", _CHILD, json.dumps(sys.path), json.dumps(args)]
 
     def fail(detail):
@@ -375,20 +378,24 @@ def _verify_in_child(registry, plugin, seed: int, count: bool, timeout: float) -
     except subprocess.TimeoutExpired:
         return fail(f"timed out after {timeout:g} s")
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
+    results = []
+    if lines:
+        data = json.loads(lines[-1][7:])
+        results = [CaseResult(**d) for d in data["results"]]
+        if count:
+            with registry._lock:
+                registry._stats[plugin.name].update({k: v for k, v in data["stats"].items() if v})
+    when = "after reporting" if lines else "before reporting"
     if r.returncode < 0:
         try:
             sig = signal.Signals(-r.returncode).name
         except ValueError:
             sig = f"signal {-r.returncode}"
-        return fail(f"crashed: {sig}")
-    if r.returncode != 0 or not lines:
+        return results + fail(f"crashed {when}: {sig}")
+    if r.returncode != 0 or not lines:   # the library ended the process (exit() in a kernel, a destructor)
         last = (r.stderr.strip().splitlines() or ["no message"])[-1]
-        return fail(f"ended with status {r.returncode} before reporting: {last}")
-    data = json.loads(lines[-1][7:])
-    if count:
-        with registry._lock:
-            registry._stats[plugin.name].update({k: v for k, v in data["stats"].items() if v})
-    return [CaseResult(**d) for d in data["results"]]
+        return results + fail(f"ended with status {r.returncode} {when}: {last}")
+    return results
 
 
 # ------------------------------------------------------------------------------------ cache

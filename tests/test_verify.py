@@ -211,7 +211,7 @@ def test_cli_verify_survives_a_kernel_that_crashes_and_checks_the_others(tmp_pat
     build_plugin(tmp_path)
     assert cli_main(["verify", "--dir", str(tmp_path), "--hardware", "h200"]) == 1
     out = capsys.readouterr().out
-    assert "host_scale_c  -        -" in out and "FAIL  crashed: SIGSEGV (verify's child process)" in out, out
+    assert "host_scale_c  -        -" in out and "FAIL  crashed before reporting: SIGSEGV (verify's child process)" in out, out
     assert "verify: 1 passed, 1 failed" in out
     stats = json.loads(out.split("stats: ")[1])
     assert stats["host_scale"]["plugin"] == 1        # the child's calls are counted here
@@ -230,7 +230,7 @@ def test_load_verify_with_probe_rejects_a_crashing_kernel_and_keeps_the_rest(tmp
     build_plugin(tmp_path)
     reg = FactorRegistry.load(tmp_path, hardware="h200", verify=True, probe="subprocess")
     crash = next(p for p in reg.plugins if p.path.stem == "crash")
-    assert crash.status == "rejected" and "crashed: SIGSEGV (verify's child process)" in crash.reason
+    assert crash.status == "rejected" and "crashed before reporting: SIGSEGV (verify's child process)" in crash.reason
     assert reg.get("host_scale") is not None and call(reg)[0] == "plugin"
     assert reg.get("host_scale").checks[-1].detail.startswith("1 cases passed")
 
@@ -239,3 +239,21 @@ def test_cli_verify_in_process_still_runs_here(tmp_path, capsys):
     build_plugin(tmp_path)
     assert cli_main(["verify", "--dir", str(tmp_path), "--hardware", "h200", "--in-process"]) == 0
     assert "verify: 1 passed, 0 failed" in capsys.readouterr().out
+
+
+def test_verify_in_a_child_reports_a_kernel_that_ends_the_process(tmp_path):
+    build_plugin(tmp_path, defines={"EXIT_IN_KERNEL": 0})
+    reg = FactorRegistry.load(tmp_path, hardware="h200")
+    res = verify_plugin(reg, reg.get("host_scale"), isolate=True)
+    assert [r.status for r in res] == ["FAIL"]
+    assert res[0].detail.startswith("ended with status 0 before reporting"), res[0].detail
+
+
+def test_verify_in_a_child_refuses_a_library_changed_after_loading(tmp_path):
+    """The child opens the file again: one replaced after the parent checked it (its lock) is
+    not verified in its place."""
+    build_plugin(tmp_path)
+    reg = FactorRegistry.load(tmp_path, hardware="h200")
+    build_plugin(tmp_path, defines={"VERSION": '"1.0.1"'})
+    res = verify_plugin(reg, reg.get("host_scale"), isolate=True)
+    assert [r.status for r in res] == ["FAIL"] and "library file changed after it was loaded" in res[0].detail

@@ -7,7 +7,7 @@
  * NAME, FACTOR_ID, PRIORITY, STRUCT_ABI (the struct's abi_version), CRASH (ex_get_factor dereferences NULL), HANG (ex_get_factor
  * never returns), EXIT_IN_GET (ex_get_factor calls exit(N)), BAD_DESCRIPTION (a wild description
  * pointer), OOB (writes OOB floats past the output's end), CRASH_IN_KERNEL (the kernel writes to
- * that address, e.g. 8: SIGSEGV), HANG_IN_KERNEL (the kernel never returns), HELPER (the kernel calls helper_alpha() from a separate library), WORKSPACE
+ * that address, e.g. 8: SIGSEGV), HANG_IN_KERNEL (the kernel never returns), EXIT_IN_KERNEL (the kernel calls exit(N)), HELPER (the kernel calls helper_alpha() from a separate library), WORKSPACE
  * (aux[1] is a runtime workspace: the product goes through scratch memory there, and a negative
  * alpha sets bit 0 of its status word; manifest tests/plugins/host_scale_ws.yaml). */
 #include "ex_engine.h"
@@ -64,6 +64,9 @@ static int scale(void* output, const void* input, const void* aux[], int n_aux,
 #endif
 #ifdef HANG_IN_KERNEL
     for (volatile int spin = 1; spin;) {}
+#endif
+#ifdef EXIT_IN_KERNEL
+    exit(EXIT_IN_KERNEL);   /* ends whatever process runs the kernel */
 #endif
 #ifdef WORKSPACE
     if (n_aux < 2 || aux[1] == NULL) return EX_ERR_WORKSPACE;
