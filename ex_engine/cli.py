@@ -26,6 +26,17 @@ def token_count(v: str) -> int:
     return n
 
 
+def seconds(v: str) -> float:
+    """argparse type: a finite number of seconds > 0."""
+    try:
+        x = float(v)
+    except ValueError:
+        x = -1.0
+    if not 0 < x < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {v!r}")
+    return x
+
+
 def _prefer(items) -> dict:
     """{'name': 'file.so'} from ['name=file.so', ...]. Raises FactorError on a bad item."""
     out = {}
@@ -137,7 +148,8 @@ def cmd_verify(args) -> int:
     results = []
     for p in chosen:
         print(f"verifying {p.name} ({p.path.name}) ...", flush=True)
-        results += verify.verify_plugin(reg, p, seed=args.seed, isolate=not args.in_process)
+        results += verify.verify_plugin(reg, p, seed=args.seed, isolate=not args.in_process,
+                                        timeout=args.timeout)
     print(verify.format_table(results))
     n = {s: sum(r.status == s for r in results) for s in ("pass", "FAIL", "declined", "skipped")}
     print(f"verify: {n['pass']} passed, {n['FAIL']} failed, {n['declined']} declined by the plugin "
@@ -253,7 +265,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "a live GPU): every one must have been run")
     p.add_argument("--in-process", action="store_true",
                    help="run the checks in this process (default: each plugin's in a child process, "
-                        "so that a kernel that crashes or hangs is a FAIL row and the others still run)")
+                        "so that a kernel that crashes, exits or hangs is a FAIL row and the others "
+                        "still run); a kernel that crashes then ends the command")
+    p.add_argument("--timeout", type=seconds, default=120.0,
+                   help="seconds for one plugin's checks in its child process (default: %(default)g)")
     p.set_defaults(fn=cmd_verify)
 
     p = sub.add_parser("lock", help="write the SHA-256 of every plugin library to a lock file",

@@ -283,10 +283,16 @@ class Manifest:
         tensors = self.tensors
         refs = [None] * len(tensors)
         device = None
+        early = False
         for i in self._bind_order:
             spec = tensors[i]
             if spec.role == "workspace":
                 continue
+            if not early and spec.optional and not spec.absent_requires and spec.role != "output":
+                # before the other optional arrays: an absent array's "A == B" fixes A now (no
+                # expert_map: G = E), so router_logits of another width is the argument named
+                early = True
+                self._absent_equalities(arrays, sizes, origin)
             ref = arrays.get(self.output.name) if spec.same_as_output else arrays.get(spec.name)
             if ref is None:
                 if spec.optional:
@@ -342,6 +348,15 @@ class Manifest:
                                        "is not given", origin)
         dims = [self._dim_value(d, sizes, pvals, arrays, tuned) for d in self.dims]
         return refs, dims, sizes, pvals, (-1 if device is None else device)
+
+    def _absent_equalities(self, arrays, sizes, origin) -> None:
+        """For each absent optional array whose absent_requires is ``A == B`` with B known and
+        A not: A = B, its origin saying why."""
+        for spec, m in self._absent:
+            a, op, b = m.groups()
+            if arrays.get(spec.name) is None and op == "==" and a not in sizes and b in sizes:
+                sizes[a] = sizes[b]
+                origin[a] = f"{origin.get(b, b)}, as {b}: {spec.name} not given"
 
     def _check_constraint(self, m, sizes, arg, text, origin=None):
         """Raise ShapeError if the sizes break ``A op B``; it names ``arg``, else the argument

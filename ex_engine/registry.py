@@ -266,7 +266,7 @@ class FactorRegistry:
 
     def __init__(self, hardware=None, manifests_dir=None, *, prefer=None, lock=None,
                  lock_mode: str = "refuse", probe=None, probe_timeout: float = 10.0,
-                 verify: bool = False):
+                 verify: bool = False, verify_timeout: float = 120.0):
         hw = resolve(hardware)
         self.no_gpu_note = ""
         if hw is None:
@@ -279,9 +279,9 @@ class FactorRegistry:
                               f"got lock={lock!r}")
         if probe not in (None, "subprocess"):
             raise FactorError(f"probe: expected None or 'subprocess', got {probe!r}")
-        if (isinstance(probe_timeout, bool) or not isinstance(probe_timeout, (int, float))
-                or not 0 < probe_timeout < float("inf")):
-            raise FactorError(f"probe_timeout: expected a number of seconds > 0, got {probe_timeout!r}")
+        for arg, val in (("probe_timeout", probe_timeout), ("verify_timeout", verify_timeout)):
+            if isinstance(val, bool) or not isinstance(val, (int, float)) or not 0 < val < float("inf"):
+                raise FactorError(f"{arg}: expected a number of seconds > 0, got {val!r}")
         if not (lock is None or isinstance(lock, bool) or (isinstance(lock, (str, os.PathLike)) and str(lock))):
             raise FactorError(f"lock: expected a lock file path, True (<folder>/{trust.LOCK_NAME}) or None, "
                               f"got {lock!r}")
@@ -294,7 +294,7 @@ class FactorRegistry:
         self.hardware: Hardware = hw
         # a malformed manifest rejects only the plugins that need it (see _find_manifest)
         self.manifest_errors: dict = {}  # file stem -> message
-        self.manifests_dir = Path(manifests_dir or _paths.manifests_dir())
+        self.manifests_dir = Path(manifests_dir or _paths.manifests_dir()).absolute()
         self.manifests: dict = load_all(self.manifests_dir, self.manifest_errors)
         self.plugins: list = []
         self._by_path: dict = {}        # resolved library path -> its Plugin (loaded once)
@@ -305,6 +305,7 @@ class FactorRegistry:
         self.probe = probe
         self.probe_timeout = probe_timeout
         self.verify = verify
+        self.verify_timeout = verify_timeout
         self._locks: dict = {}
         self._chosen: dict = {}
         self._stats: dict = defaultdict(Counter)
@@ -330,7 +331,7 @@ class FactorRegistry:
     @classmethod
     def load(cls, folder=None, hardware=None, manifests_dir=None, *, prefer=None, lock=None,
              lock_mode: str = "refuse", probe=None, probe_timeout: float = 10.0,
-             verify: bool = False) -> "FactorRegistry":
+             verify: bool = False, verify_timeout: float = 120.0) -> "FactorRegistry":
         """A registry with every ``*.so`` of ``folder`` (default: factors/) loaded and checked.
 
         prefer: {factor name: file name or path} -- that library wins over other ready plugins
@@ -340,7 +341,8 @@ class FactorRegistry:
             rejected before it is opened. lock_mode="warn" loads it with a warning check.
         probe: "subprocess" -- open each library and call its ex_get_factor in a child process
             first (``probe_timeout`` seconds); one that crashes or hangs there is rejected.
-            With verify=True the verification runs in a child process too.
+            With verify=True the verification runs in a child process too, within
+            ``verify_timeout`` seconds per library (a crash, an exit or a hang there rejects it).
         verify: run each ready plugin against its Python fallback on its manifest's test
             shapes (device factors need a live GPU); a pass per (library sha256, GPU name) is
             remembered in $EX_ENGINE_CACHE/verified.json (default ~/.cache/ex_engine).
@@ -352,7 +354,8 @@ class FactorRegistry:
         if lock is True:
             lock = folder / trust.LOCK_NAME
         reg = cls(hardware=hardware, manifests_dir=manifests_dir, prefer=prefer, lock=lock,
-                  lock_mode=lock_mode, probe=probe, probe_timeout=probe_timeout, verify=verify)
+                  lock_mode=lock_mode, probe=probe, probe_timeout=probe_timeout, verify=verify,
+                  verify_timeout=verify_timeout)
         reg.load_folder(folder)
         return reg
 
@@ -469,7 +472,9 @@ class FactorRegistry:
 
     def _load_one(self, path: Path) -> Plugin:
         # the same file again (load_folder twice, say): its record, not a duplicate; a process
-        # holds one copy of a library, so opening it again could not see a rebuilt file anyway
+        # holds one copy of a library, so opening it again could not see a rebuilt file anyway.
+        # Absolute (not resolved: a link's own name stays), so a later chdir changes nothing
+        path = Path(path).absolute()
         where = path.resolve()
         if where in self._by_path:
             return self._by_path[where]

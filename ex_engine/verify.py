@@ -315,87 +315,143 @@ def _run_case(registry, plugin, m, case, dtype, seed, count, xp, label, tol) -> 
     return CaseResult(m.name, label, dtype, "pass" if ok else "FAIL", path, err, tol, detail)
 
 
-CHILD_TIMEOUT_S = 900.0   # one plugin's cases in a child process (the GPU's take seconds)
+CHILD_TIMEOUT_S = 120.0   # default for one plugin's cases in a child process (seconds)
+
+
+def plugin_cases(plugin) -> list:
+    """(case, dtype, seed offset) of every check of ``plugin``, in order."""
+    m = plugin.manifest
+    return [(case, dt, i * 10 + j) for i, case in enumerate(m.test_shapes)
+            for j, dt in enumerate(case_dtypes(m))]
 
 
 def verify_plugin(registry, plugin, seed: int = 0, count: bool = True, isolate: bool = False,
                   timeout: float = CHILD_TIMEOUT_S) -> list:
     """Every (test shape, dtype) case of ``plugin``; a single 'skipped' result if it cannot run.
 
-    isolate: run the cases in a child process (``timeout`` seconds for all of them), so that a
-    kernel that crashes (a far out-of-bounds write, an abort) or hangs is one FAIL row and this
-    process goes on; its calls are added to ``registry.stats()`` when ``count``. A fallback set
-    with ``registry.set_fallback`` exists in this process only: such a plugin runs here."""
+    isolate: run the cases in a child process (``timeout`` seconds for all of them, default
+    CHILD_TIMEOUT_S), so that a kernel that crashes (a far out-of-bounds write, an abort), ends
+    the process or hangs is a FAIL row naming the case it was running, the cases before it keep
+    their results, and this process goes on; the child's calls are added to
+    ``registry.stats()`` when ``count``. A fallback set with ``registry.set_fallback`` exists in
+    this process only: such a plugin runs here."""
     why = cannot_run(registry, plugin)
     if why:
         return [CaseResult(plugin.name, "-", "-", "skipped", detail=why)]
     if isolate and plugin.name not in registry._fallbacks:
         return _verify_in_child(registry, plugin, seed, count, timeout)
-    m = plugin.manifest
-    out = []
-    for i, case in enumerate(m.test_shapes):
-        for j, dt in enumerate(case_dtypes(m)):
-            out.append(run_case(registry, plugin, case, dt, seed=seed * 1000 + i * 10 + j, count=count))
-    return out
+    return [run_case(registry, plugin, case, dt, seed=seed * 1000 + k, count=count)
+            for case, dt, k in plugin_cases(plugin)]
 
 
 # ------------------------------------------------------------------------------------ child
+# The child: dies with its parent (Linux), loads only the plugin's library, checks it is the
+# file the parent loaded, then prints "START <case>" before and "CASE <result>" after each case
+# and "STATS <calls>" at the end, so a crash names the case it happened in.
 _CHILD = r"""
-import dataclasses, json, sys
+import dataclasses, json, os, signal, sys
 sys.path[:] = json.loads(sys.argv[1])
+a = json.loads(sys.argv[2])
+try:
+    import ctypes
+    ctypes.CDLL(None).prctl(1, signal.SIGKILL)    # PR_SET_PDEATHSIG: end with the parent
+except Exception:
+    pass
+if os.getppid() != a["parent"]:
+    sys.exit(3)                                    # the parent already ended
 from ex_engine.hardware import Hardware
 from ex_engine.registry import FactorRegistry
-from ex_engine.verify import CaseResult, verify_plugin
-a = json.loads(sys.argv[2])
+from ex_engine.verify import CaseResult, case_label, plugin_cases, run_case
+
+
+def say(tag, obj):
+    print(tag + " " + json.dumps(obj), flush=True)
+
+
 reg = FactorRegistry(hardware=Hardware(**a["hardware"]), manifests_dir=a["manifests_dir"])
 p = reg.load_library(a["path"])
 if p.sha256 != a["sha256"]:   # the file changed after the parent checked it (and its lock)
-    res = [CaseResult(p.name, "-", "-", "FAIL", detail="the library file changed after it was loaded "
-                      f"(sha256 {a['sha256'][:12]}... then, {str(p.sha256)[:12]}... now)")]
+    say("CASE", dataclasses.asdict(CaseResult(p.name, "-", "-", "FAIL", detail="the library file "
+        f"changed after it was loaded (sha256 {a['sha256'][:12]}... then, {str(p.sha256)[:12]}... now)")))
 elif p.status != "ready":
-    res = [CaseResult(p.name, "-", "-", "FAIL", detail=f"not ready in the child process: {p.reason}")]
+    say("CASE", dataclasses.asdict(CaseResult(p.name, "-", "-", "FAIL",
+                                              detail=f"not ready in the child process: {p.reason}")))
 else:
-    res = verify_plugin(reg, p, seed=a["seed"], count=True)
-print("RESULT " + json.dumps({"results": [dataclasses.asdict(r) for r in res],
-                              "stats": reg.stats().get(p.name, {})}), flush=True)
+    for case, dt, k in plugin_cases(p):
+        say("START", [case_label(case), dt])
+        say("CASE", dataclasses.asdict(run_case(reg, p, case, dt, seed=a["seed"] * 1000 + k)))
+say("STATS", reg.stats().get(p.name, {}))
 """
 
 
 def _verify_in_child(registry, plugin, seed: int, count: bool, timeout: float) -> list:
     """verify_plugin's cases in a child process that loads only ``plugin``'s library (same
-    hardware, same manifests); a crash, a hang or an exit there is a FAIL row."""
+    hardware, same manifests); a crash, a hang or an exit there is a FAIL row for the case it
+    was running. The child's output goes to a file, not a pipe, so a process the kernel forked
+    cannot hold the parent; the child's session is killed at the end."""
+    import os
     import signal
     import subprocess
     import sys
+    import tempfile
     args = {"hardware": registry.hardware.as_dict(), "manifests_dir": str(registry.manifests_dir),
-            "path": str(plugin.path.absolute()), "sha256": plugin.sha256, "seed": seed}
+            "path": str(plugin.path), "sha256": plugin.sha256, "seed": seed, "parent": os.getpid()}
     cmd = [sys.executable, "-c", _CHILD, json.dumps(sys.path), json.dumps(args)]
-
-    def fail(detail):
-        return [CaseResult(plugin.name, "-", "-", "FAIL", detail=f"{detail} (verify's child process)")]
-    try:
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return fail(f"timed out after {timeout:g} s")
-    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
-    results = []
-    if lines:
-        data = json.loads(lines[-1][7:])
-        results = [CaseResult(**d) for d in data["results"]]
-        if count:
-            with registry._lock:
-                registry._stats[plugin.name].update({k: v for k, v in data["stats"].items() if v})
-    when = "after reporting" if lines else "before reporting"
-    if r.returncode < 0:
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err, text=True, start_new_session=True)
         try:
-            sig = signal.Signals(-r.returncode).name
+            rc, how = proc.wait(timeout=timeout), ""
+        except subprocess.TimeoutExpired:
+            rc, how = None, f"timed out after {timeout:g} s"
+        except BaseException:          # Ctrl-C: leave no child behind
+            _kill_session(proc)
+            raise
+        _kill_session(proc)
+        out.seek(0)
+        err.seek(0)
+        lines, stderr = out.read().splitlines(), err.read()
+    results, running, stats = [], None, {}
+    for ln in lines:
+        tag, _, body = ln.partition(" ")
+        try:
+            if tag == "START":
+                running = json.loads(body)
+            elif tag == "CASE":
+                results.append(CaseResult(**json.loads(body)))
+                running = None
+            elif tag == "STATS":
+                stats = json.loads(body)
+        except (ValueError, TypeError):
+            continue                   # a line the library printed itself
+    if count and any(stats.values()):
+        with registry._lock:
+            registry._stats[plugin.name].update({k: v for k, v in stats.items() if v})
+    if rc is not None and rc < 0:
+        try:
+            how = f"crashed: {signal.Signals(-rc).name}"
         except ValueError:
-            sig = f"signal {-r.returncode}"
-        return results + fail(f"crashed {when}: {sig}")
-    if r.returncode != 0 or not lines:   # the library ended the process (exit() in a kernel, a destructor)
-        last = (r.stderr.strip().splitlines() or ["no message"])[-1]
-        return results + fail(f"ended with status {r.returncode} {when}: {last}")
-    return results
+            how = f"crashed: signal {-rc}"
+    elif rc is not None and (rc != 0 or "STATS" not in {ln.partition(" ")[0] for ln in lines}):
+        last = (stderr.strip().splitlines() or ["no message"])[-1]
+        how = f"ended with status {rc}: {last}"
+    if not how:
+        return results
+    case, dtype = running if running else ("-", "-")
+    where = "in this case" if running else ("after its cases" if results else "before its cases")
+    left = len(plugin_cases(plugin)) - len(results) - (1 if running else 0)
+    detail = f"{how} ({where}; verify's child process" + (f"; {left} later case(s) not run)" if left > 0 else ")")
+    return results + [CaseResult(plugin.name, case, dtype, "FAIL", detail=detail)]
+
+
+def _kill_session(proc) -> None:
+    """Kill the child and whatever it started (its own session), and reap it."""
+    import os
+    import signal
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    proc.wait()
 
 
 # ------------------------------------------------------------------------------------ cache
@@ -449,7 +505,8 @@ def verify_at_load(registry, plugin) -> tuple:
     if isinstance(hit, dict) and hit.get("manifest_sha256") == digest:
         return True, (f"passed before ({hit.get('cases')} cases on {key.split('|', 1)[1]}, "
                       f"{hit.get('when')}; cache {cache_file()})")
-    results = verify_plugin(registry, plugin, count=False, isolate=registry.probe == "subprocess")
+    results = verify_plugin(registry, plugin, count=False, isolate=registry.probe == "subprocess",
+                            timeout=registry.verify_timeout)
     failed = [r for r in results if r.failed]
     if failed:
         text = "; ".join(f"{r.case} {r.dtype}: {r.detail}" for r in failed[:3])

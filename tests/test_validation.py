@@ -253,13 +253,15 @@ def test_lock_warn_needs_a_lock(tmp_path):
 
 
 def test_router_logits_wider_than_the_experts_asks_for_the_map_and_a_folder_loads_once(reg, tmp_path):
-    """router_logits over more experts than w13 holds means a missing expert_map (expert
-    parallelism): the error names expert_map and says where G and E came from."""
+    """router_logits over more (or fewer) experts than w13 holds without an expert_map: the
+    error names router_logits, the G it expected and why (G = E since no expert_map was given:
+    under expert parallelism, the map is what is missing). It named expert_map, an argument the
+    caller never passed, and for a width below K the correct topk_weights."""
     a = moe_args(E=4)
-    lg = np.zeros((3, 5), np.float32)
-    with pytest.raises(ShapeError, match=r"argument 'expert_map': G == E .*got G=5 \(from router_logits\), "
-                                         r"E=4 \(from w13\)"):
-        moe_fused_gemm(**a, router_logits=lg, registry=reg)
+    for width in (5, 1):
+        with pytest.raises(ShapeError, match=rf"argument 'router_logits': shape\[1\] = G: expected 4 "
+                                             rf"\(G=4 from w13, as E: expert_map not given\), got {width}"):
+            moe_fused_gemm(**a, router_logits=np.zeros((3, width), np.float32), registry=reg)
     from tests.conftest import build_plugin
     build_plugin(tmp_path)
     r = FactorRegistry.load(tmp_path, hardware="h200")

@@ -6,7 +6,7 @@ import shutil
 import numpy as np
 import pytest
 
-from ex_engine import FactorRegistry
+from ex_engine import FactorError, FactorRegistry
 from ex_engine.arrays import Bits16, TensorRef
 from ex_engine.cli import main as cli_main
 from ex_engine.manifest import load_all
@@ -211,7 +211,8 @@ def test_cli_verify_survives_a_kernel_that_crashes_and_checks_the_others(tmp_pat
     build_plugin(tmp_path)
     assert cli_main(["verify", "--dir", str(tmp_path), "--hardware", "h200"]) == 1
     out = capsys.readouterr().out
-    assert "host_scale_c  -        -" in out and "FAIL  crashed before reporting: SIGSEGV (verify's child process)" in out, out
+    assert "host_scale_c  float32  N=7   -" in out, out
+    assert "FAIL  crashed: SIGSEGV (in this case; verify's child process)" in out, out
     assert "verify: 1 passed, 1 failed" in out
     stats = json.loads(out.split("stats: ")[1])
     assert stats["host_scale"]["plugin"] == 1        # the child's calls are counted here
@@ -221,7 +222,8 @@ def test_verify_in_a_child_times_out_a_kernel_that_hangs(tmp_path):
     build_plugin(tmp_path, defines={"HANG_IN_KERNEL": True})
     reg = FactorRegistry.load(tmp_path, hardware="h200")
     res = verify_plugin(reg, reg.get("host_scale"), isolate=True, timeout=3)
-    assert [(r.status, r.detail) for r in res] == [("FAIL", "timed out after 3 s (verify's child process)")]
+    assert [(r.case, r.status, r.detail) for r in res] == [
+        ("N=7", "FAIL", "timed out after 3 s (in this case; verify's child process)")]
 
 
 def test_load_verify_with_probe_rejects_a_crashing_kernel_and_keeps_the_rest(tmp_path, cache):
@@ -230,7 +232,7 @@ def test_load_verify_with_probe_rejects_a_crashing_kernel_and_keeps_the_rest(tmp
     build_plugin(tmp_path)
     reg = FactorRegistry.load(tmp_path, hardware="h200", verify=True, probe="subprocess")
     crash = next(p for p in reg.plugins if p.path.stem == "crash")
-    assert crash.status == "rejected" and "crashed before reporting: SIGSEGV (verify's child process)" in crash.reason
+    assert crash.status == "rejected" and "N=7 float32: crashed: SIGSEGV (in this case" in crash.reason
     assert reg.get("host_scale") is not None and call(reg)[0] == "plugin"
     assert reg.get("host_scale").checks[-1].detail.startswith("1 cases passed")
 
@@ -246,7 +248,7 @@ def test_verify_in_a_child_reports_a_kernel_that_ends_the_process(tmp_path):
     reg = FactorRegistry.load(tmp_path, hardware="h200")
     res = verify_plugin(reg, reg.get("host_scale"), isolate=True)
     assert [r.status for r in res] == ["FAIL"]
-    assert res[0].detail.startswith("ended with status 0 before reporting"), res[0].detail
+    assert res[0].case == "N=7" and res[0].detail.startswith("ended with status 0: "), res[0].detail
 
 
 def test_verify_in_a_child_refuses_a_library_changed_after_loading(tmp_path):
@@ -257,3 +259,46 @@ def test_verify_in_a_child_refuses_a_library_changed_after_loading(tmp_path):
     build_plugin(tmp_path, defines={"VERSION": '"1.0.1"'})
     res = verify_plugin(reg, reg.get("host_scale"), isolate=True)
     assert [r.status for r in res] == ["FAIL"] and "library file changed after it was loaded" in res[0].detail
+
+
+def test_verify_in_a_child_keeps_the_cases_before_a_crash_and_names_the_one_it_hit(tmp_path, capsys):
+    build_plugin(tmp_path, defines={"CRASH_IN_KERNEL": 8, "CRASH_IF_N": 9})
+    y = tmp_path / "host_scale.yaml"
+    y.write_text(y.read_text().replace("  - {N: 7}", "  - {N: 7}\n  - {N: 8}\n  - {N: 9}\n  - {N: 10}"))
+    assert cli_main(["verify", "--dir", str(tmp_path), "--hardware", "h200"]) == 1
+    out = capsys.readouterr().out
+    assert "N=7   plugin" in out and "N=8   plugin" in out and "verify: 2 passed, 1 failed" in out, out
+    assert ("N=9   -          -         -      FAIL  crashed: SIGSEGV (in this case; verify's child "
+            "process; 1 later case(s) not run)") in out, out
+
+
+def test_verify_in_a_child_is_not_held_by_a_process_the_kernel_forked(tmp_path):
+    """The child's output goes to a file: a forked process that keeps running no longer holds
+    the parent until the timeout (a pipe it inherited kept it waiting), and is killed."""
+    build_plugin(tmp_path, defines={"FORK_IN_KERNEL": True})
+    reg = FactorRegistry.load(tmp_path, hardware="h200")
+    import time
+    t0 = time.monotonic()
+    res = verify_plugin(reg, reg.get("host_scale"), isolate=True, timeout=60)
+    assert [r.status for r in res] == ["pass"] and time.monotonic() - t0 < 30
+
+
+def test_verify_in_a_child_after_a_chdir_and_with_relative_folders(tmp_path, monkeypatch):
+    build_plugin(tmp_path / "plugs")
+    (tmp_path / "mans").mkdir()
+    monkeypatch.chdir(tmp_path)
+    reg = FactorRegistry.load("plugs", hardware="h200", manifests_dir="mans")
+    monkeypatch.chdir("/")
+    res = verify_plugin(reg, reg.get("host_scale"), isolate=True)
+    assert [r.status for r in res] == ["pass"], res
+
+
+def test_cli_verify_timeout_flag(tmp_path, capsys):
+    build_plugin(tmp_path, defines={"HANG_IN_KERNEL": True})
+    assert cli_main(["verify", "--dir", str(tmp_path), "--hardware", "h200", "--timeout", "2"]) == 1
+    assert "FAIL  timed out after 2 s (in this case; verify's child process)" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        cli_main(["verify", "--dir", str(tmp_path), "--timeout", "0"])
+    assert "expected a number of seconds > 0, got '0'" in capsys.readouterr().err
+    with pytest.raises(FactorError, match="verify_timeout: expected a number of seconds > 0, got -1"):
+        FactorRegistry.load(tmp_path, hardware="h200", verify_timeout=-1)

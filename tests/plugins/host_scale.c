@@ -7,12 +7,16 @@
  * NAME, FACTOR_ID, PRIORITY, STRUCT_ABI (the struct's abi_version), CRASH (ex_get_factor dereferences NULL), HANG (ex_get_factor
  * never returns), EXIT_IN_GET (ex_get_factor calls exit(N)), BAD_DESCRIPTION (a wild description
  * pointer), OOB (writes OOB floats past the output's end), CRASH_IN_KERNEL (the kernel writes to
- * that address, e.g. 8: SIGSEGV), HANG_IN_KERNEL (the kernel never returns), EXIT_IN_KERNEL (the kernel calls exit(N)), HELPER (the kernel calls helper_alpha() from a separate library), WORKSPACE
+ * that address, e.g. 8: SIGSEGV; with CRASH_IF_N only when N is that), FORK_IN_KERNEL (the
+ * kernel forks a child that spins forever), HANG_IN_KERNEL (the kernel never returns), EXIT_IN_KERNEL (the kernel calls exit(N)), HELPER (the kernel calls helper_alpha() from a separate library), WORKSPACE
  * (aux[1] is a runtime workspace: the product goes through scratch memory there, and a negative
  * alpha sets bit 0 of its status word; manifest tests/plugins/host_scale_ws.yaml). */
 #include "ex_engine.h"
 #include <stdint.h>
 #include <stdlib.h>
+#ifdef FORK_IN_KERNEL
+#include <unistd.h>
+#endif
 
 #ifndef BEHAVIOUR
 #define BEHAVIOUR 0
@@ -60,7 +64,13 @@ static int scale(void* output, const void* input, const void* aux[], int n_aux,
     float alpha = ALPHA(((const float*)aux[0])[0]);
     float plus = BEHAVIOUR == 4 ? 1.0f : 0.0f;
 #ifdef CRASH_IN_KERNEL
+#ifdef CRASH_IF_N
+    if (dims[0] == CRASH_IF_N)
+#endif
     *(volatile int*)(uintptr_t)CRASH_IN_KERNEL = 1;   /* a write far out of any array: SIGSEGV */
+#endif
+#ifdef FORK_IN_KERNEL
+    if (fork() == 0) { for (volatile int spin = 1; spin;) {} }   /* a process left behind */
 #endif
 #ifdef HANG_IN_KERNEL
     for (volatile int spin = 1; spin;) {}
