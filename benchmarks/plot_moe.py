@@ -28,19 +28,27 @@ def main():
     ap.add_argument("-o", "--output", default="benchmarks/moe_vs_floor.png",
                     help="PNG to write (default: %(default)s, which it overwrites)")
     a = ap.parse_args()
-    if report_problems("plot_moe", [output_file_problem("--output", a.output),
-                                    "" if plt else "needs matplotlib (pip install matplotlib)"]):
-        return 2
+    problems = [output_file_problem("--output", a.output)]
+    if not problems[0] and Path(a.output).suffix.lower() not in (".png", ".pdf", ".svg"):
+        # matplotlib appends .png to a name without a suffix and refuses others after all the work
+        problems.append(f"--output: expected a .png, .pdf or .svg file name, got {a.output}")
+    rows, data = [], None
     try:
         data = json.load(open(a.json))
         rows = [r for r in data["rows"] if not r.get("skewed") and "ours_us" in r]
-        data["meta"]["dtype"]
+        for k in ("dtype", "device", "date", "commit"):
+            data["meta"][k]
+        for r in rows:   # what each plotted row needs: a model, T and a positive floor
+            if not (isinstance(r["model"], str) and isinstance(r["T"], int) and r["floor_us"] > 0):
+                raise ValueError(f"row {r.get('model')} T={r.get('T')}: floor_us must be > 0")
+        if not rows:
+            problems.append(f"{a.json}: no timed uniform-routing rows to plot")
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-        print(f"plot_moe: {a.json}: expected the JSON that bench_moe.py --json writes "
-              f"(meta and rows): {type(exc).__name__}: {exc}", file=sys.stderr)
-        return 2
-    if not rows:
-        print(f"plot_moe: {a.json}: no timed uniform-routing rows to plot", file=sys.stderr)
+        problems.append(f"{a.json}: expected the JSON that bench_moe.py --json writes "
+                        f"(meta and rows): {type(exc).__name__}: {exc}")
+    if plt is None:   # reported with the other problems, not after installing it
+        problems.append("needs matplotlib (pip install matplotlib)")
+    if report_problems("plot_moe", problems):
         return 2
     by_model = defaultdict(list)
     for r in rows:

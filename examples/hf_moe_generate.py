@@ -31,6 +31,7 @@ import argparse
 import gc
 import json
 import os
+import re
 import sys
 import time
 
@@ -286,24 +287,25 @@ def main(argv=None) -> int:
         problems.append(f"--prompt-len: expected >= 1 and --vocab >= 2, got {args.prompt_len} and {args.vocab}")
     if args.layers is not None and args.layers < 1:
         problems.append(f"--layers: expected >= 1, got {args.layers}")
-    if not args.rtol > 0:
-        problems.append(f"--rtol: expected a fraction > 0, got {args.rtol}")
-    if torch is None:   # every argument problem is reported with this one, not after its fix
+    if not 0 < args.rtol < float("inf"):
+        problems.append(f"--rtol: expected a finite fraction > 0, got {args.rtol}")
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", args.device):
+        problems.append(f"--device: expected cpu or cuda[:N], got {args.device!r}")
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        transformers = None
+    if torch is None or transformers is None:   # reported with every argument problem, not after its fix
         problems.append("needs PyTorch and transformers: pip install -e '.[hf]'")
         report_problems("hf_moe_generate", problems)
         return 2
-    try:
-        dev = torch.device(args.device)
-        if dev.type not in ("cpu", "cuda"):
-            problems.append(f"--device: expected cpu or cuda[:N], got {args.device!r}")
-        elif dev.type == "cuda" and not (torch.cuda.is_available() and (dev.index or 0) < torch.cuda.device_count()):
+    if args.device.startswith("cuda") and not any(problems):
+        index = int(args.device.partition(":")[2] or 0)
+        if not (torch.cuda.is_available() and index < torch.cuda.device_count()):
             problems.append(f"--device {args.device}: no such CUDA device here "
                             f"({torch.cuda.device_count()} visible); use --device cpu --tiny for a smoke test")
-    except RuntimeError:
-        problems.append(f"--device: expected cpu or cuda[:N], got {args.device!r}")
     if report_problems("hf_moe_generate", problems):
         return 2
-    import transformers
     names = list(MODELS) if args.model == "all" else [args.model]
     info = {"torch": torch.__version__, "transformers": transformers.__version__, "device": args.device}
     if args.device.startswith("cuda"):

@@ -42,7 +42,23 @@ def test_scripts_refuse_a_bad_output_destination_first(tmp_path, argv):
 def test_hf_moe_generate_reports_every_argument_problem_at_once():
     """Without PyTorch it said only that PyTorch was missing: the bad arguments surfaced one
     install later. Now each problem is a line, the missing PyTorch one of them."""
-    r = subprocess.run([sys.executable, "examples/hf_moe_generate.py", "--tokens", "2", "--rtol", "0"],
-                       cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert r.returncode == 2, (r.stdout, r.stderr)
-    assert "--tokens: expected >= 5" in r.stderr and "--rtol: expected a fraction > 0" in r.stderr
+    for rtol in ("0", "inf"):   # inf made every comparison pass
+        r = subprocess.run([sys.executable, "examples/hf_moe_generate.py", "--tokens", "2", "--rtol", rtol,
+                            "--device", "tpu"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2, (r.stdout, r.stderr)
+        assert "--tokens: expected >= 5" in r.stderr and "--rtol: expected a finite fraction > 0" in r.stderr
+        assert "--device: expected cpu or cuda[:N], got 'tpu'" in r.stderr, r.stderr
+
+
+def test_plot_moe_checks_its_output_name_and_rows_before_drawing(tmp_path):
+    """An output name matplotlib cannot write (.txt) failed with a traceback after the drawing,
+    one without a suffix was written as NAME.png while 'wrote NAME' was printed, and a row with a
+    zero floor ended in ZeroDivisionError; a missing matplotlib hid the other problems."""
+    bad = tmp_path / "b.json"
+    bad.write_text('{"meta": {"dtype": "bfloat16", "device": "x", "date": "d", "commit": "c"}, '
+                   '"rows": [{"model": "m", "T": 1, "ours_us": 2.0, "floor_us": 0}]}')
+    for out in (tmp_path / "p.txt", tmp_path / "p"):
+        r = subprocess.run([sys.executable, "benchmarks/plot_moe.py", str(bad), "-o", str(out)], cwd=ROOT,
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2 and "--output: expected a .png, .pdf or .svg file name" in r.stderr, r.stderr
+        assert "floor_us must be > 0" in r.stderr and not out.exists() and not out.with_suffix(".png").exists()
