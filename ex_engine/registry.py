@@ -715,8 +715,9 @@ class FactorRegistry:
                 raise
             raise ArgumentError(name, "arrays", "type", "a dict {argument name: array}",
                                 type(arrays).__name__) from None
-        except DTypeError as exc:   # TensorRef.of does not know the factor: name it
-            raise DTypeError(name, exc.argument, exc.rule, exc.expected, exc.got) from None
+        except ArgumentError as exc:   # TensorRef.of does not know the factor: name it
+            self._unknown_argument(m, arrays)   # a size or a misspelt name, not a bad array
+            raise type(exc)(name, exc.argument, exc.rule, exc.expected, exc.got) from None
         # A call with the same dtypes, shapes, strides, device and params (values and types) as
         # an earlier valid one needs only its pointers checked: the bound dims are reused (host
         # overhead); anything else is bound, i.e. checked in full, again.
@@ -733,8 +734,7 @@ class FactorRegistry:
             # a misspelt array name would otherwise be dropped silently (on a cache hit every
             # non-None name is known already: only None values need the check)
             if (hit is None or len(arrays) != len(refs_by_name)) and not m.user_names.issuperset(arrays):
-                bad = sorted(set(arrays) - m.user_names)[0]
-                raise ArgumentError(name, bad, "unknown argument", f"one of {sorted(m.user_names)}", repr(bad))
+                self._unknown_argument(m, arrays)
             if hit is None:
                 refs, dims, sizes, pvals, device = m.bind(refs_by_name, params, self.tuning.value)
                 if len(self._bind_cache) > 4096:
@@ -796,6 +796,19 @@ class FactorRegistry:
         self._count(name, path)
         self.last_path[name] = path
         return path
+
+    @staticmethod
+    def _unknown_argument(m: Manifest, arrays: dict) -> None:
+        """Raise ArgumentError for the first name of ``arrays`` that is not one of ``m``'s
+        arguments (saying so when it is a size or the runtime's workspace); else return."""
+        unknown = sorted(set(arrays) - m.user_names)
+        if not unknown:
+            return
+        bad = unknown[0]
+        ws = [t.name for t in m.tensors if t.role == "workspace"]
+        why = ("unknown argument: a size, taken from the arrays' shapes" if bad in m.shape_symbols else
+               "unknown argument: the runtime supplies the workspace" if bad in ws else "unknown argument")
+        raise ArgumentError(m.name, bad, why, f"one of {sorted(m.user_names)}", repr(bad))
 
     def _count(self, name, key):
         with self._lock:

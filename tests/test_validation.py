@@ -323,3 +323,16 @@ def test_run_moe_checks_its_arguments(reg):
                     ({"tokens": 1, "dtype": "foo"}, "dtype: expected 'bfloat16' or 'float16'")):
         with pytest.raises(FactorError, match=f"run_moe: {msg}"):
             run_moe("qwen3-30b-a3b", registry=reg, echo=lambda *a: None, **kw)
+
+
+def test_a_size_or_the_workspace_passed_as_an_argument_is_named_as_such(reg):
+    """dispatch(..., {"G": 4}) said 'argument G: type: expected a NumPy/CuPy array' (G is a size
+    taken from the shapes, not an argument), and a workspace array 'unknown argument' without
+    saying that the runtime supplies it."""
+    a = dict(moe_args(), out=np.empty((3, 16), np.float16))
+    with pytest.raises(ArgumentError, match="argument 'G': unknown argument: a size, taken from the arrays' shapes"):
+        reg.dispatch("moe_fused_gemm", {**a, "G": 4})
+    with pytest.raises(ArgumentError, match="argument 'workspace': unknown argument: the runtime supplies"):
+        reg.dispatch("moe_fused_gemm", {**a, "workspace": np.zeros(256, np.uint8)})
+    with pytest.raises(DTypeError, match="argument 'hidden_states': type: expected a NumPy/CuPy array"):
+        reg.dispatch("moe_fused_gemm", {**a, "hidden_states": [1.0, 2.0]})
