@@ -266,7 +266,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--in-process", action="store_true",
                    help="run the checks in this process (default: each plugin's in a child process, "
                         "so that a kernel that crashes, exits or hangs is a FAIL row and the others "
-                        "still run); a kernel that crashes then ends the command")
+                        "still run); a kernel that crashes or calls exit() then ends the command, "
+                        "with no table and the library's exit status")
     p.add_argument("--timeout", type=seconds, default=120.0,
                    help="seconds for one plugin's checks in its child process (default: %(default)g)")
     p.set_defaults(fn=cmd_verify)

@@ -307,7 +307,7 @@ def _run_case(registry, plugin, m, case, dtype, seed, count, xp, label, tol) -> 
     fn = registry._fallbacks.get(m.name) or m.fallback_fn()
     try:
         fn(refs, sizes, pvals)
-    except Exception as exc:   # a broken fallback is this case's failure, not verify's crash
+    except (Exception, SystemExit) as exc:   # a broken fallback (even sys.exit) fails this case, not verify
         return CaseResult(m.name, label, dtype, "FAIL", path, None, tol,
                           f"the Python fallback raised {type(exc).__name__}: {exc} (expected "
                           "fn(arrays, sizes, params), docs/factor-contract.md)")

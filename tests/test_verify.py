@@ -302,3 +302,19 @@ def test_cli_verify_timeout_flag(tmp_path, capsys):
     assert "expected a number of seconds > 0, got '0'" in capsys.readouterr().err
     with pytest.raises(FactorError, match="verify_timeout: expected a number of seconds > 0, got -1"):
         FactorRegistry.load(tmp_path, hardware="h200", verify_timeout=-1)
+
+
+def test_a_fallback_that_calls_sys_exit_fails_its_case_in_process(tmp_path, capsys):
+    """A fallback calling sys.exit(4) ended `verify --in-process` with status 4 and no table."""
+    build_plugin(tmp_path)
+    (tmp_path / "exit_fallback.py").write_text("import sys\ndef scale(arrays, sizes, params):\n    sys.exit(4)\n")
+    y = tmp_path / "host_scale.yaml"
+    y.write_text(y.read_text().replace("tests.plugins.host_scale_fallback:scale", "exit_fallback:scale"))
+    import sys
+    sys.path.insert(0, str(tmp_path))
+    try:
+        assert cli_main(["verify", "--dir", str(tmp_path), "--hardware", "h200", "--in-process"]) == 1
+    finally:
+        sys.path.remove(str(tmp_path))
+    out = capsys.readouterr().out
+    assert "FAIL  the Python fallback raised SystemExit: 4" in out, out
