@@ -7,6 +7,7 @@ library's ``ex_get_factor`` and ``ex_abi_version`` resolve to that library's own
 """
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -115,4 +116,10 @@ def dlopen(path: str):
     current folder is prepended (Path.absolute), never '..' folded away as os.path.abspath
     does: through a symlinked folder 'link/../x.so' is another file than 'x.so' beside 'link',
     and the kernel resolves the path dlopen gets as it resolved the one the bytes were read from."""
-    return lib_ffi.dlopen(str(Path(path).absolute()), lib_ffi.RTLD_NOW | lib_ffi.RTLD_LOCAL)
+    full = str(Path(path).absolute())
+    try:
+        full.encode("utf-8")
+    except UnicodeEncodeError:   # a name that is not UTF-8 decodes to surrogates: cffi cannot pass it
+        raise OSError(f"{full.encode('utf-8', 'backslashreplace').decode()}: the path is not valid UTF-8, "
+                      "which the loader (cffi) cannot open; rename the file or its folder") from None
+    return lib_ffi.dlopen(full, lib_ffi.RTLD_NOW | lib_ffi.RTLD_LOCAL)

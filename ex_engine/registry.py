@@ -468,6 +468,8 @@ class FactorRegistry:
         m = re.search(r"undefined symbol: (\S+)", text)
         if m:
             return f"unresolved symbol {m.group(1)} (a dependency missing or of another version): {text}"
+        if "the path is not valid UTF-8" in text:   # abi.dlopen's own refusal, before any dlopen
+            return text
         return f"not a loadable shared library: {text}"
 
     def _load_one(self, path: Path) -> Plugin:

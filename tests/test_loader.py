@@ -322,3 +322,15 @@ def test_call_plugin_refuses_overlapping_arrays_as_dispatch_does(tmp_path):
     assert (x == 1).all()
     out = np.zeros(7, np.float32)
     assert reg.call_plugin(p, {"x": x, "out": out, "alpha": alpha}) == "plugin" and (out == 2).all()
+
+
+def test_a_folder_whose_name_is_not_utf8_is_a_rejection_not_a_crash(tmp_path):
+    """list-factors and verify ended in UnicodeEncodeError (cffi's dlopen takes a str) for a
+    library under a folder named with a byte that is not UTF-8."""
+    import os
+    from pathlib import Path
+    folder = Path(os.fsdecode(os.fsencode(str(tmp_path)) + b"/v_\xe9"))
+    build_plugin(folder)
+    reg = FactorRegistry.load(folder, hardware="h200")
+    p = reg.plugins[0]
+    assert p.status == "rejected" and "the path is not valid UTF-8" in p.reason, p.reason
