@@ -346,12 +346,14 @@ def verify_plugin(registry, plugin, seed: int = 0, count: bool = True, isolate: 
 
 # ------------------------------------------------------------------------------------ child
 # The child: dies with its parent (Linux), loads only the plugin's library, checks it is the
-# file the parent loaded, then prints "START <case>" before and "CASE <result>" after each case
-# and "STATS <calls>" at the end, so a crash names the case it happened in.
+# file the parent loaded, then writes "START <case>" before and "CASE <result>" after each case
+# and "STATS <calls>" at the end to its own report file (not stdout, where a library may print
+# anything), so a crash names the case it happened in.
 _CHILD = r"""
 import dataclasses, json, os, signal, sys
 sys.path[:] = json.loads(sys.argv[1])
 a = json.loads(sys.argv[2])
+report = open(a["report"], "w")
 try:
     import ctypes
     ctypes.CDLL(None).prctl(1, signal.SIGKILL)    # PR_SET_PDEATHSIG: end with the parent
@@ -365,7 +367,8 @@ from ex_engine.verify import CaseResult, case_label, plugin_cases, run_case
 
 
 def say(tag, obj):
-    print(tag + " " + json.dumps(obj), flush=True)
+    report.write(tag + " " + json.dumps(obj) + "\n")
+    report.flush()
 
 
 reg = FactorRegistry(hardware=Hardware(**a["hardware"]), manifests_dir=a["manifests_dir"])
@@ -387,18 +390,20 @@ say("STATS", reg.stats().get(p.name, {}))
 def _verify_in_child(registry, plugin, seed: int, count: bool, timeout: float) -> list:
     """verify_plugin's cases in a child process that loads only ``plugin``'s library (same
     hardware, same manifests); a crash, a hang or an exit there is a FAIL row for the case it
-    was running. The child's output goes to a file, not a pipe, so a process the kernel forked
-    cannot hold the parent; the child's session is killed at the end."""
+    was running. The child reports to a file and its stderr goes to one, not to pipes, so a
+    process the kernel forked cannot hold the parent; the child's session is killed at the end."""
     import os
     import signal
     import subprocess
     import sys
     import tempfile
-    args = {"hardware": registry.hardware.as_dict(), "manifests_dir": str(registry.manifests_dir),
-            "path": str(plugin.path), "sha256": plugin.sha256, "seed": seed, "parent": os.getpid()}
-    cmd = [sys.executable, "-c", _CHILD, json.dumps(sys.path), json.dumps(args)]
-    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=err, text=True, start_new_session=True)
+    with tempfile.NamedTemporaryFile("r", prefix="ex_engine_verify_", suffix=".txt") as out, \
+            tempfile.TemporaryFile("w+") as err:
+        args = {"hardware": registry.hardware.as_dict(), "manifests_dir": str(registry.manifests_dir),
+                "path": str(plugin.path), "sha256": plugin.sha256, "seed": seed, "parent": os.getpid(),
+                "report": out.name}
+        cmd = [sys.executable, "-c", _CHILD, json.dumps(sys.path), json.dumps(args)]
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, text=True, start_new_session=True)
         try:
             rc, how = proc.wait(timeout=timeout), ""
         except subprocess.TimeoutExpired:
@@ -407,7 +412,6 @@ def _verify_in_child(registry, plugin, seed: int, count: bool, timeout: float) -
             _kill_session(proc)
             raise
         _kill_session(proc)
-        out.seek(0)
         err.seek(0)
         lines, stderr = out.read().splitlines(), err.read()
     results, running, stats = [], None, {}
@@ -422,7 +426,7 @@ def _verify_in_child(registry, plugin, seed: int, count: bool, timeout: float) -
             elif tag == "STATS":
                 stats = json.loads(body)
         except (ValueError, TypeError):
-            continue                   # a line the library printed itself
+            continue                   # a line cut short by the crash
     if count and any(stats.values()):
         with registry._lock:
             registry._stats[plugin.name].update({k: v for k, v in stats.items() if v})

@@ -318,3 +318,10 @@ def test_a_fallback_that_calls_sys_exit_fails_its_case_in_process(tmp_path, caps
         sys.path.remove(str(tmp_path))
     out = capsys.readouterr().out
     assert "FAIL  the Python fallback raised SystemExit: 4" in out, out
+
+
+def test_what_a_kernel_prints_is_not_taken_for_the_child_report(tmp_path):
+    build_plugin(tmp_path, defines={"PRINT_IN_KERNEL": True, "BEHAVIOUR": 4})   # wrong result
+    reg = FactorRegistry.load(tmp_path, hardware="h200")
+    res = verify_plugin(reg, reg.get("host_scale"), isolate=True)
+    assert [(r.case, r.status) for r in res] == [("N=7", "FAIL")], res
