@@ -13,6 +13,7 @@ import sys
 from . import _paths
 from .errors import FactorError
 from .hardware import Hardware, list_profiles, resolve
+from .verify import CHILD_TIMEOUT_S
 
 
 def token_count(v: str) -> int:
@@ -268,7 +269,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "so that a kernel that crashes, exits or hangs is a FAIL row and the others "
                         "still run); a kernel that crashes or calls exit() then ends the command, "
                         "with no table and the library's exit status")
-    p.add_argument("--timeout", type=seconds, default=120.0,
+    p.add_argument("--timeout", type=seconds, default=CHILD_TIMEOUT_S,
                    help="seconds for one plugin's checks in its child process (default: %(default)g)")
     p.set_defaults(fn=cmd_verify)
 
