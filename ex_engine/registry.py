@@ -23,7 +23,7 @@ import numpy as np
 
 from . import _paths, abi, fatbin, trust
 from .arrays import TensorRef
-from .errors import (ArgumentError, DeviceError, DeviceSideError, DTypeError, FactorError,
+from .errors import (ArgumentError, DeviceError, DeviceSideError, FactorError,
                      FactorNotFoundError, KernelError, LayoutError)
 from .hardware import Hardware, resolve
 from .manifest import Manifest, load_all
