@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import subprocess
 import sys
 
@@ -146,11 +147,22 @@ def cmd_verify(args) -> int:
     if not chosen:
         print(f"no ready plugins in {args.dir}: nothing verified (list-factors --why says why)", file=sys.stderr)
         return 1
+    if args.in_process and args.timeout is not None:
+        raise FactorError("--timeout: applies to the child processes; not with --in-process")
     results = []
-    for p in chosen:
-        print(f"verifying {p.name} ({p.path.name}) ...", flush=True)
-        results += verify.verify_plugin(reg, p, seed=args.seed, isolate=not args.in_process,
-                                        timeout=args.timeout)
+    # SIGTERM (timeout(1), kill) ends this command through SystemExit, so each child's session
+    # and report file are cleaned up as on Ctrl-C
+    import threading
+    main_thread = threading.current_thread() is threading.main_thread()   # signal.signal needs it
+    old_term = signal.signal(signal.SIGTERM, _exit_on_sigterm) if main_thread else None
+    try:
+        for p in chosen:
+            print(f"verifying {p.name} ({p.path.name}) ...", flush=True)
+            results += verify.verify_plugin(reg, p, seed=args.seed, isolate=not args.in_process,
+                                            timeout=args.timeout or verify.CHILD_TIMEOUT_S)
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, old_term)
     print(verify.format_table(results))
     n = {s: sum(r.status == s for r in results) for s in ("pass", "FAIL", "declined", "skipped")}
     print(f"verify: {n['pass']} passed, {n['FAIL']} failed, {n['declined']} declined by the plugin "
@@ -162,6 +174,10 @@ def cmd_verify(args) -> int:
         print(f"verify --strict: {n['skipped']} factor(s) skipped, not run (exit status 3)", file=sys.stderr)
         return 3
     return 0
+
+
+def _exit_on_sigterm(signum, frame):
+    raise SystemExit(128 + signum)
 
 
 def cmd_lock(args) -> int:
@@ -269,8 +285,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "so that a kernel that crashes, exits or hangs is a FAIL row and the others "
                         "still run); a kernel that crashes or calls exit() then ends the command, "
                         "with no table and the library's exit status")
-    p.add_argument("--timeout", type=seconds, default=CHILD_TIMEOUT_S,
-                   help="seconds for one plugin's checks in its child process (default: %(default)g)")
+    p.add_argument("--timeout", type=seconds, default=None,
+                   help=f"seconds for one plugin's checks in its child process, its start-up (about a "
+                        f"second) included (default: {CHILD_TIMEOUT_S:g})")
     p.set_defaults(fn=cmd_verify)
 
     p = sub.add_parser("lock", help="write the SHA-256 of every plugin library to a lock file",
@@ -306,6 +323,9 @@ def main(argv=None) -> int:
     except FactorError as exc:
         print(f"ex-engine: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:        # Ctrl-C: one line, not a traceback
+        print("ex-engine: interrupted", file=sys.stderr)
+        return 130
     except BrokenPipeError:          # `ex-engine list-factors | head`: the reader left early
         import os
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

@@ -383,7 +383,8 @@ else:
     for case, dt, k in plugin_cases(p):
         say("START", [case_label(case), dt])
         say("CASE", dataclasses.asdict(run_case(reg, p, case, dt, seed=a["seed"] * 1000 + k)))
-say("STATS", reg.stats().get(p.name, {}))
+        say("STATS", reg.stats().get(p.name, {}))     # so far: kept if a later case crashes
+say("DONE", 0)
 """
 
 
@@ -391,60 +392,83 @@ def _verify_in_child(registry, plugin, seed: int, count: bool, timeout: float) -
     """verify_plugin's cases in a child process that loads only ``plugin``'s library (same
     hardware, same manifests); a crash, a hang or an exit there is a FAIL row for the case it
     was running. The child reports to a file and its stderr goes to one, not to pipes, so a
-    process the kernel forked cannot hold the parent; the child's session is killed at the end."""
+    process the kernel forked cannot hold the parent; stdin is /dev/null; the child's session
+    is killed at the end (also when this process is interrupted)."""
     import os
     import signal
     import subprocess
     import sys
     import tempfile
-    with tempfile.NamedTemporaryFile("r", prefix="ex_engine_verify_", suffix=".txt") as out, \
-            tempfile.TemporaryFile("w+") as err:
+
+    def fail(case, dtype, detail):
+        return CaseResult(plugin.name, case, dtype, "FAIL", detail=detail)
+    try:
+        out = tempfile.NamedTemporaryFile("r", prefix="ex_engine_verify_", suffix=".txt", errors="replace")
+        err = tempfile.TemporaryFile("w+b")
+    except OSError as exc:
+        return [fail("-", "-", f"could not start verify's child process: no writable temporary folder ({exc})")]
+    with out, err:
         args = {"hardware": registry.hardware.as_dict(), "manifests_dir": str(registry.manifests_dir),
                 "path": str(plugin.path), "sha256": plugin.sha256, "seed": seed, "parent": os.getpid(),
                 "report": out.name}
         cmd = [sys.executable, "-c", _CHILD, json.dumps(sys.path), json.dumps(args)]
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, text=True, start_new_session=True)
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err,
+                                start_new_session=True)
         try:
             rc, how = proc.wait(timeout=timeout), ""
         except subprocess.TimeoutExpired:
             rc, how = None, f"timed out after {timeout:g} s"
-        except BaseException:          # Ctrl-C: leave no child behind
+        finally:                       # also on Ctrl-C or SystemExit: leave no child behind
             _kill_session(proc)
-            raise
-        _kill_session(proc)
-        err.seek(0)
-        lines, stderr = out.read().splitlines(), err.read()
-    results, running, stats = [], None, {}
+        lines = out.read().splitlines()
+        err.seek(max(0, err.seek(0, os.SEEK_END) - 4096))   # only the tail: a kernel may print GBs
+        last = (err.read().decode(errors="replace").strip().splitlines() or ["no message"])[-1]
+    # the report, checked against the cases: START and CASE of each case in order, then DONE
+    expected = [[case_label(c), dt] for c, dt, _ in plugin_cases(plugin)]
+    results, running, stats, done, garbled = [], None, {}, False, False
     for ln in lines:
         tag, _, body = ln.partition(" ")
         try:
-            if tag == "START":
-                running = json.loads(body)
-            elif tag == "CASE":
-                results.append(CaseResult(**json.loads(body)))
-                running = None
-            elif tag == "STATS":
-                stats = json.loads(body)
-        except (ValueError, TypeError):
-            continue                   # a line cut short by the crash
+            obj = json.loads(body)
+        except ValueError:
+            garbled = garbled or ln != lines[-1]   # only the last line may be cut short by a crash
+            continue
+        if tag == "START" and running is None and len(results) < len(expected) and obj == expected[len(results)]:
+            running = obj
+        elif tag == "CASE" and isinstance(obj, dict) and (running is None and not results and obj.get("case") == "-"
+                                                          or running == [obj.get("case"), obj.get("dtype")]):
+            try:
+                results.append(CaseResult(**obj))
+            except TypeError:
+                garbled = True
+            running = None
+        elif tag == "STATS" and isinstance(obj, dict):
+            stats = obj
+        elif tag == "DONE":
+            done = True
+        else:
+            garbled = True
     if count and any(stats.values()):
         with registry._lock:
-            registry._stats[plugin.name].update({k: v for k, v in stats.items() if v})
+            registry._stats[plugin.name].update({k: v for k, v in stats.items() if isinstance(v, int) and v})
+    if garbled:
+        return [fail("-", "-", "the report of verify's child process does not match the plugin's cases "
+                          "(something else wrote to it)")]
     if rc is not None and rc < 0:
         try:
             how = f"crashed: {signal.Signals(-rc).name}"
         except ValueError:
             how = f"crashed: signal {-rc}"
-    elif rc is not None and (rc != 0 or "STATS" not in {ln.partition(" ")[0] for ln in lines}):
-        last = (stderr.strip().splitlines() or ["no message"])[-1]
+        how += f"; last stderr line: {last}" if last != "no message" else ""
+    elif rc is not None and (rc != 0 or not done):
         how = f"ended with status {rc}: {last}"
     if not how:
         return results
     case, dtype = running if running else ("-", "-")
     where = "in this case" if running else ("after its cases" if results else "before its cases")
-    left = len(plugin_cases(plugin)) - len(results) - (1 if running else 0)
-    detail = f"{how} ({where}; verify's child process" + (f"; {left} later case(s) not run)" if left > 0 else ")")
-    return results + [CaseResult(plugin.name, case, dtype, "FAIL", detail=detail)]
+    left = len(expected) - len(results) - (1 if running else 0)
+    return results + [fail(case, dtype, f"{how} ({where}; verify's child process"
+                           + (f"; {left} later case(s) not run)" if left > 0 else ")"))]
 
 
 def _kill_session(proc) -> None:
@@ -489,11 +513,29 @@ def _cache_key(registry, plugin) -> str:
     return f"{plugin.sha256}|{where}"
 
 
+# What a cached pass was checked with besides the library: bump VERIFY_RULES when verify's own
+# checks change (2: guard zones around written arrays, fallbacks that raise SystemExit), so a
+# pass under weaker checks is not reused.
+VERIFY_RULES = 2
+
+
 def _manifest_digest(m) -> str:
     import hashlib
     try:
         return hashlib.sha256(Path(m.path).read_bytes()).hexdigest()
     except OSError:
+        return ""
+
+
+def _fallback_digest(registry, m) -> str:
+    """SHA-256 of the source file of the Python fallback verify compares with ('' if unknown):
+    a pass against a fallback since fixed is not reused."""
+    import hashlib
+    import inspect
+    try:
+        fn = registry._fallbacks.get(m.name) or m.fallback_fn()
+        return hashlib.sha256(Path(inspect.getsourcefile(fn)).read_bytes()).hexdigest()
+    except (FactorError, OSError, TypeError):
         return ""
 
 
@@ -504,9 +546,10 @@ def verify_at_load(registry, plugin) -> tuple:
     if why:
         return True, f"skipped: {why}"
     key, cache = _cache_key(registry, plugin), _read_cache()
-    digest = _manifest_digest(plugin.manifest)
+    with_what = {"manifest_sha256": _manifest_digest(plugin.manifest),
+                 "fallback_sha256": _fallback_digest(registry, plugin.manifest), "rules": VERIFY_RULES}
     hit = cache.get(key)
-    if isinstance(hit, dict) and hit.get("manifest_sha256") == digest:
+    if isinstance(hit, dict) and all(hit.get(k) == v for k, v in with_what.items()):
         return True, (f"passed before ({hit.get('cases')} cases on {key.split('|', 1)[1]}, "
                       f"{hit.get('when')}; cache {cache_file()})")
     results = verify_plugin(registry, plugin, count=False, isolate=registry.probe == "subprocess",
@@ -514,11 +557,12 @@ def verify_at_load(registry, plugin) -> tuple:
     failed = [r for r in results if r.failed]
     if failed:
         text = "; ".join(f"{r.case} {r.dtype}: {r.detail}" for r in failed[:3])
-        return False, f"{len(failed)} of {len(results)} cases failed against the Python fallback: {text}"
+        n = max(len(plugin_cases(plugin)), len(results))   # a crash leaves later cases without a row
+        return False, f"{len(failed)} of {n} cases failed against the Python fallback: {text}"
     declined = sum(r.status == "declined" for r in results)
     cache = _read_cache()
     cache[key] = {"factor": plugin.name, "file": plugin.path.name, "cases": len(results),
-                  "manifest_sha256": digest, "when": time.strftime("%Y-%m-%d %H:%M:%S")}
+                  "when": time.strftime("%Y-%m-%d %H:%M:%S"), **with_what}
     _write_cache(cache)
     return True, (f"{len(results) - declined} cases passed against the Python fallback"
                   + (f", {declined} declined by the plugin" if declined else "") + f" (cached in {cache_file()})")

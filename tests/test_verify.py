@@ -10,7 +10,7 @@ from ex_engine import FactorError, FactorRegistry
 from ex_engine.arrays import Bits16, TensorRef
 from ex_engine.cli import main as cli_main
 from ex_engine.manifest import load_all
-from ex_engine.verify import case_dtypes, compare, make_inputs, verify_plugin
+from ex_engine.verify import VERIFY_RULES, case_dtypes, compare, make_inputs, verify_plugin
 from tests.conftest import ROOT, build_plugin
 from tests.test_loader import call
 
@@ -325,3 +325,74 @@ def test_what_a_kernel_prints_is_not_taken_for_the_child_report(tmp_path):
     reg = FactorRegistry.load(tmp_path, hardware="h200")
     res = verify_plugin(reg, reg.get("host_scale"), isolate=True)
     assert [(r.case, r.status) for r in res] == [("N=7", "FAIL")], res
+
+
+def test_verify_in_a_child_reads_stderr_that_is_not_utf8_and_names_it_on_a_crash(tmp_path):
+    """A kernel writing a non-UTF-8 line to stderr crashed verify (UnicodeDecodeError) and was
+    rejected at load though its results were right; on a crash its last stderr line is shown."""
+    build_plugin(tmp_path / "ok", defines={"STDERR_IN_KERNEL": True})
+    reg = FactorRegistry.load(tmp_path / "ok", hardware="h200")
+    assert [r.status for r in verify_plugin(reg, reg.get("host_scale"), isolate=True)] == ["pass"]
+    build_plugin(tmp_path / "crash", defines={"STDERR_IN_KERNEL": True, "CRASH_IN_KERNEL": 8})
+    reg = FactorRegistry.load(tmp_path / "crash", hardware="h200")
+    res = verify_plugin(reg, reg.get("host_scale"), isolate=True)
+    assert res[0].detail.startswith("crashed: SIGSEGV; last stderr line: warnung: Gr\ufffd\ufffde (in this case"), res
+
+
+def test_a_crash_keeps_the_calls_before_it_in_the_stats_and_the_load_reason_counts_every_case(tmp_path, capsys,
+                                                                                                 cache):
+    build_plugin(tmp_path, defines={"CRASH_IN_KERNEL": 8, "CRASH_IF_N": 9})
+    y = tmp_path / "host_scale.yaml"
+    y.write_text(y.read_text().replace("  - {N: 7}", "  - {N: 7}\n  - {N: 8}\n  - {N: 9}\n  - {N: 10}"))
+    assert cli_main(["verify", "--dir", str(tmp_path), "--hardware", "h200"]) == 1
+    stats = json.loads(capsys.readouterr().out.split("stats: ")[1])
+    assert stats["host_scale"]["plugin"] == 2                  # N=7 and N=8 ran before the crash
+    reg = FactorRegistry.load(tmp_path, hardware="h200", verify=True, probe="subprocess")
+    assert "1 of 4 cases failed" in reg.plugins[0].reason, reg.plugins[0].reason
+
+
+def test_a_cached_pass_is_not_reused_under_other_rules_or_another_fallback(tmp_path, cache, monkeypatch):
+    """The cache key was the library and the manifest: a pass under older checks (before the
+    guard zones) or against a fallback since fixed was reused."""
+    build_plugin(tmp_path)
+    reg = FactorRegistry.load(tmp_path, hardware="h200", verify=True)
+    key = f"{reg.get('host_scale').sha256}|host"
+    data = json.loads(cache.read_text())
+    assert data[key]["rules"] == VERIFY_RULES and len(data[key]["fallback_sha256"]) == 64
+    data[key]["rules"] = VERIFY_RULES - 1
+    cache.write_text(json.dumps(data))
+    reg = FactorRegistry.load(tmp_path, hardware="h200", verify=True)
+    assert reg.get("host_scale").checks[-1].detail.startswith("1 cases passed"), "re-verified"
+    data = json.loads(cache.read_text())
+    data[key]["fallback_sha256"] = "0" * 64
+    cache.write_text(json.dumps(data))
+    reg = FactorRegistry.load(tmp_path, hardware="h200", verify=True)
+    assert reg.get("host_scale").checks[-1].detail.startswith("1 cases passed"), "re-verified"
+    reg = FactorRegistry.load(tmp_path, hardware="h200", verify=True)
+    assert reg.get("host_scale").checks[-1].detail.startswith("passed before")
+
+
+def test_sigterm_to_verify_leaves_no_process_behind(tmp_path):
+    """SIGTERM (timeout(1), kill) ended the command but left a process the kernel forked
+    spinning and the report file in the temporary folder."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    build_plugin(tmp_path, defines={"FORK_IN_KERNEL": True, "HANG_IN_KERNEL": True})
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.Popen([sys.executable, "-m", "ex_engine", "verify", "--dir", str(tmp_path), "--hardware",
+                             "h200"], cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    time.sleep(4)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 128 + signal.SIGTERM
+    time.sleep(0.5)
+    left = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+    assert str(tmp_path) not in left, left
+
+
+def test_cli_verify_timeout_is_for_child_processes_only(tmp_path, capsys):
+    build_plugin(tmp_path)
+    assert cli_main(["verify", "--dir", str(tmp_path), "--hardware", "h200", "--in-process", "--timeout", "5"]) == 2
+    assert "--timeout: applies to the child processes; not with --in-process" in capsys.readouterr().err

@@ -9,13 +9,14 @@
  * pointer), OOB (writes OOB floats past the output's end), CRASH_IN_KERNEL (the kernel writes to
  * that address, e.g. 8: SIGSEGV; with CRASH_IF_N only when N is that), FORK_IN_KERNEL (the
  * kernel forks a child that spins forever), HANG_IN_KERNEL (the kernel never returns), EXIT_IN_KERNEL (the kernel calls exit(N)),
- * PRINT_IN_KERNEL (the kernel prints a line that looks like a verify report to stdout), HELPER (the kernel calls helper_alpha() from a separate library), WORKSPACE
+ * PRINT_IN_KERNEL (the kernel prints a line that looks like a verify report to stdout),
+ * STDERR_IN_KERNEL (the kernel writes a line that is not UTF-8 to stderr), HELPER (the kernel calls helper_alpha() from a separate library), WORKSPACE
  * (aux[1] is a runtime workspace: the product goes through scratch memory there, and a negative
  * alpha sets bit 0 of its status word; manifest tests/plugins/host_scale_ws.yaml). */
 #include "ex_engine.h"
 #include <stdint.h>
 #include <stdlib.h>
-#ifdef PRINT_IN_KERNEL
+#if defined(PRINT_IN_KERNEL) || defined(STDERR_IN_KERNEL)
 #include <stdio.h>
 #endif
 #ifdef FORK_IN_KERNEL
@@ -67,6 +68,10 @@ static int scale(void* output, const void* input, const void* aux[], int n_aux,
     if (n_aux < 1 || n_dims < 1) return EX_ERR_INVALID_ARGUMENT;
     float alpha = ALPHA(((const float*)aux[0])[0]);
     float plus = BEHAVIOUR == 4 ? 1.0f : 0.0f;
+#ifdef STDERR_IN_KERNEL
+    fprintf(stderr, "warnung: Gr\xf6\xdf" "e\n");   /* not UTF-8 */
+    fflush(stderr);
+#endif
 #ifdef CRASH_IN_KERNEL
 #ifdef CRASH_IF_N
     if (dims[0] == CRASH_IF_N)
