@@ -333,12 +333,14 @@ def verify_plugin(registry, plugin, seed: int = 0, count: bool = True, isolate: 
     CHILD_TIMEOUT_S), so that a kernel that crashes (a far out-of-bounds write, an abort), ends
     the process or hangs is a FAIL row naming the case it was running, the cases before it keep
     their results, and this process goes on; the child's calls are added to
-    ``registry.stats()`` when ``count``. A fallback set with ``registry.set_fallback`` exists in
-    this process only: such a plugin runs here."""
+    ``registry.stats()`` when ``count``. A fallback set with ``registry.set_fallback`` or named in
+    ``__main__`` exists in this process only: such a plugin runs here."""
     why = cannot_run(registry, plugin)
     if why:
         return [CaseResult(plugin.name, "-", "-", "skipped", detail=why)]
-    if isolate and plugin.name not in registry._fallbacks:
+    # a fallback the child could not import (set_fallback, or defined in __main__): run here
+    here = plugin.name in registry._fallbacks or (plugin.manifest.fallback or "").startswith("__main__:")
+    if isolate and not here:
         return _verify_in_child(registry, plugin, seed, count, timeout)
     return [run_case(registry, plugin, case, dt, seed=seed * 1000 + k, count=count)
             for case, dt, k in plugin_cases(plugin)]

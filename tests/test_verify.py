@@ -396,3 +396,19 @@ def test_cli_verify_timeout_is_for_child_processes_only(tmp_path, capsys):
     build_plugin(tmp_path)
     assert cli_main(["verify", "--dir", str(tmp_path), "--hardware", "h200", "--in-process", "--timeout", "5"]) == 2
     assert "--timeout: applies to the child processes; not with --in-process" in capsys.readouterr().err
+
+
+def test_a_fallback_in_main_is_verified_here_not_in_the_child(tmp_path):
+    """A manifest fallback '__main__:fn' (a script's own function) cannot be imported by the
+    child: the plugin was rejected 'not ready in the child process'; it runs in this process."""
+    import __main__
+    build_plugin(tmp_path)
+    y = tmp_path / "host_scale.yaml"
+    y.write_text(y.read_text().replace("tests.plugins.host_scale_fallback:scale", "__main__:ex_engine_test_scale"))
+    from tests.plugins.host_scale_fallback import scale
+    __main__.ex_engine_test_scale = scale
+    try:
+        reg = FactorRegistry.load(tmp_path, hardware="h200")
+        assert [r.status for r in verify_plugin(reg, reg.get("host_scale"), isolate=True)] == ["pass"]
+    finally:
+        del __main__.ex_engine_test_scale
