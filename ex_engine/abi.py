@@ -120,6 +120,6 @@ def dlopen(path: str):
     try:
         full.encode("utf-8")
     except UnicodeEncodeError:   # a name that is not UTF-8 decodes to surrogates: cffi cannot pass it
-        raise OSError(f"{full.encode('utf-8', 'backslashreplace').decode()}: the path is not valid UTF-8, "
+        raise OSError(f"{os.fsencode(full).decode('utf-8', 'backslashreplace')}: the path is not valid UTF-8, "
                       "which the loader (cffi) cannot open; rename the file or its folder") from None
     return lib_ffi.dlopen(full, lib_ffi.RTLD_NOW | lib_ffi.RTLD_LOCAL)

@@ -135,6 +135,8 @@ def cmd_run_moe(args) -> int:
 
 def cmd_verify(args) -> int:
     from . import verify
+    if args.in_process and args.timeout is not None:
+        raise FactorError("--timeout: applies to the child processes; not with --in-process")
     reg = _registry(args)
     hw = reg.hardware
     print(f"hardware: {hw.name} ({hw.source})")
@@ -147,11 +149,10 @@ def cmd_verify(args) -> int:
     if not chosen:
         print(f"no ready plugins in {args.dir}: nothing verified (list-factors --why says why)", file=sys.stderr)
         return 1
-    if args.in_process and args.timeout is not None:
-        raise FactorError("--timeout: applies to the child processes; not with --in-process")
     results = []
-    # SIGTERM (timeout(1), kill) ends this command through SystemExit, so each child's session
-    # and report file are cleaned up as on Ctrl-C
+    # SIGTERM (timeout(1), kill) ends this command through an exception, so each child's session
+    # and report file are cleaned up as on Ctrl-C (not SystemExit: verify turns a fallback's
+    # SystemExit into that case's FAIL)
     import threading
     main_thread = threading.current_thread() is threading.main_thread()   # signal.signal needs it
     old_term = signal.signal(signal.SIGTERM, _exit_on_sigterm) if main_thread else None
@@ -176,8 +177,12 @@ def cmd_verify(args) -> int:
     return 0
 
 
+class Terminated(BaseException):
+    """SIGTERM arrived during `ex-engine verify` (main() exits with status 143)."""
+
+
 def _exit_on_sigterm(signum, frame):
-    raise SystemExit(128 + signum)
+    raise Terminated()
 
 
 def cmd_lock(args) -> int:
@@ -326,6 +331,9 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:        # Ctrl-C: one line, not a traceback
         print("ex-engine: interrupted", file=sys.stderr)
         return 130
+    except Terminated:
+        print("ex-engine: terminated (SIGTERM)", file=sys.stderr)
+        return 128 + signal.SIGTERM
     except BrokenPipeError:          # `ex-engine list-factors | head`: the reader left early
         import os
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

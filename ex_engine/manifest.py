@@ -90,14 +90,19 @@ class Manifest:
     device_flags: dict = field(default_factory=dict)
     memory: str = "device"         # 'device': kernels take CUDA pointers; 'host': CPU pointers
     path: str = ""
+    sha256: str = ""            # of the file's bytes as loaded ('' when built from parsed data only)
 
     @classmethod
-    def load(cls, path, data=None) -> "Manifest":
+    def load(cls, path, data=None, raw: bytes | None = None) -> "Manifest":
         """Read and check a manifest file (``data``: its contents already parsed, as load_all
-        has them). Raises FactorError naming the file and the field."""
+        has them, from the bytes ``raw``). Raises FactorError naming the file and the field."""
         path = Path(path)
         try:
-            d = yaml.safe_load(path.read_text()) if data is None else data
+            if data is None:
+                raw = path.read_bytes()
+                d = yaml.safe_load(raw.decode())
+            else:
+                d = data
             m = cls(name=d["name"], id=int(d["id"]), summary=d.get("summary", ""),
                     math=d.get("math", ""), dims=list(d["dims"]),
                     output=TensorSpec.from_yaml(d["output"], "output"),
@@ -123,6 +128,9 @@ class Manifest:
         problem = m._structure_problem()
         if problem:
             raise FactorError(f"manifest {path}: {problem}")
+        if raw is not None:
+            import hashlib
+            m.sha256 = hashlib.sha256(raw).hexdigest()
         if m.input.same_as_output:
             m.input = TensorSpec(**{**m.output.__dict__, "role": "input", "same_as_output": True})
         m._constraints = [_CONSTRAINT.match(c) for c in m.constraints]
@@ -354,7 +362,8 @@ class Manifest:
         A not: A = B, its origin saying why."""
         for spec, m in self._absent:
             a, op, b = m.groups()
-            if arrays.get(spec.name) is None and op == "==" and a not in sizes and b in sizes:
+            if (arrays.get(spec.name) is None and op == "==" and a in self.shape_symbols
+                    and a not in sizes and b in sizes):
                 sizes[a] = sizes[b]
                 origin[a] = f"{origin.get(b, b)}, as {b}: {spec.name} not given"
 
@@ -432,11 +441,12 @@ def load_all(folder, errors: dict | None = None) -> dict:
     for p in sorted(Path(folder).glob("*.yaml")):
         try:
             try:
-                d = yaml.safe_load(p.read_text())
+                raw = p.read_bytes()
+                d = yaml.safe_load(raw.decode())
             except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
                 raise FactorError(f"manifest {p}: malformed ({type(exc).__name__}: {one_line(exc)})") from exc
             if isinstance(d, dict) and "name" in d and ("dims" in d or "id" in d):
-                m = Manifest.load(p, d)  # a factor manifest (one missing a key is named)
+                m = Manifest.load(p, d, raw)  # a factor manifest (one missing a key is named)
                 if m.name in out:
                     raise FactorError(f"manifest {p}: names '{m.name}', as {out[m.name].path} does "
                                       "already; one manifest per factor name (the first by file "

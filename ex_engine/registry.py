@@ -652,7 +652,7 @@ class FactorRegistry:
                 by_name[p.name].append(p)
         self._chosen = {}
         for name, ps in by_name.items():
-            ps.sort(key=lambda q: (self._preferred(q), q.version_key(), q.priority, str(q.path)), reverse=True)
+            ps.sort(key=lambda q: (self._preferred(q), q.version_key(), q.priority, q.path.name, str(q.path)), reverse=True)
             win = ps[0]
             self._chosen[name] = win
             pref = f"{{{name!r}: {str(self.prefer[name])!r}}}" if self._preferred(win) else ""
@@ -671,7 +671,7 @@ class FactorRegistry:
             ids[p.factor_id].append(p)
         for fid, ps in ids.items():
             if len(ps) > 1:
-                ps.sort(key=lambda q: (self._preferred(q), q.version_key(), q.priority, str(q.path)))
+                ps.sort(key=lambda q: (self._preferred(q), q.version_key(), q.priority, q.path.name, str(q.path)))
                 win = ps[-1]
                 for q in ps[:-1]:
                     pref = (f"{{{win.name!r}: {str(self.prefer[win.name])!r}}}"
@@ -719,8 +719,10 @@ class FactorRegistry:
             raise ArgumentError(name, "arrays", "type", "a dict {argument name: array}",
                                 type(arrays).__name__) from None
         except ArgumentError as exc:   # TensorRef.of does not know the factor: name it
-            self._unknown_argument(m, arrays)   # a size or a misspelt name, not a bad array
-            raise type(exc)(name, exc.argument, exc.rule, exc.expected, exc.got) from None
+            self._count(name, "errors")
+            # a size or a misspelt name is the problem then, not the type of its value
+            raise (self._unknown_argument(m, arrays)
+                   or type(exc)(name, exc.argument, exc.rule, exc.expected, exc.got)) from None
         # A call with the same dtypes, shapes, strides, device and params (values and types) as
         # an earlier valid one needs only its pointers checked: the bound dims are reused (host
         # overhead); anything else is bound, i.e. checked in full, again.
@@ -737,7 +739,7 @@ class FactorRegistry:
             # a misspelt array name would otherwise be dropped silently (on a cache hit every
             # non-None name is known already: only None values need the check)
             if (hit is None or len(arrays) != len(refs_by_name)) and not m.user_names.issuperset(arrays):
-                self._unknown_argument(m, arrays)
+                raise self._unknown_argument(m, arrays)
             if hit is None:
                 refs, dims, sizes, pvals, device = m.bind(refs_by_name, params, self.tuning.value)
                 if len(self._bind_cache) > 4096:
@@ -801,17 +803,17 @@ class FactorRegistry:
         return path
 
     @staticmethod
-    def _unknown_argument(m: Manifest, arrays: dict) -> None:
-        """Raise ArgumentError for the first name of ``arrays`` that is not one of ``m``'s
-        arguments (saying so when it is a size or the runtime's workspace); else return."""
+    def _unknown_argument(m: Manifest, arrays: dict):
+        """The ArgumentError for the first name of ``arrays`` that is not one of ``m``'s
+        arguments (saying so when it is a size or the runtime's workspace); None if all are."""
         unknown = sorted(set(arrays) - m.user_names)
         if not unknown:
-            return
+            return None
         bad = unknown[0]
         ws = [t.name for t in m.tensors if t.role == "workspace"]
         why = ("unknown argument: a size, taken from the arrays' shapes" if bad in m.shape_symbols else
                "unknown argument: the runtime supplies the workspace" if bad in ws else "unknown argument")
-        raise ArgumentError(m.name, bad, why, f"one of {sorted(m.user_names)}", repr(bad))
+        return ArgumentError(m.name, bad, why, f"one of {sorted(m.user_names)}", repr(bad))
 
     def _count(self, name, key):
         with self._lock:

@@ -135,9 +135,10 @@ def probe_library(path, hardware, timeout: float = 10.0) -> tuple:
     report it without running the library's code.
     """
     cmd = [sys.executable, "-c", _CHILD, str(Path(path).absolute()), json.dumps(hardware.as_dict()),
-           json.dumps(sys.path)]
-    try:
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+           json.dumps(child_sys_path())]
+    try:   # a library may print anything, not UTF-8 too
+        r = subprocess.run(cmd, capture_output=True, text=True, errors="replace", timeout=timeout,
+                           stdin=subprocess.DEVNULL)
         out, rc = r.stdout, r.returncode
     except subprocess.TimeoutExpired as exc:
         out = exc.stdout.decode(errors="replace") if isinstance(exc.stdout, bytes) else (exc.stdout or "")
@@ -151,6 +152,20 @@ def probe_library(path, hardware, timeout: float = 10.0) -> tuple:
         return True, f"child process ended with status {rc} before opening the library; not probed"
     # the library ended the process itself (exit() in a constructor or in ex_get_factor)
     return False, f"exited with status {rc} in {stage} (the library ended the child process)"
+
+
+def child_sys_path(extra=()) -> list:
+    """sys.path for a child process: ``extra`` folders first, then this process's entries as
+    absolute paths (an entry '' or a relative one means this process's current folder, which a
+    child started later from another folder would read otherwise); entries that are not paths
+    (which imports ignore) dropped."""
+    import os
+    out = [str(p) for p in extra]
+    out.append(str(Path(__file__).resolve().parents[1]))   # where this ex_engine was imported from
+    for p in sys.path:
+        if isinstance(p, (str, os.PathLike)):
+            out.append(os.path.abspath(os.fspath(p) or "."))
+    return out
 
 
 def _stage(stdout: str) -> str:

@@ -252,6 +252,9 @@ def run_case(registry, plugin, case: dict, dtype: str, seed: int = 0, count: boo
         return _run_case(registry, plugin, m, case, dtype, seed, count, xp, label, tol)
     except FactorError as exc:
         return CaseResult(m.name, label, dtype, "FAIL", "-", None, tol, f"{type(exc).__name__}: {exc}")
+    except Exception as exc:   # e.g. a manifest test shape or `values` that cannot be drawn
+        return CaseResult(m.name, label, dtype, "FAIL", "-", None, tol,
+                          f"could not run this case: {type(exc).__name__}: {exc}")
 
 
 _GUARD_BYTES = 4096
@@ -365,7 +368,7 @@ if os.getppid() != a["parent"]:
     sys.exit(3)                                    # the parent already ended
 from ex_engine.hardware import Hardware
 from ex_engine.registry import FactorRegistry
-from ex_engine.verify import CaseResult, case_label, plugin_cases, run_case
+from ex_engine.verify import CaseResult, _manifest_digest, case_label, plugin_cases, run_case
 
 
 def say(tag, obj):
@@ -378,6 +381,9 @@ p = reg.load_library(a["path"])
 if p.sha256 != a["sha256"]:   # the file changed after the parent checked it (and its lock)
     say("CASE", dataclasses.asdict(CaseResult(p.name, "-", "-", "FAIL", detail="the library file "
         f"changed after it was loaded (sha256 {a['sha256'][:12]}... then, {str(p.sha256)[:12]}... now)")))
+elif p.manifest is not None and _manifest_digest(p.manifest) != a["manifest_sha256"]:
+    say("CASE", dataclasses.asdict(CaseResult(p.name, "-", "-", "FAIL", detail="its manifest "
+        f"{p.manifest.path} changed after it was loaded")))
 elif p.status != "ready":
     say("CASE", dataclasses.asdict(CaseResult(p.name, "-", "-", "FAIL",
                                               detail=f"not ready in the child process: {p.reason}")))
@@ -387,6 +393,9 @@ else:
         say("CASE", dataclasses.asdict(run_case(reg, p, case, dt, seed=a["seed"] * 1000 + k)))
         say("STATS", reg.stats().get(p.name, {}))     # so far: kept if a later case crashes
 say("DONE", 0)
+report.close()
+sys.stderr.flush()
+os._exit(0)   # the checks are done: a library's teardown (destructors, CUDA) is not verify's to wait for
 """
 
 
@@ -396,31 +405,36 @@ def _verify_in_child(registry, plugin, seed: int, count: bool, timeout: float) -
     was running. The child reports to a file and its stderr goes to one, not to pipes, so a
     process the kernel forked cannot hold the parent; stdin is /dev/null; the child's session
     is killed at the end (also when this process is interrupted)."""
+    import contextlib
     import os
     import signal
     import subprocess
     import sys
     import tempfile
 
+    from .trust import child_sys_path
+
     def fail(case, dtype, detail):
         return CaseResult(plugin.name, case, dtype, "FAIL", detail=detail)
-    try:
-        out = tempfile.NamedTemporaryFile("r", prefix="ex_engine_verify_", suffix=".txt", errors="replace")
-        err = tempfile.TemporaryFile("w+b")
-    except OSError as exc:
-        return [fail("-", "-", f"could not start verify's child process: no writable temporary folder ({exc})")]
-    with out, err:
+    with contextlib.ExitStack() as stack:
+        try:
+            out = stack.enter_context(tempfile.NamedTemporaryFile(
+                "r", prefix="ex_engine_verify_", suffix=".txt", errors="replace"))
+            err = stack.enter_context(tempfile.TemporaryFile("w+b"))
+        except OSError as exc:
+            return [fail("-", "-", f"could not start verify's child process: no writable temporary folder ({exc})")]
         args = {"hardware": registry.hardware.as_dict(), "manifests_dir": str(registry.manifests_dir),
                 "path": str(plugin.path), "sha256": plugin.sha256, "seed": seed, "parent": os.getpid(),
-                "report": out.name}
-        cmd = [sys.executable, "-c", _CHILD, json.dumps(sys.path), json.dumps(args)]
+                "manifest_sha256": _manifest_digest(plugin.manifest), "report": out.name}
+        cmd = [sys.executable, "-c", _CHILD, json.dumps(child_sys_path(_fallback_roots(plugin.manifest))),
+               json.dumps(args)]
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err,
                                 start_new_session=True)
         try:
-            rc, how = proc.wait(timeout=timeout), ""
-        except subprocess.TimeoutExpired:
-            rc, how = None, f"timed out after {timeout:g} s"
-        finally:                       # also on Ctrl-C or SystemExit: leave no child behind
+            rc, how = _wait_unreaped(proc, timeout), ""
+            if rc is None:
+                how = f"timed out after {timeout:g} s"
+        finally:                       # also on Ctrl-C or SIGTERM: leave no child behind
             _kill_session(proc)
         lines = out.read().splitlines()
         err.seek(max(0, err.seek(0, os.SEEK_END) - 4096))   # only the tail: a kernel may print GBs
@@ -440,7 +454,7 @@ def _verify_in_child(registry, plugin, seed: int, count: bool, timeout: float) -
         elif tag == "CASE" and isinstance(obj, dict) and (running is None and not results and obj.get("case") == "-"
                                                           or running == [obj.get("case"), obj.get("dtype")]):
             try:
-                results.append(CaseResult(**obj))
+                results.append(CaseResult(**{**obj, "factor": plugin.name}))
             except TypeError:
                 garbled = True
             running = None
@@ -473,8 +487,42 @@ def _verify_in_child(registry, plugin, seed: int, count: bool, timeout: float) -
                            + (f"; {left} later case(s) not run)" if left > 0 else ")"))]
 
 
+def _fallback_roots(m) -> list:
+    """The folders the manifest's Python fallback was imported from in this process (its top
+    package's parent, or a module's own folder), for the child's sys.path: this process may have
+    found it through '' or a relative entry before a chdir, or by another import mechanism."""
+    import sys
+    if m is None or not m.fallback:
+        return []
+    top = m.fallback.partition(":")[0].split(".")[0]
+    mod = sys.modules.get(top)
+    f = getattr(mod, "__file__", None)
+    if not f:
+        return []
+    p = Path(f).resolve()
+    return [str(p.parent.parent if p.name == "__init__.py" else p.parent)]
+
+
+def _wait_unreaped(proc, timeout: float):
+    """The child's exit status (negative: the signal), or None after ``timeout`` seconds,
+    leaving it unreaped (a zombie keeps its process group's id from being reused before
+    _kill_session kills the group)."""
+    import os
+    import time
+    end = time.monotonic() + timeout
+    delay = 0.001
+    while True:
+        info = os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        if info is not None and info.si_pid == proc.pid:
+            return info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
+        if time.monotonic() >= end:
+            return None
+        time.sleep(delay)
+        delay = min(delay * 2, 0.05)
+
+
 def _kill_session(proc) -> None:
-    """Kill the child and whatever it started (its own session), and reap it."""
+    """Kill the child and whatever it started (its own session), then reap it."""
     import os
     import signal
     try:
@@ -522,7 +570,12 @@ VERIFY_RULES = 2
 
 
 def _manifest_digest(m) -> str:
+    """SHA-256 of the manifest as it was loaded (of its file now if it was built otherwise)."""
     import hashlib
+    if m is None:
+        return ""
+    if m.sha256:
+        return m.sha256
     try:
         return hashlib.sha256(Path(m.path).read_bytes()).hexdigest()
     except OSError:
@@ -556,11 +609,13 @@ def verify_at_load(registry, plugin) -> tuple:
                       f"{hit.get('when')}; cache {cache_file()})")
     results = verify_plugin(registry, plugin, count=False, isolate=registry.probe == "subprocess",
                             timeout=registry.verify_timeout)
-    failed = [r for r in results if r.failed]
-    if failed:
-        text = "; ".join(f"{r.case} {r.dtype}: {r.detail}" for r in failed[:3])
-        n = max(len(plugin_cases(plugin)), len(results))   # a crash leaves later cases without a row
-        return False, f"{len(failed)} of {n} cases failed against the Python fallback: {text}"
+    failed = [r for r in results if r.failed and r.case != "-"]
+    other = [r for r in results if r.failed and r.case == "-"]   # the child itself, not one case
+    if failed or other:
+        n = len(plugin_cases(plugin))   # a crash leaves later cases without a row
+        text = "; ".join([f"{r.case} {r.dtype}: {r.detail}" for r in failed[:3]] + [r.detail for r in other])
+        head = f"{len(failed)} of {n} cases failed against the Python fallback" if failed else "could not check it"
+        return False, f"{head}: {text}"
     declined = sum(r.status == "declined" for r in results)
     cache = _read_cache()
     cache[key] = {"factor": plugin.name, "file": plugin.path.name, "cases": len(results),

@@ -334,3 +334,21 @@ def test_a_folder_whose_name_is_not_utf8_is_a_rejection_not_a_crash(tmp_path):
     reg = FactorRegistry.load(folder, hardware="h200")
     p = reg.plugins[0]
     assert p.status == "rejected" and "the path is not valid UTF-8" in p.reason, p.reason
+
+
+def test_the_probe_reads_output_that_is_not_utf8(tmp_path):
+    """A constructor printing bytes that are not UTF-8 made load(probe='subprocess') raise
+    UnicodeDecodeError (the probe decoded the child's output strictly)."""
+    build_plugin(tmp_path, defines={"CTOR_STDERR": True})
+    reg = FactorRegistry.load(tmp_path, hardware="h200", probe="subprocess")
+    assert reg.get("host_scale") is not None and call(reg)[0] == "plugin"
+
+
+def test_the_file_name_breaks_a_tie_not_the_folder(tmp_path):
+    """Same name, version and priority: the file name that sorts last wins, as the README says
+    (the whole path was compared, so the folder decided)."""
+    build_plugin(tmp_path / "b", "aaa")
+    build_plugin(tmp_path / "a", "zzz")
+    reg = FactorRegistry.load(tmp_path / "b", hardware="h200")
+    reg.load_folder(tmp_path / "a")
+    assert reg.get("host_scale").path.name == "zzz.so"

@@ -336,3 +336,30 @@ def test_a_size_or_the_workspace_passed_as_an_argument_is_named_as_such(reg):
         reg.dispatch("moe_fused_gemm", {**a, "workspace": np.zeros(256, np.uint8)})
     with pytest.raises(DTypeError, match="argument 'hidden_states': type: expected a NumPy/CuPy array"):
         reg.dispatch("moe_fused_gemm", {**a, "hidden_states": [1.0, 2.0]})
+
+
+def test_an_absent_requires_with_a_number_on_the_left_still_holds(tmp_path):
+    """'1 == N' when an optional array is absent: the early G = E step must not set a size
+    named '1' (it made the constraint always true)."""
+    from ex_engine.manifest import Manifest
+    from ex_engine.arrays import TensorRef
+    from tests.conftest import ROOT
+    text = (ROOT / "tests" / "plugins" / "host_scale.yaml").read_text().replace(
+        "  - {name: alpha, shape: [1], dtype: [float32], role: input}",
+        "  - {name: alpha, shape: [1], dtype: [float32], role: input}\n"
+        "  - {name: g, shape: [N], dtype: [float32], role: input, optional: true, absent_requires: \"1 == N\"}\n"
+        "  - {name: h, shape: [N], dtype: [float32], role: input, optional: true}")
+    (tmp_path / "m.yaml").write_text(text)
+    m = Manifest.load(tmp_path / "m.yaml")
+    refs = {k: TensorRef.of(np.zeros(n, np.float32), k) for k, n in (("x", 7), ("out", 7), ("alpha", 1), ("h", 7))}
+    with pytest.raises(ShapeError, match="1 == N when g is not given"):
+        m.bind(refs, {})
+
+
+def test_an_unknown_argument_is_counted_and_raised_without_a_chained_type_error(reg):
+    a = dict(moe_args(), out=np.empty((3, 16), np.float16))
+    before = reg.stats().get("moe_fused_gemm", {}).get("errors", 0)
+    with pytest.raises(ArgumentError) as e:
+        reg.dispatch("moe_fused_gemm", {**a, "G": 4})
+    assert e.value.__cause__ is None and e.value.__suppress_context__
+    assert reg.stats()["moe_fused_gemm"]["errors"] == before + 1

@@ -412,3 +412,73 @@ def test_a_fallback_in_main_is_verified_here_not_in_the_child(tmp_path):
         assert [r.status for r in verify_plugin(reg, reg.get("host_scale"), isolate=True)] == ["pass"]
     finally:
         del __main__.ex_engine_test_scale
+
+
+def test_sigterm_during_an_in_process_fallback_ends_verify(tmp_path):
+    """The SIGTERM handler raised SystemExit, which verify turns into the running case's FAIL
+    (a fallback's sys.exit): the command went on and exited 1."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    build_plugin(tmp_path)
+    (tmp_path / "slow_fallback.py").write_text(
+        "import time\nfrom tests.plugins.host_scale_fallback import scale as _s\n"
+        "def scale(arrays, sizes, params):\n    time.sleep(20)\n    return _s(arrays, sizes, params)\n")
+    y = tmp_path / "host_scale.yaml"
+    y.write_text(y.read_text().replace("tests.plugins.host_scale_fallback:scale", "slow_fallback:scale"))
+    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{tmp_path}")
+    proc = subprocess.Popen([sys.executable, "-m", "ex_engine", "verify", "--dir", str(tmp_path), "--hardware",
+                             "h200", "--in-process"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    time.sleep(4)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 128 + signal.SIGTERM and "terminated (SIGTERM)" in err, (out, err)
+
+
+def test_the_child_finds_a_fallback_imported_before_a_chdir(tmp_path, monkeypatch):
+    """sys.path held '' (the folder the fallback was imported from): after a chdir the child
+    could not import it and a correct plugin was rejected."""
+    import sys
+    build_plugin(tmp_path / "plugs")
+    (tmp_path / "mod").mkdir()
+    (tmp_path / "mod" / "myfb.py").write_text("from tests.plugins.host_scale_fallback import scale\n")
+    y = tmp_path / "plugs" / "host_scale.yaml"
+    y.write_text(y.read_text().replace("tests.plugins.host_scale_fallback:scale", "myfb:scale"))
+    monkeypatch.chdir(tmp_path / "mod")
+    monkeypatch.setattr(sys, "path", ["", *sys.path])
+    reg = FactorRegistry.load(tmp_path / "plugs", hardware="h200")
+    reg.manifest("host_scale").fallback_fn()            # imported from '' = tmp_path/mod
+    monkeypatch.chdir("/")
+    try:
+        res = verify_plugin(reg, reg.get("host_scale"), isolate=True)
+    finally:
+        sys.modules.pop("myfb", None)
+    assert [r.status for r in res] == ["pass"], res
+
+
+def test_the_child_refuses_a_manifest_changed_after_loading(tmp_path):
+    build_plugin(tmp_path)
+    reg = FactorRegistry.load(tmp_path, hardware="h200")
+    y = tmp_path / "host_scale.yaml"
+    y.write_text(y.read_text().replace("  - {N: 7}", "  - {N: 7}\n  - {N: 8}"))
+    res = verify_plugin(reg, reg.get("host_scale"), isolate=True)
+    assert [r.status for r in res] == ["FAIL"] and "host_scale.yaml changed after it was loaded" in res[0].detail
+
+
+def test_in_process_really_runs_here(tmp_path, capsys, monkeypatch):
+    import ex_engine.verify as v
+    monkeypatch.setattr(v, "_verify_in_child", lambda *a, **k: pytest.fail("a child was started"))
+    build_plugin(tmp_path)
+    assert cli_main(["verify", "--dir", str(tmp_path), "--hardware", "h200", "--in-process"]) == 0
+
+
+def test_a_non_path_sys_path_entry_does_not_break_the_child(tmp_path, monkeypatch):
+    import sys
+    from pathlib import Path as P
+    build_plugin(tmp_path)
+    monkeypatch.setattr(sys, "path", [*sys.path, P(tmp_path), 42])
+    reg = FactorRegistry.load(tmp_path, hardware="h200", probe="subprocess")
+    assert [r.status for r in verify_plugin(reg, reg.get("host_scale"), isolate=True)] == ["pass"]

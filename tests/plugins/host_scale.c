@@ -10,7 +10,8 @@
  * that address, e.g. 8: SIGSEGV; with CRASH_IF_N only when N is that), FORK_IN_KERNEL (the
  * kernel forks a child that spins forever), HANG_IN_KERNEL (the kernel never returns), EXIT_IN_KERNEL (the kernel calls exit(N)),
  * PRINT_IN_KERNEL (the kernel prints a line that looks like a verify report to stdout),
- * STDERR_IN_KERNEL (the kernel writes a line that is not UTF-8 to stderr), HELPER (the kernel calls helper_alpha() from a separate library), WORKSPACE
+ * STDERR_IN_KERNEL (the kernel writes a line that is not UTF-8 to stderr), CTOR_STDERR (a
+ * constructor writes a line that is not UTF-8 to stderr when the library is opened), HELPER (the kernel calls helper_alpha() from a separate library), WORKSPACE
  * (aux[1] is a runtime workspace: the product goes through scratch memory there, and a negative
  * alpha sets bit 0 of its status word; manifest tests/plugins/host_scale_ws.yaml). */
 #include "ex_engine.h"
@@ -53,6 +54,11 @@ float helper_alpha(float a);   /* from libexhelper.so, linked by the test */
 EX_EXPORT const uint32_t ex_abi_version = ABI_OVERRIDE;
 #else
 EX_DEFINE_ABI_VERSION();
+#endif
+
+#ifdef CTOR_STDERR
+#include <stdio.h>
+__attribute__((constructor)) static void ctor_stderr(void) { fprintf(stderr, "ctor: \xff\xfe\n"); }
 #endif
 
 static const char* g_err = "";
