@@ -163,8 +163,9 @@ def child_sys_path(extra=()) -> list:
     out = [str(p) for p in extra]
     out.append(str(Path(__file__).resolve().parents[1]))   # where this ex_engine was imported from
     for p in sys.path:
-        if isinstance(p, (str, os.PathLike)):
-            out.append(os.path.abspath(os.fspath(p) or "."))
+        p = os.fspath(p) if isinstance(p, os.PathLike) else p
+        if isinstance(p, str):
+            out.append(os.path.abspath(p or "."))
     return out
 
 
