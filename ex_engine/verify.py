@@ -319,6 +319,8 @@ def _run_case(registry, plugin, m, case, dtype, seed, count, xp, label, tol) -> 
 
 
 CHILD_TIMEOUT_S = 120.0   # default for one plugin's cases in a child process (seconds)
+CHILD_FILE_LIMIT = 1 << 30   # bytes any file written by the child may reach (its stderr: a kernel
+                             # printing without end would fill the temporary folder)
 
 
 def plugin_cases(plugin) -> list:
@@ -366,6 +368,11 @@ except Exception:
     pass
 if os.getppid() != a["parent"]:
     sys.exit(3)                                    # the parent already ended
+try:   # no file this process writes (its stderr's among them) grows past the limit: SIGXFSZ
+    import resource
+    resource.setrlimit(resource.RLIMIT_FSIZE, (a["file_limit"], a["file_limit"]))
+except (ImportError, ValueError, OSError):
+    pass
 from ex_engine.hardware import Hardware
 from ex_engine.registry import FactorRegistry
 from ex_engine.verify import CaseResult, _manifest_digest, case_label, plugin_cases, run_case
@@ -420,12 +427,13 @@ def _verify_in_child(registry, plugin, seed: int, count: bool, timeout: float) -
         try:
             out = stack.enter_context(tempfile.NamedTemporaryFile(
                 "r", prefix="ex_engine_verify_", suffix=".txt", errors="replace"))
-            err = stack.enter_context(tempfile.TemporaryFile("w+b"))
+            err = stack.enter_context(tempfile.NamedTemporaryFile("w+b", prefix="ex_engine_verify_", suffix=".err"))
         except OSError as exc:
             return [fail("-", "-", f"could not start verify's child process: no writable temporary folder ({exc})")]
         args = {"hardware": registry.hardware.as_dict(), "manifests_dir": str(registry.manifests_dir),
                 "path": str(plugin.path), "sha256": plugin.sha256, "seed": seed, "parent": os.getpid(),
-                "manifest_sha256": _manifest_digest(plugin.manifest), "report": out.name}
+                "manifest_sha256": _manifest_digest(plugin.manifest), "report": out.name,
+                "file_limit": CHILD_FILE_LIMIT}
         cmd = [sys.executable, "-c", _CHILD, json.dumps(child_sys_path(_fallback_roots(plugin.manifest))),
                json.dumps(args)]
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err,

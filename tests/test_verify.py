@@ -482,3 +482,37 @@ def test_a_non_path_sys_path_entry_does_not_break_the_child(tmp_path, monkeypatc
     monkeypatch.setattr(sys, "path", [*sys.path, P(tmp_path), 42])
     reg = FactorRegistry.load(tmp_path, hardware="h200", probe="subprocess")
     assert [r.status for r in verify_plugin(reg, reg.get("host_scale"), isolate=True)] == ["pass"]
+
+
+def test_a_kernel_that_floods_stderr_is_capped_at_the_file_limit(tmp_path, monkeypatch):
+    """The child's stderr goes to a temporary file: a kernel printing without end filled the
+    temporary folder until the timeout. Files the child writes are capped (writes past the
+    limit fail; Python ignores SIGXFSZ), and its results still count."""
+    import tempfile
+    import threading
+    import ex_engine.verify as v
+    monkeypatch.setattr(v, "CHILD_FILE_LIMIT", 1 << 20, raising=False)
+    tmp = tmp_path / "t"
+    tmp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp))
+    build_plugin(tmp_path / "p", defines={"STDERR_FLOOD": 64, "HANG_IN_KERNEL": True})   # 4 MB, then hang
+    reg = FactorRegistry.load(tmp_path / "p", hardware="h200")
+    biggest, stop = [0], threading.Event()
+
+    def watch():
+        while not stop.is_set():
+            for f in tmp.iterdir():
+                try:
+                    biggest[0] = max(biggest[0], f.stat().st_size)
+                except OSError:
+                    pass
+            stop.wait(0.05)
+    t = threading.Thread(target=watch)
+    t.start()
+    try:
+        res = verify_plugin(reg, reg.get("host_scale"), isolate=True, timeout=6)
+    finally:
+        stop.set()
+        t.join()
+    assert res[0].detail.startswith("timed out after 6 s (in this case"), res
+    assert (1 << 19) < biggest[0] <= 1 << 20, biggest[0]     # it wrote, up to the limit

@@ -11,14 +11,16 @@
  * kernel forks a child that spins forever), HANG_IN_KERNEL (the kernel never returns), EXIT_IN_KERNEL (the kernel calls exit(N)),
  * PRINT_IN_KERNEL (the kernel prints a line that looks like a verify report to stdout),
  * STDERR_IN_KERNEL (the kernel writes a line that is not UTF-8 to stderr), CTOR_STDERR (a
- * constructor writes a line that is not UTF-8 to stderr when the library is opened), HELPER (the kernel calls helper_alpha() from a separate library), WORKSPACE
+ * constructor writes a line that is not UTF-8 to stderr when the library is opened), STDERR_FLOOD
+ * (the kernel writes that many 64 KB blocks to stderr), HELPER (the kernel calls helper_alpha() from a separate library), WORKSPACE
  * (aux[1] is a runtime workspace: the product goes through scratch memory there, and a negative
  * alpha sets bit 0 of its status word; manifest tests/plugins/host_scale_ws.yaml). */
 #include "ex_engine.h"
 #include <stdint.h>
 #include <stdlib.h>
-#if defined(PRINT_IN_KERNEL) || defined(STDERR_IN_KERNEL)
+#if defined(PRINT_IN_KERNEL) || defined(STDERR_IN_KERNEL) || defined(STDERR_FLOOD)
 #include <stdio.h>
+#include <string.h>
 #endif
 #ifdef FORK_IN_KERNEL
 #include <unistd.h>
@@ -86,6 +88,10 @@ static int scale(void* output, const void* input, const void* aux[], int n_aux,
 #endif
 #ifdef FORK_IN_KERNEL
     if (fork() == 0) { for (volatile int spin = 1; spin;) {} }   /* a process left behind */
+#endif
+#ifdef STDERR_FLOOD
+    { static char buf[1 << 16]; memset(buf, 'x', sizeof buf);
+      for (long i = 0; i < STDERR_FLOOD; ++i) fwrite(buf, 1, sizeof buf, stderr); }
 #endif
 #ifdef HANG_IN_KERNEL
     for (volatile int spin = 1; spin;) {}
