@@ -14,7 +14,7 @@ import sys
 from . import _paths
 from .errors import FactorError
 from .hardware import Hardware, list_profiles, resolve
-from .verify import CHILD_TIMEOUT_S
+from .trust import CHILD_TIMEOUT_S
 
 
 def token_count(v: str) -> int:
@@ -160,7 +160,7 @@ def cmd_verify(args) -> int:
         for p in chosen:
             print(f"verifying {p.name} ({p.path.name}) ...", flush=True)
             results += verify.verify_plugin(reg, p, seed=args.seed, isolate=not args.in_process,
-                                            timeout=args.timeout or verify.CHILD_TIMEOUT_S)
+                                            timeout=args.timeout or CHILD_TIMEOUT_S)
     finally:
         if main_thread:
             signal.signal(signal.SIGTERM, old_term)

@@ -20,9 +20,9 @@ from pathlib import Path
 import yaml
 
 from . import abi
-from .arrays import TensorRef
 from .errors import (ArgumentError, DeviceError, DTypeError, FactorError, LayoutError,
                      ShapeError, one_line)
+from .trust import sha256_hex
 
 _TERM = re.compile(r"^\s*(?:(\d+)\s*\*\s*)?([A-Za-z_]\w*)\s*(?:\*\s*(\d+))?\s*$")
 _CONSTRAINT = re.compile(r"^\s*(\w+)\s*(<=|<|==|>=|>)\s*(\w+)\s*$")
@@ -129,8 +129,7 @@ class Manifest:
         if problem:
             raise FactorError(f"manifest {path}: {problem}")
         if raw is not None:
-            import hashlib
-            m.sha256 = hashlib.sha256(raw).hexdigest()
+            m.sha256 = sha256_hex(raw)
         if m.input.same_as_output:
             m.input = TensorSpec(**{**m.output.__dict__, "role": "input", "same_as_output": True})
         m._constraints = [_CONSTRAINT.match(c) for c in m.constraints]

@@ -28,7 +28,6 @@ from .errors import (ArgumentError, DeviceError, DeviceSideError, FactorError,
 from .hardware import Hardware, resolve
 from .manifest import Manifest, load_all
 from .tuning import TuningTable
-from .verify import CHILD_TIMEOUT_S
 
 PATHS = ("plugin", "kernel_fallback", "python_fallback")
 
@@ -267,7 +266,7 @@ class FactorRegistry:
 
     def __init__(self, hardware=None, manifests_dir=None, *, prefer=None, lock=None,
                  lock_mode: str = "refuse", probe=None, probe_timeout: float = 10.0,
-                 verify: bool = False, verify_timeout: float = CHILD_TIMEOUT_S):
+                 verify: bool = False, verify_timeout: float = trust.CHILD_TIMEOUT_S):
         hw = resolve(hardware)
         self.no_gpu_note = ""
         if hw is None:
@@ -332,7 +331,7 @@ class FactorRegistry:
     @classmethod
     def load(cls, folder=None, hardware=None, manifests_dir=None, *, prefer=None, lock=None,
              lock_mode: str = "refuse", probe=None, probe_timeout: float = 10.0,
-             verify: bool = False, verify_timeout: float = CHILD_TIMEOUT_S) -> "FactorRegistry":
+             verify: bool = False, verify_timeout: float = trust.CHILD_TIMEOUT_S) -> "FactorRegistry":
         """A registry with every ``*.so`` of ``folder`` (default: factors/) loaded and checked.
 
         prefer: {factor name: file name or path} -- that library wins over other ready plugins

@@ -154,6 +154,9 @@ def probe_library(path, hardware, timeout: float = 10.0) -> tuple:
     return False, f"exited with status {rc} in {stage} (the library ended the child process)"
 
 
+CHILD_TIMEOUT_S = 120.0   # default for one plugin's verify cases in a child process (seconds)
+
+
 def child_sys_path(extra=()) -> list:
     """sys.path for a child process: ``extra`` folders first, then this process's entries as
     absolute paths (an entry '' or a relative one means this process's current folder, which a

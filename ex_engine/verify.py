@@ -15,10 +15,16 @@ A pass is remembered per (library sha256, GPU name) in ``$EX_ENGINE_CACHE/verifi
 """
 from __future__ import annotations
 
+import contextlib
+import inspect
 import json
 import math
 import os
 import re
+import signal
+import subprocess
+import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +33,7 @@ import numpy as np
 
 from .arrays import Bits16, TensorRef, f32_to_bf16_bits
 from .errors import FactorError
+from .trust import CHILD_TIMEOUT_S, _signal_name, child_sys_path, sha256_hex
 
 _RSQRT = re.compile(r"^\s*1\s*/\s*sqrt\(\s*(\w+)\s*\)\s*$")
 
@@ -318,7 +325,6 @@ def _run_case(registry, plugin, m, case, dtype, seed, count, xp, label, tol) -> 
     return CaseResult(m.name, label, dtype, "pass" if ok else "FAIL", path, err, tol, detail)
 
 
-CHILD_TIMEOUT_S = 120.0   # default for one plugin's cases in a child process (seconds)
 CHILD_FILE_LIMIT = 1 << 30   # bytes any file written by the child may reach (its stderr: a kernel
                              # printing without end would fill the temporary folder)
 
@@ -412,15 +418,6 @@ def _verify_in_child(registry, plugin, seed: int, count: bool, timeout: float) -
     was running. The child reports to a file and its stderr goes to one, not to pipes, so a
     process the kernel forked cannot hold the parent; stdin is /dev/null; the child's session
     is killed at the end (also when this process is interrupted)."""
-    import contextlib
-    import os
-    import signal
-    import subprocess
-    import sys
-    import tempfile
-
-    from .trust import child_sys_path
-
     def fail(case, dtype, detail):
         return CaseResult(plugin.name, case, dtype, "FAIL", detail=detail)
     with contextlib.ExitStack() as stack:
@@ -479,11 +476,7 @@ def _verify_in_child(registry, plugin, seed: int, count: bool, timeout: float) -
         return [fail("-", "-", "the report of verify's child process does not match the plugin's cases "
                           "(something else wrote to it)")]
     if rc is not None and rc < 0:
-        try:
-            how = f"crashed: {signal.Signals(-rc).name}"
-        except ValueError:
-            how = f"crashed: signal {-rc}"
-        how += f"; last stderr line: {last}" if last != "no message" else ""
+        how = f"crashed: {_signal_name(-rc)}" + (f"; last stderr line: {last}" if last != "no message" else "")
     elif rc is not None and (rc != 0 or not done):
         how = f"ended with status {rc}: {last}"
     if not how:
@@ -499,7 +492,6 @@ def _fallback_roots(m) -> list:
     """The folders the manifest's Python fallback was imported from in this process (its top
     package's parent, or a module's own folder), for the child's sys.path: this process may have
     found it through '' or a relative entry before a chdir, or by another import mechanism."""
-    import sys
     if m is None or not m.fallback:
         return []
     top = m.fallback.partition(":")[0].split(".")[0]
@@ -515,8 +507,6 @@ def _wait_unreaped(proc, timeout: float):
     """The child's exit status (negative: the signal), or None after ``timeout`` seconds,
     leaving it unreaped (a zombie keeps its process group's id from being reused before
     _kill_session kills the group)."""
-    import os
-    import time
     end = time.monotonic() + timeout
     delay = 0.001
     while True:
@@ -531,8 +521,6 @@ def _wait_unreaped(proc, timeout: float):
 
 def _kill_session(proc) -> None:
     """Kill the child and whatever it started (its own session), then reap it."""
-    import os
-    import signal
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
@@ -578,26 +566,16 @@ VERIFY_RULES = 2
 
 
 def _manifest_digest(m) -> str:
-    """SHA-256 of the manifest as it was loaded (of its file now if it was built otherwise)."""
-    import hashlib
-    if m is None:
-        return ""
-    if m.sha256:
-        return m.sha256
-    try:
-        return hashlib.sha256(Path(m.path).read_bytes()).hexdigest()
-    except OSError:
-        return ""
+    """SHA-256 of the manifest's file as it was loaded (Manifest.sha256; '' for none)."""
+    return m.sha256 if m is not None else ""
 
 
 def _fallback_digest(registry, m) -> str:
     """SHA-256 of the source file of the Python fallback verify compares with ('' if unknown):
     a pass against a fallback since fixed is not reused."""
-    import hashlib
-    import inspect
     try:
         fn = registry._fallbacks.get(m.name) or m.fallback_fn()
-        return hashlib.sha256(Path(inspect.getsourcefile(fn)).read_bytes()).hexdigest()
+        return sha256_hex(Path(inspect.getsourcefile(fn)).read_bytes())
     except (FactorError, OSError, TypeError):
         return ""
 

@@ -164,17 +164,10 @@ int main() {
     // --- throughput
     int smem = STAGES * (A_BYTES + B_BYTES) + 1024;
     CK(cudaFuncSetAttribute(stream_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-    cudaEvent_t e0, e1; cudaEventCreate(&e0); cudaEventCreate(&e1);
     const int n_tiles = 1920;  // qwen3-30b T = 4096 GEMM1 tile count
     const char* names[3] = {"box from xs", "per-row, 1 thread", "per-row, 32 lanes"};
     for (int with_b : {0, 1}) for (int spin : {0, 1400}) for (int mode : {0, 1, 2}) {
-        float best = 1e30f;
-        for (int rep = 0; rep < 4; ++rep) {
-            cudaEventRecord(e0);
-            stream_kernel<<<nsm, 64, smem>>>(row_map, xs_map, w_map, rows, n_tiles, mode, with_b, spin, sink);
-            cudaEventRecord(e1); CK(cudaEventSynchronize(e1));
-            float ms; cudaEventElapsedTime(&ms, e0, e1); best = std::min(best, ms);
-        }
+        const float best = best_ms(4, [&] { stream_kernel<<<nsm, 64, smem>>>(row_map, xs_map, w_map, rows, n_tiles, mode, with_b, spin, sink); });
         double stages = (double)n_tiles * (H / BK);
         double bytes = stages * (A_BYTES + (with_b ? B_BYTES : 0));
         printf("B %-3s spin %4d  %-18s %8.1f us  %6.3f us/stage/SM  %6.2f TB/s into smem\n", with_b ? "yes" : "no", spin, names[mode],
@@ -189,13 +182,7 @@ int main() {
             CK(cudaFuncSetAttribute(stream64_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, sm64));
             for (int spin : {0, 600}) for (int drain : {0, 1}) for (int bubble : {0, 2000, 6000}) {
                 if (drain == 0 && bubble) continue;
-                float best = 1e30f;
-                for (int rep = 0; rep < 3; ++rep) {
-                    cudaEventRecord(e0);
-                    stream64_kernel<<<nsm, 64, sm64>>>(xs64_map, w_map, n64, stages, spin, bubble, drain, sink);
-                    cudaEventRecord(e1); CK(cudaEventSynchronize(e1));
-                    float ms; cudaEventElapsedTime(&ms, e0, e1); best = std::min(best, ms);
-                }
+                const float best = best_ms(3, [&] { stream64_kernel<<<nsm, 64, sm64>>>(xs64_map, w_map, n64, stages, spin, bubble, drain, sink); });
                 double wbytes = (double)n64 * 256 * H * 2;
                 printf("tile64 stages %d spin %4d drain %d bubble %5d: %8.1f us, weights %5.2f TB/s\n", stages, spin, drain,
                        bubble, best * 1e3, wbytes / (best * 1e-3) / 1e12);

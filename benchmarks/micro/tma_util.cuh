@@ -61,6 +61,22 @@ __device__ __forceinline__ long long strided_tiles(long long n_tiles) {
     return blockIdx.x < n_tiles ? (n_tiles - blockIdx.x + gridDim.x - 1) / gridDim.x : 0;
 }
 
+// The best of `reps` runs of launch() (milliseconds, CUDA events around each; the host waits).
+template <class F>
+static float best_ms(int reps, F launch) {
+    cudaEvent_t e0, e1;
+    CK(cudaEventCreate(&e0)); CK(cudaEventCreate(&e1));
+    float best = 1e30f;
+    for (int rep = 0; rep < reps; ++rep) {
+        cudaEventRecord(e0);
+        launch();
+        cudaEventRecord(e1); CK(cudaEventSynchronize(e1));
+        float ms; cudaEventElapsedTime(&ms, e0, e1); best = ms < best ? ms : best;
+    }
+    cudaEventDestroy(e0); cudaEventDestroy(e1);
+    return best;
+}
+
 static CUtensorMap make_map(void* p, uint64_t cols, uint64_t rows, uint32_t box_rows) {
     CUtensorMap m;
     cuuint64_t dims[2] = {cols, rows};

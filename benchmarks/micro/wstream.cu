@@ -121,13 +121,7 @@ int main() {
             for (int p = 0; p < 5; ++p) {
                 int smem = stages * STAGE + 1024;
                 CK(cudaFuncSetAttribute(wstream, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-                float best = 1e30f;
-                for (int rep = 0; rep < 3; ++rep) {
-                    cudaEventRecord(e0);
-                    wstream<<<nsm, 64, smem>>>(m128, m64, m32, w, rows, p, stages, order, sink);
-                    cudaEventRecord(e1); CK(cudaEventSynchronize(e1));
-                    float ms; cudaEventElapsedTime(&ms, e0, e1); best = std::min(best, ms);
-                }
+                const float best = best_ms(3, [&] { wstream<<<nsm, 64, smem>>>(m128, m64, m32, w, rows, p, stages, order, sink); });
                 printf("stages %d  %s  stage %s  %8.1f us  %5.2f TB/s\n", stages, order ? "blocked tiles   " : "interleaved tiles",
                        names[p], best * 1e3, rows * H * 2 / (best * 1e-3) / 1e12);
             }
@@ -142,13 +136,7 @@ int main() {
                     int stages = a_rows == 128 ? 4 : 5;
                     int smem = stages * (STAGE + a_rows * 128) + 1024;
                     CK(cudaFuncSetAttribute(gstream, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-                    float best = 1e30f;
-                    for (int rep = 0; rep < 3; ++rep) {
-                        cudaEventRecord(e0);
-                        gstream<<<nsm, 64, smem>>>(mw_all, a_rows == 128 ? ma128 : ma64, n_tiles, a_rows, a_region, stages, sink);
-                        cudaEventRecord(e1); CK(cudaEventSynchronize(e1));
-                        float ms; cudaEventElapsedTime(&ms, e0, e1); best = std::min(best, ms);
-                    }
+                    const float best = best_ms(3, [&] { gstream<<<nsm, 64, smem>>>(mw_all, a_rows == 128 ? ma128 : ma64, n_tiles, a_rows, a_region, stages, sink); });
                     printf("gemm-like: %4d tiles (%5.2f per SM), A %3d rows from %5d rows, %d stages: %8.1f us, weights %5.2f TB/s\n",
                            n_tiles, n_tiles / (double)nsm, a_rows, a_region, stages, best * 1e3,
                            n_tiles * 256.0 * H * 2 / (best * 1e-3) / 1e12);
