@@ -10,7 +10,7 @@ from __future__ import annotations
 import operator
 import threading
 
-from .arrays import Bits16, TensorRef, data_ptr
+from .arrays import _KINDS, Bits16, TensorRef, data_ptr
 from .errors import ArgumentError, FactorError, ShapeError
 from .registry import FactorRegistry
 
@@ -50,7 +50,7 @@ def _empty(ref: TensorRef, shape, dtype: str):
     like = ref.obj
     if ref.kind == "torch":
         import torch
-        return torch.empty(shape, dtype=getattr(torch, dtype), device=like.device)
+        return like.new_empty(shape, dtype=getattr(torch, dtype))   # its device (host time: no kwargs)
     if ref.on_device:
         import cupy
         with cupy.cuda.Device(ref.device):
@@ -191,9 +191,12 @@ def moe_fused_gemm(hidden_states, w13, w2, topk_weights, topk_ids, *, router_log
     Returns out. Raises DTypeError, ShapeError, LayoutError (also: out sharing memory with
     another argument, e.g. out=hidden_states), DeviceError, KernelError.
     """
-    ref = TensorRef.of(hidden_states, "hidden_states")
     if out is None:
-        out = _empty(ref, ref.shape, ref.dtype)
+        if _KINDS.get(type(hidden_states)) == "torch":   # host time: no description needed
+            out = hidden_states.new_empty(hidden_states.shape)
+        else:
+            ref = TensorRef.of(hidden_states, "hidden_states")
+            out = _empty(ref, ref.shape, ref.dtype)
     resolve_registry(registry).dispatch(
         "moe_fused_gemm", {"hidden_states": hidden_states, "out": out, "router_logits": router_logits,
                            "w13": w13, "w2": w2, "topk_weights": topk_weights,

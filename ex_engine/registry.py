@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from . import _paths, abi, fatbin, trust
-from .arrays import TensorRef
+from .arrays import _KINDS, TensorRef, _kind_of
 from .errors import (ArgumentError, DeviceError, DeviceSideError, FactorError,
                      FactorNotFoundError, KernelError, LayoutError)
 from .hardware import Hardware, resolve
@@ -225,6 +225,58 @@ def check_writes(factor: str, m: Manifest, refs_by_name: dict, spans: dict | Non
                                   "a read-only array")
 
 
+def _fast_key(name: str, arrays, params):
+    """(key, pointers) of a call for dispatch's short path, read straight from the arrays, or
+    None where it does not apply (an array of another kind, a Bits16, an unhashable parameter,
+    anything odd: the full path then checks and reports it). The key holds, per non-None
+    array, its name, kind and everything of it that the full checks read except the pointer:
+    dtype, shape, strides, device, and writability in host memory, so a call with an equal key
+    differs from a checked one in its pointers only."""
+    parts = [name]
+    ptrs = []
+    try:
+        for k, v in arrays.items():
+            if v is None:
+                continue
+            kind = _KINDS.get(type(v)) or _kind_of(v)
+            if kind == "torch":
+                parts.append((k, "torch", v.dtype, v.shape, v.stride(), v.get_device()))
+                ptrs.append(v.data_ptr())
+            elif type(v) is TensorRef:
+                parts.append((k, "ref", v.kind, v.dtype, v.shape, v.strides, v.device,
+                              v.device >= 0 or _writable(v.obj)))
+                ptrs.append(v.ptr)
+            elif kind == "numpy":
+                parts.append((k, "numpy", v.dtype, v.shape, v.strides, v.flags.writeable))
+                ptrs.append(v.__array_interface__["data"][0])
+            elif kind == "cupy":
+                parts.append((k, "cupy", v.dtype, v.shape, v.strides, v.device.id))
+                ptrs.append(v.data.ptr)
+            else:
+                return None
+        if params:
+            parts.append(tuple((k, type(v), v) for k, v in params.items()))
+        key = tuple(parts)
+        hash(key)
+    except Exception:   # not a dict, an unhashable parameter, an array that cannot say
+        return None
+    return key, ptrs
+
+
+class _FastCall:
+    """What dispatch's short path needs of a checked call (FactorRegistry._remember_fast):
+    abi_index maps ABI positions to the key's arrays (-1: absent or the workspace); align:
+    (array, itemsize) pairs; overlap: per written array (index, span lo, hi, other arrays'
+    (index, lo, hi)), byte offsets from the pointers."""
+    __slots__ = ("plugin", "m", "kernel", "kernel_fallback", "abi_index", "align", "overlap", "dims",
+                 "dims_c", "n_dims", "n_aux", "ws_index", "ws_need", "device", "host", "stream_kind",
+                 "sizes", "pvals")
+
+    def __init__(self, **kw):
+        for k, v in kw.items():
+            setattr(self, k, v)
+
+
 _MAX_WORKSPACE = 1 << 40   # bytes: a workspace_size beyond this (or below 0) is a plugin bug
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _SEMVER = re.compile(r"\d+\.\d+\.\d+")
@@ -316,6 +368,7 @@ class FactorRegistry:
         self._flags: dict = defaultdict(Counter)
         self._fallbacks: dict = {}
         self._bind_cache: dict = {}     # call signature -> what bind() returned, ready for the C call
+        self._fast_calls: dict = {}     # _fast_key of a valid plugin call -> _FastCall (dispatch)
         self._entries: dict = {}        # id(plugin) -> (plugin, kernel, kernel_fallback) as _KERNEL_INT_T
         # tuned launch choices: <manifests>/tuning/<device>.yaml (a malformed file is skipped)
         self.tuning: TuningTable = TuningTable.for_hardware(
@@ -706,7 +759,64 @@ class FactorRegistry:
         Returns the path that served: 'plugin', 'kernel_fallback' or 'python_fallback'.
         Raises an ArgumentError subclass before any C call if an argument breaks the
         manifest; KernelError if a kernel returns an error status (named).
+
+        Host time: a call whose arrays have the dtypes, shapes, strides, devices (and, on the
+        host, writability) of an earlier valid call to the same plugin, with equal parameters,
+        takes a short path (_fast_key, _dispatch_fast) that reads only what can differ
+        (pointers: alignment, overlap) straight from the arrays; anything else is checked in
+        full (_dispatch_full) and raised from there.
         """
+        got = _fast_key(name, arrays, params)
+        if got is not None:
+            e = self._fast_calls.get(got[0])
+            if e is not None and self._chosen.get(name) is e.plugin:
+                path = self._dispatch_fast(e, name, arrays, got[1])
+                if path is not None:
+                    return path
+        return self._dispatch_full(name, arrays, params, None if got is None else got[0])
+
+    def _dispatch_fast(self, e: "_FastCall", name: str, arrays: dict, ptrs: list) -> str | None:
+        """Run a call whose signature matched ``e``: None (nothing run) when a pointer breaks a
+        rule (misaligned, overlapping an array the factor writes) or a None-valued name is not
+        an argument, so that _dispatch_full checks it all again and raises the error."""
+        if len(arrays) != len(ptrs) and not e.m.user_names.issuperset(arrays):
+            return None
+        for i, itemsize in e.align:
+            if ptrs[i] % itemsize:
+                return None
+        for wi, lo, hi, others in e.overlap:
+            w0, w1 = ptrs[wi] + lo, ptrs[wi] + hi
+            for ki, klo, khi in others:
+                p = ptrs[ki]
+                if p + klo < w1 and w0 < p + khi:
+                    return None   # ranges meet: whether a byte is shared is decided in full
+        at = [ptrs[j] if j >= 0 else 0 for j in e.abi_index]
+        aux = at[2:] or [0]
+        plugin, device = e.plugin, e.device
+        if e.host:
+            stream = 0
+        else:
+            stream = _stream_getter(e.stream_kind)(device)
+        if e.ws_index is not None:
+            key = (plugin.name, device, threading.get_ident() if e.host else stream)
+            buf = self._workspaces.get(key)
+            if buf is None or buf.nbytes < e.ws_need:
+                buf = self._workspace(plugin, e.dims, device, key[2])
+            aux[e.ws_index] = buf.ctypes.data if e.host else buf.data.ptr
+        path = self._invoke(plugin, e.kernel, e.kernel_fallback, at[0], at[1], aux, e.n_aux, e.dims_c,
+                            e.n_dims, stream)
+        if path is None:   # both C paths declined: the Python fallback, on the arrays described
+            refs_by_name = {k: v if type(v) is TensorRef else TensorRef.of(v, k)
+                            for k, v in arrays.items() if v is not None}
+            path = self._python_fallback(name, e.m, plugin, refs_by_name, e.sizes, e.pvals, device)
+        self._count(name, path)
+        self.last_path[name] = path
+        return path
+
+    def _dispatch_full(self, name: str, arrays: dict, params, fast_key) -> str:
+        """dispatch with every argument checked (a first call, or one whose signature or
+        pointers the short path did not take); ``fast_key``: the call's _fast_key, under which
+        a valid call that can take the short path next time is remembered."""
         m = self.manifest(name)
         # arrays may hold TensorRefs already made by the caller (ops.* describe what they allocate)
         try:
@@ -769,37 +879,84 @@ class FactorRegistry:
                 self._count(name, "errors")
                 raise DeviceError(name, m.tensors[0].name, "device", "host memory (a host factor)",
                                   f"cuda:{device}")
-            path = self._call_plugin(plugin, m, refs, dims, host=True, dims_c=dims_c)
         elif plugin is not None and device >= 0 and self.hardware.live:
             if device != self.hardware.device_id:
                 self._count(name, "errors")
                 raise DeviceError(name, m.tensors[0].name, "device", f"cuda:{self.hardware.device_id} "
                                   "(the registry's device)", f"cuda:{device}")
-            path = self._call_plugin(plugin, m, refs, dims, dims_c=dims_c)
+        else:
+            plugin = None   # the Python fallback serves
+        if plugin is not None:
+            if fast_key is not None and cacheable:
+                self._remember_fast(fast_key, plugin, m, refs_by_name, dims, dims_c, sizes, pvals,
+                                    device, spans)
+            path = self._call_plugin(plugin, m, refs, dims, host=m.memory == "host", dims_c=dims_c)
         if path is None:
-            fn = self._fallbacks.get(name) or m.fallback_fn()
-            if fn is None:
-                self._count(name, "errors")
-                if plugin is None:
-                    why = "no ready plugin of that name is loaded"
-                elif m.memory != "host" and device < 0:
-                    why = ("the arrays are in host memory and its plugin runs on the GPU (pass device "
-                           "arrays: CuPy or torch on cuda)")
-                elif m.memory != "host" and not self.hardware.live:
-                    why = (f"the registry has no live GPU (plugins checked against the profile "
-                           f"{self.hardware.name}) and so calls no device plugin")
-                else:   # a plugin was called: it and its kernel_fallback said EX_FALLBACK
-                    why = "its plugin and kernel_fallback declined the call"
-                raise FactorError(f"{name}: no plugin took the call ({why}) and the manifest names no "
-                                  "Python fallback")
-            flags = fn(refs_by_name, sizes, pvals)
-            if flags:
-                with self._lock:
-                    self._flags[name].update(flags)
-            path = "python_fallback"
+            path = self._python_fallback(name, m, self._chosen.get(name), refs_by_name, sizes, pvals,
+                                         device)
         self._count(name, path)
         self.last_path[name] = path
         return path
+
+    def _python_fallback(self, name: str, m: Manifest, plugin, refs_by_name: dict, sizes: dict,
+                         pvals: dict, device: int) -> str:
+        """Run ``name``'s Python fallback (set_fallback's, else the manifest's) on checked
+        arrays; returns 'python_fallback'. Raises FactorError (why no plugin took the call)
+        when there is none."""
+        fn = self._fallbacks.get(name) or m.fallback_fn()
+        if fn is None:
+            self._count(name, "errors")
+            if plugin is None:
+                why = "no ready plugin of that name is loaded"
+            elif m.memory != "host" and device < 0:
+                why = ("the arrays are in host memory and its plugin runs on the GPU (pass device "
+                       "arrays: CuPy or torch on cuda)")
+            elif m.memory != "host" and not self.hardware.live:
+                why = (f"the registry has no live GPU (plugins checked against the profile "
+                       f"{self.hardware.name}) and so calls no device plugin")
+            else:   # a plugin was called: it and its kernel_fallback said EX_FALLBACK
+                why = "its plugin and kernel_fallback declined the call"
+            raise FactorError(f"{name}: no plugin took the call ({why}) and the manifest names no "
+                              "Python fallback")
+        flags = fn(refs_by_name, sizes, pvals)
+        if flags:
+            with self._lock:
+                self._flags[name].update(flags)
+        return "python_fallback"
+
+    def _remember_fast(self, key, plugin: Plugin, m: Manifest, refs_by_name: dict, dims, dims_c,
+                       sizes: dict, pvals: dict, device: int, spans: dict) -> None:
+        """Keep what a valid call to ``plugin`` needs again under its _fast_key (see dispatch).
+        Not kept: a workspace_size out of range (the full path raises it on every call)."""
+        names = list(refs_by_name)
+        pos = {k: i for i, k in enumerate(names)}
+        abi_index = []
+        for s in m.tensors:
+            n = m.output.name if s.same_as_output else s.name
+            abi_index.append(-1 if s.role == "workspace" else pos.get(n, -1))
+        need = None
+        if m.workspace_index is not None:
+            fn = plugin.factor.workspace_size
+            if fn != abi.ffi.NULL:
+                need = int(fn(dims_c, len(dims)))
+                if not 0 <= need <= _MAX_WORKSPACE:
+                    return
+        overlap = tuple((pos[w], spans[w][0], spans[w][1],
+                         tuple((pos[k], sk[0], sk[1]) for k, sk in spans.items() if k != w))
+                        for w in m.written_names if w in spans)
+        kernel, kernel_fallback = self._entry_points(plugin)
+        host = m.memory == "host"
+        kinds = {r.kind for r in refs_by_name.values()}
+        if len(self._fast_calls) > 4096:
+            self._fast_calls.clear()
+        self._fast_calls[key] = _FastCall(
+            plugin=plugin, m=m, kernel=kernel, kernel_fallback=kernel_fallback,
+            abi_index=tuple(abi_index),
+            align=tuple((pos[k], r.itemsize) for k, r in refs_by_name.items() if r.itemsize > 1),
+            overlap=overlap, dims=dims, dims_c=dims_c, n_dims=len(dims), n_aux=len(m.aux),
+            ws_index=m.workspace_index if need is not None else None, ws_need=need or 0,
+            device=device, host=host, stream_kind="torch" if "torch" in kinds else "cupy",
+            sizes=sizes, pvals=pvals)
 
     @staticmethod
     def _unknown_argument(m: Manifest, arrays: dict):
@@ -823,6 +980,7 @@ class FactorRegistry:
         (benchmarks/tune_moe.py forces each choice this way); None restores the table."""
         self.tuning.override(name, fn)
         self._bind_cache.clear()
+        self._fast_calls.clear()
 
     def set_fallback(self, name: str, fn) -> None:
         """Use ``fn(arrays, sizes, params)`` as the Python fallback of ``name`` (over the manifest's)."""
@@ -942,8 +1100,8 @@ class FactorRegistry:
         return e[1], e[2]
 
     def _call_plugin(self, plugin: Plugin, m: Manifest, refs, dims, host: bool = False, dims_c=None):
-        ffi = abi.ffi
-        f = plugin.factor
+        """Run ``plugin``'s kernel (then its kernel_fallback if it declines) on bound ``refs``
+        (ABI order): 'plugin', 'kernel_fallback' or None when both declined (_invoke)."""
         kernel, kernel_fallback = self._entry_points(plugin)
         aux = [0 if ref is None else ref.ptr for ref in refs[2:]] or [0]   # NULL: absent
         ws_index = m.workspace_index
@@ -955,8 +1113,15 @@ class FactorRegistry:
                 ws = self._workspace(plugin, dims, self.hardware.device_id, stream)
             aux[ws_index] = 0 if ws is None else (ws.ctypes.data if host else ws.data.ptr)
         if dims_c is None:
-            dims_c = ffi.new("int64_t[]", dims)
-        n_aux, n_dims, out, inp = len(m.aux), len(dims), refs[0].ptr, refs[1].ptr
+            dims_c = abi.ffi.new("int64_t[]", dims)
+        return self._invoke(plugin, kernel, kernel_fallback, refs[0].ptr, refs[1].ptr, aux, len(m.aux),
+                            dims_c, len(dims), stream)
+
+    def _invoke(self, plugin: Plugin, kernel, kernel_fallback, out: int, inp: int, aux: list,
+                n_aux: int, dims_c, n_dims: int, stream: int) -> str | None:
+        """The C call: 'plugin' or 'kernel_fallback' for the path that returned EX_OK, None when
+        both said EX_FALLBACK. Raises KernelError (counted) for an error status, with the
+        plugin's last_error() text."""
         status = kernel(out, inp, aux, n_aux, dims_c, n_dims, stream)
         if status == abi.EX_OK:
             return "plugin"
@@ -966,6 +1131,7 @@ class FactorRegistry:
                 return "kernel_fallback"
         if status == abi.EX_FALLBACK:
             return None
+        ffi, f = abi.ffi, plugin.factor
         detail = ""
         if f.last_error != ffi.NULL:
             text = f.last_error()

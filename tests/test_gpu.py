@@ -11,6 +11,7 @@ import pytest
 
 from ex_engine import DeviceSideError, FactorRegistry, fused_add_rmsnorm, moe_fused_gemm, topk_softmax
 from ex_engine.arrays import Bits16, TensorRef, f32_to_bf16_bits
+from ex_engine.errors import LayoutError
 from ex_engine.fallbacks import moe_fused_gemm_math
 from ex_engine.moe_layer import load_models
 from tests.conftest import ROOT
@@ -117,6 +118,26 @@ def test_fused_add_rmsnorm_views_and_misaligned_base(reg, cp, dtype):
     assert rel(cp, r.astype(cp.float64), cp.asarray(R)) < tol
     assert bool((bx[:, :1] == 7).all()) and bool((bx[:, 1 + H:] == 7).all())
     assert bool((br[:, :3] == -3).all()) and bool((br[:, 3 + H:] == -3).all())
+
+
+def test_short_path_on_cupy_arrays_checks_every_call(reg, cp):
+    """After a checked call, calls with the same signature take dispatch's short path: fresh
+    arrays give their own results, x passed as residual (same signature) is a LayoutError."""
+    T, H = 5, 1024
+    w = (1 + 0.1 * cp.random.standard_normal(H)).astype(cp.float16)
+    for _ in range(3):
+        x = cp.random.standard_normal((T, H)).astype(cp.float16)
+        r = cp.random.standard_normal((T, H)).astype(cp.float16)
+        X, R = rmsnorm_ref(x.get().astype(np.float64), r.get().astype(np.float64), w.get(), 1e-5, "float16")
+        fused_add_rmsnorm(x, r, w, 1e-5, registry=reg)
+        assert reg.last_path["fused_add_rmsnorm"] == "plugin"
+        tol = reg.manifest("fused_add_rmsnorm").tolerance["float16"]
+        assert rel(cp, x.astype(cp.float64), cp.asarray(X)) < tol
+        assert rel(cp, r.astype(cp.float64), cp.asarray(R)) < tol
+    errors = reg.stats()["fused_add_rmsnorm"]["errors"]
+    with pytest.raises(LayoutError, match="overlaps"):
+        fused_add_rmsnorm(x, x, w, 1e-5, registry=reg)
+    assert reg.stats()["fused_add_rmsnorm"]["errors"] == errors + 1
 
 
 # ------------------------------------------------------------------------------ moe_fused_gemm

@@ -13,6 +13,7 @@ import pytest
 
 from ex_engine import FactorRegistry, fused_add_rmsnorm, moe_fused_gemm, topk_softmax
 from ex_engine.arrays import TensorRef
+from ex_engine.errors import LayoutError
 from tests.conftest import ROOT
 
 torch = pytest.importorskip("torch")
@@ -205,6 +206,34 @@ def test_moe_fused_gemm_cuda_plugin_matches_cpu(greg, dtype, T, H, E, I, K):
     assert out.is_cuda and out.dtype == TORCH[dtype] and tuple(out.shape) == (T, H)
     err = float((out.cpu().float() - ref).norm() / ref.norm())
     assert err < greg.manifest("moe_fused_gemm").tolerance[dtype], err
+
+
+@pytest.mark.gpu
+def test_the_short_path_reads_new_pointers_and_refuses_an_overlapping_out(greg):
+    """Calls after the first with the same signature take dispatch's short path: each reads its
+    own tensors (against the CPU fallback of each set), a rerun into a poisoned out is bit-equal,
+    out=hidden_states (the signature of an out given before) is still a LayoutError, and an
+    address that is not 16-byte aligned still gets a right result."""
+    T, H, E, I, K = 3, 512, 8, 256, 2
+    cpu_sets = [moe_inputs(T, H, E, I, K, "bfloat16", seed=11 + s) for s in range(3)]
+    sets = [[t.cuda() for t in a] for a in cpu_sets]
+    outs = [moe_fused_gemm(*a, registry=greg) for a in sets]
+    tol = greg.manifest("moe_fused_gemm").tolerance["bfloat16"]
+    for a_cpu, a, out in zip(cpu_sets, sets, outs):
+        ref = moe_fused_gemm(*a_cpu, registry=greg).float()
+        assert float((out.cpu().float() - ref).norm() / ref.norm()) < tol
+        again = moe_fused_gemm(*a, out=torch.full_like(out, float("nan")), registry=greg)
+        assert greg.last_path["moe_fused_gemm"] == "plugin"
+        assert torch.equal(again, out)
+    x, w13, w2, w, ids = sets[0]
+    with pytest.raises(LayoutError, match="out.*overlaps 'hidden_states'"):
+        moe_fused_gemm(x, w13, w2, w, ids, out=x, registry=greg)
+    # same signature, hidden_states 2 bytes past a 16-byte boundary: served, and right
+    xs = torch.empty(T * H + 1, dtype=x.dtype, device="cuda")[1:].view(T, H).copy_(x)
+    odd = moe_fused_gemm(xs, w13, w2, w, ids, registry=greg)
+    assert greg.last_path["moe_fused_gemm"] in ("plugin", "kernel_fallback")
+    ref = moe_fused_gemm(*cpu_sets[0], registry=greg).float()
+    assert float((odd.cpu().float() - ref).norm() / ref.norm()) < tol
 
 
 @pytest.mark.gpu
