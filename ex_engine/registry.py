@@ -11,6 +11,7 @@ which path served.
 """
 from __future__ import annotations
 
+import copy
 import os
 import re
 import threading
@@ -22,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from . import _paths, abi, fatbin, trust
-from .arrays import _KINDS, TensorRef, _kind_of
+from .arrays import _KINDS, _NAME_CACHE, _TORCH_DTYPES, Bits16, TensorRef, _kind_of
 from .errors import (ArgumentError, DeviceError, DeviceSideError, FactorError,
                      FactorNotFoundError, KernelError, LayoutError)
 from .hardware import Hardware, resolve
@@ -210,28 +211,30 @@ def _check_no_overlap(factor: str, written, refs_by_name: dict, spans: dict) -> 
 
 
 def check_writes(factor: str, m: Manifest, refs_by_name: dict, spans: dict | None = None,
-                 device: int = 0) -> None:
+                 device: int = 0, writable: dict | None = None) -> None:
     """What a factor's writes need beyond its manifest's shapes and dtypes: no written array
     shares memory with another argument (_check_no_overlap), and on the host (device < 0) every
     written NumPy array is writable (its read-only flag is a promise the call must keep).
-    ``spans``: _byte_spans(refs_by_name), when the caller has them already. Raises LayoutError."""
+    ``spans``: _byte_spans(refs_by_name), when the caller has them already; ``writable``: name ->
+    _writable(array) read once by the caller (else read here). Raises LayoutError."""
     _check_no_overlap(factor, m.written_names, refs_by_name,
                       _byte_spans(refs_by_name) if spans is None else spans)
     if device < 0:
         for w in m.written_names:
             r = refs_by_name.get(w)
-            if r is not None and not _writable(r.obj):
+            if r is not None and not (_writable(r.obj) if writable is None else writable[w]):
                 raise LayoutError(factor, w, "writable", "a writable array (the factor writes it)",
                                   "a read-only array")
 
 
 def _fast_key(name: str, arrays, params):
     """(key, pointers) of a call for dispatch's short path, read straight from the arrays, or
-    None where it does not apply (an array of another kind, a Bits16, an unhashable parameter,
-    anything odd: the full path then checks and reports it). The key holds, per non-None
-    array, its name, kind and everything of it that the full checks read except the pointer:
-    dtype, shape, strides, device, and writability in host memory, so a call with an equal key
-    differs from a checked one in its pointers only."""
+    None where it does not apply (an array of another kind, a Bits16, a dtype not seen yet, an
+    unhashable parameter, anything odd: the full path then checks and reports it). The key
+    holds, per non-None array, its name, kind and everything of it that the full checks read
+    except the pointer (dtype name, shape, strides, device; host writability; all fields of a
+    TensorRef given as such), in the form _validated_key builds from the checked description,
+    so a call with an equal key differs from a checked one in its pointers only."""
     parts = [name]
     ptrs = []
     try:
@@ -240,17 +243,17 @@ def _fast_key(name: str, arrays, params):
                 continue
             kind = _KINDS.get(type(v)) or _kind_of(v)
             if kind == "torch":
-                parts.append((k, "torch", v.dtype, v.shape, v.stride(), v.get_device()))
+                parts.append((k, "torch", _TORCH_DTYPES[v.dtype][0], v.shape, v.stride(), v.get_device()))
                 ptrs.append(v.data_ptr())
             elif type(v) is TensorRef:
-                parts.append((k, "ref", v.kind, v.dtype, v.shape, v.strides, v.device,
-                              v.device >= 0 or _writable(v.obj)))
+                parts.append((k, "ref", v.kind, v.dtype, v.shape, v.strides, v.device, v.contiguous,
+                               v.itemsize, v.device >= 0 or _writable(v.obj)))
                 ptrs.append(v.ptr)
             elif kind == "numpy":
-                parts.append((k, "numpy", v.dtype, v.shape, v.strides, v.flags.writeable))
+                parts.append((k, "numpy", _NAME_CACHE[v.dtype], v.shape, v.strides, v.flags.writeable))
                 ptrs.append(v.__array_interface__["data"][0])
             elif kind == "cupy":
-                parts.append((k, "cupy", v.dtype, v.shape, v.strides, v.device.id))
+                parts.append((k, "cupy", _NAME_CACHE[v.dtype], v.shape, v.strides, v.device.id))
                 ptrs.append(v.data.ptr)
             else:
                 return None
@@ -258,9 +261,39 @@ def _fast_key(name: str, arrays, params):
             parts.append(tuple((k, type(v), v) for k, v in params.items()))
         key = tuple(parts)
         hash(key)
-    except Exception:   # not a dict, an unhashable parameter, an array that cannot say
+    except Exception:   # not a dict, an unseen dtype, an unhashable parameter, an odd array
         return None
     return key, ptrs
+
+
+def _validated_key(name: str, refs_by_name: dict, given_refs, writable: dict | None, params):
+    """The _fast_key of a call, built from the descriptions its full checks read (not from the
+    arrays again: one that changed meanwhile must not file an unchecked signature). None where
+    the short path does not apply. ``given_refs``: names passed as TensorRefs; ``writable``:
+    the host writability the checks read (None on a device)."""
+    parts = [name]
+    try:
+        for k, r in refs_by_name.items():
+            if k in given_refs:
+                parts.append((k, "ref", r.kind, r.dtype, r.shape, r.strides, r.device, r.contiguous,
+                              r.itemsize, r.device >= 0 or writable[k]))
+            elif isinstance(r.obj, Bits16):
+                return None
+            elif r.kind == "torch":
+                parts.append((k, "torch", r.dtype, r.shape, r.strides, r.device))
+            elif r.kind in ("numpy", "cupy"):
+                byte_strides = tuple(st * r.itemsize for st in r.strides)
+                parts.append((k, r.kind, r.dtype, r.shape, byte_strides,
+                              writable[k] if r.kind == "numpy" else r.device))
+            else:
+                return None
+        if params:
+            parts.append(tuple((k, type(v), v) for k, v in params.items()))
+        key = tuple(parts)
+        hash(key)
+    except Exception:
+        return None
+    return key
 
 
 class _FastCall:
@@ -773,7 +806,7 @@ class FactorRegistry:
                 path = self._dispatch_fast(e, name, arrays, got[1])
                 if path is not None:
                     return path
-        return self._dispatch_full(name, arrays, params, None if got is None else got[0])
+        return self._dispatch_full(name, arrays, params)
 
     def _dispatch_fast(self, e: "_FastCall", name: str, arrays: dict, ptrs: list) -> str | None:
         """Run a call whose signature matched ``e``: None (nothing run) when a pointer breaks a
@@ -813,14 +846,15 @@ class FactorRegistry:
         self.last_path[name] = path
         return path
 
-    def _dispatch_full(self, name: str, arrays: dict, params, fast_key) -> str:
+    def _dispatch_full(self, name: str, arrays: dict, params) -> str:
         """dispatch with every argument checked (a first call, or one whose signature or
-        pointers the short path did not take); ``fast_key``: the call's _fast_key, under which
-        a valid call that can take the short path next time is remembered."""
+        pointers the short path did not take); a valid call to a plugin is remembered under
+        the _validated_key of what was checked, for the short path."""
         m = self.manifest(name)
-        # arrays may hold TensorRefs already made by the caller (ops.* describe what they allocate)
+        # arrays may hold TensorRefs already made by the caller (ops.* describe what they
+        # allocate): copied, so that what is checked is what the short path's key records
         try:
-            refs_by_name = {k: v if type(v) is TensorRef else TensorRef.of(v, k)
+            refs_by_name = {k: copy.copy(v) if type(v) is TensorRef else TensorRef.of(v, k)
                             for k, v in arrays.items() if v is not None}
         except AttributeError:
             if isinstance(arrays, dict):
@@ -868,7 +902,9 @@ class FactorRegistry:
                         m.check_alignment(spec_name, r)   # raises the LayoutError
                 if ws is not None:
                     refs[2 + ws] = None
-            check_writes(name, m, refs_by_name, spans, device)
+            # host writability read once: for the check and for the short path's key
+            writable = {k: _writable(r.obj) for k, r in refs_by_name.items()} if device < 0 else None
+            check_writes(name, m, refs_by_name, spans, device, writable)
         except FactorError:
             self._count(name, "errors")
             raise
@@ -887,9 +923,10 @@ class FactorRegistry:
         else:
             plugin = None   # the Python fallback serves
         if plugin is not None:
-            if fast_key is not None and cacheable:
-                self._remember_fast(fast_key, plugin, m, refs_by_name, dims, dims_c, sizes, pvals,
-                                    device, spans)
+            key = _validated_key(name, refs_by_name, {k for k, v in arrays.items() if type(v) is TensorRef},
+                                 writable, params) if cacheable else None
+            if key is not None:
+                self._remember_fast(key, plugin, m, refs_by_name, dims, dims_c, sizes, pvals, device, spans)
             path = self._call_plugin(plugin, m, refs, dims, host=m.memory == "host", dims_c=dims_c)
         if path is None:
             path = self._python_fallback(name, m, self._chosen.get(name), refs_by_name, sizes, pvals,
@@ -926,7 +963,7 @@ class FactorRegistry:
 
     def _remember_fast(self, key, plugin: Plugin, m: Manifest, refs_by_name: dict, dims, dims_c,
                        sizes: dict, pvals: dict, device: int, spans: dict) -> None:
-        """Keep what a valid call to ``plugin`` needs again under its _fast_key (see dispatch).
+        """Keep what a valid call to ``plugin`` needs again under its _validated_key (dispatch).
         Not kept: a workspace_size out of range (the full path raises it on every call)."""
         names = list(refs_by_name)
         pos = {k: i for i, k in enumerate(names)}

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from ex_engine import FactorRegistry, KernelError
-from ex_engine.errors import ArgumentError, LayoutError
+from ex_engine.arrays import TensorRef
+from ex_engine.errors import ArgumentError, DTypeError, LayoutError
 from tests.conftest import build_plugin
 from tests.test_dispatch_trust import ws_plugin
 
@@ -159,6 +160,7 @@ def test_another_plugin_chosen_or_tuning_changed_goes_through_the_full_path(tmp_
     assert spy.n == 3
 
 
+@pytest.mark.filterwarnings("ignore::PendingDeprecationWarning")   # np.matrix
 def test_an_unhashable_parameter_or_an_odd_array_takes_the_full_path(tmp_path):
     from ex_engine.registry import _fast_key
     a = args()
@@ -171,3 +173,45 @@ def test_an_unhashable_parameter_or_an_odd_array_takes_the_full_path(tmp_path):
     ro = a["x"].copy()
     ro.flags.writeable = False
     assert _fast_key("f", {"x": ro}, None)[0] != _fast_key("f", {"x": a["x"]}, None)[0]
+
+
+def test_what_is_remembered_is_what_was_checked(tmp_path):
+    """The short path's entry is filed under the checked descriptions, not under a second look
+    at the arrays: a parameter whose hash changes an array's dtype mid-call (as another thread
+    flipping a flag could) leaves no unchecked signature behind."""
+    build_plugin(tmp_path)
+    text = (tmp_path / "host_scale.yaml").read_text() + "params: {eps: {type: float, default: 1.0}}\n"
+    (tmp_path / "host_scale.yaml").write_text(text)
+    reg = FactorRegistry.load(tmp_path, hardware="h200")
+    assert reg.get("host_scale") is not None, reg.plugins[0].reason
+
+    class Eps(float):
+        hook = None
+
+        def __hash__(self):
+            if Eps.hook:
+                Eps.hook()
+                Eps.hook = None
+            return float.__hash__(self)
+
+    TensorRef.of(np.zeros(1, np.int32))   # int32's name known: the short path's key is read whole
+    a = args()
+    a["x"] = a["x"].view(np.int32)
+    Eps.hook = lambda: setattr(a["x"], "dtype", np.float32)
+    reg.dispatch("host_scale", a, {"eps": Eps(1.0)})   # the key read int32, the checks float32
+    assert Eps.hook is None
+    b = args()
+    b["x"] = np.arange(1, 8, dtype=np.int32)
+    with pytest.raises(DTypeError, match="x"):
+        reg.dispatch("host_scale", b, {"eps": Eps(1.0)})
+
+
+def test_a_tensorref_given_is_keyed_on_all_its_fields(tmp_path):
+    reg = host_reg(tmp_path)
+    a = args()
+    ref = TensorRef.of(a["x"], "x")
+    reg.dispatch("host_scale", {**a, "x": ref})
+    bad = TensorRef.of(a["x"], "x")
+    bad.contiguous = False             # says it is not contiguous: refused, as on a first call
+    with pytest.raises(LayoutError, match="layout"):
+        reg.dispatch("host_scale", {**a, "x": bad})
