@@ -35,7 +35,7 @@ from ex_engine.moe_layer import case_problems, load_models, output_file_problem,
 from ex_engine.tuning import tuning_dir  # noqa: E402
 
 CONFIGS = {"tiny": 0, "decode": 1, "mid": 2, "prefill": 3, "grouped": 4, "mid32": 5, "mid48": 6,
-           "grouped64": 7}
+           "grouped64": 7, "narrow": 8}
 VALUES = {"auto": -1, **CONFIGS}   # auto: the kernel's own choice from T*K/G
 KEY = ["H", "I", "G", "K"]
 
@@ -52,7 +52,7 @@ def candidates(rows_per_expert: float, grouped: bool) -> list:
     if 16 <= rows_per_expert <= 128:
         out += ["mid48"]
     if rows_per_expert >= 16:
-        out += ["prefill"] + (["grouped", "grouped64"] if grouped else [])
+        out += ["prefill"] + (["grouped", "grouped64", "narrow"] if grouped else [])
     return out
 
 

@@ -209,7 +209,8 @@ enum {
     kTileConfigMid32 = 5,    // CfgMid32
     kTileConfigMid48 = 6,    // CfgMid48
     kTileConfigGrouped64 = 7,  // moe_fused_gemm_sm90.so's grouped GEMM on 64-row tiles (else: auto)
-    kTileConfigMax = 7,
+    kTileConfigNarrow = 8,  // moe_fused_gemm_sm90.so's grouped GEMM on 128 x 128 tiles (else: auto)
+    kTileConfigMax = 8,
 };
 
 // What the host needs of each config: when to pick it and what it launches with.

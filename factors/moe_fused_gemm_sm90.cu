@@ -54,7 +54,10 @@
  * groups are small), stages from StageCountAutoCarveout, epilogue
  * PtrArrayTmaWarpSpecializedCooperative with no source C (beta = 0), fp32 accumulation. GEMM2 under
  * Tile128 with a short reduction (I <= kSm90Gemm2PingpongMaxI) runs on Tile128N128 (128 x 128 x 64,
- * ping-pong, same cluster) instead.
+ * ping-pong, same cluster) instead. Where dims[7] = 8 (tuned data: "narrow") both GEMMs run on
+ * Tile128N128 (the gated GEMM1 with gate and up boxes of 64 rows): twice the tiles of Tile128,
+ * for shapes whose 128 x 256 tiles leave the last round of the persistent grid mostly idle (granite
+ * at T = 384..1024: ~160 tiles of GEMM1 on 132 SMs).
  *
  * Workspace (a pure function of dims; sections 256-byte aligned):
  *   [0, 256)   status word (int32 at byte 0), as the portable path
@@ -153,6 +156,8 @@ struct Tile64 {
 // GEMM2 under Tile128 where I <= kSm90Gemm2PingpongMaxI: 128 x 128 x 64 tiles, ping-pong (one
 // consumer warpgroup's epilogue runs while the other's MMAs do). With a short reduction (I = 768:
 // 12 k-steps per tile) the cooperative tile's epilogue, not hidden, is a large share of its time.
+// Also both GEMMs of the "narrow" configuration (dims[7] = 8); each consumer warpgroup's tile is
+// then 128 rows, two MMAs along M (the gated epilogue handles both).
 struct Tile128N128 {
     using TileShape = Shape<_128, _128, _64>;
     using KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong;
@@ -456,11 +461,14 @@ struct GatedEpilogueOp {
         using E2 = typename Elem<TNative>::T2;
         constexpr int BM = size<0>(BlockShapeMNK{});
         constexpr int BN = size<1>(BlockShapeMNK{});
-        // fragment of one thread: ((2 cols, 2 rows, BN/8 column blocks), 1, 1); block b + BN/16
-        // holds the columns 128 to the right of block b
+        // fragment of one thread: ((2 cols, 2 rows, BN/8 column blocks), MM, 1): MM = 1 where a
+        // warpgroup's tile is 64 rows (cooperative 128-row tiles, 64-row ping-pong), 2 where it is
+        // 128 (128 x 128 ping-pong: rows mm * 64 + ...); block b + BN/16 holds the columns BN/2
+        // to the right of block b
         static_assert(is_static<FrgLayout>::value, "static accumulator layout");
-        static_assert(rank(FrgLayout{}) == 3 && size<1>(FrgLayout{}) == 1 && size<2>(FrgLayout{}) == 1,
-                      "one MMA per warpgroup tile");
+        constexpr int MM = size<1>(FrgLayout{});
+        static_assert(rank(FrgLayout{}) == 3 && (MM == 1 || MM == 2) && size<2>(FrgLayout{}) == 1,
+                      "one or two MMAs along M per warpgroup tile");
         static_assert(size<0, 0>(FrgLayout{}) == 2 && size<0, 1>(FrgLayout{}) == 2 &&
                       size<0, 2>(FrgLayout{}) == BN / 8, "wgmma m64nNk16 accumulator fragment");
         constexpr int NB2 = BN / 16;
@@ -476,18 +484,20 @@ struct GatedEpilogueOp {
         Tensor tCcD = thr_mma.partition_C(cD);
 #if defined(EX_SM90_EPI_ACCURATE)
         CUTLASS_PRAGMA_UNROLL
+        for (int mm = 0; mm < MM; ++mm)
+        CUTLASS_PRAGMA_UNROLL
         for (int b = 0; b < NB2; ++b) {
             CUTLASS_PRAGMA_UNROLL
             for (int h = 0; h < 2; ++h) {
-                const auto crd = tCcD(make_coord(make_coord(0, h, b), 0, 0));
+                const auto crd = tCcD(make_coord(make_coord(0, h, b), mm, 0));
                 const int r = row0 + int(get<0>(crd));
                 const int c = col0 + int(get<1>(crd));
                 const float2 g = Elem<TNative>::unpack(Elem<TNative>::pack(
-                    accumulators(make_coord(make_coord(0, h, b), 0, 0)),
-                    accumulators(make_coord(make_coord(1, h, b), 0, 0))));
+                    accumulators(make_coord(make_coord(0, h, b), mm, 0)),
+                    accumulators(make_coord(make_coord(1, h, b), mm, 0))));
                 const float2 u = Elem<TNative>::unpack(Elem<TNative>::pack(
-                    accumulators(make_coord(make_coord(0, h, b + NB2), 0, 0)),
-                    accumulators(make_coord(make_coord(1, h, b + NB2), 0, 0))));
+                    accumulators(make_coord(make_coord(0, h, b + NB2), mm, 0)),
+                    accumulators(make_coord(make_coord(1, h, b + NB2), mm, 0))));
                 if (r < M && c < I)
                     *reinterpret_cast<E2*>(D + (int64_t)r * ld + c) =
                         Elem<TNative>::pack(silu_f(g.x) * u.x, silu_f(g.y) * u.y);
@@ -503,8 +513,10 @@ struct GatedEpilogueOp {
         const int q = int(threadIdx.x) & 3;
         const bool q_hi = (q & 2) != 0, q_odd = (q & 1) != 0;
         CUTLASS_PRAGMA_UNROLL
+        for (int mm = 0; mm < MM; ++mm)
+        CUTLASS_PRAGMA_UNROLL
         for (int h = 0; h < 2; ++h) {
-            const int r = row0 + int(get<0>(tCcD(make_coord(make_coord(0, h, 0), 0, 0))));
+            const int r = row0 + int(get<0>(tCcD(make_coord(make_coord(0, h, 0), mm, 0))));
             TNative* drow = D + (int64_t)r * ld + col0;
             CUTLASS_PRAGMA_UNROLL
             for (int gi = 0; gi < NB2 / 4; ++gi) {
@@ -513,11 +525,11 @@ struct GatedEpilogueOp {
                 for (int j = 0; j < 4; ++j) {
                     const int b = 4 * gi + j;
                     const float2 g = Elem<TNative>::unpack(Elem<TNative>::pack(
-                        accumulators(make_coord(make_coord(0, h, b), 0, 0)),
-                        accumulators(make_coord(make_coord(1, h, b), 0, 0))));
+                        accumulators(make_coord(make_coord(0, h, b), mm, 0)),
+                        accumulators(make_coord(make_coord(1, h, b), mm, 0))));
                     const float2 u = Elem<TNative>::unpack(Elem<TNative>::pack(
-                        accumulators(make_coord(make_coord(0, h, b + NB2), 0, 0)),
-                        accumulators(make_coord(make_coord(1, h, b + NB2), 0, 0))));
+                        accumulators(make_coord(make_coord(0, h, b + NB2), mm, 0)),
+                        accumulators(make_coord(make_coord(1, h, b + NB2), mm, 0))));
                     const E2 v = Elem<TNative>::pack(silu_fast(g.x) * u.x, silu_fast(g.y) * u.y);
                     a[j] = *reinterpret_cast<const uint32_t*>(&v);
                 }
@@ -752,6 +764,8 @@ using Gated64Bf16 = sm90::GatedGemm1<cutlass::bfloat16_t, __nv_bfloat16, sm90::T
 using Gated64F16 = sm90::GatedGemm1<cutlass::half_t, __half, sm90::Tile64>;
 using GemmPpBf16 = sm90::GroupedGemm<cutlass::bfloat16_t, sm90::Tile128N128>;
 using GemmPpF16 = sm90::GroupedGemm<cutlass::half_t, sm90::Tile128N128>;
+using GatedPpBf16 = sm90::GatedGemm1<cutlass::bfloat16_t, __nv_bfloat16, sm90::Tile128N128>;
+using GatedPpF16 = sm90::GatedGemm1<cutlass::half_t, __half, sm90::Tile128N128>;
 
 // CUTLASS workspace bytes (per-SM TMA descriptors) for kSm90MaxSms SMs of one kernel type.
 template <class G> static int64_t cutlass_ws_bytes_for() {
@@ -777,7 +791,7 @@ struct KernelSet {
     }
 };
 using AllKernels = KernelSet<GemmBf16, GemmF16, GatedBf16, GatedF16, Gemm64Bf16, Gemm64F16, Gated64Bf16, Gated64F16,
-                             GemmPpBf16, GemmPpF16>;
+                             GemmPpBf16, GemmPpF16, GatedPpBf16, GatedPpF16>;
 static int64_t cutlass_ws_bytes() { return AllKernels::ws_bytes(); }
 
 struct Sm90Layout {
@@ -827,7 +841,8 @@ static Sm90Layout sm90_layout(const Problem& P) {
 static bool sm90_path_for(const Problem& P) {
     if (!(s_sm90_enabled && P.T > 0 && P.H % 8 == 0 && P.I % 8 == 0)) return false;
     if (P.config >= 0)  // tuned choice (dims[7])
-        return P.config == kTileConfigGrouped || P.config == kTileConfigGrouped64;
+        return P.config == kTileConfigGrouped || P.config == kTileConfigGrouped64 ||
+               P.config == kTileConfigNarrow;
     return P.TK / P.G >= s_sm90_min_rows;  // floor(T*K/G) >= n  <=>  T*K >= n*G (rows per expert)
 }
 
@@ -1034,6 +1049,8 @@ static int launch_sm90(const Problem& P, void* out, const void* x, const void* w
 template <typename T>
 static int launch_sm90_tiled(const Problem& P, void* out, const void* x, const void* w13, const void* w2,
                              const float* tw, const int* ids, char* ws, cudaStream_t stream) {
+    if (P.config == kTileConfigNarrow)  // tuned data only: both GEMMs on 128 x 128 ping-pong tiles
+        return launch_sm90<T, sm90::Tile128N128>(P, out, x, w13, w2, tw, ids, ws, stream);
     return sm90_tile64_for(P) ? launch_sm90<T, sm90::Tile64>(P, out, x, w13, w2, tw, ids, ws, stream)
                               : launch_sm90<T, sm90::Tile128>(P, out, x, w13, w2, tw, ids, ws, stream);
 }

@@ -210,8 +210,9 @@ def test_moe_plugin_awkward(reg, cp, T, H, E, I, K, dtype):
     run_moe_check(reg, cp, moe_case(cp, T, H, E, I, K, dtype), dtype)
 
 
-# Tile128 (cooperative; GEMM2 on 128 x 128 ping-pong tiles where I <= 1024), Tile64 (ping-pong)
-@pytest.mark.parametrize("config", [4, 7])
+# Tile128 (cooperative; GEMM2 on 128 x 128 ping-pong tiles where I <= 1024), Tile64 (ping-pong),
+# narrow (both GEMMs on 128 x 128 ping-pong tiles, two MMAs along M per warpgroup)
+@pytest.mark.parametrize("config", [4, 7, 8])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("kind", ["T=1", "T=3 E=40", "E=40", "ungated I=200", "I > H", "one expert",
                                   "empty experts", "H=200", "I=1408"])
