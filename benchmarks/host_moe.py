@@ -11,7 +11,7 @@ in an engine:
   call           ex_engine.moe_fused_gemm(...), out allocated by the call
   call, out=     the same with a preallocated out
   dispatch       registry.dispatch with the arrays as given (no ops wrapper)
-  describe x7    TensorRef.of on the seven arrays (what dispatch reads from each)
+  describe x6    TensorRef.of on the six arrays given (router_logits and expert_map are None)
   plugin         the registry's C call alone (stream, workspace lookup, cffi, the launches)
   launches       the plugin's kernel entry point through cffi with prepared arguments
   cffi no-op     workspace_size through cffi (the price of one crossing into C)
@@ -37,7 +37,7 @@ from _timing import host_us, torch  # noqa: E402
 
 from ex_engine import FactorRegistry, abi, moe_fused_gemm  # noqa: E402
 from ex_engine.arrays import TensorRef  # noqa: E402
-from ex_engine.moe_layer import case_problems, load_models, report_problems  # noqa: E402
+from ex_engine.moe_layer import case_problems, load_models, output_file_problem, report_problems  # noqa: E402
 
 NAMES = ("hidden_states", "w13", "w2", "topk_weights", "topk_ids")
 
@@ -79,7 +79,7 @@ def stages(reg: FactorRegistry, args5) -> dict:
         "call": lambda: moe_fused_gemm(x, w13, w2, w, ids, registry=reg),
         "call, out=": lambda: moe_fused_gemm(x, w13, w2, w, ids, out=out, registry=reg),
         "dispatch": lambda: reg.dispatch("moe_fused_gemm", arrays),
-        "describe x7": lambda: [TensorRef.of(v, k) for k, v in present.items()],
+        "describe x6": lambda: [TensorRef.of(v, k) for k, v in present.items()],
         "plugin": lambda: reg._call_plugin(plugin, m, refs, dims, dims_c=dims_c),
         "launches": lambda: kernel(o, i, aux, n_aux, dims_c, n_dims, stream),
         "cffi no-op": lambda: ws_fn(dims_c, n_dims),
@@ -116,6 +116,7 @@ def main() -> int:
     problems = case_problems(models, args.models, args.tokens, args.factors)
     if args.rounds < 1:
         problems.append(f"--rounds: expected >= 1, got {args.rounds}")
+    problems.append(output_file_problem("--json", args.json))
     if torch is None or not torch.cuda.is_available():
         problems.append("needs PyTorch with a CUDA GPU")
     if report_problems("host_moe", problems):

@@ -2,7 +2,7 @@
 
 For each model of manifests/moe_models.yaml and each T, forces every tile configuration the
 kernels know (tiny, decode, mid, mid32, mid48, prefill and, with the Hopper plugin, grouped,
-and grouped64), checks each
+grouped64 and narrow), checks each
 output against a float32 reference, times it (CUDA-graph replay over rotated input sets, as
 bench_moe.py), and writes the fastest per (H, I, G, K, T) to a tuning file that the registry
 reads (manifests/tuning/<device>.yaml; ex_engine/tuning.py documents the format). Entries of

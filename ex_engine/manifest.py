@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import operator
 import re
 import struct
 from dataclasses import dataclass, field
@@ -261,8 +262,13 @@ class Manifest:
                     raise ArgumentError(self.name, k, "type", "a bool", repr(v))
                 v = bool(v)
             elif typ == "int":
-                if isinstance(v, bool) or not isinstance(v, int):
+                # Python's or NumPy's integers (not bools); passed to the kernel as an int64
+                is_bool = isinstance(v, bool) or getattr(getattr(v, "dtype", None), "kind", "") == "b"
+                if is_bool or not hasattr(v, "__index__") or getattr(v, "shape", ()) != ():
                     raise ArgumentError(self.name, k, "type", "an int", repr(v))
+                v = operator.index(v)
+                if not -2 ** 63 <= v < 2 ** 63:
+                    raise ArgumentError(self.name, k, "value", "an int in the int64 range", repr(v))
             else:
                 if isinstance(v, (str, bytes, bool)):  # float('1e-6') would parse it; True is no eps
                     raise ArgumentError(self.name, k, "type", "a number", repr(v))

@@ -302,7 +302,7 @@ class _FastCall:
     (array, itemsize) pairs; overlap: per written array (index, span lo, hi, other arrays'
     (index, lo, hi)), byte offsets from the pointers."""
     __slots__ = ("plugin", "m", "kernel", "kernel_fallback", "abi_index", "align", "overlap", "dims",
-                 "dims_c", "n_dims", "n_aux", "ws_index", "ws_need", "device", "host", "stream_kind",
+                 "dims_c", "n_dims", "n_aux", "ws_index", "device", "host", "stream_kind",
                  "sizes", "pvals")
 
     def __init__(self, **kw):
@@ -830,12 +830,9 @@ class FactorRegistry:
             stream = 0
         else:
             stream = _stream_getter(e.stream_kind)(device)
-        if e.ws_index is not None:
-            key = (plugin.name, device, threading.get_ident() if e.host else stream)
-            buf = self._workspaces.get(key)
-            if buf is None or buf.nbytes < e.ws_need:
-                buf = self._workspace(plugin, e.dims, device, key[2])
-            aux[e.ws_index] = buf.ctypes.data if e.host else buf.data.ptr
+        if e.ws_index is not None:   # workspace_size asked on every call, as on the full path
+            buf = self._workspace(plugin, e.dims, device, threading.get_ident() if e.host else stream)
+            aux[e.ws_index] = 0 if buf is None else (buf.ctypes.data if e.host else buf.data.ptr)
         path = self._invoke(plugin, e.kernel, e.kernel_fallback, at[0], at[1], aux, e.n_aux, e.dims_c,
                             e.n_dims, stream)
         if path is None:   # both C paths declined: the Python fallback, on the arrays described
@@ -851,6 +848,10 @@ class FactorRegistry:
         pointers the short path did not take); a valid call to a plugin is remembered under
         the _validated_key of what was checked, for the short path."""
         m = self.manifest(name)
+        if params is not None and not isinstance(params, dict):
+            self._count(name, "errors")
+            raise ArgumentError(name, "params", "type", "a dict {parameter name: value} or None",
+                                type(params).__name__)
         # arrays may hold TensorRefs already made by the caller (ops.* describe what they
         # allocate): copied, so that what is checked is what the short path's key records
         try:
@@ -963,21 +964,14 @@ class FactorRegistry:
 
     def _remember_fast(self, key, plugin: Plugin, m: Manifest, refs_by_name: dict, dims, dims_c,
                        sizes: dict, pvals: dict, device: int, spans: dict) -> None:
-        """Keep what a valid call to ``plugin`` needs again under its _validated_key (dispatch).
-        Not kept: a workspace_size out of range (the full path raises it on every call)."""
+        """Keep what a call to ``plugin`` that passed the full checks needs again, under its
+        _validated_key (dispatch)."""
         names = list(refs_by_name)
         pos = {k: i for i, k in enumerate(names)}
         abi_index = []
         for s in m.tensors:
             n = m.output.name if s.same_as_output else s.name
             abi_index.append(-1 if s.role == "workspace" else pos.get(n, -1))
-        need = None
-        if m.workspace_index is not None:
-            fn = plugin.factor.workspace_size
-            if fn != abi.ffi.NULL:
-                need = int(fn(dims_c, len(dims)))
-                if not 0 <= need <= _MAX_WORKSPACE:
-                    return
         overlap = tuple((pos[w], spans[w][0], spans[w][1],
                          tuple((pos[k], sk[0], sk[1]) for k, sk in spans.items() if k != w))
                         for w in m.written_names if w in spans)
@@ -991,7 +985,7 @@ class FactorRegistry:
             abi_index=tuple(abi_index),
             align=tuple((pos[k], r.itemsize) for k, r in refs_by_name.items() if r.itemsize > 1),
             overlap=overlap, dims=dims, dims_c=dims_c, n_dims=len(dims), n_aux=len(m.aux),
-            ws_index=m.workspace_index if need is not None else None, ws_need=need or 0,
+            ws_index=m.workspace_index,
             device=device, host=host, stream_kind="torch" if "torch" in kinds else "cupy",
             sizes=sizes, pvals=pvals)
 

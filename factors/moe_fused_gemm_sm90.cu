@@ -45,7 +45,7 @@
  *
  * GEMM kernel (one type per dtype and tiling for GEMM2 and the ungated GEMM1, plus GatedGemm1 per
  * dtype and tiling, which shares its tile, schedule and mainloop and swaps the B load and the
- * epilogue; GEMM2 also on Tile128N128, see below). Two tilings: Tile64 (64 x 256 x 64,
+ * epilogue; GEMM2 also on Tile128N128, see below). Three tilings: Tile64 (64 x 256 x 64,
  * ping-pong: each consumer warpgroup on its own tile) only where dims[7] = 7 (tuned data) or
  * EX_MOE_SM90_TILE64_MAX_ROWS asks for it; else
  * Tile128: KernelPtrArrayTmaWarpSpecializedCooperative,
@@ -137,12 +137,12 @@ constexpr int kPrepThreads = 256;
 namespace sm90 {
 using namespace cute;
 
-// Two tilings of the same grouped GEMM. Tile128: 128 x 256 x 64 CTA tiles, both consumer
+// Three tilings of the same grouped GEMM. Tile128: 128 x 256 x 64 CTA tiles, both consumer
 // warpgroups on one tile (cooperative), for many rows per expert. Tile64: 64 x 256 x 64 tiles,
 // each consumer warpgroup on its own tile, the two alternating between MMA and epilogue
 // (ping-pong): half the M padding per expert (an expert with 136 rows needs 3 x 64 rows, not
 // 2 x 128), for the middle range of rows per expert. Under Tile128, GEMM2 with a short
-// reduction runs on a third, Tile128N128 (below).
+// reduction runs on a third, Tile128N128 (below), which the narrow configuration uses for both.
 struct Tile128 {
     using TileShape = Shape<_128, _256, _64>;
     using KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
@@ -776,9 +776,9 @@ template <class G> static int64_t cutlass_ws_bytes_for() {
     return (int64_t)G::Kernel::get_workspace_size(args);
 }
 
-// Every CUTLASS kernel type the plugin launches (two element types x two tilings, gated GEMM1 or
-// not, plus GEMM2's 128 x 128 ping-pong type); the workspace, smem and block-shape figures are
-// taken over all of them.
+// Every CUTLASS kernel type the plugin launches (two element types x three tilings, gated GEMM1
+// or not; the ungated 128 x 128 type is GEMM2's under Tile128 too); the workspace, smem and
+// block-shape figures are taken over all of them.
 template <class G0, class... Gs>
 struct KernelSet {
     static constexpr int kThreads = (int)G0::Kernel::MaxThreadsPerBlock;
@@ -846,7 +846,8 @@ static bool sm90_path_for(const Problem& P) {
     return P.TK / P.G >= s_sm90_min_rows;  // floor(T*K/G) >= n  <=>  T*K >= n*G (rows per expert)
 }
 
-// Of the CUTLASS path's two tilings, whether the dims take the 64-row one (Tile64): a tuned
+// Of the CUTLASS path's 128 x 256 and 64 x 256 tilings (narrow is chosen before this), whether
+// the dims take the 64-row one (Tile64): a tuned
 // choice (dims[7] = 7 Tile64, 4 Tile128), else fewer than s_sm90_tile64_max_rows rows per expert.
 static bool sm90_tile64_for(const Problem& P) {
     if (P.config >= 0) return P.config == kTileConfigGrouped64;
@@ -967,7 +968,7 @@ static int run_grouped_gemm(const sm90::GroupArrays<GA>& ga_in, int E, void* cut
 template <typename T, class Tile>
 static int launch_sm90(const Problem& P, void* out, const void* x, const void* w13, const void* w2,
                        const float* tw, const int* ids, char* ws, cudaStream_t stream) {
-    // the group arrays' types (shapes, pointers, strides) are the same for both tilings
+    // the group arrays' types (shapes, pointers, strides) are the same for every tiling
     using CT = typename sm90::CutlassType<T>::type;
     using G = sm90::GroupedGemm<CT>;
     using GT = sm90::GroupedGemm<CT, Tile>;

@@ -215,3 +215,36 @@ def test_a_tensorref_given_is_keyed_on_all_its_fields(tmp_path):
     bad.contiguous = False             # says it is not contiguous: refused, as on a first call
     with pytest.raises(LayoutError, match="layout"):
         reg.dispatch("host_scale", {**a, "x": bad})
+
+
+def test_the_workspace_size_is_asked_on_every_call(tmp_path):
+    """A library loaded again may answer workspace_size differently (the Hopper plugin reads its
+    settings at load): the short path asks on every call, as the full path does, and grows."""
+    from ex_engine import abi
+    reg = ws_plugin(tmp_path)
+    for _ in range(2):
+        reg.dispatch("host_scale_ws", args(n=7))
+    plugin = reg.get("host_scale_ws")
+    before = list(reg._workspaces.values())[0].nbytes
+    bigger = abi.ffi.callback("int64_t(const int64_t *, int)", lambda dims, n: 1 << 20)
+    plugin.factor.workspace_size = bigger
+    a = args(n=7, alpha=0.5)
+    reg.dispatch("host_scale_ws", a)
+    np.testing.assert_allclose(a["out"], 0.5 * a["x"], rtol=1e-6)
+    assert before < (1 << 20) <= max(b.nbytes for b in reg._workspaces.values())
+
+
+def test_params_not_a_dict_and_int_parameters(tmp_path):
+    build_plugin(tmp_path)
+    text = (tmp_path / "host_scale.yaml").read_text() + "params: {steps: {type: int, default: 1}}\n"
+    (tmp_path / "host_scale.yaml").write_text(text)
+    reg = FactorRegistry.load(tmp_path, hardware="h200")
+    with pytest.raises(ArgumentError, match="params.*dict"):
+        reg.dispatch("host_scale", args(), [("steps", 2)])
+    for ok in (3, np.int64(3), np.int32(-2)):
+        assert reg.dispatch("host_scale", args(), {"steps": ok}) == "plugin"
+    for bad, why in ((2 ** 63, "int64 range"), (True, "an int"), (np.bool_(True), "an int"),
+                     (2.0, "an int"), (np.array([2]), "an int")):
+        with pytest.raises(ArgumentError, match=why):
+            reg.dispatch("host_scale", args(), {"steps": bad})
+    assert reg.stats()["host_scale"]["errors"] == 6

@@ -217,7 +217,7 @@ def test_moe_plugin_awkward(reg, cp, T, H, E, I, K, dtype):
 @pytest.mark.parametrize("kind", ["T=1", "T=3 E=40", "E=40", "ungated I=200", "I > H", "one expert",
                                   "empty experts", "H=200", "I=1408"])
 def test_moe_sm90_tilings_on_awkward_shapes(cp, config, dtype, kind):
-    """Both tilings of the Hopper plugin's grouped GEMMs, forced through dims[7] (what the tuner
+    """The three tilings of the Hopper plugin's grouped GEMMs, forced through dims[7] (what the tuner
     times): tiny and awkward shapes, one expert with every slot, idle experts, the gated GEMM1
     (I % 128 == 0) and the ungated one with the separate silu launch; H = 200 leaves a last
     k-tile of 8 of the 64 columns for the TMA to zero-fill; I = 1408 keeps GEMM2 on the 128-row

@@ -11,6 +11,7 @@ from tests.conftest import ROOT
 SCRIPTS = [
     ["benchmarks/bench_moe.py", "--json"],
     ["benchmarks/bench_router_norm.py", "--json"],
+    ["benchmarks/host_moe.py", "--json"],
     ["benchmarks/ab_moe.py", "--cases", "qwen3-30b-a3b:1", "--configs", "a=factors", "b=factors", "--json"],
     ["benchmarks/tune_moe.py", "--out"],
     ["examples/ep_moe.py", "--json"],
