@@ -149,6 +149,25 @@ def test_tensor_ref_reads_torch_without_copying():
     assert TensorRef.of(p).raw().ctypes.data == p.data_ptr()
 
 
+def test_torch_tensors_take_the_short_path_on_a_host_plugin(tmp_path, monkeypatch):
+    """The short path's key read from torch tensors equals the one filed from their checked
+    descriptions (torch.Size against a tuple, dtype names): one full check for four calls; an
+    overlapping out on the same signature is still refused. CPU tensors and the tests' host
+    plugin; the GPU tests run the same on CUDA tensors."""
+    from tests.conftest import build_plugin
+    build_plugin(tmp_path)
+    r = FactorRegistry.load(tmp_path, hardware="h200")
+    full, n = r._dispatch_full, []
+    monkeypatch.setattr(r, "_dispatch_full", lambda *a, **k: n.append(1) or full(*a, **k))
+    for i in range(4):
+        x, out, alpha = torch.randn(7), torch.full((7,), float("nan")), torch.tensor([1.5 + i])
+        assert r.dispatch("host_scale", {"x": x, "out": out, "alpha": alpha}) == "plugin"
+        assert torch.allclose(out, (1.5 + i) * x)
+    assert len(n) == 1
+    with pytest.raises(LayoutError, match="overlaps 'x'"):
+        r.dispatch("host_scale", {"x": x, "out": x, "alpha": alpha})
+
+
 # ------------------------------------------------------------------------------ GPU: plugins
 def _cuda_reg():
     if not torch.cuda.is_available():
