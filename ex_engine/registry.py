@@ -669,6 +669,10 @@ class FactorRegistry:
                        f"manifest {m.path} says memory: host (host pointers) but the library carries GPU "
                        "code: a host factor's library must not be a CUDA one"):
             return p
+        if m.memory != "host" and not gpu_code:
+            # allowed (its kernels may live in a library it links, or be loaded at run time), said
+            p.check("gpu code", True, "none in the library itself although the manifest says memory: "
+                    "device: its kernels must come from a library it links or loads (not checked)")
         if m.fallback:
             try:
                 m.fallback_fn()

@@ -352,3 +352,19 @@ def test_the_file_name_breaks_a_tie_not_the_folder(tmp_path):
     reg = FactorRegistry.load(tmp_path / "b", hardware="h200")
     reg.load_folder(tmp_path / "a")
     assert reg.get("host_scale").path.name == "zzz.so"
+
+
+def test_a_device_manifest_on_a_library_without_gpu_code_is_said(tmp_path):
+    """Allowed (kernels may come from a library it links or loads), but list-factors --why says
+    that the library carries no GPU code of its own."""
+    build_plugin(tmp_path)
+    y = tmp_path / "host_scale.yaml"
+    y.write_text(y.read_text().replace("memory: host", "memory: device"))
+    reg = FactorRegistry.load(tmp_path, hardware="h200")
+    p = reg.plugins[0]
+    assert p.status == "ready", p.reason
+    gc = [c for c in p.checks if c.name == "gpu code"]
+    assert len(gc) == 1 and gc[0].ok and "none in the library itself" in gc[0].detail
+    build_plugin(tmp_path / "host")            # the host manifest: no such remark
+    assert not [c for c in FactorRegistry.load(tmp_path / "host", hardware="h200").plugins[0].checks
+                if c.name == "gpu code"]
