@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import itertools
 import json
 import math
 import os
@@ -570,12 +571,26 @@ def _manifest_digest(m) -> str:
     return m.sha256 if m is not None else ""
 
 
+_DIGEST_MAX_FILES = 2000
+
+
 def _fallback_digest(registry, m) -> str:
-    """SHA-256 of the source file of the Python fallback verify compares with ('' if unknown):
-    a pass against a fallback since fixed is not reused."""
+    """SHA-256 over the sources of the Python fallback verify compares with ('' if unknown): its
+    own file and every .py file of its top-level package (the helpers it imports from there,
+    e.g. ex_engine.arrays for ex_engine.fallbacks), so a pass against a fallback or helper since
+    changed is not reused. Code outside that package (NumPy, say) is not covered, nor a package
+    of more than _DIGEST_MAX_FILES files (then the fallback's file alone)."""
     try:
         fn = registry._fallbacks.get(m.name) or m.fallback_fn()
-        return sha256_hex(Path(inspect.getsourcefile(fn)).read_bytes())
+        files = {Path(inspect.getsourcefile(fn)).resolve()}
+        root = sys.modules.get((getattr(fn, "__module__", None) or "").split(".")[0])
+        tree = set()
+        for folder in getattr(root, "__path__", None) or ():   # a package: its whole tree
+            tree.update(q.resolve() for q in itertools.islice(Path(folder).rglob("*.py"), _DIGEST_MAX_FILES + 1))
+        if len(tree) <= _DIGEST_MAX_FILES:                     # else (a huge namespace): the file alone
+            files |= tree
+        parts = [f"{f}\0{sha256_hex(f.read_bytes())}" for f in sorted(files)]
+        return sha256_hex("\n".join(parts).encode())
     except (FactorError, OSError, TypeError):
         return ""
 

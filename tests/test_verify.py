@@ -516,3 +516,28 @@ def test_a_kernel_that_floods_stderr_is_capped_at_the_file_limit(tmp_path, monke
         t.join()
     assert res[0].detail.startswith("timed out after 6 s (in this case"), res
     assert (1 << 19) < biggest[0] <= 1 << 20, biggest[0]     # it wrote, up to the limit
+
+
+def test_the_fallback_digest_covers_the_helpers_of_its_package(tmp_path, monkeypatch):
+    """A pass was keyed on the fallback's own file only: a fixed helper module of its package
+    (ex_engine.arrays for ex_engine.fallbacks, say) reused the old pass."""
+    import sys
+    from ex_engine.verify import _fallback_digest
+    pkg = tmp_path / "fbpkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "helper.py").write_text("K = 1\n")
+    (pkg / "fb.py").write_text("from .helper import K\n\ndef scale(arrays, sizes, params):\n"
+                               "    arrays['out'].raw()[...] = K * arrays['alpha'].raw()[0] * arrays['x'].raw()\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    build_plugin(tmp_path / "lib")
+    y = tmp_path / "lib" / "host_scale.yaml"
+    y.write_text(y.read_text().replace("tests.plugins.host_scale_fallback:scale", "fbpkg.fb:scale"))
+    reg = FactorRegistry.load(tmp_path / "lib", hardware="h200")
+    m = reg.get("host_scale").manifest
+    before = _fallback_digest(reg, m)
+    assert len(before) == 64 and before == _fallback_digest(reg, m)
+    (pkg / "helper.py").write_text("K = 2\n")
+    assert _fallback_digest(reg, m) != before
+    for mod in [k for k in sys.modules if k == "fbpkg" or k.startswith("fbpkg.")]:
+        del sys.modules[mod]           # imported by this test: gone with its folder
