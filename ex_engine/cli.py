@@ -150,6 +150,8 @@ def cmd_verify(args) -> int:
         print(f"no ready plugins in {args.dir}: nothing verified (list-factors --why says why)", file=sys.stderr)
         return 1
     results = []
+    # what a kernel starts with setsid() is handed to this command and killed with its child
+    adopted = None if args.in_process else verify.adopt_orphans()
     # SIGTERM (timeout(1), kill) ends this command through an exception, so each child's session
     # and report file are cleaned up as on Ctrl-C (not SystemExit: verify turns a fallback's
     # SystemExit into that case's FAIL)
@@ -162,6 +164,7 @@ def cmd_verify(args) -> int:
             results += verify.verify_plugin(reg, p, seed=args.seed, isolate=not args.in_process,
                                             timeout=args.timeout or CHILD_TIMEOUT_S)
     finally:
+        verify.stop_adopting(adopted)
         if main_thread:
             signal.signal(signal.SIGTERM, old_term)
     print(verify.format_table(results))

@@ -434,6 +434,7 @@ def _verify_in_child(registry, plugin, seed: int, count: bool, timeout: float) -
                 "file_limit": CHILD_FILE_LIMIT}
         cmd = [sys.executable, "-c", _CHILD, json.dumps(child_sys_path(_fallback_roots(plugin.manifest))),
                json.dumps(args)]
+        before = frozenset(_children()) if _adopting else frozenset()
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err,
                                 start_new_session=True)
         try:
@@ -441,7 +442,7 @@ def _verify_in_child(registry, plugin, seed: int, count: bool, timeout: float) -
             if rc is None:
                 how = f"timed out after {timeout:g} s"
         finally:                       # also on Ctrl-C or SIGTERM: leave no child behind
-            _kill_session(proc)
+            _kill_session(proc, before)
         lines = out.read().splitlines()
         err.seek(max(0, err.seek(0, os.SEEK_END) - 4096))   # only the tail: a kernel may print GBs
         last = (err.read().decode(errors="replace").strip().splitlines() or ["no message"])[-1]
@@ -520,13 +521,87 @@ def _wait_unreaped(proc, timeout: float):
         delay = min(delay * 2, 0.05)
 
 
-def _kill_session(proc) -> None:
-    """Kill the child and whatever it started (its own session), then reap it."""
+def _kill_session(proc, before=frozenset()) -> None:
+    """Kill the child and whatever it started (its own session), then reap it; while adopting
+    (adopt_orphans), also what left that session (setsid) and was handed to this process: its
+    children that were not its children (``before``) when the child started."""
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
     proc.wait()
+    if _adopting:
+        _kill_adopted(before)
+
+
+_adopting = False   # between adopt_orphans and stop_adopting (the ex-engine verify command)
+
+
+def _prctl(*args) -> int:
+    import ctypes
+    return ctypes.CDLL(None, use_errno=True).prctl(*args)
+
+
+def adopt_orphans():
+    """Make this process the subreaper of its descendants (Linux PR_SET_CHILD_SUBREAPER) until
+    stop_adopting: a process a kernel in verify's child starts in a new session (setsid), which
+    the session kill misses, is handed to this process when the child ends, and _kill_session
+    kills it. For the `ex-engine verify` command (a library's process keeps its own setting).
+    Returns the previous setting for stop_adopting, or None where it did not take effect."""
+    global _adopting
+    try:
+        import ctypes
+        prev = ctypes.c_int(0)
+        if _prctl(37, ctypes.byref(prev), 0, 0, 0) != 0 or _prctl(36, 1, 0, 0, 0) != 0:  # GET/SET
+            return None
+    except (OSError, AttributeError):
+        return None
+    _adopting = True
+    return prev.value
+
+
+def stop_adopting(prev) -> None:
+    """Undo adopt_orphans (``prev``: what it returned)."""
+    global _adopting
+    if prev is not None:
+        _adopting = False
+        with contextlib.suppress(OSError, AttributeError):
+            _prctl(36, prev, 0, 0, 0)
+
+
+def _children() -> list:
+    """Pids whose parent is this process (from /proc; [] where there is none)."""
+    me, out = os.getpid(), []
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return out
+    for d in entries:
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat", "rb") as f:
+                    stat = f.read()
+            except OSError:
+                continue
+            fields = stat[stat.rfind(b")") + 2:].split()   # after the name, which may hold spaces
+            if len(fields) > 1 and int(fields[1]) == me:
+                out.append(int(d))
+    return out
+
+
+def _kill_adopted(before=frozenset(), rounds: int = 50) -> None:
+    """Kill and reap the children of this process that are not in ``before`` (adopted orphans
+    of verify's child); each round's victims hand their own children over for the next."""
+    for _ in range(rounds):
+        pids = [p for p in _children() if p not in before]
+        if not pids:
+            return
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+        for pid in pids:
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, 0)
 
 
 # ------------------------------------------------------------------------------------ cache

@@ -388,7 +388,7 @@ def test_sigterm_to_verify_leaves_no_process_behind(tmp_path):
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=30) == 128 + signal.SIGTERM
     time.sleep(0.5)
-    left = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+    left = subprocess.run(["ps", "-eww", "-o", "args"], capture_output=True, text=True).stdout
     assert str(tmp_path) not in left, left
 
 
@@ -541,3 +541,23 @@ def test_the_fallback_digest_covers_the_helpers_of_its_package(tmp_path, monkeyp
     assert _fallback_digest(reg, m) != before
     for mod in [k for k in sys.modules if k == "fbpkg" or k.startswith("fbpkg.")]:
         del sys.modules[mod]           # imported by this test: gone with its folder
+
+
+def test_cli_verify_kills_what_a_kernel_started_in_a_new_session(tmp_path, capsys):
+    """A process that left the child's session (setsid), and one it started, kept running after
+    `ex-engine verify` (the session kill misses them); the command adopts orphans while it
+    runs, kills them with the child, and gives the setting back."""
+    import ctypes
+    import subprocess
+    import time
+    build_plugin(tmp_path, defines={"SETSID_IN_KERNEL": True})
+    assert cli_main(["verify", "--dir", str(tmp_path), "--hardware", "h200"]) == 0
+    assert "1 passed" in capsys.readouterr().out
+    time.sleep(0.3)
+    left = subprocess.run(["ps", "-eww", "-o", "pid=,args="], capture_output=True, text=True).stdout
+    left = [ln[:200] for ln in left.splitlines() if str(tmp_path) in ln]   # -ww: whole command lines
+    for ln in left:                    # clean up before failing
+        subprocess.run(["kill", "-9", ln.split()[0]], capture_output=True)
+    assert not left, left
+    state = ctypes.c_int(-1)
+    assert ctypes.CDLL(None).prctl(37, ctypes.byref(state), 0, 0, 0) == 0 and state.value == 0

@@ -8,7 +8,8 @@
  * never returns), EXIT_IN_GET (ex_get_factor calls exit(N)), BAD_DESCRIPTION (a wild description
  * pointer), OOB (writes OOB floats past the output's end), CRASH_IN_KERNEL (the kernel writes to
  * that address, e.g. 8: SIGSEGV; with CRASH_IF_N only when N is that), FORK_IN_KERNEL (the
- * kernel forks a child that spins forever), HANG_IN_KERNEL (the kernel never returns), EXIT_IN_KERNEL (the kernel calls exit(N)),
+ * kernel forks a child that spins forever), SETSID_IN_KERNEL (the kernel forks a child that calls
+ * setsid() and forks a grandchild, both spinning forever), HANG_IN_KERNEL (the kernel never returns), EXIT_IN_KERNEL (the kernel calls exit(N)),
  * PRINT_IN_KERNEL (the kernel prints a line that looks like a verify report to stdout),
  * STDERR_IN_KERNEL (the kernel writes a line that is not UTF-8 to stderr), CTOR_STDERR (a
  * constructor writes a line that is not UTF-8 to stderr when the library is opened), STDERR_FLOOD
@@ -22,7 +23,7 @@
 #include <stdio.h>
 #include <string.h>
 #endif
-#ifdef FORK_IN_KERNEL
+#if defined(FORK_IN_KERNEL) || defined(SETSID_IN_KERNEL)
 #include <unistd.h>
 #endif
 
@@ -88,6 +89,13 @@ static int scale(void* output, const void* input, const void* aux[], int n_aux,
 #endif
 #ifdef FORK_IN_KERNEL
     if (fork() == 0) { for (volatile int spin = 1; spin;) {} }   /* a process left behind */
+#endif
+#ifdef SETSID_IN_KERNEL
+    if (fork() == 0) {   /* a process that leaves the session, then starts one more */
+        setsid();
+        if (fork() == 0) { for (volatile int spin = 1; spin;) {} }
+        for (volatile int spin = 1; spin;) {}
+    }
 #endif
 #ifdef STDERR_FLOOD
     { static char buf[1 << 16]; memset(buf, 'x', sizeof buf);
