@@ -150,8 +150,10 @@ def cmd_verify(args) -> int:
         print(f"no ready plugins in {args.dir}: nothing verified (list-factors --why says why)", file=sys.stderr)
         return 1
     results = []
-    # what a kernel starts with setsid() is handed to this command and killed with its child
-    adopted = None if args.in_process else verify.adopt_orphans()
+    # what a kernel starts with setsid() is handed to this command and killed with its child;
+    # only as the command itself (main() reading sys.argv): a program calling main([...]) keeps
+    # its own children and setting
+    adopted = verify.adopt_orphans() if getattr(args, "command_process", False) and not args.in_process else None
     # SIGTERM (timeout(1), kill) ends this command through an exception, so each child's session
     # and report file are cleaned up as on Ctrl-C (not SystemExit: verify turns a fallback's
     # SystemExit into that case's FAIL)
@@ -323,6 +325,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     ap = build_parser()
     args = ap.parse_args(argv)
+    args.command_process = argv is None   # the ex-engine command (or python -m ex_engine) itself
     if not getattr(args, "fn", None):
         ap.print_help()
         return 2

@@ -64,6 +64,7 @@ class Plugin:
     description: str = ""
     sha256: str = ""
     cuda_code: dict | None = None   # {'sass': ['sm_90a', ...], 'ptx': ['compute_80']}; None: no fatbin
+    code_known: bool = False        # the library's GPU code was read (cuda_code, or no fatbin at all)
     checks: list = field(default_factory=list)
     manifest: Manifest | None = None
     lib: object = None
@@ -536,6 +537,7 @@ class FactorRegistry:
         except fatbin.FatbinError as exc:
             p.check("cuda code", True, f"not checked: {exc} (dlopen decides)")
             return True
+        p.code_known = True
         if entries is None:
             return p.check("cuda code", True, "no .nv_fatbin section (a host-only library): check skipped")
         p.cuda_code = {"sass": [e.name for e in entries if e.kind == "sass"],
@@ -669,7 +671,7 @@ class FactorRegistry:
                        f"manifest {m.path} says memory: host (host pointers) but the library carries GPU "
                        "code: a host factor's library must not be a CUDA one"):
             return p
-        if m.memory != "host" and not gpu_code:
+        if m.memory != "host" and not gpu_code and p.code_known:
             # allowed (its kernels may live in a library it links, or be loaded at run time), said
             p.check("gpu code", True, "none in the library itself although the manifest says memory: "
                     "device: its kernels must come from a library it links or loads (not checked)")

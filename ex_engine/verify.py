@@ -515,6 +515,8 @@ def _wait_unreaped(proc, timeout: float):
         info = os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
         if info is not None and info.si_pid == proc.pid:
             return info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
+        if _adopting:
+            _reap_adopted_zombies(proc.pid)
         if time.monotonic() >= end:
             return None
         time.sleep(delay)
@@ -524,14 +526,19 @@ def _wait_unreaped(proc, timeout: float):
 def _kill_session(proc, before=frozenset()) -> None:
     """Kill the child and whatever it started (its own session), then reap it; while adopting
     (adopt_orphans), also what left that session (setsid) and was handed to this process: its
-    children that were not its children (``before``) when the child started."""
+    children that were not its children (``before``) when the child started. Ctrl-C and SIGTERM
+    wait until this is done (a second SIGTERM cut the cleanup short), then take effect."""
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
     try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    proc.wait()
-    if _adopting:
-        _kill_adopted(before)
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        proc.wait()
+        if _adopting:
+            _kill_adopted(before)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
 
 _adopting = False   # between adopt_orphans and stop_adopting (the ex-engine verify command)
@@ -589,19 +596,38 @@ def _children() -> list:
     return out
 
 
-def _kill_adopted(before=frozenset(), rounds: int = 50) -> None:
+def _kill_adopted(before=frozenset(), budget_s: float = 10.0) -> None:
     """Kill and reap the children of this process that are not in ``before`` (adopted orphans
-    of verify's child); each round's victims hand their own children over for the next."""
-    for _ in range(rounds):
+    of verify's child), each with its process group (a chain of processes under one setsid goes
+    at once); what they leave behind is handed over and taken in the next round, for up to
+    ``budget_s`` seconds."""
+    end = time.monotonic() + budget_s
+    while time.monotonic() < end:
         pids = [p for p in _children() if p not in before]
         if not pids:
             return
         for pid in pids:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(pid, signal.SIGKILL)
+            for kill in (os.killpg, os.kill):   # its group (when it leads one), then itself
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    kill(pid, signal.SIGKILL)
         for pid in pids:
             with contextlib.suppress(ChildProcessError):
                 os.waitpid(pid, 0)
+
+
+def _reap_adopted_zombies(child_pid: int) -> None:
+    """While adopting: reap adopted orphans that have exited (a process that forks and exits
+    over and over left thousands of zombies until the child ended), leaving ``child_pid`` (the
+    verify child, reaped by _kill_session) and stopping at it."""
+    for _ in range(10000):
+        try:
+            info = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        except ChildProcessError:
+            return
+        if info is None or info.si_pid in (0, child_pid):
+            return
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(info.si_pid, 0)
 
 
 # ------------------------------------------------------------------------------------ cache
@@ -650,24 +676,35 @@ _DIGEST_MAX_FILES = 2000
 
 
 def _fallback_digest(registry, m) -> str:
-    """SHA-256 over the sources of the Python fallback verify compares with ('' if unknown): its
-    own file and every .py file of its top-level package (the helpers it imports from there,
-    e.g. ex_engine.arrays for ex_engine.fallbacks), so a pass against a fallback or helper since
-    changed is not reused. Code outside that package (NumPy, say) is not covered, nor a package
-    of more than _DIGEST_MAX_FILES files (then the fallback's file alone)."""
+    """SHA-256 over the sources of the Python fallback verify compares with ('' if its own file
+    is unknown or unreadable: then no pass is reused, see verify_at_load): its own file and every
+    .py file of its top-level package (the helpers it imports from there, e.g. ex_engine.arrays
+    for ex_engine.fallbacks), so a pass against a fallback or helper since changed is not
+    reused. A file of the package that cannot be read counts by its path and the error's name;
+    code outside that package (NumPy, say) is not covered, nor a package of more than
+    _DIGEST_MAX_FILES files (then the fallback's file alone)."""
     try:
         fn = registry._fallbacks.get(m.name) or m.fallback_fn()
-        files = {Path(inspect.getsourcefile(fn)).resolve()}
-        root = sys.modules.get((getattr(fn, "__module__", None) or "").split(".")[0])
-        tree = set()
-        for folder in getattr(root, "__path__", None) or ():   # a package: its whole tree
-            tree.update(q.resolve() for q in itertools.islice(Path(folder).rglob("*.py"), _DIGEST_MAX_FILES + 1))
-        if len(tree) <= _DIGEST_MAX_FILES:                     # else (a huge namespace): the file alone
-            files |= tree
-        parts = [f"{f}\0{sha256_hex(f.read_bytes())}" for f in sorted(files)]
-        return sha256_hex("\n".join(parts).encode())
-    except (FactorError, OSError, TypeError):
+        own = Path(inspect.getsourcefile(fn)).resolve()
+        parts = [f"{own}\0{sha256_hex(own.read_bytes())}"]
+    except (FactorError, OSError, TypeError, RuntimeError):   # RuntimeError: a symlink loop
         return ""
+    tree = set()
+    root = sys.modules.get((getattr(fn, "__module__", None) or "").split(".")[0])
+    try:
+        for folder in getattr(root, "__path__", None) or ():   # a package: its whole tree
+            tree.update(itertools.islice(Path(folder).rglob("*.py"), _DIGEST_MAX_FILES + 1))
+    except (OSError, RuntimeError):
+        tree = set()
+    if len(tree) > _DIGEST_MAX_FILES:                           # a huge namespace: the file alone
+        tree = set()
+    for f in sorted(str(q) for q in tree):
+        try:
+            digest = sha256_hex(Path(f).read_bytes())
+        except (OSError, RuntimeError) as exc:   # unreadable, a folder named x.py, a dangling link
+            digest = f"unreadable: {type(exc).__name__}"
+        parts.append(f"{f}\0{digest}")
+    return sha256_hex("\n".join(parts).encode())
 
 
 def verify_at_load(registry, plugin) -> tuple:
@@ -680,7 +717,8 @@ def verify_at_load(registry, plugin) -> tuple:
     with_what = {"manifest_sha256": _manifest_digest(plugin.manifest),
                  "fallback_sha256": _fallback_digest(registry, plugin.manifest), "rules": VERIFY_RULES}
     hit = cache.get(key)
-    if isinstance(hit, dict) and all(hit.get(k) == v for k, v in with_what.items()):
+    if (isinstance(hit, dict) and with_what["fallback_sha256"]   # an unknown fallback: run again
+            and all(hit.get(k) == v for k, v in with_what.items())):
         return True, (f"passed before ({hit.get('cases')} cases on {key.split('|', 1)[1]}, "
                       f"{hit.get('when')}; cache {cache_file()})")
     results = verify_plugin(registry, plugin, count=False, isolate=registry.probe == "subprocess",

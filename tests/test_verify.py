@@ -539,25 +539,74 @@ def test_the_fallback_digest_covers_the_helpers_of_its_package(tmp_path, monkeyp
     assert len(before) == 64 and before == _fallback_digest(reg, m)
     (pkg / "helper.py").write_text("K = 2\n")
     assert _fallback_digest(reg, m) != before
+    (pkg / ".#fb.py").symlink_to("user@host.1:2")   # an editor's lock link, dangling
+    (pkg / "a.py").symlink_to(pkg / "b.py")
+    (pkg / "b.py").symlink_to(pkg / "a.py")          # a loop
+    (pkg / "dir.py").mkdir()
+    odd = _fallback_digest(reg, m)
+    assert len(odd) == 64 and odd == _fallback_digest(reg, m)
+    (pkg / "fb.py").write_text((pkg / "fb.py").read_text() + "# changed\n")
+    assert _fallback_digest(reg, m) not in ("", odd)
     for mod in [k for k in sys.modules if k == "fbpkg" or k.startswith("fbpkg.")]:
         del sys.modules[mod]           # imported by this test: gone with its folder
 
 
-def test_cli_verify_kills_what_a_kernel_started_in_a_new_session(tmp_path, capsys):
+def test_cli_verify_kills_what_a_kernel_started_in_a_new_session(tmp_path):
     """A process that left the child's session (setsid), and one it started, kept running after
     `ex-engine verify` (the session kill misses them); the command adopts orphans while it
-    runs, kills them with the child, and gives the setting back."""
+    runs and kills them with the child. A chain of 120 processes under one setsid goes too."""
+    import contextlib
+    import os
+    import subprocess
+    import sys
+    import time
+    build_plugin(tmp_path / "one", defines={"SETSID_IN_KERNEL": True})
+    build_plugin(tmp_path / "chain", defines={"SETSID_IN_KERNEL": True, "SETSID_CHAIN": 120})
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    for d in ("one", "chain"):
+        r = subprocess.run([sys.executable, "-m", "ex_engine", "verify", "--dir", str(tmp_path / d), "--hardware",
+                            "h200"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0 and "1 passed" in r.stdout, (r.stdout, r.stderr)
+    time.sleep(0.3)
+
+    def still_running():
+        out = subprocess.run(["ps", "-eww", "-o", "pid=,args="], capture_output=True, text=True).stdout
+        return [ln[:200] for ln in out.splitlines() if str(tmp_path) in ln]   # -ww: whole lines
+    left = still_running()
+    for _ in range(20):                # clean up before failing (a chain may still be forking)
+        found = still_running()
+        if not found:
+            break
+        for ln in found:
+            with contextlib.suppress(OSError):
+                os.kill(int(ln.split()[0]), 9)
+        time.sleep(0.1)
+    assert not left, left
+
+
+def test_verify_called_from_a_program_leaves_its_children_and_setting_alone(tmp_path, capsys):
+    """cli.main([...]) from a program does not adopt orphans: a child of that program started
+    before the call, and the subreaper setting, are as they were."""
     import ctypes
     import subprocess
-    import time
-    build_plugin(tmp_path, defines={"SETSID_IN_KERNEL": True})
-    assert cli_main(["verify", "--dir", str(tmp_path), "--hardware", "h200"]) == 0
-    assert "1 passed" in capsys.readouterr().out
-    time.sleep(0.3)
-    left = subprocess.run(["ps", "-eww", "-o", "pid=,args="], capture_output=True, text=True).stdout
-    left = [ln[:200] for ln in left.splitlines() if str(tmp_path) in ln]   # -ww: whole command lines
-    for ln in left:                    # clean up before failing
-        subprocess.run(["kill", "-9", ln.split()[0]], capture_output=True)
-    assert not left, left
-    state = ctypes.c_int(-1)
-    assert ctypes.CDLL(None).prctl(37, ctypes.byref(state), 0, 0, 0) == 0 and state.value == 0
+    sleeper = subprocess.Popen(["sleep", "30"])
+    try:
+        build_plugin(tmp_path)
+        assert cli_main(["verify", "--dir", str(tmp_path), "--hardware", "h200"]) == 0
+        assert sleeper.poll() is None
+        state = ctypes.c_int(-1)
+        assert ctypes.CDLL(None).prctl(37, ctypes.byref(state), 0, 0, 0) == 0 and state.value == 0
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+
+
+def test_a_pass_is_not_reused_when_the_fallback_cannot_be_read(tmp_path, cache, monkeypatch):
+    """An unknown fallback digest ('') matched a cached '' and reused the pass."""
+    from ex_engine import verify
+    build_plugin(tmp_path)
+    monkeypatch.setattr(verify, "_fallback_digest", lambda registry, m: "")
+    reg = FactorRegistry.load(tmp_path, hardware="h200", verify=True)
+    assert reg.get("host_scale").checks[-1].detail.startswith("1 cases passed")
+    reg = FactorRegistry.load(tmp_path, hardware="h200", verify=True)
+    assert reg.get("host_scale").checks[-1].detail.startswith("1 cases passed"), "run again"

@@ -9,7 +9,7 @@
  * pointer), OOB (writes OOB floats past the output's end), CRASH_IN_KERNEL (the kernel writes to
  * that address, e.g. 8: SIGSEGV; with CRASH_IF_N only when N is that), FORK_IN_KERNEL (the
  * kernel forks a child that spins forever), SETSID_IN_KERNEL (the kernel forks a child that calls
- * setsid() and forks a grandchild, both spinning forever), HANG_IN_KERNEL (the kernel never returns), EXIT_IN_KERNEL (the kernel calls exit(N)),
+ * setsid() and forks a chain of SETSID_CHAIN more (default 1), all sleeping forever), HANG_IN_KERNEL (the kernel never returns), EXIT_IN_KERNEL (the kernel calls exit(N)),
  * PRINT_IN_KERNEL (the kernel prints a line that looks like a verify report to stdout),
  * STDERR_IN_KERNEL (the kernel writes a line that is not UTF-8 to stderr), CTOR_STDERR (a
  * constructor writes a line that is not UTF-8 to stderr when the library is opened), STDERR_FLOOD
@@ -91,10 +91,14 @@ static int scale(void* output, const void* input, const void* aux[], int n_aux,
     if (fork() == 0) { for (volatile int spin = 1; spin;) {} }   /* a process left behind */
 #endif
 #ifdef SETSID_IN_KERNEL
-    if (fork() == 0) {   /* a process that leaves the session, then starts one more */
+#ifndef SETSID_CHAIN
+#define SETSID_CHAIN 1
+#endif
+    if (fork() == 0) {   /* a process that leaves the session, then a chain of SETSID_CHAIN more */
         setsid();
-        if (fork() == 0) { for (volatile int spin = 1; spin;) {} }
-        for (volatile int spin = 1; spin;) {}
+        for (int i = 0; i < SETSID_CHAIN; ++i)
+            if (fork() != 0) break;   /* the parent stays; the child goes on forking */
+        for (volatile int spin = 1; spin;) { sleep(1); }
     }
 #endif
 #ifdef STDERR_FLOOD
