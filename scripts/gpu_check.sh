@@ -3,14 +3,15 @@
 # tests, the main job on every model, and the benchmarks. Logs go to $OUT (or ./gpu_out).
 #
 #   bash scripts/gpu_check.sh [STAGE ...]    stages: setup build list tests selftest run bench bench_rn
-#                                            tune ep (default: all but tune and ep, in that order;
-#                                            ep runs on every GPU of the machine)
+#                                            host tune ep (default: all but host, tune and ep, in
+#                                            that order; host: benchmarks/host_moe.py, the host
+#                                            time of one eager call by stage; ep: every GPU)
 # On the lent H200: carry .whl (cffi + pycparser cp312 wheels: cffi is not installed there)
 # and, to skip the build there, the factors/*.so built here.
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 if [ "${1:-}" = "-h" ] || [ "${1:-}" = "--help" ]; then
-  sed -n '2,9p' "$0" | sed 's/^# \{0,1\}//'
+  sed -n '2,10p' "$0" | sed 's/^# \{0,1\}//'
   exit 0
 fi
 OUT=${OUT:-$PWD/gpu_out}
@@ -18,15 +19,15 @@ mkdir -p "$OUT"
 stages=${*:-setup build list tests selftest run bench bench_rn}
 has() { [[ " $stages " == *" $1 "* ]]; }
 for s in $stages; do
-  case " setup build list tests selftest run bench bench_rn tune ep " in
+  case " setup build list tests selftest run bench bench_rn host tune ep " in
     *" $s "*) ;;
-    *) echo "gpu_check.sh: unknown stage '$s'; expected some of: setup build list tests selftest run bench bench_rn tune ep" >&2; exit 2 ;;
+    *) echo "gpu_check.sh: unknown stage '$s'; expected some of: setup build list tests selftest run bench bench_rn host tune ep" >&2; exit 2 ;;
   esac
 done
 status=0
 step() { echo; echo "=== $* ($(date +%T))"; }
 
-if has setup || has tests || has run || has bench || has bench_rn || has list || has tune || has ep; then
+if has setup || has tests || has run || has bench || has bench_rn || has host || has list || has tune || has ep; then
   if ! python3 -c "import cffi" 2>/dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target /tmp/site .whl/*.whl || { echo "cannot install carried wheels from .whl/"; exit 2; }
@@ -74,6 +75,10 @@ fi
 if has bench_rn; then
   step "router/norm benchmark"
   timeout ${BENCH_TIMEOUT:-500} python3 benchmarks/bench_router_norm.py --json "$OUT/bench_router_norm.json" 2>&1 | tee "$OUT/bench_router_norm.txt"; [ "${PIPESTATUS[0]}" = 0 ] || status=1
+fi
+if has host; then
+  step "host time of one eager moe_fused_gemm call, by stage"
+  timeout ${BENCH_TIMEOUT:-500} python3 benchmarks/host_moe.py --models qwen3-30b-a3b granite-3.0-3b-a800m mixtral-8x7b --json "$OUT/host_moe.json" 2>&1 | tee "$OUT/host_moe.txt"; [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
 if has tune; then
   step "tune moe_fused_gemm tile configurations (writes $OUT/tuning.yaml; copy it to manifests/tuning/)"
