@@ -26,6 +26,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -527,8 +528,17 @@ def _kill_session(proc, before=frozenset()) -> None:
     """Kill the child and whatever it started (its own session), then reap it; while adopting
     (adopt_orphans), also what left that session (setsid) and was handed to this process: its
     children that were not its children (``before``) when the child started. Ctrl-C and SIGTERM
-    wait until this is done (a second SIGTERM cut the cleanup short), then take effect."""
-    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    wait until this is done (a second SIGTERM cut the cleanup short), then take effect: in the
+    main thread their Python handlers are held (a signal may reach any thread of the process,
+    and Python runs its handler in the main thread whichever it was) and the signals raised
+    again after; in another thread, where handlers cannot be set, they are blocked there."""
+    held, caught, blocked = {}, [], None
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            if signal.getsignal(sig) is not None:      # None: not installed from Python
+                held[sig] = signal.signal(sig, lambda signum, frame: caught.append(signum))
+    else:
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
     try:
         try:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -538,7 +548,12 @@ def _kill_session(proc, before=frozenset()) -> None:
         if _adopting:
             _kill_adopted(before)
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+        for sig, handler in held.items():
+            signal.signal(sig, handler)
+        if blocked is not None:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+        for sig in dict.fromkeys(caught):              # now, as if they came after the cleanup
+            signal.raise_signal(sig)
 
 
 _adopting = False   # between adopt_orphans and stop_adopting (the ex-engine verify command)

@@ -610,3 +610,38 @@ def test_a_pass_is_not_reused_when_the_fallback_cannot_be_read(tmp_path, cache, 
     assert reg.get("host_scale").checks[-1].detail.startswith("1 cases passed")
     reg = FactorRegistry.load(tmp_path, hardware="h200", verify=True)
     assert reg.get("host_scale").checks[-1].detail.startswith("1 cases passed"), "run again"
+
+
+def test_two_sigterms_in_a_row_still_leave_nothing_behind(tmp_path):
+    """A second SIGTERM a millisecond after the first cut the cleanup short: the signal reaches
+    another thread of the process (NumPy's), so blocking it in the main thread did not hold
+    Python's handler; processes that left the child's session kept running."""
+    import contextlib
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    build_plugin(tmp_path, defines={"SETSID_IN_KERNEL": True, "SETSID_CHAIN": 20, "HANG_IN_KERNEL": True})
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    for _ in range(3):
+        proc = subprocess.Popen([sys.executable, "-m", "ex_engine", "verify", "--dir", str(tmp_path), "--hardware",
+                                 "h200"], cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        time.sleep(3)
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.001)
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(timeout=30)
+        time.sleep(0.3)
+        out = subprocess.run(["ps", "-eww", "-o", "pid=,args="], capture_output=True, text=True).stdout
+        left = [ln[:200] for ln in out.splitlines() if str(tmp_path) in ln]
+        for _ in range(20):            # clean up before failing
+            found = [ln for ln in subprocess.run(["ps", "-eww", "-o", "pid=,args="], capture_output=True,
+                                                 text=True).stdout.splitlines() if str(tmp_path) in ln]
+            if not found:
+                break
+            for ln in found:
+                with contextlib.suppress(OSError):
+                    os.kill(int(ln.split()[0]), 9)
+            time.sleep(0.1)
+        assert not left and rc == 128 + signal.SIGTERM, (rc, left)
