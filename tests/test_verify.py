@@ -551,11 +551,35 @@ def test_the_fallback_digest_covers_the_helpers_of_its_package(tmp_path, monkeyp
         del sys.modules[mod]           # imported by this test: gone with its folder
 
 
+def processes_left(tmp_path) -> list:
+    """Processes whose command line names ``tmp_path`` (ps -ww: whole command lines; verify's
+    child's is longer than ps's default width), killed before returning so that a failing test
+    leaves none behind (a chain may still be forking: up to 20 rounds)."""
+    import contextlib
+    import os
+    import subprocess
+    import time
+
+    def running():
+        out = subprocess.run(["ps", "-eww", "-o", "pid=,args="], capture_output=True, text=True).stdout
+        return [ln[:200] for ln in out.splitlines() if str(tmp_path) in ln]
+    left = running()
+    found = left
+    for _ in range(20):
+        if not found:
+            break
+        for ln in found:
+            with contextlib.suppress(OSError):
+                os.kill(int(ln.split()[0]), 9)
+        time.sleep(0.1)
+        found = running()
+    return left
+
+
 def test_cli_verify_kills_what_a_kernel_started_in_a_new_session(tmp_path):
     """A process that left the child's session (setsid), and one it started, kept running after
     `ex-engine verify` (the session kill misses them); the command adopts orphans while it
     runs and kills them with the child. A chain of 120 processes under one setsid goes too."""
-    import contextlib
     import os
     import subprocess
     import sys
@@ -568,19 +592,7 @@ def test_cli_verify_kills_what_a_kernel_started_in_a_new_session(tmp_path):
                             "h200"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
         assert r.returncode == 0 and "1 passed" in r.stdout, (r.stdout, r.stderr)
     time.sleep(0.3)
-
-    def still_running():
-        out = subprocess.run(["ps", "-eww", "-o", "pid=,args="], capture_output=True, text=True).stdout
-        return [ln[:200] for ln in out.splitlines() if str(tmp_path) in ln]   # -ww: whole lines
-    left = still_running()
-    for _ in range(20):                # clean up before failing (a chain may still be forking)
-        found = still_running()
-        if not found:
-            break
-        for ln in found:
-            with contextlib.suppress(OSError):
-                os.kill(int(ln.split()[0]), 9)
-        time.sleep(0.1)
+    left = processes_left(tmp_path)
     assert not left, left
 
 
@@ -616,7 +628,6 @@ def test_two_sigterms_in_a_row_still_leave_nothing_behind(tmp_path):
     """A second SIGTERM a millisecond after the first cut the cleanup short: the signal reaches
     another thread of the process (NumPy's), so blocking it in the main thread did not hold
     Python's handler; processes that left the child's session kept running."""
-    import contextlib
     import os
     import signal
     import subprocess
@@ -633,15 +644,5 @@ def test_two_sigterms_in_a_row_still_leave_nothing_behind(tmp_path):
         proc.send_signal(signal.SIGTERM)
         rc = proc.wait(timeout=30)
         time.sleep(0.3)
-        out = subprocess.run(["ps", "-eww", "-o", "pid=,args="], capture_output=True, text=True).stdout
-        left = [ln[:200] for ln in out.splitlines() if str(tmp_path) in ln]
-        for _ in range(20):            # clean up before failing
-            found = [ln for ln in subprocess.run(["ps", "-eww", "-o", "pid=,args="], capture_output=True,
-                                                 text=True).stdout.splitlines() if str(tmp_path) in ln]
-            if not found:
-                break
-            for ln in found:
-                with contextlib.suppress(OSError):
-                    os.kill(int(ln.split()[0]), 9)
-            time.sleep(0.1)
+        left = processes_left(tmp_path)
         assert not left and rc == 128 + signal.SIGTERM, (rc, left)
