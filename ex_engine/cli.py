@@ -10,6 +10,7 @@ import json
 import signal
 import subprocess
 import sys
+import threading
 
 from . import _paths
 from .errors import FactorError
@@ -157,7 +158,6 @@ def cmd_verify(args) -> int:
     # SIGTERM (timeout(1), kill) ends this command through an exception, so each child's session
     # and report file are cleaned up as on Ctrl-C (not SystemExit: verify turns a fallback's
     # SystemExit into that case's FAIL)
-    import threading
     main_thread = threading.current_thread() is threading.main_thread()   # signal.signal needs it
     old_term = signal.signal(signal.SIGTERM, _exit_on_sigterm) if main_thread else None
     try:

@@ -228,6 +228,19 @@ def check_writes(factor: str, m: Manifest, refs_by_name: dict, spans: dict | Non
                                   "a read-only array")
 
 
+def _params_key(params) -> tuple:
+    """The parameters of a call as part of a cache key: names, types and values (1.0 and True
+    compare equal to 1 but are checked differently)."""
+    return tuple((k, type(v), v) for k, v in params.items()) if params else ()
+
+
+def _sealed_key(parts: list, params) -> tuple:
+    """``parts`` and the parameters as one key; raises TypeError if a value is unhashable."""
+    key = (*parts, _params_key(params))
+    hash(key)
+    return key
+
+
 def _fast_key(name: str, arrays, params):
     """(key, pointers) of a call for dispatch's short path, read straight from the arrays, or
     None where it does not apply (an array of another kind, a Bits16, a dtype not seen yet, an
@@ -258,10 +271,7 @@ def _fast_key(name: str, arrays, params):
                 ptrs.append(v.data.ptr)
             else:
                 return None
-        if params:
-            parts.append(tuple((k, type(v), v) for k, v in params.items()))
-        key = tuple(parts)
-        hash(key)
+        key = _sealed_key(parts, params)
     except Exception:   # not a dict, an unseen dtype, an unhashable parameter, an odd array
         return None
     return key, ptrs
@@ -288,13 +298,9 @@ def _validated_key(name: str, refs_by_name: dict, given_refs, writable: dict | N
                               writable[k] if r.kind == "numpy" else r.device))
             else:
                 return None
-        if params:
-            parts.append(tuple((k, type(v), v) for k, v in params.items()))
-        key = tuple(parts)
-        hash(key)
+        return _sealed_key(parts, params)
     except Exception:
         return None
-    return key
 
 
 class _FastCall:
@@ -878,7 +884,7 @@ class FactorRegistry:
         # overhead); anything else is bound, i.e. checked in full, again.
         sig = (name, tuple((k, r.dtype, r.shape, r.strides, r.device, r.contiguous)
                            for k, r in refs_by_name.items()),
-               tuple((k, type(v), v) for k, v in params.items()) if params else ())
+               _params_key(params))
         try:
             hit = self._bind_cache.get(sig)
             cacheable = True
