@@ -96,6 +96,12 @@ def elf_sections(data: bytes) -> dict:
 
     Raises FatbinError if ``data`` is not such a file or its section table lies outside it
     (a truncated library)."""
+    return {h[0]: (h[3], h[4]) for h in _section_heads(data)}
+
+
+def _section_heads(data: bytes) -> list:
+    """(name, type, addr, offset, size, link, entsize) of every section of an ELF64
+    little-endian file, in table order ([] without a section table). Raises FatbinError."""
     if data[:4] != b"\x7fELF":
         raise FatbinError("not an ELF file")
     if len(data) < 0x40:
@@ -116,13 +122,54 @@ def elf_sections(data: bytes) -> dict:
         heads = [sh.unpack_from(data, e_shoff + i * e_shentsize) for i in range(e_shnum)]
         str_off, str_size = heads[e_shstrndx][4], heads[e_shstrndx][5]
         names = data[str_off:str_off + str_size]
-        out = {}
-        for h in heads:
+        out = []
+        for h in heads:   # (sh_name, sh_type, sh_flags, sh_addr, sh_offset, sh_size, sh_link, ..., sh_entsize)
             end = names.find(b"\0", h[0])
-            out[names[h[0]:end].decode(errors="replace")] = (h[4], h[5])
+            out.append((names[h[0]:end].decode(errors="replace"), h[1], h[3], h[4], h[5], h[6], h[9]))
         return out
     except (struct.error, IndexError) as exc:
         raise FatbinError(f"malformed ELF header or section table: {exc}") from None
+
+
+_SHT_DYNSYM, _SHT_NOBITS = 11, 8
+_SYM = struct.Struct("<IBBHQQ")   # Elf64_Sym: st_name, st_info, st_other, st_shndx, st_value, st_size
+
+
+def exported_u32(data: bytes, name: str):
+    """The value of the 4-byte data object ``name`` that a shared library exports (its
+    initial value in the file; no code runs), "absent" if its dynamic symbol table (the one
+    dlsym searches) does not define that name, or None where the file does not say (no
+    section table, no .dynsym, the symbol not 4 bytes or not in the file). Raises FatbinError
+    for a malformed table. Reads ELF64 .dynsym/.dynstr (System V ABI, Elf64_Sym)."""
+    heads = _section_heads(data)
+    dynsym = next((h for h in heads if h[1] == _SHT_DYNSYM), None)
+    if dynsym is None:
+        return None
+    try:
+        _, _, _, off, size, link, entsize = dynsym
+        strtab = heads[link]
+        names = data[strtab[3]:strtab[3] + strtab[4]]
+        want = name.encode()
+        step = entsize or _SYM.size
+        if step < _SYM.size or off + size > len(data):
+            raise FatbinError(f".dynsym ({size} B at {off}, entries of {entsize} B) does not fit the file")
+        for at in range(off, off + size - _SYM.size + 1, step):
+            st_name, _, _, shndx, value, st_size = _SYM.unpack_from(data, at)
+            end = names.find(b"\0", st_name)
+            if names[st_name:end] != want or shndx == 0:   # another name, or undefined here
+                continue
+            if st_size != 4 or shndx >= len(heads):
+                return None
+            _, stype, addr, soff, ssize, _, _ = heads[shndx]
+            if stype == _SHT_NOBITS:
+                return 0                       # zero-initialised (.bss)
+            pos = soff + (value - addr)
+            if not (soff <= pos and pos + 4 <= soff + ssize <= len(data)):
+                return None
+            return struct.unpack_from("<I", data, pos)[0]
+        return "absent"
+    except (struct.error, IndexError) as exc:
+        raise FatbinError(f"malformed dynamic symbol table: {exc}") from None
 
 
 def fatbin_entries(blob: bytes) -> list:

@@ -16,6 +16,7 @@ import os
 import re
 import threading
 import warnings
+import weakref
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -325,6 +326,20 @@ _BUILTIN_IDS = {v: k[len("EX_FACTOR_"):].lower() for k, v in abi.ffi.typeof("ex_
                 if v <= abi.FACTOR_BUILTIN_LAST and k != "EX_FACTOR_BUILTIN_LAST"}
 
 
+# The libraries this process's registries opened: resolved path -> {registry: what its
+# ex_get_factor call saw (the hardware description and the EX_* environment)}. A process holds
+# one copy of a library, so the settings a library keeps from ex_get_factor (and the EX_*
+# variables it reads at load) are those of the last registry that opened it (_note_shared).
+_OPENED: dict = {}
+_OPENED_LOCK = threading.Lock()
+
+
+def _load_context(hw_c) -> tuple:
+    """What one ex_get_factor call depends on, for comparing two loads of one library."""
+    env = tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("EX_")))
+    return bytes(abi.ffi.buffer(hw_c)), env
+
+
 class _Span:
     """Carries an __array_interface__ (read-only: never written, never read)."""
 
@@ -551,6 +566,58 @@ class FactorRegistry:
         ok, detail = fatbin.check_code(entries, hw.cc_major, hw.cc_minor)
         return p.check("cuda code", ok, f"{detail} ({hw.name}, cc {hw.cc_major}.{hw.cc_minor})")
 
+    def _note_shared(self, p: Plugin, where: Path) -> None:
+        """Before ex_get_factor: if another live registry of this process opened the same file
+        with another hardware description or other EX_* variables, say so (a warning check, a
+        note, a Python warning): the library is one copy per process, so this call resets the
+        settings that registry's calls run with (README: "read at load")."""
+        mine = _load_context(self._hw_c)
+        with _OPENED_LOCK:
+            users = _OPENED.setdefault(where, weakref.WeakKeyDictionary())
+            other = next((r for r, ctx in list(users.items()) if r is not self and ctx != mine), None)
+            users[self] = mine
+        if other is None:
+            return
+        what = ("hardware" if other._load_context_of(where)[0] != mine[0] else "EX_* environment variables")
+        detail = (f"warning: {p.path.name} is already open in this process by another registry, "
+                  f"loaded for other {what} ({other.hardware.name}, {other.hardware.source}); a "
+                  "process holds one copy of a library, so this load's ex_get_factor call also "
+                  "changes the settings that registry's calls run with (load each registry from "
+                  "its own copy of the folder to keep them apart)")
+        p.check("shared library", True, detail, warn=True)
+        self.notes.append(f"{p.path.name}: {detail}")
+        warnings.warn(f"{p.path}: {detail}", stacklevel=4)
+
+    def _load_context_of(self, where: Path) -> tuple:
+        """The _load_context this registry opened ``where`` with ((b'', ()) if it did not)."""
+        with _OPENED_LOCK:
+            return _OPENED.get(where, {}).get(self, (b"", ()))
+
+    def _check_abi_in_file(self, p: Plugin, data: bytes) -> bool:
+        """ex_abi_version read from the file's dynamic symbol table, before dlopen runs any of
+        the library's code (its static constructors): a library that does not export it (one
+        of another project) or was built against another ABI major is refused unopened. Where
+        the file does not say (no section table, an odd symbol) dlopen and the symbol decide."""
+        try:
+            found = fatbin.exported_u32(data, "ex_abi_version")
+        except fatbin.FatbinError as exc:
+            found, why = None, str(exc)
+        else:
+            why = "the file's dynamic symbol table does not give it"
+        if found is None:
+            return p.check("abi version (file)", True, f"not read before opening: {why} (read after dlopen)")
+        if found == "absent":
+            return p.check("symbol ex_abi_version", False,
+                           "not exported (not in the library's dynamic symbol table); not opened, "
+                           "so none of its code ran; build with EX_DEFINE_ABI_VERSION() from "
+                           "include/ex_engine.h")
+        p.abi_version = found
+        return p.require("abi version", found >> 16 == abi.ABI_VERSION_MAJOR,
+                         f"expected major {abi.ABI_VERSION_MAJOR} (runtime ABI "
+                         f"{abi.version_str(abi.ABI_VERSION)}), library built against "
+                         f"{abi.version_str(found)} (read from the file; not opened, so none of its "
+                         "code ran)", f"{abi.version_str(found)} (read from the file, before opening)")
+
     @staticmethod
     def _dlopen_reason(exc: OSError, path: Path) -> str:
         """Why dlopen failed, from its message: a missing dependency, an unresolved symbol,
@@ -590,6 +657,8 @@ class FactorRegistry:
             return p
         if not self._check_cuda_code(p, data):
             return p
+        if not self._check_abi_in_file(p, data):
+            return p
         if self.probe == "subprocess":
             ok, detail = trust.probe_library(path, self.hardware, self.probe_timeout)
             if not p.check("probe (child process)", ok, detail):
@@ -601,14 +670,20 @@ class FactorRegistry:
             p.check("dlopen", False, self._dlopen_reason(exc, path))
             return p
         p.check("dlopen", True, "opened with its own handle (RTLD_LOCAL)")
+        from_file = p.abi_version      # read before opening (_check_abi_in_file), or 0
         try:
             p.abi_version = int(p.lib.ex_abi_version)
         except (AttributeError, OSError, KeyError) as exc:  # cffi: KeyError for a missing variable
             p.check("symbol ex_abi_version", False,
                     f"not exported ({exc}); build with EX_DEFINE_ABI_VERSION() from include/ex_engine.h")
             return p
+        if from_file and not p.require("abi version (loaded)", p.abi_version == from_file,
+                                       f"the loaded library says {abi.version_str(p.abi_version)}, its "
+                                       f"file said {abi.version_str(from_file)} (changed on disk "
+                                       "between the checks and dlopen?)"):
+            return p
         major = p.abi_version >> 16
-        if not p.require("abi version", major == abi.ABI_VERSION_MAJOR,
+        if not from_file and not p.require("abi version", major == abi.ABI_VERSION_MAJOR,
                        f"expected major {abi.ABI_VERSION_MAJOR} (runtime ABI "
                        f"{abi.version_str(abi.ABI_VERSION)}), library built against "
                        f"{abi.version_str(p.abi_version)}", abi.version_str(p.abi_version)):
@@ -618,6 +693,7 @@ class FactorRegistry:
         except (AttributeError, OSError, KeyError) as exc:
             p.check("symbol ex_get_factor", False, f"not exported ({exc})")
             return p
+        self._note_shared(p, where)
         f = get(self._hw_c)
         if not p.require("ex_get_factor(hw)", f != abi.ffi.NULL,
                        f"returned NULL for {self.hardware.name} ({self.hardware.source}): "

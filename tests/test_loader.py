@@ -368,3 +368,91 @@ def test_a_device_manifest_on_a_library_without_gpu_code_is_said(tmp_path):
     build_plugin(tmp_path / "host")            # the host manifest: no such remark
     assert not [c for c in FactorRegistry.load(tmp_path / "host", hardware="h200").plugins[0].checks
                 if c.name == "gpu code"]
+
+
+def test_a_library_open_in_another_registry_for_other_settings_is_a_warning(tmp_path, monkeypatch):
+    # one copy of a library per process: a second registry's ex_get_factor call (other hardware,
+    # other EX_* variables) changes what the first one's calls run with; load says so
+    build_plugin(tmp_path)
+    first = FactorRegistry.load(tmp_path, hardware="h200")
+    same = FactorRegistry.load(tmp_path, hardware="h200")          # same settings: nothing to say
+    assert not [c for c in same.plugins[0].checks if c.name == "shared library"]
+    with pytest.warns(UserWarning, match="already open in this process by another registry.*hardware"):
+        other_hw = FactorRegistry.load(tmp_path, hardware="a100")
+    check = next(c for c in other_hw.plugins[0].checks if c.name == "shared library")
+    assert check.ok and check.warn and "h200" in check.detail
+    assert any("shared library" not in n and "already open" in n for n in other_hw.notes)
+    assert other_hw.get("host_scale") is not None                  # loaded all the same
+    monkeypatch.setenv("EX_SOME_SETTING", "1")
+    with pytest.warns(UserWarning, match="EX_\\* environment variables"):
+        FactorRegistry.load(tmp_path, hardware="h200")
+    del first, same, other_hw
+
+
+_CTOR_SRC = r'''
+#include <stdio.h>
+#include <stdlib.h>
+#include <stdint.h>
+__attribute__((constructor)) static void ran(void) {
+    FILE* f = fopen(getenv("EX_TEST_CTOR_MARK"), "w");
+    if (f) { fputs("constructor ran\n", f); fclose(f); }
+}
+#ifdef ABI
+__attribute__((visibility("default"))) const uint32_t ex_abi_version = ABI;
+#endif
+__attribute__((visibility("default"))) void* ex_get_factor(const void* hw) { (void)hw; return 0; }
+'''
+
+
+@pytest.mark.parametrize("abi_define, needle", [
+    (None, "symbol ex_abi_version: not exported (not in the library's dynamic symbol table); not opened"),
+    ((abi.ABI_VERSION_MAJOR + 1) << 16, f"abi version: expected major {abi.ABI_VERSION_MAJOR}"),
+])
+def test_a_library_of_another_project_or_abi_is_refused_before_its_code_runs(tmp_path, monkeypatch,
+                                                                              abi_define, needle):
+    """ex_abi_version is read from the file's dynamic symbol table before dlopen: a library
+    without it, or built against another ABI major, is refused and its static constructor
+    never runs (it would have written the mark file)."""
+    import shutil
+    import subprocess
+    if shutil.which("gcc") is None:
+        pytest.skip("gcc not available")
+    src = tmp_path / "ctor.c"
+    src.write_text(_CTOR_SRC)
+    lib_dir = tmp_path / "lib"
+    lib_dir.mkdir()
+    flags = [] if abi_define is None else [f"-DABI={abi_define}u"]
+    subprocess.run(["gcc", "-shared", "-fPIC", "-fvisibility=hidden", *flags, "-o",
+                    str(lib_dir / "ctor.so"), str(src)], check=True)
+    mark = tmp_path / "mark"
+    monkeypatch.setenv("EX_TEST_CTOR_MARK", str(mark))
+    reg = FactorRegistry.load(lib_dir, hardware="h200")
+    p = reg.plugins[0]
+    assert p.status == "rejected" and needle in p.reason, p.reason
+    assert "none of its code ran" in p.reason
+    assert "dlopen" not in [c.name for c in p.checks]
+    assert not mark.exists(), "the library's constructor ran"
+
+
+def test_abi_version_from_the_file_and_from_the_loaded_library_must_agree(tmp_path, monkeypatch):
+    from ex_engine import fatbin
+    build_plugin(tmp_path)
+    monkeypatch.setattr(fatbin, "exported_u32", lambda data, name: abi.ABI_VERSION + 1)
+    p = FactorRegistry.load(tmp_path, hardware="h200").plugins[0]
+    assert p.status == "rejected" and "abi version (loaded)" in p.reason, p.reason
+
+
+def test_a_library_without_a_section_table_is_checked_after_dlopen(tmp_path):
+    """Stripped of its section table (e_shoff = 0; the loader needs only program headers), a
+    library's ABI version cannot be read from the file: it is read after dlopen, as before."""
+    import struct
+    lib = build_plugin(tmp_path)
+    data = bytearray(lib.read_bytes())
+    struct.pack_into("<Q", data, 0x28, 0)          # e_shoff
+    struct.pack_into("<HHH", data, 0x3A, 0, 0, 0)  # e_shentsize, e_shnum, e_shstrndx
+    lib.write_bytes(bytes(data))
+    reg = FactorRegistry.load(tmp_path, hardware="h200")
+    p = reg.plugins[0]
+    assert reg.get("host_scale") is p, p.reason
+    names = [c.name for c in p.checks]
+    assert "abi version (file)" in names and "abi version" in names
