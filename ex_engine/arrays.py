@@ -160,6 +160,15 @@ class TensorRef:
         if kind is None:
             kind = _kind_of(x)
         if kind == "torch":
+            if x.is_meta or x.layout is not sys.modules["torch"].strided:
+                # no memory behind it (meta) or not one strided block (sparse, mkldnn): the
+                # data pointer would be NULL, or reading it raises in torch
+                from .errors import DeviceError, DTypeError
+                if x.is_meta:
+                    raise DeviceError("ex_engine", name, "device", "a tensor on cuda or the CPU "
+                                      "(memory a kernel can read)", "a tensor on meta (no memory)")
+                raise DTypeError("ex_engine", name, "layout", "a dense (strided) torch tensor",
+                                 f"layout {str(x.layout).replace('torch.', '')}")
             info = _TORCH_DTYPES.get(x.dtype)
             if info is None:
                 info = _TORCH_DTYPES[x.dtype] = (_dtype_name(x.dtype), x.element_size())

@@ -272,6 +272,8 @@ def _fast_key(name: str, arrays, params):
                 ptrs.append(v.data.ptr)
             else:
                 return None
+        if not all(ptrs):   # a NULL pointer (a torch meta tensor, an empty one): checked in full
+            return None
         key = _sealed_key(parts, params)
     except Exception:   # not a dict, an unseen dtype, an unhashable parameter, an odd array
         return None

@@ -168,6 +168,29 @@ def test_torch_tensors_take_the_short_path_on_a_host_plugin(tmp_path, monkeypatc
         r.dispatch("host_scale", {"x": x, "out": x, "alpha": alpha})
 
 
+def test_meta_and_sparse_tensors_are_refused_by_name(tmp_path, reg):
+    """A meta tensor has no memory (data_ptr 0) and a sparse one no strided block: refused with
+    the argument named, on the typed functions and on a host plugin's short path (a meta tensor
+    of a checked CPU signature read as the same key and reached the C kernel with NULL)."""
+    from ex_engine.errors import DeviceError, DTypeError
+    from tests.conftest import build_plugin
+    with pytest.raises(DeviceError, match="'router_logits'.*meta"):
+        topk_softmax(torch.empty(4, 8, device="meta"), 2, registry=reg)
+    with pytest.raises(DTypeError, match="'router_logits'.*sparse_coo"):
+        topk_softmax(torch.randn(4, 8).to_sparse(), 2, registry=reg)
+    with pytest.raises(DeviceError, match="'x'.*meta"):
+        fused_add_rmsnorm(torch.empty(4, 16, device="meta"), torch.empty(4, 16), torch.ones(16),
+                          registry=reg)
+    build_plugin(tmp_path)
+    r = FactorRegistry.load(tmp_path, hardware="h200")
+    x, out, alpha = torch.randn(7), torch.zeros(7), torch.tensor([2.0])
+    assert r.dispatch("host_scale", {"x": x, "out": out, "alpha": alpha}) == "plugin"
+    with pytest.raises(DeviceError, match="'x'.*meta"):
+        r.dispatch("host_scale", {"x": torch.empty(7, device="meta"), "out": out, "alpha": alpha})
+    with pytest.raises(DeviceError, match="'out'.*meta"):
+        r.dispatch("host_scale", {"x": x, "out": torch.empty(7, device="meta"), "alpha": alpha})
+
+
 # ------------------------------------------------------------------------------ GPU: plugins
 def _cuda_reg():
     if not torch.cuda.is_available():
