@@ -29,6 +29,17 @@ def token_count(v: str) -> int:
     return n
 
 
+MAX_TOKENS = 1 << 24   # 16.8 M tokens: far beyond a layer's batch (moe_models.yaml tops at 16384)
+
+
+def tokens_arg(v: str) -> int:
+    """argparse type: a token count T, 0 <= T <= MAX_TOKENS."""
+    n = token_count(v)
+    if n > MAX_TOKENS:
+        raise argparse.ArgumentTypeError(f"expected at most {MAX_TOKENS} tokens, got {v!r}")
+    return n
+
+
 def seconds(v: str) -> float:
     """argparse type: a finite number of seconds > 0."""
     try:
@@ -128,7 +139,13 @@ def cmd_run_moe(args) -> int:
     for i, (m, T) in enumerate(runs):
         if len(runs) > 1:
             print(f"[{i + 1}/{len(runs)}] ", end="")
-        res = run_moe(m, T, dtype=args.dtype, seed=args.seed, repeat=args.repeat, registry=reg)
+        try:
+            res = run_moe(m, T, dtype=args.dtype, seed=args.seed, repeat=args.repeat, registry=reg)
+        except MemoryError as exc:   # NumPy's and CuPy's out-of-memory errors are MemoryErrors
+            print(f"ex-engine run moe: --tokens {T}: the {m} layer's arrays do not fit in memory "
+                  f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else 'no detail'})",
+                  file=sys.stderr)
+            return 2
         ok &= res["ok"]
     print("stats:", json.dumps(reg.stats()))
     return 0 if ok else 1
@@ -266,7 +283,8 @@ def build_parser() -> argparse.ArgumentParser:
     common(q)
     q.add_argument("--model", default="qwen3-30b-a3b",
                    help="a model of manifests/moe_models.yaml, or 'all' (default: %(default)s)")
-    q.add_argument("--tokens", type=token_count, nargs="+", default=[64], help="token counts T >= 0 (default: 64)")
+    q.add_argument("--tokens", type=tokens_arg, nargs="+", default=[64],
+                   help=f"token counts T, 0..{MAX_TOKENS} (default: 64)")
     q.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16",
                    help="activation and weight dtype (default: %(default)s)")
     q.add_argument("--seed", type=token_count, default=0, help="random seed >= 0 (default: %(default)s)")

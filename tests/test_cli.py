@@ -118,3 +118,20 @@ def test_list_factors_names_the_tuning_file_in_use(tmp_path, capsys):
     assert "tuning: no file for NVIDIA A100-SXM4-80GB (108 SMs) in" in capsys.readouterr().out
     assert main(["list-factors", "--dir", str(tmp_path), "--hardware", "h200", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["tuning_file"] == str(tuning_dir() / "h200.yaml")
+
+
+def test_run_moe_refuses_token_counts_it_cannot_hold(capsys, monkeypatch):
+    """A huge --tokens was a NumPy traceback ('Maximum allowed dimension exceeded', or an
+    _ArrayMemoryError of hundreds of GiB); now an argparse error, or a one-line message."""
+    with pytest.raises(SystemExit) as e:
+        main(["run", "moe", "--tokens", "99999999999999999999"])
+    assert e.value.code == 2 and "--tokens: expected at most 16777216 tokens" in capsys.readouterr().err
+    import ex_engine.moe_layer as ml
+
+    def no_memory(*a, **k):
+        raise MemoryError("Unable to allocate 381. GiB for an array")
+    monkeypatch.setattr(ml, "run_moe", no_memory)
+    assert main(["run", "moe", "--model", "qwen3-30b-a3b", "--tokens", "10000000"]) == 2
+    err = capsys.readouterr().err
+    assert "--tokens 10000000: the qwen3-30b-a3b layer's arrays do not fit in memory" in err
+    assert "381. GiB" in err and "Traceback" not in err
