@@ -19,3 +19,16 @@ def factors_dir() -> Path:
 def manifests_dir() -> Path:
     """Folder of factor manifests and hardware/: $EX_ENGINE_MANIFESTS or <root>/manifests."""
     return Path(os.environ.get("EX_ENGINE_MANIFESTS", ROOT / "manifests"))
+
+
+def not_a_checkout() -> str:
+    """Why the default folders are missing, for error messages ('' where they are not): a
+    non-editable install (``pip install .``) copies the package alone into site-packages, and
+    the factors, manifests and Makefile stay in the checkout."""
+    if os.environ.get("EX_ENGINE_MANIFESTS") or (ROOT / "manifests").is_dir():
+        return ""
+    return (f"ex_engine at {ROOT} is not in a checkout of its repository (no manifests/ beside "
+            "the package: a plain `pip install .` copies the package alone); install it with "
+            "`pip install -e <checkout>`, or set EX_ENGINE_MANIFESTS=<checkout>/manifests and "
+            "EX_ENGINE_FACTORS=<checkout>/factors")
+

@@ -226,6 +226,11 @@ def cmd_build(args) -> int:
     if args.jobs < 1:
         print(f"ex-engine build: --jobs: expected >= 1, got {args.jobs}", file=sys.stderr)
         return 2
+    if not (_paths.ROOT / "Makefile").is_file():
+        print(f"ex-engine build: no Makefile in {_paths.ROOT}: "
+              f"{_paths.not_a_checkout() or 'the factors are built from a checkout of the repository'}",
+              file=sys.stderr)
+        return 2
     # PYTHON: the Makefile finds CUTLASS's headers through this interpreter (any venv's name)
     cmd = ["make", "-C", str(_paths.ROOT), f"-j{args.jobs}", f"PYTHON={sys.executable}"]
     if args.archs:

@@ -75,7 +75,8 @@ class Hardware:
             path = folder / f"{name_or_path.lower()}.yaml"
         if not path.exists():
             where = "" if folder.is_dir() else (
-                f" (the profiles folder {folder} does not exist: check EX_ENGINE_MANIFESTS)")
+                f" (the profiles folder {folder} does not exist: "
+                f"{_paths.not_a_checkout() or 'check EX_ENGINE_MANIFESTS'})")
             raise FactorError(f"hardware profile '{name_or_path}': no such profile; "
                               f"expected one of {list_profiles()} or a path to a YAML file{where}")
         try:

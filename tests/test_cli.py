@@ -135,3 +135,21 @@ def test_run_moe_refuses_token_counts_it_cannot_hold(capsys, monkeypatch):
     err = capsys.readouterr().err
     assert "--tokens 10000000: the qwen3-30b-a3b layer's arrays do not fit in memory" in err
     assert "381. GiB" in err and "Traceback" not in err
+
+
+def test_an_install_without_the_checkout_says_how_to_fix_it(tmp_path, monkeypatch, capsys):
+    """`pip install .` (not -e) copies the package alone: the profiles, manifests and Makefile
+    are missing. The first error a user meets says so and how to fix it (it said 'expected one
+    of []' and 'check EX_ENGINE_MANIFESTS'; build ran make in site-packages)."""
+    from ex_engine import _paths
+    from ex_engine.errors import FactorError
+    from ex_engine.hardware import Hardware
+    monkeypatch.setattr(_paths, "ROOT", tmp_path / "site-packages")
+    monkeypatch.delenv("EX_ENGINE_MANIFESTS", raising=False)
+    monkeypatch.delenv("EX_ENGINE_FACTORS", raising=False)
+    with pytest.raises(FactorError, match="not in a checkout.*pip install -e <checkout>.*EX_ENGINE_MANIFESTS"):
+        Hardware.from_profile("h200")
+    assert main(["build"]) == 2
+    assert "no Makefile in" in capsys.readouterr().err
+    monkeypatch.setenv("EX_ENGINE_MANIFESTS", str(tmp_path / "elsewhere"))
+    assert _paths.not_a_checkout() == ""     # pointed somewhere on purpose: the plain message
