@@ -273,7 +273,9 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--rtol", type=float, default=2e-2,
                     help="logit tolerance as a fraction of the largest |logit| (default 0.02)")
-    ap.add_argument("--device", default="cuda" if torch is not None and torch.cuda.is_available() else "cpu")
+    ap.add_argument("--device", default=None,
+                    help="cpu or cuda[:N] (default: cuda where a GPU is visible; without one, cpu "
+                         "with --tiny, else an error: full-size models on the CPU take many GB and minutes)")
     ap.add_argument("--tiny", action="store_true", help="tiny dimensions (a CPU smoke test)")
     ap.add_argument("--no-graph", action="store_true", help="skip the CUDA-graph variant")
     ap.add_argument("--stock-graph", action="store_true",
@@ -289,7 +291,16 @@ def main(argv=None) -> int:
         problems.append(f"--layers: expected >= 1, got {args.layers}")
     if not 0 < args.rtol < float("inf"):
         problems.append(f"--rtol: expected a finite fraction > 0, got {args.rtol}")
-    if not re.fullmatch(r"cpu|cuda(:\d+)?", args.device):
+    if args.device is None:
+        if torch is not None and torch.cuda.is_available():
+            args.device = "cuda"
+        elif args.tiny:
+            args.device = "cpu"
+        else:
+            args.device = "cpu"    # named in the message below; nothing runs
+            problems.append("needs a CUDA GPU for full-size models (none visible): use --tiny "
+                            "--device cpu for a smoke test, or --device cpu to run them on the CPU anyway")
+    elif not re.fullmatch(r"cpu|cuda(:\d+)?", args.device):
         problems.append(f"--device: expected cpu or cuda[:N], got {args.device!r}")
     try:
         import transformers  # noqa: F401

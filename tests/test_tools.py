@@ -51,6 +51,22 @@ def test_hf_moe_generate_reports_every_argument_problem_at_once():
         assert "--device: expected cpu or cuda[:N], got 'tpu'" in r.stderr, r.stderr
 
 
+def test_hf_moe_generate_refuses_full_size_models_on_the_cpu_unless_asked():
+    """Without a GPU it quietly built full-size models on the CPU (12 GB, minutes). Now it asks
+    for --tiny --device cpu (a smoke test) or an explicit --device cpu. GPU hidden from torch."""
+    import os
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    need = "needs a CUDA GPU for full-size models (none visible): use --tiny --device cpu"
+    r = subprocess.run([sys.executable, "examples/hf_moe_generate.py", "--model", "mixtral", "--tokens", "2"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 2 and need in r.stderr, (r.stdout, r.stderr)
+    assert "--tokens: expected >= 5" in r.stderr          # reported together
+    for extra in (["--tiny"], ["--device", "cpu"]):        # asked for: no such problem
+        r = subprocess.run([sys.executable, "examples/hf_moe_generate.py", "--model", "mixtral", "--tokens", "2",
+                            *extra], cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
+        assert r.returncode == 2 and need not in r.stderr, (extra, r.stderr)
+
+
 def test_plot_moe_checks_its_output_name_and_rows_before_drawing(tmp_path):
     """An output name matplotlib cannot write (.txt) failed with a traceback after the drawing,
     one without a suffix was written as NAME.png while 'wrote NAME' was printed, and a row with a
