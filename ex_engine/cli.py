@@ -179,7 +179,9 @@ def cmd_verify(args) -> int:
     old_term = signal.signal(signal.SIGTERM, _exit_on_sigterm) if main_thread else None
     try:
         for p in chosen:
-            print(f"verifying {p.name} ({p.path.name}) ...", flush=True)
+            why = verify.cannot_run(reg, p)
+            print(f"skipping {p.name} ({p.path.name}): {why}" if why else
+                  f"verifying {p.name} ({p.path.name}) ...", flush=True)
             results += verify.verify_plugin(reg, p, seed=args.seed, isolate=not args.in_process,
                                             timeout=args.timeout or CHILD_TIMEOUT_S)
     finally:
@@ -305,7 +307,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "table and the call counters. Each plugin's checks run in a "
                                    "child process (a kernel that crashes or hangs is a FAIL row). "
                                    "Without a GPU only host factors "
-                                   "run. Exit status 1 if a case failed; with --strict, 3 if "
+                                   "run. Exit status 1 if a case failed (or no plugin was ready to verify); with --strict, 3 if "
                                    "a factor was skipped (e.g. no GPU), so that a check that "
                                    "checked nothing does not pass.")
     common(p)

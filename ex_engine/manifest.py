@@ -21,6 +21,9 @@ from pathlib import Path
 import yaml
 
 from . import abi
+
+_F32_TINY = 1.1754943508222875e-38   # float32's smallest normal number (numpy.finfo(float32).tiny)
+_F32_MAX = 3.4028234663852886e38     # float32's largest finite number
 from .errors import (ArgumentError, DeviceError, DTypeError, FactorError, LayoutError,
                      ShapeError, one_line)
 from .trust import sha256_hex
@@ -278,6 +281,12 @@ class Manifest:
                     raise ArgumentError(self.name, k, "type", "a number", repr(v)) from None
                 if "gt" in spec and not float(spec["gt"]) < v < float("inf"):  # NaN fails too
                     raise ArgumentError(self.name, k, "value", f"a finite number > {spec['gt']}", repr(v))
+                # the kernels and fallbacks compute in float32: eps = 1e-60 passed 'gt: 0' and
+                # became 0 there (an all-zero row divided by zero), 1e39 became inf
+                if v != 0 and not _F32_TINY <= abs(v) <= _F32_MAX:
+                    raise ArgumentError(self.name, k, "value", "a number float32 holds (0, or a magnitude "
+                                        f"from {_F32_TINY:.3g} to {_F32_MAX:.3g}): the kernels compute "
+                                        "in float32", repr(v))
             out[k] = v
         return out
 

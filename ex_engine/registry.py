@@ -338,7 +338,10 @@ _OPENED_LOCK = threading.Lock()
 
 def _load_context(hw_c) -> tuple:
     """What one ex_get_factor call depends on, for comparing two loads of one library."""
-    env = tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("EX_")))
+    # EX_* variables a plugin may read at load (README's table); the runtime's own EX_ENGINE_*
+    # folders change nothing in a library
+    env = tuple(sorted((k, v) for k, v in os.environ.items()
+                       if k.startswith("EX_") and not k.startswith("EX_ENGINE_")))
     return bytes(abi.ffi.buffer(hw_c)), env
 
 
@@ -388,6 +391,8 @@ class FactorRegistry:
                               f"got lock={lock!r}")
         if probe not in (None, "subprocess"):
             raise FactorError(f"probe: expected None or 'subprocess', got {probe!r}")
+        if not isinstance(verify, bool):   # 'no' is truthy: it would have switched verification on
+            raise FactorError(f"verify: expected True or False, got {verify!r}")
         for arg, val in (("probe_timeout", probe_timeout), ("verify_timeout", verify_timeout)):
             if isinstance(val, bool) or not isinstance(val, (int, float)) or not 0 < val < float("inf"):
                 raise FactorError(f"{arg}: expected a number of seconds > 0, got {val!r}")

@@ -51,6 +51,9 @@ def write_lock(folder, output=None) -> tuple:
     folder = Path(folder)
     if not folder.is_dir():
         raise FactorError(f"lock: '{folder}' is not a directory")
+    if output is not None and not str(output):
+        raise FactorError("lock: --output: expected a file name, got '' (leave it out for "
+                          f"<folder>/{LOCK_NAME})")
     digests = lock_digests(folder)
     out = Path(output) if output else folder / LOCK_NAME
     out.write_text(json.dumps(digests, indent=2, sort_keys=True) + "\n")

@@ -153,3 +153,29 @@ def test_an_install_without_the_checkout_says_how_to_fix_it(tmp_path, monkeypatc
     assert "no Makefile in" in capsys.readouterr().err
     monkeypatch.setenv("EX_ENGINE_MANIFESTS", str(tmp_path / "elsewhere"))
     assert _paths.not_a_checkout() == ""     # pointed somewhere on purpose: the plain message
+
+
+def test_small_argument_faults_from_a_fresh_users_review(tmp_path, capsys):
+    """lock --output '' wrote the default lock file; verify=\"no\" switched verification on;
+    eps = 1e-60 passed 'gt: 0' and was 0 in float32 (NaN rows); verify without a GPU said
+    'verifying' for factors it then skipped."""
+    import numpy as np
+    from ex_engine import FactorRegistry, fused_add_rmsnorm
+    from ex_engine.errors import ArgumentError, FactorError
+    assert main(["lock", "--dir", str(tmp_path), "--output", ""]) == 2
+    assert "--output: expected a file name, got ''" in capsys.readouterr().err
+    assert not (tmp_path / "ex_engine.lock").exists()
+    for bad in ("no", "yes", 1):
+        with pytest.raises(FactorError, match="verify: expected True or False"):
+            FactorRegistry.load(tmp_path, hardware="h200", verify=bad)
+    x, r, w = np.zeros((2, 8), np.float32), np.zeros((2, 8), np.float32), np.ones(8, np.float32)
+    for eps in (1e-60, 1e39):
+        with pytest.raises(ArgumentError, match="'eps'.*float32 holds"):
+            fused_add_rmsnorm(x, r, w, eps=eps)
+    fused_add_rmsnorm(x, r, w, eps=1.2e-38)
+    assert np.isfinite(x).all()
+    from ex_engine.hardware import Hardware
+    if Hardware.detect() is None:
+        main(["verify"])
+        out = capsys.readouterr().out
+        assert "skipping moe_fused_gemm" in out and "verifying moe_fused_gemm" not in out
