@@ -135,6 +135,24 @@ def as_bfloat16(bits) -> Bits16:
     return Bits16(bits, "bfloat16")
 
 
+def _refuse_torch(x, name: str):
+    """Raise the named error for a torch tensor a kernel cannot read as it is: no memory behind
+    it (meta), not one strided block (sparse, mkldnn, nested), or a negation/conjugation that
+    torch applies lazily (its memory holds the values before it: a kernel would read those)."""
+    from .errors import DeviceError, DTypeError
+    if x.is_meta:
+        raise DeviceError("ex_engine", name, "device", "a tensor on cuda or the CPU (memory a "
+                          "kernel can read)", "a tensor on meta (no memory)")
+    if x.is_nested:
+        raise DTypeError("ex_engine", name, "layout", "a dense (strided) torch tensor", "a nested tensor")
+    if x.layout is not sys.modules["torch"].strided:
+        raise DTypeError("ex_engine", name, "layout", "a dense (strided) torch tensor",
+                         f"layout {str(x.layout).replace('torch.', '')}")
+    raise DTypeError("ex_engine", name, "view", "a tensor whose memory holds its values (call "
+                     ".resolve_neg() / .resolve_conj() first)",
+                     "a negated view" if x.is_neg() else "a conjugated view")
+
+
 @dataclass
 class TensorRef:
     """Pointer, shape, strides (elements), dtype name and device of a user's array.
@@ -160,15 +178,9 @@ class TensorRef:
         if kind is None:
             kind = _kind_of(x)
         if kind == "torch":
-            if x.is_meta or x.layout is not sys.modules["torch"].strided:
-                # no memory behind it (meta) or not one strided block (sparse, mkldnn): the
-                # data pointer would be NULL, or reading it raises in torch
-                from .errors import DeviceError, DTypeError
-                if x.is_meta:
-                    raise DeviceError("ex_engine", name, "device", "a tensor on cuda or the CPU "
-                                      "(memory a kernel can read)", "a tensor on meta (no memory)")
-                raise DTypeError("ex_engine", name, "layout", "a dense (strided) torch tensor",
-                                 f"layout {str(x.layout).replace('torch.', '')}")
+            if (x.is_meta or x.layout is not sys.modules["torch"].strided or x.is_nested
+                    or x.is_neg() or x.is_conj()):
+                _refuse_torch(x, name)
             info = _TORCH_DTYPES.get(x.dtype)
             if info is None:
                 info = _TORCH_DTYPES[x.dtype] = (_dtype_name(x.dtype), x.element_size())

@@ -114,8 +114,13 @@ def cmd_hardware(args) -> int:
     if hw is None:
         # with --json, stdout holds the JSON alone (null: no GPU); the remark goes to stderr
         note = sys.stderr if args.json else sys.stdout
-        print("no GPU visible to CuPy; profiles available: " + ", ".join(list_profiles()), file=note)
-        print("show one with: ex-engine hardware --profile h200", file=note)
+        profiles = list_profiles()
+        if profiles:
+            print("no GPU visible to CuPy; profiles available: " + ", ".join(profiles), file=note)
+            print(f"show one with: ex-engine hardware --profile {profiles[0]}", file=note)
+        else:
+            print("no GPU visible to CuPy and no hardware profiles: "
+                  f"{_paths.not_a_checkout() or 'the manifests folder has no hardware/*.yaml'}", file=note)
         if args.json:
             print(json.dumps(None))
         return 0

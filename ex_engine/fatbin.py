@@ -138,36 +138,42 @@ _SYM = struct.Struct("<IBBHQQ")   # Elf64_Sym: st_name, st_info, st_other, st_sh
 def exported_u32(data: bytes, name: str):
     """The value of the 4-byte data object ``name`` that a shared library exports (its
     initial value in the file; no code runs), "absent" if its dynamic symbol table (the one
-    dlsym searches) does not define that name, or None where the file does not say (no
-    section table, no .dynsym, the symbol not 4 bytes or not in the file). Raises FatbinError
-    for a malformed table. Reads ELF64 .dynsym/.dynstr (System V ABI, Elf64_Sym)."""
+    dlsym searches) does not define that name, or None where the file does not say for sure:
+    no section table or .dynsym, a table that does not look like the System V ABI's (entries
+    not 24 bytes, a string table outside the file), the name defined more than once (symbol
+    versions: dlsym picks the default one), a symbol not 4 bytes, or one in .bss (its value
+    is set at run time). The dynamic loader reads none of these tables (program headers
+    only), so any doubt is left to dlopen. Reads ELF64 .dynsym/.dynstr (Elf64_Sym)."""
     heads = _section_heads(data)
     dynsym = next((h for h in heads if h[1] == _SHT_DYNSYM), None)
     if dynsym is None:
         return None
     try:
         _, _, _, off, size, link, entsize = dynsym
-        strtab = heads[link]
-        names = data[strtab[3]:strtab[3] + strtab[4]]
-        want = name.encode()
-        step = entsize or _SYM.size
-        if step < _SYM.size or off + size > len(data):
-            raise FatbinError(f".dynsym ({size} B at {off}, entries of {entsize} B) does not fit the file")
-        for at in range(off, off + size - _SYM.size + 1, step):
+        if entsize not in (0, _SYM.size) or off + size > len(data) or link >= len(heads):
+            return None
+        str_off, str_size = heads[link][3], heads[link][4]
+        if str_off + str_size > len(data):
+            return None
+        names = data[str_off:str_off + str_size]
+        want = name.encode() + b"\0"
+        found = []
+        for at in range(off, off + size - _SYM.size + 1, _SYM.size):
             st_name, _, _, shndx, value, st_size = _SYM.unpack_from(data, at)
-            end = names.find(b"\0", st_name)
-            if names[st_name:end] != want or shndx == 0:   # another name, or undefined here
-                continue
-            if st_size != 4 or shndx >= len(heads):
-                return None
-            _, stype, addr, soff, ssize, _, _ = heads[shndx]
-            if stype == _SHT_NOBITS:
-                return 0                       # zero-initialised (.bss)
-            pos = soff + (value - addr)
-            if not (soff <= pos and pos + 4 <= soff + ssize <= len(data)):
-                return None
-            return struct.unpack_from("<I", data, pos)[0]
-        return "absent"
+            if shndx != 0 and names.startswith(want, st_name):   # defined here, this name
+                found.append((shndx, value, st_size))
+        if not found:
+            return "absent"
+        if len(found) > 1:
+            return None
+        shndx, value, st_size = found[0]
+        if st_size != 4 or shndx >= len(heads):
+            return None
+        _, stype, addr, soff, ssize, _, _ = heads[shndx]
+        pos = soff + (value - addr)
+        if stype == _SHT_NOBITS or not (soff <= pos and pos + 4 <= soff + ssize <= len(data)):
+            return None
+        return struct.unpack_from("<I", data, pos)[0]
     except (struct.error, IndexError) as exc:
         raise FatbinError(f"malformed dynamic symbol table: {exc}") from None
 

@@ -24,6 +24,14 @@ from . import abi
 
 _F32_TINY = 1.1754943508222875e-38   # float32's smallest normal number (numpy.finfo(float32).tiny)
 _F32_MAX = 3.4028234663852886e38     # float32's largest finite number
+
+
+def _to_f32(v: float) -> float:
+    """``v`` rounded to float32 (to nearest even; inf beyond float32's range), as a float."""
+    try:
+        return struct.unpack("<f", struct.pack("<f", v))[0]
+    except OverflowError:   # struct refuses to round what lies beyond float32's range
+        return float("inf") if v > 0 else float("-inf")
 from .errors import (ArgumentError, DeviceError, DTypeError, FactorError, LayoutError,
                      ShapeError, one_line)
 from .trust import sha256_hex
@@ -124,7 +132,8 @@ class Manifest:
         except FactorError as exc:  # a field's own check (a shape entry, say): name the file
             raise FactorError(f"manifest {path}: {exc}") from exc
         for k, spec in m.params.items():
-            if not isinstance(spec, dict) or spec.get("type", "float") not in ("float", "int", "bool"):
+            if (not isinstance(spec, dict) or spec.get("type", "float") not in ("float", "int", "bool")
+                    or not isinstance(spec.get("float32", False), bool)):
                 raise FactorError(f"manifest {path}: params: {k}: expected {{type: float | int | bool, "
                                   f"default: ...}}, got {spec!r}")
         if m.memory not in ("device", "host"):
@@ -281,12 +290,13 @@ class Manifest:
                     raise ArgumentError(self.name, k, "type", "a number", repr(v)) from None
                 if "gt" in spec and not float(spec["gt"]) < v < float("inf"):  # NaN fails too
                     raise ArgumentError(self.name, k, "value", f"a finite number > {spec['gt']}", repr(v))
-                # the kernels and fallbacks compute in float32: eps = 1e-60 passed 'gt: 0' and
-                # became 0 there (an all-zero row divided by zero), 1e39 became inf
-                if v != 0 and not _F32_TINY <= abs(v) <= _F32_MAX:
-                    raise ArgumentError(self.name, k, "value", "a number float32 holds (0, or a magnitude "
-                                        f"from {_F32_TINY:.3g} to {_F32_MAX:.3g}): the kernels compute "
-                                        "in float32", repr(v))
+                # float32: the factor computes with it in float32 (fused_add_rmsnorm's eps = 1e-60
+                # passed 'gt: 0' and was 0 there: an all-zero row divided by zero; 1e39 was inf)
+                if spec.get("float32") and v != 0 and not _F32_TINY <= abs(_to_f32(v)) <= _F32_MAX:
+                    zero = "" if float(spec.get("gt", -1)) >= 0 else "0, or "
+                    raise ArgumentError(self.name, k, "value", f"a number that rounds to a normal float32 "
+                                        f"({zero}a magnitude from {_F32_TINY:.9g} to {_F32_MAX:.9g}): "
+                                        "the factor computes with it in float32", repr(v))
             out[k] = v
         return out
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import os
 import re
+import sys
 import threading
 import warnings
 import weakref
@@ -258,7 +259,10 @@ def _fast_key(name: str, arrays, params):
                 continue
             kind = _KINDS.get(type(v)) or _kind_of(v)
             if kind == "torch":
-                parts.append((k, "torch", _TORCH_DTYPES[v.dtype][0], v.shape, v.stride(), v.get_device()))
+                # is_neg: a negated view of the same signature reads un-negated memory; the full
+                # checks refuse it (TensorRef.of)
+                parts.append((k, "torch", _TORCH_DTYPES[v.dtype][0], v.shape, v.stride(), v.get_device(),
+                              v.is_neg()))
                 ptrs.append(v.data_ptr())
             elif type(v) is TensorRef:
                 parts.append((k, "ref", v.kind, v.dtype, v.shape, v.strides, v.device, v.contiguous,
@@ -272,12 +276,30 @@ def _fast_key(name: str, arrays, params):
                 ptrs.append(v.data.ptr)
             else:
                 return None
-        if not all(ptrs):   # a NULL pointer (a torch meta tensor, an empty one): checked in full
-            return None
+        if not all(ptrs) and any(not p and _has_elements(v) for p, v in
+                                 zip(ptrs, (v for v in arrays.values() if v is not None))):
+            return None   # a NULL pointer with elements behind it (meta, fake tensors): in full
         key = _sealed_key(parts, params)
     except Exception:   # not a dict, an unseen dtype, an unhashable parameter, an odd array
         return None
     return key, ptrs
+
+
+def _has_elements(v) -> bool:
+    """Whether array ``v`` (NumPy, CuPy, torch or a TensorRef) holds at least one element."""
+    shape = v.shape
+    return all(shape) if len(shape) else True
+
+
+def null_pointer_error(factor: str, refs_by_name: dict):
+    """A DeviceError naming the first array with elements but a NULL data pointer (a torch
+    FakeTensor or a wrapper subclass without storage, as torch.compile traces with; a
+    __cuda_array_interface__ of address 0), or None. A kernel given it would crash or fault."""
+    for k, r in refs_by_name.items():
+        if not r.ptr and _has_elements(r):
+            return DeviceError(factor, k, "memory", "an array with memory behind its data pointer",
+                               f"a NULL data pointer for {r.shape} elements (a fake or traced tensor?)")
+    return None
 
 
 def _validated_key(name: str, refs_by_name: dict, given_refs, writable: dict | None, params):
@@ -294,7 +316,7 @@ def _validated_key(name: str, refs_by_name: dict, given_refs, writable: dict | N
             elif isinstance(r.obj, Bits16):
                 return None
             elif r.kind == "torch":
-                parts.append((k, "torch", r.dtype, r.shape, r.strides, r.device))
+                parts.append((k, "torch", r.dtype, r.shape, r.strides, r.device, False))  # is_neg refused
             elif r.kind in ("numpy", "cupy"):
                 byte_strides = tuple(st * r.itemsize for st in r.strides)
                 parts.append((k, r.kind, r.dtype, r.shape, byte_strides,
@@ -334,6 +356,15 @@ _BUILTIN_IDS = {v: k[len("EX_FACTOR_"):].lower() for k, v in abi.ffi.typeof("ex_
 # variables it reads at load) are those of the last registry that opened it (_note_shared).
 _OPENED: dict = {}
 _OPENED_LOCK = threading.Lock()
+
+
+def _caller_stacklevel() -> int:
+    """warnings.warn's stacklevel that names the first frame outside ex_engine (the user's
+    call), whatever path inside the package led to the warning."""
+    f, level = sys._getframe(1), 1
+    while f is not None and f.f_globals.get("__name__", "").startswith("ex_engine"):
+        f, level = f.f_back, level + 1
+    return level
 
 
 def _load_context(hw_c) -> tuple:
@@ -391,8 +422,13 @@ class FactorRegistry:
                               f"got lock={lock!r}")
         if probe not in (None, "subprocess"):
             raise FactorError(f"probe: expected None or 'subprocess', got {probe!r}")
-        if not isinstance(verify, bool):   # 'no' is truthy: it would have switched verification on
+        # True/False, 0/1 or a NumPy bool, as a manifest's bool parameter ('no' is truthy: it
+        # would have switched verification on)
+        np_bool = getattr(getattr(verify, "dtype", None), "kind", "") == "b" and getattr(verify, "shape", 0) == ()
+        integral = hasattr(verify, "__index__") and getattr(verify, "shape", ()) == ()
+        if not (np_bool or integral) or verify not in (0, 1):
             raise FactorError(f"verify: expected True or False, got {verify!r}")
+        verify = bool(verify)
         for arg, val in (("probe_timeout", probe_timeout), ("verify_timeout", verify_timeout)):
             if isinstance(val, bool) or not isinstance(val, (int, float)) or not 0 < val < float("inf"):
                 raise FactorError(f"{arg}: expected a number of seconds > 0, got {val!r}")
@@ -478,7 +514,8 @@ class FactorRegistry:
         """Load every ``*.so`` in ``folder`` (sorted by name); returns the new Plugin records."""
         folder = Path(folder)
         if not folder.is_dir():
-            raise FactorError(f"factor folder '{folder}': not a directory")
+            hint = _paths.not_a_checkout() if folder == _paths.factors_dir() else ""
+            raise FactorError(f"factor folder '{folder}': not a directory" + (f" ({hint})" if hint else ""))
         files = sorted(folder.glob("*.so"))
         new = [self._load_one(p) for p in files]
         self._note_missing_locked(folder, {p.name for p in files})
@@ -575,30 +612,38 @@ class FactorRegistry:
 
     def _note_shared(self, p: Plugin, where: Path) -> None:
         """Before ex_get_factor: if another live registry of this process opened the same file
-        with another hardware description or other EX_* variables, say so (a warning check, a
-        note, a Python warning): the library is one copy per process, so this call resets the
-        settings that registry's calls run with (README: "read at load")."""
+        (by any path or hard link: glibc keys a library by device and inode) with another
+        hardware description or other EX_* variables, say so (a warning check, a note, a Python
+        warning): the library is one copy per process, so this call may change the settings
+        that registry's calls run with (README: variables read "at load")."""
+        try:
+            st = where.stat()
+            key = (st.st_dev, st.st_ino)
+        except OSError:
+            key = where
         mine = _load_context(self._hw_c)
         with _OPENED_LOCK:
-            users = _OPENED.setdefault(where, weakref.WeakKeyDictionary())
-            other = next((r for r, ctx in list(users.items()) if r is not self and ctx != mine), None)
+            users = _OPENED.setdefault(key, weakref.WeakKeyDictionary())
+            found = next(((r, ctx) for r, ctx in list(users.items()) if r is not self and ctx != mine), None)
             users[self] = mine
-        if other is None:
+        if found is None:
             return
-        what = ("hardware" if other._load_context_of(where)[0] != mine[0] else "EX_* environment variables")
+        other, theirs = found
+        if theirs[0] != mine[0]:
+            what = f"other hardware ({other.hardware.name}, {other.hardware.source})"
+        else:
+            a, b = dict(theirs[1]), dict(mine[1])
+            diff = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
+            what = "other EX_* variables (" + ", ".join(
+                f"{k}={a.get(k, '(unset)')} there, {b.get(k, '(unset)')} here" for k in diff) + ")"
         detail = (f"warning: {p.path.name} is already open in this process by another registry, "
-                  f"loaded for other {what} ({other.hardware.name}, {other.hardware.source}); a "
-                  "process holds one copy of a library, so this load's ex_get_factor call also "
-                  "changes the settings that registry's calls run with (load each registry from "
-                  "its own copy of the folder to keep them apart)")
+                  f"loaded for {what}; a process holds one copy of a library, so this load's "
+                  "ex_get_factor call may change the settings that registry's calls run with "
+                  "(variables a library reads at load: README's table; load each registry from its "
+                  "own copy of the folder to keep them apart)")
         p.check("shared library", True, detail, warn=True)
         self.notes.append(f"{p.path.name}: {detail}")
-        warnings.warn(f"{p.path}: {detail}", stacklevel=4)
-
-    def _load_context_of(self, where: Path) -> tuple:
-        """The _load_context this registry opened ``where`` with ((b'', ()) if it did not)."""
-        with _OPENED_LOCK:
-            return _OPENED.get(where, {}).get(self, (b"", ()))
+        warnings.warn(f"{p.path}: {detail}", stacklevel=_caller_stacklevel())
 
     def _check_abi_in_file(self, p: Plugin, data: bytes) -> bool:
         """ex_abi_version read from the file's dynamic symbol table, before dlopen runs any of
@@ -962,6 +1007,10 @@ class FactorRegistry:
             # a size or a misspelt name is the problem then, not the type of its value
             raise (self._unknown_argument(m, arrays)
                    or type(exc)(name, exc.argument, exc.rule, exc.expected, exc.got)) from None
+        null = null_pointer_error(name, refs_by_name)
+        if null is not None:
+            self._count(name, "errors")
+            raise null
         # A call with the same dtypes, shapes, strides, device and params (values and types) as
         # an earlier valid one needs only its pointers checked: the bound dims are reused (host
         # overhead); anything else is bound, i.e. checked in full, again.

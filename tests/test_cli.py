@@ -4,6 +4,7 @@ import subprocess
 import sys
 
 import pytest
+from pathlib import Path
 
 from ex_engine.cli import build_parser, main
 
@@ -151,6 +152,14 @@ def test_an_install_without_the_checkout_says_how_to_fix_it(tmp_path, monkeypatc
         Hardware.from_profile("h200")
     assert main(["build"]) == 2
     assert "no Makefile in" in capsys.readouterr().err
+    from ex_engine import FactorRegistry     # with a GPU (or a profile path) the folder comes next
+    real_profile = Path(__file__).resolve().parents[1] / "manifests" / "hardware" / "h200.yaml"
+    with pytest.raises(FactorError, match="factor folder .*not a directory.*pip install -e <checkout>"):
+        FactorRegistry.load(hardware=str(real_profile))
+    assert main(["hardware"]) == 0
+    out = capsys.readouterr().out
+    if "no GPU visible" in out:       # with a GPU it describes the GPU instead
+        assert "no hardware profiles: ex_engine at" in out and "--profile h200" not in out
     monkeypatch.setenv("EX_ENGINE_MANIFESTS", str(tmp_path / "elsewhere"))
     assert _paths.not_a_checkout() == ""     # pointed somewhere on purpose: the plain message
 
@@ -165,14 +174,17 @@ def test_small_argument_faults_from_a_fresh_users_review(tmp_path, capsys):
     assert main(["lock", "--dir", str(tmp_path), "--output", ""]) == 2
     assert "--output: expected a file name, got ''" in capsys.readouterr().err
     assert not (tmp_path / "ex_engine.lock").exists()
-    for bad in ("no", "yes", 1):
+    for bad in ("no", "yes", 2, None, np.array([1])):
         with pytest.raises(FactorError, match="verify: expected True or False"):
             FactorRegistry.load(tmp_path, hardware="h200", verify=bad)
+    for good in (0, 1, np.True_, False):     # as a manifest's bool parameter takes them
+        FactorRegistry.load(tmp_path, hardware="h200", verify=good)
     x, r, w = np.zeros((2, 8), np.float32), np.zeros((2, 8), np.float32), np.ones(8, np.float32)
-    for eps in (1e-60, 1e39):
-        with pytest.raises(ArgumentError, match="'eps'.*float32 holds"):
+    for eps in (1e-60, 1e-40, 1e39):     # 0 in float32, a subnormal, inf
+        with pytest.raises(ArgumentError, match="'eps'.*rounds to a normal float32"):
             fused_add_rmsnorm(x, r, w, eps=eps)
-    fused_add_rmsnorm(x, r, w, eps=1.2e-38)
+    fused_add_rmsnorm(x, r, w, eps=1.17549435e-38)   # how NumPy prints float32's smallest normal
+    fused_add_rmsnorm(x, r, w, eps=3.4028235e38)     # and its largest
     assert np.isfinite(x).all()
     from ex_engine.hardware import Hardware
     if Hardware.detect() is None:

@@ -384,8 +384,16 @@ def test_a_library_open_in_another_registry_for_other_settings_is_a_warning(tmp_
     assert any("shared library" not in n and "already open" in n for n in other_hw.notes)
     assert other_hw.get("host_scale") is not None                  # loaded all the same
     monkeypatch.setenv("EX_SOME_SETTING", "1")
-    with pytest.warns(UserWarning, match="EX_\\* environment variables"):
+    with pytest.warns(UserWarning, match=r"other EX_\* variables \(EX_SOME_SETTING=\(unset\) there, 1 here\)") as w:
         FactorRegistry.load(tmp_path, hardware="h200")
+    assert w[0].filename == __file__       # the warning names the user's call, not the loader
+    # a hard link is the same library to glibc (device and inode): the same warning
+    import os
+    (tmp_path / "linked").mkdir()
+    os.link(tmp_path / "host_scale.so", tmp_path / "linked" / "host_scale.so")
+    (tmp_path / "linked" / "host_scale.yaml").write_text((tmp_path / "host_scale.yaml").read_text())
+    with pytest.warns(UserWarning, match="already open in this process by another registry"):
+        FactorRegistry.load(tmp_path / "linked", hardware="a100")
     del first, same, other_hw
 
 
@@ -456,3 +464,43 @@ def test_a_library_without_a_section_table_is_checked_after_dlopen(tmp_path):
     assert reg.get("host_scale") is p, p.reason
     names = [c.name for c in p.checks]
     assert "abi version (file)" in names and "abi version" in names
+
+
+def _patch_dynsym(lib, field_offset, value, link_field=False):
+    """Overwrite a field of .dynsym's section header (or, link_field, of the section it links:
+    .dynstr) in ``lib``; the dynamic loader reads neither."""
+    import struct
+    d = bytearray(lib.read_bytes())
+    shoff, = struct.unpack_from("<Q", d, 0x28)
+    se, n = struct.unpack_from("<HH", d, 0x3A)
+    at = next(shoff + i * se for i in range(n) if struct.unpack_from("<I", d, shoff + i * se + 4)[0] == 11)
+    if link_field:
+        at = shoff + struct.unpack_from("<I", d, at + 40)[0] * se
+    struct.pack_into("<Q", d, at + field_offset, value)
+    lib.write_bytes(bytes(d))
+
+
+@pytest.mark.parametrize("case", ["versioned", "bss", "entsize 25", "entsize 2^40", "dynstr outside"])
+def test_libraries_whose_file_does_not_say_the_abi_version_for_sure_still_load(tmp_path, case):
+    """Found by a review of the pre-dlopen read: a versioned ex_abi_version (the file's first
+    entry is a hidden 2.0, dlsym takes the default 1.0), one in .bss set by a constructor, and
+    section headers the loader never reads (odd .dynsym entry size, .dynstr outside the file)
+    were refused; each loads as before, its version read after dlopen."""
+    if case == "versioned":
+        script = tmp_path / "versions.map"
+        script.write_text("V0 { global: ex_abi_version; ex_get_factor; local: *; };\n"
+                          "V1 { global: ex_abi_version; } V0;\n")
+        lib = build_plugin(tmp_path / "lib", defines={"ABI_VERSIONED": True},
+                           link=[f"-Wl,--version-script={script}"])
+    else:
+        lib = build_plugin(tmp_path / "lib", defines={"ABI_IN_BSS": True} if case == "bss" else None)
+    if case == "entsize 25":
+        _patch_dynsym(lib, 56, 25)
+    elif case == "entsize 2^40":
+        _patch_dynsym(lib, 56, 1 << 40)
+    elif case == "dynstr outside":
+        _patch_dynsym(lib, 24, lib.stat().st_size + 1000, link_field=True)
+    reg = FactorRegistry.load(tmp_path / "lib", hardware="h200")
+    p = reg.plugins[0]
+    assert reg.get("host_scale") is p and p.abi_version == abi.ABI_VERSION, p.reason
+    assert "abi version (file)" in [c.name for c in p.checks]

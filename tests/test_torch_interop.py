@@ -329,3 +329,35 @@ def test_router_and_experts_capture_in_a_torch_cuda_graph(greg):
         torch.cuda.synchronize()
         torch.testing.assert_close(static_out.float(), layer(new).float(), rtol=1e-2, atol=1e-2)
     torch.testing.assert_close(layer(x).float(), eager.float(), rtol=1e-2, atol=1e-2)
+
+
+def test_views_and_pointers_a_kernel_cannot_read_as_they_are(tmp_path, monkeypatch):
+    """From a review: a negated view (torch applies the sign lazily) gave 2*x where -2*x was
+    due, also through the short path of a checked signature; a nested tensor raised torch's
+    own error; a FakeTensor (what torch.compile traces with: elements, NULL data pointer)
+    reached the C kernel and crashed the process; zero-element calls had lost the short path."""
+    from ex_engine.errors import DeviceError, DTypeError
+    from tests.conftest import build_plugin
+    build_plugin(tmp_path)
+    r = FactorRegistry.load(tmp_path, hardware="h200")
+    alpha = torch.tensor([2.0])
+    x, out = torch.arange(1.0, 8.0), torch.zeros(7)
+    assert r.dispatch("host_scale", {"x": x, "out": out, "alpha": alpha}) == "plugin"   # files the key
+    neg = torch._neg_view(torch.arange(1.0, 8.0))
+    assert neg.is_neg() and neg.is_contiguous()
+    with pytest.raises(DTypeError, match="'x'.*resolve_neg.*got a negated view"):
+        r.dispatch("host_scale", {"x": neg, "out": out, "alpha": alpha})
+    r.dispatch("host_scale", {"x": neg.resolve_neg(), "out": out, "alpha": alpha})
+    assert torch.equal(out, -2 * torch.arange(1.0, 8.0))
+    with pytest.raises(DTypeError, match="'x'.*nested"):
+        TensorRef.of(torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]), "x")
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode():
+        fake = torch.empty(7)
+    with pytest.raises(DeviceError, match="'x'.*NULL data pointer"):
+        r.dispatch("host_scale", {"x": fake, "out": out, "alpha": alpha})
+    full, n = r._dispatch_full, []
+    monkeypatch.setattr(r, "_dispatch_full", lambda *a, **k: n.append(1) or full(*a, **k))
+    for _ in range(3):
+        r.dispatch("host_scale", {"x": torch.ones(0), "out": torch.zeros(0), "alpha": alpha})
+    assert len(n) == 1     # the first call checked in full, the next two on the short path

@@ -3,7 +3,7 @@
  * BEHAVIOUR: 0 returns EX_OK, 1 returns EX_FALLBACK (with kernel_fallback doubling instead),
  * 2 returns EX_FALLBACK with no kernel_fallback, 3 returns EX_ERR_SHAPE, 4 returns EX_OK with a
  * wrong result (alpha * in + 1: what `verify` must catch).
- * Other knobs: ABI_OVERRIDE, RETURN_NULL, NULL_NAME, NULL_KERNEL, NO_GET_FACTOR, TPB, VERSION,
+ * Other knobs: ABI_OVERRIDE, ABI_VERSIONED, ABI_IN_BSS, RETURN_NULL, NULL_NAME, NULL_KERNEL, NO_GET_FACTOR, TPB, VERSION,
  * NAME, FACTOR_ID, PRIORITY, STRUCT_ABI (the struct's abi_version), CRASH (ex_get_factor dereferences NULL), HANG (ex_get_factor
  * never returns), EXIT_IN_GET (ex_get_factor calls exit(N)), BAD_DESCRIPTION (a wild description
  * pointer), OOB (writes OOB floats past the output's end), CRASH_IN_KERNEL (the kernel writes to
@@ -53,7 +53,18 @@ float helper_alpha(float a);   /* from libexhelper.so, linked by the test */
 #define ALPHA(a) (a)
 #endif
 
-#ifdef ABI_OVERRIDE
+#if defined(ABI_VERSIONED)
+/* two versions of the symbol (link with a version script defining V0 and V1): dlsym takes the
+ * default one, @@V1; the file's first entry is the hidden 2.0 */
+EX_EXPORT const uint32_t abi_old = 0x20000;
+EX_EXPORT const uint32_t abi_new = EX_ABI_VERSION;
+__asm__(".symver abi_old,ex_abi_version@V0");
+__asm__(".symver abi_new,ex_abi_version@@V1");
+#elif defined(ABI_IN_BSS)
+/* zero in the file, set by a constructor: only the loaded library knows its value */
+EX_EXPORT uint32_t ex_abi_version;
+__attribute__((constructor)) static void set_abi_version(void) { ex_abi_version = EX_ABI_VERSION; }
+#elif defined(ABI_OVERRIDE)
 EX_EXPORT const uint32_t ex_abi_version = ABI_OVERRIDE;
 #else
 EX_DEFINE_ABI_VERSION();
