@@ -137,8 +137,10 @@ _SYM = struct.Struct("<IBBHQQ")   # Elf64_Sym: st_name, st_info, st_other, st_sh
 
 def exported_u32(data: bytes, name: str):
     """The value of the 4-byte data object ``name`` that a shared library exports (its
-    initial value in the file; no code runs), "absent" if its dynamic symbol table (the one
-    dlsym searches) does not define that name, or None where the file does not say for sure:
+    initial value in the file; no code runs), "absent" if the library's own dynamic symbol
+    table does not define that name (dlsym on its handle would also search the libraries it
+    links; the plugin contract asks the plugin itself to export it), or None where the file
+    does not say for sure:
     no section table or .dynsym, a table that does not look like the System V ABI's (entries
     not 24 bytes, a string table outside the file), the name defined more than once (symbol
     versions: dlsym picks the default one), a symbol not 4 bytes, or one in .bss (its value

@@ -26,6 +26,19 @@ _F32_TINY = 1.1754943508222875e-38   # float32's smallest normal number (numpy.f
 _F32_MAX = 3.4028234663852886e38     # float32's largest finite number
 
 
+def bool_like(v) -> bool:
+    """True/False, 0/1 as Python's, NumPy's or torch's integers (0-d), or a NumPy bool scalar:
+    what a bool parameter takes (not a string, a float, a 0-d float array or tensor)."""
+    if getattr(getattr(v, "dtype", None), "kind", None) == "b" and getattr(v, "shape", None) == ():
+        return bool(v in (0, 1))
+    if isinstance(v, (str, bytes)):
+        return False
+    try:
+        return operator.index(v) in (0, 1)
+    except (TypeError, ValueError, RuntimeError):   # a float, an array of several elements
+        return False
+
+
 def _to_f32(v: float) -> float:
     """``v`` rounded to float32 (to nearest even; inf beyond float32's range), as a float."""
     try:
@@ -267,10 +280,7 @@ class Manifest:
             v = params.get(k, spec.get("default"))
             typ = spec.get("type", "float")
             if typ == "bool":
-                # True/False, 0/1 (Python's or NumPy's integers), or a NumPy bool scalar
-                np_bool = getattr(v, "dtype", None) is not None and v.dtype.kind == "b" and v.shape == ()
-                integral = hasattr(v, "__index__") and getattr(v, "shape", ()) == ()
-                if not (np_bool or integral) or v not in (0, 1, True, False):
+                if not bool_like(v):
                     raise ArgumentError(self.name, k, "type", "a bool", repr(v))
                 v = bool(v)
             elif typ == "int":
@@ -288,6 +298,8 @@ class Manifest:
                     v = float(v)
                 except (TypeError, ValueError):
                     raise ArgumentError(self.name, k, "type", "a number", repr(v)) from None
+                except OverflowError:   # an int beyond float's range (10**400)
+                    raise ArgumentError(self.name, k, "value", "a finite number", repr(v)) from None
                 if "gt" in spec and not float(spec["gt"]) < v < float("inf"):  # NaN fails too
                     raise ArgumentError(self.name, k, "value", f"a finite number > {spec['gt']}", repr(v))
                 # float32: the factor computes with it in float32 (fused_add_rmsnorm's eps = 1e-60

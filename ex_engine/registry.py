@@ -29,7 +29,7 @@ from .arrays import _KINDS, _NAME_CACHE, _TORCH_DTYPES, Bits16, TensorRef, _kind
 from .errors import (ArgumentError, DeviceError, DeviceSideError, FactorError,
                      FactorNotFoundError, KernelError, LayoutError)
 from .hardware import Hardware, resolve
-from .manifest import Manifest, load_all
+from .manifest import Manifest, bool_like, load_all
 from .tuning import TuningTable
 
 PATHS = ("plugin", "kernel_fallback", "python_fallback")
@@ -276,9 +276,9 @@ def _fast_key(name: str, arrays, params):
                 ptrs.append(v.data.ptr)
             else:
                 return None
-        if not all(ptrs) and any(not p and _has_elements(v) for p, v in
+        if not all(ptrs) and any(not p and (_has_elements(v) or getattr(v, "is_meta", False)) for p, v in
                                  zip(ptrs, (v for v in arrays.values() if v is not None))):
-            return None   # a NULL pointer with elements behind it (meta, fake tensors): in full
+            return None   # a NULL pointer with elements behind it (fake tensors), or meta: in full
         key = _sealed_key(parts, params)
     except Exception:   # not a dict, an unseen dtype, an unhashable parameter, an odd array
         return None
@@ -298,7 +298,8 @@ def null_pointer_error(factor: str, refs_by_name: dict):
     for k, r in refs_by_name.items():
         if not r.ptr and _has_elements(r):
             return DeviceError(factor, k, "memory", "an array with memory behind its data pointer",
-                               f"a NULL data pointer for {r.shape} elements (a fake or traced tensor?)")
+                               f"a NULL data pointer for an array of shape {tuple(r.shape)} (a fake "
+                               "or traced tensor?)")
     return None
 
 
@@ -424,9 +425,7 @@ class FactorRegistry:
             raise FactorError(f"probe: expected None or 'subprocess', got {probe!r}")
         # True/False, 0/1 or a NumPy bool, as a manifest's bool parameter ('no' is truthy: it
         # would have switched verification on)
-        np_bool = getattr(getattr(verify, "dtype", None), "kind", "") == "b" and getattr(verify, "shape", 0) == ()
-        integral = hasattr(verify, "__index__") and getattr(verify, "shape", ()) == ()
-        if not (np_bool or integral) or verify not in (0, 1):
+        if not bool_like(verify):
             raise FactorError(f"verify: expected True or False, got {verify!r}")
         verify = bool(verify)
         for arg, val in (("probe_timeout", probe_timeout), ("verify_timeout", verify_timeout)):
@@ -610,17 +609,15 @@ class FactorRegistry:
         ok, detail = fatbin.check_code(entries, hw.cc_major, hw.cc_minor)
         return p.check("cuda code", ok, f"{detail} ({hw.name}, cc {hw.cc_major}.{hw.cc_minor})")
 
-    def _note_shared(self, p: Plugin, where: Path) -> None:
+    def _note_shared(self, p: Plugin, entry) -> None:
         """Before ex_get_factor: if another live registry of this process opened the same file
-        (by any path or hard link: glibc keys a library by device and inode) with another
+        (``entry``: its ex_get_factor, whose address names the loaded copy) with another
         hardware description or other EX_* variables, say so (a warning check, a note, a Python
         warning): the library is one copy per process, so this call may change the settings
         that registry's calls run with (README: variables read "at load")."""
-        try:
-            st = where.stat()
-            key = (st.st_dev, st.st_ino)
-        except OSError:
-            key = where
+        # the loaded copy itself: dlopen hands a path it loaded before the same copy even if the
+        # file was replaced since (a rebuild), and a hard link the copy of its inode
+        key = int(abi.ffi.cast("uintptr_t", entry))
         mine = _load_context(self._hw_c)
         with _OPENED_LOCK:
             users = _OPENED.setdefault(key, weakref.WeakKeyDictionary())
@@ -660,7 +657,7 @@ class FactorRegistry:
             return p.check("abi version (file)", True, f"not read before opening: {why} (read after dlopen)")
         if found == "absent":
             return p.check("symbol ex_abi_version", False,
-                           "not exported (not in the library's dynamic symbol table); not opened, "
+                           "not exported (not defined in the library's own dynamic symbol table); not opened, "
                            "so none of its code ran; build with EX_DEFINE_ABI_VERSION() from "
                            "include/ex_engine.h")
         p.abi_version = found
@@ -745,7 +742,7 @@ class FactorRegistry:
         except (AttributeError, OSError, KeyError) as exc:
             p.check("symbol ex_get_factor", False, f"not exported ({exc})")
             return p
-        self._note_shared(p, where)
+        self._note_shared(p, get)
         f = get(self._hw_c)
         if not p.require("ex_get_factor(hw)", f != abi.ffi.NULL,
                        f"returned NULL for {self.hardware.name} ({self.hardware.source}): "
@@ -1007,10 +1004,6 @@ class FactorRegistry:
             # a size or a misspelt name is the problem then, not the type of its value
             raise (self._unknown_argument(m, arrays)
                    or type(exc)(name, exc.argument, exc.rule, exc.expected, exc.got)) from None
-        null = null_pointer_error(name, refs_by_name)
-        if null is not None:
-            self._count(name, "errors")
-            raise null
         # A call with the same dtypes, shapes, strides, device and params (values and types) as
         # an earlier valid one needs only its pointers checked: the bound dims are reused (host
         # overhead); anything else is bound, i.e. checked in full, again.
@@ -1050,6 +1043,11 @@ class FactorRegistry:
             # host writability read once: for the check and for the short path's key
             writable = {k: _writable(r.obj) for k, r in refs_by_name.items()} if device < 0 else None
             check_writes(name, m, refs_by_name, spans, device, writable)
+            # after the names, dtypes and shapes (a misspelt name is the problem then), before
+            # any path reads the memory: a kernel or a fallback given NULL would crash
+            null = null_pointer_error(name, refs_by_name)
+            if null is not None:
+                raise null
         except FactorError:
             self._count(name, "errors")
             raise

@@ -413,7 +413,7 @@ __attribute__((visibility("default"))) void* ex_get_factor(const void* hw) { (vo
 
 
 @pytest.mark.parametrize("abi_define, needle", [
-    (None, "symbol ex_abi_version: not exported (not in the library's dynamic symbol table); not opened"),
+    (None, "symbol ex_abi_version: not exported (not defined in the library's own dynamic symbol table); not opened"),
     ((abi.ABI_VERSION_MAJOR + 1) << 16, f"abi version: expected major {abi.ABI_VERSION_MAJOR}"),
 ])
 def test_a_library_of_another_project_or_abi_is_refused_before_its_code_runs(tmp_path, monkeypatch,
@@ -504,3 +504,18 @@ def test_libraries_whose_file_does_not_say_the_abi_version_for_sure_still_load(t
     p = reg.plugins[0]
     assert reg.get("host_scale") is p and p.abi_version == abi.ABI_VERSION, p.reason
     assert "abi version (file)" in [c.name for c in p.checks]
+
+
+def test_a_library_rebuilt_in_place_is_still_the_copy_another_registry_holds(tmp_path):
+    """dlopen hands a path it loaded before the same copy even after the file was replaced (a
+    rebuild: new inode), so the shared-library warning keys the loaded copy itself (the address
+    of its ex_get_factor), not the file: a review found it silent after a replace."""
+    import os
+    import shutil
+    build_plugin(tmp_path)
+    first = FactorRegistry.load(tmp_path, hardware="h200")
+    shutil.copy(tmp_path / "host_scale.so", tmp_path / "new.tmp")
+    os.replace(tmp_path / "new.tmp", tmp_path / "host_scale.so")
+    with pytest.warns(UserWarning, match="already open in this process by another registry"):
+        FactorRegistry.load(tmp_path, hardware="a100")
+    del first

@@ -354,10 +354,21 @@ def test_views_and_pointers_a_kernel_cannot_read_as_they_are(tmp_path, monkeypat
     from torch._subclasses.fake_tensor import FakeTensorMode
     with FakeTensorMode():
         fake = torch.empty(7)
-    with pytest.raises(DeviceError, match="'x'.*NULL data pointer"):
+    with pytest.raises(DeviceError, match=r"'x'.*NULL data pointer for an array of shape \(7,\)"):
         r.dispatch("host_scale", {"x": fake, "out": out, "alpha": alpha})
+    from ex_engine.errors import ArgumentError   # a misspelt name is the problem, not its pointer
+    with pytest.raises(ArgumentError, match="argument 'X': unknown argument"):
+        r.dispatch("host_scale", {"X": fake, "out": out, "alpha": alpha})
+    # a zero-element meta tensor reads like a CPU one (device -1, pointer 0): refused every time,
+    # also after a CPU call of that signature filed it for the short path
+    meta0 = {"x": torch.empty(0, device="meta"), "out": torch.zeros(0), "alpha": alpha}
+    with pytest.raises(DeviceError, match="'x'.*meta"):
+        r.dispatch("host_scale", meta0)
+    r.dispatch("host_scale", {"x": torch.ones(0), "out": torch.zeros(0), "alpha": alpha})
+    with pytest.raises(DeviceError, match="'x'.*meta"):
+        r.dispatch("host_scale", meta0)
     full, n = r._dispatch_full, []
     monkeypatch.setattr(r, "_dispatch_full", lambda *a, **k: n.append(1) or full(*a, **k))
     for _ in range(3):
         r.dispatch("host_scale", {"x": torch.ones(0), "out": torch.zeros(0), "alpha": alpha})
-    assert len(n) == 1     # the first call checked in full, the next two on the short path
+    assert len(n) == 0     # filed by the zero-element call above: all three on the short path
