@@ -211,7 +211,15 @@ class Terminated(BaseException):
 
 
 def _exit_on_sigterm(signum, frame):
+    # the first SIGTERM ends the command through its cleanup; later ones are ignored: a second
+    # one a millisecond later, raised again on the way into the cleanup (before _kill_session
+    # held the handlers), cut it short and left the child running (seen under CI's load)
+    signal.signal(signal.SIGTERM, _ignore_signal)
     raise Terminated()
+
+
+def _ignore_signal(signum, frame):
+    """SIGTERM while the command already ends through Terminated."""
 
 
 def cmd_lock(args) -> int:

@@ -436,14 +436,19 @@ def _verify_in_child(registry, plugin, seed: int, count: bool, timeout: float) -
         cmd = [sys.executable, "-c", _CHILD, json.dumps(child_sys_path(_fallback_roots(plugin.manifest))),
                json.dumps(args)]
         before = frozenset(_children()) if _adopting else frozenset()
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err,
-                                start_new_session=True)
+        proc = None
         try:
+            # a signal during Popen (after its fork) would leave a started child unnamed here:
+            # it waits until proc is set, then ends this through the finally below
+            with _signals_held():
+                proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err,
+                                        start_new_session=True)
             rc, how = _wait_unreaped(proc, timeout), ""
             if rc is None:
                 how = f"timed out after {timeout:g} s"
         finally:                       # also on Ctrl-C or SIGTERM: leave no child behind
-            _kill_session(proc, before)
+            if proc is not None:
+                _kill_session(proc, before)
         lines = out.read().splitlines()
         err.seek(max(0, err.seek(0, os.SEEK_END) - 4096))   # only the tail: a kernel may print GBs
         last = (err.read().decode(errors="replace").strip().splitlines() or ["no message"])[-1]
@@ -524,14 +529,12 @@ def _wait_unreaped(proc, timeout: float):
         delay = min(delay * 2, 0.05)
 
 
-def _kill_session(proc, before=frozenset()) -> None:
-    """Kill the child and whatever it started (its own session), then reap it; while adopting
-    (adopt_orphans), also what left that session (setsid) and was handed to this process: its
-    children that were not its children (``before``) when the child started. Ctrl-C and SIGTERM
-    wait until this is done (a second SIGTERM cut the cleanup short), then take effect: in the
-    main thread their Python handlers are held (a signal may reach any thread of the process,
-    and Python runs its handler in the main thread whichever it was) and the signals raised
-    again after; in another thread, where handlers cannot be set, they are blocked there."""
+@contextlib.contextmanager
+def _signals_held():
+    """Ctrl-C and SIGTERM wait until the block is done, then take effect: in the main thread
+    their Python handlers are held (a signal may reach any thread of the process, and Python
+    runs its handler in the main thread whichever it was) and the signals raised again after;
+    in another thread, where handlers cannot be set, they are blocked there."""
     held, caught, blocked = {}, [], None
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -540,6 +543,22 @@ def _kill_session(proc, before=frozenset()) -> None:
     else:
         blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
     try:
+        yield
+    finally:
+        for sig, handler in held.items():
+            signal.signal(sig, handler)
+        if blocked is not None:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+        for sig in dict.fromkeys(caught):              # now, as if they came after the block
+            signal.raise_signal(sig)
+
+
+def _kill_session(proc, before=frozenset()) -> None:
+    """Kill the child and whatever it started (its own session), then reap it; while adopting
+    (adopt_orphans), also what left that session (setsid) and was handed to this process: its
+    children that were not its children (``before``) when the child started. Ctrl-C and SIGTERM
+    wait until this is done (_signals_held: a second SIGTERM cut the cleanup short)."""
+    with _signals_held():
         try:
             os.killpg(proc.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
@@ -547,13 +566,6 @@ def _kill_session(proc, before=frozenset()) -> None:
         proc.wait()
         if _adopting:
             _kill_adopted(before)
-    finally:
-        for sig, handler in held.items():
-            signal.signal(sig, handler)
-        if blocked is not None:
-            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
-        for sig in dict.fromkeys(caught):              # now, as if they came after the cleanup
-            signal.raise_signal(sig)
 
 
 _adopting = False   # between adopt_orphans and stop_adopting (the ex-engine verify command)

@@ -646,3 +646,37 @@ def test_two_sigterms_in_a_row_still_leave_nothing_behind(tmp_path):
         time.sleep(0.3)
         left = processes_left(tmp_path)
         assert not left and rc == 128 + signal.SIGTERM, (rc, left)
+
+
+def test_a_sigterm_during_the_childs_start_or_twice_in_the_cleanup_leaves_nothing(tmp_path, monkeypatch):
+    """Two windows where SIGTERM ended verify without its cleanup (a CI run left a child once):
+    a signal handled right after Popen returned, before verify named the process (simulated
+    here: the signal is sent from inside Popen); and a second SIGTERM raised again on the way
+    into the cleanup. The first waits until the child is named, the second is ignored once the
+    command is ending."""
+    import os
+    import signal
+    import subprocess
+    from ex_engine import cli
+    from ex_engine import verify as verify_mod
+    build_plugin(tmp_path, defines={"HANG_IN_KERNEL": True})
+    import types
+
+    class TermAfterStart(subprocess.Popen):
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            os.kill(os.getpid(), signal.SIGTERM)   # handled at the next bytecode boundary
+
+    only_verify = types.ModuleType("subprocess")      # verify's subprocess, not everyone's
+    only_verify.__dict__.update(subprocess.__dict__)
+    only_verify.Popen = TermAfterStart
+    monkeypatch.setattr(verify_mod, "subprocess", only_verify)
+    assert cli.main(["verify", "--dir", str(tmp_path), "--hardware", "h200"]) == 128 + signal.SIGTERM
+    assert not processes_left(tmp_path)
+    old = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        with pytest.raises(cli.Terminated):
+            cli._exit_on_sigterm(signal.SIGTERM, None)
+        assert signal.getsignal(signal.SIGTERM) is cli._ignore_signal   # a second one waits
+    finally:
+        signal.signal(signal.SIGTERM, old)
