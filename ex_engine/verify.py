@@ -439,8 +439,9 @@ def _verify_in_child(registry, plugin, seed: int, count: bool, timeout: float) -
         proc = None
         try:
             # a signal during Popen (after its fork) would leave a started child unnamed here:
-            # it waits until proc is set, then ends this through the finally below
-            with _signals_held():
+            # it waits until proc is set, then ends this through the finally below (in another
+            # thread no handler raises there, and a blocked mask would pass to the child)
+            with _signals_held(block_in_thread=False):
                 proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err,
                                         start_new_session=True)
             rc, how = _wait_unreaped(proc, timeout), ""
@@ -530,17 +531,18 @@ def _wait_unreaped(proc, timeout: float):
 
 
 @contextlib.contextmanager
-def _signals_held():
+def _signals_held(block_in_thread: bool = True):
     """Ctrl-C and SIGTERM wait until the block is done, then take effect: in the main thread
     their Python handlers are held (a signal may reach any thread of the process, and Python
     runs its handler in the main thread whichever it was) and the signals raised again after;
-    in another thread, where handlers cannot be set, they are blocked there."""
+    in another thread, where handlers cannot be set, they are blocked there (unless not
+    ``block_in_thread``: around a fork, whose child would inherit the blocked mask)."""
     held, caught, blocked = {}, [], None
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGINT, signal.SIGTERM):
             if signal.getsignal(sig) is not None:      # None: not installed from Python
                 held[sig] = signal.signal(sig, lambda signum, frame: caught.append(signum))
-    else:
+    elif block_in_thread:
         blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
     try:
         yield
