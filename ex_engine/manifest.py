@@ -21,6 +21,9 @@ from pathlib import Path
 import yaml
 
 from . import abi
+from .errors import (ArgumentError, DeviceError, DTypeError, FactorError, LayoutError,
+                     ShapeError, one_line)
+from .trust import sha256_hex
 
 _F32_TINY = 1.1754943508222875e-38   # float32's smallest normal number (numpy.finfo(float32).tiny)
 _F32_MAX = 3.4028234663852886e38     # float32's largest finite number
@@ -45,9 +48,7 @@ def _to_f32(v: float) -> float:
         return struct.unpack("<f", struct.pack("<f", v))[0]
     except OverflowError:   # struct refuses to round what lies beyond float32's range
         return float("inf") if v > 0 else float("-inf")
-from .errors import (ArgumentError, DeviceError, DTypeError, FactorError, LayoutError,
-                     ShapeError, one_line)
-from .trust import sha256_hex
+
 
 _TERM = re.compile(r"^\s*(?:(\d+)\s*\*\s*)?([A-Za-z_]\w*)\s*(?:\*\s*(\d+))?\s*$")
 _CONSTRAINT = re.compile(r"^\s*(\w+)\s*(<=|<|==|>=|>)\s*(\w+)\s*$")

@@ -287,8 +287,7 @@ def _fast_key(name: str, arrays, params):
 
 def _has_elements(v) -> bool:
     """Whether array ``v`` (NumPy, CuPy, torch or a TensorRef) holds at least one element."""
-    shape = v.shape
-    return all(shape) if len(shape) else True
+    return all(v.shape)   # a 0-d array () holds one
 
 
 def null_pointer_error(factor: str, refs_by_name: dict):
@@ -351,8 +350,8 @@ _BUILTIN_IDS = {v: k[len("EX_FACTOR_"):].lower() for k, v in abi.ffi.typeof("ex_
                 if v <= abi.FACTOR_BUILTIN_LAST and k != "EX_FACTOR_BUILTIN_LAST"}
 
 
-# The libraries this process's registries opened: resolved path -> {registry: what its
-# ex_get_factor call saw (the hardware description and the EX_* environment)}. A process holds
+# The libraries this process's registries opened: address of the loaded copy's ex_get_factor ->
+# {registry: what its ex_get_factor call saw (the hardware description and the EX_* environment)}. A process holds
 # one copy of a library, so the settings a library keeps from ex_get_factor (and the EX_*
 # variables it reads at load) are those of the last registry that opened it (_note_shared).
 _OPENED: dict = {}
@@ -661,11 +660,18 @@ class FactorRegistry:
                            "so none of its code ran; build with EX_DEFINE_ABI_VERSION() from "
                            "include/ex_engine.h")
         p.abi_version = found
-        return p.require("abi version", found >> 16 == abi.ABI_VERSION_MAJOR,
+        return self._require_abi_major(p, " (read from the file; not opened, so none of its code ran)",
+                                       " (read from the file, before opening)")
+
+    @staticmethod
+    def _require_abi_major(p: Plugin, failed: str = "", passed: str = "") -> bool:
+        """The 'abi version' check of p.abi_version's major against the runtime's; ``failed``
+        and ``passed`` say where the version was read."""
+        v = abi.version_str(p.abi_version)
+        return p.require("abi version", p.abi_version >> 16 == abi.ABI_VERSION_MAJOR,
                          f"expected major {abi.ABI_VERSION_MAJOR} (runtime ABI "
-                         f"{abi.version_str(abi.ABI_VERSION)}), library built against "
-                         f"{abi.version_str(found)} (read from the file; not opened, so none of its "
-                         "code ran)", f"{abi.version_str(found)} (read from the file, before opening)")
+                         f"{abi.version_str(abi.ABI_VERSION)}), library built against {v}{failed}",
+                         v + passed)
 
     @staticmethod
     def _dlopen_reason(exc: OSError, path: Path) -> str:
@@ -731,11 +737,7 @@ class FactorRegistry:
                                        f"file said {abi.version_str(from_file)} (changed on disk "
                                        "between the checks and dlopen?)"):
             return p
-        major = p.abi_version >> 16
-        if not from_file and not p.require("abi version", major == abi.ABI_VERSION_MAJOR,
-                       f"expected major {abi.ABI_VERSION_MAJOR} (runtime ABI "
-                       f"{abi.version_str(abi.ABI_VERSION)}), library built against "
-                       f"{abi.version_str(p.abi_version)}", abi.version_str(p.abi_version)):
+        if not from_file and not self._require_abi_major(p):
             return p
         try:
             get = p.lib.ex_get_factor
