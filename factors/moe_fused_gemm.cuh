@@ -39,7 +39,8 @@
  *                         1024): histogram of ids per expert (smem
  *                         atomics), cub::BlockScan exclusive sums (rows and BM-row tiles per
  *                         expert), tile list {expert, first row, end row}, placement of every
- *                         valid slot into sorted_slots (grouped by expert), status bit.
+ *                         valid slot into sorted_slots (grouped by expert), status bit;
+ *                         optionally (the Hopper plugin) slot_pos, each placed slot's row.
  *                         T*K > 2048 (kRouteMultiBlockSlots; EX_MOE_ROUTE_MULTIBLOCK_SLOTS, read
  *                         at init, overrides it, 0 = always): two launches of B = min(64,
  *                         ceil(T*K/2048)) blocks of 512 threads, block b owning a contiguous
@@ -365,8 +366,11 @@ moe_route_kernel(const int* __restrict__ topk_ids, const ExpertMap em, int TK, i
                  int* __restrict__ meta,          // [0] tiles, [1] valid rows
                  int4* __restrict__ tiles,        // {e, first row, end row, 0}
                  int* __restrict__ sorted_slots,  // (T*K,) slot of each sorted row
-                 int* __restrict__ expert_off)    // optional (E+1,): first sorted row of each
+                 int* __restrict__ expert_off,    // optional (E+1,): first sorted row of each
                                                   // expert, [E] = valid rows (NULL: not written)
+                 int* __restrict__ slot_pos)      // optional (T*K,): sorted row of each placed
+                                                  // slot (the inverse of sorted_slots; NULL: not
+                                                  // written; a slot not placed keeps its old value)
 {
     using Scan = cub::BlockScan<int, kRouteThreads>;
     __shared__ typename Scan::TempStorage scan_tmp;
@@ -461,6 +465,7 @@ moe_route_kernel(const int* __restrict__ topk_ids, const ExpertMap em, int TK, i
             if (l >= 0) {
                 const int pos = atomicAdd(&s_cur[l], 1);
                 sorted_slots[pos] = (int)s;
+                if (slot_pos != nullptr) slot_pos[s] = pos;
             }
         }
     }
@@ -535,7 +540,8 @@ moe_route_place_kernel(const int* __restrict__ topk_ids, const ExpertMap em, int
                        int S,
                        const int* __restrict__ hist,    // (gridDim.x, E), from moe_route_hist_kernel
                        int* __restrict__ meta, int4* __restrict__ tiles,
-                       int* __restrict__ sorted_slots, int* __restrict__ expert_off)
+                       int* __restrict__ sorted_slots, int* __restrict__ expert_off,
+                       int* __restrict__ slot_pos)  // optional, as moe_route_kernel's
 {
     using Scan = cub::BlockScan<int, NT>;
     __shared__ typename Scan::TempStorage scan_tmp;
@@ -645,7 +651,9 @@ moe_route_place_kernel(const int* __restrict__ topk_ids, const ExpertMap em, int
     for (int u = 0; u < U; ++u) {
         if (first[u] >= 0) {
             const int pos = atomicAdd(&s_cur[first[u]], 1);
-            sorted_slots[pos] = (int)(lo + tid + (long long)u * NT);
+            const long long s = lo + tid + (long long)u * NT;
+            sorted_slots[pos] = (int)s;
+            if (slot_pos != nullptr) slot_pos[s] = pos;
         }
     }
     for (long long s0 = lo + tid + (long long)NT * U; s0 < hi; s0 += (long long)NT * U) {
@@ -663,6 +671,7 @@ moe_route_place_kernel(const int* __restrict__ topk_ids, const ExpertMap em, int
             if (l >= 0) {
                 const int pos = atomicAdd(&s_cur[l], 1);
                 sorted_slots[pos] = (int)s;
+                if (slot_pos != nullptr) slot_pos[s] = pos;
             }
         }
     }
@@ -1415,8 +1424,8 @@ static cudaError_t gemm_smem_opt_in() {
 // paths need no routing) or EX_ERR_CUDA. expert_off may be nullptr.
 template <int NT>
 static int launch_route_nt(const Problem& P, int BM, int* status, int* meta, int4* tiles,
-                           int* sorted, int* expert_off, const int* topk_ids, cudaStream_t stream,
-                           bool pdl) {
+                           int* sorted, int* expert_off, int* slot_pos, const int* topk_ids,
+                           cudaStream_t stream, bool pdl) {
     const size_t scan_bytes = sizeof(typename cub::BlockScan<int, NT>::TempStorage);
     const size_t route_smem = (size_t)(4 * P.E + 1) * sizeof(int);
     if (route_smem + scan_bytes + 1024 > (size_t)s_smem_optin) return EX_FALLBACK;
@@ -1428,7 +1437,7 @@ static int launch_route_nt(const Problem& P, int BM, int* status, int* meta, int
     }
     const cudaError_t err = launch_k(moe_route_kernel<NT>, dim3(1), dim3(NT), route_smem, stream, pdl,
                                      topk_ids, P.em(), (int)P.TK, (int)P.E, BM, status, meta, tiles,
-                                     sorted, expert_off);
+                                     sorted, expert_off, slot_pos);
     return err == cudaSuccess ? EX_OK : cuda_error(err);
 }
 
@@ -1437,8 +1446,8 @@ static int launch_route_nt(const Problem& P, int BM, int* status, int* meta, int
 // sm_90+). Same returns as launch_route_nt (the same smem rule: its placement kernel holds the
 // same 4*E+1 counters).
 static int launch_route_mb(const Problem& P, int BM, int* status, int* meta, int4* tiles,
-                           int* sorted, int* expert_off, const int* topk_ids, cudaStream_t stream,
-                           bool pdl) {
+                           int* sorted, int* expert_off, int* slot_pos, const int* topk_ids,
+                           cudaStream_t stream, bool pdl) {
     constexpr int NT = kRouteMbThreads;
     const size_t scan_bytes = sizeof(cub::BlockScan<int, NT>::TempStorage);
     const size_t place_smem = (size_t)(4 * P.E + 1) * sizeof(int);
@@ -1465,7 +1474,7 @@ static int launch_route_mb(const Problem& P, int BM, int* status, int* meta, int
     err =
         launch_k(moe_route_place_kernel<NT>, dim3(B), dim3(NT), place_smem, stream, s_pdl_ok,
                  topk_ids, P.em(), (int)P.TK, (int)P.E, BM, S, (const int*)hist, meta, tiles,
-                 sorted, expert_off);
+                 sorted, expert_off, slot_pos);
     if (err != cudaSuccess) return cuda_error(err);
     return EX_OK;
 }
@@ -1476,14 +1485,15 @@ static int launch_route_mb(const Problem& P, int BM, int* status, int* meta, int
 // else one block (a small one for few slots).
 static int launch_route(const Problem& P, int BM, int* status, int* meta, int4* tiles,
                         int* sorted, int* expert_off, const int* topk_ids, cudaStream_t stream,
-                        bool pdl = false) {
+                        bool pdl = false, int* slot_pos = nullptr) {
     if (P.TK > s_route_mb_slots && P.E <= kRouteMbMaxExperts)
-        return launch_route_mb(P, BM, status, meta, tiles, sorted, expert_off, topk_ids, stream, pdl);
+        return launch_route_mb(P, BM, status, meta, tiles, sorted, expert_off, slot_pos, topk_ids,
+                               stream, pdl);
     if (P.TK <= kRouteSmallSlots)
         return launch_route_nt<kRouteThreadsSmall>(P, BM, status, meta, tiles, sorted, expert_off,
-                                                   topk_ids, stream, pdl);
-    return launch_route_nt<kRouteThreads>(P, BM, status, meta, tiles, sorted, expert_off, topk_ids,
-                                          stream, pdl);
+                                                   slot_pos, topk_ids, stream, pdl);
+    return launch_route_nt<kRouteThreads>(P, BM, status, meta, tiles, sorted, expert_off, slot_pos,
+                                          topk_ids, stream, pdl);
 }
 
 template <typename T, class C>

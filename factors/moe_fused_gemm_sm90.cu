@@ -22,10 +22,14 @@
  * with M = 0 has ceil(0/BM) = 0 tiles, so no CTA ever builds a TMA descriptor for it).
  *   1. launch_route (moe_fused_gemm.cuh: one block, or two multi-block launches for T*K > 2048)
  *      sorted_slots grouped by expert, status bit 0 for an
- *      id outside [0, E), meta[1] = valid rows, expert_off[e] = first sorted row of expert e.
+ *      id outside [0, E), meta[1] = valid rows, expert_off[e] = first sorted row of expert e,
+ *      slot_pos[slot] = its sorted row (the inverse permutation; written for placed slots only).
  *   2. sm90_prepare_kernel  threads 0..E-1: problem shapes, pointers and strides of both GEMMs;
- *      every warp: rows r < meta[1]: xs[r] = hidden_states[sorted[r] / K] (16-byte copies),
- *      slot_pos[sorted[r]] = r (the inverse permutation the combine reads).
+ *      a warp per token t: its row of hidden_states read once (16-byte copies) and written to
+ *      xs[slot_pos[t*K+k]] for each k whose slot was placed (same test as the routing's).
+ *      EX_MOE_SM90_GATHER_BY_TOKEN=0 (at load): a warp per sorted row r < meta[1], xs[r] =
+ *      hidden_states[sorted[r] / K], which reads each row K times at scattered moments (H200,
+ *      2026-12-02: this kernel 245.8 -> 164.3 us at qwen3-30b T = 16384, 54.4 -> 37.5 at 4096).
  *   3. GEMM1 (grouped, TN)  I % 128 == 0 (every model of moe_models.yaml): GatedGemm1, act_e
  *                           (M_e x I) = dtype(silu(dtype(g)) * dtype(u)) with g, u the gate and
  *                           up halves of xs_e . w13[e]^T, computed in the epilogue (B stages hold
@@ -593,9 +597,10 @@ template <typename T, class G>
 __global__ void __launch_bounds__(kPrepThreads)
 sm90_prepare_kernel(const T* __restrict__ x, T* __restrict__ xs, const int* __restrict__ sorted,
                     const int* __restrict__ meta, const int* __restrict__ expert_off,
-                    int* __restrict__ slot_pos, const T* __restrict__ w13, const T* __restrict__ w2,
-                    T* __restrict__ gu, T* __restrict__ act, T* __restrict__ ys, int H, int I, int E,
-                    int K, sm90::GroupArrays<G> g1, sm90::GroupArrays<G> g2) {
+                    const int* __restrict__ slot_pos, const int* __restrict__ ids, const ExpertMap em,
+                    const T* __restrict__ w13, const T* __restrict__ w2, T* __restrict__ gu,
+                    T* __restrict__ act, T* __restrict__ ys, int T_, int H, int I, int E, int K,
+                    bool by_token, sm90::GroupArrays<G> g1, sm90::GroupArrays<G> g2) {
     using EA = typename G::EA;
     using EB = typename G::EB;
     using ED = typename G::ED;
@@ -625,13 +630,49 @@ sm90_prepare_kernel(const T* __restrict__ x, T* __restrict__ xs, const int* __re
         g2.sa[e] = sa2; g2.sb[e] = sb2; g2.sd[e] = sd2;
     }
 
-    // gather: one warp per sorted row, 16-byte copies, 4 in flight per lane
-    const int rows = meta[1];
     const int lane = threadIdx.x & 31;
     const int HV = H >> 3;
+    if (by_token) {
+        // gather by token: one warp per token reads its row of hidden_states once and writes it
+        // to the sorted rows of its valid slots (slot_pos, from the routing). Read by sorted row
+        // instead, each row is fetched K times at scattered times: at T = 16384 hidden_states
+        // (67 MB at H = 2048) does not stay in L2 and those reads went to DRAM.
+        for (long long t = gtid >> 5; t < T_; t += nthreads >> 5) {
+            const uint4* src = reinterpret_cast<const uint4*>(x + t * H);
+            for (int kb = 0; kb < K; kb += 32) {  // 32 slots of the token at a time
+                int r = -1;  // lane j: sorted row of slot t*K + kb + j, -1 if it goes nowhere
+                if (kb + lane < K) {
+                    const long long slot = t * K + kb + lane;
+                    int unused = 0;
+                    if (local_expert(em, __ldg(ids + slot), E, unused) >= 0) r = __ldg(slot_pos + slot);
+                }
+                const int nk = K - kb < 32 ? K - kb : 32;
+                for (int c0 = 0; c0 < HV; c0 += 8 * 32) {  // 8 vectors of 16 bytes per lane
+                    uint4 v[8];
+#pragma unroll
+                    for (int j = 0; j < 8; ++j) {
+                        const int c = c0 + j * 32 + lane;
+                        if (c < HV) v[j] = __ldg(src + c);
+                    }
+                    for (int j2 = 0; j2 < nk; ++j2) {
+                        const int rr = __shfl_sync(0xffffffffu, r, j2);
+                        if (rr < 0) continue;  // warp-uniform
+                        uint4* dst = reinterpret_cast<uint4*>(xs + (long long)rr * H);
+#pragma unroll
+                        for (int j = 0; j < 8; ++j) {
+                            const int c = c0 + j * 32 + lane;
+                            if (c < HV) dst[c] = v[j];
+                        }
+                    }
+                }
+            }
+        }
+        return;
+    }
+    // gather by sorted row (EX_MOE_SM90_GATHER_BY_TOKEN=0): one warp per row, 4 copies in flight
+    const int rows = meta[1];
     for (long long r = gtid >> 5; r < rows; r += nthreads >> 5) {
         const int slot = sorted[r];
-        if (lane == 0) slot_pos[slot] = (int)r;
         const uint4* src = reinterpret_cast<const uint4*>(x + (long long)(slot / K) * H);
         uint4* dst = reinterpret_cast<uint4*>(xs + r * H);
         int c = lane;
@@ -753,6 +794,10 @@ static bool s_sm90_gated = true;
 // set by ex_get_factor: under Tile128, GEMM2 runs on Tile128N128 where I <= kSm90Gemm2PingpongMaxI
 // (EX_MOE_SM90_GEMM2_PINGPONG=0: always on Tile128 as GEMM1, for comparison)
 static bool s_sm90_gemm2_pp = true;
+// set by ex_get_factor: the gather of hidden_states into expert order runs a warp per token (its
+// row read once, written to its slots' sorted rows); EX_MOE_SM90_GATHER_BY_TOKEN=0: a warp per
+// sorted row (each row read K times), for comparison
+static bool s_sm90_gather_by_token = true;
 
 using GemmBf16 = sm90::GroupedGemm<cutlass::bfloat16_t>;
 using GemmF16 = sm90::GroupedGemm<cutlass::half_t>;
@@ -1005,14 +1050,17 @@ static int launch_sm90(const Problem& P, void* out, const void* x, const void* w
     const int H = (int)P.H, E = (int)P.E, I = (int)P.I, K = (int)P.K;
 
     // 1. routing (one block, or two launches of many blocks for large T*K), also writing expert_off
-    const int rs = launch_route(P, 128, status, meta, tiles, sorted, expert_off, ids, stream);
+    const int rs = launch_route(P, 128, status, meta, tiles, sorted, expert_off, ids, stream,
+                                false, slot_pos);
     if (rs != EX_OK) return rs;  // EX_FALLBACK: absurd E
 
-    // 2. group arguments + gather (a warp per row; grid capped, grid-stride)
-    sm90_prepare_kernel<T, G><<<capped_blocks(P.TK * 32, kPrepThreads, 8), kPrepThreads, 0, stream>>>(
-        static_cast<const T*>(x), xs, sorted, meta, expert_off, slot_pos,
-        static_cast<const T*>(w13), static_cast<const T*>(w2), gu, act, ys, H, I, E, K,
-        ga[0], ga[1]);
+    // 2. group arguments + gather (a warp per token, or per sorted row; grid capped, grid-stride)
+    const int64_t gather_warps = s_sm90_gather_by_token ? P.T : P.TK;
+    sm90_prepare_kernel<T, G><<<capped_blocks(gather_warps * 32, kPrepThreads, 8), kPrepThreads, 0,
+                                stream>>>(
+        static_cast<const T*>(x), xs, sorted, meta, expert_off, slot_pos, ids, P.em(),
+        static_cast<const T*>(w13), static_cast<const T*>(w2), gu, act, ys, (int)P.T, H, I, E, K,
+        s_sm90_gather_by_token, ga[0], ga[1]);
     cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess) return cuda_error(err);
 
@@ -1103,6 +1151,7 @@ extern "C" EX_EXPORT ex_factor_t* ex_get_factor(const ex_hardware_t* hw) {
     s_sm90_gated = explugin::env_switch("EX_MOE_SM90_SILU_IN_GEMM1");
     s_sm90_gemm2_pp = explugin::env_switch("EX_MOE_SM90_GEMM2_PINGPONG");
     s_sm90_raster_n = explugin::env_count("EX_MOE_SM90_RASTER_N", 0) != 0;
+    s_sm90_gather_by_token = explugin::env_switch("EX_MOE_SM90_GATHER_BY_TOKEN");
     static const char* const kSwizzles[] = {"1", "2", "4", "8"};
     s_sm90_swizzle = 1 << explugin::env_choice("EX_MOE_SM90_SWIZZLE", kSwizzles, 4, 0);
     if (s_sm90_enabled) {

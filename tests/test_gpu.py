@@ -429,6 +429,7 @@ def test_moe_decode_with_no_valid_slot_writes_zeros(reg, cp, monkeypatch, mode, 
 # ------------------------------------------------------------------------------ multi-block routing
 ROUTE_ENV = "EX_MOE_ROUTE_MULTIBLOCK_SLOTS"      # read by ex_get_factor (moe_portable_init)
 SM90_ENV = "EX_MOE_SM90_MIN_ROWS_PER_EXPERT"     # read by the sm90 plugin's ex_get_factor
+GATHER_ENV = "EX_MOE_SM90_GATHER_BY_TOKEN"       # read by the sm90 plugin's ex_get_factor
 ROUTE_LIBS = [("moe_fused_gemm.so", None), ("moe_fused_gemm_sm90.so", 0)]   # (library, sm90 min rows)
 
 
@@ -439,16 +440,17 @@ def route_reg():
     dlopen handle per library): load a registry right before the calls it is meant for. At the
     end the caller's environment is restored and every library's ex_get_factor called again, so
     the module's `reg` gets its settings back."""
-    saved = {k: os.environ.get(k) for k in (ROUTE_ENV, SM90_ENV)}
+    saved = {k: os.environ.get(k) for k in (ROUTE_ENV, SM90_ENV, GATHER_ENV)}
 
-    def load(library, route_slots, sm90_min_rows=None):
+    def load(library, route_slots, sm90_min_rows=None, gather_by_token=None):
         if not (ROOT / "factors" / library).exists():
             pytest.skip(f"{library} not built")
         os.environ[ROUTE_ENV] = str(route_slots)
-        if sm90_min_rows is None:
-            os.environ.pop(SM90_ENV, None)
-        else:
-            os.environ[SM90_ENV] = str(sm90_min_rows)
+        for var, value in ((SM90_ENV, sm90_min_rows), (GATHER_ENV, gather_by_token)):
+            if value is None:
+                os.environ.pop(var, None)
+            else:
+                os.environ[var] = str(value)
         r = FactorRegistry.load(ROOT / "factors", prefer={"moe_fused_gemm": library})
         p = r.get("moe_fused_gemm")
         if p is None or p.path.name != library:
@@ -539,6 +541,26 @@ def test_moe_multiblock_routing_equals_single_block(route_reg, cp, library, sm90
         out = route_run(r, cp, case)
         tol = r.manifest("moe_fused_gemm").tolerance["bfloat16"]
         assert rel(cp, out, ref) < tol, (slots, rel(cp, out, ref))
+        outs.append(out)
+    assert bool((outs[0].bits == outs[1].bits).all())
+
+
+@pytest.mark.parametrize("slots", [0, 1 << 40])
+@pytest.mark.parametrize("kind", ["awkward", "one expert", "empty experts", "many passes", "expert map"])
+def test_sm90_gather_by_token_equals_gather_by_row(route_reg, cp, kind, slots):
+    """The CUTLASS path's gather of hidden_states into expert order, a warp per token (default:
+    each row read once, written to the sorted rows the routing recorded for its slots) against a
+    warp per sorted row (EX_MOE_SM90_GATHER_BY_TOKEN=0): both match the float64 reference and
+    each other bit for bit, with slots that go nowhere (invalid ids, experts of another rank),
+    under either routing launch (multi-block: slots = 0; single block: a huge threshold)."""
+    case = route_case(cp, kind)
+    ref = route_reference(cp, *case[:6])
+    outs = []
+    for by_token in (1, 0):
+        r = route_reg("moe_fused_gemm_sm90.so", slots, 0, by_token)
+        out = route_run(r, cp, case)
+        tol = r.manifest("moe_fused_gemm").tolerance["bfloat16"]
+        assert rel(cp, out, ref) < tol, (by_token, rel(cp, out, ref))
         outs.append(out)
     assert bool((outs[0].bits == outs[1].bits).all())
 
