@@ -600,7 +600,7 @@ sm90_prepare_kernel(const T* __restrict__ x, T* __restrict__ xs, const int* __re
                     const int* __restrict__ slot_pos, const int* __restrict__ ids, const ExpertMap em,
                     const T* __restrict__ w13, const T* __restrict__ w2, T* __restrict__ gu,
                     T* __restrict__ act, T* __restrict__ ys, int T_, int H, int I, int E, int K,
-                    bool by_token, sm90::GroupArrays<G> g1, sm90::GroupArrays<G> g2) {
+                    bool by_token, int vpl, sm90::GroupArrays<G> g1, sm90::GroupArrays<G> g2) {
     using EA = typename G::EA;
     using EB = typename G::EB;
     using ED = typename G::ED;
@@ -637,8 +637,20 @@ sm90_prepare_kernel(const T* __restrict__ x, T* __restrict__ xs, const int* __re
         // to the sorted rows of its valid slots (slot_pos, from the routing). Read by sorted row
         // instead, each row is fetched K times at scattered times: at T = 16384 hidden_states
         // (67 MB at H = 2048) does not stay in L2 and those reads went to DRAM.
-        for (long long t = gtid >> 5; t < T_; t += nthreads >> 5) {
+        // Work item: (token, span of 32 * vpl vectors of its row); vpl (1, 2, 4 or 8 vectors per
+        // lane) is chosen on the host so that few tokens still make enough warps.
+        const int span = 32 * vpl;
+        const long long spans = (HV + span - 1) / span;
+        for (long long item = gtid >> 5; item < T_ * spans; item += nthreads >> 5) {
+            const long long t = item / spans;
+            const int c0 = (int)(item - t * spans) * span;
             const uint4* src = reinterpret_cast<const uint4*>(x + t * H);
+            uint4 v[8];
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+                const int c = c0 + j * 32 + lane;
+                if (j < vpl && c < HV) v[j] = __ldg(src + c);
+            }
             for (int kb = 0; kb < K; kb += 32) {  // 32 slots of the token at a time
                 int r = -1;  // lane j: sorted row of slot t*K + kb + j, -1 if it goes nowhere
                 if (kb + lane < K) {
@@ -647,22 +659,14 @@ sm90_prepare_kernel(const T* __restrict__ x, T* __restrict__ xs, const int* __re
                     if (local_expert(em, __ldg(ids + slot), E, unused) >= 0) r = __ldg(slot_pos + slot);
                 }
                 const int nk = K - kb < 32 ? K - kb : 32;
-                for (int c0 = 0; c0 < HV; c0 += 8 * 32) {  // 8 vectors of 16 bytes per lane
-                    uint4 v[8];
+                for (int j2 = 0; j2 < nk; ++j2) {
+                    const int rr = __shfl_sync(0xffffffffu, r, j2);
+                    if (rr < 0) continue;  // warp-uniform
+                    uint4* dst = reinterpret_cast<uint4*>(xs + (long long)rr * H);
 #pragma unroll
                     for (int j = 0; j < 8; ++j) {
                         const int c = c0 + j * 32 + lane;
-                        if (c < HV) v[j] = __ldg(src + c);
-                    }
-                    for (int j2 = 0; j2 < nk; ++j2) {
-                        const int rr = __shfl_sync(0xffffffffu, r, j2);
-                        if (rr < 0) continue;  // warp-uniform
-                        uint4* dst = reinterpret_cast<uint4*>(xs + (long long)rr * H);
-#pragma unroll
-                        for (int j = 0; j < 8; ++j) {
-                            const int c = c0 + j * 32 + lane;
-                            if (c < HV) dst[c] = v[j];
-                        }
+                        if (j < vpl && c < HV) dst[c] = v[j];
                     }
                 }
             }
@@ -1054,13 +1058,19 @@ static int launch_sm90(const Problem& P, void* out, const void* x, const void* w
                                 false, slot_pos);
     if (rs != EX_OK) return rs;  // EX_FALLBACK: absurd E
 
-    // 2. group arguments + gather (a warp per token, or per sorted row; grid capped, grid-stride)
-    const int64_t gather_warps = s_sm90_gather_by_token ? P.T : P.TK;
+    // 2. group arguments + gather (a warp per span of a token's row, or per sorted row; grid
+    //    capped, grid-stride). By token: vpl vectors per lane, halved from 8 while the spans make
+    //    fewer than 16 warps per SM (T = 512 at H = 2048: 1 vector, 4096 warps of 512 bytes)
+    int vpl = 8;
+    const int64_t HV = P.H / 8;
+    auto spans = [&](int v) { return (HV + 32 * v - 1) / (32 * v); };
+    while (vpl > 1 && P.T * spans(vpl) < 16LL * s_num_sms) vpl /= 2;
+    const int64_t gather_warps = s_sm90_gather_by_token ? P.T * spans(vpl) : P.TK;
     sm90_prepare_kernel<T, G><<<capped_blocks(gather_warps * 32, kPrepThreads, 8), kPrepThreads, 0,
                                 stream>>>(
         static_cast<const T*>(x), xs, sorted, meta, expert_off, slot_pos, ids, P.em(),
         static_cast<const T*>(w13), static_cast<const T*>(w2), gu, act, ys, (int)P.T, H, I, E, K,
-        s_sm90_gather_by_token, ga[0], ga[1]);
+        s_sm90_gather_by_token, vpl, ga[0], ga[1]);
     cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess) return cuda_error(err);
 
