@@ -487,6 +487,10 @@ def route_case(cp, kind):
         return (*moe_case(cp, 4096, 256, 128, 128, 8, "bfloat16"), None, ())
     if kind == "many passes":              # T*K = 160000 > 64 * 2048: 64 blocks of 2500 slots
         return (*moe_case(cp, 20000, 128, 24, 64, 8, "bfloat16"), None, ())
+    if kind == "top_k 40":                 # K > 32 (the gather by token takes 32 slots at a
+        x, w13, w2, w, ids = moe_case(cp, 300, 264, 48, 128, 40, "bfloat16")  # time); H/8 = 33
+        ids[7, 33] = 48                    # vectors (a part span); one invalid id
+        return x, w13, w2, w, ids, None, ("topk_id outside",)
     if kind == "expert map":               # G=64 global ids, E=24 local experts, the rest -1;
         G, E, T, K = 64, 24, 1500, 6       # invalid ids and one invalid map value
         x, w13, w2, w, _ = moe_case(cp, T, 256, E, 128, K, "bfloat16")
@@ -546,7 +550,8 @@ def test_moe_multiblock_routing_equals_single_block(route_reg, cp, library, sm90
 
 
 @pytest.mark.parametrize("slots", [0, 1 << 40])
-@pytest.mark.parametrize("kind", ["awkward", "one expert", "empty experts", "many passes", "expert map"])
+@pytest.mark.parametrize("kind", ["awkward", "one expert", "empty experts", "many passes", "expert map",
+                                  "top_k 40"])
 def test_sm90_gather_by_token_equals_gather_by_row(route_reg, cp, kind, slots):
     """The CUTLASS path's gather of hidden_states into expert order, a warp per token (default:
     each row read once, written to the sorted rows the routing recorded for its slots) against a
