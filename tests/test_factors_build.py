@@ -162,6 +162,8 @@ def test_template_factor_dispatches_on_gpu(template_plugin):
     ("EX_MOE_ROUTE_MULTIBLOCK_SLOTS", "abc", "ignored: expected a decimal integer >= 0; using 2048"),
     ("EX_MOE_SM90_MIN_ROWS_PER_EXPERT", "-1", "ignored: expected a decimal integer >= 0; using 64"),
     ("EX_MOE_SM90_TILE64_MAX_ROWS", "1e3", "ignored: expected a decimal integer >= 0; using 0"),
+    ("EX_MOE_SM90_MIN_ROWS_PER_EXPERT", "99999999999999999999",    # beyond a long long: was
+     "ignored: expected a decimal integer >= 0; using 64"),          # taken as LLONG_MAX
     ("EX_MOE_SM90_SWIZZLE", "3", "ignored: expected 1, 2, 4 or 8; using 1"),
     ("EX_MOE_SM90_SILU_IN_GEMM1", "off", "only 0 turns it off"),
     ("EX_MOE_SM90_GEMM2_PINGPONG", "no", "only 0 turns it off"),
