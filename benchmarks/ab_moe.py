@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 from statistics import median
 from pathlib import Path
@@ -43,10 +44,39 @@ from bench_moe import input_sets, layer_weights, reference, rel  # noqa: E402
 ENV_KEYS: set = set()  # every variable any config sets: unset before each config's own
 
 
-# read by a plugin when it loads: two configs that differ in one of these need their own folders
-LOAD_TIME_VARS = {"EX_MOE_SM90_MIN_ROWS_PER_EXPERT", "EX_MOE_SM90_SILU_IN_GEMM1", "EX_MOE_SM90_TILE64_MAX_ROWS",
-                  "EX_MOE_SM90_RASTER_N", "EX_MOE_SM90_SWIZZLE", "EX_MOE_ROUTE_MULTIBLOCK_SLOTS",
-                  "EX_MOE_SM90_GEMM2_PINGPONG"}
+def readme_variables(readme=ROOT / "README.md"):
+    """{name: when} for every EX_ variable of README.md's environment table ('per call', 'at
+    load', 'when a registry loads'): the one list of what the plugins and the registry read, so
+    a variable added to a plugin without its row cannot be compared here by mistake."""
+    found = {}
+    for line in readme.read_text().splitlines():
+        cells = [c.strip() for c in re.split(r"(?<!\\)\|", line.strip().strip("|"))]  # not \|
+        if len(cells) >= 3 and cells[0].startswith("`EX_"):
+            for name in re.findall(r"EX_[A-Z0-9_]+", cells[0]):
+                found[name] = cells[1]
+    return found
+
+
+def variable_problems(cfgs, variables):
+    """Problems with the configs' variables: a name README's table does not list (misspelt: it
+    would change nothing), and two configs on the same folder that differ in a variable read when
+    a plugin loads (one loaded copy serves both: the second would run with the first's setting)."""
+    problems = []
+    for n, folder, env in cfgs:
+        for k in sorted(env):
+            if k != "config" and k not in variables:
+                problems.append(f"config {n}: {k} is not a variable of README.md's environment table "
+                                f"(expected one of {', '.join(sorted(variables))})")
+    for i, (n, folder, env) in enumerate(cfgs):
+        for n2, folder2, env2 in cfgs[i + 1:]:
+            diff = {k for k in set(env) | set(env2)
+                    if k != "config" and variables.get(k, "at load") != "per call" and env.get(k) != env2.get(k)}
+            same = Path(folder).resolve() == Path(folder2).resolve()  # ./factors is factors/
+            if same and diff:
+                problems.append(f"configs {n} and {n2} load the same folder {folder} but differ in "
+                                f"{', '.join(sorted(diff))}, read when a plugin loads: copy the folder "
+                                f"(cp -r {folder} /tmp/{n2}) and give {n2} the copy")
+    return problems
 
 
 def parse_cfg(c):
@@ -102,14 +132,8 @@ def main():
     problems = []                       # every one at once, before any work
     if len(cfgs) < 2 or len(set(names)) != len(names):
         problems.append(f"--configs: expected two or more configs with distinct names, got {names}")
+    problems += variable_problems(cfgs, readme_variables())
     for n, folder, env in cfgs:
-        for n2, folder2, env2 in cfgs:
-            diff = {k for k in LOAD_TIME_VARS if env.get(k) != env2.get(k)}
-            same = Path(folder).resolve() == Path(folder2).resolve()  # ./factors is factors/
-            if n < n2 and same and diff:
-                problems.append(f"configs {n} and {n2} load the same folder {folder} but differ in "
-                                f"{', '.join(sorted(diff))}, read when a plugin loads: copy the folder "
-                                f"(cp -r {folder} /tmp/{n2}) and give {n2} the copy")
         if not Path(folder).is_dir():
             problems.append(f"config {n}: folder {folder!r} does not exist")
     for case in args.cases:

@@ -56,3 +56,31 @@ def test_kernel_times_names_the_cutlass_tilings(kernel_times, tile, label):
     assert kernel_times.short_name(name) == label
     gated = name.replace("CollectiveMma<", "exmoe::sm90::GatedMainloop<cutlass::gemm::collective::CollectiveMma<")
     assert kernel_times.short_name(gated) == "cutlass_grouped_gemm<gated GEMM1>"
+
+
+def test_ab_moe_variables_come_from_the_readme_table(ab_moe):
+    """Every EX_ variable the plugin sources read has a row in README.md's environment table (the
+    list ab_moe checks configs against), with when it is read."""
+    import re
+    table = ab_moe.readme_variables()
+    sources = set()
+    for f in (ROOT / "factors").glob("*.cu*"):
+        sources |= set(re.findall(r'"(EX_[A-Z0-9_]+)"', f.read_text()))
+    assert sources, "no EX_ variable found in factors/"
+    assert sources <= set(table), sorted(sources - set(table))
+    assert table["EX_MOE_DECODE_CONFIG"] == "per call"
+    assert table["EX_MOE_SM90_GATHER_BY_TOKEN"] == "at load"
+
+
+def test_ab_moe_refuses_a_load_time_difference_on_one_folder(ab_moe):
+    """Two configs on one folder that differ in a variable read at load would share one loaded
+    copy: refused (EX_MOE_SM90_GATHER_BY_TOKEN was missing from a hand-kept list and passed);
+    a per-call variable is fine; a misspelt variable is named."""
+    table = ab_moe.readme_variables()
+    cfg = lambda c: ab_moe.parse_cfg(c)
+    p = ab_moe.variable_problems([cfg("a=factors"), cfg("b=factors:EX_MOE_SM90_GATHER_BY_TOKEN=0")], table)
+    assert len(p) == 1 and "EX_MOE_SM90_GATHER_BY_TOKEN" in p[0] and "copy the folder" in p[0]
+    assert ab_moe.variable_problems([cfg("a=factors"), cfg("b=factors:EX_MOE_DECODE_CONFIG=old")], table) == []
+    assert ab_moe.variable_problems([cfg("a=factors"), cfg("b=/tmp/x:EX_MOE_SM90_SWIZZLE=4")], table) == []
+    p = ab_moe.variable_problems([cfg("a=factors"), cfg("b=/tmp/x:EX_MOE_SM90_SWIZLE=4")], table)
+    assert len(p) == 1 and "EX_MOE_SM90_SWIZLE is not a variable" in p[0]
