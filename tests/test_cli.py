@@ -45,6 +45,21 @@ def test_unknown_profile_is_a_clear_error(capsys):
     assert "hardware profile 'tpu9': no such profile; expected one of ['a100', 'bi-v100', 'h200']" in err
 
 
+def test_empty_path_variables_are_unset(monkeypatch, capsys):
+    """EX_ENGINE_FACTORS= made the factor folder '.' and EX_ENGINE_MANIFESTS= the profiles
+    folder 'hardware': an empty value now counts as unset (the defaults, as README says)."""
+    from ex_engine import _paths
+    from ex_engine.hardware import Hardware
+    monkeypatch.setenv("EX_ENGINE_FACTORS", "")
+    monkeypatch.setenv("EX_ENGINE_MANIFESTS", "")
+    assert _paths.factors_dir() == _paths.ROOT / "factors"
+    assert _paths.manifests_dir() == _paths.ROOT / "manifests"
+    assert build_parser().parse_args(["list-factors"]).dir == str(_paths.ROOT / "factors")
+    assert Hardware.from_profile("h200").name == "NVIDIA H200"
+    assert main(["list-factors", "--hardware", "h200"]) == 0
+    assert "no plugins (*.so) in ." not in capsys.readouterr().out
+
+
 def test_run_moe_on_the_cpu_fallback(tmp_path, capsys):
     code = main(["run", "moe", "--model", "granite-3.0-3b-a800m", "--tokens", "1", "5", "--dir", str(tmp_path)])
     out = capsys.readouterr().out
