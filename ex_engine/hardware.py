@@ -7,6 +7,7 @@ present; otherwise the registry uses a profile and never calls a kernel.
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +20,32 @@ FIELDS = ("cc_major", "cc_minor", "multiprocessor_count", "warp_size", "max_thre
           "max_threads_per_multiprocessor", "regs_per_block", "regs_per_multiprocessor",
           "shared_mem_per_block", "shared_mem_per_block_optin", "shared_mem_per_multiprocessor",
           "l2_cache_bytes", "global_mem_bytes")
+
+_INT32_MAX, _INT64_MAX = 2 ** 31 - 1, 2 ** 63 - 1
+# {field: (least value, greatest value)}: the widths of ex_hardware_t's fields (int32_t for the
+# compute capability, counts and registers; int64_t for bytes); a count of 0 means nothing (a
+# warp of no threads, a GPU of no SMs), so those start at 1
+LIMITS = {f: (0 if f in ("cc_major", "cc_minor") else 1, _INT32_MAX) for f in FIELDS[:8]}
+LIMITS.update({f: (0, _INT64_MAX) for f in FIELDS[8:12]})
+LIMITS["global_mem_bytes"] = (1, _INT64_MAX)
+
+
+def check_fields(values: dict, where: str) -> None:
+    """Raise FactorError unless ``values`` holds a non-empty string ``name`` and, for each of
+    FIELDS, an integer (not a bool, not a float) that fits its ex_hardware_t field.
+
+    ``where`` starts the message, e.g. "hardware profile manifests/hardware/h200.yaml".
+    """
+    name = values.get("name")
+    if not isinstance(name, str) or not name.strip():
+        raise FactorError(f"{where}: name: expected a non-empty string (the device name), got {name!r}")
+    for f in FIELDS:
+        v = values.get(f)
+        lo, hi = LIMITS[f]
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral) or not lo <= v <= hi:
+            width = "int32_t" if hi == _INT32_MAX else "int64_t"
+            raise FactorError(f"{where}: {f}: expected an integer >= {lo}, at most {hi} ({width}), "
+                              f"got {v!r}")
 
 
 @dataclass(frozen=True)
@@ -46,6 +73,11 @@ class Hardware:
     live: bool = False
     device_id: int = -1
 
+    def __post_init__(self):
+        # a Hardware built by hand (or by Hardware(**d)) is held to a profile's rules: to_c
+        # could not fill ex_hardware_t with the rest, and a plugin would decline a warp of 0
+        check_fields(dataclasses.asdict(self), f"Hardware ({self.source})")
+
     @property
     def compute_capability(self) -> int:
         """10 * major + minor, e.g. 90 for Hopper."""
@@ -67,7 +99,9 @@ class Hardware:
     def from_profile(cls, name_or_path: str) -> "Hardware":
         """Load a profile by name ('h200', 'a100', 'bi-v100') or by path to a YAML file.
 
-        Raises FactorError naming the known profiles if it does not exist or lacks a field.
+        Raises FactorError naming the known profiles if it does not exist, and naming the field
+        if it lacks one or holds a value that is not an integer within its ex_hardware_t field's
+        range (see LIMITS).
         """
         path = Path(name_or_path)
         folder = _paths.manifests_dir() / "hardware"
@@ -88,7 +122,8 @@ class Hardware:
         missing = [f for f in ("name",) + FIELDS if f not in data]
         if missing:
             raise FactorError(f"hardware profile {path}: missing fields {missing}")
-        return cls(name=str(data["name"]), **{f: int(data[f]) for f in FIELDS},
+        check_fields(data, f"hardware profile {path}")
+        return cls(name=data["name"], **{f: int(data[f]) for f in FIELDS},
                    source=f"profile {path.stem}")
 
     @classmethod

@@ -45,6 +45,74 @@ def test_unknown_profile_is_a_clear_error(capsys):
     assert "hardware profile 'tpu9': no such profile; expected one of ['a100', 'bi-v100', 'h200']" in err
 
 
+PROFILES = Path(__file__).resolve().parents[1] / "manifests" / "hardware"
+
+
+def _profile_with(tmp_path, field, text, name="bad.yaml"):
+    """The h200 profile with ``field``'s line replaced by ``field: text`` (YAML as written)."""
+    lines = [f"{field}: {text}" if line.startswith(f"{field}:") else line
+             for line in (PROFILES / "h200.yaml").read_text().splitlines()]
+    path = tmp_path / name
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+@pytest.mark.parametrize("field, text, least, got", [
+    ("cc_major", '"nine"', 0, "'nine'"),                       # ValueError from int()
+    ("cc_minor", "null", 0, "None"),                           # TypeError from int()
+    ("global_mem_bytes", "99999999999999999999999", 1, "99999999999999999999999"),  # OverflowError in to_c
+    ("warp_size", "99999999999", 1, "99999999999"),            # does not fit 'int32_t'
+    ("global_mem_bytes", "1e400", 1, "'1e400'"),               # (a string to YAML 1.1)
+    ("global_mem_bytes", "1.0e+400", 1, "inf"),
+    ("cc_major", "9.5", 0, "9.5"),                             # was shown as 9
+    ("cc_major", "true", 0, "True"),                           # was shown as 1
+    ("multiprocessor_count", "-5", 1, "-5"),                   # was accepted
+    ("warp_size", "0", 1, "0"),                                # every plugin then declined the hardware
+    ("max_threads_per_block", "0", 1, "0"),
+    ("l2_cache_bytes", "-1", 0, "-1"),
+    ("name", "null", None, "None"),
+])
+def test_a_bad_profile_value_is_one_clear_error(tmp_path, capsys, field, text, least, got):
+    """A profile's value that is no integer, or does not fit its ex_hardware_t field, or is a
+    count of 0, was a raw traceback (int() and to_c) or silently coerced (9.5 -> 9, true -> 1,
+    warp_size 0 made every plugin 'decline this hardware'): now each command that takes a
+    profile says which file, which field, what was expected and what came."""
+    from ex_engine import FactorRegistry
+    from ex_engine.errors import FactorError
+    from ex_engine.hardware import Hardware
+    path = _profile_with(tmp_path, field, text)
+    want = f"hardware profile {path}: {field}: expected " + (
+        "a non-empty string" if least is None else f"an integer >= {least}, at most ")
+    with pytest.raises(FactorError) as e:
+        Hardware.from_profile(str(path))
+    assert str(e.value).startswith(want) and str(e.value).endswith(f"got {got}"), str(e.value)
+    with pytest.raises(FactorError, match=f"{field}: expected"):
+        FactorRegistry.load(tmp_path, hardware=str(path))
+    for argv in (["hardware", "--profile", str(path)], ["list-factors", "--dir", str(tmp_path), "--hardware", str(path)]):
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert err == f"ex-engine: error: {e.value}\n", err
+
+
+def test_profile_values_at_the_edges_of_their_fields(tmp_path):
+    """The largest values ex_hardware_t holds load and reach the C struct; one more does not."""
+    from ex_engine import abi
+    from ex_engine.errors import FactorError
+    from ex_engine.hardware import Hardware
+    hw = Hardware.from_profile(str(_profile_with(tmp_path, "warp_size", 2 ** 31 - 1)))
+    assert hw.to_c(abi.ffi).warp_size == 2 ** 31 - 1
+    hw = Hardware.from_profile(str(_profile_with(tmp_path, "global_mem_bytes", 2 ** 63 - 1)))
+    assert hw.to_c(abi.ffi).global_mem_bytes == 2 ** 63 - 1
+    assert Hardware.from_profile(str(_profile_with(tmp_path, "cc_minor", 0))).cc_minor == 0
+    with pytest.raises(FactorError, match=r"warp_size: expected an integer >= 1, at most 2147483647 \(int32_t\), got 2147483648"):
+        Hardware.from_profile(str(_profile_with(tmp_path, "warp_size", 2 ** 31)))
+    # a Hardware built by hand (or rebuilt with Hardware(**d)) keeps to the same rules
+    d = Hardware.from_profile("h200").as_dict()
+    assert Hardware(**d) == Hardware.from_profile("h200")
+    with pytest.raises(FactorError, match=r"Hardware \(profile h200\): warp_size: expected an integer >= 1"):
+        Hardware(**{**d, "warp_size": 0})
+
+
 def test_empty_path_variables_are_unset(monkeypatch, capsys):
     """EX_ENGINE_FACTORS= made the factor folder '.' and EX_ENGINE_MANIFESTS= the profiles
     folder 'hardware': an empty value now counts as unset (the defaults, as README says)."""
