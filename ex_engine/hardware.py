@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -96,27 +97,55 @@ class Hardware:
         return hw
 
     @classmethod
-    def from_profile(cls, name_or_path: str) -> "Hardware":
-        """Load a profile by name ('h200', 'a100', 'bi-v100') or by path to a YAML file.
+    def from_profile(cls, name_or_path) -> "Hardware":
+        """Load a profile by name ('h200', 'a100', 'bi-v100'; 'h200.yaml' too) or by path to a
+        YAML file (any suffix, or none).
 
-        Raises FactorError naming the known profiles if it does not exist, and naming the field
-        if it lacks one or holds a value that is not an integer within its ex_hardware_t field's
-        range (see LIMITS).
+        A bare name (no folder, no suffix) is a profile of manifests/hardware/ first; otherwise
+        an existing file is read as such, and a name ending .yaml/.yml with no folder that is
+        not a file here names a profile of manifests/hardware/ (case-insensitive). Raises
+        FactorError naming the known profiles and what was looked for if neither exists, and
+        naming the field if the file is empty, lacks a field, or holds a value that is not an
+        integer within its ex_hardware_t field's range (see LIMITS).
         """
-        path = Path(name_or_path)
-        folder = _paths.manifests_dir() / "hardware"
-        if not path.suffix:
-            path = folder / f"{name_or_path.lower()}.yaml"
-        if not path.exists():
+        if not isinstance(name_or_path, (str, os.PathLike)):
+            raise FactorError(f"hardware profile: expected a profile name or a path (str or "
+                              f"os.PathLike), got {type(name_or_path).__name__} {name_or_path!r}")
+        text = os.fspath(name_or_path)
+        if isinstance(text, bytes):   # an os.PathLike may give bytes
+            text = os.fsdecode(text)
+        if not text.strip():
+            raise FactorError(f"hardware profile: expected a profile name ({', '.join(list_profiles())}) "
+                              f"or a path to a YAML file, got {text!r}")
+        given = Path(text)
+        folder = profiles_dir()
+        shipped = None      # where a profile of this name would lie in manifests/hardware/
+        if len(given.parts) == 1 and given.suffix.lower() in ("", ".yaml", ".yml"):
+            stem = given.name[: len(given.name) - len(given.suffix)] or given.name
+            shipped = folder / f"{stem.lower()}.yaml"
+        if shipped is not None and not given.suffix and shipped.is_file():
+            path = shipped
+        elif given.exists():
+            path = given
+        elif shipped is not None and shipped.is_file():
+            path = shipped
+        else:
+            looked = f"the file {given}" + (f" and {shipped}" if shipped is not None else "")
             where = "" if folder.is_dir() else (
-                f" (the profiles folder {folder} does not exist: "
-                f"{_paths.not_a_checkout() or 'check EX_ENGINE_MANIFESTS'})")
-            raise FactorError(f"hardware profile '{name_or_path}': no such profile; "
-                              f"expected one of {list_profiles()} or a path to a YAML file{where}")
+                f"; the profiles folder {folder} does not exist: "
+                f"{_paths.not_a_checkout() or 'check EX_ENGINE_MANIFESTS'}")
+            raise FactorError(f"hardware profile '{text}': no such profile; expected one of "
+                              f"{list_profiles()} or a path to a YAML file (looked for {looked}"
+                              f"{where})")
+        if path.is_dir():
+            raise FactorError(f"hardware profile {path}: a directory; expected a YAML file")
         try:
-            data = yaml.safe_load(path.read_text()) or {}
+            data = yaml.safe_load(path.read_text())
         except (OSError, ValueError, yaml.YAMLError) as exc:
             raise FactorError(f"hardware profile {path}: malformed ({type(exc).__name__}: {exc})") from None
+        if data is None:
+            raise FactorError(f"hardware profile {path}: empty profile; expected a mapping of name "
+                              f"and the {len(FIELDS)} fields of ex_hardware_t ({FIELDS[0]} .. {FIELDS[-1]})")
         if not isinstance(data, dict):
             raise FactorError(f"hardware profile {path}: expected a mapping of fields, got {type(data).__name__}")
         missing = [f for f in ("name",) + FIELDS if f not in data]
@@ -160,15 +189,24 @@ class Hardware:
             return None
 
 
+def profiles_dir() -> Path:
+    """The folder of hardware profiles: <manifests>/hardware (see EX_ENGINE_MANIFESTS)."""
+    return _paths.manifests_dir() / "hardware"
+
+
 def list_profiles() -> list[str]:
     """Names of the profiles in manifests/hardware/."""
-    return sorted(p.stem for p in (_paths.manifests_dir() / "hardware").glob("*.yaml"))
+    return sorted(p.stem for p in profiles_dir().glob("*.yaml"))
 
 
 def resolve(hardware) -> Hardware | None:
-    """Hardware from a Hardware, a profile name/path, 'auto' or None (the live device, if any)."""
+    """Hardware from a Hardware, a profile name or path (str or os.PathLike), 'auto' or None
+    (the live device, if any). Raises FactorError for any other type."""
     if isinstance(hardware, Hardware):
         return hardware
-    if hardware in (None, "auto", "device"):
+    if hardware is None or (isinstance(hardware, str) and hardware in ("auto", "device")):
         return Hardware.detect()
-    return Hardware.from_profile(str(hardware))
+    if not isinstance(hardware, (str, os.PathLike)):
+        raise FactorError(f"hardware: expected a Hardware, a profile name or path (str or "
+                          f"os.PathLike), 'auto' or None, got {type(hardware).__name__} {hardware!r}")
+    return Hardware.from_profile(hardware)

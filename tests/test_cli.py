@@ -113,6 +113,57 @@ def test_profile_values_at_the_edges_of_their_fields(tmp_path):
         Hardware(**{**d, "warp_size": 0})
 
 
+def test_a_profile_is_found_by_name_with_its_suffix_or_by_any_existing_file(tmp_path, monkeypatch, capsys):
+    """'a100.yaml', a file with no suffix and /dev/null all said 'no such profile' although the
+    file exists: an existing file is read, a name with .yaml/.yml is the shipped profile, and
+    a miss says what was looked for."""
+    from ex_engine.errors import FactorError
+    from ex_engine.hardware import Hardware
+    a100 = Hardware.from_profile("a100")
+    for name in ("a100.yaml", "A100.YML", "a100.yml"):
+        assert Hardware.from_profile(name) == a100, name
+    assert main(["hardware", "--profile", "a100.yaml", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["name"] == a100.name
+    no_suffix = tmp_path / "myprof"
+    no_suffix.write_text((PROFILES / "bi-v100.yaml").read_text())
+    assert Hardware.from_profile(str(no_suffix)).name == "Iluvatar BI-V100"
+    assert Hardware.from_profile(no_suffix).name == "Iluvatar BI-V100"     # a Path too
+    monkeypatch.chdir(tmp_path)
+    assert Hardware.from_profile("myprof").name == "Iluvatar BI-V100"      # a bare file name
+    (tmp_path / "h200").write_text("not a profile")   # a bare name is the shipped profile first
+    assert Hardware.from_profile("h200").name == "NVIDIA H200"
+    if Path("/dev/null").exists():
+        with pytest.raises(FactorError, match="hardware profile /dev/null: empty profile; expected a mapping"):
+            Hardware.from_profile("/dev/null")
+    (tmp_path / "empty.yaml").write_text("# nothing here\n")
+    with pytest.raises(FactorError, match="empty.yaml: empty profile"):
+        Hardware.from_profile("empty.yaml")
+    with pytest.raises(FactorError, match=f"hardware profile {tmp_path}: a directory; expected a YAML file"):
+        Hardware.from_profile(str(tmp_path))
+    with pytest.raises(FactorError, match=r"'tpu9.yml': no such profile; .*\(looked for the file tpu9.yml "
+                                          r"and .*hardware/tpu9.yaml\)"):
+        Hardware.from_profile("tpu9.yml")
+    assert main(["hardware", "--profile", str(tmp_path / "nope.yaml")]) == 2
+    assert f"(looked for the file {tmp_path / 'nope.yaml'})" in capsys.readouterr().err
+
+
+def test_hardware_of_another_type_names_the_types_expected():
+    """from_profile(5) was a raw TypeError; load(hardware=123 or a dict) said "no such profile '123'"."""
+    from ex_engine import FactorRegistry
+    from ex_engine.errors import FactorError
+    from ex_engine.hardware import Hardware, resolve
+    with pytest.raises(FactorError, match=r"hardware profile: expected a profile name or a path \(str or "
+                                          r"os.PathLike\), got int 5"):
+        Hardware.from_profile(5)
+    for bad, shown in ((123, "int 123"), ({"cc_major": 9}, "dict {'cc_major': 9}"), (9.0, "float 9.0")):
+        with pytest.raises(FactorError, match=r"hardware: expected a Hardware, a profile name or path "
+                                              rf"\(str or os.PathLike\), 'auto' or None, got {shown}"):
+            FactorRegistry.load(hardware=bad)
+    with pytest.raises(FactorError, match="hardware profile: expected a profile name .* got ''"):
+        resolve("")
+    assert resolve(PROFILES / "a100.yaml").name == Hardware.from_profile("a100").name
+
+
 def test_empty_path_variables_are_unset(monkeypatch, capsys):
     """EX_ENGINE_FACTORS= made the factor folder '.' and EX_ENGINE_MANIFESTS= the profiles
     folder 'hardware': an empty value now counts as unset (the defaults, as README says)."""
