@@ -131,12 +131,10 @@ class Hardware:
             path = shipped
         else:
             looked = f"the file {given}" + (f" and {shipped}" if shipped is not None else "")
-            where = "" if folder.is_dir() else (
-                f"; the profiles folder {folder} does not exist: "
-                f"{_paths.not_a_checkout() or 'check EX_ENGINE_MANIFESTS'}")
+            problem = profiles_problem()
             raise FactorError(f"hardware profile '{text}': no such profile; expected one of "
                               f"{list_profiles()} or a path to a YAML file (looked for {looked}"
-                              f"{where})")
+                              + (f"; {problem}" if problem else "") + ")")
         if path.is_dir():
             raise FactorError(f"hardware profile {path}: a directory; expected a YAML file")
         try:
@@ -197,6 +195,21 @@ def profiles_dir() -> Path:
 def list_profiles() -> list[str]:
     """Names of the profiles in manifests/hardware/."""
     return sorted(p.stem for p in profiles_dir().glob("*.yaml"))
+
+
+def profiles_problem() -> str:
+    """Why there are no profiles, naming the folder ('' when there are some)."""
+    folder = profiles_dir()
+    if list_profiles():
+        return ""
+    hint = _paths.not_a_checkout()
+    if hint:
+        return hint
+    env = os.environ.get("EX_ENGINE_MANIFESTS")
+    via = f" (EX_ENGINE_MANIFESTS={env})" if env else ""
+    if not folder.is_dir():
+        return f"the profiles folder {folder} does not exist{via}"
+    return f"the profiles folder {folder} has no *.yaml{via}"
 
 
 def resolve(hardware) -> Hardware | None:

@@ -179,6 +179,34 @@ def test_empty_path_variables_are_unset(monkeypatch, capsys):
     assert "no plugins (*.so) in ." not in capsys.readouterr().out
 
 
+def test_a_missing_manifests_folder_is_named(tmp_path, monkeypatch, capsys):
+    """With EX_ENGINE_MANIFESTS=/nonexist, --help listed 'hardware profile ()' and `hardware`
+    said 'the manifests folder has no hardware/*.yaml' without naming it."""
+    from ex_engine.errors import FactorError
+    from ex_engine.hardware import Hardware
+    gone = tmp_path / "nonexist"
+    monkeypatch.setenv("EX_ENGINE_MANIFESTS", str(gone))
+    why = f"the profiles folder {gone / 'hardware'} does not exist (EX_ENGINE_MANIFESTS={gone})"
+    with pytest.raises(SystemExit):
+        main(["list-factors", "--help"])
+    assert "profile ()" not in " ".join(capsys.readouterr().out.split())
+    commands = build_parser()._subparsers._group_actions[0].choices
+    for command, dest in (("list-factors", "hardware"), ("hardware", "profile")):
+        action = next(a for a in commands[command]._actions if a.dest == dest)
+        assert f"(none: {why})" in action.help, action.help   # (argparse wraps it at '-')
+    with pytest.raises(FactorError, match="no such profile.*" + why.replace("(", r"\(").replace(")", r"\)")):
+        Hardware.from_profile("h200")
+    assert main(["hardware"]) == 0
+    out = capsys.readouterr().out
+    if "no GPU visible" in out:       # with a GPU it describes the GPU instead
+        assert f"no hardware profiles: {why}" in out
+    (gone / "hardware").mkdir(parents=True)
+    assert main(["hardware"]) == 0
+    out = capsys.readouterr().out
+    if "no GPU visible" in out:
+        assert f"the profiles folder {gone / 'hardware'} has no *.yaml" in out
+
+
 def test_run_moe_on_the_cpu_fallback(tmp_path, capsys):
     code = main(["run", "moe", "--model", "granite-3.0-3b-a800m", "--tokens", "1", "5", "--dir", str(tmp_path)])
     out = capsys.readouterr().out
