@@ -14,7 +14,7 @@ import threading
 
 from . import _paths
 from .errors import FactorError
-from .hardware import Hardware, list_profiles, resolve
+from .hardware import Hardware, list_profiles, profiles_problem, resolve
 from .trust import CHILD_TIMEOUT_S
 
 
@@ -119,8 +119,7 @@ def cmd_hardware(args) -> int:
             print("no GPU visible to CuPy; profiles available: " + ", ".join(profiles), file=note)
             print(f"show one with: ex-engine hardware --profile {profiles[0]}", file=note)
         else:
-            print("no GPU visible to CuPy and no hardware profiles: "
-                  f"{_paths.not_a_checkout() or 'the manifests folder has no hardware/*.yaml'}", file=note)
+            print(f"no GPU visible to CuPy and no hardware profiles: {profiles_problem()}", file=note)
         if args.json:
             print(json.dumps(None))
         return 0
@@ -260,7 +259,14 @@ def cmd_build(args) -> int:
         return 2
 
 
+def _profiles_help() -> str:
+    """The profile names for --help, or why there are none (escaped for argparse's %)."""
+    text = ", ".join(list_profiles()) or f"none: {profiles_problem()}"
+    return text.replace("%", "%%")
+
+
 def build_parser() -> argparse.ArgumentParser:
+    profiles = _profiles_help()
     ap = argparse.ArgumentParser(prog="ex-engine", description="Load, check and run ex_engine factor plugins.")
     sub = ap.add_subparsers(dest="command", metavar="COMMAND")
 
@@ -268,7 +274,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--dir", default=str(_paths.factors_dir()),
                        help="folder of plugin libraries (default: %(default)s)")
         p.add_argument("--hardware", default=None, metavar="PROFILE",
-                       help=f"check against a hardware profile ({', '.join(list_profiles())}) "
+                       help=f"check against a hardware profile ({profiles}) "
                             "instead of the live GPU")
         p.add_argument("--lock", default=None, metavar="FILE",
                        help="refuse libraries whose SHA-256 differs from this lock file (ex-engine lock)")
@@ -289,7 +295,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("hardware", help="what the runtime sees: the live GPU or a profile",
                        description="Print the ex_hardware_t the runtime fills from the live GPU or a profile.")
-    p.add_argument("--profile", default=None, help=f"a profile name ({', '.join(list_profiles())}) or YAML path")
+    p.add_argument("--profile", default=None, help=f"a profile name ({profiles}) or YAML path")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(fn=cmd_hardware)
 

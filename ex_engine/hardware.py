@@ -7,6 +7,8 @@ present; otherwise the registry uses a profile and never calls a kernel.
 from __future__ import annotations
 
 import dataclasses
+import numbers
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +21,32 @@ FIELDS = ("cc_major", "cc_minor", "multiprocessor_count", "warp_size", "max_thre
           "max_threads_per_multiprocessor", "regs_per_block", "regs_per_multiprocessor",
           "shared_mem_per_block", "shared_mem_per_block_optin", "shared_mem_per_multiprocessor",
           "l2_cache_bytes", "global_mem_bytes")
+
+_INT32_MAX, _INT64_MAX = 2 ** 31 - 1, 2 ** 63 - 1
+# {field: (least value, greatest value)}: the widths of ex_hardware_t's fields (int32_t for the
+# compute capability, counts and registers; int64_t for bytes); a count of 0 means nothing (a
+# warp of no threads, a GPU of no SMs), so those start at 1
+LIMITS = {f: (0 if f in ("cc_major", "cc_minor") else 1, _INT32_MAX) for f in FIELDS[:8]}
+LIMITS.update({f: (0, _INT64_MAX) for f in FIELDS[8:12]})
+LIMITS["global_mem_bytes"] = (1, _INT64_MAX)
+
+
+def check_fields(values: dict, where: str) -> None:
+    """Raise FactorError unless ``values`` holds a non-empty string ``name`` and, for each of
+    FIELDS, an integer (not a bool, not a float) that fits its ex_hardware_t field.
+
+    ``where`` starts the message, e.g. "hardware profile manifests/hardware/h200.yaml".
+    """
+    name = values.get("name")
+    if not isinstance(name, str) or not name.strip():
+        raise FactorError(f"{where}: name: expected a non-empty string (the device name), got {name!r}")
+    for f in FIELDS:
+        v = values.get(f)
+        lo, hi = LIMITS[f]
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral) or not lo <= v <= hi:
+            width = "int32_t" if hi == _INT32_MAX else "int64_t"
+            raise FactorError(f"{where}: {f}: expected an integer >= {lo}, at most {hi} ({width}), "
+                              f"got {v!r}")
 
 
 @dataclass(frozen=True)
@@ -46,6 +74,11 @@ class Hardware:
     live: bool = False
     device_id: int = -1
 
+    def __post_init__(self):
+        # a Hardware built by hand (or by Hardware(**d)) is held to a profile's rules: to_c
+        # could not fill ex_hardware_t with the rest, and a plugin would decline a warp of 0
+        check_fields(dataclasses.asdict(self), f"Hardware ({self.source})")
+
     @property
     def compute_capability(self) -> int:
         """10 * major + minor, e.g. 90 for Hopper."""
@@ -64,31 +97,60 @@ class Hardware:
         return hw
 
     @classmethod
-    def from_profile(cls, name_or_path: str) -> "Hardware":
-        """Load a profile by name ('h200', 'a100', 'bi-v100') or by path to a YAML file.
+    def from_profile(cls, name_or_path) -> "Hardware":
+        """Load a profile by name ('h200', 'a100', 'bi-v100'; 'h200.yaml' too) or by path to a
+        YAML file (any suffix, or none).
 
-        Raises FactorError naming the known profiles if it does not exist or lacks a field.
+        A bare name (no folder, no suffix) is a profile of manifests/hardware/ first; otherwise
+        an existing file is read as such, and a name ending .yaml/.yml with no folder that is
+        not a file here names a profile of manifests/hardware/ (case-insensitive). Raises
+        FactorError naming the known profiles and what was looked for if neither exists, and
+        naming the field if the file is empty, lacks a field, or holds a value that is not an
+        integer within its ex_hardware_t field's range (see LIMITS).
         """
-        path = Path(name_or_path)
-        folder = _paths.manifests_dir() / "hardware"
-        if not path.suffix:
-            path = folder / f"{name_or_path.lower()}.yaml"
-        if not path.exists():
-            where = "" if folder.is_dir() else (
-                f" (the profiles folder {folder} does not exist: "
-                f"{_paths.not_a_checkout() or 'check EX_ENGINE_MANIFESTS'})")
-            raise FactorError(f"hardware profile '{name_or_path}': no such profile; "
-                              f"expected one of {list_profiles()} or a path to a YAML file{where}")
+        if not isinstance(name_or_path, (str, os.PathLike)):
+            raise FactorError(f"hardware profile: expected a profile name or a path (str or "
+                              f"os.PathLike), got {type(name_or_path).__name__} {name_or_path!r}")
+        text = os.fspath(name_or_path)
+        if isinstance(text, bytes):   # an os.PathLike may give bytes
+            text = os.fsdecode(text)
+        if not text.strip():
+            raise FactorError(f"hardware profile: expected a profile name ({', '.join(list_profiles())}) "
+                              f"or a path to a YAML file, got {text!r}")
+        given = Path(text)
+        folder = profiles_dir()
+        shipped = None      # where a profile of this name would lie in manifests/hardware/
+        if len(given.parts) == 1 and given.suffix.lower() in ("", ".yaml", ".yml"):
+            stem = given.name[: len(given.name) - len(given.suffix)] or given.name
+            shipped = folder / f"{stem.lower()}.yaml"
+        if shipped is not None and not given.suffix and shipped.is_file():
+            path = shipped
+        elif given.exists():
+            path = given
+        elif shipped is not None and shipped.is_file():
+            path = shipped
+        else:
+            looked = f"the file {given}" + (f" and {shipped}" if shipped is not None else "")
+            problem = profiles_problem()
+            raise FactorError(f"hardware profile '{text}': no such profile; expected one of "
+                              f"{list_profiles()} or a path to a YAML file (looked for {looked}"
+                              + (f"; {problem}" if problem else "") + ")")
+        if path.is_dir():
+            raise FactorError(f"hardware profile {path}: a directory; expected a YAML file")
         try:
-            data = yaml.safe_load(path.read_text()) or {}
+            data = yaml.safe_load(path.read_text())
         except (OSError, ValueError, yaml.YAMLError) as exc:
             raise FactorError(f"hardware profile {path}: malformed ({type(exc).__name__}: {exc})") from None
+        if data is None:
+            raise FactorError(f"hardware profile {path}: empty profile; expected a mapping of name "
+                              f"and the {len(FIELDS)} fields of ex_hardware_t ({FIELDS[0]} .. {FIELDS[-1]})")
         if not isinstance(data, dict):
             raise FactorError(f"hardware profile {path}: expected a mapping of fields, got {type(data).__name__}")
         missing = [f for f in ("name",) + FIELDS if f not in data]
         if missing:
             raise FactorError(f"hardware profile {path}: missing fields {missing}")
-        return cls(name=str(data["name"]), **{f: int(data[f]) for f in FIELDS},
+        check_fields(data, f"hardware profile {path}")
+        return cls(name=data["name"], **{f: int(data[f]) for f in FIELDS},
                    source=f"profile {path.stem}")
 
     @classmethod
@@ -125,15 +187,39 @@ class Hardware:
             return None
 
 
+def profiles_dir() -> Path:
+    """The folder of hardware profiles: <manifests>/hardware (see EX_ENGINE_MANIFESTS)."""
+    return _paths.manifests_dir() / "hardware"
+
+
 def list_profiles() -> list[str]:
     """Names of the profiles in manifests/hardware/."""
-    return sorted(p.stem for p in (_paths.manifests_dir() / "hardware").glob("*.yaml"))
+    return sorted(p.stem for p in profiles_dir().glob("*.yaml"))
+
+
+def profiles_problem() -> str:
+    """Why there are no profiles, naming the folder ('' when there are some)."""
+    folder = profiles_dir()
+    if list_profiles():
+        return ""
+    hint = _paths.not_a_checkout()
+    if hint:
+        return hint
+    env = os.environ.get("EX_ENGINE_MANIFESTS")
+    via = f" (EX_ENGINE_MANIFESTS={env})" if env else ""
+    if not folder.is_dir():
+        return f"the profiles folder {folder} does not exist{via}"
+    return f"the profiles folder {folder} has no *.yaml{via}"
 
 
 def resolve(hardware) -> Hardware | None:
-    """Hardware from a Hardware, a profile name/path, 'auto' or None (the live device, if any)."""
+    """Hardware from a Hardware, a profile name or path (str or os.PathLike), 'auto' or None
+    (the live device, if any). Raises FactorError for any other type."""
     if isinstance(hardware, Hardware):
         return hardware
-    if hardware in (None, "auto", "device"):
+    if hardware is None or (isinstance(hardware, str) and hardware in ("auto", "device")):
         return Hardware.detect()
-    return Hardware.from_profile(str(hardware))
+    if not isinstance(hardware, (str, os.PathLike)):
+        raise FactorError(f"hardware: expected a Hardware, a profile name or path (str or "
+                          f"os.PathLike), 'auto' or None, got {type(hardware).__name__} {hardware!r}")
+    return Hardware.from_profile(hardware)

@@ -45,6 +45,168 @@ def test_unknown_profile_is_a_clear_error(capsys):
     assert "hardware profile 'tpu9': no such profile; expected one of ['a100', 'bi-v100', 'h200']" in err
 
 
+PROFILES = Path(__file__).resolve().parents[1] / "manifests" / "hardware"
+
+
+def _profile_with(tmp_path, field, text, name="bad.yaml"):
+    """The h200 profile with ``field``'s line replaced by ``field: text`` (YAML as written)."""
+    lines = [f"{field}: {text}" if line.startswith(f"{field}:") else line
+             for line in (PROFILES / "h200.yaml").read_text().splitlines()]
+    path = tmp_path / name
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+@pytest.mark.parametrize("field, text, least, got", [
+    ("cc_major", '"nine"', 0, "'nine'"),                       # ValueError from int()
+    ("cc_minor", "null", 0, "None"),                           # TypeError from int()
+    ("global_mem_bytes", "99999999999999999999999", 1, "99999999999999999999999"),  # OverflowError in to_c
+    ("warp_size", "99999999999", 1, "99999999999"),            # does not fit 'int32_t'
+    ("global_mem_bytes", "1e400", 1, "'1e400'"),               # (a string to YAML 1.1)
+    ("global_mem_bytes", "1.0e+400", 1, "inf"),
+    ("cc_major", "9.5", 0, "9.5"),                             # was shown as 9
+    ("cc_major", "true", 0, "True"),                           # was shown as 1
+    ("multiprocessor_count", "-5", 1, "-5"),                   # was accepted
+    ("warp_size", "0", 1, "0"),                                # every plugin then declined the hardware
+    ("max_threads_per_block", "0", 1, "0"),
+    ("l2_cache_bytes", "-1", 0, "-1"),
+    ("name", "null", None, "None"),
+])
+def test_a_bad_profile_value_is_one_clear_error(tmp_path, capsys, field, text, least, got):
+    """A profile's value that is no integer, or does not fit its ex_hardware_t field, or is a
+    count of 0, was a raw traceback (int() and to_c) or silently coerced (9.5 -> 9, true -> 1,
+    warp_size 0 made every plugin 'decline this hardware'): now each command that takes a
+    profile says which file, which field, what was expected and what came."""
+    from ex_engine import FactorRegistry
+    from ex_engine.errors import FactorError
+    from ex_engine.hardware import Hardware
+    path = _profile_with(tmp_path, field, text)
+    want = f"hardware profile {path}: {field}: expected " + (
+        "a non-empty string" if least is None else f"an integer >= {least}, at most ")
+    with pytest.raises(FactorError) as e:
+        Hardware.from_profile(str(path))
+    assert str(e.value).startswith(want) and str(e.value).endswith(f"got {got}"), str(e.value)
+    with pytest.raises(FactorError, match=f"{field}: expected"):
+        FactorRegistry.load(tmp_path, hardware=str(path))
+    for argv in (["hardware", "--profile", str(path)], ["list-factors", "--dir", str(tmp_path), "--hardware", str(path)]):
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert err == f"ex-engine: error: {e.value}\n", err
+
+
+def test_profile_values_at_the_edges_of_their_fields(tmp_path):
+    """The largest values ex_hardware_t holds load and reach the C struct; one more does not."""
+    from ex_engine import abi
+    from ex_engine.errors import FactorError
+    from ex_engine.hardware import Hardware
+    hw = Hardware.from_profile(str(_profile_with(tmp_path, "warp_size", 2 ** 31 - 1)))
+    assert hw.to_c(abi.ffi).warp_size == 2 ** 31 - 1
+    hw = Hardware.from_profile(str(_profile_with(tmp_path, "global_mem_bytes", 2 ** 63 - 1)))
+    assert hw.to_c(abi.ffi).global_mem_bytes == 2 ** 63 - 1
+    assert Hardware.from_profile(str(_profile_with(tmp_path, "cc_minor", 0))).cc_minor == 0
+    with pytest.raises(FactorError, match=r"warp_size: expected an integer >= 1, at most 2147483647 \(int32_t\), got 2147483648"):
+        Hardware.from_profile(str(_profile_with(tmp_path, "warp_size", 2 ** 31)))
+    # a Hardware built by hand (or rebuilt with Hardware(**d)) keeps to the same rules
+    d = Hardware.from_profile("h200").as_dict()
+    assert Hardware(**d) == Hardware.from_profile("h200")
+    with pytest.raises(FactorError, match=r"Hardware \(profile h200\): warp_size: expected an integer >= 1"):
+        Hardware(**{**d, "warp_size": 0})
+
+
+def test_a_profile_is_found_by_name_with_its_suffix_or_by_any_existing_file(tmp_path, monkeypatch, capsys):
+    """'a100.yaml', a file with no suffix and /dev/null all said 'no such profile' although the
+    file exists: an existing file is read, a name with .yaml/.yml is the shipped profile, and
+    a miss says what was looked for."""
+    from ex_engine.errors import FactorError
+    from ex_engine.hardware import Hardware
+    a100 = Hardware.from_profile("a100")
+    for name in ("a100.yaml", "A100.YML", "a100.yml"):
+        assert Hardware.from_profile(name) == a100, name
+    assert main(["hardware", "--profile", "a100.yaml", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["name"] == a100.name
+    no_suffix = tmp_path / "myprof"
+    no_suffix.write_text((PROFILES / "bi-v100.yaml").read_text())
+    assert Hardware.from_profile(str(no_suffix)).name == "Iluvatar BI-V100"
+    assert Hardware.from_profile(no_suffix).name == "Iluvatar BI-V100"     # a Path too
+    monkeypatch.chdir(tmp_path)
+    assert Hardware.from_profile("myprof").name == "Iluvatar BI-V100"      # a bare file name
+    (tmp_path / "h200").write_text("not a profile")   # a bare name is the shipped profile first
+    assert Hardware.from_profile("h200").name == "NVIDIA H200"
+    if Path("/dev/null").exists():
+        with pytest.raises(FactorError, match="hardware profile /dev/null: empty profile; expected a mapping"):
+            Hardware.from_profile("/dev/null")
+    (tmp_path / "empty.yaml").write_text("# nothing here\n")
+    with pytest.raises(FactorError, match="empty.yaml: empty profile"):
+        Hardware.from_profile("empty.yaml")
+    with pytest.raises(FactorError, match=f"hardware profile {tmp_path}: a directory; expected a YAML file"):
+        Hardware.from_profile(str(tmp_path))
+    with pytest.raises(FactorError, match=r"'tpu9.yml': no such profile; .*\(looked for the file tpu9.yml "
+                                          r"and .*hardware/tpu9.yaml\)"):
+        Hardware.from_profile("tpu9.yml")
+    assert main(["hardware", "--profile", str(tmp_path / "nope.yaml")]) == 2
+    assert f"(looked for the file {tmp_path / 'nope.yaml'})" in capsys.readouterr().err
+
+
+def test_hardware_of_another_type_names_the_types_expected():
+    """from_profile(5) was a raw TypeError; load(hardware=123 or a dict) said "no such profile '123'"."""
+    from ex_engine import FactorRegistry
+    from ex_engine.errors import FactorError
+    from ex_engine.hardware import Hardware, resolve
+    with pytest.raises(FactorError, match=r"hardware profile: expected a profile name or a path \(str or "
+                                          r"os.PathLike\), got int 5"):
+        Hardware.from_profile(5)
+    for bad, shown in ((123, "int 123"), ({"cc_major": 9}, "dict {'cc_major': 9}"), (9.0, "float 9.0")):
+        with pytest.raises(FactorError, match=r"hardware: expected a Hardware, a profile name or path "
+                                              rf"\(str or os.PathLike\), 'auto' or None, got {shown}"):
+            FactorRegistry.load(hardware=bad)
+    with pytest.raises(FactorError, match="hardware profile: expected a profile name .* got ''"):
+        resolve("")
+    assert resolve(PROFILES / "a100.yaml").name == Hardware.from_profile("a100").name
+
+
+def test_empty_path_variables_are_unset(monkeypatch, capsys):
+    """EX_ENGINE_FACTORS= made the factor folder '.' and EX_ENGINE_MANIFESTS= the profiles
+    folder 'hardware': an empty value now counts as unset (the defaults, as README says)."""
+    from ex_engine import _paths
+    from ex_engine.hardware import Hardware
+    monkeypatch.setenv("EX_ENGINE_FACTORS", "")
+    monkeypatch.setenv("EX_ENGINE_MANIFESTS", "")
+    assert _paths.factors_dir() == _paths.ROOT / "factors"
+    assert _paths.manifests_dir() == _paths.ROOT / "manifests"
+    assert build_parser().parse_args(["list-factors"]).dir == str(_paths.ROOT / "factors")
+    assert Hardware.from_profile("h200").name == "NVIDIA H200"
+    assert main(["list-factors", "--hardware", "h200"]) == 0
+    assert "no plugins (*.so) in ." not in capsys.readouterr().out
+
+
+def test_a_missing_manifests_folder_is_named(tmp_path, monkeypatch, capsys):
+    """With EX_ENGINE_MANIFESTS=/nonexist, --help listed 'hardware profile ()' and `hardware`
+    said 'the manifests folder has no hardware/*.yaml' without naming it."""
+    from ex_engine.errors import FactorError
+    from ex_engine.hardware import Hardware
+    gone = tmp_path / "nonexist"
+    monkeypatch.setenv("EX_ENGINE_MANIFESTS", str(gone))
+    why = f"the profiles folder {gone / 'hardware'} does not exist (EX_ENGINE_MANIFESTS={gone})"
+    with pytest.raises(SystemExit):
+        main(["list-factors", "--help"])
+    assert "profile ()" not in " ".join(capsys.readouterr().out.split())
+    commands = build_parser()._subparsers._group_actions[0].choices
+    for command, dest in (("list-factors", "hardware"), ("hardware", "profile")):
+        action = next(a for a in commands[command]._actions if a.dest == dest)
+        assert f"(none: {why})" in action.help, action.help   # (argparse wraps it at '-')
+    with pytest.raises(FactorError, match="no such profile.*" + why.replace("(", r"\(").replace(")", r"\)")):
+        Hardware.from_profile("h200")
+    assert main(["hardware"]) == 0
+    out = capsys.readouterr().out
+    if "no GPU visible" in out:       # with a GPU it describes the GPU instead
+        assert f"no hardware profiles: {why}" in out
+    (gone / "hardware").mkdir(parents=True)
+    assert main(["hardware"]) == 0
+    out = capsys.readouterr().out
+    if "no GPU visible" in out:
+        assert f"the profiles folder {gone / 'hardware'} has no *.yaml" in out
+
+
 def test_run_moe_on_the_cpu_fallback(tmp_path, capsys):
     code = main(["run", "moe", "--model", "granite-3.0-3b-a800m", "--tokens", "1", "5", "--dir", str(tmp_path)])
     out = capsys.readouterr().out
