@@ -191,3 +191,69 @@ def test_small_argument_faults_from_a_fresh_users_review(tmp_path, capsys):
         main(["verify"])
         out = capsys.readouterr().out
         assert "skipping moe_fused_gemm" in out and "verifying moe_fused_gemm" not in out
+
+
+def _models_file(tmp_path, monkeypatch, text):
+    """A copy of manifests/ whose moe_models.yaml is ``text``, in use through EX_ENGINE_MANIFESTS."""
+    import shutil
+    mdir = tmp_path / "manifests"
+    shutil.copytree(Path(__file__).resolve().parents[1] / "manifests", mdir)
+    (mdir / "moe_models.yaml").write_text(text)
+    monkeypatch.setenv("EX_ENGINE_MANIFESTS", str(mdir))
+    return mdir / "moe_models.yaml"
+
+
+@pytest.mark.parametrize("entry,message", [
+    ("{H: -8, I: 768, E: 128, K: 8, renormalize: true}", "H: expected an integer >= 1, got -8"),
+    ("{H: 2048.7, I: 768, E: 128, K: 8, renormalize: true}", "H: expected an integer >= 1, got 2048.7"),
+    ("{H: 2048, I: 0, E: 128, K: 8}", "I: expected an integer >= 1, got 0"),
+    ("{H: 2048, I: 768, E: true, K: 1}", "E: expected an integer >= 1, got True"),
+    ("{H: 2048, I: 768, E: 128}", "K: missing; expected an integer >= 1"),
+    ("{H: 2048, I: 768, E: 4, K: 8}", "K: expected at most E = 4"),
+    ('{H: 2048, I: 768, E: 128, K: 8, renormalize: "no"}', "renormalize: expected true or false, got 'no'"),
+    ("{H: 2048, I: 768, E: 128, K: 8, renormalise: true}", "unknown field(s) ['renormalise']"),
+    ("[2048, 768, 128, 8]", "expected a mapping {H, I, E, K, renormalize}"),
+])
+def test_run_moe_refuses_a_bad_model_entry_naming_file_model_and_field(tmp_path, monkeypatch, capsys,
+                                                                       entry, message):
+    """moe_models.yaml was read with int() and bool(): H: -8 was NumPy's traceback, H: 2048.7
+    ran as 2048 and renormalize: "no" as true, both a PASS."""
+    path = _models_file(tmp_path, monkeypatch, f"models:\n  qwen3-30b-a3b: {entry}\n")
+    assert main(["run", "moe", "--tokens", "2"]) == 2
+    captured = capsys.readouterr()
+    err = captured.err.strip()
+    assert err.startswith(f"ex-engine: error: model list {path}: model 'qwen3-30b-a3b': ") and message in err, err
+    assert "\n" not in err and "Traceback" not in err and "PASS" not in captured.out
+
+
+@pytest.mark.parametrize("text,message", [
+    ("models: {}\n", "models: expected at least one model"),
+    ("models:\n", "models: expected at least one model"),
+    ("", "expected a mapping with a 'models' key, got an empty file"),
+    ("token_counts: [1, 8]\n", "models: missing"),
+    ("models:\n  m: {H: 8, I: 8, E: 2, K: 1}\ntoken_counts: [0, 8]\n",
+     "token_counts: expected a non-empty list of integers >= 1, got [0, 8]"),
+    ("models:\n  m: {H: 8, I: 8, E: 2, K: 1}\nmodel: {}\n", "unknown key(s) ['model']"),
+])
+def test_run_moe_all_refuses_an_empty_or_malformed_model_list(tmp_path, monkeypatch, capsys, text, message):
+    """`models: {}` with --model all printed only 'stats: {}' and exit status 0: nothing ran."""
+    path = _models_file(tmp_path, monkeypatch, text)
+    assert main(["run", "moe", "--model", "all", "--tokens", "2"]) == 2
+    captured = capsys.readouterr()
+    assert f"ex-engine: error: model list {path}: " in captured.err and message in captured.err, captured.err
+    assert "stats:" not in captured.out
+
+
+def test_load_models_keeps_the_shipped_models_and_their_types(tmp_path, monkeypatch):
+    """The benchmarks and GPU tests read the shipped file through load_models: every model comes
+    back with int dims and a bool renormalize; a small valid file loads as written."""
+    from ex_engine.moe_layer import load_models
+    models = load_models()
+    assert {"qwen3-30b-a3b", "mixtral-8x7b", "granite-3.0-3b-a800m"} <= set(models)
+    for s in models.values():
+        assert all(type(v) is int and v >= 1 for v in (s.H, s.I, s.E, s.K)) and s.K <= s.E
+        assert type(s.renormalize) is bool
+    assert models["mixtral-8x7b"].renormalize is True and models["olmoe-1b-7b"].renormalize is False
+    path = _models_file(tmp_path, monkeypatch, "models:\n  tiny: {H: 16, I: 8, E: 4, K: 4}\n")
+    (s,) = load_models(path).values()
+    assert (s.model, s.H, s.I, s.E, s.K, s.renormalize) == ("tiny", 16, 8, 4, 4, False)
