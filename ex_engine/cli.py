@@ -132,6 +132,13 @@ def cmd_hardware(args) -> int:
     return 0
 
 
+def _progress(line: str) -> None:
+    """A progress line on stderr (stdout flushed first, so that the two keep their order on a
+    terminal): before a step a user would otherwise wait on in silence."""
+    sys.stdout.flush()
+    print(line, file=sys.stderr, flush=True)
+
+
 def cmd_run_moe(args) -> int:
     from .moe_layer import load_models, run_moe
     if args.repeat < 1:  # (--tokens is checked by its argparse type)
@@ -145,7 +152,8 @@ def cmd_run_moe(args) -> int:
         if len(runs) > 1:
             print(f"[{i + 1}/{len(runs)}] ", end="")
         try:
-            res = run_moe(m, T, dtype=args.dtype, seed=args.seed, repeat=args.repeat, registry=reg)
+            res = run_moe(m, T, dtype=args.dtype, seed=args.seed, repeat=args.repeat, registry=reg,
+                          progress=_progress)
         except MemoryError as exc:   # NumPy's and CuPy's out-of-memory errors are MemoryErrors
             print(f"ex-engine run moe: --tokens {T}: the {m} layer's arrays do not fit in memory "
                   f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else 'no detail'})",

@@ -247,16 +247,20 @@ def time_call(xp, fn, repeat: int) -> float:
 
 
 def run_moe(model: str, tokens: int, dtype: str = "bfloat16", seed: int = 0, repeat: int = 10,
-            registry=None, echo=print) -> dict:
+            registry=None, echo=print, progress=None) -> dict:
     """Build ``model``'s MoE layer, run it through ``registry`` at T=``tokens``, check, time.
 
     Runs on the GPU (CuPy) when the registry's hardware is a live device, else on NumPy with the
     Python fallbacks. model: a name of manifests/moe_models.yaml; tokens: T >= 0 (0: an empty
     batch, nothing to compare); dtype: 'bfloat16' or 'float16'; seed >= 0; repeat >= 1 timed
-    calls. Returns a dict with the paths
+    calls. ``echo`` prints the header and the table; ``progress`` (None: quiet), if given, is
+    called with a line before each step that can take long (building the weights: 5 GB and most
+    of a minute for qwen3-235b-a22b on a CPU; running the layer; the float64 reference; the
+    timed calls). Returns a dict with the paths
     that served, the errors and the times; 'ok' is False if a check failed. Raises FactorError
     for an unknown model, another registry type, or an argument out of those ranges.
     """
+    step = progress or (lambda line: None)
     for name, v, lo in (("tokens", tokens, 0), ("seed", seed, 0), ("repeat", repeat, 1)):
         if isinstance(v, bool) or not isinstance(v, int) or v < lo:
             raise FactorError(f"run_moe: {name}: expected an int >= {lo}, got {v!r}")
@@ -274,8 +278,11 @@ def run_moe(model: str, tokens: int, dtype: str = "bfloat16", seed: int = 0, rep
          f"renormalize={shape.renormalize} {dtype}, on {where}")
     if reg.no_gpu_note:
         echo(f"  note: {reg.no_gpu_note}")
+    size = shape.E * 3 * shape.I * shape.H * 2 + shape.E * shape.H * 4   # w13, w2; router fp32
+    step(f"  building the layer's weights ({size / 1e9:.2f} GB: w13, w2 of {dtype}, the router) ...")
     layer = MoELayer(shape, dtype, xp, seed)
     x = layer.hidden_states(tokens)
+    step(f"  running the layer (router + experts) at T={tokens} ...")
     before = reg.stats()
     out, w, ids, logits = layer.forward(x, reg)
     paths = {}
@@ -289,9 +296,11 @@ def run_moe(model: str, tokens: int, dtype: str = "bfloat16", seed: int = 0, rep
     ids_ok = bool((ids == ids_ref).all())
     w_err = rel_error(xp, w, w_ref.astype(xp.float64))
     # experts: float64 reference on the routing actually used
+    step("  computing the float64 reference of the experts ...")
     ref = layer.reference(x, w, ids)
     err = rel_error(xp, TensorRef.of(out).load_f32(), ref)
     reps = repeat if reg.hardware.live else 1
+    step(f"  timing each factor ({reps} call{'s' if reps > 1 else ''}) ...")
     t_router = time_call(xp, lambda: topk_softmax(logits, shape.K, shape.renormalize, registry=reg), reps)
     t_moe = time_call(xp, lambda: moe_fused_gemm(x, layer.w13, layer.w2, w, ids, registry=reg), reps)
     ok = ids_ok and w_err < 1e-5 and err < tol
