@@ -52,12 +52,16 @@ def seconds(v: str) -> float:
 
 
 def _prefer(items) -> dict:
-    """{'name': 'file.so'} from ['name=file.so', ...]. Raises FactorError on a bad item."""
+    """{'name': 'file.so'} from ['name=file.so', ...]. Raises FactorError on a bad item, or on a
+    factor named twice (the last one won, silently)."""
     out = {}
     for item in items or []:
         name, sep, lib = item.partition("=")
         if not sep or not name or not lib:
             raise FactorError(f"--prefer: expected NAME=FILE (e.g. moe_fused_gemm=moe_fused_gemm.so), got {item!r}")
+        if name in out:
+            raise FactorError(f"--prefer: factor {name!r}: expected one FILE per factor, got two "
+                              f"({name}={out[name]} and {item})")
         out[name] = lib
     return out
 

@@ -74,6 +74,18 @@ def test_prefer_option_needs_name_equals_file(tmp_path, capsys):
     assert "--prefer: expected NAME=FILE" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("command", [["list-factors"], ["verify"], ["run", "moe", "--tokens", "1"]])
+def test_prefer_refuses_a_factor_preferred_twice(tmp_path, capsys, command):
+    """--prefer moe_fused_gemm=A --prefer moe_fused_gemm=B: the last one won, silently."""
+    argv = command + ["--dir", str(tmp_path), "--prefer", "moe_fused_gemm=a.so",
+                      "--prefer", "topk_softmax=t.so", "--prefer", "moe_fused_gemm=b.so"]
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.err == ("ex-engine: error: --prefer: factor 'moe_fused_gemm': expected one FILE per "
+                            "factor, got two (moe_fused_gemm=a.so and moe_fused_gemm=b.so)\n")
+    assert captured.out == ""
+
+
 def test_run_without_a_job_prints_runs_help(capsys):
     """`ex-engine run` alone: run's usage (not the last subcommand's), exit status 2."""
     assert main(["run"]) == 2
