@@ -64,3 +64,33 @@ def host_us(fn, reps: int = 200, trials: int = 7) -> float:
         torch.cuda.synchronize()
         per_call.append((t1 - t0) * 1e6 / n)
     return statistics.median(per_call)
+
+
+def _users() -> list:
+    """The scripts beside this module that import it."""
+    from pathlib import Path
+    here = Path(__file__).resolve().parent
+    return sorted(p.name for p in here.glob("*.py")
+                  if p.name != "_timing.py" and "from _timing import" in p.read_text())
+
+
+def main(argv=None) -> int:
+    """`python benchmarks/_timing.py [--help]`: this is a library module; say so, and which
+    scripts to run instead (exit status 0 for --help, 2 otherwise: nothing was timed)."""
+    import argparse
+    import sys
+    users = ", ".join(_users())
+    ap = argparse.ArgumentParser(
+        prog="_timing.py",
+        description="A library module, not a benchmark: the timers graph_us (device µs per call "
+                    "of a CUDA graph replay, torch) and host_us (host µs of one eager call) that "
+                    f"the benchmarks import. Nothing to run on its own: run one of {users} "
+                    "(each has --help).")
+    ap.parse_args(argv)
+    print(f"_timing.py: a library module of timers (graph_us, host_us); nothing to run on its own; "
+          f"run one of {users} (each has --help)", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

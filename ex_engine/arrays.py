@@ -113,16 +113,19 @@ class Bits16:
     """A uint16 NumPy/CuPy array tagged as bfloat16 (or float16): how to pass bf16 data from a
     library that has no bf16 dtype (CuPy without ml_dtypes support). ``as_bfloat16(bits)``."""
 
-    def __init__(self, bits, dtype: str = "bfloat16"):
+    def __init__(self, bits, dtype: str = "bfloat16", _caller: str = "Bits16"):
+        from .errors import ArgumentError, DTypeError   # (errors imports nothing of ours: no cycle)
         dt = getattr(bits, "dtype", None)
-        if dt is None or dt.itemsize != 2 or getattr(dt, "kind", "u") not in "ui":
+        if dt is None or getattr(dt, "itemsize", 0) != 2 or getattr(dt, "kind", "u") not in "ui":
             # a float16 array here would be reinterpreted bit for bit (its values lost)
             got = type(bits).__name__ if dt is None else f"{type(bits).__name__} of dtype {dt}"
-            raise TypeError(f"Bits16: expected a 2-byte integer array (uint16 or int16 bit patterns), got {got}")
+            raise DTypeError(_caller, "bits", "dtype", "a 2-byte integer array (uint16 or int16 "
+                             "bit patterns)", got)
         if getattr(dt, "byteorder", "=") == _NON_NATIVE:
-            raise TypeError(f"Bits16: expected bit patterns in native byte order, got dtype {dt.str}")
+            raise DTypeError(_caller, "bits", "byte order", "bit patterns in native byte order",
+                             f"dtype {dt.str}")
         if dtype not in ("bfloat16", "float16"):
-            raise ValueError(f"Bits16: dtype: expected 'bfloat16' or 'float16', got {dtype!r}")
+            raise ArgumentError(_caller, "dtype", "tag", "'bfloat16' or 'float16'", repr(dtype))
         self.bits, self.dtype = bits, dtype
 
     @property
@@ -131,8 +134,10 @@ class Bits16:
 
 
 def as_bfloat16(bits) -> Bits16:
-    """Tag a uint16 array of bfloat16 bit patterns so ex_engine treats it as bfloat16."""
-    return Bits16(bits, "bfloat16")
+    """Tag a uint16 array of bfloat16 bit patterns so ex_engine treats it as bfloat16.
+    Raises DTypeError (a FactorError and a TypeError) naming the argument 'bits' for anything
+    else: float values would be reinterpreted bit for bit."""
+    return Bits16(bits, "bfloat16", _caller="as_bfloat16")
 
 
 def _refuse_torch(x, name: str):

@@ -52,12 +52,16 @@ def seconds(v: str) -> float:
 
 
 def _prefer(items) -> dict:
-    """{'name': 'file.so'} from ['name=file.so', ...]. Raises FactorError on a bad item."""
+    """{'name': 'file.so'} from ['name=file.so', ...]. Raises FactorError on a bad item, or on a
+    factor named twice (the last one won, silently)."""
     out = {}
     for item in items or []:
         name, sep, lib = item.partition("=")
         if not sep or not name or not lib:
             raise FactorError(f"--prefer: expected NAME=FILE (e.g. moe_fused_gemm=moe_fused_gemm.so), got {item!r}")
+        if name in out:
+            raise FactorError(f"--prefer: factor {name!r}: expected one FILE per factor, got two "
+                              f"({name}={out[name]} and {item})")
         out[name] = lib
     return out
 
@@ -131,6 +135,13 @@ def cmd_hardware(args) -> int:
     return 0
 
 
+def _progress(line: str) -> None:
+    """A progress line on stderr (stdout flushed first, so that the two keep their order on a
+    terminal): before a step a user would otherwise wait on in silence."""
+    sys.stdout.flush()
+    print(line, file=sys.stderr, flush=True)
+
+
 def cmd_run_moe(args) -> int:
     from .moe_layer import load_models, run_moe
     if args.repeat < 1:  # (--tokens is checked by its argparse type)
@@ -144,7 +155,8 @@ def cmd_run_moe(args) -> int:
         if len(runs) > 1:
             print(f"[{i + 1}/{len(runs)}] ", end="")
         try:
-            res = run_moe(m, T, dtype=args.dtype, seed=args.seed, repeat=args.repeat, registry=reg)
+            res = run_moe(m, T, dtype=args.dtype, seed=args.seed, repeat=args.repeat, registry=reg,
+                          progress=_progress)
         except MemoryError as exc:   # NumPy's and CuPy's out-of-memory errors are MemoryErrors
             print(f"ex-engine run moe: --tokens {T}: the {m} layer's arrays do not fit in memory "
                   f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else 'no detail'})",

@@ -18,7 +18,7 @@ import yaml
 
 from . import _paths
 from .arrays import Bits16, TensorRef, f32_to_bf16_bits
-from .errors import FactorError
+from .errors import FactorError, one_line
 from .fallbacks import moe_fused_gemm_math, topk_softmax_math
 from .ops import moe_fused_gemm, resolve_registry, topk_softmax
 
@@ -34,18 +34,75 @@ class MoEShape:
     renormalize: bool
 
 
+MODEL_DIMS = ("H", "I", "E", "K")
+MODEL_FIELDS = MODEL_DIMS + ("renormalize",)   # renormalize is optional (default false)
+MODELS_FILE_KEYS = ("models", "token_counts")  # token_counts is optional
+
+
+def _positive_int(v) -> bool:
+    """An int >= 1, and not a bool (YAML's true is an int to Python)."""
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 1
+
+
+def _check_models(data) -> None:
+    """Raise ValueError naming the model and field that break moe_models.yaml's rules: a mapping
+    with a non-empty 'models' mapping (name -> {H, I, E, K: integers >= 1, K <= E, renormalize:
+    true or false}) and an optional 'token_counts' list of integers >= 1; no other keys."""
+    if not isinstance(data, dict):
+        raise ValueError("expected a mapping with a 'models' key, got "
+                         + ("an empty file" if data is None else f"a {type(data).__name__}"))
+    extra = sorted(map(str, set(data) - set(MODELS_FILE_KEYS)))
+    if extra:
+        raise ValueError(f"unknown key(s) {extra}; expected {list(MODELS_FILE_KEYS)}")
+    if "models" not in data:
+        raise ValueError("models: missing; expected a mapping of model name -> {H, I, E, K, renormalize}")
+    models = data["models"]
+    if not isinstance(models, dict) or not models:
+        raise ValueError("models: expected at least one model (name -> {H, I, E, K, renormalize}), "
+                         f"got {models!r}")
+    for name, m in models.items():
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"models: model name {name!r}: expected a non-empty string")
+        where = f"model '{name}'"
+        if not isinstance(m, dict):
+            raise ValueError(f"{where}: expected a mapping {{H, I, E, K, renormalize}}, got {m!r}")
+        extra = sorted(map(str, set(m) - set(MODEL_FIELDS)))
+        if extra:
+            raise ValueError(f"{where}: unknown field(s) {extra}; expected {list(MODEL_FIELDS)}")
+        for f in MODEL_DIMS:
+            if f not in m:
+                raise ValueError(f"{where}: {f}: missing; expected an integer >= 1")
+            if not _positive_int(m[f]):
+                raise ValueError(f"{where}: {f}: expected an integer >= 1, got {m[f]!r}")
+        if m["K"] > m["E"]:
+            raise ValueError(f"{where}: K: expected at most E = {m['E']} (experts per token out of "
+                             f"E experts), got {m['K']}")
+        if "renormalize" in m and not isinstance(m["renormalize"], bool):
+            raise ValueError(f"{where}: renormalize: expected true or false, got {m['renormalize']!r}")
+    if "token_counts" in data:
+        tc = data["token_counts"]
+        if not isinstance(tc, list) or not tc or not all(_positive_int(t) for t in tc):
+            raise ValueError(f"token_counts: expected a non-empty list of integers >= 1, got {tc!r}")
+
+
 def load_models(path=None) -> dict:
     """model name -> MoEShape, from manifests/moe_models.yaml (copied from shared/).
-    Raises FactorError naming the file if it cannot be read or lacks a field."""
+    Raises FactorError naming the file (and the model and field) if it cannot be read or breaks
+    a rule: a non-empty ``models`` mapping, H, I, E, K integers >= 1 with K <= E, renormalize
+    true or false (default false), an optional ``token_counts`` list of integers >= 1."""
     path = path or _paths.manifests_dir() / "moe_models.yaml"
     try:
         with open(path) as f:
             data = yaml.safe_load(f)
-        return {name: MoEShape(name, int(m["H"]), int(m["I"]), int(m["E"]), int(m["K"]),
-                               bool(m.get("renormalize", False)))
-                for name, m in data["models"].items()}
-    except (OSError, KeyError, TypeError, ValueError, AttributeError, yaml.YAMLError) as exc:
-        raise FactorError(f"model list {path}: malformed or unreadable ({type(exc).__name__}: {exc})") from None
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+        raise FactorError(f"model list {path}: malformed or unreadable "
+                          f"({type(exc).__name__}: {one_line(exc)})") from None
+    try:
+        _check_models(data)
+    except ValueError as exc:
+        raise FactorError(f"model list {path}: {exc}") from None
+    return {name: MoEShape(name, m["H"], m["I"], m["E"], m["K"], m.get("renormalize", False))
+            for name, m in data["models"].items()}
 
 
 def case_problems(models: dict, names, tokens, factors=None, all_ok: bool = False) -> list:
@@ -190,16 +247,20 @@ def time_call(xp, fn, repeat: int) -> float:
 
 
 def run_moe(model: str, tokens: int, dtype: str = "bfloat16", seed: int = 0, repeat: int = 10,
-            registry=None, echo=print) -> dict:
+            registry=None, echo=print, progress=None) -> dict:
     """Build ``model``'s MoE layer, run it through ``registry`` at T=``tokens``, check, time.
 
     Runs on the GPU (CuPy) when the registry's hardware is a live device, else on NumPy with the
     Python fallbacks. model: a name of manifests/moe_models.yaml; tokens: T >= 0 (0: an empty
     batch, nothing to compare); dtype: 'bfloat16' or 'float16'; seed >= 0; repeat >= 1 timed
-    calls. Returns a dict with the paths
+    calls. ``echo`` prints the header and the table; ``progress`` (None: quiet), if given, is
+    called with a line before each step that can take long (building the weights: 5 GB and most
+    of a minute for qwen3-235b-a22b on a CPU; running the layer; the float64 reference; the
+    timed calls). Returns a dict with the paths
     that served, the errors and the times; 'ok' is False if a check failed. Raises FactorError
     for an unknown model, another registry type, or an argument out of those ranges.
     """
+    step = progress or (lambda line: None)
     for name, v, lo in (("tokens", tokens, 0), ("seed", seed, 0), ("repeat", repeat, 1)):
         if isinstance(v, bool) or not isinstance(v, int) or v < lo:
             raise FactorError(f"run_moe: {name}: expected an int >= {lo}, got {v!r}")
@@ -217,8 +278,11 @@ def run_moe(model: str, tokens: int, dtype: str = "bfloat16", seed: int = 0, rep
          f"renormalize={shape.renormalize} {dtype}, on {where}")
     if reg.no_gpu_note:
         echo(f"  note: {reg.no_gpu_note}")
+    size = shape.E * 3 * shape.I * shape.H * 2 + shape.E * shape.H * 4   # w13, w2; router fp32
+    step(f"  building the layer's weights ({size / 1e9:.2f} GB: w13, w2 of {dtype}, the router) ...")
     layer = MoELayer(shape, dtype, xp, seed)
     x = layer.hidden_states(tokens)
+    step(f"  running the layer (router + experts) at T={tokens} ...")
     before = reg.stats()
     out, w, ids, logits = layer.forward(x, reg)
     paths = {}
@@ -232,9 +296,11 @@ def run_moe(model: str, tokens: int, dtype: str = "bfloat16", seed: int = 0, rep
     ids_ok = bool((ids == ids_ref).all())
     w_err = rel_error(xp, w, w_ref.astype(xp.float64))
     # experts: float64 reference on the routing actually used
+    step("  computing the float64 reference of the experts ...")
     ref = layer.reference(x, w, ids)
     err = rel_error(xp, TensorRef.of(out).load_f32(), ref)
     reps = repeat if reg.hardware.live else 1
+    step(f"  timing each factor ({reps} call{'s' if reps > 1 else ''}) ...")
     t_router = time_call(xp, lambda: topk_softmax(logits, shape.K, shape.renormalize, registry=reg), reps)
     t_moe = time_call(xp, lambda: moe_fused_gemm(x, layer.w13, layer.w2, w, ids, registry=reg), reps)
     ok = ids_ok and w_err < 1e-5 and err < tol

@@ -3,6 +3,12 @@
 # every factor with nvcc (if nvcc is installed), and runs pytest. GPU tests are skipped where
 # CuPy or a GPU is missing. Extra arguments go to pytest.
 set -euo pipefail
+if [ "${1:-}" = "-h" ] || [ "${1:-}" = "--help" ]; then
+  echo "usage: bash scripts/test.sh [PYTEST_ARG ...]"
+  sed -n '2,4p' "$0" | sed 's/^# \{0,1\}//'
+  echo "PYTHON: the interpreter that creates .venv (default python3). pytest's own help: .venv/bin/python -m pytest --help"
+  exit 0
+fi
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then

@@ -84,3 +84,58 @@ def test_ab_moe_refuses_a_load_time_difference_on_one_folder(ab_moe):
     assert ab_moe.variable_problems([cfg("a=factors"), cfg("b=/tmp/x:EX_MOE_SM90_SWIZZLE=4")], table) == []
     p = ab_moe.variable_problems([cfg("a=factors"), cfg("b=/tmp/x:EX_MOE_SM90_SWIZLE=4")], table)
     assert len(p) == 1 and "EX_MOE_SM90_SWIZLE is not a variable" in p[0]
+
+
+PY_SCRIPTS = sorted(str(p.relative_to(ROOT)) for folder in ("benchmarks", "benchmarks/topk_variants", "scripts")
+                    for p in (ROOT / folder).glob("*.py"))
+
+
+@pytest.mark.parametrize("script", PY_SCRIPTS)
+def test_every_python_script_answers_help(script):
+    """`benchmarks/_timing.py --help` and `benchmarks/perf_peers.py --help` printed nothing and
+    exited 0; every script in benchmarks/ and scripts/ now prints a usage and what it is."""
+    import os
+    import subprocess
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    r = subprocess.run([sys.executable, str(ROOT / script), "--help"], capture_output=True, text=True,
+                       timeout=120, cwd=ROOT, env=env)
+    assert r.returncode == 0, r.stderr
+    assert "usage:" in r.stdout and len(r.stdout.splitlines()) >= 3, r.stdout + r.stderr
+
+
+def test_timing_module_run_alone_says_it_is_a_library_and_where_to_go():
+    import subprocess
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "_timing.py")], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 2 and r.stdout == "", (r.returncode, r.stdout)
+    err = r.stderr.strip()
+    assert "\n" not in err and "library module" in err and "bench_moe.py" in err and "_timing.py," not in err, err
+
+
+def test_perf_peers_prints_its_table():
+    import json
+    import subprocess
+    peers = import_tool("benchmarks", "perf_peers")
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "perf_peers.py"), "--json"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    rows = json.loads(r.stdout)
+    assert len(rows) == len(peers.VLLM_US)
+    assert {"model": "qwen3-30b-a3b", "T": 1, "vllm_us": 30.2} in rows
+
+
+@pytest.mark.parametrize("script", ["test.sh", "gpu_check.sh"])
+def test_shell_scripts_answer_help_without_doing_anything(script, tmp_path):
+    """scripts/test.sh --help created .venv, installed the package and ran pytest. Run from a
+    copy (its own folder is the root it works in), so that a script that ignored --help could
+    touch nothing here, with PYTHON=false so it could not make a venv either."""
+    import os
+    import shutil
+    import subprocess
+    (tmp_path / "scripts").mkdir()
+    shutil.copy(ROOT / "scripts" / script, tmp_path / "scripts" / script)
+    r = subprocess.run(["bash", str(tmp_path / "scripts" / script), "--help"], capture_output=True, text=True,
+                       timeout=60, env=dict(os.environ, PYTHON="false", OUT=str(tmp_path / "out")))
+    assert r.returncode == 0 and r.stdout.strip(), (r.returncode, r.stdout, r.stderr)
+    assert not (tmp_path / ".venv").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["scripts"]

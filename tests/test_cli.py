@@ -236,6 +236,18 @@ def test_prefer_option_needs_name_equals_file(tmp_path, capsys):
     assert "--prefer: expected NAME=FILE" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("command", [["list-factors"], ["verify"], ["run", "moe", "--tokens", "1"]])
+def test_prefer_refuses_a_factor_preferred_twice(tmp_path, capsys, command):
+    """--prefer moe_fused_gemm=A --prefer moe_fused_gemm=B: the last one won, silently."""
+    argv = command + ["--dir", str(tmp_path), "--prefer", "moe_fused_gemm=a.so",
+                      "--prefer", "topk_softmax=t.so", "--prefer", "moe_fused_gemm=b.so"]
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.err == ("ex-engine: error: --prefer: factor 'moe_fused_gemm': expected one FILE per "
+                            "factor, got two (moe_fused_gemm=a.so and moe_fused_gemm=b.so)\n")
+    assert captured.out == ""
+
+
 def test_run_without_a_job_prints_runs_help(capsys):
     """`ex-engine run` alone: run's usage (not the last subcommand's), exit status 2."""
     assert main(["run"]) == 2
@@ -353,3 +365,89 @@ def test_small_argument_faults_from_a_fresh_users_review(tmp_path, capsys):
         main(["verify"])
         out = capsys.readouterr().out
         assert "skipping moe_fused_gemm" in out and "verifying moe_fused_gemm" not in out
+
+
+def _models_file(tmp_path, monkeypatch, text):
+    """A copy of manifests/ whose moe_models.yaml is ``text``, in use through EX_ENGINE_MANIFESTS."""
+    import shutil
+    mdir = tmp_path / "manifests"
+    shutil.copytree(Path(__file__).resolve().parents[1] / "manifests", mdir)
+    (mdir / "moe_models.yaml").write_text(text)
+    monkeypatch.setenv("EX_ENGINE_MANIFESTS", str(mdir))
+    return mdir / "moe_models.yaml"
+
+
+@pytest.mark.parametrize("entry,message", [
+    ("{H: -8, I: 768, E: 128, K: 8, renormalize: true}", "H: expected an integer >= 1, got -8"),
+    ("{H: 2048.7, I: 768, E: 128, K: 8, renormalize: true}", "H: expected an integer >= 1, got 2048.7"),
+    ("{H: 2048, I: 0, E: 128, K: 8}", "I: expected an integer >= 1, got 0"),
+    ("{H: 2048, I: 768, E: true, K: 1}", "E: expected an integer >= 1, got True"),
+    ("{H: 2048, I: 768, E: 128}", "K: missing; expected an integer >= 1"),
+    ("{H: 2048, I: 768, E: 4, K: 8}", "K: expected at most E = 4"),
+    ('{H: 2048, I: 768, E: 128, K: 8, renormalize: "no"}', "renormalize: expected true or false, got 'no'"),
+    ("{H: 2048, I: 768, E: 128, K: 8, renormalise: true}", "unknown field(s) ['renormalise']"),
+    ("[2048, 768, 128, 8]", "expected a mapping {H, I, E, K, renormalize}"),
+])
+def test_run_moe_refuses_a_bad_model_entry_naming_file_model_and_field(tmp_path, monkeypatch, capsys,
+                                                                       entry, message):
+    """moe_models.yaml was read with int() and bool(): H: -8 was NumPy's traceback, H: 2048.7
+    ran as 2048 and renormalize: "no" as true, both a PASS."""
+    path = _models_file(tmp_path, monkeypatch, f"models:\n  qwen3-30b-a3b: {entry}\n")
+    assert main(["run", "moe", "--tokens", "2"]) == 2
+    captured = capsys.readouterr()
+    err = captured.err.strip()
+    assert err.startswith(f"ex-engine: error: model list {path}: model 'qwen3-30b-a3b': ") and message in err, err
+    assert "\n" not in err and "Traceback" not in err and "PASS" not in captured.out
+
+
+@pytest.mark.parametrize("text,message", [
+    ("models: {}\n", "models: expected at least one model"),
+    ("models:\n", "models: expected at least one model"),
+    ("", "expected a mapping with a 'models' key, got an empty file"),
+    ("token_counts: [1, 8]\n", "models: missing"),
+    ("models:\n  m: {H: 8, I: 8, E: 2, K: 1}\ntoken_counts: [0, 8]\n",
+     "token_counts: expected a non-empty list of integers >= 1, got [0, 8]"),
+    ("models:\n  m: {H: 8, I: 8, E: 2, K: 1}\nmodel: {}\n", "unknown key(s) ['model']"),
+])
+def test_run_moe_all_refuses_an_empty_or_malformed_model_list(tmp_path, monkeypatch, capsys, text, message):
+    """`models: {}` with --model all printed only 'stats: {}' and exit status 0: nothing ran."""
+    path = _models_file(tmp_path, monkeypatch, text)
+    assert main(["run", "moe", "--model", "all", "--tokens", "2"]) == 2
+    captured = capsys.readouterr()
+    assert f"ex-engine: error: model list {path}: " in captured.err and message in captured.err, captured.err
+    assert "stats:" not in captured.out
+
+
+def test_load_models_keeps_the_shipped_models_and_their_types(tmp_path, monkeypatch):
+    """The benchmarks and GPU tests read the shipped file through load_models: every model comes
+    back with int dims and a bool renormalize; a small valid file loads as written."""
+    from ex_engine.moe_layer import load_models
+    models = load_models()
+    assert {"qwen3-30b-a3b", "mixtral-8x7b", "granite-3.0-3b-a800m"} <= set(models)
+    for s in models.values():
+        assert all(type(v) is int and v >= 1 for v in (s.H, s.I, s.E, s.K)) and s.K <= s.E
+        assert type(s.renormalize) is bool
+    assert models["mixtral-8x7b"].renormalize is True and models["olmoe-1b-7b"].renormalize is False
+    path = _models_file(tmp_path, monkeypatch, "models:\n  tiny: {H: 16, I: 8, E: 4, K: 4}\n")
+    (s,) = load_models(path).values()
+    assert (s.model, s.H, s.I, s.E, s.K, s.renormalize) == ("tiny", 16, 8, 4, 4, False)
+
+
+def test_run_moe_says_what_it_is_doing_before_the_long_steps(tmp_path):
+    """qwen3-235b-a22b on a CPU spent ~45 s building 5 GB of weights with nothing printed
+    between the header and the table. Now a line on stderr comes before each long step (seen
+    here through one merged stream, in order: header, steps, table)."""
+    r = subprocess.run([sys.executable, "-m", "ex_engine", "run", "moe", "--model", "granite-3.0-3b-a800m",
+                        "--tokens", "1", "--dir", str(tmp_path)],
+                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert r.returncode == 0, r.stdout
+    lines = r.stdout.splitlines()
+    at = {key: next((i for i, line in enumerate(lines) if key in line), None)
+          for key in ("MoE layer granite", "building the layer's weights (0.19 GB", "running the layer",
+                      "computing the float64 reference", "timing each factor (1 call)", "served by", "PASS")}
+    assert None not in at.values(), r.stdout
+    assert list(at.values()) == sorted(at.values()), r.stdout
+    from ex_engine.moe_layer import run_moe        # a library caller gets the steps only if it asks
+    seen = []
+    res = run_moe("granite-3.0-3b-a800m", 1, echo=lambda *a: None, progress=seen.append)
+    assert res["ok"] and [s.split()[0] for s in seen] == ["building", "running", "computing", "timing"]

@@ -208,6 +208,29 @@ def test_as_bfloat16_takes_bit_patterns_only():
             as_bfloat16(bad)
 
 
+def test_as_bfloat16_refusal_is_the_projects_argument_error_naming_bits():
+    """as_bfloat16 (README's way to pass CuPy bf16) raised a plain TypeError naming no argument;
+    now a DTypeError (a FactorError, still a TypeError for old callers) naming 'bits' and the
+    dtype expected and got; Bits16's own refusals name their argument as well."""
+    from ex_engine.arrays import Bits16, as_bfloat16
+    from ex_engine.errors import ArgumentError, DTypeError, FactorError
+    with pytest.raises(DTypeError) as e:
+        as_bfloat16(np.zeros(3, np.float32))
+    assert isinstance(e.value, FactorError) and isinstance(e.value, TypeError)
+    assert (e.value.factor, e.value.argument, e.value.got) == ("as_bfloat16", "bits", "ndarray of dtype float32")
+    assert str(e.value) == ("as_bfloat16: argument 'bits': dtype: expected a 2-byte integer array "
+                            "(uint16 or int16 bit patterns), got ndarray of dtype float32")
+    with pytest.raises(DTypeError, match="as_bfloat16: argument 'bits': .* got list"):
+        as_bfloat16([1, 2, 3])
+    with pytest.raises(DTypeError, match="as_bfloat16: argument 'bits': byte order: .* got dtype >u2"):
+        as_bfloat16(np.zeros(3, ">u2"))
+    with pytest.raises(DTypeError, match="Bits16: argument 'bits': dtype"):
+        Bits16(np.zeros(3, np.float16), "float16")
+    with pytest.raises(ArgumentError, match="Bits16: argument 'dtype': tag: expected 'bfloat16' or "
+                                            "'float16', got 'float32'"):
+        Bits16(np.zeros(3, np.uint16), "float32")
+
+
 def test_bits16_float16_tag_byte_order_and_array_parameters(reg):
     """Bits16(..., 'float16') computes on the values its bits are; other tags and non-native byte
     orders are refused; a 0-d array parameter (unhashable) is checked and accepted, not a raw
