@@ -358,6 +358,16 @@ _OPENED: dict = {}
 _OPENED_LOCK = threading.Lock()
 
 
+def _resolved(path: Path) -> Path:
+    """``path`` with its links followed, or ``path`` itself (absolute) where that cannot be
+    done: a symlink loop (RuntimeError before Python 3.13, OSError after) or another OS error.
+    Reading the file then fails with the reason, which the caller reports (a rejected row)."""
+    try:
+        return path.resolve()
+    except (OSError, RuntimeError):
+        return path.absolute()
+
+
 def _caller_stacklevel() -> int:
     """warnings.warn's stacklevel that names the first frame outside ex_engine (the user's
     call), whatever path inside the package led to the warning."""
@@ -526,11 +536,11 @@ class FactorRegistry:
         folder). Only for a lock that sits in ``folder``: a lock given by path may list several
         folders' files."""
         lock_path = self._lock_path(folder)
-        if lock_path is None or not lock_path.is_file() or lock_path.parent.resolve() != folder.resolve():
+        if lock_path is None or not lock_path.is_file() or _resolved(lock_path.parent) != _resolved(folder):
             return   # a missing lock is reported by the first library it should cover
         _, digests = self._lock_for(folder / "_")   # (any file of the folder names its lock)
         for name in sorted(set(digests) - present):
-            note = (f"lock: {lock_path.resolve()} lists {name}, which {folder.resolve()} does not have "
+            note = (f"lock: {_resolved(lock_path)} lists {name}, which {_resolved(folder)} does not have "
                     "(deleted or renamed since the lock was written)")
             if note not in self.notes:
                 self.notes.append(note)
@@ -545,7 +555,9 @@ class FactorRegistry:
     def _find_manifest(self, name: str, folder: Path):
         """(Manifest or None, why none): the one beside the library, else the manifests folder's."""
         beside = folder / f"{name}.yaml"
-        if beside.exists():
+        # a link that leads nowhere (dangling, or a loop: exists() says False) is a broken
+        # manifest beside the library, reported as such, not one to look past
+        if beside.exists() or beside.is_symlink():
             try:
                 return Manifest.load(beside), ""
             except FactorError as exc:
@@ -693,7 +705,7 @@ class FactorRegistry:
         # holds one copy of a library, so opening it again could not see a rebuilt file anyway.
         # Absolute (not resolved: a link's own name stays), so a later chdir changes nothing
         path = Path(path).absolute()
-        where = path.resolve()
+        where = _resolved(path)   # a symlink loop stays as named: its read fails below, reported
         if where in self._by_path:
             return self._by_path[where]
         p = self._by_path[where] = Plugin(path=path)
@@ -840,7 +852,7 @@ class FactorRegistry:
         want = Path(want)
         if want.name != p.path.name:
             return False
-        return len(want.parts) == 1 or want.resolve() == p.path.resolve()
+        return len(want.parts) == 1 or _resolved(want) == _resolved(p.path)
 
     @staticmethod
     def _win_rule(win: Plugin, q: Plugin, prefer_text: str) -> str:

@@ -519,3 +519,39 @@ def test_a_library_rebuilt_in_place_is_still_the_copy_another_registry_holds(tmp
     with pytest.warns(UserWarning, match="already open in this process by another registry"):
         FactorRegistry.load(tmp_path, hardware="a100")
     del first
+
+
+def test_a_symlink_loop_is_a_rejected_row_not_a_crash(tmp_path, capsys):
+    """A link to itself in the plugin folder (resolve() raised RuntimeError: 'Symlink loop')
+    is rejected with the read error as a dangling link is, through load and list-factors; a
+    looping manifest beside a library rejects that library (it was looked past), a looping
+    tuning file or manifest in the manifests folder is a note, and prefer= naming a loop
+    matches nothing; the other plugins load."""
+    import shutil
+    folder = tmp_path / "odd"
+    build_plugin(folder)
+    (folder / "loop.so").symlink_to("loop.so")
+    (folder / "dangling.so").symlink_to("nowhere.so")
+    build_plugin(folder, "b", defines={"NAME": '"host_scale_b"', "FACTOR_ID": 1101})
+    (folder / "host_scale_b.yaml").unlink()
+    (folder / "host_scale_b.yaml").symlink_to("host_scale_b.yaml")
+    mdir = tmp_path / "manifests"
+    (mdir / "tuning").mkdir(parents=True)
+    shutil.copy(ROOT / "tests" / "plugins" / "host_scale.yaml", mdir / "host_scale_b.yaml")
+    (mdir / "x.yaml").symlink_to("x.yaml")
+    (mdir / "tuning" / "h200.yaml").symlink_to("h200.yaml")
+    reg = FactorRegistry.load(folder, hardware="h200", manifests_dir=mdir,
+                              prefer={"host_scale": str(folder / "loop.so")})
+    st = {p.path.name: p for p in reg.plugins}
+    for name in ("loop.so", "dangling.so"):
+        assert st[name].status == "rejected" and st[name].reason.startswith("read: "), st[name].reason
+    assert "Too many levels of symbolic links" in st["loop.so"].reason
+    assert st["b.so"].status == "rejected" and "host_scale_b.yaml: malformed" in st["b.so"].reason
+    assert any("x.yaml: malformed" in n for n in reg.notes), reg.notes
+    assert any("tuning" in n and "h200.yaml: not readable" in n for n in reg.notes), reg.notes
+    assert any(n.startswith("prefer: host_scale") for n in reg.notes), reg.notes
+    assert call(reg)[0] == "plugin"
+    reg.load_library(folder / "loop.so")   # again: the same record, no crash
+    assert cli_main(["list-factors", "--dir", str(folder), "--hardware", "h200"]) == 0
+    out = capsys.readouterr().out
+    assert "loop.so" in out and "rejected" in out, out
