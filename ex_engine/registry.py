@@ -368,6 +368,14 @@ def _resolved(path: Path) -> Path:
         return path.absolute()
 
 
+def _path_arg(arg: str, value, what: str) -> Path:
+    """``value`` as a Path, or FactorError naming ``arg`` when it is not a str or os.PathLike
+    (Path() would raise a bare TypeError)."""
+    if not isinstance(value, (str, os.PathLike)):
+        raise FactorError(f"{arg}: expected {what}, got {type(value).__name__} {value!r:.80}")
+    return Path(value)
+
+
 def _caller_stacklevel() -> int:
     """warnings.warn's stacklevel that names the first frame outside ex_engine (the user's
     call), whatever path inside the package led to the warning."""
@@ -447,7 +455,8 @@ class FactorRegistry:
                 isinstance(k, str) and isinstance(v, (str, os.PathLike)) for k, v in prefer.items())):
             raise FactorError(f"prefer: expected a mapping {{factor name: library file name or path}}, "
                               f"got {prefer!r}")
-        if manifests_dir is not None and not Path(manifests_dir).is_dir():
+        if manifests_dir is not None and not _path_arg("manifests_dir", manifests_dir,
+                                                       "a directory path or None").is_dir():
             raise FactorError(f"manifests_dir '{manifests_dir}': not a directory")
         self.hardware: Hardware = hw
         # a malformed manifest rejects only the plugins that need it (see _find_manifest)
@@ -507,9 +516,8 @@ class FactorRegistry:
             remembered in $EX_ENGINE_CACHE/verified.json (default ~/.cache/ex_engine).
         Raises FactorError if ``folder`` is not a directory or the lock file is unreadable.
         """
-        if folder is not None and not isinstance(folder, (str, os.PathLike)):
-            raise FactorError(f"folder: expected a directory path, got {type(folder).__name__} {folder!r}")
-        folder = Path(folder or _paths.factors_dir())
+        folder = _paths.factors_dir() if folder is None or folder == "" else _path_arg(
+            "folder", folder, "a directory path")
         if lock is True:
             lock = folder / trust.LOCK_NAME
         reg = cls(hardware=hardware, manifests_dir=manifests_dir, prefer=prefer, lock=lock,
@@ -519,8 +527,9 @@ class FactorRegistry:
         return reg
 
     def load_folder(self, folder) -> list:
-        """Load every ``*.so`` in ``folder`` (sorted by name); returns the new Plugin records."""
-        folder = Path(folder)
+        """Load every ``*.so`` in ``folder`` (sorted by name); returns the new Plugin records.
+        Raises FactorError if ``folder`` is not a directory (or not a path at all)."""
+        folder = _path_arg("folder", folder, "a directory path")
         if not folder.is_dir():
             hint = _paths.not_a_checkout() if folder == _paths.factors_dir() else ""
             raise FactorError(f"factor folder '{folder}': not a directory" + (f" ({hint})" if hint else ""))
@@ -547,8 +556,8 @@ class FactorRegistry:
 
     def load_library(self, path) -> Plugin:
         """Load one library file; returns its Plugin record (ready or rejected, never raises
-        except for an unreadable lock file)."""
-        p = self._load_one(Path(path))
+        except for an unreadable lock file, or FactorError for a ``path`` that is not a path)."""
+        p = self._load_one(_path_arg("path", path, "a library file path"))
         self._choose()
         return p
 

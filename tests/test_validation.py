@@ -363,3 +363,19 @@ def test_an_unknown_argument_is_counted_and_raised_without_a_chained_type_error(
         reg.dispatch("moe_fused_gemm", {**a, "G": 4})
     assert e.value.__cause__ is None and e.value.__suppress_context__
     assert reg.stats()["moe_fused_gemm"]["errors"] == before + 1
+
+
+def test_path_arguments_of_load_and_its_helpers_are_named(tmp_path):
+    """load(manifests_dir=3), load_folder(3) and load_library(None) gave a raw TypeError
+    ('expected str, bytes or os.PathLike object'): each is a FactorError naming the argument."""
+    from ex_engine.errors import FactorError
+    for value in (3, ["m"], b"x"[0]):
+        with pytest.raises(FactorError, match=rf"^manifests_dir: expected a directory path or None, "
+                                              rf"got {type(value).__name__} "):
+            FactorRegistry.load(tmp_path, hardware="h200", manifests_dir=value)
+    reg = FactorRegistry.load(tmp_path, hardware="h200")
+    with pytest.raises(FactorError, match="^folder: expected a directory path, got int 3"):
+        reg.load_folder(3)
+    with pytest.raises(FactorError, match="^path: expected a library file path, got NoneType None"):
+        reg.load_library(None)
+    assert reg.plugins == []
