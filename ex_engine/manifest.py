@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import inspect
 import operator
 import re
 import struct
@@ -48,6 +49,24 @@ def _to_f32(v: float) -> float:
         return struct.unpack("<f", struct.pack("<f", v))[0]
     except OverflowError:   # struct refuses to round what lies beyond float32's range
         return float("inf") if v > 0 else float("-inf")
+
+
+def fallback_problem(fn) -> str:
+    """Why ``fn`` cannot serve as a Python fallback, called as ``fn(arrays, sizes, params)``
+    ('' if it can): not callable, or a signature that does not take three positional
+    arguments (``os:system`` takes one). A callable whose signature Python cannot read (some
+    builtins) passes: the call decides."""
+    if not callable(fn):
+        return f"expected a callable fn(arrays, sizes, params), got {type(fn).__name__} {fn!r:.80}"
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return ""
+    try:
+        sig.bind(None, None, None)
+    except TypeError:
+        return f"expected a callable fn(arrays, sizes, params), got one with signature {sig}"
+    return ""
 
 
 _TERM = re.compile(r"^\s*(?:(\d+)\s*\*\s*)?([A-Za-z_]\w*)\s*(?:\*\s*(\d+))?\s*$")
@@ -257,7 +276,8 @@ class Manifest:
 
     def fallback_fn(self):
         """The Python fallback callable named by 'module:function', or None. Raises FactorError
-        naming the manifest if it cannot be imported or is not callable."""
+        naming the manifest if it cannot be imported, is not callable or cannot be called as
+        ``fn(arrays, sizes, params)`` (fallback_problem)."""
         if not self.fallback:
             return None
         mod, _, fn = self.fallback.partition(":")
@@ -266,8 +286,11 @@ class Manifest:
         except Exception as exc:  # ImportError, AttributeError, or the module's own error
             raise FactorError(f"manifest {self.path}: fallback {self.fallback!r} cannot be loaded "
                               f"({type(exc).__name__}: {exc})") from None
-        if not callable(f):
-            raise FactorError(f"manifest {self.path}: fallback {self.fallback!r} is not callable")
+        if self.__dict__.get("_fallback_checked") is not f:   # the signature read once per function
+            problem = fallback_problem(f)
+            if problem:
+                raise FactorError(f"manifest {self.path}: fallback: {self.fallback!r}: {problem}")
+            self._fallback_checked = f
         return f
 
     def param_values(self, params: dict) -> dict:

@@ -19,6 +19,7 @@ import threading
 import warnings
 import weakref
 from collections import Counter, defaultdict
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,7 +30,7 @@ from .arrays import _KINDS, _NAME_CACHE, _TORCH_DTYPES, Bits16, TensorRef, _kind
 from .errors import (ArgumentError, DeviceError, DeviceSideError, FactorError,
                      FactorNotFoundError, KernelError, LayoutError)
 from .hardware import Hardware, resolve
-from .manifest import Manifest, bool_like, load_all
+from .manifest import Manifest, bool_like, fallback_problem, load_all
 from .tuning import TuningTable
 
 PATHS = ("plugin", "kernel_fallback", "python_fallback")
@@ -941,7 +942,9 @@ class FactorRegistry:
         raise FactorNotFoundError(f"no factor named '{name}': known are {sorted(set(self.manifests) | set(self._chosen))}")
 
     def stats(self) -> dict:
-        """name -> {'plugin': n, 'kernel_fallback': n, 'python_fallback': n, 'errors': n}."""
+        """name -> {'plugin': n, 'kernel_fallback': n, 'python_fallback': n, 'errors': n}: the
+        calls each path served, and the calls that raised instead (an argument refused, a
+        kernel's error status, no path that took the call, a Python fallback that failed)."""
         with self._lock:
             return {n: {k: c.get(k, 0) for k in (*PATHS, "errors")} for n, c in self._stats.items()}
 
@@ -1020,6 +1023,7 @@ class FactorRegistry:
         except AttributeError:
             if isinstance(arrays, dict):
                 raise
+            self._count(name, "errors")
             raise ArgumentError(name, "arrays", "type", "a dict {argument name: array}",
                                 type(arrays).__name__) from None
         except ArgumentError as exc:   # TensorRef.of does not know the factor: name it
@@ -1105,8 +1109,14 @@ class FactorRegistry:
                          pvals: dict, device: int) -> str:
         """Run ``name``'s Python fallback (set_fallback's, else the manifest's) on checked
         arrays; returns 'python_fallback'. Raises FactorError (why no plugin took the call)
-        when there is none."""
-        fn = self._fallbacks.get(name) or m.fallback_fn()
+        when there is none, or one that cannot be loaded, or that raised (then naming the
+        factor and the fallback); each counts in stats()' errors."""
+        fn = self._fallbacks.get(name)
+        try:
+            fn = fn or m.fallback_fn()
+        except FactorError:
+            self._count(name, "errors")
+            raise
         if fn is None:
             self._count(name, "errors")
             if plugin is None:
@@ -1121,11 +1131,31 @@ class FactorRegistry:
                 why = "its plugin and kernel_fallback declined the call"
             raise FactorError(f"{name}: no plugin took the call ({why}) and the manifest names no "
                               "Python fallback")
-        flags = fn(refs_by_name, sizes, pvals)
+        try:
+            flags = fn(refs_by_name, sizes, pvals)
+        except FactorError:   # its own error, naming the factor already
+            self._count(name, "errors")
+            raise
+        except Exception as exc:
+            self._count(name, "errors")
+            raise FactorError(f"{name}: the Python fallback {self._fallback_label(name, m, fn)} raised "
+                              f"{type(exc).__name__}: {exc}") from exc
+        if flags is not None and not isinstance(flags, Mapping):
+            self._count(name, "errors")
+            raise FactorError(f"{name}: the Python fallback {self._fallback_label(name, m, fn)} returned "
+                              f"{type(flags).__name__} {flags!r:.80}; expected None or a Counter of "
+                              "device-flag texts")
         if flags:
             with self._lock:
                 self._flags[name].update(flags)
         return "python_fallback"
+
+    def _fallback_label(self, name: str, m: Manifest, fn) -> str:
+        """The Python fallback ``fn`` of ``name`` as an error names it: set_fallback's (its
+        qualified name), or the manifest's 'module:function' and file."""
+        if self._fallbacks.get(name) is fn:
+            return f"set with set_fallback ({getattr(fn, '__qualname__', type(fn).__name__)})"
+        return f"{m.fallback!r} (manifest {m.path})"
 
     def _remember_fast(self, key, plugin: Plugin, m: Manifest, refs_by_name: dict, dims, dims_c,
                        sizes: dict, pvals: dict, device: int, spans: dict) -> None:
@@ -1173,13 +1203,33 @@ class FactorRegistry:
 
     def set_tuning(self, name: str, fn) -> None:
         """Fill ``name``'s tuned dims with ``fn(sizes) -> int`` instead of the tuning table
-        (benchmarks/tune_moe.py forces each choice this way); None restores the table."""
+        (benchmarks/tune_moe.py forces each choice this way); None restores the table.
+        Raises FactorNotFoundError for an unknown factor, FactorError for an ``fn`` that is not
+        callable or a factor without tuned dims (nothing would ever call ``fn``)."""
+        m = self.manifest(name)
+        if fn is not None:
+            if not callable(fn):
+                raise FactorError(f"set_tuning: fn: expected a callable fn(sizes) -> int or None, "
+                                  f"got {type(fn).__name__} {fn!r:.80}")
+            if not m.tuned_dims:
+                raise FactorError(f"set_tuning: {name}: expected a factor with tuned dims "
+                                  "(dim_sources {tuned: DEFAULT}), got one with none: nothing would "
+                                  "call fn")
         self.tuning.override(name, fn)
         self._bind_cache.clear()
         self._fast_calls.clear()
 
     def set_fallback(self, name: str, fn) -> None:
-        """Use ``fn(arrays, sizes, params)`` as the Python fallback of ``name`` (over the manifest's)."""
+        """Use ``fn(arrays, sizes, params)`` as the Python fallback of ``name`` (over the
+        manifest's); None restores the manifest's. Raises FactorNotFoundError for an unknown
+        factor, FactorError for an ``fn`` that cannot be called so (fallback_problem)."""
+        self.manifest(name)
+        if fn is None:
+            self._fallbacks.pop(name, None)
+            return
+        problem = fallback_problem(fn)
+        if problem:
+            raise FactorError(f"set_fallback: fn: {problem}")
         self._fallbacks[name] = fn
 
     def _workspace(self, plugin: Plugin, dims, device: int, stream: int):

@@ -286,6 +286,10 @@ def test_manifest_cross_references_fallback_and_reserved_ids_are_checked_at_load
         "constraint": (lambda t: t + "constraints: ['N <= M']\n", "M is no size"),
         "fallback": (lambda t: t.replace("fallback: tests.plugins.host_scale_fallback:scale",
                                          "fallback: nosuch_mod:scale"), "fallback 'nosuch_mod:scale' cannot be loaded"),
+        # callable, but not as fn(arrays, sizes, params): every call falling back raised TypeError
+        "sig": (lambda t: t.replace("fallback: tests.plugins.host_scale_fallback:scale", "fallback: os:system"),
+                "fallback: 'os:system': expected a callable fn(arrays, sizes, params), got one with "
+                "signature (command)"),
     }
     for i, (stem, (change, _)) in enumerate(cases.items()):
         _manifest_variant(folder, stem, f"host_scale_{stem}", 1101 + i, change)
