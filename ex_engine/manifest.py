@@ -4,7 +4,7 @@ A manifest names the kernel's output, input and aux inputs in ABI order, each wi
 shape ("T", "2*I"), allowed dtypes and a role; the order of dims[]; where each dim comes from
 (a size, a dtype code, a user parameter, a row stride); user parameters ({type: float | int |
 bool, default, gt: a lower bound a float must exceed}); constraints between sizes; the Python
-fallback; tolerances and test shapes. ``Manifest.bind`` checks a call's arrays against it and
+fallback; tolerances (DEFAULT_TOLERANCE for a dtype not named) and test shapes. ``Manifest.bind`` checks a call's arrays against it and
 returns the dims to pass, raising an ArgumentError subclass that names the factor, the
 argument, the rule, what was expected and what came.
 """
@@ -68,6 +68,9 @@ def fallback_problem(fn) -> str:
         return f"expected a callable fn(arrays, sizes, params), got one with signature {sig}"
     return ""
 
+
+DEFAULT_TOLERANCE = 1e-5   # verify's relative tolerance for a dtype the manifest's tolerance omits
+_FALLBACK = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$")
 
 _TERM = re.compile(r"^\s*(?:(\d+)\s*\*\s*)?([A-Za-z_]\w*)\s*(?:\*\s*(\d+))?\s*$")
 _CONSTRAINT = re.compile(r"^\s*(\w+)\s*(<=|<|==|>=|>)\s*(\w+)\s*$")
@@ -171,7 +174,7 @@ class Manifest:
                                   f"default: ...}}, got {spec!r}")
         if m.memory not in ("device", "host"):
             raise FactorError(f"manifest {path}: memory: expected 'device' or 'host', got {m.memory!r}")
-        problem = m._structure_problem()
+        problem = m._structure_problem() or m._fields_problem()
         if problem:
             raise FactorError(f"manifest {path}: {problem}")
         if raw is not None:
@@ -225,6 +228,51 @@ class Manifest:
             if unknown:
                 return f"constraint {text!r}: {unknown[0]} is no size of the manifest's arrays"
         return ""
+
+    def _fields_problem(self) -> str:
+        """What in the fields only ``verify`` and the fallback read is wrong ('' if nothing),
+        checked at load so that a plugin is not ready with a manifest every verify case (or
+        every call that falls back) would fail on: ``fallback`` is 'module:function';
+        ``tolerance`` maps known dtypes to numbers > 0 (a dtype it omits gets
+        DEFAULT_TOLERANCE, which verify's table marks); each ``test_shapes`` entry gives every
+        size of the required arrays as an integer >= 0 and parameters of their declared type."""
+        if self.fallback is not None and not (isinstance(self.fallback, str) and _FALLBACK.match(self.fallback)):
+            return f"fallback: expected 'module:function' (e.g. ex_engine.fallbacks:topk_softmax), got {self.fallback!r}"
+        for dt, tol in self.tolerance.items():
+            if dt not in abi.DTYPE_CODES:
+                return f"tolerance: {dt}: expected a dtype, one of {sorted(abi.DTYPE_CODES)}"
+            if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not 0 < tol < float("inf"):
+                return (f"tolerance: {dt}: expected a relative error > 0 (e.g. 1.0e-5), got "
+                        f"{type(tol).__name__} {tol!r}")
+        needed = sorted({sym for t in self.tensors if not t.optional and t.role != "workspace"
+                         for _, sym in t.parsed if sym is not None})
+        for i, case in enumerate(self.test_shapes):
+            if not isinstance(case, dict):
+                return f"test_shapes[{i}]: expected a mapping {{size: integer, parameter: value}}, got {case!r}"
+            for k, v in case.items():
+                if k in self.params:
+                    continue
+                if k not in self.size_names:
+                    return (f"test_shapes[{i}]: {k}: expected a size ({', '.join(sorted(self.size_names))}) "
+                            f"or a parameter ({', '.join(sorted(self.params)) or 'none'})")
+                if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                    return f"test_shapes[{i}]: {k}: expected an integer >= 0, got {type(v).__name__} {v!r}"
+            missing = [k for k in needed if k not in case]
+            if missing:
+                return f"test_shapes[{i}]: expected every size of the required arrays ({', '.join(needed)}), " \
+                       f"got no {', '.join(missing)}"
+            try:
+                self.param_values({k: v for k, v in case.items() if k in self.params})
+            except ArgumentError as exc:
+                return f"test_shapes[{i}]: {exc.argument}: expected {exc.expected}, got {exc.got}"
+        return ""
+
+    def tolerance_for(self, dtype: str) -> tuple:
+        """(verify's relative tolerance for ``dtype``, whether it is DEFAULT_TOLERANCE because
+        the manifest's tolerance does not name the dtype)."""
+        if dtype in self.tolerance:
+            return float(self.tolerance[dtype]), False
+        return DEFAULT_TOLERANCE, True
 
     # ------------------------------------------------------------------------------------
     @property

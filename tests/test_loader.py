@@ -306,7 +306,10 @@ def test_manifest_cross_references_fallback_and_reserved_ids_are_checked_at_load
 
     vfolder = tmp_path / "v"
     build_plugin(vfolder)
-    _manifest_variant(vfolder, "neg", "host_scale_neg", 1110, lambda t: t.replace("{N: 7}", "{N: -3}"))
+    # (a negative size is refused as the manifest loads now: an ids_below naming no size is not)
+    _manifest_variant(vfolder, "neg", "host_scale_neg", 1110,
+                      lambda t: t.replace("input: {name: x, shape: [N], dtype: [float32]}",
+                                          "input: {name: x, shape: [N], dtype: [float32], values: {ids_below: Q}}"))
     reg = FactorRegistry.load(vfolder, hardware="h200", verify=True)
     st = {p.path.stem: p for p in reg.plugins}
     assert st["neg"].status == "rejected" and "could not run" in st["neg"].reason, st["neg"].reason
@@ -559,3 +562,45 @@ def test_a_symlink_loop_is_a_rejected_row_not_a_crash(tmp_path, capsys):
     assert cli_main(["list-factors", "--dir", str(folder), "--hardware", "h200"]) == 0
     out = capsys.readouterr().out
     assert "loop.so" in out and "rejected" in out, out
+
+
+def test_manifest_tolerance_test_shapes_and_fallback_are_checked_at_load(tmp_path, capsys):
+    """A tolerance of -1 or "abc", a test shape N: 7.5 (or a size the factor has not, or none
+    for N) and a fallback that is no 'module:function' made a ready plugin whose every verify
+    case failed (or ran N = 7.5); each refuses its plugin at load, naming the file and the
+    field, and the rest load. A dtype the tolerance does not name gets the default, which
+    verify's table says."""
+    from ex_engine.verify import format_table, verify_plugin
+    folder = tmp_path / "p"
+    build_plugin(folder)
+    tol = "tolerance: {float32: 1.0e-6}"
+    cases = {
+        "neg": (lambda t: t.replace(tol, "tolerance: {float32: -1}"),
+                "tolerance: float32: expected a relative error > 0 (e.g. 1.0e-5), got int -1"),
+        "str": (lambda t: t.replace(tol, "tolerance: {float32: abc}"),
+                "tolerance: float32: expected a relative error > 0 (e.g. 1.0e-5), got str 'abc'"),
+        "dt": (lambda t: t.replace(tol, "tolerance: {float23: 1.0e-6}"), "tolerance: float23: expected a dtype"),
+        "frac": (lambda t: t.replace("{N: 7}", "{N: 7.5}"),
+                 "test_shapes[0]: N: expected an integer >= 0, got float 7.5"),
+        "neg_n": (lambda t: t.replace("{N: 7}", "{N: -3}"), "test_shapes[0]: N: expected an integer >= 0, got int -3"),
+        "sym": (lambda t: t.replace("{N: 7}", "{N: 7, M: 2}"), "test_shapes[0]: M: expected a size (N) or a parameter"),
+        "none": (lambda t: t.replace("{N: 7}", "{}"),
+                 "test_shapes[0]: expected every size of the required arrays (N), got no N"),
+        "fb": (lambda t: t.replace("fallback: tests.plugins.host_scale_fallback:scale", "fallback: os.system"),
+               "fallback: expected 'module:function'"),
+    }
+    for i, (stem, (change, _)) in enumerate(cases.items()):
+        _manifest_variant(folder, stem, f"host_scale_{stem}", 1101 + i, change)
+    _manifest_variant(folder, "omit", "host_scale_omit", 1120, lambda t: t.replace(tol, "tolerance: {float16: 1.0e-3}"))
+    reg = FactorRegistry.load(folder, hardware="h200")
+    st = {p.path.stem: p for p in reg.plugins}
+    for stem, (_, needle) in cases.items():
+        assert st[stem].status == "rejected", (stem, st[stem].reason)
+        assert f"host_scale_{stem}.yaml: {needle}" in st[stem].reason, (stem, st[stem].reason)
+    assert call(reg)[0] == "plugin"
+    assert st["omit"].status == "ready", st["omit"].reason
+    res = verify_plugin(reg, st["omit"], isolate=False, count=False)
+    assert [r.status for r in res] == ["pass"] and res[0].tol == 1e-5 and res[0].tol_default
+    assert "1e-05 (default)" in format_table(res)
+    res = verify_plugin(reg, st["host_scale"], isolate=False, count=False)
+    assert res[0].tol == 1e-6 and not res[0].tol_default and "(default)" not in format_table(res)
