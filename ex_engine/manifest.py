@@ -151,6 +151,10 @@ class Manifest:
                 d = yaml.safe_load(raw.decode())
             else:
                 d = data
+            if not isinstance(d, dict):   # None for an empty file (or one of comments only)
+                raise FactorError("empty: expected a factor manifest (name, id, dims, output, input, ...)"
+                                  if d is None else f"expected a mapping (name, id, dims, ...), got "
+                                  f"{type(d).__name__}")
             m = cls(name=d["name"], id=int(d["id"]), summary=d.get("summary", ""),
                     math=d.get("math", ""), dims=list(d["dims"]),
                     output=TensorSpec.from_yaml(d["output"], "output"),
@@ -537,6 +541,29 @@ class Manifest:
             ref = arrays[src["row_stride_of"]]
             return int(ref.strides[0]) if len(ref.shape) == 2 and ref.shape[0] > 1 else int(ref.shape[-1])
         raise FactorError(f"manifest {self.path}: dim '{d}': unknown source {src}")
+
+
+def why_not_found(path, name: str) -> str:
+    """Why the file ``path`` (<name>.yaml in a manifests folder) gave no manifest named
+    ``name`` although it is there ('' if it is not a readable file, or gave nothing to say):
+    empty, not a mapping, no name field, or a name field that differs."""
+    path = Path(path)
+    try:
+        if not path.is_file():
+            return ""
+        d = yaml.safe_load(path.read_bytes().decode())
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return ""   # load_all reported it already
+    if d is None:
+        return f"manifest {path}: empty: expected the manifest of '{name}' (name, id, dims, ...)"
+    if not isinstance(d, dict):
+        return f"manifest {path}: expected a mapping (name, id, dims, ...), got {type(d).__name__}"
+    if "name" not in d:
+        return f"manifest {path}: no name field: expected name: {name}"
+    if d["name"] != name:
+        return (f"manifest {path}: names {d['name']!r}, the library {name!r}: the manifest must "
+                "name its factor as the library does")
+    return ""
 
 
 def load_all(folder, errors: dict | None = None) -> dict:

@@ -30,7 +30,7 @@ from .arrays import _KINDS, _NAME_CACHE, _TORCH_DTYPES, Bits16, TensorRef, _kind
 from .errors import (ArgumentError, DeviceError, DeviceSideError, FactorError,
                      FactorNotFoundError, KernelError, LayoutError)
 from .hardware import Hardware, resolve
-from .manifest import Manifest, bool_like, fallback_problem, load_all
+from .manifest import Manifest, bool_like, fallback_problem, load_all, why_not_found
 from .tuning import TuningTable
 
 PATHS = ("plugin", "kernel_fallback", "python_fallback")
@@ -575,6 +575,8 @@ class FactorRegistry:
         m = self.manifests.get(name)
         if m is None and name in self.manifest_errors:
             return None, self.manifest_errors[name]
+        if m is None:   # <name>.yaml may be there and say why it is no manifest of name
+            return None, why_not_found(self.manifests_dir / f"{name}.yaml", name)
         return m, ""
 
     def _lock_path(self, folder: Path):

@@ -604,3 +604,36 @@ def test_manifest_tolerance_test_shapes_and_fallback_are_checked_at_load(tmp_pat
     assert "1e-05 (default)" in format_table(res)
     res = verify_plugin(reg, st["host_scale"], isolate=False, count=False)
     assert res[0].tol == 1e-6 and not res[0].tol_default and "(default)" not in format_table(res)
+
+
+def test_a_manifest_that_is_there_but_empty_or_misnamed_says_so(tmp_path):
+    """An empty <name>.yaml, or one whose name field differs, in the manifests folder gave
+    'expected <name>.yaml beside the library or in the manifests folder, found none' although
+    the file is there: the reason says it is empty / names another factor. Beside the library
+    an empty file said 'malformed (TypeError: 'NoneType' object is not subscriptable)'."""
+    import shutil
+    mdir, plugins = tmp_path / "manifests", tmp_path / "plugins"
+    mdir.mkdir()
+    good = (ROOT / "tests" / "plugins" / "host_scale.yaml").read_text()
+    (mdir / "host_scale.yaml").write_text("")
+    (mdir / "host_scale_b.yaml").write_text(good.replace("name: host_scale", "name: host_scale_bb")
+                                            .replace("id: 1100", "id: 1101"))
+    (mdir / "host_scale_c.yaml").write_text("# nothing but a comment\n- 1\n")
+    build_plugin(plugins, manifest=False)
+    build_plugin(plugins, "b", manifest=False, defines={"NAME": '"host_scale_b"', "FACTOR_ID": 1101})
+    build_plugin(plugins, "c", manifest=False, defines={"NAME": '"host_scale_c"', "FACTOR_ID": 1102})
+    build_plugin(plugins, "d", manifest=False, defines={"NAME": '"host_scale_d"', "FACTOR_ID": 1103})
+    reg = FactorRegistry.load(plugins, hardware="h200", manifests_dir=mdir)
+    st = {p.path.stem: p for p in reg.plugins}
+    assert st["host_scale"].reason == (f"manifest: manifest {mdir / 'host_scale.yaml'}: empty: expected the "
+                                       "manifest of 'host_scale' (name, id, dims, ...)"), st["host_scale"].reason
+    assert st["b"].reason == (f"manifest: manifest {mdir / 'host_scale_b.yaml'}: names 'host_scale_bb', the "
+                              "library 'host_scale_b': the manifest must name its factor as the library does")
+    assert "host_scale_c.yaml: expected a mapping (name, id, dims, ...), got list" in st["c"].reason
+    assert "expected host_scale_d.yaml beside the library or in the manifests folder, found none" in st["d"].reason
+    beside = tmp_path / "beside"
+    build_plugin(beside)
+    (beside / "host_scale.yaml").write_text("# emptied\n")
+    p = FactorRegistry.load(beside, hardware="h200").plugins[0]
+    assert p.status == "rejected" and p.reason.endswith("host_scale.yaml: empty: expected a factor manifest "
+                                                        "(name, id, dims, output, input, ...)"), p.reason
