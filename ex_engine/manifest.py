@@ -51,6 +51,11 @@ def _to_f32(v: float) -> float:
         return float("inf") if v > 0 else float("-inf")
 
 
+def _is_int(v) -> bool:
+    """An int, not a bool."""
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
 def fallback_problem(fn) -> str:
     """Why ``fn`` cannot serve as a Python fallback, called as ``fn(arrays, sizes, params)``
     ('' if it can): not callable, or a signature that does not take three positional
@@ -222,6 +227,21 @@ class Manifest:
                 return f"dim_sources: {d}: expected one of {sorted(kinds)}, got {src!r}"
             if kinds[kind] is not None and src[kind] not in kinds[kind]:
                 return f"dim_sources: {d}: {kind}: expected one of {sorted(kinds[kind])}, got {src[kind]!r}"
+        for d in self.tuned_dims:
+            src, what = self.dim_sources[d], None
+            if "range" in src:
+                r = src["range"]
+                if not (isinstance(r, list) and len(r) == 2 and all(_is_int(v) for v in r) and r[0] <= r[1]):
+                    return f"dim_sources: {d}: range: expected [LOWEST, HIGHEST] (integers), got {r!r}"
+            if "options" in src:
+                o = src["options"]
+                if not (isinstance(o, list) and o and all(_is_int(v) for v in o)):
+                    return f"dim_sources: {d}: options: expected a non-empty list of integers, got {o!r}"
+            if not _is_int(src["tuned"]):
+                return f"dim_sources: {d}: tuned: expected the default value (an integer), got {src['tuned']!r}"
+            allowed = self.tuned_allowed(d)
+            if not allowed[0](src["tuned"]):
+                return f"dim_sources: {d}: tuned: the default {src['tuned']} is outside {allowed[1]}"
         for d in self.dims:
             if d not in syms and d not in self.dim_sources:
                 return f"dims: {d}: expected a size of an array's shape or a dim_sources entry, got neither"
@@ -317,6 +337,16 @@ class Manifest:
     def tuned_dims(self) -> list:
         """Dims whose source is ``{tuned: DEFAULT}`` (a tuning table fills them)."""
         return [d for d, src in self.dim_sources.items() if isinstance(src, dict) and "tuned" in src]
+
+    def tuned_allowed(self, dim: str) -> tuple:
+        """(predicate, text) of the values tuned dim ``dim`` takes: its dim_sources entry's
+        ``range: [LO, HI]`` (inclusive) and/or ``options: [...]``; any integer when it gives
+        neither (text '')."""
+        src = self.dim_sources.get(dim) or {}
+        rng, opts = src.get("range"), src.get("options")
+        texts = ([f"the range {rng[0]}..{rng[1]}"] if rng else []) + ([f"the options {opts}"] if opts else [])
+        return ((lambda v: (not rng or rng[0] <= v <= rng[1]) and (not opts or v in opts)),
+                " and ".join(texts))
 
     @property
     def workspace_index(self) -> int | None:

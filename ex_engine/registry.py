@@ -886,7 +886,7 @@ class FactorRegistry:
         self.notes = [n for n in self.notes if not (n.startswith("tuning:") and marker in n)]
         known = dict(self.manifests)
         known.update({p.name: p.manifest for p in self.plugins if p.manifest is not None})
-        self.notes.extend(f"tuning: {msg}" for msg in self.tuning.unused(known))
+        self.notes.extend(f"tuning: {msg}" for msg in self.tuning.check(known))
 
     def _choose(self) -> None:
         """Pick one ready plugin per name: the user's ``prefer``, else highest version, then
