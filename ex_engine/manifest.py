@@ -228,7 +228,7 @@ class Manifest:
             if kinds[kind] is not None and src[kind] not in kinds[kind]:
                 return f"dim_sources: {d}: {kind}: expected one of {sorted(kinds[kind])}, got {src[kind]!r}"
         for d in self.tuned_dims:
-            src, what = self.dim_sources[d], None
+            src = self.dim_sources[d]
             if "range" in src:
                 r = src["range"]
                 if not (isinstance(r, list) and len(r) == 2 and all(_is_int(v) for v in r) and r[0] <= r[1]):

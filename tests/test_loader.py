@@ -611,7 +611,6 @@ def test_a_manifest_that_is_there_but_empty_or_misnamed_says_so(tmp_path):
     'expected <name>.yaml beside the library or in the manifests folder, found none' although
     the file is there: the reason says it is empty / names another factor. Beside the library
     an empty file said 'malformed (TypeError: 'NoneType' object is not subscriptable)'."""
-    import shutil
     mdir, plugins = tmp_path / "manifests", tmp_path / "plugins"
     mdir.mkdir()
     good = (ROOT / "tests" / "plugins" / "host_scale.yaml").read_text()
