@@ -4,7 +4,7 @@ A manifest names the kernel's output, input and aux inputs in ABI order, each wi
 shape ("T", "2*I"), allowed dtypes and a role; the order of dims[]; where each dim comes from
 (a size, a dtype code, a user parameter, a row stride); user parameters ({type: float | int |
 bool, default, gt: a lower bound a float must exceed}); constraints between sizes; the Python
-fallback; tolerances and test shapes. ``Manifest.bind`` checks a call's arrays against it and
+fallback; tolerances (DEFAULT_TOLERANCE for a dtype not named) and test shapes. ``Manifest.bind`` checks a call's arrays against it and
 returns the dims to pass, raising an ArgumentError subclass that names the factor, the
 argument, the rule, what was expected and what came.
 """
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import inspect
 import operator
 import re
 import struct
@@ -49,6 +50,32 @@ def _to_f32(v: float) -> float:
     except OverflowError:   # struct refuses to round what lies beyond float32's range
         return float("inf") if v > 0 else float("-inf")
 
+
+def _is_int(v) -> bool:
+    """An int, not a bool."""
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def fallback_problem(fn) -> str:
+    """Why ``fn`` cannot serve as a Python fallback, called as ``fn(arrays, sizes, params)``
+    ('' if it can): not callable, or a signature that does not take three positional
+    arguments (``os:system`` takes one). A callable whose signature Python cannot read (some
+    builtins) passes: the call decides."""
+    if not callable(fn):
+        return f"expected a callable fn(arrays, sizes, params), got {type(fn).__name__} {fn!r:.80}"
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return ""
+    try:
+        sig.bind(None, None, None)
+    except TypeError:
+        return f"expected a callable fn(arrays, sizes, params), got one with signature {sig}"
+    return ""
+
+
+DEFAULT_TOLERANCE = 1e-5   # verify's relative tolerance for a dtype the manifest's tolerance omits
+_FALLBACK = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$")
 
 _TERM = re.compile(r"^\s*(?:(\d+)\s*\*\s*)?([A-Za-z_]\w*)\s*(?:\*\s*(\d+))?\s*$")
 _CONSTRAINT = re.compile(r"^\s*(\w+)\s*(<=|<|==|>=|>)\s*(\w+)\s*$")
@@ -129,6 +156,10 @@ class Manifest:
                 d = yaml.safe_load(raw.decode())
             else:
                 d = data
+            if not isinstance(d, dict):   # None for an empty file (or one of comments only)
+                raise FactorError("empty: expected a factor manifest (name, id, dims, output, input, ...)"
+                                  if d is None else f"expected a mapping (name, id, dims, ...), got "
+                                  f"{type(d).__name__}")
             m = cls(name=d["name"], id=int(d["id"]), summary=d.get("summary", ""),
                     math=d.get("math", ""), dims=list(d["dims"]),
                     output=TensorSpec.from_yaml(d["output"], "output"),
@@ -152,7 +183,7 @@ class Manifest:
                                   f"default: ...}}, got {spec!r}")
         if m.memory not in ("device", "host"):
             raise FactorError(f"manifest {path}: memory: expected 'device' or 'host', got {m.memory!r}")
-        problem = m._structure_problem()
+        problem = m._structure_problem() or m._fields_problem()
         if problem:
             raise FactorError(f"manifest {path}: {problem}")
         if raw is not None:
@@ -196,6 +227,21 @@ class Manifest:
                 return f"dim_sources: {d}: expected one of {sorted(kinds)}, got {src!r}"
             if kinds[kind] is not None and src[kind] not in kinds[kind]:
                 return f"dim_sources: {d}: {kind}: expected one of {sorted(kinds[kind])}, got {src[kind]!r}"
+        for d in self.tuned_dims:
+            src = self.dim_sources[d]
+            if "range" in src:
+                r = src["range"]
+                if not (isinstance(r, list) and len(r) == 2 and all(_is_int(v) for v in r) and r[0] <= r[1]):
+                    return f"dim_sources: {d}: range: expected [LOWEST, HIGHEST] (integers), got {r!r}"
+            if "options" in src:
+                o = src["options"]
+                if not (isinstance(o, list) and o and all(_is_int(v) for v in o)):
+                    return f"dim_sources: {d}: options: expected a non-empty list of integers, got {o!r}"
+            if not _is_int(src["tuned"]):
+                return f"dim_sources: {d}: tuned: expected the default value (an integer), got {src['tuned']!r}"
+            allowed = self.tuned_allowed(d)
+            if not allowed[0](src["tuned"]):
+                return f"dim_sources: {d}: tuned: the default {src['tuned']} is outside {allowed[1]}"
         for d in self.dims:
             if d not in syms and d not in self.dim_sources:
                 return f"dims: {d}: expected a size of an array's shape or a dim_sources entry, got neither"
@@ -206,6 +252,51 @@ class Manifest:
             if unknown:
                 return f"constraint {text!r}: {unknown[0]} is no size of the manifest's arrays"
         return ""
+
+    def _fields_problem(self) -> str:
+        """What in the fields only ``verify`` and the fallback read is wrong ('' if nothing),
+        checked at load so that a plugin is not ready with a manifest every verify case (or
+        every call that falls back) would fail on: ``fallback`` is 'module:function';
+        ``tolerance`` maps known dtypes to numbers > 0 (a dtype it omits gets
+        DEFAULT_TOLERANCE, which verify's table marks); each ``test_shapes`` entry gives every
+        size of the required arrays as an integer >= 0 and parameters of their declared type."""
+        if self.fallback is not None and not (isinstance(self.fallback, str) and _FALLBACK.match(self.fallback)):
+            return f"fallback: expected 'module:function' (e.g. ex_engine.fallbacks:topk_softmax), got {self.fallback!r}"
+        for dt, tol in self.tolerance.items():
+            if dt not in abi.DTYPE_CODES:
+                return f"tolerance: {dt}: expected a dtype, one of {sorted(abi.DTYPE_CODES)}"
+            if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not 0 < tol < float("inf"):
+                return (f"tolerance: {dt}: expected a relative error > 0 (e.g. 1.0e-5), got "
+                        f"{type(tol).__name__} {tol!r}")
+        needed = sorted({sym for t in self.tensors if not t.optional and t.role != "workspace"
+                         for _, sym in t.parsed if sym is not None})
+        for i, case in enumerate(self.test_shapes):
+            if not isinstance(case, dict):
+                return f"test_shapes[{i}]: expected a mapping {{size: integer, parameter: value}}, got {case!r}"
+            for k, v in case.items():
+                if k in self.params:
+                    continue
+                if k not in self.size_names:
+                    return (f"test_shapes[{i}]: {k}: expected a size ({', '.join(sorted(self.size_names))}) "
+                            f"or a parameter ({', '.join(sorted(self.params)) or 'none'})")
+                if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                    return f"test_shapes[{i}]: {k}: expected an integer >= 0, got {type(v).__name__} {v!r}"
+            missing = [k for k in needed if k not in case]
+            if missing:
+                return f"test_shapes[{i}]: expected every size of the required arrays ({', '.join(needed)}), " \
+                       f"got no {', '.join(missing)}"
+            try:
+                self.param_values({k: v for k, v in case.items() if k in self.params})
+            except ArgumentError as exc:
+                return f"test_shapes[{i}]: {exc.argument}: expected {exc.expected}, got {exc.got}"
+        return ""
+
+    def tolerance_for(self, dtype: str) -> tuple:
+        """(verify's relative tolerance for ``dtype``, whether it is DEFAULT_TOLERANCE because
+        the manifest's tolerance does not name the dtype)."""
+        if dtype in self.tolerance:
+            return float(self.tolerance[dtype]), False
+        return DEFAULT_TOLERANCE, True
 
     # ------------------------------------------------------------------------------------
     @property
@@ -247,6 +338,16 @@ class Manifest:
         """Dims whose source is ``{tuned: DEFAULT}`` (a tuning table fills them)."""
         return [d for d, src in self.dim_sources.items() if isinstance(src, dict) and "tuned" in src]
 
+    def tuned_allowed(self, dim: str) -> tuple:
+        """(predicate, text) of the values tuned dim ``dim`` takes: its dim_sources entry's
+        ``range: [LO, HI]`` (inclusive) and/or ``options: [...]``; any integer when it gives
+        neither (text '')."""
+        src = self.dim_sources.get(dim) or {}
+        rng, opts = src.get("range"), src.get("options")
+        texts = ([f"the range {rng[0]}..{rng[1]}"] if rng else []) + ([f"the options {opts}"] if opts else [])
+        return ((lambda v: (not rng or rng[0] <= v <= rng[1]) and (not opts or v in opts)),
+                " and ".join(texts))
+
     @property
     def workspace_index(self) -> int | None:
         """Index into aux of the workspace, or None."""
@@ -257,7 +358,8 @@ class Manifest:
 
     def fallback_fn(self):
         """The Python fallback callable named by 'module:function', or None. Raises FactorError
-        naming the manifest if it cannot be imported or is not callable."""
+        naming the manifest if it cannot be imported, is not callable or cannot be called as
+        ``fn(arrays, sizes, params)`` (fallback_problem)."""
         if not self.fallback:
             return None
         mod, _, fn = self.fallback.partition(":")
@@ -266,8 +368,11 @@ class Manifest:
         except Exception as exc:  # ImportError, AttributeError, or the module's own error
             raise FactorError(f"manifest {self.path}: fallback {self.fallback!r} cannot be loaded "
                               f"({type(exc).__name__}: {exc})") from None
-        if not callable(f):
-            raise FactorError(f"manifest {self.path}: fallback {self.fallback!r} is not callable")
+        if self.__dict__.get("_fallback_checked") is not f:   # the signature read once per function
+            problem = fallback_problem(f)
+            if problem:
+                raise FactorError(f"manifest {self.path}: fallback: {self.fallback!r}: {problem}")
+            self._fallback_checked = f
         return f
 
     def param_values(self, params: dict) -> dict:
@@ -466,6 +571,29 @@ class Manifest:
             ref = arrays[src["row_stride_of"]]
             return int(ref.strides[0]) if len(ref.shape) == 2 and ref.shape[0] > 1 else int(ref.shape[-1])
         raise FactorError(f"manifest {self.path}: dim '{d}': unknown source {src}")
+
+
+def why_not_found(path, name: str) -> str:
+    """Why the file ``path`` (<name>.yaml in a manifests folder) gave no manifest named
+    ``name`` although it is there ('' if it is not a readable file, or gave nothing to say):
+    empty, not a mapping, no name field, or a name field that differs."""
+    path = Path(path)
+    try:
+        if not path.is_file():
+            return ""
+        d = yaml.safe_load(path.read_bytes().decode())
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return ""   # load_all reported it already
+    if d is None:
+        return f"manifest {path}: empty: expected the manifest of '{name}' (name, id, dims, ...)"
+    if not isinstance(d, dict):
+        return f"manifest {path}: expected a mapping (name, id, dims, ...), got {type(d).__name__}"
+    if "name" not in d:
+        return f"manifest {path}: no name field: expected name: {name}"
+    if d["name"] != name:
+        return (f"manifest {path}: names {d['name']!r}, the library {name!r}: the manifest must "
+                "name its factor as the library does")
+    return ""
 
 
 def load_all(folder, errors: dict | None = None) -> dict:

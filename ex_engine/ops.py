@@ -39,8 +39,12 @@ def resolve_registry(registry) -> FactorRegistry:
 
 
 def set_default_registry(registry: FactorRegistry | None) -> None:
-    """Replace the process-wide registry (None: load again on next use)."""
+    """Replace the process-wide registry (None: load again on next use). Raises FactorError
+    for anything else (a string was accepted, and every later call failed on it)."""
     global _default
+    if registry is not None and not isinstance(registry, FactorRegistry):
+        raise FactorError(f"registry: expected a FactorRegistry or None, got {type(registry).__name__} "
+                          f"{registry!r:.80}")
     with _default_lock:
         _default = registry
 

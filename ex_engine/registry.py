@@ -19,6 +19,7 @@ import threading
 import warnings
 import weakref
 from collections import Counter, defaultdict
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,7 +30,7 @@ from .arrays import _KINDS, _NAME_CACHE, _TORCH_DTYPES, Bits16, TensorRef, _kind
 from .errors import (ArgumentError, DeviceError, DeviceSideError, FactorError,
                      FactorNotFoundError, KernelError, LayoutError)
 from .hardware import Hardware, resolve
-from .manifest import Manifest, bool_like, load_all
+from .manifest import Manifest, bool_like, fallback_problem, load_all, why_not_found
 from .tuning import TuningTable
 
 PATHS = ("plugin", "kernel_fallback", "python_fallback")
@@ -358,6 +359,24 @@ _OPENED: dict = {}
 _OPENED_LOCK = threading.Lock()
 
 
+def _resolved(path: Path) -> Path:
+    """``path`` with its links followed, or ``path`` itself (absolute) where that cannot be
+    done: a symlink loop (RuntimeError before Python 3.13, OSError after) or another OS error.
+    Reading the file then fails with the reason, which the caller reports (a rejected row)."""
+    try:
+        return path.resolve()
+    except (OSError, RuntimeError):
+        return path.absolute()
+
+
+def _path_arg(arg: str, value, what: str) -> Path:
+    """``value`` as a Path, or FactorError naming ``arg`` when it is not a str or os.PathLike
+    (Path() would raise a bare TypeError)."""
+    if not isinstance(value, (str, os.PathLike)):
+        raise FactorError(f"{arg}: expected {what}, got {type(value).__name__} {value!r:.80}")
+    return Path(value)
+
+
 def _caller_stacklevel() -> int:
     """warnings.warn's stacklevel that names the first frame outside ex_engine (the user's
     call), whatever path inside the package led to the warning."""
@@ -437,7 +456,8 @@ class FactorRegistry:
                 isinstance(k, str) and isinstance(v, (str, os.PathLike)) for k, v in prefer.items())):
             raise FactorError(f"prefer: expected a mapping {{factor name: library file name or path}}, "
                               f"got {prefer!r}")
-        if manifests_dir is not None and not Path(manifests_dir).is_dir():
+        if manifests_dir is not None and not _path_arg("manifests_dir", manifests_dir,
+                                                       "a directory path or None").is_dir():
             raise FactorError(f"manifests_dir '{manifests_dir}': not a directory")
         self.hardware: Hardware = hw
         # a malformed manifest rejects only the plugins that need it (see _find_manifest)
@@ -497,9 +517,8 @@ class FactorRegistry:
             remembered in $EX_ENGINE_CACHE/verified.json (default ~/.cache/ex_engine).
         Raises FactorError if ``folder`` is not a directory or the lock file is unreadable.
         """
-        if folder is not None and not isinstance(folder, (str, os.PathLike)):
-            raise FactorError(f"folder: expected a directory path, got {type(folder).__name__} {folder!r}")
-        folder = Path(folder or _paths.factors_dir())
+        folder = _paths.factors_dir() if folder is None or folder == "" else _path_arg(
+            "folder", folder, "a directory path")
         if lock is True:
             lock = folder / trust.LOCK_NAME
         reg = cls(hardware=hardware, manifests_dir=manifests_dir, prefer=prefer, lock=lock,
@@ -509,8 +528,9 @@ class FactorRegistry:
         return reg
 
     def load_folder(self, folder) -> list:
-        """Load every ``*.so`` in ``folder`` (sorted by name); returns the new Plugin records."""
-        folder = Path(folder)
+        """Load every ``*.so`` in ``folder`` (sorted by name); returns the new Plugin records.
+        Raises FactorError if ``folder`` is not a directory (or not a path at all)."""
+        folder = _path_arg("folder", folder, "a directory path")
         if not folder.is_dir():
             hint = _paths.not_a_checkout() if folder == _paths.factors_dir() else ""
             raise FactorError(f"factor folder '{folder}': not a directory" + (f" ({hint})" if hint else ""))
@@ -526,26 +546,28 @@ class FactorRegistry:
         folder). Only for a lock that sits in ``folder``: a lock given by path may list several
         folders' files."""
         lock_path = self._lock_path(folder)
-        if lock_path is None or not lock_path.is_file() or lock_path.parent.resolve() != folder.resolve():
+        if lock_path is None or not lock_path.is_file() or _resolved(lock_path.parent) != _resolved(folder):
             return   # a missing lock is reported by the first library it should cover
         _, digests = self._lock_for(folder / "_")   # (any file of the folder names its lock)
         for name in sorted(set(digests) - present):
-            note = (f"lock: {lock_path.resolve()} lists {name}, which {folder.resolve()} does not have "
+            note = (f"lock: {_resolved(lock_path)} lists {name}, which {_resolved(folder)} does not have "
                     "(deleted or renamed since the lock was written)")
             if note not in self.notes:
                 self.notes.append(note)
 
     def load_library(self, path) -> Plugin:
         """Load one library file; returns its Plugin record (ready or rejected, never raises
-        except for an unreadable lock file)."""
-        p = self._load_one(Path(path))
+        except for an unreadable lock file, or FactorError for a ``path`` that is not a path)."""
+        p = self._load_one(_path_arg("path", path, "a library file path"))
         self._choose()
         return p
 
     def _find_manifest(self, name: str, folder: Path):
         """(Manifest or None, why none): the one beside the library, else the manifests folder's."""
         beside = folder / f"{name}.yaml"
-        if beside.exists():
+        # a link that leads nowhere (dangling, or a loop: exists() says False) is a broken
+        # manifest beside the library, reported as such, not one to look past
+        if beside.exists() or beside.is_symlink():
             try:
                 return Manifest.load(beside), ""
             except FactorError as exc:
@@ -553,6 +575,8 @@ class FactorRegistry:
         m = self.manifests.get(name)
         if m is None and name in self.manifest_errors:
             return None, self.manifest_errors[name]
+        if m is None:   # <name>.yaml may be there and say why it is no manifest of name
+            return None, why_not_found(self.manifests_dir / f"{name}.yaml", name)
         return m, ""
 
     def _lock_path(self, folder: Path):
@@ -693,7 +717,7 @@ class FactorRegistry:
         # holds one copy of a library, so opening it again could not see a rebuilt file anyway.
         # Absolute (not resolved: a link's own name stays), so a later chdir changes nothing
         path = Path(path).absolute()
-        where = path.resolve()
+        where = _resolved(path)   # a symlink loop stays as named: its read fails below, reported
         if where in self._by_path:
             return self._by_path[where]
         p = self._by_path[where] = Plugin(path=path)
@@ -840,7 +864,7 @@ class FactorRegistry:
         want = Path(want)
         if want.name != p.path.name:
             return False
-        return len(want.parts) == 1 or want.resolve() == p.path.resolve()
+        return len(want.parts) == 1 or _resolved(want) == _resolved(p.path)
 
     @staticmethod
     def _win_rule(win: Plugin, q: Plugin, prefer_text: str) -> str:
@@ -862,7 +886,7 @@ class FactorRegistry:
         self.notes = [n for n in self.notes if not (n.startswith("tuning:") and marker in n)]
         known = dict(self.manifests)
         known.update({p.name: p.manifest for p in self.plugins if p.manifest is not None})
-        self.notes.extend(f"tuning: {msg}" for msg in self.tuning.unused(known))
+        self.notes.extend(f"tuning: {msg}" for msg in self.tuning.check(known))
 
     def _choose(self) -> None:
         """Pick one ready plugin per name: the user's ``prefer``, else highest version, then
@@ -920,7 +944,9 @@ class FactorRegistry:
         raise FactorNotFoundError(f"no factor named '{name}': known are {sorted(set(self.manifests) | set(self._chosen))}")
 
     def stats(self) -> dict:
-        """name -> {'plugin': n, 'kernel_fallback': n, 'python_fallback': n, 'errors': n}."""
+        """name -> {'plugin': n, 'kernel_fallback': n, 'python_fallback': n, 'errors': n}: the
+        calls each path served, and the calls that raised instead (an argument refused, a
+        kernel's error status, no path that took the call, a Python fallback that failed)."""
         with self._lock:
             return {n: {k: c.get(k, 0) for k in (*PATHS, "errors")} for n, c in self._stats.items()}
 
@@ -999,6 +1025,7 @@ class FactorRegistry:
         except AttributeError:
             if isinstance(arrays, dict):
                 raise
+            self._count(name, "errors")
             raise ArgumentError(name, "arrays", "type", "a dict {argument name: array}",
                                 type(arrays).__name__) from None
         except ArgumentError as exc:   # TensorRef.of does not know the factor: name it
@@ -1084,8 +1111,14 @@ class FactorRegistry:
                          pvals: dict, device: int) -> str:
         """Run ``name``'s Python fallback (set_fallback's, else the manifest's) on checked
         arrays; returns 'python_fallback'. Raises FactorError (why no plugin took the call)
-        when there is none."""
-        fn = self._fallbacks.get(name) or m.fallback_fn()
+        when there is none, or one that cannot be loaded, or that raised (then naming the
+        factor and the fallback); each counts in stats()' errors."""
+        fn = self._fallbacks.get(name)
+        try:
+            fn = fn or m.fallback_fn()
+        except FactorError:
+            self._count(name, "errors")
+            raise
         if fn is None:
             self._count(name, "errors")
             if plugin is None:
@@ -1100,11 +1133,31 @@ class FactorRegistry:
                 why = "its plugin and kernel_fallback declined the call"
             raise FactorError(f"{name}: no plugin took the call ({why}) and the manifest names no "
                               "Python fallback")
-        flags = fn(refs_by_name, sizes, pvals)
+        try:
+            flags = fn(refs_by_name, sizes, pvals)
+        except FactorError:   # its own error, naming the factor already
+            self._count(name, "errors")
+            raise
+        except Exception as exc:
+            self._count(name, "errors")
+            raise FactorError(f"{name}: the Python fallback {self._fallback_label(name, m, fn)} raised "
+                              f"{type(exc).__name__}: {exc}") from exc
+        if flags is not None and not isinstance(flags, Mapping):
+            self._count(name, "errors")
+            raise FactorError(f"{name}: the Python fallback {self._fallback_label(name, m, fn)} returned "
+                              f"{type(flags).__name__} {flags!r:.80}; expected None or a Counter of "
+                              "device-flag texts")
         if flags:
             with self._lock:
                 self._flags[name].update(flags)
         return "python_fallback"
+
+    def _fallback_label(self, name: str, m: Manifest, fn) -> str:
+        """The Python fallback ``fn`` of ``name`` as an error names it: set_fallback's (its
+        qualified name), or the manifest's 'module:function' and file."""
+        if self._fallbacks.get(name) is fn:
+            return f"set with set_fallback ({getattr(fn, '__qualname__', type(fn).__name__)})"
+        return f"{m.fallback!r} (manifest {m.path})"
 
     def _remember_fast(self, key, plugin: Plugin, m: Manifest, refs_by_name: dict, dims, dims_c,
                        sizes: dict, pvals: dict, device: int, spans: dict) -> None:
@@ -1152,13 +1205,33 @@ class FactorRegistry:
 
     def set_tuning(self, name: str, fn) -> None:
         """Fill ``name``'s tuned dims with ``fn(sizes) -> int`` instead of the tuning table
-        (benchmarks/tune_moe.py forces each choice this way); None restores the table."""
+        (benchmarks/tune_moe.py forces each choice this way); None restores the table.
+        Raises FactorNotFoundError for an unknown factor, FactorError for an ``fn`` that is not
+        callable or a factor without tuned dims (nothing would ever call ``fn``)."""
+        m = self.manifest(name)
+        if fn is not None:
+            if not callable(fn):
+                raise FactorError(f"set_tuning: fn: expected a callable fn(sizes) -> int or None, "
+                                  f"got {type(fn).__name__} {fn!r:.80}")
+            if not m.tuned_dims:
+                raise FactorError(f"set_tuning: {name}: expected a factor with tuned dims "
+                                  "(dim_sources {tuned: DEFAULT}), got one with none: nothing would "
+                                  "call fn")
         self.tuning.override(name, fn)
         self._bind_cache.clear()
         self._fast_calls.clear()
 
     def set_fallback(self, name: str, fn) -> None:
-        """Use ``fn(arrays, sizes, params)`` as the Python fallback of ``name`` (over the manifest's)."""
+        """Use ``fn(arrays, sizes, params)`` as the Python fallback of ``name`` (over the
+        manifest's); None restores the manifest's. Raises FactorNotFoundError for an unknown
+        factor, FactorError for an ``fn`` that cannot be called so (fallback_problem)."""
+        self.manifest(name)
+        if fn is None:
+            self._fallbacks.pop(name, None)
+            return
+        problem = fallback_problem(fn)
+        if problem:
+            raise FactorError(f"set_fallback: fn: {problem}")
         self._fallbacks[name] = fn
 
     def _workspace(self, plugin: Plugin, dims, device: int, stream: int):

@@ -5,6 +5,9 @@ dim from this table: the entry for the call's shape (the keys the file lists, e.
 and the largest tuned T not above the call's T (a T below every tuned T runs on DEFAULT, quietly:
 a row tuned at T = 4096 says nothing of T = 1). A shape the file does not list runs on DEFAULT (the kernel's own heuristic) and, on a live GPU, a TuningWarning
 says so once per shape, naming the file and the tuner (benchmarks/tune_moe.py) that fills it.
+Where the dim's manifest entry gives ``range: [LO, HI]`` or ``options: [...]``, a table whose
+``values`` fall outside is refused (a registry note names the file, the values and the allowed
+ones; its shapes run on DEFAULT).
 
 File format (written by benchmarks/tune_moe.py)::
 
@@ -130,6 +133,7 @@ class TuningTable:
         self._warned: set = set()
         self._lock = threading.Lock()
         self._overrides: dict = {}
+        self.refused: set = set()              # factors whose table check() set aside
 
     @classmethod
     def for_hardware(cls, hardware, folder=None, report: bool = True) -> "TuningTable":
@@ -225,6 +229,22 @@ class TuningTable:
             if bad:
                 out.append(f"tuning file {self.path}: {name}: key: {bad} no size of {name}'s calls "
                            f"(expected some of {sorted(m.size_names)}); its table is never used")
+            if ft.dim in m.tuned_dims:
+                ok, allowed = m.tuned_allowed(ft.dim)
+                bad = {k: v for k, v in ft.values.items() if not ok(v)}
+                if bad:
+                    out.append(f"tuning file {self.path}: {name}: values: "
+                               f"{', '.join(f'{k}: {v}' for k, v in bad.items())} outside what {m.path} "
+                               f"allows for {ft.dim} ({allowed}); its table is never used")
+        return out
+
+    def check(self, manifests: dict) -> list:
+        """unused(manifests), and the tables it names are set aside: value() no longer reads
+        them (a table whose values the manifest does not allow would otherwise hand the kernel
+        a choice it refuses). Called again with more manifests, it decides again."""
+        out = self.unused(manifests)
+        self.refused = {name for name in self.factors
+                        if any(msg.startswith(f"tuning file {self.path}: {name}: ") for msg in out)}
         return out
 
     def override(self, factor: str, fn) -> None:
@@ -247,7 +267,7 @@ class TuningTable:
                 raise FactorError(f"{factor}: the tuning override for dim {dim!r} returned "
                                   f"{v!r} ({type(v).__name__}); expected an integer")
             return int(v)
-        ft = self.factors.get(factor)
+        ft = self.factors.get(factor) if factor not in self.refused else None
         v = ft.lookup(sizes) if ft is not None and ft.dim == dim else None
         if v is BELOW:
             return default

@@ -7,7 +7,8 @@ as the manifest's ``values`` say (default N(0, 1) floats, ints in [0, 8); ``{nor
 with STD a number or ``1/sqrt(SYM)``, ``{uniform: [LO, HI]}``, ``{ids_below: SYM, distinct:
 true}`` for ids distinct within each row), poison the outputs (NaN, -7), run the plugin on one
 copy and the Python fallback on another, and compare every output: integer outputs exactly,
-float outputs by ||got - want|| / ||want|| against the manifest's tolerance for that dtype.
+float outputs by ||got - want|| / ||want|| against the manifest's tolerance for that dtype
+(manifest.DEFAULT_TOLERANCE, 1e-5, for a dtype it does not name: the table says "(default)").
 
 Device factors need a live GPU (CuPy); host factors (``memory: host``) run anywhere.
 A pass is remembered per (library sha256, GPU name) in ``$EX_ENGINE_CACHE/verified.json``
@@ -52,6 +53,7 @@ class CaseResult:
     error: float | None = None
     tol: float | None = None
     detail: str = ""
+    tol_default: bool = False   # tol is DEFAULT_TOLERANCE: the manifest names no tolerance for dtype
 
     @property
     def failed(self) -> bool:
@@ -201,8 +203,9 @@ def compare(m, got: dict, want: dict, dtype: str) -> tuple:
     """(ok, largest relative error, detail) over the outputs of one case.
 
     Integer outputs must be equal; float outputs within the manifest's tolerance for ``dtype``
+    (Manifest.tolerance_for: DEFAULT_TOLERANCE where the manifest names none)
     (||got - want|| / ||want||, float64; NaN where the reference has none fails)."""
-    tol = float(m.tolerance.get(dtype, 1e-5))
+    tol, default = m.tolerance_for(dtype)
     worst, problems = 0.0, []
     for name in output_names(m):
         g, w = TensorRef.of(got[name], name), TensorRef.of(want[name], name)
@@ -226,7 +229,8 @@ def compare(m, got: dict, want: dict, dtype: str) -> tuple:
             (float(xp.abs(a - b).max()) if b.size else 0.0)
         worst = max(worst, err)
         if not err <= tol:
-            problems.append(f"{name}: relative error {err:.2e} > tolerance {tol:g} ({dtype})")
+            problems.append(f"{name}: relative error {err:.2e} > tolerance {tol:g} ({dtype}"
+                            + (", the default: the manifest's tolerance names no such dtype)" if default else ")"))
     return not problems, worst, "; ".join(problems)
 
 
@@ -247,9 +251,16 @@ def cannot_run(registry, plugin) -> str:
 
 def run_case(registry, plugin, case: dict, dtype: str, seed: int = 0, count: bool = True) -> CaseResult:
     """Run ``plugin`` and its Python fallback on one test case and compare."""
+    res = _run_case_at(registry, plugin, case, dtype, seed, count)
+    res.tol_default = plugin.manifest.tolerance_for(dtype)[1]
+    return res
+
+
+def _run_case_at(registry, plugin, case: dict, dtype: str, seed: int, count: bool) -> CaseResult:
+    """run_case on the device the registry has (for a device factor)."""
     m = plugin.manifest
     label = case_label(case)
-    tol = float(m.tolerance.get(dtype, 1e-5))
+    tol = m.tolerance_for(dtype)[0]
     device = m.memory != "host"
     xp = np
     if device:
@@ -774,7 +785,7 @@ def format_table(results: list) -> str:
     rows = [("factor", "dtype", "case", "served by", "rel err", "tol", "result")]
     for r in results:
         err = "-" if r.error is None else f"{r.error:.2e}"
-        tol = "-" if r.tol is None or r.status == "skipped" else f"{r.tol:g}"
+        tol = "-" if r.tol is None or r.status == "skipped" else f"{r.tol:g}" + (" (default)" if r.tol_default else "")
         rows.append((r.factor, r.dtype, r.case, r.path, err, tol, r.status))
     widths = [max(len(row[i]) for row in rows) for i in range(7)]
     lines = []

@@ -286,6 +286,10 @@ def test_manifest_cross_references_fallback_and_reserved_ids_are_checked_at_load
         "constraint": (lambda t: t + "constraints: ['N <= M']\n", "M is no size"),
         "fallback": (lambda t: t.replace("fallback: tests.plugins.host_scale_fallback:scale",
                                          "fallback: nosuch_mod:scale"), "fallback 'nosuch_mod:scale' cannot be loaded"),
+        # callable, but not as fn(arrays, sizes, params): every call falling back raised TypeError
+        "sig": (lambda t: t.replace("fallback: tests.plugins.host_scale_fallback:scale", "fallback: os:system"),
+                "fallback: 'os:system': expected a callable fn(arrays, sizes, params), got one with "
+                "signature (command)"),
     }
     for i, (stem, (change, _)) in enumerate(cases.items()):
         _manifest_variant(folder, stem, f"host_scale_{stem}", 1101 + i, change)
@@ -302,7 +306,10 @@ def test_manifest_cross_references_fallback_and_reserved_ids_are_checked_at_load
 
     vfolder = tmp_path / "v"
     build_plugin(vfolder)
-    _manifest_variant(vfolder, "neg", "host_scale_neg", 1110, lambda t: t.replace("{N: 7}", "{N: -3}"))
+    # (a negative size is refused as the manifest loads now: an ids_below naming no size is not)
+    _manifest_variant(vfolder, "neg", "host_scale_neg", 1110,
+                      lambda t: t.replace("input: {name: x, shape: [N], dtype: [float32]}",
+                                          "input: {name: x, shape: [N], dtype: [float32], values: {ids_below: Q}}"))
     reg = FactorRegistry.load(vfolder, hardware="h200", verify=True)
     st = {p.path.stem: p for p in reg.plugins}
     assert st["neg"].status == "rejected" and "could not run" in st["neg"].reason, st["neg"].reason
@@ -519,3 +526,113 @@ def test_a_library_rebuilt_in_place_is_still_the_copy_another_registry_holds(tmp
     with pytest.warns(UserWarning, match="already open in this process by another registry"):
         FactorRegistry.load(tmp_path, hardware="a100")
     del first
+
+
+def test_a_symlink_loop_is_a_rejected_row_not_a_crash(tmp_path, capsys):
+    """A link to itself in the plugin folder (resolve() raised RuntimeError: 'Symlink loop')
+    is rejected with the read error as a dangling link is, through load and list-factors; a
+    looping manifest beside a library rejects that library (it was looked past), a looping
+    tuning file or manifest in the manifests folder is a note, and prefer= naming a loop
+    matches nothing; the other plugins load."""
+    import shutil
+    folder = tmp_path / "odd"
+    build_plugin(folder)
+    (folder / "loop.so").symlink_to("loop.so")
+    (folder / "dangling.so").symlink_to("nowhere.so")
+    build_plugin(folder, "b", defines={"NAME": '"host_scale_b"', "FACTOR_ID": 1101})
+    (folder / "host_scale_b.yaml").unlink()
+    (folder / "host_scale_b.yaml").symlink_to("host_scale_b.yaml")
+    mdir = tmp_path / "manifests"
+    (mdir / "tuning").mkdir(parents=True)
+    shutil.copy(ROOT / "tests" / "plugins" / "host_scale.yaml", mdir / "host_scale_b.yaml")
+    (mdir / "x.yaml").symlink_to("x.yaml")
+    (mdir / "tuning" / "h200.yaml").symlink_to("h200.yaml")
+    reg = FactorRegistry.load(folder, hardware="h200", manifests_dir=mdir,
+                              prefer={"host_scale": str(folder / "loop.so")})
+    st = {p.path.name: p for p in reg.plugins}
+    for name in ("loop.so", "dangling.so"):
+        assert st[name].status == "rejected" and st[name].reason.startswith("read: "), st[name].reason
+    assert "Too many levels of symbolic links" in st["loop.so"].reason
+    assert st["b.so"].status == "rejected" and "host_scale_b.yaml: malformed" in st["b.so"].reason
+    assert any("x.yaml: malformed" in n for n in reg.notes), reg.notes
+    assert any("tuning" in n and "h200.yaml: not readable" in n for n in reg.notes), reg.notes
+    assert any(n.startswith("prefer: host_scale") for n in reg.notes), reg.notes
+    assert call(reg)[0] == "plugin"
+    reg.load_library(folder / "loop.so")   # again: the same record, no crash
+    assert cli_main(["list-factors", "--dir", str(folder), "--hardware", "h200"]) == 0
+    out = capsys.readouterr().out
+    assert "loop.so" in out and "rejected" in out, out
+
+
+def test_manifest_tolerance_test_shapes_and_fallback_are_checked_at_load(tmp_path, capsys):
+    """A tolerance of -1 or "abc", a test shape N: 7.5 (or a size the factor has not, or none
+    for N) and a fallback that is no 'module:function' made a ready plugin whose every verify
+    case failed (or ran N = 7.5); each refuses its plugin at load, naming the file and the
+    field, and the rest load. A dtype the tolerance does not name gets the default, which
+    verify's table says."""
+    from ex_engine.verify import format_table, verify_plugin
+    folder = tmp_path / "p"
+    build_plugin(folder)
+    tol = "tolerance: {float32: 1.0e-6}"
+    cases = {
+        "neg": (lambda t: t.replace(tol, "tolerance: {float32: -1}"),
+                "tolerance: float32: expected a relative error > 0 (e.g. 1.0e-5), got int -1"),
+        "str": (lambda t: t.replace(tol, "tolerance: {float32: abc}"),
+                "tolerance: float32: expected a relative error > 0 (e.g. 1.0e-5), got str 'abc'"),
+        "dt": (lambda t: t.replace(tol, "tolerance: {float23: 1.0e-6}"), "tolerance: float23: expected a dtype"),
+        "frac": (lambda t: t.replace("{N: 7}", "{N: 7.5}"),
+                 "test_shapes[0]: N: expected an integer >= 0, got float 7.5"),
+        "neg_n": (lambda t: t.replace("{N: 7}", "{N: -3}"), "test_shapes[0]: N: expected an integer >= 0, got int -3"),
+        "sym": (lambda t: t.replace("{N: 7}", "{N: 7, M: 2}"), "test_shapes[0]: M: expected a size (N) or a parameter"),
+        "none": (lambda t: t.replace("{N: 7}", "{}"),
+                 "test_shapes[0]: expected every size of the required arrays (N), got no N"),
+        "fb": (lambda t: t.replace("fallback: tests.plugins.host_scale_fallback:scale", "fallback: os.system"),
+               "fallback: expected 'module:function'"),
+    }
+    for i, (stem, (change, _)) in enumerate(cases.items()):
+        _manifest_variant(folder, stem, f"host_scale_{stem}", 1101 + i, change)
+    _manifest_variant(folder, "omit", "host_scale_omit", 1120, lambda t: t.replace(tol, "tolerance: {float16: 1.0e-3}"))
+    reg = FactorRegistry.load(folder, hardware="h200")
+    st = {p.path.stem: p for p in reg.plugins}
+    for stem, (_, needle) in cases.items():
+        assert st[stem].status == "rejected", (stem, st[stem].reason)
+        assert f"host_scale_{stem}.yaml: {needle}" in st[stem].reason, (stem, st[stem].reason)
+    assert call(reg)[0] == "plugin"
+    assert st["omit"].status == "ready", st["omit"].reason
+    res = verify_plugin(reg, st["omit"], isolate=False, count=False)
+    assert [r.status for r in res] == ["pass"] and res[0].tol == 1e-5 and res[0].tol_default
+    assert "1e-05 (default)" in format_table(res)
+    res = verify_plugin(reg, st["host_scale"], isolate=False, count=False)
+    assert res[0].tol == 1e-6 and not res[0].tol_default and "(default)" not in format_table(res)
+
+
+def test_a_manifest_that_is_there_but_empty_or_misnamed_says_so(tmp_path):
+    """An empty <name>.yaml, or one whose name field differs, in the manifests folder gave
+    'expected <name>.yaml beside the library or in the manifests folder, found none' although
+    the file is there: the reason says it is empty / names another factor. Beside the library
+    an empty file said 'malformed (TypeError: 'NoneType' object is not subscriptable)'."""
+    mdir, plugins = tmp_path / "manifests", tmp_path / "plugins"
+    mdir.mkdir()
+    good = (ROOT / "tests" / "plugins" / "host_scale.yaml").read_text()
+    (mdir / "host_scale.yaml").write_text("")
+    (mdir / "host_scale_b.yaml").write_text(good.replace("name: host_scale", "name: host_scale_bb")
+                                            .replace("id: 1100", "id: 1101"))
+    (mdir / "host_scale_c.yaml").write_text("# nothing but a comment\n- 1\n")
+    build_plugin(plugins, manifest=False)
+    build_plugin(plugins, "b", manifest=False, defines={"NAME": '"host_scale_b"', "FACTOR_ID": 1101})
+    build_plugin(plugins, "c", manifest=False, defines={"NAME": '"host_scale_c"', "FACTOR_ID": 1102})
+    build_plugin(plugins, "d", manifest=False, defines={"NAME": '"host_scale_d"', "FACTOR_ID": 1103})
+    reg = FactorRegistry.load(plugins, hardware="h200", manifests_dir=mdir)
+    st = {p.path.stem: p for p in reg.plugins}
+    assert st["host_scale"].reason == (f"manifest: manifest {mdir / 'host_scale.yaml'}: empty: expected the "
+                                       "manifest of 'host_scale' (name, id, dims, ...)"), st["host_scale"].reason
+    assert st["b"].reason == (f"manifest: manifest {mdir / 'host_scale_b.yaml'}: names 'host_scale_bb', the "
+                              "library 'host_scale_b': the manifest must name its factor as the library does")
+    assert "host_scale_c.yaml: expected a mapping (name, id, dims, ...), got list" in st["c"].reason
+    assert "expected host_scale_d.yaml beside the library or in the manifests folder, found none" in st["d"].reason
+    beside = tmp_path / "beside"
+    build_plugin(beside)
+    (beside / "host_scale.yaml").write_text("# emptied\n")
+    p = FactorRegistry.load(beside, hardware="h200").plugins[0]
+    assert p.status == "rejected" and p.reason.endswith("host_scale.yaml: empty: expected a factor manifest "
+                                                        "(name, id, dims, output, input, ...)"), p.reason

@@ -1,4 +1,5 @@
 """Tuned launch choices as data (manifests/tuning/*.yaml, ex_engine/tuning.py)."""
+import re
 import warnings
 from types import SimpleNamespace
 
@@ -251,3 +252,52 @@ def test_config_values_agree_with_the_kernel():
     for p in sorted(tuning_dir().glob("*.yaml")):
         table = yaml.safe_load(p.read_text())["moe_fused_gemm"]
         assert table["values"] == tune_moe.VALUES, p
+
+
+def test_tuning_values_outside_what_the_manifest_allows_refuse_the_table(tmp_path):
+    """A choice value >= -1 was taken whatever it was: bogus: 99 used in a by_T row reached the
+    kernel. moe_fused_gemm's manifest gives config's range [-1, 8]; a table with a value
+    outside is refused with a note naming the file, the value and the allowed ones, and its
+    shapes run on the default (the rest of the registry works)."""
+    import copy
+    body = copy.deepcopy(TABLE)
+    body["moe_fused_gemm"]["values"]["bogus"] = 99
+    body["moe_fused_gemm"]["shapes"][0]["by_T"].append([256, "bogus"])
+    reg = _registry_with_tuning(tmp_path, body)
+    notes = [n for n in reg.notes if "bogus" in n]
+    assert len(notes) == 1 and notes[0] == (
+        f"tuning: tuning file {tmp_path / 'm' / 'tuning' / 'h200.yaml'}: moe_fused_gemm: values: bogus: 99 "
+        f"outside what {tmp_path / 'm' / 'moe_fused_gemm.yaml'} allows for config (the range -1..8); "
+        "its table is never used"), reg.notes
+    sizes = {"H": 64, "I": 32, "G": 8, "K": 2}
+    with pytest.warns(TuningWarning) if reg.tuning.warn else warnings.catch_warnings():
+        assert reg.tuning.value("moe_fused_gemm", "config", {**sizes, "T": 300}, -1) == -1
+        assert reg.tuning.value("moe_fused_gemm", "config", {**sizes, "T": 64}, -1) == -1
+    good = _registry_with_tuning(tmp_path / "good", TABLE)      # the same table without bogus
+    assert good.tuning.value("moe_fused_gemm", "config", {**sizes, "T": 64}, -1) == 2
+    assert not [n for n in good.notes if "never used" in n], good.notes
+
+
+def test_a_manifest_tuned_range_or_options_is_checked_at_load(tmp_path):
+    """range / options of a tuned dim must be integers (and hold the default), named at load;
+    options restrict a tuning table as a range does."""
+    from ex_engine.manifest import Manifest
+    from ex_engine import _paths
+    src = (_paths.manifests_dir() / "moe_fused_gemm.yaml").read_text()
+    assert "config: {tuned: -1, range: [-1, 8]}" in src
+    for entry, needle in (("{tuned: -1, range: [8, -1]}", "config: range: expected [LOWEST, HIGHEST]"),
+                          ("{tuned: -1, range: [0, x]}", "config: range: expected [LOWEST, HIGHEST]"),
+                          ("{tuned: -1, options: []}", "config: options: expected a non-empty list"),
+                          ("{tuned: 9, range: [-1, 8]}", "config: tuned: the default 9 is outside the range -1..8"),
+                          ("{tuned: x}", "config: tuned: expected the default value")):
+        p = tmp_path / "moe_fused_gemm.yaml"
+        p.write_text(src.replace("config: {tuned: -1, range: [-1, 8]}", f"config: {entry}"))
+        with pytest.raises(FactorError, match="^" + re.escape(f"manifest {p}: dim_sources: {needle}")):
+            Manifest.load(p)
+    p.write_text(src.replace("config: {tuned: -1, range: [-1, 8]}", "config: {tuned: -1, options: [-1, 0, 2]}"))
+    m = Manifest.load(p)
+    (tmp_path / "t").mkdir()
+    t = TuningTable.for_hardware(H200, write(tmp_path / "t", TABLE))
+    msgs = t.check({"moe_fused_gemm": m})
+    assert len(msgs) == 1 and "values: decode: 1, grouped: 4, prefill: 3 outside" in msgs[0], msgs
+    assert "(the options [-1, 0, 2])" in msgs[0] and t.refused == {"moe_fused_gemm"}

@@ -386,3 +386,92 @@ def test_an_unknown_argument_is_counted_and_raised_without_a_chained_type_error(
         reg.dispatch("moe_fused_gemm", {**a, "G": 4})
     assert e.value.__cause__ is None and e.value.__suppress_context__
     assert reg.stats()["moe_fused_gemm"]["errors"] == before + 1
+
+
+def test_path_arguments_of_load_and_its_helpers_are_named(tmp_path):
+    """load(manifests_dir=3), load_folder(3) and load_library(None) gave a raw TypeError
+    ('expected str, bytes or os.PathLike object'): each is a FactorError naming the argument."""
+    from ex_engine.errors import FactorError
+    for value in (3, ["m"], b"x"[0]):
+        with pytest.raises(FactorError, match=rf"^manifests_dir: expected a directory path or None, "
+                                              rf"got {type(value).__name__} "):
+            FactorRegistry.load(tmp_path, hardware="h200", manifests_dir=value)
+    reg = FactorRegistry.load(tmp_path, hardware="h200")
+    with pytest.raises(FactorError, match="^folder: expected a directory path, got int 3"):
+        reg.load_folder(3)
+    with pytest.raises(FactorError, match="^path: expected a library file path, got NoneType None"):
+        reg.load_library(None)
+    assert reg.plugins == []
+
+
+def test_registry_setters_refuse_what_would_fail_every_later_call(tmp_path):
+    """set_default_registry("x"), set_fallback(name, 5) and set_tuning(name, 5) were accepted
+    and made the next call fail with a raw AttributeError / "'int' object is not callable";
+    unknown factor names were accepted silently. Each is refused at the setter, naming it."""
+    import ex_engine
+    from ex_engine import ops
+    from ex_engine.errors import FactorError
+    reg = FactorRegistry.load(tmp_path, hardware="h200")
+    saved = ops._default
+    try:
+        for bad in ("x", 5, object()):
+            with pytest.raises(FactorError, match=r"^registry: expected a FactorRegistry or None, got "):
+                ex_engine.set_default_registry(bad)
+        assert ops._default is saved
+        ex_engine.set_default_registry(reg)
+        assert ex_engine.default_registry() is reg
+    finally:
+        ops._default = saved
+    for setter in (reg.set_fallback, reg.set_tuning):
+        with pytest.raises(FactorNotFoundError, match="no factor named 'nope': known are "):
+            setter("nope", lambda *a: None)
+    with pytest.raises(FactorError, match=r"^set_fallback: fn: expected a callable fn\(arrays, sizes, "
+                                          r"params\), got int 5"):
+        reg.set_fallback("topk_softmax", 5)
+    import os
+    with pytest.raises(FactorError, match=r"^set_fallback: fn: .* got one with signature \(command\)"):
+        reg.set_fallback("topk_softmax", os.system)
+    with pytest.raises(FactorError, match=r"^set_tuning: fn: expected a callable fn\(sizes\) -> int or "
+                                          r"None, got int 5"):
+        reg.set_tuning("moe_fused_gemm", 5)
+    with pytest.raises(FactorError, match="^set_tuning: topk_softmax: expected a factor with tuned dims"):
+        reg.set_tuning("topk_softmax", lambda sizes: 1)
+    x = np.random.default_rng().standard_normal((4, 8)).astype(np.float32)
+    assert topk_softmax(x, 2, registry=reg)[0].shape == (4, 2)   # nothing was set
+    reg.set_tuning("topk_softmax", None)                          # None: always fine
+
+
+def test_a_fallback_that_raises_is_named_and_counted_as_an_error(tmp_path):
+    """A fallback that raised gave the caller its raw TypeError, and stats() stayed {}: the
+    call is a FactorError naming the factor and the fallback, counted in 'errors' (what
+    stats() documents); a FactorError of its own passes as it is (counted too), and a
+    return value that is not None or a Counter of flag texts is named."""
+    from ex_engine.errors import FactorError
+    reg = FactorRegistry.load(tmp_path, hardware="h200")
+    x = np.random.default_rng().standard_normal((4, 8)).astype(np.float32)
+
+    def broken(arrays, sizes, params):
+        raise TypeError("system() takes at most 1 argument")
+
+    reg.set_fallback("topk_softmax", broken)
+    for n in (1, 2):   # the second call takes the same path: still named, still counted
+        with pytest.raises(FactorError, match=r"^topk_softmax: the Python fallback set with set_fallback "
+                                              r"\(.*broken\) raised TypeError: system\(\) takes"):
+            topk_softmax(x, 2, registry=reg)
+        assert reg.stats()["topk_softmax"]["errors"] == n, reg.stats()
+
+    def own(arrays, sizes, params):
+        raise ShapeError("topk_softmax", "router_logits", "rule", "this", "that")
+
+    reg.set_fallback("topk_softmax", own)
+    with pytest.raises(ShapeError, match="^topk_softmax: argument 'router_logits': rule"):
+        topk_softmax(x, 2, registry=reg)
+    reg.set_fallback("topk_softmax", lambda arrays, sizes, params: 5)
+    with pytest.raises(FactorError, match=r"^topk_softmax: the Python fallback set with set_fallback "
+                                          r"\(.*<lambda>\) returned int 5; expected None or a Counter"):
+        topk_softmax(x, 2, registry=reg)
+    assert reg.stats()["topk_softmax"] == {"plugin": 0, "kernel_fallback": 0, "python_fallback": 0,
+                                           "errors": 4}
+    reg.set_fallback("topk_softmax", None)                        # the manifest's again
+    topk_softmax(x, 2, registry=reg)
+    assert reg.stats()["topk_softmax"]["python_fallback"] == 1

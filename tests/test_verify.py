@@ -187,9 +187,15 @@ def test_cli_verify_reports_a_fallback_of_the_wrong_signature_as_a_failure(tmp_p
     build_plugin(tmp_path)
     y = tmp_path / "host_scale.yaml"
     y.write_text(y.read_text().replace("host_scale_fallback:scale", "host_scale_fallback:wrong_signature"))
+    # refused at load now (its signature is read there), so verify has nothing to run; it
+    # failed every case before, and every call that fell back raised a raw TypeError
+    reg = FactorRegistry.load(tmp_path, hardware="h200")
+    p = reg.plugins[0]
+    assert p.status == "rejected" and p.reason.startswith("python fallback: manifest "), p.reason
+    assert ("fallback: 'tests.plugins.host_scale_fallback:wrong_signature': expected a callable "
+            "fn(arrays, sizes, params), got one with signature (arrays)") in p.reason, p.reason
     assert cli_main(["verify", "--dir", str(tmp_path), "--hardware", "h200"]) == 1
-    out = capsys.readouterr().out
-    assert "FAIL" in out and "the Python fallback raised TypeError" in out and "fn(arrays, sizes, params)" in out
+    assert "no ready plugins" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("oob", [1, 64])
