@@ -14,7 +14,7 @@ from pathlib import Path
 
 import yaml
 
-from . import _paths
+from . import _paths, _yaml
 from .errors import FactorError
 
 FIELDS = ("cc_major", "cc_minor", "multiprocessor_count", "warp_size", "max_threads_per_block",
@@ -138,7 +138,7 @@ class Hardware:
         if path.is_dir():
             raise FactorError(f"hardware profile {path}: a directory; expected a YAML file")
         try:
-            data = yaml.safe_load(path.read_text())
+            data = _yaml.load(path.read_text())
         except (OSError, ValueError, yaml.YAMLError) as exc:
             raise FactorError(f"hardware profile {path}: malformed ({type(exc).__name__}: {exc})") from None
         if data is None:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import yaml
 
-from . import abi
+from . import _yaml, abi
 from .errors import (ArgumentError, DeviceError, DTypeError, FactorError, LayoutError,
                      ShapeError, one_line)
 from .trust import sha256_hex
@@ -153,7 +153,7 @@ class Manifest:
         try:
             if data is None:
                 raw = path.read_bytes()
-                d = yaml.safe_load(raw.decode())
+                d = _yaml.load(raw.decode())
             else:
                 d = data
             if not isinstance(d, dict):   # None for an empty file (or one of comments only)
@@ -581,7 +581,7 @@ def why_not_found(path, name: str) -> str:
     try:
         if not path.is_file():
             return ""
-        d = yaml.safe_load(path.read_bytes().decode())
+        d = _yaml.load(path.read_bytes().decode())
     except (OSError, UnicodeDecodeError, yaml.YAMLError):
         return ""   # load_all reported it already
     if d is None:
@@ -607,7 +607,7 @@ def load_all(folder, errors: dict | None = None) -> dict:
         try:
             try:
                 raw = p.read_bytes()
-                d = yaml.safe_load(raw.decode())
+                d = _yaml.load(raw.decode())
             except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
                 raise FactorError(f"manifest {p}: malformed ({type(exc).__name__}: {one_line(exc)})") from exc
             if isinstance(d, dict) and "name" in d and ("dims" in d or "id" in d):

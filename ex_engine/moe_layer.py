@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-from . import _paths
+from . import _paths, _yaml
 from .arrays import Bits16, TensorRef, f32_to_bf16_bits
 from .errors import FactorError, one_line
 from .fallbacks import moe_fused_gemm_math, topk_softmax_math
@@ -93,7 +93,7 @@ def load_models(path=None) -> dict:
     path = path or _paths.manifests_dir() / "moe_models.yaml"
     try:
         with open(path) as f:
-            data = yaml.safe_load(f)
+            data = _yaml.load(f)
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
         raise FactorError(f"model list {path}: malformed or unreadable "
                           f"({type(exc).__name__}: {one_line(exc)})") from None

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import yaml
 
-from . import _paths
+from . import _paths, _yaml
 from .errors import FactorError, one_line
 
 
@@ -188,7 +188,7 @@ class TuningTable:
         except (OSError, UnicodeDecodeError) as exc:   # a dangling link, a folder, binary data
             raise FactorError(f"tuning file {p}: not readable ({type(exc).__name__}: {exc})") from exc
         try:
-            data = yaml.safe_load(text)
+            data = _yaml.load(text)
         except yaml.YAMLError as exc:
             raise FactorError(f"tuning file {p}: not readable YAML ({type(exc).__name__}: {one_line(exc)})") from exc
         if not isinstance(data, dict):

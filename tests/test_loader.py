@@ -636,3 +636,21 @@ def test_a_manifest_that_is_there_but_empty_or_misnamed_says_so(tmp_path):
     p = FactorRegistry.load(beside, hardware="h200").plugins[0]
     assert p.status == "rejected" and p.reason.endswith("host_scale.yaml: empty: expected a factor manifest "
                                                         "(name, id, dims, output, input, ...)"), p.reason
+
+
+def test_an_exponent_without_a_dot_is_a_number_in_every_yaml_file(tmp_path):
+    """YAML 1.1 (PyYAML's safe_load) reads 1e-6 as the string '1e-6': a manifest written that
+    way had its plugin refused at load ('got str') once tolerances were checked there. ex_engine
+    reads its YAML with 1.2's float rule: the plugin loads, with the tolerance 1e-6."""
+    from ex_engine import _yaml
+    from ex_engine.verify import verify_plugin
+    assert _yaml.load("a: 1e-6\nb: -3E+8\nc: 10\nd: 1e\ne: yes") == {"a": 1e-6, "b": -3e8, "c": 10, "d": "1e", "e": True}
+    folder = tmp_path / "p"
+    build_plugin(folder)
+    _manifest_variant(folder, "exp", "host_scale_exp", 1130,
+                      lambda t: t.replace("tolerance: {float32: 1.0e-6}", "tolerance: {float32: 1e-6}"))
+    reg = FactorRegistry.load(folder, hardware="h200")
+    p = {q.path.stem: q for q in reg.plugins}["exp"]
+    assert p.status == "ready", p.reason
+    res = verify_plugin(reg, p, isolate=False, count=False)
+    assert [r.status for r in res] == ["pass"] and res[0].tol == 1e-6 and not res[0].tol_default
