@@ -1135,18 +1135,19 @@ class FactorRegistry:
                               "Python fallback")
         try:
             flags = fn(refs_by_name, sizes, pvals)
-        except FactorError:   # its own error, naming the factor already
-            self._count(name, "errors")
-            raise
+        except (FactorError, MemoryError):   # its own error, naming the factor already; out of
+            self._count(name, "errors")      # memory (NumPy's, CuPy's OutOfMemoryError) stays what
+            raise                            # it is, for callers that catch it
         except Exception as exc:
             self._count(name, "errors")
             raise FactorError(f"{name}: the Python fallback {self._fallback_label(name, m, fn)} raised "
                               f"{type(exc).__name__}: {exc}") from exc
-        if flags is not None and not isinstance(flags, Mapping):
+        if flags is not None and not isinstance(flags, Mapping) and not (
+                isinstance(flags, (list, tuple)) and all(isinstance(f, str) for f in flags)):
             self._count(name, "errors")
             raise FactorError(f"{name}: the Python fallback {self._fallback_label(name, m, fn)} returned "
-                              f"{type(flags).__name__} {flags!r:.80}; expected None or a Counter of "
-                              "device-flag texts")
+                              f"{type(flags).__name__} {flags!r:.80}; expected None, a Counter or a "
+                              "list of device-flag texts")
         if flags:
             with self._lock:
                 self._flags[name].update(flags)

@@ -4,7 +4,7 @@ import pytest
 
 from ex_engine import (ArgumentError, DeviceError, DTypeError, FactorRegistry, LayoutError,
                        ShapeError, moe_fused_gemm, topk_softmax)
-from ex_engine.errors import FactorNotFoundError
+from ex_engine.errors import DeviceSideError, FactorNotFoundError
 
 
 class FakeDeviceArray:
@@ -468,10 +468,22 @@ def test_a_fallback_that_raises_is_named_and_counted_as_an_error(tmp_path):
         topk_softmax(x, 2, registry=reg)
     reg.set_fallback("topk_softmax", lambda arrays, sizes, params: 5)
     with pytest.raises(FactorError, match=r"^topk_softmax: the Python fallback set with set_fallback "
-                                          r"\(.*<lambda>\) returned int 5; expected None or a Counter"):
+                                          r"\(.*<lambda>\) returned int 5; expected None, a Counter"):
         topk_softmax(x, 2, registry=reg)
     assert reg.stats()["topk_softmax"] == {"plugin": 0, "kernel_fallback": 0, "python_fallback": 0,
                                            "errors": 4}
+
+    def oom(arrays, sizes, params):   # out of memory stays a MemoryError (the CLI's handler, and
+        raise MemoryError("no room")  # callers catching CuPy's OutOfMemoryError, rely on it)
+
+    reg.set_fallback("topk_softmax", oom)
+    with pytest.raises(MemoryError, match="no room"):
+        topk_softmax(x, 2, registry=reg)
+    assert reg.stats()["topk_softmax"]["errors"] == 5
+    reg.set_fallback("topk_softmax", lambda arrays, sizes, params: ["a flag"])   # a list of texts
+    topk_softmax(x, 2, registry=reg)
+    with pytest.raises(DeviceSideError, match="topk_softmax: a flag in 1 slot"):
+        reg.check_device_errors()
     reg.set_fallback("topk_softmax", None)                        # the manifest's again
     topk_softmax(x, 2, registry=reg)
-    assert reg.stats()["topk_softmax"]["python_fallback"] == 1
+    assert reg.stats()["topk_softmax"]["python_fallback"] == 2   # the list's call, and this one
