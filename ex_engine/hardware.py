@@ -38,6 +38,8 @@ def check_fields(values: dict, where: str) -> None:
     ``where`` starts the message, e.g. "hardware profile manifests/hardware/h200.yaml".
     """
     name = values.get("name")
+    if isinstance(name, numbers.Real) and not isinstance(name, bool):
+        name = str(name)   # name: 4090 is a device name to YAML's reader only as a number
     if not isinstance(name, str) or not name.strip():
         raise FactorError(f"{where}: name: expected a non-empty string (the device name), got {name!r}")
     for f in FIELDS:
@@ -47,6 +49,10 @@ def check_fields(values: dict, where: str) -> None:
             width = "int32_t" if hi == _INT32_MAX else "int64_t"
             raise FactorError(f"{where}: {f}: expected an integer >= {lo}, at most {hi} ({width}), "
                               f"got {v!r}")
+
+
+class NoDeviceError(FactorError):
+    """No CUDA device is visible (no CuPy, no GPU, no driver): Hardware.detect() answers None."""
 
 
 @dataclass(frozen=True)
@@ -78,6 +84,8 @@ class Hardware:
         # a Hardware built by hand (or by Hardware(**d)) is held to a profile's rules: to_c
         # could not fill ex_hardware_t with the rest, and a plugin would decline a warp of 0
         check_fields(dataclasses.asdict(self), f"Hardware ({self.source})")
+        if not isinstance(self.name, str):   # a number check_fields took as a name (4090)
+            object.__setattr__(self, "name", str(self.name))
 
     @property
     def compute_capability(self) -> int:
@@ -163,7 +171,7 @@ class Hardware:
                 device_id = cupy.cuda.Device().id
             p = runtime.getDeviceProperties(device_id)
         except Exception as exc:  # ImportError, CUDARuntimeError: no GPU here
-            raise FactorError(f"no CUDA device visible to CuPy: {exc}") from exc
+            raise NoDeviceError(f"no CUDA device visible to CuPy: {exc}") from exc
         name = p["name"].decode() if isinstance(p["name"], bytes) else str(p["name"])
         return cls(
             name=name, cc_major=p["major"], cc_minor=p["minor"],
@@ -180,10 +188,12 @@ class Hardware:
 
     @classmethod
     def detect(cls) -> "Hardware | None":
-        """The live device, or None when there is no CuPy or no GPU."""
+        """The live device, or None when there is no CuPy or no GPU. A device whose properties
+        break a profile's rules (check_fields) raises FactorError: it is there, and calling it
+        "no GPU" would send every call to the Python fallbacks without a word."""
         try:
             return cls.from_device()
-        except FactorError:
+        except NoDeviceError:
             return None
 
 

@@ -113,6 +113,43 @@ def test_profile_values_at_the_edges_of_their_fields(tmp_path):
         Hardware(**{**d, "warp_size": 0})
 
 
+def test_a_numeric_profile_name_is_a_name(tmp_path):
+    """name: 4090 is a number to YAML: it loaded as the name '4090' before profiles were
+    checked and does again (a bool is still refused)."""
+    from ex_engine import abi
+    from ex_engine.errors import FactorError
+    from ex_engine.hardware import Hardware
+    hw = Hardware.from_profile(str(_profile_with(tmp_path, "name", 4090)))
+    assert hw.name == "4090" and abi.ffi.string(hw.to_c(abi.ffi).name) == b"4090"
+    assert Hardware(**{**hw.as_dict(), "name": 5090}).name == "5090"
+    with pytest.raises(FactorError, match="name: expected a non-empty string"):
+        Hardware.from_profile(str(_profile_with(tmp_path, "name", True)))
+
+
+def test_detect_raises_for_a_device_that_breaks_the_profile_rules(monkeypatch):
+    """Hardware.detect() is None only when no device is visible; a device whose properties a
+    profile could not hold (an empty name, a count of 0) raised FactorError inside it, which
+    detect took for 'no GPU' (every call then ran on the Python fallbacks, silently)."""
+    import types
+    from ex_engine.errors import FactorError
+    from ex_engine.hardware import Hardware
+    props = {"name": b"", "major": 9, "minor": 0, "multiProcessorCount": 132, "warpSize": 32,
+             "maxThreadsPerBlock": 1024, "maxThreadsPerMultiProcessor": 2048, "regsPerBlock": 65536,
+             "regsPerMultiprocessor": 65536, "sharedMemPerBlock": 49152, "sharedMemPerBlockOptin": 232448,
+             "sharedMemPerMultiprocessor": 233472, "l2CacheSize": 52428800, "totalGlobalMem": 150 << 30}
+    runtime = types.SimpleNamespace(getDeviceProperties=lambda i: props)
+    cupy = types.SimpleNamespace(cuda=types.SimpleNamespace(runtime=runtime,
+                                                            Device=lambda: types.SimpleNamespace(id=0)))
+    monkeypatch.setitem(sys.modules, "cupy", cupy)
+    monkeypatch.setitem(sys.modules, "cupy.cuda", cupy.cuda)
+    with pytest.raises(FactorError, match=r"Hardware \(device 0\): name: expected a non-empty string"):
+        Hardware.detect()
+    props["name"] = b"NVIDIA H200"
+    assert Hardware.detect().name == "NVIDIA H200"
+    runtime.getDeviceProperties = lambda i: (_ for _ in ()).throw(RuntimeError("no driver"))
+    assert Hardware.detect() is None
+
+
 def test_a_profile_is_found_by_name_with_its_suffix_or_by_any_existing_file(tmp_path, monkeypatch, capsys):
     """'a100.yaml', a file with no suffix and /dev/null all said 'no such profile' although the
     file exists: an existing file is read, a name with .yaml/.yml is the shipped profile, and
