@@ -886,7 +886,11 @@ class FactorRegistry:
         self.notes = [n for n in self.notes if not (n.startswith("tuning:") and marker in n)]
         known = dict(self.manifests)
         known.update({p.name: p.manifest for p in self.plugins if p.manifest is not None})
+        before = set(self.tuning.refused)
         self.notes.extend(f"tuning: {msg}" for msg in self.tuning.check(known))
+        if set(self.tuning.refused) != before:   # calls remembered with a tuned dim from a table
+            self._bind_cache.clear()              # now set aside (or back in use) bind again
+            self._fast_calls.clear()
 
     def _choose(self) -> None:
         """Pick one ready plugin per name: the user's ``prefer``, else highest version, then

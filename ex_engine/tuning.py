@@ -133,7 +133,7 @@ class TuningTable:
         self._warned: set = set()
         self._lock = threading.Lock()
         self._overrides: dict = {}
-        self.refused: set = set()              # factors whose table check() set aside
+        self.refused: dict = {}                # factor -> why check() set its table aside
 
     @classmethod
     def for_hardware(cls, hardware, folder=None, report: bool = True) -> "TuningTable":
@@ -230,8 +230,10 @@ class TuningTable:
                 out.append(f"tuning file {self.path}: {name}: key: {bad} no size of {name}'s calls "
                            f"(expected some of {sorted(m.size_names)}); its table is never used")
             if ft.dim in m.tuned_dims:
+                # the choices its rows use (a name in values that no row uses reaches no kernel)
                 ok, allowed = m.tuned_allowed(ft.dim)
-                bad = {k: v for k, v in ft.values.items() if not ok(v)}
+                used = {v for _, vs in ft.table.values() for v in vs}
+                bad = {k: v for k, v in ft.values.items() if v in used and not ok(v)}
                 if bad:
                     out.append(f"tuning file {self.path}: {name}: values: "
                                f"{', '.join(f'{k}: {v}' for k, v in bad.items())} outside what {m.path} "
@@ -243,8 +245,8 @@ class TuningTable:
         them (a table whose values the manifest does not allow would otherwise hand the kernel
         a choice it refuses). Called again with more manifests, it decides again."""
         out = self.unused(manifests)
-        self.refused = {name for name in self.factors
-                        if any(msg.startswith(f"tuning file {self.path}: {name}: ") for msg in out)}
+        self.refused = {name: msg for name in self.factors for msg in out
+                        if msg.startswith(f"tuning file {self.path}: {name}: ")}
         return out
 
     def override(self, factor: str, fn) -> None:
@@ -279,7 +281,10 @@ class TuningTable:
             with self._lock:
                 new = (factor, shape) not in self._warned
                 self._warned.add((factor, shape))
-            if new:
+            if new and factor in self.refused:
+                warnings.warn(f"{factor}: running on the kernel's default choice of {dim}: "
+                              f"{self.refused[factor]}", TuningWarning, stacklevel=4)
+            elif new:
                 where = self.path or (f"{self.folder} (no file for this device; skipped as "
                                       f"malformed: {'; '.join(self.problems)})" if self.problems
                                       else f"{self.folder} (no file for this device)")

@@ -273,6 +273,15 @@ def test_tuning_values_outside_what_the_manifest_allows_refuse_the_table(tmp_pat
     with pytest.warns(TuningWarning) if reg.tuning.warn else warnings.catch_warnings():
         assert reg.tuning.value("moe_fused_gemm", "config", {**sizes, "T": 300}, -1) == -1
         assert reg.tuning.value("moe_fused_gemm", "config", {**sizes, "T": 64}, -1) == -1
+    reg.tuning.warn = True   # on a live GPU: the warning says why, not 'no tuned config ... Run the tuner'
+    with pytest.warns(TuningWarning, match=r"running on the kernel's default choice of config: tuning file "
+                                           r".*values: bogus: 99 outside") as rec:
+        reg.tuning.value("moe_fused_gemm", "config", {**sizes, "T": 512}, -1)
+    assert "Run benchmarks/tune_moe.py" not in str(rec[0].message)
+    body["moe_fused_gemm"]["shapes"][0]["by_T"].pop()   # bogus no longer used by a row: the
+    unused = _registry_with_tuning(tmp_path / "unused", body)   # table stays in use
+    assert not [n for n in unused.notes if "never used" in n], unused.notes
+    assert unused.tuning.value("moe_fused_gemm", "config", {**sizes, "T": 64}, -1) == 2
     good = _registry_with_tuning(tmp_path / "good", TABLE)      # the same table without bogus
     assert good.tuning.value("moe_fused_gemm", "config", {**sizes, "T": 64}, -1) == 2
     assert not [n for n in good.notes if "never used" in n], good.notes
@@ -299,5 +308,40 @@ def test_a_manifest_tuned_range_or_options_is_checked_at_load(tmp_path):
     (tmp_path / "t").mkdir()
     t = TuningTable.for_hardware(H200, write(tmp_path / "t", TABLE))
     msgs = t.check({"moe_fused_gemm": m})
-    assert len(msgs) == 1 and "values: decode: 1, grouped: 4, prefill: 3 outside" in msgs[0], msgs
-    assert "(the options [-1, 0, 2])" in msgs[0] and t.refused == {"moe_fused_gemm"}
+    used = sorted({v for _, vs in t.factors["moe_fused_gemm"].table.values() for v in vs} - {-1, 0, 2})
+    assert used, "TABLE's rows use no value outside the options: the check below would say nothing"
+    names = {v: k for k, v in t.factors["moe_fused_gemm"].values.items()}
+    assert len(msgs) == 1 and "values: " + ", ".join(f"{names[v]}: {v}" for v in sorted(used)) in msgs[0], msgs
+    assert "(the options [-1, 0, 2])" in msgs[0] and set(t.refused) == {"moe_fused_gemm"}
+
+
+def test_calls_bind_again_when_a_table_is_set_aside_later(tmp_path):
+    """A call remembers its dims (the tuned one included) in the registry's caches; when a
+    later load makes the tuning table be set aside (a manifest found then limits the values),
+    the caches are dropped, so the next call binds again and runs on the default."""
+    import numpy as np
+    from ex_engine import moe_fused_gemm
+    reg = _registry_with_tuning(tmp_path, TABLE)
+    seen = []                                 # the tuned values bind() asked for
+    value = reg.tuning.value
+    reg.tuning.value = lambda *a, **k: seen.append(value(*a, **k)) or seen[-1]
+    rng = np.random.default_rng()
+    T, H, E, I, K = 64, 64, 8, 32, 2
+    x = rng.standard_normal((T, H)).astype(np.float16)
+    w13 = (rng.standard_normal((E, 2 * I, H)) * 0.1).astype(np.float16)
+    w2 = (rng.standard_normal((E, H, I)) * 0.1).astype(np.float16)
+    w = np.full((T, K), 0.5, np.float32)
+    ids = np.stack([np.arange(T) % E, (np.arange(T) + 1) % E], 1).astype(np.int32)
+    for _ in range(2):
+        moe_fused_gemm(x, w13, w2, w, ids, registry=reg)
+    assert seen == [2], seen                  # the T = 64 row ('mid'); the second call from the cache
+    # as if a load had found a manifest that allows fewer values (this registry's own copy)
+    reg.manifests["moe_fused_gemm"].dim_sources["config"] = {"tuned": -1, "options": [-1, 0]}
+    reg._note_unused_tuning()                 # what each load does
+    assert set(reg.tuning.refused) == {"moe_fused_gemm"}
+    for _ in range(2):
+        moe_fused_gemm(x, w13, w2, w, ids, registry=reg)
+    assert seen == [2, -1], seen              # bound again: the default; then from the cache
+    reg._note_unused_tuning()                 # nothing changed: the caches stay
+    moe_fused_gemm(x, w13, w2, w, ids, registry=reg)
+    assert seen == [2, -1], seen
