@@ -57,24 +57,27 @@ def readme_variables(readme=ROOT / "README.md"):
     return found
 
 
-def variable_problems(cfgs, variables):
-    """Problems with the configs' variables: a name README's table does not list (misspelt: it
-    would change nothing), and two configs on the same folder that differ in a variable read when
-    a plugin loads (one loaded copy serves both: the second would run with the first's setting)."""
+def variable_problems(cfgs, variables, readme_text=None):
+    """Problems with the configs' variables: an EX_ name that README.md does not mention
+    (misspelt: it would change nothing), and two configs on the same folder that differ in a
+    variable of the table not read per call (the folder's plugins and registry load once, so
+    the second config would run with the first's setting). Other variables (CUDA_LAUNCH_BLOCKING,
+    ...) are the caller's business."""
+    text = readme_text if readme_text is not None else (ROOT / "README.md").read_text()
     problems = []
     for n, folder, env in cfgs:
         for k in sorted(env):
-            if k != "config" and k not in variables:
-                problems.append(f"config {n}: {k} is not a variable of README.md's environment table "
-                                f"(expected one of {', '.join(sorted(variables))})")
+            if k.startswith("EX_") and k not in variables and k not in text:
+                problems.append(f"config {n}: {k} is no variable README.md names (misspelt? the "
+                                f"environment table lists {', '.join(sorted(variables))})")
     for i, (n, folder, env) in enumerate(cfgs):
         for n2, folder2, env2 in cfgs[i + 1:]:
             diff = {k for k in set(env) | set(env2)
-                    if k != "config" and variables.get(k, "at load") != "per call" and env.get(k) != env2.get(k)}
+                    if k in variables and variables[k] != "per call" and env.get(k) != env2.get(k)}
             same = Path(folder).resolve() == Path(folder2).resolve()  # ./factors is factors/
             if same and diff:
                 problems.append(f"configs {n} and {n2} load the same folder {folder} but differ in "
-                                f"{', '.join(sorted(diff))}, read when a plugin loads: copy the folder "
+                                f"{', '.join(sorted(diff))}, read when the folder loads: copy the folder "
                                 f"(cp -r {folder} /tmp/{n2}) and give {n2} the copy")
     return problems
 

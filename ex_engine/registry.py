@@ -1212,9 +1212,10 @@ class FactorRegistry:
         """Fill ``name``'s tuned dims with ``fn(sizes) -> int`` instead of the tuning table
         (benchmarks/tune_moe.py forces each choice this way); None restores the table.
         Raises FactorNotFoundError for an unknown factor, FactorError for an ``fn`` that is not
-        callable or a factor without tuned dims (nothing would ever call ``fn``)."""
-        m = self.manifest(name)
+        callable or a factor without tuned dims (nothing would ever call ``fn``); None for any
+        name is quiet (cleanup code may run before a factor is known)."""
         if fn is not None:
+            m = self.manifest(name)
             if not callable(fn):
                 raise FactorError(f"set_tuning: fn: expected a callable fn(sizes) -> int or None, "
                                   f"got {type(fn).__name__} {fn!r:.80}")
@@ -1229,11 +1230,12 @@ class FactorRegistry:
     def set_fallback(self, name: str, fn) -> None:
         """Use ``fn(arrays, sizes, params)`` as the Python fallback of ``name`` (over the
         manifest's); None restores the manifest's. Raises FactorNotFoundError for an unknown
-        factor, FactorError for an ``fn`` that cannot be called so (fallback_problem)."""
-        self.manifest(name)
+        factor, FactorError for an ``fn`` that cannot be called so (fallback_problem); None for
+        any name is quiet (cleanup code may run before a factor is known)."""
         if fn is None:
             self._fallbacks.pop(name, None)
             return
+        self.manifest(name)
         problem = fallback_problem(fn)
         if problem:
             raise FactorError(f"set_fallback: fn: {problem}")

@@ -438,7 +438,9 @@ def test_registry_setters_refuse_what_would_fail_every_later_call(tmp_path):
         reg.set_tuning("topk_softmax", lambda sizes: 1)
     x = np.random.default_rng().standard_normal((4, 8)).astype(np.float32)
     assert topk_softmax(x, 2, registry=reg)[0].shape == (4, 2)   # nothing was set
-    reg.set_tuning("topk_softmax", None)                          # None: always fine
+    reg.set_tuning("topk_softmax", None)                          # None: always fine,
+    for setter in (reg.set_fallback, reg.set_tuning):             # also for a name not known
+        setter("nope", None)                                      # (yet): cleanup code
 
 
 def test_a_fallback_that_raises_is_named_and_counted_as_an_error(tmp_path):
