@@ -25,8 +25,10 @@
  *      id outside [0, E), meta[1] = valid rows, expert_off[e] = first sorted row of expert e,
  *      slot_pos[slot] = its sorted row (the inverse permutation; written for placed slots only).
  *   2. sm90_prepare_kernel  threads 0..E-1: problem shapes, pointers and strides of both GEMMs;
- *      a warp per token t: its row of hidden_states read once (16-byte copies) and written to
- *      xs[slot_pos[t*K+k]] for each k whose slot was placed (same test as the routing's).
+ *      a warp per (token t, span of 32 * vpl 16-byte vectors of its row; vpl = 8, halved down
+ *      to 1 while the spans make fewer than 16 warps per SM): the span of hidden_states read
+ *      once and written to xs[slot_pos[t*K+k]] for each k whose slot was placed (the routing's
+ *      test).
  *      EX_MOE_SM90_GATHER_BY_TOKEN=0 (at load): a warp per sorted row r < meta[1], xs[r] =
  *      hidden_states[sorted[r] / K], which reads each row K times at scattered moments (H200,
  *      2026-12-02: this kernel 245.8 -> 164.3 us at qwen3-30b T = 16384, 54.4 -> 37.5 at 4096).
