@@ -4,9 +4,10 @@ A manifest names the kernel's output, input and aux inputs in ABI order, each wi
 shape ("T", "2*I"), allowed dtypes and a role; the order of dims[]; where each dim comes from
 (a size, a dtype code, a user parameter, a row stride); user parameters ({type: float | int |
 bool, default, gt: a lower bound a float must exceed}); constraints between sizes; the Python
-fallback; tolerances (DEFAULT_TOLERANCE for a dtype not named) and test shapes. ``Manifest.bind`` checks a call's arrays against it and
-returns the dims to pass, raising an ArgumentError subclass that names the factor, the
-argument, the rule, what was expected and what came.
+fallback; tolerances (DEFAULT_TOLERANCE for a dtype not named) and test shapes.
+``Manifest.bind`` checks a call's arrays against it and returns the dims to pass, raising an
+ArgumentError subclass that names the factor, the argument, the rule, what was expected and
+what came.
 """
 from __future__ import annotations
 
