@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from ex_engine import FactorError, FactorRegistry, moe_fused_gemm  # noqa: E402
-from ex_engine.moe_layer import load_models, output_file_problem, report_problems  # noqa: E402
+from ex_engine.moe_layer import load_models_or_exit, output_file_problem, report_problems  # noqa: E402
 from _timing import graph_us  # noqa: E402
 from bench_moe import input_sets, layer_weights, reference, rel  # noqa: E402
 
@@ -129,7 +129,7 @@ def main():
     ap.add_argument("--no-ref", action="store_true", help="skip the float32 reference check")
     ap.add_argument("--rounds", type=int, default=2, help="timing rounds, config order reversed every other round")
     args = ap.parse_args()
-    models = load_models()
+    models = load_models_or_exit("ab_moe")
     cfgs = [parse_cfg(c) for c in args.configs]
     names = [n for n, _, _ in cfgs]
     problems = []                       # every one at once, before any work

@@ -31,7 +31,7 @@ except ImportError:  # --help works without it; a run says it needs it
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ex_engine import FactorRegistry, moe_fused_gemm  # noqa: E402
-from ex_engine.moe_layer import case_problems, load_models, output_file_problem, report_problems  # noqa: E402
+from ex_engine.moe_layer import case_problems, load_models_or_exit, output_file_problem, report_problems  # noqa: E402
 from _timing import graph_us, host_us  # noqa: E402
 
 PEAK_TFLOPS, PEAK_GBS = 787.0, 4230.0
@@ -129,7 +129,7 @@ def main():
     ap.add_argument("--factors", default=None,
                     help="folder of plugin libraries to load (default factors/): e.g. an older build, to compare")
     args = ap.parse_args()
-    models = load_models()
+    models = load_models_or_exit("bench_moe")
     names = sorted(models) if args.models == ["all"] else args.models
     # every argument checked before any work (a mistake found after a row would lose it)
     problems = case_problems(models, names, args.tokens, args.factors, all_ok=True)

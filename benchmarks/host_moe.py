@@ -37,7 +37,7 @@ from _timing import host_us, torch  # noqa: E402
 
 from ex_engine import FactorRegistry, abi, moe_fused_gemm  # noqa: E402
 from ex_engine.arrays import TensorRef  # noqa: E402
-from ex_engine.moe_layer import case_problems, load_models, output_file_problem, report_problems  # noqa: E402
+from ex_engine.moe_layer import case_problems, load_models_or_exit, output_file_problem, report_problems  # noqa: E402
 
 NAMES = ("hidden_states", "w13", "w2", "topk_weights", "topk_ids")
 
@@ -112,7 +112,7 @@ def main() -> int:
     ap.add_argument("--profile", action="store_true", help="also print cProfile's top functions")
     ap.add_argument("--json", default=None, help="write the results to this file")
     args = ap.parse_args()
-    models = load_models()
+    models = load_models_or_exit("host_moe")
     problems = case_problems(models, args.models, args.tokens, args.factors)
     if args.rounds < 1:
         problems.append(f"--rounds: expected >= 1, got {args.rounds}")

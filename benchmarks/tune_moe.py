@@ -31,7 +31,7 @@ import yaml  # noqa: E402
 from _timing import graph_us  # noqa: E402
 from bench_moe import input_sets, layer_weights, reference, rel  # noqa: E402
 from ex_engine import FactorRegistry, moe_fused_gemm  # noqa: E402
-from ex_engine.moe_layer import case_problems, load_models, output_file_problem, report_problems  # noqa: E402
+from ex_engine.moe_layer import case_problems, load_models_or_exit, output_file_problem, report_problems  # noqa: E402
 from ex_engine.tuning import tuning_dir  # noqa: E402
 
 CONFIGS = {"tiny": 0, "decode": 1, "mid": 2, "prefill": 3, "grouped": 4, "mid32": 5, "mid48": 6,
@@ -68,7 +68,7 @@ def main() -> int:
     ap.add_argument("--out", default=None,
                     help="tuning file to write (default manifests/tuning/<profile>.yaml for this GPU)")
     args = ap.parse_args()
-    models = load_models()
+    models = load_models_or_exit("tune_moe")
     # every argument checked before any work (the tuning file is written after the whole run)
     problems = case_problems(models, [m for m in args.models if m != "all"], args.tokens, all_ok=True)
     if args.sets < 1 or args.margin < 0:

@@ -148,6 +148,16 @@ def report_problems(tool: str, problems) -> bool:
     return bool(problems)
 
 
+def load_models_or_exit(tool: str) -> dict:
+    """load_models() for a script: a model list it cannot use is '<tool>: <why>' on stderr and
+    exit status 2 (SystemExit), not a traceback."""
+    try:
+        return load_models()
+    except FactorError as exc:
+        report_problems(tool, [str(exc)])
+        raise SystemExit(2) from None
+
+
 def model_shape(name: str) -> MoEShape:
     """The MoEShape of ``name``. Raises FactorError listing the known models."""
     models = load_models()

@@ -55,9 +55,9 @@ from ex_engine.distributed import (ExpertParallelMoE, expert_owner, expert_parti
                                    init_from_env, shutdown)
 from ex_engine.hardware import Hardware  # noqa: E402
 from ex_engine.cli import token_count  # noqa: E402
-from ex_engine.moe_layer import load_models, output_file_problem, report_problems  # noqa: E402
+from ex_engine.moe_layer import load_models_or_exit, output_file_problem, report_problems  # noqa: E402
 
-MODELS = load_models()
+MODELS = load_models_or_exit("ep_moe")
 DEFAULT_MODELS = ["qwen3-30b-a3b", "mixtral-8x7b"]
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16} if torch else {}
 

@@ -64,9 +64,9 @@ def main() -> int:
                          "decode, mid, ..., grouped, grouped64, narrow); default: tuned data, else auto")
     args = ap.parse_args()
     from ex_engine import FactorError, FactorRegistry, moe_fused_gemm
-    from ex_engine.moe_layer import load_models
+    from ex_engine.moe_layer import load_models_or_exit
 
-    models = load_models()
+    models = load_models_or_exit("kernel_times_moe")
     cases = []
     for c in args.cases:
         m, _, t = c.partition(":")

@@ -16,7 +16,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ex_engine import FactorRegistry, moe_fused_gemm, topk_softmax  # noqa: E402
-from ex_engine.moe_layer import MoELayer, case_problems, load_models, report_problems  # noqa: E402
+from ex_engine.moe_layer import MoELayer, case_problems, load_models_or_exit, report_problems  # noqa: E402
 
 
 def main() -> int:
@@ -25,7 +25,7 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, nargs="+", default=[1], help="token counts T")
     ap.add_argument("--factors", default=None, help="plugin folder (default factors/)")
     args = ap.parse_args()
-    models = load_models()
+    models = load_models_or_exit("profile_moe")
     if report_problems("profile_moe", case_problems(models, args.models, args.tokens, args.factors)):
         return 2
     try:

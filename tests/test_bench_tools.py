@@ -142,3 +142,34 @@ def test_shell_scripts_answer_help_without_doing_anything(script, tmp_path):
     assert r.returncode == 0 and r.stdout.strip(), (r.returncode, r.stdout, r.stderr)
     assert not (tmp_path / ".venv").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["scripts"]
+
+
+@pytest.mark.parametrize("script, args", [
+    ("benchmarks/bench_moe.py", ["--models", "all", "--tokens", "1"]),
+    ("benchmarks/tune_moe.py", ["--models", "all", "--tokens", "1"]),
+    ("benchmarks/host_moe.py", ["--models", "qwen3-30b-a3b"]),
+    ("benchmarks/ab_moe.py", ["--cases", "qwen3-30b-a3b:1", "--configs", "a=factors", "b=factors"]),
+    ("scripts/kernel_times_moe.py", ["--cases", "qwen3-30b-a3b:1"]),
+    ("scripts/profile_moe.py", ["--models", "qwen3-30b-a3b"]),
+    ("examples/ep_moe.py", []),
+])
+def test_a_script_given_a_bad_model_list_says_so_in_one_line(tmp_path, script, args):
+    """The scripts read manifests/moe_models.yaml first; one it cannot use (here H: -8) was a
+    traceback ending in the model list's message: now that message, one line, exit status 2."""
+    import os
+    import shutil
+    import subprocess
+    from ex_engine import _paths
+    m = tmp_path / "m"
+    shutil.copytree(_paths.manifests_dir(), m)
+    text = (m / "moe_models.yaml").read_text()
+    (m / "moe_models.yaml").write_text(text.replace("{H: 2048, I: 768,", "{H: -8, I: 768,", 1))
+    env = {**os.environ, "EX_ENGINE_MANIFESTS": str(m)}
+    p = subprocess.run([sys.executable, str(ROOT / script), *args], capture_output=True, text=True,
+                       cwd=ROOT, env=env, timeout=120)
+    name = Path(script).stem
+    assert p.returncode == 2, (p.returncode, p.stderr[-2000:])
+    assert "Traceback" not in p.stderr, p.stderr[-2000:]
+    lines = [line for line in p.stderr.splitlines() if line.strip()]
+    assert lines == [f"{name}: model list {m / 'moe_models.yaml'}: model 'qwen3-30b-a3b': H: expected an "
+                     "integer >= 1, got -8"], p.stderr[-2000:]
