@@ -1,5 +1,6 @@
 """The registry on small host-memory plugins built with gcc: loading, checks, dispatch, fallbacks."""
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -644,7 +645,16 @@ def test_an_exponent_without_a_dot_is_a_number_in_every_yaml_file(tmp_path):
     reads its YAML with 1.2's float rule: the plugin loads, with the tolerance 1e-6."""
     from ex_engine import _yaml
     from ex_engine.verify import verify_plugin
-    assert _yaml.load("a: 1e-6\nb: -3E+8\nc: 10\nd: 1e\ne: yes") == {"a": 1e-6, "b": -3e8, "c": 10, "d": "1e", "e": True}
+    assert _yaml.load("a: 1e-6\nb: -3E+8\nc: 10\nd: 1e\ne: yes\nf: 1.0e5\ng: ._\nh: 1_000e3\ni: 0x10") == {
+        "a": 1e-6, "b": -3e8, "c": 10, "d": "1e", "e": True, "f": 1e5, "g": "._", "h": "1_000e3", "i": 16}
+    import yaml
+    with pytest.raises(yaml.YAMLError, match="month must be in 1..12"):   # a ValueError in PyYAML
+        _yaml.load("note: 2024-13-01")
+    m = tmp_path / "m"                      # such a file in the manifests folder is a note, the
+    shutil.copytree(ROOT / "manifests", m)  # registry keeps working (it was a raw ValueError)
+    (m / "junk.yaml").write_text("note: 2024-13-01\n")
+    reg = FactorRegistry.load(tmp_path, hardware="h200", manifests_dir=m)
+    assert "topk_softmax" in reg.manifests
     folder = tmp_path / "p"
     build_plugin(folder)
     _manifest_variant(folder, "exp", "host_scale_exp", 1130,
@@ -654,3 +664,4 @@ def test_an_exponent_without_a_dot_is_a_number_in_every_yaml_file(tmp_path):
     assert p.status == "ready", p.reason
     res = verify_plugin(reg, p, isolate=False, count=False)
     assert [r.status for r in res] == ["pass"] and res[0].tol == 1e-6 and not res[0].tol_default
+
