@@ -30,7 +30,7 @@ import yaml  # noqa: E402
 
 from _timing import graph_us  # noqa: E402
 from bench_moe import input_sets, layer_weights, reference, rel  # noqa: E402
-from ex_engine import FactorRegistry, moe_fused_gemm  # noqa: E402
+from ex_engine import FactorRegistry, _yaml, moe_fused_gemm  # noqa: E402
 from ex_engine.moe_layer import case_problems, load_models_or_exit, output_file_problem, report_problems  # noqa: E402
 from ex_engine.tuning import tuning_dir  # noqa: E402
 
@@ -91,7 +91,7 @@ def main() -> int:
         "h200.yaml" if (device, sms) == ("NVIDIA H200", 132)
         else re.sub(r"\W+", "_", device.lower()).strip("_") + f"_{sms}sm.yaml")
     text = out.read_text() if out.exists() else ""
-    data = yaml.safe_load(text) if text else None
+    data = _yaml.load(text) if text else None   # read as the registry reads it (YAML 1.2 floats)
     notes = []                     # the merged file's own comment lines, kept below the new header
     if not isinstance(data, dict) or (data.get("device"), data.get("multiprocessor_count")) != (device, sms):
         data = {}                  # another device's (or no) table: start a new one, merge nothing

@@ -6,8 +6,8 @@ and the largest tuned T not above the call's T (a T below every tuned T runs on 
 a row tuned at T = 4096 says nothing of T = 1). A shape the file does not list runs on DEFAULT (the kernel's own heuristic) and, on a live GPU, a TuningWarning
 says so once per shape, naming the file and the tuner (benchmarks/tune_moe.py) that fills it.
 Where the dim's manifest entry gives ``range: [LO, HI]`` or ``options: [...]``, a table whose
-``values`` fall outside is refused (a registry note names the file, the values and the allowed
-ones; its shapes run on DEFAULT).
+rows use a value outside is set aside (a registry note, and on a live GPU a warning, name the
+file, the values and the allowed ones; its shapes run on DEFAULT).
 
 File format (written by benchmarks/tune_moe.py)::
 
@@ -194,7 +194,10 @@ class TuningTable:
         if not isinstance(data, dict):
             raise FactorError(f"tuning file {p}: expected a mapping with device, "
                               f"multiprocessor_count and one table per factor, got {type(data).__name__}")
-        if not isinstance(data.get("device"), str) or not data["device"]:
+        dev = data.get("device")
+        if isinstance(dev, (int, float)) and not isinstance(dev, bool):
+            data["device"] = dev = str(dev)   # a numeric device name (4090), as profiles take it
+        if not isinstance(dev, str) or not dev:
             raise FactorError(f"tuning file {p}: device: expected the name of the GPU it was "
                               f"tuned on (as `ex-engine hardware` prints it), got {data.get('device')!r}")
         sms = data.get("multiprocessor_count")
@@ -213,8 +216,9 @@ class TuningTable:
     def unused(self, manifests: dict) -> list:
         """Why parts of the loaded file can never apply (one message each; empty if none): a
         table for a factor no manifest names, a dim that is not one of that factor's tuned dims,
-        a key that is no size of its calls. Such a table never matches a call (its shapes run on
-        the defaults), so a misspelt name would otherwise pass unnoticed."""
+        a key that is no size of its calls, a value its rows use outside what the manifest allows
+        for the dim (range / options). Such a table never matches a call (its shapes run on the
+        defaults; check() sets it aside), so a misspelt name would otherwise pass unnoticed."""
         out = []
         for name, ft in sorted(self.factors.items()):
             m = manifests.get(name)
@@ -245,8 +249,11 @@ class TuningTable:
         them (a table whose values the manifest does not allow would otherwise hand the kernel
         a choice it refuses). Called again with more manifests, it decides again."""
         out = self.unused(manifests)
-        self.refused = {name: msg for name in self.factors for msg in out
-                        if msg.startswith(f"tuning file {self.path}: {name}: ")}
+        self.refused = {}
+        for name in self.factors:
+            why = [m for m in out if m.startswith(f"tuning file {self.path}: {name}: ")]
+            if why:
+                self.refused[name] = "; ".join(why)
         return out
 
     def override(self, factor: str, fn) -> None:

@@ -78,7 +78,8 @@ SHAPE = {"H": 64, "I": 32, "G": 8, "K": 2}
       "moe_fused_gemm": {k: v for k, v in TABLE["moe_fused_gemm"].items() if k != "shapes"}}, "shapes"),
     ({**TABLE, "multiprocessor_count": "lots"}, "multiprocessor_count"),
     ({k: v for k, v in TABLE.items() if k != "device"}, "device: expected the name"),   # never matched silently
-    ({**TABLE, "device": 7}, "device: expected the name"),
+    ({**TABLE, "device": True}, "device: expected the name"),   # (a number is a name: 4090)
+    ({**TABLE, "device": ["NVIDIA H200"]}, "device: expected the name"),
     ([1, 2, 3], "expected a mapping"),
 ])
 def test_malformed_file_is_reported_and_skipped(tmp_path, body, why):
@@ -345,3 +346,12 @@ def test_calls_bind_again_when_a_table_is_set_aside_later(tmp_path):
     reg._note_unused_tuning()                 # nothing changed: the caches stay
     moe_fused_gemm(x, w13, w2, w, ids, registry=reg)
     assert seen == [2, -1], seen
+
+
+def test_a_numeric_device_name_matches_a_numeric_profile_name(tmp_path):
+    """A profile may be named 4090 (YAML reads a number, the profile takes it as '4090'); the
+    tuning file written for it says device: 4090 too, and is used (it was skipped as malformed)."""
+    hw = SimpleNamespace(name="4090", multiprocessor_count=132, live=False)
+    t = TuningTable.for_hardware(hw, write(tmp_path, {**TABLE, "device": 4090}))
+    assert t.path is not None and not t.problems, t.problems
+    assert t.value("moe_fused_gemm", "config", {"H": 64, "I": 32, "G": 8, "K": 2, "T": 64}, -1) == 2
