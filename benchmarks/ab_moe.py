@@ -64,10 +64,11 @@ def variable_problems(cfgs, variables, readme_text=None):
     the second config would run with the first's setting). Other variables (CUDA_LAUNCH_BLOCKING,
     ...) are the caller's business."""
     text = readme_text if readme_text is not None else (ROOT / "README.md").read_text()
+    named = set(re.findall(r"EX_[A-Z0-9_]+", text))   # whole names: EX_MOE_SM90_RASTER is none
     problems = []
     for n, folder, env in cfgs:
         for k in sorted(env):
-            if k.startswith("EX_") and k not in variables and k not in text:
+            if k.upper().startswith("EX_") and k not in variables and k not in named:
                 problems.append(f"config {n}: {k} is no variable README.md names (misspelt? the "
                                 f"environment table lists {', '.join(sorted(variables))})")
     for i, (n, folder, env) in enumerate(cfgs):

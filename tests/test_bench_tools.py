@@ -84,6 +84,9 @@ def test_ab_moe_refuses_a_load_time_difference_on_one_folder(ab_moe):
     assert ab_moe.variable_problems([cfg("a=factors"), cfg("b=/tmp/x:EX_MOE_SM90_SWIZZLE=4")], table) == []
     p = ab_moe.variable_problems([cfg("a=factors"), cfg("b=/tmp/x:EX_MOE_SM90_SWIZLE=4")], table)
     assert len(p) == 1 and "EX_MOE_SM90_SWIZLE is no variable README.md names" in p[0]
+    for part in ("EX_MOE_SM90_RASTER", "EX_MOE", "ex_moe_sm90_swizzle"):   # a part of a name, or
+        p = ab_moe.variable_problems([cfg("a=factors"), cfg(f"b=/tmp/x:{part}=1")], table)  # its case
+        assert len(p) == 1 and f"{part} is no variable README.md names" in p[0], (part, p)
     # variables of others, and EX_ENGINE_CACHE (README names it outside the table), are fine
     assert ab_moe.variable_problems([cfg("a=factors:CUDA_LAUNCH_BLOCKING=1,EX_ENGINE_CACHE=/tmp/c"),
                                      cfg("b=factors")], table) == []
