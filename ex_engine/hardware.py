@@ -190,7 +190,8 @@ class Hardware:
     def detect(cls) -> "Hardware | None":
         """The live device, or None when there is no CuPy or no GPU. A device whose properties
         break a profile's rules (check_fields) raises FactorError: it is there, and calling it
-        "no GPU" would send every call to the Python fallbacks without a word."""
+        "no GPU" would send every call to the Python fallbacks without a word (a registry can
+        still be loaded with a profile: hardware='h200')."""
         try:
             return cls.from_device()
         except NoDeviceError:

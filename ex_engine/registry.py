@@ -420,8 +420,9 @@ def _share_memory(a, b) -> bool:
 class FactorRegistry:
     """Plugins found in folders, the one chosen per factor name, and the dispatch to them.
 
-    hardware: a Hardware, a profile name ('h200'), or None for the live GPU (when there is no
-    GPU, the 'h200' profile, so plugins are still checked; kernels are then never called).
+    hardware: a Hardware, a profile name ('h200') or path, or None for the live GPU (when there
+    is no GPU, the 'h200' profile, so plugins are still checked; kernels are then never called;
+    a visible GPU whose properties no profile could hold raises FactorError: pass a profile).
     manifests_dir: where factor manifests live (default manifests/); a manifest beside a
     library (<name>.yaml in its folder) takes precedence.
     """
@@ -894,8 +895,11 @@ class FactorRegistry:
 
     def _choose(self) -> None:
         """Pick one ready plugin per name: the user's ``prefer``, else highest version, then
-        priority, then file name. Then one plugin per factor id. Losers say who won and why."""
+        priority, then file name. Then one plugin per factor id. Losers say who won and why.
+        A change of the chosen plugins drops the calls remembered for the old ones (their dims
+        came from the old plugin's manifest)."""
         self._note_unused_tuning()
+        before = dict(self._chosen)
         self.notes = [n for n in self.notes if not n.startswith("prefer:")]
         by_name = defaultdict(list)
         for p in self.plugins:
@@ -932,6 +936,9 @@ class FactorRegistry:
                     q.status = "rejected"
                     q.reason = f"factor id {fid} already taken by '{win.name}' ({win.path.name}); rule: {rule}"
                     del self._chosen[q.name]
+        if any(self._chosen.get(n) is not p for n, p in before.items()):   # (a new name: nothing to drop)
+            self._bind_cache.clear()
+            self._fast_calls.clear()
 
     # ------------------------------------------------------------------ queries
     def get(self, name: str) -> Plugin | None:
@@ -1116,7 +1123,9 @@ class FactorRegistry:
         """Run ``name``'s Python fallback (set_fallback's, else the manifest's) on checked
         arrays; returns 'python_fallback'. Raises FactorError (why no plugin took the call)
         when there is none, or one that cannot be loaded, or that raised (then naming the
-        factor and the fallback); each counts in stats()' errors."""
+        factor and the fallback; a FactorError or MemoryError of its own passes as it is), or
+        that returned something other than None, a Counter of flag texts or a list of them; each
+        counts in stats()' errors."""
         fn = self._fallbacks.get(name)
         try:
             fn = fn or m.fallback_fn()
@@ -1146,12 +1155,15 @@ class FactorRegistry:
             self._count(name, "errors")
             raise FactorError(f"{name}: the Python fallback {self._fallback_label(name, m, fn)} raised "
                               f"{type(exc).__name__}: {exc}") from exc
-        if flags is not None and not isinstance(flags, Mapping) and not (
-                isinstance(flags, (list, tuple)) and all(isinstance(f, str) for f in flags)):
+        if isinstance(flags, (list, tuple, set, frozenset)) and all(isinstance(f, str) for f in flags):
+            flags = Counter(flags)   # flag texts, one slot each (Counter.update took them before)
+        if flags is not None and not (isinstance(flags, Mapping) and all(
+                isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) and v >= 0
+                for k, v in flags.items())):
             self._count(name, "errors")
             raise FactorError(f"{name}: the Python fallback {self._fallback_label(name, m, fn)} returned "
-                              f"{type(flags).__name__} {flags!r:.80}; expected None, a Counter or a "
-                              "list of device-flag texts")
+                              f"{type(flags).__name__} {flags!r:.80}; expected None, a Counter "
+                              "{flag text: slots >= 0} or a list of flag texts")
         if flags:
             with self._lock:
                 self._flags[name].update(flags)

@@ -665,3 +665,22 @@ def test_an_exponent_without_a_dot_is_a_number_in_every_yaml_file(tmp_path):
     res = verify_plugin(reg, p, isolate=False, count=False)
     assert [r.status for r in res] == ["pass"] and res[0].tol == 1e-6 and not res[0].tol_default
 
+
+def test_a_newly_chosen_plugin_drops_the_calls_remembered_for_the_old_one(tmp_path):
+    """A call's dims are remembered (bind cache, fast path) from the chosen plugin's manifest;
+    when a later load_library makes another plugin the chosen one (a higher version, with its
+    own manifest beside it), those are dropped and its calls bind again (the stale dims of
+    the old manifest had been kept). A load that changes nothing keeps them."""
+    build_plugin(tmp_path / "v1")
+    reg = FactorRegistry.load(tmp_path / "v1", hardware="h200")
+    assert call(reg)[0] == "plugin" and call(reg)[0] == "plugin"
+    assert reg._bind_cache and reg._fast_calls
+    build_plugin(tmp_path / "v1b", "host_scale_b", defines={"NAME": '"host_scale_b"', "FACTOR_ID": 1150})
+    reg.load_library(tmp_path / "v1b" / "host_scale_b.so")          # another factor: kept
+    assert reg._bind_cache and reg._fast_calls
+    build_plugin(tmp_path / "v2", defines={"VERSION": '"2.0.0"'})
+    reg.load_library(tmp_path / "v2" / "host_scale.so")
+    assert reg.get("host_scale").version == "2.0.0"
+    assert not reg._bind_cache and not reg._fast_calls
+    path, x, out = call(reg)
+    assert path == "plugin" and np.allclose(out, 3.0 * x)

@@ -486,6 +486,11 @@ def test_a_fallback_that_raises_is_named_and_counted_as_an_error(tmp_path):
     topk_softmax(x, 2, registry=reg)
     with pytest.raises(DeviceSideError, match="topk_softmax: a flag in 1 slot"):
         reg.check_device_errors()
+    for bad in ({"a flag": "x"}, {"a flag": -3}, {"a flag": 1.5}, {3: 1}):   # counts are slots
+        reg.set_fallback("topk_softmax", lambda arrays, sizes, params, b=bad: b)
+        with pytest.raises(FactorError, match=r"returned dict .*; expected None, a Counter \{flag text: slots"):
+            topk_softmax(x, 2, registry=reg)
     reg.set_fallback("topk_softmax", None)                        # the manifest's again
     topk_softmax(x, 2, registry=reg)
     assert reg.stats()["topk_softmax"]["python_fallback"] == 2   # the list's call, and this one
+    assert reg.stats()["topk_softmax"]["errors"] == 9
