@@ -31,15 +31,19 @@ LIMITS.update({f: (0, _INT64_MAX) for f in FIELDS[8:12]})
 LIMITS["global_mem_bytes"] = (1, _INT64_MAX)
 
 
+def device_name(v):
+    """A device name as YAML may give it: a number (name: 4090) as its text; anything else as
+    it is (check_fields judges it)."""
+    return str(v) if isinstance(v, numbers.Real) and not isinstance(v, bool) else v
+
+
 def check_fields(values: dict, where: str) -> None:
     """Raise FactorError unless ``values`` holds a non-empty string ``name`` and, for each of
     FIELDS, an integer (not a bool, not a float) that fits its ex_hardware_t field.
 
     ``where`` starts the message, e.g. "hardware profile manifests/hardware/h200.yaml".
     """
-    name = values.get("name")
-    if isinstance(name, numbers.Real) and not isinstance(name, bool):
-        name = str(name)   # name: 4090 is a device name to YAML's reader only as a number
+    name = device_name(values.get("name"))
     if not isinstance(name, str) or not name.strip():
         raise FactorError(f"{where}: name: expected a non-empty string (the device name), got {name!r}")
     for f in FIELDS:
@@ -84,8 +88,7 @@ class Hardware:
         # a Hardware built by hand (or by Hardware(**d)) is held to a profile's rules: to_c
         # could not fill ex_hardware_t with the rest, and a plugin would decline a warp of 0
         check_fields(dataclasses.asdict(self), f"Hardware ({self.source})")
-        if not isinstance(self.name, str):   # a number check_fields took as a name (4090)
-            object.__setattr__(self, "name", str(self.name))
+        object.__setattr__(self, "name", device_name(self.name))   # 4090 -> '4090'
 
     @property
     def compute_capability(self) -> int:

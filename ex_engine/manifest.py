@@ -280,7 +280,7 @@ class Manifest:
                 if k not in self.size_names:
                     return (f"test_shapes[{i}]: {k}: expected a size ({', '.join(sorted(self.size_names))}) "
                             f"or a parameter ({', '.join(sorted(self.params)) or 'none'})")
-                if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                if not _is_int(v) or v < 0:
                     return f"test_shapes[{i}]: {k}: expected an integer >= 0, got {type(v).__name__} {v!r}"
             missing = [k for k in needed if k not in case]
             if missing:

@@ -890,8 +890,7 @@ class FactorRegistry:
         before = set(self.tuning.refused)
         self.notes.extend(f"tuning: {msg}" for msg in self.tuning.check(known))
         if set(self.tuning.refused) != before:   # calls remembered with a tuned dim from a table
-            self._bind_cache.clear()              # now set aside (or back in use) bind again
-            self._fast_calls.clear()
+            self._forget_calls()                  # now set aside (or back in use) bind again
 
     def _choose(self) -> None:
         """Pick one ready plugin per name: the user's ``prefer``, else highest version, then
@@ -937,8 +936,13 @@ class FactorRegistry:
                     q.reason = f"factor id {fid} already taken by '{win.name}' ({win.path.name}); rule: {rule}"
                     del self._chosen[q.name]
         if any(self._chosen.get(n) is not p for n, p in before.items()):   # (a new name: nothing to drop)
-            self._bind_cache.clear()
-            self._fast_calls.clear()
+            self._forget_calls()
+
+    def _forget_calls(self) -> None:
+        """Drop every remembered call (bind cache, short path): what they hold (dims, the tuned
+        ones included; the plugin) was derived from a state that changed."""
+        self._bind_cache.clear()
+        self._fast_calls.clear()
 
     # ------------------------------------------------------------------ queries
     def get(self, name: str) -> Plugin | None:
@@ -1126,14 +1130,21 @@ class FactorRegistry:
         factor and the fallback; a FactorError or MemoryError of its own passes as it is), or
         that returned something other than None, a Counter of flag texts or a list of them; each
         counts in stats()' errors."""
-        fn = self._fallbacks.get(name)
         try:
-            fn = fn or m.fallback_fn()
-        except FactorError:
+            flags = self._run_python_fallback(name, m, plugin, refs_by_name, sizes, pvals, device)
+        except (FactorError, MemoryError):
             self._count(name, "errors")
             raise
+        if flags:
+            with self._lock:
+                self._flags[name].update(flags)
+        return "python_fallback"
+
+    def _run_python_fallback(self, name: str, m: Manifest, plugin, refs_by_name: dict, sizes: dict,
+                             pvals: dict, device: int):
+        """_python_fallback's work, uncounted: the fallback's device flags (a Counter or None)."""
+        fn = self._fallbacks.get(name) or m.fallback_fn()
         if fn is None:
-            self._count(name, "errors")
             if plugin is None:
                 why = "no ready plugin of that name is loaded"
             elif m.memory != "host" and device < 0:
@@ -1149,10 +1160,8 @@ class FactorRegistry:
         try:
             flags = fn(refs_by_name, sizes, pvals)
         except (FactorError, MemoryError):   # its own error, naming the factor already; out of
-            self._count(name, "errors")      # memory (NumPy's, CuPy's OutOfMemoryError) stays what
-            raise                            # it is, for callers that catch it
-        except Exception as exc:
-            self._count(name, "errors")
+            raise                            # memory (NumPy's, CuPy's OutOfMemoryError) stays what
+        except Exception as exc:             # it is, for callers that catch it
             raise FactorError(f"{name}: the Python fallback {self._fallback_label(name, m, fn)} raised "
                               f"{type(exc).__name__}: {exc}") from exc
         if isinstance(flags, (list, tuple, set, frozenset)) and all(isinstance(f, str) for f in flags):
@@ -1160,14 +1169,10 @@ class FactorRegistry:
         if flags is not None and not (isinstance(flags, Mapping) and all(
                 isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) and v >= 0
                 for k, v in flags.items())):
-            self._count(name, "errors")
             raise FactorError(f"{name}: the Python fallback {self._fallback_label(name, m, fn)} returned "
                               f"{type(flags).__name__} {flags!r:.80}; expected None, a Counter "
                               "{flag text: slots >= 0} or a list of flag texts")
-        if flags:
-            with self._lock:
-                self._flags[name].update(flags)
-        return "python_fallback"
+        return flags
 
     def _fallback_label(self, name: str, m: Manifest, fn) -> str:
         """The Python fallback ``fn`` of ``name`` as an error names it: set_fallback's (its
@@ -1236,8 +1241,7 @@ class FactorRegistry:
                                   "(dim_sources {tuned: DEFAULT}), got one with none: nothing would "
                                   "call fn")
         self.tuning.override(name, fn)
-        self._bind_cache.clear()
-        self._fast_calls.clear()
+        self._forget_calls()
 
     def set_fallback(self, name: str, fn) -> None:
         """Use ``fn(arrays, sizes, params)`` as the Python fallback of ``name`` (over the

@@ -32,6 +32,7 @@ import yaml
 
 from . import _paths, _yaml
 from .errors import FactorError, one_line
+from .hardware import device_name
 
 
 class TuningWarning(UserWarning):
@@ -194,9 +195,7 @@ class TuningTable:
         if not isinstance(data, dict):
             raise FactorError(f"tuning file {p}: expected a mapping with device, "
                               f"multiprocessor_count and one table per factor, got {type(data).__name__}")
-        dev = data.get("device")
-        if isinstance(dev, (int, float)) and not isinstance(dev, bool):
-            data["device"] = dev = str(dev)   # a numeric device name (4090), as profiles take it
+        data["device"] = dev = device_name(data.get("device"))   # 4090 -> '4090', as profiles
         if not isinstance(dev, str) or not dev:
             raise FactorError(f"tuning file {p}: device: expected the name of the GPU it was "
                               f"tuned on (as `ex-engine hardware` prints it), got {data.get('device')!r}")
