@@ -18,7 +18,7 @@ import yaml
 
 from . import _paths, _yaml
 from .arrays import Bits16, TensorRef, f32_to_bf16_bits
-from .errors import FactorError, one_line
+from .errors import ArgumentError, DTypeError, FactorError, ShapeError, one_line
 from .fallbacks import moe_fused_gemm_math, topk_softmax_math
 from .ops import moe_fused_gemm, resolve_registry, topk_softmax
 
@@ -89,7 +89,12 @@ def load_models(path=None) -> dict:
     """model name -> MoEShape, from manifests/moe_models.yaml (copied from shared/).
     Raises FactorError naming the file (and the model and field) if it cannot be read or breaks
     a rule: a non-empty ``models`` mapping, H, I, E, K integers >= 1 with K <= E, renormalize
-    true or false (default false), an optional ``token_counts`` list of integers >= 1."""
+    true or false (default false), an optional ``token_counts`` list of integers >= 1.
+    path: None (the default file), a str or an os.PathLike; anything else (an int would be
+    opened as a file descriptor) raises ArgumentError."""
+    if path is not None and not isinstance(path, (str, os.PathLike)):
+        raise ArgumentError("load_models", "path", "type", "None, a str or an os.PathLike",
+                            f"{type(path).__name__} {path!r}")
     path = path or _paths.manifests_dir() / "moe_models.yaml"
     try:
         with open(path) as f:
@@ -166,12 +171,20 @@ def model_shape(name: str) -> MoEShape:
     return models[name]
 
 
+RANDOM_DTYPES = ("bfloat16", "float16", "float32")
+LAYER_DTYPES = ("bfloat16", "float16")
+
+
 def random_array(xp, rng, shape, dtype: str, std: float = 1.0):
     """N(0, std^2) values of ``dtype`` on NumPy or CuPy; bfloat16 comes as a Bits16.
 
     Drawn one leading slice at a time (one expert of a weight tensor), so the float32
-    temporaries stay small. dtype: 'bfloat16', 'float16' or 'float32'; anything else raises
-    NumPy's (or CuPy's) TypeError for an unknown dtype."""
+    temporaries stay small. dtype: 'bfloat16', 'float16' or 'float32' (RANDOM_DTYPES); any
+    other value raises DTypeError (an integer dtype would hold truncated draws, float64 would
+    not be N(0, 1) draws of float64 precision)."""
+    if not isinstance(dtype, str) or dtype not in RANDOM_DTYPES:
+        raise DTypeError("random_array", "dtype", "a dtype name", " or ".join(map(repr, RANDOM_DTYPES)),
+                         repr(dtype))
     out = xp.empty(shape, dtype=xp.uint16 if dtype == "bfloat16" else dtype)
     for i in range(shape[0] if len(shape) == 3 else 1):
         dst = out[i] if len(shape) == 3 else out
@@ -180,12 +193,31 @@ def random_array(xp, rng, shape, dtype: str, std: float = 1.0):
     return Bits16(out, "bfloat16") if dtype == "bfloat16" else out
 
 
+def _check_int(fn: str, name: str, v, lo: int) -> None:
+    """Raise ArgumentError unless ``v`` is an int (not a bool; NumPy integers count) >= lo."""
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < lo:
+        raise ArgumentError(fn, name, "an integer", f"an int >= {lo}", repr(v))
+
+
 class MoELayer:
     """Router weight (E, H) fp32, w13 (E, 2I, H) and w2 (E, H, I) of ``dtype`` on NumPy or CuPy
     (xp), drawn N(0, 0.02^2) from ``seed`` (PERF.md's inputs). bfloat16 arrays come as Bits16.
-    shape: an MoEShape (model_shape(name)); dtype: 'bfloat16' or 'float16'."""
+    shape: an MoEShape (model_shape(name)) with H, I, E, K ints >= 1, K <= E; dtype:
+    'bfloat16' or 'float16'; seed: an int >= 0. Raises ArgumentError (DTypeError for dtype)
+    naming the argument otherwise, before any array is drawn."""
 
     def __init__(self, shape: MoEShape, dtype: str = "bfloat16", xp=np, seed: int = 0):
+        fn = "MoELayer"
+        if not isinstance(shape, MoEShape):
+            raise ArgumentError(fn, "shape", "type", "an MoEShape (model_shape(name))",
+                                type(shape).__name__)
+        for f in MODEL_DIMS:
+            _check_int(fn, f"shape.{f}", getattr(shape, f), 1)
+        if shape.K > shape.E:
+            raise ArgumentError(fn, "shape.K", "K <= E", f"at most E = {shape.E}", shape.K)
+        if not isinstance(dtype, str) or dtype not in LAYER_DTYPES:
+            raise DTypeError(fn, "dtype", "the weights' dtype", "'bfloat16' or 'float16'", repr(dtype))
+        _check_int(fn, "seed", seed, 0)
         self.shape, self.dtype, self.xp = shape, dtype, xp
         rng = xp.random.default_rng(seed)
         s = shape
@@ -195,17 +227,32 @@ class MoELayer:
         self._rng = rng
 
     def hidden_states(self, T: int):
-        """Fresh N(0, 1) activations (T, H) of the layer's dtype (bfloat16 as a Bits16)."""
+        """Fresh N(0, 1) activations (T, H) of the layer's dtype (bfloat16 as a Bits16).
+        T: an int >= 0; anything else raises ArgumentError."""
+        _check_int("MoELayer.hidden_states", "T", T, 0)
         return random_array(self.xp, self._rng, (T, self.shape.H), self.dtype, 1.0)
 
     def router_logits(self, hidden_states):
-        """(T, E) float32 = hidden_states @ router_weight.T (computed in fp32)."""
-        return TensorRef.of(hidden_states).load_f32() @ self.router_weight.T
+        """(T, E) float32 = hidden_states @ router_weight.T (computed in fp32).
+        hidden_states: (T, H) of the layer's dtype (bfloat16 as a Bits16), on the layer's
+        library. Raises DTypeError / ShapeError naming hidden_states otherwise."""
+        return self._activations("MoELayer.router_logits", hidden_states).load_f32() @ self.router_weight.T
+
+    def _activations(self, fn: str, hidden_states) -> TensorRef:
+        """TensorRef of hidden_states after checking it is (T, H) of the layer's dtype."""
+        ref = TensorRef.of(hidden_states, "hidden_states")
+        if ref.dtype != self.dtype:
+            raise DTypeError(fn, "hidden_states", "the layer's dtype", self.dtype, ref.dtype)
+        if len(ref.shape) != 2 or ref.shape[1] != self.shape.H:
+            raise ShapeError(fn, "hidden_states", "shape (T, H)", f"(T, {self.shape.H})", ref.shape)
+        return ref
 
     def forward(self, hidden_states, registry=None):
         """(out (T, H) of the layer's dtype, topk_weights (T, K) float32, topk_ids (T, K) int32,
         router_logits (T, E) float32) through ex_engine's factors (``registry``: None for the
-        default). Raises what topk_softmax and moe_fused_gemm raise."""
+        default). hidden_states: (T, H) of the layer's dtype; DTypeError / ShapeError naming it
+        otherwise (fn 'MoELayer.forward'); else raises what topk_softmax and moe_fused_gemm raise."""
+        self._activations("MoELayer.forward", hidden_states)
         logits = self.router_logits(hidden_states)
         w, ids = topk_softmax(logits, self.shape.K, self.shape.renormalize, registry=registry)
         out = moe_fused_gemm(hidden_states, self.w13, self.w2, w, ids, router_logits=logits,
@@ -214,23 +261,36 @@ class MoELayer:
 
     def reference(self, hidden_states, topk_weights, topk_ids):
         """(T, H) float64 reference of the experts (activation not rounded), on the same
-        device: moe_fused_gemm_math in float64 on the layer's weights."""
+        device: moe_fused_gemm_math in float64 on the layer's weights.
+
+        hidden_states: (T, H) of the layer's dtype; topk_weights (T, K) float; topk_ids (T, K)
+        integer expert ids in [0, E). An id outside [0, E) would contribute nothing to the
+        reference (as in the kernel, which flags it as a device-side error), so it raises
+        ArgumentError naming topk_ids and the number of such slots instead of a silently
+        smaller reference; a wrong hidden_states raises DTypeError / ShapeError."""
+        self._activations("MoELayer.reference", hidden_states)
         xp = self.xp
         w13 = TensorRef.of(self.w13).raw()
         w2 = TensorRef.of(self.w2).raw()
         conv = (lambda a: TensorRef.of(Bits16(a)).load_f32()) if self.dtype == "bfloat16" \
             else (lambda a: a.astype(xp.float32))
-        out, _ = moe_fused_gemm_math(xp, TensorRef.of(hidden_states).load_f32().astype(xp.float64),
+        out, n_invalid = moe_fused_gemm_math(xp, TensorRef.of(hidden_states).load_f32().astype(xp.float64),
                                      lambda e: conv(w13[e]), lambda e: conv(w2[e]),
                                      topk_weights.astype(xp.float64), topk_ids, self.shape.E,
                                      None, accum=xp.float64)
+        if n_invalid:
+            raise ArgumentError("MoELayer.reference", "topk_ids", "expert ids in [0, E)",
+                                f"every id in [0, {self.shape.E})",
+                                f"{n_invalid} slot(s) outside of {int(topk_ids.size)}")
         return out
 
 
 def rel_error(xp, out, ref) -> float:
     """||out - ref|| / ||ref|| in float64 over all elements (out and ref of one shape, e.g.
     (T, H)); inf if out has a NaN or ref is zero; 0 for an empty output (T = 0: nothing to
-    compare)."""
+    compare). Raises ShapeError when the shapes differ (no broadcasting)."""
+    if tuple(out.shape) != tuple(ref.shape):
+        raise ShapeError("rel_error", "ref", "same shape as out", tuple(out.shape), tuple(ref.shape))
     o = out.astype(xp.float64)
     if o.size == 0:
         return 0.0
@@ -246,7 +306,9 @@ def _sync(xp):
 
 
 def time_call(xp, fn, repeat: int) -> float:
-    """Median wall time of ``fn()`` in µs over ``repeat`` calls, synchronising after each."""
+    """Median wall time of ``fn()`` in µs over ``repeat`` calls, synchronising after each.
+    repeat: an int >= 1 (ArgumentError otherwise: no median of no calls)."""
+    _check_int("time_call", "repeat", repeat, 1)
     times = []
     for _ in range(repeat):
         t0 = time.perf_counter()

@@ -79,3 +79,87 @@ def test_plot_moe_checks_its_output_name_and_rows_before_drawing(tmp_path):
                            capture_output=True, text=True, timeout=120)
         assert r.returncode == 2 and "--output: expected a .png, .pdf or .svg file name" in r.stderr, r.stderr
         assert "floor_us must be > 0" in r.stderr and not out.exists() and not out.with_suffix(".png").exists()
+
+
+# ---- moe_layer's helpers check their arguments up front ------------------------------------
+def _small_shape(**kw):
+    from ex_engine.moe_layer import MoEShape
+    d = dict(model="tiny", H=16, I=8, E=4, K=2, renormalize=False)
+    d.update(kw)
+    return MoEShape(**d)
+
+
+@pytest.mark.parametrize("kwargs, exc, words", [
+    ({"dtype": "float32"}, "DTypeError", ["MoELayer", "'dtype'", "'float32'"]),
+    ({"dtype": "x"}, "DTypeError", ["MoELayer", "'dtype'", "'x'"]),
+    ({"seed": -1}, "ArgumentError", ["MoELayer", "'seed'", ">= 0", "-1"]),
+    ({"seed": 1.5}, "ArgumentError", ["MoELayer", "'seed'", "1.5"]),
+    ({"shape": {"H": -16}}, "ArgumentError", ["MoELayer", "'shape.H'", ">= 1", "-16"]),
+    ({"shape": {"K": 5}}, "ArgumentError", ["MoELayer", "'shape.K'", "E = 4", "5"]),
+    ({"shape": "tiny"}, "ArgumentError", ["MoELayer", "'shape'", "MoEShape", "str"]),
+])
+def test_moe_layer_refuses_bad_constructor_arguments(kwargs, exc, words):
+    import ex_engine.errors as E
+    from ex_engine.moe_layer import MoELayer
+    shape = kwargs.pop("shape", {})
+    shape = _small_shape(**shape) if isinstance(shape, dict) else shape
+    with pytest.raises(getattr(E, exc)) as ei:
+        MoELayer(shape, **kwargs)
+    for w in words:
+        assert w in str(ei.value)
+
+
+def test_moe_layer_checks_hidden_states():
+    import numpy as np
+    from ex_engine.errors import ArgumentError, DTypeError, ShapeError
+    from ex_engine.moe_layer import MoELayer
+    layer = MoELayer(_small_shape(), "float16")
+    assert layer.hidden_states(3).shape == (3, 16)
+    for T in (-1, 2.5, True):
+        with pytest.raises(ArgumentError, match=r"MoELayer.hidden_states: argument 'T'"):
+            layer.hidden_states(T)
+    with pytest.raises(ShapeError, match=r"MoELayer.forward: argument 'hidden_states'.*\(T, 16\).*\(2, 17\)"):
+        layer.forward(np.zeros((2, 17), np.float16))
+    with pytest.raises(DTypeError, match=r"MoELayer.forward: argument 'hidden_states'.*float16.*float32"):
+        layer.forward(np.zeros((2, 16), np.float32))
+    with pytest.raises(ShapeError, match=r"MoELayer.router_logits"):
+        layer.router_logits(np.zeros(16, np.float16))
+
+
+def test_moe_layer_reference_refuses_ids_outside_the_experts():
+    import numpy as np
+    from ex_engine.errors import ArgumentError
+    from ex_engine.moe_layer import MoELayer
+    layer = MoELayer(_small_shape(), "float16")
+    x = layer.hidden_states(3)
+    w = np.full((3, 2), 0.5, np.float32)
+    ids = np.array([[0, 1], [2, 3], [1, 2]], np.int32)
+    assert layer.reference(x, w, ids).shape == (3, 16)
+    with pytest.raises(ArgumentError, match=r"MoELayer.reference: argument 'topk_ids'.*\[0, 4\).*6 slot"):
+        layer.reference(x, w, ids + 100)
+
+
+def test_random_array_refuses_other_dtypes():
+    import numpy as np
+    from ex_engine.errors import DTypeError
+    from ex_engine.moe_layer import random_array
+    rng = np.random.default_rng(0)
+    assert random_array(np, rng, (2, 3), "float32").dtype == np.float32
+    for dt in ("int8", "float64", np.float16):
+        with pytest.raises(DTypeError, match=r"random_array: argument 'dtype'"):
+            random_array(np, rng, (2, 3), dt)
+
+
+def test_rel_error_time_call_and_load_models_refuse_bad_arguments():
+    import numpy as np
+    from ex_engine.errors import ArgumentError, ShapeError
+    from ex_engine.moe_layer import load_models, rel_error, time_call
+    assert rel_error(np, np.ones((2, 3)), np.ones((2, 3))) == 0.0
+    with pytest.raises(ShapeError, match=r"rel_error: argument 'ref'.*\(2, 3\).*\(3,\)"):
+        rel_error(np, np.ones((2, 3)), np.ones((3,)))
+    for n in (0, -1, 2.0):
+        with pytest.raises(ArgumentError, match=r"time_call: argument 'repeat'"):
+            time_call(np, lambda: None, n)
+    assert time_call(np, lambda: None, 1) >= 0
+    with pytest.raises(ArgumentError, match=r"load_models: argument 'path'.*int 3"):
+        load_models(3)
