@@ -64,7 +64,10 @@ class Hardware:
     """One device's limits (units: threads, registers, bytes), as in ex_hardware_t.
 
     ``source`` says where they came from ("device 0" or "profile h200"); ``live`` is True only
-    for a GPU in this process, the one case in which kernels can be called.
+    for a GPU in this process, the one case in which kernels can be called; ``device_id`` is the
+    CUDA device index (an int >= 0), or -1 for a profile. Raises FactorError naming the field for
+    a value that breaks these rules (live must be a bool, device_id an int >= -1, source a
+    string) or check_fields'.
     """
     name: str
     cc_major: int
@@ -88,6 +91,19 @@ class Hardware:
         # a Hardware built by hand (or by Hardware(**d)) is held to a profile's rules: to_c
         # could not fill ex_hardware_t with the rest, and a plugin would decline a warp of 0
         check_fields(dataclasses.asdict(self), f"Hardware ({self.source})")
+        if not isinstance(self.source, str):
+            raise FactorError(f"Hardware: source: expected a string (e.g. 'device 0', 'profile h200'), "
+                              f"got {self.source!r}")
+        if not isinstance(self.live, bool):
+            raise FactorError(f"Hardware ({self.source}): live: expected True or False, got {self.live!r}")
+        d = self.device_id
+        if isinstance(d, bool) or not isinstance(d, numbers.Integral) or d < -1:
+            raise FactorError(f"Hardware ({self.source}): device_id: expected an int >= 0 (a CUDA "
+                              f"device) or -1 (a profile), got {d!r}")
+        if self.live and d < 0:
+            raise FactorError(f"Hardware ({self.source}): device_id: expected an int >= 0 for a live "
+                              f"device (live=True), got {d!r}")
+        object.__setattr__(self, "device_id", int(d))
         object.__setattr__(self, "name", device_name(self.name))   # 4090 -> '4090'
 
     @property
@@ -166,15 +182,32 @@ class Hardware:
 
     @classmethod
     def from_device(cls, device_id: int | None = None) -> "Hardware":
-        """Read the live device through CuPy. Raises FactorError if CuPy or the GPU is absent."""
+        """Read the live device through CuPy. device_id: an int >= 0, or None for CuPy's current
+        device. Raises FactorError for another type or a negative index; NoDeviceError (a
+        FactorError) if CuPy or the GPU is absent, or if there is no device ``device_id`` (the
+        message names the index and how many devices CuPy sees)."""
+        if device_id is not None and (isinstance(device_id, bool)
+                                      or not isinstance(device_id, numbers.Integral) or device_id < 0):
+            raise FactorError(f"Hardware.from_device: device_id: expected an int >= 0 (a CUDA "
+                              f"device index) or None (the current device), got {device_id!r}")
         try:
             import cupy
             from cupy.cuda import runtime
-            if device_id is None:
-                device_id = cupy.cuda.Device().id
-            p = runtime.getDeviceProperties(device_id)
+            n = runtime.getDeviceCount()
         except Exception as exc:  # ImportError, CUDARuntimeError: no GPU here
             raise NoDeviceError(f"no CUDA device visible to CuPy: {exc}") from exc
+        if device_id is not None and device_id >= n:
+            raise NoDeviceError(f"CUDA device {device_id}: no such device; CuPy sees {n} "
+                                + (f"(indices 0 .. {n - 1})" if n else "(no GPU)"))
+        try:
+            if device_id is None:
+                device_id = cupy.cuda.Device().id
+            device_id = int(device_id)
+            p = runtime.getDeviceProperties(device_id)
+        except Exception as exc:  # CUDARuntimeError: the device cannot be read
+            raise NoDeviceError(f"CUDA device {device_id if device_id is not None else '(current)'}: "
+                                f"cannot read its properties through CuPy ({n} device(s) visible): "
+                                f"{exc}") from exc
         name = p["name"].decode() if isinstance(p["name"], bytes) else str(p["name"])
         return cls(
             name=name, cc_major=p["major"], cc_minor=p["minor"],

@@ -1,5 +1,6 @@
 """The ex-engine command line on a machine without a GPU."""
 import json
+import re
 import subprocess
 import sys
 
@@ -111,6 +112,17 @@ def test_profile_values_at_the_edges_of_their_fields(tmp_path):
     assert Hardware(**d) == Hardware.from_profile("h200")
     with pytest.raises(FactorError, match=r"Hardware \(profile h200\): warp_size: expected an integer >= 1"):
         Hardware(**{**d, "warp_size": 0})
+    # live and device_id were taken as they came ('yes', 'x'): a device index is an int
+    for field, v, words in (("live", "yes", "live: expected True or False, got 'yes'"),
+                            ("device_id", "x", "device_id: expected an int >= 0 (a CUDA device) or -1"),
+                            ("device_id", -2, "device_id: expected an int >= 0"),
+                            ("device_id", True, "device_id: expected an int"),
+                            ("source", 3, "source: expected a string")):
+        with pytest.raises(FactorError, match=re.escape(words)):
+            Hardware(**{**d, field: v})
+    with pytest.raises(FactorError, match=r"device_id: expected an int >= 0 for a live device"):
+        Hardware(**{**d, "live": True})
+    assert Hardware(**{**d, "live": True, "device_id": 0}).device_id == 0
 
 
 def test_a_numeric_profile_name_is_a_name(tmp_path):
@@ -137,7 +149,8 @@ def test_detect_raises_for_a_device_that_breaks_the_profile_rules(monkeypatch):
              "maxThreadsPerBlock": 1024, "maxThreadsPerMultiProcessor": 2048, "regsPerBlock": 65536,
              "regsPerMultiprocessor": 65536, "sharedMemPerBlock": 49152, "sharedMemPerBlockOptin": 232448,
              "sharedMemPerMultiprocessor": 233472, "l2CacheSize": 52428800, "totalGlobalMem": 150 << 30}
-    runtime = types.SimpleNamespace(getDeviceProperties=lambda i: props)
+    runtime = types.SimpleNamespace(getDeviceProperties=lambda i: props,
+                                    getDeviceCount=lambda: 1)
     cupy = types.SimpleNamespace(cuda=types.SimpleNamespace(runtime=runtime,
                                                             Device=lambda: types.SimpleNamespace(id=0)))
     monkeypatch.setitem(sys.modules, "cupy", cupy)
@@ -488,3 +501,24 @@ def test_run_moe_says_what_it_is_doing_before_the_long_steps(tmp_path):
     seen = []
     res = run_moe("granite-3.0-3b-a800m", 1, echo=lambda *a: None, progress=seen.append)
     assert res["ok"] and [s.split()[0] for s in seen] == ["building", "running", "computing", "timing"]
+
+
+def test_from_device_names_a_missing_index(monkeypatch):
+    """A wrong GPU index said 'no CUDA device visible to CuPy' (as if there were no GPU at all):
+    the message names the index and how many devices CuPy sees; a non-int index is refused."""
+    import types
+    from ex_engine.errors import FactorError
+    from ex_engine.hardware import Hardware, NoDeviceError
+    runtime = types.SimpleNamespace(getDeviceCount=lambda: 2,
+                                    getDeviceProperties=lambda i: (_ for _ in ()).throw(RuntimeError("bad")))
+    cupy = types.SimpleNamespace(cuda=types.SimpleNamespace(runtime=runtime,
+                                                            Device=lambda: types.SimpleNamespace(id=0)))
+    monkeypatch.setitem(sys.modules, "cupy", cupy)
+    monkeypatch.setitem(sys.modules, "cupy.cuda", cupy.cuda)
+    with pytest.raises(NoDeviceError, match=r"CUDA device 5: no such device; CuPy sees 2 \(indices 0 \.\. 1\)"):
+        Hardware.from_device(5)
+    with pytest.raises(NoDeviceError, match=r"CUDA device 1: cannot read its properties.*2 device"):
+        Hardware.from_device(1)
+    for bad in ("x", -1, 1.0, True):
+        with pytest.raises(FactorError, match=r"Hardware.from_device: device_id: expected an int >= 0"):
+            Hardware.from_device(bad)
