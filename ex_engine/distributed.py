@@ -78,6 +78,17 @@ def _env_int(name: str, default: int | None) -> int | None:
         raise ArgumentError("init_from_env", name, "environment variable", "an integer", repr(v)) from None
 
 
+def _import_torch_distributed(fn: str):
+    """(torch, torch.distributed), or FactorError naming ``fn`` with an install hint."""
+    try:
+        import torch
+        import torch.distributed as dist
+    except ImportError as exc:
+        raise FactorError(f"{fn}: needs PyTorch (torch.distributed), which is not installed "
+                          f"({exc}); install it, e.g. pip install -e '.[hf]'") from exc
+    return torch, dist
+
+
 def init_from_env(backend: str = "nccl") -> DistInfo:
     """Initialise torch.distributed from torchrun's environment and pick this rank's GPU.
 
@@ -90,12 +101,11 @@ def init_from_env(backend: str = "nccl") -> DistInfo:
     (default 0). If the process group already exists, it is used as it is.
 
     Returns DistInfo(rank, world_size, local_rank). Raises ArgumentError for a malformed
-    variable or a LOCAL_RANK with no such CUDA device; torch's own errors for a failed
-    rendezvous.
+    variable or a LOCAL_RANK with no such CUDA device; FactorError (with an install hint) when
+    torch is not installed; torch's own errors for a failed rendezvous.
     """
     disable_nvlink_multicast()
-    import torch
-    import torch.distributed as dist
+    torch, dist = _import_torch_distributed("init_from_env")
     local_rank = _env_int("LOCAL_RANK", 0)
     if torch.cuda.is_available():
         n = torch.cuda.device_count()
@@ -129,8 +139,9 @@ def init_from_env(backend: str = "nccl") -> DistInfo:
 
 
 def shutdown() -> None:
-    """Destroy the default process group if one exists (end of a torchrun script)."""
-    import torch.distributed as dist
+    """Destroy the default process group if one exists (end of a torchrun script). Raises
+    FactorError (with an install hint) when torch is not installed."""
+    _, dist = _import_torch_distributed("shutdown")
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
 
@@ -142,10 +153,16 @@ def registry_for_device(device: int):
     """The FactorRegistry for CUDA device ``device`` (-1: the host): ex_engine's process-wide
     default registry when it is that device's, else one loaded from factors/ for it (cached).
     A registry dispatches plugins on one device only; under torchrun each rank uses its own.
-    Raises FactorError when the factor folder cannot be loaded, or a CUDA error from reading
-    device ``device``'s properties (no such device)."""
+    device: an int >= -1 (NumPy integers count). Raises ArgumentError for anything else;
+    hardware.NoDeviceError (a FactorError) naming the index when there is no such CUDA device
+    (it says how many CuPy sees, or that there is no CuPy/GPU at all); FactorError when the
+    factor folder cannot be loaded."""
     from .hardware import Hardware
     from .ops import default_registry
+    if isinstance(device, bool) or not isinstance(device, (int, np.integer)) or device < -1:
+        raise ArgumentError("registry_for_device", "device", "a CUDA device index",
+                            "an int >= 0, or -1 for the host", repr(device))
+    device = int(device)
     reg = default_registry()
     if device < 0 or (reg.hardware.live and reg.hardware.device_id == device):
         return reg
@@ -158,16 +175,21 @@ def registry_for_device(device: int):
 # ---------------------------------------------------------------------------------------------
 # partition and expert map (NumPy only)
 # ---------------------------------------------------------------------------------------------
-def _check_partition_args(fn: str, num_experts, world_size, rank=None) -> None:
+_NO_RANK = object()   # expert_owner takes no rank; None is a wrong rank, not a missing one
+
+
+def _check_partition_args(fn: str, num_experts, world_size, rank=_NO_RANK) -> None:
+    """Raise ArgumentError naming ``fn`` (the function the user called) and the argument unless
+    num_experts, world_size (and rank, when the function takes one) are ints in range."""
     for name, v in (("num_experts", num_experts), ("world_size", world_size)) + \
-            ((("rank", rank),) if rank is not None else ()):
+            ((("rank", rank),) if rank is not _NO_RANK else ()):
         if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
             raise ArgumentError(fn, name, "type", "an int", type(v).__name__)
     if num_experts < 1:
         raise ArgumentError(fn, "num_experts", "num_experts >= 1", ">= 1", num_experts)
     if world_size < 1:
         raise ArgumentError(fn, "world_size", "world_size >= 1", ">= 1", world_size)
-    if rank is not None and not 0 <= rank < world_size:
+    if rank is not _NO_RANK and not 0 <= rank < world_size:
         raise ArgumentError(fn, "rank", "0 <= rank < world_size", f"0 <= rank < {world_size}", rank)
 
 
@@ -204,8 +226,9 @@ def make_expert_map(num_experts: int, world_size: int, rank: int) -> np.ndarray:
     map[first + j] = j for the rank's experts (j < count, see ``expert_partition``), -1 for every
     expert held by another rank. This is the ``expert_map`` argument of ``moe_fused_gemm``
     (moved to the weights' device) and the same convention as vLLM's ``expert_map``.
-    Raises ArgumentError as ``expert_partition``.
+    Raises ArgumentError as ``expert_partition`` (naming make_expert_map).
     """
+    _check_partition_args("make_expert_map", num_experts, world_size, rank)
     first, count = expert_partition(num_experts, world_size, rank)
     m = np.full(num_experts, -1, np.int32)
     m[first:first + count] = np.arange(count, dtype=np.int32)
@@ -215,6 +238,16 @@ def make_expert_map(num_experts: int, world_size: int, rank: int) -> np.ndarray:
 # ---------------------------------------------------------------------------------------------
 # array helpers (NumPy, CuPy, Bits16, torch), no torch import unless the array is torch's
 # ---------------------------------------------------------------------------------------------
+def _ref(fn: str, x, name: str) -> TensorRef:
+    """TensorRef.of(x, name), its errors naming ``fn`` (TensorRef.of names 'ex_engine')."""
+    try:
+        return TensorRef.of(x, name)
+    except ArgumentError as exc:
+        if exc.factor != "ex_engine":
+            raise
+        raise type(exc)(fn, exc.argument, exc.rule, exc.expected, exc.got) from None
+
+
 def _kind(x) -> str:
     """'torch', 'cupy' or 'numpy' (a Bits16 by the array it wraps): arrays.TensorRef's kinds."""
     return TensorRef.of(x).kind
@@ -287,7 +320,8 @@ class ExpertParallelMoE:
     """
 
     def __init__(self, w13, w2, num_experts: int, *, rank: int | None = None,
-                 world_size: int | None = None, group=None, registry=None):
+                 world_size: int | None = None, group=None, registry=None,
+                 _fn: str = "ExpertParallelMoE"):
         """w13: (E_local, 2I, H), w2: (E_local, H, I): this rank's experts, E_local =
         expert_partition(num_experts, world_size, rank)[1]; same dtype (float16/bfloat16), same
         library and device, contiguous. num_experts: G, the layer's global expert count.
@@ -296,9 +330,9 @@ class ExpertParallelMoE:
         device: the process-wide one when it serves that GPU).
 
         Raises ArgumentError / ShapeError / DTypeError / DeviceError / LayoutError naming the
-        argument (fn 'ExpertParallelMoE').
+        argument (fn 'ExpertParallelMoE'; 'ExpertParallelMoE.from_global' through it).
         """
-        fn = "ExpertParallelMoE"
+        fn = _fn
         _both_or_neither(fn, rank, world_size)
         if rank is None or world_size is None:
             r, n = self._dist_rank_world(group)
@@ -307,7 +341,7 @@ class ExpertParallelMoE:
         _check_partition_args(fn, num_experts, world_size, rank)
         self.num_experts, self.rank, self.world_size = int(num_experts), int(rank), int(world_size)
         self.first, self.count = expert_partition(self.num_experts, self.world_size, self.rank)
-        r13, r2 = TensorRef.of(w13, "w13"), TensorRef.of(w2, "w2")
+        r13, r2 = _ref(fn, w13, "w13"), _ref(fn, w2, "w2")
         if len(r13.shape) != 3:
             raise ShapeError(fn, "w13", "rank", "(E_local, 2I, H)", r13.shape)
         if len(r2.shape) != 3:
@@ -349,23 +383,32 @@ class ExpertParallelMoE:
 
         copy=True (default) keeps contiguous copies of the slices, so the global tensors can be
         freed; copy=False keeps views (the slice of a contiguous tensor along dim 0 is contiguous).
-        Other arguments as the constructor. Raises ShapeError for non-3-D weights.
+        copy must be a bool. Other arguments as the constructor. Raises ShapeError for
+        non-3-D weights or a w2 that is not (G, H, I) for w13 (G, 2I, H) (the shapes as given,
+        before slicing), ArgumentError for a non-bool copy or a bad rank/world_size, and the
+        constructor's errors otherwise, all naming 'ExpertParallelMoE.from_global'.
         """
-        r13, r2 = TensorRef.of(w13, "w13"), TensorRef.of(w2, "w2")
+        fn = "ExpertParallelMoE.from_global"
+        if not isinstance(copy, (bool, np.bool_)):
+            raise ArgumentError(fn, "copy", "type", "True or False", repr(copy))
+        r13, r2 = _ref(fn, w13, "w13"), _ref(fn, w2, "w2")
         if len(r13.shape) != 3:
-            raise ShapeError("ExpertParallelMoE.from_global", "w13", "rank", "(G, 2I, H)", r13.shape)
-        if len(r2.shape) != 3 or r2.shape[0] != r13.shape[0]:
-            raise ShapeError("ExpertParallelMoE.from_global", "w2", "shape", f"({r13.shape[0]}, H, I)",
-                             r2.shape)
-        G = r13.shape[0]
-        _both_or_neither("ExpertParallelMoE.from_global", rank, world_size)
+            raise ShapeError(fn, "w13", "rank", "(G, 2I, H)", r13.shape)
+        G, I2, H = r13.shape
+        if I2 % 2 or I2 == 0:
+            raise ShapeError(fn, "w13", "shape[1] == 2I, I >= 1", "an even positive number", I2)
+        if tuple(r2.shape) != (G, H, I2 // 2):
+            raise ShapeError(fn, "w2", "shape (G, H, I) for w13 (G, 2I, H)", (G, H, I2 // 2),
+                             tuple(r2.shape))
+        _both_or_neither(fn, rank, world_size)
         if rank is None:
             r, n = cls._dist_rank_world(group)
             rank = r if rank is None else rank
             world_size = n if world_size is None else world_size
+        _check_partition_args(fn, G, world_size, rank)
         first, count = expert_partition(G, world_size, rank)
-        return cls(_slice_experts(w13, first, count, copy), _slice_experts(w2, first, count, copy), G,
-                   rank=rank, world_size=world_size, group=group, registry=registry)
+        return cls(_slice_experts(w13, first, count, bool(copy)), _slice_experts(w2, first, count, bool(copy)),
+                   G, rank=rank, world_size=world_size, group=group, registry=registry, _fn=fn)
 
     @staticmethod
     def _dist_rank_world(group) -> tuple[int, int]:
@@ -395,7 +438,7 @@ class ExpertParallelMoE:
         Returns out. Raises the factor's ArgumentError subclasses (naming the argument) and
         DeviceError / ShapeError from here for a mismatch with the layer.
         """
-        ref = TensorRef.of(hidden_states, "hidden_states")
+        ref = _ref("ExpertParallelMoE", hidden_states, "hidden_states")
         if len(ref.shape) != 2 or ref.shape[1] != self.H:
             raise ShapeError("ExpertParallelMoE", "hidden_states", "shape", f"(T, {self.H})", ref.shape)
         if ref.kind != self.kind or ref.device != self.device:
@@ -430,7 +473,7 @@ class ExpertParallelMoE:
             return TensorRef(None, self.kind, 0, shape, strides, self.dtype, 2, self.device, True)
         arrays = {"hidden_states": hidden_states, "out": out, "topk_weights": topk_weights,
                   "topk_ids": topk_ids, "router_logits": router_logits, "expert_map": self._map_arg}
-        refs = {k: TensorRef.of(v, k) for k, v in arrays.items() if v is not None}
+        refs = {k: _ref("ExpertParallelMoE", v, k) for k, v in arrays.items() if v is not None}
         given = dict(refs)                  # the caller's arrays (the stand-ins have no memory)
         refs["w13"] = stand_in((1, 2 * self.I, self.H))
         refs["w2"] = stand_in((1, self.H, self.I))

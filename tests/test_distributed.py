@@ -256,3 +256,77 @@ def test_init_from_env_names_a_bad_world_size(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "0")
     with pytest.raises(ArgumentError, match="'WORLD_SIZE'"):
         init_from_env(backend="gloo")
+
+
+# ------------------------------------------------------------------------------ audit: argument checks
+def test_partition_refuses_rank_none_and_names_the_function_called(reg):
+    with pytest.raises(ArgumentError, match=r"expert_partition: argument 'rank': type: expected an int, got NoneType"):
+        expert_partition(8, 2, None)
+    with pytest.raises(ArgumentError, match=r"^make_expert_map: argument 'rank'"):
+        make_expert_map(8, 3, 5)
+    rng = np.random.default_rng(6)
+    _, w13, w2, _, _ = _layer(rng, 1, 16, 9, 8, 2, "float16")
+    with pytest.raises(ArgumentError, match=r"^ExpertParallelMoE.from_global: argument 'rank': 0 <= rank < world_size"):
+        ExpertParallelMoE.from_global(w13, w2, rank=5, world_size=3, registry=reg)
+    with pytest.raises(ArgumentError, match=r"^ExpertParallelMoE: argument 'rank'"):
+        ExpertParallelMoE(w13, w2, 8, rank=5, world_size=3, registry=reg)
+
+
+def test_from_global_reports_the_shapes_given_and_wants_a_bool_copy(reg):
+    rng = np.random.default_rng(7)
+    _, w13, w2, _, _ = _layer(rng, 1, 16, 8, 8, 2, "float16")
+    bad_w2 = np.zeros((8, 16, 9), np.float16)
+    with pytest.raises(ShapeError, match=r"^ExpertParallelMoE.from_global: argument 'w2'.*expected \(8, 16, 8\), got \(8, 16, 9\)"):
+        ExpertParallelMoE.from_global(w13, bad_w2, rank=0, world_size=2, registry=reg)
+    with pytest.raises(ShapeError, match=r"^ExpertParallelMoE.from_global: argument 'w13'"):
+        ExpertParallelMoE.from_global(w13[:, :15], w2, rank=0, world_size=2, registry=reg)
+    with pytest.raises(ArgumentError, match=r"^ExpertParallelMoE.from_global: argument 'copy'.*True or False, got 'no'"):
+        ExpertParallelMoE.from_global(w13, w2, rank=0, world_size=2, registry=reg, copy="no")
+    # an error of the constructor reached through from_global names from_global
+    with pytest.raises(DTypeError, match=r"^ExpertParallelMoE.from_global: argument 'w13': dtype"):
+        ExpertParallelMoE.from_global(w13.astype(np.float32), w2.astype(np.float32), rank=0, world_size=2,
+                                      registry=reg)
+
+
+def test_tensor_ref_errors_name_the_distributed_function(reg):
+    rng = np.random.default_rng(8)
+    x, w13, w2, w, ids = _layer(rng, 2, 16, 8, 8, 2, "float16")
+    with pytest.raises(DTypeError, match=r"^ExpertParallelMoE.from_global: argument 'w13': type"):
+        ExpertParallelMoE.from_global(w13.tolist(), w2, rank=0, world_size=2, registry=reg)
+    with pytest.raises(DTypeError, match=r"^ExpertParallelMoE: argument 'w2': type"):
+        ExpertParallelMoE(w13[:4], None, 8, rank=0, world_size=2, registry=reg)
+    layer = ExpertParallelMoE.from_global(w13, w2, rank=0, world_size=2, registry=reg)
+    with pytest.raises(DTypeError, match=r"^ExpertParallelMoE: argument 'hidden_states': type"):
+        layer.forward_local(x.tolist(), w, ids)
+    empty = ExpertParallelMoE(w13[:0], w2[:0], 8, rank=9, world_size=10, registry=reg)
+    with pytest.raises(DTypeError, match=r"^ExpertParallelMoE: argument 'topk_ids': type"):
+        empty.forward_local(x, w, ids.tolist())
+
+
+def test_registry_for_device_checks_the_index(monkeypatch):
+    import types
+    import ex_engine.ops
+    from ex_engine.distributed import registry_for_device
+    from ex_engine.hardware import NoDeviceError
+    for bad in ("x", None, 1.5, True, -2):
+        with pytest.raises(ArgumentError, match=r"registry_for_device: argument 'device'.*an int >= 0, or -1"):
+            registry_for_device(bad)
+    # a wrong GPU index names the index and the devices there are (a mocked CuPy with 2 GPUs)
+    runtime = types.SimpleNamespace(getDeviceCount=lambda: 2, getDeviceProperties=lambda i: {})
+    cupy = types.SimpleNamespace(cuda=types.SimpleNamespace(runtime=runtime))
+    monkeypatch.setitem(sys.modules, "cupy", cupy)
+    monkeypatch.setitem(sys.modules, "cupy.cuda", cupy.cuda)
+    stub = types.SimpleNamespace(hardware=types.SimpleNamespace(live=False, device_id=-1))
+    monkeypatch.setattr(ex_engine.ops, "default_registry", lambda: stub)
+    with pytest.raises(NoDeviceError, match=r"CUDA device 7: no such device; CuPy sees 2"):
+        registry_for_device(7)
+    assert registry_for_device(-1) is stub
+
+
+def test_init_from_env_and_shutdown_without_torch_say_what_to_install(monkeypatch):
+    from ex_engine.distributed import init_from_env, shutdown
+    monkeypatch.setitem(sys.modules, "torch", None)          # import torch -> ImportError
+    monkeypatch.setitem(sys.modules, "torch.distributed", None)
+    for fn, name in ((init_from_env, "init_from_env"), (shutdown, "shutdown")):
+        with pytest.raises(FactorError, match=rf"^{name}: needs PyTorch.*pip install"):
+            fn()
