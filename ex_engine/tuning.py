@@ -24,6 +24,7 @@ File format (written by benchmarks/tune_moe.py)::
 from __future__ import annotations
 
 import bisect
+import os
 import threading
 import warnings
 from pathlib import Path
@@ -31,8 +32,8 @@ from pathlib import Path
 import yaml
 
 from . import _paths, _yaml
-from .errors import FactorError, one_line
-from .hardware import device_name
+from .errors import ArgumentError, FactorError, one_line
+from .hardware import Hardware, device_name
 
 
 class TuningWarning(UserWarning):
@@ -146,7 +147,17 @@ class TuningTable:
         its notes): like a bad plugin, it never stops the registry; its shapes run on the
         kernels' defaults. Of several files for this device the first by name is used and the
         others are named in ``remarks``, as is a file for this GPU's name in other letter case
-        or for another SM count."""
+        or for another SM count.
+
+        hardware: a Hardware (or any object with ``name``, ``multiprocessor_count`` and
+        ``live``), a profile name or path (str or os.PathLike: Hardware.from_profile), or None
+        (no table). Raises FactorError for another type or an unknown profile."""
+        if isinstance(hardware, (str, os.PathLike)):
+            hardware = Hardware.from_profile(hardware)
+        elif hardware is not None and not (isinstance(getattr(hardware, "name", None), str)
+                                           and hasattr(hardware, "multiprocessor_count")):
+            raise ArgumentError("TuningTable.for_hardware", "hardware", "type",
+                                "a Hardware, a profile name or path, or None", type(hardware).__name__)
         folder = Path(folder) if folder else tuning_dir()
         warn = bool(getattr(hardware, "live", False))
         if hardware is None or not folder.is_dir():
@@ -257,7 +268,14 @@ class TuningTable:
 
     def override(self, factor: str, fn) -> None:
         """Use ``fn(sizes) -> int`` for ``factor``'s tuned dim (the tuner forces each choice);
-        None removes the override."""
+        None removes the override. factor: a str; fn: a callable or None. Raises ArgumentError
+        naming the argument otherwise (here, not at the next dispatch)."""
+        if not isinstance(factor, str):
+            raise ArgumentError("TuningTable.override", "factor", "type", "a factor name (str)",
+                                type(factor).__name__)
+        if fn is not None and not callable(fn):
+            raise ArgumentError("TuningTable.override", "fn", "type",
+                                "a callable fn(sizes) -> int, or None", f"{type(fn).__name__} {fn!r}")
         with self._lock:
             if fn is None:
                 self._overrides.pop(factor, None)

@@ -355,3 +355,27 @@ def test_a_numeric_device_name_matches_a_numeric_profile_name(tmp_path):
     t = TuningTable.for_hardware(hw, write(tmp_path, {**TABLE, "device": 4090}))
     assert t.path is not None and not t.problems, t.problems
     assert t.value("moe_fused_gemm", "config", {"H": 64, "I": 32, "G": 8, "K": 2, "T": 64}, -1) == 2
+
+
+def test_for_hardware_takes_a_profile_name_and_refuses_other_types(tmp_path):
+    """for_hardware('h200') raised AttributeError ('str' has no attribute 'name')."""
+    from ex_engine.hardware import Hardware
+    name = Hardware.from_profile("h200").name
+    folder = write(tmp_path, {**TABLE, "device": name})
+    assert set(TuningTable.for_hardware("h200", folder).factors) == {"moe_fused_gemm"}
+    with pytest.raises(FactorError, match=r"TuningTable.for_hardware: argument 'hardware': type: .*got int"):
+        TuningTable.for_hardware(3, folder)
+    with pytest.raises(FactorError, match=r"no such profile"):
+        TuningTable.for_hardware("no-such-gpu", folder)
+
+
+def test_override_refuses_a_non_callable_when_set(tmp_path):
+    """override(f, 3) was accepted and failed at the next dispatch ('int' object is not callable)."""
+    t = TuningTable.for_hardware(H200, write(tmp_path, TABLE))
+    with pytest.raises(FactorError, match=r"TuningTable.override: argument 'fn': type: expected a callable.*int 3"):
+        t.override("moe_fused_gemm", 3)
+    with pytest.raises(FactorError, match=r"TuningTable.override: argument 'factor'"):
+        t.override(None, lambda s: 1)
+    t.override("moe_fused_gemm", lambda s: 2)
+    assert t.value("moe_fused_gemm", "config", {"H": 64, "I": 32, "G": 8, "K": 2, "T": 1}, -1) == 2
+    t.override("moe_fused_gemm", None)
