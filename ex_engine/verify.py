@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 
 from .arrays import Bits16, TensorRef, f32_to_bf16_bits
-from .errors import FactorError
+from .errors import ArgumentError, FactorError
 from .trust import CHILD_TIMEOUT_S, _signal_name, child_sys_path, sha256_hex
 
 _RSQRT = re.compile(r"^\s*1\s*/\s*sqrt\(\s*(\w+)\s*\)\s*$")
@@ -162,7 +162,15 @@ def make_inputs(m, case: dict, dtype: str, xp=np, seed: int = 0) -> tuple:
     Inputs (role input/inout, and an in-place output) are random as the manifest's ``values``
     say; outputs are poisoned (NaN floats, -7 ints); optional inputs are None; the workspace
     is left to the registry. ``xp``: numpy or cupy (arrays are made on its current device).
-    Raises FactorError if the case lacks a size the shapes need."""
+    case: a mapping of size name -> int >= 0 (and parameters). Raises ArgumentError for a case
+    that is not a mapping or a size that is not an int >= 0; FactorError if the case lacks a size
+    the shapes need."""
+    if not isinstance(case, dict):
+        raise ArgumentError("make_inputs", "case", "type", "a mapping of size name -> int (a test shape)",
+                            f"{type(case).__name__} {case!r}")
+    for k, v in case.items():
+        if k not in m.params and (isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0):
+            raise ArgumentError("make_inputs", f"case[{k!r}]", "a size", "an int >= 0", repr(v))
     sizes, params = split_case(m, case)
     rng, hrng = xp.random.default_rng(seed), np.random.default_rng(seed)
     arrays = {}
@@ -249,8 +257,34 @@ def cannot_run(registry, plugin) -> str:
     return ""
 
 
+def _check_plugin(fn: str, plugin) -> None:
+    """Raise ArgumentError unless ``plugin`` is a loaded plugin with a manifest."""
+    from .registry import Plugin
+    if not isinstance(plugin, Plugin):
+        raise ArgumentError(fn, "plugin", "type", "a loaded Plugin (registry.get(name), registry.plugins)",
+                            f"{type(plugin).__name__} {plugin!r}")
+    if plugin.manifest is None:
+        raise ArgumentError(fn, "plugin", "a plugin with a manifest", "a plugin whose factor has a "
+                            "manifest", f"plugin {plugin.name!r} without one")
+
+
 def run_case(registry, plugin, case: dict, dtype: str, seed: int = 0, count: bool = True) -> CaseResult:
-    """Run ``plugin`` and its Python fallback on one test case and compare."""
+    """Run ``plugin`` and its Python fallback on one test case and compare.
+
+    plugin: a loaded Plugin with a manifest (ArgumentError otherwise). A device factor needs a
+    registry on a live GPU (and CuPy): without one it raises FactorError naming the plugin
+    (verify_plugin skips it instead, see cannot_run). Errors of the case itself (a plugin
+    refusing it, a shape that cannot be drawn) are a FAIL result, not an exception."""
+    _check_plugin("run_case", plugin)
+    if plugin.manifest.memory != "host":
+        if not registry.hardware.live:
+            raise FactorError(f"run_case: plugin '{plugin.name}': a device factor ({plugin.manifest.name}) "
+                              f"needs a live GPU; the registry has {registry.hardware.source} only")
+        try:
+            import cupy  # noqa: F401
+        except ImportError as exc:
+            raise FactorError(f"run_case: plugin '{plugin.name}': a device factor needs CuPy, which "
+                              f"cannot be imported ({exc}); pip install -e '.[gpu]'") from exc
     res = _run_case_at(registry, plugin, case, dtype, seed, count)
     res.tol_default = plugin.manifest.tolerance_for(dtype)[1]
     return res
@@ -358,7 +392,9 @@ def verify_plugin(registry, plugin, seed: int = 0, count: bool = True, isolate: 
     the process or hangs is a FAIL row naming the case it was running, the cases before it keep
     their results, and this process goes on; the child's calls are added to
     ``registry.stats()`` when ``count``. A fallback set with ``registry.set_fallback`` or named in
-    ``__main__`` exists in this process only: such a plugin runs here."""
+    ``__main__`` exists in this process only: such a plugin runs here. Raises ArgumentError
+    when ``plugin`` is not a loaded Plugin (e.g. a factor name: pass registry.get(name))."""
+    _check_plugin("verify_plugin", plugin)
     why = cannot_run(registry, plugin)
     if why:
         return [CaseResult(plugin.name, "-", "-", "skipped", detail=why)]

@@ -686,3 +686,35 @@ def test_a_sigterm_during_the_childs_start_or_twice_in_the_cleanup_leaves_nothin
         assert signal.getsignal(signal.SIGTERM) is cli._ignore_signal   # a second one waits
     finally:
         signal.signal(signal.SIGTERM, old)
+
+
+# ------------------------------------------------------------------------------ audit: arguments
+def test_make_inputs_refuses_a_case_that_is_not_sizes():
+    from ex_engine.errors import ArgumentError
+    m = MANIFESTS["moe_fused_gemm"]
+    with pytest.raises(ArgumentError, match=r"make_inputs: argument 'case': type: expected a mapping.*list \[1\]"):
+        make_inputs(m, [1], "float16")
+    with pytest.raises(ArgumentError, match=r"make_inputs: argument 'case\['T'\]': a size: expected an int >= 0, got -1"):
+        make_inputs(m, {"T": -1, "H": 8, "E": 2, "I": 4, "K": 1}, "float16")
+    with pytest.raises(ArgumentError, match=r"argument 'case\['H'\]'.*got 8.5"):
+        make_inputs(m, {"T": 1, "H": 8.5, "E": 2, "I": 4, "K": 1}, "float16")
+    arrays, params = make_inputs(MANIFESTS["topk_softmax"], {"T": 0, "E": 4, "K": 2, "renormalize": True},
+                                 "float32")
+    assert params == {"renormalize": True} and arrays["router_logits"].shape == (0, 4)
+
+
+def test_verify_plugin_and_run_case_name_a_wrong_plugin_argument():
+    from ex_engine.errors import ArgumentError
+    from ex_engine.registry import Plugin
+    from ex_engine.verify import run_case
+    reg = FactorRegistry.load(ROOT / "factors", hardware="h200")
+    for fn in (lambda: verify_plugin(reg, "moe_fused_gemm"),
+               lambda: run_case(reg, "moe_fused_gemm", {"T": 1}, "float16")):
+        with pytest.raises(ArgumentError, match=r"argument 'plugin': type: expected a loaded Plugin.*str 'moe_fused_gemm'"):
+            fn()
+    # a device factor with no live GPU: a clear error, not ModuleNotFoundError: cupy
+    p = Plugin(ROOT / "factors" / "fused_add_rmsnorm.so", "ready", name="fused_add_rmsnorm",
+               manifest=MANIFESTS["fused_add_rmsnorm"])
+    with pytest.raises(FactorError, match=r"run_case: plugin 'fused_add_rmsnorm': a device factor .*needs a live GPU; the registry has profile h200"):
+        run_case(reg, p, {"T": 1, "H": 8}, "float16")
+    assert verify_plugin(reg, p)[0].status == "skipped"
