@@ -15,6 +15,7 @@ import functools
 import importlib
 import inspect
 import operator
+import os
 import re
 import struct
 from dataclasses import dataclass, field
@@ -377,7 +378,14 @@ class Manifest:
         return f
 
     def param_values(self, params: dict) -> dict:
-        """User parameters with defaults filled in and types checked."""
+        """User parameters with defaults filled in and types checked.
+
+        params: a mapping of parameter name -> value ({} for all defaults). Raises
+        ArgumentError naming the factor and 'params' for another type, and naming the parameter
+        for an unknown name or a value of the wrong type."""
+        if not isinstance(params, dict):
+            raise ArgumentError(self.name, "params", "type", "a mapping of parameter name -> value",
+                                f"{type(params).__name__} {params!r}")
         out = {}
         for k in params:
             if k not in self.params:
@@ -602,7 +610,19 @@ def load_all(folder, errors: dict | None = None) -> dict:
 
     A file that cannot be read or checked raises FactorError naming it, unless ``errors`` is
     given: then errors[file stem] = the message and the other files still load (a registry
-    rejects only the plugins that need the broken manifest)."""
+    rejects only the plugins that need the broken manifest).
+
+    folder: a str or os.PathLike (ArgumentError otherwise). A folder that does not exist (or
+    is not a directory) raises FactorError naming it, unless ``errors`` is given: then the
+    answer is {} (the registry's mode: it names the missing manifest of each plugin)."""
+    if not isinstance(folder, (str, os.PathLike)):
+        raise ArgumentError("load_all", "folder", "type", "a folder path (str or os.PathLike)",
+                            f"{type(folder).__name__} {folder!r}")
+    if not Path(folder).is_dir():
+        if errors is not None:
+            return {}
+        raise FactorError(f"load_all: manifest folder '{folder}': "
+                          + ("not a directory" if Path(folder).exists() else "does not exist"))
     out = {}
     for p in sorted(Path(folder).glob("*.yaml")):
         try:

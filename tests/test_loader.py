@@ -684,3 +684,23 @@ def test_a_newly_chosen_plugin_drops_the_calls_remembered_for_the_old_one(tmp_pa
     assert not reg._bind_cache and not reg._fast_calls
     path, x, out = call(reg)
     assert path == "plugin" and np.allclose(out, 3.0 * x)
+
+
+def test_load_all_and_param_values_check_their_arguments(tmp_path):
+    """load_all(None) and param_values(None) raised TypeError; load_all of a missing folder was
+    {} without a word. The registry's mode (errors=) keeps {} for a missing folder."""
+    from ex_engine.errors import ArgumentError, FactorError
+    from ex_engine.manifest import load_all
+    with pytest.raises(ArgumentError, match=r"load_all: argument 'folder': type: .*NoneType None"):
+        load_all(None)
+    with pytest.raises(FactorError, match=r"load_all: manifest folder '.*nonexistent': does not exist"):
+        load_all(tmp_path / "nonexistent")
+    (tmp_path / "f.yaml").write_text("x: 1\n")
+    with pytest.raises(FactorError, match=r"not a directory"):
+        load_all(tmp_path / "f.yaml")
+    errors = {}
+    assert load_all(tmp_path / "nonexistent", errors) == {} and errors == {}
+    m = load_all(ROOT / "manifests")["topk_softmax"]
+    assert m.param_values({}) == {"renormalize": False}
+    with pytest.raises(ArgumentError, match=r"topk_softmax: argument 'params': type: expected a mapping.*NoneType"):
+        m.param_values(None)
