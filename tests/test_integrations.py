@@ -414,3 +414,48 @@ def test_training_only_the_experts_through_a_patched_model(reg, family):
     assert got.keys() == want.keys()
     for n in want:
         torch.testing.assert_close(got[n], want[n], rtol=2e-2, atol=1e-3, msg=n)
+
+
+def test_static_decoder_checks_input_ids_and_capture_mode(reg):
+    """prefill(float ids) reached torch's embedding (RuntimeError), a 1-D prompt failed to
+    unpack, a list raised AttributeError, as did step([1]); a bogus capture_error_mode was kept."""
+    from ex_engine.errors import ArgumentError
+    m = tiny_model("qwen3_moe")
+    d = hf.StaticDecoder(m, batch_size=1, max_len=16)
+    ids = torch.zeros(1, 3, dtype=torch.long)
+    cases = [(ids.float(), r"'input_ids': dtype: expected integer token ids.*got torch.float32"),
+             (ids.bool(), r"'input_ids': dtype: .*got torch.bool"),
+             (ids[0], r"'input_ids': shape: expected 2-D \(batch, seq\), got \(3,\)"),
+             ([[1, 2]], r"'input_ids': type: expected a torch integer tensor.*got list"),
+             (torch.zeros(1, 0, dtype=torch.long), r"'input_ids': shape \(batch_size, P\)"),
+             (torch.zeros(1, 16, dtype=torch.long), r"'input_ids': shape \(batch_size, P\)")]
+    for bad, msg in cases:
+        with pytest.raises(ArgumentError, match=r"^StaticDecoder.prefill: argument " + msg):
+            d.prefill(bad)
+    d.prefill(ids)
+    with pytest.raises(ArgumentError, match=r"^StaticDecoder.step: argument 'tokens': type: .*got list"):
+        d.step([1])
+    with pytest.raises(ArgumentError, match=r"StaticDecoder: argument 'capture_error_mode'.*'relaxed'.*got 'bogus'"):
+        hf.StaticDecoder(m, capture_error_mode="bogus")
+    assert hf.StaticDecoder(m, capture_error_mode="relaxed").capture_error_mode == "relaxed"
+
+
+def test_families_and_adapters_are_checked_when_given(reg):
+    from ex_engine.errors import ArgumentError
+    m = tiny_model("qwen3_moe")
+    with pytest.raises(ArgumentError, match=r"^find_moe_blocks: argument 'families': type: .*int 5"):
+        hf.find_moe_blocks(m, families=5)
+    with pytest.raises(ArgumentError, match=r"^patch_moe: argument 'families': type: .*int 5"):
+        hf.patch_moe(m, registry=reg, families=5)
+    with pytest.raises(ArgumentError, match=r"argument 'families'"):
+        hf.find_moe_blocks(m, families=["qwen3_moe", 3])
+    assert len(hf.find_moe_blocks(m, families=("qwen3_moe",))) == LAYERS
+    for kw, msg in (({"renormalize": True}, r"'adapter.renormalize': type: expected a callable.*bool True"),
+                    ({"renormalize": lambda b, r: True, "weights": None}, r"'adapter.weights'"),
+                    ({"renormalize": lambda b, r: True, "repack": 3}, r"'adapter.repack'"),
+                    ({"renormalize": lambda b, r: True, "router_attr": ""}, r"'adapter.router_attr'")):
+        with pytest.raises(ArgumentError, match=r"^register_adapter: argument " + msg):
+            hf.register_adapter(hf.MoEAdapter("xx", ("Foo",), **kw))
+    assert "xx" not in hf.ADAPTERS
+    with pytest.raises(ArgumentError, match=r"^register_adapter: argument 'adapter'"):
+        hf.register_adapter("qwen3_moe")

@@ -68,6 +68,7 @@ except ImportError as _exc:   # say what to install instead of a bare "No module
     raise ImportError("ex_engine.integrations.transformers needs PyTorch and transformers: "
                       "pip install -e '.[hf]'") from _exc
 
+from ..errors import ArgumentError
 from ..ops import moe_fused_gemm, resolve_registry, topk_softmax
 from ..registry import FactorRegistry
 
@@ -120,7 +121,25 @@ ADAPTERS: dict = {}
 def register_adapter(adapter: MoEAdapter) -> MoEAdapter:
     """Make ``patch_moe`` recognise ``adapter.block_classes`` (replaces an adapter of the same
     family). Raises ValueError for a weights_dtype other than 'logits' or 'float32', or
-    block_classes that is not a tuple of class names (a bare string would match by substring)."""
+    block_classes that is not a tuple of class names (a bare string would match by substring);
+    ArgumentError (a ValueError and a FactorError) for an adapter that is not a MoEAdapter, a
+    family or router_attr/experts_attr that is not a non-empty str, a renormalize or weights
+    that is not callable, or a repack that is neither None nor callable (each would fail only
+    when a model is patched)."""
+    fn = "register_adapter"
+    if not isinstance(adapter, MoEAdapter):
+        raise ArgumentError(fn, "adapter", "type", "a MoEAdapter", type(adapter).__name__)
+    for name in ("family", "router_attr", "experts_attr"):
+        v = getattr(adapter, name)
+        if not isinstance(v, str) or not v:
+            raise ArgumentError(fn, f"adapter.{name}", "type", "a non-empty str", repr(v))
+    for name in ("renormalize", "weights"):
+        v = getattr(adapter, name)
+        if not callable(v):
+            raise ArgumentError(fn, f"adapter.{name}", "type", "a callable", f"{type(v).__name__} {v!r}")
+    if adapter.repack is not None and not callable(adapter.repack):
+        raise ArgumentError(fn, "adapter.repack", "type", "None or a callable",
+                            f"{type(adapter.repack).__name__} {adapter.repack!r}")
     if not isinstance(adapter.block_classes, tuple) or not all(isinstance(c, str) for c in adapter.block_classes):
         raise ValueError(f"MoEAdapter {adapter.family}: block_classes: expected a tuple of class names, "
                          f"got {adapter.block_classes!r}")
@@ -152,11 +171,30 @@ def _adapter_for(module, families=None):
     return None
 
 
-def find_moe_blocks(model, families=None) -> list:
-    """[(qualified name, block, adapter)] for every sparse-MoE block of a registered family."""
-    out = []
+def _families(fn: str, families):
+    """None, or the list of family names ``families`` gives (a str: comma-separated names).
+    Raises ArgumentError naming ``fn`` for anything that is not a str or an iterable of str."""
+    if families is None:
+        return None
     if isinstance(families, str):      # 'qwen3_moe,x' would match by substring
-        families = [f.strip() for f in families.split(",")]
+        return [f.strip() for f in families.split(",")]
+    try:
+        out = list(families)
+    except TypeError:
+        out = None
+    if out is None or not all(isinstance(f, str) for f in out):
+        raise ArgumentError(fn, "families", "type", "None, a family name (comma-separated names) "
+                            "or an iterable of family names (str)", f"{type(families).__name__} {families!r}")
+    return out
+
+
+def find_moe_blocks(model, families=None) -> list:
+    """[(qualified name, block, adapter)] for every sparse-MoE block of a registered family.
+    families: None (all registered), a str of comma-separated family names, or an iterable of
+    names. Raises ArgumentError for another type, UnsupportedModelError for a name not
+    registered."""
+    out = []
+    families = _families("find_moe_blocks", families)
     if families is not None:
         unknown = sorted(set(families) - set(ADAPTERS))
         if unknown:
@@ -425,7 +463,8 @@ def patch_moe(model, registry: FactorRegistry | None = None, *, families=None,
     topk_softmax, the routed experts through moe_fused_gemm, on the model's own parameters.
 
     registry: the FactorRegistry to call (None: ex_engine's process-wide default, loaded now).
-    families: restrict to these adapter families (default: all registered: qwen3_moe, olmoe, mixtral).
+    families: restrict to these adapter families (default: all registered: qwen3_moe, olmoe, mixtral):
+        a str of comma-separated names or an iterable of names (ArgumentError otherwise).
     warmup_tokens: token counts to warm the factors up with on CUDA models (see MoEPatch.warmup);
         () or None to skip.
     Returns a MoEPatch (``undo()``, context manager). Raises UnsupportedModelError if the model
@@ -435,7 +474,7 @@ def patch_moe(model, registry: FactorRegistry | None = None, *, families=None,
     if not isinstance(model, torch.nn.Module):
         raise UnsupportedModelError(f"model: expected a torch.nn.Module (a transformers model), "
                                     f"got {type(model).__name__}")
-    blocks = find_moe_blocks(model, families)
+    blocks = find_moe_blocks(model, _families("patch_moe", families))
     if not blocks:
         known = sorted(c for a in ADAPTERS.values() for c in a.block_classes)
         raise UnsupportedModelError(f"{type(model).__name__}: no sparse-MoE block of a supported family "
@@ -472,6 +511,21 @@ def patch_moe(model, registry: FactorRegistry | None = None, *, families=None,
     return handle
 
 
+CAPTURE_ERROR_MODES = ("global", "thread_local", "relaxed")   # torch.cuda.graph's capture_error_mode
+
+
+def _token_ids(fn: str, name: str, x, ndim: int, shape_text: str):
+    """Raise ArgumentError unless ``x`` is a torch integer tensor (not bool) of ``ndim`` dims."""
+    if not isinstance(x, torch.Tensor):
+        raise ArgumentError(fn, name, "type", f"a torch integer tensor {shape_text}",
+                            f"{type(x).__name__}")
+    if x.is_floating_point() or x.is_complex() or x.dtype == torch.bool:
+        raise ArgumentError(fn, name, "dtype", f"integer token ids {shape_text} (e.g. torch.long)",
+                            str(x.dtype))
+    if x.dim() != ndim:
+        raise ArgumentError(fn, name, "shape", f"{ndim}-D {shape_text}", tuple(x.shape))
+
+
 class StaticDecoder:
     """Greedy decoding of a transformers causal LM with a StaticCache, one token per ``step``,
     eagerly or (``graph=True``) by replaying one captured CUDA graph of the whole decode step.
@@ -487,7 +541,9 @@ class StaticDecoder:
     Raises ValueError for batch_size or max_len < 1, an attention implementation other than sdpa
     or eager, or graph=True on a model that is not on a CUDA device; prefill and step raise
     ValueError for input ids of another batch size (or a prompt of max_len or more), float ids,
-    and a step past max_len.
+    and a step past max_len. capture_error_mode: torch.cuda.graph's, one of 'global',
+    'thread_local', 'relaxed'. The argument errors are ArgumentError (a ValueError and an
+    ex_engine FactorError) naming the method and the argument.
     """
 
     def __init__(self, model, batch_size: int = 1, max_len: int = 256, graph: bool = False,
@@ -503,6 +559,9 @@ class StaticDecoder:
         self.ids = torch.zeros(batch_size, 1, dtype=torch.long, device=self.device)
         self.pos = torch.zeros(batch_size, 1, dtype=torch.long, device=self.device)
         self.kv = torch.arange(max_len, device=self.device).view(1, 1, 1, max_len)
+        if capture_error_mode not in CAPTURE_ERROR_MODES:
+            raise ArgumentError("StaticDecoder", "capture_error_mode", "torch.cuda.graph's modes",
+                                f"one of {', '.join(map(repr, CAPTURE_ERROR_MODES))}", repr(capture_error_mode))
         impl = getattr(model.config, "_attn_implementation", "sdpa")
         if impl not in ("sdpa", "eager"):
             raise ValueError(f"StaticDecoder: attention implementation {impl!r}: expected 'sdpa' or 'eager'")
@@ -529,10 +588,14 @@ class StaticDecoder:
 
     @torch.no_grad()
     def prefill(self, input_ids):
-        """Run the prompt (B, P) eagerly into the cache; returns the last position's logits (B, V)."""
+        """Run the prompt (B, P) eagerly into the cache; returns the last position's logits (B, V).
+        input_ids: a torch integer tensor (B, P), B = batch_size, 1 <= P < max_len. Raises
+        ArgumentError (a ValueError) naming input_ids otherwise (a list, float or bool ids, 1-D)."""
+        _token_ids("StaticDecoder.prefill", "input_ids", input_ids, 2, "(batch, seq)")
         B, P = input_ids.shape
-        if B != self.batch_size or P >= self.max_len:
-            raise ValueError(f"prefill: expected ({self.batch_size}, < {self.max_len}), got {tuple(input_ids.shape)}")
+        if B != self.batch_size or not 1 <= P < self.max_len:
+            raise ArgumentError("StaticDecoder.prefill", "input_ids", "shape (batch_size, P), 1 <= P < max_len",
+                                f"({self.batch_size}, 1 .. {self.max_len - 1})", tuple(input_ids.shape))
         pos = torch.arange(P, device=self.device).unsqueeze(0).expand(B, P)
         out = self.model(input_ids=input_ids.to(self.device), position_ids=pos,
                          past_key_values=self.cache, use_cache=True)
@@ -541,7 +604,12 @@ class StaticDecoder:
 
     @torch.no_grad()
     def step(self, tokens):
-        """Feed ``tokens`` (B,) at the next position; returns that position's logits (B, V) (a copy)."""
+        """Feed ``tokens`` (B,) at the next position; returns that position's logits (B, V) (a copy).
+        tokens: a torch integer tensor of batch_size ids (ArgumentError, a ValueError, naming
+        tokens otherwise); ValueError past max_len."""
+        if not isinstance(tokens, torch.Tensor):
+            raise ArgumentError("StaticDecoder.step", "tokens", "type",
+                                f"a torch integer tensor of {self.batch_size} token ids", type(tokens).__name__)
         if self.next_pos >= self.max_len:
             raise ValueError(f"step: the static cache holds {self.max_len} positions, all used")
         if tokens.numel() != self.batch_size or tokens.is_floating_point() or tokens.is_complex():
