@@ -130,6 +130,7 @@ class Bits16:
 
     @property
     def shape(self):
+        """The shape of the wrapped bit array (one 16-bit element per value)."""
         return self.bits.shape
 
 
@@ -158,12 +159,47 @@ def _refuse_torch(x, name: str):
                      "a negated view" if x.is_neg() else "a conjugated view")
 
 
+_CUPY_RUNTIME: list = []   # [cupy.cuda.runtime or None], filled on first use (_cai_device)
+
+
+def _cai_device(x, ptr: int) -> int:
+    """The CUDA device ordinal of an object known only by its ``__cuda_array_interface__``
+    (the interface itself does not say): the object's ``device.id`` (CuPy-like) or
+    ``device.index`` (torch-like) where it has one, else what the CUDA runtime says of the
+    pointer (cupy.cuda.runtime.pointerGetAttributes), else 0 (no CuPy, a pointer the runtime
+    does not know, or no GPU: an array on another device is then taken as on device 0)."""
+    dev = getattr(x, "device", None)
+    for attr in ("id", "index"):
+        v = getattr(dev, attr, None)
+        if isinstance(v, int) and not isinstance(v, bool) and v >= 0:
+            return v
+    if not _CUPY_RUNTIME:
+        try:
+            from cupy.cuda import runtime
+        except Exception:   # not installed, or no CUDA library to load
+            runtime = None
+        _CUPY_RUNTIME.append(runtime)
+    runtime = _CUPY_RUNTIME[0]
+    if runtime is not None and ptr:
+        try:
+            attrs = runtime.pointerGetAttributes(ptr)
+            if attrs.type in (2, 3) and attrs.device >= 0:   # cudaMemoryTypeDevice, Managed
+                return int(attrs.device)
+        except Exception:
+            pass
+    return 0
+
+
 @dataclass
 class TensorRef:
     """Pointer, shape, strides (elements), dtype name and device of a user's array.
 
-    device is -1 for host memory, else the CUDA device ordinal. kind is 'numpy', 'cupy',
-    'torch' or 'cai' (any object with __cuda_array_interface__).
+    device is -1 for host memory, else the CUDA device ordinal (for a 'cai' object: see
+    _cai_device; 0 where neither the object nor the CUDA runtime says). kind is 'numpy',
+    'cupy', 'torch' or 'cai' (any object with __cuda_array_interface__). strides are floats
+    where a byte stride is not a whole number of elements (the validator raises LayoutError).
+    readonly: the array's library marks it read-only (__cuda_array_interface__'s data[1]; a
+    read-only NumPy array is read from its flags instead): the runtime refuses to write it.
     """
     obj: Any
     kind: str
@@ -174,6 +210,7 @@ class TensorRef:
     itemsize: int
     device: int
     contiguous: bool | None = None   # as the array's library reports it; None: compute
+    readonly: bool = False
 
     @classmethod
     def of(cls, x, name: str = "array") -> "TensorRef":
@@ -203,12 +240,14 @@ class TensorRef:
         if cai is not None:
             dt = np.dtype(cai["typestr"])
             shape = tuple(cai["shape"])
+            isz = dt.itemsize
             if cai.get("strides") is None:
                 strides = tuple(int(np.prod(shape[i + 1:])) for i in range(len(shape)))
-            else:
-                strides = tuple(s // dt.itemsize for s in cai["strides"])
-            return cls(x, "cai", int(cai["data"][0]), shape, strides, _dtype_name(dt),
-                       dt.itemsize, 0)
+            else:   # bytes -> elements; a fraction (not a whole element) is refused by the validator
+                strides = tuple(s / isz if s % isz else s // isz for s in cai["strides"])
+            ptr = int(cai["data"][0])
+            return cls(x, "cai", ptr, shape, strides, _dtype_name(dt), isz, _cai_device(x, ptr),
+                       readonly=bool(cai["data"][1]))
         from .errors import DTypeError     # a FactorError (and a TypeError), naming the argument
         raise DTypeError("ex_engine", name, "type", "a NumPy/CuPy array or a torch tensor",
                          type(x).__name__)
@@ -229,10 +268,12 @@ class TensorRef:
 
     @property
     def on_device(self) -> bool:
+        """True for device memory (device >= 0), False for host memory (device -1)."""
         return self.device >= 0
 
     @property
     def size(self) -> int:
+        """The number of elements: the product of shape (1 for a 0-d array, 0 if any dim is 0)."""
         n = 1
         for s in self.shape:
             n *= s

@@ -217,18 +217,19 @@ def _check_no_overlap(factor: str, written, refs_by_name: dict, spans: dict) -> 
 def check_writes(factor: str, m: Manifest, refs_by_name: dict, spans: dict | None = None,
                  device: int = 0, writable: dict | None = None) -> None:
     """What a factor's writes need beyond its manifest's shapes and dtypes: no written array
-    shares memory with another argument (_check_no_overlap), and on the host (device < 0) every
-    written NumPy array is writable (its read-only flag is a promise the call must keep).
+    shares memory with another argument (_check_no_overlap), and no written array is marked
+    read-only (a promise the call must keep): on the host (device < 0) a NumPy array's flag,
+    on a device a __cuda_array_interface__'s read-only data flag (TensorRef.readonly).
     ``spans``: _byte_spans(refs_by_name), when the caller has them already; ``writable``: name ->
     _writable(array) read once by the caller (else read here). Raises LayoutError."""
     _check_no_overlap(factor, m.written_names, refs_by_name,
                       _byte_spans(refs_by_name) if spans is None else spans)
-    if device < 0:
-        for w in m.written_names:
-            r = refs_by_name.get(w)
-            if r is not None and not (_writable(r.obj) if writable is None else writable[w]):
-                raise LayoutError(factor, w, "writable", "a writable array (the factor writes it)",
-                                  "a read-only array")
+    for w in m.written_names:
+        r = refs_by_name.get(w)
+        if r is not None and (r.readonly or device < 0 and not (
+                _writable(r.obj) if writable is None else writable[w])):
+            raise LayoutError(factor, w, "writable", "a writable array (the factor writes it)",
+                              "a read-only array")
 
 
 def _params_key(params) -> tuple:
@@ -267,7 +268,7 @@ def _fast_key(name: str, arrays, params):
                 ptrs.append(v.data_ptr())
             elif type(v) is TensorRef:
                 parts.append((k, "ref", v.kind, v.dtype, v.shape, v.strides, v.device, v.contiguous,
-                               v.itemsize, v.device >= 0 or _writable(v.obj)))
+                               v.itemsize, not v.readonly if v.device >= 0 else _writable(v.obj)))
                 ptrs.append(v.ptr)
             elif kind == "numpy":
                 parts.append((k, "numpy", _NAME_CACHE[v.dtype], v.shape, v.strides, v.flags.writeable))
@@ -313,7 +314,7 @@ def _validated_key(name: str, refs_by_name: dict, given_refs, writable: dict | N
         for k, r in refs_by_name.items():
             if k in given_refs:
                 parts.append((k, "ref", r.kind, r.dtype, r.shape, r.strides, r.device, r.contiguous,
-                              r.itemsize, r.device >= 0 or writable[k]))
+                              r.itemsize, not r.readonly if r.device >= 0 else writable[k]))
             elif isinstance(r.obj, Bits16):
                 return None
             elif r.kind == "torch":

@@ -494,3 +494,48 @@ def test_a_fallback_that_raises_is_named_and_counted_as_an_error(tmp_path):
     topk_softmax(x, 2, registry=reg)
     assert reg.stats()["topk_softmax"]["python_fallback"] == 2   # the list's call, and this one
     assert reg.stats()["topk_softmax"]["errors"] == 9
+
+
+class _CAI:
+    """A bare __cuda_array_interface__ (never dereferenced: validation fails before any call)."""
+
+    def __init__(self, shape, strides=None, typestr="<f4", ptr=0x7F0000001000, readonly=False):
+        self.__cuda_array_interface__ = {"shape": shape, "strides": strides, "typestr": typestr,
+                                         "data": (ptr, readonly), "version": 3}
+
+
+def test_cuda_array_interface_strides_device_and_read_only_flag(reg):
+    """A __cuda_array_interface__'s byte strides that are no whole number of elements were
+    rounded down (10 bytes of float32 read as 2 elements), its device was always 0, and its
+    read-only flag was ignored (a read-only output was written)."""
+    from ex_engine.arrays import TensorRef
+    r = TensorRef.of(_CAI((2, 2), (10, 4)))
+    assert r.strides == (2.5, 1)
+    with pytest.raises(LayoutError, match="topk_softmax: argument 'router_logits': strides: expected "
+                                          "whole elements"):
+        topk_softmax(_CAI((2, 2), (10, 4)), 1, topk_weights=_CAI((2, 1), ptr=0x7F0000100000),
+                     topk_ids=_CAI((2, 1), typestr="<i4", ptr=0x7F0000200000), registry=reg)
+    assert TensorRef.of(_CAI((2, 2), (8, 4))).strides == (2, 1)
+    # the device, where the object tells it (CuPy's device.id, torch's device.index)
+    for attr in ("id", "index"):
+        x = _CAI((2, 2))
+        x.device = type("Dev", (), {attr: 3})()
+        assert TensorRef.of(x).device == 3
+    assert TensorRef.of(_CAI((2, 2))).device == 0      # no GPU, nothing says: 0 (documented)
+    # read-only outputs are refused, given as arrays or as TensorRefs (ops.topk_softmax's)
+    lg = _CAI((2, 4))
+    ro_w = _CAI((2, 1), ptr=0x7F0000100000, readonly=True)
+    ro_i = _CAI((2, 1), typestr="<i4", ptr=0x7F0000200000, readonly=True)
+    assert TensorRef.of(ro_w).readonly and not TensorRef.of(lg).readonly
+    with pytest.raises(LayoutError, match="topk_softmax: argument 'topk_weights': writable: expected a "
+                                          "writable array"):
+        topk_softmax(lg, 1, topk_weights=ro_w, topk_ids=_CAI((2, 1), typestr="<i4", ptr=0x7F0000200000),
+                     registry=reg)
+    with pytest.raises(LayoutError, match="argument 'topk_ids': writable"):
+        reg.dispatch("topk_softmax", {"router_logits": lg, "topk_weights": _CAI((2, 1), ptr=0x7F0000100000),
+                                      "topk_ids": ro_i})
+    from ex_engine.registry import check_writes
+    refs = {"router_logits": TensorRef.of(lg), "topk_weights": TensorRef.of(ro_w),
+            "topk_ids": TensorRef.of(ro_i)}
+    with pytest.raises(LayoutError, match="argument 'topk_weights': writable"):
+        check_writes("topk_softmax", reg.manifest("topk_softmax"), refs, device=0)
