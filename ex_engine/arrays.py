@@ -141,20 +141,20 @@ def as_bfloat16(bits) -> Bits16:
     return Bits16(bits, "bfloat16", _caller="as_bfloat16")
 
 
-def _refuse_torch(x, name: str):
+def _refuse_torch(x, name: str, factor: str = "ex_engine"):
     """Raise the named error for a torch tensor a kernel cannot read as it is: no memory behind
     it (meta), not one strided block (sparse, mkldnn, nested), or a negation/conjugation that
     torch applies lazily (its memory holds the values before it: a kernel would read those)."""
     from .errors import DeviceError, DTypeError
     if x.is_meta:
-        raise DeviceError("ex_engine", name, "device", "a tensor on cuda or the CPU (memory a "
+        raise DeviceError(factor, name, "device", "a tensor on cuda or the CPU (memory a "
                           "kernel can read)", "a tensor on meta (no memory)")
     if x.is_nested:
-        raise DTypeError("ex_engine", name, "layout", "a dense (strided) torch tensor", "a nested tensor")
+        raise DTypeError(factor, name, "layout", "a dense (strided) torch tensor", "a nested tensor")
     if x.layout is not sys.modules["torch"].strided:
-        raise DTypeError("ex_engine", name, "layout", "a dense (strided) torch tensor",
+        raise DTypeError(factor, name, "layout", "a dense (strided) torch tensor",
                          f"layout {str(x.layout).replace('torch.', '')}")
-    raise DTypeError("ex_engine", name, "view", "a tensor whose memory holds its values (call "
+    raise DTypeError(factor, name, "view", "a tensor whose memory holds its values (call "
                      ".resolve_neg() / .resolve_conj() first)",
                      "a negated view" if x.is_neg() else "a conjugated view")
 
@@ -213,16 +213,17 @@ class TensorRef:
     readonly: bool = False
 
     @classmethod
-    def of(cls, x, name: str = "array") -> "TensorRef":
-        """Describe ``x``. Raises DTypeError (a FactorError and a TypeError) naming ``name`` for
-        anything that is not an array."""
+    def of(cls, x, name: str = "array", factor: str = "ex_engine") -> "TensorRef":
+        """Describe ``x``. Raises DTypeError (a FactorError and a TypeError) naming ``factor``
+        (the function or factor called) and the argument ``name`` for anything that is not an
+        array (also a torch tensor a kernel cannot read as it is: DeviceError for meta)."""
         kind = _KINDS.get(type(x))
         if kind is None:
             kind = _kind_of(x)
         if kind == "torch":
             if (x.is_meta or x.layout is not sys.modules["torch"].strided or x.is_nested
                     or x.is_neg() or x.is_conj()):
-                _refuse_torch(x, name)
+                _refuse_torch(x, name, factor)
             info = _TORCH_DTYPES.get(x.dtype)
             if info is None:
                 info = _TORCH_DTYPES[x.dtype] = (_dtype_name(x.dtype), x.element_size())
@@ -231,7 +232,7 @@ class TensorRef:
         if kind == "numpy":
             return cls._from_buffer(x, "numpy", x.__array_interface__["data"][0], -1)
         if kind == "bits16":
-            inner = cls.of(x.bits, name)
+            inner = cls.of(x.bits, name, factor)
             inner.obj, inner.dtype = x, x.dtype
             return inner
         if kind == "cupy":
@@ -249,7 +250,7 @@ class TensorRef:
             return cls(x, "cai", ptr, shape, strides, _dtype_name(dt), isz, _cai_device(x, ptr),
                        readonly=bool(cai["data"][1]))
         from .errors import DTypeError     # a FactorError (and a TypeError), naming the argument
-        raise DTypeError("ex_engine", name, "type", "a NumPy/CuPy array or a torch tensor",
+        raise DTypeError(factor, name, "type", "a NumPy/CuPy array or a torch tensor",
                          type(x).__name__)
 
     @classmethod

@@ -128,14 +128,19 @@ def test_top_k_must_be_a_positive_int(reg, top_k):
 
 
 def test_top_k_must_match_the_outputs_given(reg):
-    """Outputs of another width than top_k are an error naming top_k (they once silently gave
-    top-2 for top_k = 8)."""
+    """Outputs of another width than top_k are an error (they once silently gave top-2 for
+    top_k = 8) naming the output whose width disagrees (it once named top_k, with the output's
+    width as 'expected' and top_k as 'got')."""
     lg = np.random.default_rng().standard_normal((3, 16)).astype(np.float32)
     w, ids = np.empty((3, 2), np.float32), np.empty((3, 2), np.int32)
-    with pytest.raises(ShapeError, match="argument 'top_k'.*topk_weights given.*got 8"):
+    with pytest.raises(ShapeError, match=r"^topk_softmax: argument 'topk_weights': shape\[1\] = K: "
+                                         r"expected top_k = 8 columns, got 2 \(its shape \(3, 2\)\)$"):
         topk_softmax(lg, 8, topk_weights=w, topk_ids=ids, registry=reg)
-    with pytest.raises(ShapeError, match="argument 'top_k'.*topk_ids given.*got 8"):
+    with pytest.raises(ShapeError, match="^topk_softmax: argument 'topk_ids': .*expected top_k = 8 "):
         topk_softmax(lg, 8, topk_ids=ids, registry=reg)
+    with pytest.raises(ShapeError, match="^topk_softmax: argument 'topk_weights': .*expected top_k = 2 "
+                                         r"columns, got 3 \(its shape \(3, 3\)\)"):
+        topk_softmax(lg, 2, topk_weights=np.empty((3, 3), np.float32), topk_ids=ids, registry=reg)
     w2, i2 = topk_softmax(lg, np.int64(2), topk_weights=w, topk_ids=ids, renormalize=np.True_, registry=reg)
     assert w2 is w and i2 is ids and np.allclose(w.sum(axis=1), 1.0, atol=1e-6)
 
@@ -539,3 +544,48 @@ def test_cuda_array_interface_strides_device_and_read_only_flag(reg):
             "topk_ids": TensorRef.of(ro_i)}
     with pytest.raises(LayoutError, match="argument 'topk_weights': writable"):
         check_writes("topk_softmax", reg.manifest("topk_softmax"), refs, device=0)
+
+
+def test_an_argument_that_is_no_array_names_the_function_called(reg):
+    """The typed functions describe some arguments themselves (TensorRef.of): a bad one was
+    reported as "ex_engine: argument 'hidden_states' ..." instead of naming the function."""
+    from ex_engine.arrays import TensorRef
+    a = moe_args()
+    with pytest.raises(DTypeError, match="^moe_fused_gemm: argument 'hidden_states': type: "):
+        moe_fused_gemm(None, a["w13"], a["w2"], a["topk_weights"], a["topk_ids"], registry=reg)
+    lg = np.zeros((3, 8), np.float32)
+    with pytest.raises(DTypeError, match="^topk_softmax: argument 'router_logits': type: "):
+        topk_softmax(lg.tolist(), 2, registry=reg)
+    with pytest.raises(DTypeError, match="^topk_softmax: argument 'topk_weights': type: "):
+        topk_softmax(lg, 2, topk_weights=[[0.0, 0.0]] * 3, topk_ids=np.empty((3, 2), np.int32),
+                     registry=reg)
+    with pytest.raises(DTypeError, match="^topk_softmax: argument 'topk_ids': type: "):
+        topk_softmax(lg, 2, topk_weights=np.empty((3, 2), np.float32), topk_ids="ids", registry=reg)
+    with pytest.raises(DTypeError, match="^ex_engine: argument 'array': type: "):
+        TensorRef.of(None)    # no function named: the package's own name, as before
+
+
+def test_rmsnorm_refuses_a_torch_leaf_that_requires_grad_under_grad_mode(reg, monkeypatch):
+    """fused_add_rmsnorm writes x and residual in place and records no autograd graph: a leaf
+    that requires grad under grad mode (torch refuses in-place ops on one) was written silently.
+    A stand-in for torch, so that this runs where torch is not installed."""
+    import sys
+    import types
+    from ex_engine import fused_add_rmsnorm
+    grad = {"on": True}
+    monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(is_grad_enabled=lambda: grad["on"]))
+
+    class Leaf:
+        requires_grad, is_leaf = True, True
+    Leaf.__module__ = "torch"
+    w = np.ones(8, np.float32)
+    for name, args in (("x", (Leaf(), np.zeros((2, 8), np.float32))),
+                       ("residual", (np.zeros((2, 8), np.float32), Leaf()))):
+        with pytest.raises(ArgumentError, match=f"^fused_add_rmsnorm: argument '{name}': autograd: "
+                                                "expected a tensor it may write in place .*got a leaf "
+                                                "tensor with requires_grad=True"):
+            fused_add_rmsnorm(*args, w, registry=reg)
+    grad["on"] = False          # under no_grad: not this check's business (the stand-in fails later)
+    with pytest.raises(Exception) as e:
+        fused_add_rmsnorm(Leaf(), np.zeros((2, 8), np.float32), w, registry=reg)
+    assert "autograd" not in str(e.value)
