@@ -88,6 +88,20 @@ def _np_dtype(dtype: str):
     return dtype
 
 
+def _refuse_grad_leaf(fn: str, written: dict) -> None:
+    """Raise ArgumentError naming the first of ``written`` (torch tensors that require grad,
+    written in place by ``fn``) that is a leaf while grad mode is on: torch refuses in-place
+    ops on such a leaf, and ``fn`` records no autograd graph."""
+    if not sys.modules["torch"].is_grad_enabled():
+        return
+    for name, a in written.items():
+        if getattr(a, "requires_grad", False) and a.is_leaf:
+            raise ArgumentError(fn, name, "autograd", "a tensor it may write in place (no leaf that "
+                                "requires grad while grad mode is on: call under torch.no_grad() or "
+                                "torch.inference_mode(), or pass .detach())",
+                                "a leaf tensor with requires_grad=True")
+
+
 def topk_softmax(router_logits, top_k: int, renormalize: bool = False, *, topk_weights=None,
                  topk_ids=None, registry: FactorRegistry | None = None):
     """Router: softmax over the E experts of each token, then its top-k.
@@ -178,13 +192,9 @@ def fused_add_rmsnorm(x, residual, weight, eps: float = 1e-6, *,
     number > 0 or not a normal float32; x or residual a torch leaf that requires grad under
     grad mode), DeviceError, KernelError. Each names fused_add_rmsnorm and the argument.
     """
-    for name, a in (("x", x), ("residual", residual)):
-        if (_KINDS.get(type(a)) or _kind_of(a)) == "torch" and a.requires_grad and a.is_leaf \
-                and sys.modules["torch"].is_grad_enabled():
-            raise ArgumentError("fused_add_rmsnorm", name, "autograd", "a tensor it may write in place "
-                                "(no leaf that requires grad while grad mode is on: call under "
-                                "torch.no_grad() or torch.inference_mode(), or pass .detach())",
-                                "a leaf tensor with requires_grad=True")
+    if ((_KINDS.get(type(x)) or _kind_of(x)) == "torch" and x.requires_grad
+            or (_KINDS.get(type(residual)) or _kind_of(residual)) == "torch" and residual.requires_grad):
+        _refuse_grad_leaf("fused_add_rmsnorm", {"x": x, "residual": residual})
     resolve_registry(registry).dispatch(
         "fused_add_rmsnorm", {"x": x, "residual": residual, "weight": weight}, {"eps": eps})
     return x, residual
