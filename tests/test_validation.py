@@ -589,3 +589,43 @@ def test_rmsnorm_refuses_a_torch_leaf_that_requires_grad_under_grad_mode(reg, mo
     with pytest.raises(Exception) as e:
         fused_add_rmsnorm(Leaf(), np.zeros((2, 8), np.float32), w, registry=reg)
     assert "autograd" not in str(e.value)
+
+
+def test_a_factor_name_that_is_no_str_is_the_argument_name(reg):
+    """reg.manifest(['x']) and reg.get(['x']) raised a bare TypeError (unhashable), and
+    reg.manifest(None) said "no factor named 'None'": an ArgumentError naming 'name'."""
+    for bad in (["x"], None, 3):
+        for fn, caller in ((reg.manifest, "manifest"), (reg.get, "get")):
+            with pytest.raises(ArgumentError, match=f"^{caller}: argument 'name': type: expected a factor "
+                                                    "name \\(str\\), got "):
+                fn(bad)
+        with pytest.raises(ArgumentError, match="^dispatch: argument 'name': type: "):
+            reg.dispatch(bad, {})
+    with pytest.raises(ArgumentError, match="^set_fallback: argument 'name'"):
+        reg.set_fallback(["x"], lambda a, s, p: None)
+    with pytest.raises(FactorNotFoundError, match="no factor named 'nope'"):
+        reg.manifest("nope")
+    assert reg.get("nope") is None
+
+
+def test_public_docstrings_say_what_they_raise():
+    """Docstrings the audit found without their errors (or missing on public properties)."""
+    from ex_engine import default_registry
+    from ex_engine.arrays import Bits16, TensorRef
+    for fn in (FactorRegistry.dispatch, FactorRegistry.load, FactorRegistry, default_registry,
+               FactorRegistry.release_workspaces, FactorRegistry.call_plugin):
+        assert "Raises" in fn.__doc__, fn
+    for word in ("FactorNotFoundError", "KernelError", "DeviceError", "no path took the call"):
+        assert word in " ".join(FactorRegistry.dispatch.__doc__.split()), word
+    for word in ("lock_mode", "probe", "verify", "timeout", "prefer", "manifests_dir", "hardware"):
+        assert word in FactorRegistry.__doc__ and word in FactorRegistry.load.__doc__, word
+    doc = " ".join(FactorRegistry.check_device_errors.__doc__.split())
+    assert "outside [0, G)" in doc and "outside [-1, E)" in doc
+    from ex_engine import fused_add_rmsnorm
+    assert "normal float32" in fused_add_rmsnorm.__doc__ and "1e-60" in fused_add_rmsnorm.__doc__
+    for prop in (Bits16.shape, TensorRef.on_device, TensorRef.size):
+        assert prop.__doc__, prop
+    docs = {f.__name__: " ".join(f.__doc__.split()) for f in (topk_softmax, moe_fused_gemm, fused_add_rmsnorm)}
+    assert all("inference op" in d for d in docs.values())
+    assert "NaN logits rank last" not in docs["topk_softmax"] and "ranks as -inf" in docs["topk_softmax"]
+    assert "propagates" in docs["moe_fused_gemm"] and "hidden_states' shape (T, H) and dtype" in docs["moe_fused_gemm"]
