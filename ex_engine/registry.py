@@ -1231,8 +1231,8 @@ class FactorRegistry:
         """dispatch's first checks (and call_plugin's): ``params`` a dict or None, ``arrays`` a
         dict whose non-None values are arrays, described as {name: TensorRef} (TensorRefs given
         are copied, so that what is checked is what the short path's key records). Raises
-        ArgumentError (its subclass from TensorRef.of, re-made to name the factor; an unknown
-        argument name first, since a misspelt name is the problem then), uncounted."""
+        ArgumentError (its subclass from TensorRef.of, naming the factor; for an unknown
+        argument name that one instead, since a misspelt name is the problem then), uncounted."""
         if params is not None and not isinstance(params, dict):
             raise ArgumentError(name, "params", "type", "a dict {parameter name: value} or None",
                                 type(params).__name__)
@@ -1260,6 +1260,8 @@ class FactorRegistry:
         # host writability read once: for the check and for the short path's key
         writable = {k: _writable(r.obj) for k, r in refs_by_name.items()} if device < 0 else None
         check_writes(name, m, refs_by_name, spans, device, writable)
+        # after the names, dtypes and shapes (a misspelt name is the problem then), before any
+        # path reads the memory: a kernel or a fallback given NULL would crash
         null = null_pointer_error(name, refs_by_name)
         if null is not None:
             raise null
