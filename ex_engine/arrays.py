@@ -130,6 +130,7 @@ class Bits16:
 
     @property
     def shape(self):
+        """The shape of the wrapped bit array (one 16-bit element per value)."""
         return self.bits.shape
 
 
@@ -140,30 +141,65 @@ def as_bfloat16(bits) -> Bits16:
     return Bits16(bits, "bfloat16", _caller="as_bfloat16")
 
 
-def _refuse_torch(x, name: str):
+def _refuse_torch(x, name: str, factor: str = "ex_engine"):
     """Raise the named error for a torch tensor a kernel cannot read as it is: no memory behind
     it (meta), not one strided block (sparse, mkldnn, nested), or a negation/conjugation that
     torch applies lazily (its memory holds the values before it: a kernel would read those)."""
     from .errors import DeviceError, DTypeError
     if x.is_meta:
-        raise DeviceError("ex_engine", name, "device", "a tensor on cuda or the CPU (memory a "
+        raise DeviceError(factor, name, "device", "a tensor on cuda or the CPU (memory a "
                           "kernel can read)", "a tensor on meta (no memory)")
     if x.is_nested:
-        raise DTypeError("ex_engine", name, "layout", "a dense (strided) torch tensor", "a nested tensor")
+        raise DTypeError(factor, name, "layout", "a dense (strided) torch tensor", "a nested tensor")
     if x.layout is not sys.modules["torch"].strided:
-        raise DTypeError("ex_engine", name, "layout", "a dense (strided) torch tensor",
+        raise DTypeError(factor, name, "layout", "a dense (strided) torch tensor",
                          f"layout {str(x.layout).replace('torch.', '')}")
-    raise DTypeError("ex_engine", name, "view", "a tensor whose memory holds its values (call "
+    raise DTypeError(factor, name, "view", "a tensor whose memory holds its values (call "
                      ".resolve_neg() / .resolve_conj() first)",
                      "a negated view" if x.is_neg() else "a conjugated view")
+
+
+_CUPY_RUNTIME: list = []   # [cupy.cuda.runtime or None], filled on first use (_cai_device)
+
+
+def _cai_device(x, ptr: int) -> int:
+    """The CUDA device ordinal of an object known only by its ``__cuda_array_interface__``
+    (the interface itself does not say): the object's ``device.id`` (CuPy-like) or
+    ``device.index`` (torch-like) where it has one, else what the CUDA runtime says of the
+    pointer (cupy.cuda.runtime.pointerGetAttributes), else 0 (no CuPy, a pointer the runtime
+    does not know, or no GPU: an array on another device is then taken as on device 0)."""
+    dev = getattr(x, "device", None)
+    for attr in ("id", "index"):
+        v = getattr(dev, attr, None)
+        if isinstance(v, int) and not isinstance(v, bool) and v >= 0:
+            return v
+    if not _CUPY_RUNTIME:
+        try:
+            from cupy.cuda import runtime
+        except Exception:   # not installed, or no CUDA library to load
+            runtime = None
+        _CUPY_RUNTIME.append(runtime)
+    runtime = _CUPY_RUNTIME[0]
+    if runtime is not None and ptr:
+        try:
+            attrs = runtime.pointerGetAttributes(ptr)
+            if attrs.type in (2, 3) and attrs.device >= 0:   # cudaMemoryTypeDevice, Managed
+                return int(attrs.device)
+        except Exception:
+            pass
+    return 0
 
 
 @dataclass
 class TensorRef:
     """Pointer, shape, strides (elements), dtype name and device of a user's array.
 
-    device is -1 for host memory, else the CUDA device ordinal. kind is 'numpy', 'cupy',
-    'torch' or 'cai' (any object with __cuda_array_interface__).
+    device is -1 for host memory, else the CUDA device ordinal (for a 'cai' object: see
+    _cai_device; 0 where neither the object nor the CUDA runtime says). kind is 'numpy',
+    'cupy', 'torch' or 'cai' (any object with __cuda_array_interface__). strides are floats
+    where a byte stride is not a whole number of elements (the validator raises LayoutError).
+    readonly: the array's library marks it read-only (__cuda_array_interface__'s data[1]; a
+    read-only NumPy array is read from its flags instead): the runtime refuses to write it.
     """
     obj: Any
     kind: str
@@ -174,18 +210,20 @@ class TensorRef:
     itemsize: int
     device: int
     contiguous: bool | None = None   # as the array's library reports it; None: compute
+    readonly: bool = False
 
     @classmethod
-    def of(cls, x, name: str = "array") -> "TensorRef":
-        """Describe ``x``. Raises DTypeError (a FactorError and a TypeError) naming ``name`` for
-        anything that is not an array."""
+    def of(cls, x, name: str = "array", factor: str = "ex_engine") -> "TensorRef":
+        """Describe ``x``. Raises DTypeError (a FactorError and a TypeError) naming ``factor``
+        (the function or factor called) and the argument ``name`` for anything that is not an
+        array (also a torch tensor a kernel cannot read as it is: DeviceError for meta)."""
         kind = _KINDS.get(type(x))
         if kind is None:
             kind = _kind_of(x)
         if kind == "torch":
             if (x.is_meta or x.layout is not sys.modules["torch"].strided or x.is_nested
                     or x.is_neg() or x.is_conj()):
-                _refuse_torch(x, name)
+                _refuse_torch(x, name, factor)
             info = _TORCH_DTYPES.get(x.dtype)
             if info is None:
                 info = _TORCH_DTYPES[x.dtype] = (_dtype_name(x.dtype), x.element_size())
@@ -194,7 +232,7 @@ class TensorRef:
         if kind == "numpy":
             return cls._from_buffer(x, "numpy", x.__array_interface__["data"][0], -1)
         if kind == "bits16":
-            inner = cls.of(x.bits, name)
+            inner = cls.of(x.bits, name, factor)
             inner.obj, inner.dtype = x, x.dtype
             return inner
         if kind == "cupy":
@@ -203,14 +241,16 @@ class TensorRef:
         if cai is not None:
             dt = np.dtype(cai["typestr"])
             shape = tuple(cai["shape"])
+            isz = dt.itemsize
             if cai.get("strides") is None:
                 strides = tuple(int(np.prod(shape[i + 1:])) for i in range(len(shape)))
-            else:
-                strides = tuple(s // dt.itemsize for s in cai["strides"])
-            return cls(x, "cai", int(cai["data"][0]), shape, strides, _dtype_name(dt),
-                       dt.itemsize, 0)
+            else:   # bytes -> elements; a fraction (not a whole element) is refused by the validator
+                strides = tuple(s / isz if s % isz else s // isz for s in cai["strides"])
+            ptr = int(cai["data"][0])
+            return cls(x, "cai", ptr, shape, strides, _dtype_name(dt), isz, _cai_device(x, ptr),
+                       readonly=bool(cai["data"][1]))
         from .errors import DTypeError     # a FactorError (and a TypeError), naming the argument
-        raise DTypeError("ex_engine", name, "type", "a NumPy/CuPy array or a torch tensor",
+        raise DTypeError(factor, name, "type", "a NumPy/CuPy array or a torch tensor",
                          type(x).__name__)
 
     @classmethod
@@ -229,10 +269,12 @@ class TensorRef:
 
     @property
     def on_device(self) -> bool:
+        """True for device memory (device >= 0), False for host memory (device -1)."""
         return self.device >= 0
 
     @property
     def size(self) -> int:
+        """The number of elements: the product of shape (1 for a 0-d array, 0 if any dim is 0)."""
         n = 1
         for s in self.shape:
             n *= s

@@ -8,9 +8,10 @@ process-wide registry loaded lazily from factors/ on first use.
 from __future__ import annotations
 
 import operator
+import sys
 import threading
 
-from .arrays import _KINDS, Bits16, TensorRef, data_ptr
+from .arrays import _KINDS, Bits16, TensorRef, _kind_of, data_ptr
 from .errors import ArgumentError, FactorError, ShapeError
 from .registry import FactorRegistry
 
@@ -19,7 +20,10 @@ _default_lock = threading.Lock()
 
 
 def default_registry() -> FactorRegistry:
-    """The process-wide registry: FactorRegistry.load() of factors/, created on first use."""
+    """The process-wide registry: FactorRegistry.load() of factors/, created on first use.
+    Raises FactorError where that load does (factors/ not a directory, e.g. an installed
+    package without a checkout; a visible GPU whose properties no hardware profile can hold);
+    nothing is kept then, so the next call tries again."""
     global _default
     with _default_lock:
         if _default is None:
@@ -84,23 +88,43 @@ def _np_dtype(dtype: str):
     return dtype
 
 
+def _refuse_grad_leaf(fn: str, written: dict) -> None:
+    """Raise ArgumentError naming the first of ``written`` (torch tensors that require grad,
+    written in place by ``fn``) that is a leaf while grad mode is on: torch refuses in-place
+    ops on such a leaf, and ``fn`` records no autograd graph."""
+    if not sys.modules["torch"].is_grad_enabled():
+        return
+    for name, a in written.items():
+        if getattr(a, "requires_grad", False) and a.is_leaf:
+            raise ArgumentError(fn, name, "autograd", "a tensor it may write in place (no leaf that "
+                                "requires grad while grad mode is on: call under torch.no_grad() or "
+                                "torch.inference_mode(), or pass .detach())",
+                                "a leaf tensor with requires_grad=True")
+
+
 def topk_softmax(router_logits, top_k: int, renormalize: bool = False, *, topk_weights=None,
                  topk_ids=None, registry: FactorRegistry | None = None):
     """Router: softmax over the E experts of each token, then its top-k.
 
     p = softmax(router_logits[t]) in fp32 (stable: max subtracted); topk_ids[t] = the top_k
     experts by logit, ties to the lowest index, distinct; topk_weights[t,k] = p of that
-    expert, divided by the sum over k when ``renormalize``. NaN logits rank last with p = 0;
-    +inf logits share probability 1; an all -inf/NaN row is uniform. (Source: vLLM
-    csrc/moe/topk_softmax_kernels.cu; Shazeer et al. 2017.)
+    expert, divided by the sum over k when ``renormalize``. A NaN logit ranks as -inf (below
+    every number; among -inf and NaN logits the lower index ranks first) and gets p = 0;
+    +inf logits share probability 1; a row whose logits are all -inf or NaN is uniform
+    (p = 1/E, ids 0..K-1). (Source: vLLM csrc/moe/topk_softmax_kernels.cu; Shazeer et al.
+    2017.)
+    An inference op: no autograd graph is recorded (torch outputs do not require grad, and no
+    gradient flows back to router_logits).
 
     router_logits: (T, E) float32, float16 or bfloat16, contiguous.
     top_k: K, 1 <= K <= E.  renormalize: bool.
     topk_weights, topk_ids: optional outputs (T, K) float32 / int32; allocated if None.
     Returns (topk_weights, topk_ids). Raises ArgumentError (top_k not an int >= 1, renormalize
-    not a bool or 0/1), DTypeError,
-    ShapeError (K > E, or outputs given with another K), LayoutError (also: an output sharing
-    memory with router_logits or with the other output), DeviceError, KernelError.
+    not a bool or 0/1), DTypeError (also: an argument that is no array),
+    ShapeError (K > E, naming top_k; an output given whose width is not top_k, naming that
+    output), LayoutError (also: an output sharing memory with router_logits or with the other
+    output, or marked read-only), DeviceError, KernelError. Each names topk_softmax and the
+    argument.
     """
     try:
         if isinstance(top_k, bool):
@@ -111,13 +135,13 @@ def topk_softmax(router_logits, top_k: int, renormalize: bool = False, *, topk_w
     if top_k < 1:
         raise ArgumentError("topk_softmax", "top_k", "value", "an int >= 1", top_k)
     # outputs given: described once here, checked against top_k, and handed to dispatch as refs
-    given = {name: TensorRef.of(arr, name) for name, arr in (("topk_weights", topk_weights),
-                                                              ("topk_ids", topk_ids)) if arr is not None}
+    given = {name: TensorRef.of(arr, name, "topk_softmax")
+             for name, arr in (("topk_weights", topk_weights), ("topk_ids", topk_ids)) if arr is not None}
     for name, r in given.items():
         if len(r.shape) == 2 and r.shape[1] != top_k:
-            raise ShapeError("topk_softmax", "top_k", f"the width of {name} given",
-                             f"{r.shape[1]} (its shape {tuple(r.shape)})", top_k)
-    ref = TensorRef.of(router_logits, "router_logits")
+            raise ShapeError("topk_softmax", name, "shape[1] = K", f"top_k = {top_k} columns",
+                             f"{r.shape[1]} (its shape {tuple(r.shape)})")
+    ref = TensorRef.of(router_logits, "router_logits", "topk_softmax")
     if len(ref.shape) == 2 and top_k > ref.shape[1]:
         raise ShapeError("topk_softmax", "top_k", "K <= E", f"at most E = {ref.shape[1]} (router_logits' "
                          f"width)", top_k)
@@ -151,16 +175,26 @@ def fused_add_rmsnorm(x, residual, weight, eps: float = 1e-6, *,
     fp32 inside; the normalised value uses residual as rounded to its dtype (as vLLM's
     fused_add_rms_norm). (Source: Zhang & Sennrich 2019, "Root Mean Square Layer
     Normalization"; vLLM csrc/layernorm_kernels.cu.)
+    An inference op: the in-place writes are recorded in no autograd graph (no gradient flows
+    through it). A torch leaf tensor that requires grad is refused as x or residual while
+    grad mode is on (torch.is_grad_enabled()), as torch refuses in-place ops on one; call it
+    under torch.no_grad() / torch.inference_mode().
 
     x, residual: (T, H), the same dtype (float16, bfloat16 or float32); rows may be views into
-    wider buffers (unit stride along H). weight: (H,) same dtype. eps: float > 0.
+    wider buffers (unit stride along H). weight: (H,) same dtype. eps: a float > 0 that rounds
+    to a normal float32 (from ~1.18e-38 to ~3.4e38: 1e-60 would be 0 in float32 and is
+    refused).
     Range: the sum of squares is fp32 (as vLLM's kernel), so a row whose values reach ~1e19
     overflows it and comes out as zeros; float16 rows are far from that.
     Returns (x, residual), both written in place. Raises DTypeError, ShapeError, LayoutError
     (also: x and residual, or either and weight, sharing memory; views of one wider buffer that
-    share no byte are fine), ArgumentError (eps not a finite number > 0), DeviceError,
-    KernelError.
+    share no byte are fine; x or residual marked read-only), ArgumentError (eps not a finite
+    number > 0 or not a normal float32; x or residual a torch leaf that requires grad under
+    grad mode), DeviceError, KernelError. Each names fused_add_rmsnorm and the argument.
     """
+    if ((_KINDS.get(type(x)) or _kind_of(x)) == "torch" and x.requires_grad
+            or (_KINDS.get(type(residual)) or _kind_of(residual)) == "torch" and residual.requires_grad):
+        _refuse_grad_leaf("fused_add_rmsnorm", {"x": x, "residual": residual})
     resolve_registry(registry).dispatch(
         "fused_add_rmsnorm", {"x": x, "residual": residual, "weight": weight}, {"eps": eps})
     return x, residual
@@ -174,7 +208,11 @@ def moe_fused_gemm(hidden_states, w13, w2, topk_weights, topk_ids, *, router_log
     e = topk_ids[t,k]; rows 0..I-1 of w13[e] are the gate g, rows I..2I-1 the up projection u.
     fp32 accumulation; silu(g)*u rounded to the input dtype between the GEMMs. A slot whose id
     is outside [0, G) contributes nothing and is reported by
-    ``registry.check_device_errors()``. (Source: Shazeer et al. 2017; vLLM fused_moe.)
+    ``registry.check_device_errors()``. topk_weights are not checked: a NaN or inf weight
+    propagates into its token's out row (NaN/inf there), as in the reference math.
+    (Source: Shazeer et al. 2017; vLLM fused_moe.)
+    An inference op: no autograd graph is recorded (a torch out does not require grad, and no
+    gradient flows back to the inputs or the weights).
 
     Expert parallelism: with ``expert_map`` (G,) int32, topk_ids are global ids in [0, G) and
     w13/w2 hold only this rank's E local experts; e = expert_map[id] in [0, E), or -1 for an
@@ -186,20 +224,22 @@ def moe_fused_gemm(hidden_states, w13, w2, topk_weights, topk_ids, *, router_log
     hidden_states: (T, H) float16 or bfloat16.  w13: (E, 2I, H), w2: (E, H, I), same dtype.
     topk_weights: (T, K) float32.  topk_ids: (T, K) int32, 1 <= K <= G.  expert_map: optional
     (G,) int32, values in [-1, E).  router_logits: optional (T, G) float32, float16 or
-    bfloat16, unused by the computation (part of the ABI).  out: optional (T, H), allocated if
-    None.
+    bfloat16, unused by the computation (part of the ABI).  out: optional, of hidden_states'
+    shape (T, H) and dtype, its own memory (no overlap with another argument), writable;
+    allocated like hidden_states if None.
     All contiguous, on one device (or all on the host: Python fallback).
     Range: silu(g)*u and out are rounded to the input dtype, so in float16 an activation beyond
     65504 becomes inf (NaN downstream) and values below ~6e-5 lose digits (subnormals): inputs
     must be scaled as a model's are (activations O(1)); bfloat16 has float32's range.
-    Returns out. Raises DTypeError, ShapeError, LayoutError (also: out sharing memory with
-    another argument, e.g. out=hidden_states), DeviceError, KernelError.
+    Returns out. Raises DTypeError (also: an argument that is no array), ShapeError,
+    LayoutError (also: out sharing memory with another argument, e.g. out=hidden_states, or
+    marked read-only), DeviceError, KernelError; each names moe_fused_gemm and the argument.
     """
     if out is None:
         if _KINDS.get(type(hidden_states)) == "torch":   # host time: no description needed
             out = hidden_states.new_empty(hidden_states.shape)
         else:
-            ref = TensorRef.of(hidden_states, "hidden_states")
+            ref = TensorRef.of(hidden_states, "hidden_states", "moe_fused_gemm")
             out = _empty(ref, ref.shape, ref.dtype)
     resolve_registry(registry).dispatch(
         "moe_fused_gemm", {"hidden_states": hidden_states, "out": out, "router_logits": router_logits,

@@ -217,18 +217,19 @@ def _check_no_overlap(factor: str, written, refs_by_name: dict, spans: dict) -> 
 def check_writes(factor: str, m: Manifest, refs_by_name: dict, spans: dict | None = None,
                  device: int = 0, writable: dict | None = None) -> None:
     """What a factor's writes need beyond its manifest's shapes and dtypes: no written array
-    shares memory with another argument (_check_no_overlap), and on the host (device < 0) every
-    written NumPy array is writable (its read-only flag is a promise the call must keep).
+    shares memory with another argument (_check_no_overlap), and no written array is marked
+    read-only (a promise the call must keep): on the host (device < 0) a NumPy array's flag,
+    on a device a __cuda_array_interface__'s read-only data flag (TensorRef.readonly).
     ``spans``: _byte_spans(refs_by_name), when the caller has them already; ``writable``: name ->
     _writable(array) read once by the caller (else read here). Raises LayoutError."""
     _check_no_overlap(factor, m.written_names, refs_by_name,
                       _byte_spans(refs_by_name) if spans is None else spans)
-    if device < 0:
-        for w in m.written_names:
-            r = refs_by_name.get(w)
-            if r is not None and not (_writable(r.obj) if writable is None else writable[w]):
-                raise LayoutError(factor, w, "writable", "a writable array (the factor writes it)",
-                                  "a read-only array")
+    for w in m.written_names:
+        r = refs_by_name.get(w)
+        if r is not None and (r.readonly or device < 0 and not (
+                _writable(r.obj) if writable is None else writable[w])):
+            raise LayoutError(factor, w, "writable", "a writable array (the factor writes it)",
+                              "a read-only array")
 
 
 def _params_key(params) -> tuple:
@@ -267,7 +268,7 @@ def _fast_key(name: str, arrays, params):
                 ptrs.append(v.data_ptr())
             elif type(v) is TensorRef:
                 parts.append((k, "ref", v.kind, v.dtype, v.shape, v.strides, v.device, v.contiguous,
-                               v.itemsize, v.device >= 0 or _writable(v.obj)))
+                               v.itemsize, not v.readonly if v.device >= 0 else _writable(v.obj)))
                 ptrs.append(v.ptr)
             elif kind == "numpy":
                 parts.append((k, "numpy", _NAME_CACHE[v.dtype], v.shape, v.strides, v.flags.writeable))
@@ -303,6 +304,14 @@ def null_pointer_error(factor: str, refs_by_name: dict):
     return None
 
 
+def _check_name(caller: str, name) -> None:
+    """Raise ArgumentError naming ``caller``'s argument 'name' unless it is a str (a list
+    raised a bare TypeError, unhashable; None was looked up as the factor 'None')."""
+    if not isinstance(name, str):
+        raise ArgumentError(caller, "name", "type", "a factor name (str)",
+                            f"{type(name).__name__} {name!r:.80}")
+
+
 def _validated_key(name: str, refs_by_name: dict, given_refs, writable: dict | None, params):
     """The _fast_key of a call, built from the descriptions its full checks read (not from the
     arrays again: one that changed meanwhile must not file an unchecked signature). None where
@@ -313,7 +322,7 @@ def _validated_key(name: str, refs_by_name: dict, given_refs, writable: dict | N
         for k, r in refs_by_name.items():
             if k in given_refs:
                 parts.append((k, "ref", r.kind, r.dtype, r.shape, r.strides, r.device, r.contiguous,
-                              r.itemsize, r.device >= 0 or writable[k]))
+                              r.itemsize, not r.readonly if r.device >= 0 else writable[k]))
             elif isinstance(r.obj, Bits16):
                 return None
             elif r.kind == "torch":
@@ -425,6 +434,13 @@ class FactorRegistry:
     a visible GPU whose properties no profile could hold raises FactorError: pass a profile).
     manifests_dir: where factor manifests live (default manifests/); a manifest beside a
     library (<name>.yaml in its folder) takes precedence.
+    prefer, lock, lock_mode, probe, probe_timeout, verify, verify_timeout: see ``load``.
+    The constructor loads no library (``load`` / ``load_folder`` do). Raises FactorError,
+    naming the argument, for: hardware of another type, a profile that does not exist or a
+    visible GPU no profile can hold; lock_mode not 'refuse'/'warn', or 'warn' without lock;
+    lock not a path, True or None; probe not None/'subprocess'; verify not a bool (or 0/1);
+    probe_timeout or verify_timeout not a finite number of seconds > 0; prefer not a
+    {str: str or path} mapping; manifests_dir not a path, or not a directory.
     """
 
     def __init__(self, hardware=None, manifests_dir=None, *, prefer=None, lock=None,
@@ -516,7 +532,10 @@ class FactorRegistry:
         verify: run each ready plugin against its Python fallback on its manifest's test
             shapes (device factors need a live GPU); a pass per (library sha256, GPU name) is
             remembered in $EX_ENGINE_CACHE/verified.json (default ~/.cache/ex_engine).
-        Raises FactorError if ``folder`` is not a directory or the lock file is unreadable.
+        Raises FactorError if ``folder`` is not a directory (or not a path), the lock file is
+        unreadable, or any argument is one the constructor refuses (see FactorRegistry: bad
+        hardware, lock_mode, lock, probe, verify, timeouts, prefer, manifests_dir). A library
+        that fails a check raises nothing: it is kept as rejected, with the reason.
         """
         folder = _paths.factors_dir() if folder is None or folder == "" else _path_arg(
             "folder", folder, "a directory path")
@@ -946,11 +965,21 @@ class FactorRegistry:
 
     # ------------------------------------------------------------------ queries
     def get(self, name: str) -> Plugin | None:
-        """The chosen ready plugin for ``name``, or None."""
+        """The chosen ready plugin for factor ``name`` (a str), or None. Raises ArgumentError
+        naming the argument 'name' if it is not a str."""
+        if type(name) is not str:
+            _check_name("get", name)
         return self._chosen.get(name)
 
     def manifest(self, name: str) -> Manifest:
-        """The manifest of factor ``name``. Raises FactorNotFoundError."""
+        """The manifest of factor ``name`` (a str). Raises FactorNotFoundError for an unknown
+        name, ArgumentError naming the argument 'name' for one that is not a str."""
+        return self._manifest(name, "manifest")
+
+    def _manifest(self, name, caller: str) -> Manifest:
+        """manifest(), its ArgumentError for a name that is no str naming ``caller``."""
+        if type(name) is not str:
+            _check_name(caller, name)
         p = self._chosen.get(name)
         if p is not None and p.manifest is not None:
             return p.manifest
@@ -969,9 +998,21 @@ class FactorRegistry:
     def dispatch(self, name: str, arrays: dict, params: dict | None = None) -> str:
         """Validate and run factor ``name`` on ``arrays`` (names as in its manifest).
 
+        arrays: {argument name: NumPy/CuPy array, torch tensor, __cuda_array_interface__
+        object, Bits16 or TensorRef, or None for an absent optional one}; params: {parameter
+        name: value} or None (the manifest's defaults).
         Returns the path that served: 'plugin', 'kernel_fallback' or 'python_fallback'.
-        Raises an ArgumentError subclass before any C call if an argument breaks the
-        manifest; KernelError if a kernel returns an error status (named).
+        Raises, each naming the factor (and the argument where one is at fault):
+        FactorNotFoundError for an unknown ``name`` (ArgumentError if it is not a str);
+        before any C call, an ArgumentError subclass (DTypeError, ShapeError, LayoutError,
+        DeviceError) if an argument breaks the manifest (also: an unknown argument name,
+        ``arrays`` not a dict, ``params`` not a dict or None, a tuned dim's value from
+        set_tuning outside the manifest's allowed values), DeviceError for arrays on another
+        device than the registry's or in device memory for a host factor; KernelError if a
+        kernel returns an error status (named); FactorError when no path took the call (no
+        ready plugin or both C paths declined, and no Python fallback) or the Python fallback
+        raised or returned something other than its flags (its own FactorError or MemoryError
+        passes as it is). Every one but FactorNotFoundError counts in stats()' 'errors'.
 
         Host time: a call whose arrays have the dtypes, shapes, strides, devices (and, on the
         host, writability) of an earlier valid call to the same plugin, with equal parameters,
@@ -1027,27 +1068,12 @@ class FactorRegistry:
         """dispatch with every argument checked (a first call, or one whose signature or
         pointers the short path did not take); a valid call to a plugin is remembered under
         the _validated_key of what was checked, for the short path."""
-        m = self.manifest(name)
-        if params is not None and not isinstance(params, dict):
-            self._count(name, "errors")
-            raise ArgumentError(name, "params", "type", "a dict {parameter name: value} or None",
-                                type(params).__name__)
-        # arrays may hold TensorRefs already made by the caller (ops.* describe what they
-        # allocate): copied, so that what is checked is what the short path's key records
+        m = self._manifest(name, "dispatch")
         try:
-            refs_by_name = {k: copy.copy(v) if type(v) is TensorRef else TensorRef.of(v, k)
-                            for k, v in arrays.items() if v is not None}
-        except AttributeError:
-            if isinstance(arrays, dict):
-                raise
+            refs_by_name = self._describe(name, m, arrays, params)
+        except FactorError:
             self._count(name, "errors")
-            raise ArgumentError(name, "arrays", "type", "a dict {argument name: array}",
-                                type(arrays).__name__) from None
-        except ArgumentError as exc:   # TensorRef.of does not know the factor: name it
-            self._count(name, "errors")
-            # a size or a misspelt name is the problem then, not the type of its value
-            raise (self._unknown_argument(m, arrays)
-                   or type(exc)(name, exc.argument, exc.rule, exc.expected, exc.got)) from None
+            raise
         # A call with the same dtypes, shapes, strides, device and params (values and types) as
         # an earlier valid one needs only its pointers checked: the bound dims are reused (host
         # overhead); anything else is bound, i.e. checked in full, again.
@@ -1066,7 +1092,7 @@ class FactorRegistry:
             if (hit is None or len(arrays) != len(refs_by_name)) and not m.user_names.issuperset(arrays):
                 raise self._unknown_argument(m, arrays)
             if hit is None:
-                refs, dims, sizes, pvals, device = m.bind(refs_by_name, params, self.tuning.value)
+                refs, dims, sizes, pvals, device = m.bind(refs_by_name, params, self._tuned_value(m))
                 if len(self._bind_cache) > 4096:
                     self._bind_cache.clear()
                 tensors = m.tensors
@@ -1084,14 +1110,7 @@ class FactorRegistry:
                         m.check_alignment(spec_name, r)   # raises the LayoutError
                 if ws is not None:
                     refs[2 + ws] = None
-            # host writability read once: for the check and for the short path's key
-            writable = {k: _writable(r.obj) for k, r in refs_by_name.items()} if device < 0 else None
-            check_writes(name, m, refs_by_name, spans, device, writable)
-            # after the names, dtypes and shapes (a misspelt name is the problem then), before
-            # any path reads the memory: a kernel or a fallback given NULL would crash
-            null = null_pointer_error(name, refs_by_name)
-            if null is not None:
-                raise null
+            writable = self._check_memory(name, m, refs_by_name, spans, device)
         except FactorError:
             self._count(name, "errors")
             raise
@@ -1208,6 +1227,62 @@ class FactorRegistry:
             device=device, host=host, stream_kind="torch" if "torch" in kinds else "cupy",
             sizes=sizes, pvals=pvals)
 
+    def _describe(self, name: str, m: Manifest, arrays, params) -> dict:
+        """dispatch's first checks (and call_plugin's): ``params`` a dict or None, ``arrays`` a
+        dict whose non-None values are arrays, described as {name: TensorRef} (TensorRefs given
+        are copied, so that what is checked is what the short path's key records). Raises
+        ArgumentError (its subclass from TensorRef.of, naming the factor; for an unknown
+        argument name that one instead, since a misspelt name is the problem then), uncounted."""
+        if params is not None and not isinstance(params, dict):
+            raise ArgumentError(name, "params", "type", "a dict {parameter name: value} or None",
+                                type(params).__name__)
+        try:
+            return {k: copy.copy(v) if type(v) is TensorRef else TensorRef.of(v, k, name)
+                    for k, v in arrays.items() if v is not None}
+        except AttributeError:
+            if isinstance(arrays, dict):
+                raise
+            raise ArgumentError(name, "arrays", "type", "a dict {argument name: array}",
+                                type(arrays).__name__) from None
+        except ArgumentError:
+            # a size or a misspelt name is the problem then, not the type of its value
+            unknown = self._unknown_argument(m, arrays)
+            if unknown is None:
+                raise
+            raise unknown from None
+
+    @staticmethod
+    def _check_memory(name: str, m: Manifest, refs_by_name: dict, spans, device: int):
+        """dispatch's (and call_plugin's) checks after bind: written arrays (check_writes), then
+        NULL data pointers (a kernel or a fallback given NULL would crash). Returns the host
+        writability read ({name: bool}; None on a device), for the short path's key. Raises
+        LayoutError or DeviceError, uncounted."""
+        # host writability read once: for the check and for the short path's key
+        writable = {k: _writable(r.obj) for k, r in refs_by_name.items()} if device < 0 else None
+        check_writes(name, m, refs_by_name, spans, device, writable)
+        # after the names, dtypes and shapes (a misspelt name is the problem then), before any
+        # path reads the memory: a kernel or a fallback given NULL would crash
+        null = null_pointer_error(name, refs_by_name)
+        if null is not None:
+            raise null
+        return writable
+
+    def _tuned_value(self, m: Manifest):
+        """The ``tuned`` function bind takes for ``m``: the tuning table's value (set_tuning's
+        override first), checked against the manifest's allowed values of the dim. Bind runs on
+        dispatch's full path only: a value is checked once per call signature, then kept with
+        the signature's dims (bind cache, short path). A table's values were checked when it was
+        read; an override's are checked here: ArgumentError naming the factor, the dim, the
+        allowed values and what came."""
+        def tuned(factor, dim, sizes, default):
+            v = self.tuning.value(factor, dim, sizes, default)
+            ok, allowed = m.tuned_allowed(dim)
+            if not ok(v):
+                raise ArgumentError(factor, dim, "tuned dim (set_tuning's override or the tuning table)",
+                                    f"a value in {allowed}", repr(v))
+            return v
+        return tuned
+
     @staticmethod
     def _unknown_argument(m: Manifest, arrays: dict):
         """The ArgumentError for the first name of ``arrays`` that is not one of ``m``'s
@@ -1230,9 +1305,12 @@ class FactorRegistry:
         (benchmarks/tune_moe.py forces each choice this way); None restores the table.
         Raises FactorNotFoundError for an unknown factor, FactorError for an ``fn`` that is not
         callable or a factor without tuned dims (nothing would ever call ``fn``); None for any
-        name is quiet (cleanup code may run before a factor is known)."""
+        name is quiet (cleanup code may run before a factor is known). What ``fn`` returns is
+        checked where a call binds (once per call signature): a value that is no integer is a
+        FactorError, one outside the manifest's range/options for the dim an ArgumentError
+        naming the factor and the dim (dispatch and call_plugin raise them)."""
         if fn is not None:
-            m = self.manifest(name)
+            m = self._manifest(name, "set_tuning")
             if not callable(fn):
                 raise FactorError(f"set_tuning: fn: expected a callable fn(sizes) -> int or None, "
                                   f"got {type(fn).__name__} {fn!r:.80}")
@@ -1251,7 +1329,7 @@ class FactorRegistry:
         if fn is None:
             self._fallbacks.pop(name, None)
             return
-        self.manifest(name)
+        self._manifest(name, "set_fallback")
         problem = fallback_problem(fn)
         if problem:
             raise FactorError(f"set_fallback: fn: {problem}")
@@ -1331,34 +1409,58 @@ class FactorRegistry:
         return buf
 
     def release_workspaces(self) -> None:
-        """Drop every kept workspace (after check_device_errors has read their status words);
-        the next call allocates again. For engines that retire streams."""
-        self.check_device_errors()
-        with self._ws_lock:
-            self._workspaces.clear()
+        """Drop every kept workspace; the next call allocates again. For engines that retire
+        streams. First reads (and clears) their status words as check_device_errors does; the
+        workspaces are released in any case. Raises, after releasing them, what
+        check_device_errors raised: DeviceSideError for flags that calls since the last check
+        set (reported once), or a CUDA error from synchronising a device."""
+        try:
+            self.check_device_errors()
+        finally:
+            with self._ws_lock:
+                self._workspaces.clear()
 
     def call_plugin(self, plugin: Plugin, arrays: dict, params: dict | None = None,
                     count: bool = True) -> str | None:
-        """Run one given ready plugin (not necessarily the chosen one) on ``arrays``.
+        """Run one given loaded plugin (ready or shadowed: not necessarily the chosen one; or
+        one being loaded, as verify does) on ``arrays`` (as dispatch takes them).
 
-        Validates like ``dispatch`` and (if ``count``) counts the path in ``stats()``, but never
-        falls back to Python: returns 'plugin', 'kernel_fallback', or None when both C paths
-        declined. Used by ``verify``. Raises ArgumentError subclasses, DeviceError, KernelError."""
-        m = plugin.manifest
-        refs_by_name = {k: TensorRef.of(v, k) for k, v in arrays.items() if v is not None}
-        refs, dims, _, _, device = m.bind(refs_by_name, params, self.tuning.value)
-        check_writes(plugin.name, m, refs_by_name, device=device)
-        host = m.memory == "host"
-        if host and device >= 0:
-            raise DeviceError(plugin.name, m.tensors[0].name, "device", "host memory (a host factor)",
-                              f"cuda:{device}")
-        if not host and (not self.hardware.live or device != self.hardware.device_id):
-            where = f"cuda:{self.hardware.device_id}" if self.hardware.live else "a live GPU"
-            raise DeviceError(plugin.name, m.tensors[0].name, "device", f"arrays on {where}",
-                              "host memory" if device < 0 else f"cuda:{device}")
+        Validates as ``dispatch`` does (the same checks: unknown argument names, arrays that
+        are no arrays, the manifest's rules, written arrays, NULL pointers, tuned dims) and (if
+        ``count``) counts the path or the error in ``stats()``, but never falls back to Python:
+        returns 'plugin', 'kernel_fallback', or None when both C paths declined. Used by
+        ``verify``. Raises ArgumentError ('plugin' not a loaded Plugin; and as dispatch:
+        its subclasses, each naming the plugin's factor and the argument), DeviceError (also:
+        device arrays for a host factor, or device arrays not on the registry's live GPU),
+        KernelError."""
+        if not isinstance(plugin, Plugin) or plugin.factor is None or plugin.manifest is None:
+            got = (f"a plugin that was not loaded ({plugin.path.name}: {plugin.reason})"
+                   if isinstance(plugin, Plugin) else f"{type(plugin).__name__} {plugin!r:.80}")
+            raise ArgumentError("call_plugin", "plugin", "type", "a loaded Plugin (registry.get(name), "
+                                "or one of registry.plugins that is ready or shadowed)", got)
+        m, name = plugin.manifest, plugin.name
+        try:
+            refs_by_name = self._describe(name, m, arrays, params)
+            unknown = self._unknown_argument(m, arrays)
+            if unknown is not None:
+                raise unknown
+            refs, dims, _, _, device = m.bind(refs_by_name, params, self._tuned_value(m))
+            self._check_memory(name, m, refs_by_name, None, device)
+            host = m.memory == "host"
+            if host and device >= 0:
+                raise DeviceError(name, m.tensors[0].name, "device", "host memory (a host factor)",
+                                  f"cuda:{device}")
+            if not host and (not self.hardware.live or device != self.hardware.device_id):
+                where = f"cuda:{self.hardware.device_id}" if self.hardware.live else "a live GPU"
+                raise DeviceError(name, m.tensors[0].name, "device", f"arrays on {where}",
+                                  "host memory" if device < 0 else f"cuda:{device}")
+        except FactorError:
+            if count:
+                self._count(name, "errors")
+            raise
         path = self._call_plugin(plugin, m, refs, dims, host=host)
         if count and path:
-            self._count(plugin.name, path)
+            self._count(name, path)
         return path
 
     def _entry_points(self, plugin: Plugin):
@@ -1413,8 +1515,11 @@ class FactorRegistry:
     def check_device_errors(self) -> None:
         """Raise DeviceSideError if any call since the last check flagged bad input.
 
-        Kernels set bits in the int32 at offset 0 of their workspace (moe_fused_gemm: bit 0,
-        a topk_id outside [0, E)); the Python fallbacks report the same through counters.
+        Kernels set bits in the int32 at offset 0 of their workspace, each bit a text of the
+        manifest's device_flags (moe_fused_gemm: bit 0, a topk_id outside [0, G), G the number
+        of global experts with an expert_map, else E; bit 1, an expert_map value outside
+        [-1, E)); the Python fallbacks report the same through counters. The error's message
+        names each factor with its status word and flag texts.
         Reads the status word of every workspace (one per factor, device and stream) after
         synchronising each device, then clears them; call it outside graph capture.
         """

@@ -214,3 +214,18 @@ def test_a_null_error_text_and_a_host_decline_are_reported_plainly(tmp_path):
     reg = FactorRegistry.load(tmp_path / "b", hardware="h200")
     with pytest.raises(FactorError, match="its plugin and kernel_fallback declined the call"):
         reg.dispatch("host_scale", {"x": x, "out": np.empty_like(x), "alpha": alpha})
+
+
+def test_release_workspaces_releases_them_even_when_a_flag_is_pending(tmp_path):
+    """release_workspaces read the status words first and raised DeviceSideError for a pending
+    flag before releasing anything: the workspaces were never dropped. They are dropped, then
+    the error is raised (once: the flags are read and cleared)."""
+    reg = ws_plugin(tmp_path)
+    x = np.ones(16, np.float32)
+    reg.dispatch("host_scale_ws", {"x": x, "out": np.empty_like(x), "alpha": np.array([-1.0], np.float32)})
+    assert reg._workspaces
+    with pytest.raises(DeviceSideError, match="host_scale_ws: device status word 0x1 \\(alpha was negative\\)"):
+        reg.release_workspaces()
+    assert not reg._workspaces
+    reg.check_device_errors()          # reported once
+    reg.release_workspaces()

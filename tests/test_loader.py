@@ -332,6 +332,41 @@ def test_call_plugin_refuses_overlapping_arrays_as_dispatch_does(tmp_path):
     assert reg.call_plugin(p, {"x": x, "out": out, "alpha": alpha}) == "plugin" and (out == 2).all()
 
 
+def test_call_plugin_checks_names_and_types_as_dispatch_does(tmp_path):
+    """call_plugin silently dropped a misspelt optional array (expert_mapp=...), raised
+    AttributeError for a str plugin or a list of arrays, and passed a NULL pointer on: each is
+    now refused as dispatch refuses it (its own checks, reused), naming the factor, and counted."""
+    from ex_engine import ArgumentError, DeviceError, DTypeError
+    build_plugin(tmp_path)
+    reg = FactorRegistry.load(tmp_path, hardware="h200")
+    p = reg.get("host_scale")
+    x, out, alpha = np.ones(7, np.float32), np.zeros(7, np.float32), np.array([2.0], np.float32)
+    with pytest.raises(ArgumentError, match="^host_scale: argument 'alphaa': unknown argument: expected "
+                                            "one of "):
+        reg.call_plugin(p, {"x": x, "out": out, "alpha": alpha, "alphaa": alpha})
+    with pytest.raises(ArgumentError, match="^host_scale: argument 'alphaa': unknown argument"):
+        reg.call_plugin(p, {"x": x, "out": out, "alpha": alpha, "alphaa": None})
+    with pytest.raises(ArgumentError, match="^call_plugin: argument 'plugin': type: expected a loaded "
+                                            "Plugin .*got str 'host_scale'"):
+        reg.call_plugin("host_scale", {"x": x, "out": out, "alpha": alpha})
+    with pytest.raises(ArgumentError, match="^host_scale: argument 'arrays': type: expected a dict"):
+        reg.call_plugin(p, [x, out, alpha])
+    with pytest.raises(ArgumentError, match="^host_scale: argument 'params': type: expected a dict"):
+        reg.call_plugin(p, {"x": x, "out": out, "alpha": alpha}, [1])
+    with pytest.raises(DTypeError, match="^host_scale: argument 'x': type: "):
+        reg.call_plugin(p, {"x": [1.0] * 7, "out": out, "alpha": alpha})
+    from ex_engine.arrays import TensorRef
+    null = TensorRef.of(x, "x")
+    null.ptr = 0
+    with pytest.raises(DeviceError, match="^host_scale: argument 'x': memory: .*NULL data pointer"):
+        reg.call_plugin(p, {"x": null, "out": out, "alpha": alpha})
+    assert reg.stats()["host_scale"]["errors"] == 6    # (a str plugin names no factor)
+    with pytest.raises(DeviceError):
+        reg.call_plugin(p, {"x": null, "out": out, "alpha": alpha}, count=False)
+    assert reg.stats()["host_scale"]["errors"] == 6          # count=False: not counted
+    assert reg.call_plugin(p, {"x": x, "out": out, "alpha": alpha}) == "plugin" and (out == 2).all()
+
+
 def test_a_folder_whose_name_is_not_utf8_is_a_rejection_not_a_crash(tmp_path):
     """list-factors and verify ended in UnicodeEncodeError (cffi's dlopen takes a str) for a
     library under a folder named with a byte that is not UTF-8."""

@@ -191,6 +191,22 @@ def test_meta_and_sparse_tensors_are_refused_by_name(tmp_path, reg):
         r.dispatch("host_scale", {"x": x, "out": torch.empty(7, device="meta"), "alpha": alpha})
 
 
+def test_rmsnorm_refuses_a_leaf_that_requires_grad_and_the_ops_record_no_graph(reg):
+    """In place into a leaf that requires grad under grad mode: refused by name, as torch
+    refuses it; under no_grad, or on a non-leaf, it runs; outputs never require grad."""
+    from ex_engine.errors import ArgumentError
+    x, r, w = torch.randn(2, 8), torch.randn(2, 8), torch.ones(8)
+    with pytest.raises(ArgumentError, match="^fused_add_rmsnorm: argument 'x': autograd"):
+        fused_add_rmsnorm(x.clone().requires_grad_(), r.clone(), w, registry=reg)
+    with pytest.raises(ArgumentError, match="^fused_add_rmsnorm: argument 'residual': autograd"):
+        fused_add_rmsnorm(x.clone(), r.clone().requires_grad_(), w, registry=reg)
+    with torch.no_grad():
+        fused_add_rmsnorm(x.clone().requires_grad_(), r.clone(), w, registry=reg)
+    lg = torch.randn(3, 8, requires_grad=True)
+    tw, ti = topk_softmax(lg, 2, registry=reg)
+    assert not tw.requires_grad and not ti.requires_grad
+
+
 # ------------------------------------------------------------------------------ GPU: plugins
 def _cuda_reg():
     if not torch.cuda.is_available():

@@ -379,3 +379,27 @@ def test_override_refuses_a_non_callable_when_set(tmp_path):
     t.override("moe_fused_gemm", lambda s: 2)
     assert t.value("moe_fused_gemm", "config", {"H": 64, "I": 32, "G": 8, "K": 2, "T": 1}, -1) == 2
     t.override("moe_fused_gemm", None)
+
+
+def test_a_tuning_override_outside_the_manifests_range_is_refused_by_name(tmp_path):
+    """set_tuning's fn returning 99 for moe_fused_gemm's config (range -1..8) was passed to the
+    kernel silently: the call is refused, naming the factor, the dim, the allowed values and
+    the value, and counted; a value in range still runs, once per signature (the bind cache)."""
+    from ex_engine import ArgumentError, moe_fused_gemm
+    (tmp_path / "none").mkdir()
+    reg = FactorRegistry.load(tmp_path / "none", hardware="h200")    # Python fallback: binds too
+    T, H, E, I, K = 2, 8, 2, 4, 1
+    args = (np.zeros((T, H), np.float16), np.zeros((E, 2 * I, H), np.float16),
+            np.zeros((E, H, I), np.float16), np.ones((T, K), np.float32), np.zeros((T, K), np.int32))
+    reg.set_tuning("moe_fused_gemm", lambda sizes: 99)
+    for _ in range(2):     # also on the second call (no signature was remembered)
+        with pytest.raises(ArgumentError, match=r"^moe_fused_gemm: argument 'config': tuned dim .*: "
+                                                r"expected a value in the range -1\.\.8, got 99$"):
+            moe_fused_gemm(*args, registry=reg)
+    assert reg.stats()["moe_fused_gemm"]["errors"] == 2
+    calls = []
+    reg.set_tuning("moe_fused_gemm", lambda sizes: calls.append(1) or 8)
+    for _ in range(3):
+        assert moe_fused_gemm(*args, registry=reg).shape == (T, H)
+    assert len(calls) == 1 and reg.stats()["moe_fused_gemm"]["python_fallback"] == 3
+    reg.set_tuning("moe_fused_gemm", None)

@@ -128,14 +128,19 @@ def test_top_k_must_be_a_positive_int(reg, top_k):
 
 
 def test_top_k_must_match_the_outputs_given(reg):
-    """Outputs of another width than top_k are an error naming top_k (they once silently gave
-    top-2 for top_k = 8)."""
+    """Outputs of another width than top_k are an error (they once silently gave top-2 for
+    top_k = 8) naming the output whose width disagrees (it once named top_k, with the output's
+    width as 'expected' and top_k as 'got')."""
     lg = np.random.default_rng().standard_normal((3, 16)).astype(np.float32)
     w, ids = np.empty((3, 2), np.float32), np.empty((3, 2), np.int32)
-    with pytest.raises(ShapeError, match="argument 'top_k'.*topk_weights given.*got 8"):
+    with pytest.raises(ShapeError, match=r"^topk_softmax: argument 'topk_weights': shape\[1\] = K: "
+                                         r"expected top_k = 8 columns, got 2 \(its shape \(3, 2\)\)$"):
         topk_softmax(lg, 8, topk_weights=w, topk_ids=ids, registry=reg)
-    with pytest.raises(ShapeError, match="argument 'top_k'.*topk_ids given.*got 8"):
+    with pytest.raises(ShapeError, match="^topk_softmax: argument 'topk_ids': .*expected top_k = 8 "):
         topk_softmax(lg, 8, topk_ids=ids, registry=reg)
+    with pytest.raises(ShapeError, match="^topk_softmax: argument 'topk_weights': .*expected top_k = 2 "
+                                         r"columns, got 3 \(its shape \(3, 3\)\)"):
+        topk_softmax(lg, 2, topk_weights=np.empty((3, 3), np.float32), topk_ids=ids, registry=reg)
     w2, i2 = topk_softmax(lg, np.int64(2), topk_weights=w, topk_ids=ids, renormalize=np.True_, registry=reg)
     assert w2 is w and i2 is ids and np.allclose(w.sum(axis=1), 1.0, atol=1e-6)
 
@@ -494,3 +499,133 @@ def test_a_fallback_that_raises_is_named_and_counted_as_an_error(tmp_path):
     topk_softmax(x, 2, registry=reg)
     assert reg.stats()["topk_softmax"]["python_fallback"] == 2   # the list's call, and this one
     assert reg.stats()["topk_softmax"]["errors"] == 9
+
+
+class _CAI:
+    """A bare __cuda_array_interface__ (never dereferenced: validation fails before any call)."""
+
+    def __init__(self, shape, strides=None, typestr="<f4", ptr=0x7F0000001000, readonly=False):
+        self.__cuda_array_interface__ = {"shape": shape, "strides": strides, "typestr": typestr,
+                                         "data": (ptr, readonly), "version": 3}
+
+
+def test_cuda_array_interface_strides_device_and_read_only_flag(reg):
+    """A __cuda_array_interface__'s byte strides that are no whole number of elements were
+    rounded down (10 bytes of float32 read as 2 elements), its device was always 0, and its
+    read-only flag was ignored (a read-only output was written)."""
+    from ex_engine.arrays import TensorRef
+    r = TensorRef.of(_CAI((2, 2), (10, 4)))
+    assert r.strides == (2.5, 1)
+    with pytest.raises(LayoutError, match="topk_softmax: argument 'router_logits': strides: expected "
+                                          "whole elements"):
+        topk_softmax(_CAI((2, 2), (10, 4)), 1, topk_weights=_CAI((2, 1), ptr=0x7F0000100000),
+                     topk_ids=_CAI((2, 1), typestr="<i4", ptr=0x7F0000200000), registry=reg)
+    assert TensorRef.of(_CAI((2, 2), (8, 4))).strides == (2, 1)
+    # the device, where the object tells it (CuPy's device.id, torch's device.index)
+    for attr in ("id", "index"):
+        x = _CAI((2, 2))
+        x.device = type("Dev", (), {attr: 3})()
+        assert TensorRef.of(x).device == 3
+    assert TensorRef.of(_CAI((2, 2))).device == 0      # no GPU, nothing says: 0 (documented)
+    # read-only outputs are refused, given as arrays or as TensorRefs (ops.topk_softmax's)
+    lg = _CAI((2, 4))
+    ro_w = _CAI((2, 1), ptr=0x7F0000100000, readonly=True)
+    ro_i = _CAI((2, 1), typestr="<i4", ptr=0x7F0000200000, readonly=True)
+    assert TensorRef.of(ro_w).readonly and not TensorRef.of(lg).readonly
+    with pytest.raises(LayoutError, match="topk_softmax: argument 'topk_weights': writable: expected a "
+                                          "writable array"):
+        topk_softmax(lg, 1, topk_weights=ro_w, topk_ids=_CAI((2, 1), typestr="<i4", ptr=0x7F0000200000),
+                     registry=reg)
+    with pytest.raises(LayoutError, match="argument 'topk_ids': writable"):
+        reg.dispatch("topk_softmax", {"router_logits": lg, "topk_weights": _CAI((2, 1), ptr=0x7F0000100000),
+                                      "topk_ids": ro_i})
+    from ex_engine.registry import check_writes
+    refs = {"router_logits": TensorRef.of(lg), "topk_weights": TensorRef.of(ro_w),
+            "topk_ids": TensorRef.of(ro_i)}
+    with pytest.raises(LayoutError, match="argument 'topk_weights': writable"):
+        check_writes("topk_softmax", reg.manifest("topk_softmax"), refs, device=0)
+
+
+def test_an_argument_that_is_no_array_names_the_function_called(reg):
+    """The typed functions describe some arguments themselves (TensorRef.of): a bad one was
+    reported as "ex_engine: argument 'hidden_states' ..." instead of naming the function."""
+    from ex_engine.arrays import TensorRef
+    a = moe_args()
+    with pytest.raises(DTypeError, match="^moe_fused_gemm: argument 'hidden_states': type: "):
+        moe_fused_gemm(None, a["w13"], a["w2"], a["topk_weights"], a["topk_ids"], registry=reg)
+    lg = np.zeros((3, 8), np.float32)
+    with pytest.raises(DTypeError, match="^topk_softmax: argument 'router_logits': type: "):
+        topk_softmax(lg.tolist(), 2, registry=reg)
+    with pytest.raises(DTypeError, match="^topk_softmax: argument 'topk_weights': type: "):
+        topk_softmax(lg, 2, topk_weights=[[0.0, 0.0]] * 3, topk_ids=np.empty((3, 2), np.int32),
+                     registry=reg)
+    with pytest.raises(DTypeError, match="^topk_softmax: argument 'topk_ids': type: "):
+        topk_softmax(lg, 2, topk_weights=np.empty((3, 2), np.float32), topk_ids="ids", registry=reg)
+    with pytest.raises(DTypeError, match="^ex_engine: argument 'array': type: "):
+        TensorRef.of(None)    # no function named: the package's own name, as before
+
+
+def test_rmsnorm_refuses_a_torch_leaf_that_requires_grad_under_grad_mode(reg, monkeypatch):
+    """fused_add_rmsnorm writes x and residual in place and records no autograd graph: a leaf
+    that requires grad under grad mode (torch refuses in-place ops on one) was written silently.
+    A stand-in for torch, so that this runs where torch is not installed."""
+    import sys
+    import types
+    from ex_engine import fused_add_rmsnorm
+    grad = {"on": True}
+    monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(is_grad_enabled=lambda: grad["on"]))
+
+    class Leaf:
+        requires_grad, is_leaf = True, True
+    Leaf.__module__ = "torch"
+    w = np.ones(8, np.float32)
+    for name, args in (("x", (Leaf(), np.zeros((2, 8), np.float32))),
+                       ("residual", (np.zeros((2, 8), np.float32), Leaf()))):
+        with pytest.raises(ArgumentError, match=f"^fused_add_rmsnorm: argument '{name}': autograd: "
+                                                "expected a tensor it may write in place .*got a leaf "
+                                                "tensor with requires_grad=True"):
+            fused_add_rmsnorm(*args, w, registry=reg)
+    grad["on"] = False          # under no_grad: not this check's business (the stand-in fails later)
+    with pytest.raises(Exception) as e:
+        fused_add_rmsnorm(Leaf(), np.zeros((2, 8), np.float32), w, registry=reg)
+    assert "autograd" not in str(e.value)
+
+
+def test_a_factor_name_that_is_no_str_is_the_argument_name(reg):
+    """reg.manifest(['x']) and reg.get(['x']) raised a bare TypeError (unhashable), and
+    reg.manifest(None) said "no factor named 'None'": an ArgumentError naming 'name'."""
+    for bad in (["x"], None, 3):
+        for fn, caller in ((reg.manifest, "manifest"), (reg.get, "get")):
+            with pytest.raises(ArgumentError, match=f"^{caller}: argument 'name': type: expected a factor "
+                                                    "name \\(str\\), got "):
+                fn(bad)
+        with pytest.raises(ArgumentError, match="^dispatch: argument 'name': type: "):
+            reg.dispatch(bad, {})
+    with pytest.raises(ArgumentError, match="^set_fallback: argument 'name'"):
+        reg.set_fallback(["x"], lambda a, s, p: None)
+    with pytest.raises(FactorNotFoundError, match="no factor named 'nope'"):
+        reg.manifest("nope")
+    assert reg.get("nope") is None
+
+
+def test_public_docstrings_say_what_they_raise():
+    """Docstrings the audit found without their errors (or missing on public properties)."""
+    from ex_engine import default_registry
+    from ex_engine.arrays import Bits16, TensorRef
+    for fn in (FactorRegistry.dispatch, FactorRegistry.load, FactorRegistry, default_registry,
+               FactorRegistry.release_workspaces, FactorRegistry.call_plugin):
+        assert "Raises" in fn.__doc__, fn
+    for word in ("FactorNotFoundError", "KernelError", "DeviceError", "no path took the call"):
+        assert word in " ".join(FactorRegistry.dispatch.__doc__.split()), word
+    for word in ("lock_mode", "probe", "verify", "timeout", "prefer", "manifests_dir", "hardware"):
+        assert word in FactorRegistry.__doc__ and word in FactorRegistry.load.__doc__, word
+    doc = " ".join(FactorRegistry.check_device_errors.__doc__.split())
+    assert "outside [0, G)" in doc and "outside [-1, E)" in doc
+    from ex_engine import fused_add_rmsnorm
+    assert "normal float32" in fused_add_rmsnorm.__doc__ and "1e-60" in fused_add_rmsnorm.__doc__
+    for prop in (Bits16.shape, TensorRef.on_device, TensorRef.size):
+        assert prop.__doc__, prop
+    docs = {f.__name__: " ".join(f.__doc__.split()) for f in (topk_softmax, moe_fused_gemm, fused_add_rmsnorm)}
+    assert all("inference op" in d for d in docs.values())
+    assert "NaN logits rank last" not in docs["topk_softmax"] and "ranks as -inf" in docs["topk_softmax"]
+    assert "propagates" in docs["moe_fused_gemm"] and "hidden_states' shape (T, H) and dtype" in docs["moe_fused_gemm"]
