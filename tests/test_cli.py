@@ -8,6 +8,7 @@ import pytest
 from pathlib import Path
 
 from ex_engine.cli import build_parser, main
+from tests.conftest import ROOT
 
 
 @pytest.mark.parametrize("argv", [[], ["list-factors"], ["hardware"], ["run"], ["run", "moe"], ["build"],
@@ -395,8 +396,10 @@ def test_small_argument_faults_from_a_fresh_users_review(tmp_path, capsys):
     import numpy as np
     from ex_engine import FactorRegistry, fused_add_rmsnorm
     from ex_engine.errors import ArgumentError, FactorError
-    assert main(["lock", "--dir", str(tmp_path), "--output", ""]) == 2
-    assert "--output: expected a file name, got ''" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:   # argparse's usage error, as for every empty option
+        main(["lock", "--dir", str(tmp_path), "--output", ""])
+    assert exc.value.code == 2
+    assert "argument --output: expected a non-empty value, got ''" in capsys.readouterr().err
     assert not (tmp_path / "ex_engine.lock").exists()
     for bad in ("no", "yes", 2, None, np.array([1])):
         with pytest.raises(FactorError, match="verify: expected True or False"):
@@ -522,3 +525,61 @@ def test_from_device_names_a_missing_index(monkeypatch):
     for bad in ("x", -1, 1.0, True):
         with pytest.raises(FactorError, match=r"Hardware.from_device: device_id: expected an int >= 0"):
             Hardware.from_device(bad)
+
+
+def _crashing_plugin_dir(tmp_path):
+    from tests.conftest import build_plugin
+    build_plugin(tmp_path / "crash", defines={"CRASH": True})
+    return tmp_path / "crash"
+
+
+def test_list_factors_and_verify_probe_by_default_and_run_prints_a_fault_traceback(tmp_path):
+    """A library that crashes in ex_get_factor killed list-factors and verify with only the
+    shell's "Segmentation fault" unless --probe was given. They probe by default now (a
+    rejected row naming the crash); --no-probe opens in-process; run moe stays in-process but a
+    crash prints Python's fault traceback, and run's help says --probe finds the library."""
+    folder = str(_crashing_plugin_dir(tmp_path))
+    env = {**__import__("os").environ, "PYTHONPATH": str(ROOT)}
+    r = subprocess.run([sys.executable, "-m", "ex_engine", "list-factors", "--dir", folder, "--hardware", "h200"],
+                       capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0 and "crashed in ex_get_factor: signal SIGSEGV" in r.stdout, (r.returncode, r.stdout, r.stderr)
+    r = subprocess.run([sys.executable, "-m", "ex_engine", "verify", "--dir", folder, "--hardware", "h200"],
+                       capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 1 and "no ready plugins" in r.stderr, (r.returncode, r.stdout, r.stderr)
+    r = subprocess.run([sys.executable, "-m", "ex_engine", "list-factors", "--no-probe", "--dir", folder,
+                        "--hardware", "h200"], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode < 0 and "Fatal Python error: Segmentation fault" in r.stderr, (r.returncode, r.stderr)
+    r = subprocess.run([sys.executable, "-m", "ex_engine", "run", "moe", "--tokens", "1", "--dir", folder,
+                        "--hardware", "h200"], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode < 0 and "Fatal Python error: Segmentation fault" in r.stderr, (r.returncode, r.stderr)
+    assert "cli.py" in r.stderr, r.stderr   # the traceback says where
+    run_help = build_parser()._subparsers._group_actions[0].choices["run"]._subparsers \
+        ._group_actions[0].choices["moe"].format_help()
+    assert "--probe finds" in " ".join(run_help.split()), run_help
+
+
+def test_run_moe_prints_the_registrys_notes(tmp_path, capsys):
+    """--prefer moe_fused_gemm=nope.so gave PASS with no mention in run moe (list-factors says
+    'note: prefer: ...'): run prints the registry's notes on stderr."""
+    code = main(["run", "moe", "--model", "granite-3.0-3b-a800m", "--tokens", "1", "--dir", str(tmp_path),
+                 "--prefer", "moe_fused_gemm=nope.so"])
+    captured = capsys.readouterr()
+    assert code == 0, captured
+    assert "note: prefer: moe_fused_gemm -> nope.so: no ready plugin" in captured.err, captured.err
+
+
+@pytest.mark.parametrize("argv", [
+    ["list-factors", "--dir", ""], ["list-factors", "--hardware", ""], ["list-factors", "--lock", ""],
+    ["verify", "--dir", ""], ["run", "moe", "--dir", ""], ["lock", "--dir", "", "--output", "x"],
+    ["lock", "--output", ""], ["hardware", "--profile", ""], ["build", "--archs="]])
+def test_an_empty_string_is_an_error_naming_the_option(argv, capsys, tmp_path, monkeypatch):
+    """--dir '' was the default folder for list-factors but the current one for lock (which
+    locked it), --profile '' was 'not given', --build --archs='' ran a plain make: each is a
+    usage error naming the option now."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    opt = next(a.split("=")[0] for a in argv if a.startswith("--"))
+    assert f"argument {opt}: expected a non-empty value, got ''" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
