@@ -103,9 +103,15 @@ def cmd_list_factors(args) -> int:
     hw = reg.hardware
     print(f"hardware: {hw.name} (sm_{hw.cc_major}{hw.cc_minor}, {hw.multiprocessor_count} SMs, "
           f"warp {hw.warp_size}; {hw.source})")
-    print(f"tuning: {reg.tuning.path}" if reg.tuning.path else
-          f"tuning: no file for {hw.name} ({hw.multiprocessor_count} SMs) in {reg.tuning.folder}: "
-          "tuned dims take the kernels' defaults")
+    if reg.tuning.path:
+        print(f"tuning: {reg.tuning.path}")
+    elif reg.tuning.set_aside:   # the file is there: it said "no file" above the note saying why
+        print(f"tuning: {', '.join(reg.tuning.set_aside)} (for {hw.name}) set aside as malformed (see "
+              "the note): tuned dims take the kernels' defaults")
+    else:
+        print(f"tuning: no file for {hw.name} ({hw.multiprocessor_count} SMs) in {reg.tuning.folder}"
+              + (f" ({len(reg.tuning.problems)} unreadable file(s) set aside, see the notes)"
+                 if reg.tuning.problems else "") + ": tuned dims take the kernels' defaults")
     _print_notes(reg)
     if not reg.plugins:
         print(f"no plugins (*.so) in {args.dir}; build them with `make` or `ex-engine build`")
