@@ -60,17 +60,24 @@ def _profile_with(tmp_path, field, text, name="bad.yaml"):
 
 
 @pytest.mark.parametrize("field, text, least, got", [
-    ("cc_major", '"nine"', 0, "'nine'"),                       # ValueError from int()
+    ("cc_major", '"nine"', 1, "'nine'"),                       # ValueError from int()
     ("cc_minor", "null", 0, "None"),                           # TypeError from int()
     ("global_mem_bytes", "99999999999999999999999", 1, "99999999999999999999999"),  # OverflowError in to_c
-    ("warp_size", "99999999999", 1, "99999999999"),            # does not fit 'int32_t'
+    ("multiprocessor_count", "99999999999", 1, "99999999999"),  # does not fit 'int32_t'
     ("global_mem_bytes", "1e400", 1, "inf"),                 # a float (inf) to ex_engine's YAML 1.2 floats
     ("global_mem_bytes", "1.0e+400", 1, "inf"),
-    ("cc_major", "9.5", 0, "9.5"),                             # was shown as 9
-    ("cc_major", "true", 0, "True"),                           # was shown as 1
+    ("cc_major", "9.5", 1, "9.5"),                             # was shown as 9
+    ("cc_major", "true", 1, "True"),                           # was shown as 1
     ("multiprocessor_count", "-5", 1, "-5"),                   # was accepted
-    ("warp_size", "0", 1, "0"),                                # every plugin then declined the hardware
-    ("max_threads_per_block", "0", 1, "0"),
+    ("warp_size", "0", "32 or 64", "0"),                       # every plugin then declined the hardware
+    ("warp_size", "7", "32 or 64", "7"),
+    ("max_threads_per_block", "0", 32, "0"),
+    ("max_threads_per_block", "1", 32, "1"),
+    ("max_threads_per_block", "8192", 32, "8192"),
+    ("max_threads_per_block", "1000", "a multiple of warp_size 32", "1000"),
+    ("cc_minor", "99", 0, "99"),                               # was shown as sm_999
+    ("cc_major", "99", 1, "99"),                               # was shown as sm_990
+    ("cc_major", "0", 1, "0"),
     ("l2_cache_bytes", "-1", 0, "-1"),
     ("name", "null", None, "None"),
 ])
@@ -84,7 +91,8 @@ def test_a_bad_profile_value_is_one_clear_error(tmp_path, capsys, field, text, l
     from ex_engine.hardware import Hardware
     path = _profile_with(tmp_path, field, text)
     want = f"hardware profile {path}: {field}: expected " + (
-        "a non-empty string" if least is None else f"an integer >= {least}, at most ")
+        "a non-empty string" if least is None else least if isinstance(least, str)
+        else f"an integer >= {least}, at most ")
     with pytest.raises(FactorError) as e:
         Hardware.from_profile(str(path))
     assert str(e.value).startswith(want) and str(e.value).endswith(f"got {got}"), str(e.value)
@@ -101,17 +109,21 @@ def test_profile_values_at_the_edges_of_their_fields(tmp_path):
     from ex_engine import abi
     from ex_engine.errors import FactorError
     from ex_engine.hardware import Hardware
-    hw = Hardware.from_profile(str(_profile_with(tmp_path, "warp_size", 2 ** 31 - 1)))
-    assert hw.to_c(abi.ffi).warp_size == 2 ** 31 - 1
+    hw = Hardware.from_profile(str(_profile_with(tmp_path, "multiprocessor_count", 2 ** 31 - 1)))
+    assert hw.to_c(abi.ffi).multiprocessor_count == 2 ** 31 - 1
     hw = Hardware.from_profile(str(_profile_with(tmp_path, "global_mem_bytes", 2 ** 63 - 1)))
     assert hw.to_c(abi.ffi).global_mem_bytes == 2 ** 63 - 1
     assert Hardware.from_profile(str(_profile_with(tmp_path, "cc_minor", 0))).cc_minor == 0
-    with pytest.raises(FactorError, match=r"warp_size: expected an integer >= 1, at most 2147483647 \(int32_t\), got 2147483648"):
-        Hardware.from_profile(str(_profile_with(tmp_path, "warp_size", 2 ** 31)))
+    with pytest.raises(FactorError, match=r"multiprocessor_count: expected an integer >= 1, at most 2147483647 \(int32_t\), got 2147483648"):
+        Hardware.from_profile(str(_profile_with(tmp_path, "multiprocessor_count", 2 ** 31)))
+    # plausible ranges at their edges: cc 1.0 .. 20.9, warps of 32 or 64, 32 .. 4096 threads
+    for field, v in (("cc_major", 1), ("cc_major", 20), ("cc_minor", 9), ("warp_size", 64),
+                     ("max_threads_per_block", 4096), ("max_threads_per_block", 64)):
+        assert getattr(Hardware.from_profile(str(_profile_with(tmp_path, field, v))), field) == v
     # a Hardware built by hand (or rebuilt with Hardware(**d)) keeps to the same rules
     d = Hardware.from_profile("h200").as_dict()
     assert Hardware(**d) == Hardware.from_profile("h200")
-    with pytest.raises(FactorError, match=r"Hardware \(profile h200\): warp_size: expected an integer >= 1"):
+    with pytest.raises(FactorError, match=r"Hardware \(profile h200\): warp_size: expected 32 or 64"):
         Hardware(**{**d, "warp_size": 0})
     # live and device_id were taken as they came ('yes', 'x'): a device index is an int
     for field, v, words in (("live", "yes", "live: expected True or False, got 'yes'"),
