@@ -86,11 +86,11 @@ def _registry(args, verify: bool = False):
                                probe="subprocess" if args.probe else None, verify=verify)
 
 
-def _print_notes(reg, file=sys.stdout) -> None:
+def _print_notes(reg) -> None:
     """The registry's load notes (no GPU, a --prefer that names no ready plugin, a malformed
-    manifest or tuning file), one 'note:' line each."""
+    manifest or tuning file), one 'note:' line each on stdout."""
     for note in ([reg.no_gpu_note] if reg.no_gpu_note else []) + reg.notes:
-        print(f"note: {note}", file=file)
+        print(f"note: {note}")
 
 
 def cmd_list_factors(args) -> int:

@@ -179,8 +179,8 @@ def raw_problem(d: dict) -> str:
         return f"name: expected a non-empty string, got {_got(d['name'])}"
     if "id" not in d:
         return "id: missing; expected the factor id (an integer)"
-    if not _is_int(d["id"]) or not 0 <= d["id"] <= _ID_MAX:
-        return f"id: expected an integer 0..{_ID_MAX} (the factor id), got {_got(d['id'])}"
+    if not _is_int(d["id"]) or not -_ID_MAX - 1 <= d["id"] <= _ID_MAX:   # (the registry judges its value)
+        return f"id: expected an integer (the factor id, an int32_t), got {_got(d['id'])}"
     for k in ("summary", "math", "memory"):
         if d.get(k) is not None and not isinstance(d[k], str):
             return f"{k}: expected a string, got {_got(d[k])}"
