@@ -27,6 +27,7 @@ import cProfile
 import io
 import json
 import pstats
+import os
 import sys
 from pathlib import Path
 
@@ -150,4 +151,10 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        code = main()
+        sys.stdout.flush()
+    except BrokenPipeError:   # `... | head`: the reader left early (as ex-engine's CLI handles it)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        code = 1
+    sys.exit(code)

@@ -6,6 +6,7 @@ Every command has --help. Exit status: 0 success, 1 a check failed, 2 bad usage 
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import signal
 import subprocess
@@ -27,6 +28,15 @@ def token_count(v: str) -> int:
     if n < 0:
         raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {v!r}")
     return n
+
+
+def nonempty(v: str) -> str:
+    """argparse type: a non-empty string (a folder, a file, a profile). An empty one was read
+    differently by each option: --dir '' as the default folder (list-factors) or the current
+    one (lock), --profile '' as not given, --hardware '' as an error."""
+    if not v:
+        raise argparse.ArgumentTypeError("expected a non-empty value, got ''")
+    return v
 
 
 MAX_TOKENS = 1 << 24   # 16.8 M tokens: far beyond a layer's batch (moe_models.yaml tops at 16384)
@@ -76,6 +86,13 @@ def _registry(args, verify: bool = False):
                                probe="subprocess" if args.probe else None, verify=verify)
 
 
+def _print_notes(reg) -> None:
+    """The registry's load notes (no GPU, a --prefer that names no ready plugin, a malformed
+    manifest or tuning file), one 'note:' line each on stdout."""
+    for note in ([reg.no_gpu_note] if reg.no_gpu_note else []) + reg.notes:
+        print(f"note: {note}")
+
+
 def cmd_list_factors(args) -> int:
     reg = _registry(args)
     if args.json:
@@ -86,11 +103,16 @@ def cmd_list_factors(args) -> int:
     hw = reg.hardware
     print(f"hardware: {hw.name} (sm_{hw.cc_major}{hw.cc_minor}, {hw.multiprocessor_count} SMs, "
           f"warp {hw.warp_size}; {hw.source})")
-    print(f"tuning: {reg.tuning.path}" if reg.tuning.path else
-          f"tuning: no file for {hw.name} ({hw.multiprocessor_count} SMs) in {reg.tuning.folder}: "
-          "tuned dims take the kernels' defaults")
-    for note in ([reg.no_gpu_note] if reg.no_gpu_note else []) + reg.notes:
-        print(f"note: {note}")
+    if reg.tuning.path:
+        print(f"tuning: {reg.tuning.path}")
+    elif reg.tuning.set_aside:   # the file is there: it said "no file" above the note saying why
+        print(f"tuning: {', '.join(reg.tuning.set_aside)} (for {hw.name}) set aside as malformed (see "
+              "the note): tuned dims take the kernels' defaults")
+    else:
+        print(f"tuning: no file for {hw.name} ({hw.multiprocessor_count} SMs) in {reg.tuning.folder}"
+              + (f" ({len(reg.tuning.problems)} unreadable file(s) set aside, see the notes)"
+                 if reg.tuning.problems else "") + ": tuned dims take the kernels' defaults")
+    _print_notes(reg)
     if not reg.plugins:
         print(f"no plugins (*.so) in {args.dir}; build them with `make` or `ex-engine build`")
         return 0
@@ -148,6 +170,9 @@ def cmd_run_moe(args) -> int:
         print(f"ex-engine run moe: --repeat: expected >= 1, got {args.repeat}", file=sys.stderr)
         return 2
     reg = _registry(args)
+    sys.stdout.flush()
+    for note in reg.notes:   # e.g. a --prefer that names no ready plugin (it was silent)
+        print(f"note: {note}", file=sys.stderr)
     models = sorted(load_models()) if args.model == "all" else [args.model]
     ok = True
     runs = [(m, T) for m in models for T in args.tokens]
@@ -174,8 +199,7 @@ def cmd_verify(args) -> int:
     reg = _registry(args)
     hw = reg.hardware
     print(f"hardware: {hw.name} ({hw.source})")
-    for note in ([reg.no_gpu_note] if reg.no_gpu_note else []) + reg.notes:
-        print(f"note: {note}")
+    _print_notes(reg)
     if not hw.live:
         print("note: no live GPU: device factors cannot be run here; checking host factors only")
     chosen = sorted((reg.get(n) for n in {p.name for p in reg.plugins if reg.get(p.name)}),
@@ -259,7 +283,7 @@ def cmd_build(args) -> int:
         return 2
     # PYTHON: the Makefile finds CUTLASS's headers through this interpreter (any venv's name)
     cmd = ["make", "-C", str(_paths.ROOT), f"-j{args.jobs}", f"PYTHON={sys.executable}"]
-    if args.archs:
+    if args.archs is not None:
         # other targets than the ones the .so files were built for: make cannot tell from file
         # dates, so rebuild everything (-B)
         cmd += ["-B", f"ARCHS={args.archs}"]
@@ -282,32 +306,41 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="ex-engine", description="Load, check and run ex_engine factor plugins.")
     sub = ap.add_subparsers(dest="command", metavar="COMMAND")
 
-    def common(p):
-        p.add_argument("--dir", default=str(_paths.factors_dir()),
+    def common(p, probe: bool):
+        p.add_argument("--dir", type=nonempty, default=str(_paths.factors_dir()),
                        help="folder of plugin libraries (default: %(default)s)")
-        p.add_argument("--hardware", default=None, metavar="PROFILE",
+        p.add_argument("--hardware", type=nonempty, default=None, metavar="PROFILE",
                        help=f"check against a hardware profile ({profiles}) "
                             "instead of the live GPU")
-        p.add_argument("--lock", default=None, metavar="FILE",
+        p.add_argument("--lock", type=nonempty, default=None, metavar="FILE",
                        help="refuse libraries whose SHA-256 differs from this lock file (ex-engine lock)")
         p.add_argument("--lock-warn", action="store_true",
                        help="with --lock: load mismatching libraries, with a warning check")
-        p.add_argument("--probe", action="store_true",
-                       help="open each library in a child process first; refuse one that crashes or hangs")
+        if probe:   # the diagnostic commands: a library that crashes or hangs is a rejected row
+            p.add_argument("--probe", action=argparse.BooleanOptionalAction, default=True,
+                           help="open each library in a child process first and refuse one that "
+                                "crashes or hangs (default); --no-probe opens them in this process "
+                                "(faster, about 0.3 s instead of 1.5 s, but such a library ends the "
+                                "command)")
+        else:       # run: in-process for speed
+            p.add_argument("--probe", action="store_true",
+                           help="open each library in a child process first; refuse one that crashes "
+                                "or hangs (without it such a library ends the command with a "
+                                "fault traceback: --probe names it)")
         p.add_argument("--prefer", action="append", default=[], metavar="NAME=FILE",
                        help="this library wins for factor NAME whatever its version or priority (repeatable)")
 
     p = sub.add_parser("list-factors", help="every plugin found: id, name, version, tuning, status and reason",
                        description="Load every plugin in the folder, check it against the hardware, "
                                    "and print what loaded, what was rejected and why.")
-    common(p)
+    common(p, probe=True)
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("--why", action="store_true", help="also print every check each plugin went through")
     p.set_defaults(fn=cmd_list_factors)
 
     p = sub.add_parser("hardware", help="what the runtime sees: the live GPU or a profile",
                        description="Print the ex_hardware_t the runtime fills from the live GPU or a profile.")
-    p.add_argument("--profile", default=None, help=f"a profile name ({profiles}) or YAML path")
+    p.add_argument("--profile", type=nonempty, default=None, help=f"a profile name ({profiles}) or YAML path")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(fn=cmd_hardware)
 
@@ -317,8 +350,10 @@ def build_parser() -> argparse.ArgumentParser:
     q = rsub.add_parser("moe", help="an MoE layer of a public model: router + routed experts, checked and timed",
                         description="Build a model's MoE layer (router + routed experts, random weights "
                                     "at the model's scale), run it through the registry, check it "
-                                    "against the reference, and print which path served each factor.")
-    common(q)
+                                    "against the reference, and print which path served each factor. "
+                                    "Libraries are opened in this process; if one crashes or hangs "
+                                    "there, --probe finds and refuses it.")
+    common(q, probe=False)
     q.add_argument("--model", default="qwen3-30b-a3b",
                    help="a model of manifests/moe_models.yaml, or 'all' (default: %(default)s)")
     q.add_argument("--tokens", type=tokens_arg, nargs="+", default=[64],
@@ -341,7 +376,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "run. Exit status 1 if a case failed (or no plugin was ready to verify); with --strict, 3 if "
                                    "a factor was skipped (e.g. no GPU), so that a check that "
                                    "checked nothing does not pass.")
-    common(p)
+    common(p, probe=True)
     p.add_argument("--seed", type=token_count, default=0, help="random seed >= 0 (default: %(default)s)")
     p.add_argument("--strict", action="store_true",
                    help="exit status 3 when any ready factor was skipped (a device factor without "
@@ -361,15 +396,15 @@ def build_parser() -> argparse.ArgumentParser:
                                    "folder. FactorRegistry.load(lock=...) and `list-factors --lock` "
                                    "then refuse any library that differs or is not listed, before "
                                    "opening it.")
-    p.add_argument("--dir", default=str(_paths.factors_dir()),
+    p.add_argument("--dir", type=nonempty, default=str(_paths.factors_dir()),
                    help="folder of plugin libraries (default: %(default)s)")
-    p.add_argument("--output", default=None, metavar="FILE",
+    p.add_argument("--output", type=nonempty, default=None, metavar="FILE",
                    help="lock file to write (default: <dir>/ex_engine.lock)")
     p.set_defaults(fn=cmd_lock)
 
     p = sub.add_parser("build", help="compile every factors/*.cu into a .so with nvcc (runs make)",
                        description="Run `make` in the project root: one .so per factors/*.cu.")
-    p.add_argument("--archs", default=None,
+    p.add_argument("--archs", type=nonempty, default=None,
                    help="nvcc -gencode flags for the portable plugins, written with '=' because they start "
                         "with '-': --archs='-gencode=arch=compute_80,code=sm_80' (default: the Makefile's "
                         "sm_90a + sm_80 + PTX); rebuilds every plugin")
@@ -382,6 +417,10 @@ def main(argv=None) -> int:
     ap = build_parser()
     args = ap.parse_args(argv)
     args.command_process = argv is None   # the ex-engine command (or python -m ex_engine) itself
+    if args.command_process and not faulthandler.is_enabled():
+        # a library that crashes in this process (run moe, or --no-probe) prints a traceback of
+        # where, not only the shell's "Segmentation fault"
+        faulthandler.enable()
     if not getattr(args, "fn", None):
         ap.print_help()
         return 2

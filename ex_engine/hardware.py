@@ -29,6 +29,21 @@ _INT32_MAX, _INT64_MAX = 2 ** 31 - 1, 2 ** 63 - 1
 LIMITS = {f: (0 if f in ("cc_major", "cc_minor") else 1, _INT32_MAX) for f in FIELDS[:8]}
 LIMITS.update({f: (0, _INT64_MAX) for f in FIELDS[8:12]})
 LIMITS["global_mem_bytes"] = (1, _INT64_MAX)
+# Plausible values, tighter than the C types (cc_minor 99 showed as sm_999, warp_size 7 or
+# max_threads_per_block 1 made every plugin "decline this hardware" without a reason):
+# - cc_minor 0..9: an architecture is named sm_<major><minor> with one digit of minor (a fatbin's
+#   arch is 10 * major + minor), so 10 and above read as another architecture;
+# - cc_major 1..20: CUDA's compute capabilities run 1.x .. 12.x today; 20 leaves room for future
+#   generations and refuses a typo such as 99 (sm_990);
+# - warp_size 32 or 64: NVIDIA's warps are 32 threads, AMD's (HIP) and Iluvatar's 64; the kernels'
+#   warp-level code is written for those two;
+# - max_threads_per_block 32..4096 and a multiple of warp_size: a block holds whole warps, at
+#   least one; CUDA's and HIP's limit is 1024 today (4096 leaves room).
+LIMITS.update({"cc_major": (1, 20), "cc_minor": (0, 9), "max_threads_per_block": (32, 4096)})
+CHOICES = {"warp_size": (32, 64)}
+_WHY = {"cc_major": "CUDA's compute capabilities are 1.x .. 12.x today",
+        "cc_minor": "one digit: the architecture is sm_<major><minor>",
+        "max_threads_per_block": "whole warps, CUDA's and HIP's limit is 1024"}
 
 
 def device_name(v):
@@ -49,10 +64,20 @@ def check_fields(values: dict, where: str) -> None:
     for f in FIELDS:
         v = values.get(f)
         lo, hi = LIMITS[f]
-        if isinstance(v, bool) or not isinstance(v, numbers.Integral) or not lo <= v <= hi:
-            width = "int32_t" if hi == _INT32_MAX else "int64_t"
-            raise FactorError(f"{where}: {f}: expected an integer >= {lo}, at most {hi} ({width}), "
+        not_int = isinstance(v, bool) or not isinstance(v, numbers.Integral)
+        if f in CHOICES:
+            if not_int or v not in CHOICES[f]:
+                raise FactorError(f"{where}: {f}: expected {' or '.join(map(str, CHOICES[f]))} (NVIDIA's "
+                                  f"warps are 32 threads, AMD's and Iluvatar's 64), got {v!r}")
+            continue
+        if not_int or not lo <= v <= hi:
+            why = _WHY.get(f) or ("int32_t" if hi == _INT32_MAX else "int64_t")
+            raise FactorError(f"{where}: {f}: expected an integer >= {lo}, at most {hi} ({why}), "
                               f"got {v!r}")
+    tpb, warp = values.get("max_threads_per_block"), values.get("warp_size")
+    if tpb % warp:
+        raise FactorError(f"{where}: max_threads_per_block: expected a multiple of warp_size {warp} "
+                          f"(a block holds whole warps), got {tpb}")
 
 
 class NoDeviceError(FactorError):

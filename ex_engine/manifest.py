@@ -11,6 +11,7 @@ what came.
 """
 from __future__ import annotations
 
+import difflib
 import functools
 import importlib
 import inspect
@@ -81,6 +82,7 @@ _FALLBACK = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$")
 
 _TERM = re.compile(r"^\s*(?:(\d+)\s*\*\s*)?([A-Za-z_]\w*)\s*(?:\*\s*(\d+))?\s*$")
 _CONSTRAINT = re.compile(r"^\s*(\w+)\s*(<=|<|==|>=|>)\s*(\w+)\s*$")
+_OPS = {"<=": operator.le, "<": operator.lt, "==": operator.eq, ">=": operator.ge, ">": operator.gt}
 
 
 def _parse_dim(expr):
@@ -91,6 +93,136 @@ def _parse_dim(expr):
     if not m:
         raise FactorError(f"manifest: cannot read shape entry {expr!r}; expected N, SYM or N*SYM")
     return int(m.group(1) or m.group(3) or 1), m.group(2)
+
+
+# ---- the raw YAML mapping's keys and types, checked before anything reads it --------------
+# (unknown keys were ignored: `falback:` left the factor without a fallback, `tolerence:` used
+# the default tolerance; booleans went through bool(), so `optional: "false"` made a required
+# array optional and the kernel got NULL; `id: 0.7` was int()'d to 0)
+TOP_KEYS = ("name", "id", "summary", "math", "memory", "dims", "output", "input", "aux", "params",
+            "dim_sources", "constraints", "fallback", "tolerance", "test_shapes", "device_flags")
+ARRAY_KEYS = ("name", "role", "shape", "dtype", "optional", "same_dtype_as", "row_strided",
+              "same_as_output", "absent_requires", "values")
+PARAM_KEYS = ("type", "default", "gt", "float32")
+SOURCE_KEYS = ("dtype_of", "row_stride_of", "param", "default_dim", "tuned", "range", "options",
+               "encode")
+VALUES_KEYS = ("normal", "uniform", "ids_below", "distinct")
+_ID_MAX = 2 ** 31 - 1     # the ABI's factor_id is an int32_t
+
+
+def _unknown_keys(where: str, d: dict, known) -> str:
+    """'' if every key of ``d`` is in ``known``, else what is wrong with the first that is not,
+    with the likely intended key where one is close (difflib)."""
+    for k in d:
+        if k not in known:
+            close = difflib.get_close_matches(str(k), known, n=1)
+            hint = f" (did you mean '{close[0]}'?)" if close else ""
+            return f"{where}unknown key {k!r}{hint}; expected some of {', '.join(known)}"
+    return ""
+
+
+def _got(v) -> str:
+    return f"{type(v).__name__} {v!r:.80}"
+
+
+def _array_problem(where: str, d) -> str:
+    """What is wrong with one array entry's raw mapping ('' if nothing)."""
+    if not isinstance(d, dict):
+        return f"{where}: expected a mapping {{name, shape, dtype, ...}}, got {_got(d)}"
+    label = f"{where} ({d['name']})" if isinstance(d.get("name"), str) else where
+    problem = _unknown_keys(f"{label}: ", d, ARRAY_KEYS)
+    if problem:
+        return problem
+    for k in ("optional", "row_strided", "same_as_output"):
+        if k in d and not isinstance(d[k], bool):
+            return f"{label}: {k}: expected true or false, got {_got(d[k])}"
+    for k in ("name", "role", "same_dtype_as", "absent_requires"):
+        if k in d and not (isinstance(d[k], str) and d[k]) and not (k == "same_dtype_as" and d[k] is None):
+            return f"{label}: {k}: expected a non-empty string, got {_got(d[k])}"
+    for k, what in (("shape", "a list of sizes ([T, H], [N], [E, 2*I, H])"),
+                    ("dtype", "a list of dtypes ([float32] or [float16, bfloat16])")):
+        if k in d and not isinstance(d[k], list):
+            return f"{label}: {k}: expected {what}, got {_got(d[k])}"
+    if "dtype" in d and not all(isinstance(t, str) for t in d["dtype"]):
+        return f"{label}: dtype: expected a list of dtype names, got {d['dtype']!r}"
+    if "shape" in d:
+        bad = [e for e in d["shape"] if isinstance(e, bool) or not isinstance(e, (int, str))]
+        if bad:
+            return f"{label}: shape: expected entries N, SYM or N*SYM, got {_got(bad[0])}"
+    if "values" in d:
+        v = d["values"]
+        if not isinstance(v, dict):
+            return f"{label}: values: expected a mapping ({{normal: STD}}, {{uniform: [LO, HI]}}, " \
+                   f"{{ids_below: SYM, distinct: true}}), got {_got(v)}"
+        problem = _unknown_keys(f"{label}: values: ", v, VALUES_KEYS)
+        if problem:
+            return problem
+        if "distinct" in v and not isinstance(v["distinct"], bool):
+            return f"{label}: values: distinct: expected true or false, got {_got(v['distinct'])}"
+        if "uniform" in v and not (isinstance(v["uniform"], list) and len(v["uniform"]) == 2):
+            return f"{label}: values: uniform: expected [LO, HI], got {_got(v['uniform'])}"
+    return ""
+
+
+def raw_problem(d: dict) -> str:
+    """What is wrong with a manifest's parsed mapping ``d`` before its fields are read ('' if
+    nothing): an unknown key (at the top, in an array entry, a params, dim_sources or values
+    entry), a field of the wrong type (a bool that is not true/false, an id that is not an
+    integer, a scalar where a list belongs)."""
+    problem = _unknown_keys("", d, TOP_KEYS)
+    if problem:
+        return problem
+    for k in ("name", "dims", "output", "input"):
+        if k not in d:
+            return f"{k}: missing; expected the manifest's {k}"
+    if not (isinstance(d["name"], str) and d["name"]):
+        return f"name: expected a non-empty string, got {_got(d['name'])}"
+    if "id" not in d:
+        return "id: missing; expected the factor id (an integer)"
+    if not _is_int(d["id"]) or not -_ID_MAX - 1 <= d["id"] <= _ID_MAX:   # (the registry judges its value)
+        return f"id: expected an integer (the factor id, an int32_t), got {_got(d['id'])}"
+    for k in ("summary", "math", "memory"):
+        if d.get(k) is not None and not isinstance(d[k], str):
+            return f"{k}: expected a string, got {_got(d[k])}"
+    if not (isinstance(d["dims"], list) and all(isinstance(x, str) and x for x in d["dims"])):
+        return f"dims: expected a list of size names ([T, H, dtype]), got {_got(d['dims'])}"
+    for k in ("output", "input"):
+        problem = _array_problem(k, d[k])
+        if problem:
+            return problem
+    aux = d.get("aux")
+    if aux is not None:
+        if not isinstance(aux, list):
+            return f"aux: expected a list of array entries, got {_got(aux)}"
+        for i, a in enumerate(aux):
+            problem = _array_problem(f"aux[{i}]", a)
+            if problem:
+                return problem
+    for k, what in (("params", "name -> {type, default, ...}"), ("dim_sources", "dim -> {source: ...}"),
+                    ("tolerance", "dtype -> relative error"), ("device_flags", "bit -> meaning")):
+        if d.get(k) is not None and not isinstance(d[k], dict):
+            return f"{k}: expected a mapping {what}, got {_got(d[k])}"
+    for k, spec in (d.get("params") or {}).items():
+        if isinstance(spec, dict):
+            problem = _unknown_keys(f"params: {k}: ", spec, PARAM_KEYS)
+            if problem:
+                return problem
+    for k, src in (d.get("dim_sources") or {}).items():
+        if isinstance(src, dict):
+            problem = _unknown_keys(f"dim_sources: {k}: ", src, SOURCE_KEYS)
+            if problem:
+                return problem
+            if "encode" in src and src["encode"] != "f64_bits":
+                return f"dim_sources: {k}: encode: expected f64_bits, got {_got(src['encode'])}"
+    for k in ("constraints", "test_shapes"):
+        if d.get(k) is not None and not isinstance(d[k], list):
+            return f"{k}: expected a list, got {_got(d[k])}"
+    if not all(isinstance(c, str) for c in d.get("constraints") or []):
+        return f"constraints: expected a list of strings ('K <= E'), got {d['constraints']!r:.80}"
+    for b, text in (d.get("device_flags") or {}).items():
+        if not _is_int(b) or not 0 <= b < 32:
+            return f"device_flags: {b!r}: expected a bit number 0..31 of the workspace's int32"
+    return ""
 
 
 @dataclass
@@ -117,9 +249,9 @@ class TensorSpec:
         # an in-place input may omit its name: it is the output's (Manifest.load copies it)
         name = d.get("name", "") if d.get("same_as_output") else d["name"]
         spec = cls(name=name, role=d.get("role", role), shape=list(d.get("shape", [])),
-                   dtypes=list(d.get("dtype", [])), optional=bool(d.get("optional", False)),
-                   same_dtype_as=d.get("same_dtype_as"), row_strided=bool(d.get("row_strided")),
-                   same_as_output=bool(d.get("same_as_output")), values=d.get("values"),
+                   dtypes=list(d.get("dtype", [])), optional=d.get("optional", False),
+                   same_dtype_as=d.get("same_dtype_as"), row_strided=d.get("row_strided", False),
+                   same_as_output=d.get("same_as_output", False), values=d.get("values"),
                    absent_requires=d.get("absent_requires"))
         spec.parsed = [_parse_dim(e) for e in spec.shape]
         return spec
@@ -162,7 +294,10 @@ class Manifest:
                 raise FactorError("empty: expected a factor manifest (name, id, dims, output, input, ...)"
                                   if d is None else f"expected a mapping (name, id, dims, ...), got "
                                   f"{type(d).__name__}")
-            m = cls(name=d["name"], id=int(d["id"]), summary=d.get("summary", ""),
+            problem = raw_problem(d)
+            if problem:
+                raise FactorError(problem)
+            m = cls(name=d["name"], id=d["id"], summary=d.get("summary", ""),
                     math=d.get("math", ""), dims=list(d["dims"]),
                     output=TensorSpec.from_yaml(d["output"], "output"),
                     input=TensorSpec.from_yaml(d["input"], "input"),
@@ -180,7 +315,8 @@ class Manifest:
             raise FactorError(f"manifest {path}: {exc}") from exc
         for k, spec in m.params.items():
             if (not isinstance(spec, dict) or spec.get("type", "float") not in ("float", "int", "bool")
-                    or not isinstance(spec.get("float32", False), bool)):
+                    or not isinstance(spec.get("float32", False), bool)
+                    or ("gt" in spec and (isinstance(spec["gt"], bool) or not isinstance(spec["gt"], (int, float))))):
                 raise FactorError(f"manifest {path}: params: {k}: expected {{type: float | int | bool, "
                                   f"default: ...}}, got {spec!r}")
         if m.memory not in ("device", "host"):
@@ -262,6 +398,10 @@ class Manifest:
         ``tolerance`` maps known dtypes to numbers > 0 (a dtype it omits gets
         DEFAULT_TOLERANCE, which verify's table marks); each ``test_shapes`` entry gives every
         size of the required arrays as an integer >= 0 and parameters of their declared type."""
+        try:   # a default of the wrong type ('false' for a bool) failed every call using it
+            self.param_values({})
+        except ArgumentError as exc:
+            return f"params: {exc.argument}: default: expected {exc.expected}, got {exc.got}"
         if self.fallback is not None and not (isinstance(self.fallback, str) and _FALLBACK.match(self.fallback)):
             return f"fallback: expected 'module:function' (e.g. ex_engine.fallbacks:topk_softmax), got {self.fallback!r}"
         for dt, tol in self.tolerance.items():
@@ -291,6 +431,20 @@ class Manifest:
                 self.param_values({k: v for k, v in case.items() if k in self.params})
             except ArgumentError as exc:
                 return f"test_shapes[{i}]: {exc.argument}: expected {exc.expected}, got {exc.got}"
+            # the manifest's own constraints (a shape K > E made every verify case fail on bind)
+            sizes = {k: v for k, v in case.items() if k not in self.params}
+            for d, src in self.dim_sources.items():
+                if isinstance(src, dict) and src.get("default_dim") in sizes and d not in sizes:
+                    sizes[d] = sizes[src["default_dim"]]
+            for text in self.constraints:
+                m = _CONSTRAINT.match(str(text))
+                if not m:
+                    continue     # load reports it
+                a, op, b = m.groups()
+                va, vb = (int(s) if s.isdigit() else sizes.get(s) for s in (a, b))
+                if va is not None and vb is not None and not _OPS[op](va, vb):
+                    got = ", ".join(f"{s}={sizes[s]}" for s in (a, b) if not s.isdigit())
+                    return f"test_shapes[{i}]: expected sizes that keep the constraint '{text}', got {got}"
         return ""
 
     def tolerance_for(self, dtype: str) -> tuple:

@@ -40,6 +40,7 @@ class TuningWarning(UserWarning):
     """A call ran on a default launch choice: no tuned entry for its shape on this device."""
 
 
+_NUMERIC_DEVICE = object()   # _read's mark (a key no YAML file can hold): the device was a number
 BELOW = object()  # lookup(): the shape is tuned, but only for larger T (the default applies, quietly)
 
 
@@ -73,6 +74,12 @@ class FactorTuning:
             # -1: the kernel's own choice; below that no kernel accepts a value (moe_fused_gemm
             # refuses the call), so the file is refused here instead
             self.values = {str(k): _int(v, f"values.{k}", -1) for k, v in data["values"].items()}
+            seen: dict = {}
+            for k, v in self.values.items():   # two names for one code: rows naming either are one
+                if v in seen:
+                    raise ValueError(f"values: {seen[v]!r} and {k!r} both give {v}; expected one name "
+                                     "per configuration code")
+                seen[v] = k
             if not isinstance(data["shapes"], list):
                 raise TypeError("shapes: expected a list")
             self.table: dict = {}
@@ -87,6 +94,13 @@ class FactorTuning:
                 if shape in self.table:
                     raise ValueError(f"shapes[{i}]: {dict(zip(self.key, shape))} listed twice")
                 # rows [T, choice, ...]: anything after the choice (measured µs) is a note
+                if not isinstance(entry.get("by_T"), list):
+                    raise TypeError(f"shapes[{i}].by_T: expected a list of rows [T, configuration, its µs, "
+                                    f"auto's µs], got {entry.get('by_T')!r}")
+                for j, r in enumerate(entry["by_T"]):
+                    if not isinstance(r, list) or len(r) < 2:
+                        raise ValueError(f"shapes[{i}].by_T[{j}]: expected a row [T, configuration, its µs, "
+                                         f"auto's µs] (the µs optional), got {r!r}")
                 rows = sorted((_int(r[0], f"shapes[{i}].by_T T", 0), self._value(r[1]))
                               for r in entry["by_T"])
                 if not rows or len({t for t, _ in rows}) != len(rows):
@@ -136,6 +150,7 @@ class TuningTable:
         self._lock = threading.Lock()
         self._overrides: dict = {}
         self.refused: dict = {}                # factor -> why check() set its table aside
+        self.set_aside: list = []              # files for this device skipped as malformed
 
     @classmethod
     def for_hardware(cls, hardware, folder=None, report: bool = True) -> "TuningTable":
@@ -162,8 +177,9 @@ class TuningTable:
         warn = bool(getattr(hardware, "live", False))
         if hardware is None or not folder.is_dir():
             return cls(warn=warn, folder=folder)
-        problems, remarks, chosen = [], [], None
+        problems, remarks, chosen, set_aside = [], [], None, []
         for p in sorted([*folder.glob("*.yaml"), *folder.glob("*.yml")]):
+            device = None
             try:
                 data = cls._read(p)
                 device, sms = data["device"], data.get("multiprocessor_count")
@@ -171,13 +187,17 @@ class TuningTable:
                     if device.lower() == hardware.name.lower():
                         remarks.append(f"tuning file {p}: device {device!r} is not this GPU's name "
                                        f"{hardware.name!r} (letter case differs): not used")
+                    elif data.get(_NUMERIC_DEVICE):   # device: 5 was skipped without a word
+                        remarks.append(f"tuning file {p}: device: {device} is a number; expected the "
+                                       f"name of the GPU it was tuned on as `ex-engine hardware` prints "
+                                       f"it (this one: {hardware.name!r}): not used")
                     continue
                 if sms is not None and sms != hardware.multiprocessor_count:
                     remarks.append(f"tuning file {p}: for {device} with {sms} SMs; this one has "
                                    f"{hardware.multiprocessor_count}: not used")
                     continue
                 factors = {k: FactorTuning(k, v, str(p)) for k, v in data.items()
-                           if k not in ("device", "multiprocessor_count")}
+                           if k not in ("device", "multiprocessor_count", _NUMERIC_DEVICE)}
                 if chosen is not None:
                     remarks.append(f"tuning file {p}: also for {device}; {chosen[1]} (first by name) "
                                    "is used, this one is not")
@@ -185,12 +205,17 @@ class TuningTable:
                 chosen = (factors, str(p))
             except FactorError as exc:
                 problems.append(str(exc))
+                if device == hardware.name:   # this device's file, set aside
+                    set_aside.append(str(p))
                 if report:
                     warnings.warn(f"{exc}; skipped (its shapes run on the kernels' defaults)",
                                   TuningWarning, stacklevel=2)
         if chosen is None:
-            return cls(warn=warn, problems=problems, folder=folder, remarks=remarks)
-        return cls(chosen[0], chosen[1], warn, problems, folder, remarks)
+            t = cls(warn=warn, problems=problems, folder=folder, remarks=remarks)
+        else:
+            t = cls(chosen[0], chosen[1], warn, problems, folder, remarks)
+        t.set_aside = set_aside
+        return t
 
     @staticmethod
     def _read(p: Path) -> dict:
@@ -206,7 +231,9 @@ class TuningTable:
         if not isinstance(data, dict):
             raise FactorError(f"tuning file {p}: expected a mapping with device, "
                               f"multiprocessor_count and one table per factor, got {type(data).__name__}")
-        data["device"] = dev = device_name(data.get("device"))   # 4090 -> '4090', as profiles
+        raw = data.get("device")
+        data["device"] = dev = device_name(raw)   # 4090 -> '4090', as profiles
+        data[_NUMERIC_DEVICE] = dev is not raw and isinstance(dev, str)
         if not isinstance(dev, str) or not dev:
             raise FactorError(f"tuning file {p}: device: expected the name of the GPU it was "
                               f"tuned on (as `ex-engine hardware` prints it), got {data.get('device')!r}")
@@ -217,7 +244,7 @@ class TuningTable:
         except ValueError as exc:
             raise FactorError(f"tuning file {p}: {exc}") from exc
         for k, v in data.items():
-            if k not in ("device", "multiprocessor_count") and not isinstance(v, dict):
+            if k not in ("device", "multiprocessor_count", _NUMERIC_DEVICE) and not isinstance(v, dict):
                 raise FactorError(f"tuning file {p}: top-level key {k!r}: expected a factor's table "
                                   f"(a mapping with dim, key, values, shapes) or device / "
                                   f"multiprocessor_count, got {type(v).__name__}")
@@ -309,7 +336,9 @@ class TuningTable:
                 warnings.warn(f"{factor}: running on the kernel's default choice of {dim}: "
                               f"{self.refused[factor]}", TuningWarning, stacklevel=4)
             elif new:
-                where = self.path or (f"{self.folder} (no file for this device; skipped as "
+                where = self.path or (f"{self.folder} (this device's file set aside as malformed: "
+                                      f"{'; '.join(self.problems)})" if self.set_aside else
+                                      f"{self.folder} (no file for this device; skipped as "
                                       f"malformed: {'; '.join(self.problems)})" if self.problems
                                       else f"{self.folder} (no file for this device)")
                 warnings.warn(

@@ -176,3 +176,20 @@ def test_a_script_given_a_bad_model_list_says_so_in_one_line(tmp_path, script, a
     lines = [line for line in p.stderr.splitlines() if line.strip()]
     assert lines == [f"{name}: model list {m / 'moe_models.yaml'}: model 'qwen3-30b-a3b': H: expected an "
                      "integer >= 1, got -8"], p.stderr[-2000:]
+
+
+def test_table_tools_end_quietly_when_the_reader_leaves(tmp_path):
+    """`table_moe.py ... | head -1` ended in a BrokenPipeError traceback (ex-engine's CLI
+    handles it): the table tools exit 1 without one, as perf_peers.py did already."""
+    import subprocess
+    json_file = sorted((ROOT / "benchmarks").glob("bench_moe_h200_*.json"))[-1]
+    p = subprocess.Popen([sys.executable, str(ROOT / "benchmarks" / "table_moe.py"), str(json_file)],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    p.stdout.close()             # the reader is gone before the first line
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=60) == 1 and "Traceback" not in err and "BrokenPipeError" not in err, err
+    # the GPU tools that print tables (not runnable here) catch it the same way
+    for tool in ("benchmarks/host_moe.py", "benchmarks/bench_moe.py", "benchmarks/ab_moe.py",
+                 "benchmarks/tune_moe.py", "benchmarks/bench_router_norm.py", "benchmarks/perf_peers.py",
+                 "scripts/kernel_times_moe.py", "scripts/profile_moe.py"):
+        assert "except BrokenPipeError:" in (ROOT / tool).read_text(), tool

@@ -8,6 +8,7 @@ import pytest
 from pathlib import Path
 
 from ex_engine.cli import build_parser, main
+from tests.conftest import ROOT
 
 
 @pytest.mark.parametrize("argv", [[], ["list-factors"], ["hardware"], ["run"], ["run", "moe"], ["build"],
@@ -59,17 +60,24 @@ def _profile_with(tmp_path, field, text, name="bad.yaml"):
 
 
 @pytest.mark.parametrize("field, text, least, got", [
-    ("cc_major", '"nine"', 0, "'nine'"),                       # ValueError from int()
+    ("cc_major", '"nine"', 1, "'nine'"),                       # ValueError from int()
     ("cc_minor", "null", 0, "None"),                           # TypeError from int()
     ("global_mem_bytes", "99999999999999999999999", 1, "99999999999999999999999"),  # OverflowError in to_c
-    ("warp_size", "99999999999", 1, "99999999999"),            # does not fit 'int32_t'
+    ("multiprocessor_count", "99999999999", 1, "99999999999"),  # does not fit 'int32_t'
     ("global_mem_bytes", "1e400", 1, "inf"),                 # a float (inf) to ex_engine's YAML 1.2 floats
     ("global_mem_bytes", "1.0e+400", 1, "inf"),
-    ("cc_major", "9.5", 0, "9.5"),                             # was shown as 9
-    ("cc_major", "true", 0, "True"),                           # was shown as 1
+    ("cc_major", "9.5", 1, "9.5"),                             # was shown as 9
+    ("cc_major", "true", 1, "True"),                           # was shown as 1
     ("multiprocessor_count", "-5", 1, "-5"),                   # was accepted
-    ("warp_size", "0", 1, "0"),                                # every plugin then declined the hardware
-    ("max_threads_per_block", "0", 1, "0"),
+    ("warp_size", "0", "32 or 64", "0"),                       # every plugin then declined the hardware
+    ("warp_size", "7", "32 or 64", "7"),
+    ("max_threads_per_block", "0", 32, "0"),
+    ("max_threads_per_block", "1", 32, "1"),
+    ("max_threads_per_block", "8192", 32, "8192"),
+    ("max_threads_per_block", "1000", "a multiple of warp_size 32", "1000"),
+    ("cc_minor", "99", 0, "99"),                               # was shown as sm_999
+    ("cc_major", "99", 1, "99"),                               # was shown as sm_990
+    ("cc_major", "0", 1, "0"),
     ("l2_cache_bytes", "-1", 0, "-1"),
     ("name", "null", None, "None"),
 ])
@@ -83,7 +91,8 @@ def test_a_bad_profile_value_is_one_clear_error(tmp_path, capsys, field, text, l
     from ex_engine.hardware import Hardware
     path = _profile_with(tmp_path, field, text)
     want = f"hardware profile {path}: {field}: expected " + (
-        "a non-empty string" if least is None else f"an integer >= {least}, at most ")
+        "a non-empty string" if least is None else least if isinstance(least, str)
+        else f"an integer >= {least}, at most ")
     with pytest.raises(FactorError) as e:
         Hardware.from_profile(str(path))
     assert str(e.value).startswith(want) and str(e.value).endswith(f"got {got}"), str(e.value)
@@ -100,17 +109,21 @@ def test_profile_values_at_the_edges_of_their_fields(tmp_path):
     from ex_engine import abi
     from ex_engine.errors import FactorError
     from ex_engine.hardware import Hardware
-    hw = Hardware.from_profile(str(_profile_with(tmp_path, "warp_size", 2 ** 31 - 1)))
-    assert hw.to_c(abi.ffi).warp_size == 2 ** 31 - 1
+    hw = Hardware.from_profile(str(_profile_with(tmp_path, "multiprocessor_count", 2 ** 31 - 1)))
+    assert hw.to_c(abi.ffi).multiprocessor_count == 2 ** 31 - 1
     hw = Hardware.from_profile(str(_profile_with(tmp_path, "global_mem_bytes", 2 ** 63 - 1)))
     assert hw.to_c(abi.ffi).global_mem_bytes == 2 ** 63 - 1
     assert Hardware.from_profile(str(_profile_with(tmp_path, "cc_minor", 0))).cc_minor == 0
-    with pytest.raises(FactorError, match=r"warp_size: expected an integer >= 1, at most 2147483647 \(int32_t\), got 2147483648"):
-        Hardware.from_profile(str(_profile_with(tmp_path, "warp_size", 2 ** 31)))
+    with pytest.raises(FactorError, match=r"multiprocessor_count: expected an integer >= 1, at most 2147483647 \(int32_t\), got 2147483648"):
+        Hardware.from_profile(str(_profile_with(tmp_path, "multiprocessor_count", 2 ** 31)))
+    # plausible ranges at their edges: cc 1.0 .. 20.9, warps of 32 or 64, 32 .. 4096 threads
+    for field, v in (("cc_major", 1), ("cc_major", 20), ("cc_minor", 9), ("warp_size", 64),
+                     ("max_threads_per_block", 4096), ("max_threads_per_block", 64)):
+        assert getattr(Hardware.from_profile(str(_profile_with(tmp_path, field, v))), field) == v
     # a Hardware built by hand (or rebuilt with Hardware(**d)) keeps to the same rules
     d = Hardware.from_profile("h200").as_dict()
     assert Hardware(**d) == Hardware.from_profile("h200")
-    with pytest.raises(FactorError, match=r"Hardware \(profile h200\): warp_size: expected an integer >= 1"):
+    with pytest.raises(FactorError, match=r"Hardware \(profile h200\): warp_size: expected 32 or 64"):
         Hardware(**{**d, "warp_size": 0})
     # live and device_id were taken as they came ('yes', 'x'): a device index is an int
     for field, v, words in (("live", "yes", "live: expected True or False, got 'yes'"),
@@ -395,8 +408,10 @@ def test_small_argument_faults_from_a_fresh_users_review(tmp_path, capsys):
     import numpy as np
     from ex_engine import FactorRegistry, fused_add_rmsnorm
     from ex_engine.errors import ArgumentError, FactorError
-    assert main(["lock", "--dir", str(tmp_path), "--output", ""]) == 2
-    assert "--output: expected a file name, got ''" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:   # argparse's usage error, as for every empty option
+        main(["lock", "--dir", str(tmp_path), "--output", ""])
+    assert exc.value.code == 2
+    assert "argument --output: expected a non-empty value, got ''" in capsys.readouterr().err
     assert not (tmp_path / "ex_engine.lock").exists()
     for bad in ("no", "yes", 2, None, np.array([1])):
         with pytest.raises(FactorError, match="verify: expected True or False"):
@@ -522,3 +537,61 @@ def test_from_device_names_a_missing_index(monkeypatch):
     for bad in ("x", -1, 1.0, True):
         with pytest.raises(FactorError, match=r"Hardware.from_device: device_id: expected an int >= 0"):
             Hardware.from_device(bad)
+
+
+def _crashing_plugin_dir(tmp_path):
+    from tests.conftest import build_plugin
+    build_plugin(tmp_path / "crash", defines={"CRASH": True})
+    return tmp_path / "crash"
+
+
+def test_list_factors_and_verify_probe_by_default_and_run_prints_a_fault_traceback(tmp_path):
+    """A library that crashes in ex_get_factor killed list-factors and verify with only the
+    shell's "Segmentation fault" unless --probe was given. They probe by default now (a
+    rejected row naming the crash); --no-probe opens in-process; run moe stays in-process but a
+    crash prints Python's fault traceback, and run's help says --probe finds the library."""
+    folder = str(_crashing_plugin_dir(tmp_path))
+    env = {**__import__("os").environ, "PYTHONPATH": str(ROOT)}
+    r = subprocess.run([sys.executable, "-m", "ex_engine", "list-factors", "--dir", folder, "--hardware", "h200"],
+                       capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0 and "crashed in ex_get_factor: signal SIGSEGV" in r.stdout, (r.returncode, r.stdout, r.stderr)
+    r = subprocess.run([sys.executable, "-m", "ex_engine", "verify", "--dir", folder, "--hardware", "h200"],
+                       capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 1 and "no ready plugins" in r.stderr, (r.returncode, r.stdout, r.stderr)
+    r = subprocess.run([sys.executable, "-m", "ex_engine", "list-factors", "--no-probe", "--dir", folder,
+                        "--hardware", "h200"], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode < 0 and "Fatal Python error: Segmentation fault" in r.stderr, (r.returncode, r.stderr)
+    r = subprocess.run([sys.executable, "-m", "ex_engine", "run", "moe", "--tokens", "1", "--dir", folder,
+                        "--hardware", "h200"], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode < 0 and "Fatal Python error: Segmentation fault" in r.stderr, (r.returncode, r.stderr)
+    assert "cli.py" in r.stderr, r.stderr   # the traceback says where
+    run_help = build_parser()._subparsers._group_actions[0].choices["run"]._subparsers \
+        ._group_actions[0].choices["moe"].format_help()
+    assert "--probe finds" in " ".join(run_help.split()), run_help
+
+
+def test_run_moe_prints_the_registrys_notes(tmp_path, capsys):
+    """--prefer moe_fused_gemm=nope.so gave PASS with no mention in run moe (list-factors says
+    'note: prefer: ...'): run prints the registry's notes on stderr."""
+    code = main(["run", "moe", "--model", "granite-3.0-3b-a800m", "--tokens", "1", "--dir", str(tmp_path),
+                 "--prefer", "moe_fused_gemm=nope.so"])
+    captured = capsys.readouterr()
+    assert code == 0, captured
+    assert "note: prefer: moe_fused_gemm -> nope.so: no ready plugin" in captured.err, captured.err
+
+
+@pytest.mark.parametrize("argv", [
+    ["list-factors", "--dir", ""], ["list-factors", "--hardware", ""], ["list-factors", "--lock", ""],
+    ["verify", "--dir", ""], ["run", "moe", "--dir", ""], ["lock", "--dir", "", "--output", "x"],
+    ["lock", "--output", ""], ["hardware", "--profile", ""], ["build", "--archs="]])
+def test_an_empty_string_is_an_error_naming_the_option(argv, capsys, tmp_path, monkeypatch):
+    """--dir '' was the default folder for list-factors but the current one for lock (which
+    locked it), --profile '' was 'not given', --build --archs='' ran a plain make: each is a
+    usage error naming the option now."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    opt = next(a.split("=")[0] for a in argv if a.startswith("--"))
+    assert f"argument {opt}: expected a non-empty value, got ''" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()

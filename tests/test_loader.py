@@ -1,5 +1,6 @@
 """The registry on small host-memory plugins built with gcc: loading, checks, dispatch, fallbacks."""
 import json
+import re
 import shutil
 
 import numpy as np
@@ -248,7 +249,7 @@ def test_manifest_problems_name_the_file_and_spare_the_rest(tmp_path, monkeypatc
     reg = FactorRegistry.load(folder, hardware="h200")
     st = {p.path.stem: p for p in reg.plugins}
     assert "host_scale_a.yaml: malformed (IsADirectoryError" in st["a"].reason, st["a"].reason
-    assert "host_scale_b.yaml: malformed (KeyError: 'dims')" in st["b"].reason, st["b"].reason
+    assert "host_scale_b.yaml: unknown key 'dim' (did you mean 'dims'?)" in st["b"].reason, st["b"].reason
     assert "host_scale_c.yaml: params: alpha2: expected" in st["c"].reason, st["c"].reason
     assert call(reg)[0] == "plugin"
 
@@ -739,3 +740,79 @@ def test_load_all_and_param_values_check_their_arguments(tmp_path):
     assert m.param_values({}) == {"renormalize": False}
     with pytest.raises(ArgumentError, match=r"topk_softmax: argument 'params': type: expected a mapping.*NoneType"):
         m.param_values(None)
+
+
+def test_manifest_booleans_unknown_keys_and_field_types_are_refused_at_load(tmp_path):
+    """optional: "false" (a string) went through bool() and made alpha optional: the dispatch
+    passed NULL and the process segfaulted. Misspelt keys (falback, tolerence, an array's
+    optinal) were ignored; id: 0.7 was int()'d to 0, id: "1100" accepted; dtype: float32 was
+    read as its letters; a test shape breaking the manifest's own constraint was accepted. Each
+    refuses its plugin at load, naming the file, the field, what was expected and what came;
+    the other plugins load."""
+    folder = tmp_path / "p"
+    build_plugin(folder)
+    fb = "fallback: tests.plugins.host_scale_fallback:scale"
+    cases = {
+        "opt": (lambda t: t.replace("role: input}", 'role: input, optional: "false"}'),
+                "aux[0] (alpha): optional: expected true or false, got str 'false'"),
+        "rs": (lambda t: t.replace("input: {name: x, shape: [N], dtype: [float32]}",
+                                   "input: {name: x, shape: [N], dtype: [float32], row_strided: 1}"),
+               "input (x): row_strided: expected true or false, got int 1"),
+        "fb": (lambda t: t.replace(fb, "fal" + fb[4:]), "unknown key 'falback' (did you mean 'fallback'?)"),
+        "tol": (lambda t: t.replace("tolerance:", "tolerence:"), "unknown key 'tolerence' (did you mean 'tolerance'?)"),
+        "bogus": (lambda t: t + "bogus_key: 1\n", "unknown key 'bogus_key'; expected some of name, id"),
+        "arr": (lambda t: t.replace("role: input}", "role: input, optinal: true}"),
+                "aux[0] (alpha): unknown key 'optinal' (did you mean 'optional'?)"),
+        "par": (lambda t: t + "params: {beta: {type: bool, defualt: false}}\n",
+                "params: beta: unknown key 'defualt' (did you mean 'default'?)"),
+        "pdef": (lambda t: t + "params: {beta: {type: bool, default: 'false'}}\n",
+                 "params: beta: default: expected a bool, got 'false'"),
+        "src": (lambda t: t + "dim_sources: {M: {param: beta, encod: f64_bits}}\nparams: {beta: {type: float, default: 1.0}}\n",
+                "dim_sources: M: unknown key 'encod' (did you mean 'encode'?)"),
+        "val": (lambda t: t.replace("role: input}", "role: input, values: {uniform: [0, 1], distinct: 'no'}}"),
+                "aux[0] (alpha): values: distinct: expected true or false, got str 'no'"),
+        "id07": (lambda t: re.sub(r"\bid: \d+", "id: 0.7", t), "id: expected an integer (the factor id, an int32_t), got float 0.7"),
+        "idstr": (lambda t: re.sub(r"\bid: \d+", 'id: "1100"', t), "id: expected an integer (the factor id, an int32_t), got str '1100'"),
+        "idtrue": (lambda t: re.sub(r"\bid: \d+", "id: true", t), "id: expected an integer (the factor id, an int32_t), got bool True"),
+        "idzero": (lambda t: re.sub(r"\bid: \d+", "id: zero", t), "id: expected an integer (the factor id, an int32_t), got str 'zero'"),
+        "dtype": (lambda t: t.replace("dtype: [float32]}\ninput", "dtype: float32}\ninput"),
+                  "output (out): dtype: expected a list of dtypes ([float32] or [float16, bfloat16]), got str 'float32'"),
+        "cons": (lambda t: t + "constraints: ['N <= 5']\n",
+                 "test_shapes[0]: expected sizes that keep the constraint 'N <= 5', got N=7"),
+        "dup": (lambda t: t + "memory: host\n", "found duplicate key 'memory'"),
+    }
+    for i, (stem, (change, _)) in enumerate(cases.items()):
+        _manifest_variant(folder, stem, f"host_scale_{stem}", 1101 + i, change)
+    reg = FactorRegistry.load(folder, hardware="h200")
+    st = {p.path.stem: p for p in reg.plugins}
+    for stem, (_, needle) in cases.items():
+        assert st[stem].status == "rejected", (stem, st[stem].reason)
+        assert f"host_scale_{stem}.yaml: " in st[stem].reason and needle in st[stem].reason, (stem, st[stem].reason)
+    assert call(reg)[0] == "plugin"
+
+
+def test_every_shipped_manifest_loads_and_test_shapes_keep_the_constraints(tmp_path):
+    """manifests/, docs/template and tests/plugins load under the stricter checks; topk_softmax
+    with a test shape K > E (its constraint K <= E) is refused, naming the shape."""
+    from ex_engine import FactorError
+    from ex_engine.manifest import load_all
+    assert sorted(load_all(ROOT / "manifests")) == ["fused_add_rmsnorm", "moe_fused_gemm", "topk_softmax"]
+    assert sorted(load_all(ROOT / "docs" / "template")) == ["my_op"]
+    assert sorted(load_all(ROOT / "tests" / "plugins")) == ["host_scale", "host_scale_ws"]
+    text = (ROOT / "manifests" / "topk_softmax.yaml").read_text()
+    (tmp_path / "topk_softmax.yaml").write_text(text.replace("{T: 1, E: 128, K: 8,", "{T: 1, E: 128, K: 800,"))
+    with pytest.raises(FactorError, match=r"topk_softmax.yaml: test_shapes\[0\]: expected sizes that keep the "
+                                          r"constraint 'K <= E', got K=800, E=128"):
+        load_all(tmp_path)
+
+
+def test_yaml_refuses_a_key_given_twice_in_a_mapping():
+    """PyYAML kept the last of two 'name:' silently; every YAML file ex_engine reads is refused,
+    naming the key and both lines (merge keys still work)."""
+    import yaml
+    from ex_engine import _yaml
+    with pytest.raises(yaml.YAMLError, match=r"(?s)duplicate key 'name' \(first given on line 1\).*line 3"):
+        _yaml.load("name: a\nid: 1\nname: b\n")
+    with pytest.raises(yaml.YAMLError, match=r"duplicate key 'x'"):
+        _yaml.load("top: {x: 1, x: 2}\n")
+    assert _yaml.load("a: &x {q: 1}\nb: {<<: *x, q: 2}\n") == {"a": {"q": 1}, "b": {"q": 2}}

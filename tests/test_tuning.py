@@ -64,7 +64,10 @@ SHAPE = {"H": 64, "I": 32, "G": 8, "K": 2}
 @pytest.mark.parametrize("body,why", [
     (_mt(shapes=[{**SHAPE, "by_T": [[1, "huge"]]}]), "huge"),
     (_mt(shapes=[{**SHAPE, "by_T": [[1, 99]]}]), "choice 99"),
-    (_mt(shapes=[{**SHAPE, "by_T": [[64]]}]), "IndexError"),
+    (_mt(shapes=[{**SHAPE, "by_T": [[64]]}]), r"shapes\[0\].by_T\[0\]: expected a row \[T, configuration, its µs, "
+                                             r"auto's µs\] \(the µs optional\), got \[64\]"),
+    (_mt(shapes=[{**SHAPE, "by_T": [[1, "tiny"], 7]}]), r"shapes\[0\].by_T\[1\]: expected a row"),
+    (_mt(values={"tiny": 1, "decode": 1}), "values: 'decode' and 'tiny' both give 1"),
     (_mt(shapes=[{**SHAPE, "by_T": [[-1, "tiny"]]}]), "by_T T"),
     (_mt(shapes=[{**SHAPE, "by_T": [[1.5, "tiny"]]}]), "by_T T"),
     (_mt(shapes=[{**SHAPE, "by_T": [[1, "tiny"]]}] * 2), "listed twice"),
@@ -403,3 +406,33 @@ def test_a_tuning_override_outside_the_manifests_range_is_refused_by_name(tmp_pa
         assert moe_fused_gemm(*args, registry=reg).shape == (T, H)
     assert len(calls) == 1 and reg.stats()["moe_fused_gemm"]["python_fallback"] == 3
     reg.set_tuning("moe_fused_gemm", None)
+
+
+def test_a_malformed_file_for_this_device_is_said_to_be_set_aside_not_missing(tmp_path, capsys, monkeypatch):
+    """With a malformed table list-factors' header said 'tuning: no file for NVIDIA H200 (132
+    SMs)' although the file is there (a note below said why): it names the file, set aside."""
+    from ex_engine.cli import main
+    folder = tmp_path / "m"
+    import shutil
+    from tests.conftest import ROOT
+    shutil.copytree(ROOT / "manifests", folder)
+    write(folder / "tuning", _mt(shapes=[{**SHAPE, "by_T": [[64]]}]), "h200.yaml")
+    monkeypatch.setenv("EX_ENGINE_MANIFESTS", str(folder))
+    assert main(["list-factors", "--dir", str(tmp_path), "--hardware", "h200", "--no-probe"]) == 0
+    out = capsys.readouterr().out
+    assert f"tuning: {folder / 'tuning' / 'h200.yaml'} (for NVIDIA H200) set aside as malformed" in out, out
+    assert "no file for" not in out, out
+    t = TuningTable.for_hardware(H200, folder / "tuning", report=False)
+    assert t.set_aside == [str(folder / "tuning" / "h200.yaml")]
+    with pytest.warns(TuningWarning, match="this device's file set aside as malformed"):
+        t.value("moe_fused_gemm", "config", {**SHAPE, "T": 1}, -1)
+
+
+def test_a_numeric_device_that_matches_no_gpu_is_noted(tmp_path):
+    """device: 5 (a number, no GPU's name) was passed over without a word."""
+    t = TuningTable.for_hardware(H200, write(tmp_path, {**TABLE, "device": 5}), report=False)
+    assert t.path is None and not t.problems
+    assert len(t.remarks) == 1 and "device: 5 is a number; expected the name of the GPU" in t.remarks[0], t.remarks
+    assert "'NVIDIA H200'" in t.remarks[0]
+    t = TuningTable.for_hardware(H200, write(tmp_path, {**TABLE, "device": "NVIDIA A100"}), report=False)
+    assert not t.remarks   # a file for another GPU, by name: not this one's business
