@@ -119,6 +119,8 @@ class Bits16:
         if dt is None or getattr(dt, "itemsize", 0) != 2 or getattr(dt, "kind", "u") not in "ui":
             # a float16 array here would be reinterpreted bit for bit (its values lost)
             got = type(bits).__name__ if dt is None else f"{type(bits).__name__} of dtype {dt}"
+            if str(dt) in ("bfloat16", "float16"):   # a real 16-bit float array needs no tag
+                got += " (an array of that dtype needs no tag: pass it as it is)"
             raise DTypeError(_caller, "bits", "dtype", "a 2-byte integer array (uint16 or int16 "
                              "bit patterns)", got)
         if getattr(dt, "byteorder", "=") == _NON_NATIVE:

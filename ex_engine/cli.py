@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import threading
+import warnings
 
 from . import _paths
 from .errors import FactorError
@@ -81,9 +82,18 @@ def _registry(args, verify: bool = False):
     if args.lock_warn and not args.lock:
         raise FactorError("--lock-warn: expected together with --lock FILE (it says what to do "
                           "with a library the lock does not match), got no --lock")
-    return FactorRegistry.load(args.dir, hardware=args.hardware, prefer=_prefer(args.prefer),
-                               lock=args.lock, lock_mode="warn" if args.lock_warn else "refuse",
-                               probe="subprocess" if args.probe else None, verify=verify)
+    # the registry's load warnings (lock_mode=warn, a library shared with another registry) are
+    # also its notes, which every command prints: print each once
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        reg = FactorRegistry.load(args.dir, hardware=args.hardware, prefer=_prefer(args.prefer),
+                                  lock=args.lock, lock_mode="warn" if args.lock_warn else "refuse",
+                                  probe="subprocess" if args.probe else None, verify=verify)
+    for w in caught:
+        detail = str(w.message).split(": ", 1)[-1]
+        if not any(detail in n for n in reg.notes):
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    return reg
 
 
 def _print_notes(reg) -> None:

@@ -549,12 +549,17 @@ class FactorRegistry:
 
     def load_folder(self, folder) -> list:
         """Load every ``*.so`` in ``folder`` (sorted by name); returns the new Plugin records.
-        Raises FactorError if ``folder`` is not a directory (or not a path at all)."""
+        Raises FactorError if ``folder`` is not a directory (or not a path at all) or cannot be
+        read (no permission to list it)."""
         folder = _path_arg("folder", folder, "a directory path")
         if not folder.is_dir():
             hint = _paths.not_a_checkout() if folder == _paths.factors_dir() else ""
             raise FactorError(f"factor folder '{folder}': not a directory" + (f" ({hint})" if hint else ""))
-        files = sorted(folder.glob("*.so"))
+        try:   # (glob alone reads an unreadable folder as an empty one)
+            with os.scandir(folder) as it:
+                files = sorted(folder / e.name for e in it if e.name.endswith(".so"))
+        except OSError as exc:
+            raise FactorError(f"factor folder '{folder}': cannot be read ({exc.strerror or exc})") from None
         new = [self._load_one(p) for p in files]
         self._note_missing_locked(folder, {p.name for p in files})
         self._choose()

@@ -816,3 +816,20 @@ def test_yaml_refuses_a_key_given_twice_in_a_mapping():
     with pytest.raises(yaml.YAMLError, match=r"duplicate key 'x'"):
         _yaml.load("top: {x: 1, x: 2}\n")
     assert _yaml.load("a: &x {q: 1}\nb: {<<: *x, q: 2}\n") == {"a": {"q": 1}, "b": {"q": 2}}
+
+
+def test_a_folder_that_cannot_be_listed_is_named_not_taken_for_empty(tmp_path, monkeypatch):
+    """A plugin folder without read permission was reported as 'no plugins (*.so)': glob reads an
+    unreadable folder as an empty one. Listing it is refused by name (simulated: the tests run
+    as root, whom permissions do not stop)."""
+    import os
+    from ex_engine import FactorError, FactorRegistry
+    real = os.scandir
+
+    def denied(path="."):
+        if str(path) == str(tmp_path):
+            raise PermissionError(13, "Permission denied", str(path))
+        return real(path)
+    monkeypatch.setattr(os, "scandir", denied)
+    with pytest.raises(FactorError, match=r"factor folder '.*': cannot be read \(Permission denied\)"):
+        FactorRegistry.load(tmp_path, hardware="h200")

@@ -211,6 +211,12 @@ def test_as_bfloat16_takes_bit_patterns_only():
     for bad in (np.zeros(4, np.float16), np.zeros(4, np.float32)):
         with pytest.raises(TypeError, match="expected a 2-byte integer array .* got ndarray of dtype"):
             as_bfloat16(bad)
+    # a real float16 / bfloat16 array needs no tag: the refusal says so
+    with pytest.raises(TypeError, match="of dtype float16 \\(an array of that dtype needs no tag: pass it as it is\\)"):
+        as_bfloat16(np.zeros(4, np.float16))
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    with pytest.raises(TypeError, match="of dtype bfloat16 \\(an array of that dtype needs no tag"):
+        as_bfloat16(np.zeros(4, ml_dtypes.bfloat16))
 
 
 def test_as_bfloat16_refusal_is_the_projects_argument_error_naming_bits():
