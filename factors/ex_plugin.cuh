@@ -20,6 +20,12 @@
 
 #include "ex_engine.h"
 
+// The file name that a plugin's messages on stderr start with, so that two plugins reading the
+// same variable say which one speaks (each plugin's .cu defines it before its includes).
+#ifndef EX_PLUGIN_FILE
+#define EX_PLUGIN_FILE "an ex_engine plugin"
+#endif
+
 namespace explugin {
 
 // The message of the last failing call on this thread (what ex_factor_t.last_error returns).
@@ -74,7 +80,7 @@ static long long env_count(const char* name, long long fallback) {
     errno = 0;
     const long long n = std::strtoll(v, &end, 10);
     if (end != v && *end == '\0' && errno == 0 && n >= 0) return n;
-    std::fprintf(stderr, "[ex_engine] %s='%s' ignored: expected a decimal integer >= 0; using %lld\n",
+    std::fprintf(stderr, "[ex_engine] " EX_PLUGIN_FILE ": %s='%s' ignored: expected a decimal integer >= 0; using %lld\n",
                  name, v, fallback);
     return fallback;
 }
@@ -88,7 +94,7 @@ static bool env_switch(const char* name) {
     if (std::strcmp(v, "1") != 0) {
         static thread_local const char* warned = nullptr;  // once per variable in a row
         if (warned != name)
-            std::fprintf(stderr, "[ex_engine] %s='%s': only 0 turns it off; on\n", name, v);
+            std::fprintf(stderr, "[ex_engine] " EX_PLUGIN_FILE ": %s='%s': only 0 turns it off; on\n", name, v);
         warned = name;
     }
     return true;
@@ -106,7 +112,7 @@ static int env_choice(const char* name, const char* const names[], int n, int fa
     char key[96];
     std::snprintf(key, sizeof key, "%s=%s", name, v);
     if (std::strcmp(key, warned) != 0) {
-        std::fprintf(stderr, "[ex_engine] %s='%s' ignored: expected ", name, v);
+        std::fprintf(stderr, "[ex_engine] " EX_PLUGIN_FILE ": %s='%s' ignored: expected ", name, v);
         for (int i = 0; i < n; ++i)
             std::fprintf(stderr, "%s%s", names[i], i + 2 < n ? ", " : (i + 1 < n ? " or " : ""));
         std::fprintf(stderr, "; using %s\n", names[fallback]);

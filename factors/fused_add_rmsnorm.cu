@@ -33,6 +33,8 @@
  * weight comes from L2 or L1.  T=16384, H=4096 bf16: 537 MB -> 128 us; T=4096, H=2048: 67 MB -> 16 us.
  * Target >= 85% of the copy bandwidth for T=16384, H=2048..8192 bf16.
  */
+#define EX_PLUGIN_FILE "fused_add_rmsnorm.so"  // names this library in its messages (ex_plugin.cuh)
+
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>

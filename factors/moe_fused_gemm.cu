@@ -6,6 +6,8 @@
  *
  * Build:  make factors/moe_fused_gemm.so   (sm_90a + sm_80 + compute_80 PTX)
  */
+#define EX_PLUGIN_FILE "moe_fused_gemm.so"  // names this library in its messages (ex_plugin.cuh)
+
 #include "moe_fused_gemm.cuh"
 
 using namespace exmoe;

@@ -79,6 +79,8 @@
  * workspace_size = max(portable layout, this layout) where this path can be chosen for the dims,
  * else the portable layout.
  */
+#define EX_PLUGIN_FILE "moe_fused_gemm_sm90.so"  // names this library in its messages (ex_plugin.cuh)
+
 #include "cutlass/cutlass.h"
 #include "cutlass/numeric_types.h"
 #include "cute/tensor.hpp"

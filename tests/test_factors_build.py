@@ -1,6 +1,7 @@
 """Every factors/*.cu compiles (nvcc, no GPU needed) and the built plugins pass the registry's
 checks against hardware profiles."""
 import dataclasses
+import re
 import shutil
 import subprocess
 import sys
@@ -179,4 +180,10 @@ def test_a_malformed_switch_is_reported_when_the_plugins_load(built, var, value,
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=env)
     assert p.returncode == 0, p.stderr[-2000:]
     assert p.stdout.strip() == "moe_fused_gemm_sm90.so"
-    assert f"{var}='{value}' {says}" in p.stderr if "ignored" in says else f"{var}='{value}': {says}" in p.stderr
+    text = f"{var}='{value}' {says}" if "ignored" in says else f"{var}='{value}': {says}"
+    # each plugin that reads the variable says so once, under its own file name (the two moe
+    # plugins both read EX_MOE_ROUTE_MULTIBLOCK_SLOTS: two lines that looked the same)
+    lines = [ln for ln in p.stderr.splitlines() if text in ln]
+    assert lines, p.stderr[-2000:]
+    assert all(re.match(r"\[ex_engine\] (moe_fused_gemm|moe_fused_gemm_sm90)\.so: ", ln) for ln in lines), lines
+    assert len(set(lines)) == len(lines), lines
