@@ -238,16 +238,6 @@ def make_expert_map(num_experts: int, world_size: int, rank: int) -> np.ndarray:
 # ---------------------------------------------------------------------------------------------
 # array helpers (NumPy, CuPy, Bits16, torch), no torch import unless the array is torch's
 # ---------------------------------------------------------------------------------------------
-def _ref(fn: str, x, name: str) -> TensorRef:
-    """TensorRef.of(x, name), its errors naming ``fn`` (TensorRef.of names 'ex_engine')."""
-    try:
-        return TensorRef.of(x, name)
-    except ArgumentError as exc:
-        if exc.factor != "ex_engine":
-            raise
-        raise type(exc)(fn, exc.argument, exc.rule, exc.expected, exc.got) from None
-
-
 def _kind(x) -> str:
     """'torch', 'cupy' or 'numpy' (a Bits16 by the array it wraps): arrays.TensorRef's kinds."""
     return TensorRef.of(x).kind
@@ -341,7 +331,7 @@ class ExpertParallelMoE:
         _check_partition_args(fn, num_experts, world_size, rank)
         self.num_experts, self.rank, self.world_size = int(num_experts), int(rank), int(world_size)
         self.first, self.count = expert_partition(self.num_experts, self.world_size, self.rank)
-        r13, r2 = _ref(fn, w13, "w13"), _ref(fn, w2, "w2")
+        r13, r2 = TensorRef.of(w13, "w13", fn), TensorRef.of(w2, "w2", fn)
         if len(r13.shape) != 3:
             raise ShapeError(fn, "w13", "rank", "(E_local, 2I, H)", r13.shape)
         if len(r2.shape) != 3:
@@ -391,7 +381,7 @@ class ExpertParallelMoE:
         fn = "ExpertParallelMoE.from_global"
         if not isinstance(copy, (bool, np.bool_)):
             raise ArgumentError(fn, "copy", "type", "True or False", repr(copy))
-        r13, r2 = _ref(fn, w13, "w13"), _ref(fn, w2, "w2")
+        r13, r2 = TensorRef.of(w13, "w13", fn), TensorRef.of(w2, "w2", fn)
         if len(r13.shape) != 3:
             raise ShapeError(fn, "w13", "rank", "(G, 2I, H)", r13.shape)
         G, I2, H = r13.shape
@@ -438,7 +428,7 @@ class ExpertParallelMoE:
         Returns out. Raises the factor's ArgumentError subclasses (naming the argument) and
         DeviceError / ShapeError from here for a mismatch with the layer.
         """
-        ref = _ref("ExpertParallelMoE", hidden_states, "hidden_states")
+        ref = TensorRef.of(hidden_states, "hidden_states", "ExpertParallelMoE")
         if len(ref.shape) != 2 or ref.shape[1] != self.H:
             raise ShapeError("ExpertParallelMoE", "hidden_states", "shape", f"(T, {self.H})", ref.shape)
         if ref.kind != self.kind or ref.device != self.device:
@@ -473,7 +463,7 @@ class ExpertParallelMoE:
             return TensorRef(None, self.kind, 0, shape, strides, self.dtype, 2, self.device, True)
         arrays = {"hidden_states": hidden_states, "out": out, "topk_weights": topk_weights,
                   "topk_ids": topk_ids, "router_logits": router_logits, "expert_map": self._map_arg}
-        refs = {k: _ref("ExpertParallelMoE", v, k) for k, v in arrays.items() if v is not None}
+        refs = {k: TensorRef.of(v, k, "ExpertParallelMoE") for k, v in arrays.items() if v is not None}
         given = dict(refs)                  # the caller's arrays (the stand-ins have no memory)
         refs["w13"] = stand_in((1, 2 * self.I, self.H))
         refs["w2"] = stand_in((1, self.H, self.I))
