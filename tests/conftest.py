@@ -1,6 +1,7 @@
 """Shared test helpers: building small plugins with gcc, GPU detection, references."""
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -9,6 +10,15 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PLUGIN_SRC = ROOT / "tests" / "plugins" / "host_scale.c"
+
+
+def child_env(*extra) -> dict:
+    """os.environ for a child Python that imports this checkout: PYTHONPATH = ROOT, then
+    ``extra`` folders, then what PYTHONPATH held (where cffi may have been installed: on the lent
+    GPU machines it travels as wheels into a folder on PYTHONPATH, and a child that lost it
+    could not import ex_engine)."""
+    parts = [str(ROOT), *map(str, extra)] + [x for x in os.environ.get("PYTHONPATH", "").split(os.pathsep) if x]
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(parts))
 
 
 def have_gpu() -> bool:

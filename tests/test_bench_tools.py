@@ -100,9 +100,9 @@ PY_SCRIPTS = sorted(str(p.relative_to(ROOT)) for folder in ("benchmarks", "bench
 def test_every_python_script_answers_help(script):
     """`benchmarks/_timing.py --help` and `benchmarks/perf_peers.py --help` printed nothing and
     exited 0; every script in benchmarks/ and scripts/ now prints a usage and what it is."""
-    import os
     import subprocess
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    from tests.conftest import child_env
+    env = child_env()
     r = subprocess.run([sys.executable, str(ROOT / script), "--help"], capture_output=True, text=True,
                        timeout=120, cwd=ROOT, env=env)
     assert r.returncode == 0, r.stderr

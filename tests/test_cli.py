@@ -8,7 +8,7 @@ import pytest
 from pathlib import Path
 
 from ex_engine.cli import build_parser, main
-from tests.conftest import ROOT
+from tests.conftest import ROOT, child_env
 
 
 @pytest.mark.parametrize("argv", [[], ["list-factors"], ["hardware"], ["run"], ["run", "moe"], ["build"],
@@ -509,7 +509,7 @@ def test_run_moe_says_what_it_is_doing_before_the_long_steps(tmp_path):
     lines = r.stdout.splitlines()
     at = {key: next((i for i, line in enumerate(lines) if key in line), None)
           for key in ("MoE layer granite", "building the layer's weights (0.19 GB", "running the layer",
-                      "computing the float64 reference", "timing each factor (1 call)", "served by", "PASS")}
+                      "computing the float64 reference", "timing each factor (", "served by", "PASS")}
     assert None not in at.values(), r.stdout
     assert list(at.values()) == sorted(at.values()), r.stdout
     from ex_engine.moe_layer import run_moe        # a library caller gets the steps only if it asks
@@ -551,7 +551,7 @@ def test_list_factors_and_verify_probe_by_default_and_run_prints_a_fault_traceba
     rejected row naming the crash); --no-probe opens in-process; run moe stays in-process but a
     crash prints Python's fault traceback, and run's help says --probe finds the library."""
     folder = str(_crashing_plugin_dir(tmp_path))
-    env = {**__import__("os").environ, "PYTHONPATH": str(ROOT)}
+    env = child_env()
     r = subprocess.run([sys.executable, "-m", "ex_engine", "list-factors", "--dir", folder, "--hardware", "h200"],
                        capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 0 and "crashed in ex_get_factor: signal SIGSEGV" in r.stdout, (r.returncode, r.stdout, r.stderr)

@@ -226,6 +226,9 @@ def test_forward_all_reduce_over_gloo(nproc, E):
                                                                       "MASTER_"))}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     env["OMP_NUM_THREADS"] = "1"
+    # CPU ranks: on a GPU host init_from_env gives each rank the GPU LOCAL_RANK, and a host with
+    # fewer GPUs than ranks refuses the rest (as it should); this test is about gloo on the CPU
+    env["CUDA_VISIBLE_DEVICES"] = ""
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                         f"--nproc_per_node={nproc}", str(ROOT / "tests" / "ep_gloo_worker.py"),
                         str(E), "13", "32", "16", "2"],

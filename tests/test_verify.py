@@ -11,7 +11,7 @@ from ex_engine.arrays import Bits16, TensorRef
 from ex_engine.cli import main as cli_main
 from ex_engine.manifest import load_all
 from ex_engine.verify import VERIFY_RULES, case_dtypes, compare, make_inputs, verify_plugin
-from tests.conftest import ROOT, build_plugin
+from tests.conftest import ROOT, build_plugin, child_env
 from tests.test_loader import call
 
 MANIFESTS = load_all(ROOT / "manifests")
@@ -387,7 +387,7 @@ def test_sigterm_to_verify_leaves_no_process_behind(tmp_path):
     import sys
     import time
     build_plugin(tmp_path, defines={"FORK_IN_KERNEL": True, "HANG_IN_KERNEL": True})
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = child_env()
     proc = subprocess.Popen([sys.executable, "-m", "ex_engine", "verify", "--dir", str(tmp_path), "--hardware",
                              "h200"], cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     time.sleep(4)
@@ -434,7 +434,7 @@ def test_sigterm_during_an_in_process_fallback_ends_verify(tmp_path):
         "def scale(arrays, sizes, params):\n    time.sleep(20)\n    return _s(arrays, sizes, params)\n")
     y = tmp_path / "host_scale.yaml"
     y.write_text(y.read_text().replace("tests.plugins.host_scale_fallback:scale", "slow_fallback:scale"))
-    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{tmp_path}")
+    env = child_env(tmp_path)
     proc = subprocess.Popen([sys.executable, "-m", "ex_engine", "verify", "--dir", str(tmp_path), "--hardware",
                              "h200", "--in-process"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
@@ -592,7 +592,7 @@ def test_cli_verify_kills_what_a_kernel_started_in_a_new_session(tmp_path):
     import time
     build_plugin(tmp_path / "one", defines={"SETSID_IN_KERNEL": True})
     build_plugin(tmp_path / "chain", defines={"SETSID_IN_KERNEL": True, "SETSID_CHAIN": 120})
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = child_env()
     for d in ("one", "chain"):
         r = subprocess.run([sys.executable, "-m", "ex_engine", "verify", "--dir", str(tmp_path / d), "--hardware",
                             "h200"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
@@ -640,7 +640,7 @@ def test_two_sigterms_in_a_row_still_leave_nothing_behind(tmp_path):
     import sys
     import time
     build_plugin(tmp_path, defines={"SETSID_IN_KERNEL": True, "SETSID_CHAIN": 20, "HANG_IN_KERNEL": True})
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = child_env()
     for _ in range(3):
         proc = subprocess.Popen([sys.executable, "-m", "ex_engine", "verify", "--dir", str(tmp_path), "--hardware",
                                  "h200"], cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
