@@ -398,10 +398,13 @@ class Manifest:
         ``tolerance`` maps known dtypes to numbers > 0 (a dtype it omits gets
         DEFAULT_TOLERANCE, which verify's table marks); each ``test_shapes`` entry gives every
         size of the required arrays as an integer >= 0 and parameters of their declared type."""
-        try:   # a default of the wrong type ('false' for a bool) failed every call using it
-            self.param_values({})
-        except ArgumentError as exc:
-            return f"params: {exc.argument}: default: expected {exc.expected}, got {exc.got}"
+        for k, spec in self.params.items():   # a default of the wrong type ('false' for a
+            if "default" not in spec:           # bool) failed every call using it; a parameter
+                continue                        # without one is required of every call
+            try:
+                self._param_value(k, spec, spec["default"])
+            except ArgumentError as exc:
+                return f"params: {exc.argument}: default: expected {exc.expected}, got {exc.got}"
         if self.fallback is not None and not (isinstance(self.fallback, str) and _FALLBACK.match(self.fallback)):
             return f"fallback: expected 'module:function' (e.g. ex_engine.fallbacks:topk_softmax), got {self.fallback!r}"
         for dt, tol in self.tolerance.items():
@@ -536,7 +539,8 @@ class Manifest:
 
         params: a mapping of parameter name -> value ({} for all defaults). Raises
         ArgumentError naming the factor and 'params' for another type, and naming the parameter
-        for an unknown name or a value of the wrong type."""
+        for an unknown name, a value of the wrong type, or a parameter without a default that
+        ``params`` does not give (a required one)."""
         if not isinstance(params, dict):
             raise ArgumentError(self.name, "params", "type", "a mapping of parameter name -> value",
                                 f"{type(params).__name__} {params!r}")
@@ -546,40 +550,47 @@ class Manifest:
                 raise ArgumentError(self.name, k, "unknown parameter",
                                     f"one of {sorted(self.params)}", repr(k))
         for k, spec in self.params.items():
-            v = params.get(k, spec.get("default"))
-            typ = spec.get("type", "float")
-            if typ == "bool":
-                if not bool_like(v):
-                    raise ArgumentError(self.name, k, "type", "a bool", repr(v))
-                v = bool(v)
-            elif typ == "int":
-                # Python's or NumPy's integers (not bools); passed to the kernel as an int64
-                is_bool = isinstance(v, bool) or getattr(getattr(v, "dtype", None), "kind", "") == "b"
-                if is_bool or not hasattr(v, "__index__") or getattr(v, "shape", ()) != ():
-                    raise ArgumentError(self.name, k, "type", "an int", repr(v))
-                v = operator.index(v)
-                if not -2 ** 63 <= v < 2 ** 63:
-                    raise ArgumentError(self.name, k, "value", "an int in the int64 range", repr(v))
-            else:
-                if isinstance(v, (str, bytes, bool)):  # float('1e-6') would parse it; True is no eps
-                    raise ArgumentError(self.name, k, "type", "a number", repr(v))
-                try:
-                    v = float(v)
-                except (TypeError, ValueError):
-                    raise ArgumentError(self.name, k, "type", "a number", repr(v)) from None
-                except OverflowError:   # an int beyond float's range (10**400)
-                    raise ArgumentError(self.name, k, "value", "a finite number", repr(v)) from None
-                if "gt" in spec and not float(spec["gt"]) < v < float("inf"):  # NaN fails too
-                    raise ArgumentError(self.name, k, "value", f"a finite number > {spec['gt']}", repr(v))
-                # float32: the factor computes with it in float32 (fused_add_rmsnorm's eps = 1e-60
-                # passed 'gt: 0' and was 0 there: an all-zero row divided by zero; 1e39 was inf)
-                if spec.get("float32") and v != 0 and not _F32_TINY <= abs(_to_f32(v)) <= _F32_MAX:
-                    zero = "" if float(spec.get("gt", -1)) >= 0 else "0, or "
-                    raise ArgumentError(self.name, k, "value", f"a number that rounds to a normal float32 "
-                                        f"({zero}a magnitude from {_F32_TINY:.9g} to {_F32_MAX:.9g}): "
-                                        "the factor computes with it in float32", repr(v))
-            out[k] = v
+            if k not in params and "default" not in spec:
+                raise ArgumentError(self.name, k, "required", "a value (the manifest gives no default)",
+                                    "none given")
+            out[k] = self._param_value(k, spec, params[k] if k in params else spec["default"])
         return out
+
+    def _param_value(self, k: str, spec: dict, v):
+        """Parameter ``k``'s value ``v`` checked against its ``spec`` (type, gt, float32) and
+        converted (bool, int or float); raises ArgumentError naming the parameter."""
+        typ = spec.get("type", "float")
+        if typ == "bool":
+            if not bool_like(v):
+                raise ArgumentError(self.name, k, "type", "a bool", repr(v))
+            v = bool(v)
+        elif typ == "int":
+            # Python's or NumPy's integers (not bools); passed to the kernel as an int64
+            is_bool = isinstance(v, bool) or getattr(getattr(v, "dtype", None), "kind", "") == "b"
+            if is_bool or not hasattr(v, "__index__") or getattr(v, "shape", ()) != ():
+                raise ArgumentError(self.name, k, "type", "an int", repr(v))
+            v = operator.index(v)
+            if not -2 ** 63 <= v < 2 ** 63:
+                raise ArgumentError(self.name, k, "value", "an int in the int64 range", repr(v))
+        else:
+            if isinstance(v, (str, bytes, bool)):  # float('1e-6') would parse it; True is no eps
+                raise ArgumentError(self.name, k, "type", "a number", repr(v))
+            try:
+                v = float(v)
+            except (TypeError, ValueError):
+                raise ArgumentError(self.name, k, "type", "a number", repr(v)) from None
+            except OverflowError:   # an int beyond float's range (10**400)
+                raise ArgumentError(self.name, k, "value", "a finite number", repr(v)) from None
+            if "gt" in spec and not float(spec["gt"]) < v < float("inf"):  # NaN fails too
+                raise ArgumentError(self.name, k, "value", f"a finite number > {spec['gt']}", repr(v))
+            # float32: the factor computes with it in float32 (fused_add_rmsnorm's eps = 1e-60
+            # passed 'gt: 0' and was 0 there: an all-zero row divided by zero; 1e39 was inf)
+            if spec.get("float32") and v != 0 and not _F32_TINY <= abs(_to_f32(v)) <= _F32_MAX:
+                zero = "" if float(spec.get("gt", -1)) >= 0 else "0, or "
+                raise ArgumentError(self.name, k, "value", f"a number that rounds to a normal float32 "
+                                    f"({zero}a magnitude from {_F32_TINY:.9g} to {_F32_MAX:.9g}): "
+                                    "the factor computes with it in float32", repr(v))
+        return v
 
     def bind(self, arrays: dict, params: dict | None = None, tuned=None):
         """Check ``arrays`` (name -> TensorRef or None) against this contract.

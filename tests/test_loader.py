@@ -833,3 +833,25 @@ def test_a_folder_that_cannot_be_listed_is_named_not_taken_for_empty(tmp_path, m
     monkeypatch.setattr(os, "scandir", denied)
     with pytest.raises(FactorError, match=r"factor folder '.*': cannot be read \(Permission denied\)"):
         FactorRegistry.load(tmp_path, hardware="h200")
+
+
+def test_a_parameter_without_a_default_is_required_not_refused(tmp_path):
+    """The load-time check of defaults refused a parameter that has none ('params: beta: default:
+    expected a number, got None'): such a parameter is required of every call, as before that
+    check. The manifest loads; a call that omits it is refused by name, one that gives it runs."""
+    from ex_engine import ArgumentError, FactorError
+    from ex_engine.manifest import Manifest
+    text = ((ROOT / "tests" / "plugins" / "host_scale.yaml").read_text().replace("- {N: 7}", "- {N: 7, beta: 0.5}")
+            + "params: {beta: {type: float, gt: 0}}\n")
+    (tmp_path / "host_scale.yaml").write_text(text)
+    m = Manifest.load(tmp_path / "host_scale.yaml")
+    assert m._fields_problem() == ""
+    with pytest.raises(ArgumentError, match=r"host_scale: argument 'beta': required: expected a value "
+                                            r"\(the manifest gives no default\), got none given"):
+        m.param_values({})
+    assert m.param_values({"beta": 2}) == {"beta": 2.0}
+    with pytest.raises(ArgumentError, match=r"argument 'beta': value: expected a finite number > 0"):
+        m.param_values({"beta": -1.0})
+    (tmp_path / "host_scale.yaml").write_text(text.replace("- {N: 7, beta: 0.5}", "- {N: 7}"))
+    with pytest.raises(FactorError, match=r"test_shapes\[0\]: beta: expected a value \(the manifest gives no default\)"):
+        Manifest.load(tmp_path / "host_scale.yaml")     # verify could not run that shape
