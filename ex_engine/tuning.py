@@ -74,12 +74,16 @@ class FactorTuning:
             # -1: the kernel's own choice; below that no kernel accepts a value (moe_fused_gemm
             # refuses the call), so the file is refused here instead
             self.values = {str(k): _int(v, f"values.{k}", -1) for k, v in data["values"].items()}
+            # two names for one code: rows naming either run that code. An alias is harmless,
+            # a slip (tiny: 1 beside decode: 1) is not: said in a remark, the table kept
+            self.remarks: list = []
             seen: dict = {}
-            for k, v in self.values.items():   # two names for one code: rows naming either are one
+            for k, v in self.values.items():
                 if v in seen:
-                    raise ValueError(f"values: {seen[v]!r} and {k!r} both give {v}; expected one name "
-                                     "per configuration code")
-                seen[v] = k
+                    a, b = sorted((seen[v], k))
+                    self.remarks.append(f"values: {a!r} and {b!r} both give {v}: rows naming "
+                                        f"either run configuration {v}")
+                seen.setdefault(v, k)
             if not isinstance(data["shapes"], list):
                 raise TypeError("shapes: expected a list")
             self.table: dict = {}
@@ -198,6 +202,7 @@ class TuningTable:
                     continue
                 factors = {k: FactorTuning(k, v, str(p)) for k, v in data.items()
                            if k not in ("device", "multiprocessor_count", _NUMERIC_DEVICE)}
+                remarks += [f"tuning file {p}: {k}: {r}" for k, f in factors.items() for r in f.remarks]
                 if chosen is not None:
                     remarks.append(f"tuning file {p}: also for {device}; {chosen[1]} (first by name) "
                                    "is used, this one is not")
