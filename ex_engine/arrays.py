@@ -8,6 +8,7 @@ ml_dtypes and CuPy without bfloat16 support still work.
 """
 from __future__ import annotations
 
+import numbers
 import sys
 from dataclasses import dataclass
 from typing import Any
@@ -116,10 +117,15 @@ class Bits16:
     def __init__(self, bits, dtype: str = "bfloat16", _caller: str = "Bits16"):
         from .errors import ArgumentError, DTypeError   # (errors imports nothing of ours: no cycle)
         dt = getattr(bits, "dtype", None)
-        if dt is None or getattr(dt, "itemsize", 0) != 2 or getattr(dt, "kind", "u") not in "ui":
+        # NumPy/CuPy dtypes have a kind; torch's have none (is_floating_point instead): a torch
+        # float16/bfloat16 tensor had passed as bit patterns
+        kind = getattr(dt, "kind", None)
+        if kind is None:
+            kind = "f" if getattr(dt, "is_floating_point", False) or getattr(dt, "is_complex", False) else "i"
+        if dt is None or getattr(dt, "itemsize", 0) != 2 or kind not in "ui":
             # a float16 array here would be reinterpreted bit for bit (its values lost)
             got = type(bits).__name__ if dt is None else f"{type(bits).__name__} of dtype {dt}"
-            if str(dt) in ("bfloat16", "float16"):   # a real 16-bit float array needs no tag
+            if str(dt).replace("torch.", "") in ("bfloat16", "float16"):   # a 16-bit float array needs no tag
                 got += " (an array of that dtype needs no tag: pass it as it is)"
             raise DTypeError(_caller, "bits", "dtype", "a 2-byte integer array (uint16 or int16 "
                              "bit patterns)", got)
@@ -173,8 +179,8 @@ def _cai_device(x, ptr: int) -> int:
     dev = getattr(x, "device", None)
     for attr in ("id", "index"):
         v = getattr(dev, attr, None)
-        if isinstance(v, int) and not isinstance(v, bool) and v >= 0:
-            return v
+        if isinstance(v, numbers.Integral) and not isinstance(v, (bool, np.bool_)) and v >= 0:
+            return int(v)   # (a NumPy integer too)
     if not _CUPY_RUNTIME:
         try:
             from cupy.cuda import runtime

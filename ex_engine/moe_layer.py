@@ -240,7 +240,7 @@ class MoELayer:
 
     def _activations(self, fn: str, hidden_states) -> TensorRef:
         """TensorRef of hidden_states after checking it is (T, H) of the layer's dtype."""
-        ref = TensorRef.of(hidden_states, "hidden_states")
+        ref = TensorRef.of(hidden_states, "hidden_states", fn)
         if ref.dtype != self.dtype:
             raise DTypeError(fn, "hidden_states", "the layer's dtype", self.dtype, ref.dtype)
         if len(ref.shape) != 2 or ref.shape[1] != self.shape.H:
@@ -252,8 +252,7 @@ class MoELayer:
         router_logits (T, E) float32) through ex_engine's factors (``registry``: None for the
         default). hidden_states: (T, H) of the layer's dtype; DTypeError / ShapeError naming it
         otherwise (fn 'MoELayer.forward'); else raises what topk_softmax and moe_fused_gemm raise."""
-        self._activations("MoELayer.forward", hidden_states)
-        logits = self.router_logits(hidden_states)
+        logits = self._activations("MoELayer.forward", hidden_states).load_f32() @ self.router_weight.T
         w, ids = topk_softmax(logits, self.shape.K, self.shape.renormalize, registry=registry)
         out = moe_fused_gemm(hidden_states, self.w13, self.w2, w, ids, router_logits=logits,
                              registry=registry)

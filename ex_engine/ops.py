@@ -90,16 +90,21 @@ def _np_dtype(dtype: str):
 
 def _refuse_grad_leaf(fn: str, written: dict) -> None:
     """Raise ArgumentError naming the first of ``written`` (torch tensors that require grad,
-    written in place by ``fn``) that is a leaf while grad mode is on: torch refuses in-place
-    ops on such a leaf, and ``fn`` records no autograd graph."""
+    written in place by ``fn``) that is a leaf, or a view of one (x = leaf[:, :H], a row-strided
+    view this op takes), while grad mode is on: torch refuses in-place ops on both, and ``fn``
+    records no autograd graph, so the leaf (a Parameter, say) would change behind autograd."""
     if not sys.modules["torch"].is_grad_enabled():
         return
     for name, a in written.items():
-        if getattr(a, "requires_grad", False) and a.is_leaf:
+        if not getattr(a, "requires_grad", False):
+            continue
+        base = a._base
+        if a.is_leaf or (base is not None and base.is_leaf and base.requires_grad):
             raise ArgumentError(fn, name, "autograd", "a tensor it may write in place (no leaf that "
-                                "requires grad while grad mode is on: call under torch.no_grad() or "
-                                "torch.inference_mode(), or pass .detach())",
-                                "a leaf tensor with requires_grad=True")
+                                "requires grad, nor a view of one, while grad mode is on: call under "
+                                "torch.no_grad() or torch.inference_mode(), or pass .detach())",
+                                "a leaf tensor with requires_grad=True" if a.is_leaf else
+                                "a view of a leaf tensor with requires_grad=True")
 
 
 def topk_softmax(router_logits, top_k: int, renormalize: bool = False, *, topk_weights=None,
@@ -176,9 +181,9 @@ def fused_add_rmsnorm(x, residual, weight, eps: float = 1e-6, *,
     fused_add_rms_norm). (Source: Zhang & Sennrich 2019, "Root Mean Square Layer
     Normalization"; vLLM csrc/layernorm_kernels.cu.)
     An inference op: the in-place writes are recorded in no autograd graph (no gradient flows
-    through it). A torch leaf tensor that requires grad is refused as x or residual while
-    grad mode is on (torch.is_grad_enabled()), as torch refuses in-place ops on one; call it
-    under torch.no_grad() / torch.inference_mode().
+    through it). A torch leaf tensor that requires grad, or a view of one, is refused as x or
+    residual while grad mode is on (torch.is_grad_enabled()), as torch refuses in-place ops on
+    both; call it under torch.no_grad() / torch.inference_mode().
 
     x, residual: (T, H), the same dtype (float16, bfloat16 or float32); rows may be views into
     wider buffers (unit stride along H). weight: (H,) same dtype. eps: a float > 0 that rounds

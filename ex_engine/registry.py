@@ -1017,7 +1017,8 @@ class FactorRegistry:
         kernel returns an error status (named); FactorError when no path took the call (no
         ready plugin or both C paths declined, and no Python fallback) or the Python fallback
         raised or returned something other than its flags (its own FactorError or MemoryError
-        passes as it is). Every one but FactorNotFoundError counts in stats()' 'errors'.
+        passes as it is). Every one counts in stats()' 'errors' but FactorNotFoundError and the
+        ArgumentError for a name that is not a str (neither names a factor to count it under).
 
         Host time: a call whose arrays have the dtypes, shapes, strides, devices (and, on the
         host, writability) of an earlier valid call to the same plugin, with equal parameters,
@@ -1313,7 +1314,10 @@ class FactorRegistry:
         name is quiet (cleanup code may run before a factor is known). What ``fn`` returns is
         checked where a call binds (once per call signature): a value that is no integer is a
         FactorError, one outside the manifest's range/options for the dim an ArgumentError
-        naming the factor and the dim (dispatch and call_plugin raise them)."""
+        naming the factor and the dim (dispatch and call_plugin raise them). A ``name`` that is
+        not a str is an ArgumentError naming set_tuning, with or without ``fn``."""
+        if type(name) is not str:
+            _check_name("set_tuning", name)
         if fn is not None:
             m = self._manifest(name, "set_tuning")
             if not callable(fn):

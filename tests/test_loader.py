@@ -855,3 +855,17 @@ def test_a_parameter_without_a_default_is_required_not_refused(tmp_path):
     (tmp_path / "host_scale.yaml").write_text(text.replace("- {N: 7, beta: 0.5}", "- {N: 7}"))
     with pytest.raises(FactorError, match=r"test_shapes\[0\]: beta: expected a value \(the manifest gives no default\)"):
         Manifest.load(tmp_path / "host_scale.yaml")     # verify could not run that shape
+
+
+def test_device_flags_take_a_quoted_bit_number(tmp_path):
+    """The stricter manifest check refused device_flags: {"0": text} (a quoted key), which had
+    loaded as bit 0; it is bit 0 again, while a key that is no bit number is still refused."""
+    from ex_engine import FactorError
+    from ex_engine.manifest import Manifest
+    base = (ROOT / "tests" / "plugins" / "host_scale.yaml").read_text()
+    (tmp_path / "host_scale.yaml").write_text(base + 'device_flags: {"0": a bad alpha}\n')
+    assert Manifest.load(tmp_path / "host_scale.yaml").device_flags == {0: "a bad alpha"}
+    for key in ('"x"', "0.5", "32"):
+        (tmp_path / "host_scale.yaml").write_text(base + f"device_flags: {{{key}: a bad alpha}}\n")
+        with pytest.raises(FactorError, match="device_flags: .*expected a bit number 0..31"):
+            Manifest.load(tmp_path / "host_scale.yaml")

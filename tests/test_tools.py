@@ -124,6 +124,8 @@ def test_moe_layer_checks_hidden_states():
         layer.forward(np.zeros((2, 16), np.float32))
     with pytest.raises(ShapeError, match=r"MoELayer.router_logits"):
         layer.router_logits(np.zeros(16, np.float16))
+    with pytest.raises(DTypeError, match=r"^MoELayer.forward: argument 'hidden_states': type"):
+        layer.forward([[0.0] * 16])        # no array at all: named as well (it said 'ex_engine')
 
 
 def test_moe_layer_reference_refuses_ids_outside_the_experts():

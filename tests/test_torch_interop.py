@@ -202,6 +202,17 @@ def test_rmsnorm_refuses_a_leaf_that_requires_grad_and_the_ops_record_no_graph(r
         fused_add_rmsnorm(x.clone(), r.clone().requires_grad_(), w, registry=reg)
     with torch.no_grad():
         fused_add_rmsnorm(x.clone().requires_grad_(), r.clone(), w, registry=reg)
+    # a row-strided view of such a leaf (the op takes views into wider buffers): torch refuses
+    # x.add_(1) there too; it had gone through and changed the leaf behind autograd
+    leaf = torch.randn(2, 16, requires_grad=True)
+    before = leaf.detach().clone()
+    with pytest.raises(ArgumentError, match="^fused_add_rmsnorm: argument 'x': autograd.*a view of a leaf"):
+        fused_add_rmsnorm(leaf[:, :8], r.clone(), w, registry=reg)
+    assert torch.equal(leaf.detach(), before)
+    # a non-leaf that requires grad (an activation) runs, and nothing it returns requires grad
+    act = x.clone().requires_grad_() * 1.0
+    rr = r.clone()
+    fused_add_rmsnorm(act, rr, w, registry=reg)
     lg = torch.randn(3, 8, requires_grad=True)
     tw, ti = topk_softmax(lg, 2, registry=reg)
     assert not tw.requires_grad and not ti.requires_grad
@@ -388,3 +399,15 @@ def test_views_and_pointers_a_kernel_cannot_read_as_they_are(tmp_path, monkeypat
     for _ in range(3):
         r.dispatch("host_scale", {"x": torch.ones(0), "out": torch.zeros(0), "alpha": alpha})
     assert len(n) == 0     # filed by the zero-element call above: all three on the short path
+
+
+def test_as_bfloat16_refuses_torch_float_tensors():
+    """torch.dtype has no .kind: a torch float16/bfloat16 tensor passed as_bfloat16's integer
+    check and its values would have been read as bit patterns. Refused, saying it needs no tag;
+    int16 bit patterns in a torch tensor are still taken."""
+    from ex_engine.arrays import as_bfloat16
+    from ex_engine.errors import DTypeError
+    for dt in (torch.float16, torch.bfloat16):
+        with pytest.raises(DTypeError, match="as_bfloat16: argument 'bits'.*needs no tag"):
+            as_bfloat16(torch.zeros(4, dtype=dt))
+    assert as_bfloat16(torch.zeros(4, dtype=torch.int16)).dtype == "bfloat16"

@@ -532,6 +532,8 @@ def test_cuda_array_interface_strides_device_and_read_only_flag(reg):
         x = _CAI((2, 2))
         x.device = type("Dev", (), {attr: 3})()
         assert TensorRef.of(x).device == 3
+        x.device = type("Dev", (), {attr: np.int64(2)})()    # a NumPy integer had been ignored
+        assert TensorRef.of(x).device == 2
     assert TensorRef.of(_CAI((2, 2))).device == 0      # no GPU, nothing says: 0 (documented)
     # read-only outputs are refused, given as arrays or as TensorRefs (ops.topk_softmax's)
     lg = _CAI((2, 4))
@@ -609,6 +611,9 @@ def test_a_factor_name_that_is_no_str_is_the_argument_name(reg):
             reg.dispatch(bad, {})
     with pytest.raises(ArgumentError, match="^set_fallback: argument 'name'"):
         reg.set_fallback(["x"], lambda a, s, p: None)
+    for fn in (None, lambda sizes: -1):   # (with None it named TuningTable.override)
+        with pytest.raises(ArgumentError, match="^set_tuning: argument 'name'"):
+            reg.set_tuning(["x"], fn)
     with pytest.raises(FactorNotFoundError, match="no factor named 'nope'"):
         reg.manifest("nope")
     assert reg.get("nope") is None
