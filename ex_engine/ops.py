@@ -98,7 +98,7 @@ def _refuse_grad_leaf(fn: str, written: dict) -> None:
     for name, a in written.items():
         if not getattr(a, "requires_grad", False):
             continue
-        base = a._base
+        base = None if a.is_leaf else a._base
         if a.is_leaf or (base is not None and base.is_leaf and base.requires_grad):
             raise ArgumentError(fn, name, "autograd", "a tensor it may write in place (no leaf that "
                                 "requires grad, nor a view of one, while grad mode is on: call under "
