@@ -240,10 +240,5 @@ def main():
 
 
 if __name__ == "__main__":
-    try:
-        code = main()
-        sys.stdout.flush()
-    except BrokenPipeError:   # `... | head`: the reader left early (as ex-engine's CLI handles it)
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        code = 1
-    sys.exit(code)
+    from ex_engine.cli import exit_quietly_on_broken_pipe
+    exit_quietly_on_broken_pipe(main)

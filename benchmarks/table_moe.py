@@ -3,7 +3,6 @@
     python3 benchmarks/table_moe.py bench_moe.json"""
 import argparse
 import json
-import os
 import sys
 
 from perf_peers import VLLM_US
@@ -40,10 +39,5 @@ def main(path):
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("json", help="the --json output of benchmarks/bench_moe.py")
-    try:
-        code = main(ap.parse_args().json)
-        sys.stdout.flush()
-    except BrokenPipeError:   # `... | head`: the reader left early (as ex-engine's CLI handles it)
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        code = 1
-    sys.exit(code)
+    from ex_engine.cli import exit_quietly_on_broken_pipe
+    exit_quietly_on_broken_pipe(main, ap.parse_args().json)

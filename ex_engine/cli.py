@@ -446,9 +446,27 @@ def main(argv=None) -> int:
         print("ex-engine: terminated (SIGTERM)", file=sys.stderr)
         return 128 + signal.SIGTERM
     except BrokenPipeError:          # `ex-engine list-factors | head`: the reader left early
-        import os
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 1
+        return _reader_left()
+
+
+def _reader_left() -> int:
+    """After a BrokenPipeError on stdout (`... | head`: the reader left early): stdout goes to
+    /dev/null, so that Python's flush at exit raises nothing more; returns the exit status 1."""
+    import os
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 1
+
+
+def exit_quietly_on_broken_pipe(script_main, *args) -> None:
+    """``sys.exit(script_main(*args))`` for the scripts in benchmarks/ and scripts/: a reader
+    that leaves early (`bench_moe.py | head`) ends the script with status 1, not a
+    BrokenPipeError traceback, as ex-engine's own commands do. Never returns."""
+    try:
+        code = script_main(*args)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        code = _reader_left()
+    sys.exit(code)
 
 
 if __name__ == "__main__":
