@@ -180,6 +180,21 @@ def test_probe_reports_a_hang(tmp_path):
     assert p.reason == "probe (child process): timed out after 2 s in ex_get_factor", p.reason
 
 
+def test_cli_probe_timeout_option(tmp_path, capsys):
+    """With probing the default of list-factors and verify, the child's time limit is theirs to
+    set too (--probe-timeout; it was fixed at 10 s): a hanging library is refused after it."""
+    import time
+    build_plugin(tmp_path, defines={"HANG": True})
+    t0 = time.monotonic()
+    assert cli_main(["list-factors", "--dir", str(tmp_path), "--hardware", "h200", "--probe-timeout", "1",
+                     "--why"]) == 0
+    assert time.monotonic() - t0 < 8
+    assert "timed out after 1 s in ex_get_factor" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as e:
+        cli_main(["list-factors", "--probe-timeout", "0"])
+    assert e.value.code == 2 and "expected a number of seconds > 0, got '0'" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("defines,reason", [
     ({"EXIT_IN_GET": 0}, "exited with status 0 in ex_get_factor (the library ended the child process)"),
     ({"EXIT_IN_GET": 3}, "exited with status 3 in ex_get_factor"),
