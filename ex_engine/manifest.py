@@ -82,7 +82,6 @@ _FALLBACK = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$")
 
 _TERM = re.compile(r"^\s*(?:(\d+)\s*\*\s*)?([A-Za-z_]\w*)\s*(?:\*\s*(\d+))?\s*$")
 _CONSTRAINT = re.compile(r"^\s*(\w+)\s*(<=|<|==|>=|>)\s*(\w+)\s*$")
-_OPS = {"<=": operator.le, "<": operator.lt, "==": operator.eq, ">=": operator.ge, ">": operator.gt}
 
 
 def _parse_dim(expr):
@@ -436,20 +435,18 @@ class Manifest:
                 self.param_values({k: v for k, v in case.items() if k in self.params})
             except ArgumentError as exc:
                 return f"test_shapes[{i}]: {exc.argument}: expected {exc.expected}, got {exc.got}"
-            # the manifest's own constraints (a shape K > E made every verify case fail on bind)
+            # the manifest's own constraints (a shape K > E made every verify case fail on bind),
+            # checked as bind checks them
             sizes = {k: v for k, v in case.items() if k not in self.params}
-            for d, src in self.dim_sources.items():
-                if isinstance(src, dict) and src.get("default_dim") in sizes and d not in sizes:
-                    sizes[d] = sizes[src["default_dim"]]
+            self._default_dims(sizes)
             for text in self.constraints:
                 m = _CONSTRAINT.match(str(text))
                 if not m:
                     continue     # load reports it
-                a, op, b = m.groups()
-                va, vb = (int(s) if s.isdigit() else sizes.get(s) for s in (a, b))
-                if va is not None and vb is not None and not _OPS[op](va, vb):
-                    got = ", ".join(f"{s}={sizes[s]}" for s in (a, b) if not s.isdigit())
-                    return f"test_shapes[{i}]: expected sizes that keep the constraint '{text}', got {got}"
+                try:
+                    self._check_constraint(m, sizes, None, text)
+                except ShapeError as exc:
+                    return f"test_shapes[{i}]: expected sizes that keep the constraint '{text}', got {exc.got}"
         return ""
 
     def tolerance_for(self, dtype: str) -> tuple:
@@ -661,11 +658,7 @@ class Manifest:
                 if other is not None and other.dtype != ref.dtype:
                     raise DTypeError(name, spec.name, f"same dtype as {spec.same_dtype_as}",
                                      other.dtype, ref.dtype)
-        for d, src in self.dim_sources.items():
-            # a size no given array fixes (its array is optional and absent) takes another's
-            if d not in sizes and "default_dim" in src and src["default_dim"] in sizes:
-                sizes[d] = sizes[src["default_dim"]]
-                origin[d] = f"{origin[src['default_dim']]}, as {src['default_dim']}"
+        self._default_dims(sizes, origin)
         for text, m in zip(self.constraints, self._constraints):
             self._check_constraint(m, sizes, None, text, origin)
         for spec, m in self._absent:
@@ -674,6 +667,15 @@ class Manifest:
                                        "is not given", origin)
         dims = [self._dim_value(d, sizes, pvals, arrays, tuned) for d in self.dims]
         return refs, dims, sizes, pvals, (-1 if device is None else device)
+
+    def _default_dims(self, sizes: dict, origin: dict | None = None) -> None:
+        """A size no given array fixes (its array is optional and absent) takes the size its
+        dim source names as ``default_dim`` (moe_fused_gemm: G = E without an expert_map)."""
+        for d, src in self.dim_sources.items():
+            if isinstance(src, dict) and d not in sizes and src.get("default_dim") in sizes:
+                sizes[d] = sizes[src["default_dim"]]
+                if origin is not None:
+                    origin[d] = f"{origin.get(src['default_dim'], src['default_dim'])}, as {src['default_dim']}"
 
     def _absent_equalities(self, arrays, sizes, origin) -> None:
         """For each absent optional array whose absent_requires is ``A == B`` with B known and
