@@ -4,6 +4,7 @@
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from perf_peers import VLLM_US
 
@@ -39,5 +40,6 @@ def main(path):
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("json", help="the --json output of benchmarks/bench_moe.py")
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # this checkout's ex_engine
     from ex_engine.cli import exit_quietly_on_broken_pipe
     exit_quietly_on_broken_pipe(main, ap.parse_args().json)

@@ -218,11 +218,15 @@ def raw_problem(d: dict) -> str:
             return f"{k}: expected a list, got {_got(d[k])}"
     if not all(isinstance(c, str) for c in d.get("constraints") or []):
         return f"constraints: expected a list of strings ('K <= E'), got {d['constraints']!r:.80}"
+    bits: set = set()
     for b, text in (d.get("device_flags") or {}).items():
         if isinstance(b, str) and b.isdecimal():   # a quoted key ("0": ...) is the same bit
             b = int(b)
         if not _is_int(b) or not 0 <= b < 32:
             return f"device_flags: {b!r}: expected a bit number 0..31 of the workspace's int32"
+        if b in bits:                              # 0 and "0": one bit given twice
+            return f"device_flags: bit {b} given twice (as {b} and as '{b}'); expected one meaning per bit"
+        bits.add(b)
     return ""
 
 

@@ -1334,7 +1334,10 @@ class FactorRegistry:
         """Use ``fn(arrays, sizes, params)`` as the Python fallback of ``name`` (over the
         manifest's); None restores the manifest's. Raises FactorNotFoundError for an unknown
         factor, FactorError for an ``fn`` that cannot be called so (fallback_problem); None for
-        any name is quiet (cleanup code may run before a factor is known)."""
+        any name is quiet (cleanup code may run before a factor is known); a ``name`` that is
+        not a str is an ArgumentError naming set_fallback, with or without ``fn``."""
+        if type(name) is not str:
+            _check_name("set_fallback", name)
         if fn is None:
             self._fallbacks.pop(name, None)
             return

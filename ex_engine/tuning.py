@@ -149,7 +149,8 @@ class TuningTable:
         self.folder = Path(folder) if folder else tuning_dir()   # where the files were looked for
         self.warn = warn
         self.problems: list = problems or []   # files skipped as malformed (message each)
-        self.remarks: list = remarks or []     # well-formed files not used, and why (message each)
+        self.remarks: list = remarks or []     # well-formed files not used, and why; two names
+                                               # for one code in a table (message each)
         self._warned: set = set()
         self._lock = threading.Lock()
         self._overrides: dict = {}
@@ -166,7 +167,8 @@ class TuningTable:
         its notes): like a bad plugin, it never stops the registry; its shapes run on the
         kernels' defaults. Of several files for this device the first by name is used and the
         others are named in ``remarks``, as is a file for this GPU's name in other letter case
-        or for another SM count.
+        or for another SM count, and a table that gives one configuration code two names (kept:
+        rows naming either run that code).
 
         hardware: a Hardware (or any object with ``name``, ``multiprocessor_count`` and
         ``live``), a profile name or path (str or os.PathLike: Hardware.from_profile), or None

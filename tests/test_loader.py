@@ -865,6 +865,9 @@ def test_device_flags_take_a_quoted_bit_number(tmp_path):
     base = (ROOT / "tests" / "plugins" / "host_scale.yaml").read_text()
     (tmp_path / "host_scale.yaml").write_text(base + 'device_flags: {"0": a bad alpha}\n')
     assert Manifest.load(tmp_path / "host_scale.yaml").device_flags == {0: "a bad alpha"}
+    (tmp_path / "host_scale.yaml").write_text(base + 'device_flags: {0: one, "0": other}\n')
+    with pytest.raises(FactorError, match="device_flags: bit 0 given twice"):
+        Manifest.load(tmp_path / "host_scale.yaml")          # (the second meaning had replaced the first)
     for key in ('"x"', "0.5", "32"):
         (tmp_path / "host_scale.yaml").write_text(base + f"device_flags: {{{key}: a bad alpha}}\n")
         with pytest.raises(FactorError, match="device_flags: .*expected a bit number 0..31"):

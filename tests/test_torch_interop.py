@@ -212,7 +212,8 @@ def test_rmsnorm_refuses_a_leaf_that_requires_grad_and_the_ops_record_no_graph(r
     # a non-leaf that requires grad (an activation) runs, and nothing it returns requires grad
     act = x.clone().requires_grad_() * 1.0
     rr = r.clone()
-    fused_add_rmsnorm(act, rr, w, registry=reg)
+    xo, ro = fused_add_rmsnorm(act, rr, w, registry=reg)
+    assert xo is act and ro is rr and not ro.requires_grad     # the arrays given, written in place
     lg = torch.randn(3, 8, requires_grad=True)
     tw, ti = topk_softmax(lg, 2, registry=reg)
     assert not tw.requires_grad and not ti.requires_grad

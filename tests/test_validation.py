@@ -614,6 +614,10 @@ def test_a_factor_name_that_is_no_str_is_the_argument_name(reg):
     for fn in (None, lambda sizes: -1):   # (with None it named TuningTable.override)
         with pytest.raises(ArgumentError, match="^set_tuning: argument 'name'"):
             reg.set_tuning(["x"], fn)
+    reg.set_fallback("fused_add_rmsnorm", lambda a, s, p: None)
+    with pytest.raises(ArgumentError, match="^set_fallback: argument 'name'"):
+        reg.set_fallback(["x"], None)    # (a bare TypeError once a fallback had been set)
+    reg.set_fallback("fused_add_rmsnorm", None)
     with pytest.raises(FactorNotFoundError, match="no factor named 'nope'"):
         reg.manifest("nope")
     assert reg.get("nope") is None
