@@ -8,12 +8,13 @@ ml_dtypes and CuPy without bfloat16 support still work.
 """
 from __future__ import annotations
 
-import numbers
 import sys
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
+from .errors import is_integer
 
 # numpy's dtype.byteorder mark of the byte order that is not this machine's
 _NON_NATIVE = ">" if sys.byteorder == "little" else "<"
@@ -179,7 +180,7 @@ def _cai_device(x, ptr: int) -> int:
     dev = getattr(x, "device", None)
     for attr in ("id", "index"):
         v = getattr(dev, attr, None)
-        if isinstance(v, numbers.Integral) and not isinstance(v, (bool, np.bool_)) and v >= 0:
+        if is_integer(v) and v >= 0:
             return int(v)   # (a NumPy integer too)
     if not _CUPY_RUNTIME:
         try:

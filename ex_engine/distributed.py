@@ -42,7 +42,8 @@ from typing import NamedTuple
 import numpy as np
 
 from .arrays import Bits16, TensorRef
-from .errors import ArgumentError, DeviceError, DTypeError, FactorError, LayoutError, ShapeError
+from .errors import (ArgumentError, DeviceError, DTypeError, FactorError, LayoutError, ShapeError,
+                     is_integer)
 
 __all__ = ["DistInfo", "init_from_env", "shutdown", "expert_partition", "expert_owner",
            "make_expert_map", "ExpertParallelMoE", "disable_nvlink_multicast", "registry_for_device"]
@@ -159,7 +160,7 @@ def registry_for_device(device: int):
     factor folder cannot be loaded."""
     from .hardware import Hardware
     from .ops import default_registry
-    if isinstance(device, bool) or not isinstance(device, (int, np.integer)) or device < -1:
+    if not is_integer(device) or device < -1:
         raise ArgumentError("registry_for_device", "device", "a CUDA device index",
                             "an int >= 0, or -1 for the host", repr(device))
     device = int(device)
@@ -183,7 +184,7 @@ def _check_partition_args(fn: str, num_experts, world_size, rank=_NO_RANK) -> No
     num_experts, world_size (and rank, when the function takes one) are ints in range."""
     for name, v in (("num_experts", num_experts), ("world_size", world_size)) + \
             ((("rank", rank),) if rank is not _NO_RANK else ()):
-        if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+        if not is_integer(v):
             raise ArgumentError(fn, name, "type", "an int", type(v).__name__)
     if num_experts < 1:
         raise ArgumentError(fn, "num_experts", "num_experts >= 1", ">= 1", num_experts)

@@ -5,9 +5,17 @@ factor, the argument or plugin at fault, the rule, what was expected and what ca
 """
 from __future__ import annotations
 
+import numbers
+
 
 class FactorError(Exception):
     """Base class of every ex_engine error."""
+
+
+def is_integer(v) -> bool:
+    """``v`` is an integer of Python or NumPy (numbers.Integral) and not a bool (True is no
+    count, size or index): the argument checks' test for an integer value."""
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
 
 
 def one_line(exc: BaseException) -> str:

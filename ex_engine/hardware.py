@@ -15,7 +15,7 @@ from pathlib import Path
 import yaml
 
 from . import _paths, _yaml
-from .errors import FactorError
+from .errors import FactorError, is_integer
 
 FIELDS = ("cc_major", "cc_minor", "multiprocessor_count", "warp_size", "max_threads_per_block",
           "max_threads_per_multiprocessor", "regs_per_block", "regs_per_multiprocessor",
@@ -64,7 +64,7 @@ def check_fields(values: dict, where: str) -> None:
     for f in FIELDS:
         v = values.get(f)
         lo, hi = LIMITS[f]
-        not_int = isinstance(v, bool) or not isinstance(v, numbers.Integral)
+        not_int = not is_integer(v)
         if f in CHOICES:
             if not_int or v not in CHOICES[f]:
                 raise FactorError(f"{where}: {f}: expected {' or '.join(map(str, CHOICES[f]))} (NVIDIA's "
@@ -122,7 +122,7 @@ class Hardware:
         if not isinstance(self.live, bool):
             raise FactorError(f"Hardware ({self.source}): live: expected True or False, got {self.live!r}")
         d = self.device_id
-        if isinstance(d, bool) or not isinstance(d, numbers.Integral) or d < -1:
+        if not is_integer(d) or d < -1:
             raise FactorError(f"Hardware ({self.source}): device_id: expected an int >= 0 (a CUDA "
                               f"device) or -1 (a profile), got {d!r}")
         if self.live and d < 0:
@@ -211,8 +211,7 @@ class Hardware:
         device. Raises FactorError for another type or a negative index; NoDeviceError (a
         FactorError) if CuPy or the GPU is absent, or if there is no device ``device_id`` (the
         message names the index and how many devices CuPy sees)."""
-        if device_id is not None and (isinstance(device_id, bool)
-                                      or not isinstance(device_id, numbers.Integral) or device_id < 0):
+        if device_id is not None and (not is_integer(device_id) or device_id < 0):
             raise FactorError(f"Hardware.from_device: device_id: expected an int >= 0 (a CUDA "
                               f"device index) or None (the current device), got {device_id!r}")
         try:

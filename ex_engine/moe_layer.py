@@ -18,7 +18,7 @@ import yaml
 
 from . import _paths, _yaml
 from .arrays import Bits16, TensorRef, f32_to_bf16_bits
-from .errors import ArgumentError, DTypeError, FactorError, ShapeError, one_line
+from .errors import ArgumentError, DTypeError, FactorError, ShapeError, is_integer, one_line
 from .fallbacks import moe_fused_gemm_math, topk_softmax_math
 from .ops import moe_fused_gemm, resolve_registry, topk_softmax
 
@@ -195,7 +195,7 @@ def random_array(xp, rng, shape, dtype: str, std: float = 1.0):
 
 def _check_int(fn: str, name: str, v, lo: int) -> None:
     """Raise ArgumentError unless ``v`` is an int (not a bool; NumPy integers count) >= lo."""
-    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < lo:
+    if not is_integer(v) or v < lo:
         raise ArgumentError(fn, name, "an integer", f"an int >= {lo}", repr(v))
 
 
@@ -267,13 +267,13 @@ class MoELayer:
         reference (as in the kernel, which flags it as a device-side error), so it raises
         ArgumentError naming topk_ids and the number of such slots instead of a silently
         smaller reference; a wrong hidden_states raises DTypeError / ShapeError."""
-        self._activations("MoELayer.reference", hidden_states)
+        x = self._activations("MoELayer.reference", hidden_states)
         xp = self.xp
         w13 = TensorRef.of(self.w13).raw()
         w2 = TensorRef.of(self.w2).raw()
         conv = (lambda a: TensorRef.of(Bits16(a)).load_f32()) if self.dtype == "bfloat16" \
             else (lambda a: a.astype(xp.float32))
-        out, n_invalid = moe_fused_gemm_math(xp, TensorRef.of(hidden_states).load_f32().astype(xp.float64),
+        out, n_invalid = moe_fused_gemm_math(xp, x.load_f32().astype(xp.float64),
                                      lambda e: conv(w13[e]), lambda e: conv(w2[e]),
                                      topk_weights.astype(xp.float64), topk_ids, self.shape.E,
                                      None, accum=xp.float64)

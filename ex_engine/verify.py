@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 
 from .arrays import Bits16, TensorRef, f32_to_bf16_bits
-from .errors import ArgumentError, FactorError
+from .errors import ArgumentError, FactorError, is_integer
 from .trust import CHILD_TIMEOUT_S, _signal_name, child_sys_path, sha256_hex
 
 _RSQRT = re.compile(r"^\s*1\s*/\s*sqrt\(\s*(\w+)\s*\)\s*$")
@@ -169,7 +169,7 @@ def make_inputs(m, case: dict, dtype: str, xp=np, seed: int = 0) -> tuple:
         raise ArgumentError("make_inputs", "case", "type", "a mapping of size name -> int (a test shape)",
                             f"{type(case).__name__} {case!r}")
     for k, v in case.items():
-        if k not in m.params and (isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0):
+        if k not in m.params and (not is_integer(v) or v < 0):
             raise ArgumentError("make_inputs", f"case[{k!r}]", "a size", "an int >= 0", repr(v))
     sizes, params = split_case(m, case)
     rng, hrng = xp.random.default_rng(seed), np.random.default_rng(seed)
