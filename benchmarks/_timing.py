@@ -6,13 +6,34 @@ call, device work left to overlap.
 """
 from __future__ import annotations
 
+import datetime
+import os
 import statistics
+import subprocess
 import time
 
 try:
     import torch
 except ImportError:  # the timers need it; the scripts say so before timing
     torch = None
+
+
+def run_meta(**extra) -> dict:
+    """What a result file records of its run (benchmarks/RESULTS.md asks date, device and commit
+    of every result): today's date, the CUDA device's name, the commit the tree is at (`git
+    describe --always --dirty`; '-dirty' when the tree differs from it; the environment variable
+    EX_COMMIT overrides it, for a copy of a working tree on a GPU machine that carries an older
+    .git; '?' where neither is there), torch's version, then ``extra``."""
+    commit = os.environ.get("EX_COMMIT", "")
+    if not commit:
+        try:
+            commit = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True,
+                                    text=True, cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+        except OSError:
+            commit = ""
+    device = torch.cuda.get_device_name() if torch is not None and torch.cuda.is_available() else "?"
+    return {"date": datetime.date.today().isoformat(), "device": device, "commit": commit or "?",
+            "torch": torch.__version__ if torch is not None else None, **extra}
 
 
 def graph_us(fns, calls: int | None = None, replays: int = 20) -> float:

@@ -38,7 +38,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from ex_engine import FactorError, FactorRegistry, moe_fused_gemm  # noqa: E402
 from ex_engine.moe_layer import load_models_or_exit, output_file_problem, report_problems  # noqa: E402
-from _timing import graph_us  # noqa: E402
+from _timing import graph_us, run_meta  # noqa: E402
 from bench_moe import input_sets, layer_weights, reference, rel  # noqa: E402
 
 ENV_KEYS: set = set()  # every variable any config sets: unset before each config's own
@@ -126,7 +126,8 @@ def main():
     ap.add_argument("--configs", nargs="+", required=True, help="NAME=FOLDER[:VAR=VALUE,...], two or more")
     ap.add_argument("--sets", type=int, default=3, help="independently routed input sets rotated per graph")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
-    ap.add_argument("--json", default=None, help="write every row (with each round's times) here")
+    ap.add_argument("--json", default=None, help="write the run's date, device, commit and configs, and every row "
+                    "(with each round's times) here")
     ap.add_argument("--no-ref", action="store_true", help="skip the float32 reference check")
     ap.add_argument("--rounds", type=int, default=2, help="timing rounds, config order reversed every other round")
     args = ap.parse_args()
@@ -169,6 +170,8 @@ def main():
                 return 2
             print(f"# {folder}: {p.path}", flush=True)
     gen = torch.Generator(device="cuda").manual_seed(0)
+    meta = run_meta(dtype=args.dtype, sets=args.sets, rounds=args.rounds,
+                    configs={n: {"folder": folder, "env": env} for n, folder, env in cfgs})
     rows = []
     layer_key, layer = None, None
     print(f"{'model':<22}{'T':>6} " + "".join(f"{n:>12}" for n, _, _ in cfgs), flush=True)
@@ -218,11 +221,11 @@ def main():
             f"{n}: d={c['maxdiff_vs_first']:.2e} r={c['rel_vs_first']:.1e}" + (f" ref={c['rel_ref']:.1e}" if "rel_ref" in c else "")
             + f" {c['path']}" for n, c in checks.items()), flush=True)
         del outs
-        if args.json:
-            Path(args.json).write_text(json.dumps(rows, indent=1))
+        if args.json:   # after every row: a run cut short still leaves what it measured
+            Path(args.json).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     set_env({})
     if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1))
+        Path(args.json).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
 
 
     return 0

@@ -16,10 +16,7 @@ distinct experts hit * 3*H*I*2 + activations in and out + routing.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -32,7 +29,7 @@ except ImportError:  # --help works without it; a run says it needs it
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ex_engine import FactorRegistry, moe_fused_gemm  # noqa: E402
 from ex_engine.moe_layer import case_problems, load_models_or_exit, output_file_problem, report_problems  # noqa: E402
-from _timing import graph_us, host_us  # noqa: E402
+from _timing import graph_us, host_us, run_meta  # noqa: E402
 
 PEAK_TFLOPS, PEAK_GBS = 787.0, 4230.0
 
@@ -148,18 +145,8 @@ def main():
               f"{args.factors or 'factors/'}: {[(p.path.name, p.reason) for p in reg.plugins]}", file=sys.stderr)
         return 2
     gen = torch.Generator(device="cuda").manual_seed(0)
-    # the commit the tree is at; '-dirty' when the tree differs from it (a copy of a working tree
-    # on a GPU machine may carry an older .git: then EX_COMMIT names the code really measured)
-    commit = os.environ.get("EX_COMMIT", "")
-    if not commit:
-        try:
-            commit = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True,
-                                    text=True).stdout.strip()
-        except OSError:
-            commit = "?"
-    meta = {"date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(),
-            "commit": commit or "?", "dtype": args.dtype, "torch": torch.__version__,
-            "plugin": reg.get("moe_fused_gemm").path.name, "factors": str(args.factors or "factors/")}
+    meta = run_meta(dtype=args.dtype, plugin=reg.get("moe_fused_gemm").path.name,
+                    factors=str(args.factors or "factors/"))
     rows = []
 
     def save():  # after every row: a run cut short still leaves what it measured

@@ -26,7 +26,7 @@ except ImportError:  # --help works without it; a run says it needs it
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ex_engine import FactorRegistry, fused_add_rmsnorm, topk_softmax  # noqa: E402
 from ex_engine.moe_layer import output_file_problem, report_problems  # noqa: E402
-from _timing import graph_us, host_us  # noqa: E402
+from _timing import graph_us, host_us, run_meta  # noqa: E402
 
 COPY_GBS = 4230.0
 
@@ -64,7 +64,7 @@ def eager_us(fn, reps=200):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--json", default=None, help="write every row here (a JSON list)")
+    ap.add_argument("--json", default=None, help="write the run's date, device and commit, and every row, here")
     ap.add_argument("--only", choices=("topk", "rmsnorm"), default=None, help="one op only")
     ap.add_argument("--no-torch", action="store_true",
                     help="time ex_engine only, not the PyTorch eager / torch.compile peers (PyTorch is "
@@ -136,7 +136,7 @@ def main():
             print(f"{'topk_softmax':<18}{f'T={T} E={E} K={K}':<22}{name:<15}{e:>10.1f}{g:>10.1f}"
                   f"{'':>8}{(f'{h:>9.1f}' if h else ''):>9}  target {target:.1f}", flush=True)
     if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1))
+        Path(args.json).write_text(json.dumps({"meta": run_meta(), "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _timing import host_us, torch  # noqa: E402
+from _timing import host_us, run_meta, torch  # noqa: E402
 
 from ex_engine import FactorRegistry, abi, moe_fused_gemm  # noqa: E402
 from ex_engine.arrays import TensorRef  # noqa: E402
@@ -110,7 +110,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3,
                     help="rounds over all stages (alternating; the median is reported)")
     ap.add_argument("--profile", action="store_true", help="also print cProfile's top functions")
-    ap.add_argument("--json", default=None, help="write the results to this file")
+    ap.add_argument("--json", default=None, help="write the run's date, device and commit, and the results, to this file")
     args = ap.parse_args()
     models = load_models_or_exit("host_moe")
     problems = case_problems(models, args.models, args.tokens, args.factors)
@@ -144,8 +144,8 @@ def main() -> int:
             if args.profile:
                 print(profile_text(fns["call"], 3000, 25))
     if args.json:
-        Path(args.json).write_text(json.dumps({"device": torch.cuda.get_device_name(),
-                                               "rows": results}, indent=1))
+        Path(args.json).write_text(json.dumps({"meta": run_meta(rounds=args.rounds), "rows": results},
+                                              indent=1))
     return 0
 
 

@@ -195,3 +195,23 @@ def test_table_tools_end_quietly_when_the_reader_leaves(tmp_path):
                  "scripts/kernel_times_moe.py", "scripts/profile_moe.py"):
         assert "exit_quietly_on_broken_pipe(main)" in (ROOT / tool).read_text(), tool
     assert "except BrokenPipeError:" in (ROOT / "benchmarks" / "perf_peers.py").read_text()
+
+
+def test_run_meta_records_date_device_and_commit(monkeypatch):
+    """Every result file records date, device and commit (RESULTS.md's rule): EX_COMMIT names
+    the code measured where the copy's .git is older; else git describe of the checkout."""
+    import datetime
+    timing = import_tool("benchmarks", "_timing")
+    monkeypatch.setenv("EX_COMMIT", "abc1234")
+    meta = timing.run_meta(rounds=3)
+    assert meta["commit"] == "abc1234" and meta["rounds"] == 3
+    assert meta["date"] == datetime.date.today().isoformat()
+    assert "device" in meta and "torch" in meta
+    monkeypatch.delenv("EX_COMMIT")
+    commit = timing.run_meta()["commit"]
+    head = __import__("subprocess").run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
+                                        capture_output=True, text=True).stdout.strip()
+    if head:   # a checkout with git: the commit is HEAD's, perhaps '-dirty'
+        assert head[:7] in commit, (commit, head)
+    else:
+        assert commit == "?"
