@@ -9,7 +9,11 @@ the weights of one call are not in L2 from the last). Prints time, TFLOP/s, GB/s
 floor and to the peer; writes JSON.
 
 Floor (PERF.md): max(FLOPs / 787 TFLOP/s, bytes / 4.23 TB/s); FLOPs = 2*T*K*3*H*I; bytes = the
-distinct experts hit * 3*H*I*2 + activations in and out + routing.
+distinct experts hit * 3*H*I*2 + activations in and out + routing. Column 'x here': the same
+ratio against the ceilings measured at the start of the run with the same timer (a bf16 matmul of
+8192^3 and a 2 GiB copy, _timing.ceilings), so that both sides of the ratio see the same clocks.
+Every graph is replayed for --warm-ms (200) before it is timed: the card leaves its top clock
+within ~0.1 s of sustained tensor-core work (RESULTS.md, "Sustained load").
 
     python3 benchmarks/bench_moe.py [--models all] [--tokens 1 8 64 512 4096 16384] [--json F]
 """
@@ -29,7 +33,7 @@ except ImportError:  # --help works without it; a run says it needs it
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ex_engine import FactorRegistry, moe_fused_gemm  # noqa: E402
 from ex_engine.moe_layer import case_problems, load_models_or_exit, output_file_problem, report_problems  # noqa: E402
-from _timing import graph_us, host_us, run_meta  # noqa: E402
+from _timing import ceilings, graph_us, host_us, run_meta  # noqa: E402
 
 PEAK_TFLOPS, PEAK_GBS = 787.0, 4230.0
 
@@ -123,6 +127,9 @@ def main():
     ap.add_argument("--skew", action="store_true", help="also run skewed routing (hot experts)")
     ap.add_argument("--fallback-max-t", type=int, default=64, help="time the Python fallback up to this T")
     ap.add_argument("--json", default=None, help="write meta and every row here")
+    ap.add_argument("--warm-ms", type=float, default=200.0,
+                    help="replay each graph this long before timing it (default 200: rows are timed "
+                         "at the clocks of sustained load, which the card reaches within ~0.1 s)")
     ap.add_argument("--factors", default=None,
                     help="folder of plugin libraries to load (default factors/): e.g. an older build, to compare")
     args = ap.parse_args()
@@ -132,6 +139,8 @@ def main():
     problems = case_problems(models, names, args.tokens, args.factors, all_ok=True)
     if args.sets < 1:
         problems.append(f"--sets: expected >= 1, got {args.sets}")
+    if not 0 <= args.warm_ms <= 60000:
+        problems.append(f"--warm-ms: expected 0..60000 ms, got {args.warm_ms}")
     problems.append(output_file_problem("--json", args.json))
     if report_problems("bench_moe", problems):
         return 2
@@ -145,8 +154,12 @@ def main():
               f"{args.factors or 'factors/'}: {[(p.path.name, p.reason) for p in reg.plugins]}", file=sys.stderr)
         return 2
     gen = torch.Generator(device="cuda").manual_seed(0)
+    print("measuring the card's ceilings here (matmul, copy) ...", file=sys.stderr, flush=True)
+    here = ceilings(args.warm_ms)
     meta = run_meta(dtype=args.dtype, plugin=reg.get("moe_fused_gemm").path.name,
-                    factors=str(args.factors or "factors/"))
+                    factors=str(args.factors or "factors/"), warm_ms=args.warm_ms,
+                    ceilings_perf_md={"matmul_tflops": PEAK_TFLOPS, "copy_gbs": PEAK_GBS},
+                    ceilings_here=here)
     rows = []
 
     def save():  # after every row: a run cut short still leaves what it measured
@@ -157,7 +170,7 @@ def main():
     cases = [(m, T, False) for m in names for T in args.tokens]
     if args.skew:
         cases += [(m, T, True) for m in names for T in (64, 4096)]
-    hdr = (f"{'model':<22}{'T':>6} {'route':<6}{'floor':>9}{'ours':>9}{'x floor':>8}{'TFLOP/s':>8}"
+    hdr = (f"{'model':<22}{'T':>6} {'route':<6}{'floor':>9}{'ours':>9}{'x floor':>8}{'x here':>7}{'TFLOP/s':>8}"
            f"{'GB/s':>7}{'gmm':>9}{'gmm/ours':>9}{'fallbk':>10}{'err':>9}")
     print(f"# {meta}", flush=True)
     print(hdr)
@@ -175,13 +188,14 @@ def main():
         flops = 2.0 * T * s.K * 3 * s.H * s.I
         bytes_ = hit * 3 * s.H * s.I * 2 + 2 * T * s.H * 2 + T * s.K * 8
         floor = max(flops / PEAK_TFLOPS / 1e6, bytes_ / PEAK_GBS / 1e3)
+        floor_here = max(flops / here["matmul_tflops"] / 1e6, bytes_ / here["copy_gbs"] / 1e3)
         ours = lambda x, w13, w2, w, ids: moe_fused_gemm(x, w13, w2, w, ids, registry=reg)
         x, _, _, w, ids = sets[0]
         ref = reference(x, w13, w2, w, ids)
         err = rel(ours(*sets[0]), ref)
         err_g = rel(gmm_pipeline(*sets[0]), ref)
         row = {"model": m, "T": T, "skewed": skew, "H": s.H, "I": s.I, "E": s.E, "K": s.K,
-               "experts_hit": hit, "flops": flops, "bytes": bytes_, "floor_us": floor,
+               "experts_hit": hit, "flops": flops, "bytes": bytes_, "floor_us": floor, "floor_here_us": floor_here,
                "err_ours": err, "err_gmm": err_g, "path": reg.last_path.get("moe_fused_gemm")}
         if err > 1e-2:
             row["error"] = f"ours rel err {err:.2e} > 1e-2: not timed"
@@ -189,13 +203,13 @@ def main():
             rows.append(row)
             save()
             continue
-        row["ours_us"] = graph_us([lambda a=a: ours(*a) for a in sets])
+        row["ours_us"] = graph_us([lambda a=a: ours(*a) for a in sets], warm_ms=args.warm_ms)
         row["gmm_us"] = None
         if err_g >= 2e-2:
             row["gmm_skipped"] = f"gmm rel err {err_g:.2e} >= 2e-2: not timed"
         else:
             try:
-                row["gmm_us"] = graph_us([lambda a=a: gmm_pipeline(*a) for a in sets])
+                row["gmm_us"] = graph_us([lambda a=a: gmm_pipeline(*a) for a in sets], warm_ms=args.warm_ms)
             except RuntimeError as exc:
                 # torch 2.11's _grouped_mm in float16 copies to the host (not graph-capturable):
                 # the peer gets no time rather than an eager one beside our graph-replay time
@@ -210,6 +224,7 @@ def main():
         if T == 1:
             row["host_us"] = host_us(lambda: ours(*sets[0]))
         row["x_floor"] = row["ours_us"] / floor
+        row["x_floor_here"] = row["ours_us"] / floor_here
         row["tflops"] = flops / row["ours_us"] / 1e6
         row["gbs"] = bytes_ / row["ours_us"] / 1e3
         row["gmm_over_ours"] = (row["gmm_us"] / row["ours_us"]) if row["gmm_us"] else None
@@ -217,7 +232,7 @@ def main():
         g = f"{row['gmm_us']:>9.1f}{row['gmm_over_ours']:>9.2f}" if row["gmm_us"] else f"{'-':>9}{'-':>9}"
         fb = f"{row['fallback_us']:>10.0f}" if "fallback_us" in row else f"{'-':>10}"
         print(f"{m:<22}{T:>6} {'skew' if skew else 'unif':<6}{floor:>9.1f}{row['ours_us']:>9.1f}"
-              f"{row['x_floor']:>8.2f}{row['tflops']:>8.1f}{row['gbs']:>7.0f}{g}{fb}{err:>9.1e}", flush=True)
+              f"{row['x_floor']:>8.2f}{row['x_floor_here']:>7.2f}{row['tflops']:>8.1f}{row['gbs']:>7.0f}{g}{fb}{err:>9.1e}", flush=True)
         if "host_us" in row:
             print(f"{'':<28}host time of one eager call: {row['host_us']:.1f} µs", flush=True)
         save()
