@@ -111,13 +111,21 @@ def ceilings(warm_ms: float = 20.0) -> dict:
     return {"matmul_tflops": 2.0 * n ** 3 / t_mm / 1e6, "copy_gbs": 2.0 * nbytes / t_cp / 1e3}
 
 
-def host_us(fn, reps: int = 200, trials: int = 7) -> float:
-    """Host µs of one eager call of ``fn()`` (validation, dispatch, launches), after 10 warm-ups:
-    the median over ``trials`` runs of ``reps // trials`` back-to-back calls each (the lent
-    machine's host timings jump by tens of µs for a moment now and then; the median of several
-    short runs is what a call costs most of the time, the mean of one long run is not)."""
-    for _ in range(10):
-        fn()
+def host_us(fn, reps: int = 200, trials: int = 7, warm_ms: float = 100.0) -> float:
+    """Host µs of one eager call of ``fn()`` (validation, dispatch, launches), after ``warm_ms``
+    ms of calls (on the lent hosts every pure-Python step ran up to ~1.6x slower at times, for
+    seconds, whatever the model: RESULTS.md, "Sustained load"; a warm-up outlasts only a short such
+    phase): the median over ``trials`` runs of
+    ``reps // trials`` back-to-back calls each (the lent machine's host timings jump by tens of
+    µs for a moment now and then; the median of several short runs is what a call costs most of
+    the time, the mean of one long run is not)."""
+    t0 = time.perf_counter()
+    while True:
+        for _ in range(10):
+            fn()
+        torch.cuda.synchronize()
+        if time.perf_counter() - t0 >= warm_ms / 1e3:
+            break
     torch.cuda.synchronize()
     n = max(1, reps // trials)
     per_call = []
