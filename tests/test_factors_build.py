@@ -187,3 +187,49 @@ def test_a_malformed_switch_is_reported_when_the_plugins_load(built, var, value,
     assert lines, p.stderr[-2000:]
     assert all(re.match(r"\[ex_engine\] (moe_fused_gemm|moe_fused_gemm_sm90)\.so: ", ln) for ln in lines), lines
     assert len(set(lines)) == len(lines), lines
+
+
+def _project_copy(tmp_path):
+    """The Makefile and include/ in a folder of their own, with an empty factors/ (the tests
+    do not write into the checkout's factors/)."""
+    (tmp_path / "factors").mkdir()
+    shutil.copy(ROOT / "Makefile", tmp_path / "Makefile")
+    shutil.copytree(ROOT / "include", tmp_path / "include")
+    return tmp_path
+
+
+@pytest.mark.parametrize("ext,compiler", [("c", "cc"), ("cpp", "c++")])
+def test_a_host_factor_builds_with_make_and_loads_ready(tmp_path, ext, compiler):
+    """A host factor (manifest memory: host) could not be built with the project's make: nvcc
+    embeds a .nv_fatbin even without kernels, and the registry refuses GPU code in a host
+    factor's library. factors/<name>.c and .cpp are built with the host compiler, no nvcc."""
+    import numpy as np
+    if shutil.which(compiler) is None:
+        pytest.skip(f"{compiler} not installed")
+    proj = _project_copy(tmp_path)
+    shutil.copy(ROOT / "tests" / "plugins" / "host_scale.c", proj / "factors" / f"host_scale.{ext}")
+    shutil.copy(ROOT / "tests" / "plugins" / "host_scale.yaml", proj / "factors" / "host_scale.yaml")
+    # NVCC names no program: the host rule must not need it (`make` builds every factor: here one)
+    r = subprocess.run(["make", "-C", str(proj), "NVCC=/nonexistent/nvcc"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "host factor: no GPU code" in r.stdout and "built factors/host_scale.so" in r.stdout, r.stdout
+    reg = FactorRegistry.load(proj / "factors", hardware="h200")
+    p = reg.get("host_scale")
+    assert p is not None and p.status == "ready", [(q.path.name, q.status, q.reason) for q in reg.plugins]
+    assert p.manifest.memory == "host"
+    x, out = np.arange(7, dtype=np.float32), np.zeros(7, np.float32)
+    assert reg.dispatch("host_scale", {"x": x, "alpha": np.array([3.0], np.float32), "out": out}) == "plugin"
+    assert (out == 3 * x).all()
+    r = subprocess.run(["make", "-s", "list"], cwd=proj, capture_output=True, text=True)
+    assert r.stdout.split() == ["factors/host_scale.so"]
+
+
+def test_two_sources_of_one_factor_name_are_refused(tmp_path):
+    """factors/x.cu beside factors/x.c: make would build one and ignore the other."""
+    proj = _project_copy(tmp_path)
+    shutil.copy(ROOT / "tests" / "plugins" / "host_scale.c", proj / "factors" / "host_scale.c")
+    (proj / "factors" / "host_scale.cu").write_text("// another source of the same name\n")
+    r = subprocess.run(["make", "-C", str(proj), "factors/host_scale.so"], capture_output=True, text=True)
+    assert r.returncode != 0
+    assert "more than one source for host_scale" in r.stderr, r.stderr
+    assert not (proj / "factors" / "host_scale.so").exists()
