@@ -595,3 +595,34 @@ def test_an_empty_string_is_an_error_naming_the_option(argv, capsys, tmp_path, m
     opt = next(a.split("=")[0] for a in argv if a.startswith("--"))
     assert f"argument {opt}: expected a non-empty value, got ''" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
+
+
+def test_build_takes_factor_names(tmp_path, monkeypatch, capsys):
+    """`ex-engine build` could only run make's `all` (every factor: minutes, the CUTLASS one);
+    `build NAME...` builds factors/<NAME>.so alone, and a name with no source is a usage error
+    listing the known factors (make is not run)."""
+    import shutil
+    from ex_engine import _paths
+    if shutil.which("make") is None or shutil.which("cc") is None:
+        pytest.skip("make or cc not installed")
+    assert main(["build", "no_such_factor"]) == 2
+    err = capsys.readouterr().err
+    assert "ex-engine build: no factor source for 'no_such_factor'" in err, err
+    assert "known are fused_add_rmsnorm, moe_fused_gemm, moe_fused_gemm_sm90, topk_softmax" in err, err
+    # a checkout of its own (the test writes no .so into this one), with two host factors
+    proj = tmp_path / "checkout"
+    (proj / "factors").mkdir(parents=True)
+    shutil.copy(ROOT / "Makefile", proj / "Makefile")
+    shutil.copytree(ROOT / "include", proj / "include")
+    for stem in ("one", "two"):
+        shutil.copy(ROOT / "tests" / "plugins" / "host_scale.c", proj / "factors" / f"{stem}.c")
+    monkeypatch.setattr(_paths, "ROOT", proj)
+    assert main(["build", "one"]) == 0
+    assert (proj / "factors" / "one.so").is_file() and not (proj / "factors" / "two.so").exists()
+    assert main(["build", "two.so", "-j", "1"]) == 0           # the library's file name works too
+    assert (proj / "factors" / "two.so").is_file()
+    out = capsys.readouterr().out
+    assert [ln.split()[-1] for ln in out.splitlines() if ln.startswith("running: make -C")] == \
+        ["factors/one.so", "factors/two.so"], out
+    assert main(["build", "three"]) == 2
+    assert "known are one, two (the file stems of factors/*.cu, *.c and *.cpp)" in capsys.readouterr().err
