@@ -626,3 +626,55 @@ def test_build_takes_factor_names(tmp_path, monkeypatch, capsys):
         ["factors/one.so", "factors/two.so"], out
     assert main(["build", "three"]) == 2
     assert "known are one, two (the file stems of factors/*.cu, *.c and *.cpp)" in capsys.readouterr().err
+
+
+def test_manifests_search_path_keeps_the_shipped_profiles_and_manifests(tmp_path, monkeypatch, capsys):
+    """EX_ENGINE_MANIFESTS set to an author's own folder lost the shipped manifests and hardware
+    profiles ('expected one of []'): it takes several folders joined with os.pathsep, searched
+    in order; profiles and tuning come from the first folder with a hardware/ folder."""
+    import os
+    from ex_engine import FactorRegistry, _paths
+    from ex_engine.errors import FactorError
+    from ex_engine.hardware import Hardware, list_profiles
+    from tests.conftest import build_plugin
+    shipped = ROOT / "manifests"
+    mine, plugs = tmp_path / "mine", tmp_path / "plugs"
+    mine.mkdir()
+    build_plugin(plugs, manifest=False)                    # host_scale.so, no manifest beside it
+    host_text = (ROOT / "tests" / "plugins" / "host_scale.yaml").read_text()
+    (mine / "host_scale.yaml").write_text(host_text)
+    # a shipped factor's manifest in the first folder wins over the shipped one
+    topk = (shipped / "topk_softmax.yaml").read_text()
+    (mine / "topk_softmax.yaml").write_text(topk.replace("summary: \"", "summary: \"mine: ", 1))
+    path = os.pathsep.join([str(mine), str(shipped)])
+    monkeypatch.setenv("EX_ENGINE_MANIFESTS", path)
+    assert _paths.manifests_dirs() == [mine, shipped] and _paths.manifests_dir() == shipped
+    assert list_profiles() == ["a100", "bi-v100", "h200"]
+    assert Hardware.from_profile("h200").name == "NVIDIA H200"
+    for reg in (FactorRegistry.load(plugs, hardware="h200"),                    # from the variable
+                FactorRegistry.load(plugs, hardware="h200", manifests_dir=path)):   # or given
+        p = reg.get("host_scale")
+        assert p is not None and p.status == "ready", [(q.path.name, q.reason) for q in reg.plugins]
+        assert p.manifest.path == str(mine / "host_scale.yaml")
+        assert {"fused_add_rmsnorm", "moe_fused_gemm"} <= set(reg.manifests)
+        assert reg.manifests["topk_softmax"].path == str(mine / "topk_softmax.yaml")
+        assert reg.manifests["moe_fused_gemm"].path == str(shipped / "moe_fused_gemm.yaml")
+        assert reg.tuning.folder == shipped / "tuning"
+        assert str(reg.manifests_dir) == path
+    # verify's child process loads the same manifests (it gets the registry's manifests_dir)
+    assert main(["verify", "--dir", str(plugs), "--hardware", "h200"]) == 0, capsys.readouterr()
+    out = capsys.readouterr().out
+    assert "host_scale" in out and "FAIL" not in out, out
+    assert main(["list-factors", "--dir", str(plugs), "--hardware", "h200", "--no-probe"]) == 0
+    capsys.readouterr()
+    # a folder of the path that does not exist is a note, not an error; given, it is an error
+    gone = tmp_path / "gone"
+    monkeypatch.setenv("EX_ENGINE_MANIFESTS", os.pathsep.join([str(gone), path]))
+    reg = FactorRegistry.load(plugs, hardware="h200")
+    assert reg.get("host_scale").status == "ready"
+    assert any(f"manifests folder {gone} " in n and "does not exist; skipped" in n for n in reg.notes), reg.notes
+    with pytest.raises(FactorError, match=f"manifests_dir '{gone}': not a directory"):
+        FactorRegistry.load(plugs, hardware="h200", manifests_dir=os.pathsep.join([path, str(gone)]))
+    # one folder replaces the default, as before (no hardware/ there: no profiles)
+    monkeypatch.setenv("EX_ENGINE_MANIFESTS", str(mine))
+    assert _paths.manifests_dirs() == [mine] and list_profiles() == []
