@@ -147,6 +147,45 @@ def test_template_factor_drops_in(template_plugin):
     assert p.manifest.path.endswith("my_op.yaml") and str(template_plugin) in p.manifest.path
 
 
+def _template_manifest_with_fallback(folder, monkeypatch):
+    """docs/template/my_op.yaml naming docs/template/my_op_fallback.py's silu, in ``folder``."""
+    monkeypatch.syspath_prepend(str(ROOT / "docs" / "template"))
+    text = (ROOT / "docs" / "template" / "my_op.yaml").read_text()
+    assert "\nfallback: null\n" in text
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "my_op.yaml").write_text(text.replace("\nfallback: null\n", "\nfallback: my_op_fallback:silu\n"))
+
+
+def test_template_fallback_serves_host_arrays_from_the_manifest_alone(tmp_path, monkeypatch):
+    """The template's Python fallback (docs/template/my_op_fallback.py, named in the manifest as
+    the docs say) computes silu in every dtype the manifest allows; with the manifest alone, no
+    library, a call on NumPy arrays runs it."""
+    import numpy as np
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    _template_manifest_with_fallback(tmp_path / "m", monkeypatch)
+    (tmp_path / "none").mkdir()
+    reg = FactorRegistry.load(tmp_path / "none", hardware="h200", manifests_dir=tmp_path / "m")
+    tol = reg.manifest("my_op").tolerance
+    x64 = np.random.default_rng(0).standard_normal(1001)
+    for dt, name in ((np.float32, "float32"), (np.float16, "float16"), (ml_dtypes.bfloat16, "bfloat16")):
+        x = x64.astype(dt)
+        out = np.full_like(x, np.nan)
+        assert reg.dispatch("my_op", {"x": x, "out": out}) == "python_fallback"
+        xf = x.astype(np.float64)
+        ref = xf / (1 + np.exp(-xf))
+        err = np.linalg.norm(out.astype(np.float64) - ref) / np.linalg.norm(ref)
+        assert err < tol[name], (name, err)
+
+
+def test_template_factor_with_its_fallback_loads_ready(template_plugin, tmp_path, monkeypatch):
+    shutil.copy(template_plugin / "my_op.so", tmp_path / "my_op.so")
+    _template_manifest_with_fallback(tmp_path, monkeypatch)
+    reg = FactorRegistry.load(tmp_path, hardware="h200")
+    p = reg.get("my_op")
+    assert p is not None and p.status == "ready", [(q.path.name, q.reason) for q in reg.plugins]
+    assert any(c.name == "python fallback" and c.ok for c in p.checks), [c.__dict__ for c in p.checks]
+
+
 @pytest.mark.gpu
 def test_template_factor_dispatches_on_gpu(template_plugin):
     import cupy as cp
