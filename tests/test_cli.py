@@ -678,3 +678,13 @@ def test_manifests_search_path_keeps_the_shipped_profiles_and_manifests(tmp_path
     # one folder replaces the default, as before (no hardware/ there: no profiles)
     monkeypatch.setenv("EX_ENGINE_MANIFESTS", str(mine))
     assert _paths.manifests_dirs() == [mine] and list_profiles() == []
+
+
+def test_the_readme_dispatch_example_runs(capsys):
+    """README said to dispatch 'with the manifest's parameters' but not how (keyword arguments
+    are a TypeError): its example, parameters as the third argument, runs as printed."""
+    text = (ROOT / "README.md").read_text()
+    at = text.index('reg.dispatch("fused_add_rmsnorm"')
+    code = text[text.rindex("```python", 0, at) + len("```python"):text.index("```", at)]
+    exec(compile(code, "README.md", "exec"), {})
+    assert capsys.readouterr().out.strip() == "python_fallback"
