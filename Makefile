@@ -1,22 +1,28 @@
-# Builds every factors/<name>.cu into factors/<name>.so, one standalone plugin each.
+# Builds every factors/<name>.cu into factors/<name>.so, one standalone plugin each; a host
+# factor (manifest `memory: host`: its kernel runs on the CPU) is a factors/<name>.c or
+# factors/<name>.cpp, built with the host compiler ($(CC) / $(CXX), no nvcc, no GPU code: nvcc
+# embeds a .nv_fatbin in every library it links, which the registry refuses for a host factor).
 #
 #   make                      all factors, for Hopper (sm_90a) plus a portable sm_80 build with PTX
+#   make factors/topk_softmax.so                         one factor (or `ex-engine build topk_softmax`)
 #   make -B ARCHS="-gencode=arch=compute_80,code=sm_80"  another set of targets (-B: make cannot
 #                                                         tell targets from file dates; or
 #                                                         `ex-engine build --archs=...`)
-#   make factors/topk_softmax.so                         one factor
 #   make list | help | clean (clean names any factors/*.so it leaves: one no source builds)
-#   variables: NVCC, ARCHS, NVCCFLAGS, EXTRA_NVCCFLAGS (added to both rules, e.g. -DNAME=1),
-#              NVCC_THREADS (nvcc --threads per job; default 1), PYTHON, CUTLASS_INC
+#   variables: NVCC, ARCHS, NVCCFLAGS, EXTRA_NVCCFLAGS (added to both nvcc rules, e.g. -DNAME=1),
+#              NVCC_THREADS (nvcc --threads per job; default 1), PYTHON, CUTLASS_INC;
+#              for host factors CC, CXX, HOST_CFLAGS, HOST_CXXFLAGS, HOST_LDLIBS
 #   The Hopper plugin (moe_fused_gemm_sm90.so: CUTLASS templates) takes 1.5-3 minutes on 2 cores;
 #   the others 5-60 s each. Every factor needs sm_80 or newer (ARCHS must name such targets).
+#   One name, one source: factors/x.cu beside factors/x.c (or x.cpp) is an error.
 #
 # factors/<name>_sm90.cu are Hopper-only plugins built on CUTLASS 3.x (wgmma, TMA): they are
 # compiled for SM90_ARCHS only (ARCHS does not apply to them), with CUTLASS's headers from the
 # pip package nvidia-cutlass, found through $(PYTHON) (`pip install nvidia-cutlass`, or
 # `pip install -e '.[build]'`; or pass CUTLASS_INC=/path/to/cutlass/include).
 #
-# Works with nvcc and no GPU.  Each rule prints what it builds and for which targets.
+# Works with nvcc and no GPU (host factors need only the host compiler).  Each rule prints what
+# it builds and for which targets.
 
 NVCC      ?= nvcc
 ARCHS     ?= -gencode=arch=compute_90a,code=sm_90a \
@@ -35,12 +41,22 @@ CUTLASS_INC ?= $(shell for py in $(PYTHON) .venv/bin/python; do \
     $$py -c 'import cutlass_library, os; print(os.path.join(os.path.dirname(cutlass_library.__file__), "source", "include"))' 2>/dev/null && break; \
     done)
 
+# host factors: plain shared libraries, no CUDA (the library must carry no GPU code)
+HOST_CFLAGS   ?= -O2 -Wall
+HOST_CXXFLAGS ?= -O2 -Wall -std=c++17
+HOST_LDLIBS   ?= -lm
+
 SOURCES := $(sort $(wildcard factors/*.cu))
-PLUGINS := $(SOURCES:.cu=.so)
+HOST_C_SOURCES := $(sort $(wildcard factors/*.c))
+HOST_CXX_SOURCES := $(sort $(wildcard factors/*.cpp))
+PLUGINS := $(sort $(SOURCES:.cu=.so) $(HOST_C_SOURCES:.c=.so) $(HOST_CXX_SOURCES:.cpp=.so))
+# a name with two sources (x.cu and x.c): make would build one and ignore the other
+STEMS := $(basename $(notdir $(SOURCES) $(HOST_C_SOURCES) $(HOST_CXX_SOURCES)))
+CLASHES := $(strip $(foreach s,$(sort $(STEMS)),$(if $(word 2,$(filter $(s),$(STEMS))),$(s))))
 
 # a half-written .so (nvcc killed, disk full) is deleted, never left to be loaded
 .DELETE_ON_ERROR:
-.PHONY: all clean list help check-nvcc
+.PHONY: all clean list help check-nvcc check-sources
 all: $(PLUGINS)
 
 help:
@@ -50,7 +66,12 @@ help:
 check-nvcc:
 	@command -v $(NVCC) >/dev/null 2>&1 || { 	    echo "[ex_engine] error: $(NVCC) not found on PATH: install the CUDA toolkit (12.4+) or pass NVCC=/path/to/nvcc" >&2; 	    exit 1; }
 
-factors/%.so: factors/%.cu include/ex_engine.h $(wildcard factors/*.cuh) | check-nvcc
+# one source per factor name
+check-sources:
+	@if [ -n "$(CLASHES)" ]; then echo "[ex_engine] error: more than one source for $(CLASHES):" \
+	    "keep one of factors/<name>.cu (GPU), .c or .cpp (host factor) per name" >&2; exit 1; fi
+
+factors/%.so: factors/%.cu include/ex_engine.h $(wildcard factors/*.cuh) | check-nvcc check-sources
 	@if [ -z "$(strip $(ARCHS))" ]; then echo "[ex_engine] error: ARCHS is empty: give at least one target of sm_80 or newer, e.g. ARCHS=\"-gencode=arch=compute_80,code=sm_80\"" >&2; exit 1; fi
 	@echo "[ex_engine] nvcc $< -> $@ (targets: $(patsubst -gencode=arch=%,%,$(ARCHS)))"
 	@start=$$(date +%s); \
@@ -59,7 +80,7 @@ factors/%.so: factors/%.cu include/ex_engine.h $(wildcard factors/*.cuh) | check
 	echo "[ex_engine] built $@ in $$(( $$(date +%s) - start )) s"
 
 # Hopper-only plugins (a more specific pattern than the rule above, so make prefers it)
-factors/%_sm90.so: factors/%_sm90.cu include/ex_engine.h $(wildcard factors/*.cuh) | check-nvcc
+factors/%_sm90.so: factors/%_sm90.cu include/ex_engine.h $(wildcard factors/*.cuh) | check-nvcc check-sources
 	@if [ -z "$(CUTLASS_INC)" ] || [ ! -f "$(CUTLASS_INC)/cutlass/cutlass.h" ]; then \
 	    $(if $(filter command line environment,$(origin CUTLASS_INC)), \
 	    echo "[ex_engine] error: $@ needs CUTLASS's headers: CUTLASS_INC='$(CUTLASS_INC)' (given)" \
@@ -75,13 +96,25 @@ factors/%_sm90.so: factors/%_sm90.cu include/ex_engine.h $(wildcard factors/*.cu
 	    -Xcompiler -fPIC,-fvisibility=hidden -shared -Iinclude -I"$(CUTLASS_INC)" -o $@ $< || exit 1; \
 	echo "[ex_engine] built $@ in $$(( $$(date +%s) - start )) s"
 
+# host factors (memory: host): the host compiler, no nvcc; -fvisibility=hidden as above
+# (EX_EXPORT makes ex_abi_version and ex_get_factor visible)
+factors/%.so: factors/%.c include/ex_engine.h $(wildcard factors/*.h) | check-sources
+	@echo "[ex_engine] $(CC) $< -> $@ (host factor: no GPU code)"
+	@$(CC) $(HOST_CFLAGS) -fPIC -fvisibility=hidden -shared -Iinclude -o $@ $< $(HOST_LDLIBS)
+	@echo "[ex_engine] built $@"
+
+factors/%.so: factors/%.cpp include/ex_engine.h $(wildcard factors/*.h) | check-sources
+	@echo "[ex_engine] $(CXX) $< -> $@ (host factor: no GPU code)"
+	@$(CXX) $(HOST_CXXFLAGS) -fPIC -fvisibility=hidden -shared -Iinclude -o $@ $< $(HOST_LDLIBS)
+	@echo "[ex_engine] built $@"
+
 list:
 	@echo $(PLUGINS)
 
-# removes the plugins built from factors/*.cu; a *.so with no source there (a third-party plugin
+# removes the plugins built from factors/*.cu, *.c and *.cpp; a *.so with no source there (a third-party plugin
 # dropped in, or one whose source was renamed or deleted) is left in place and named
 clean:
 	rm -f $(PLUGINS)
 	@for so in $(filter-out $(PLUGINS),$(wildcard factors/*.so)); do \
-	    echo "[ex_engine] left $$so: no factors/*.cu builds it (a third-party plugin, or its source was renamed or deleted); remove it by hand if it is stale"; \
+	    echo "[ex_engine] left $$so: no factors/*.cu, *.c or *.cpp builds it (a third-party plugin, or its source was renamed or deleted); remove it by hand if it is stale"; \
 	done

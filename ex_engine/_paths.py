@@ -3,6 +3,13 @@
 The project root is the folder above this package (an editable install, or PYTHONPATH set to
 a checkout). EX_ENGINE_FACTORS and EX_ENGINE_MANIFESTS override the two folders; set to an
 empty string they count as unset (as EX_ENGINE_CACHE does), so the defaults apply.
+
+EX_ENGINE_MANIFESTS may name several folders joined with os.pathsep (':' on Linux), searched in
+order, as PATH is: a factor's manifest is taken from the first folder that has one of its name;
+the hardware profiles (hardware/), the tuning files (tuning/) and the model list
+(moe_models.yaml) come from one folder, the first of the list that has a hardware/ folder (so
+``EX_ENGINE_MANIFESTS=$HOME/my_manifests:<checkout>/manifests`` keeps the shipped profiles,
+tuning and factors' manifests beside the author's).
 """
 from __future__ import annotations
 
@@ -23,10 +30,35 @@ def factors_dir() -> Path:
     return _from_env("EX_ENGINE_FACTORS", ROOT / "factors")
 
 
+def search_path(value) -> list[Path]:
+    """The folders of ``value`` (a str or os.PathLike): split at os.pathsep, empty entries
+    dropped; a value that is itself an existing directory is that one folder (a folder's name
+    may hold the separator)."""
+    text = os.fspath(value)
+    if isinstance(text, bytes):
+        text = os.fsdecode(text)
+    if not text or os.path.isdir(text):
+        return [Path(text)] if text else []
+    return [Path(part) for part in text.split(os.pathsep) if part]
+
+
+def manifests_dirs() -> list[Path]:
+    """The manifests search path: the folders of $EX_ENGINE_MANIFESTS (see search_path; when
+    set and not empty) or [<root>/manifests]."""
+    return search_path(os.environ.get("EX_ENGINE_MANIFESTS") or "") or [ROOT / "manifests"]
+
+
+def home_dir(dirs) -> Path:
+    """Of the manifests folders ``dirs`` (a non-empty list), the one whose hardware/, tuning/
+    and moe_models.yaml are used: the first with a hardware/ folder, else the first."""
+    return next((d for d in dirs if (d / "hardware").is_dir()), dirs[0])
+
+
 def manifests_dir() -> Path:
-    """Folder of factor manifests and hardware/: $EX_ENGINE_MANIFESTS (when set and not empty)
-    or <root>/manifests."""
-    return _from_env("EX_ENGINE_MANIFESTS", ROOT / "manifests")
+    """The folder of hardware/ profiles, tuning/ and moe_models.yaml: $EX_ENGINE_MANIFESTS
+    (when set and not empty; of several folders, the first with a hardware/ folder, see
+    home_dir) or <root>/manifests. Factor manifests are searched in all of manifests_dirs()."""
+    return home_dir(manifests_dirs())
 
 
 def not_a_checkout() -> str:

@@ -292,12 +292,26 @@ def cmd_build(args) -> int:
               f"{_paths.not_a_checkout() or 'the factors are built from a checkout of the repository'}",
               file=sys.stderr)
         return 2
+    # NAME...: one make target per factor, factors/<name>.so (a file stem of factors/*.cu, *.c
+    # or *.cpp, as the Makefile builds them); a bare `build` is make's `all`
+    folder = _paths.ROOT / "factors"
+    known = sorted({p.stem for ext in ("cu", "c", "cpp") for p in folder.glob(f"*.{ext}")})
+    targets = []
+    for name in args.names:
+        stem = name[:-3] if name.endswith(".so") else name
+        if stem not in known:
+            print(f"ex-engine build: no factor source for '{name}' in {folder}: known are "
+                  f"{', '.join(known) or 'none'} (the file stems of factors/*.cu, *.c and *.cpp)",
+                  file=sys.stderr)
+            return 2
+        targets.append(f"factors/{stem}.so")
     # PYTHON: the Makefile finds CUTLASS's headers through this interpreter (any venv's name)
     cmd = ["make", "-C", str(_paths.ROOT), f"-j{args.jobs}", f"PYTHON={sys.executable}"]
     if args.archs is not None:
         # other targets than the ones the .so files were built for: make cannot tell from file
-        # dates, so rebuild everything (-B)
+        # dates, so rebuild what is built (-B)
         cmd += ["-B", f"ARCHS={args.archs}"]
+    cmd += targets
     print("running:", " ".join(cmd), flush=True)
     try:
         return subprocess.call(cmd)
@@ -417,12 +431,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="lock file to write (default: <dir>/ex_engine.lock)")
     p.set_defaults(fn=cmd_lock)
 
-    p = sub.add_parser("build", help="compile every factors/*.cu into a .so with nvcc (runs make)",
-                       description="Run `make` in the project root: one .so per factors/*.cu.")
+    p = sub.add_parser("build", help="compile factors/*.cu (nvcc) and host factors' *.c, *.cpp into .so files (runs make)",
+                       description="Run `make` in the project root: one factors/<name>.so per factors/<name>.cu "
+                                   "(nvcc), or per factors/<name>.c / .cpp (a host factor: the host "
+                                   "compiler). With NAMEs, only those factors (make factors/<name>.so ...).")
+    p.add_argument("names", nargs="*", metavar="NAME",
+                   help="factors to build, by file stem (e.g. topk_softmax; moe_fused_gemm_sm90 is a "
+                        "factor file of its own); default: every one")
     p.add_argument("--archs", type=nonempty, default=None,
                    help="nvcc -gencode flags for the portable plugins, written with '=' because they start "
                         "with '-': --archs='-gencode=arch=compute_80,code=sm_80' (default: the Makefile's "
-                        "sm_90a + sm_80 + PTX); rebuilds every plugin")
+                        "sm_90a + sm_80 + PTX); rebuilds every plugin built (the NAMEs given, or all)")
     p.add_argument("-j", "--jobs", type=int, default=2, help="parallel nvcc jobs (default: %(default)s)")
     p.set_defaults(fn=cmd_build)
     return ap

@@ -432,8 +432,11 @@ class FactorRegistry:
     hardware: a Hardware, a profile name ('h200') or path, or None for the live GPU (when there
     is no GPU, the 'h200' profile, so plugins are still checked; kernels are then never called;
     a visible GPU whose properties no profile could hold raises FactorError: pass a profile).
-    manifests_dir: where factor manifests live (default manifests/); a manifest beside a
-    library (<name>.yaml in its folder) takes precedence.
+    manifests_dir: where factor manifests live (default $EX_ENGINE_MANIFESTS, else manifests/):
+    a folder, or several joined with os.pathsep, searched in order (a name's first manifest
+    wins; tuning/ from the first folder with a hardware/ folder, else the first); a manifest
+    beside a library (<name>.yaml in its folder) takes precedence. The attribute
+    ``manifests_dir`` is that folder, or the folders found joined with os.pathsep.
     prefer, lock, lock_mode, probe, probe_timeout, verify, verify_timeout: see ``load``.
     The constructor loads no library (``load`` / ``load_folder`` do). Raises FactorError,
     naming the argument, for: hardware of another type, a profile that does not exist or a
@@ -473,14 +476,26 @@ class FactorRegistry:
                 isinstance(k, str) and isinstance(v, (str, os.PathLike)) for k, v in prefer.items())):
             raise FactorError(f"prefer: expected a mapping {{factor name: library file name or path}}, "
                               f"got {prefer!r}")
-        if manifests_dir is not None and not _path_arg("manifests_dir", manifests_dir,
-                                                       "a directory path or None").is_dir():
-            raise FactorError(f"manifests_dir '{manifests_dir}': not a directory")
+        if manifests_dir is not None:
+            _path_arg("manifests_dir", manifests_dir, "a directory path or None")
+            for d in _paths.search_path(manifests_dir):   # (several: joined with os.pathsep)
+                if not d.is_dir():
+                    raise FactorError(f"manifests_dir '{d}': not a directory")
         self.hardware: Hardware = hw
         # a malformed manifest rejects only the plugins that need it (see _find_manifest)
         self.manifest_errors: dict = {}  # file stem -> message
-        self.manifests_dir = Path(manifests_dir or _paths.manifests_dir()).absolute()
-        self.manifests: dict = load_all(self.manifests_dir, self.manifest_errors)
+        # a search path: the first folder's manifest of a name wins (its error too)
+        dirs = [d.absolute() for d in (_paths.search_path(manifests_dir) if manifests_dir
+                                       else _paths.manifests_dirs())]
+        self.manifests_dirs: list = [d for d in dirs if d.is_dir()] or dirs[:1]
+        self.manifests_dir = Path(os.pathsep.join(map(str, self.manifests_dirs)))
+        self.manifests: dict = {}
+        for d in self.manifests_dirs:
+            errors: dict = {}
+            found = load_all(d, errors)
+            seen = set(self.manifests) | set(self.manifest_errors)   # from earlier folders
+            self.manifests.update((k, v) for k, v in found.items() if k not in seen)
+            self.manifest_errors.update((k, v) for k, v in errors.items() if k not in seen)
         self.plugins: list = []
         self._by_path: dict = {}        # resolved library path -> its Plugin (loaded once)
         self.notes: list = []           # registry-wide remarks (e.g. a prefer= that matched nothing)
@@ -505,7 +520,10 @@ class FactorRegistry:
         self._entries: dict = {}        # id(plugin) -> (plugin, kernel, kernel_fallback) as _KERNEL_INT_T
         # tuned launch choices: <manifests>/tuning/<device>.yaml (a malformed file is skipped)
         self.tuning: TuningTable = TuningTable.for_hardware(
-            hw, self.manifests_dir / "tuning", report=False)
+            hw, _paths.home_dir(self.manifests_dirs) / "tuning", report=False)
+        if len(dirs) > 1:
+            self.notes.extend(f"manifests folder {d} (of the search path {os.pathsep.join(map(str, dirs))}) "
+                              "does not exist; skipped" for d in dirs if not d.is_dir())
         self.notes.extend(f"tuning: {msg}; skipped" for msg in self.tuning.problems)
         self.notes.extend(f"tuning: {msg}" for msg in self.tuning.remarks)
         self._note_unused_tuning()
@@ -601,7 +619,8 @@ class FactorRegistry:
         if m is None and name in self.manifest_errors:
             return None, self.manifest_errors[name]
         if m is None:   # <name>.yaml may be there and say why it is no manifest of name
-            return None, why_not_found(self.manifests_dir / f"{name}.yaml", name)
+            files = [d / f"{name}.yaml" for d in self.manifests_dirs]
+            return None, why_not_found(next((f for f in files if f.exists()), files[0]), name)
         return m, ""
 
     def _lock_path(self, folder: Path):

@@ -595,3 +595,96 @@ def test_an_empty_string_is_an_error_naming_the_option(argv, capsys, tmp_path, m
     opt = next(a.split("=")[0] for a in argv if a.startswith("--"))
     assert f"argument {opt}: expected a non-empty value, got ''" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
+
+
+def test_build_takes_factor_names(tmp_path, monkeypatch, capsys):
+    """`ex-engine build` could only run make's `all` (every factor: minutes, the CUTLASS one);
+    `build NAME...` builds factors/<NAME>.so alone, and a name with no source is a usage error
+    listing the known factors (make is not run)."""
+    import shutil
+    from ex_engine import _paths
+    if shutil.which("make") is None or shutil.which("cc") is None:
+        pytest.skip("make or cc not installed")
+    assert main(["build", "no_such_factor"]) == 2
+    err = capsys.readouterr().err
+    assert "ex-engine build: no factor source for 'no_such_factor'" in err, err
+    assert "known are fused_add_rmsnorm, moe_fused_gemm, moe_fused_gemm_sm90, topk_softmax" in err, err
+    # a checkout of its own (the test writes no .so into this one), with two host factors
+    proj = tmp_path / "checkout"
+    (proj / "factors").mkdir(parents=True)
+    shutil.copy(ROOT / "Makefile", proj / "Makefile")
+    shutil.copytree(ROOT / "include", proj / "include")
+    for stem in ("one", "two"):
+        shutil.copy(ROOT / "tests" / "plugins" / "host_scale.c", proj / "factors" / f"{stem}.c")
+    monkeypatch.setattr(_paths, "ROOT", proj)
+    assert main(["build", "one"]) == 0
+    assert (proj / "factors" / "one.so").is_file() and not (proj / "factors" / "two.so").exists()
+    assert main(["build", "two.so", "-j", "1"]) == 0           # the library's file name works too
+    assert (proj / "factors" / "two.so").is_file()
+    out = capsys.readouterr().out
+    assert [ln.split()[-1] for ln in out.splitlines() if ln.startswith("running: make -C")] == \
+        ["factors/one.so", "factors/two.so"], out
+    assert main(["build", "three"]) == 2
+    assert "known are one, two (the file stems of factors/*.cu, *.c and *.cpp)" in capsys.readouterr().err
+
+
+def test_manifests_search_path_keeps_the_shipped_profiles_and_manifests(tmp_path, monkeypatch, capsys):
+    """EX_ENGINE_MANIFESTS set to an author's own folder lost the shipped manifests and hardware
+    profiles ('expected one of []'): it takes several folders joined with os.pathsep, searched
+    in order; profiles and tuning come from the first folder with a hardware/ folder."""
+    import os
+    from ex_engine import FactorRegistry, _paths
+    from ex_engine.errors import FactorError
+    from ex_engine.hardware import Hardware, list_profiles
+    from tests.conftest import build_plugin
+    shipped = ROOT / "manifests"
+    mine, plugs = tmp_path / "mine", tmp_path / "plugs"
+    mine.mkdir()
+    build_plugin(plugs, manifest=False)                    # host_scale.so, no manifest beside it
+    host_text = (ROOT / "tests" / "plugins" / "host_scale.yaml").read_text()
+    (mine / "host_scale.yaml").write_text(host_text)
+    # a shipped factor's manifest in the first folder wins over the shipped one
+    topk = (shipped / "topk_softmax.yaml").read_text()
+    (mine / "topk_softmax.yaml").write_text(topk.replace("summary: \"", "summary: \"mine: ", 1))
+    path = os.pathsep.join([str(mine), str(shipped)])
+    monkeypatch.setenv("EX_ENGINE_MANIFESTS", path)
+    assert _paths.manifests_dirs() == [mine, shipped] and _paths.manifests_dir() == shipped
+    assert list_profiles() == ["a100", "bi-v100", "h200"]
+    assert Hardware.from_profile("h200").name == "NVIDIA H200"
+    for reg in (FactorRegistry.load(plugs, hardware="h200"),                    # from the variable
+                FactorRegistry.load(plugs, hardware="h200", manifests_dir=path)):   # or given
+        p = reg.get("host_scale")
+        assert p is not None and p.status == "ready", [(q.path.name, q.reason) for q in reg.plugins]
+        assert p.manifest.path == str(mine / "host_scale.yaml")
+        assert {"fused_add_rmsnorm", "moe_fused_gemm"} <= set(reg.manifests)
+        assert reg.manifests["topk_softmax"].path == str(mine / "topk_softmax.yaml")
+        assert reg.manifests["moe_fused_gemm"].path == str(shipped / "moe_fused_gemm.yaml")
+        assert reg.tuning.folder == shipped / "tuning"
+        assert str(reg.manifests_dir) == path
+    # verify's child process loads the same manifests (it gets the registry's manifests_dir)
+    assert main(["verify", "--dir", str(plugs), "--hardware", "h200"]) == 0, capsys.readouterr()
+    out = capsys.readouterr().out
+    assert "host_scale" in out and "FAIL" not in out, out
+    assert main(["list-factors", "--dir", str(plugs), "--hardware", "h200", "--no-probe"]) == 0
+    capsys.readouterr()
+    # a folder of the path that does not exist is a note, not an error; given, it is an error
+    gone = tmp_path / "gone"
+    monkeypatch.setenv("EX_ENGINE_MANIFESTS", os.pathsep.join([str(gone), path]))
+    reg = FactorRegistry.load(plugs, hardware="h200")
+    assert reg.get("host_scale").status == "ready"
+    assert any(f"manifests folder {gone} " in n and "does not exist; skipped" in n for n in reg.notes), reg.notes
+    with pytest.raises(FactorError, match=f"manifests_dir '{gone}': not a directory"):
+        FactorRegistry.load(plugs, hardware="h200", manifests_dir=os.pathsep.join([path, str(gone)]))
+    # one folder replaces the default, as before (no hardware/ there: no profiles)
+    monkeypatch.setenv("EX_ENGINE_MANIFESTS", str(mine))
+    assert _paths.manifests_dirs() == [mine] and list_profiles() == []
+
+
+def test_the_readme_dispatch_example_runs(capsys):
+    """README said to dispatch 'with the manifest's parameters' but not how (keyword arguments
+    are a TypeError): its example, parameters as the third argument, runs as printed."""
+    text = (ROOT / "README.md").read_text()
+    at = text.index('reg.dispatch("fused_add_rmsnorm"')
+    code = text[text.rindex("```python", 0, at) + len("```python"):text.index("```", at)]
+    exec(compile(code, "README.md", "exec"), {})
+    assert capsys.readouterr().out.strip() == "python_fallback"

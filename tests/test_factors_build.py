@@ -147,6 +147,45 @@ def test_template_factor_drops_in(template_plugin):
     assert p.manifest.path.endswith("my_op.yaml") and str(template_plugin) in p.manifest.path
 
 
+def _template_manifest_with_fallback(folder, monkeypatch):
+    """docs/template/my_op.yaml naming docs/template/my_op_fallback.py's silu, in ``folder``."""
+    monkeypatch.syspath_prepend(str(ROOT / "docs" / "template"))
+    text = (ROOT / "docs" / "template" / "my_op.yaml").read_text()
+    assert "\nfallback: null\n" in text
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "my_op.yaml").write_text(text.replace("\nfallback: null\n", "\nfallback: my_op_fallback:silu\n"))
+
+
+def test_template_fallback_serves_host_arrays_from_the_manifest_alone(tmp_path, monkeypatch):
+    """The template's Python fallback (docs/template/my_op_fallback.py, named in the manifest as
+    the docs say) computes silu in every dtype the manifest allows; with the manifest alone, no
+    library, a call on NumPy arrays runs it."""
+    import numpy as np
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    _template_manifest_with_fallback(tmp_path / "m", monkeypatch)
+    (tmp_path / "none").mkdir()
+    reg = FactorRegistry.load(tmp_path / "none", hardware="h200", manifests_dir=tmp_path / "m")
+    tol = reg.manifest("my_op").tolerance
+    x64 = np.random.default_rng(0).standard_normal(1001)
+    for dt, name in ((np.float32, "float32"), (np.float16, "float16"), (ml_dtypes.bfloat16, "bfloat16")):
+        x = x64.astype(dt)
+        out = np.full_like(x, np.nan)
+        assert reg.dispatch("my_op", {"x": x, "out": out}) == "python_fallback"
+        xf = x.astype(np.float64)
+        ref = xf / (1 + np.exp(-xf))
+        err = np.linalg.norm(out.astype(np.float64) - ref) / np.linalg.norm(ref)
+        assert err < tol[name], (name, err)
+
+
+def test_template_factor_with_its_fallback_loads_ready(template_plugin, tmp_path, monkeypatch):
+    shutil.copy(template_plugin / "my_op.so", tmp_path / "my_op.so")
+    _template_manifest_with_fallback(tmp_path, monkeypatch)
+    reg = FactorRegistry.load(tmp_path, hardware="h200")
+    p = reg.get("my_op")
+    assert p is not None and p.status == "ready", [(q.path.name, q.reason) for q in reg.plugins]
+    assert any(c.name == "python fallback" and c.ok for c in p.checks), [c.__dict__ for c in p.checks]
+
+
 @pytest.mark.gpu
 def test_template_factor_dispatches_on_gpu(template_plugin):
     import cupy as cp
@@ -187,3 +226,49 @@ def test_a_malformed_switch_is_reported_when_the_plugins_load(built, var, value,
     assert lines, p.stderr[-2000:]
     assert all(re.match(r"\[ex_engine\] (moe_fused_gemm|moe_fused_gemm_sm90)\.so: ", ln) for ln in lines), lines
     assert len(set(lines)) == len(lines), lines
+
+
+def _project_copy(tmp_path):
+    """The Makefile and include/ in a folder of their own, with an empty factors/ (the tests
+    do not write into the checkout's factors/)."""
+    (tmp_path / "factors").mkdir()
+    shutil.copy(ROOT / "Makefile", tmp_path / "Makefile")
+    shutil.copytree(ROOT / "include", tmp_path / "include")
+    return tmp_path
+
+
+@pytest.mark.parametrize("ext,compiler", [("c", "cc"), ("cpp", "c++")])
+def test_a_host_factor_builds_with_make_and_loads_ready(tmp_path, ext, compiler):
+    """A host factor (manifest memory: host) could not be built with the project's make: nvcc
+    embeds a .nv_fatbin even without kernels, and the registry refuses GPU code in a host
+    factor's library. factors/<name>.c and .cpp are built with the host compiler, no nvcc."""
+    import numpy as np
+    if shutil.which(compiler) is None:
+        pytest.skip(f"{compiler} not installed")
+    proj = _project_copy(tmp_path)
+    shutil.copy(ROOT / "tests" / "plugins" / "host_scale.c", proj / "factors" / f"host_scale.{ext}")
+    shutil.copy(ROOT / "tests" / "plugins" / "host_scale.yaml", proj / "factors" / "host_scale.yaml")
+    # NVCC names no program: the host rule must not need it (`make` builds every factor: here one)
+    r = subprocess.run(["make", "-C", str(proj), "NVCC=/nonexistent/nvcc"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "host factor: no GPU code" in r.stdout and "built factors/host_scale.so" in r.stdout, r.stdout
+    reg = FactorRegistry.load(proj / "factors", hardware="h200")
+    p = reg.get("host_scale")
+    assert p is not None and p.status == "ready", [(q.path.name, q.status, q.reason) for q in reg.plugins]
+    assert p.manifest.memory == "host"
+    x, out = np.arange(7, dtype=np.float32), np.zeros(7, np.float32)
+    assert reg.dispatch("host_scale", {"x": x, "alpha": np.array([3.0], np.float32), "out": out}) == "plugin"
+    assert (out == 3 * x).all()
+    r = subprocess.run(["make", "-s", "list"], cwd=proj, capture_output=True, text=True)
+    assert r.stdout.split() == ["factors/host_scale.so"]
+
+
+def test_two_sources_of_one_factor_name_are_refused(tmp_path):
+    """factors/x.cu beside factors/x.c: make would build one and ignore the other."""
+    proj = _project_copy(tmp_path)
+    shutil.copy(ROOT / "tests" / "plugins" / "host_scale.c", proj / "factors" / "host_scale.c")
+    (proj / "factors" / "host_scale.cu").write_text("// another source of the same name\n")
+    r = subprocess.run(["make", "-C", str(proj), "factors/host_scale.so"], capture_output=True, text=True)
+    assert r.returncode != 0
+    assert "more than one source for host_scale" in r.stderr, r.stderr
+    assert not (proj / "factors" / "host_scale.so").exists()

@@ -7,7 +7,9 @@
  * Variants: one grid-stride kernel; vectorise / tune as your factor needs.
  * Floor:    2 * N * sizeof(T) bytes / ~4.2 TB/s on an H200.
  *
- * Build: make factors/my_op.so  (nvcc, sm_90a + sm_80 + PTX; no GPU needed to build)
+ * Build: make factors/my_op.so, or ex-engine build my_op  (nvcc, sm_90a + sm_80 + PTX; no GPU
+ *        needed to build; a bare `make` builds every factor)
+ * Python fallback: my_op_fallback.py beside this file (name it in the manifest's `fallback`)
  * Contract: docs/factor-contract.md
  */
 #include <cuda_bf16.h>
@@ -88,6 +90,6 @@ extern "C" EX_EXPORT ex_factor_t* ex_get_factor(const ex_hardware_t* hw) {
     s_factor.workspace_size = nullptr;
     s_factor.last_error = my_op_last_error;
     s_factor.priority = 0;
-    s_factor.description = "template: out = silu(x)";
+    s_factor.description = "template: out = silu(x)";  // one line: `ex-engine list-factors --json`
     return &s_factor;
 }
