@@ -7,18 +7,49 @@ writing a tolerance or an eps) read them as floats. ``load`` is ``yaml.safe_load
 after PyYAML's own resolvers (integers stay integers), so ``tolerance: {float32: 1e-5}`` means
 1e-05 everywhere ex_engine reads YAML. A mapping that gives a key twice is a
 yaml.constructor.ConstructorError naming the key and both lines (PyYAML kept the last).
+
+Pathological input is a yaml.YAMLError like any malformed file, so each reader reports the file
+and goes on: nesting deeper than MAX_DEPTH levels (``[[[[...]]]]`` of a few hundred levels raised
+RecursionError out of the composer), and aliases that would expand the document by more than
+MAX_ALIAS_NODES nodes (a 1 KB "billion laughs" of nested ``&a``/``*a`` anchors: every later walk
+or repr of the value ran for minutes and took GBs) or that refer to themselves (``&a [*a]``).
+Anchors, aliases and merge keys (``<<: *base``) of ordinary size keep working.
 """
 from __future__ import annotations
 
 import re
 
 import yaml
+from yaml.composer import ComposerError
+
+MAX_DEPTH = 100            # nesting levels, as written or as aliases expand them
+MAX_ALIAS_NODES = 100_000  # nodes the aliases may add to a document beyond those written
 
 
 class _Loader(yaml.SafeLoader):
     """SafeLoader that also reads YAML 1.2's floats (1e-5, 1.0e5, 3E8) as floats, and refuses a
     mapping that gives one key twice (PyYAML keeps the last silently: a manifest's second
     ``name:`` replaced the first)."""
+
+    def __init__(self, stream):
+        super().__init__(stream)
+        self._depth = 0
+
+    def compose_node(self, parent, index):
+        # PyYAML's composer recurses once per level: refuse a deep file before Python's stack
+        # runs out (a RecursionError escaped every reader)
+        self._depth += 1
+        try:
+            if self._depth > MAX_DEPTH:
+                raise ComposerError(None, None, f"nested deeper than {MAX_DEPTH} levels; expected "
+                                    f"at most {MAX_DEPTH}", self.peek_event().start_mark)
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+    def construct_document(self, node):
+        _check_expansion(node)
+        return super().construct_document(node)
 
     def construct_mapping(self, node, deep=False):
         if isinstance(node, yaml.MappingNode):
@@ -46,11 +77,62 @@ _Loader.add_implicit_resolver(
     list("-+0123456789."))
 
 
+def _children(node):
+    if isinstance(node, yaml.SequenceNode):
+        return node.value
+    if isinstance(node, yaml.MappingNode):
+        return [n for pair in node.value for n in pair]
+    return ()
+
+
+def _check_expansion(root) -> None:
+    """Raise ComposerError if the node graph ``root`` (aliases share nodes) refers to itself, or
+    would expand, every alias replaced by a copy of its anchor's value, by more than
+    MAX_ALIAS_NODES nodes or to more than MAX_DEPTH levels. Iterative, each node once: cheap
+    however large the expansion would be."""
+    size: dict = {}       # id(node) -> nodes of its expansion
+    depth: dict = {}      # id(node) -> levels of its expansion
+    on_path: set = set()
+    stack = [(root, False)]
+    while stack:
+        node, done = stack.pop()
+        k = id(node)
+        if done:
+            on_path.discard(k)
+            kids = _children(node)
+            size[k] = 1 + sum(size[id(c)] for c in kids)
+            depth[k] = 1 + max((depth[id(c)] for c in kids), default=0)
+            continue
+        if k in size:
+            continue
+        on_path.add(k)
+        stack.append((node, True))
+        for c in _children(node):
+            if id(c) in on_path:
+                raise ComposerError(None, None, "found an alias inside its own anchor's value (a "
+                                    "structure that contains itself); expected none", c.start_mark)
+            if id(c) not in size:
+                stack.append((c, False))
+    extra = size[id(root)] - len(size)
+    if extra > MAX_ALIAS_NODES:
+        raise ComposerError(None, None, f"aliases would expand the document by {extra} nodes; "
+                            f"expected at most {MAX_ALIAS_NODES} (an alias bomb?)", root.start_mark)
+    if depth[id(root)] > MAX_DEPTH:
+        raise ComposerError(None, None, f"aliases would nest the document {depth[id(root)]} levels "
+                            f"deep; expected at most {MAX_DEPTH}", root.start_mark)
+
+
 def load(text):
-    """The YAML document in ``text`` (str or bytes) as Python objects, by yaml.safe_load's rules
-    plus YAML 1.2's floats. Raises yaml.YAMLError on malformed YAML, also where PyYAML's own
-    constructors raise ValueError (a timestamp such as 2024-13-01)."""
+    """The YAML document in ``text`` (str, bytes or a text file) as Python objects, by
+    yaml.safe_load's rules plus YAML 1.2's floats. Raises yaml.YAMLError on
+    malformed YAML, also where PyYAML's own constructors raise ValueError (a timestamp such as
+    2024-13-01), for nesting deeper than MAX_DEPTH, for aliases that would expand the document
+    by more than MAX_ALIAS_NODES nodes or contain themselves, and where Python's stack runs out
+    (RecursionError) anyway."""
     try:
         return yaml.load(text, Loader=_Loader)
     except ValueError as exc:   # a scalar its resolver matched but its constructor refused
         raise yaml.constructor.ConstructorError(None, None, f"{type(exc).__name__}: {exc}") from exc
+    except RecursionError:      # (MAX_DEPTH keeps PyYAML from it; another path must not escape)
+        raise yaml.YAMLError(f"nested too deeply to read (RecursionError); expected at most "
+                             f"{MAX_DEPTH} levels") from None

@@ -1,0 +1,86 @@
+"""Review findings on the manifest reader: pathological YAML (deep nesting, alias bombs),
+YAML 1.2 integers, and manifest rules checked at load instead of failing every call."""
+import shutil
+import time
+
+import numpy as np
+import pytest
+import yaml
+
+from ex_engine import ArgumentError, FactorError, FactorRegistry, _yaml
+from ex_engine.hardware import Hardware
+from ex_engine.manifest import Manifest
+from ex_engine.tuning import TuningTable, TuningWarning
+from tests.conftest import ROOT, build_plugin
+
+BASE = (ROOT / "tests" / "plugins" / "host_scale.yaml").read_text()
+DEEP = "[" * 500 + "]" * 500                       # ~1 KB; RecursionError in PyYAML's composer
+# ~1 KB "billion laughs": 10**9 elements if every alias were copied
+BOMB = "[" + ", ".join(f"&a{i} [" + ",".join([f"*a{i - 1}" if i else "x"] * 10) + "]"
+                       for i in range(9)) + "]"
+
+
+def manifest(tmp_path, change=lambda t: t, name="m.yaml"):
+    p = tmp_path / name
+    p.write_text(change(BASE))
+    return p
+
+
+# ---- 1, 2: pathological YAML is a malformed file, reported and skipped ------------------------
+@pytest.mark.parametrize("text,needle", [
+    (f"summary: {DEEP}\n", "nested deeper than 100 levels"),
+    ("summary: " + "{a: " * 600 + "1" + "}" * 600 + "\n", "nested deeper than 100 levels"),
+    (f"summary: {BOMB}\n", "aliases would expand the document by"),
+    ("".join(f"a{i}: &a{i} [*a{i - 1}]\n" if i else "a0: &a0 [1]\n" for i in range(300)),
+     "aliases would nest the document 302 levels deep"),
+    ("a: &a [1, *a]\n", "found an alias inside its own anchor's value"),
+])
+def test_pathological_yaml_is_a_yaml_error(text, needle):
+    t = time.monotonic()
+    with pytest.raises(yaml.YAMLError, match=needle):
+        _yaml.load(text)
+    assert time.monotonic() - t < 2
+
+
+def test_ordinary_anchors_aliases_and_merge_keys_still_load():
+    assert _yaml.load("a: &x {q: 1, r: [1, 2]}\nb: {<<: *x, q: 2}\nc: *x\n") == {
+        "a": {"q": 1, "r": [1, 2]}, "b": {"q": 2, "r": [1, 2]}, "c": {"q": 1, "r": [1, 2]}}
+    ok = "[" * 99 + "]" * 99
+    assert _yaml.load(f"a: {ok}\n")["a"] is not None
+
+
+def test_a_deep_or_aliased_manifest_refuses_its_plugin_and_the_registry_goes_on(tmp_path):
+    folder = tmp_path / "p"
+    build_plugin(folder)
+    for i, (stem, value) in enumerate((("deep", DEEP), ("bomb", BOMB))):
+        name = f"host_scale_{stem}"
+        build_plugin(folder, stem, defines={"NAME": f'"{name}"', "FACTOR_ID": 1101 + i})
+        text = BASE.replace("name: host_scale", f"name: {name}").replace("id: 1100", f"id: {1101 + i}")
+        (folder / f"{name}.yaml").write_text(text.replace('summary: "test factor: out = alpha * in, '
+                                                          'float32, on host memory"', f"summary: {value}"))
+    t = time.monotonic()
+    reg = FactorRegistry.load(folder, hardware="h200")
+    assert time.monotonic() - t < 20
+    st = {p.path.stem: p for p in reg.plugins}
+    assert st["deep"].status == "rejected" and "host_scale_deep.yaml: malformed" in st["deep"].reason
+    assert "nested deeper than 100 levels" in st["deep"].reason
+    assert st["bomb"].status == "rejected" and "aliases would expand" in st["bomb"].reason
+    assert len(st["bomb"].reason) < 600, st["bomb"].reason
+    assert st["host_scale"].status == "ready"
+
+
+def test_deep_and_aliased_tuning_files_and_profiles_are_reported(tmp_path):
+    from types import SimpleNamespace
+    (tmp_path / "deep.yaml").write_text(f"device: {DEEP}\n")
+    (tmp_path / "bomb.yaml").write_text(f"device: NVIDIA H200\nmoe_fused_gemm: {BOMB}\n")
+    hw = SimpleNamespace(name="NVIDIA H200", multiprocessor_count=132, live=True)
+    with pytest.warns(TuningWarning) as w:
+        TuningTable.for_hardware(hw, tmp_path)
+    text = " ".join(str(x.message) for x in w)
+    assert "deep.yaml: not readable YAML" in text and "nested deeper than 100 levels" in text
+    assert "bomb.yaml: not readable YAML" in text and "aliases would expand" in text
+    for stem, value in (("deep", DEEP), ("bomb", BOMB)):
+        p = tmp_path / f"{stem}_hw.yaml"
+        p.write_text(f"name: {value}\n")
+        with pytest.raises(FactorError, match=f"hardware profile .*{stem}_hw.yaml: malformed"):
+            Hardware.from_profile(str(p))
