@@ -8,6 +8,10 @@ after PyYAML's own resolvers (integers stay integers), so ``tolerance: {float32:
 1e-05 everywhere ex_engine reads YAML. A mapping that gives a key twice is a
 yaml.constructor.ConstructorError naming the key and both lines (PyYAML kept the last).
 
+Integers follow YAML 1.2's core schema too: ``[-+]?[0-9]+`` is decimal even with leading zeros
+(``id: 02260`` is 2260; YAML 1.1 read it as the octal 1200), ``0o17`` octal, ``0x1F`` hex;
+1.1's ``0b101``, ``1_000`` and sexagesimal ``1:30`` are strings (the field's own check names them).
+
 Pathological input is a yaml.YAMLError like any malformed file, so each reader reports the file
 and goes on: nesting deeper than MAX_DEPTH levels (``[[[[...]]]]`` of a few hundred levels raised
 RecursionError out of the composer), and aliases that would expand the document by more than
@@ -51,6 +55,16 @@ class _Loader(yaml.SafeLoader):
         _check_expansion(node)
         return super().construct_document(node)
 
+    def construct_yaml_int(self, node):
+        """YAML 1.2 core schema: decimal (leading zeros too), 0o octal, 0x hex."""
+        text = self.construct_scalar(node)
+        sign, body = (-1, text[1:]) if text[:1] == "-" else (1, text[1:] if text[:1] == "+" else text)
+        if body[:2] in ("0o", "0x"):
+            return sign * int(body[2:], 8 if body[1] == "o" else 16)
+        if not body.isdecimal() or not body.isascii():
+            raise ValueError(f"invalid integer {text!r}: expected digits, 0o octal or 0x hex (YAML 1.2)")
+        return sign * int(body, 10)
+
     def construct_mapping(self, node, deep=False):
         if isinstance(node, yaml.MappingNode):
             seen = {}
@@ -70,6 +84,18 @@ class _Loader(yaml.SafeLoader):
                 seen[key] = key_node.start_mark.line
         return super().construct_mapping(node, deep)
 
+
+_Loader.add_constructor("tag:yaml.org,2002:int", _Loader.construct_yaml_int)
+
+# YAML 1.2's core-schema integers in place of 1.1's (octal 0NNN, 0b, underscores, sexagesimal):
+# add_implicit_resolver gave _Loader its own copy of the table, so SafeLoader keeps its own
+_INT_12 = re.compile(r"^(?:[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+)$")
+_Loader.add_implicit_resolver("tag:yaml.org,2002:int", _INT_12, list("-+0123456789"))
+for _first, _resolvers in _Loader.yaml_implicit_resolvers.items():
+    _ints = [r for r in _resolvers if r[0] == "tag:yaml.org,2002:int"]
+    if len(_ints) == 2:   # PyYAML's 1.1 pattern, then ours (appended): ours takes its place
+        _resolvers[_resolvers.index(_ints[0])] = _ints[1]
+        _resolvers.pop()
 
 _Loader.add_implicit_resolver(
     "tag:yaml.org,2002:float",
@@ -124,7 +150,7 @@ def _check_expansion(root) -> None:
 
 def load(text):
     """The YAML document in ``text`` (str, bytes or a text file) as Python objects, by
-    yaml.safe_load's rules plus YAML 1.2's floats. Raises yaml.YAMLError on
+    yaml.safe_load's rules plus YAML 1.2's floats and integers. Raises yaml.YAMLError on
     malformed YAML, also where PyYAML's own constructors raise ValueError (a timestamp such as
     2024-13-01), for nesting deeper than MAX_DEPTH, for aliases that would expand the document
     by more than MAX_ALIAS_NODES nodes or contain themselves, and where Python's stack runs out

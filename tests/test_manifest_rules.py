@@ -84,3 +84,15 @@ def test_deep_and_aliased_tuning_files_and_profiles_are_reported(tmp_path):
         p.write_text(f"name: {value}\n")
         with pytest.raises(FactorError, match=f"hardware profile .*{stem}_hw.yaml: malformed"):
             Hardware.from_profile(str(p))
+
+
+# ---- 8: YAML 1.2 integers ---------------------------------------------------------------------
+def test_integers_follow_yaml_1_2():
+    assert _yaml.load("a: 02260\nb: 0o17\nc: 0x1F\nd: -007\ne: +5\nf: 0b101\ng: 1_000\nh: 1:30\ni: 0") == {
+        "a": 2260, "b": 15, "c": 31, "d": -7, "e": 5, "f": "0b101", "g": "1_000", "h": "1:30", "i": 0}
+    assert yaml.safe_load("a: 02260") == {"a": 1200}     # PyYAML's own loader is left as it was
+
+
+def test_an_id_with_a_leading_zero_is_decimal(tmp_path):
+    m = Manifest.load(manifest(tmp_path, lambda t: t.replace("id: 1100", "id: 02260")))
+    assert m.id == 2260
