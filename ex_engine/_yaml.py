@@ -22,6 +22,7 @@ Anchors, aliases and merge keys (``<<: *base``) of ordinary size keep working.
 from __future__ import annotations
 
 import re
+import reprlib
 
 import yaml
 from yaml.composer import ComposerError
@@ -101,6 +102,39 @@ _Loader.add_implicit_resolver(
     "tag:yaml.org,2002:float",
     re.compile(r"^[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?$"),
     list("-+0123456789."))
+
+
+class _Brief(reprlib.Repr):
+    """reprlib with small limits; an integer too long to print (Python refuses to turn one of
+    over 4300 digits into text: ValueError) is described by its length."""
+
+    def __init__(self):
+        super().__init__()
+        self.maxlevel, self.maxstring, self.maxother, self.maxlong = 2, 60, 60, 40
+        self.maxlist = self.maxtuple = self.maxdict = self.maxset = self.maxfrozenset = 4
+
+    def repr_int(self, x, level):
+        bits = x.bit_length()
+        if bits <= 128:            # up to 39 digits: as it is
+            return super().repr_int(x, level)
+        digits = str(len(str(abs(x)))) if bits < 14000 else f"about {int(bits * 0.30103) + 1}"
+        return f"{'-' if x < 0 else ''}<an integer of {digits} digits>"
+
+
+_BRIEF = _Brief()
+BRIEF_WIDTH = 100
+
+
+def brief(v) -> str:
+    """``v``'s repr in bounded length (BRIEF_WIDTH) and time, for an error message: containers
+    cut after a few items and two levels, strings after 60 characters, a long integer described
+    by its number of digits. (``f"{v!r:.80}"`` built the whole text first: an aliased list of
+    10**9 items ran for minutes, and repr(10**5000) raises ValueError.)"""
+    try:
+        text = _BRIEF.repr(v)
+    except Exception:   # an object whose __repr__ fails (reprlib catches most)
+        text = f"<{type(v).__name__} object>"
+    return text if len(text) <= BRIEF_WIDTH else text[:BRIEF_WIDTH - 3] + "..."
 
 
 def _children(node):

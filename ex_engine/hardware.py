@@ -15,6 +15,7 @@ from pathlib import Path
 import yaml
 
 from . import _paths, _yaml
+from ._yaml import brief
 from .errors import FactorError, is_integer
 
 FIELDS = ("cc_major", "cc_minor", "multiprocessor_count", "warp_size", "max_threads_per_block",
@@ -60,7 +61,7 @@ def check_fields(values: dict, where: str) -> None:
     """
     name = device_name(values.get("name"))
     if not isinstance(name, str) or not name.strip():
-        raise FactorError(f"{where}: name: expected a non-empty string (the device name), got {name!r}")
+        raise FactorError(f"{where}: name: expected a non-empty string (the device name), got {brief(name)}")
     for f in FIELDS:
         v = values.get(f)
         lo, hi = LIMITS[f]
@@ -68,12 +69,12 @@ def check_fields(values: dict, where: str) -> None:
         if f in CHOICES:
             if not_int or v not in CHOICES[f]:
                 raise FactorError(f"{where}: {f}: expected {' or '.join(map(str, CHOICES[f]))} (NVIDIA's "
-                                  f"warps are 32 threads, AMD's and Iluvatar's 64), got {v!r}")
+                                  f"warps are 32 threads, AMD's and Iluvatar's 64), got {brief(v)}")
             continue
         if not_int or not lo <= v <= hi:
             why = _WHY.get(f) or ("int32_t" if hi == _INT32_MAX else "int64_t")
             raise FactorError(f"{where}: {f}: expected an integer >= {lo}, at most {hi} ({why}), "
-                              f"got {v!r}")
+                              f"got {brief(v)}")
     tpb, warp = values.get("max_threads_per_block"), values.get("warp_size")
     if tpb % warp:
         raise FactorError(f"{where}: max_threads_per_block: expected a multiple of warp_size {warp} "

@@ -25,6 +25,7 @@ from pathlib import Path
 import yaml
 
 from . import _yaml, abi
+from ._yaml import brief
 from .errors import (ArgumentError, DeviceError, DTypeError, FactorError, LayoutError,
                      ShapeError, one_line)
 from .trust import sha256_hex
@@ -65,7 +66,7 @@ def fallback_problem(fn) -> str:
     arguments (``os:system`` takes one). A callable whose signature Python cannot read (some
     builtins) passes: the call decides."""
     if not callable(fn):
-        return f"expected a callable fn(arrays, sizes, params), got {type(fn).__name__} {fn!r:.80}"
+        return f"expected a callable fn(arrays, sizes, params), got {type(fn).__name__} {brief(fn)}"
     try:
         sig = inspect.signature(fn)
     except (TypeError, ValueError):
@@ -90,7 +91,7 @@ def _parse_dim(expr):
         return expr, None
     m = _TERM.match(str(expr))
     if not m:
-        raise FactorError(f"manifest: cannot read shape entry {expr!r}; expected N, SYM or N*SYM")
+        raise FactorError(f"manifest: cannot read shape entry {brief(expr)}; expected N, SYM or N*SYM")
     return int(m.group(1) or m.group(3) or 1), m.group(2)
 
 
@@ -116,12 +117,13 @@ def _unknown_keys(where: str, d: dict, known) -> str:
         if k not in known:
             close = difflib.get_close_matches(str(k), known, n=1)
             hint = f" (did you mean '{close[0]}'?)" if close else ""
-            return f"{where}unknown key {k!r}{hint}; expected some of {', '.join(known)}"
+            return f"{where}unknown key {brief(k)}{hint}; expected some of {', '.join(known)}"
     return ""
 
 
 def _got(v) -> str:
-    return f"{type(v).__name__} {v!r:.80}"
+    """``v`` for an error message: its type and a bounded repr (brief)."""
+    return f"{type(v).__name__} {brief(v)}"
 
 
 def _array_problem(where: str, d) -> str:
@@ -143,7 +145,7 @@ def _array_problem(where: str, d) -> str:
         if k in d and not isinstance(d[k], list):
             return f"{label}: {k}: expected {what}, got {_got(d[k])}"
     if "dtype" in d and not all(isinstance(t, str) for t in d["dtype"]):
-        return f"{label}: dtype: expected a list of dtype names, got {d['dtype']!r}"
+        return f"{label}: dtype: expected a list of dtype names, got {_got(d['dtype'])}"
     if "shape" in d:
         bad = [e for e in d["shape"] if isinstance(e, bool) or not isinstance(e, (int, str))]
         if bad:
@@ -180,7 +182,7 @@ def raw_problem(d: dict) -> str:
         return "id: missing; expected the factor id (an integer)"
     if not _is_int(d["id"]) or not -_ID_MAX - 1 <= d["id"] <= _ID_MAX:   # (the registry judges its value)
         return f"id: expected an integer (the factor id, an int32_t), got {_got(d['id'])}"
-    for k in ("summary", "math", "memory"):
+    for k in ("summary", "math", "memory"):   # (memory was str()'d: a list became its repr)
         if d.get(k) is not None and not isinstance(d[k], str):
             return f"{k}: expected a string, got {_got(d[k])}"
     if not (isinstance(d["dims"], list) and all(isinstance(x, str) and x for x in d["dims"])):
@@ -217,13 +219,15 @@ def raw_problem(d: dict) -> str:
         if d.get(k) is not None and not isinstance(d[k], list):
             return f"{k}: expected a list, got {_got(d[k])}"
     if not all(isinstance(c, str) for c in d.get("constraints") or []):
-        return f"constraints: expected a list of strings ('K <= E'), got {d['constraints']!r:.80}"
+        return f"constraints: expected a list of strings ('K <= E'), got {_got(d['constraints'])}"
     bits: set = set()
     for b, text in (d.get("device_flags") or {}).items():
         if isinstance(b, str) and b.isdecimal():   # a quoted key ("0": ...) is the same bit
             b = int(b)
         if not _is_int(b) or not 0 <= b < 32:
-            return f"device_flags: {b!r}: expected a bit number 0..31 of the workspace's int32"
+            return f"device_flags: {brief(b)}: expected a bit number 0..31 of the workspace's int32"
+        if not isinstance(text, str):              # (it was str()'d, a list became its repr)
+            return f"device_flags: {b}: expected the meaning of the bit (a string), got {_got(text)}"
         if b in bits:                              # 0 and "0": one bit given twice
             return f"device_flags: bit {b} given twice (as {b} and as '{b}'); expected one meaning per bit"
         bits.add(b)
@@ -323,9 +327,9 @@ class Manifest:
                     or not isinstance(spec.get("float32", False), bool)
                     or ("gt" in spec and (isinstance(spec["gt"], bool) or not isinstance(spec["gt"], (int, float))))):
                 raise FactorError(f"manifest {path}: params: {k}: expected {{type: float | int | bool, "
-                                  f"default: ...}}, got {spec!r}")
+                                  f"default: ...}}, got {_got(spec)}")
         if m.memory not in ("device", "host"):
-            raise FactorError(f"manifest {path}: memory: expected 'device' or 'host', got {m.memory!r}")
+            raise FactorError(f"manifest {path}: memory: expected 'device' or 'host', got {_got(m.memory)}")
         problem = m._structure_problem() or m._fields_problem()
         if problem:
             raise FactorError(f"manifest {path}: {problem}")
@@ -356,32 +360,32 @@ class Manifest:
         syms = self.shape_symbols
         for t in arrays:
             if t.role not in ("input", "output", "inout", "workspace"):
-                return f"{t.name}: role: expected input, output, inout or workspace, got {t.role!r}"
+                return f"{t.name}: role: expected input, output, inout or workspace, got {_got(t.role)}"
             bad = [d for d in t.dtypes if d not in abi.DTYPE_CODES]
             if bad:
                 return f"{t.name}: dtype: expected some of {sorted(abi.DTYPE_CODES)}, got {bad}"
             if t.same_dtype_as is not None and t.same_dtype_as not in names:
-                return f"{t.name}: same_dtype_as: expected an array of the manifest, got {t.same_dtype_as!r}"
+                return f"{t.name}: same_dtype_as: expected an array of the manifest, got {_got(t.same_dtype_as)}"
         kinds = {"dtype_of": names, "row_stride_of": names, "param": set(self.params),
                  "default_dim": syms, "tuned": None}
         for d, src in self.dim_sources.items():
             kind = next((k for k in kinds if isinstance(src, dict) and k in src), None)
             if kind is None:
-                return f"dim_sources: {d}: expected one of {sorted(kinds)}, got {src!r}"
+                return f"dim_sources: {d}: expected one of {sorted(kinds)}, got {_got(src)}"
             if kinds[kind] is not None and src[kind] not in kinds[kind]:
-                return f"dim_sources: {d}: {kind}: expected one of {sorted(kinds[kind])}, got {src[kind]!r}"
+                return f"dim_sources: {d}: {kind}: expected one of {sorted(kinds[kind])}, got {_got(src[kind])}"
         for d in self.tuned_dims:
             src = self.dim_sources[d]
             if "range" in src:
                 r = src["range"]
                 if not (isinstance(r, list) and len(r) == 2 and all(_is_int(v) for v in r) and r[0] <= r[1]):
-                    return f"dim_sources: {d}: range: expected [LOWEST, HIGHEST] (integers), got {r!r}"
+                    return f"dim_sources: {d}: range: expected [LOWEST, HIGHEST] (integers), got {_got(r)}"
             if "options" in src:
                 o = src["options"]
                 if not (isinstance(o, list) and o and all(_is_int(v) for v in o)):
-                    return f"dim_sources: {d}: options: expected a non-empty list of integers, got {o!r}"
+                    return f"dim_sources: {d}: options: expected a non-empty list of integers, got {_got(o)}"
             if not _is_int(src["tuned"]):
-                return f"dim_sources: {d}: tuned: expected the default value (an integer), got {src['tuned']!r}"
+                return f"dim_sources: {d}: tuned: expected the default value (an integer), got {_got(src['tuned'])}"
             allowed = self.tuned_allowed(d)
             if not allowed[0](src["tuned"]):
                 return f"dim_sources: {d}: tuned: the default {src['tuned']} is outside {allowed[1]}"
@@ -393,7 +397,7 @@ class Manifest:
             m = _CONSTRAINT.match(str(text))
             unknown = [s for s in (m.groups()[::2] if m else []) if not s.isdigit() and s not in known]
             if unknown:
-                return f"constraint {text!r}: {unknown[0]} is no size of the manifest's arrays"
+                return f"constraint {brief(text)}: {unknown[0]} is no size of the manifest's arrays"
         return ""
 
     def _fields_problem(self) -> str:
@@ -411,18 +415,18 @@ class Manifest:
             except ArgumentError as exc:
                 return f"params: {exc.argument}: default: expected {exc.expected}, got {exc.got}"
         if self.fallback is not None and not (isinstance(self.fallback, str) and _FALLBACK.match(self.fallback)):
-            return f"fallback: expected 'module:function' (e.g. ex_engine.fallbacks:topk_softmax), got {self.fallback!r}"
+            return f"fallback: expected 'module:function' (e.g. ex_engine.fallbacks:topk_softmax), got {_got(self.fallback)}"
         for dt, tol in self.tolerance.items():
             if dt not in abi.DTYPE_CODES:
                 return f"tolerance: {dt}: expected a dtype, one of {sorted(abi.DTYPE_CODES)}"
             if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not 0 < tol < float("inf"):
                 return (f"tolerance: {dt}: expected a relative error > 0 (e.g. 1.0e-5), got "
-                        f"{type(tol).__name__} {tol!r}")
+                        f"{_got(tol)}")
         needed = sorted({sym for t in self.tensors if not t.optional and t.role != "workspace"
                          for _, sym in t.parsed if sym is not None})
         for i, case in enumerate(self.test_shapes):
             if not isinstance(case, dict):
-                return f"test_shapes[{i}]: expected a mapping {{size: integer, parameter: value}}, got {case!r}"
+                return f"test_shapes[{i}]: expected a mapping {{size: integer, parameter: value}}, got {_got(case)}"
             for k, v in case.items():
                 if k in self.params:
                     continue
@@ -430,7 +434,7 @@ class Manifest:
                     return (f"test_shapes[{i}]: {k}: expected a size ({', '.join(sorted(self.size_names))}) "
                             f"or a parameter ({', '.join(sorted(self.params)) or 'none'})")
                 if not _is_int(v) or v < 0:
-                    return f"test_shapes[{i}]: {k}: expected an integer >= 0, got {type(v).__name__} {v!r}"
+                    return f"test_shapes[{i}]: {k}: expected an integer >= 0, got {_got(v)}"
             missing = [k for k in needed if k not in case]
             if missing:
                 return f"test_shapes[{i}]: expected every size of the required arrays ({', '.join(needed)}), " \
@@ -546,12 +550,12 @@ class Manifest:
         ``params`` does not give (a required one)."""
         if not isinstance(params, dict):
             raise ArgumentError(self.name, "params", "type", "a mapping of parameter name -> value",
-                                f"{type(params).__name__} {params!r}")
+                                _got(params))
         out = {}
         for k in params:
             if k not in self.params:
                 raise ArgumentError(self.name, k, "unknown parameter",
-                                    f"one of {sorted(self.params)}", repr(k))
+                                    f"one of {sorted(self.params)}", brief(k))
         for k, spec in self.params.items():
             if k not in params and "default" not in spec:
                 raise ArgumentError(self.name, k, "required", "a value (the manifest gives no default)",
@@ -565,34 +569,34 @@ class Manifest:
         typ = spec.get("type", "float")
         if typ == "bool":
             if not bool_like(v):
-                raise ArgumentError(self.name, k, "type", "a bool", repr(v))
+                raise ArgumentError(self.name, k, "type", "a bool", brief(v))
             v = bool(v)
         elif typ == "int":
             # Python's or NumPy's integers (not bools); passed to the kernel as an int64
             is_bool = isinstance(v, bool) or getattr(getattr(v, "dtype", None), "kind", "") == "b"
             if is_bool or not hasattr(v, "__index__") or getattr(v, "shape", ()) != ():
-                raise ArgumentError(self.name, k, "type", "an int", repr(v))
+                raise ArgumentError(self.name, k, "type", "an int", brief(v))
             v = operator.index(v)
             if not -2 ** 63 <= v < 2 ** 63:
-                raise ArgumentError(self.name, k, "value", "an int in the int64 range", repr(v))
+                raise ArgumentError(self.name, k, "value", "an int in the int64 range", brief(v))
         else:
             if isinstance(v, (str, bytes, bool)):  # float('1e-6') would parse it; True is no eps
-                raise ArgumentError(self.name, k, "type", "a number", repr(v))
+                raise ArgumentError(self.name, k, "type", "a number", brief(v))
             try:
                 v = float(v)
-            except (TypeError, ValueError):
-                raise ArgumentError(self.name, k, "type", "a number", repr(v)) from None
+            except (TypeError, ValueError, RuntimeError):   # RuntimeError: a tensor of several
+                raise ArgumentError(self.name, k, "type", "a number", brief(v)) from None
             except OverflowError:   # an int beyond float's range (10**400)
-                raise ArgumentError(self.name, k, "value", "a finite number", repr(v)) from None
+                raise ArgumentError(self.name, k, "value", "a finite number", brief(v)) from None
             if "gt" in spec and not float(spec["gt"]) < v < float("inf"):  # NaN fails too
-                raise ArgumentError(self.name, k, "value", f"a finite number > {spec['gt']}", repr(v))
+                raise ArgumentError(self.name, k, "value", f"a finite number > {spec['gt']}", brief(v))
             # float32: the factor computes with it in float32 (fused_add_rmsnorm's eps = 1e-60
             # passed 'gt: 0' and was 0 there: an all-zero row divided by zero; 1e39 was inf)
             if spec.get("float32") and v != 0 and not _F32_TINY <= abs(_to_f32(v)) <= _F32_MAX:
                 zero = "" if float(spec.get("gt", -1)) >= 0 else "0, or "
                 raise ArgumentError(self.name, k, "value", f"a number that rounds to a normal float32 "
                                     f"({zero}a magnitude from {_F32_TINY:.9g} to {_F32_MAX:.9g}): "
-                                    "the factor computes with it in float32", repr(v))
+                                    "the factor computes with it in float32", brief(v))
         return v
 
     def bind(self, arrays: dict, params: dict | None = None, tuned=None):
@@ -747,7 +751,7 @@ class Manifest:
             default = int(src["tuned"])
             return tuned(self.name, d, sizes, default) if tuned is not None else default
         if "default_dim" in src:      # reached only when neither this size nor its default is known
-            raise FactorError(f"manifest {self.path}: dim '{d}': default_dim {src['default_dim']!r} "
+            raise FactorError(f"manifest {self.path}: dim '{d}': default_dim {brief(src['default_dim'])} "
                               "is not a size of any array")
         if "row_stride_of" in src:
             ref = arrays[src["row_stride_of"]]
@@ -773,7 +777,7 @@ def why_not_found(path, name: str) -> str:
     if "name" not in d:
         return f"manifest {path}: no name field: expected name: {name}"
     if d["name"] != name:
-        return (f"manifest {path}: names {d['name']!r}, the library {name!r}: the manifest must "
+        return (f"manifest {path}: names {brief(d['name'])}, the library {name!r}: the manifest must "
                 "name its factor as the library does")
     return ""
 

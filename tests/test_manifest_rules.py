@@ -96,3 +96,68 @@ def test_integers_follow_yaml_1_2():
 def test_an_id_with_a_leading_zero_is_decimal(tmp_path):
     m = Manifest.load(manifest(tmp_path, lambda t: t.replace("id: 1100", "id: 02260")))
     assert m.id == 2260
+
+
+# ---- 2: descriptions of values are bounded ----------------------------------------------------
+def _aliased(levels=9):
+    x = ["x"]
+    for _ in range(levels):
+        x = [x] * 10       # one list shared ten times: 10**levels elements if expanded
+    return x
+
+
+@pytest.mark.parametrize("field", ["summary", "shape", "dims", "constraints", "test_shapes", "memory",
+                                   "dtype", "values", "tolerance", "params"])
+def test_a_huge_shared_structure_in_any_field_is_described_briefly(tmp_path, field):
+    """Data as a YAML file with aliases gives it (the YAML reader now refuses such a file; a
+    caller may still pass parsed data): checked and described in bounded time and length."""
+    d = _yaml.load(BASE)
+    bomb = _aliased()
+    if field in ("shape", "dtype", "values"):
+        d["input"][field] = bomb
+    elif field == "tolerance":
+        d["tolerance"] = {"float32": bomb}
+    elif field == "params":
+        d["params"] = {"alpha": {"type": "float", "default": bomb}}
+    else:
+        d[field] = bomb
+    t = time.monotonic()
+    with pytest.raises(FactorError) as e:
+        Manifest.load(tmp_path / "m.yaml", data=d)
+    assert time.monotonic() - t < 1 and len(str(e.value)) < 400, str(e.value)
+    assert field in str(e.value)
+
+
+def test_a_hardware_profile_value_is_described_briefly(tmp_path):
+    good = (ROOT / "manifests" / "hardware" / "h200.yaml").read_text()
+    p = tmp_path / "hw.yaml"
+    p.write_text(good.replace("warp_size: 32", "warp_size: [" + ", ".join(["12345678"] * 5000) + "]"))
+    with pytest.raises(FactorError, match="warp_size: expected 32 or 64") as e:
+        Hardware.from_profile(str(p))
+    assert len(str(e.value)) < 400
+
+
+# ---- 6: huge numbers given as parameters ------------------------------------------------------
+@pytest.mark.parametrize("value,needle", [
+    (10 ** 5000, "<an integer of about 5001 digits>"),
+    (10 ** 400, "<an integer of 401 digits>"),
+    (-10 ** 400, "-<an integer of 401 digits>"),
+    ([1.0] * 100000, "[1.0, 1.0, 1.0, 1.0, ...]"),
+    ("e" * 10000, "'eeeee"),
+], ids=["1e5000", "1e400", "-1e400", "list", "str"])
+def test_a_huge_parameter_value_is_an_argument_error_with_a_bounded_description(tmp_path, value, needle):
+    from ex_engine import fused_add_rmsnorm
+    x, r, w = np.zeros((2, 8), np.float32), np.zeros((2, 8), np.float32), np.ones(8, np.float32)
+    reg = FactorRegistry.load(tmp_path, hardware="h200")
+    with pytest.raises(ArgumentError, match="argument 'eps'") as e:
+        reg.dispatch("fused_add_rmsnorm", {"x": x, "residual": r, "weight": w}, {"eps": value})
+    assert needle in str(e.value) and len(str(e.value)) < 300, str(e.value)
+    with pytest.raises(ArgumentError, match="argument 'eps'"):
+        fused_add_rmsnorm(x, r, w, eps=value, registry=reg)
+
+
+def test_a_huge_int_parameter_is_named_briefly(tmp_path):
+    m = Manifest.load(manifest(tmp_path, lambda t: t + "params: {k: {type: int, default: 1}}\n"))
+    with pytest.raises(ArgumentError, match=r"argument 'k': value: expected an int in the int64 range, "
+                                            r"got <an integer of about 5001 digits>$"):
+        m.param_values({"k": 10 ** 5000})
