@@ -85,13 +85,33 @@ _TERM = re.compile(r"^\s*(?:(\d+)\s*\*\s*)?([A-Za-z_]\w*)\s*(?:\*\s*(\d+))?\s*$"
 _CONSTRAINT = re.compile(r"^\s*(\w+)\s*(<=|<|==|>=|>)\s*(\w+)\s*$")
 
 
+def _dim_problem(expr) -> str:
+    """What is wrong with a shape entry ('' if nothing): a constant must be an integer >= 0, a
+    symbol's coefficient an integer >= 1 on one side of it ('0*N' made bind divide by zero,
+    '-3' failed every call with "expected -3", '2*I*3' was read as 2*I)."""
+    if isinstance(expr, bool) or not isinstance(expr, (int, str)):
+        return f"expected entries N, SYM or N*SYM, got {_got(expr)}"
+    if isinstance(expr, int):
+        return "" if expr >= 0 else f"expected a size >= 0, got {expr}"
+    m = _TERM.match(expr)
+    if not m:
+        return f"expected N, SYM or N*SYM (N an integer >= 1), got {brief(expr)}"
+    if m.group(1) and m.group(3):
+        return f"expected N, SYM or N*SYM (one coefficient), got {brief(expr)}"
+    if int(m.group(1) or m.group(3) or 1) < 1:
+        return f"expected a coefficient >= 1 in {brief(expr)} (a size times 0 is no size)"
+    return ""
+
+
 def _parse_dim(expr):
-    """(coefficient, symbol) of a shape entry: 5 -> (5, None); 'T' -> (1, 'T'); '2*I' -> (2, 'I')."""
+    """(coefficient, symbol) of a shape entry: 5 -> (5, None); 'T' -> (1, 'T'); '2*I' -> (2, 'I').
+    Raises FactorError for what _dim_problem refuses (so bind never divides by 0)."""
+    problem = _dim_problem(expr)
+    if problem:
+        raise FactorError(f"shape entry: {problem}")
     if isinstance(expr, int):
         return expr, None
-    m = _TERM.match(str(expr))
-    if not m:
-        raise FactorError(f"manifest: cannot read shape entry {brief(expr)}; expected N, SYM or N*SYM")
+    m = _TERM.match(expr)
     return int(m.group(1) or m.group(3) or 1), m.group(2)
 
 
@@ -146,10 +166,10 @@ def _array_problem(where: str, d) -> str:
             return f"{label}: {k}: expected {what}, got {_got(d[k])}"
     if "dtype" in d and not all(isinstance(t, str) for t in d["dtype"]):
         return f"{label}: dtype: expected a list of dtype names, got {_got(d['dtype'])}"
-    if "shape" in d:
-        bad = [e for e in d["shape"] if isinstance(e, bool) or not isinstance(e, (int, str))]
-        if bad:
-            return f"{label}: shape: expected entries N, SYM or N*SYM, got {_got(bad[0])}"
+    for i, e in enumerate(d.get("shape") or []):
+        problem = _dim_problem(e)
+        if problem:
+            return f"{label}: shape[{i}]: {problem}"
     if "values" in d:
         v = d["values"]
         if not isinstance(v, dict):
@@ -358,6 +378,26 @@ class Manifest:
         arrays = self.tensors
         names = {t.name for t in arrays}
         syms = self.shape_symbols
+        # one name, one array: bind looks arrays up by name, so a second 'out' (or an aux named
+        # like the input) was handed the first one's array and the kernel got the wrong memory
+        where: dict = {}
+        for label, t in [("output", self.output), ("input", self.input),
+                         *((f"aux[{i}]", a) for i, a in enumerate(self.aux))]:
+            if t.same_as_output:       # the in-place input is the output, by its name
+                continue
+            if t.name in where:
+                return (f"{label}: name: {t.name!r} names {where[t.name]} already; expected each "
+                        "array named once")
+            where[t.name] = label
+        # a parameter shares the namespace of the call's arguments and of a test shape's sizes
+        sizes = self.size_names
+        for k in self.params:
+            if k in where:
+                return (f"params: {k}: named like the array {where[k]}; expected a name no array, "
+                        "size or dim uses")
+            if k in sizes:
+                return (f"params: {k}: named like the size {k} of the arrays' shapes; expected a "
+                        "name no array, size or dim uses")
         for t in arrays:
             if t.role not in ("input", "output", "inout", "workspace"):
                 return f"{t.name}: role: expected input, output, inout or workspace, got {_got(t.role)}"
@@ -730,6 +770,8 @@ class Manifest:
 
     def check_alignment(self, name: str, ref) -> None:
         """Raise LayoutError unless ref's address is a multiple of its element size."""
+        if ref.itemsize < 1:     # (numpy's 'V0'): no element to align, nothing a kernel can read
+            raise LayoutError(self.name, name, "element size", "at least 1 byte", ref.itemsize)
         if ref.ptr % ref.itemsize:
             raise LayoutError(self.name, name, "alignment",
                               f"address a multiple of {ref.itemsize}", hex(ref.ptr))

@@ -161,3 +161,70 @@ def test_a_huge_int_parameter_is_named_briefly(tmp_path):
     with pytest.raises(ArgumentError, match=r"argument 'k': value: expected an int in the int64 range, "
                                             r"got <an integer of about 5001 digits>$"):
         m.param_values({"k": 10 ** 5000})
+
+
+# ---- 3: one name per array; parameters not named like an array or a size ----------------------
+@pytest.mark.parametrize("change,needle", [
+    (lambda t: t.replace("{name: alpha, shape: [1]", "{name: out, shape: [1]"),
+     "aux[0]: name: 'out' names output already; expected each array named once"),
+    (lambda t: t.replace("{name: alpha, shape: [1]", "{name: x, shape: [1]"),
+     "aux[0]: name: 'x' names input already"),
+    (lambda t: t.replace("input: {name: x,", "input: {name: out,"), "input: name: 'out' names output already"),
+    (lambda t: t + "params: {N: {type: int, default: 3}}\n",
+     "params: N: named like the size N of the arrays' shapes; expected a name no array, size or dim uses"),
+    (lambda t: t + "params: {alpha: {type: float, default: 1.0}}\n",
+     "params: alpha: named like the array aux[0]"),
+])
+def test_duplicate_array_names_and_clashing_parameters_are_refused_at_load(tmp_path, change, needle):
+    with pytest.raises(FactorError, match="m.yaml: ") as e:
+        Manifest.load(manifest(tmp_path, change))
+    assert needle in str(e.value), str(e.value)
+
+
+def test_a_duplicate_array_name_refuses_the_plugin_the_registry_goes_on(tmp_path):
+    folder = tmp_path / "p"
+    build_plugin(folder)
+    build_plugin(folder, "dup", defines={"NAME": '"host_scale_dup"', "FACTOR_ID": 1101})
+    (folder / "host_scale_dup.yaml").write_text(
+        BASE.replace("name: host_scale", "name: host_scale_dup").replace("id: 1100", "id: 1101")
+        .replace("{name: alpha, shape: [1]", "{name: x, shape: [1]"))
+    reg = FactorRegistry.load(folder, hardware="h200")
+    st = {p.path.stem: p for p in reg.plugins}
+    assert st["dup"].status == "rejected" and "names input already" in st["dup"].reason
+    assert st["host_scale"].status == "ready"
+
+
+# ---- 4: impossible shapes refused at load; no ZeroDivisionError on dispatch --------------------
+@pytest.mark.parametrize("shape,needle", [
+    ("[0*N]", "shape[0]: expected a coefficient >= 1 in '0*N'"),
+    ("[N*0]", "shape[0]: expected a coefficient >= 1 in 'N*0'"),
+    ("[-3]", "shape[0]: expected a size >= 0, got -3"),
+    ("[2*N*3]", "shape[0]: expected N, SYM or N*SYM (one coefficient), got '2*N*3'"),
+    ("[N+1]", "shape[0]: expected N, SYM or N*SYM (N an integer >= 1), got 'N+1'"),
+    ("[1.5]", "shape[0]: expected entries N, SYM or N*SYM, got float 1.5"),
+])
+def test_impossible_shapes_are_refused_at_load(tmp_path, shape, needle):
+    with pytest.raises(FactorError) as e:
+        Manifest.load(manifest(tmp_path, lambda t: t.replace("input: {name: x, shape: [N]",
+                                                             f"input: {{name: x, shape: {shape}")))
+    assert f"m.yaml: input (x): {needle}" in str(e.value), str(e.value)
+
+
+def test_constant_and_scaled_shapes_still_load_and_bind(tmp_path):
+    from ex_engine.arrays import TensorRef
+    m = Manifest.load(manifest(tmp_path, lambda t: t.replace("input: {name: x, shape: [N]",
+                                                             "input: {name: x, shape: [N*2]")
+                               .replace("test_shapes:\n  - {N: 7}", "test_shapes:\n  - {N: 0}")))
+    assert m.input.parsed == [(2, "N")] and m.aux[0].parsed == [(1, None)]
+    refs = {k: TensorRef.of(np.zeros(n, np.float32)) for k, n in (("out", 3), ("x", 6), ("alpha", 1))}
+    assert m.bind(refs)[2] == {"N": 3}
+    refs["x"] = TensorRef.of(np.zeros(5, np.float32))
+    with pytest.raises(ArgumentError, match="expected a multiple of 2, got 5"):
+        m.bind(refs)
+
+
+def test_an_array_of_zero_byte_elements_is_a_layout_error(tmp_path):
+    from types import SimpleNamespace
+    m = Manifest.load(manifest(tmp_path))
+    with pytest.raises(ArgumentError, match="argument 'x': element size: expected at least 1 byte, got 0"):
+        m.check_alignment("x", SimpleNamespace(ptr=0x1000, itemsize=0))
