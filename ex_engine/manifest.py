@@ -254,6 +254,37 @@ def raw_problem(d: dict) -> str:
     return ""
 
 
+def _param_spec_problem(spec) -> str:
+    """What is wrong with one ``params`` entry's spec ('' if nothing): its form, a type other
+    than float, int or bool, and a key its type does not use (``gt`` bounds floats and ints,
+    ``float32`` applies to floats: on an int or a bool they were ignored without a word)."""
+    if not isinstance(spec, dict):
+        return f"expected {{type: float | int | bool, default: ...}}, got {_got(spec)}"
+    typ = spec.get("type", "float")
+    if typ not in ("float", "int", "bool"):
+        return f"type: expected float, int or bool, got {_got(typ)}"
+    if "float32" in spec:
+        if typ != "float":
+            return f"float32: expected no float32 on {'an int' if typ == 'int' else 'a bool'} parameter (it applies to float ones)"
+        if not isinstance(spec["float32"], bool):
+            return f"float32: expected true or false, got {_got(spec['float32'])}"
+    if "gt" in spec:
+        gt = spec["gt"]
+        if typ == "bool":
+            return "gt: expected no gt on a bool parameter (it bounds float and int ones)"
+        if isinstance(gt, bool) or not isinstance(gt, (int, float)) or not _finite(gt):
+            return f"gt: expected a finite number (the bound the value must exceed), got {_got(gt)}"
+    return ""
+
+
+def _finite(x) -> bool:
+    """An int or float within float's finite range (10**400 is not)."""
+    try:
+        return abs(float(x)) < float("inf")
+    except OverflowError:
+        return False
+
+
 @dataclass
 class TensorSpec:
     """One array of the kernel call (output, input or an aux input)."""
@@ -343,11 +374,9 @@ class Manifest:
         except FactorError as exc:  # a field's own check (a shape entry, say): name the file
             raise FactorError(f"manifest {path}: {exc}") from exc
         for k, spec in m.params.items():
-            if (not isinstance(spec, dict) or spec.get("type", "float") not in ("float", "int", "bool")
-                    or not isinstance(spec.get("float32", False), bool)
-                    or ("gt" in spec and (isinstance(spec["gt"], bool) or not isinstance(spec["gt"], (int, float))))):
-                raise FactorError(f"manifest {path}: params: {k}: expected {{type: float | int | bool, "
-                                  f"default: ...}}, got {_got(spec)}")
+            problem = _param_spec_problem(spec)
+            if problem:
+                raise FactorError(f"manifest {path}: params: {k}: {problem}")
         if m.memory not in ("device", "host"):
             raise FactorError(f"manifest {path}: memory: expected 'device' or 'host', got {_got(m.memory)}")
         problem = m._structure_problem() or m._fields_problem()
@@ -619,6 +648,8 @@ class Manifest:
             v = operator.index(v)
             if not -2 ** 63 <= v < 2 ** 63:
                 raise ArgumentError(self.name, k, "value", "an int in the int64 range", brief(v))
+            if "gt" in spec and not v > spec["gt"]:   # (ignored for ints before)
+                raise ArgumentError(self.name, k, "value", f"an int > {spec['gt']}", brief(v))
         else:
             if isinstance(v, (str, bytes, bool)):  # float('1e-6') would parse it; True is no eps
                 raise ArgumentError(self.name, k, "type", "a number", brief(v))

@@ -228,3 +228,51 @@ def test_an_array_of_zero_byte_elements_is_a_layout_error(tmp_path):
     m = Manifest.load(manifest(tmp_path))
     with pytest.raises(ArgumentError, match="argument 'x': element size: expected at least 1 byte, got 0"):
         m.check_alignment("x", SimpleNamespace(ptr=0x1000, itemsize=0))
+
+
+# ---- 5: gt and float32 on int and bool parameters --------------------------------------------
+@pytest.mark.parametrize("spec,needle", [
+    ("{type: int, default: 0, gt: 0}", "params: k: default: expected an int > 0, got 0"),
+    ("{type: bool, default: false, gt: 5}", "params: k: gt: expected no gt on a bool parameter"),
+    ("{type: int, default: 1, float32: true}", "params: k: float32: expected no float32 on an int parameter"),
+    ("{type: bool, default: false, float32: false}", "params: k: float32: expected no float32 on a bool"),
+    ("{type: float, default: 1.0, gt: " + "9" * 400 + "}", "params: k: gt: expected a finite number"),
+    ("{type: float, default: 1.0, gt: '0'}", "params: k: gt: expected a finite number (the bound the value "
+                                              "must exceed), got str '0'"),
+    ("{type: double, default: 1.0}", "params: k: type: expected float, int or bool, got str 'double'"),
+])
+def test_parameter_keys_that_do_not_apply_or_a_default_that_breaks_them_are_refused(tmp_path, spec, needle):
+    with pytest.raises(FactorError) as e:
+        Manifest.load(manifest(tmp_path, lambda t: t + f"params:\n  k: {spec}\n"))
+    assert f"m.yaml: {needle}" in str(e.value), str(e.value)
+
+
+def test_gt_bounds_an_int_parameter_on_every_call(tmp_path):
+    m = Manifest.load(manifest(tmp_path, lambda t: t + "params:\n  k: {type: int, default: 2, gt: 0}\n"
+                               "  f: {type: float, default: 0.5, gt: 0, float32: true}\n"))
+    assert m.param_values({"k": 1}) == {"k": 1, "f": 0.5}
+    for bad in (0, -5, np.int64(-1)):
+        with pytest.raises(ArgumentError, match=f"argument 'k': value: expected an int > 0, got "):
+            m.param_values({"k": bad})
+    with pytest.raises(FactorError, match=r"test_shapes\[0\]: k: expected an int > 0, got -1"):
+        Manifest.load(manifest(tmp_path, lambda t: t.replace("{N: 7}", "{N: 7, k: -1}")
+                               + "params:\n  k: {type: int, default: 2, gt: 0}\n"))
+
+
+def test_a_plugin_whose_int_default_breaks_its_gt_is_refused_and_calls_below_it_never_run(tmp_path):
+    folder = tmp_path / "p"
+    build_plugin(folder)
+    text = (folder / "host_scale.yaml").read_text()
+    (folder / "host_scale.yaml").write_text(text + "params:\n  k: {type: int, default: 1, gt: 0}\n")
+    build_plugin(folder, "bad", defines={"NAME": '"host_scale_bad"', "FACTOR_ID": 1101})
+    (folder / "host_scale_bad.yaml").write_text(
+        BASE.replace("name: host_scale", "name: host_scale_bad").replace("id: 1100", "id: 1101")
+        + "params:\n  k: {type: int, default: 0, gt: 0}\n")
+    reg = FactorRegistry.load(folder, hardware="h200")
+    st = {p.path.stem: p for p in reg.plugins}
+    assert st["bad"].status == "rejected" and "params: k: default: expected an int > 0, got 0" in st["bad"].reason
+    x, out, alpha = np.ones(7, np.float32), np.zeros(7, np.float32), np.array([2.0], np.float32)
+    with pytest.raises(ArgumentError, match="argument 'k': value: expected an int > 0, got -5"):
+        reg.dispatch("host_scale", {"x": x, "out": out, "alpha": alpha}, {"k": -5})
+    assert not out.any()
+    assert reg.dispatch("host_scale", {"x": x, "out": out, "alpha": alpha}, {"k": 3}) == "plugin"
