@@ -82,6 +82,7 @@ DEFAULT_TOLERANCE = 1e-5   # verify's relative tolerance for a dtype the manifes
 _FALLBACK = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$")
 
 _TERM = re.compile(r"^\s*(?:(\d+)\s*\*\s*)?([A-Za-z_]\w*)\s*(?:\*\s*(\d+))?\s*$")
+_RSQRT = re.compile(r"^\s*1\s*/\s*sqrt\(\s*(\w+)\s*\)\s*$")   # as verify reads a `values` scalar
 _CONSTRAINT = re.compile(r"^\s*(\w+)\s*(<=|<|==|>=|>)\s*(\w+)\s*$")
 
 
@@ -493,6 +494,11 @@ class Manifest:
                         f"{_got(tol)}")
         needed = sorted({sym for t in self.tensors if not t.optional and t.role != "workspace"
                          for _, sym in t.parsed if sym is not None})
+        for label, t in [("output", self.output), ("input", self.input),
+                         *((f"aux[{i}]", a) for i, a in enumerate(self.aux))]:
+            problem = self._values_problem(t, set(needed) if not t.optional else self.shape_symbols)
+            if problem:
+                return f"{label} ({t.name}): values: {problem}"
         for i, case in enumerate(self.test_shapes):
             if not isinstance(case, dict):
                 return f"test_shapes[{i}]: expected a mapping {{size: integer, parameter: value}}, got {_got(case)}"
@@ -524,6 +530,65 @@ class Manifest:
                     self._check_constraint(m, sizes, None, text)
                 except ShapeError as exc:
                     return f"test_shapes[{i}]: expected sizes that keep the constraint '{text}', got {exc.got}"
+        return ""
+
+    @staticmethod
+    def _values_problem(t, known) -> str:
+        """What is wrong with array spec ``t``'s ``values`` ('' if nothing), as verify draws
+        them: one of normal / uniform / ids_below; a number or size written SYM or 1/sqrt(SYM)
+        with SYM in ``known`` (the sizes every test shape gives: 'normal: 1/sqrt(Q)' and
+        'uniform: [a, b]' loaded and failed every verify case with KeyError); integers LO < HI
+        for an integer array; ids_below a size or an integer >= 1; distinct with ids_below."""
+        v = t.values
+        if not v:
+            return ""
+        kinds = [k for k in ("normal", "uniform", "ids_below") if k in v]
+        if len(kinds) > 1:
+            return f"expected one of normal, uniform and ids_below, got {' and '.join(kinds)}"
+        if "distinct" in v and "ids_below" not in v:
+            return "distinct: expected it only with ids_below (distinct ids per row)"
+        ints = any(d.startswith(("int", "uint")) for d in t.dtypes)
+
+        def scalar(x, what, rsqrt=True):
+            if isinstance(x, str):
+                m = _RSQRT.match(x) if rsqrt else None
+                sym = m.group(1) if m else x.strip()
+                if sym in known:
+                    return ""
+                forms = "SYM or 1/sqrt(SYM)" if rsqrt else "SYM"
+                return (f"{what}: expected a number or {forms} with SYM a size every test shape gives "
+                        f"({', '.join(sorted(known)) or 'none'}), got {_got(x)}")
+            if isinstance(x, bool) or not isinstance(x, (int, float)) or not _finite(x):
+                return f"{what}: expected a finite number or a size, got {_got(x)}"
+            return ""
+
+        if "normal" in v and t.dtypes and all(d.startswith(("int", "uint")) for d in t.dtypes):
+            return "normal: expected uniform or ids_below for an integer array (normal draws floats)"
+        if "normal" in v:
+            problem = scalar(v["normal"], "normal")
+            if problem:
+                return problem
+            if not isinstance(v["normal"], str) and v["normal"] < 0:
+                return f"normal: expected a standard deviation >= 0, got {_got(v['normal'])}"
+        if "uniform" in v:
+            lo, hi = v["uniform"]
+            if ints:
+                if not (_is_int(lo) and _is_int(hi) and lo < hi):
+                    return (f"uniform: expected integers [LO, HI] with LO < HI for an integer array "
+                            f"({'/'.join(t.dtypes)}), got {_got(v['uniform'])}")
+            for x, what in ((lo, "uniform[0]"), (hi, "uniform[1]")):
+                problem = scalar(x, what)
+                if problem:
+                    return problem
+            if not isinstance(lo, str) and not isinstance(hi, str) and not lo <= hi:
+                return f"uniform: expected [LO, HI] with LO <= HI, got {_got(v['uniform'])}"
+        if "ids_below" in v:
+            n = v["ids_below"]
+            problem = scalar(n, "ids_below", rsqrt=False)
+            if problem:
+                return problem
+            if not isinstance(n, str) and not (_is_int(n) and n >= 1):
+                return f"ids_below: expected a size or an integer >= 1, got {_got(n)}"
         return ""
 
     def tolerance_for(self, dtype: str) -> tuple:

@@ -276,3 +276,40 @@ def test_a_plugin_whose_int_default_breaks_its_gt_is_refused_and_calls_below_it_
         reg.dispatch("host_scale", {"x": x, "out": out, "alpha": alpha}, {"k": -5})
     assert not out.any()
     assert reg.dispatch("host_scale", {"x": x, "out": out, "alpha": alpha}, {"k": 3}) == "plugin"
+
+
+# ---- 7: values checked at load ----------------------------------------------------------------
+def _values(t, values, dtype="float32"):
+    return t.replace("input: {name: x, shape: [N], dtype: [float32]}",
+                     f"input: {{name: x, shape: [N], dtype: [{dtype}], values: {values}}}")
+
+
+@pytest.mark.parametrize("values,dtype,needle", [
+    ("{normal: 1/sqrt(Q)}", "float32", "normal: expected a number or SYM or 1/sqrt(SYM) with SYM a size every "
+                                       "test shape gives (N), got str '1/sqrt(Q)'"),
+    ("{uniform: [a, b]}", "float32", "uniform[0]: expected a number or SYM or 1/sqrt(SYM) with SYM a size"),
+    ("{uniform: [0.5, .nan]}", "float32", "uniform[1]: expected a finite number or a size, got float nan"),
+    ("{uniform: [2.0, 1.0]}", "float32", "uniform: expected [LO, HI] with LO <= HI, got list [2.0, 1.0]"),
+    ("{uniform: [0, N]}", "int32", "uniform: expected integers [LO, HI] with LO < HI for an integer array"),
+    ("{uniform: [3, 3]}", "int32", "uniform: expected integers [LO, HI] with LO < HI"),
+    ("{normal: -1.0}", "float32", "normal: expected a standard deviation >= 0, got float -1.0"),
+    ("{normal: 1.0}", "int32", "normal: expected uniform or ids_below for an integer array"),
+    ("{normal: 1.0, uniform: [0, 1]}", "float32", "expected one of normal, uniform and ids_below, got normal and uniform"),
+    ("{ids_below: Q}", "int32", "ids_below: expected a number or SYM with SYM a size every test shape gives (N), "
+                                "got str 'Q'"),
+    ("{ids_below: 0}", "int32", "ids_below: expected a size or an integer >= 1, got int 0"),
+    ("{distinct: true}", "int32", "distinct: expected it only with ids_below"),
+])
+def test_values_naming_unknown_sizes_or_malformed_are_refused_at_load(tmp_path, values, dtype, needle):
+    with pytest.raises(FactorError) as e:
+        Manifest.load(manifest(tmp_path, lambda t: _values(t, values, dtype)))
+    assert f"m.yaml: input (x): values: {needle}" in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("values,dtype", [
+    ("{normal: 1/sqrt(N)}", "float32"), ("{normal: 0.5}", "float32"), ("{normal: N}", "float32"),
+    ("{uniform: [0.1, 1.0]}", "float32"), ("{uniform: [-1, N]}", "float32"), ("{uniform: [0, 4]}", "int32"),
+    ("{ids_below: N, distinct: true}", "int32"), ("{ids_below: 5}", "int32"),
+])
+def test_values_of_the_documented_forms_load(tmp_path, values, dtype):
+    assert Manifest.load(manifest(tmp_path, lambda t: _values(t, values, dtype))).input.values
