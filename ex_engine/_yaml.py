@@ -21,6 +21,7 @@ Anchors, aliases and merge keys (``<<: *base``) of ordinary size keep working.
 """
 from __future__ import annotations
 
+import difflib
 import re
 import reprlib
 
@@ -135,6 +136,18 @@ def brief(v) -> str:
     except Exception:   # an object whose __repr__ fails (reprlib catches most)
         text = f"<{type(v).__name__} object>"
     return text if len(text) <= BRIEF_WIDTH else text[:BRIEF_WIDTH - 3] + "..."
+
+
+def unknown_keys(where: str, d: dict, known) -> str:
+    """'' if every key of the mapping ``d`` is in ``known``, else what is wrong with the first
+    that is not, with the likely intended key where one is close (difflib): "``where``unknown
+    key 'falback' (did you mean 'fallback'?); expected some of ..."."""
+    for k in d:
+        if k not in known:
+            close = difflib.get_close_matches(str(k), known, n=1) if isinstance(k, str) else []
+            hint = f" (did you mean '{close[0]}'?)" if close else ""
+            return f"{where}unknown key {brief(k)}{hint}; expected some of {', '.join(known)}"
+    return ""
 
 
 def _children(node):

@@ -1,7 +1,8 @@
 """The hardware a factor is checked against: the live GPU (CuPy) or a named profile.
 
 A profile is a YAML file in manifests/hardware/ whose keys are the fields of ex_hardware_t
-(include/ex_engine.h). ``Hardware.detect()`` reads the live device when CuPy and a GPU are
+(include/ex_engine.h), each once, and no other key (an unknown one is refused with the nearest
+field, as a manifest's are). ``Hardware.detect()`` reads the live device when CuPy and a GPU are
 present; otherwise the registry uses a profile and never calls a kernel.
 """
 from __future__ import annotations
@@ -158,8 +159,9 @@ class Hardware:
         an existing file is read as such, and a name ending .yaml/.yml with no folder that is
         not a file here names a profile of manifests/hardware/ (case-insensitive). Raises
         FactorError naming the known profiles and what was looked for if neither exists, and
-        naming the field if the file is empty, lacks a field, or holds a value that is not an
-        integer within its ex_hardware_t field's range (see LIMITS).
+        naming the field if the file is empty, lacks a field, gives an unknown key (with the
+        nearest field), or holds a value that is not an integer within its ex_hardware_t
+        field's range (see LIMITS).
         """
         if not isinstance(name_or_path, (str, os.PathLike)):
             raise FactorError(f"hardware profile: expected a profile name or a path (str or "
@@ -199,6 +201,11 @@ class Hardware:
                               f"and the {len(FIELDS)} fields of ex_hardware_t ({FIELDS[0]} .. {FIELDS[-1]})")
         if not isinstance(data, dict):
             raise FactorError(f"hardware profile {path}: expected a mapping of fields, got {type(data).__name__}")
+        # strict as a manifest: a misspelt field (warpsize:) was ignored, the real one reported
+        # missing at best; a field meant for another tool was accepted without a word
+        problem = _yaml.unknown_keys("", data, ("name",) + FIELDS)
+        if problem:
+            raise FactorError(f"hardware profile {path}: {problem}")
         missing = [f for f in ("name",) + FIELDS if f not in data]
         if missing:
             raise FactorError(f"hardware profile {path}: missing fields {missing}")

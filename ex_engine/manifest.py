@@ -11,7 +11,6 @@ what came.
 """
 from __future__ import annotations
 
-import difflib
 import functools
 import importlib
 import inspect
@@ -131,15 +130,7 @@ VALUES_KEYS = ("normal", "uniform", "ids_below", "distinct")
 _ID_MAX = 2 ** 31 - 1     # the ABI's factor_id is an int32_t
 
 
-def _unknown_keys(where: str, d: dict, known) -> str:
-    """'' if every key of ``d`` is in ``known``, else what is wrong with the first that is not,
-    with the likely intended key where one is close (difflib)."""
-    for k in d:
-        if k not in known:
-            close = difflib.get_close_matches(str(k), known, n=1)
-            hint = f" (did you mean '{close[0]}'?)" if close else ""
-            return f"{where}unknown key {brief(k)}{hint}; expected some of {', '.join(known)}"
-    return ""
+_unknown_keys = _yaml.unknown_keys
 
 
 def _got(v) -> str:

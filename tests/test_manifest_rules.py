@@ -313,3 +313,22 @@ def test_values_naming_unknown_sizes_or_malformed_are_refused_at_load(tmp_path, 
 ])
 def test_values_of_the_documented_forms_load(tmp_path, values, dtype):
     assert Manifest.load(manifest(tmp_path, lambda t: _values(t, values, dtype))).input.values
+
+
+# ---- 9: hardware profiles are as strict about keys as manifests -------------------------------
+@pytest.mark.parametrize("extra,needle", [
+    ("foo: 1\n", "unknown key 'foo'; expected some of name, cc_major"),
+    ("warpsize: 32\n", "unknown key 'warpsize' (did you mean 'warp_size'?)"),
+    ("live: true\n", "unknown key 'live'"),
+])
+def test_a_hardware_profile_with_an_unknown_key_is_refused_with_a_hint(tmp_path, extra, needle):
+    p = tmp_path / "hw.yaml"
+    p.write_text((ROOT / "manifests" / "hardware" / "a100.yaml").read_text() + extra)
+    with pytest.raises(FactorError) as e:
+        Hardware.from_profile(str(p))
+    assert f"hardware profile {p}: {needle}" in str(e.value), str(e.value)
+
+
+def test_the_shipped_profiles_load():
+    for name in ("a100", "h200", "bi-v100"):
+        assert Hardware.from_profile(name).name
