@@ -17,7 +17,7 @@ import yaml
 
 from . import _paths, _yaml
 from ._yaml import brief
-from .errors import FactorError, is_integer
+from .errors import FactorError, is_integer, one_line
 
 FIELDS = ("cc_major", "cc_minor", "multiprocessor_count", "warp_size", "max_threads_per_block",
           "max_threads_per_multiprocessor", "regs_per_block", "regs_per_multiprocessor",
@@ -195,7 +195,7 @@ class Hardware:
         try:
             data = _yaml.load(path.read_text())
         except (OSError, ValueError, yaml.YAMLError) as exc:
-            raise FactorError(f"hardware profile {path}: malformed ({type(exc).__name__}: {exc})") from None
+            raise FactorError(f"hardware profile {path}: malformed ({type(exc).__name__}: {one_line(exc)})") from None
         if data is None:
             raise FactorError(f"hardware profile {path}: empty profile; expected a mapping of name "
                               f"and the {len(FIELDS)} fields of ex_hardware_t ({FIELDS[0]} .. {FIELDS[-1]})")

@@ -82,8 +82,9 @@ def test_deep_and_aliased_tuning_files_and_profiles_are_reported(tmp_path):
     for stem, value in (("deep", DEEP), ("bomb", BOMB)):
         p = tmp_path / f"{stem}_hw.yaml"
         p.write_text(f"name: {value}\n")
-        with pytest.raises(FactorError, match=f"hardware profile .*{stem}_hw.yaml: malformed"):
+        with pytest.raises(FactorError, match=f"hardware profile .*{stem}_hw.yaml: malformed") as e:
             Hardware.from_profile(str(p))
+        assert "\n" not in str(e.value)     # one line, as a manifest's or a tuning file's
 
 
 # ---- 8: YAML 1.2 integers ---------------------------------------------------------------------
