@@ -7,18 +7,65 @@ writing a tolerance or an eps) read them as floats. ``load`` is ``yaml.safe_load
 after PyYAML's own resolvers (integers stay integers), so ``tolerance: {float32: 1e-5}`` means
 1e-05 everywhere ex_engine reads YAML. A mapping that gives a key twice is a
 yaml.constructor.ConstructorError naming the key and both lines (PyYAML kept the last).
+
+Integers follow YAML 1.2's core schema too: ``[-+]?[0-9]+`` is decimal even with leading zeros
+(``id: 02260`` is 2260; YAML 1.1 read it as the octal 1200), ``0o17`` octal, ``0x1F`` hex;
+1.1's ``0b101``, ``1_000`` and sexagesimal ``1:30`` are strings (the field's own check names them).
+
+Pathological input is a yaml.YAMLError like any malformed file, so each reader reports the file
+and goes on: nesting deeper than MAX_DEPTH levels (``[[[[...]]]]`` of a few hundred levels raised
+RecursionError out of the composer), and aliases that would expand the document by more than
+MAX_ALIAS_NODES nodes (a 1 KB "billion laughs" of nested ``&a``/``*a`` anchors: every later walk
+or repr of the value ran for minutes and took GBs) or that refer to themselves (``&a [*a]``).
+Anchors, aliases and merge keys (``<<: *base``) of ordinary size keep working.
 """
 from __future__ import annotations
 
+import difflib
 import re
+import reprlib
 
 import yaml
+from yaml.composer import ComposerError
+
+MAX_DEPTH = 100            # nesting levels, as written or as aliases expand them
+MAX_ALIAS_NODES = 100_000  # nodes the aliases may add to a document beyond those written
 
 
 class _Loader(yaml.SafeLoader):
     """SafeLoader that also reads YAML 1.2's floats (1e-5, 1.0e5, 3E8) as floats, and refuses a
     mapping that gives one key twice (PyYAML keeps the last silently: a manifest's second
     ``name:`` replaced the first)."""
+
+    def __init__(self, stream):
+        super().__init__(stream)
+        self._depth = 0
+
+    def compose_node(self, parent, index):
+        # PyYAML's composer recurses once per level: refuse a deep file before Python's stack
+        # runs out (a RecursionError escaped every reader)
+        self._depth += 1
+        try:
+            if self._depth > MAX_DEPTH:
+                raise ComposerError(None, None, f"nested deeper than {MAX_DEPTH} levels; expected "
+                                    f"at most {MAX_DEPTH}", self.peek_event().start_mark)
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+    def construct_document(self, node):
+        _check_expansion(node)
+        return super().construct_document(node)
+
+    def construct_yaml_int(self, node):
+        """YAML 1.2 core schema: decimal (leading zeros too), 0o octal, 0x hex."""
+        text = self.construct_scalar(node)
+        sign, body = (-1, text[1:]) if text[:1] == "-" else (1, text[1:] if text[:1] == "+" else text)
+        if body[:2] in ("0o", "0x"):
+            return sign * int(body[2:], 8 if body[1] == "o" else 16)
+        if not body.isdecimal() or not body.isascii():
+            raise ValueError(f"invalid integer {text!r}: expected digits, 0o octal or 0x hex (YAML 1.2)")
+        return sign * int(body, 10)
 
     def construct_mapping(self, node, deep=False):
         if isinstance(node, yaml.MappingNode):
@@ -40,17 +87,125 @@ class _Loader(yaml.SafeLoader):
         return super().construct_mapping(node, deep)
 
 
+_Loader.add_constructor("tag:yaml.org,2002:int", _Loader.construct_yaml_int)
+
+# YAML 1.2's core-schema integers in place of 1.1's (octal 0NNN, 0b, underscores, sexagesimal):
+# add_implicit_resolver gave _Loader its own copy of the table, so SafeLoader keeps its own
+_INT_12 = re.compile(r"^(?:[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+)$")
+_Loader.add_implicit_resolver("tag:yaml.org,2002:int", _INT_12, list("-+0123456789"))
+for _first, _resolvers in _Loader.yaml_implicit_resolvers.items():
+    _ints = [r for r in _resolvers if r[0] == "tag:yaml.org,2002:int"]
+    if len(_ints) == 2:   # PyYAML's 1.1 pattern, then ours (appended): ours takes its place
+        _resolvers[_resolvers.index(_ints[0])] = _ints[1]
+        _resolvers.pop()
+
 _Loader.add_implicit_resolver(
     "tag:yaml.org,2002:float",
     re.compile(r"^[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?$"),
     list("-+0123456789."))
 
 
+class _Brief(reprlib.Repr):
+    """reprlib with small limits; an integer too long to print (Python refuses to turn one of
+    over 4300 digits into text: ValueError) is described by its length."""
+
+    def __init__(self):
+        super().__init__()
+        self.maxlevel, self.maxstring, self.maxother, self.maxlong = 2, 60, 60, 40
+        self.maxlist = self.maxtuple = self.maxdict = self.maxset = self.maxfrozenset = 4
+
+    def repr_int(self, x, level):
+        bits = x.bit_length()
+        if bits <= 128:            # up to 39 digits: as it is
+            return super().repr_int(x, level)
+        digits = str(len(str(abs(x)))) if bits < 14000 else f"about {int(bits * 0.30103) + 1}"
+        return f"{'-' if x < 0 else ''}<an integer of {digits} digits>"
+
+
+_BRIEF = _Brief()
+BRIEF_WIDTH = 100
+
+
+def brief(v) -> str:
+    """``v``'s repr in bounded length (BRIEF_WIDTH) and time, for an error message: containers
+    cut after a few items and two levels, strings after 60 characters, a long integer described
+    by its number of digits. (``f"{v!r:.80}"`` built the whole text first: an aliased list of
+    10**9 items ran for minutes, and repr(10**5000) raises ValueError.)"""
+    try:
+        text = _BRIEF.repr(v)
+    except Exception:   # an object whose __repr__ fails (reprlib catches most)
+        text = f"<{type(v).__name__} object>"
+    return text if len(text) <= BRIEF_WIDTH else text[:BRIEF_WIDTH - 3] + "..."
+
+
+def unknown_keys(where: str, d: dict, known) -> str:
+    """'' if every key of the mapping ``d`` is in ``known``, else what is wrong with the first
+    that is not, with the likely intended key where one is close (difflib): "``where``unknown
+    key 'falback' (did you mean 'fallback'?); expected some of ..."."""
+    for k in d:
+        if k not in known:
+            close = difflib.get_close_matches(str(k), known, n=1) if isinstance(k, str) else []
+            hint = f" (did you mean '{close[0]}'?)" if close else ""
+            return f"{where}unknown key {brief(k)}{hint}; expected some of {', '.join(known)}"
+    return ""
+
+
+def _children(node):
+    if isinstance(node, yaml.SequenceNode):
+        return node.value
+    if isinstance(node, yaml.MappingNode):
+        return [n for pair in node.value for n in pair]
+    return ()
+
+
+def _check_expansion(root) -> None:
+    """Raise ComposerError if the node graph ``root`` (aliases share nodes) refers to itself, or
+    would expand, every alias replaced by a copy of its anchor's value, by more than
+    MAX_ALIAS_NODES nodes or to more than MAX_DEPTH levels. Iterative, each node once: cheap
+    however large the expansion would be."""
+    size: dict = {}       # id(node) -> nodes of its expansion
+    depth: dict = {}      # id(node) -> levels of its expansion
+    on_path: set = set()
+    stack = [(root, False)]
+    while stack:
+        node, done = stack.pop()
+        k = id(node)
+        if done:
+            on_path.discard(k)
+            kids = _children(node)
+            size[k] = 1 + sum(size[id(c)] for c in kids)
+            depth[k] = 1 + max((depth[id(c)] for c in kids), default=0)
+            continue
+        if k in size:
+            continue
+        on_path.add(k)
+        stack.append((node, True))
+        for c in _children(node):
+            if id(c) in on_path:
+                raise ComposerError(None, None, "found an alias inside its own anchor's value (a "
+                                    "structure that contains itself); expected none", c.start_mark)
+            if id(c) not in size:
+                stack.append((c, False))
+    extra = size[id(root)] - len(size)
+    if extra > MAX_ALIAS_NODES:
+        raise ComposerError(None, None, f"aliases would expand the document by {extra} nodes; "
+                            f"expected at most {MAX_ALIAS_NODES} (an alias bomb?)", root.start_mark)
+    if depth[id(root)] > MAX_DEPTH:
+        raise ComposerError(None, None, f"aliases would nest the document {depth[id(root)]} levels "
+                            f"deep; expected at most {MAX_DEPTH}", root.start_mark)
+
+
 def load(text):
-    """The YAML document in ``text`` (str or bytes) as Python objects, by yaml.safe_load's rules
-    plus YAML 1.2's floats. Raises yaml.YAMLError on malformed YAML, also where PyYAML's own
-    constructors raise ValueError (a timestamp such as 2024-13-01)."""
+    """The YAML document in ``text`` (str, bytes or a text file) as Python objects, by
+    yaml.safe_load's rules plus YAML 1.2's floats and integers. Raises yaml.YAMLError on
+    malformed YAML, also where PyYAML's own constructors raise ValueError (a timestamp such as
+    2024-13-01), for nesting deeper than MAX_DEPTH, for aliases that would expand the document
+    by more than MAX_ALIAS_NODES nodes or contain themselves, and where Python's stack runs out
+    (RecursionError) anyway."""
     try:
         return yaml.load(text, Loader=_Loader)
     except ValueError as exc:   # a scalar its resolver matched but its constructor refused
         raise yaml.constructor.ConstructorError(None, None, f"{type(exc).__name__}: {exc}") from exc
+    except RecursionError:      # (MAX_DEPTH keeps PyYAML from it; another path must not escape)
+        raise yaml.YAMLError(f"nested too deeply to read (RecursionError); expected at most "
+                             f"{MAX_DEPTH} levels") from None

@@ -1,7 +1,8 @@
 """The hardware a factor is checked against: the live GPU (CuPy) or a named profile.
 
 A profile is a YAML file in manifests/hardware/ whose keys are the fields of ex_hardware_t
-(include/ex_engine.h). ``Hardware.detect()`` reads the live device when CuPy and a GPU are
+(include/ex_engine.h), each once, and no other key (an unknown one is refused with the nearest
+field, as a manifest's are). ``Hardware.detect()`` reads the live device when CuPy and a GPU are
 present; otherwise the registry uses a profile and never calls a kernel.
 """
 from __future__ import annotations
@@ -15,7 +16,8 @@ from pathlib import Path
 import yaml
 
 from . import _paths, _yaml
-from .errors import FactorError, is_integer
+from ._yaml import brief
+from .errors import FactorError, is_integer, one_line
 
 FIELDS = ("cc_major", "cc_minor", "multiprocessor_count", "warp_size", "max_threads_per_block",
           "max_threads_per_multiprocessor", "regs_per_block", "regs_per_multiprocessor",
@@ -60,7 +62,7 @@ def check_fields(values: dict, where: str) -> None:
     """
     name = device_name(values.get("name"))
     if not isinstance(name, str) or not name.strip():
-        raise FactorError(f"{where}: name: expected a non-empty string (the device name), got {name!r}")
+        raise FactorError(f"{where}: name: expected a non-empty string (the device name), got {brief(name)}")
     for f in FIELDS:
         v = values.get(f)
         lo, hi = LIMITS[f]
@@ -68,12 +70,12 @@ def check_fields(values: dict, where: str) -> None:
         if f in CHOICES:
             if not_int or v not in CHOICES[f]:
                 raise FactorError(f"{where}: {f}: expected {' or '.join(map(str, CHOICES[f]))} (NVIDIA's "
-                                  f"warps are 32 threads, AMD's and Iluvatar's 64), got {v!r}")
+                                  f"warps are 32 threads, AMD's and Iluvatar's 64), got {brief(v)}")
             continue
         if not_int or not lo <= v <= hi:
             why = _WHY.get(f) or ("int32_t" if hi == _INT32_MAX else "int64_t")
             raise FactorError(f"{where}: {f}: expected an integer >= {lo}, at most {hi} ({why}), "
-                              f"got {v!r}")
+                              f"got {brief(v)}")
     tpb, warp = values.get("max_threads_per_block"), values.get("warp_size")
     if tpb % warp:
         raise FactorError(f"{where}: max_threads_per_block: expected a multiple of warp_size {warp} "
@@ -157,8 +159,9 @@ class Hardware:
         an existing file is read as such, and a name ending .yaml/.yml with no folder that is
         not a file here names a profile of manifests/hardware/ (case-insensitive). Raises
         FactorError naming the known profiles and what was looked for if neither exists, and
-        naming the field if the file is empty, lacks a field, or holds a value that is not an
-        integer within its ex_hardware_t field's range (see LIMITS).
+        naming the field if the file is empty, lacks a field, gives an unknown key (with the
+        nearest field), or holds a value that is not an integer within its ex_hardware_t
+        field's range (see LIMITS).
         """
         if not isinstance(name_or_path, (str, os.PathLike)):
             raise FactorError(f"hardware profile: expected a profile name or a path (str or "
@@ -192,12 +195,17 @@ class Hardware:
         try:
             data = _yaml.load(path.read_text())
         except (OSError, ValueError, yaml.YAMLError) as exc:
-            raise FactorError(f"hardware profile {path}: malformed ({type(exc).__name__}: {exc})") from None
+            raise FactorError(f"hardware profile {path}: malformed ({type(exc).__name__}: {one_line(exc)})") from None
         if data is None:
             raise FactorError(f"hardware profile {path}: empty profile; expected a mapping of name "
                               f"and the {len(FIELDS)} fields of ex_hardware_t ({FIELDS[0]} .. {FIELDS[-1]})")
         if not isinstance(data, dict):
             raise FactorError(f"hardware profile {path}: expected a mapping of fields, got {type(data).__name__}")
+        # strict as a manifest: a misspelt field (warpsize:) was ignored, the real one reported
+        # missing at best; a field meant for another tool was accepted without a word
+        problem = _yaml.unknown_keys("", data, ("name",) + FIELDS)
+        if problem:
+            raise FactorError(f"hardware profile {path}: {problem}")
         missing = [f for f in ("name",) + FIELDS if f not in data]
         if missing:
             raise FactorError(f"hardware profile {path}: missing fields {missing}")

@@ -11,7 +11,6 @@ what came.
 """
 from __future__ import annotations
 
-import difflib
 import functools
 import importlib
 import inspect
@@ -25,6 +24,7 @@ from pathlib import Path
 import yaml
 
 from . import _yaml, abi
+from ._yaml import brief
 from .errors import (ArgumentError, DeviceError, DTypeError, FactorError, LayoutError,
                      ShapeError, one_line)
 from .trust import sha256_hex
@@ -65,7 +65,7 @@ def fallback_problem(fn) -> str:
     arguments (``os:system`` takes one). A callable whose signature Python cannot read (some
     builtins) passes: the call decides."""
     if not callable(fn):
-        return f"expected a callable fn(arrays, sizes, params), got {type(fn).__name__} {fn!r:.80}"
+        return f"expected a callable fn(arrays, sizes, params), got {type(fn).__name__} {brief(fn)}"
     try:
         sig = inspect.signature(fn)
     except (TypeError, ValueError):
@@ -81,16 +81,37 @@ DEFAULT_TOLERANCE = 1e-5   # verify's relative tolerance for a dtype the manifes
 _FALLBACK = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$")
 
 _TERM = re.compile(r"^\s*(?:(\d+)\s*\*\s*)?([A-Za-z_]\w*)\s*(?:\*\s*(\d+))?\s*$")
+_RSQRT = re.compile(r"^\s*1\s*/\s*sqrt\(\s*(\w+)\s*\)\s*$")   # as verify reads a `values` scalar
 _CONSTRAINT = re.compile(r"^\s*(\w+)\s*(<=|<|==|>=|>)\s*(\w+)\s*$")
 
 
+def _dim_problem(expr) -> str:
+    """What is wrong with a shape entry ('' if nothing): a constant must be an integer >= 0, a
+    symbol's coefficient an integer >= 1 on one side of it ('0*N' made bind divide by zero,
+    '-3' failed every call with "expected -3", '2*I*3' was read as 2*I)."""
+    if isinstance(expr, bool) or not isinstance(expr, (int, str)):
+        return f"expected entries N, SYM or N*SYM, got {_got(expr)}"
+    if isinstance(expr, int):
+        return "" if expr >= 0 else f"expected a size >= 0, got {expr}"
+    m = _TERM.match(expr)
+    if not m:
+        return f"expected N, SYM or N*SYM (N an integer >= 1), got {brief(expr)}"
+    if m.group(1) and m.group(3):
+        return f"expected N, SYM or N*SYM (one coefficient), got {brief(expr)}"
+    if int(m.group(1) or m.group(3) or 1) < 1:
+        return f"expected a coefficient >= 1 in {brief(expr)} (a size times 0 is no size)"
+    return ""
+
+
 def _parse_dim(expr):
-    """(coefficient, symbol) of a shape entry: 5 -> (5, None); 'T' -> (1, 'T'); '2*I' -> (2, 'I')."""
+    """(coefficient, symbol) of a shape entry: 5 -> (5, None); 'T' -> (1, 'T'); '2*I' -> (2, 'I').
+    Raises FactorError for what _dim_problem refuses (so bind never divides by 0)."""
+    problem = _dim_problem(expr)
+    if problem:
+        raise FactorError(f"shape entry: {problem}")
     if isinstance(expr, int):
         return expr, None
-    m = _TERM.match(str(expr))
-    if not m:
-        raise FactorError(f"manifest: cannot read shape entry {expr!r}; expected N, SYM or N*SYM")
+    m = _TERM.match(expr)
     return int(m.group(1) or m.group(3) or 1), m.group(2)
 
 
@@ -109,19 +130,12 @@ VALUES_KEYS = ("normal", "uniform", "ids_below", "distinct")
 _ID_MAX = 2 ** 31 - 1     # the ABI's factor_id is an int32_t
 
 
-def _unknown_keys(where: str, d: dict, known) -> str:
-    """'' if every key of ``d`` is in ``known``, else what is wrong with the first that is not,
-    with the likely intended key where one is close (difflib)."""
-    for k in d:
-        if k not in known:
-            close = difflib.get_close_matches(str(k), known, n=1)
-            hint = f" (did you mean '{close[0]}'?)" if close else ""
-            return f"{where}unknown key {k!r}{hint}; expected some of {', '.join(known)}"
-    return ""
+_unknown_keys = _yaml.unknown_keys
 
 
 def _got(v) -> str:
-    return f"{type(v).__name__} {v!r:.80}"
+    """``v`` for an error message: its type and a bounded repr (brief)."""
+    return f"{type(v).__name__} {brief(v)}"
 
 
 def _array_problem(where: str, d) -> str:
@@ -143,11 +157,11 @@ def _array_problem(where: str, d) -> str:
         if k in d and not isinstance(d[k], list):
             return f"{label}: {k}: expected {what}, got {_got(d[k])}"
     if "dtype" in d and not all(isinstance(t, str) for t in d["dtype"]):
-        return f"{label}: dtype: expected a list of dtype names, got {d['dtype']!r}"
-    if "shape" in d:
-        bad = [e for e in d["shape"] if isinstance(e, bool) or not isinstance(e, (int, str))]
-        if bad:
-            return f"{label}: shape: expected entries N, SYM or N*SYM, got {_got(bad[0])}"
+        return f"{label}: dtype: expected a list of dtype names, got {_got(d['dtype'])}"
+    for i, e in enumerate(d.get("shape") or []):
+        problem = _dim_problem(e)
+        if problem:
+            return f"{label}: shape[{i}]: {problem}"
     if "values" in d:
         v = d["values"]
         if not isinstance(v, dict):
@@ -180,7 +194,7 @@ def raw_problem(d: dict) -> str:
         return "id: missing; expected the factor id (an integer)"
     if not _is_int(d["id"]) or not -_ID_MAX - 1 <= d["id"] <= _ID_MAX:   # (the registry judges its value)
         return f"id: expected an integer (the factor id, an int32_t), got {_got(d['id'])}"
-    for k in ("summary", "math", "memory"):
+    for k in ("summary", "math", "memory"):   # (memory was str()'d: a list became its repr)
         if d.get(k) is not None and not isinstance(d[k], str):
             return f"{k}: expected a string, got {_got(d[k])}"
     if not (isinstance(d["dims"], list) and all(isinstance(x, str) and x for x in d["dims"])):
@@ -217,17 +231,50 @@ def raw_problem(d: dict) -> str:
         if d.get(k) is not None and not isinstance(d[k], list):
             return f"{k}: expected a list, got {_got(d[k])}"
     if not all(isinstance(c, str) for c in d.get("constraints") or []):
-        return f"constraints: expected a list of strings ('K <= E'), got {d['constraints']!r:.80}"
+        return f"constraints: expected a list of strings ('K <= E'), got {_got(d['constraints'])}"
     bits: set = set()
     for b, text in (d.get("device_flags") or {}).items():
         if isinstance(b, str) and b.isdecimal():   # a quoted key ("0": ...) is the same bit
             b = int(b)
         if not _is_int(b) or not 0 <= b < 32:
-            return f"device_flags: {b!r}: expected a bit number 0..31 of the workspace's int32"
+            return f"device_flags: {brief(b)}: expected a bit number 0..31 of the workspace's int32"
+        if not isinstance(text, str):              # (it was str()'d, a list became its repr)
+            return f"device_flags: {b}: expected the meaning of the bit (a string), got {_got(text)}"
         if b in bits:                              # 0 and "0": one bit given twice
             return f"device_flags: bit {b} given twice (as {b} and as '{b}'); expected one meaning per bit"
         bits.add(b)
     return ""
+
+
+def _param_spec_problem(spec) -> str:
+    """What is wrong with one ``params`` entry's spec ('' if nothing): its form, a type other
+    than float, int or bool, and a key its type does not use (``gt`` bounds floats and ints,
+    ``float32`` applies to floats: on an int or a bool they were ignored without a word)."""
+    if not isinstance(spec, dict):
+        return f"expected {{type: float | int | bool, default: ...}}, got {_got(spec)}"
+    typ = spec.get("type", "float")
+    if typ not in ("float", "int", "bool"):
+        return f"type: expected float, int or bool, got {_got(typ)}"
+    if "float32" in spec:
+        if typ != "float":
+            return f"float32: expected no float32 on {'an int' if typ == 'int' else 'a bool'} parameter (it applies to float ones)"
+        if not isinstance(spec["float32"], bool):
+            return f"float32: expected true or false, got {_got(spec['float32'])}"
+    if "gt" in spec:
+        gt = spec["gt"]
+        if typ == "bool":
+            return "gt: expected no gt on a bool parameter (it bounds float and int ones)"
+        if isinstance(gt, bool) or not isinstance(gt, (int, float)) or not _finite(gt):
+            return f"gt: expected a finite number (the bound the value must exceed), got {_got(gt)}"
+    return ""
+
+
+def _finite(x) -> bool:
+    """An int or float within float's finite range (10**400 is not)."""
+    try:
+        return abs(float(x)) < float("inf")
+    except OverflowError:
+        return False
 
 
 @dataclass
@@ -319,13 +366,11 @@ class Manifest:
         except FactorError as exc:  # a field's own check (a shape entry, say): name the file
             raise FactorError(f"manifest {path}: {exc}") from exc
         for k, spec in m.params.items():
-            if (not isinstance(spec, dict) or spec.get("type", "float") not in ("float", "int", "bool")
-                    or not isinstance(spec.get("float32", False), bool)
-                    or ("gt" in spec and (isinstance(spec["gt"], bool) or not isinstance(spec["gt"], (int, float))))):
-                raise FactorError(f"manifest {path}: params: {k}: expected {{type: float | int | bool, "
-                                  f"default: ...}}, got {spec!r}")
+            problem = _param_spec_problem(spec)
+            if problem:
+                raise FactorError(f"manifest {path}: params: {k}: {problem}")
         if m.memory not in ("device", "host"):
-            raise FactorError(f"manifest {path}: memory: expected 'device' or 'host', got {m.memory!r}")
+            raise FactorError(f"manifest {path}: memory: expected 'device' or 'host', got {_got(m.memory)}")
         problem = m._structure_problem() or m._fields_problem()
         if problem:
             raise FactorError(f"manifest {path}: {problem}")
@@ -354,34 +399,54 @@ class Manifest:
         arrays = self.tensors
         names = {t.name for t in arrays}
         syms = self.shape_symbols
+        # one name, one array: bind looks arrays up by name, so a second 'out' (or an aux named
+        # like the input) was handed the first one's array and the kernel got the wrong memory
+        where: dict = {}
+        for label, t in [("output", self.output), ("input", self.input),
+                         *((f"aux[{i}]", a) for i, a in enumerate(self.aux))]:
+            if t.same_as_output:       # the in-place input is the output, by its name
+                continue
+            if t.name in where:
+                return (f"{label}: name: {t.name!r} names {where[t.name]} already; expected each "
+                        "array named once")
+            where[t.name] = label
+        # a parameter shares the namespace of the call's arguments and of a test shape's sizes
+        sizes = self.size_names
+        for k in self.params:
+            if k in where:
+                return (f"params: {k}: named like the array {where[k]}; expected a name no array, "
+                        "size or dim uses")
+            if k in sizes:
+                return (f"params: {k}: named like the size {k} of the arrays' shapes; expected a "
+                        "name no array, size or dim uses")
         for t in arrays:
             if t.role not in ("input", "output", "inout", "workspace"):
-                return f"{t.name}: role: expected input, output, inout or workspace, got {t.role!r}"
+                return f"{t.name}: role: expected input, output, inout or workspace, got {_got(t.role)}"
             bad = [d for d in t.dtypes if d not in abi.DTYPE_CODES]
             if bad:
                 return f"{t.name}: dtype: expected some of {sorted(abi.DTYPE_CODES)}, got {bad}"
             if t.same_dtype_as is not None and t.same_dtype_as not in names:
-                return f"{t.name}: same_dtype_as: expected an array of the manifest, got {t.same_dtype_as!r}"
+                return f"{t.name}: same_dtype_as: expected an array of the manifest, got {_got(t.same_dtype_as)}"
         kinds = {"dtype_of": names, "row_stride_of": names, "param": set(self.params),
                  "default_dim": syms, "tuned": None}
         for d, src in self.dim_sources.items():
             kind = next((k for k in kinds if isinstance(src, dict) and k in src), None)
             if kind is None:
-                return f"dim_sources: {d}: expected one of {sorted(kinds)}, got {src!r}"
+                return f"dim_sources: {d}: expected one of {sorted(kinds)}, got {_got(src)}"
             if kinds[kind] is not None and src[kind] not in kinds[kind]:
-                return f"dim_sources: {d}: {kind}: expected one of {sorted(kinds[kind])}, got {src[kind]!r}"
+                return f"dim_sources: {d}: {kind}: expected one of {sorted(kinds[kind])}, got {_got(src[kind])}"
         for d in self.tuned_dims:
             src = self.dim_sources[d]
             if "range" in src:
                 r = src["range"]
                 if not (isinstance(r, list) and len(r) == 2 and all(_is_int(v) for v in r) and r[0] <= r[1]):
-                    return f"dim_sources: {d}: range: expected [LOWEST, HIGHEST] (integers), got {r!r}"
+                    return f"dim_sources: {d}: range: expected [LOWEST, HIGHEST] (integers), got {_got(r)}"
             if "options" in src:
                 o = src["options"]
                 if not (isinstance(o, list) and o and all(_is_int(v) for v in o)):
-                    return f"dim_sources: {d}: options: expected a non-empty list of integers, got {o!r}"
+                    return f"dim_sources: {d}: options: expected a non-empty list of integers, got {_got(o)}"
             if not _is_int(src["tuned"]):
-                return f"dim_sources: {d}: tuned: expected the default value (an integer), got {src['tuned']!r}"
+                return f"dim_sources: {d}: tuned: expected the default value (an integer), got {_got(src['tuned'])}"
             allowed = self.tuned_allowed(d)
             if not allowed[0](src["tuned"]):
                 return f"dim_sources: {d}: tuned: the default {src['tuned']} is outside {allowed[1]}"
@@ -393,7 +458,7 @@ class Manifest:
             m = _CONSTRAINT.match(str(text))
             unknown = [s for s in (m.groups()[::2] if m else []) if not s.isdigit() and s not in known]
             if unknown:
-                return f"constraint {text!r}: {unknown[0]} is no size of the manifest's arrays"
+                return f"constraint {brief(text)}: {unknown[0]} is no size of the manifest's arrays"
         return ""
 
     def _fields_problem(self) -> str:
@@ -411,18 +476,23 @@ class Manifest:
             except ArgumentError as exc:
                 return f"params: {exc.argument}: default: expected {exc.expected}, got {exc.got}"
         if self.fallback is not None and not (isinstance(self.fallback, str) and _FALLBACK.match(self.fallback)):
-            return f"fallback: expected 'module:function' (e.g. ex_engine.fallbacks:topk_softmax), got {self.fallback!r}"
+            return f"fallback: expected 'module:function' (e.g. ex_engine.fallbacks:topk_softmax), got {_got(self.fallback)}"
         for dt, tol in self.tolerance.items():
             if dt not in abi.DTYPE_CODES:
                 return f"tolerance: {dt}: expected a dtype, one of {sorted(abi.DTYPE_CODES)}"
             if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not 0 < tol < float("inf"):
                 return (f"tolerance: {dt}: expected a relative error > 0 (e.g. 1.0e-5), got "
-                        f"{type(tol).__name__} {tol!r}")
+                        f"{_got(tol)}")
         needed = sorted({sym for t in self.tensors if not t.optional and t.role != "workspace"
                          for _, sym in t.parsed if sym is not None})
+        for label, t in [("output", self.output), ("input", self.input),
+                         *((f"aux[{i}]", a) for i, a in enumerate(self.aux))]:
+            problem = self._values_problem(t, set(needed) if not t.optional else self.shape_symbols)
+            if problem:
+                return f"{label} ({t.name}): values: {problem}"
         for i, case in enumerate(self.test_shapes):
             if not isinstance(case, dict):
-                return f"test_shapes[{i}]: expected a mapping {{size: integer, parameter: value}}, got {case!r}"
+                return f"test_shapes[{i}]: expected a mapping {{size: integer, parameter: value}}, got {_got(case)}"
             for k, v in case.items():
                 if k in self.params:
                     continue
@@ -430,7 +500,7 @@ class Manifest:
                     return (f"test_shapes[{i}]: {k}: expected a size ({', '.join(sorted(self.size_names))}) "
                             f"or a parameter ({', '.join(sorted(self.params)) or 'none'})")
                 if not _is_int(v) or v < 0:
-                    return f"test_shapes[{i}]: {k}: expected an integer >= 0, got {type(v).__name__} {v!r}"
+                    return f"test_shapes[{i}]: {k}: expected an integer >= 0, got {_got(v)}"
             missing = [k for k in needed if k not in case]
             if missing:
                 return f"test_shapes[{i}]: expected every size of the required arrays ({', '.join(needed)}), " \
@@ -451,6 +521,65 @@ class Manifest:
                     self._check_constraint(m, sizes, None, text)
                 except ShapeError as exc:
                     return f"test_shapes[{i}]: expected sizes that keep the constraint '{text}', got {exc.got}"
+        return ""
+
+    @staticmethod
+    def _values_problem(t, known) -> str:
+        """What is wrong with array spec ``t``'s ``values`` ('' if nothing), as verify draws
+        them: one of normal / uniform / ids_below; a number or size written SYM or 1/sqrt(SYM)
+        with SYM in ``known`` (the sizes every test shape gives: 'normal: 1/sqrt(Q)' and
+        'uniform: [a, b]' loaded and failed every verify case with KeyError); integers LO < HI
+        for an integer array; ids_below a size or an integer >= 1; distinct with ids_below."""
+        v = t.values
+        if not v:
+            return ""
+        kinds = [k for k in ("normal", "uniform", "ids_below") if k in v]
+        if len(kinds) > 1:
+            return f"expected one of normal, uniform and ids_below, got {' and '.join(kinds)}"
+        if "distinct" in v and "ids_below" not in v:
+            return "distinct: expected it only with ids_below (distinct ids per row)"
+        ints = any(d.startswith(("int", "uint")) for d in t.dtypes)
+
+        def scalar(x, what, rsqrt=True):
+            if isinstance(x, str):
+                m = _RSQRT.match(x) if rsqrt else None
+                sym = m.group(1) if m else x.strip()
+                if sym in known:
+                    return ""
+                forms = "SYM or 1/sqrt(SYM)" if rsqrt else "SYM"
+                return (f"{what}: expected a number or {forms} with SYM a size every test shape gives "
+                        f"({', '.join(sorted(known)) or 'none'}), got {_got(x)}")
+            if isinstance(x, bool) or not isinstance(x, (int, float)) or not _finite(x):
+                return f"{what}: expected a finite number or a size, got {_got(x)}"
+            return ""
+
+        if "normal" in v and t.dtypes and all(d.startswith(("int", "uint")) for d in t.dtypes):
+            return "normal: expected uniform or ids_below for an integer array (normal draws floats)"
+        if "normal" in v:
+            problem = scalar(v["normal"], "normal")
+            if problem:
+                return problem
+            if not isinstance(v["normal"], str) and v["normal"] < 0:
+                return f"normal: expected a standard deviation >= 0, got {_got(v['normal'])}"
+        if "uniform" in v:
+            lo, hi = v["uniform"]
+            if ints:
+                if not (_is_int(lo) and _is_int(hi) and lo < hi):
+                    return (f"uniform: expected integers [LO, HI] with LO < HI for an integer array "
+                            f"({'/'.join(t.dtypes)}), got {_got(v['uniform'])}")
+            for x, what in ((lo, "uniform[0]"), (hi, "uniform[1]")):
+                problem = scalar(x, what)
+                if problem:
+                    return problem
+            if not isinstance(lo, str) and not isinstance(hi, str) and not lo <= hi:
+                return f"uniform: expected [LO, HI] with LO <= HI, got {_got(v['uniform'])}"
+        if "ids_below" in v:
+            n = v["ids_below"]
+            problem = scalar(n, "ids_below", rsqrt=False)
+            if problem:
+                return problem
+            if not isinstance(n, str) and not (_is_int(n) and n >= 1):
+                return f"ids_below: expected a size or an integer >= 1, got {_got(n)}"
         return ""
 
     def tolerance_for(self, dtype: str) -> tuple:
@@ -546,12 +675,12 @@ class Manifest:
         ``params`` does not give (a required one)."""
         if not isinstance(params, dict):
             raise ArgumentError(self.name, "params", "type", "a mapping of parameter name -> value",
-                                f"{type(params).__name__} {params!r}")
+                                _got(params))
         out = {}
         for k in params:
             if k not in self.params:
                 raise ArgumentError(self.name, k, "unknown parameter",
-                                    f"one of {sorted(self.params)}", repr(k))
+                                    f"one of {sorted(self.params)}", brief(k))
         for k, spec in self.params.items():
             if k not in params and "default" not in spec:
                 raise ArgumentError(self.name, k, "required", "a value (the manifest gives no default)",
@@ -565,34 +694,36 @@ class Manifest:
         typ = spec.get("type", "float")
         if typ == "bool":
             if not bool_like(v):
-                raise ArgumentError(self.name, k, "type", "a bool", repr(v))
+                raise ArgumentError(self.name, k, "type", "a bool", brief(v))
             v = bool(v)
         elif typ == "int":
             # Python's or NumPy's integers (not bools); passed to the kernel as an int64
             is_bool = isinstance(v, bool) or getattr(getattr(v, "dtype", None), "kind", "") == "b"
             if is_bool or not hasattr(v, "__index__") or getattr(v, "shape", ()) != ():
-                raise ArgumentError(self.name, k, "type", "an int", repr(v))
+                raise ArgumentError(self.name, k, "type", "an int", brief(v))
             v = operator.index(v)
             if not -2 ** 63 <= v < 2 ** 63:
-                raise ArgumentError(self.name, k, "value", "an int in the int64 range", repr(v))
+                raise ArgumentError(self.name, k, "value", "an int in the int64 range", brief(v))
+            if "gt" in spec and not v > spec["gt"]:   # (ignored for ints before)
+                raise ArgumentError(self.name, k, "value", f"an int > {spec['gt']}", brief(v))
         else:
             if isinstance(v, (str, bytes, bool)):  # float('1e-6') would parse it; True is no eps
-                raise ArgumentError(self.name, k, "type", "a number", repr(v))
+                raise ArgumentError(self.name, k, "type", "a number", brief(v))
             try:
                 v = float(v)
-            except (TypeError, ValueError):
-                raise ArgumentError(self.name, k, "type", "a number", repr(v)) from None
+            except (TypeError, ValueError, RuntimeError):   # RuntimeError: a tensor of several
+                raise ArgumentError(self.name, k, "type", "a number", brief(v)) from None
             except OverflowError:   # an int beyond float's range (10**400)
-                raise ArgumentError(self.name, k, "value", "a finite number", repr(v)) from None
+                raise ArgumentError(self.name, k, "value", "a finite number", brief(v)) from None
             if "gt" in spec and not float(spec["gt"]) < v < float("inf"):  # NaN fails too
-                raise ArgumentError(self.name, k, "value", f"a finite number > {spec['gt']}", repr(v))
+                raise ArgumentError(self.name, k, "value", f"a finite number > {spec['gt']}", brief(v))
             # float32: the factor computes with it in float32 (fused_add_rmsnorm's eps = 1e-60
             # passed 'gt: 0' and was 0 there: an all-zero row divided by zero; 1e39 was inf)
             if spec.get("float32") and v != 0 and not _F32_TINY <= abs(_to_f32(v)) <= _F32_MAX:
                 zero = "" if float(spec.get("gt", -1)) >= 0 else "0, or "
                 raise ArgumentError(self.name, k, "value", f"a number that rounds to a normal float32 "
                                     f"({zero}a magnitude from {_F32_TINY:.9g} to {_F32_MAX:.9g}): "
-                                    "the factor computes with it in float32", repr(v))
+                                    "the factor computes with it in float32", brief(v))
         return v
 
     def bind(self, arrays: dict, params: dict | None = None, tuned=None):
@@ -726,6 +857,8 @@ class Manifest:
 
     def check_alignment(self, name: str, ref) -> None:
         """Raise LayoutError unless ref's address is a multiple of its element size."""
+        if ref.itemsize < 1:     # (numpy's 'V0'): no element to align, nothing a kernel can read
+            raise LayoutError(self.name, name, "element size", "at least 1 byte", ref.itemsize)
         if ref.ptr % ref.itemsize:
             raise LayoutError(self.name, name, "alignment",
                               f"address a multiple of {ref.itemsize}", hex(ref.ptr))
@@ -747,7 +880,7 @@ class Manifest:
             default = int(src["tuned"])
             return tuned(self.name, d, sizes, default) if tuned is not None else default
         if "default_dim" in src:      # reached only when neither this size nor its default is known
-            raise FactorError(f"manifest {self.path}: dim '{d}': default_dim {src['default_dim']!r} "
+            raise FactorError(f"manifest {self.path}: dim '{d}': default_dim {brief(src['default_dim'])} "
                               "is not a size of any array")
         if "row_stride_of" in src:
             ref = arrays[src["row_stride_of"]]
@@ -773,7 +906,7 @@ def why_not_found(path, name: str) -> str:
     if "name" not in d:
         return f"manifest {path}: no name field: expected name: {name}"
     if d["name"] != name:
-        return (f"manifest {path}: names {d['name']!r}, the library {name!r}: the manifest must "
+        return (f"manifest {path}: names {brief(d['name'])}, the library {name!r}: the manifest must "
                 "name its factor as the library does")
     return ""
 

@@ -308,13 +308,16 @@ def test_manifest_cross_references_fallback_and_reserved_ids_are_checked_at_load
 
     vfolder = tmp_path / "v"
     build_plugin(vfolder)
-    # (a negative size is refused as the manifest loads now: an ids_below naming no size is not)
+    # (a negative size, or an ids_below naming no size, is refused as the manifest loads now;
+    # more distinct ids per row than ids_below allows depends on the test shape: verify finds it)
     _manifest_variant(vfolder, "neg", "host_scale_neg", 1110,
                       lambda t: t.replace("input: {name: x, shape: [N], dtype: [float32]}",
-                                          "input: {name: x, shape: [N], dtype: [float32], values: {ids_below: Q}}"))
+                                          "input: {name: x, shape: [N], dtype: [float32], "
+                                          "values: {ids_below: 2, distinct: true}}"))
     reg = FactorRegistry.load(vfolder, hardware="h200", verify=True)
     st = {p.path.stem: p for p in reg.plugins}
-    assert st["neg"].status == "rejected" and "could not run" in st["neg"].reason, st["neg"].reason
+    assert st["neg"].status == "rejected" and "7 distinct ids per row asked, only 2 exist" in st["neg"].reason, \
+        st["neg"].reason
     assert st["host_scale"].status == "ready", st["host_scale"].reason
 
 
