@@ -199,6 +199,13 @@ def _cai_device(x, ptr: int) -> int:
     return 0
 
 
+def _refuse_empty_elements(name: str, factor: str, dtype) -> None:
+    """Raise DTypeError for an array whose elements take no bytes (NumPy's 'V0'): no kernel or
+    fallback can read it, and its strides cannot be counted in elements."""
+    from .errors import DTypeError
+    raise DTypeError(factor, name, "dtype", "elements of at least one byte", f"{dtype} (0-byte elements)")
+
+
 @dataclass
 class TensorRef:
     """Pointer, shape, strides (elements), dtype name and device of a user's array.
@@ -238,6 +245,8 @@ class TensorRef:
                 info = _TORCH_DTYPES[x.dtype] = (_dtype_name(x.dtype), x.element_size())
             return cls(x, "torch", x.data_ptr(), tuple(x.shape), x.stride(), info[0], info[1],
                        x.get_device(), x.is_contiguous())  # -1: CPU
+        if kind in ("numpy", "cupy") and x.itemsize < 1:
+            _refuse_empty_elements(name, factor, x.dtype)
         if kind == "numpy":
             return cls._from_buffer(x, "numpy", x.__array_interface__["data"][0], -1)
         if kind == "bits16":
@@ -251,6 +260,8 @@ class TensorRef:
             dt = np.dtype(cai["typestr"])
             shape = tuple(cai["shape"])
             isz = dt.itemsize
+            if isz < 1:
+                _refuse_empty_elements(name, factor, dt)
             if cai.get("strides") is None:
                 strides = tuple(int(np.prod(shape[i + 1:])) for i in range(len(shape)))
             else:   # bytes -> elements; a fraction (not a whole element) is refused by the validator

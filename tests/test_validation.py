@@ -644,3 +644,20 @@ def test_public_docstrings_say_what_they_raise():
     assert all("inference op" in d for d in docs.values())
     assert "NaN logits rank last" not in docs["topk_softmax"] and "ranks as -inf" in docs["topk_softmax"]
     assert "propagates" in docs["moe_fused_gemm"] and "hidden_states' shape (T, H) and dtype" in docs["moe_fused_gemm"]
+
+
+def test_zero_byte_elements_are_refused_not_divided_by(reg):
+    """A NumPy 'V0' array (elements of no bytes), or a __cuda_array_interface__ saying so, is a
+    DTypeError naming the argument: its byte strides cannot be counted in elements (it raised a
+    bare ZeroDivisionError)."""
+    from ex_engine.arrays import TensorRef
+    from ex_engine.errors import DTypeError
+    x = np.zeros(3, dtype="V0")
+    with pytest.raises(DTypeError, match=r"argument 'x'.*at least one byte"):
+        reg.dispatch("fused_add_rmsnorm", {"x": x, "residual": x, "weight": x}, {"eps": 1e-6})
+
+    class Cai:
+        __cuda_array_interface__ = {"shape": (3,), "typestr": "|V0", "data": (4096, False),
+                                    "version": 3, "strides": None}
+    with pytest.raises(DTypeError, match=r"argument 'hidden_states'.*at least one byte"):
+        TensorRef.of(Cai(), "hidden_states", "moe_fused_gemm")
