@@ -199,6 +199,9 @@ def raw_problem(d: dict) -> str:
             return f"{k}: expected a string, got {_got(d[k])}"
     if not (isinstance(d["dims"], list) and all(isinstance(x, str) and x for x in d["dims"])):
         return f"dims: expected a list of size names ([T, H, dtype]), got {_got(d['dims'])}"
+    twice = sorted({x for x in d["dims"] if d["dims"].count(x) > 1})
+    if twice:   # the kernel would get one size in two slots and read the next one's off by one
+        return f"dims: expected each size once, got {twice[0]!r} {d['dims'].count(twice[0])} times"
     for k in ("output", "input"):
         problem = _array_problem(k, d[k])
         if problem:
@@ -453,6 +456,10 @@ class Manifest:
         for d in self.dims:
             if d not in syms and d not in self.dim_sources:
                 return f"dims: {d}: expected a size of an array's shape or a dim_sources entry, got neither"
+        unused = [k for k in self.dim_sources if k not in self.dims]
+        if unused:   # a source whose size is never passed: a misspelt dim, or one left out of dims
+            return (f"dim_sources: {brief(unused[0])}: expected one of dims {self.dims} (a size the "
+                    "kernel receives), got a name dims does not list")
         known = syms | set(self.dim_sources)
         for text in self.constraints + [t.absent_requires for t in self.aux if t.absent_requires]:
             m = _CONSTRAINT.match(str(text))

@@ -333,3 +333,16 @@ def test_a_hardware_profile_with_an_unknown_key_is_refused_with_a_hint(tmp_path,
 def test_the_shipped_profiles_load():
     for name in ("a100", "h200", "bi-v100"):
         assert Hardware.from_profile(name).name
+
+
+@pytest.mark.parametrize("change,needle", [
+    (lambda t: t.replace("dims: [N]", "dims: [N, N]"), "dims: expected each size once, got 'N' 2 times"),
+    (lambda t: t.replace("dims: [N]", "dims: [N]\ndim_sources: {M: {default_dim: N}}"),
+     "dim_sources: 'M': expected one of dims"),
+])
+def test_a_dim_twice_or_a_source_of_no_dim_is_refused(tmp_path, change, needle):
+    """dims lists each size the kernel receives once (twice, every slot after the second copy
+    would be read off by one), and a dim_sources entry names one of them (else it is a misspelt
+    or forgotten dim whose size the kernel never gets); both loaded before."""
+    with pytest.raises(FactorError, match=needle):
+        Manifest.load(manifest(tmp_path, change))
