@@ -990,7 +990,9 @@ class FactorRegistry:
             return p.manifest
         if name in self.manifests:
             return self.manifests[name]
-        raise FactorNotFoundError(f"no factor named '{name}': known are {sorted(set(self.manifests) | set(self._chosen))}")
+        why = self.manifest_errors.get(name)   # its manifest refused (malformed, or claimed twice)
+        raise FactorNotFoundError(f"no factor named '{name}'" + (f" ({why})" if why else "") +
+                                  f": known are {sorted(set(self.manifests) | set(self._chosen))}")
 
     def stats(self) -> dict:
         """name -> {'plugin': n, 'kernel_fallback': n, 'python_fallback': n, 'errors': n}: the
