@@ -12,6 +12,7 @@ which path served.
 from __future__ import annotations
 
 import copy
+import inspect
 import os
 import re
 import sys
@@ -304,6 +305,30 @@ def null_pointer_error(factor: str, refs_by_name: dict):
     return None
 
 
+def fallback_binding_problem(fn) -> str:
+    """Why ``fn`` cannot serve as a Python fallback ('' if it can): manifest.fallback_problem's
+    reasons (not callable, a signature that cannot take three positional arguments), and also a
+    signature Python cannot read (some builtins: nothing says what it takes) or one whose
+    arrays, sizes and params would not each reach a named parameter (``builtins:print``, a bare
+    ``*args``: it passed, and a call returned 'python_fallback' with the outputs unwritten)."""
+    problem = fallback_problem(fn)
+    if problem:
+        return problem
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return (f"expected a callable fn(arrays, sizes, params), got {fn!r:.80}, whose signature "
+                "cannot be read (a builtin?): nothing says it takes the arrays, sizes and params")
+    named = [q for q in sig.parameters.values() if q.kind in (q.POSITIONAL_ONLY, q.POSITIONAL_OR_KEYWORD)]
+    if len(named) < 3:
+        rest = next((q.name for q in sig.parameters.values() if q.kind == q.VAR_POSITIONAL), "args")
+        lost = ("arrays, sizes and params", "sizes and params", "params")[len(named)]
+        return (f"expected a callable fn(arrays, sizes, params), got {fn!r:.80} with signature "
+                f"{sig}: its {lost} would go to *{rest}, not to a parameter of that name (a "
+                "function that takes anything is no fallback: it need not write the outputs)")
+    return ""
+
+
 def _check_name(caller: str, name) -> None:
     """Raise ArgumentError naming ``caller``'s argument 'name' unless it is a str (a list
     raised a bare TypeError, unhashable; None was looked up as the factor 'None')."""
@@ -500,6 +525,7 @@ class FactorRegistry:
         self._retired: list = []         # grown-out-of device workspaces, dropped after a sync
         self._flags: dict = defaultdict(Counter)
         self._fallbacks: dict = {}
+        self._fallback_checks: dict = {}   # id(fn) -> (fn, fallback_binding_problem(fn))
         self._bind_cache: dict = {}     # call signature -> what bind() returned, ready for the C call
         self._fast_calls: dict = {}     # _fast_key of a valid plugin call -> _FastCall (dispatch)
         self._entries: dict = {}        # id(plugin) -> (plugin, kernel, kernel_fallback) as _KERNEL_INT_T
@@ -859,8 +885,9 @@ class FactorRegistry:
                     "device: its kernels must come from a library it links or loads (not checked)")
         if m.fallback:
             try:
-                m.fallback_fn()
-                ok, detail = True, m.fallback
+                problem = fallback_binding_problem(m.fallback_fn())
+                ok, detail = (False, f"manifest {m.path}: fallback: {m.fallback!r}: {problem}") if problem \
+                    else (True, m.fallback)
             except FactorError as exc:
                 ok, detail = False, str(exc)
             if not p.require("python fallback", ok, detail):
@@ -1184,6 +1211,10 @@ class FactorRegistry:
                 why = "its plugin and kernel_fallback declined the call"
             raise FactorError(f"{name}: no plugin took the call ({why}) and the manifest names no "
                               "Python fallback")
+        problem = self._fallback_problem(fn)
+        if problem:   # the manifest's, where no plugin's load checked it (a manifest-only factor)
+            raise FactorError(f"{name}: the Python fallback {self._fallback_label(name, m, fn)}: {problem}; "
+                              "not called")
         try:
             flags = fn(refs_by_name, sizes, pvals)
         except (FactorError, MemoryError):   # its own error, naming the factor already; out of
@@ -1200,6 +1231,13 @@ class FactorRegistry:
                               f"{type(flags).__name__} {flags!r:.80}; expected None, a Counter "
                               "{flag text: slots >= 0} or a list of flag texts")
         return flags
+
+    def _fallback_problem(self, fn) -> str:
+        """fallback_binding_problem(fn), read once per function (dispatch's Python fallback)."""
+        hit = self._fallback_checks.get(id(fn))
+        if hit is None or hit[0] is not fn:
+            hit = self._fallback_checks[id(fn)] = (fn, fallback_binding_problem(fn))   # fn kept: its id stays its
+        return hit[1]
 
     def _fallback_label(self, name: str, m: Manifest, fn) -> str:
         """The Python fallback ``fn`` of ``name`` as an error names it: set_fallback's (its
@@ -1335,7 +1373,7 @@ class FactorRegistry:
     def set_fallback(self, name: str, fn) -> None:
         """Use ``fn(arrays, sizes, params)`` as the Python fallback of ``name`` (over the
         manifest's); None restores the manifest's. Raises FactorNotFoundError for an unknown
-        factor, FactorError for an ``fn`` that cannot be called so (fallback_problem); None for
+        factor, FactorError for an ``fn`` that cannot be called so (fallback_binding_problem); None for
         any name is quiet (cleanup code may run before a factor is known); a ``name`` that is
         not a str is an ArgumentError naming set_fallback, with or without ``fn``."""
         if type(name) is not str:
@@ -1344,7 +1382,7 @@ class FactorRegistry:
             self._fallbacks.pop(name, None)
             return
         self._manifest(name, "set_fallback")
-        problem = fallback_problem(fn)
+        problem = fallback_binding_problem(fn)
         if problem:
             raise FactorError(f"set_fallback: fn: {problem}")
         self._fallbacks[name] = fn

@@ -68,3 +68,93 @@ def test_a_stray_copy_does_not_stand_in_for_a_malformed_manifest_of_that_name(tm
     p = reg.plugins[0]
     assert p.status == "rejected" and "host_scale.yaml: malformed" in p.reason, p.reason
     assert any("a_copy.yaml" in n and "not used in its place" in n for n in reg.notes), reg.notes
+
+
+def _x(n=7):
+    return {"x": np.ones(n, np.float32), "out": np.zeros(n, np.float32), "alpha": np.array([2.0], np.float32)}
+
+
+def test_a_fallback_that_takes_anything_is_refused_at_load_and_in_set_fallback(tmp_path):
+    """`fallback: builtins:print` passed the signature check (print takes *args): dispatch
+    returned 'python_fallback' with `out` unchanged. A fallback whose arrays, sizes and params
+    do not each reach a named parameter, or whose signature cannot be read, is refused."""
+    from ex_engine.errors import FactorError
+    build_plugin(tmp_path / "a", defines={"BEHAVIOUR": 2})
+    good = tmp_path / "a" / "host_scale.yaml"
+    good.write_text(good.read_text().replace("tests.plugins.host_scale_fallback:scale", "builtins:print"))
+    build_plugin(tmp_path / "a", "other", defines={"NAME": '"other"', "FACTOR_ID": 1101})
+    reg = FactorRegistry.load(tmp_path / "a", hardware="h200")
+    p = next(q for q in reg.plugins if q.name == "host_scale")
+    assert p.status == "rejected" and p.reason.startswith("python fallback: "), p.reason
+    assert "'builtins:print'" in p.reason and "would go to *args" in p.reason
+    assert reg.get("other") is not None
+    for fn, needle in ((print, r"would go to \*args"), (lambda *a: None, r"would go to \*a"),
+                       (lambda arrays, *rest: None, r"its sizes and params would go to \*rest"),
+                       (max, "signature cannot be read")):
+        with pytest.raises(FactorError, match=needle):
+            reg.set_fallback("other", fn)
+    reg.set_fallback("other", lambda arrays, sizes, params, **kw: None)   # three named: fine
+
+
+def test_a_manifest_only_factor_with_such_a_fallback_is_not_called(tmp_path):
+    """With no plugin loaded the manifest's fallback serves every call: print was called and
+    the call 'served' with out unchanged. Now a FactorError naming it, counted."""
+    from ex_engine.errors import FactorError
+    mdir = tmp_path / "m"
+    mdir.mkdir()
+    text = (ROOT / "tests" / "plugins" / "host_scale.yaml").read_text()
+    (mdir / "host_scale.yaml").write_text(text.replace("tests.plugins.host_scale_fallback:scale", "builtins:print"))
+    (tmp_path / "lib").mkdir()
+    reg = FactorRegistry.load(tmp_path / "lib", hardware="h200", manifests_dir=mdir)
+    a = _x()
+    with pytest.raises(FactorError, match=r"host_scale: the Python fallback 'builtins:print' .*would go to "
+                                          r"\*args.*; not called"):
+        reg.dispatch("host_scale", a)
+    assert reg.stats()["host_scale"]["errors"] == 1 and (a["out"] == 0).all()
+
+
+def test_verify_blames_a_fallback_that_leaves_outputs_unwritten(tmp_path):
+    """The fallback's own output had NaN where nothing was written, and verify said '0 NaN where
+    the fallback has a number (an element not written?)', blaming the kernel. Now the fallback's
+    outputs are checked for verify's poison and it is named."""
+    from ex_engine import verify
+    build_plugin(tmp_path)
+    reg = FactorRegistry.load(tmp_path, hardware="h200")
+
+    def half(arrays, sizes, params):
+        out = arrays["out"].raw()
+        out[: out.shape[0] // 2] = arrays["alpha"].raw()[0] * arrays["x"].raw()[: out.shape[0] // 2]
+
+    reg.set_fallback("host_scale", half)
+    r = verify.run_case(reg, reg.get("host_scale"), {"N": 7}, "float32")
+    assert r.status == "FAIL", r
+    assert "out: the Python fallback left 4 of 7 element(s) unwritten" in r.detail, r.detail
+    assert "the plugin left" not in r.detail and "NaN where" not in r.detail
+
+
+def test_verify_names_a_plugin_that_leaves_outputs_unwritten_and_int_outputs_too(tmp_path):
+    """An int output left at the old poison (-7) by both sides compared equal; the poison is now
+    a pattern no computation yields, and an element still holding it was not written."""
+    from ex_engine import verify
+    for dt in ("float32", "float16", "int32", "int64"):
+        a = verify._poison(np, (3,), dt)
+        assert verify.unwritten_count(a) == 3 and a.dtype == np.dtype(dt)
+        a[1] = 0
+        assert verify.unwritten_count(a) == 2
+    b = verify._poison(np, (2, 2), "bfloat16")
+    assert verify.unwritten_count(b) == 4
+    assert np.isnan(verify._poison(np, (1,), "float32")).all()
+    assert verify.unwritten_count(np.full(3, np.nan, np.float32)) == 0   # an arithmetic NaN: written
+
+
+def test_an_overrun_of_an_empty_output_is_not_called_before_its_start(tmp_path):
+    """N=0: the guard view of an empty output pointed at the buffer's start (NumPy's empty
+    slice), so 16 bytes written at its pointer read as 'before its start'."""
+    from ex_engine import verify
+    build_plugin(tmp_path, defines={"OOB": 4})
+    reg = FactorRegistry.load(tmp_path, hardware="h200")
+    r = verify.run_case(reg, reg.get("host_scale"), {"N": 0}, "float32")
+    assert r.status == "FAIL" and "before" not in r.detail, r.detail
+    assert "out: the kernel wrote 16 byte(s) at or after its pointer, although the array is empty" in r.detail
+    r = verify.run_case(reg, reg.get("host_scale"), {"N": 3}, "float32")
+    assert r.detail == "out: the kernel wrote 16 byte(s) past its end", r.detail
