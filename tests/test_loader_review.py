@@ -158,3 +158,37 @@ def test_an_overrun_of_an_empty_output_is_not_called_before_its_start(tmp_path):
     assert "out: the kernel wrote 16 byte(s) at or after its pointer, although the array is empty" in r.detail
     r = verify.run_case(reg, reg.get("host_scale"), {"N": 3}, "float32")
     assert r.detail == "out: the kernel wrote 16 byte(s) past its end", r.detail
+
+
+def test_verify_strict_fails_a_plugin_that_declined_every_case(tmp_path, capsys):
+    """`verify --strict` exited 0 when the kernel said EX_FALLBACK to every case: nothing of it
+    was compared. Under --strict that is exit status 3, said on stderr; without, a warning."""
+    build_plugin(tmp_path, defines={"BEHAVIOUR": 2})      # EX_FALLBACK, no kernel_fallback
+    argv = ["verify", "--dir", str(tmp_path), "--hardware", "h200", "--in-process"]
+    assert cli_main(argv + ["--strict"]) == 3
+    err = capsys.readouterr().err
+    assert "host_scale: its plugin declined every case (1 of 1 returned EX_FALLBACK)" in err
+    assert "1 factor(s) whose plugin declined every case (exit status 3)" in err
+    assert cli_main(argv) == 0
+    err = capsys.readouterr().err
+    assert err.startswith("warning: host_scale: its plugin declined every case") and "--strict fails" in err
+    build_plugin(tmp_path / "b")                            # the kernel serves: a real check
+    assert cli_main(["verify", "--dir", str(tmp_path / "b"), "--hardware", "h200", "--in-process", "--strict"]) == 0
+    assert "declined" not in capsys.readouterr().err
+
+
+def test_list_factors_exits_1_when_no_plugin_is_ready(tmp_path, capsys):
+    bad, good, empty = tmp_path / "bad", tmp_path / "good", tmp_path / "empty"
+    build_plugin(bad, defines={"RETURN_NULL": True})
+    build_plugin(good)
+    build_plugin(good, "zz_bad", defines={"RETURN_NULL": True})
+    empty.mkdir()
+    for folder, rc, needle in ((bad, 1, "its only library rejected"), (empty, 1, "no *.so in the folder"),
+                               (good, 0, "")):
+        for extra in ([], ["--json"], ["--why"]):
+            assert cli_main(["list-factors", "--dir", str(folder), "--hardware", "h200", *extra]) == rc
+            err = capsys.readouterr().err
+            assert (f"no plugin is ready in {folder} ({needle}): exit status 1" in err) if rc else not err
+    with pytest.raises(SystemExit):
+        cli_main(["list-factors", "--help"])
+    assert "Exit status 0 if at least one plugin is ready, 1 if none is" in " ".join(capsys.readouterr().out.split())
