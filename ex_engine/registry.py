@@ -378,6 +378,22 @@ class _FastCall:
 
 
 _MAX_WORKSPACE = 1 << 40   # bytes: a workspace_size beyond this (or below 0) is a plugin bug
+
+
+class WorkspaceSizeError(KernelError):
+    """A plugin's workspace_size returned a size outside 0..2**40 bytes, before its kernel ran:
+    the plugin's bug. A KernelError (status EX_ERR_WORKSPACE, for callers that catch those)
+    whose message names workspace_size's answer, not a status the kernel never returned."""
+
+    def __init__(self, factor: str, need: int, dims):
+        self.factor, self.status = factor, abi.EX_ERR_WORKSPACE
+        self.status_name, self.need = abi.status_name(abi.EX_ERR_WORKSPACE), need
+        shown = list(dims)
+        shown = f"{shown[:16]}"[:-1] + ", ...]" if len(shown) > 16 else f"{shown}"
+        self.detail = (f"workspace_size returned {need} bytes for dims {shown}: expected 0.."
+                       f"{_MAX_WORKSPACE} (2**40); a bug of the plugin's workspace_size, so its "
+                       "kernel was not called")
+        RuntimeError.__init__(self, f"{factor}: {self.detail}")
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _SEMVER = re.compile(r"\d+\.\d+\.\d+")
 # ex_engine's own factors, from the ABI's ex_factor_id_t (whatever manifests folder is loaded)
@@ -878,6 +894,21 @@ class FactorRegistry:
         if not p.require("memory", not (m.memory == "host" and gpu_code),
                        f"manifest {m.path} says memory: host (host pointers) but the library carries GPU "
                        "code: a host factor's library must not be a CUDA one"):
+            return p
+        # the two sides of a workspace (include/ex_engine.h: the runtime passes workspace_size()
+        # bytes as the aux input the manifest marks role: workspace; NULL means no workspace):
+        # one without the other gave the kernel no workspace, or NULL where it expected one
+        ws = m.aux[m.workspace_index].name if m.workspace_index is not None else None
+        has_fn = f.workspace_size != abi.ffi.NULL
+        if not p.require("workspace", has_fn == (ws is not None),
+                         f"the library's workspace_size is set but manifest {m.path} has no aux entry "
+                         "with role: workspace, so the kernel would get no workspace; add one (e.g. "
+                         "{name: workspace, role: workspace}) or set workspace_size to NULL" if has_fn else
+                         f"manifest {m.path} declares a workspace ('{ws}', role: workspace) but the "
+                         "library's workspace_size is NULL (no workspace), so the kernel would get NULL "
+                         "there; export a workspace_size or remove the entry",
+                         f"'{ws}', sized by the library's workspace_size" if has_fn else
+                         "none (workspace_size NULL, no role: workspace entry)"):
             return p
         if m.memory != "host" and not gpu_code and p.code_known:
             # allowed (its kernels may live in a library it links, or be loaded at run time), said
@@ -1400,9 +1431,7 @@ class FactorRegistry:
         need = int(fn(dims, len(dims)))
         if not 0 <= need <= _MAX_WORKSPACE:
             self._count(plugin.name, "errors")
-            raise KernelError(plugin.name, abi.EX_ERR_WORKSPACE, abi.status_name(abi.EX_ERR_WORKSPACE),
-                              f"workspace_size returned {need} bytes for dims {list(dims)}: expected "
-                              f"0..{_MAX_WORKSPACE} (a plugin bug)")
+            raise WorkspaceSizeError(plugin.name, need, dims)
         buf = self._workspaces.get((plugin.name, device, stream))
         if buf is not None and buf.nbytes >= need:
             return buf

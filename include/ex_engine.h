@@ -143,7 +143,10 @@ typedef int (*ex_kernel_fn)(void* output, const void* input, const void* aux_inp
 
 /* Bytes of device workspace the kernel needs for these dims (0: none).  The runtime passes
  * a buffer of at least that size, 256-byte aligned, as the aux input the manifest marks
- * `role: workspace`.  Must be a pure function of dims.  NULL means no workspace.            */
+ * `role: workspace`.  Must be a pure function of dims, returning 0..2^40 (anything else is
+ * reported as this function's bug and the kernel is not called).  NULL means no workspace.
+ * The two go together: the registry refuses a library whose workspace_size is set while its
+ * manifest has no `role: workspace` entry, or NULL while its manifest has one.             */
 typedef int64_t (*ex_workspace_fn)(const int64_t dims[], int n_dims);
 
 /* A NUL-terminated description of the last error this library's kernel returned on the

@@ -192,3 +192,45 @@ def test_list_factors_exits_1_when_no_plugin_is_ready(tmp_path, capsys):
     with pytest.raises(SystemExit):
         cli_main(["list-factors", "--help"])
     assert "Exit status 0 if at least one plugin is ready, 1 if none is" in " ".join(capsys.readouterr().out.split())
+
+
+def test_a_workspace_on_one_side_only_is_refused_at_load(tmp_path):
+    """A library with workspace_size whose manifest has no role: workspace entry got no
+    workspace, silently; a manifest's workspace for a library without workspace_size got NULL.
+    Each is refused, naming both sides; the others load."""
+    lib_only, manifest_only = tmp_path / "a", tmp_path / "b"
+    build_plugin(lib_only, defines={"WORKSPACE": True})                  # host_scale.yaml: no workspace
+    build_plugin(manifest_only, "host_scale_ws", defines={"NAME": '"host_scale_ws"', "FACTOR_ID": 1107},
+                 manifest=False)
+    shutil.copy(ROOT / "tests" / "plugins" / "host_scale_ws.yaml", manifest_only / "host_scale_ws.yaml")
+    build_plugin(manifest_only, "other", defines={"NAME": '"other"', "FACTOR_ID": 1101})
+    p = FactorRegistry.load(lib_only, hardware="h200").plugins[0]
+    assert p.status == "rejected" and p.reason.startswith("workspace: the library's workspace_size is set "
+                                                          "but manifest ") and "has no aux entry with role: workspace" in p.reason
+    reg = FactorRegistry.load(manifest_only, hardware="h200")
+    p = next(q for q in reg.plugins if q.name == "host_scale_ws")
+    assert p.status == "rejected" and "declares a workspace ('workspace', role: workspace) but the library's " \
+                                      "workspace_size is NULL" in p.reason, p.reason
+    assert reg.get("other") is not None
+
+
+def test_a_bad_workspace_size_is_named_as_its_answer_not_a_kernel_status(tmp_path):
+    """workspace_size returning -1 or 2**62 was reported as 'kernel returned EX_ERR_WORKSPACE
+    (5)' although the kernel never ran."""
+    from ex_engine import KernelError
+    from ex_engine.registry import WorkspaceSizeError
+    for i, size in enumerate(("-1", "(1LL << 62)")):
+        folder = tmp_path / f"w{i}"
+        build_plugin(folder, "host_scale_ws", defines={"WORKSPACE": True, "NAME": '"host_scale_ws"',
+                                                       "FACTOR_ID": 1107, "WS_BYTES": size}, manifest=False)
+        shutil.copy(ROOT / "tests" / "plugins" / "host_scale_ws.yaml", folder / "host_scale_ws.yaml")
+        reg = FactorRegistry.load(folder, hardware="h200")
+        for _ in range(2):   # the full path, then the short one
+            with pytest.raises(WorkspaceSizeError) as e:
+                reg.dispatch("host_scale_ws", _x())
+            msg = str(e.value)
+            assert "kernel returned" not in msg and isinstance(e.value, KernelError)
+            assert msg.startswith(f"host_scale_ws: workspace_size returned {eval(size.replace('LL', ''))} bytes "
+                                  "for dims [7]: expected 0..1099511627776 (2**40)"), msg
+            assert "its kernel was not called" in msg
+        assert reg.stats()["host_scale_ws"]["errors"] == 2
