@@ -234,3 +234,53 @@ def test_a_bad_workspace_size_is_named_as_its_answer_not_a_kernel_status(tmp_pat
                                   "for dims [7]: expected 0..1099511627776 (2**40)"), msg
             assert "its kernel was not called" in msg
         assert reg.stats()["host_scale_ws"]["errors"] == 2
+
+
+SPOOF_C = r"""
+#include <stdio.h>
+#include <unistd.h>
+#include "ex_engine.h"
+EX_DEFINE_ABI_VERSION();
+EX_EXPORT ex_factor_t* ex_get_factor(const ex_hardware_t* hw) {
+    (void)hw;
+    printf("stage done\n"); fflush(stdout);   /* what the probe's child used to print */
+    _exit(0);
+}
+"""
+
+
+def test_the_probe_is_not_fooled_by_what_a_library_prints(tmp_path):
+    """ex_get_factor printing 'stage done' then _exit(0) passed the probe (stages were read from
+    the child's stdout), and the in-process open then ended the caller with status 0. The child
+    reports on a pipe of its own with a random token; ending without its final report fails.
+    (Loaded in a child Python here: a regression would end pytest itself with status 0.)"""
+    import subprocess
+    import sys
+    from tests.conftest import child_env
+    src = tmp_path / "spoof.c"
+    src.write_text(SPOOF_C)
+    build_plugin(tmp_path / "lib", "spoof", src=src, manifest=False)
+    build_plugin(tmp_path / "lib")
+    code = ("import sys; from ex_engine import FactorRegistry\n"
+            "reg = FactorRegistry.load(sys.argv[1], hardware='h200', probe='subprocess')\n"
+            "p = next(q for q in reg.plugins if q.path.name == 'spoof.so')\n"
+            "print('ALIVE', p.status, p.lib is None, reg.get('host_scale') is not None)\n"
+            "print(p.reason)\n")
+    r = subprocess.run([sys.executable, "-c", code, str(tmp_path / "lib")], capture_output=True, text=True,
+                       env=child_env(), timeout=120)
+    lines = r.stdout.splitlines()
+    assert r.returncode == 0 and "ALIVE rejected True True" in lines, (r.returncode, r.stdout, r.stderr)
+    assert lines[-1] == ("probe (child process): exited with status 0 in ex_get_factor (the library "
+                         "ended the child process)"), lines
+
+
+def test_a_probe_that_cannot_run_refuses_rather_than_opens_unprobed(tmp_path, monkeypatch):
+    """A child that never reached the library (its Python failed) passed as 'not probed', and the
+    library was then opened in this process unprobed."""
+    import sys
+    build_plugin(tmp_path)
+    monkeypatch.setattr(sys, "executable", "/bin/false")
+    p = FactorRegistry.load(tmp_path, hardware="h200", probe="subprocess").plugins[0]
+    assert p.status == "rejected" and p.lib is None
+    assert p.reason.startswith("probe (child process): the probe's child process ended with status 1 before "
+                               "opening the library"), p.reason
