@@ -750,6 +750,11 @@ class FactorRegistry:
                            "not exported (not defined in the library's own dynamic symbol table); not opened, "
                            "so none of its code ran; build with EX_DEFINE_ABI_VERSION() from "
                            "include/ex_engine.h")
+        if isinstance(found, fatbin.SymbolProblem):
+            return p.check("symbol ex_abi_version", False,
+                           f"expected a 4-byte data object (const uint32_t ex_abi_version, as "
+                           f"EX_DEFINE_ABI_VERSION() from include/ex_engine.h defines it), got {found}; not "
+                           "opened, so none of its code ran")
         p.abi_version = found
         return self._require_abi_major(p, " (read from the file; not opened, so none of its code ran)",
                                        " (read from the file, before opening)")
@@ -823,10 +828,16 @@ class FactorRegistry:
             p.check("symbol ex_abi_version", False,
                     f"not exported ({exc}); build with EX_DEFINE_ABI_VERSION() from include/ex_engine.h")
             return p
-        if from_file and not p.require("abi version (loaded)", p.abi_version == from_file,
-                                       f"the loaded library says {abi.version_str(p.abi_version)}, its "
-                                       f"file said {abi.version_str(from_file)} (changed on disk "
-                                       "between the checks and dlopen?)"):
+        if from_file and p.abi_version != from_file:
+            try:
+                same = trust.sha256_hex(path.read_bytes()) == p.sha256
+            except OSError:
+                same = False
+            why = ("the file on disk is unchanged, so the library's own code (a static constructor, "
+                   "run by dlopen) changed it: ex_abi_version must be a constant, EX_DEFINE_ABI_VERSION()"
+                   if same else "the file changed on disk between the checks and dlopen")
+            p.require("abi version (loaded)", False, f"the loaded library says {abi.version_str(p.abi_version)}, "
+                      f"its file said {abi.version_str(from_file)}: {why}")
             return p
         if not from_file and not self._require_abi_major(p):
             return p

@@ -45,7 +45,9 @@ extern "C" {
 #endif
 
 /* Every plugin writes this once, at file scope, so the runtime can read the version the
- * library was built against without running any of its code.                               */
+ * library was built against without running any of its code.  It must stay what this macro
+ * makes it, a constant 4-byte data object: the registry refuses a function of that name, a
+ * symbol of another size, and a value the library's own code changes when it is opened.    */
 #ifdef __cplusplus
 #define EX_DEFINE_ABI_VERSION() \
     extern "C" EX_EXPORT const uint32_t ex_abi_version = EX_ABI_VERSION

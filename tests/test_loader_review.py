@@ -284,3 +284,37 @@ def test_a_probe_that_cannot_run_refuses_rather_than_opens_unprobed(tmp_path, mo
     assert p.status == "rejected" and p.lib is None
     assert p.reason.startswith("probe (child process): the probe's child process ended with status 1 before "
                                "opening the library"), p.reason
+
+
+ABI_SRC = {
+    "func": "EX_EXPORT uint32_t ex_abi_version(void) { return 0; }\n",
+    "short": "EX_EXPORT const uint8_t ex_abi_version = 1;\n",
+    "mut": "EX_EXPORT uint32_t ex_abi_version = EX_ABI_VERSION;\n"
+           "__attribute__((constructor)) static void c(void) { ex_abi_version = (2u << 16); }\n",
+}
+
+
+@pytest.mark.parametrize("case,needle", [
+    ("func", "symbol ex_abi_version: expected a 4-byte data object (const uint32_t ex_abi_version, as "
+             "EX_DEFINE_ABI_VERSION() from include/ex_engine.h defines it), got a function (STT_FUNC)"),
+    ("short", "symbol ex_abi_version: expected a 4-byte data object (const uint32_t ex_abi_version, as "
+              "EX_DEFINE_ABI_VERSION() from include/ex_engine.h defines it), got a 1-byte data object"),
+    ("mut", "abi version (loaded): the loaded library says 2.0, its file said 1.0: the file on disk is "
+            "unchanged, so the library's own code (a static constructor, run by dlopen) changed it"),
+])
+def test_an_abi_symbol_that_is_no_constant_uint32_is_named_for_what_it_is(tmp_path, case, needle):
+    """ex_abi_version as a function read 'library built against 58761.18517' (its machine code);
+    a 1-byte one 'built against 0.1' (4 bytes read whatever its size); a constructor changing it
+    '(changed on disk between the checks and dlopen?)'."""
+    src = tmp_path / f"{case}.c"
+    src.write_text('#include <stddef.h>\n#include "ex_engine.h"\n' + ABI_SRC[case] +
+                   "EX_EXPORT ex_factor_t* ex_get_factor(const ex_hardware_t* hw) { (void)hw; return NULL; }\n")
+    build_plugin(tmp_path / "lib", case, src=src, manifest=False)
+    build_plugin(tmp_path / "lib")
+    reg = FactorRegistry.load(tmp_path / "lib", hardware="h200")
+    p = next(q for q in reg.plugins if q.path.stem == case)
+    assert p.status == "rejected" and p.reason.startswith(needle), p.reason
+    assert "built against" not in p.reason and "changed on disk" not in p.reason
+    if case != "mut":
+        assert p.lib is None and "not opened, so none of its code ran" in p.reason
+    assert reg.get("host_scale") is not None
