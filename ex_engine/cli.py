@@ -141,19 +141,22 @@ def cmd_list_factors(args) -> int:
     if not reg.plugins:
         print(f"no plugins (*.so) in {args.dir}; build them with `make` or `ex-engine build`")
         return _none_ready(reg, args.dir)
+    from .registry import _printable   # one row per plugin: no cell may hold a newline
     rows = [("id", "name", "version", "status", "tuning (tpb/ipt/vec/smem/warps/stages)", "file", "reason")]
     for p in reg.plugins:
         t = p.tuning
         tun = "/".join(str(t[k]) for k in ("threads_per_block", "items_per_thread", "vec_size",
                                             "shared_mem_bytes", "num_warps", "num_stages")) if t else "-"
-        rows.append((str(p.factor_id) if p.name else "-", p.name or "?", p.version or "-",
-                     p.status, tun, p.path.name, p.reason))
+        rows.append(tuple(_printable(c) for c in (str(p.factor_id) if p.name else "-", p.name or "?",
+                                                  p.version or "-", p.status, tun, p.path.name, p.reason)))
     widths = [max(len(r[i]) for r in rows) for i in range(6)]
     for r in rows:
         print("  ".join(c.ljust(w) for c, w in zip(r[:6], widths)) + ("  " + r[6] if r[6] else ""))
     if args.why:
         for p in reg.plugins:
-            print(f"\n{p.path.name}: {p.status}" + (f" ({p.reason})" if p.status == "shadowed" else ""))
+            print(f"\n{_printable(p.path.name)}: {p.status}" + (f" ({p.reason})" if p.status == "shadowed" else ""))
+            if p.description:   # the library's one line about itself (ex_factor_t.description)
+                print(f"  description: {p.description}")
             print(f"  sha256 {p.sha256 or '-'}")
             for c in p.checks:
                 print(f"  [{c.label}] {c.name}: {c.detail}" if c.detail else f"  [{c.label}] {c.name}")
@@ -381,7 +384,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "or every library rejected), 2 on bad usage or an error.")
     common(p, probe=True)
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    p.add_argument("--why", action="store_true", help="also print every check each plugin went through")
+    p.add_argument("--why", action="store_true", help="also print every check each plugin went through "
+                                                          "(and its description)")
     p.set_defaults(fn=cmd_list_factors)
 
     p = sub.add_parser("hardware", help="what the runtime sees: the live GPU or a profile",

@@ -427,6 +427,18 @@ def _path_arg(arg: str, value, what: str) -> Path:
     return Path(value)
 
 
+def _c_text(ptr) -> str:
+    """A NUL-terminated string of a library (UTF-8, undecodable bytes replaced), '' for NULL."""
+    return abi.ffi.string(ptr).decode(errors="replace") if ptr != abi.ffi.NULL else ""
+
+
+def _printable(text: str) -> str:
+    """``text`` with every character that is not printable (control characters such as a
+    newline or an escape sequence's ESC, format characters such as a bidi override) written as
+    Python escapes ('\\n', '\\x1b'): strings from a library, for tables and messages."""
+    return text if text.isprintable() else "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
 def _caller_stacklevel() -> int:
     """warnings.warn's stacklevel that names the first frame outside ex_engine (the user's
     call), whatever path inside the package led to the warning."""
@@ -858,23 +870,27 @@ class FactorRegistry:
             return p
         if not p.require("name", f.name != abi.ffi.NULL, "expected a name, got NULL"):
             return p
-        p.name = abi.ffi.string(f.name).decode(errors="replace")
+        # the library's strings as read (checked below), and as kept for tables and messages:
+        # control characters escaped (a raw newline in version broke list-factors' table)
+        name, version = _c_text(f.name), _c_text(f.version)
+        p.name, p.version, p.description = _printable(name), _printable(version), _printable(_c_text(f.description))
         p.factor_id = int(f.factor_id)
-        p.version = abi.ffi.string(f.version).decode(errors="replace") if f.version != abi.ffi.NULL else ""
         p.priority = int(f.priority)
-        p.description = abi.ffi.string(f.description).decode(errors="replace") if f.description != abi.ffi.NULL else ""
         p.tuning = {k: int(getattr(f.tuning, k)) for k in abi.TUNING_FIELDS}
         if not p.require("kernel", f.kernel != abi.ffi.NULL, "expected a kernel function, got NULL"):
             return p
-        if not p.require("version", bool(p.version), "expected a version string, got NULL/empty"):
+        if not p.require("reserved_i32", int(f.reserved_i32) == 0,
+                         f"expected 0 (include/ex_engine.h: reserved, zero), got {int(f.reserved_i32)}"):
+            return p
+        if not p.require("version", bool(version), "expected a version string, got NULL/empty"):
             return p
         # the header's rules on names and versions: a name is also the manifest's file stem, so
         # '../x' or '/tmp/x' would pick a manifest outside the folders; versions order plugins
-        if not p.require("name is an identifier", _IDENT.fullmatch(p.name) is not None,
-                         f"expected letters, digits and _ (the manifest's file stem), got {p.name!r}"):
+        if not p.require("name is an identifier", _IDENT.fullmatch(name) is not None,
+                         f"expected letters, digits and _ (the manifest's file stem), got {name!r}"):
             return p
-        if not p.require("version is MAJOR.MINOR.PATCH", _SEMVER.fullmatch(p.version) is not None,
-                         f"expected three dot-separated numbers (e.g. 1.0.0), got {p.version!r}"):
+        if not p.require("version is MAJOR.MINOR.PATCH", _SEMVER.fullmatch(version) is not None,
+                         f"expected three dot-separated numbers (e.g. 1.0.0), got {version!r}"):
             return p
         p.check("name matches file stem", True,  # informative: a renamed drop-in still loads
                 "yes" if p.name == path.stem else f"note: name '{p.name}' differs from file '{path.name}'")
@@ -895,11 +911,14 @@ class FactorRegistry:
         # one that a built-in manifest owns (it would shadow the built-in by version or priority)
         owner = _BUILTIN_IDS.get(p.factor_id) or next(
             (q.name for q in self.manifests.values() if q.id == p.factor_id), None)
-        if not p.require("factor id", p.factor_id > abi.FACTOR_BUILTIN_LAST or owner == p.name,
-                       (f"id {p.factor_id} is reserved for ex_engine's '{owner}'" if owner else
-                        f"id {p.factor_id} is in ex_engine's reserved range") +
-                       f" (ids 0-{abi.FACTOR_BUILTIN_LAST}, negative ids are invalid); third-party "
-                       f"factors take ids from {abi.FACTOR_BUILTIN_LAST + 1}"):
+        if not p.require("factor id", p.factor_id >= 0 and (p.factor_id > abi.FACTOR_BUILTIN_LAST or owner == p.name),
+                         f"expected an id >= 0 (0-{abi.FACTOR_BUILTIN_LAST} ex_engine's own factors, "
+                         f"{abi.FACTOR_BUILTIN_LAST + 1} and up third-party ones), got {p.factor_id}: "
+                         "negative ids are invalid" if p.factor_id < 0 else
+                         (f"id {p.factor_id} is reserved for ex_engine's '{owner}'" if owner else
+                          f"id {p.factor_id} is in ex_engine's reserved range") +
+                         f" (ids 0-{abi.FACTOR_BUILTIN_LAST}); third-party "
+                         f"factors take ids from {abi.FACTOR_BUILTIN_LAST + 1}"):
             return p
         gpu_code = bool(p.cuda_code and (p.cuda_code.get("sass") or p.cuda_code.get("ptx")))
         if not p.require("memory", not (m.memory == "host" and gpu_code),

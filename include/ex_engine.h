@@ -158,7 +158,7 @@ typedef const char* (*ex_error_string_fn)(void);
 
 typedef struct ex_factor {
     uint32_t abi_version;          /* EX_ABI_VERSION the library was built with              */
-    int32_t factor_id;             /* an ex_factor_id_t, or >= EX_FACTOR_USER_FIRST           */
+    int32_t factor_id;             /* an ex_factor_id_t, or >= EX_FACTOR_USER_FIRST; never < 0 */
     const char* name;              /* equals the library's file stem and its manifest's name */
     const char* version;           /* the factor's own version, "MAJOR.MINOR.PATCH"           */
     ex_tuning_t tuning;            /* what the kernel launches with on this hardware         */
@@ -167,8 +167,10 @@ typedef struct ex_factor {
     ex_workspace_fn workspace_size;/* may be NULL: no workspace                               */
     ex_error_string_fn last_error; /* may be NULL                                             */
     int32_t priority;              /* breaks ties between plugins of the same name and version; higher wins */
-    int32_t reserved_i32;          /* zero                                                    */
-    const char* description;       /* one line for `ex-engine list-factors`; may be NULL      */
+    int32_t reserved_i32;          /* zero (the registry refuses another value)               */
+    const char* description;       /* one line, shown by `ex-engine list-factors --why` and
+                                    * --json; may be NULL.  Control characters in it (and in
+                                    * name and version, which refuse them) are shown escaped  */
 } ex_factor_t;
 
 /* The one entry point.  Returns a pointer to storage that lives as long as the library is

@@ -318,3 +318,45 @@ def test_an_abi_symbol_that_is_no_constant_uint32_is_named_for_what_it_is(tmp_pa
     if case != "mut":
         assert p.lib is None and "not opened, so none of its code ran" in p.reason
     assert reg.get("host_scale") is not None
+
+
+def _wrapped(tmp_path, stem: str, body: str, defines=None):
+    """host_scale.c whose ex_get_factor's struct is then changed by ``body`` (C, on ``f``)."""
+    src = tmp_path / f"{stem}.c"
+    src.write_text(f'#define ex_get_factor host_scale_get_factor\n#include "{ROOT}/tests/plugins/host_scale.c"\n'
+                   "#undef ex_get_factor\n"
+                   "EX_EXPORT ex_factor_t* ex_get_factor(const ex_hardware_t* hw) {\n"
+                   f"    ex_factor_t* f = host_scale_get_factor(hw);\n    if (f) {{ {body} }}\n    return f;\n}}\n")
+    return build_plugin(tmp_path / stem, src=src, defines=defines)
+
+
+def test_struct_fields_reserved_ids_and_strings_from_the_library(tmp_path, capsys):
+    """A non-zero reserved_i32 was accepted; a raw newline in version broke list-factors' table;
+    id -5 was 'in ex_engine's reserved range'; description (documented as 'one line for
+    ex-engine list-factors') showed only in --json."""
+    _wrapped(tmp_path, "reserved", "f->reserved_i32 = 42;")
+    p = FactorRegistry.load(tmp_path / "reserved", hardware="h200").plugins[0]
+    assert p.status == "rejected" and p.reason == \
+        "reserved_i32: expected 0 (include/ex_engine.h: reserved, zero), got 42", p.reason
+    build_plugin(tmp_path / "neg", defines={"FACTOR_ID": -5})
+    p = FactorRegistry.load(tmp_path / "neg", hardware="h200").plugins[0]
+    assert p.status == "rejected" and "got -5: negative ids are invalid" in p.reason, p.reason
+    assert "reserved range" not in p.reason
+    build_plugin(tmp_path / "nl", defines={"VERSION": '"1.0.0\\n"'})
+    _wrapped(tmp_path, "desc", 'f->description = "line one\\nline two \\x1b[31mred\\x1b[0m";')
+    for folder in ("nl", "desc"):
+        assert cli_main(["list-factors", "--dir", str(tmp_path / folder), "--hardware", "h200", "--why"]) \
+            == (1 if folder == "nl" else 0)
+        out = capsys.readouterr().out
+        rows = [ln for ln in out.splitlines() if "host_scale.so" in ln and not ln.startswith("host_scale.so")]
+        assert len(rows) == 1, out                     # one table line per plugin
+        assert "\x1b" not in out and "line one\nline two" not in out
+        if folder == "nl":
+            assert "1.0.0\\n  rejected" in rows[0] and "got '1.0.0\\n'" in rows[0], rows
+        else:
+            assert "  description: line one\\nline two \\x1b[31mred\\x1b[0m" in out, out
+    reg = FactorRegistry.load(tmp_path / "desc", hardware="h200")
+    assert reg.get("host_scale").description == "line one\\nline two \\x1b[31mred\\x1b[0m"
+    build_plugin(tmp_path / "plain")
+    assert cli_main(["list-factors", "--dir", str(tmp_path / "plain"), "--hardware", "h200", "--why"]) == 0
+    assert "  description: test: out = alpha * in on host memory" in capsys.readouterr().out
