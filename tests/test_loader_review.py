@@ -360,3 +360,31 @@ def test_struct_fields_reserved_ids_and_strings_from_the_library(tmp_path, capsy
     build_plugin(tmp_path / "plain")
     assert cli_main(["list-factors", "--dir", str(tmp_path / "plain"), "--hardware", "h200", "--why"]) == 0
     assert "  description: test: out = alpha * in on host memory" in capsys.readouterr().out
+
+
+def test_a_huge_integer_parameter_is_an_argument_error_of_bounded_size_and_counted(tmp_path):
+    """dispatch(..., {'alpha': 10**5000}) raised a bare ValueError (an int of over 4300 digits
+    cannot be printed) that stats() did not count; 10**400 printed all its digits."""
+    from ex_engine import verify
+    from ex_engine.errors import ArgumentError
+    build_plugin(tmp_path)
+    text = (tmp_path / "host_scale.yaml").read_text()
+    (tmp_path / "host_scale.yaml").write_text(
+        text + "params: {beta: {type: float, default: 1.0}, steps: {type: int, default: 1}, "
+               "flag: {type: bool, default: false}}\n")
+    reg = FactorRegistry.load(tmp_path, hardware="h200")
+    for k, v, want, got in (
+            ("beta", 10 ** 5000, "a finite number (within float64's range, about 1.8e308)",
+             "an integer of about 5001 digits (16610 bits)"),
+            ("beta", -10 ** 400, "a finite number (within float64's range, about 1.8e308)",
+             "a negative integer of about 401 digits (1329 bits)"),
+            ("steps", 10 ** 400, "an int in the int64 range", "an integer of about 401 digits (1329 bits)"),
+            ("flag", 10 ** 5000, "a bool", "an integer of about 5001 digits (16610 bits)")):
+        with pytest.raises(ArgumentError) as e:
+            reg.dispatch("host_scale", _x(), {k: v})
+        assert str(e.value) == f"host_scale: argument '{k}': value: expected {want}, got {got}"
+        assert e.value.argument == k
+    with pytest.raises(ArgumentError, match="'beta'.*about 5001 digits"):
+        reg.call_plugin(reg.get("host_scale"), _x(), {"beta": 10 ** 5000})
+    assert reg.stats()["host_scale"]["errors"] == 5
+    assert reg.dispatch("host_scale", _x(), {"beta": 2 ** 1023}) == "plugin"   # a float64 still
