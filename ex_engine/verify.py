@@ -156,7 +156,14 @@ def _normal(xp, rng, shape, std: float):
 # element still holding it afterwards was not written (unwritten_count), whoever's output it is.
 POISON_BITS = {"float32": 0x7FC05A5A, "float16": 0x7E5A, "bfloat16": 0x7FDA,
                "int32": 0xA5A5A5A5, "int64": 0xA5A5A5A5A5A5A5A5}
-_UINT = {"float32": "uint32", "float16": "uint16", "bfloat16": "uint16", "int32": "uint32", "int64": "uint64"}
+_WIDTH = {"float32": 32, "float16": 16, "bfloat16": 16, "int32": 32, "int64": 64}
+
+
+def _signed_pattern(dtype: str) -> int:
+    """POISON_BITS of ``dtype`` as a signed integer of its width (CuPy fills and compares C
+    longs: 0xA5A5A5A5A5A5A5A5 does not fit one)."""
+    bits, w = POISON_BITS[dtype], _WIDTH[dtype]
+    return bits - (1 << w) if bits >> (w - 1) else bits
 
 
 def _poison(xp, shape, dtype: str):
@@ -165,8 +172,8 @@ def _poison(xp, shape, dtype: str):
         if dtype.startswith("int"):
             return xp.full(shape, -7, dtype=dtype)
         return _to_dtype(xp, xp.full(shape, xp.nan, dtype=xp.float32), dtype)
-    raw = xp.full(shape, bits, dtype=_UINT[dtype])
-    return Bits16(raw) if dtype == "bfloat16" else raw.view(dtype)
+    raw = xp.full(shape, _signed_pattern(dtype), dtype=f"int{_WIDTH[dtype]}")
+    return Bits16(raw.view(xp.uint16)) if dtype == "bfloat16" else raw.view(dtype)
 
 
 def unwritten_count(a) -> int:
@@ -174,10 +181,9 @@ def unwritten_count(a) -> int:
     (POISON_BITS of its dtype; 0 for a dtype without a pattern)."""
     raw = a.bits if isinstance(a, Bits16) else a
     dtype = a.dtype if isinstance(a, Bits16) else str(raw.dtype)
-    bits = POISON_BITS.get(dtype)
-    if bits is None or raw.size == 0:
+    if dtype not in POISON_BITS or raw.size == 0 or raw.dtype.itemsize * 8 != _WIDTH[dtype]:
         return 0
-    return int((raw.view(f"uint{8 * raw.dtype.itemsize}") == bits).sum())
+    return int((raw.view(f"int{_WIDTH[dtype]}") == _signed_pattern(dtype)).sum())
 
 
 def poisoned_names(m) -> list:
