@@ -1,7 +1,8 @@
 """The ``ex-engine`` command line: list-factors, hardware, run moe, verify, lock, build.
 
-Every command has --help. Exit status: 0 success, 1 a check failed, 2 bad usage or error,
-3 `verify --strict` skipped a factor.
+Every command has --help. Exit status: 0 success, 1 a check failed (`list-factors`: no plugin
+is ready), 2 bad usage or error, 3 `verify --strict` skipped a factor or its plugin declined
+every case.
 """
 from __future__ import annotations
 
@@ -104,13 +105,26 @@ def _print_notes(reg) -> None:
         print(f"note: {note}")
 
 
+def _none_ready(reg, folder) -> int:
+    """list-factors' exit status: 0 if a plugin is ready, else 1 with a line on stderr saying so
+    (a script checking a folder learns that nothing in it will serve a call)."""
+    if any(p.status == "ready" for p in reg.plugins):
+        return 0
+    sys.stdout.flush()
+    what = ("no *.so in the folder" if not reg.plugins else "its only library rejected"
+            if len(reg.plugins) == 1 else f"all {len(reg.plugins)} libraries rejected")
+    print(f"ex-engine list-factors: no plugin is ready in {folder} ({what}): exit status 1",
+          file=sys.stderr)
+    return 1
+
+
 def cmd_list_factors(args) -> int:
     reg = _registry(args)
     if args.json:
         print(json.dumps({"hardware": reg.hardware.as_dict(), "note": reg.no_gpu_note,
                           "tuning_file": reg.tuning.path, "notes": reg.notes,
                           "plugins": [p.as_dict() for p in reg.plugins]}, indent=2))
-        return 0
+        return _none_ready(reg, args.dir)
     hw = reg.hardware
     print(f"hardware: {hw.name} (sm_{hw.cc_major}{hw.cc_minor}, {hw.multiprocessor_count} SMs, "
           f"warp {hw.warp_size}; {hw.source})")
@@ -126,24 +140,27 @@ def cmd_list_factors(args) -> int:
     _print_notes(reg)
     if not reg.plugins:
         print(f"no plugins (*.so) in {args.dir}; build them with `make` or `ex-engine build`")
-        return 0
+        return _none_ready(reg, args.dir)
+    from .registry import _printable   # one row per plugin: no cell may hold a newline
     rows = [("id", "name", "version", "status", "tuning (tpb/ipt/vec/smem/warps/stages)", "file", "reason")]
     for p in reg.plugins:
         t = p.tuning
         tun = "/".join(str(t[k]) for k in ("threads_per_block", "items_per_thread", "vec_size",
                                             "shared_mem_bytes", "num_warps", "num_stages")) if t else "-"
-        rows.append((str(p.factor_id) if p.name else "-", p.name or "?", p.version or "-",
-                     p.status, tun, p.path.name, p.reason))
+        rows.append(tuple(_printable(c) for c in (str(p.factor_id) if p.name else "-", p.name or "?",
+                                                  p.version or "-", p.status, tun, p.path.name, p.reason)))
     widths = [max(len(r[i]) for r in rows) for i in range(6)]
     for r in rows:
         print("  ".join(c.ljust(w) for c, w in zip(r[:6], widths)) + ("  " + r[6] if r[6] else ""))
     if args.why:
         for p in reg.plugins:
-            print(f"\n{p.path.name}: {p.status}" + (f" ({p.reason})" if p.status == "shadowed" else ""))
+            print(f"\n{_printable(p.path.name)}: {p.status}" + (f" ({p.reason})" if p.status == "shadowed" else ""))
+            if p.description:   # the library's one line about itself (ex_factor_t.description)
+                print(f"  description: {p.description}")
             print(f"  sha256 {p.sha256 or '-'}")
             for c in p.checks:
                 print(f"  [{c.label}] {c.name}: {c.detail}" if c.detail else f"  [{c.label}] {c.name}")
-    return 0
+    return _none_ready(reg, args.dir)
 
 
 def cmd_hardware(args) -> int:
@@ -244,10 +261,25 @@ def cmd_verify(args) -> int:
     print(f"verify: {n['pass']} passed, {n['FAIL']} failed, {n['declined']} declined by the plugin "
           f"(the Python fallback serves those), {n['skipped']} factor(s) skipped")
     print("stats:", json.dumps(reg.stats()))
+    # a factor whose plugin declined every case: none of its kernel's results was compared (a
+    # kernel that always says EX_FALLBACK passed, exit 0): a warning, under --strict a failure
+    by_factor: dict = {}
+    for r in results:
+        by_factor.setdefault(r.factor, []).append(r.status)
+    all_declined = sorted(f for f, st in by_factor.items() if st and all(s == "declined" for s in st))
+    sys.stdout.flush()
+    for f in all_declined:
+        k = len(by_factor[f])
+        print(f"{'verify --strict: error' if args.strict else 'warning'}: {f}: its plugin declined every "
+              f"case ({k} of {k} returned EX_FALLBACK), so none of its results was checked; the Python "
+              "fallback serves these shapes"
+              + ("" if args.strict else " (verify --strict fails on this)"), file=sys.stderr)
     if n["FAIL"]:
         return 1
-    if args.strict and n["skipped"]:
-        print(f"verify --strict: {n['skipped']} factor(s) skipped, not run (exit status 3)", file=sys.stderr)
+    if args.strict and (n["skipped"] or all_declined):
+        what = [f"{n['skipped']} factor(s) skipped, not run"] if n["skipped"] else []
+        what += [f"{len(all_declined)} factor(s) whose plugin declined every case"] if all_declined else []
+        print(f"verify --strict: {' and '.join(what)} (exit status 3)", file=sys.stderr)
         return 3
     return 0
 
@@ -361,10 +393,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("list-factors", help="every plugin found: id, name, version, tuning, status and reason",
                        description="Load every plugin in the folder, check it against the hardware, "
-                                   "and print what loaded, what was rejected and why.")
+                                   "and print what loaded, what was rejected and why. Exit status 0 "
+                                   "if at least one plugin is ready, 1 if none is (an empty folder, "
+                                   "or every library rejected), 2 on bad usage or an error.")
     common(p, probe=True)
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    p.add_argument("--why", action="store_true", help="also print every check each plugin went through")
+    p.add_argument("--why", action="store_true", help="also print every check each plugin went through "
+                                                          "(and its description)")
     p.set_defaults(fn=cmd_list_factors)
 
     p = sub.add_parser("hardware", help="what the runtime sees: the live GPU or a profile",
@@ -403,13 +438,16 @@ def build_parser() -> argparse.ArgumentParser:
                                    "child process (a kernel that crashes or hangs is a FAIL row). "
                                    "Without a GPU only host factors "
                                    "run. Exit status 1 if a case failed (or no plugin was ready to verify); with --strict, 3 if "
-                                   "a factor was skipped (e.g. no GPU), so that a check that "
-                                   "checked nothing does not pass.")
+                                   "a factor was skipped (e.g. no GPU) or its plugin declined every "
+                                   "case (EX_FALLBACK: nothing of its kernel was compared), so that a "
+                                   "check that checked nothing does not pass; without --strict the "
+                                   "latter is a warning on stderr and the exit status stays 0.")
     common(p, probe=True)
     p.add_argument("--seed", type=token_count, default=0, help="random seed >= 0 (default: %(default)s)")
     p.add_argument("--strict", action="store_true",
                    help="exit status 3 when any ready factor was skipped (a device factor without "
-                        "a live GPU): every one must have been run")
+                        "a live GPU) or its plugin declined every case: every one must have been "
+                        "run and compared")
     p.add_argument("--in-process", action="store_true",
                    help="run the checks in this process (default: each plugin's in a child process, "
                         "so that a kernel that crashes, exits or hangs is a FAIL row and the others "

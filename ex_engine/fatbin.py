@@ -132,6 +132,14 @@ def _section_heads(data: bytes) -> list:
 
 
 _SHT_DYNSYM, _SHT_NOBITS = 11, 8
+_STT_OBJECT = 1
+_STT_NAMES = {0: "STT_NOTYPE", 1: "STT_OBJECT", 2: "STT_FUNC", 3: "STT_SECTION", 4: "STT_FILE",
+              5: "STT_COMMON", 6: "STT_TLS", 10: "STT_GNU_IFUNC"}
+
+
+class SymbolProblem(str):
+    """exported_u32's answer for a symbol that is defined once but is no 4-byte data object
+    (a function, a 1-byte variable, a thread-local one): what is wrong with it, in words."""
 _SYM = struct.Struct("<IBBHQQ")   # Elf64_Sym: st_name, st_info, st_other, st_shndx, st_value, st_size
 
 
@@ -143,9 +151,11 @@ def exported_u32(data: bytes, name: str):
     does not say for sure:
     no section table or .dynsym, a table that does not look like the System V ABI's (entries
     not 24 bytes, a string table outside the file), the name defined more than once (symbol
-    versions: dlsym picks the default one), a symbol not 4 bytes, or one in .bss (its value
-    is set at run time). The dynamic loader reads none of these tables (program headers
-    only), so any doubt is left to dlopen. Reads ELF64 .dynsym/.dynstr (Elf64_Sym)."""
+    versions: dlsym picks the default one), or one in .bss (its value is set at run time).
+    A SymbolProblem (a str saying what is wrong) for a symbol defined once that is not a data
+    object (STT_OBJECT: a function's machine code was read as the value) or not 4 bytes (4
+    bytes were read whatever its size). The dynamic loader reads none of these tables (program
+    headers only), so any other doubt is left to dlopen. Reads ELF64 .dynsym/.dynstr (Elf64_Sym)."""
     heads = _section_heads(data)
     dynsym = next((h for h in heads if h[1] == _SHT_DYNSYM), None)
     if dynsym is None:
@@ -161,15 +171,23 @@ def exported_u32(data: bytes, name: str):
         want = name.encode() + b"\0"
         found = []
         for at in range(off, off + size - _SYM.size + 1, _SYM.size):
-            st_name, _, _, shndx, value, st_size = _SYM.unpack_from(data, at)
+            st_name, st_info, _, shndx, value, st_size = _SYM.unpack_from(data, at)
             if shndx != 0 and names.startswith(want, st_name):   # defined here, this name
-                found.append((shndx, value, st_size))
+                found.append((shndx, value, st_size, st_info & 0xF))
         if not found:
             return "absent"
         if len(found) > 1:
             return None
-        shndx, value, st_size = found[0]
-        if st_size != 4 or shndx >= len(heads):
+        shndx, value, st_size, stype_ = found[0]
+        if stype_ != _STT_OBJECT:
+            kind = _STT_NAMES.get(stype_, f"symbol type {stype_}")
+            return SymbolProblem(
+                f"a function ({kind}), not a data object: its machine code would be read as the version"
+                if kind in ("STT_FUNC", "STT_GNU_IFUNC") else f"of type {kind}, not a data object (STT_OBJECT)")
+        if st_size != 4:
+            return SymbolProblem(f"a {st_size}-byte data object, not a 4-byte uint32_t: 4 bytes would be read "
+                                 "whatever its size")
+        if shndx >= len(heads):
             return None
         _, stype, addr, soff, ssize, _, _ = heads[shndx]
         pos = soff + (value - addr)

@@ -936,7 +936,7 @@ def load_all(folder, errors: dict | None = None) -> dict:
             return {}
         raise FactorError(f"load_all: manifest folder '{folder}': "
                           + ("not a directory" if Path(folder).exists() else "does not exist"))
-    out = {}
+    claims: dict = {}   # factor name -> every Manifest that names it, by file name
     for p in sorted(Path(folder).glob("*.yaml")):
         try:
             try:
@@ -946,13 +946,44 @@ def load_all(folder, errors: dict | None = None) -> dict:
                 raise FactorError(f"manifest {p}: malformed ({type(exc).__name__}: {one_line(exc)})") from exc
             if isinstance(d, dict) and "name" in d and ("dims" in d or "id" in d):
                 m = Manifest.load(p, d, raw)  # a factor manifest (one missing a key is named)
-                if m.name in out:
-                    raise FactorError(f"manifest {p}: names '{m.name}', as {out[m.name].path} does "
-                                      "already; one manifest per factor name (the first by file "
-                                      "name is used)")
-                out[m.name] = m
+                claims.setdefault(m.name, []).append(m)
         except FactorError as exc:
             if errors is None:
                 raise
             errors[p.stem] = str(exc)
+    out = {}
+    for name, ms in claims.items():
+        m, problems = _one_claim(name, ms, errors or {})
+        if problems and errors is None:
+            raise FactorError(next(iter(problems.values())))
+        if errors is not None:
+            errors.update(problems)
+        if m is not None:
+            out[name] = m
     return out
+
+
+def _one_claim(name: str, ms: list, errors: dict) -> tuple:
+    """(the Manifest of factor ``name`` or None, {file stem or name: message}) from every file
+    ``ms`` of one folder that names it; ``errors``: the folder's malformed files by stem.
+
+    The file whose stem is the name (<name>.yaml) is the factor's manifest; another file that
+    names it (an author's stray copy, its dims edited, say) is set aside with a note. Where
+    none of several files is <name>.yaml, or <name>.yaml is there but malformed, no file is
+    used: which one describes the library cannot be told (its dims' order decides what the
+    kernel reads), so the factor's plugins are refused with a message naming the files."""
+    own = [m for m in ms if Path(m.path).stem == name]
+    others = [m for m in ms if Path(m.path).stem != name]
+    if len(own) == 1:
+        return own[0], {Path(o.path).stem: f"manifest {o.path}: names '{name}', as {own[0].path} "
+                        f"does: that file ({name}.yaml) is the factor's manifest, this one is "
+                        "not used (a stray copy? rename it or remove it)" for o in others}
+    if name in errors:   # <name>.yaml is malformed: its error is the factor's, not a stray's file
+        return None, {Path(o.path).stem: f"manifest {o.path}: names '{name}', whose own file "
+                      f"{name}.yaml is malformed (see its note): not used in its place" for o in others}
+    if len(ms) == 1:     # the only file naming it, under another name: used
+        return ms[0], {}
+    files = " and ".join(str(m.path) for m in ms)
+    return None, {name: f"manifests {files} all name '{name}' and none is {name}.yaml: which one "
+                  "describes the library cannot be told (their dims may differ), so none is used "
+                  f"and the factor's plugins are refused; keep one, named {name}.yaml"}

@@ -12,6 +12,7 @@ which path served.
 from __future__ import annotations
 
 import copy
+import inspect
 import os
 import re
 import sys
@@ -304,6 +305,48 @@ def null_pointer_error(factor: str, refs_by_name: dict):
     return None
 
 
+def fallback_binding_problem(fn) -> str:
+    """Why ``fn`` cannot serve as a Python fallback ('' if it can): manifest.fallback_problem's
+    reasons (not callable, a signature that cannot take three positional arguments), and also a
+    signature Python cannot read (some builtins: nothing says what it takes) or one whose
+    arrays, sizes and params would not each reach a named parameter (``builtins:print``, a bare
+    ``*args``: it passed, and a call returned 'python_fallback' with the outputs unwritten)."""
+    problem = fallback_problem(fn)
+    if problem:
+        return problem
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return (f"expected a callable fn(arrays, sizes, params), got {fn!r:.80}, whose signature "
+                "cannot be read (a builtin?): nothing says it takes the arrays, sizes and params")
+    named = [q for q in sig.parameters.values() if q.kind in (q.POSITIONAL_ONLY, q.POSITIONAL_OR_KEYWORD)]
+    if len(named) < 3:
+        rest = next((q.name for q in sig.parameters.values() if q.kind == q.VAR_POSITIONAL), "args")
+        lost = ("arrays, sizes and params", "sizes and params", "params")[len(named)]
+        return (f"expected a callable fn(arrays, sizes, params), got {fn!r:.80} with signature "
+                f"{sig}: its {lost} would go to *{rest}, not to a parameter of that name (a "
+                "function that takes anything is no fallback: it need not write the outputs)")
+    return ""
+
+
+_HUGE_BITS = 1024   # an integer parameter value beyond this is no int64, float or bool: described by size
+
+
+def _check_huge_params(factor: str, m: Manifest, params: dict) -> None:
+    """Raise ArgumentError naming the parameter for an integer value too large for any parameter
+    type (more than 2**1024: beyond float64's range, let alone int64's), described by its size:
+    10**5000 raised a bare ValueError (Python refuses to print an int of over 4300 digits) that
+    stats() did not count, and 10**400 printed all its digits."""
+    for k, v in params.items():
+        if type(v) is int and v.bit_length() > _HUGE_BITS and k in m.params:
+            typ = m.params[k].get("type", "float") if isinstance(m.params[k], dict) else "float"
+            want = {"int": "an int in the int64 range", "bool": "a bool"}.get(
+                typ, "a finite number (within float64's range, about 1.8e308)")
+            digits = int(v.bit_length() * 0.30103) + 1
+            raise ArgumentError(factor, k, "value", want, f"{'a negative' if v < 0 else 'an'} integer of about "
+                                f"{digits} digits ({v.bit_length()} bits)")
+
+
 def _check_name(caller: str, name) -> None:
     """Raise ArgumentError naming ``caller``'s argument 'name' unless it is a str (a list
     raised a bare TypeError, unhashable; None was looked up as the factor 'None')."""
@@ -353,6 +396,22 @@ class _FastCall:
 
 
 _MAX_WORKSPACE = 1 << 40   # bytes: a workspace_size beyond this (or below 0) is a plugin bug
+
+
+class WorkspaceSizeError(KernelError):
+    """A plugin's workspace_size returned a size outside 0..2**40 bytes, before its kernel ran:
+    the plugin's bug. A KernelError (status EX_ERR_WORKSPACE, for callers that catch those)
+    whose message names workspace_size's answer, not a status the kernel never returned."""
+
+    def __init__(self, factor: str, need: int, dims):
+        self.factor, self.status = factor, abi.EX_ERR_WORKSPACE
+        self.status_name, self.need = abi.status_name(abi.EX_ERR_WORKSPACE), need
+        shown = list(dims)
+        shown = f"{shown[:16]}"[:-1] + ", ...]" if len(shown) > 16 else f"{shown}"
+        self.detail = (f"workspace_size returned {need} bytes for dims {shown}: expected 0.."
+                       f"{_MAX_WORKSPACE} (2**40); a bug of the plugin's workspace_size, so its "
+                       "kernel was not called")
+        RuntimeError.__init__(self, f"{factor}: {self.detail}")
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _SEMVER = re.compile(r"\d+\.\d+\.\d+")
 # ex_engine's own factors, from the ABI's ex_factor_id_t (whatever manifests folder is loaded)
@@ -384,6 +443,18 @@ def _path_arg(arg: str, value, what: str) -> Path:
     if not isinstance(value, (str, os.PathLike)):
         raise FactorError(f"{arg}: expected {what}, got {type(value).__name__} {value!r:.80}")
     return Path(value)
+
+
+def _c_text(ptr) -> str:
+    """A NUL-terminated string of a library (UTF-8, undecodable bytes replaced), '' for NULL."""
+    return abi.ffi.string(ptr).decode(errors="replace") if ptr != abi.ffi.NULL else ""
+
+
+def _printable(text: str) -> str:
+    """``text`` with every character that is not printable (control characters such as a
+    newline or an escape sequence's ESC, format characters such as a bidi override) written as
+    Python escapes ('\\n', '\\x1b'): strings from a library, for tables and messages."""
+    return text if text.isprintable() else "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 def _caller_stacklevel() -> int:
@@ -515,6 +586,7 @@ class FactorRegistry:
         self._retired: list = []         # grown-out-of device workspaces, dropped after a sync
         self._flags: dict = defaultdict(Counter)
         self._fallbacks: dict = {}
+        self._fallback_checks: dict = {}   # id(fn) -> (fn, fallback_binding_problem(fn))
         self._bind_cache: dict = {}     # call signature -> what bind() returned, ready for the C call
         self._fast_calls: dict = {}     # _fast_key of a valid plugin call -> _FastCall (dispatch)
         self._entries: dict = {}        # id(plugin) -> (plugin, kernel, kernel_fallback) as _KERNEL_INT_T
@@ -727,6 +799,11 @@ class FactorRegistry:
                            "not exported (not defined in the library's own dynamic symbol table); not opened, "
                            "so none of its code ran; build with EX_DEFINE_ABI_VERSION() from "
                            "include/ex_engine.h")
+        if isinstance(found, fatbin.SymbolProblem):
+            return p.check("symbol ex_abi_version", False,
+                           f"expected a 4-byte data object (const uint32_t ex_abi_version, as "
+                           f"EX_DEFINE_ABI_VERSION() from include/ex_engine.h defines it), got {found}; not "
+                           "opened, so none of its code ran")
         p.abi_version = found
         return self._require_abi_major(p, " (read from the file; not opened, so none of its code ran)",
                                        " (read from the file, before opening)")
@@ -800,10 +877,16 @@ class FactorRegistry:
             p.check("symbol ex_abi_version", False,
                     f"not exported ({exc}); build with EX_DEFINE_ABI_VERSION() from include/ex_engine.h")
             return p
-        if from_file and not p.require("abi version (loaded)", p.abi_version == from_file,
-                                       f"the loaded library says {abi.version_str(p.abi_version)}, its "
-                                       f"file said {abi.version_str(from_file)} (changed on disk "
-                                       "between the checks and dlopen?)"):
+        if from_file and p.abi_version != from_file:
+            try:
+                same = trust.sha256_hex(path.read_bytes()) == p.sha256
+            except OSError:
+                same = False
+            why = ("the file on disk is unchanged, so the library's own code (a static constructor, "
+                   "run by dlopen) changed it: ex_abi_version must be a constant, EX_DEFINE_ABI_VERSION()"
+                   if same else "the file changed on disk between the checks and dlopen")
+            p.require("abi version (loaded)", False, f"the loaded library says {abi.version_str(p.abi_version)}, "
+                      f"its file said {abi.version_str(from_file)}: {why}")
             return p
         if not from_file and not self._require_abi_major(p):
             return p
@@ -824,23 +907,27 @@ class FactorRegistry:
             return p
         if not p.require("name", f.name != abi.ffi.NULL, "expected a name, got NULL"):
             return p
-        p.name = abi.ffi.string(f.name).decode(errors="replace")
+        # the library's strings as read (checked below), and as kept for tables and messages:
+        # control characters escaped (a raw newline in version broke list-factors' table)
+        name, version = _c_text(f.name), _c_text(f.version)
+        p.name, p.version, p.description = _printable(name), _printable(version), _printable(_c_text(f.description))
         p.factor_id = int(f.factor_id)
-        p.version = abi.ffi.string(f.version).decode(errors="replace") if f.version != abi.ffi.NULL else ""
         p.priority = int(f.priority)
-        p.description = abi.ffi.string(f.description).decode(errors="replace") if f.description != abi.ffi.NULL else ""
         p.tuning = {k: int(getattr(f.tuning, k)) for k in abi.TUNING_FIELDS}
         if not p.require("kernel", f.kernel != abi.ffi.NULL, "expected a kernel function, got NULL"):
             return p
-        if not p.require("version", bool(p.version), "expected a version string, got NULL/empty"):
+        if not p.require("reserved_i32", int(f.reserved_i32) == 0,
+                         f"expected 0 (include/ex_engine.h: reserved, zero), got {int(f.reserved_i32)}"):
+            return p
+        if not p.require("version", bool(version), "expected a version string, got NULL/empty"):
             return p
         # the header's rules on names and versions: a name is also the manifest's file stem, so
         # '../x' or '/tmp/x' would pick a manifest outside the folders; versions order plugins
-        if not p.require("name is an identifier", _IDENT.fullmatch(p.name) is not None,
-                         f"expected letters, digits and _ (the manifest's file stem), got {p.name!r}"):
+        if not p.require("name is an identifier", _IDENT.fullmatch(name) is not None,
+                         f"expected letters, digits and _ (the manifest's file stem), got {name!r}"):
             return p
-        if not p.require("version is MAJOR.MINOR.PATCH", _SEMVER.fullmatch(p.version) is not None,
-                         f"expected three dot-separated numbers (e.g. 1.0.0), got {p.version!r}"):
+        if not p.require("version is MAJOR.MINOR.PATCH", _SEMVER.fullmatch(version) is not None,
+                         f"expected three dot-separated numbers (e.g. 1.0.0), got {version!r}"):
             return p
         p.check("name matches file stem", True,  # informative: a renamed drop-in still loads
                 "yes" if p.name == path.stem else f"note: name '{p.name}' differs from file '{path.name}'")
@@ -861,16 +948,34 @@ class FactorRegistry:
         # one that a built-in manifest owns (it would shadow the built-in by version or priority)
         owner = _BUILTIN_IDS.get(p.factor_id) or next(
             (q.name for q in self.manifests.values() if q.id == p.factor_id), None)
-        if not p.require("factor id", p.factor_id > abi.FACTOR_BUILTIN_LAST or owner == p.name,
-                       (f"id {p.factor_id} is reserved for ex_engine's '{owner}'" if owner else
-                        f"id {p.factor_id} is in ex_engine's reserved range") +
-                       f" (ids 0-{abi.FACTOR_BUILTIN_LAST}, negative ids are invalid); third-party "
-                       f"factors take ids from {abi.FACTOR_BUILTIN_LAST + 1}"):
+        if not p.require("factor id", p.factor_id >= 0 and (p.factor_id > abi.FACTOR_BUILTIN_LAST or owner == p.name),
+                         f"expected an id >= 0 (0-{abi.FACTOR_BUILTIN_LAST} ex_engine's own factors, "
+                         f"{abi.FACTOR_BUILTIN_LAST + 1} and up third-party ones), got {p.factor_id}: "
+                         "negative ids are invalid" if p.factor_id < 0 else
+                         (f"id {p.factor_id} is reserved for ex_engine's '{owner}'" if owner else
+                          f"id {p.factor_id} is in ex_engine's reserved range") +
+                         f" (ids 0-{abi.FACTOR_BUILTIN_LAST}); third-party "
+                         f"factors take ids from {abi.FACTOR_BUILTIN_LAST + 1}"):
             return p
         gpu_code = bool(p.cuda_code and (p.cuda_code.get("sass") or p.cuda_code.get("ptx")))
         if not p.require("memory", not (m.memory == "host" and gpu_code),
                        f"manifest {m.path} says memory: host (host pointers) but the library carries GPU "
                        "code: a host factor's library must not be a CUDA one"):
+            return p
+        # the two sides of a workspace (include/ex_engine.h: the runtime passes workspace_size()
+        # bytes as the aux input the manifest marks role: workspace; NULL means no workspace):
+        # one without the other gave the kernel no workspace, or NULL where it expected one
+        ws = m.aux[m.workspace_index].name if m.workspace_index is not None else None
+        has_fn = f.workspace_size != abi.ffi.NULL
+        if not p.require("workspace", has_fn == (ws is not None),
+                         f"the library's workspace_size is set but manifest {m.path} has no aux entry "
+                         "with role: workspace, so the kernel would get no workspace; add one (e.g. "
+                         "{name: workspace, role: workspace}) or set workspace_size to NULL" if has_fn else
+                         f"manifest {m.path} declares a workspace ('{ws}', role: workspace) but the "
+                         "library's workspace_size is NULL (no workspace), so the kernel would get NULL "
+                         "there; export a workspace_size or remove the entry",
+                         f"'{ws}', sized by the library's workspace_size" if has_fn else
+                         "none (workspace_size NULL, no role: workspace entry)"):
             return p
         if m.memory != "host" and not gpu_code and p.code_known:
             # allowed (its kernels may live in a library it links, or be loaded at run time), said
@@ -878,8 +983,9 @@ class FactorRegistry:
                     "device: its kernels must come from a library it links or loads (not checked)")
         if m.fallback:
             try:
-                m.fallback_fn()
-                ok, detail = True, m.fallback
+                problem = fallback_binding_problem(m.fallback_fn())
+                ok, detail = (False, f"manifest {m.path}: fallback: {m.fallback!r}: {problem}") if problem \
+                    else (True, m.fallback)
             except FactorError as exc:
                 ok, detail = False, str(exc)
             if not p.require("python fallback", ok, detail):
@@ -1009,7 +1115,9 @@ class FactorRegistry:
             return p.manifest
         if name in self.manifests:
             return self.manifests[name]
-        raise FactorNotFoundError(f"no factor named '{name}': known are {sorted(set(self.manifests) | set(self._chosen))}")
+        why = self.manifest_errors.get(name)   # its manifest refused (malformed, or claimed twice)
+        raise FactorNotFoundError(f"no factor named '{name}'" + (f" ({why})" if why else "") +
+                                  f": known are {sorted(set(self.manifests) | set(self._chosen))}")
 
     def stats(self) -> dict:
         """name -> {'plugin': n, 'kernel_fallback': n, 'python_fallback': n, 'errors': n}: the
@@ -1201,6 +1309,10 @@ class FactorRegistry:
                 why = "its plugin and kernel_fallback declined the call"
             raise FactorError(f"{name}: no plugin took the call ({why}) and the manifest names no "
                               "Python fallback")
+        problem = self._fallback_problem(fn)
+        if problem:   # the manifest's, where no plugin's load checked it (a manifest-only factor)
+            raise FactorError(f"{name}: the Python fallback {self._fallback_label(name, m, fn)}: {problem}; "
+                              "not called")
         try:
             flags = fn(refs_by_name, sizes, pvals)
         except (FactorError, MemoryError):   # its own error, naming the factor already; out of
@@ -1217,6 +1329,13 @@ class FactorRegistry:
                               f"{type(flags).__name__} {flags!r:.80}; expected None, a Counter "
                               "{flag text: slots >= 0} or a list of flag texts")
         return flags
+
+    def _fallback_problem(self, fn) -> str:
+        """fallback_binding_problem(fn), read once per function (dispatch's Python fallback)."""
+        hit = self._fallback_checks.get(id(fn))
+        if hit is None or hit[0] is not fn:
+            hit = self._fallback_checks[id(fn)] = (fn, fallback_binding_problem(fn))   # fn kept: its id stays its
+        return hit[1]
 
     def _fallback_label(self, name: str, m: Manifest, fn) -> str:
         """The Python fallback ``fn`` of ``name`` as an error names it: set_fallback's (its
@@ -1261,6 +1380,8 @@ class FactorRegistry:
         if params is not None and not isinstance(params, dict):
             raise ArgumentError(name, "params", "type", "a dict {parameter name: value} or None",
                                 type(params).__name__)
+        if params:
+            _check_huge_params(name, m, params)
         try:
             return {k: copy.copy(v) if type(v) is TensorRef else TensorRef.of(v, k, name)
                     for k, v in arrays.items() if v is not None}
@@ -1352,7 +1473,7 @@ class FactorRegistry:
     def set_fallback(self, name: str, fn) -> None:
         """Use ``fn(arrays, sizes, params)`` as the Python fallback of ``name`` (over the
         manifest's); None restores the manifest's. Raises FactorNotFoundError for an unknown
-        factor, FactorError for an ``fn`` that cannot be called so (fallback_problem); None for
+        factor, FactorError for an ``fn`` that cannot be called so (fallback_binding_problem); None for
         any name is quiet (cleanup code may run before a factor is known); a ``name`` that is
         not a str is an ArgumentError naming set_fallback, with or without ``fn``."""
         if type(name) is not str:
@@ -1361,7 +1482,7 @@ class FactorRegistry:
             self._fallbacks.pop(name, None)
             return
         self._manifest(name, "set_fallback")
-        problem = fallback_problem(fn)
+        problem = fallback_binding_problem(fn)
         if problem:
             raise FactorError(f"set_fallback: fn: {problem}")
         self._fallbacks[name] = fn
@@ -1379,9 +1500,7 @@ class FactorRegistry:
         need = int(fn(dims, len(dims)))
         if not 0 <= need <= _MAX_WORKSPACE:
             self._count(plugin.name, "errors")
-            raise KernelError(plugin.name, abi.EX_ERR_WORKSPACE, abi.status_name(abi.EX_ERR_WORKSPACE),
-                              f"workspace_size returned {need} bytes for dims {list(dims)}: expected "
-                              f"0..{_MAX_WORKSPACE} (a plugin bug)")
+            raise WorkspaceSizeError(plugin.name, need, dims)
         buf = self._workspaces.get((plugin.name, device, stream))
         if buf is not None and buf.nbytes >= need:
             return buf

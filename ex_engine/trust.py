@@ -12,10 +12,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
+import secrets
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 from .errors import FactorError
@@ -80,15 +83,25 @@ def read_lock(path) -> dict:
 
 
 # ------------------------------------------------------------------------------------ probe
+# The child reports its stages ("dlopen", "ex_get_factor", "done ...") on a pipe of its own (the
+# fd in argv[4]), each line starting with a random token it reads from stdin before the library
+# is opened: what a library prints (stdout is /dev/null here; "stage done" then _exit(0) passed
+# the probe when stages were read from stdout) cannot pass for a report, and a child that ends
+# without the final "done" line is a failure whatever its status.
 _CHILD = r"""
-import json, sys
+import json, os, sys
 sys.path[:] = json.loads(sys.argv[3])
+_fd, _token = int(sys.argv[4]), sys.stdin.readline().strip()
+
+
+def stage(what):
+    os.write(_fd, (_token + " " + what + "\n").encode())
 
 
 def main():
     from ex_engine import abi
     from ex_engine.hardware import Hardware
-    print("stage dlopen", flush=True)
+    stage("dlopen")
     lib = abi.dlopen(sys.argv[1])
     try:
         version = int(lib.ex_abi_version)
@@ -97,7 +110,7 @@ def main():
     if version >> 16 != abi.ABI_VERSION_MAJOR:
         return "other ABI"                            # never call a library of another ABI
     hw = Hardware(**json.loads(sys.argv[2])).to_c(abi.ffi)
-    print("stage ex_get_factor", flush=True)
+    stage("ex_get_factor")
     f = lib.ex_get_factor(hw)
     if f == abi.ffi.NULL:
         return ""
@@ -115,7 +128,7 @@ try:
     what = main()
 except Exception as exc:   # a Python-level error: the in-process checks report it
     what = f"python error {type(exc).__name__}"
-print(("stage done: " + what) if what else "stage done", flush=True)
+stage(("done: " + what) if what else "done")
 """
 
 
@@ -126,33 +139,82 @@ def _signal_name(num: int) -> str:
         return f"signal {num}"
 
 
+def _read_reports(fd: int, token: str) -> list:
+    """The stages the child wrote on its pipe (lines that start with the run's token), read
+    without waiting: a process the library started may hold the pipe open."""
+    os.set_blocking(fd, False)
+    data = b""
+    while len(data) < 1 << 16:
+        try:
+            chunk = os.read(fd, 4096)
+        except BlockingIOError:
+            break
+        if not chunk:
+            break
+        data += chunk
+    head = token + " "
+    return [ln[len(head):] for ln in data.decode(errors="replace").splitlines() if ln.startswith(head)]
+
+
 def probe_library(path, hardware, timeout: float = 10.0) -> tuple:
     """Open ``path`` in a child process and call its ex_get_factor with ``hardware``.
 
     Returns (ok, detail). Not ok: the child died of a signal ("crashed in ex_get_factor:
     signal SIGSEGV"), ran past ``timeout`` seconds ("timed out after 10 s in
-    ex_get_factor"), or was ended by the library before it finished ("exited with status 0 in
+    ex_get_factor"), or ended without reporting that it finished ("exited with status 0 in
     ex_get_factor": exit() in a constructor or in ex_get_factor would end the caller's process
-    too). The child reads every field of the factor struct the in-process load reads. A Python
-    error in the child (an unloadable file, a missing symbol) is ok here: the in-process checks
-    report it without running the library's code.
+    too), also where it could not start or reach the library at all (the probe did not run:
+    the library is not opened unprobed). The child reports its stages on a pipe of its own,
+    marked with a random token (_CHILD), so nothing the library prints counts. It reads every
+    field of the factor struct the in-process load reads. A Python error in the child (an
+    unloadable file, a missing symbol) is ok here: the in-process checks report it without
+    running the library's code.
     """
-    cmd = [sys.executable, "-c", _CHILD, str(Path(path).absolute()), json.dumps(hardware.as_dict()),
-           json.dumps(child_sys_path())]
-    try:   # a library may print anything, not UTF-8 too
-        r = subprocess.run(cmd, capture_output=True, text=True, errors="replace", timeout=timeout,
-                           stdin=subprocess.DEVNULL)
-        out, rc = r.stdout, r.returncode
-    except subprocess.TimeoutExpired as exc:
-        out = exc.stdout.decode(errors="replace") if isinstance(exc.stdout, bytes) else (exc.stdout or "")
-        return False, f"timed out after {timeout:g} s in {_stage(out)}"
-    stage = _stage(out)
+    token = secrets.token_hex(16)
+    r, w = os.pipe()
+    try:
+        cmd = [sys.executable, "-c", _CHILD, str(Path(path).absolute()), json.dumps(hardware.as_dict()),
+               json.dumps(child_sys_path()), str(w)]
+        with tempfile.TemporaryFile() as err:
+            proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=err,
+                                    pass_fds=(w,), start_new_session=True)
+            os.close(w)
+            w = -1
+            try:
+                proc.stdin.write((token + "\n").encode())
+                proc.stdin.close()
+            except OSError:   # the child already ended: its status says how
+                pass
+            try:
+                rc = proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                rc = None
+            finally:          # the child and what it started (its own session)
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+                proc.wait()
+            stages = _read_reports(r, token)
+            err.seek(max(0, err.seek(0, os.SEEK_END) - 4096))
+            last = (err.read().decode(errors="replace").strip().splitlines() or ["no message"])[-1]
+    finally:
+        os.close(r)
+        if w >= 0:
+            os.close(w)
+    stage = stages[-1] if stages else "start-up"
+    if rc is None:
+        return False, f"timed out after {timeout:g} s in {stage}"
     if rc < 0:
         return False, f"crashed in {stage}: signal {_signal_name(-rc)}"
     if stage.startswith("done") and rc == 0:
         return True, "child process: opened and called ex_get_factor without crashing"
-    if stage == "start-up":   # the child never reached the library (e.g. its Python failed)
-        return True, f"child process ended with status {rc} before opening the library; not probed"
+    if not stages:   # the child never reached the library: the probe did not run
+        return False, (f"the probe's child process ended with status {rc} before opening the library "
+                       f"(last stderr line: {last[:300]}); not opened unprobed")
+    if stage.startswith("done"):   # its checks done, the child then ended with a status of its own
+        return False, (f"exited with status {rc} after ex_get_factor returned (at exit: a destructor "
+                       "or atexit handler of the library ended the child process)")
     # the library ended the process itself (exit() in a constructor or in ex_get_factor)
     return False, f"exited with status {rc} in {stage} (the library ended the child process)"
 
@@ -173,9 +235,3 @@ def child_sys_path(extra=()) -> list:
         if isinstance(p, str):
             out.append(os.path.abspath(p or "."))
     return out
-
-
-def _stage(stdout: str) -> str:
-    """The last stage the child reached: 'dlopen', 'ex_get_factor' or 'done ...'."""
-    stages = [ln[6:] for ln in stdout.splitlines() if ln.startswith("stage ")]
-    return stages[-1] if stages else "start-up"

@@ -5,8 +5,9 @@ One place for the test inputs (``make_inputs``), shared by ``ex-engine verify``,
 (``test_shapes``: sizes and parameters) and each dtype of its main input, draw random inputs
 as the manifest's ``values`` say (default N(0, 1) floats, ints in [0, 8); ``{normal: STD}``
 with STD a number or ``1/sqrt(SYM)``, ``{uniform: [LO, HI]}``, ``{ids_below: SYM, distinct:
-true}`` for ids distinct within each row), poison the outputs (NaN, -7), run the plugin on one
-copy and the Python fallback on another, and compare every output: integer outputs exactly,
+true}`` for ids distinct within each row), poison the outputs (a NaN with a payload, 0xA5..
+integers), run the plugin on one copy and the Python fallback on another, check that each wrote
+every output element, and compare every output: integer outputs exactly,
 float outputs by ||got - want|| / ||want|| against the manifest's tolerance for that dtype
 (manifest.DEFAULT_TOLERANCE, 1e-5, for a dtype it does not name: the table says "(default)").
 
@@ -150,17 +151,54 @@ def _normal(xp, rng, shape, std: float):
     return out
 
 
+# What an output holds before a call writes it, as bit patterns no computation yields by chance:
+# a quiet NaN with a payload (arithmetic gives the canonical NaN) and 0xA5.. for integers, so an
+# element still holding it afterwards was not written (unwritten_count), whoever's output it is.
+POISON_BITS = {"float32": 0x7FC05A5A, "float16": 0x7E5A, "bfloat16": 0x7FDA,
+               "int32": 0xA5A5A5A5, "int64": 0xA5A5A5A5A5A5A5A5}
+_WIDTH = {"float32": 32, "float16": 16, "bfloat16": 16, "int32": 32, "int64": 64}
+
+
+def _signed_pattern(dtype: str) -> int:
+    """POISON_BITS of ``dtype`` as a signed integer of its width (CuPy fills and compares C
+    longs: 0xA5A5A5A5A5A5A5A5 does not fit one)."""
+    bits, w = POISON_BITS[dtype], _WIDTH[dtype]
+    return bits - (1 << w) if bits >> (w - 1) else bits
+
+
 def _poison(xp, shape, dtype: str):
-    if dtype.startswith("int"):
-        return xp.full(shape, -7, dtype=dtype)
-    return _to_dtype(xp, xp.full(shape, xp.nan, dtype=xp.float32), dtype)
+    bits = POISON_BITS.get(dtype)
+    if bits is None:   # a dtype without a pattern: NaN or -7 (not told apart from a value)
+        if dtype.startswith("int"):
+            return xp.full(shape, -7, dtype=dtype)
+        return _to_dtype(xp, xp.full(shape, xp.nan, dtype=xp.float32), dtype)
+    raw = xp.full(shape, _signed_pattern(dtype), dtype=f"int{_WIDTH[dtype]}")
+    return Bits16(raw.view(xp.uint16)) if dtype == "bfloat16" else raw.view(dtype)
+
+
+def unwritten_count(a) -> int:
+    """How many elements of array ``a`` (NumPy/CuPy, or a Bits16) still hold verify's poison
+    (POISON_BITS of its dtype; 0 for a dtype without a pattern)."""
+    raw = a.bits if isinstance(a, Bits16) else a
+    dtype = a.dtype if isinstance(a, Bits16) else str(raw.dtype)
+    if dtype not in POISON_BITS or raw.size == 0 or raw.dtype.itemsize * 8 != _WIDTH[dtype]:
+        return 0
+    return int((raw.view(f"int{_WIDTH[dtype]}") == _signed_pattern(dtype)).sum())
+
+
+def poisoned_names(m) -> list:
+    """Names of the arrays make_inputs poisons: the outputs a call must write in full (not an
+    inout or in-place one, which holds input values)."""
+    return [spec.name for spec in m.user_tensors if not spec.optional and not (
+        spec.role in ("input", "inout") or (spec is m.output and m.input.same_as_output))]
 
 
 def make_inputs(m, case: dict, dtype: str, xp=np, seed: int = 0) -> tuple:
     """(arrays, params) for one test case: every array the caller passes, by manifest name.
 
     Inputs (role input/inout, and an in-place output) are random as the manifest's ``values``
-    say; outputs are poisoned (NaN floats, -7 ints); optional inputs are None; the workspace
+    say; outputs are poisoned (POISON_BITS: a NaN with a payload, 0xA5.. integers); optional
+    inputs are None; the workspace
     is left to the registry. ``xp``: numpy or cupy (arrays are made on its current device).
     case: a mapping of size name -> int >= 0 (and parameters). Raises ArgumentError for a case
     that is not a mapping or a size that is not an int >= 0; FactorError if the case lacks a size
@@ -321,13 +359,25 @@ def _guarded(xp, a, name: str):
     base = a.bits if isinstance(a, Bits16) else a
     n = base.nbytes
     buf = xp.full(n + 2 * _GUARD_BYTES, _GUARD_FILL, dtype=xp.uint8)
-    view = buf[_GUARD_BYTES:_GUARD_BYTES + n].view(base.dtype).reshape(base.shape)
+    # at _GUARD_BYTES by construction: a slice buf[G:G] of an empty array points at buf's start
+    # (NumPy), so a write at an empty output's pointer read as one "before its start"
+    if xp is np:
+        view = np.ndarray(base.shape, base.dtype, buffer=buf, offset=_GUARD_BYTES)
+    else:
+        view = xp.ndarray(base.shape, base.dtype, memptr=buf.data + _GUARD_BYTES)
     view[...] = base
 
     def outside() -> str:
         before = int((buf[:_GUARD_BYTES] != _GUARD_FILL).sum())
         after = int((buf[_GUARD_BYTES + n:] != _GUARD_FILL).sum())
         where = []
+        if n == 0:   # no element: every byte written is outside it
+            if after:
+                where.append(f"{after} byte(s) at or after its pointer")
+            if before:
+                where.append(f"{before} byte(s) before its pointer")
+            return (f"{name}: the kernel wrote {' and '.join(where)}, although the array is empty "
+                    f"(shape {tuple(base.shape)}: no element to write)") if where else ""
         if after:
             where.append(f"{after} byte(s) past its end")
         if before:
@@ -368,6 +418,19 @@ def _run_case(registry, plugin, m, case, dtype, seed, count, xp, label, tol) -> 
         return CaseResult(m.name, label, dtype, "FAIL", path, None, tol,
                           f"the Python fallback raised {type(exc).__name__}: {exc} (expected "
                           "fn(arrays, sizes, params), docs/factor-contract.md)")
+    unwritten = []
+    for name in poisoned_names(m):
+        for who, got in (("the Python fallback", ref), ("the plugin", arrays)):
+            k = unwritten_count(got[name]) if got.get(name) is not None else 0
+            if k:
+                size = int(np.prod((got[name].bits if isinstance(got[name], Bits16) else got[name]).shape))
+                unwritten.append(f"{name}: {who} left {k} of {size} element(s) unwritten (still "
+                                 "holding the poison verify filled them with)" +
+                                 ("; a fallback must write every output element, so the plugin "
+                                  "cannot be checked there" if who != "the plugin" else
+                                  f"; {path} returned EX_OK, which promises every output element written"))
+    if unwritten:
+        return CaseResult(m.name, label, dtype, "FAIL", path, None, tol, "; ".join(unwritten))
     ok, err, detail = compare(m, arrays, ref, dtype)
     return CaseResult(m.name, label, dtype, "pass" if ok else "FAIL", path, err, tol, detail)
 
@@ -738,9 +801,10 @@ def _cache_key(registry, plugin) -> str:
 
 
 # What a cached pass was checked with besides the library: bump VERIFY_RULES when verify's own
-# checks change (2: guard zones around written arrays, fallbacks that raise SystemExit), so a
-# pass under weaker checks is not reused.
-VERIFY_RULES = 2
+# checks change (2: guard zones around written arrays, fallbacks that raise SystemExit; 3: every
+# output element written, by the plugin and by the fallback), so a pass under weaker checks is
+# not reused.
+VERIFY_RULES = 3
 
 
 def _manifest_digest(m) -> str:

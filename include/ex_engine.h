@@ -45,7 +45,9 @@ extern "C" {
 #endif
 
 /* Every plugin writes this once, at file scope, so the runtime can read the version the
- * library was built against without running any of its code.                               */
+ * library was built against without running any of its code.  It must stay what this macro
+ * makes it, a constant 4-byte data object: the registry refuses a function of that name, a
+ * symbol of another size, and a value the library's own code changes when it is opened.    */
 #ifdef __cplusplus
 #define EX_DEFINE_ABI_VERSION() \
     extern "C" EX_EXPORT const uint32_t ex_abi_version = EX_ABI_VERSION
@@ -143,7 +145,10 @@ typedef int (*ex_kernel_fn)(void* output, const void* input, const void* aux_inp
 
 /* Bytes of device workspace the kernel needs for these dims (0: none).  The runtime passes
  * a buffer of at least that size, 256-byte aligned, as the aux input the manifest marks
- * `role: workspace`.  Must be a pure function of dims.  NULL means no workspace.            */
+ * `role: workspace`.  Must be a pure function of dims, returning 0..2^40 (anything else is
+ * reported as this function's bug and the kernel is not called).  NULL means no workspace.
+ * The two go together: the registry refuses a library whose workspace_size is set while its
+ * manifest has no `role: workspace` entry, or NULL while its manifest has one.             */
 typedef int64_t (*ex_workspace_fn)(const int64_t dims[], int n_dims);
 
 /* A NUL-terminated description of the last error this library's kernel returned on the
@@ -153,7 +158,7 @@ typedef const char* (*ex_error_string_fn)(void);
 
 typedef struct ex_factor {
     uint32_t abi_version;          /* EX_ABI_VERSION the library was built with              */
-    int32_t factor_id;             /* an ex_factor_id_t, or >= EX_FACTOR_USER_FIRST           */
+    int32_t factor_id;             /* an ex_factor_id_t, or >= EX_FACTOR_USER_FIRST; never < 0 */
     const char* name;              /* equals the library's file stem and its manifest's name */
     const char* version;           /* the factor's own version, "MAJOR.MINOR.PATCH"           */
     ex_tuning_t tuning;            /* what the kernel launches with on this hardware         */
@@ -162,8 +167,10 @@ typedef struct ex_factor {
     ex_workspace_fn workspace_size;/* may be NULL: no workspace                               */
     ex_error_string_fn last_error; /* may be NULL                                             */
     int32_t priority;              /* breaks ties between plugins of the same name and version; higher wins */
-    int32_t reserved_i32;          /* zero                                                    */
-    const char* description;       /* one line for `ex-engine list-factors`; may be NULL      */
+    int32_t reserved_i32;          /* zero (the registry refuses another value)               */
+    const char* description;       /* one line, shown by `ex-engine list-factors --why` and
+                                    * --json; may be NULL.  Control characters in it (and in
+                                    * name and version, which refuse them) are shown escaped  */
 } ex_factor_t;
 
 /* The one entry point.  Returns a pointer to storage that lives as long as the library is

@@ -350,11 +350,12 @@ def test_list_factors_why_shows_no_failure_text_on_passed_checks(capsys):
 
 def test_list_factors_names_the_tuning_file_in_use(tmp_path, capsys):
     from ex_engine.tuning import tuning_dir
-    assert main(["list-factors", "--dir", str(tmp_path), "--hardware", "h200"]) == 0
+    # (exit status 1: an empty folder, no plugin is ready)
+    assert main(["list-factors", "--dir", str(tmp_path), "--hardware", "h200"]) == 1
     assert f"tuning: {tuning_dir() / 'h200.yaml'}" in capsys.readouterr().out
-    assert main(["list-factors", "--dir", str(tmp_path), "--hardware", "a100"]) == 0
+    assert main(["list-factors", "--dir", str(tmp_path), "--hardware", "a100"]) == 1
     assert "tuning: no file for NVIDIA A100-SXM4-80GB (108 SMs) in" in capsys.readouterr().out
-    assert main(["list-factors", "--dir", str(tmp_path), "--hardware", "h200", "--json"]) == 0
+    assert main(["list-factors", "--dir", str(tmp_path), "--hardware", "h200", "--json"]) == 1
     assert json.loads(capsys.readouterr().out)["tuning_file"] == str(tuning_dir() / "h200.yaml")
 
 
@@ -554,7 +555,8 @@ def test_list_factors_and_verify_probe_by_default_and_run_prints_a_fault_traceba
     env = child_env()
     r = subprocess.run([sys.executable, "-m", "ex_engine", "list-factors", "--dir", folder, "--hardware", "h200"],
                        capture_output=True, text=True, env=env, timeout=120)
-    assert r.returncode == 0 and "crashed in ex_get_factor: signal SIGSEGV" in r.stdout, (r.returncode, r.stdout, r.stderr)
+    # exit status 1: its only library was rejected, no plugin is ready
+    assert r.returncode == 1 and "crashed in ex_get_factor: signal SIGSEGV" in r.stdout, (r.returncode, r.stdout, r.stderr)
     r = subprocess.run([sys.executable, "-m", "ex_engine", "verify", "--dir", folder, "--hardware", "h200"],
                        capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 1 and "no ready plugins" in r.stderr, (r.returncode, r.stdout, r.stderr)

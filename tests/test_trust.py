@@ -187,7 +187,7 @@ def test_cli_probe_timeout_option(tmp_path, capsys):
     build_plugin(tmp_path, defines={"HANG": True})
     t0 = time.monotonic()
     assert cli_main(["list-factors", "--dir", str(tmp_path), "--hardware", "h200", "--probe-timeout", "1",
-                     "--why"]) == 0
+                     "--why"]) == 1   # no plugin is ready
     assert time.monotonic() - t0 < 8
     assert "timed out after 1 s in ex_get_factor" in capsys.readouterr().out
     with pytest.raises(SystemExit) as e:
@@ -262,8 +262,8 @@ def test_lock_warn_mode_loads_with_a_warning(tmp_path, capsys):
     out = capsys.readouterr()
     assert "[WARN] sha256 lock: warning: sha256 mismatch" in out.out
     assert (out.out + out.err).count("loaded anyway (lock_mode=warn)") == 2   # the check row and the note
-    assert cli_main(["list-factors", "--dir", str(tmp_path), "--hardware", "h200", "--lock", str(lock)]) == 0
-    assert "rejected" in capsys.readouterr().out
+    assert cli_main(["list-factors", "--dir", str(tmp_path), "--hardware", "h200", "--lock", str(lock)]) == 1
+    assert "rejected" in capsys.readouterr().out   # (exit status 1: no plugin is ready)
 
 
 def test_a_folder_given_as_dot_opens_its_own_files(tmp_path, monkeypatch):
@@ -433,5 +433,11 @@ def test_a_manifest_must_name_its_factor_as_the_library_does(tmp_path):
     (mdir / "b.yaml").write_text(text)
     (tmp_path / "empty").mkdir()
     reg = FactorRegistry.load(tmp_path / "empty", hardware="h200", manifests_dir=mdir)
-    assert any("b.yaml: names 'host_scale', as" in n and "a.yaml does already" in n for n in reg.notes), reg.notes
-    assert str(reg.manifests["host_scale"].path).endswith("a.yaml")
+    # neither is host_scale.yaml: which one describes the library cannot be told, none is used
+    assert any("a.yaml and " in n and "b.yaml all name 'host_scale' and none is host_scale.yaml" in n
+               for n in reg.notes), reg.notes
+    assert "host_scale" not in reg.manifests
+    (mdir / "host_scale.yaml").write_text(text)   # the file of that name is the manifest
+    reg = FactorRegistry.load(tmp_path / "empty", hardware="h200", manifests_dir=mdir)
+    assert str(reg.manifests["host_scale"].path).endswith("host_scale.yaml")
+    assert any("b.yaml: names 'host_scale', as" in n and "is not used" in n for n in reg.notes), reg.notes

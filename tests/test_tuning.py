@@ -417,7 +417,7 @@ def test_a_malformed_file_for_this_device_is_said_to_be_set_aside_not_missing(tm
     shutil.copytree(ROOT / "manifests", folder)
     write(folder / "tuning", _mt(shapes=[{**SHAPE, "by_T": [[64]]}]), "h200.yaml")
     monkeypatch.setenv("EX_ENGINE_MANIFESTS", str(folder))
-    assert main(["list-factors", "--dir", str(tmp_path), "--hardware", "h200", "--no-probe"]) == 0
+    assert main(["list-factors", "--dir", str(tmp_path), "--hardware", "h200", "--no-probe"]) == 1   # none ready
     out = capsys.readouterr().out
     assert f"tuning: {folder / 'tuning' / 'h200.yaml'} (for NVIDIA H200) set aside as malformed" in out, out
     assert "no file for" not in out, out
