@@ -329,24 +329,6 @@ def fallback_binding_problem(fn) -> str:
     return ""
 
 
-_HUGE_BITS = 1024   # an integer parameter value beyond this is no int64, float or bool: described by size
-
-
-def _check_huge_params(factor: str, m: Manifest, params: dict) -> None:
-    """Raise ArgumentError naming the parameter for an integer value too large for any parameter
-    type (more than 2**1024: beyond float64's range, let alone int64's), described by its size:
-    10**5000 raised a bare ValueError (Python refuses to print an int of over 4300 digits) that
-    stats() did not count, and 10**400 printed all its digits."""
-    for k, v in params.items():
-        if type(v) is int and v.bit_length() > _HUGE_BITS and k in m.params:
-            typ = m.params[k].get("type", "float") if isinstance(m.params[k], dict) else "float"
-            want = {"int": "an int in the int64 range", "bool": "a bool"}.get(
-                typ, "a finite number (within float64's range, about 1.8e308)")
-            digits = int(v.bit_length() * 0.30103) + 1
-            raise ArgumentError(factor, k, "value", want, f"{'a negative' if v < 0 else 'an'} integer of about "
-                                f"{digits} digits ({v.bit_length()} bits)")
-
-
 def _check_name(caller: str, name) -> None:
     """Raise ArgumentError naming ``caller``'s argument 'name' unless it is a str (a list
     raised a bare TypeError, unhashable; None was looked up as the factor 'None')."""
@@ -1380,8 +1362,6 @@ class FactorRegistry:
         if params is not None and not isinstance(params, dict):
             raise ArgumentError(name, "params", "type", "a dict {parameter name: value} or None",
                                 type(params).__name__)
-        if params:
-            _check_huge_params(name, m, params)
         try:
             return {k: copy.copy(v) if type(v) is TensorRef else TensorRef.of(v, k, name)
                     for k, v in arrays.items() if v is not None}
