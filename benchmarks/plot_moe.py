@@ -92,7 +92,11 @@ def main():
     fig.suptitle(f"MoE layer time over the H200 floor, {m['dtype']}, CUDA-graph replay "
                  f"({m['device']}, {m['date']}, commit {m['commit']})", fontsize=11)
     fig.tight_layout()
-    fig.savefig(a.output, dpi=110)
+    try:
+        fig.savefig(a.output, dpi=110)
+    except OSError as exc:   # checked before drawing, but a disk can fill or a folder go meanwhile
+        report_problems("plot_moe", [f"--output: cannot write {a.output}: {exc.strerror or exc}"])
+        return 2
     print("wrote", a.output)
 
 

@@ -17,6 +17,7 @@ import numpy as np
 import yaml
 
 from . import _paths, _yaml
+from ._scripts import output_file_problem, report_problems  # noqa: F401 (the scripts' import)
 from .arrays import Bits16, TensorRef, f32_to_bf16_bits
 from .errors import ArgumentError, DTypeError, FactorError, ShapeError, is_integer, one_line
 from .fallbacks import moe_fused_gemm_math, topk_softmax_math
@@ -123,34 +124,6 @@ def case_problems(models: dict, names, tokens, factors=None, all_ok: bool = Fals
     if factors is not None and not Path(factors).is_dir():
         out.append(f"--factors: folder {factors!r} does not exist")
     return out
-
-
-def output_file_problem(flag: str, path) -> str:
-    """What stops a tool from writing its output file ``path`` ('' if nothing): a folder in its
-    place, a parent folder that does not exist, no write permission. Tools check it before any
-    work, so a bad destination never loses a run's measurements at the end."""
-    if path is None:
-        return ""
-    p = Path(path)
-    if p.is_dir():
-        return f"{flag}: {path} is a folder; expected a file path"
-    parent = p.resolve().parent
-    if not parent.is_dir():
-        return f"{flag}: folder {p.parent} does not exist"
-    if p.exists() and not os.access(p, os.W_OK):
-        return f"{flag}: {path} is not writable"
-    if not p.exists() and not os.access(parent, os.W_OK):
-        return f"{flag}: folder {p.parent} is not writable"
-    return ""
-
-
-def report_problems(tool: str, problems) -> bool:
-    """Print each non-empty problem as '<tool>: <problem>' on stderr; True if there was any (the
-    tool then exits with status 2 before any work)."""
-    problems = [p for p in problems if p]
-    for p in problems:
-        print(f"{tool}: {p}", file=sys.stderr)
-    return bool(problems)
 
 
 def load_models_or_exit(tool: str) -> dict:
