@@ -16,6 +16,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ex_engine import FactorRegistry, moe_fused_gemm, topk_softmax  # noqa: E402
+from ex_engine._scripts import cupy_with_gpu  # noqa: E402
 from ex_engine.moe_layer import MoELayer, case_problems, load_models_or_exit, report_problems  # noqa: E402
 
 
@@ -28,10 +29,9 @@ def main() -> int:
     models = load_models_or_exit("profile_moe")
     if report_problems("profile_moe", case_problems(models, args.models, args.tokens, args.factors)):
         return 2
-    try:
-        import cupy
-    except ImportError:
-        print("profile_moe: needs CuPy and a CUDA GPU", file=sys.stderr)
+    cupy, why = cupy_with_gpu()
+    if cupy is None:     # CuPy without a usable device: this line, not a CUDARuntimeError traceback
+        print(f"profile_moe: needs CuPy and a CUDA GPU: {why}", file=sys.stderr)
         return 2
     reg = FactorRegistry.load(args.factors)
     for m in args.models:

@@ -215,3 +215,41 @@ def test_run_meta_records_date_device_and_commit(monkeypatch):
         assert head[:7] in commit, (commit, head)
     else:
         assert commit == "?"
+
+
+def test_cupy_scripts_need_a_usable_gpu_and_say_so_in_one_line(monkeypatch, capsys):
+    """With CuPy installed but no usable device (cudaErrorInsufficientDriver), the MoE self-test
+    skipped every library and printed ALL PASS, and the router/norm one ended in a
+    CUDARuntimeError traceback (profile_moe.py too): now each says what it needs, one line, exit
+    status 2."""
+    for module in ("gpu_moe_selftest", "gpu_router_norm_selftest", "profile_moe"):
+        tool = import_tool("scripts", module)
+        monkeypatch.setattr(tool, "cupy_with_gpu", lambda: (None, "CuPy sees no usable CUDA device (x)"))
+        monkeypatch.setattr(sys, "argv", [module + ".py"])
+        assert tool.main() == 2
+        out, err = capsys.readouterr()
+        assert err == f"{module}: needs CuPy and a CUDA GPU: CuPy sees no usable CUDA device (x)\n", err
+        assert "PASS" not in out
+
+
+def test_gpu_selftests_fail_when_nothing_was_tested(tmp_path, monkeypatch, capsys):
+    """No library built (or none serving the device): 'skipped' for each, then ALL PASS and exit
+    status 0, which scripts/gpu_check.sh took for a pass. Now NOTHING TESTED and exit status 1."""
+    import contextlib
+    from types import SimpleNamespace
+    moe = import_tool("scripts", "gpu_moe_selftest")
+    monkeypatch.setattr(moe, "cupy_with_gpu", lambda: (object(), ""))
+    monkeypatch.setattr(moe, "ROOT", str(tmp_path))              # factors/ holds nothing
+    monkeypatch.setattr(sys, "argv", ["gpu_moe_selftest.py"])
+    assert moe.main() == 1
+    out = capsys.readouterr().out
+    assert "skipped" in out and "NOTHING TESTED" in out and "ALL PASS" not in out, out
+    rn = import_tool("scripts", "gpu_router_norm_selftest")
+    props = {"name": b"fake", "warpSize": 32}
+    cuda = SimpleNamespace(runtime=SimpleNamespace(getDeviceProperties=lambda i: props),
+                           Stream=lambda non_blocking: contextlib.nullcontext())
+    monkeypatch.setattr(rn, "cupy_with_gpu", lambda: (SimpleNamespace(cuda=cuda), ""))
+    monkeypatch.setattr(sys, "argv", ["gpu_router_norm_selftest.py", "--factors", str(tmp_path)])
+    assert rn.main() == 1
+    out = capsys.readouterr().out
+    assert "NOTHING TESTED" in out and "\nPASS" not in out, out
