@@ -253,3 +253,133 @@ def test_gpu_selftests_fail_when_nothing_was_tested(tmp_path, monkeypatch, capsy
     assert rn.main() == 1
     out = capsys.readouterr().out
     assert "NOTHING TESTED" in out and "\nPASS" not in out, out
+
+
+def _run_table(path, python=sys.executable):
+    import subprocess
+    return subprocess.run([python, str(ROOT / "benchmarks" / "table_moe.py"), str(path)],
+                          capture_output=True, text=True, timeout=120)
+
+
+def _table_rows(stdout):
+    return [line for line in stdout.splitlines() if line.startswith("| ")]
+
+
+def test_table_moe_prints_dashes_for_a_gmm_peer_that_was_not_timed():
+    """The repo's float16 table (gmm_us null: torch's float16 _grouped_mm cannot be captured)
+    was a TypeError: now '-' in both gmm columns, and the reason once below the table."""
+    r = _run_table(ROOT / "benchmarks" / "bench_moe_fp16_h200_2026-12-01_3385675.json")
+    assert r.returncode == 0, r.stderr
+    rows = _table_rows(r.stdout)
+    assert len(rows) == 2 + 42
+    assert rows[2] == ("| deepseek-v2-lite | 1 | uniform | 24.5 | 32.0 | 1.30 | 3 | 3242 | - | - | 37.2 | 1.16 "
+                       "| 1,046,364 |"), rows[2]
+    assert "gmm '-' (42 rows): not CUDA-graph capturable" in r.stdout
+
+
+def test_table_moe_reproduces_an_older_table():
+    """The rows of a table in RESULTS.md come out as they did; only the header line changed: it
+    said '4 input sets' of every file, which records no --sets."""
+    r = _run_table(ROOT / "benchmarks" / "bench_moe_h200_2026-12-02_fe1d21b.json")
+    assert r.returncode == 0, r.stderr
+    first = r.stdout.splitlines()[0]
+    assert first.startswith("NVIDIA H200, 2026-12-02, commit fe1d21b, bfloat16, torch 2.11.0+cu130; µs per call")
+    assert "4 independently" not in first and "not recorded" in first, first
+    rows = _table_rows(r.stdout)
+    assert rows[0] == ("| model | T | routing | floor | ours | ours/floor | TFLOP/s | GB/s | gmm | gmm/ours "
+                       "| vLLM (PERF.md) | vLLM/ours | fallback |")
+    assert rows[2] == ("| deepseek-v2-lite | 1 | uniform | 24.5 | 31.6 | 1.29 | 3 | 3289 | 102.9 | 3.26 | 37.2 "
+                       "| 1.18 | 1,487,028 |"), rows[2]
+    assert len(rows) == 2 + 49
+
+
+def _bench_json(tmp_path, rows, **meta):
+    import json
+    p = tmp_path / "b.json"
+    p.write_text(json.dumps({"meta": {"device": "X", **meta}, "rows": rows}))
+    return p
+
+
+TIMED = {"model": "qwen3-30b-a3b", "T": 1, "floor_us": 20.0, "ours_us": 25.0, "x_floor": 1.25,
+         "tflops": 3.0, "gbs": 3000.0, "gmm_us": 50.0}
+
+
+def test_table_moe_cells_match_the_header_and_x_here_appears_when_recorded(tmp_path):
+    """A failed row printed 5 cells under a 13-column header; a row without 'skewed' was a
+    KeyError; newer files' x_floor_here gets an 'x here' column (older ones have none)."""
+    failed = {"model": "olmoe-1b-7b", "T": 8, "skewed": False, "floor_us": 30.0,
+              "error": "ours rel err 3e-01 > 1e-2: not timed"}
+    r = _run_table(_bench_json(tmp_path, [TIMED, failed], date="d", commit="c", dtype="bfloat16", torch="t"))
+    assert r.returncode == 0, r.stderr
+    rows = _table_rows(r.stdout)
+    assert "x here" not in rows[0]
+    assert {row.count("|") for row in rows} == {14}, rows
+    assert rows[2].startswith("| qwen3-30b-a3b | 1 | uniform | 20.0 | 25.0 | 1.25 | 3 | 3000 | 50.0 | 2.00 | 30.2 |")
+    assert rows[3] == "| olmoe-1b-7b | 8 | uniform | 30.0 | FAILED: ours rel err 3e-01 > 1e-2: not timed" + " | -" * 8 + " |"
+    here = dict(TIMED, x_floor_here=1.1)
+    r = _run_table(_bench_json(tmp_path, [here, failed], sets=3, warm_ms=200.0,
+                               ceilings_here={"matmul_tflops": 700.0, "copy_gbs": 4000.0}))
+    assert r.returncode == 0, r.stderr
+    rows = _table_rows(r.stdout)
+    assert "| ours/floor | x here | TFLOP/s |" in rows[0]
+    assert {row.count("|") for row in rows} == {15}, rows
+    assert "| 1.25 | 1.10 | 3 |" in rows[2]
+    first = r.stdout.splitlines()[0]
+    assert first.startswith("X, ?, commit ?, ?, torch ?;") and "over 3 independently routed input sets" in first
+    assert "replayed 200 ms" in first and "(700 TFLOP/s, 4000 GB/s)" in first, first
+
+
+@pytest.mark.parametrize("rows, words", [
+    ([], "no rows to tabulate"),
+    ([{"model": "m", "T": 1, "ours_us": 2.0}], "row 0 (m T=1): 'floor_us': expected a number"),
+    ([{"T": 1}], "row 0: expected 'model'"),
+])
+def test_table_moe_refuses_what_it_cannot_tabulate_in_one_line(tmp_path, rows, words):
+    """Empty rows printed an empty table with exit 0 (plot_moe refuses them): now both refuse;
+    a row missing what it needs is named, not a KeyError."""
+    r = _run_table(_bench_json(tmp_path, rows))
+    assert r.returncode == 2 and r.stdout == "", (r.stdout, r.stderr)
+    assert r.stderr.count("\n") == 1 and words in r.stderr and r.stderr.startswith("table_moe: "), r.stderr
+
+
+def _without(tmp_path, *modules):
+    """Environment whose PYTHONPATH shadows ``modules`` with packages that fail to import (a
+    Python without numpy, as /usr/bin/python3 here)."""
+    import os
+    for name in modules:
+        (tmp_path / "hide" / name).mkdir(parents=True)
+        (tmp_path / "hide" / name / "__init__.py").write_text(f"raise ImportError('{name} hidden')\n")
+    return dict(os.environ, PYTHONPATH=str(tmp_path / "hide"))
+
+
+def test_table_and_help_work_without_numpy(tmp_path):
+    """table_moe.py, plot_moe.py --help and bench_moe.py --help imported ex_engine (numpy, through
+    the package's __init__) for a helper: a Python without numpy got a ModuleNotFoundError."""
+    import subprocess
+    env = _without(tmp_path, "numpy", "torch", "matplotlib", "cupy")
+    run = lambda *a: subprocess.run([sys.executable, *a], capture_output=True, text=True, timeout=120,
+                                    env=env, cwd=tmp_path)
+    r = run(str(ROOT / "benchmarks" / "table_moe.py"), str(ROOT / "benchmarks" / "bench_moe_h200_2026-12-02_fe1d21b.json"))
+    assert r.returncode == 0 and len(_table_rows(r.stdout)) == 51, r.stderr
+    for script in ("benchmarks/plot_moe.py", "benchmarks/table_moe.py"):
+        r = run(str(ROOT / script), "--help")
+        assert r.returncode == 0 and "usage:" in r.stdout, (script, r.stderr)
+    r = run(str(ROOT / "benchmarks" / "plot_moe.py"), str(ROOT / "benchmarks" / "bench_moe_h200_2026-12-02_fe1d21b.json"))
+    assert r.returncode == 2 and r.stderr == "plot_moe: needs matplotlib (pip install matplotlib)\n", r.stderr
+
+
+def test_plot_moe_default_output_is_beside_the_script(tmp_path):
+    """Run from another folder, the default 'benchmarks/moe_vs_floor.png' was relative to it:
+    '--output: folder benchmarks does not exist'. Now it is the script's own folder."""
+    import subprocess
+    bad = tmp_path / "b.json"
+    bad.write_text('{"meta": {"dtype": "b", "device": "x", "date": "d", "commit": "c"}, "rows": []}')
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "plot_moe.py"), str(bad)], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "--output:" not in r.stderr and "no timed uniform-routing rows" in r.stderr, r.stderr
+    plot = import_tool("benchmarks", "plot_moe")
+    assert plot.HERE == ROOT / "benchmarks"
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "plot_moe.py"), "--help"], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=120)
+    text = " ".join(r.stdout.split())
+    assert "one panel per model" in text and "in this script's folder" in text, r.stdout
