@@ -18,8 +18,17 @@ from pathlib import Path
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """--help with each option's default appended ('(default: ...)') and the description printed
-    as written (a script's docstring, with its usage lines and paragraphs)."""
+    """--help with each option's default appended ('(default: ...)'; a list as its values, 'none'
+    and a flag's False left out, and a help text that names its default itself kept as it is)
+    and the description printed as written (a script's docstring: usage lines, paragraphs)."""
+
+    def _get_help_string(self, action):
+        d, text = action.default, action.help or ""
+        if d is None or d is False or d is argparse.SUPPRESS or "default" in text:
+            return text
+        if isinstance(d, (list, tuple)) and "%" not in text:
+            return f"{text} (default: {' '.join(map(str, d))})"
+        return super()._get_help_string(action)
 
 
 def report_problems(tool: str, problems) -> bool:

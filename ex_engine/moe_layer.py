@@ -113,10 +113,17 @@ def load_models(path=None) -> dict:
 
 def case_problems(models: dict, names, tokens, factors=None, all_ok: bool = False) -> list:
     """What is wrong with a benchmark tool's --models / --tokens / --factors (strings; [] if
-    nothing): models not in ``models`` (``all_ok``: 'all' is a choice too), T < 1, a plugin
-    folder that does not exist. Checked before any work, so a mistake loses no measurement."""
+    nothing): models not in ``models`` (``all_ok``: 'all' is a choice too, standing alone: 'all'
+    beside names is refused, not read as a model called 'all'), T < 1, a plugin folder that does
+    not exist. Checked before any work, so a mistake loses no measurement."""
     choices = (["all"] if all_ok else []) + sorted(models)
-    out = [f"--models: {m!r} is not one of {', '.join(choices)}" for m in names if m not in models]
+    out = []
+    if all_ok and "all" in names:
+        if len(names) > 1:
+            out.append(f"--models: 'all' (every model) stands alone; give it or model names, not both, "
+                       f"got {' '.join(names)}")
+        names = [m for m in names if m != "all"]
+    out += [f"--models: {m!r} is not one of {', '.join(choices)}" for m in names if m not in models]
     if not tokens:
         out.append("--tokens: expected at least one T")
     elif min(tokens) < 1:
@@ -124,6 +131,16 @@ def case_problems(models: dict, names, tokens, factors=None, all_ok: bool = Fals
     if factors is not None and not Path(factors).is_dir():
         out.append(f"--factors: folder {factors!r} does not exist")
     return out
+
+
+def models_help(all_ok: bool = False) -> str:
+    """The model names of manifests/moe_models.yaml for a --help text ('all, ' first with
+    ``all_ok``), or, where the list cannot be read, why (--help answers all the same)."""
+    try:
+        names = sorted(load_models())
+    except FactorError as exc:
+        return f"none readable: {exc}"
+    return ", ".join((["all"] if all_ok else []) + names)
 
 
 def load_models_or_exit(tool: str) -> dict:

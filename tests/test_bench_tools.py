@@ -361,7 +361,7 @@ def test_table_and_help_work_without_numpy(tmp_path):
                                     env=env, cwd=tmp_path)
     r = run(str(ROOT / "benchmarks" / "table_moe.py"), str(ROOT / "benchmarks" / "bench_moe_h200_2026-12-02_fe1d21b.json"))
     assert r.returncode == 0 and len(_table_rows(r.stdout)) == 51, r.stderr
-    for script in ("benchmarks/plot_moe.py", "benchmarks/table_moe.py"):
+    for script in ("benchmarks/plot_moe.py", "benchmarks/bench_moe.py", "benchmarks/table_moe.py"):
         r = run(str(ROOT / script), "--help")
         assert r.returncode == 0 and "usage:" in r.stdout, (script, r.stderr)
     r = run(str(ROOT / "benchmarks" / "plot_moe.py"), str(ROOT / "benchmarks" / "bench_moe_h200_2026-12-02_fe1d21b.json"))
@@ -383,3 +383,32 @@ def test_plot_moe_default_output_is_beside_the_script(tmp_path):
                        capture_output=True, text=True, timeout=120)
     text = " ".join(r.stdout.split())
     assert "one panel per model" in text and "in this script's folder" in text, r.stdout
+
+
+@pytest.mark.parametrize("script", ["benchmarks/bench_moe.py"])
+def test_all_beside_model_names_is_refused_as_such(script):
+    """`--models all qwen3-30b-a3b` said "'all' is not one of all, ..." (bench_moe) or was taken
+    and failed later with KeyError 'all' (tune_moe)."""
+    import subprocess
+    r = subprocess.run([sys.executable, str(ROOT / script), "--models", "all", "olmoe-1b-7b", "nope"],
+                       capture_output=True, text=True, timeout=120)
+    name = Path(script).stem
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.splitlines() == [
+        f"{name}: --models: 'all' (every model) stands alone; give it or model names, not both, got all "
+        "olmoe-1b-7b nope",
+        f"{name}: --models: 'nope' is not one of all, deepseek-v2-lite, granite-3.0-3b-a800m, mixtral-8x7b, "
+        "olmoe-1b-7b, phi-3.5-moe, qwen3-235b-a22b, qwen3-30b-a3b"], r.stderr
+
+
+def test_bench_moe_help_lists_models_defaults_and_what_it_needs():
+    import subprocess
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_moe.py"), "--help"],
+                       capture_output=True, text=True, timeout=120)
+    text = " ".join(r.stdout.split())
+    assert r.returncode == 0, r.stderr
+    for words in ("qwen3-30b-a3b", "mixtral-8x7b", "(default: all)", "(default: 1 8 64 512 4096 16384)",
+                  "(default: 4)", "(default: bfloat16)", "at T = 64 and T = 4096 for every model, whatever "
+                  "--tokens says", "Needs PyTorch with a CUDA GPU, numpy, and the built plugins"):
+        assert words in text, (words, r.stdout)
+    assert "(default: None)" not in text and "(default: False)" not in text
