@@ -385,7 +385,70 @@ def test_plot_moe_default_output_is_beside_the_script(tmp_path):
     assert "one panel per model" in text and "in this script's folder" in text, r.stdout
 
 
-@pytest.mark.parametrize("script", ["benchmarks/bench_moe.py"])
+@pytest.fixture(scope="module")
+def tune():
+    return import_tool("benchmarks", "tune_moe")
+
+
+def test_tune_moe_merges_only_into_this_gpus_tuning_file(tune, tmp_path):
+    """--out naming another GPU's tuning file threw every row of it away without a word; a file
+    that is no tuning file (an ab_moe JSON renamed .yaml) was overwritten; malformed YAML was a
+    traceback, a shapes entry without I a KeyError. Now each is refused (one line, naming
+    --replace) before any work, and this GPU's own file is merged into with its header kept."""
+    shipped = ROOT / "manifests" / "tuning" / "h200.yaml"
+    data, notes = tune.existing_table(shipped, "NVIDIA H200", 132)
+    assert data["moe_fused_gemm"]["shapes"] and notes and notes[0].startswith("# Tuned tile configurations")
+    assert "_NUMERIC_DEVICE" not in str(list(data))
+    problem = tune.merge_problem(shipped, False, "NVIDIA A100-SXM4-80GB", 108)
+    assert "the table of NVIDIA H200 (132 SMs), not of this GPU, NVIDIA A100-SXM4-80GB (108 SMs)" in problem
+    assert "merging would drop every row" in problem and "--replace" in problem
+    assert tune.merge_problem(shipped, True, "NVIDIA A100-SXM4-80GB", 108) == ""
+    cases = {
+        "ab.yaml": (ROOT / "benchmarks" / "ab_narrow_h200_2026-12-01.json").read_text(),
+        "bad.yaml": "device: NVIDIA H200\nmoe_fused_gemm: [\n",
+        "meta.yaml": '{"meta": {"date": "2026-12-02"}, "rows": []}',          # ab_moe's newer JSON
+        "noI.yaml": shipped.read_text().replace("    I: 512\n", "", 1),
+        "other.yaml": "device: NVIDIA H200\nmultiprocessor_count: 132\nnotes: {a: 1}\n",
+    }
+    words = {"ab.yaml": "expected a mapping", "meta.yaml": "device:", "bad.yaml": "not readable YAML", "noI.yaml": "no 'I'",
+             "other.yaml": "no moe_fused_gemm table"}
+    assert cases["noI.yaml"] != shipped.read_text()
+    for name, text in cases.items():
+        (tmp_path / name).write_text(text)
+        problem = tune.merge_problem(tmp_path / name, False)
+        assert problem.startswith("--out: will not replace it: tuning file ") and words[name] in problem, problem
+        assert problem.endswith("give --replace to write a new table over it") and "\n" not in problem
+        assert tune.merge_problem(tmp_path / name, True) == ""
+    assert tune.existing_table(tmp_path / "none.yaml") == ({}, [])        # nothing there: a new table
+    (tmp_path / "empty.yaml").write_text("\n")
+    assert tune.existing_table(tmp_path / "empty.yaml") == ({}, [])
+
+
+def test_tune_moe_refuses_a_file_it_cannot_merge_before_any_work(tmp_path):
+    import subprocess
+    out = tmp_path / "tuning.yaml"
+    text = (ROOT / "benchmarks" / "ab_narrow_h200_2026-12-01.json").read_text()
+    out.write_text(text)
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "tune_moe.py"), "--out", str(out)],
+                       capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert r.stderr.startswith(f"tune_moe: --out: will not replace it: tuning file {out}: expected a mapping"), r.stderr
+    assert out.read_text() == text
+
+
+def test_tune_moe_names_its_default_file_and_says_it_merges(tune):
+    import subprocess
+    assert tune.default_out("NVIDIA H200", 132).name == "h200.yaml"
+    assert tune.default_out("NVIDIA A100-SXM4-80GB", 108).name == "nvidia_a100_sxm4_80gb_108sm.yaml"
+    assert tune.default_out("NVIDIA H200", 66).name == "nvidia_h200_66sm.yaml"
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "tune_moe.py"), "--help"],
+                       capture_output=True, text=True, timeout=120)
+    text = " ".join(r.stdout.split())
+    assert "--replace" in text and "merged into" in text and "<device>_<SMs>sm.yaml" in text, r.stdout
+    assert "<profile>" not in text
+
+
+@pytest.mark.parametrize("script", ["benchmarks/bench_moe.py", "benchmarks/tune_moe.py"])
 def test_all_beside_model_names_is_refused_as_such(script):
     """`--models all qwen3-30b-a3b` said "'all' is not one of all, ..." (bench_moe) or was taken
     and failed later with KeyError 'all' (tune_moe)."""
