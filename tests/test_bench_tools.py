@@ -1,5 +1,6 @@
 """CPU tests of the benchmark tools' argument parsing (they import without torch)."""
 import importlib
+import os
 import sys
 from pathlib import Path
 
@@ -475,3 +476,61 @@ def test_bench_moe_help_lists_models_defaults_and_what_it_needs():
                   "--tokens says", "Needs PyTorch with a CUDA GPU, numpy, and the built plugins"):
         assert words in text, (words, r.stdout)
     assert "(default: None)" not in text and "(default: False)" not in text
+
+
+def test_ep_moe_refuses_full_size_layers_on_the_cpu_and_says_one_thing_of_tokens():
+    """--device cpu without --tiny built full-size layers and ran them for minutes; `--tokens abc`
+    said 'expected an integer >= 0' where `--tokens 0` said 'expected T >= 1'; problems were
+    printed as '[ep_moe]: ...'."""
+    import subprocess
+    run = lambda *a: subprocess.run([sys.executable, str(ROOT / "examples" / "ep_moe.py"), *a],
+                                    capture_output=True, text=True, timeout=120)
+    r = run("--device", "cpu")
+    assert r.returncode == 2 and r.stderr.startswith("ep_moe: --device cpu: expected with --tiny"), r.stderr
+    assert "[ep_moe]" not in r.stderr
+    for bad in ("0", "abc"):
+        r = run("--tokens", bad)
+        assert r.returncode == 2 and f"argument --tokens: expected an integer T >= 1, got '{bad}'" in r.stderr, r.stderr
+
+
+def test_ep_moe_records_what_served_not_what_was_loaded(monkeypatch):
+    """With --tiny --device cpu the header and the JSON named moe_fused_gemm_sm90.so 0.1.0 (the
+    plugin loaded) while the Python fallback served every call: now the registry's counts say."""
+    from types import SimpleNamespace
+    for var in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST"):   # set by its import:
+        monkeypatch.setenv(var, os.environ.get(var, "0"))                    # restored after
+    ep = import_tool("examples", "ep_moe")
+    plugin = SimpleNamespace(path=Path("moe_fused_gemm_sm90.so"), version="0.1.0")
+
+    class Reg:
+        def __init__(self, counts):
+            self.counts = counts
+
+        def stats(self):
+            return {"moe_fused_gemm": dict(self.counts, errors=0)}
+
+        def get(self, name):
+            return plugin
+
+    before = {"moe_fused_gemm": {"plugin": 2, "kernel_fallback": 0, "python_fallback": 1}}
+    assert ep.served(Reg({"plugin": 2, "kernel_fallback": 0, "python_fallback": 9}), before) == \
+        ("the Python fallback", {"python_fallback": 8})
+    assert ep.served(Reg({"plugin": 5, "kernel_fallback": 0, "python_fallback": 1}), before) == \
+        ("moe_fused_gemm_sm90.so 0.1.0", {"plugin": 3})
+    label, counts = ep.served(Reg({"plugin": 3, "kernel_fallback": 1, "python_fallback": 1}), before)
+    assert label == "moe_fused_gemm_sm90.so 0.1.0 (1 calls), moe_fused_gemm_sm90.so 0.1.0's kernel_fallback (1 calls)"
+    assert ep.served(Reg({"plugin": 2, "kernel_fallback": 0, "python_fallback": 1}), before)[0] == "no call"
+
+
+def test_ep_moe_tiny_on_the_cpu_records_the_python_fallback(tmp_path):
+    import json
+    import subprocess
+    pytest.importorskip("torch")
+    out = tmp_path / "ep.json"
+    r = subprocess.run([sys.executable, str(ROOT / "examples" / "ep_moe.py"), "--device", "cpu", "--tiny",
+                        "--tokens", "4", "--models", "olmoe-1b-7b", "--json", str(out)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    info = json.loads(out.read_text())["info"]
+    assert info["moe_fused_gemm"] == "the Python fallback" and set(info["moe_fused_gemm_calls"]) == {"python_fallback"}
+    assert "moe_fused_gemm the Python fallback (CPU tensors)" in r.stdout and ".so" not in r.stdout, r.stdout
