@@ -133,6 +133,20 @@ def case_problems(models: dict, names, tokens, factors=None, all_ok: bool = Fals
     return out
 
 
+def parse_cases(models: dict, cases) -> tuple:
+    """([(model, T)], problems) of a benchmark tool's --cases, 'model:T' strings: one problem per
+    case that names no model of ``models`` or no T >= 1, every one listed (not the first alone)."""
+    out, problems = [], []
+    for c in cases:
+        m, _, t = c.partition(":")
+        if m not in models or not t.isdigit() or int(t) < 1:
+            problems.append(f"case {c!r}: expected model:T with T >= 1 and a model of moe_models.yaml "
+                            f"({', '.join(sorted(models))})")
+        else:
+            out.append((m, int(t)))
+    return out, problems
+
+
 def models_help(all_ok: bool = False) -> str:
     """The model names of manifests/moe_models.yaml for a --help text ('all, ' first with
     ``all_ok``), or, where the list cannot be read, why (--help answers all the same)."""

@@ -47,7 +47,8 @@ except ImportError:
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # standard library only, loaded by path: this script imports neither the package nor cffi
-cupy_with_gpu = runpy.run_path(os.path.join(ROOT, "ex_engine", "_scripts.py"))["cupy_with_gpu"]
+_scripts = runpy.run_path(os.path.join(ROOT, "ex_engine", "_scripts.py"))
+cupy_with_gpu = _scripts["cupy_with_gpu"]
 
 EX_DTYPE_FLOAT32, EX_DTYPE_FLOAT16, EX_DTYPE_BFLOAT16 = 0, 1, 2
 EX_OK, EX_FALLBACK = 0, -1
@@ -693,7 +694,7 @@ def side_by_side(names, all_results):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=_scripts["HelpFormatter"])
     ap.add_argument("--lib", "--so", dest="libs", action="append", default=None,
                     help="plugin library to test (repeatable); default: factors/moe_fused_gemm.so and "
                          "factors/moe_fused_gemm_sm90.so")

@@ -60,8 +60,8 @@ KERNEL_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, cty
                              ctypes.c_int, ctypes.POINTER(ctypes.c_int64), ctypes.c_int, ctypes.c_void_p)
 ERROR_FN = ctypes.CFUNCTYPE(ctypes.c_char_p)
 # standard library only, loaded by path: this script does not import the package
-cupy_with_gpu = runpy.run_path(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "ex_engine",
-                                            "_scripts.py"))["cupy_with_gpu"]
+_scripts = runpy.run_path(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "ex_engine", "_scripts.py"))
+cupy_with_gpu = _scripts["cupy_with_gpu"]
 
 
 class ExFactor(ctypes.Structure):
@@ -567,7 +567,7 @@ def run_timing(cp, norm, topk, stream):
 
 # --------------------------------------------------------------------------------------------
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=_scripts["HelpFormatter"])
     here = os.path.dirname(os.path.abspath(__file__))
     ap.add_argument("--factors", default=os.path.join(here, "..", "factors"), help="folder of the .so files")
     ap.add_argument("--suffix", default=".so", help="library file suffix")

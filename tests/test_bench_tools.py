@@ -362,7 +362,8 @@ def test_table_and_help_work_without_numpy(tmp_path):
                                     env=env, cwd=tmp_path)
     r = run(str(ROOT / "benchmarks" / "table_moe.py"), str(ROOT / "benchmarks" / "bench_moe_h200_2026-12-02_fe1d21b.json"))
     assert r.returncode == 0 and len(_table_rows(r.stdout)) == 51, r.stderr
-    for script in ("benchmarks/plot_moe.py", "benchmarks/bench_moe.py", "benchmarks/table_moe.py"):
+    for script in ("benchmarks/plot_moe.py", "benchmarks/bench_moe.py", "benchmarks/table_moe.py",
+                   "scripts/kernel_times_moe.py"):
         r = run(str(ROOT / script), "--help")
         assert r.returncode == 0 and "usage:" in r.stdout, (script, r.stderr)
     r = run(str(ROOT / "benchmarks" / "plot_moe.py"), str(ROOT / "benchmarks" / "bench_moe_h200_2026-12-02_fe1d21b.json"))
@@ -534,3 +535,55 @@ def test_ep_moe_tiny_on_the_cpu_records_the_python_fallback(tmp_path):
     info = json.loads(out.read_text())["info"]
     assert info["moe_fused_gemm"] == "the Python fallback" and set(info["moe_fused_gemm_calls"]) == {"python_fallback"}
     assert "moe_fused_gemm the Python fallback (CPU tensors)" in r.stdout and ".so" not in r.stdout, r.stdout
+
+
+def test_ab_moe_and_kernel_times_list_every_problem_at_once(ab_moe):
+    """A malformed config (ab_moe) or case (kernel_times_moe) stopped the script at the first
+    problem, where the other scripts list them all."""
+    import subprocess
+    problems = []
+    assert ab_moe.parse_cfg("x", problems) is None and ab_moe.parse_cfg("a=f:=1", problems) is None
+    assert ab_moe.parse_cfg("b=f:config=nope", problems) is None
+    assert ab_moe.parse_cfg("c=factors", problems) == ("c", "factors", {})
+    assert len(problems) == 3 and "config=nope: expected one of auto" in problems[2], problems
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "kernel_times_moe.py"), "--cases", "nope:1",
+                        "qwen3-30b-a3b:0", "olmoe-1b-7b:4", "--calls", "0", "--config", "zz"],
+                       capture_output=True, text=True, timeout=120)
+    lines = r.stderr.splitlines()
+    assert r.returncode == 2 and len(lines) >= 4, r.stderr
+    assert lines[0].startswith("kernel_times_moe: case 'nope:1': expected model:T")
+    assert lines[1].startswith("kernel_times_moe: case 'qwen3-30b-a3b:0'")
+    assert lines[2].startswith("kernel_times_moe: --config: expected one of auto")
+    assert lines[3] == "kernel_times_moe: --calls: expected >= 1, got 0"
+
+
+@pytest.mark.parametrize("script, words", [
+    ("benchmarks/ab_moe.py", ["--configs NAME=FOLDER[:VAR=VALUE,...]", "config=NAME forces",
+                              "activation and weight dtype (default: bfloat16)", "(default: 2)"]),
+    ("scripts/kernel_times_moe.py", ["activation and weight dtype (default: bfloat16)", "(default: 8)",
+                                     "Needs PyTorch with a CUDA GPU"]),
+    ("scripts/profile_moe.py", ["Needs CuPy with a CUDA GPU", "Nsight Compute (ncu", "qwen3-30b-a3b"]),
+    ("examples/hf_moe_generate.py", ["tokens to generate, >= 5", "tokens of the random prompt (>= 1) (default: 16)",
+                                     "vocabulary size", "seed of the weights and the prompt (default: 0)",
+                                     "(default: all)"]),
+    ("benchmarks/plot_moe.py", ["one line per implementation (ours, the torch._grouped_mm pipeline"]),
+    ("scripts/gpu_moe_selftest.py", ["NOTHING TESTED", "(default: 4)"]),
+])
+def test_help_says_what_the_options_are(script, words):
+    import subprocess
+    r = subprocess.run([sys.executable, str(ROOT / script), "--help"], capture_output=True, text=True, timeout=120)
+    text = " ".join(r.stdout.split())
+    assert r.returncode == 0, r.stderr
+    for w in words:
+        assert w in text, (w, r.stdout)
+
+
+def test_gpu_check_help_names_its_environment_variables():
+    import subprocess
+    r = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--help"], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0
+    for var in ("OUT", "BENCH_ARGS", "TUNE_ARGS", "SELFTEST_ARGS", "TESTS_TIMEOUT", "SELFTEST_TIMEOUT",
+                "RUN_TIMEOUT", "BENCH_TIMEOUT", "TUNE_TIMEOUT", "EP_TIMEOUT"):
+        assert f"{var} " in r.stdout, var
+    assert "set -u" not in r.stdout and "Exit status" in r.stdout
