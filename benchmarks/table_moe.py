@@ -16,7 +16,6 @@ early (`| head`); 2 a file that is not bench_moe.py's JSON, or one without rows.
 import argparse
 import json
 import runpy
-import sys
 from pathlib import Path
 
 from perf_peers import VLLM_US

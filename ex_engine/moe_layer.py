@@ -8,7 +8,6 @@ fallback's float32 semantics, the experts against float64).
 from __future__ import annotations
 
 import os
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
