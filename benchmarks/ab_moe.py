@@ -37,7 +37,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from ex_engine import FactorError, FactorRegistry, moe_fused_gemm  # noqa: E402
-from ex_engine.moe_layer import load_models_or_exit, output_file_problem, report_problems  # noqa: E402
+from ex_engine._scripts import HelpFormatter  # noqa: E402
+from ex_engine.moe_layer import (load_models_or_exit, models_help, output_file_problem,  # noqa: E402
+                                 parse_cases, report_problems)
 from _timing import graph_us, run_meta  # noqa: E402
 from bench_moe import input_sets, layer_weights, reference, rel  # noqa: E402
 
@@ -83,25 +85,28 @@ def variable_problems(cfgs, variables, readme_text=None):
     return problems
 
 
-def parse_cfg(c):
+def parse_cfg(c, problems=None):
+    """(name, folder, env) of a config NAME=FOLDER[:VAR=VALUE,...] (config=NAME: a tile
+    configuration of tune_moe.py's). A malformed one is appended to ``problems`` (None is
+    returned), so that main lists every bad config at once; without a list it is printed and
+    SystemExit(2) raised."""
     name, sep, rest = c.partition("=")
-    if not sep or not name or not rest:
-        print(f"ab_moe: config {c!r}: expected NAME=FOLDER[:VAR=VALUE,...]", file=sys.stderr)
-        raise SystemExit(2)
     folder, _, envs = rest.partition(":")
-    env = {}
-    for kv in filter(None, envs.split(",")):
-        k, sep, v = kv.partition("=")
-        if not sep or not k:
-            print(f"ab_moe: config {c!r}: expected NAME=FOLDER[:VAR=VALUE,...]", file=sys.stderr)
-            raise SystemExit(2)
-        env[k] = v
-    if "config" in env:
+    pairs = [kv.partition("=") for kv in filter(None, envs.split(","))]
+    problem = ""
+    if not sep or not name or not folder or any(not k or not s for k, s, _ in pairs):
+        problem = f"config {c!r}: expected NAME=FOLDER[:VAR=VALUE,...]"
+    env = {k: v for k, _, v in pairs}
+    if not problem and "config" in env:
         from tune_moe import VALUES  # benchmarks/ is on sys.path (top of this file)
         if env["config"] not in VALUES:
-            print(f"ab_moe: config {c!r}: config={env['config']}: expected one of {', '.join(VALUES)}",
-                  file=sys.stderr)
+            problem = f"config {c!r}: config={env['config']}: expected one of {', '.join(VALUES)}"
+    if problem:
+        if problems is None:
+            report_problems("ab_moe", [problem])
             raise SystemExit(2)
+        problems.append(problem)
+        return None
     ENV_KEYS.update(k for k in env if k != "config")
     return name, folder, env
 
@@ -121,31 +126,33 @@ def set_env(env, reg=None):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--cases", nargs="+", required=True, help="model:T pairs (models of moe_models.yaml)")
-    ap.add_argument("--configs", nargs="+", required=True, help="NAME=FOLDER[:VAR=VALUE,...], two or more")
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    ap.add_argument("--cases", nargs="+", required=True, metavar="MODEL:T",
+                    help=f"model:T pairs, T >= 1, models of moe_models.yaml: {models_help()}")
+    ap.add_argument("--configs", nargs="+", required=True, metavar="NAME=FOLDER[:VAR=VALUE,...]",
+                    help="two or more, distinct names: a folder of plugin libraries and the environment "
+                         "variables (README.md's table) set while the config runs; config=NAME forces "
+                         "a tile configuration of tune_moe.py (e.g. t64=factors:config=grouped64)")
     ap.add_argument("--sets", type=int, default=3, help="independently routed input sets rotated per graph")
-    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
-    ap.add_argument("--json", default=None, help="write the run's date, device, commit and configs, and every row "
-                    "(with each round's times) here")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"],
+                    help="activation and weight dtype")
+    ap.add_argument("--json", default=None, metavar="FILE",
+                    help="write the run's date, device, commit and configs, and every row (with each round's "
+                         "times) here, after every row; not written by default")
     ap.add_argument("--no-ref", action="store_true", help="skip the float32 reference check")
     ap.add_argument("--rounds", type=int, default=2, help="timing rounds, config order reversed every other round")
     args = ap.parse_args()
     models = load_models_or_exit("ab_moe")
-    cfgs = [parse_cfg(c) for c in args.configs]
-    names = [n for n, _, _ in cfgs]
     problems = []                       # every one at once, before any work
-    if len(cfgs) < 2 or len(set(names)) != len(names):
+    cfgs = [cfg for cfg in (parse_cfg(c, problems) for c in args.configs) if cfg]
+    names = [n for n, _, _ in cfgs]
+    if len(args.configs) < 2 or len(set(names)) != len(names):
         problems.append(f"--configs: expected two or more configs with distinct names, got {names}")
     problems += variable_problems(cfgs, readme_variables())
     for n, folder, env in cfgs:
         if not Path(folder).is_dir():
             problems.append(f"config {n}: folder {folder!r} does not exist")
-    for case in args.cases:
-        m, _, t = case.partition(":")
-        if m not in models or not t.isdigit() or int(t) < 1:
-            problems.append(f"case {case!r}: expected model:T with T >= 1, model one of "
-                            f"{', '.join(sorted(models))}")
+    problems += parse_cases(models, args.cases)[1]
     problems.append(output_file_problem("--json", args.json))
     if args.rounds < 1 or args.sets < 1:
         problems.append(f"--rounds and --sets: expected >= 1, got {args.rounds} and {args.sets}")

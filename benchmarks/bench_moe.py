@@ -16,11 +16,18 @@ Every graph is replayed for --warm-ms (200) before it is timed: the card leaves 
 within ~0.1 s of sustained tensor-core work (RESULTS.md, "Sustained load").
 
     python3 benchmarks/bench_moe.py [--models all] [--tokens 1 8 64 512 4096 16384] [--json F]
+    python3 benchmarks/table_moe.py F; python3 benchmarks/plot_moe.py F      # its table, its chart
+
+Needs PyTorch with a CUDA GPU, numpy, and the built plugins (`make`: factors/moe_fused_gemm*.so,
+or --factors); --help needs none of them. Every argument is checked before any work. Exit
+status: 0 every row timed; 1 a row failed its check (not timed); 2 bad arguments, or what it
+needs is missing.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import runpy
 import sys
 import time
 from pathlib import Path
@@ -30,9 +37,19 @@ try:
 except ImportError:  # --help works without it; a run says it needs it
     torch = None
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from ex_engine import FactorRegistry, moe_fused_gemm  # noqa: E402
-from ex_engine.moe_layer import case_problems, load_models_or_exit, output_file_problem, report_problems  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+# standard library only, loaded by path: --help answers where the package (numpy) does not import
+_scripts = runpy.run_path(str(ROOT / "ex_engine" / "_scripts.py"))
+exit_quietly_on_broken_pipe = _scripts["exit_quietly_on_broken_pipe"]
+try:
+    from ex_engine import FactorRegistry, moe_fused_gemm  # noqa: E402
+    from ex_engine.moe_layer import (case_problems, load_models_or_exit, models_help,  # noqa: E402
+                                     output_file_problem, report_problems)
+    NO_PACKAGE = ""
+except ImportError as exc:  # numpy missing: a run says so in one line
+    FactorRegistry = None
+    NO_PACKAGE = f"needs numpy, PyTorch and a CUDA GPU (the ex_engine package does not import: {exc})"
 from _timing import ceilings, graph_us, host_us, run_meta  # noqa: E402
 
 PEAK_TFLOPS, PEAK_GBS = 787.0, 4230.0
@@ -119,24 +136,37 @@ def eager_time_us(fn, args, reps):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--models", nargs="+", default=["all"], help="models of manifests/moe_models.yaml, or all")
-    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 64, 512, 4096, 16384], help="token counts T")
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=_scripts["HelpFormatter"])
+    listed = models_help(all_ok=True) if FactorRegistry else "see manifests/moe_models.yaml (listing them needs numpy)"
+    ap.add_argument("--models", nargs="+", default=["all"], metavar="MODEL",
+                    help=f"models of manifests/moe_models.yaml, or all (alone: every model): {listed}")
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 64, 512, 4096, 16384], metavar="T",
+                    help="token counts T, each >= 1")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"], help="activation and weight dtype")
-    ap.add_argument("--sets", type=int, default=4, help="independently routed input sets rotated per graph")
-    ap.add_argument("--skew", action="store_true", help="also run skewed routing (hot experts)")
-    ap.add_argument("--fallback-max-t", type=int, default=64, help="time the Python fallback up to this T")
-    ap.add_argument("--json", default=None, help="write meta and every row here")
+    ap.add_argument("--sets", type=int, default=4,
+                    help="independently routed input sets rotated through each graph (>= 1)")
+    ap.add_argument("--skew", action="store_true",
+                    help="also time skewed routing (a few hot experts take most tokens) at T = 64 and "
+                         "T = 4096 for every model, whatever --tokens says")
+    ap.add_argument("--fallback-max-t", type=int, default=64,
+                    help="time the Python fallback (eager, 3 calls) at each T up to this")
+    ap.add_argument("--json", default=None, metavar="FILE",
+                    help="write the run's meta and every row here, after each row (a run cut short "
+                         "keeps what it measured); not written by default")
     ap.add_argument("--warm-ms", type=float, default=200.0,
-                    help="replay each graph this long before timing it (default 200: rows are timed "
-                         "at the clocks of sustained load, which the card reaches within ~0.1 s)")
-    ap.add_argument("--factors", default=None,
-                    help="folder of plugin libraries to load (default factors/): e.g. an older build, to compare")
+                    help="replay each graph this many ms before timing it, 0..60000: rows are timed "
+                         "at the clocks of sustained load, which the card reaches within ~0.1 s")
+    ap.add_argument("--factors", default=None, metavar="FOLDER",
+                    help="folder of plugin libraries to load, e.g. an older build to compare "
+                         "(default: factors/)")
     args = ap.parse_args()
+    if NO_PACKAGE:
+        print(f"bench_moe: {NO_PACKAGE}", file=sys.stderr)
+        return 2
     models = load_models_or_exit("bench_moe")
     names = sorted(models) if args.models == ["all"] else args.models
     # every argument checked before any work (a mistake found after a row would lose it)
-    problems = case_problems(models, names, args.tokens, args.factors, all_ok=True)
+    problems = case_problems(models, args.models, args.tokens, args.factors, all_ok=True)
     if args.sets < 1:
         problems.append(f"--sets: expected >= 1, got {args.sets}")
     if not 0 <= args.warm_ms <= 60000:
@@ -242,5 +272,4 @@ def main():
 
 
 if __name__ == "__main__":
-    from ex_engine.cli import exit_quietly_on_broken_pipe
     exit_quietly_on_broken_pipe(main)

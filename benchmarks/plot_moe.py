@@ -1,17 +1,27 @@
 #!/usr/bin/env python3
-"""Chart of bench_moe.py's JSON: time over floor against T, one line per implementation,
-one panel per model (uniform routing; vLLM's times are PERF.md's, measured in another process on
-the same inputs).   python3 benchmarks/plot_moe.py bench_moe.json -o benchmarks/moe_vs_floor.png"""
+"""Chart of bench_moe.py's JSON: time over floor against T, one line per implementation (ours,
+the torch._grouped_mm pipeline, vLLM's fused_moe, the Python fallback), one panel per model
+(uniform routing; vLLM's times are PERF.md's, measured in another process on the same inputs).
+
+    python3 benchmarks/plot_moe.py bench_moe.json -o benchmarks/moe_vs_floor.png
+
+Needs matplotlib (--help does not). Exit status: 0 written; 2 a problem with the JSON or the
+output file, or no matplotlib (every problem is listed before any drawing).
+"""
 import argparse
 import json
+import runpy
 import sys
 from collections import defaultdict
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
 from perf_peers import VLLM_US  # noqa: E402
-from ex_engine.moe_layer import output_file_problem, report_problems  # noqa: E402
+
+# standard library only, loaded by path: --help works without numpy (the package's __init__)
+_scripts = runpy.run_path(str(HERE.parent / "ex_engine" / "_scripts.py"))
+output_file_problem, report_problems = _scripts["output_file_problem"], _scripts["report_problems"]
 
 try:
     import matplotlib
@@ -23,10 +33,11 @@ except ImportError:  # --help works without it; a run says it needs it
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("json", help="the --json output of benchmarks/bench_moe.py")
-    ap.add_argument("-o", "--output", default="benchmarks/moe_vs_floor.png",
-                    help="PNG to write (default: %(default)s, which it overwrites)")
+    ap.add_argument("-o", "--output", default=str(HERE / "moe_vs_floor.png"),
+                    help=".png, .pdf or .svg file to write, overwritten if it exists (default: "
+                         "moe_vs_floor.png in this script's folder, benchmarks/, wherever it is run from)")
     a = ap.parse_args()
     problems = [output_file_problem("--output", a.output)]
     if not problems[0] and Path(a.output).suffix.lower() not in (".png", ".pdf", ".svg"):
@@ -92,7 +103,11 @@ def main():
     fig.suptitle(f"MoE layer time over the H200 floor, {m['dtype']}, CUDA-graph replay "
                  f"({m['device']}, {m['date']}, commit {m['commit']})", fontsize=11)
     fig.tight_layout()
-    fig.savefig(a.output, dpi=110)
+    try:
+        fig.savefig(a.output, dpi=110)
+    except OSError as exc:   # checked before drawing, but a disk can fill or a folder go meanwhile
+        report_problems("plot_moe", [f"--output: cannot write {a.output}: {exc.strerror or exc}"])
+        return 2
     print("wrote", a.output)
 
 

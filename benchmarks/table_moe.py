@@ -1,45 +1,132 @@
 #!/usr/bin/env python3
 """Markdown table of bench_moe.py's JSON, with PERF.md's vLLM times beside ours.
-    python3 benchmarks/table_moe.py bench_moe.json"""
+
+    python3 benchmarks/table_moe.py bench_moe.json > table.md
+
+One row per bench_moe row: floor, our time and its ratio to the floor, TFLOP/s and GB/s, the
+torch._grouped_mm pipeline ('gmm'), vLLM's time from PERF.md (uniform routing only; measured in
+another process) and the Python fallback. Where the JSON has the ratio against the ceilings
+measured during the run (bench_moe's 'x_floor_here', newer files), an 'x here' column follows
+'ours/floor'. '-' is a time not measured (a gmm peer that could not be captured, a T beyond
+--fallback-max-t, no vLLM time); a row whose check failed says so in its 'ours' cell.
+
+Needs only the standard library (no numpy, no torch). Exit status: 0 a table; 1 the reader left
+early (`| head`); 2 a file that is not bench_moe.py's JSON, or one without rows.
+"""
 import argparse
 import json
-import sys
+import runpy
 from pathlib import Path
 
 from perf_peers import VLLM_US
 
+# standard library only, loaded by path: importing the package would pull numpy for one helper
+_scripts = runpy.run_path(str(Path(__file__).resolve().parents[1] / "ex_engine" / "_scripts.py"))
 
-def main(path):
+NUMBERS = ("floor_us", "ours_us", "x_floor", "tflops", "gbs")   # what a timed row must have
+
+
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def row_problem(i: int, r) -> str:
+    """What keeps row ``i`` out of the table ('' if nothing): not a mapping, no model or T, a
+    timed row (one with ours_us) without one of NUMBERS, an optional time that is not a number."""
+    if not isinstance(r, dict):
+        return f"row {i}: expected a mapping, got {type(r).__name__}"
+    if not isinstance(r.get("model"), str) or not isinstance(r.get("T"), int):
+        return f"row {i}: expected 'model' (a name) and 'T' (an integer), got {r.get('model')!r} and {r.get('T')!r}"
+    where = f"row {i} ({r['model']} T={r['T']})"
+    need = NUMBERS if "ours_us" in r else ()
+    for k in need:
+        if not _number(r.get(k)):
+            return f"{where}: '{k}': expected a number, got {r.get(k, 'nothing')!r}"
+    for k in ("gmm_us", "fallback_us", "x_floor_here", "floor_us"):
+        if r.get(k) is not None and not _number(r[k]):
+            return f"{where}: '{k}': expected a number or null, got {r[k]!r}"
+    return ""
+
+
+def header(m: dict, here: bool) -> str:
+    """The line above the table: what the meta records, and only that."""
+    known = lambda k: m.get(k) if m.get(k) not in (None, "") else "?"
+    sets = m.get("sets")
+    over = (f"over {sets} independently routed input sets" if sets else
+            "over independently routed input sets (how many: not recorded)")
+    text = (f"{known('device')}, {known('date')}, commit {known('commit')}, {known('dtype')}, "
+            f"torch {known('torch')}; µs per call, CUDA-graph replay {over}")
+    if m.get("warm_ms") is not None:
+        text += f", each graph replayed {m['warm_ms']:g} ms before timing"
+    c = m.get("ceilings_here")
+    if here and isinstance(c, dict) and _number(c.get("matmul_tflops")) and _number(c.get("copy_gbs")):
+        text += (f"; 'x here': ours over the floor at the ceilings measured in this run "
+                 f"({c['matmul_tflops']:.0f} TFLOP/s, {c['copy_gbs']:.0f} GB/s)")
+    elif here:
+        text += "; 'x here': ours over the floor at the ceilings measured in this run"
+    return text
+
+
+def cells(r: dict, here: bool) -> list:
+    """The row's cells, as many as the header has."""
+    skewed = bool(r.get("skewed", False))
+    route = "skewed" if skewed else "uniform"
+    floor = f"{r['floor_us']:.1f}" if r.get("floor_us") is not None else "-"
+    width = 14 if here else 13
+    if "ours_us" not in r:
+        why = str(r.get("error") or "not timed").replace("|", "\\|")
+        return [r["model"], str(r["T"]), route, floor, f"FAILED: {why}"] + ["-"] * (width - 5)
+    ours = r["ours_us"]
+    v = VLLM_US.get((r["model"], r["T"])) if not skewed else None
+    g = r.get("gmm_us")
+    out = [r["model"], str(r["T"]), route, floor, f"{ours:.1f}", f"{r['x_floor']:.2f}"]
+    if here:
+        out.append(f"{r['x_floor_here']:.2f}" if r.get("x_floor_here") is not None else "-")
+    out += [f"{r['tflops']:.0f}", f"{r['gbs']:.0f}",
+            f"{g:.1f}" if g else "-", f"{g / ours:.2f}" if g else "-",
+            f"{v:,.1f}" if v else "-", f"{v / ours:.2f}" if v else "-",
+            f"{r['fallback_us']:,.0f}" if r.get("fallback_us") else "-"]
+    return out
+
+
+def main(path) -> int:
+    problem = ""
     try:
-        d = json.load(open(path))
-        m = d["meta"]
-        d["rows"], m["device"]
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        print(f"table_moe: {path}: expected the JSON that bench_moe.py --json writes (meta and rows): "
-              f"{type(exc).__name__}: {exc}", file=sys.stderr)
+        with open(path) as f:
+            d = json.load(f)
+        if not isinstance(d, dict) or not isinstance(d.get("meta"), dict) or not isinstance(d.get("rows"), list):
+            raise ValueError("expected a mapping with 'meta' (a mapping) and 'rows' (a list)")
+    except (OSError, ValueError) as exc:
+        problem = (f"{path}: expected the JSON that bench_moe.py --json writes (meta and rows): "
+                   f"{type(exc).__name__}: {exc}")
+    else:
+        problems = [p for p in (row_problem(i, r) for i, r in enumerate(d["rows"])) if p]
+        if problems:
+            problem = f"{path}: {problems[0]}" + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else "")
+        elif not d["rows"]:
+            problem = f"{path}: no rows to tabulate"
+    if problem:
+        _scripts["report_problems"]("table_moe", [problem])
         return 2
-    print(f"{m['device']}, {m['date']}, commit {m['commit']}, {m['dtype']}, torch {m['torch']}; "
-          "µs per call, CUDA-graph replay over 4 independently routed input sets\n")
-    print("| model | T | routing | floor | ours | ours/floor | TFLOP/s | GB/s | gmm | gmm/ours | vLLM (PERF.md) | vLLM/ours | fallback |")
-    print("| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-    for r in d["rows"]:
-        if "ours_us" not in r:
-            print(f"| {r['model']} | {r['T']} | | | FAILED: {r.get('error')} |")
-            continue
-        v = VLLM_US.get((r["model"], r["T"])) if not r["skewed"] else None
-        g = r.get("gmm_us")
-        ours = r["ours_us"]
-        vl = f"{v:,.1f}" if v else "-"
-        vr = f"{v / ours:.2f}" if v else "-"
-        fb = f"{r['fallback_us']:,.0f}" if r.get("fallback_us") else "-"
-        route = "skewed" if r["skewed"] else "uniform"
-        print(f"| {r['model']} | {r['T']} | {route} | {r['floor_us']:.1f} | {ours:.1f} | "
-              f"{r['x_floor']:.2f} | {r['tflops']:.0f} | {r['gbs']:.0f} | {g:.1f} | {g / ours:.2f} | "
-              f"{vl} | {vr} | {fb} |")
+    rows, m = d["rows"], d["meta"]
+    here = any("x_floor_here" in r for r in rows)
+    names = ["model", "T", "routing", "floor", "ours", "ours/floor"] + (["x here"] if here else []) + \
+        ["TFLOP/s", "GB/s", "gmm", "gmm/ours", "vLLM (PERF.md)", "vLLM/ours", "fallback"]
+    print(header(m, here) + "\n")
+    print("| " + " | ".join(names) + " |")
+    print("| " + " | ".join("---" if n in ("model", "routing") else "---:" for n in names) + " |")
+    for r in rows:
+        print("| " + " | ".join(cells(r, here)) + " |")
+    skipped = {}
+    for r in rows:
+        if "ours_us" in r and not r.get("gmm_us") and r.get("gmm_skipped"):
+            skipped[r["gmm_skipped"]] = skipped.get(r["gmm_skipped"], 0) + 1
+    for why, n in skipped.items():
+        print(f"\ngmm '-' ({n} row{'s' if n > 1 else ''}): {why}")
+    return 0
+
 
 if __name__ == "__main__":
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("json", help="the --json output of benchmarks/bench_moe.py")
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # this checkout's ex_engine
-    from ex_engine.cli import exit_quietly_on_broken_pipe
-    exit_quietly_on_broken_pipe(main, ap.parse_args().json)
+    _scripts["exit_quietly_on_broken_pipe"](main, ap.parse_args().json)

@@ -2,11 +2,19 @@
 
 For each model of manifests/moe_models.yaml and each T, forces every tile configuration the
 kernels know (tiny, decode, mid, mid32, mid48, prefill and, with the Hopper plugin, grouped,
-grouped64 and narrow), checks each
-output against a float32 reference, times it (CUDA-graph replay over rotated input sets, as
-bench_moe.py), and writes the fastest per (H, I, G, K, T) to a tuning file that the registry
-reads (manifests/tuning/<device>.yaml; ex_engine/tuning.py documents the format). Entries of
-shapes not tuned in this run are kept. Needs PyTorch and a CUDA GPU.
+grouped64 and narrow), checks each output against a float32 reference, times it (CUDA-graph
+replay over rotated input sets, as bench_moe.py), and writes the fastest per (H, I, G, K, T) to a
+tuning file that the registry reads (ex_engine/tuning.py documents the format). Needs PyTorch, a
+CUDA GPU and the built plugins.
+
+The file (--out; by default this GPU's: manifests/tuning/h200.yaml on an H200 with 132 SMs, else
+manifests/tuning/<device>_<SMs>sm.yaml, e.g. nvidia_a100_sxm4_80gb_108sm.yaml) is merged into
+when it is this GPU's tuning file: rows of shapes and T not tuned in this run are kept, and so is
+its comment header, below the new one. A file that cannot be merged (another GPU's or SM count's
+tuning file, a file that is no tuning file, malformed YAML or a malformed table) is refused
+before any work (exit status 2; for another GPU's file, once the GPU is known) unless --replace
+is given, which writes a new table over it. Exit status: 0 written; 1 written, but a
+configuration failed its check; 2 bad arguments or a file it will not replace.
 
     python3 benchmarks/tune_moe.py --models qwen3-30b-a3b --tokens 1 64 4096 --out my.yaml
 """
@@ -14,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import os
 import re
 import sys
 from pathlib import Path
@@ -28,11 +35,13 @@ except ImportError:  # --help works without it; a run says it needs it
     torch = None
 import yaml  # noqa: E402
 
-from _timing import graph_us  # noqa: E402
+from _timing import graph_us, run_meta  # noqa: E402
 from bench_moe import input_sets, layer_weights, reference, rel  # noqa: E402
-from ex_engine import FactorRegistry, _yaml, moe_fused_gemm  # noqa: E402
-from ex_engine.moe_layer import case_problems, load_models_or_exit, output_file_problem, report_problems  # noqa: E402
-from ex_engine.tuning import tuning_dir  # noqa: E402
+from ex_engine import FactorError, FactorRegistry, moe_fused_gemm  # noqa: E402
+from ex_engine._scripts import HelpFormatter  # noqa: E402
+from ex_engine.moe_layer import (case_problems, load_models_or_exit, models_help,  # noqa: E402
+                                 output_file_problem, report_problems)
+from ex_engine.tuning import _NUMERIC_DEVICE, FactorTuning, TuningTable, tuning_dir  # noqa: E402
 
 CONFIGS = {"tiny": 0, "decode": 1, "mid": 2, "prefill": 3, "grouped": 4, "mid32": 5, "mid48": 6,
            "grouped64": 7, "narrow": 8}
@@ -56,24 +65,83 @@ def candidates(rows_per_expert: float, grouped: bool) -> list:
     return out
 
 
+def default_out(device: str, sms: int) -> Path:
+    """This GPU's tuning file: manifests/tuning/h200.yaml for the H200 (132 SMs), else
+    <device name, lower case, non-word runs as '_'>_<SMs>sm.yaml beside it."""
+    if (device, sms) == ("NVIDIA H200", 132):
+        return tuning_dir() / "h200.yaml"
+    return tuning_dir() / (re.sub(r"\W+", "_", device.lower()).strip("_") + f"_{sms}sm.yaml")
+
+
+def existing_table(out: Path, device: str | None = None, sms: int | None = None):
+    """(data, notes) of the tuning file ``out`` to merge into: its mapping, read and checked as
+    the registry reads it (YAML 1.2, device, the moe_fused_gemm table with key [H, I, G, K]), and
+    its leading comment lines; ({}, []) where there is no file or an empty one. With ``device``
+    and ``sms``: the file must be that GPU's. Raises FactorError saying why it cannot be merged
+    (main refuses to replace such a file unless --replace)."""
+    try:
+        if not out.exists() or not out.read_text().strip():
+            return {}, []
+    except (OSError, UnicodeDecodeError):
+        pass                       # _read says what is wrong with it
+    data = TuningTable._read(out)  # unreadable, not YAML, not a mapping, no device
+    data.pop(_NUMERIC_DEVICE, None)
+    if "moe_fused_gemm" not in data:
+        raise FactorError(f"tuning file {out}: no moe_fused_gemm table (top-level keys "
+                          f"{sorted(map(str, data))}): not a tuning file of this tuner")
+    table = FactorTuning("moe_fused_gemm", data["moe_fused_gemm"], str(out))   # every entry checked
+    if table.key != KEY:
+        raise FactorError(f"tuning file {out}: moe_fused_gemm: key {table.key}, expected {KEY}")
+    if device is not None and (data["device"], data.get("multiprocessor_count")) != (device, sms):
+        raise FactorError(f"tuning file {out}: the table of {data['device']} "
+                          f"({data.get('multiprocessor_count', '?')} SMs), not of this GPU, {device} "
+                          f"({sms} SMs): merging would drop every row of it")
+    notes = []
+    for line in out.read_text().splitlines():
+        if not line.startswith("#"):
+            break
+        notes.append(line)
+    return data, notes
+
+
+def merge_problem(out, replace: bool, device=None, sms=None) -> str:
+    """'' when ``out`` can be merged into (or --replace), else why not and what to do."""
+    if replace or out is None:
+        return ""
+    try:
+        existing_table(Path(out), device, sms)
+    except FactorError as exc:
+        return f"--out: will not replace it: {exc}; give --replace to write a new table over it"
+    return ""
+
+
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--models", nargs="+", default=["all"], help="model names or 'all'")
-    ap.add_argument("--tokens", type=int, nargs="+",
-                    default=[1, 8, 32, 64, 128, 512, 1024, 4096, 16384], help="T values to tune")
-    ap.add_argument("--sets", type=int, default=4, help="routed input sets rotated per graph")
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    ap.add_argument("--models", nargs="+", default=["all"], metavar="MODEL",
+                    help=f"models of manifests/moe_models.yaml, or all (alone: every model): "
+                         f"{models_help(all_ok=True)}")
+    ap.add_argument("--tokens", type=int, nargs="+", metavar="T",
+                    default=[1, 8, 32, 64, 128, 512, 1024, 4096, 16384], help="T values to tune, each >= 1")
+    ap.add_argument("--sets", type=int, default=4, help="routed input sets rotated per graph (>= 1)")
     ap.add_argument("--margin", type=float, default=0.03,
                     help="record a configuration only if it beats the kernel's own choice by this "
-                         "fraction (default 0.03); else record 'auto'")
-    ap.add_argument("--out", default=None,
-                    help="tuning file to write (default manifests/tuning/<profile>.yaml for this GPU)")
+                         "fraction, else record 'auto' (>= 0)")
+    ap.add_argument("--out", default=None, metavar="FILE",
+                    help="tuning file to merge into or write (default: this GPU's, "
+                         "manifests/tuning/h200.yaml on an H200, else manifests/tuning/<device>_<SMs>sm.yaml); "
+                         "one that cannot be merged is refused unless --replace")
+    ap.add_argument("--replace", action="store_true",
+                    help="write a new table over --out's file, keeping none of its rows, where it cannot "
+                         "be merged (another GPU's tuning file, no tuning file, malformed)")
     args = ap.parse_args()
     models = load_models_or_exit("tune_moe")
     # every argument checked before any work (the tuning file is written after the whole run)
-    problems = case_problems(models, [m for m in args.models if m != "all"], args.tokens, all_ok=True)
+    problems = case_problems(models, args.models, args.tokens, all_ok=True)
     if args.sets < 1 or args.margin < 0:
         problems.append(f"--sets and --margin: expected >= 1 and >= 0, got {args.sets} and {args.margin}")
     problems.append(output_file_problem("--out", args.out))
+    if not problems[-1]:
+        problems.append(merge_problem(args.out, args.replace))
     if report_problems("tune_moe", problems):
         return 2
     if torch is None or not torch.cuda.is_available():
@@ -87,19 +155,10 @@ def main() -> int:
     grouped = "sm90" in plugin.path.name
     device = torch.cuda.get_device_name()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    out = Path(args.out) if args.out else tuning_dir() / (
-        "h200.yaml" if (device, sms) == ("NVIDIA H200", 132)
-        else re.sub(r"\W+", "_", device.lower()).strip("_") + f"_{sms}sm.yaml")
-    text = out.read_text() if out.exists() else ""
-    data = _yaml.load(text) if text else None   # read as the registry reads it (YAML 1.2 floats)
-    notes = []                     # the merged file's own comment lines, kept below the new header
-    if not isinstance(data, dict) or (data.get("device"), data.get("multiprocessor_count")) != (device, sms):
-        data = {}                  # another device's (or no) table: start a new one, merge nothing
-    else:
-        for line in text.splitlines():
-            if not line.startswith("#"):
-                break
-            notes.append(line)
+    out = Path(args.out) if args.out else default_out(device, sms)
+    if report_problems("tune_moe", [merge_problem(out, args.replace, device, sms)]):
+        return 2
+    data, notes = ({}, []) if args.replace else existing_table(out, device, sms)
     data.update({"device": device, "multiprocessor_count": sms})
     table = data.setdefault("moe_fused_gemm", {})
     table.update({"dim": "config", "key": KEY, "values": VALUES})
@@ -151,7 +210,7 @@ def main() -> int:
         rows[T] = [T, best, round(times[best], 1), round(times["auto"], 1)]
         entry["by_T"] = [rows[t] for t in sorted(rows)]
     table["shapes"] = [shapes[k] for k in sorted(shapes)]
-    commit = os.environ.get("EX_COMMIT", "?")
+    commit = run_meta()["commit"]   # EX_COMMIT, else git describe of this checkout
     header = (f"# Tuned tile configurations of moe_fused_gemm on {device} (written by "
               f"benchmarks/tune_moe.py, {datetime.date.today().isoformat()}, commit {commit}).\n"
               "# by_T rows: [T, configuration, its µs, µs of the kernel's own choice ('auto')]; a\n"

@@ -16,6 +16,7 @@ import threading
 import warnings
 
 from . import _paths
+from ._scripts import _reader_left, exit_quietly_on_broken_pipe  # noqa: F401 (the scripts' import)
 from .errors import FactorError
 from .hardware import Hardware, list_profiles, profiles_problem, resolve
 from .trust import CHILD_TIMEOUT_S
@@ -509,26 +510,6 @@ def main(argv=None) -> int:
         return 128 + signal.SIGTERM
     except BrokenPipeError:          # `ex-engine list-factors | head`: the reader left early
         return _reader_left()
-
-
-def _reader_left() -> int:
-    """After a BrokenPipeError on stdout (`... | head`: the reader left early): stdout goes to
-    /dev/null, so that Python's flush at exit raises nothing more; returns the exit status 1."""
-    import os
-    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-    return 1
-
-
-def exit_quietly_on_broken_pipe(script_main, *args) -> None:
-    """``sys.exit(script_main(*args))`` for the scripts in benchmarks/ and scripts/: a reader
-    that leaves early (`bench_moe.py | head`) ends the script with status 1, not a
-    BrokenPipeError traceback, as ex-engine's own commands do. Never returns."""
-    try:
-        code = script_main(*args)
-        sys.stdout.flush()
-    except BrokenPipeError:
-        code = _reader_left()
-    sys.exit(code)
 
 
 if __name__ == "__main__":

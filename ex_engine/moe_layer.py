@@ -8,7 +8,6 @@ fallback's float32 semantics, the experts against float64).
 from __future__ import annotations
 
 import os
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +16,7 @@ import numpy as np
 import yaml
 
 from . import _paths, _yaml
+from ._scripts import output_file_problem, report_problems  # noqa: F401 (the scripts' import)
 from .arrays import Bits16, TensorRef, f32_to_bf16_bits
 from .errors import ArgumentError, DTypeError, FactorError, ShapeError, is_integer, one_line
 from .fallbacks import moe_fused_gemm_math, topk_softmax_math
@@ -112,10 +112,17 @@ def load_models(path=None) -> dict:
 
 def case_problems(models: dict, names, tokens, factors=None, all_ok: bool = False) -> list:
     """What is wrong with a benchmark tool's --models / --tokens / --factors (strings; [] if
-    nothing): models not in ``models`` (``all_ok``: 'all' is a choice too), T < 1, a plugin
-    folder that does not exist. Checked before any work, so a mistake loses no measurement."""
+    nothing): models not in ``models`` (``all_ok``: 'all' is a choice too, standing alone: 'all'
+    beside names is refused, not read as a model called 'all'), T < 1, a plugin folder that does
+    not exist. Checked before any work, so a mistake loses no measurement."""
     choices = (["all"] if all_ok else []) + sorted(models)
-    out = [f"--models: {m!r} is not one of {', '.join(choices)}" for m in names if m not in models]
+    out = []
+    if all_ok and "all" in names:
+        if len(names) > 1:
+            out.append(f"--models: 'all' (every model) stands alone; give it or model names, not both, "
+                       f"got {' '.join(names)}")
+        names = [m for m in names if m != "all"]
+    out += [f"--models: {m!r} is not one of {', '.join(choices)}" for m in names if m not in models]
     if not tokens:
         out.append("--tokens: expected at least one T")
     elif min(tokens) < 1:
@@ -125,32 +132,28 @@ def case_problems(models: dict, names, tokens, factors=None, all_ok: bool = Fals
     return out
 
 
-def output_file_problem(flag: str, path) -> str:
-    """What stops a tool from writing its output file ``path`` ('' if nothing): a folder in its
-    place, a parent folder that does not exist, no write permission. Tools check it before any
-    work, so a bad destination never loses a run's measurements at the end."""
-    if path is None:
-        return ""
-    p = Path(path)
-    if p.is_dir():
-        return f"{flag}: {path} is a folder; expected a file path"
-    parent = p.resolve().parent
-    if not parent.is_dir():
-        return f"{flag}: folder {p.parent} does not exist"
-    if p.exists() and not os.access(p, os.W_OK):
-        return f"{flag}: {path} is not writable"
-    if not p.exists() and not os.access(parent, os.W_OK):
-        return f"{flag}: folder {p.parent} is not writable"
-    return ""
+def parse_cases(models: dict, cases) -> tuple:
+    """([(model, T)], problems) of a benchmark tool's --cases, 'model:T' strings: one problem per
+    case that names no model of ``models`` or no T >= 1, every one listed (not the first alone)."""
+    out, problems = [], []
+    for c in cases:
+        m, _, t = c.partition(":")
+        if m not in models or not t.isdigit() or int(t) < 1:
+            problems.append(f"case {c!r}: expected model:T with T >= 1 and a model of moe_models.yaml "
+                            f"({', '.join(sorted(models))})")
+        else:
+            out.append((m, int(t)))
+    return out, problems
 
 
-def report_problems(tool: str, problems) -> bool:
-    """Print each non-empty problem as '<tool>: <problem>' on stderr; True if there was any (the
-    tool then exits with status 2 before any work)."""
-    problems = [p for p in problems if p]
-    for p in problems:
-        print(f"{tool}: {p}", file=sys.stderr)
-    return bool(problems)
+def models_help(all_ok: bool = False) -> str:
+    """The model names of manifests/moe_models.yaml for a --help text ('all, ' first with
+    ``all_ok``), or, where the list cannot be read, why (--help answers all the same)."""
+    try:
+        names = sorted(load_models())
+    except FactorError as exc:
+        return f"none readable: {exc}"
+    return ", ".join((["all"] if all_ok else []) + names)
 
 
 def load_models_or_exit(tool: str) -> dict:

@@ -54,10 +54,11 @@ from ex_engine import FactorRegistry, moe_fused_gemm, set_default_registry, topk
 from ex_engine.distributed import (ExpertParallelMoE, expert_owner, expert_partition,  # noqa: E402
                                    init_from_env, shutdown)
 from ex_engine.hardware import Hardware  # noqa: E402
-from ex_engine.cli import token_count  # noqa: E402
 from ex_engine.moe_layer import load_models_or_exit, output_file_problem, report_problems  # noqa: E402
 
 MODELS = load_models_or_exit("ep_moe")
+PATH_NAMES = {"plugin": "{plugin}", "kernel_fallback": "{plugin}'s kernel_fallback",
+              "python_fallback": "the Python fallback"}
 DEFAULT_MODELS = ["qwen3-30b-a3b", "mixtral-8x7b"]
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16} if torch else {}
 
@@ -340,6 +341,31 @@ def bench_case(ctx: Ctx, shape, T, w13, w2, ep, inputs, args) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------
+def token_count(v: str) -> int:
+    """argparse type: a token count T >= 1 (a word or 0 get the same message)."""
+    try:
+        n = int(v)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer T >= 1, got {v!r}")
+    return n
+
+
+def served(reg, before: dict, factor: str = "moe_fused_gemm"):
+    """(what served ``factor``'s calls since ``before`` (a reg.stats()), {path: calls}): the
+    plugin's name and version where it served them all, else each path that served with its
+    count ('the Python fallback' for CPU tensors, or where no plugin is ready)."""
+    after = reg.stats().get(factor, {})
+    counts = {k: after.get(k, 0) - before.get(factor, {}).get(k, 0) for k in PATH_NAMES}
+    counts = {k: n for k, n in counts.items() if n}
+    p = reg.get(factor)
+    name = lambda k: PATH_NAMES[k].format(plugin=f"{p.path.name} {p.version}" if p else "no plugin")
+    if len(counts) == 1:
+        return name(next(iter(counts))), counts
+    return ", ".join(f"{name(k)} ({n} calls)" for k, n in counts.items()) or "no call", counts
+
+
 def run_model(ctx: Ctx, name: str, args, results: dict) -> None:
     shape = MODELS[name]
     if args.tiny:
@@ -394,7 +420,7 @@ def main(argv=None) -> int:
                     metavar="MODEL", help=f"models of manifests/moe_models.yaml (default: "
                                           f"{' '.join(DEFAULT_MODELS)}; any of {', '.join(sorted(MODELS))})")
     ap.add_argument("--tokens", nargs="+", type=token_count, default=[64, 4096], metavar="T",
-                    help="token counts (default: 64 4096)")
+                    help="token counts, each >= 1 (default: 64 4096)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"],   # TORCH_DTYPES' keys
                     help="activation and weight dtype (default bfloat16)")
     ap.add_argument("--routing", default="router", choices=["router", "random"],
@@ -408,7 +434,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None, metavar="PATH", help="write the results here (rank 0)")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                     help="cuda (default): one GPU per rank, NCCL; cpu: a smoke test of this script "
-                         "without GPUs (gloo, torch CPU tensors, Python fallback; use with --tiny)")
+                         "without GPUs (gloo, torch CPU tensors, the Python fallback), with --tiny only")
     ap.add_argument("--tiny", action="store_true",
                     help="tiny layers (H 64, I 32, at most 16 experts, top-4): a smoke test")
     args = ap.parse_args(argv)
@@ -416,18 +442,18 @@ def main(argv=None) -> int:
     if args.replays < 1 or args.calls < 0:
         problems.append(f"--replays: expected >= 1 and --calls >= 0 (0: the default), got "
                         f"--replays {args.replays} --calls {args.calls}")
-    if min(args.tokens) < 1:
-        problems.append(f"--tokens: expected T >= 1, got {' '.join(map(str, args.tokens))}")
-    if report_problems("[ep_moe]", problems):
-        return 2
+    if args.device == "cpu" and not args.tiny:   # minutes per model on the Python fallback
+        problems.append("--device cpu: expected with --tiny (a smoke test); full-size layers run on the "
+                        "Python fallback on the CPU for minutes per model")
     if torch is None:
-        print("[ep_moe] needs PyTorch (torchrun, torch.distributed)", file=sys.stderr)
+        problems.append("needs PyTorch (torchrun, torch.distributed)")
+    if report_problems("ep_moe", problems):
         return 2
     if not (args.check or args.bench):
         args.check = True
     cuda = args.device == "cuda"
     if cuda and not torch.cuda.is_available():
-        print("[ep_moe] needs CUDA GPUs (one process per GPU under torchrun), or --device cpu",
+        print("ep_moe: needs CUDA GPUs (one process per GPU under torchrun), or --device cpu --tiny",
               file=sys.stderr)
         return 2
     rank, world, local_rank = init_from_env(backend="nccl" if cuda else "gloo")
@@ -442,20 +468,26 @@ def main(argv=None) -> int:
         nccl = None
     info = {"torch": torch.__version__, "nccl": nccl, "world_size": world,
             "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if cuda else [],
-            "moe_fused_gemm": f"{p.path.name} {p.version}" if p else None,
+            # what serves: CPU tensors take the Python fallback whatever plugin is loaded (the
+            # header's guess; after the run, what served by the registry's counts)
+            "moe_fused_gemm": (f"{p.path.name} {p.version}" if p else "the Python fallback") if cuda
+            else "the Python fallback (CPU tensors)",
             "NCCL_NVLS_ENABLE": os.environ.get("NCCL_NVLS_ENABLE"),
             "routing": args.routing, "dtype": args.dtype, "seed": args.seed, "device": args.device,
             "tiny": args.tiny}
     ctx.log(f"[ep_moe] world {world} ({info['gpus'][0] if info['gpus'] else args.device}), torch {info['torch']}, "
             f"NCCL {info['nccl']}, moe_fused_gemm {info['moe_fused_gemm']}, NCCL_NVLS_ENABLE="
             f"{info['NCCL_NVLS_ENABLE']}; models {args.models}, T {args.tokens}")
-    if p is None:
+    if p is None and cuda:
         ctx.log("[ep_moe] warning: no moe_fused_gemm plugin is ready; the Python fallback serves (slow)")
     results = {"info": info, "check": [], "bench": []}
     t0 = time.perf_counter()
+    before = reg.stats()
     for name in args.models:
         run_model(ctx, name, args, results)
     results["seconds"] = time.perf_counter() - t0
+    info["moe_fused_gemm"], info["moe_fused_gemm_calls"] = served(reg, before)   # rank 0's calls
+    ctx.log(f"[ep_moe] moe_fused_gemm served by {info['moe_fused_gemm']} (rank 0)")
     results["ok"] = all(c["ok"] for c in results["check"])
     if args.check:
         n, n_fail = len(results["check"]), sum(not c["ok"] for c in results["check"])

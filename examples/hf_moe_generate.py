@@ -37,6 +37,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from ex_engine._scripts import HelpFormatter  # noqa: E402
 from ex_engine.moe_layer import output_file_problem, report_problems  # noqa: E402
 
 try:  # --help works without PyTorch; a run needs it (and transformers)
@@ -264,13 +265,17 @@ def run_model(name: str, args) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default="all", choices=[*MODELS, "all"])
-    ap.add_argument("--tokens", type=int, default=64, help="tokens to generate (default 64)")
-    ap.add_argument("--prompt-len", type=int, default=16)
-    ap.add_argument("--vocab", type=int, default=4096)
-    ap.add_argument("--layers", type=int, default=None, help="override the number of layers")
-    ap.add_argument("--seed", type=int, default=0)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    ap.add_argument("--model", default="all", choices=[*MODELS, "all"],
+                    help="the model whose config is built (see above), or all of them in turn")
+    ap.add_argument("--tokens", type=int, default=64,
+                    help="tokens to generate, >= 5: the first 4 steps are warm-ups, not timed")
+    ap.add_argument("--prompt-len", type=int, default=16, help="tokens of the random prompt (>= 1)")
+    ap.add_argument("--vocab", type=int, default=4096,
+                    help="vocabulary size of the built model (>= 2)")
+    ap.add_argument("--layers", type=int, default=None,
+                    help="override the number of layers (>= 1; default: the model's, above; 2 with --tiny)")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the weights and the prompt")
     ap.add_argument("--rtol", type=float, default=2e-2,
                     help="logit tolerance as a fraction of the largest |logit| (default 0.02)")
     ap.add_argument("--device", default=None,

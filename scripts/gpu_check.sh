@@ -8,10 +8,25 @@
 #                                            time of one eager call by stage; ep: every GPU)
 # On the lent H200: carry .whl (cffi + pycparser cp312 wheels: cffi is not installed there)
 # and, to skip the build there, the factors/*.so built here.
+#
+# Environment variables (all optional):
+#   OUT               folder of the logs and result files (default: gpu_out/ in the repository root)
+#   SELFTEST_ARGS     arguments of each scripts/gpu_*_selftest.py (e.g. --quick --no-timing)
+#   BENCH_ARGS        arguments of benchmarks/bench_moe.py (e.g. --models qwen3-30b-a3b --skew);
+#                     its --json is always $OUT/bench_moe.json
+#   TUNE_ARGS         arguments of benchmarks/tune_moe.py, whose --out is always $OUT/tuning.yaml
+#                     (a copy of manifests/tuning/h200.yaml where none is there yet: tune_moe.py
+#                     merges into this GPU's file and refuses another GPU's: on a GPU other than
+#                     the H200, give TUNE_ARGS=--replace)
+#   TESTS_TIMEOUT (300), SELFTEST_TIMEOUT (150, each self-test), RUN_TIMEOUT (300),
+#   BENCH_TIMEOUT (500: bench, bench_rn and host each), TUNE_TIMEOUT (400), EP_TIMEOUT (300, each
+#   torchrun): seconds before a stage's command is stopped (a stopped stage fails)
+# Exit status: 0 every stage passed; 1 a stage failed (a self-test that tested nothing, or GPU
+# tests that all skipped, fail too); 2 an unknown stage, or carried wheels that do not install.
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 if [ "${1:-}" = "-h" ] || [ "${1:-}" = "--help" ]; then
-  sed -n '2,10p' "$0" | sed 's/^# \{0,1\}//'
+  sed -n '2,/^set -u/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'
   exit 0
 fi
 OUT=${OUT:-$PWD/gpu_out}

@@ -11,7 +11,9 @@ guard bytes after the workspace), the call chain kernel -> kernel_fallback as th
 compared against a float64 reference (act rounded to the dtype, as the contract says); then a second
 call must give bit-identical output, a CUDA-graph replay too; invalid ids must set status bit 0.
 Prints a PASS/FAIL table and timings (informative: median of 20, eager and graph replay).
-Exit status 0 only if every check passed.
+Exit status: 0 every check passed on at least one library; 1 a check failed, or nothing was
+tested (no library built, or none serves this device: "NOTHING TESTED"); 2 bad arguments, or no
+CuPy or no CUDA device that CuPy can use.
 
 Libraries: by default both factors/moe_fused_gemm.so (portable, mma.sync) and, where it exists and
 serves this device (cc 9.0), factors/moe_fused_gemm_sm90.so (CUTLASS grouped GEMMs for prefill,
@@ -32,6 +34,7 @@ experts hit / 4.23 TB/s) and time/floor per mode.
 import argparse
 import ctypes
 import os
+import runpy
 import sys
 from ctypes import POINTER, CFUNCTYPE, Structure, c_char, c_char_p, c_int, c_int32, c_int64, c_uint32, c_void_p
 
@@ -43,6 +46,9 @@ except ImportError:
     cp = cupyx = None
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# standard library only, loaded by path: this script imports neither the package nor cffi
+_scripts = runpy.run_path(os.path.join(ROOT, "ex_engine", "_scripts.py"))
+cupy_with_gpu = _scripts["cupy_with_gpu"]
 
 EX_DTYPE_FLOAT32, EX_DTYPE_FLOAT16, EX_DTYPE_BFLOAT16 = 0, 1, 2
 EX_OK, EX_FALLBACK = 0, -1
@@ -688,7 +694,7 @@ def side_by_side(names, all_results):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=_scripts["HelpFormatter"])
     ap.add_argument("--lib", "--so", dest="libs", action="append", default=None,
                     help="plugin library to test (repeatable); default: factors/moe_fused_gemm.so and "
                          "factors/moe_fused_gemm_sm90.so")
@@ -709,8 +715,9 @@ def main():
         print(f"gpu_moe_selftest: expected --modes from {','.join(known_modes)} and --rotate >= 1, "
               f"got --modes {a.modes} --rotate {a.rotate}", file=sys.stderr)
         return 2
-    if cp is None:
-        print("gpu_moe_selftest: needs CuPy and a CUDA GPU", file=sys.stderr)
+    usable, why = cupy_with_gpu()
+    if usable is None:   # not 'skipped' library by library, nor a traceback at the first CUDA call
+        print(f"gpu_moe_selftest: needs CuPy and a CUDA GPU: {why}", file=sys.stderr)
         return 2
 
     explicit = a.libs is not None
@@ -740,6 +747,9 @@ def main():
             break
     if len(names) > 1 and not a.no_timing:
         side_by_side(names, all_results)
+    if failed == 0 and not names:      # every library skipped: no PASS to claim
+        print("\nNOTHING TESTED: no library was built or serves this device (see 'skipped' above)")
+        return 1
     print(f"\n{'ALL PASS' if failed == 0 else f'{failed} FAILED'}")
     return 0 if failed == 0 else 1
 

@@ -8,7 +8,9 @@
 Loads each plugin with ctypes, builds an ex_hardware_t from the device's properties, checks the
 ABI fields and the tuning, then checks `kernel` and `kernel_fallback` against float64 numpy
 references on awkward shapes, every dtype, special values and strided / misaligned views, with
-outputs poisoned before each call.  Prints a PASS/FAIL table (and timings); exits 1 on any failure.
+outputs poisoned before each call.  Prints a PASS/FAIL table (and timings).  Exit status: 0 every
+check passed; 1 a check failed, or nothing was tested (neither library loads and serves this
+device); 2 no CuPy, or no CUDA device that CuPy can use.
 
 topk_softmax reference (manifests/topk_softmax.yaml): ranking by logit with NaN as -inf, ties to
 the lowest index (a stable sort); p = exp(l - m) / sum exp(l - m) with NaN -> 0, the +inf entries
@@ -24,6 +26,7 @@ bfloat16 data live in uint16 CuPy arrays; the conversions are done in numpy with
 import argparse
 import ctypes
 import os
+import runpy
 import struct
 import sys
 
@@ -56,6 +59,9 @@ class ExTuning(ctypes.Structure):
 KERNEL_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p),
                              ctypes.c_int, ctypes.POINTER(ctypes.c_int64), ctypes.c_int, ctypes.c_void_p)
 ERROR_FN = ctypes.CFUNCTYPE(ctypes.c_char_p)
+# standard library only, loaded by path: this script does not import the package
+_scripts = runpy.run_path(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "ex_engine", "_scripts.py"))
+cupy_with_gpu = _scripts["cupy_with_gpu"]
 
 
 class ExFactor(ctypes.Structure):
@@ -561,7 +567,7 @@ def run_timing(cp, norm, topk, stream):
 
 # --------------------------------------------------------------------------------------------
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=_scripts["HelpFormatter"])
     here = os.path.dirname(os.path.abspath(__file__))
     ap.add_argument("--factors", default=os.path.join(here, "..", "factors"), help="folder of the .so files")
     ap.add_argument("--suffix", default=".so", help="library file suffix")
@@ -569,10 +575,9 @@ def main():
     ap.add_argument("--quick", action="store_true", help="skip T=16384 in the topk sweep")
     args = ap.parse_args()
 
-    try:
-        import cupy as cp
-    except ImportError:
-        print("gpu_router_norm_selftest: needs CuPy and a CUDA GPU", file=sys.stderr)
+    cp, why = cupy_with_gpu()
+    if cp is None:       # not a CUDARuntimeError traceback at the first CUDA call
+        print(f"gpu_router_norm_selftest: needs CuPy and a CUDA GPU: {why}", file=sys.stderr)
         return 2
 
     hw = hardware_from_device(cp)
@@ -605,6 +610,10 @@ def main():
             run_timing(cp, plugins["fused_add_rmsnorm"], plugins["topk_softmax"], stream)
 
     n = tab.failures()
+    if not plugins:      # neither library loaded and served this device: no PASS to claim
+        print(f"\nFAIL: NOTHING TESTED (neither library of {args.factors} loads and serves this device); "
+              f"{n} failing case(s)")
+        return 1
     print(f"\n{'PASS' if n == 0 else 'FAIL'}: {n} failing case(s)")
     return 1 if n else 0
 

@@ -12,11 +12,15 @@ their neighbours, so the per-kernel times add up to more than the wall time; the
 eager calls also includes launch gaps that a CUDA graph removes. Needs no hardware counters
 (works where Nsight Compute cannot read them). Environment variables such as
 EX_MOE_SM90_MIN_ROWS_PER_EXPERT apply as for any call (read when the plugin loads).
+
+Needs PyTorch with a CUDA GPU (its profiler) and the built plugins; --help needs neither. Every
+argument problem is listed before any work (exit status 2).
 """
 from __future__ import annotations
 
 import argparse
 import re
+import runpy
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -29,6 +33,9 @@ except ImportError:  # --help works without it
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
+# standard library only, loaded by path: --help answers where the package (numpy) does not import
+_scripts = runpy.run_path(str(ROOT / "ex_engine" / "_scripts.py"))
+exit_quietly_on_broken_pipe = _scripts["exit_quietly_on_broken_pipe"]
 
 
 # the Hopper plugin's grouped GEMM tilings (TileShape M, N, K) other than the 128 x 256 default
@@ -53,41 +60,33 @@ def short_name(name: str) -> str:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--cases", nargs="+", required=True, help="model:T pairs, e.g. qwen3-30b-a3b:512")
-    ap.add_argument("--calls", type=int, default=8, help="profiled calls per case")
-    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
-    ap.add_argument("--factors", default=None, help="plugin folder (default factors/)")
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=_scripts["HelpFormatter"])
+    ap.add_argument("--cases", nargs="+", required=True, metavar="MODEL:T",
+                    help="model:T pairs, T >= 1, models of manifests/moe_models.yaml, e.g. qwen3-30b-a3b:512")
+    ap.add_argument("--calls", type=int, default=8, help="profiled calls per case (>= 1)")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"],
+                    help="activation and weight dtype")
+    ap.add_argument("--factors", default=None, metavar="FOLDER", help="plugin folder (default: factors/)")
     ap.add_argument("--config", default=None,
                     help="force a tile configuration by name: auto (the kernel's own choice, "
                          "ignoring the tuning file) or one of benchmarks/tune_moe.py's CONFIGS (tiny, "
                          "decode, mid, ..., grouped, grouped64, narrow); default: tuned data, else auto")
     args = ap.parse_args()
     from ex_engine import FactorError, FactorRegistry, moe_fused_gemm
-    from ex_engine.moe_layer import load_models_or_exit
+    from ex_engine.moe_layer import load_models_or_exit, parse_cases, report_problems
 
     models = load_models_or_exit("kernel_times_moe")
-    cases = []
-    for c in args.cases:
-        m, _, t = c.partition(":")
-        if m not in models or not t.isdigit() or int(t) < 1:
-            print(f"kernel_times_moe: case {c!r}: expected model:T with T >= 1 and a model of "
-                  f"moe_models.yaml ({', '.join(sorted(models))})", file=sys.stderr)
-            return 2
-        cases.append((m, int(t)))
+    cases, problems = parse_cases(models, args.cases)      # every problem at once, before any work
     from tune_moe import VALUES  # benchmarks/ is on sys.path (top of this file)
     if args.config is not None and args.config not in VALUES:
-        print(f"kernel_times_moe: --config: expected one of {', '.join(VALUES)}, got {args.config!r}",
-              file=sys.stderr)
-        return 2
+        problems.append(f"--config: expected one of {', '.join(VALUES)}, got {args.config!r}")
     if args.factors is not None and not Path(args.factors).is_dir():
-        print(f"kernel_times_moe: --factors: folder {args.factors!r} does not exist", file=sys.stderr)
-        return 2
+        problems.append(f"--factors: folder {args.factors!r} does not exist")
     if args.calls < 1:
-        print(f"kernel_times_moe: --calls: expected >= 1, got {args.calls}", file=sys.stderr)
-        return 2
+        problems.append(f"--calls: expected >= 1, got {args.calls}")
     if torch is None or not torch.cuda.is_available():
-        print("kernel_times_moe: needs PyTorch and a CUDA GPU", file=sys.stderr)
+        problems.append("needs PyTorch and a CUDA GPU")
+    if report_problems("kernel_times_moe", problems):
         return 2
     from torch.profiler import ProfilerActivity, profile
 
@@ -148,5 +147,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    from ex_engine.cli import exit_quietly_on_broken_pipe
     exit_quietly_on_broken_pipe(main)

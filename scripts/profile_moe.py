@@ -6,6 +6,11 @@
 Each case: build the layer (N(0, 0.02) bf16 weights), route, three warm-up calls outside the
 range, then one call inside it, so the profile shows that call's kernels only (serialised by
 ncu: the per-kernel durations add up to more than the overlapped PDL launch).
+
+Needs CuPy with a CUDA GPU and the built plugins; run it under Nsight Compute (ncu, as above; ncu
+needs access to the GPU's performance counters): run alone it only makes the calls and profiles
+nothing. Where ncu cannot read the counters, scripts/kernel_times_moe.py gives per-kernel times
+from PyTorch's profiler instead.
 """
 from __future__ import annotations
 
@@ -16,22 +21,24 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ex_engine import FactorRegistry, moe_fused_gemm, topk_softmax  # noqa: E402
-from ex_engine.moe_layer import MoELayer, case_problems, load_models_or_exit, report_problems  # noqa: E402
+from ex_engine._scripts import HelpFormatter, cupy_with_gpu  # noqa: E402
+from ex_engine.moe_layer import (MoELayer, case_problems, load_models_or_exit, models_help,  # noqa: E402
+                                 report_problems)
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--models", nargs="+", default=["qwen3-30b-a3b"], help="models of moe_models.yaml")
-    ap.add_argument("--tokens", type=int, nargs="+", default=[1], help="token counts T")
-    ap.add_argument("--factors", default=None, help="plugin folder (default factors/)")
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    ap.add_argument("--models", nargs="+", default=["qwen3-30b-a3b"], metavar="MODEL",
+                    help=f"models of manifests/moe_models.yaml: {models_help()}")
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1], metavar="T", help="token counts T, each >= 1")
+    ap.add_argument("--factors", default=None, metavar="FOLDER", help="plugin folder (default: factors/)")
     args = ap.parse_args()
     models = load_models_or_exit("profile_moe")
     if report_problems("profile_moe", case_problems(models, args.models, args.tokens, args.factors)):
         return 2
-    try:
-        import cupy
-    except ImportError:
-        print("profile_moe: needs CuPy and a CUDA GPU", file=sys.stderr)
+    cupy, why = cupy_with_gpu()
+    if cupy is None:     # CuPy without a usable device: this line, not a CUDARuntimeError traceback
+        print(f"profile_moe: needs CuPy and a CUDA GPU: {why}", file=sys.stderr)
         return 2
     reg = FactorRegistry.load(args.factors)
     for m in args.models:

@@ -1,5 +1,6 @@
 """CPU tests of the benchmark tools' argument parsing (they import without torch)."""
 import importlib
+import os
 import sys
 from pathlib import Path
 
@@ -215,3 +216,374 @@ def test_run_meta_records_date_device_and_commit(monkeypatch):
         assert head[:7] in commit, (commit, head)
     else:
         assert commit == "?"
+
+
+def test_cupy_scripts_need_a_usable_gpu_and_say_so_in_one_line(monkeypatch, capsys):
+    """With CuPy installed but no usable device (cudaErrorInsufficientDriver), the MoE self-test
+    skipped every library and printed ALL PASS, and the router/norm one ended in a
+    CUDARuntimeError traceback (profile_moe.py too): now each says what it needs, one line, exit
+    status 2."""
+    for module in ("gpu_moe_selftest", "gpu_router_norm_selftest", "profile_moe"):
+        tool = import_tool("scripts", module)
+        monkeypatch.setattr(tool, "cupy_with_gpu", lambda: (None, "CuPy sees no usable CUDA device (x)"))
+        monkeypatch.setattr(sys, "argv", [module + ".py"])
+        assert tool.main() == 2
+        out, err = capsys.readouterr()
+        assert err == f"{module}: needs CuPy and a CUDA GPU: CuPy sees no usable CUDA device (x)\n", err
+        assert "PASS" not in out
+
+
+def test_gpu_selftests_fail_when_nothing_was_tested(tmp_path, monkeypatch, capsys):
+    """No library built (or none serving the device): 'skipped' for each, then ALL PASS and exit
+    status 0, which scripts/gpu_check.sh took for a pass. Now NOTHING TESTED and exit status 1."""
+    import contextlib
+    from types import SimpleNamespace
+    moe = import_tool("scripts", "gpu_moe_selftest")
+    monkeypatch.setattr(moe, "cupy_with_gpu", lambda: (object(), ""))
+    monkeypatch.setattr(moe, "ROOT", str(tmp_path))              # factors/ holds nothing
+    monkeypatch.setattr(sys, "argv", ["gpu_moe_selftest.py"])
+    assert moe.main() == 1
+    out = capsys.readouterr().out
+    assert "skipped" in out and "NOTHING TESTED" in out and "ALL PASS" not in out, out
+    rn = import_tool("scripts", "gpu_router_norm_selftest")
+    props = {"name": b"fake", "warpSize": 32}
+    cuda = SimpleNamespace(runtime=SimpleNamespace(getDeviceProperties=lambda i: props),
+                           Stream=lambda non_blocking: contextlib.nullcontext())
+    monkeypatch.setattr(rn, "cupy_with_gpu", lambda: (SimpleNamespace(cuda=cuda), ""))
+    monkeypatch.setattr(sys, "argv", ["gpu_router_norm_selftest.py", "--factors", str(tmp_path)])
+    assert rn.main() == 1
+    out = capsys.readouterr().out
+    assert "NOTHING TESTED" in out and "\nPASS" not in out, out
+
+
+def _run_table(path, python=sys.executable):
+    import subprocess
+    return subprocess.run([python, str(ROOT / "benchmarks" / "table_moe.py"), str(path)],
+                          capture_output=True, text=True, timeout=120)
+
+
+def _table_rows(stdout):
+    return [line for line in stdout.splitlines() if line.startswith("| ")]
+
+
+def test_table_moe_prints_dashes_for_a_gmm_peer_that_was_not_timed():
+    """The repo's float16 table (gmm_us null: torch's float16 _grouped_mm cannot be captured)
+    was a TypeError: now '-' in both gmm columns, and the reason once below the table."""
+    r = _run_table(ROOT / "benchmarks" / "bench_moe_fp16_h200_2026-12-01_3385675.json")
+    assert r.returncode == 0, r.stderr
+    rows = _table_rows(r.stdout)
+    assert len(rows) == 2 + 42
+    assert rows[2] == ("| deepseek-v2-lite | 1 | uniform | 24.5 | 32.0 | 1.30 | 3 | 3242 | - | - | 37.2 | 1.16 "
+                       "| 1,046,364 |"), rows[2]
+    assert "gmm '-' (42 rows): not CUDA-graph capturable" in r.stdout
+
+
+def test_table_moe_reproduces_an_older_table():
+    """The rows of a table in RESULTS.md come out as they did; only the header line changed: it
+    said '4 input sets' of every file, which records no --sets."""
+    r = _run_table(ROOT / "benchmarks" / "bench_moe_h200_2026-12-02_fe1d21b.json")
+    assert r.returncode == 0, r.stderr
+    first = r.stdout.splitlines()[0]
+    assert first.startswith("NVIDIA H200, 2026-12-02, commit fe1d21b, bfloat16, torch 2.11.0+cu130; µs per call")
+    assert "4 independently" not in first and "not recorded" in first, first
+    rows = _table_rows(r.stdout)
+    assert rows[0] == ("| model | T | routing | floor | ours | ours/floor | TFLOP/s | GB/s | gmm | gmm/ours "
+                       "| vLLM (PERF.md) | vLLM/ours | fallback |")
+    assert rows[2] == ("| deepseek-v2-lite | 1 | uniform | 24.5 | 31.6 | 1.29 | 3 | 3289 | 102.9 | 3.26 | 37.2 "
+                       "| 1.18 | 1,487,028 |"), rows[2]
+    assert len(rows) == 2 + 49
+
+
+def _bench_json(tmp_path, rows, **meta):
+    import json
+    p = tmp_path / "b.json"
+    p.write_text(json.dumps({"meta": {"device": "X", **meta}, "rows": rows}))
+    return p
+
+
+TIMED = {"model": "qwen3-30b-a3b", "T": 1, "floor_us": 20.0, "ours_us": 25.0, "x_floor": 1.25,
+         "tflops": 3.0, "gbs": 3000.0, "gmm_us": 50.0}
+
+
+def test_table_moe_cells_match_the_header_and_x_here_appears_when_recorded(tmp_path):
+    """A failed row printed 5 cells under a 13-column header; a row without 'skewed' was a
+    KeyError; newer files' x_floor_here gets an 'x here' column (older ones have none)."""
+    failed = {"model": "olmoe-1b-7b", "T": 8, "skewed": False, "floor_us": 30.0,
+              "error": "ours rel err 3e-01 > 1e-2: not timed"}
+    r = _run_table(_bench_json(tmp_path, [TIMED, failed], date="d", commit="c", dtype="bfloat16", torch="t"))
+    assert r.returncode == 0, r.stderr
+    rows = _table_rows(r.stdout)
+    assert "x here" not in rows[0]
+    assert {row.count("|") for row in rows} == {14}, rows
+    assert rows[2].startswith("| qwen3-30b-a3b | 1 | uniform | 20.0 | 25.0 | 1.25 | 3 | 3000 | 50.0 | 2.00 | 30.2 |")
+    assert rows[3] == "| olmoe-1b-7b | 8 | uniform | 30.0 | FAILED: ours rel err 3e-01 > 1e-2: not timed" + " | -" * 8 + " |"
+    here = dict(TIMED, x_floor_here=1.1)
+    r = _run_table(_bench_json(tmp_path, [here, failed], sets=3, warm_ms=200.0,
+                               ceilings_here={"matmul_tflops": 700.0, "copy_gbs": 4000.0}))
+    assert r.returncode == 0, r.stderr
+    rows = _table_rows(r.stdout)
+    assert "| ours/floor | x here | TFLOP/s |" in rows[0]
+    assert {row.count("|") for row in rows} == {15}, rows
+    assert "| 1.25 | 1.10 | 3 |" in rows[2]
+    first = r.stdout.splitlines()[0]
+    assert first.startswith("X, ?, commit ?, ?, torch ?;") and "over 3 independently routed input sets" in first
+    assert "replayed 200 ms" in first and "(700 TFLOP/s, 4000 GB/s)" in first, first
+
+
+@pytest.mark.parametrize("rows, words", [
+    ([], "no rows to tabulate"),
+    ([{"model": "m", "T": 1, "ours_us": 2.0}], "row 0 (m T=1): 'floor_us': expected a number"),
+    ([{"T": 1}], "row 0: expected 'model'"),
+])
+def test_table_moe_refuses_what_it_cannot_tabulate_in_one_line(tmp_path, rows, words):
+    """Empty rows printed an empty table with exit 0 (plot_moe refuses them): now both refuse;
+    a row missing what it needs is named, not a KeyError."""
+    r = _run_table(_bench_json(tmp_path, rows))
+    assert r.returncode == 2 and r.stdout == "", (r.stdout, r.stderr)
+    assert r.stderr.count("\n") == 1 and words in r.stderr and r.stderr.startswith("table_moe: "), r.stderr
+
+
+def _without(tmp_path, *modules):
+    """Environment whose PYTHONPATH shadows ``modules`` with packages that fail to import (a
+    Python without numpy, as /usr/bin/python3 here)."""
+    import os
+    for name in modules:
+        (tmp_path / "hide" / name).mkdir(parents=True)
+        (tmp_path / "hide" / name / "__init__.py").write_text(f"raise ImportError('{name} hidden')\n")
+    return dict(os.environ, PYTHONPATH=str(tmp_path / "hide"))
+
+
+def test_table_and_help_work_without_numpy(tmp_path):
+    """table_moe.py, plot_moe.py --help and bench_moe.py --help imported ex_engine (numpy, through
+    the package's __init__) for a helper: a Python without numpy got a ModuleNotFoundError."""
+    import subprocess
+    env = _without(tmp_path, "numpy", "torch", "matplotlib", "cupy")
+    run = lambda *a: subprocess.run([sys.executable, *a], capture_output=True, text=True, timeout=120,
+                                    env=env, cwd=tmp_path)
+    r = run(str(ROOT / "benchmarks" / "table_moe.py"), str(ROOT / "benchmarks" / "bench_moe_h200_2026-12-02_fe1d21b.json"))
+    assert r.returncode == 0 and len(_table_rows(r.stdout)) == 51, r.stderr
+    for script in ("benchmarks/plot_moe.py", "benchmarks/bench_moe.py", "benchmarks/table_moe.py",
+                   "scripts/kernel_times_moe.py"):
+        r = run(str(ROOT / script), "--help")
+        assert r.returncode == 0 and "usage:" in r.stdout, (script, r.stderr)
+    r = run(str(ROOT / "benchmarks" / "plot_moe.py"), str(ROOT / "benchmarks" / "bench_moe_h200_2026-12-02_fe1d21b.json"))
+    assert r.returncode == 2 and r.stderr == "plot_moe: needs matplotlib (pip install matplotlib)\n", r.stderr
+
+
+def test_plot_moe_default_output_is_beside_the_script(tmp_path):
+    """Run from another folder, the default 'benchmarks/moe_vs_floor.png' was relative to it:
+    '--output: folder benchmarks does not exist'. Now it is the script's own folder."""
+    import subprocess
+    bad = tmp_path / "b.json"
+    bad.write_text('{"meta": {"dtype": "b", "device": "x", "date": "d", "commit": "c"}, "rows": []}')
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "plot_moe.py"), str(bad)], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "--output:" not in r.stderr and "no timed uniform-routing rows" in r.stderr, r.stderr
+    plot = import_tool("benchmarks", "plot_moe")
+    assert plot.HERE == ROOT / "benchmarks"
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "plot_moe.py"), "--help"], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=120)
+    text = " ".join(r.stdout.split())
+    assert "one panel per model" in text and "in this script's folder" in text, r.stdout
+
+
+@pytest.fixture(scope="module")
+def tune():
+    return import_tool("benchmarks", "tune_moe")
+
+
+def test_tune_moe_merges_only_into_this_gpus_tuning_file(tune, tmp_path):
+    """--out naming another GPU's tuning file threw every row of it away without a word; a file
+    that is no tuning file (an ab_moe JSON renamed .yaml) was overwritten; malformed YAML was a
+    traceback, a shapes entry without I a KeyError. Now each is refused (one line, naming
+    --replace) before any work, and this GPU's own file is merged into with its header kept."""
+    shipped = ROOT / "manifests" / "tuning" / "h200.yaml"
+    data, notes = tune.existing_table(shipped, "NVIDIA H200", 132)
+    assert data["moe_fused_gemm"]["shapes"] and notes and notes[0].startswith("# Tuned tile configurations")
+    assert "_NUMERIC_DEVICE" not in str(list(data))
+    problem = tune.merge_problem(shipped, False, "NVIDIA A100-SXM4-80GB", 108)
+    assert "the table of NVIDIA H200 (132 SMs), not of this GPU, NVIDIA A100-SXM4-80GB (108 SMs)" in problem
+    assert "merging would drop every row" in problem and "--replace" in problem
+    assert tune.merge_problem(shipped, True, "NVIDIA A100-SXM4-80GB", 108) == ""
+    cases = {
+        "ab.yaml": (ROOT / "benchmarks" / "ab_narrow_h200_2026-12-01.json").read_text(),
+        "bad.yaml": "device: NVIDIA H200\nmoe_fused_gemm: [\n",
+        "meta.yaml": '{"meta": {"date": "2026-12-02"}, "rows": []}',          # ab_moe's newer JSON
+        "noI.yaml": shipped.read_text().replace("    I: 512\n", "", 1),
+        "other.yaml": "device: NVIDIA H200\nmultiprocessor_count: 132\nnotes: {a: 1}\n",
+    }
+    words = {"ab.yaml": "expected a mapping", "meta.yaml": "device:", "bad.yaml": "not readable YAML", "noI.yaml": "no 'I'",
+             "other.yaml": "no moe_fused_gemm table"}
+    assert cases["noI.yaml"] != shipped.read_text()
+    for name, text in cases.items():
+        (tmp_path / name).write_text(text)
+        problem = tune.merge_problem(tmp_path / name, False)
+        assert problem.startswith("--out: will not replace it: tuning file ") and words[name] in problem, problem
+        assert problem.endswith("give --replace to write a new table over it") and "\n" not in problem
+        assert tune.merge_problem(tmp_path / name, True) == ""
+    assert tune.existing_table(tmp_path / "none.yaml") == ({}, [])        # nothing there: a new table
+    (tmp_path / "empty.yaml").write_text("\n")
+    assert tune.existing_table(tmp_path / "empty.yaml") == ({}, [])
+
+
+def test_tune_moe_refuses_a_file_it_cannot_merge_before_any_work(tmp_path):
+    import subprocess
+    out = tmp_path / "tuning.yaml"
+    text = (ROOT / "benchmarks" / "ab_narrow_h200_2026-12-01.json").read_text()
+    out.write_text(text)
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "tune_moe.py"), "--out", str(out)],
+                       capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert r.stderr.startswith(f"tune_moe: --out: will not replace it: tuning file {out}: expected a mapping"), r.stderr
+    assert out.read_text() == text
+
+
+def test_tune_moe_names_its_default_file_and_says_it_merges(tune):
+    import subprocess
+    assert tune.default_out("NVIDIA H200", 132).name == "h200.yaml"
+    assert tune.default_out("NVIDIA A100-SXM4-80GB", 108).name == "nvidia_a100_sxm4_80gb_108sm.yaml"
+    assert tune.default_out("NVIDIA H200", 66).name == "nvidia_h200_66sm.yaml"
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "tune_moe.py"), "--help"],
+                       capture_output=True, text=True, timeout=120)
+    text = " ".join(r.stdout.split())
+    assert "--replace" in text and "merged into" in text and "<device>_<SMs>sm.yaml" in text, r.stdout
+    assert "<profile>" not in text
+
+
+@pytest.mark.parametrize("script", ["benchmarks/bench_moe.py", "benchmarks/tune_moe.py"])
+def test_all_beside_model_names_is_refused_as_such(script):
+    """`--models all qwen3-30b-a3b` said "'all' is not one of all, ..." (bench_moe) or was taken
+    and failed later with KeyError 'all' (tune_moe)."""
+    import subprocess
+    r = subprocess.run([sys.executable, str(ROOT / script), "--models", "all", "olmoe-1b-7b", "nope"],
+                       capture_output=True, text=True, timeout=120)
+    name = Path(script).stem
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.splitlines() == [
+        f"{name}: --models: 'all' (every model) stands alone; give it or model names, not both, got all "
+        "olmoe-1b-7b nope",
+        f"{name}: --models: 'nope' is not one of all, deepseek-v2-lite, granite-3.0-3b-a800m, mixtral-8x7b, "
+        "olmoe-1b-7b, phi-3.5-moe, qwen3-235b-a22b, qwen3-30b-a3b"], r.stderr
+
+
+def test_bench_moe_help_lists_models_defaults_and_what_it_needs():
+    import subprocess
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_moe.py"), "--help"],
+                       capture_output=True, text=True, timeout=120)
+    text = " ".join(r.stdout.split())
+    assert r.returncode == 0, r.stderr
+    for words in ("qwen3-30b-a3b", "mixtral-8x7b", "(default: all)", "(default: 1 8 64 512 4096 16384)",
+                  "(default: 4)", "(default: bfloat16)", "at T = 64 and T = 4096 for every model, whatever "
+                  "--tokens says", "Needs PyTorch with a CUDA GPU, numpy, and the built plugins"):
+        assert words in text, (words, r.stdout)
+    assert "(default: None)" not in text and "(default: False)" not in text
+
+
+def test_ep_moe_refuses_full_size_layers_on_the_cpu_and_says_one_thing_of_tokens():
+    """--device cpu without --tiny built full-size layers and ran them for minutes; `--tokens abc`
+    said 'expected an integer >= 0' where `--tokens 0` said 'expected T >= 1'; problems were
+    printed as '[ep_moe]: ...'."""
+    import subprocess
+    run = lambda *a: subprocess.run([sys.executable, str(ROOT / "examples" / "ep_moe.py"), *a],
+                                    capture_output=True, text=True, timeout=120)
+    r = run("--device", "cpu")
+    assert r.returncode == 2 and r.stderr.startswith("ep_moe: --device cpu: expected with --tiny"), r.stderr
+    assert "[ep_moe]" not in r.stderr
+    for bad in ("0", "abc"):
+        r = run("--tokens", bad)
+        assert r.returncode == 2 and f"argument --tokens: expected an integer T >= 1, got '{bad}'" in r.stderr, r.stderr
+
+
+def test_ep_moe_records_what_served_not_what_was_loaded(monkeypatch):
+    """With --tiny --device cpu the header and the JSON named moe_fused_gemm_sm90.so 0.1.0 (the
+    plugin loaded) while the Python fallback served every call: now the registry's counts say."""
+    from types import SimpleNamespace
+    for var in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST"):   # set by its import:
+        monkeypatch.setenv(var, os.environ.get(var, "0"))                    # restored after
+    ep = import_tool("examples", "ep_moe")
+    plugin = SimpleNamespace(path=Path("moe_fused_gemm_sm90.so"), version="0.1.0")
+
+    class Reg:
+        def __init__(self, counts):
+            self.counts = counts
+
+        def stats(self):
+            return {"moe_fused_gemm": dict(self.counts, errors=0)}
+
+        def get(self, name):
+            return plugin
+
+    before = {"moe_fused_gemm": {"plugin": 2, "kernel_fallback": 0, "python_fallback": 1}}
+    assert ep.served(Reg({"plugin": 2, "kernel_fallback": 0, "python_fallback": 9}), before) == \
+        ("the Python fallback", {"python_fallback": 8})
+    assert ep.served(Reg({"plugin": 5, "kernel_fallback": 0, "python_fallback": 1}), before) == \
+        ("moe_fused_gemm_sm90.so 0.1.0", {"plugin": 3})
+    label, counts = ep.served(Reg({"plugin": 3, "kernel_fallback": 1, "python_fallback": 1}), before)
+    assert label == "moe_fused_gemm_sm90.so 0.1.0 (1 calls), moe_fused_gemm_sm90.so 0.1.0's kernel_fallback (1 calls)"
+    assert ep.served(Reg({"plugin": 2, "kernel_fallback": 0, "python_fallback": 1}), before)[0] == "no call"
+
+
+def test_ep_moe_tiny_on_the_cpu_records_the_python_fallback(tmp_path):
+    import json
+    import subprocess
+    pytest.importorskip("torch")
+    out = tmp_path / "ep.json"
+    r = subprocess.run([sys.executable, str(ROOT / "examples" / "ep_moe.py"), "--device", "cpu", "--tiny",
+                        "--tokens", "4", "--models", "olmoe-1b-7b", "--json", str(out)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    info = json.loads(out.read_text())["info"]
+    assert info["moe_fused_gemm"] == "the Python fallback" and set(info["moe_fused_gemm_calls"]) == {"python_fallback"}
+    assert "moe_fused_gemm the Python fallback (CPU tensors)" in r.stdout and ".so" not in r.stdout, r.stdout
+
+
+def test_ab_moe_and_kernel_times_list_every_problem_at_once(ab_moe):
+    """A malformed config (ab_moe) or case (kernel_times_moe) stopped the script at the first
+    problem, where the other scripts list them all."""
+    import subprocess
+    problems = []
+    assert ab_moe.parse_cfg("x", problems) is None and ab_moe.parse_cfg("a=f:=1", problems) is None
+    assert ab_moe.parse_cfg("b=f:config=nope", problems) is None
+    assert ab_moe.parse_cfg("c=factors", problems) == ("c", "factors", {})
+    assert len(problems) == 3 and "config=nope: expected one of auto" in problems[2], problems
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "kernel_times_moe.py"), "--cases", "nope:1",
+                        "qwen3-30b-a3b:0", "olmoe-1b-7b:4", "--calls", "0", "--config", "zz"],
+                       capture_output=True, text=True, timeout=120)
+    lines = r.stderr.splitlines()
+    assert r.returncode == 2 and len(lines) >= 4, r.stderr
+    assert lines[0].startswith("kernel_times_moe: case 'nope:1': expected model:T")
+    assert lines[1].startswith("kernel_times_moe: case 'qwen3-30b-a3b:0'")
+    assert lines[2].startswith("kernel_times_moe: --config: expected one of auto")
+    assert lines[3] == "kernel_times_moe: --calls: expected >= 1, got 0"
+
+
+@pytest.mark.parametrize("script, words", [
+    ("benchmarks/ab_moe.py", ["--configs NAME=FOLDER[:VAR=VALUE,...]", "config=NAME forces",
+                              "activation and weight dtype (default: bfloat16)", "(default: 2)"]),
+    ("scripts/kernel_times_moe.py", ["activation and weight dtype (default: bfloat16)", "(default: 8)",
+                                     "Needs PyTorch with a CUDA GPU"]),
+    ("scripts/profile_moe.py", ["Needs CuPy with a CUDA GPU", "Nsight Compute (ncu", "qwen3-30b-a3b"]),
+    ("examples/hf_moe_generate.py", ["tokens to generate, >= 5", "tokens of the random prompt (>= 1) (default: 16)",
+                                     "vocabulary size", "seed of the weights and the prompt (default: 0)",
+                                     "(default: all)"]),
+    ("benchmarks/plot_moe.py", ["one line per implementation (ours, the torch._grouped_mm pipeline"]),
+    ("scripts/gpu_moe_selftest.py", ["NOTHING TESTED", "(default: 4)"]),
+])
+def test_help_says_what_the_options_are(script, words):
+    import subprocess
+    r = subprocess.run([sys.executable, str(ROOT / script), "--help"], capture_output=True, text=True, timeout=120)
+    text = " ".join(r.stdout.split())
+    assert r.returncode == 0, r.stderr
+    for w in words:
+        assert w in text, (w, r.stdout)
+
+
+def test_gpu_check_help_names_its_environment_variables():
+    import subprocess
+    r = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--help"], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0
+    for var in ("OUT", "BENCH_ARGS", "TUNE_ARGS", "SELFTEST_ARGS", "TESTS_TIMEOUT", "SELFTEST_TIMEOUT",
+                "RUN_TIMEOUT", "BENCH_TIMEOUT", "TUNE_TIMEOUT", "EP_TIMEOUT"):
+        assert f"{var} " in r.stdout, var
+    assert "set -u" not in r.stdout and "Exit status" in r.stdout

@@ -1,5 +1,6 @@
 """The benchmark and example scripts refuse a bad output destination before any work (a run's
 measurements were lost at its end), on a machine without a GPU or PyTorch too."""
+import os
 import subprocess
 import sys
 
@@ -28,6 +29,42 @@ def test_output_file_problem(tmp_path):
     assert output_file_problem("--json", tmp_path) == f"--json: {tmp_path} is a folder; expected a file path"
     assert "folder" in output_file_problem("--out", tmp_path / "nowhere" / "x.yaml")
     assert "does not exist" in output_file_problem("--out", tmp_path / "nowhere" / "x.yaml")
+
+
+def test_output_file_problem_tries_to_open_the_file(tmp_path):
+    """As root, os.access said /proc/p.png and /sys/p.png were writable: plot_moe then failed at
+    savefig after the drawing, bench_moe after its first row. The check now opens the file for
+    writing: a new file is created and removed again, an existing one keeps its content."""
+    for path in ("/proc/p.png", "/sys/p.png"):
+        problem = output_file_problem("-o", path)
+        assert problem.startswith(f"-o: cannot create {path} ("), problem
+    (tmp_path / "old.json").write_text("kept")
+    assert output_file_problem("--json", tmp_path / "old.json") == ""
+    assert (tmp_path / "old.json").read_text() == "kept"
+    assert output_file_problem("--json", tmp_path / "new.json") == ""
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["old.json"]   # new.json not left behind
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)                          # no reader: refused at once, not waited on
+    assert "is not writable" in output_file_problem("--json", fifo)
+
+
+def test_plot_moe_reports_a_failed_savefig_in_one_line(tmp_path, monkeypatch, capsys):
+    """A destination that passes the check but fails at savefig (a full disk) was a traceback."""
+    pytest.importorskip("matplotlib")
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import plot_moe
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+
+    def full(*a, **k):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(plot_moe.plt.Figure, "savefig", full)
+    data = sorted((ROOT / "benchmarks").glob("bench_moe_h200_*.json"))[-1]
+    monkeypatch.setattr(sys, "argv", ["plot_moe.py", str(data), "-o", str(tmp_path / "p.png")])
+    assert plot_moe.main() == 2
+    err = capsys.readouterr().err
+    assert err == f"plot_moe: --output: cannot write {tmp_path / 'p.png'}: No space left on device\n", err
 
 
 @pytest.mark.parametrize("argv", SCRIPTS, ids=lambda a: a[0])

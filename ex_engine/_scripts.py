@@ -1,0 +1,110 @@
+"""Helpers of the command-line scripts (benchmarks/, scripts/, examples/) that need nothing but
+the standard library, so that a script can use them where numpy, CuPy or cffi are missing:
+table_moe.py runs, and --help answers, on a bare Python (/usr/bin/python3 without numpy).
+
+Where a script imports the package anyway, it imports these as ``ex_engine._scripts`` (cli.py and
+moe_layer.py re-export the ones they used to define). A script that must not import the package
+(ex_engine/__init__.py pulls numpy; the GPU self-tests run before cffi is installed) loads this
+file by path: ``runpy.run_path(ROOT / "ex_engine" / "_scripts.py")`` is a dict of its names.
+So this module imports nothing of ex_engine, nor anything outside the standard library at import
+time; keep it that way.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """--help with each option's default appended ('(default: ...)'; a list as its values, 'none'
+    and a flag's False left out, and a help text that names its default itself kept as it is)
+    and the description printed as written (a script's docstring: usage lines, paragraphs)."""
+
+    def _get_help_string(self, action):
+        d, text = action.default, action.help or ""
+        if d is None or d is False or d is argparse.SUPPRESS or "default" in text:
+            return text
+        if isinstance(d, (list, tuple)) and "%" not in text:
+            return f"{text} (default: {' '.join(map(str, d))})"
+        return super()._get_help_string(action)
+
+
+def report_problems(tool: str, problems) -> bool:
+    """Print each non-empty problem as '<tool>: <problem>' on stderr; True if there was any (the
+    tool then exits with status 2 before any work)."""
+    problems = [p for p in problems if p]
+    for p in problems:
+        print(f"{tool}: {p}", file=sys.stderr)
+    return bool(problems)
+
+
+def output_file_problem(flag: str, path) -> str:
+    """What stops a tool from writing its output file ``path`` ('' if nothing): a folder in its
+    place, a parent folder that does not exist, or a file that cannot be opened for writing (no
+    permission, a read-only or virtual file system such as /proc or /sys, where root's
+    permission bits say nothing). Tools check it before any work, so a bad destination never
+    loses a run's measurements at the end.
+
+    The check opens the file for writing, without truncating it: a file that did not exist is
+    created and removed again; an existing one is left as it was (a FIFO without a reader is
+    refused rather than waited on)."""
+    if path is None:
+        return ""
+    p = Path(path)
+    if p.is_dir():
+        return f"{flag}: {path} is a folder; expected a file path"
+    parent = p.resolve().parent
+    if not parent.is_dir():
+        return f"{flag}: folder {p.parent} does not exist"
+    existed = p.exists()
+    flags = os.O_WRONLY | os.O_NONBLOCK | (0 if existed else os.O_CREAT | os.O_EXCL)
+    try:
+        os.close(os.open(p, flags, 0o666))
+    except OSError as exc:
+        what = f"{path} is not writable" if existed else f"cannot create {path}"
+        return f"{flag}: {what} ({exc.strerror or exc})"
+    if not existed:
+        try:
+            p.unlink()
+        except OSError:
+            pass
+    return ""
+
+
+def cupy_with_gpu():
+    """(the cupy module, '') when CuPy imports and sees a usable CUDA device, else (None, why):
+    CuPy missing, or present but no device it can use (no GPU, no driver, or a driver older than
+    CuPy's runtime: cudaErrorInsufficientDriver), so a GPU script can say so in one line instead of
+    a CUDARuntimeError traceback at its first CUDA call."""
+    try:
+        import cupy
+    except ImportError as exc:
+        return None, f"CuPy is not installed ({exc})"
+    try:
+        n = cupy.cuda.runtime.getDeviceCount()
+    except Exception as exc:  # noqa: BLE001 - CUDARuntimeError: no driver, an older driver, ...
+        return None, f"CuPy sees no usable CUDA device ({exc})"
+    if n < 1:
+        return None, "CuPy sees no CUDA device"
+    return cupy, ""
+
+
+def _reader_left() -> int:
+    """After a BrokenPipeError on stdout (`... | head`: the reader left early): stdout goes to
+    /dev/null, so that Python's flush at exit raises nothing more; returns the exit status 1."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 1
+
+
+def exit_quietly_on_broken_pipe(script_main, *args) -> None:
+    """``sys.exit(script_main(*args))`` for the scripts in benchmarks/ and scripts/: a reader
+    that leaves early (`bench_moe.py | head`) ends the script with status 1, not a
+    BrokenPipeError traceback, as ex-engine's own commands do. Never returns."""
+    try:
+        code = script_main(*args)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        code = _reader_left()
+    sys.exit(code)
