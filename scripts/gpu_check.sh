@@ -15,9 +15,8 @@
 #   BENCH_ARGS        arguments of benchmarks/bench_moe.py (e.g. --models qwen3-30b-a3b --skew);
 #                     its --json is always $OUT/bench_moe.json
 #   TUNE_ARGS         arguments of benchmarks/tune_moe.py, whose --out is always $OUT/tuning.yaml
-#                     (a copy of manifests/tuning/h200.yaml where none is there yet: tune_moe.py
-#                     merges into this GPU's file and refuses another GPU's: on a GPU other than
-#                     the H200, give TUNE_ARGS=--replace)
+#                     (where none is there yet, a copy of this GPU's shipped table if there is
+#                     one, e.g. manifests/tuning/h200.yaml on the H200; else a new table)
 #   TESTS_TIMEOUT (300), SELFTEST_TIMEOUT (150, each self-test), RUN_TIMEOUT (300),
 #   BENCH_TIMEOUT (500: bench, bench_rn and host each), TUNE_TIMEOUT (400), EP_TIMEOUT (300, each
 #   torchrun): seconds before a stage's command is stopped (a stopped stage fails)
@@ -97,9 +96,11 @@ if has host; then
 fi
 if has tune; then
   step "tune moe_fused_gemm tile configurations (writes $OUT/tuning.yaml; copy it to manifests/tuning/)"
-  # start from the shipped table: tune_moe.py merges into --out (rows it does not re-tune are
-  # kept) when the file is this GPU's, and starts a new table when it is another GPU's
-  [ -f "$OUT/tuning.yaml" ] || cp manifests/tuning/h200.yaml "$OUT/tuning.yaml"
+  # start from this GPU's shipped table where there is one (tune_moe.py merges into --out, keeping
+  # the rows it does not re-tune, and refuses another GPU's file); else tune_moe.py starts a new one
+  shipped=$(python3 -c 'import sys; sys.path.insert(0, "benchmarks"); import torch, tune_moe
+p = torch.cuda.get_device_properties(0); print(tune_moe.default_out(p.name, p.multi_processor_count))' 2>/dev/null)
+  if [ ! -f "$OUT/tuning.yaml" ] && [ -n "$shipped" ] && [ -f "$shipped" ]; then cp "$shipped" "$OUT/tuning.yaml"; fi
   timeout ${TUNE_TIMEOUT:-400} python3 benchmarks/tune_moe.py ${TUNE_ARGS:-} --out "$OUT/tuning.yaml" 2>&1 | tee "$OUT/tune_moe.txt"; [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
 if has ep; then
