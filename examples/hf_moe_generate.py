@@ -328,12 +328,14 @@ def main(argv=None) -> int:
         info["gpu"] = torch.cuda.get_device_name(torch.device(args.device))
     from ex_engine import default_registry
     reg = default_registry()
+    # the ready plugin of each factor (None: the Python fallback serves); what served the calls
+    # is each model's "paths" (calls per path), since a CPU tensor takes the fallback anyway
     info["factors"] = {n: (f"{p.path.name} {p.version}" if p else None)
                        for n in ("topk_softmax", "moe_fused_gemm") for p in [reg.get(n)]}
     info["registry_note"] = reg.no_gpu_note
     log(f"[hf_moe] torch {info['torch']}, transformers {info['transformers']}, device "
         f"{info.get('gpu', args.device)}; {args.tokens} tokens after a {args.prompt_len}-token prompt; "
-        f"factors {info['factors']}")
+        f"plugins loaded {info['factors']} (what served each model's calls: its 'paths')")
     t0 = time.perf_counter()
     results = {"info": info, "models": {}}
     for name in names:
