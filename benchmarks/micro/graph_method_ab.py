@@ -4,30 +4,21 @@
     python3 benchmarks/micro/graph_method_ab.py qwen3-30b-a3b:1 [model:T ...]   (writes $OUT/graph_method_ab.json)
 
 Results: benchmarks/RESULTS.md, section "Sustained load; the table on fe1d21b"."""
-import argparse, sys, json, os
+import json
+import os
+import sys
 from pathlib import Path
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT)); sys.path.insert(0, str(ROOT / "benchmarks"))
-import bench_moe as b
-from _timing import graph_us, torch
-from ex_engine import FactorRegistry, moe_fused_gemm
-from ex_engine.moe_layer import load_models_or_exit
-ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
-ap.add_argument("cases", nargs="+", help="model:T pairs (models of moe_models.yaml)")
-args = ap.parse_args()
-if torch is None or not torch.cuda.is_available():
-    sys.exit(f"{Path(__file__).name}: needs PyTorch and a CUDA GPU")
-models = load_models_or_exit("graph_method_ab")
-reg = FactorRegistry.load(None)
-gen = torch.Generator(device="cuda").manual_seed(0)
-bad = [c for c in args.cases if c.partition(":")[0] not in models or not c.partition(":")[2].isdigit()]
-if bad:
-    sys.exit(f"graph_method_ab: expected model:T cases, models one of {', '.join(sorted(models))}; got {bad}")
-cases = [c.split(":") for c in args.cases]
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _moe_setup import start  # noqa: E402
+import bench_moe as b  # noqa: E402  (benchmarks/, on sys.path through _moe_setup)
+from _timing import graph_us, torch  # noqa: E402
+from ex_engine import moe_fused_gemm  # noqa: E402
+
+cases, reg, gen = start(__doc__, "graph_method_ab")
 out = []
 cur = None
-for m, T in cases:
-    T = int(T); s = models[m]
+for m, T, s in cases:
     if cur != m:
         layer = None; torch.cuda.empty_cache(); layer = b.layer_weights(s, torch.bfloat16, gen); cur = m
     w13, w2 = layer

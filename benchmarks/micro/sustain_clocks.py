@@ -4,25 +4,22 @@ clock and the power draw NVML reports, for ours and the gmm peer (torch, one GPU
     python3 benchmarks/micro/sustain_clocks.py qwen3-30b-a3b:4096 [model:T ...]   (writes $OUT/sustain.json)
 
 Results: benchmarks/RESULTS.md, section "Sustained load; the table on fe1d21b"."""
-import argparse, sys, json, os, time
+import json
+import os
+import sys
+import time
 from pathlib import Path
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT)); sys.path.insert(0, str(ROOT / "benchmarks"))
-import bench_moe as b
-from _timing import torch, _capture
-from ex_engine import FactorRegistry, moe_fused_gemm
-from ex_engine.moe_layer import load_models_or_exit
-ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
-ap.add_argument("cases", nargs="+", help="model:T pairs (models of moe_models.yaml)")
-args = ap.parse_args()
-if torch is None or not torch.cuda.is_available():
-    sys.exit(f"{Path(__file__).name}: needs PyTorch and a CUDA GPU")
-models = load_models_or_exit("sustain")
-reg = FactorRegistry.load(None)
-gen = torch.Generator(device="cuda").manual_seed(0)
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _moe_setup import start  # noqa: E402
+import bench_moe as b  # noqa: E402  (benchmarks/, on sys.path through _moe_setup)
+from _timing import torch, _capture  # noqa: E402
+from ex_engine import moe_fused_gemm  # noqa: E402
+
+cases, reg, gen = start(__doc__, "sustain_clocks")
 out = {}
-for case in args.cases:
-    m, T = case.split(":"); T = int(T); s = models[m]
+for m, T, s in cases:
+    case = f"{m}:{T}"
     w13, w2 = b.layer_weights(s, torch.bfloat16, gen)
     sets = b.input_sets(s, T, 4, w13, w2, torch.bfloat16, gen)
     for name, fn in (("ours", lambda a: moe_fused_gemm(*a, registry=reg)), ("gmm", lambda a: b.gmm_pipeline(*a))):
