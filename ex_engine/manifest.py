@@ -918,12 +918,14 @@ def why_not_found(path, name: str) -> str:
     return ""
 
 
-def load_all(folder, errors: dict | None = None) -> dict:
+def load_all(folder, errors: dict | None = None, notes: list | None = None) -> dict:
     """name -> Manifest for every *.yaml in ``folder`` that is a factor manifest.
 
     A file that cannot be read or checked raises FactorError naming it, unless ``errors`` is
     given: then errors[file stem] = the message and the other files still load (a registry
-    rejects only the plugins that need the broken manifest).
+    rejects only the plugins that need the broken manifest). A stray file that names a factor
+    whose own <name>.yaml is there (see _one_claim) is such an error too, unless ``notes`` is
+    given: then its message is appended there (it blocks no factor of its stem's name).
 
     folder: a str or os.PathLike (ArgumentError otherwise). A folder that does not exist (or
     is not a directory) raises FactorError naming it, unless ``errors`` is given: then the
@@ -954,12 +956,45 @@ def load_all(folder, errors: dict | None = None) -> dict:
     out = {}
     for name, ms in claims.items():
         m, problems = _one_claim(name, ms, errors or {})
+        if notes is not None:   # the strays' notes (keyed by their stems), not the refusal of name
+            notes.extend(v for k, v in problems.items() if k != name)
+            problems = {k: v for k, v in problems.items() if k == name}
         if problems and errors is None:
             raise FactorError(next(iter(problems.values())))
         if errors is not None:
             errors.update(problems)
         if m is not None:
             out[name] = m
+    return out
+
+
+def load_search_path(folders, errors: dict, notes: list) -> dict:
+    """name -> Manifest from the folders of a search path, in order (the registry's
+    EX_ENGINE_MANIFESTS): for each factor name, a file named <name>.yaml in any folder is
+    preferred to a file of another name that names it (a copy whose name: was not edited yet),
+    the first folder's among equals; the others that name it are notes. A malformed file, or
+    a name refused in one folder (load_all), hides the manifests of that name in later folders
+    (an override that does not load is reported, not replaced by the next folder's file).
+    errors (file stem or name -> message) and notes are filled as load_all fills them."""
+    pool, errs = [], {}   # (folder index, name, Manifest); stem or name -> (folder index, message)
+    for i, d in enumerate(folders):
+        e: dict = {}
+        for name, m in load_all(d, e, notes).items():
+            pool.append((i, name, m))
+        for k, v in e.items():
+            errs.setdefault(k, (i, v))
+    out = {}
+    for name in dict.fromkeys(n for _, n, _ in pool):
+        cands = [(i, m) for i, n, m in pool if n == name]
+        own = [(i, m) for i, m in cands if Path(m.path).stem == name]
+        i, m = (own or cands)[0]
+        if errs.get(name, (i,))[0] < i:
+            continue   # an earlier folder's <name>.yaml is malformed, or refused: its error stands
+        out[name] = m
+        notes.extend(f"manifest {o.path}: names '{name}', as {m.path} does: that file is the factor's "
+                     "manifest, this one is not used (a stray copy? rename it or remove it)"
+                     for _, o in cands if o is not m and Path(o.path).stem != name)
+    errors.update((k, v) for k, (_, v) in errs.items() if k not in out)
     return out
 
 

@@ -31,7 +31,7 @@ from .arrays import _KINDS, _NAME_CACHE, _TORCH_DTYPES, Bits16, TensorRef, _kind
 from .errors import (ArgumentError, DeviceError, DeviceSideError, FactorError,
                      FactorNotFoundError, KernelError, LayoutError)
 from .hardware import Hardware, resolve
-from .manifest import Manifest, bool_like, fallback_problem, load_all, why_not_found
+from .manifest import Manifest, bool_like, fallback_problem, load_search_path, why_not_found
 from .tuning import TuningTable
 
 PATHS = ("plugin", "kernel_fallback", "python_fallback")
@@ -542,13 +542,9 @@ class FactorRegistry:
                                        else _paths.manifests_dirs())]
         self.manifests_dirs: list = [d for d in dirs if d.is_dir()] or dirs[:1]
         self.manifests_dir = Path(os.pathsep.join(map(str, self.manifests_dirs)))
-        self.manifests: dict = {}
-        for d in self.manifests_dirs:
-            errors: dict = {}
-            found = load_all(d, errors)
-            seen = set(self.manifests) | set(self.manifest_errors)   # from earlier folders
-            self.manifests.update((k, v) for k, v in found.items() if k not in seen)
-            self.manifest_errors.update((k, v) for k, v in errors.items() if k not in seen)
+        self._manifest_notes: list = []   # stray copies that name a factor (load_search_path)
+        self.manifests: dict = load_search_path(self.manifests_dirs, self.manifest_errors,
+                                                self._manifest_notes)
         self.plugins: list = []
         self._by_path: dict = {}        # resolved library path -> its Plugin (loaded once)
         self.notes: list = []           # registry-wide remarks (e.g. a prefer= that matched nothing)
@@ -582,6 +578,7 @@ class FactorRegistry:
         self.notes.extend(f"tuning: {msg}" for msg in self.tuning.remarks)
         self._note_unused_tuning()
         self.notes.extend(f"{msg}; skipped" for msg in self.manifest_errors.values())
+        self.notes.extend(self._manifest_notes)
         self.last_path: dict = {}
         self._hw_c = hw.to_c(abi.ffi)
 

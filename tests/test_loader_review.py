@@ -384,3 +384,38 @@ def test_a_huge_integer_parameter_is_an_argument_error_of_bounded_size_and_count
         reg.call_plugin(reg.get("host_scale"), _x(), {"beta": 10 ** 5000})
     assert reg.stats()["host_scale"]["errors"] == 5
     assert reg.dispatch("host_scale", _x(), {"beta": 2 ** 1023}) == "plugin"   # a float64 still
+
+
+def test_the_search_path_applies_the_same_rule_across_folders(tmp_path):
+    """EX_ENGINE_MANIFESTS=A:manifests: a copy in A that still names topk_softmax was used for
+    it silently (in one folder the same pair gives topk_softmax.yaml priority, with a note); and
+    A's stray topk_softmax.yaml naming another factor hid the shipped topk_softmax.yaml (its note
+    was keyed by its file name). Across folders <name>.yaml is preferred too, the stray a note."""
+    import os
+    a = tmp_path / "a"
+    a.mkdir()
+    text = (ROOT / "manifests" / "topk_softmax.yaml").read_text()
+    (a / "my_new_op.yaml").write_text(text.replace("dims: [T, E, K, renormalize, dtype]",
+                                                   "dims: [E, T, K, renormalize, dtype]"))
+    path = os.pathsep.join([str(a), str(ROOT / "manifests")])
+    reg = FactorRegistry(hardware="h200", manifests_dir=path)
+    m = reg.manifests["topk_softmax"]
+    assert m.path == str(ROOT / "manifests" / "topk_softmax.yaml") and m.dims[:2] == ["T", "E"], m.path
+    assert any("my_new_op.yaml" in n and "stray copy" in n for n in reg.notes), reg.notes
+
+    b = tmp_path / "b"
+    b.mkdir()
+    mine = text.replace("name: topk_softmax", "name: my_topk").replace("id: 0", "id: 1500")
+    (b / "my_topk.yaml").write_text(mine)
+    (b / "topk_softmax.yaml").write_text(mine)   # a leftover copy, its name: edited already
+    reg = FactorRegistry(hardware="h200", manifests_dir=os.pathsep.join([str(b), str(ROOT / "manifests")]))
+    assert reg.manifests["topk_softmax"].path == str(ROOT / "manifests" / "topk_softmax.yaml")
+    assert reg.manifests["my_topk"].path == str(b / "my_topk.yaml")
+    assert "topk_softmax" not in reg.manifest_errors
+    assert any(str(b / "topk_softmax.yaml") in n and "names 'my_topk'" in n for n in reg.notes), reg.notes
+
+    c = tmp_path / "c"   # an override that does not load is reported, not replaced by the next
+    c.mkdir()
+    (c / "topk_softmax.yaml").write_text(text.replace("dims: [T, E", "dims: [T, E,,"))
+    reg = FactorRegistry(hardware="h200", manifests_dir=os.pathsep.join([str(c), str(ROOT / "manifests")]))
+    assert "topk_softmax" not in reg.manifests and "topk_softmax" in reg.manifest_errors
