@@ -203,7 +203,9 @@ class Hardware:
             raise FactorError(f"hardware profile {path}: expected a mapping of fields, got {type(data).__name__}")
         # strict as a manifest: a misspelt field (warpsize:) was ignored, the real one reported
         # missing at best; a field meant for another tool was accepted without a word
-        problem = _yaml.unknown_keys("", data, ("name",) + FIELDS)
+        # (source, live, device_id: what `ex-engine hardware --json` adds; a profile saved from
+        # it loads, those three read as this profile's own: a file is no live device)
+        problem = _yaml.unknown_keys("", data, ("name",) + FIELDS + ("source", "live", "device_id"))
         if problem:
             raise FactorError(f"hardware profile {path}: {problem}")
         missing = [f for f in ("name",) + FIELDS if f not in data]

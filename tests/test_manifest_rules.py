@@ -346,3 +346,13 @@ def test_a_dim_twice_or_a_source_of_no_dim_is_refused(tmp_path, change, needle):
     or forgotten dim whose size the kernel never gets); both loaded before."""
     with pytest.raises(FactorError, match=needle):
         Manifest.load(manifest(tmp_path, change))
+
+
+def test_a_profile_saved_from_the_hardware_command_loads(tmp_path, capsys):
+    """`ex-engine hardware --profile h200 --json > my.yaml` then Hardware.from_profile('my.yaml'):
+    the strict key check refused the fields the command adds (source, live, device_id)."""
+    from ex_engine.cli import main as cli_main
+    assert cli_main(["hardware", "--profile", "h200", "--json"]) == 0
+    (tmp_path / "my.yaml").write_text(capsys.readouterr().out)
+    hw = Hardware.from_profile(str(tmp_path / "my.yaml"))
+    assert hw.multiprocessor_count == 132 and hw.live is False and hw.source == "profile my"
