@@ -55,9 +55,10 @@ def output_file_problem(flag: str, path) -> str:
     p = Path(path)
     if p.is_dir():
         return f"{flag}: {path} is a folder; expected a file path"
-    parent = p.resolve().parent
-    if not parent.is_dir():
-        return f"{flag}: folder {p.parent} does not exist"
+    target = p.resolve()   # a link (dangling too: writing creates its target) is checked there
+    if not target.parent.is_dir():
+        return f"{flag}: folder {p.parent if target == p.absolute() else target.parent} does not exist"
+    p = target
     existed = p.exists()
     flags = os.O_WRONLY | os.O_NONBLOCK | (0 if existed else os.O_CREAT | os.O_EXCL)
     try:

@@ -202,3 +202,14 @@ def test_rel_error_time_call_and_load_models_refuse_bad_arguments():
     assert time_call(np, lambda: None, 1) >= 0
     with pytest.raises(ArgumentError, match=r"load_models: argument 'path'.*int 3"):
         load_models(3)
+
+
+def test_output_file_problem_follows_a_dangling_link(tmp_path):
+    """A link to a file not yet written is a fine output path (open(..., 'w') creates the
+    target); it was refused as 'cannot create ... (File exists)'. A link into a missing folder
+    names that folder; nothing is left behind."""
+    (tmp_path / "ok.json").symlink_to(tmp_path / "target.json")
+    assert output_file_problem("--json", tmp_path / "ok.json") == ""
+    assert not (tmp_path / "target.json").exists()
+    (tmp_path / "bad.json").symlink_to(tmp_path / "sub" / "target.json")
+    assert output_file_problem("--json", tmp_path / "bad.json") == f"--json: folder {tmp_path / 'sub'} does not exist"
