@@ -61,19 +61,29 @@ def _is_int(v) -> bool:
 
 def fallback_problem(fn) -> str:
     """Why ``fn`` cannot serve as a Python fallback, called as ``fn(arrays, sizes, params)``
-    ('' if it can): not callable, or a signature that does not take three positional
-    arguments (``os:system`` takes one). A callable whose signature Python cannot read (some
-    builtins) passes: the call decides."""
+    ('' if it can): not callable; a signature that does not take three positional arguments
+    (``os:system`` takes one); a signature Python cannot read (some builtins: nothing says what
+    it takes); or one whose arrays, sizes and params would not each reach a named parameter
+    (``builtins:print``, a bare ``*args``: it passed, and a call returned 'python_fallback' with
+    the outputs unwritten)."""
     if not callable(fn):
         return f"expected a callable fn(arrays, sizes, params), got {type(fn).__name__} {brief(fn)}"
     try:
         sig = inspect.signature(fn)
     except (TypeError, ValueError):
-        return ""
+        return (f"expected a callable fn(arrays, sizes, params), got {brief(fn)}, whose signature "
+                "cannot be read (a builtin?): nothing says it takes the arrays, sizes and params")
     try:
         sig.bind(None, None, None)
     except TypeError:
         return f"expected a callable fn(arrays, sizes, params), got one with signature {sig}"
+    named = [q for q in sig.parameters.values() if q.kind in (q.POSITIONAL_ONLY, q.POSITIONAL_OR_KEYWORD)]
+    if len(named) < 3:
+        rest = next((q.name for q in sig.parameters.values() if q.kind == q.VAR_POSITIONAL), "args")
+        lost = ("arrays, sizes and params", "sizes and params", "params")[len(named)]
+        return (f"expected a callable fn(arrays, sizes, params), got {brief(fn)} with signature "
+                f"{sig}: its {lost} would go to *{rest}, not to a parameter of that name (a "
+                "function that takes anything is no fallback: it need not write the outputs)")
     return ""
 
 

@@ -12,7 +12,6 @@ which path served.
 from __future__ import annotations
 
 import copy
-import inspect
 import os
 import re
 import sys
@@ -305,30 +304,6 @@ def null_pointer_error(factor: str, refs_by_name: dict):
     return None
 
 
-def fallback_binding_problem(fn) -> str:
-    """Why ``fn`` cannot serve as a Python fallback ('' if it can): manifest.fallback_problem's
-    reasons (not callable, a signature that cannot take three positional arguments), and also a
-    signature Python cannot read (some builtins: nothing says what it takes) or one whose
-    arrays, sizes and params would not each reach a named parameter (``builtins:print``, a bare
-    ``*args``: it passed, and a call returned 'python_fallback' with the outputs unwritten)."""
-    problem = fallback_problem(fn)
-    if problem:
-        return problem
-    try:
-        sig = inspect.signature(fn)
-    except (TypeError, ValueError):
-        return (f"expected a callable fn(arrays, sizes, params), got {fn!r:.80}, whose signature "
-                "cannot be read (a builtin?): nothing says it takes the arrays, sizes and params")
-    named = [q for q in sig.parameters.values() if q.kind in (q.POSITIONAL_ONLY, q.POSITIONAL_OR_KEYWORD)]
-    if len(named) < 3:
-        rest = next((q.name for q in sig.parameters.values() if q.kind == q.VAR_POSITIONAL), "args")
-        lost = ("arrays, sizes and params", "sizes and params", "params")[len(named)]
-        return (f"expected a callable fn(arrays, sizes, params), got {fn!r:.80} with signature "
-                f"{sig}: its {lost} would go to *{rest}, not to a parameter of that name (a "
-                "function that takes anything is no fallback: it need not write the outputs)")
-    return ""
-
-
 def _check_name(caller: str, name) -> None:
     """Raise ArgumentError naming ``caller``'s argument 'name' unless it is a str (a list
     raised a bare TypeError, unhashable; None was looked up as the factor 'None')."""
@@ -564,7 +539,7 @@ class FactorRegistry:
         self._retired: list = []         # grown-out-of device workspaces, dropped after a sync
         self._flags: dict = defaultdict(Counter)
         self._fallbacks: dict = {}
-        self._fallback_checks: dict = {}   # id(fn) -> (fn, fallback_binding_problem(fn))
+        self._fallback_checks: dict = {}   # factor name -> (fn, fallback_problem(fn)): the last one
         self._bind_cache: dict = {}     # call signature -> what bind() returned, ready for the C call
         self._fast_calls: dict = {}     # _fast_key of a valid plugin call -> _FastCall (dispatch)
         self._entries: dict = {}        # id(plugin) -> (plugin, kernel, kernel_fallback) as _KERNEL_INT_T
@@ -962,7 +937,7 @@ class FactorRegistry:
                     "device: its kernels must come from a library it links or loads (not checked)")
         if m.fallback:
             try:
-                problem = fallback_binding_problem(m.fallback_fn())
+                problem = fallback_problem(m.fallback_fn())
                 ok, detail = (False, f"manifest {m.path}: fallback: {m.fallback!r}: {problem}") if problem \
                     else (True, m.fallback)
             except FactorError as exc:
@@ -1288,7 +1263,7 @@ class FactorRegistry:
                 why = "its plugin and kernel_fallback declined the call"
             raise FactorError(f"{name}: no plugin took the call ({why}) and the manifest names no "
                               "Python fallback")
-        problem = self._fallback_problem(fn)
+        problem = self._fallback_problem(name, fn)
         if problem:   # the manifest's, where no plugin's load checked it (a manifest-only factor)
             raise FactorError(f"{name}: the Python fallback {self._fallback_label(name, m, fn)}: {problem}; "
                               "not called")
@@ -1309,11 +1284,13 @@ class FactorRegistry:
                               "{flag text: slots >= 0} or a list of flag texts")
         return flags
 
-    def _fallback_problem(self, fn) -> str:
-        """fallback_binding_problem(fn), read once per function (dispatch's Python fallback)."""
-        hit = self._fallback_checks.get(id(fn))
+    def _fallback_problem(self, name: str, fn) -> str:
+        """fallback_problem(fn) for factor ``name``'s Python fallback, read once while ``fn``
+        stays its fallback (one entry per factor: a registry given 5000 fallbacks in turn kept
+        5000 entries and every function alive)."""
+        hit = self._fallback_checks.get(name)
         if hit is None or hit[0] is not fn:
-            hit = self._fallback_checks[id(fn)] = (fn, fallback_binding_problem(fn))   # fn kept: its id stays its
+            hit = self._fallback_checks[name] = (fn, fallback_problem(fn))
         return hit[1]
 
     def _fallback_label(self, name: str, m: Manifest, fn) -> str:
@@ -1450,7 +1427,7 @@ class FactorRegistry:
     def set_fallback(self, name: str, fn) -> None:
         """Use ``fn(arrays, sizes, params)`` as the Python fallback of ``name`` (over the
         manifest's); None restores the manifest's. Raises FactorNotFoundError for an unknown
-        factor, FactorError for an ``fn`` that cannot be called so (fallback_binding_problem); None for
+        factor, FactorError for an ``fn`` that cannot be called so (fallback_problem); None for
         any name is quiet (cleanup code may run before a factor is known); a ``name`` that is
         not a str is an ArgumentError naming set_fallback, with or without ``fn``."""
         if type(name) is not str:
@@ -1459,7 +1436,7 @@ class FactorRegistry:
             self._fallbacks.pop(name, None)
             return
         self._manifest(name, "set_fallback")
-        problem = fallback_binding_problem(fn)
+        problem = fallback_problem(fn)
         if problem:
             raise FactorError(f"set_fallback: fn: {problem}")
         self._fallbacks[name] = fn

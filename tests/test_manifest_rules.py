@@ -320,7 +320,7 @@ def test_values_of_the_documented_forms_load(tmp_path, values, dtype):
 @pytest.mark.parametrize("extra,needle", [
     ("foo: 1\n", "unknown key 'foo'; expected some of name, cc_major"),
     ("warpsize: 32\n", "unknown key 'warpsize' (did you mean 'warp_size'?)"),
-    ("live: true\n", "unknown key 'live'"),
+    ("is_live: true\n", "unknown key 'is_live'"),
 ])
 def test_a_hardware_profile_with_an_unknown_key_is_refused_with_a_hint(tmp_path, extra, needle):
     p = tmp_path / "hw.yaml"
