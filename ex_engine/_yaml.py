@@ -9,8 +9,9 @@ after PyYAML's own resolvers (integers stay integers), so ``tolerance: {float32:
 yaml.constructor.ConstructorError naming the key and both lines (PyYAML kept the last).
 
 Integers follow YAML 1.2's core schema too: ``[-+]?[0-9]+`` is decimal even with leading zeros
-(``id: 02260`` is 2260; YAML 1.1 read it as the octal 1200), ``0o17`` octal, ``0x1F`` hex;
-1.1's ``0b101``, ``1_000`` and sexagesimal ``1:30`` are strings (the field's own check names them).
+(``id: 02260`` is 2260; YAML 1.1 read it as the octal 1200), ``0o17`` octal, ``0x1F`` hex
+(unsigned); 1.1's ``0b101``, ``1_000`` and sexagesimal ``1:30`` are strings (the field's own check
+names them), as are its floats ``1_000.5`` and ``1:30.5``.
 
 Pathological input is a yaml.YAMLError like any malformed file, so each reader reports the file
 and goes on: nesting deeper than MAX_DEPTH levels (``[[[[...]]]]`` of a few hundred levels raised
@@ -58,14 +59,15 @@ class _Loader(yaml.SafeLoader):
         return super().construct_document(node)
 
     def construct_yaml_int(self, node):
-        """YAML 1.2 core schema: decimal (leading zeros too), 0o octal, 0x hex."""
+        """YAML 1.2 core schema: decimal (leading zeros too, a sign), 0o octal, 0x hex (no sign;
+        an explicit ``!!int`` scalar is held to the same forms)."""
         text = self.construct_scalar(node)
-        sign, body = (-1, text[1:]) if text[:1] == "-" else (1, text[1:] if text[:1] == "+" else text)
-        if body[:2] in ("0o", "0x"):
-            return sign * int(body[2:], 8 if body[1] == "o" else 16)
-        if not body.isdecimal() or not body.isascii():
-            raise ValueError(f"invalid integer {text!r}: expected digits, 0o octal or 0x hex (YAML 1.2)")
-        return sign * int(body, 10)
+        if not _INT_12.match(text):
+            raise ValueError(f"invalid integer {brief(text)}: expected [-+]digits, 0o octal or 0x hex "
+                             "(YAML 1.2)")
+        if text[:2] in ("0o", "0x"):
+            return int(text[2:], 8 if text[1] == "o" else 16)
+        return int(text, 10)
 
     def construct_mapping(self, node, deep=False):
         if isinstance(node, yaml.MappingNode):
@@ -99,10 +101,15 @@ for _first, _resolvers in _Loader.yaml_implicit_resolvers.items():
         _resolvers[_resolvers.index(_ints[0])] = _ints[1]
         _resolvers.pop()
 
-_Loader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"^[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?$"),
-    list("-+0123456789."))
+# YAML 1.2's core-schema floats in place of 1.1's, the same way: 1e-5 is a float (1.1 wanted a
+# dot), and 1.1's 1_000.5 and sexagesimal 1:30.5 are strings
+_FLOAT_12 = re.compile(r"^(?:[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?"
+                       r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$")
+_Loader.add_implicit_resolver("tag:yaml.org,2002:float", _FLOAT_12, list("-+0123456789."))
+for _first, _resolvers in _Loader.yaml_implicit_resolvers.items():
+    _floats = [r for r in _resolvers if r[0] == "tag:yaml.org,2002:float"]
+    if len(_floats) == 2:   # 1.1's (before the ints) goes; ours stays last, after the ints
+        _resolvers.remove(_floats[0])
 
 
 class _Brief(reprlib.Repr):

@@ -94,6 +94,18 @@ def test_integers_follow_yaml_1_2():
     assert yaml.safe_load("a: 02260") == {"a": 1200}     # PyYAML's own loader is left as it was
 
 
+def test_floats_follow_yaml_1_2_and_explicit_ints_are_held_to_its_forms():
+    """1.1's float forms 1_000.5 and 1:30.5 (sexagesimal: 90.5) are strings; 1e-5, .inf and .nan
+    stay floats and plain digits ints. `!!int '-0x-5'` was read as 5 and `!!int '0o'` gave
+    int()'s own message; a signed hex is a string in 1.2's core schema."""
+    assert _yaml.load("a: 1_000.5\nb: 1:30.5\nc: 1e-5\nd: -.inf\ne: 5\nf: 5.\ng: -0x1F") == {
+        "a": "1_000.5", "b": "1:30.5", "c": 1e-05, "d": float("-inf"), "e": 5, "f": 5.0, "g": "-0x1F"}
+    assert _yaml.load("a: .nan")["a"] != _yaml.load("a: .nan")["a"]
+    for bad in ("-0x-5", "0o", "0x", "1_0"):
+        with pytest.raises(yaml.YAMLError, match="expected \\[-\\+\\]digits, 0o octal or 0x hex"):
+            _yaml.load(f"a: !!int '{bad}'")
+
+
 def test_an_id_with_a_leading_zero_is_decimal(tmp_path):
     m = Manifest.load(manifest(tmp_path, lambda t: t.replace("id: 1100", "id: 02260")))
     assert m.id == 2260
