@@ -42,6 +42,16 @@ def search_path(value) -> list[Path]:
     return [Path(part) for part in text.split(os.pathsep) if part]
 
 
+def separator_hint(value) -> str:
+    """' (folders are joined with ':' here, not ';')' where a search path that names no folder
+    holds the other platform's separator, else ''."""
+    other = ";" if os.pathsep == ":" else ":"
+    text = os.fsdecode(os.fspath(value)) if value else ""
+    if other in text and not any(p.is_dir() for p in search_path(text)):
+        return f" (folders are joined with {os.pathsep!r} here, not {other!r})"
+    return ""
+
+
 def manifests_dirs() -> list[Path]:
     """The manifests search path: the folders of $EX_ENGINE_MANIFESTS (see search_path; when
     set and not empty) or [<root>/manifests]."""

@@ -287,7 +287,7 @@ def profiles_problem() -> str:
     if hint:
         return hint
     env = os.environ.get("EX_ENGINE_MANIFESTS")
-    via = f" (EX_ENGINE_MANIFESTS={env})" if env else ""
+    via = f" (EX_ENGINE_MANIFESTS={env}{_paths.separator_hint(env)})" if env else ""
     if not folder.is_dir():
         return f"the profiles folder {folder} does not exist{via}"
     return f"the profiles folder {folder} has no *.yaml{via}"

@@ -432,6 +432,11 @@ class Manifest:
             if k in sizes:
                 return (f"params: {k}: named like the size {k} of the arrays' shapes; expected a "
                         "name no array, size or dim uses")
+            src = self.dim_sources.get(k)
+            if k in self.dims and not (isinstance(src, dict) and src.get("param") == k):
+                return (f"params: {k}: named like the dim {k}, whose value comes from "
+                        f"{brief(src) if src else 'elsewhere'}; expected a name no array, size or "
+                        f"dim uses (a dim may take a parameter's value: dim_sources: {{{k}: {{param: {k}}}}})")
         for t in arrays:
             if t.role not in ("input", "output", "inout", "workspace"):
                 return f"{t.name}: role: expected input, output, inout or workspace, got {_got(t.role)}"
@@ -473,7 +478,7 @@ class Manifest:
         known = syms | set(self.dim_sources)
         for text in self.constraints + [t.absent_requires for t in self.aux if t.absent_requires]:
             m = _CONSTRAINT.match(str(text))
-            unknown = [s for s in (m.groups()[::2] if m else []) if not s.isdigit() and s not in known]
+            unknown = [s for s in (m.groups()[::2] if m else []) if not s.isdecimal() and s not in known]
             if unknown:
                 return f"constraint {brief(text)}: {unknown[0]} is no size of the manifest's arrays"
         return ""
@@ -843,14 +848,14 @@ class Manifest:
         """Raise ShapeError if the sizes break ``A op B``; it names ``arg``, else the argument
         whose shape fixed the constraint's size, and says where each size came from."""
         a, op, b = m.groups()
-        va = sizes.get(a, int(a) if a.isdigit() else None)
-        vb = sizes.get(b, int(b) if b.isdigit() else None)
+        va = sizes.get(a, int(a) if a.isdecimal() else None)
+        vb = sizes.get(b, int(b) if b.isdecimal() else None)
         if va is None or vb is None:
             return
         ok = {"<=": va <= vb, "<": va < vb, "==": va == vb, ">=": va >= vb, ">": va > vb}[op]
         if not ok:
             origin = origin or {}
-            syms = [s for s in (a, b) if not s.isdigit()]
+            syms = [s for s in (a, b) if not s.isdecimal()]
             arg = arg or origin.get(syms[0], syms[0])
             got = ", ".join(f"{s}={sizes[s]}" + (f" (from {origin[s]})" if s in origin else "") for s in syms)
             raise ShapeError(self.name, arg, text, f"{a} {op} {b}", got)

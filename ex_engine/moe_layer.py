@@ -138,7 +138,7 @@ def parse_cases(models: dict, cases) -> tuple:
     out, problems = [], []
     for c in cases:
         m, _, t = c.partition(":")
-        if m not in models or not t.isdigit() or int(t) < 1:
+        if m not in models or not (t.isascii() and t.isdecimal()) or int(t) < 1:
             problems.append(f"case {c!r}: expected model:T with T >= 1 and a model of moe_models.yaml "
                             f"({', '.join(sorted(models))})")
         else:

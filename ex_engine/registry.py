@@ -89,7 +89,7 @@ class Plugin:
         a number counts as 0)."""
         parts = []
         for p in self.version.split("."):
-            parts.append(int(p) if p.isdigit() else 0)
+            parts.append(int(p) if p.isdecimal() else 0)
         return tuple(parts)
 
     def as_dict(self) -> dict:
@@ -508,7 +508,8 @@ class FactorRegistry:
             _path_arg("manifests_dir", manifests_dir, "a directory path or None")
             for d in _paths.search_path(manifests_dir):   # (several: joined with os.pathsep)
                 if not d.is_dir():
-                    raise FactorError(f"manifests_dir '{d}': not a directory")
+                    raise FactorError(f"manifests_dir '{d}': not a directory"
+                                      + _paths.separator_hint(manifests_dir))
         self.hardware: Hardware = hw
         # a malformed manifest rejects only the plugins that need it (see _find_manifest)
         self.manifest_errors: dict = {}  # file stem -> message

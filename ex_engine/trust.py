@@ -87,7 +87,9 @@ def read_lock(path) -> dict:
 # fd in argv[4]), each line starting with a random token it reads from stdin before the library
 # is opened: what a library prints (stdout is /dev/null here; "stage done" then _exit(0) passed
 # the probe when stages were read from stdout) cannot pass for a report, and a child that ends
-# without the final "done" line is a failure whatever its status.
+# without the final "done" line is a failure whatever its status. This guards against accidents,
+# not against a library written to deceive the probe: its code runs in the child and can reach
+# the child's Python (and so the token and the pipe); the lock file is the check of what is loaded.
 _CHILD = r"""
 import json, os, sys
 sys.path[:] = json.loads(sys.argv[3])
@@ -165,7 +167,9 @@ def probe_library(path, hardware, timeout: float = 10.0) -> tuple:
     ex_get_factor": exit() in a constructor or in ex_get_factor would end the caller's process
     too), also where it could not start or reach the library at all (the probe did not run:
     the library is not opened unprobed). The child reports its stages on a pipe of its own,
-    marked with a random token (_CHILD), so nothing the library prints counts. It reads every
+    marked with a random token (_CHILD), so nothing the library prints counts (a library
+    written to deceive the probe could still reach the child's Python: it is a guard against
+    faults, not a sandbox; ``lock=`` checks which bytes are loaded). It reads every
     field of the factor struct the in-process load reads. A Python error in the child (an
     unloadable file, a missing symbol) is ok here: the in-process checks report it without
     running the library's code.

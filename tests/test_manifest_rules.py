@@ -368,3 +368,32 @@ def test_a_profile_saved_from_the_hardware_command_loads(tmp_path, capsys):
     (tmp_path / "my.yaml").write_text(capsys.readouterr().out)
     hw = Hardware.from_profile(str(tmp_path / "my.yaml"))
     assert hw.multiprocessor_count == 132 and hw.live is False and hw.source == "profile my"
+
+
+def test_a_parameter_named_like_a_dim_of_another_source_is_refused(tmp_path):
+    """params: {dtype: ...} beside dims' dtype (from dtype_of) loaded; its docstring said no
+    parameter may share a dim's name. A dim that takes the parameter's own value is fine."""
+    text = (ROOT / "manifests" / "topk_softmax.yaml").read_text()
+    p = tmp_path / "topk_softmax.yaml"
+    p.write_text(text.replace("  renormalize: {type: bool, default: false}",
+                              "  renormalize: {type: bool, default: false}\n  dtype: {type: int, default: 1}"))
+    with pytest.raises(FactorError, match="params: dtype: named like the dim dtype, whose value comes from"):
+        Manifest.load(p)
+    assert Manifest.load(ROOT / "manifests" / "topk_softmax.yaml").params["renormalize"]
+
+
+def test_a_search_path_joined_with_the_other_platforms_separator_says_so(tmp_path, monkeypatch):
+    import os
+    other = ";" if os.pathsep == ":" else ":"
+    value = f"{tmp_path / 'a'}{other}{ROOT / 'manifests'}"
+    with pytest.raises(FactorError, match=f"folders are joined with '{os.pathsep}' here, not '{other}'"):
+        FactorRegistry(hardware="h200", manifests_dir=value)
+    monkeypatch.setenv("EX_ENGINE_MANIFESTS", value)
+    with pytest.raises(FactorError, match=f"not '{other}'"):
+        Hardware.from_profile("h200")
+
+
+def test_parse_cases_lists_a_non_ascii_digit_as_a_problem():
+    from ex_engine.moe_layer import parse_cases
+    cases, problems = parse_cases({"m": None}, ["m:\u00b2", "m:3"])   # '²'.isdigit() is True
+    assert cases == [("m", 3)] and len(problems) == 1 and "'m:\u00b2'" in problems[0]
