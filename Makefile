@@ -5,15 +5,15 @@
 #
 #   make                      all factors, for Hopper (sm_90a) plus a portable sm_80 build with PTX
 #   make factors/topk_softmax.so                         one factor (or `ex-engine build topk_softmax`)
-#   make -B ARCHS="-gencode=arch=compute_80,code=sm_80"  another set of targets (-B: make cannot
-#                                                         tell targets from file dates; or
-#                                                         `ex-engine build --archs=...`)
+#   make ARCHS="-gencode=arch=compute_80,code=sm_80"     another set of targets (or `ex-engine
+#                                                         build --archs=...`); a later build with
+#                                                         other flags rebuilds (build/flags.txt)
 #   make list | help | clean (clean names any factors/*.so it leaves: one no source builds)
 #   variables: NVCC, ARCHS, NVCCFLAGS, EXTRA_NVCCFLAGS (added to both nvcc rules, e.g. -DNAME=1),
 #              NVCC_THREADS (nvcc --threads per job; default 1), PYTHON, CUTLASS_INC;
 #              for host factors CC, CXX, HOST_CFLAGS, HOST_CXXFLAGS, HOST_LDLIBS
-#   The Hopper plugin (moe_fused_gemm_sm90.so: CUTLASS templates) takes 1.5-3 minutes on 2 cores;
-#   the others 5-60 s each. Every factor needs sm_80 or newer (ARCHS must name such targets).
+#   The Hopper plugin (moe_fused_gemm_sm90.so: CUTLASS templates) takes 1.5-6 minutes on 2 cores
+#   (the longer while other jobs share them); the others 5 s to 3 minutes each. Every factor needs sm_80 or newer (ARCHS must name such targets).
 #   One name, one source: factors/x.cu beside factors/x.c (or x.cpp) is an error.
 #
 # factors/<name>_sm90.cu are Hopper-only plugins built on CUTLASS 3.x (wgmma, TMA): they are
@@ -54,6 +54,19 @@ PLUGINS := $(sort $(SOURCES:.cu=.so) $(HOST_C_SOURCES:.c=.so) $(HOST_CXX_SOURCES
 STEMS := $(basename $(notdir $(SOURCES) $(HOST_C_SOURCES) $(HOST_CXX_SOURCES)))
 CLASHES := $(strip $(foreach s,$(sort $(STEMS)),$(if $(word 2,$(filter $(s),$(STEMS))),$(s))))
 
+# The flags of the last build, in build/flags.txt: rewritten when they change, and every rule
+# depends on it, so that a build for other targets (ARCHS=..., `ex-engine build --archs=...`) is
+# rebuilt by the next plain `make` (file dates alone kept an sm_80-only library in place).
+BUILD_FLAGS := $(NVCC) | $(NVCCFLAGS) | $(EXTRA_NVCCFLAGS) | $(ARCHS) | $(SM90_NVCCFLAGS) | $(SM90_ARCHS) | \
+               $(CC) $(HOST_CFLAGS) | $(CXX) $(HOST_CXXFLAGS) | $(HOST_LDLIBS)
+FLAGS_STAMP := build/flags.txt
+ifeq ($(filter help list clean,$(MAKECMDGOALS)),)
+ifneq ($(file <$(FLAGS_STAMP)),$(BUILD_FLAGS))
+$(shell mkdir -p build)
+$(file >$(FLAGS_STAMP),$(BUILD_FLAGS))
+endif
+endif
+
 # a half-written .so (nvcc killed, disk full) is deleted, never left to be loaded
 .DELETE_ON_ERROR:
 .PHONY: all clean list help check-nvcc check-sources
@@ -71,7 +84,7 @@ check-sources:
 	@if [ -n "$(CLASHES)" ]; then echo "[ex_engine] error: more than one source for $(CLASHES):" \
 	    "keep one of factors/<name>.cu (GPU), .c or .cpp (host factor) per name" >&2; exit 1; fi
 
-factors/%.so: factors/%.cu include/ex_engine.h $(wildcard factors/*.cuh) | check-nvcc check-sources
+factors/%.so: factors/%.cu include/ex_engine.h $(wildcard factors/*.cuh) $(FLAGS_STAMP) | check-nvcc check-sources
 	@if [ -z "$(strip $(ARCHS))" ]; then echo "[ex_engine] error: ARCHS is empty: give at least one target of sm_80 or newer, e.g. ARCHS=\"-gencode=arch=compute_80,code=sm_80\"" >&2; exit 1; fi
 	@echo "[ex_engine] nvcc $< -> $@ (targets: $(patsubst -gencode=arch=%,%,$(ARCHS)))"
 	@start=$$(date +%s); \
@@ -80,7 +93,7 @@ factors/%.so: factors/%.cu include/ex_engine.h $(wildcard factors/*.cuh) | check
 	echo "[ex_engine] built $@ in $$(( $$(date +%s) - start )) s"
 
 # Hopper-only plugins (a more specific pattern than the rule above, so make prefers it)
-factors/%_sm90.so: factors/%_sm90.cu include/ex_engine.h $(wildcard factors/*.cuh) | check-nvcc check-sources
+factors/%_sm90.so: factors/%_sm90.cu include/ex_engine.h $(wildcard factors/*.cuh) $(FLAGS_STAMP) | check-nvcc check-sources
 	@if [ -z "$(CUTLASS_INC)" ] || [ ! -f "$(CUTLASS_INC)/cutlass/cutlass.h" ]; then \
 	    $(if $(filter command line environment,$(origin CUTLASS_INC)), \
 	    echo "[ex_engine] error: $@ needs CUTLASS's headers: CUTLASS_INC='$(CUTLASS_INC)' (given)" \
@@ -98,12 +111,12 @@ factors/%_sm90.so: factors/%_sm90.cu include/ex_engine.h $(wildcard factors/*.cu
 
 # host factors (memory: host): the host compiler, no nvcc; -fvisibility=hidden as above
 # (EX_EXPORT makes ex_abi_version and ex_get_factor visible)
-factors/%.so: factors/%.c include/ex_engine.h $(wildcard factors/*.h) | check-sources
+factors/%.so: factors/%.c include/ex_engine.h $(wildcard factors/*.h) $(FLAGS_STAMP) | check-sources
 	@echo "[ex_engine] $(CC) $< -> $@ (host factor: no GPU code)"
 	@$(CC) $(HOST_CFLAGS) -fPIC -fvisibility=hidden -shared -Iinclude -o $@ $< $(HOST_LDLIBS)
 	@echo "[ex_engine] built $@"
 
-factors/%.so: factors/%.cpp include/ex_engine.h $(wildcard factors/*.h) | check-sources
+factors/%.so: factors/%.cpp include/ex_engine.h $(wildcard factors/*.h) $(FLAGS_STAMP) | check-sources
 	@echo "[ex_engine] $(CXX) $< -> $@ (host factor: no GPU code)"
 	@$(CXX) $(HOST_CXXFLAGS) -fPIC -fvisibility=hidden -shared -Iinclude -o $@ $< $(HOST_LDLIBS)
 	@echo "[ex_engine] built $@"

@@ -272,3 +272,26 @@ def test_two_sources_of_one_factor_name_are_refused(tmp_path):
     assert r.returncode != 0
     assert "more than one source for host_scale" in r.stderr, r.stderr
     assert not (proj / "factors" / "host_scale.so").exists()
+
+
+def test_a_build_with_other_flags_is_rebuilt_by_the_next_plain_make(tmp_path):
+    """`ex-engine build --archs=sm_80 x` then `ex-engine build x`: the second kept the sm_80-only
+    library (file dates alone), which the registry then refused on the H200. The flags of the
+    last build are kept in build/flags.txt and every rule depends on it."""
+    if shutil.which("cc") is None:
+        pytest.skip("cc not installed")
+    proj = _project_copy(tmp_path)
+    shutil.copy(ROOT / "tests" / "plugins" / "host_scale.c", proj / "factors" / "host_scale.c")
+
+    def make(*args):
+        r = subprocess.run(["make", "-C", str(proj), "NVCC=/nonexistent/nvcc", *args],
+                           capture_output=True, text=True)
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+        return "built factors/host_scale.so" in r.stdout
+
+    assert make()
+    assert not make()                                   # nothing changed: nothing rebuilt
+    assert make("HOST_CFLAGS=-O1 -Wall")                # other flags: rebuilt
+    assert not make("HOST_CFLAGS=-O1 -Wall")
+    assert make()                                       # back to the defaults: rebuilt again
+    assert "-O2 -Wall" in (proj / "build" / "flags.txt").read_text()
