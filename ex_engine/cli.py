@@ -170,11 +170,13 @@ def cmd_hardware(args) -> int:
         # with --json, stdout holds the JSON alone (null: no GPU); the remark goes to stderr
         note = sys.stderr if args.json else sys.stdout
         profiles = list_profiles()
+        from . import hardware as _hw
+        why = _hw.no_device_reason or "no GPU visible to CuPy"
         if profiles:
-            print("no GPU visible to CuPy; profiles available: " + ", ".join(profiles), file=note)
+            print(f"{why}; profiles available: " + ", ".join(profiles), file=note)
             print(f"show one with: ex-engine hardware --profile {profiles[0]}", file=note)
         else:
-            print(f"no GPU visible to CuPy and no hardware profiles: {profiles_problem()}", file=note)
+            print(f"{why}; and no hardware profiles: {profiles_problem()}", file=note)
         if args.json:
             print(json.dumps(None))
         return 0

@@ -227,8 +227,12 @@ class Hardware:
         try:
             import cupy
             from cupy.cuda import runtime
+        except ImportError as exc:   # not "no GPU": on a GPU machine the gpu extra is missing
+            raise NoDeviceError(f"CuPy cannot be imported ({exc}), so no GPU can be seen: "
+                                "pip install -e '.[gpu]' (cupy-cuda13x; cupy-cuda12x for CUDA 12)") from exc
+        try:
             n = runtime.getDeviceCount()
-        except Exception as exc:  # ImportError, CUDARuntimeError: no GPU here
+        except Exception as exc:  # CUDARuntimeError: no driver or no GPU here
             raise NoDeviceError(f"no CUDA device visible to CuPy: {exc}") from exc
         if device_id is not None and device_id >= n:
             raise NoDeviceError(f"CUDA device {device_id}: no such device; CuPy sees {n} "
@@ -258,14 +262,22 @@ class Hardware:
 
     @classmethod
     def detect(cls) -> "Hardware | None":
-        """The live device, or None when there is no CuPy or no GPU. A device whose properties
-        break a profile's rules (check_fields) raises FactorError: it is there, and calling it
-        "no GPU" would send every call to the Python fallbacks without a word (a registry can
-        still be loaded with a profile: hardware='h200')."""
+        """The live device, or None when there is no CuPy or no GPU (why: ``no_device_reason``).
+        A device whose properties break a profile's rules (check_fields) raises FactorError: it
+        is there, and calling it "no GPU" would send every call to the Python fallbacks without
+        a word (a registry can still be loaded with a profile: hardware='h200')."""
+        global no_device_reason
         try:
-            return cls.from_device()
-        except NoDeviceError:
+            hw = cls.from_device()
+        except NoDeviceError as exc:
+            no_device_reason = str(exc)
             return None
+        no_device_reason = ""
+        return hw
+
+
+# why the last Hardware.detect() saw no device ('' when it saw one): CuPy missing, or no GPU
+no_device_reason = ""
 
 
 def profiles_dir() -> Path:

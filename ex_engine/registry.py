@@ -481,7 +481,9 @@ class FactorRegistry:
         self.no_gpu_note = ""
         if hw is None:
             hw = Hardware.from_profile("h200")
-            self.no_gpu_note = "no GPU visible: plugins checked against profile h200, calls use the Python fallbacks"
+            from . import hardware as _hw
+            why = _hw.no_device_reason if _hw.no_device_reason.startswith("CuPy cannot") else "no GPU visible"
+            self.no_gpu_note = f"{why}: plugins checked against profile h200, calls use the Python fallbacks"
         if lock_mode not in ("refuse", "warn"):
             raise FactorError(f"lock_mode: expected 'refuse' or 'warn', got {lock_mode!r}")
         if lock_mode == "warn" and not lock:

@@ -261,12 +261,12 @@ def test_a_missing_manifests_folder_is_named(tmp_path, monkeypatch, capsys):
         Hardware.from_profile("h200")
     assert main(["hardware"]) == 0
     out = capsys.readouterr().out
-    if "no GPU visible" in out:       # with a GPU it describes the GPU instead
+    if Hardware.detect() is None:      # with a GPU it describes the GPU instead
         assert f"no hardware profiles: {why}" in out
     (gone / "hardware").mkdir(parents=True)
     assert main(["hardware"]) == 0
     out = capsys.readouterr().out
-    if "no GPU visible" in out:
+    if Hardware.detect() is None:
         assert f"the profiles folder {gone / 'hardware'} has no *.yaml" in out
 
 
@@ -396,7 +396,7 @@ def test_an_install_without_the_checkout_says_how_to_fix_it(tmp_path, monkeypatc
         FactorRegistry.load(hardware=str(real_profile))
     assert main(["hardware"]) == 0
     out = capsys.readouterr().out
-    if "no GPU visible" in out:       # with a GPU it describes the GPU instead
+    if Hardware.detect() is None:      # with a GPU it describes the GPU instead
         assert "no hardware profiles: ex_engine at" in out and "--profile h200" not in out
     monkeypatch.setenv("EX_ENGINE_MANIFESTS", str(tmp_path / "elsewhere"))
     assert _paths.not_a_checkout() == ""     # pointed somewhere on purpose: the plain message
@@ -690,3 +690,18 @@ def test_the_readme_dispatch_example_runs(capsys):
     code = text[text.rindex("```python", 0, at) + len("```python"):text.index("```", at)]
     exec(compile(code, "README.md", "exec"), {})
     assert capsys.readouterr().out.strip() == "python_fallback"
+
+
+def test_no_cupy_is_named_as_such_not_as_no_gpu(monkeypatch, capsys):
+    """Without CuPy, `ex-engine hardware` said 'no GPU visible to CuPy': on a GPU machine where
+    the gpu extra was forgotten that points the wrong way. It names the import and the extra."""
+    import sys
+    from ex_engine import FactorRegistry
+    from ex_engine.hardware import Hardware
+    monkeypatch.setitem(sys.modules, "cupy", None)     # import cupy raises ImportError
+    assert Hardware.detect() is None
+    assert main(["hardware"]) == 0
+    out = capsys.readouterr().out
+    assert "CuPy cannot be imported" in out and "pip install -e '.[gpu]'" in out, out
+    reg = FactorRegistry(hardware=None)
+    assert reg.no_gpu_note.startswith("CuPy cannot be imported")
