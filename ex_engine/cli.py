@@ -204,6 +204,12 @@ def cmd_run_moe(args) -> int:
     sys.stdout.flush()
     for note in reg.notes:   # e.g. a --prefer that names no ready plugin (it was silent)
         print(f"note: {note}", file=sys.stderr)
+    for name in ("topk_softmax", "moe_fused_gemm"):   # (it printed PASS without a word)
+        if reg.get(name) is None:
+            print(f"note: no ready plugin for {name} in {args.dir or 'factors/'}"
+                  + (f" (none of the {len(reg.plugins)} *.so there is a ready one for it; "
+                     "`ex-engine list-factors --why` says why)" if reg.plugins else " (no *.so there)")
+                  + ": the Python fallback serves it", file=sys.stderr)
     models = sorted(load_models()) if args.model == "all" else [args.model]
     ok = True
     runs = [(m, T) for m in models for T in args.tokens]
@@ -421,8 +427,10 @@ def build_parser() -> argparse.ArgumentParser:
                                     "Libraries are opened in this process; if one crashes or hangs "
                                     "there, --probe finds and refuses it.")
     common(q, probe=False)
+    from .moe_layer import models_help
     q.add_argument("--model", default="qwen3-30b-a3b",
-                   help="a model of manifests/moe_models.yaml, or 'all' (default: %(default)s)")
+                   help=f"a model of manifests/moe_models.yaml ({models_help(all_ok=True)}; 'all': "
+                        "every one) (default: %(default)s)")
     q.add_argument("--tokens", type=tokens_arg, nargs="+", default=[64],
                    help=f"token counts T, 0..{MAX_TOKENS} (default: 64)")
     q.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16",

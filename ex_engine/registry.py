@@ -551,7 +551,8 @@ class FactorRegistry:
             hw, _paths.home_dir(self.manifests_dirs) / "tuning", report=False)
         if len(dirs) > 1:
             self.notes.extend(f"manifests folder {d} (of the search path {os.pathsep.join(map(str, dirs))}) "
-                              "does not exist; skipped" for d in dirs if not d.is_dir())
+                              + ("is a file, not a folder" if d.exists() else "does not exist")
+                              + "; skipped" for d in dirs if not d.is_dir())
         self.notes.extend(f"tuning: {msg}; skipped" for msg in self.tuning.problems)
         self.notes.extend(f"tuning: {msg}" for msg in self.tuning.remarks)
         self._note_unused_tuning()
@@ -601,7 +602,12 @@ class FactorRegistry:
         folder = _path_arg("folder", folder, "a directory path")
         if not folder.is_dir():
             hint = _paths.not_a_checkout() if folder == _paths.factors_dir() else ""
-            raise FactorError(f"factor folder '{folder}': not a directory" + (f" ({hint})" if hint else ""))
+            where = f" (= {folder.absolute()})" if not folder.is_absolute() else ""
+            if os.environ.get("EX_ENGINE_FACTORS") and folder == _paths.factors_dir():
+                where += " (from EX_ENGINE_FACTORS)"
+            raise FactorError(f"factor folder '{folder}'{where}: "
+                              + ("not a directory" if folder.exists() else "does not exist")
+                              + (f" ({hint})" if hint else ""))
         try:   # (glob alone reads an unreadable folder as an empty one)
             with os.scandir(folder) as it:
                 files = sorted(folder / e.name for e in it if e.name.endswith(".so"))

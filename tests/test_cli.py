@@ -392,7 +392,7 @@ def test_an_install_without_the_checkout_says_how_to_fix_it(tmp_path, monkeypatc
     assert "no Makefile in" in capsys.readouterr().err
     from ex_engine import FactorRegistry     # with a GPU (or a profile path) the folder comes next
     real_profile = Path(__file__).resolve().parents[1] / "manifests" / "hardware" / "h200.yaml"
-    with pytest.raises(FactorError, match="factor folder .*not a directory.*pip install -e <checkout>"):
+    with pytest.raises(FactorError, match="factor folder .*(not a directory|does not exist).*pip install -e <checkout>"):
         FactorRegistry.load(hardware=str(real_profile))
     assert main(["hardware"]) == 0
     out = capsys.readouterr().out
@@ -705,3 +705,24 @@ def test_no_cupy_is_named_as_such_not_as_no_gpu(monkeypatch, capsys):
     assert "CuPy cannot be imported" in out and "pip install -e '.[gpu]'" in out, out
     reg = FactorRegistry(hardware=None)
     assert reg.no_gpu_note.startswith("CuPy cannot be imported")
+
+
+def test_run_moe_says_when_no_plugin_serves(tmp_path, capsys):
+    """With no ready plugin (an empty folder, or every library rejected), run moe printed only
+    'python_fallback ... PASS'; it now says on stderr that the Python fallback serves, and why."""
+    assert main(["run", "moe", "--model", "granite-3.0-3b-a800m", "--tokens", "1", "--dir", str(tmp_path)]) == 0
+    err = capsys.readouterr().err
+    assert f"note: no ready plugin for moe_fused_gemm in {tmp_path} (no *.so there): the Python fallback serves it" in err, err
+
+
+def test_a_relative_factor_folder_that_is_not_there_names_where_it_looked(tmp_path, monkeypatch):
+    """From another working directory, FactorRegistry.load('factors/') said only "factor folder
+    'factors': not a directory"; it names the absolute path, whether it exists, and the variable
+    it came from."""
+    from ex_engine import FactorError, FactorRegistry
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(FactorError, match=f"factor folder 'factors' \\(= {tmp_path / 'factors'}\\): does not exist"):
+        FactorRegistry.load("factors/", hardware="h200")
+    (tmp_path / "factors").write_text("a file")
+    with pytest.raises(FactorError, match="not a directory"):
+        FactorRegistry.load("factors/", hardware="h200")
