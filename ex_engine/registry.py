@@ -461,8 +461,9 @@ class FactorRegistry:
     is no GPU, the 'h200' profile, so plugins are still checked; kernels are then never called;
     a visible GPU whose properties no profile could hold raises FactorError: pass a profile).
     manifests_dir: where factor manifests live (default $EX_ENGINE_MANIFESTS, else manifests/):
-    a folder, or several joined with os.pathsep, searched in order (a name's first manifest
-    wins; tuning/ from the first folder with a hardware/ folder, else the first); a manifest
+    a folder, or several joined with os.pathsep, searched in order (manifest.load_search_path:
+    <name>.yaml is preferred to a copy of another name in any folder, the first folder's among
+    equals; tuning/ from the first folder with a hardware/ folder, else the first); a manifest
     beside a library (<name>.yaml in its folder) takes precedence. The attribute
     ``manifests_dir`` is that folder, or the folders found joined with os.pathsep.
     prefer, lock, lock_mode, probe, probe_timeout, verify, verify_timeout: see ``load``.
@@ -515,7 +516,7 @@ class FactorRegistry:
         self.hardware: Hardware = hw
         # a malformed manifest rejects only the plugins that need it (see _find_manifest)
         self.manifest_errors: dict = {}  # file stem -> message
-        # a search path: the first folder's manifest of a name wins (its error too)
+        # a search path (manifest.load_search_path: <name>.yaml preferred, then folder order)
         dirs = [d.absolute() for d in (_paths.search_path(manifests_dir) if manifests_dir
                                        else _paths.manifests_dirs())]
         self.manifests_dirs: list = [d for d in dirs if d.is_dir()] or dirs[:1]
