@@ -228,8 +228,8 @@ class Hardware:
             import cupy
             from cupy.cuda import runtime
         except ImportError as exc:   # not "no GPU": on a GPU machine the gpu extra is missing
-            raise NoDeviceError(f"CuPy cannot be imported ({exc}), so no GPU can be seen: "
-                                "pip install -e '.[gpu]' (cupy-cuda13x; cupy-cuda12x for CUDA 12)") from exc
+            raise NoDeviceError(f"CuPy cannot be imported ({exc}), so no GPU can be seen (on a GPU "
+                                "machine: pip install -e '.[gpu]', cupy-cuda13x; cupy-cuda12x for CUDA 12)") from exc
         try:
             n = runtime.getDeviceCount()
         except Exception as exc:  # CUDARuntimeError: no driver or no GPU here
