@@ -2,8 +2,8 @@
 
 graph_us: device µs per call of a CUDA graph that cycles over ``fns`` (one zero-argument
 callable per input set, so the sets can be rotated past the L2), after a warm-up of the graph;
-host_us: host µs of one eager
-call, device work left to overlap.
+host_us: host µs of one eager call, device work left to overlap; ceilings: the card's matmul and
+copy ceilings with graph_us's timer; run_meta: the date, device and commit a result file records.
 """
 from __future__ import annotations
 
