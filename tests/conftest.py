@@ -75,3 +75,9 @@ def build_helper(folder: Path) -> Path:
     out = folder / "libexhelper.so"
     subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(out), str(src)], check=True)
     return out
+
+
+# tests that load the shipped libraries again for another profile in the same process on purpose: the
+# registry's warning that a library is already open for other hardware is expected here
+OTHER_PROFILE_LOAD = pytest.mark.filterwarnings(
+    "ignore:.*is already open in this process by another registry:UserWarning")

@@ -10,7 +10,7 @@ import pytest
 
 from ex_engine import FactorRegistry, abi
 from ex_engine.hardware import Hardware
-from tests.conftest import ROOT
+from tests.conftest import OTHER_PROFILE_LOAD, ROOT
 
 BUILTIN = {"topk_softmax": 0, "fused_add_rmsnorm": 1, "moe_fused_gemm": 2}
 # Hopper-only plugins of a built-in factor (same name, id and version, higher priority): the one
@@ -40,6 +40,7 @@ def test_every_factor_source_has_a_plugin(built):
 
 
 @needs_nvcc
+@OTHER_PROFILE_LOAD
 @pytest.mark.parametrize("profile", ["h200", "a100"])
 def test_builtin_factors_ready_on_profile(built, profile):
     reg = FactorRegistry.load(built, hardware=profile)
@@ -51,6 +52,7 @@ def test_builtin_factors_ready_on_profile(built, profile):
         assert p.tuning["num_warps"] * 32 == p.tuning["threads_per_block"]
 
 
+@OTHER_PROFILE_LOAD
 @needs_nvcc
 def test_hopper_moe_plugin_chosen_on_h200_portable_elsewhere(built):
     reg = FactorRegistry.load(built, hardware="h200")

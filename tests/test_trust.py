@@ -13,7 +13,7 @@ import yaml
 
 from ex_engine import FactorError, FactorRegistry, abi, fatbin
 from ex_engine.cli import main as cli_main
-from tests.conftest import ROOT, build_helper, build_plugin
+from tests.conftest import OTHER_PROFILE_LOAD, ROOT, build_helper, build_plugin
 from tests.test_loader import call
 
 FACTORS = ROOT / "factors"
@@ -134,6 +134,7 @@ def test_fatbin_walk_and_compatibility_rules():
 
 
 @needs_built
+@OTHER_PROFILE_LOAD
 @pytest.mark.parametrize("hw,via", [("h200", "ok via sm_90a (SASS)"), ("a100", "ok via sm_80 (SASS)")])
 def test_built_factors_carry_code_for_the_profile(hw, via):
     reg = FactorRegistry.load(FACTORS, hardware=hw)
