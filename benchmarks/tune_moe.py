@@ -104,6 +104,11 @@ def existing_table(out: Path, device: str | None = None, sms: int | None = None)
     return data, notes
 
 
+def _refusal(exc: FactorError) -> str:
+    """Why --out is not written over, from existing_table's FactorError, and what to do."""
+    return f"--out: will not replace it: {exc}; give --replace to write a new table over it"
+
+
 def merge_problem(out, replace: bool, device=None, sms=None) -> str:
     """'' when ``out`` can be merged into (or --replace), else why not and what to do."""
     if replace or out is None:
@@ -111,7 +116,7 @@ def merge_problem(out, replace: bool, device=None, sms=None) -> str:
     try:
         existing_table(Path(out), device, sms)
     except FactorError as exc:
-        return f"--out: will not replace it: {exc}; give --replace to write a new table over it"
+        return _refusal(exc)
     return ""
 
 
@@ -156,9 +161,11 @@ def main() -> int:
     device = torch.cuda.get_device_name()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     out = Path(args.out) if args.out else default_out(device, sms)
-    if report_problems("tune_moe", [merge_problem(out, args.replace, device, sms)]):
+    try:   # (read once more now that this GPU is known: the file must be its table)
+        data, notes = ({}, []) if args.replace else existing_table(out, device, sms)
+    except FactorError as exc:
+        report_problems("tune_moe", [_refusal(exc)])
         return 2
-    data, notes = ({}, []) if args.replace else existing_table(out, device, sms)
     data.update({"device": device, "multiprocessor_count": sms})
     table = data.setdefault("moe_fused_gemm", {})
     table.update({"dim": "config", "key": KEY, "values": VALUES})

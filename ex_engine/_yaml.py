@@ -91,25 +91,28 @@ class _Loader(yaml.SafeLoader):
 
 _Loader.add_constructor("tag:yaml.org,2002:int", _Loader.construct_yaml_int)
 
-# YAML 1.2's core-schema integers in place of 1.1's (octal 0NNN, 0b, underscores, sexagesimal):
-# add_implicit_resolver gave _Loader its own copy of the table, so SafeLoader keeps its own
-_INT_12 = re.compile(r"^(?:[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+)$")
-_Loader.add_implicit_resolver("tag:yaml.org,2002:int", _INT_12, list("-+0123456789"))
-for _first, _resolvers in _Loader.yaml_implicit_resolvers.items():
-    _ints = [r for r in _resolvers if r[0] == "tag:yaml.org,2002:int"]
-    if len(_ints) == 2:   # PyYAML's 1.1 pattern, then ours (appended): ours takes its place
-        _resolvers[_resolvers.index(_ints[0])] = _ints[1]
-        _resolvers.pop()
+def _resolve_as_yaml_12(tag: str, pattern, first: str, in_place: bool) -> None:
+    """Give _Loader YAML 1.2's implicit resolver ``pattern`` for ``tag`` in place of PyYAML's 1.1
+    one (add_implicit_resolver gives _Loader its own copy of the table, so SafeLoader keeps its
+    own): ``in_place``, where 1.1's stood; else last, after the other resolvers of a character."""
+    _Loader.add_implicit_resolver(tag, pattern, list(first))
+    for resolvers in _Loader.yaml_implicit_resolvers.values():
+        ours = [r for r in resolvers if r[0] == tag]
+        if len(ours) == 2:          # PyYAML's 1.1 pattern, then ours (appended)
+            if in_place:
+                resolvers[resolvers.index(ours[0])] = resolvers.pop()
+            else:
+                resolvers.remove(ours[0])
 
-# YAML 1.2's core-schema floats in place of 1.1's, the same way: 1e-5 is a float (1.1 wanted a
-# dot), and 1.1's 1_000.5 and sexagesimal 1:30.5 are strings
+
+# integers in place of 1.1's (octal 0NNN, 0b, underscores, sexagesimal)
+_INT_12 = re.compile(r"^(?:[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+)$")
+_resolve_as_yaml_12("tag:yaml.org,2002:int", _INT_12, "-+0123456789", in_place=True)
+# floats after the integers (1.2's pattern also matches plain digits): 1e-5 is a float (1.1
+# wanted a dot), and 1.1's 1_000.5 and sexagesimal 1:30.5 are strings
 _FLOAT_12 = re.compile(r"^(?:[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?"
                        r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$")
-_Loader.add_implicit_resolver("tag:yaml.org,2002:float", _FLOAT_12, list("-+0123456789."))
-for _first, _resolvers in _Loader.yaml_implicit_resolvers.items():
-    _floats = [r for r in _resolvers if r[0] == "tag:yaml.org,2002:float"]
-    if len(_floats) == 2:   # 1.1's (before the ints) goes; ours stays last, after the ints
-        _resolvers.remove(_floats[0])
+_resolve_as_yaml_12("tag:yaml.org,2002:float", _FLOAT_12, "-+0123456789.", in_place=False)
 
 
 class _Brief(reprlib.Repr):

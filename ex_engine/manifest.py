@@ -24,7 +24,7 @@ from pathlib import Path
 import yaml
 
 from . import _yaml, abi
-from ._yaml import brief
+from ._yaml import brief, unknown_keys
 from .errors import (ArgumentError, DeviceError, DTypeError, FactorError, LayoutError,
                      ShapeError, one_line)
 from .trust import sha256_hex
@@ -140,9 +140,6 @@ VALUES_KEYS = ("normal", "uniform", "ids_below", "distinct")
 _ID_MAX = 2 ** 31 - 1     # the ABI's factor_id is an int32_t
 
 
-_unknown_keys = _yaml.unknown_keys
-
-
 def _got(v) -> str:
     """``v`` for an error message: its type and a bounded repr (brief)."""
     return f"{type(v).__name__} {brief(v)}"
@@ -153,7 +150,7 @@ def _array_problem(where: str, d) -> str:
     if not isinstance(d, dict):
         return f"{where}: expected a mapping {{name, shape, dtype, ...}}, got {_got(d)}"
     label = f"{where} ({d['name']})" if isinstance(d.get("name"), str) else where
-    problem = _unknown_keys(f"{label}: ", d, ARRAY_KEYS)
+    problem = unknown_keys(f"{label}: ", d, ARRAY_KEYS)
     if problem:
         return problem
     for k in ("optional", "row_strided", "same_as_output"):
@@ -177,7 +174,7 @@ def _array_problem(where: str, d) -> str:
         if not isinstance(v, dict):
             return f"{label}: values: expected a mapping ({{normal: STD}}, {{uniform: [LO, HI]}}, " \
                    f"{{ids_below: SYM, distinct: true}}), got {_got(v)}"
-        problem = _unknown_keys(f"{label}: values: ", v, VALUES_KEYS)
+        problem = unknown_keys(f"{label}: values: ", v, VALUES_KEYS)
         if problem:
             return problem
         if "distinct" in v and not isinstance(v["distinct"], bool):
@@ -192,7 +189,7 @@ def raw_problem(d: dict) -> str:
     nothing): an unknown key (at the top, in an array entry, a params, dim_sources or values
     entry), a field of the wrong type (a bool that is not true/false, an id that is not an
     integer, a scalar where a list belongs)."""
-    problem = _unknown_keys("", d, TOP_KEYS)
+    problem = unknown_keys("", d, TOP_KEYS)
     if problem:
         return problem
     for k in ("name", "dims", "output", "input"):
@@ -230,12 +227,12 @@ def raw_problem(d: dict) -> str:
             return f"{k}: expected a mapping {what}, got {_got(d[k])}"
     for k, spec in (d.get("params") or {}).items():
         if isinstance(spec, dict):
-            problem = _unknown_keys(f"params: {k}: ", spec, PARAM_KEYS)
+            problem = unknown_keys(f"params: {k}: ", spec, PARAM_KEYS)
             if problem:
                 return problem
     for k, src in (d.get("dim_sources") or {}).items():
         if isinstance(src, dict):
-            problem = _unknown_keys(f"dim_sources: {k}: ", src, SOURCE_KEYS)
+            problem = unknown_keys(f"dim_sources: {k}: ", src, SOURCE_KEYS)
             if problem:
                 return problem
             if "encode" in src and src["encode"] != "f64_bits":
