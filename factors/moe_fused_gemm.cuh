@@ -726,9 +726,6 @@ struct GemmParams {
                                // tiles and sorted_slots before GEMM1 started, so they are final:
                                // read them (through L2) and stream the first weight stages before
                                // the wait, as a GEMM2 that routes itself does
-    int ra_span;               // resident-A kernels (RA): N-tiles each block computes, one after
-                               // another, over the A tile it loaded once (n_tiles_n then counts
-                               // the blocks of one M-tile: ceil(N / BN / ra_span))
 };
 
 constexpr int kFusedRouteSlots = 32;  // one warp routes them with ballots and shuffles
@@ -770,14 +767,8 @@ __device__ __forceinline__ int warp_route(const GemmParams& p, int lane, int* s_
     return __popc(tmask);
 }
 
-// RA (resident A): the block loads its M-tile's whole A (BM x Kd) into shared memory once and
-// computes p.ra_span N-tiles over it, streaming only weights through the stage ring (the plain
-// kernel reads the A tile again, from L2, for every N-tile: at 32-64 rows per expert its A bytes
-// are a quarter to a half of the weight bytes, and the L2 slices, which also see every weight
-// byte twice, bound the weight stream). No split over Kd; not with the fused routing (BM = 16).
-// Dynamic smem: BM * ceil(Kd / BK) * BK + STAGES * B_STAGE elements (ra_smem_bytes).
-template <typename T, class C, bool GATED, bool RA = false>
-__global__ void __launch_bounds__(C::THREADS, RA ? 1 : C::MINB) moe_gemm_kernel(const GemmParams p) {
+template <typename T, class C, bool GATED>
+__global__ void __launch_bounds__(C::THREADS, C::MINB) moe_gemm_kernel(const GemmParams p) {
     constexpr int BM = C::BM, BK = C::BK, STAGES = C::STAGES, NT = C::THREADS;
     constexpr int BN = GATED ? C::BN1 : C::BN2;
     constexpr int NB = GATED ? 2 : 1;  // B row groups: gate and up
@@ -793,12 +784,10 @@ __global__ void __launch_bounds__(C::THREADS, RA ? 1 : C::MINB) moe_gemm_kernel(
     static_assert(BM % (16 * C::WARPS_M) == 0 && BN % (8 * WARPS_N) == 0, "warp tiling");
     static_assert(NT % CPR == 0, "a thread keeps one chunk column");
     static_assert(STAGES >= 2, "pipeline");
-    static_assert(!RA || BM > kSmallBM, "resident A is not for the fused-routing configs");
 
-    const int KT = (p.Kd + BK - 1) / BK;
     extern __shared__ __align__(128) unsigned char gemm_smem[];
     T* sA = reinterpret_cast<T*>(gemm_smem);
-    T* sB = sA + (RA ? KT : STAGES) * A_STAGE;  // RA: A's k-tiles [KT][BM][BK], then the ring
+    T* sB = sA + STAGES * A_STAGE;
 
     const int tid = threadIdx.x;
     // fused routing: scratch at the start of the pipeline's smem, read before the prologue
@@ -806,7 +795,7 @@ __global__ void __launch_bounds__(C::THREADS, RA ? 1 : C::MINB) moe_gemm_kernel(
     int* r_sorted = r_e + kFusedRouteSlots;
     int4* r_tiles = reinterpret_cast<int4*>(r_sorted + kFusedRouteSlots);
     int* r_count = reinterpret_cast<int*>(r_tiles + kFusedRouteSlots);
-    const bool fused = !RA && BM == kSmallBM && p.route_ids != nullptr;
+    const bool fused = BM == kSmallBM && p.route_ids != nullptr;
     // GEMM2 routing itself: topk_ids and w2 are read before the wait (see GemmParams)
     const bool pre = !GATED && (fused || p.pre_ws);
     if (!pre) {
@@ -842,14 +831,11 @@ __global__ void __launch_bounds__(C::THREADS, RA ? 1 : C::MINB) moe_gemm_kernel(
     if (tile >= n_tiles) return;  // surplus block: the whole block leaves before any barrier
     const int4 td = fused ? r_tiles[tile] : __ldcg(p.tiles + tile);
     const int e = td.x, row0 = td.y, row_end = td.z;
-    const int n0 = (RA ? ntile * p.ra_span : ntile) * BN;  // first output column
-    // RA: this block's N-tiles, each the full Kd (its stage `it` is N-tile it / nkt, k-tile
-    // it % nkt); else one N-tile over the z-th slice of k-tiles
-    const int nn = RA ? min(p.ra_span, (p.N - n0 + BN - 1) / BN) : 1;
-    const int kt0 = RA ? 0 : blockIdx.z * p.kt_per_split;
-    const int kt1 = RA ? KT : min(KT, kt0 + p.kt_per_split);
+    const int n0 = ntile * BN;
+    const int KT = (p.Kd + BK - 1) / BK;
+    const int kt0 = blockIdx.z * p.kt_per_split;
+    const int kt1 = min(KT, kt0 + p.kt_per_split);
     const int nkt = kt1 - kt0;  // >= 1: the host picks the split count so that no slice is empty
-    const int n_it = nn * nkt;
 
     const T* A = static_cast<const T*>(p.a);
     const T* B = static_cast<const T*>(p.b);
@@ -871,16 +857,13 @@ __global__ void __launch_bounds__(C::THREADS, RA ? 1 : C::MINB) moe_gemm_kernel(
         }
     }
     const T* b_src[B_ITERS];
-    int b_n[B_ITERS];  // output column of the chunk's weight row in the first N-tile
 #pragma unroll
     for (int j = 0; j < B_ITERS; ++j) {
         const int idx = tid + j * NT;
         const int r = idx / CPR;
         b_src[j] = nullptr;
-        b_n[j] = p.N;
         if (idx < B_CHUNKS) {
             const int n = n0 + ((GATED && r >= BN) ? r - BN : r);
-            b_n[j] = n;
             if (n < p.N) {
                 // w13[e] rows: gate n, up I + n;  w2[e] rows: n
                 const long long grow = (GATED && r >= BN) ? (long long)p.N + n : (long long)n;
@@ -905,36 +888,24 @@ __global__ void __launch_bounds__(C::THREADS, RA ? 1 : C::MINB) moe_gemm_kernel(
             }
         }
     };
-    // the weights of N-tile nb (of this block's, RA) at k-tile kt
-    auto load_b = [&](int slot, int kt, int nb = 0) {
+    auto load_b = [&](int slot, int kt) {
         const int col = kt * BK + chunk * 8;
         const bool col_ok = col < p.Kd;
-        const int shift = RA ? nb * BN : 0;
         const uint32_t dB = smem_u32(sB + slot * B_STAGE);
 #pragma unroll
         for (int j = 0; j < B_ITERS; ++j) {
             const int idx = tid + j * NT;
             if (B_CHUNKS % NT == 0 || idx < B_CHUNKS) {
                 const int r = idx / CPR;
-                const bool v = col_ok && b_src[j] != nullptr && (!RA || b_n[j] + shift < p.N);
-                const void* src =
-                    v ? static_cast<const void*>(b_src[j] + (long long)shift * p.Kd + col) : p.b;
+                const bool v = col_ok && b_src[j] != nullptr;
+                const void* src = v ? static_cast<const void*>(b_src[j] + col) : p.b;
                 cp_async16(dB + (uint32_t)(r * BK + ((chunk ^ (r & 7)) << 3)) * 2u, src, v);
             }
         }
     };
-    // stage `it` of this block's sequence into ring slot `slot` (RA: only its weights)
-    auto load_stage = [&](int slot, int it) {
-        if constexpr (RA) {
-            load_b(slot, kt0 + it % nkt, it / nkt);
-        } else {
-            load_a(slot, kt0 + it);
-            load_b(slot, kt0 + it);
-        }
-    };
-    // RA: all of A, k-tile kt into slab kt (before the first commit: group 0)
-    auto load_a_all = [&]() {
-        for (int kt = 0; kt < KT; ++kt) load_a(kt, kt);
+    auto load_stage = [&](int slot, int kt) {
+        load_a(slot, kt);
+        load_b(slot, kt);
     };
 
     const int warp = tid >> 5, lane = tid & 31;
@@ -964,46 +935,6 @@ __global__ void __launch_bounds__(C::THREADS, RA ? 1 : C::MINB) moe_gemm_kernel(
                 ep_slot[mi][h] = grow < row_end ? (fused ? r_sorted[grow] : __ldcg(p.sorted_slots + grow)) : 0;
             }
     }
-    // Epilogue of the N-tile at output column nc0. Accumulator fragment: c0,c1 at (row g,
-    // cols 2q, 2q+1), c2,c3 at row g + 8.
-    using E2 = typename Elem<T>::T2;
-    const int g = lane >> 2, q = lane & 3;
-    auto store_tile = [&](int nc0) {
-#pragma unroll
-        for (int mi = 0; mi < MI; ++mi) {
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const int grow = row0 + wm * WM + mi * 16 + g + h * 8;
-                if (grow >= row_end) continue;
-                if constexpr (GATED) {
-                    T* crow = static_cast<T*>(p.c) + (long long)grow * p.N;
-#pragma unroll
-                    for (int j = 0; j < NI; ++j) {
-                        const int n = nc0 + wn * WN + j * 8 + 2 * q;  // even; N % 8 == 0
-                        if (n < p.N) {
-                            const float a0 = silu_f(acc[mi][j][2 * h]) * acc[mi][NI + j][2 * h];
-                            const float a1 =
-                                silu_f(acc[mi][j][2 * h + 1]) * acc[mi][NI + j][2 * h + 1];
-                            *reinterpret_cast<E2*>(crow + n) = Elem<T>::pack(a0, a1);
-                        }
-                    }
-                } else {
-                    const int slot = ep_slot[mi][h];
-                    const float w = p.topk_weights[slot];
-                    T* crow = static_cast<T*>(p.c) + (long long)blockIdx.z * p.split_stride +
-                              (long long)slot * p.N;
-#pragma unroll
-                    for (int j = 0; j < NI; ++j) {
-                        const int n = nc0 + wn * WN + j * 8 + 2 * q;
-                        if (n < p.N)
-                            *reinterpret_cast<E2*>(crow + n) =
-                                Elem<T>::pack(w * acc[mi][j][2 * h], w * acc[mi][j][2 * h + 1]);
-                    }
-                }
-            }
-        }
-    };
-
     if (fused) __syncthreads();  // routing scratch read by all: the pipeline may reuse it
     // Prologue: STAGES-1 stages in flight. One commit per stage, empty or not, so that
     // wait_group<STAGES-2> below always means "the stage about to be used has landed".
@@ -1012,38 +943,32 @@ __global__ void __launch_bounds__(C::THREADS, RA ? 1 : C::MINB) moe_gemm_kernel(
         // which every later wait_group covers
 #pragma unroll
         for (int s = 0; s < STAGES - 1; ++s)
-            if (s < n_it) {
-                if constexpr (RA) load_stage(s, s);
-                else load_b(s, kt0 + s);
-            }
+            if (s < nkt) load_b(s, kt0 + s);
         pdl_wait();  // act is GEMM1's output
         if (p.early) pdl_launch_dependents();
-        if constexpr (RA) load_a_all();
 #pragma unroll
         for (int s = 0; s < STAGES - 1; ++s) {
-            if (!RA && s < n_it) load_a(s, kt0 + s);
+            if (s < nkt) load_a(s, kt0 + s);
             cp_async_commit();
         }
     } else {
-        if constexpr (RA) load_a_all();
 #pragma unroll
         for (int s = 0; s < STAGES - 1; ++s) {
-            if (s < n_it) load_stage(s, s);
+            if (s < nkt) load_stage(s, kt0 + s);
             cp_async_commit();
         }
     }
 
-    for (int it = 0; it < n_it; ++it) {
+    for (int it = 0; it < nkt; ++it) {
         cp_async_wait<STAGES - 2>();
         __syncthreads();  // stage it visible to all; stage it-1 fully consumed by all
         {
             const int nxt = it + STAGES - 1;
-            if (nxt < n_it) load_stage(nxt % STAGES, nxt);  // overwrites stage it-1
+            if (nxt < nkt) load_stage(nxt % STAGES, kt0 + nxt);  // overwrites stage it-1
             cp_async_commit();
         }
         const int slot = it % STAGES;
-        const int kl = RA ? it % nkt : 0;  // RA: k-tile within the current N-tile
-        const uint32_t cA = smem_u32(sA + (RA ? kl : slot) * A_STAGE);
+        const uint32_t cA = smem_u32(sA + slot * A_STAGE);
         const uint32_t cB = smem_u32(sB + slot * B_STAGE);
 #pragma unroll
         for (int kk = 0; kk < BK / 16; ++kk) {
@@ -1076,22 +1001,46 @@ __global__ void __launch_bounds__(C::THREADS, RA ? 1 : C::MINB) moe_gemm_kernel(
 #pragma unroll
                 for (int f = 0; f < NF; ++f) mma_16816<T>(acc[mi][f], af[mi], bf[f]);
         }
-        if constexpr (RA) {
-            if (kl == nkt - 1) {  // the N-tile's last k-tile: store it, start the next one
-                store_tile(n0 + (it / nkt) * BN);
-#pragma unroll
-                for (int mi = 0; mi < MI; ++mi)
-#pragma unroll
-                    for (int f = 0; f < NF; ++f)
-#pragma unroll
-                        for (int q4 = 0; q4 < 4; ++q4) acc[mi][f][q4] = 0.0f;
-            }
-        }
     }
     cp_async_wait<0>();  // only empty groups can remain; leave nothing in flight
     if (!p.early) pdl_launch_dependents();
 
-    if constexpr (!RA) store_tile(n0);
+    // Epilogue. Accumulator fragment: c0,c1 at (row g, cols 2q, 2q+1), c2,c3 at row g + 8.
+    using E2 = typename Elem<T>::T2;
+    const int g = lane >> 2, q = lane & 3;
+#pragma unroll
+    for (int mi = 0; mi < MI; ++mi) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int grow = row0 + wm * WM + mi * 16 + g + h * 8;
+            if (grow >= row_end) continue;
+            if constexpr (GATED) {
+                T* crow = static_cast<T*>(p.c) + (long long)grow * p.N;
+#pragma unroll
+                for (int j = 0; j < NI; ++j) {
+                    const int n = n0 + wn * WN + j * 8 + 2 * q;  // even; N % 8 == 0
+                    if (n < p.N) {
+                        const float a0 = silu_f(acc[mi][j][2 * h]) * acc[mi][NI + j][2 * h];
+                        const float a1 =
+                            silu_f(acc[mi][j][2 * h + 1]) * acc[mi][NI + j][2 * h + 1];
+                        *reinterpret_cast<E2*>(crow + n) = Elem<T>::pack(a0, a1);
+                    }
+                }
+            } else {
+                const int slot = ep_slot[mi][h];
+                const float w = p.topk_weights[slot];
+                T* crow = static_cast<T*>(p.c) + (long long)blockIdx.z * p.split_stride +
+                          (long long)slot * p.N;
+#pragma unroll
+                for (int j = 0; j < NI; ++j) {
+                    const int n = n0 + wn * WN + j * 8 + 2 * q;
+                    if (n < p.N)
+                        *reinterpret_cast<E2*>(crow + n) =
+                            Elem<T>::pack(w * acc[mi][j][2 * h], w * acc[mi][j][2 * h + 1]);
+                }
+            }
+        }
+    }
 }
 
 // ------------------------------------------------------------------------------------------
@@ -1461,43 +1410,13 @@ static int pick_config(const Problem& P) {
     return s_cfg_allowed[c] ? c : -1;
 }
 
-template <typename T, class C, bool GATED, bool RA = false>
+template <typename T, class C, bool GATED>
 static cudaError_t gemm_smem_opt_in() {
-    // once per instantiation (host-only, capture-safe); thread-safe static initialisation.
-    // RA: its smem grows with Kd, so the most this hardware allows
+    // once per instantiation (host-only, capture-safe); thread-safe static initialisation
     static const cudaError_t err = cudaFuncSetAttribute(
-        moe_gemm_kernel<T, C, GATED, RA>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-        RA ? s_smem_optin : C::smem_bytes(GATED));
+        moe_gemm_kernel<T, C, GATED>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+        C::smem_bytes(GATED));
     return err;
-}
-
-// Dynamic smem of a resident-A GEMM (moe_gemm_kernel<..., RA = true>) with reduction length Kd.
-template <class C, bool GATED>
-static int64_t ra_smem_bytes(int64_t Kd) {
-    const int64_t kt = (Kd + C::BK - 1) / C::BK;
-    return ((int64_t)C::BM * kt * C::BK + (int64_t)C::STAGES * (GATED ? 2 * C::BN1 : C::BN2) * C::BK) * 2;
-}
-
-// The resident-A GEMM2 of config C: C's tile, 8 warps (the plain kernel runs two blocks of 4
-// warps per SM; a resident-A block has the SM to itself) and a ring of RS weight stages.
-template <class C, int RS>
-using CfgRA = MoeCfg<C::BM, C::BN1, C::BN2, C::WARPS_M, 8 / C::WARPS_M, RS, 1>;
-
-template <typename T, class CR>
-static cudaError_t launch_gemm2_ra(const GemmParams& p2, int64_t blocks, int64_t Kd,
-                                   cudaStream_t stream, bool pdl) {
-    const cudaError_t err = gemm_smem_opt_in<T, CR, false, true>();
-    if (err != cudaSuccess) return err;
-    return launch_k(moe_gemm_kernel<T, CR, false, true>, dim3((unsigned)blocks, 1, 1),
-                    dim3(CR::THREADS), (size_t)ra_smem_bytes<CR, false>(Kd), stream, pdl, p2);
-}
-
-// GEMM2 with resident A (EX_MOE_RESIDENT_A, read per call): off, or the number of blocks that
-// share one M-tile's N-tiles (1, 2, 4, 8, 16). Returns 0 for off.
-static int resident_a_groups() {
-    static const char* const kNames[] = {"off", "1", "2", "4", "8", "16"};
-    const int c = explugin::env_choice("EX_MOE_RESIDENT_A", kNames, 6, 0);
-    return c == 0 ? 0 : 1 << (c - 1);
 }
 
 // The routing launch (kernel 1): a small block when there are few slots. Returns EX_OK,
@@ -1606,21 +1525,10 @@ static int launch_fast(const Problem& P, void* out, const void* x, const void* w
     const int64_t blocks1 = max_tiles * n_tiles_n1, blocks2 = max_tiles * n_tiles_n2;
     if (blocks1 > 0x7fffffff || blocks2 > 0x7fffffff) return EX_FALLBACK;
 
-    // GEMM2 with resident A where asked for and its smem fits (not on the fused-routing tiles)
-    const int ra_groups = C::BM > kSmallBM ? resident_a_groups() : 0;
-    using CR8 = CfgRA<C, 8>;
-    using CR4 = CfgRA<C, 4>;
-    const int ra_stages = ra_groups == 0 ? 0
-                          : ra_smem_bytes<CR8, false>(I) <= s_smem_optin ? 8
-                          : ra_smem_bytes<CR4, false>(I) <= s_smem_optin ? 4 : 0;
-    const bool ra2 = ra_stages > 0;
-    const int ra_span = ra2 ? (n_tiles_n2 + ra_groups - 1) / ra_groups : 0;  // N-tiles per block
-    const int ra_blocks_n = ra2 ? (n_tiles_n2 + ra_span - 1) / ra_span : 0;   // blocks per M-tile
-
     // GEMM2 split over I when the grid would leave SMs idle (few tokens, few experts)
     const int KT2 = (I + C::BK - 1) / C::BK;
     int S = 1;
-    while (!ra2 && S < L.split_cap && blocks2 * S < 2LL * s_num_sms && KT2 / (2 * S) >= 4) S *= 2;
+    while (S < L.split_cap && blocks2 * S < 2LL * s_num_sms && KT2 / (2 * S) >= 4) S *= 2;
     const int kt_per_split = (KT2 + S - 1) / S;
     S = (KT2 + kt_per_split - 1) / kt_per_split;  // no empty slice
 
@@ -1644,7 +1552,6 @@ static int launch_fast(const Problem& P, void* out, const void* x, const void* w
     p1.status = status; p1.w_meta = meta; p1.w_tiles = tiles; p1.w_sorted = sorted;
     p1.early = (early && blocks1 <= wave) || wide;
     p1.pre_ws = 0;
-    p1.ra_span = 0;
     // M-tile-fastest order only while every A tile of the grid (re-read once per N-tile) stays
     // well inside L2; otherwise the old order, which reuses one A tile over consecutive blocks
     const bool m_fast_ok = mode != MODE_OLD && C::BM <= 48;  // decode, tiny, mid32, mid48
@@ -1665,20 +1572,7 @@ static int launch_fast(const Problem& P, void* out, const void* x, const void* w
     p2.N = H; p2.Kd = I; p2.n_tiles_n = n_tiles_n2;
     p2.kt_per_split = kt_per_split; p2.split_stride = P.TK * P.H;
     p2.m_tiles = (m_fast_ok && a_bytes2 <= s_l2_bytes / 4) ? (int)max_tiles : 0;
-    if constexpr (C::BM > kSmallBM) {
-        if (ra2) {
-            // M-tile fastest: an expert's M-tiles stream the same weight rows at the same time
-            p2.m_tiles = (int)max_tiles;
-            p2.n_tiles_n = ra_blocks_n;
-            p2.ra_span = ra_span;
-            const int64_t rblocks = max_tiles * ra_blocks_n;
-            err = ra_stages == 8 ? launch_gemm2_ra<T, CR8>(p2, rblocks, I, stream, pdl)
-                                 : launch_gemm2_ra<T, CR4>(p2, rblocks, I, stream, pdl);
-            if (err != cudaSuccess) return cuda_error(err);
-        }
-    }
-    if (!ra2 &&
-        (err = launch_k(moe_gemm_kernel<T, C, false>, dim3((unsigned)blocks2, 1, (unsigned)S),
+    if ((err = launch_k(moe_gemm_kernel<T, C, false>, dim3((unsigned)blocks2, 1, (unsigned)S),
                         dim3(C::THREADS), C::smem_bytes(false), stream, pdl, p2)) != cudaSuccess)
         return cuda_error(err);
 
