@@ -28,7 +28,7 @@ all-reduce, and NCCL sums in that dtype, so the EP result differs from the singl
 a few roundings of partial sums (well inside the factor's bf16 tolerance of 1e-2; see
 docs/expert-parallel.md).
 
-Importing this module needs only NumPy; torch (and torch.distributed) are imported when a
+Importing this module needs no torch; torch (and torch.distributed) are imported when a
 function that needs them is called. The expert map and partition functions are plain NumPy.
 ``ExpertParallelMoE.forward_local`` works on NumPy (Python fallback), CuPy and torch arrays,
 which is how a single process can simulate the ranks; ``forward`` with world_size > 1 needs
@@ -93,22 +93,29 @@ def _import_torch_distributed(fn: str):
 def init_from_env(backend: str = "nccl") -> DistInfo:
     """Initialise torch.distributed from torchrun's environment and pick this rank's GPU.
 
-    Reads RANK, WORLD_SIZE and LOCAL_RANK (set by ``torchrun``); calls
+    Reads RANK, WORLD_SIZE and LOCAL_RANK (set by ``torchrun``); with the nccl backend calls
     ``torch.cuda.set_device(LOCAL_RANK)`` (and makes it CuPy's current device, so a registry
-    loaded afterwards serves this GPU) and ``torch.distributed.init_process_group(backend)``
-    (the rendezvous comes from MASTER_ADDR/MASTER_PORT, also set by torchrun). NVLink multicast
-    is switched off first (``disable_nvlink_multicast``). Without RANK/WORLD_SIZE (a plain
-    ``python script.py``) no process group is created: rank 0 of a world of 1 on LOCAL_RANK
-    (default 0). If the process group already exists, it is used as it is.
+    loaded afterwards serves this GPU); then ``torch.distributed.init_process_group(backend)``
+    (the rendezvous comes from MASTER_ADDR/MASTER_PORT, also set by torchrun). The gloo backend
+    is a CPU process group: no GPU is bound, so more CPU ranks than GPUs can run on a GPU host.
+    NVLink multicast is switched off first (``disable_nvlink_multicast``). Without RANK and
+    WORLD_SIZE (a plain ``python script.py``) no process group is created: rank 0 of a world of
+    1 on LOCAL_RANK (default 0). If the process group already exists, it is used as it is.
 
     Returns DistInfo(rank, world_size, local_rank). Raises ArgumentError for a malformed
-    variable or a LOCAL_RANK with no such CUDA device; FactorError (with an install hint) when
-    torch is not installed; torch's own errors for a failed rendezvous.
+    variable, one of RANK and WORLD_SIZE set without the other, or (nccl) a LOCAL_RANK with no
+    such CUDA device; FactorError (with an install hint) when torch is not installed; torch's
+    own errors for a failed rendezvous.
     """
     disable_nvlink_multicast()
-    torch, dist = _import_torch_distributed("init_from_env")
     local_rank = _env_int("LOCAL_RANK", 0)
-    if torch.cuda.is_available():
+    rank, world = _env_int("RANK", None), _env_int("WORLD_SIZE", None)
+    if (rank is None) != (world is None):   # half of torchrun's environment: not a 1-process job
+        missing, present = ("WORLD_SIZE", "RANK") if world is None else ("RANK", "WORLD_SIZE")
+        raise ArgumentError("init_from_env", missing, "environment variable",
+                            f"set together with {present} (torchrun sets both)", "unset")
+    torch, dist = _import_torch_distributed("init_from_env")
+    if backend == "nccl" and torch.cuda.is_available():
         n = torch.cuda.device_count()
         if not 0 <= local_rank < n:
             raise ArgumentError("init_from_env", "LOCAL_RANK", "a CUDA device of this host",
@@ -121,8 +128,7 @@ def init_from_env(backend: str = "nccl") -> DistInfo:
             pass
     if dist.is_available() and dist.is_initialized():
         return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank)
-    rank, world = _env_int("RANK", None), _env_int("WORLD_SIZE", None)
-    if rank is None or world is None:
+    if rank is None:
         return DistInfo(0, 1, local_rank)
     if world < 1:
         raise ArgumentError("init_from_env", "WORLD_SIZE", "a process count", "WORLD_SIZE >= 1", world)
@@ -205,6 +211,7 @@ def expert_partition(num_experts: int, world_size: int, rank: int) -> tuple[int,
     """
     _check_partition_args("expert_partition", num_experts, world_size, rank)
     base, extra = divmod(int(num_experts), int(world_size))
+    rank = int(rank)                    # a NumPy integer in, plain ints out
     count = base + (1 if rank < extra else 0)
     first = rank * base + min(rank, extra)
     return first, count

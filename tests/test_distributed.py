@@ -4,6 +4,7 @@ moe_fused_gemm with an expert map) against the full layer."""
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import ml_dtypes
 import numpy as np
@@ -259,6 +260,46 @@ def test_init_from_env_names_a_bad_world_size(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "0")
     with pytest.raises(ArgumentError, match="'WORLD_SIZE'"):
         init_from_env(backend="gloo")
+
+
+@pytest.mark.parametrize("present,missing", [("RANK", "WORLD_SIZE"), ("WORLD_SIZE", "RANK")])
+def test_init_from_env_refuses_half_of_torchruns_environment(monkeypatch, present, missing):
+    """One of RANK and WORLD_SIZE without the other was taken as a one-process job (rank 0 of 1):
+    every process kept every expert and skipped the all-reduce. Checked before torch is needed."""
+    from ex_engine.distributed import init_from_env
+    monkeypatch.setenv("NCCL_NVLS_ENABLE", "0")                # init_from_env sets these two
+    monkeypatch.setenv("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    monkeypatch.delenv(missing, raising=False)
+    monkeypatch.setenv(present, "1")
+    with pytest.raises(ArgumentError, match=rf"argument '{missing}': .*set together with {present}"):
+        init_from_env(backend="gloo")
+
+
+def test_init_from_env_binds_a_gpu_only_for_nccl(monkeypatch):
+    """gloo is a CPU process group: on a host with one GPU a rank with LOCAL_RANK 1 (more CPU
+    ranks than GPUs, `ep_moe.py --device cpu`) ran into 'expected 0 <= LOCAL_RANK < 1'. nccl still
+    refuses a LOCAL_RANK with no GPU. (torch faked: one GPU, no process group.)"""
+    import ex_engine.distributed as d
+    bound = []
+    fake_torch = SimpleNamespace(cuda=SimpleNamespace(is_available=lambda: True, device_count=lambda: 1,
+                                                      set_device=bound.append))
+    fake_dist = SimpleNamespace(is_available=lambda: True, is_initialized=lambda: False)
+    monkeypatch.setattr(d, "_import_torch_distributed", lambda fn: (fake_torch, fake_dist))
+    monkeypatch.setenv("NCCL_NVLS_ENABLE", "0")
+    monkeypatch.setenv("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    for v in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(v, raising=False)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert tuple(d.init_from_env(backend="gloo")) == (0, 1, 1)
+    assert bound == []
+    with pytest.raises(ArgumentError, match=r"argument 'LOCAL_RANK': .*0 <= LOCAL_RANK < 1, got 1"):
+        d.init_from_env(backend="nccl")
+    assert bound == []
+
+
+def test_expert_partition_returns_plain_ints_for_numpy_integers():
+    first, count = expert_partition(np.int64(8), 2, np.int32(1))
+    assert (first, count) == (4, 4) and type(first) is int and type(count) is int
 
 
 # ------------------------------------------------------------------------------ audit: argument checks
