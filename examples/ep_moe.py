@@ -50,7 +50,7 @@ try:  # --help works without PyTorch; a run needs it
 except ImportError:
     torch = dist = None
 
-from ex_engine import FactorRegistry, moe_fused_gemm, set_default_registry, topk_softmax  # noqa: E402
+from ex_engine import FactorError, FactorRegistry, moe_fused_gemm, set_default_registry, topk_softmax  # noqa: E402
 from ex_engine.distributed import (ExpertParallelMoE, expert_owner, expert_partition,  # noqa: E402
                                    init_from_env, shutdown)
 from ex_engine.hardware import Hardware  # noqa: E402
@@ -436,17 +436,19 @@ def main(argv=None) -> int:
                     help="cuda (default): one GPU per rank, NCCL; cpu: a smoke test of this script "
                          "without GPUs (gloo, torch CPU tensors, the Python fallback), with --tiny only")
     ap.add_argument("--tiny", action="store_true",
-                    help="tiny layers (H 64, I 32, at most 16 experts, top-4): a smoke test")
+                    help="tiny layers (H 64, I 32, at most 16 experts, at most top-4): a smoke test")
     args = ap.parse_args(argv)
     problems = [output_file_problem("--json", args.json)]
-    if args.replays < 1 or args.calls < 0:
-        problems.append(f"--replays: expected >= 1 and --calls >= 0 (0: the default), got "
-                        f"--replays {args.replays} --calls {args.calls}")
+    if args.replays < 1:
+        problems.append(f"--replays: expected >= 1, got {args.replays}")
+    if args.calls < 0:
+        problems.append(f"--calls: expected >= 0 (0: the default), got {args.calls}")
     if args.device == "cpu" and not args.tiny:   # minutes per model on the Python fallback
         problems.append("--device cpu: expected with --tiny (a smoke test); full-size layers run on the "
                         "Python fallback on the CPU for minutes per model")
     if torch is None:
-        problems.append("needs PyTorch (torchrun, torch.distributed)")
+        problems.append("needs PyTorch (torchrun, torch.distributed), which is not installed; "
+                        "install it, e.g. pip install -e '.[hf]'")
     if report_problems("ep_moe", problems):
         return 2
     if not (args.check or args.bench):
@@ -456,7 +458,11 @@ def main(argv=None) -> int:
         print("ep_moe: needs CUDA GPUs (one process per GPU under torchrun), or --device cpu --tiny",
               file=sys.stderr)
         return 2
-    rank, world, local_rank = init_from_env(backend="nccl" if cuda else "gloo")
+    try:   # a malformed or half-set torchrun environment: one line, not a traceback
+        rank, world, local_rank = init_from_env(backend="nccl" if cuda else "gloo")
+    except FactorError as exc:           # ArgumentError included
+        report_problems("ep_moe", [str(exc)])
+        return 2
     reg = FactorRegistry.load(hardware=Hardware.from_device(local_rank) if cuda else None)
     set_default_registry(reg)
     ctx = Ctx(rank, world, local_rank, reg, cuda)

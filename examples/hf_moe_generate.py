@@ -290,8 +290,10 @@ def main(argv=None) -> int:
     problems = [output_file_problem("--json", args.json)]
     if args.tokens < 5:
         problems.append(f"--tokens: expected >= 5 (the first 4 steps are warm-ups, not timed), got {args.tokens}")
-    if args.prompt_len < 1 or args.vocab < 2:
-        problems.append(f"--prompt-len: expected >= 1 and --vocab >= 2, got {args.prompt_len} and {args.vocab}")
+    if args.prompt_len < 1:
+        problems.append(f"--prompt-len: expected >= 1, got {args.prompt_len}")
+    if args.vocab < 2:
+        problems.append(f"--vocab: expected >= 2, got {args.vocab}")
     if args.layers is not None and args.layers < 1:
         problems.append(f"--layers: expected >= 1, got {args.layers}")
     if not 0 < args.rtol < float("inf"):
