@@ -196,10 +196,16 @@ def _progress(line: str) -> None:
 
 
 def cmd_run_moe(args) -> int:
-    from .moe_layer import load_models, run_moe
+    from .moe_layer import load_models, model_shape, run_moe
     if args.repeat < 1:  # (--tokens is checked by its argparse type)
         print(f"ex-engine run moe: --repeat: expected >= 1, got {args.repeat}", file=sys.stderr)
         return 2
+    # the model list and --model before any plugin loads (FactorError: main's one-line error)
+    if args.model == "all":
+        models = sorted(load_models())
+    else:
+        model_shape(args.model)   # FactorError naming the known models
+        models = [args.model]
     reg = _registry(args)
     sys.stdout.flush()
     for note in reg.notes:   # e.g. a --prefer that names no ready plugin (it was silent)
@@ -210,7 +216,6 @@ def cmd_run_moe(args) -> int:
                   + (f" (none of the {len(reg.plugins)} *.so there is a ready one for it; "
                      "`ex-engine list-factors --why` says why)" if reg.plugins else " (no *.so there)")
                   + ": the Python fallback serves it", file=sys.stderr)
-    models = sorted(load_models()) if args.model == "all" else [args.model]
     ok = True
     runs = [(m, T) for m in models for T in args.tokens]
     for i, (m, T) in enumerate(runs):

@@ -1,8 +1,8 @@
 """A real MoE layer (router + routed experts) at a public model's shapes, run through ex_engine.
 
 This is the main job behind ``ex-engine run moe``: it builds the layer with random weights at
-the model's scale (N(0, 0.02), as PERF.md's benchmark), routes with topk_softmax, runs the
-experts with moe_fused_gemm, and checks both against references (the router against the
+the model's scale (N(0, 0.02), as benchmarks/bench_moe.py draws them), routes with
+topk_softmax, runs the experts with moe_fused_gemm, and checks both against references (the router against the
 fallback's float32 semantics, the experts against float64).
 """
 from __future__ import annotations
@@ -204,7 +204,8 @@ def _check_int(fn: str, name: str, v, lo: int) -> None:
 
 class MoELayer:
     """Router weight (E, H) fp32, w13 (E, 2I, H) and w2 (E, H, I) of ``dtype`` on NumPy or CuPy
-    (xp), drawn N(0, 0.02^2) from ``seed`` (PERF.md's inputs). bfloat16 arrays come as Bits16.
+    (xp), drawn N(0, 0.02^2) from ``seed`` (as benchmarks/bench_moe.py draws its weights).
+    bfloat16 arrays come as Bits16.
     shape: an MoEShape (model_shape(name)) with H, I, E, K ints >= 1, K <= E; dtype:
     'bfloat16' or 'float16'; seed: an int >= 0. Raises ArgumentError (DTypeError for dtype)
     naming the argument otherwise, before any array is drawn."""
