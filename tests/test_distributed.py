@@ -227,8 +227,8 @@ def test_forward_all_reduce_over_gloo(nproc, E):
                                                                       "MASTER_"))}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     env["OMP_NUM_THREADS"] = "1"
-    # CPU ranks: on a GPU host init_from_env gives each rank the GPU LOCAL_RANK, and a host with
-    # fewer GPUs than ranks refuses the rest (as it should); this test is about gloo on the CPU
+    # CPU ranks: gloo binds no GPU; hiding the GPUs of a GPU host also keeps each rank's registry
+    # from opening GPU plugins that CPU tensors never use (this test is about gloo on the CPU)
     env["CUDA_VISIBLE_DEVICES"] = ""
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                         f"--nproc_per_node={nproc}", str(ROOT / "tests" / "ep_gloo_worker.py"),
