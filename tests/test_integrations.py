@@ -228,6 +228,19 @@ def test_static_decoder_matches_full_forward(reg):
     assert_logits_close(torch.stack([s[0].float() for s in steps]), full, "static decoder")
 
 
+def test_static_decoder_passes_the_cache_by_the_models_own_keyword(reg, recwarn):
+    """transformers 5.24 renamed forward's past_key_values to cache (deprecated, to go in 5.40):
+    every StaticDecoder call warned, and 5.40 would break it inside the allowed range."""
+    import inspect
+    m = tiny_model("qwen3_moe")
+    d = hf.StaticDecoder(m, batch_size=1, max_len=16)
+    new_name = "cache" in inspect.signature(m.forward).parameters
+    assert d._cache_kw == ("cache" if new_name else "past_key_values")
+    with hf.patch_moe(m, registry=reg):
+        d.step(d.prefill(prompt()).argmax(-1))
+    assert not [w for w in recwarn if "past_key_values" in str(w.message)]
+
+
 def test_greedy_generate_on_cpu(reg):
     m = tiny_model("mixtral")
     ids = prompt()

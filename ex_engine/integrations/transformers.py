@@ -57,6 +57,7 @@ top-k) are not supported.
 """
 from __future__ import annotations
 
+import inspect
 import warnings
 from dataclasses import dataclass
 from typing import Callable
@@ -556,6 +557,10 @@ class StaticDecoder:
         self.model, self.device, self.dtype = model, p.device, p.dtype
         self.batch_size, self.max_len = batch_size, max_len
         self.cache = StaticCache(config=model.config, max_cache_len=max_len)
+        # the cache's keyword: `cache` where forward takes it (transformers renamed it; 5.24 warns
+        # that past_key_values goes in 5.40), else past_key_values (5.0 ..)
+        params = inspect.signature(model.forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
         self.ids = torch.zeros(batch_size, 1, dtype=torch.long, device=self.device)
         self.pos = torch.zeros(batch_size, 1, dtype=torch.long, device=self.device)
         self.kv = torch.arange(max_len, device=self.device).view(1, 1, 1, max_len)
@@ -583,7 +588,7 @@ class StaticDecoder:
 
     def _forward(self):
         out = self.model(input_ids=self.ids, position_ids=self.pos, attention_mask=self._mask(),
-                         past_key_values=self.cache, use_cache=True)
+                         use_cache=True, **{self._cache_kw: self.cache})
         return out.logits[:, -1, :]
 
     @torch.no_grad()
@@ -598,7 +603,7 @@ class StaticDecoder:
                                 f"({self.batch_size}, 1 .. {self.max_len - 1})", tuple(input_ids.shape))
         pos = torch.arange(P, device=self.device).unsqueeze(0).expand(B, P)
         out = self.model(input_ids=input_ids.to(self.device), position_ids=pos,
-                         past_key_values=self.cache, use_cache=True)
+                         use_cache=True, **{self._cache_kw: self.cache})
         self.next_pos = P
         return out.logits[:, -1, :]
 
