@@ -7,7 +7,7 @@
 #   make factors/topk_softmax.so                         one factor (or `ex-engine build topk_softmax`)
 #   make ARCHS="-gencode=arch=compute_80,code=sm_80"     another set of targets (or `ex-engine
 #                                                         build --archs=...`); a later build with
-#                                                         other flags rebuilds (build/flags.txt)
+#                                                         other flags rebuilds it (build/flags/)
 #   make list | help | clean (clean names any factors/*.so it leaves: one no source builds)
 #   variables: NVCC, ARCHS, NVCCFLAGS, EXTRA_NVCCFLAGS (added to both nvcc rules, e.g. -DNAME=1),
 #              NVCC_THREADS (nvcc --threads per job; default 1), PYTHON, CUTLASS_INC;
@@ -54,18 +54,28 @@ PLUGINS := $(sort $(SOURCES:.cu=.so) $(HOST_C_SOURCES:.c=.so) $(HOST_CXX_SOURCES
 STEMS := $(basename $(notdir $(SOURCES) $(HOST_C_SOURCES) $(HOST_CXX_SOURCES)))
 CLASHES := $(strip $(foreach s,$(sort $(STEMS)),$(if $(word 2,$(filter $(s),$(STEMS))),$(s))))
 
-# The flags of the last build, in build/flags.txt: rewritten when they change, and every rule
-# depends on it, so that a build for other targets (ARCHS=..., `ex-engine build --archs=...`) is
-# rebuilt by the next plain `make` (file dates alone kept an sm_80-only library in place).
+# The flags each library was last built with, in build/flags/<name>.so.txt: before any rule runs,
+# rewritten for the libraries this make is asked to build (all by default) where the flags
+# changed, and each library depends on its own, so that a build for other targets (ARCHS=...,
+# `ex-engine build --archs=... NAME`) is rebuilt by the next plain `make` (file dates alone kept
+# an sm_80-only library in place), and only that library (one stamp for all rebuilt every
+# library, the CUTLASS plugin's minutes included, after any one was built with other flags).
 BUILD_FLAGS := $(NVCC) | $(NVCCFLAGS) | $(EXTRA_NVCCFLAGS) | $(ARCHS) | $(SM90_NVCCFLAGS) | $(SM90_ARCHS) | \
                $(CC) $(HOST_CFLAGS) | $(CXX) $(HOST_CXXFLAGS) | $(HOST_LDLIBS)
-FLAGS_STAMP := build/flags.txt
+FLAGS_DIR := build/flags
+GOAL_PLUGINS := $(if $(filter all,$(MAKECMDGOALS))$(if $(MAKECMDGOALS),,all),$(PLUGINS),$(filter factors/%.so,$(MAKECMDGOALS)))
+define stamp_flags
+ifneq ($$(file <$(FLAGS_DIR)/$(notdir $(1)).txt),$$(BUILD_FLAGS))
+$$(file >$(FLAGS_DIR)/$(notdir $(1)).txt,$$(BUILD_FLAGS))
+endif
+endef
 ifeq ($(filter help list clean,$(MAKECMDGOALS)),)
-ifneq ($(file <$(FLAGS_STAMP)),$(BUILD_FLAGS))
-$(shell mkdir -p build)
-$(file >$(FLAGS_STAMP),$(BUILD_FLAGS))
+$(shell mkdir -p $(FLAGS_DIR))
+$(foreach p,$(GOAL_PLUGINS),$(eval $(call stamp_flags,$(p))))
 endif
-endif
+# a library built as another's prerequisite, never named: its stamp as it is now
+$(FLAGS_DIR)/%.txt:
+	$(file >$@,$(BUILD_FLAGS))
 
 # a half-written .so (nvcc killed, disk full) is deleted, never left to be loaded
 .DELETE_ON_ERROR:
@@ -84,7 +94,7 @@ check-sources:
 	@if [ -n "$(CLASHES)" ]; then echo "[ex_engine] error: more than one source for $(CLASHES):" \
 	    "keep one of factors/<name>.cu (GPU), .c or .cpp (host factor) per name" >&2; exit 1; fi
 
-factors/%.so: factors/%.cu include/ex_engine.h $(wildcard factors/*.cuh) $(FLAGS_STAMP) | check-nvcc check-sources
+factors/%.so: factors/%.cu include/ex_engine.h $(wildcard factors/*.cuh) $(FLAGS_DIR)/%.so.txt | check-nvcc check-sources
 	@if [ -z "$(strip $(ARCHS))" ]; then echo "[ex_engine] error: ARCHS is empty: give at least one target of sm_80 or newer, e.g. ARCHS=\"-gencode=arch=compute_80,code=sm_80\"" >&2; exit 1; fi
 	@echo "[ex_engine] nvcc $< -> $@ (targets: $(patsubst -gencode=arch=%,%,$(ARCHS)))"
 	@start=$$(date +%s); \
@@ -93,7 +103,7 @@ factors/%.so: factors/%.cu include/ex_engine.h $(wildcard factors/*.cuh) $(FLAGS
 	echo "[ex_engine] built $@ in $$(( $$(date +%s) - start )) s"
 
 # Hopper-only plugins (a more specific pattern than the rule above, so make prefers it)
-factors/%_sm90.so: factors/%_sm90.cu include/ex_engine.h $(wildcard factors/*.cuh) $(FLAGS_STAMP) | check-nvcc check-sources
+factors/%_sm90.so: factors/%_sm90.cu include/ex_engine.h $(wildcard factors/*.cuh) $(FLAGS_DIR)/%_sm90.so.txt | check-nvcc check-sources
 	@if [ -z "$(CUTLASS_INC)" ] || [ ! -f "$(CUTLASS_INC)/cutlass/cutlass.h" ]; then \
 	    $(if $(filter command line environment,$(origin CUTLASS_INC)), \
 	    echo "[ex_engine] error: $@ needs CUTLASS's headers: CUTLASS_INC='$(CUTLASS_INC)' (given)" \
@@ -111,12 +121,12 @@ factors/%_sm90.so: factors/%_sm90.cu include/ex_engine.h $(wildcard factors/*.cu
 
 # host factors (memory: host): the host compiler, no nvcc; -fvisibility=hidden as above
 # (EX_EXPORT makes ex_abi_version and ex_get_factor visible)
-factors/%.so: factors/%.c include/ex_engine.h $(wildcard factors/*.h) $(FLAGS_STAMP) | check-sources
+factors/%.so: factors/%.c include/ex_engine.h $(wildcard factors/*.h) $(FLAGS_DIR)/%.so.txt | check-sources
 	@echo "[ex_engine] $(CC) $< -> $@ (host factor: no GPU code)"
 	@$(CC) $(HOST_CFLAGS) -fPIC -fvisibility=hidden -shared -Iinclude -o $@ $< $(HOST_LDLIBS)
 	@echo "[ex_engine] built $@"
 
-factors/%.so: factors/%.cpp include/ex_engine.h $(wildcard factors/*.h) $(FLAGS_STAMP) | check-sources
+factors/%.so: factors/%.cpp include/ex_engine.h $(wildcard factors/*.h) $(FLAGS_DIR)/%.so.txt | check-sources
 	@echo "[ex_engine] $(CXX) $< -> $@ (host factor: no GPU code)"
 	@$(CXX) $(HOST_CXXFLAGS) -fPIC -fvisibility=hidden -shared -Iinclude -o $@ $< $(HOST_LDLIBS)
 	@echo "[ex_engine] built $@"

@@ -279,7 +279,7 @@ def test_two_sources_of_one_factor_name_are_refused(tmp_path):
 def test_a_build_with_other_flags_is_rebuilt_by_the_next_plain_make(tmp_path):
     """`ex-engine build --archs=sm_80 x` then `ex-engine build x`: the second kept the sm_80-only
     library (file dates alone), which the registry then refused on the H200. The flags of the
-    last build are kept in build/flags.txt and every rule depends on it."""
+    last build are kept per library in build/flags/<name>.so.txt, its rule's prerequisite."""
     if shutil.which("cc") is None:
         pytest.skip("cc not installed")
     proj = _project_copy(tmp_path)
@@ -296,4 +296,27 @@ def test_a_build_with_other_flags_is_rebuilt_by_the_next_plain_make(tmp_path):
     assert make("HOST_CFLAGS=-O1 -Wall")                # other flags: rebuilt
     assert not make("HOST_CFLAGS=-O1 -Wall")
     assert make()                                       # back to the defaults: rebuilt again
-    assert "-O2 -Wall" in (proj / "build" / "flags.txt").read_text()
+    assert "-O2 -Wall" in (proj / "build" / "flags" / "host_scale.so.txt").read_text()
+
+
+def test_a_build_of_one_library_with_other_flags_rebuilds_only_that_one(tmp_path):
+    """`ex-engine build --archs=... my_op`, then `make`: one stamp for every library made the
+    plain build recompile all of them (the CUTLASS plugin's minutes included), though only
+    my_op had been built with other flags."""
+    if shutil.which("cc") is None:
+        pytest.skip("cc not installed")
+    proj = _project_copy(tmp_path)
+    for name in ("host_a", "host_b"):
+        shutil.copy(ROOT / "tests" / "plugins" / "host_scale.c", proj / "factors" / f"{name}.c")
+
+    def make(*args):
+        r = subprocess.run(["make", "-C", str(proj), "NVCC=/nonexistent/nvcc", *args],
+                           capture_output=True, text=True)
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+        return {n for n in ("host_a", "host_b") if f"built factors/{n}.so" in r.stdout}
+
+    assert make() == {"host_a", "host_b"}
+    assert make("HOST_CFLAGS=-O1 -Wall", "factors/host_a.so") == {"host_a"}
+    assert make() == {"host_a"}                         # host_b was built with these flags
+    assert make() == set()
+    assert make("HOST_CFLAGS=-O1 -Wall", "all") == {"host_a", "host_b"}   # `all` named: every one
