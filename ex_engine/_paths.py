@@ -71,14 +71,19 @@ def manifests_dir() -> Path:
     return home_dir(manifests_dirs())
 
 
-def not_a_checkout() -> str:
+def not_a_checkout(building: bool = False) -> str:
     """Why the default folders are missing, for error messages ('' where they are not): a
     non-editable install (``pip install .``) copies the package alone into site-packages, and
-    the factors, manifests and Makefile stay in the checkout."""
-    if os.environ.get("EX_ENGINE_MANIFESTS") or (ROOT / "manifests").is_dir():
+    the factors, manifests and Makefile stay in the checkout. building: for ``ex-engine build``,
+    which needs the checkout's Makefile itself (the folder variables do not help it): the text
+    then names make in the checkout, and is given whatever the variables say."""
+    if not building and (os.environ.get("EX_ENGINE_MANIFESTS") or (ROOT / "manifests").is_dir()):
         return ""
-    return (f"ex_engine at {ROOT} is not in a checkout of its repository (no manifests/ beside "
-            "the package: a plain `pip install .` copies the package alone); install it with "
-            "`pip install -e <checkout>`, or set EX_ENGINE_MANIFESTS=<checkout>/manifests and "
-            "EX_ENGINE_FACTORS=<checkout>/factors")
+    why = (f"ex_engine at {ROOT} is not in a checkout of its repository (no manifests/ beside "
+           "the package: a plain `pip install .` copies the package alone)")
+    if building:
+        return (f"{why}; build in the checkout (`make -C <checkout>`), or install it with "
+                "`pip install -e <checkout>` and run `ex-engine build` again")
+    return (f"{why}; install it with `pip install -e <checkout>`, or set "
+            "EX_ENGINE_MANIFESTS=<checkout>/manifests and EX_ENGINE_FACTORS=<checkout>/factors")
 

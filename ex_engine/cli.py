@@ -335,7 +335,7 @@ def cmd_build(args) -> int:
         return 2
     if not (_paths.ROOT / "Makefile").is_file():
         print(f"ex-engine build: no Makefile in {_paths.ROOT}: "
-              f"{_paths.not_a_checkout() or 'the factors are built from a checkout of the repository'}",
+              f"{_paths.not_a_checkout(building=True)}",
               file=sys.stderr)
         return 2
     # NAME...: one make target per factor, factors/<name>.so (a file stem of factors/*.cu, *.c

@@ -401,6 +401,11 @@ def test_an_install_without_the_checkout_says_how_to_fix_it(tmp_path, monkeypatc
         assert "no hardware profiles: ex_engine at" in out and "--profile h200" not in out
     monkeypatch.setenv("EX_ENGINE_MANIFESTS", str(tmp_path / "elsewhere"))
     assert _paths.not_a_checkout() == ""     # pointed somewhere on purpose: the plain message
+    # build needs the checkout's Makefile whatever the folder variables say (it suggested them)
+    monkeypatch.setenv("EX_ENGINE_FACTORS", str(tmp_path / "elsewhere"))
+    assert main(["build"]) == 2
+    err = capsys.readouterr().err
+    assert "no Makefile in" in err and "make -C <checkout>" in err and "EX_ENGINE_" not in err, err
 
 
 def test_small_argument_faults_from_a_fresh_users_review(tmp_path, capsys):
