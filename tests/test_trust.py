@@ -223,6 +223,25 @@ def test_probe_passes_good_and_other_abi_plugins_on(tmp_path):
     assert "library built against 9.0" in by_stem(reg, "abi9").reason   # ex_get_factor never called
 
 
+def test_probe_says_how_far_its_child_got(tmp_path):
+    """The probe's ok detail said 'opened and called ex_get_factor' for a file the child could
+    not open and for a library without ex_get_factor: it says where the child stopped."""
+    (tmp_path / "text.so").write_text("hello\n")
+    build_plugin(tmp_path, "noget", defines={"NO_GET_FACTOR": True})
+    build_plugin(tmp_path, "good", manifest=False)
+    reg = FactorRegistry.load(tmp_path, hardware="h200", probe="subprocess")
+    probe = {p.path.stem: next(c for c in p.checks if c.name == "probe (child process)") for p in reg.plugins}
+    assert all(c.ok for c in probe.values())
+    assert probe["text"].detail == ("child process: did not crash; it stopped at dlopen with a Python "
+                                    "error (OSError): it could not open the library (the checks below "
+                                    "say why)"), probe["text"].detail
+    assert by_stem(reg, "text").reason.startswith("dlopen: ")
+    assert probe["noget"].detail == ("child process: did not crash; it opened the library, found no "
+                                     "ex_get_factor and called nothing (the checks below say why)")
+    assert by_stem(reg, "noget").reason.startswith("symbol ex_get_factor: not exported")
+    assert probe["good"].detail == "child process: opened the library and called ex_get_factor without crashing"
+
+
 # ------------------------------------------------------------------------------ lock
 def test_lock_accepts_listed_files_and_refuses_changed_or_unlisted_ones_before_dlopen(tmp_path, capsys):
     build_plugin(tmp_path)
