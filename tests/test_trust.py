@@ -242,6 +242,19 @@ def test_probe_says_how_far_its_child_got(tmp_path):
     assert probe["good"].detail == "child process: opened the library and called ex_get_factor without crashing"
 
 
+def test_probe_fails_when_its_child_stops_before_the_library(tmp_path, monkeypatch):
+    """A Python error in the child before it opened the library (here: importing ex_engine)
+    passed the probe, which then let the library be opened unprobed."""
+    from ex_engine import trust
+    monkeypatch.setattr(trust, "_CHILD", trust._CHILD.replace("    from ex_engine import abi\n",
+                                                              "    raise ImportError('no ex_engine')\n"))
+    build_plugin(tmp_path)
+    p = FactorRegistry.load(tmp_path, hardware="h200", probe="subprocess").plugins[0]
+    assert p.status == "rejected" and p.lib is None
+    assert p.reason == ("probe (child process): the probe's child process stopped before opening the "
+                        "library with a Python error (ImportError); not opened unprobed"), p.reason
+
+
 # ------------------------------------------------------------------------------ lock
 def test_lock_accepts_listed_files_and_refuses_changed_or_unlisted_ones_before_dlopen(tmp_path, capsys):
     build_plugin(tmp_path)
