@@ -196,6 +196,18 @@ def test_cli_probe_timeout_option(tmp_path, capsys):
     assert e.value.code == 2 and "expected a number of seconds > 0, got '0'" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv,got", [
+    (["list-factors", "--no-probe"], "--no-probe"),
+    (["verify", "--no-probe"], "--no-probe"),
+    (["run", "moe", "--tokens", "1"], "no --probe"),   # run moe probes only with --probe
+])
+def test_cli_probe_timeout_without_a_probe_is_a_usage_error(tmp_path, capsys, argv, got):
+    """--probe-timeout where no probe runs was ignored without a word (exit 0)."""
+    assert cli_main(argv + ["--dir", str(tmp_path), "--hardware", "h200", "--probe-timeout", "5"]) == 2
+    assert capsys.readouterr().err == ("ex-engine: error: --probe-timeout: expected together with --probe "
+                                       f"(it limits the probe's child process), got {got}\n")
+
+
 @pytest.mark.parametrize("defines,reason", [
     ({"EXIT_IN_GET": 0}, "exited with status 0 in ex_get_factor (the library ended the child process)"),
     ({"EXIT_IN_GET": 3}, "exited with status 3 in ex_get_factor"),
