@@ -80,10 +80,17 @@ def _prefer(items) -> dict:
 
 
 def _registry(args, verify: bool = False):
+    """The registry of list-factors, verify and run moe, from their common options. Raises
+    FactorError for options that mean nothing without another: --lock-warn without --lock,
+    --probe-timeout without probing (--no-probe; run moe: no --probe)."""
     from .registry import FactorRegistry
     if args.lock_warn and not args.lock:
         raise FactorError("--lock-warn: expected together with --lock FILE (it says what to do "
                           "with a library the lock does not match), got no --lock")
+    if args.probe_timeout is not None and not args.probe:   # it was ignored without a word
+        raise FactorError("--probe-timeout: expected together with --probe (it limits the probe's "
+                          "child process), got " + ("no --probe" if args.command == "run" else "--no-probe"))
+    timeout = {} if args.probe_timeout is None else {"probe_timeout": args.probe_timeout}
     # the registry's load warnings (lock_mode=warn, a library shared with another registry) are
     # also its notes, which every command prints: print each once
     with warnings.catch_warnings(record=True) as caught:
@@ -91,7 +98,7 @@ def _registry(args, verify: bool = False):
         reg = FactorRegistry.load(args.dir, hardware=args.hardware, prefer=_prefer(args.prefer),
                                   lock=args.lock, lock_mode="warn" if args.lock_warn else "refuse",
                                   probe="subprocess" if args.probe else None,
-                                  probe_timeout=args.probe_timeout, verify=verify)
+                                  verify=verify, **timeout)
     for w in caught:
         detail = str(w.message).split(": ", 1)[-1]
         if not any(detail in n for n in reg.notes):
@@ -398,10 +405,11 @@ def build_parser() -> argparse.ArgumentParser:
                            help="open each library in a child process first; refuse one that crashes "
                                 "or hangs (without it such a library ends the command with a "
                                 "fault traceback: --probe names it)")
-        p.add_argument("--probe-timeout", type=seconds, default=10.0, metavar="S",
+        p.add_argument("--probe-timeout", type=seconds, default=None, metavar="S",
                        help="seconds a probed library may take to open and answer ex_get_factor "
-                            "before it is refused as hanging (default: %(default)s; a slow host "
-                            "that starts CUDA in each child may need more)")
+                            "before it is refused as hanging (default: 10; a slow host that starts "
+                            "CUDA in each child may need more); "
+                            + ("an error with --no-probe" if probe else "only with --probe"))
         p.add_argument("--prefer", action="append", default=[], metavar="NAME=FILE",
                        help="this library wins for factor NAME whatever its version or priority (repeatable)")
 

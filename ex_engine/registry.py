@@ -580,7 +580,9 @@ class FactorRegistry:
             ``verify_timeout`` seconds per library (a crash, an exit or a hang there rejects it).
         verify: run each ready plugin against its Python fallback on its manifest's test
             shapes (device factors need a live GPU); a pass per (library sha256, GPU name) is
-            remembered in $EX_ENGINE_CACHE/verified.json (default ~/.cache/ex_engine).
+            remembered in $EX_ENGINE_CACHE/verified.json (default ~/.cache/ex_engine); where
+            that cannot be written, the verify check says "not cached: <why>" and the next
+            load verifies again.
         Raises FactorError if ``folder`` is not a directory (or not a path), the lock file is
         unreadable, or any argument is one the constructor refuses (see FactorRegistry: bad
         hardware, lock_mode, lock, probe, verify, timeouts, prefer, manifests_dir). A library

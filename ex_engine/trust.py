@@ -112,10 +112,14 @@ def main():
     if version >> 16 != abi.ABI_VERSION_MAJOR:
         return "other ABI"                            # never call a library of another ABI
     hw = Hardware(**json.loads(sys.argv[2])).to_c(abi.ffi)
+    try:
+        get = lib.ex_get_factor                       # a lookup: no code of the library runs
+    except Exception:
+        return "no ex_get_factor"
     stage("ex_get_factor")
-    f = lib.ex_get_factor(hw)
+    f = get(hw)
     if f == abi.ffi.NULL:
-        return ""
+        return "NULL"
     # every field the in-process load reads, read here first (a bad pointer crashes the child)
     for name in ("name", "version", "description"):
         p = getattr(f, name)
@@ -132,6 +136,32 @@ except Exception as exc:   # a Python-level error: the in-process checks report 
     what = f"python error {type(exc).__name__}"
 stage(("done: " + what) if what else "done")
 """
+
+# what the child's final "done: <what>" says happened (it did not crash; the probe passes), for
+# the probe check's detail: only "done" and "done: NULL" mean ex_get_factor was called
+_DONE = {
+    "": "child process: opened the library and called ex_get_factor without crashing",
+    "NULL": "child process: opened the library and called ex_get_factor without crashing (it returned NULL)",
+    "no ex_abi_version": ("child process: did not crash; it opened the library, found no ex_abi_version "
+                          "and called nothing (the checks below say why)"),
+    "other ABI": ("child process: did not crash; it opened the library and called nothing: its "
+                  "ex_abi_version is of another ABI major (the checks below say why)"),
+    "no ex_get_factor": ("child process: did not crash; it opened the library, found no ex_get_factor "
+                         "and called nothing (the checks below say why)"),
+}
+
+
+def _done_detail(what: str, before: str) -> str:
+    """The probe's detail for a child that finished: ``what`` follows "done" in its last report
+    ('' for none), ``before`` is the stage it reported before that ("dlopen", "ex_get_factor")."""
+    if what in _DONE:
+        return _DONE[what]
+    error = what[len("python error "):] if what.startswith("python error ") else what
+    if before == "dlopen":
+        return (f"child process: did not crash; it stopped at dlopen with a Python error ({error}): "
+                "it could not open the library (the checks below say why)")
+    return (f"child process: did not crash; it stopped at {before} with a Python error ({error}) "
+            "(the checks below say why)")
 
 
 def _signal_name(num: int) -> str:
@@ -172,7 +202,11 @@ def probe_library(path, hardware, timeout: float = 10.0) -> tuple:
     faults, not a sandbox; ``lock=`` checks which bytes are loaded). It reads every
     field of the factor struct the in-process load reads. A Python error in the child (an
     unloadable file, a missing symbol) is ok here: the in-process checks report it without
-    running the library's code.
+    running the library's code. The ok detail says how far the child got: "child process:
+    opened the library and called ex_get_factor without crashing" only when it did; else e.g.
+    "child process: did not crash; it stopped at dlopen with a Python error (OSError): it could
+    not open the library (the checks below say why)" or "...; it opened the library, found no
+    ex_get_factor and called nothing (...)".
     """
     token = secrets.token_hex(16)
     r, w = os.pipe()
@@ -212,7 +246,11 @@ def probe_library(path, hardware, timeout: float = 10.0) -> tuple:
     if rc < 0:
         return False, f"crashed in {stage}: signal {_signal_name(-rc)}"
     if stage.startswith("done") and rc == 0:
-        return True, "child process: opened and called ex_get_factor without crashing"
+        what = stage[len("done: "):] if stage.startswith("done: ") else ""
+        if len(stages) < 2:   # a Python error before "dlopen" (importing ex_engine): no probe ran
+            return False, (f"the probe's child process stopped before opening the library with a "
+                           f"Python error ({what.removeprefix('python error ')}); not opened unprobed")
+        return True, _done_detail(what, stages[-2])
     if not stages:   # the child never reached the library: the probe did not run
         return False, (f"the probe's child process ended with status {rc} before opening the library "
                        f"(last stderr line: {last[:300]}); not opened unprobed")

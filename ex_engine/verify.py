@@ -13,7 +13,9 @@ float outputs by ||got - want|| / ||want|| against the manifest's tolerance for 
 
 Device factors need a live GPU (CuPy); host factors (``memory: host``) run anywhere.
 A pass is remembered per (library sha256, GPU name) in ``$EX_ENGINE_CACHE/verified.json``
-(default ``~/.cache/ex_engine/verified.json``), so ``load(verify=True)`` does not repeat it.
+(default ``~/.cache/ex_engine/verified.json``), so ``load(verify=True)`` does not repeat it;
+where that file cannot be written, the verify check says so ("not cached: ...") and the next
+load verifies again.
 """
 from __future__ import annotations
 
@@ -784,15 +786,31 @@ def _read_cache() -> dict:
         return {}
 
 
-def _write_cache(data: dict) -> None:
+def _write_cache(data: dict) -> str:
+    """Write ``data`` to cache_file(). Returns '' when written, else why not, short (e.g.
+    "/etc/passwd is not a folder", "/ro/verified.json: Permission denied"): a read-only home is
+    no error, verification is simply repeated next time."""
     path = cache_file()
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
+    except FileExistsError:   # a file (or a link to one) where the folder should be
+        return f"{path.parent} is not a folder"
+    except OSError as exc:
+        return _os_error(exc, exc.filename or path.parent)
+    try:
         tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
         tmp.replace(path)
-    except OSError:
-        pass   # a read-only home: verification is simply repeated next time
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        return _os_error(exc, path)   # the cache file, not the temporary one beside it
+    return ""
+
+
+def _os_error(exc: OSError, where) -> str:
+    """'<where>: <strerror>' of an OSError, short."""
+    return f"{where}: {exc.strerror or type(exc).__name__}"
 
 
 def _cache_key(registry, plugin) -> str:
@@ -849,7 +867,9 @@ def _fallback_digest(registry, m) -> str:
 
 def verify_at_load(registry, plugin) -> tuple:
     """(ok, detail) for ``FactorRegistry.load(..., verify=True)``: a cached pass, a fresh run
-    (remembered when it passes), or a skip that keeps the plugin (no GPU, no fallback)."""
+    (remembered when it passes: "N cases passed ... (cached in PATH)", or "(not cached: WHY;
+    it is verified again at the next load)" when the cache cannot be written), or a skip that
+    keeps the plugin (no GPU, no fallback)."""
     why = cannot_run(registry, plugin)
     if why:
         return True, f"skipped: {why}"
@@ -874,9 +894,11 @@ def verify_at_load(registry, plugin) -> tuple:
     cache = _read_cache()
     cache[key] = {"factor": plugin.name, "file": plugin.path.name, "cases": len(results),
                   "when": time.strftime("%Y-%m-%d %H:%M:%S"), **with_what}
-    _write_cache(cache)
+    unwritten = _write_cache(cache)
+    where = (f"not cached: {unwritten}; it is verified again at the next load" if unwritten
+             else f"cached in {cache_file()}")
     return True, (f"{len(results) - declined} cases passed against the Python fallback"
-                  + (f", {declined} declined by the plugin" if declined else "") + f" (cached in {cache_file()})")
+                  + (f", {declined} declined by the plugin" if declined else "") + f" ({where})")
 
 
 # ------------------------------------------------------------------------------------ report

@@ -196,6 +196,18 @@ def test_cli_probe_timeout_option(tmp_path, capsys):
     assert e.value.code == 2 and "expected a number of seconds > 0, got '0'" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv,got", [
+    (["list-factors", "--no-probe"], "--no-probe"),
+    (["verify", "--no-probe"], "--no-probe"),
+    (["run", "moe", "--tokens", "1"], "no --probe"),   # run moe probes only with --probe
+])
+def test_cli_probe_timeout_without_a_probe_is_a_usage_error(tmp_path, capsys, argv, got):
+    """--probe-timeout where no probe runs was ignored without a word (exit 0)."""
+    assert cli_main(argv + ["--dir", str(tmp_path), "--hardware", "h200", "--probe-timeout", "5"]) == 2
+    assert capsys.readouterr().err == ("ex-engine: error: --probe-timeout: expected together with --probe "
+                                       f"(it limits the probe's child process), got {got}\n")
+
+
 @pytest.mark.parametrize("defines,reason", [
     ({"EXIT_IN_GET": 0}, "exited with status 0 in ex_get_factor (the library ended the child process)"),
     ({"EXIT_IN_GET": 3}, "exited with status 3 in ex_get_factor"),
@@ -221,6 +233,38 @@ def test_probe_passes_good_and_other_abi_plugins_on(tmp_path):
     assert reg.get("host_scale").checks[0].name == "cuda code"
     assert any(c.name == "probe (child process)" and c.ok for c in reg.get("host_scale").checks)
     assert "library built against 9.0" in by_stem(reg, "abi9").reason   # ex_get_factor never called
+
+
+def test_probe_says_how_far_its_child_got(tmp_path):
+    """The probe's ok detail said 'opened and called ex_get_factor' for a file the child could
+    not open and for a library without ex_get_factor: it says where the child stopped."""
+    (tmp_path / "text.so").write_text("hello\n")
+    build_plugin(tmp_path, "noget", defines={"NO_GET_FACTOR": True})
+    build_plugin(tmp_path, "good", manifest=False)
+    reg = FactorRegistry.load(tmp_path, hardware="h200", probe="subprocess")
+    probe = {p.path.stem: next(c for c in p.checks if c.name == "probe (child process)") for p in reg.plugins}
+    assert all(c.ok for c in probe.values())
+    assert probe["text"].detail == ("child process: did not crash; it stopped at dlopen with a Python "
+                                    "error (OSError): it could not open the library (the checks below "
+                                    "say why)"), probe["text"].detail
+    assert by_stem(reg, "text").reason.startswith("dlopen: ")
+    assert probe["noget"].detail == ("child process: did not crash; it opened the library, found no "
+                                     "ex_get_factor and called nothing (the checks below say why)")
+    assert by_stem(reg, "noget").reason.startswith("symbol ex_get_factor: not exported")
+    assert probe["good"].detail == "child process: opened the library and called ex_get_factor without crashing"
+
+
+def test_probe_fails_when_its_child_stops_before_the_library(tmp_path, monkeypatch):
+    """A Python error in the child before it opened the library (here: importing ex_engine)
+    passed the probe, which then let the library be opened unprobed."""
+    from ex_engine import trust
+    monkeypatch.setattr(trust, "_CHILD", trust._CHILD.replace("    from ex_engine import abi\n",
+                                                              "    raise ImportError('no ex_engine')\n"))
+    build_plugin(tmp_path)
+    p = FactorRegistry.load(tmp_path, hardware="h200", probe="subprocess").plugins[0]
+    assert p.status == "rejected" and p.lib is None
+    assert p.reason == ("probe (child process): the probe's child process stopped before opening the "
+                        "library with a Python error (ImportError); not opened unprobed"), p.reason
 
 
 # ------------------------------------------------------------------------------ lock

@@ -158,6 +158,20 @@ def test_load_verify_remembers_a_pass(tmp_path, cache):
     assert reg.get("host_scale").checks[-1].detail.startswith("1 cases passed")
 
 
+def test_load_verify_says_when_the_pass_could_not_be_cached(tmp_path, monkeypatch):
+    """An unwritable cache (a file where its folder should be) said 'cached in
+    <file>/verified.json' although the write had failed."""
+    build_plugin(tmp_path / "lib")
+    (tmp_path / "afile").write_text("not a folder")
+    monkeypatch.setenv("EX_ENGINE_CACHE", str(tmp_path / "afile"))
+    for _ in range(2):   # nothing was remembered: verified again
+        check = FactorRegistry.load(tmp_path / "lib", hardware="h200", verify=True).get("host_scale").checks[-1]
+        assert check.name == "verify" and check.ok
+        assert check.detail == (f"1 cases passed against the Python fallback (not cached: {tmp_path / 'afile'} "
+                                "is not a folder; it is verified again at the next load)"), check.detail
+    assert (tmp_path / "afile").read_text() == "not a folder"
+
+
 def test_a_failure_is_not_cached(tmp_path, cache):
     build_plugin(tmp_path, defines={"BEHAVIOUR": 4})
     for _ in range(2):
