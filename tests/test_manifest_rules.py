@@ -397,3 +397,23 @@ def test_parse_cases_lists_a_non_ascii_digit_as_a_problem():
     from ex_engine.moe_layer import parse_cases
     cases, problems = parse_cases({"m": None}, ["m:\u00b2", "m:3"])   # '²'.isdigit() is True
     assert cases == [("m", 3)] and len(problems) == 1 and "'m:\u00b2'" in problems[0]
+
+
+@pytest.mark.parametrize("sources,needle", [
+    ("{N: {dtype_of: x}}", "dim_sources: N: expected a source only for a dim that is not a size of an "
+     "array's shape (dtype_of, param, row_stride_of, tuned), or default_dim for a size only optional "
+     "arrays give; got {'dtype_of': 'x'} for N, a size of out's shape"),
+    ("{N: {row_stride_of: x}}", "dim_sources: N: expected a source only for a dim that is not a size"),
+    ("{N: {tuned: 0}}", "dim_sources: N: expected a source only for a dim that is not a size"),
+    ("{N: {default_dim: N}}", "dim_sources: N: default_dim: expected it only for a size that only "
+     "optional arrays give; got it for N, a size of the required array out's shape"),
+])
+def test_a_source_for_a_size_of_a_shape_is_refused(tmp_path, sources, needle):
+    """dims: [N] with N a size of out's and x's shapes and dim_sources: {N: {dtype_of: x}} loaded
+    as ready: bind passes the size it measures, so the source was never read (the kernel got N,
+    not the dtype code). A size takes only default_dim, and only where no required array gives it."""
+    p = manifest(tmp_path, lambda t: t.replace("dims: [N]", f"dims: [N]\ndim_sources: {sources}"))
+    with pytest.raises(FactorError) as e:
+        Manifest.load(p)
+    assert str(e.value).startswith(f"manifest {p}: {needle}"), str(e.value)
+    assert Manifest.load(ROOT / "manifests" / "moe_fused_gemm.yaml").dim_sources["G"] == {"default_dim": "E"}
