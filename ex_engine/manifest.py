@@ -143,8 +143,9 @@ _ID_MAX = 2 ** 31 - 1     # the ABI's factor_id is an int32_t
 
 
 def _got(v) -> str:
-    """``v`` for an error message: its type and a bounded repr (brief)."""
-    return f"{type(v).__name__} {brief(v)}"
+    """``v`` of a manifest's YAML for an error message: its type and a bounded repr (brief);
+    null for None (YAML's ``key:`` with no value, or ``key: null``)."""
+    return "null" if v is None else f"{type(v).__name__} {brief(v)}"
 
 
 def _array_problem(where: str, d) -> str:
@@ -190,7 +191,8 @@ def raw_problem(d: dict) -> str:
     """What is wrong with a manifest's parsed mapping ``d`` before its fields are read ('' if
     nothing): an unknown key (at the top, in an array entry, a params, dim_sources or values
     entry), a field of the wrong type (a bool that is not true/false, an id that is not an
-    integer, a scalar where a list belongs)."""
+    integer, a scalar where a list belongs, null for a list or mapping: a field left out is
+    not given, a field given as null is refused)."""
     problem = unknown_keys("", d, TOP_KEYS)
     if problem:
         return problem
@@ -203,9 +205,11 @@ def raw_problem(d: dict) -> str:
         return "id: missing; expected the factor id (an integer)"
     if not _is_int(d["id"]) or not -_ID_MAX - 1 <= d["id"] <= _ID_MAX:   # (the registry judges its value)
         return f"id: expected an integer (the factor id, an int32_t), got {_got(d['id'])}"
-    for k in ("summary", "math", "memory"):   # (memory was str()'d: a list became its repr)
+    for k in ("summary", "math"):   # text for readers: null is none
         if d.get(k) is not None and not isinstance(d[k], str):
             return f"{k}: expected a string, got {_got(d[k])}"
+    if "memory" in d and d["memory"] not in ("device", "host"):   # (it was str()'d: a list became
+        return f"memory: expected 'device' or 'host', got {_got(d['memory'])}"   # its repr, null 'None')
     if not (isinstance(d["dims"], list) and all(isinstance(x, str) and x for x in d["dims"])):
         return f"dims: expected a list of size names ([T, H, dtype]), got {_got(d['dims'])}"
     twice = sorted({x for x in d["dims"] if d["dims"].count(x) > 1})
@@ -215,8 +219,11 @@ def raw_problem(d: dict) -> str:
         problem = _array_problem(k, d[k])
         if problem:
             return problem
-    aux = d.get("aux")
-    if aux is not None:
+    # a list or mapping field given as null (`aux:` with its entries commented out) is refused
+    # like any other wrong type: `aux: null` failed with "TypeError: 'NoneType' object is not
+    # iterable", and `params: null` read as no parameters
+    if "aux" in d:
+        aux = d["aux"]
         if not isinstance(aux, list):
             return f"aux: expected a list of array entries, got {_got(aux)}"
         for i, a in enumerate(aux):
@@ -225,7 +232,7 @@ def raw_problem(d: dict) -> str:
                 return problem
     for k, what in (("params", "name -> {type, default, ...}"), ("dim_sources", "dim -> {source: ...}"),
                     ("tolerance", "dtype -> relative error"), ("device_flags", "bit -> meaning")):
-        if d.get(k) is not None and not isinstance(d[k], dict):
+        if k in d and not isinstance(d[k], dict):
             return f"{k}: expected a mapping {what}, got {_got(d[k])}"
     for k, spec in (d.get("params") or {}).items():
         if isinstance(spec, dict):
@@ -239,9 +246,10 @@ def raw_problem(d: dict) -> str:
                 return problem
             if "encode" in src and src["encode"] != "f64_bits":
                 return f"dim_sources: {k}: encode: expected f64_bits, got {_got(src['encode'])}"
-    for k in ("constraints", "test_shapes"):
-        if d.get(k) is not None and not isinstance(d[k], list):
-            return f"{k}: expected a list, got {_got(d[k])}"
+    for k, what in (("constraints", "constraints (['K <= E'])"),
+                    ("test_shapes", "test shapes ([{T: 3, H: 64}])")):
+        if k in d and not isinstance(d[k], list):
+            return f"{k}: expected a list of {what}, got {_got(d[k])}"
     if not all(isinstance(c, str) for c in d.get("constraints") or []):
         return f"constraints: expected a list of strings ('K <= E'), got {_got(d['constraints'])}"
     bits: set = set()
@@ -361,8 +369,8 @@ class Manifest:
             problem = raw_problem(d)
             if problem:
                 raise FactorError(problem)
-            m = cls(name=d["name"], id=d["id"], summary=d.get("summary", ""),
-                    math=d.get("math", ""), dims=list(d["dims"]),
+            m = cls(name=d["name"], id=d["id"], summary=d.get("summary") or "",
+                    math=d.get("math") or "", dims=list(d["dims"]),
                     output=TensorSpec.from_yaml(d["output"], "output"),
                     input=TensorSpec.from_yaml(d["input"], "input"),
                     aux=[TensorSpec.from_yaml(a, "input") for a in d.get("aux", [])],
@@ -724,7 +732,7 @@ class Manifest:
         ``params`` does not give (a required one)."""
         if not isinstance(params, dict):
             raise ArgumentError(self.name, "params", "type", "a mapping of parameter name -> value",
-                                _got(params))
+                                f"{type(params).__name__} {brief(params)}")   # (Python's None, not YAML's null)
         out = {}
         for k in params:
             if k not in self.params:

@@ -417,3 +417,40 @@ def test_a_source_for_a_size_of_a_shape_is_refused(tmp_path, sources, needle):
         Manifest.load(p)
     assert str(e.value).startswith(f"manifest {p}: {needle}"), str(e.value)
     assert Manifest.load(ROOT / "manifests" / "moe_fused_gemm.yaml").dim_sources["G"] == {"default_dim": "E"}
+
+
+@pytest.mark.parametrize("field,needle", [
+    ("dims", "dims: expected a list of size names ([T, H, dtype]), got null"),
+    ("output", "output: expected a mapping {name, shape, dtype, ...}, got null"),
+    ("input", "input: expected a mapping {name, shape, dtype, ...}, got null"),
+    ("aux", "aux: expected a list of array entries, got null"),
+    ("params", "params: expected a mapping name -> {type, default, ...}, got null"),
+    ("dim_sources", "dim_sources: expected a mapping dim -> {source: ...}, got null"),
+    ("constraints", "constraints: expected a list of constraints (['K <= E']), got null"),
+    ("tolerance", "tolerance: expected a mapping dtype -> relative error, got null"),
+    ("test_shapes", "test_shapes: expected a list of test shapes ([{T: 3, H: 64}]), got null"),
+    ("device_flags", "device_flags: expected a mapping bit -> meaning, got null"),
+    ("memory", "memory: expected 'device' or 'host', got null"),
+    ("shape", "input (x): shape: expected a list of sizes ([T, H], [N], [E, 2*I, H]), got null"),
+    ("dtype", "input (x): dtype: expected a list of dtypes ([float32] or [float16, bfloat16]), got null"),
+    ("values", "input (x): values: expected a mapping ({normal: STD}"),
+])
+def test_a_list_or_mapping_field_given_as_null_is_refused_naming_it(tmp_path, field, needle):
+    """`aux: null` (or `aux:` with its entries commented out) was 'malformed (TypeError:
+    'NoneType' object is not iterable)'; `params: null` and the like read as empty, and
+    `memory: null` as the string 'None'. Each is now refused naming the field."""
+    import re
+
+    def change(t):
+        t += "params: {}\ndim_sources: {}\nconstraints: []\ndevice_flags: {}\n"
+        if field in ("shape", "dtype", "values"):
+            return t.replace("{name: x, shape: [N], dtype: [float32]}",
+                             "{name: x, " + {"shape": "shape: null, dtype: [float32]}",
+                                             "dtype": "shape: [N], dtype: null}",
+                                             "values": "shape: [N], dtype: [float32], values: null}"}[field])
+        return re.sub(rf"^{field}:.*(\n  .*)*", f"{field}: null", t, count=1, flags=re.M)
+    p = manifest(tmp_path, change)
+    assert "null" in p.read_text()
+    with pytest.raises(FactorError) as e:
+        Manifest.load(p)
+    assert str(e.value).startswith(f"manifest {p}: {needle}"), str(e.value)
