@@ -139,6 +139,7 @@ PARAM_KEYS = ("type", "default", "gt", "float32")
 SOURCE_KEYS = ("dtype_of", "row_stride_of", "param", "default_dim", "tuned", "range", "options",
                "encode")
 VALUES_KEYS = ("normal", "uniform", "ids_below", "distinct")
+NOT_MANIFESTS = ("moe_models.yaml",)   # files of a manifests folder load_all does not read
 _ID_MAX = 2 ** 31 - 1     # the ABI's factor_id is an int32_t
 
 
@@ -971,6 +972,11 @@ def why_not_found(path, name: str) -> str:
 def load_all(folder, errors: dict | None = None, notes: list | None = None) -> dict:
     """name -> Manifest for every *.yaml in ``folder`` that is a factor manifest.
 
+    The folder's own files that are not manifests are not read: its hardware/ and tuning/
+    subfolders (only *.yaml directly in ``folder`` is), and NOT_MANIFESTS (moe_models.yaml, the
+    model list, which moe_layer.load_models reads and checks; a corrupt one was reported as a
+    malformed manifest, and one with name and id keys would have been loaded as one).
+
     A file that cannot be read or checked raises FactorError naming it, unless ``errors`` is
     given: then errors[file stem] = the message and the other files still load (a registry
     rejects only the plugins that need the broken manifest). A stray file that names a factor
@@ -990,6 +996,8 @@ def load_all(folder, errors: dict | None = None, notes: list | None = None) -> d
                           + ("not a directory" if Path(folder).exists() else "does not exist"))
     claims: dict = {}   # factor name -> every Manifest that names it, by file name
     for p in sorted(Path(folder).glob("*.yaml")):
+        if p.name in NOT_MANIFESTS:   # the model list: moe_layer reads it, by its own rules
+            continue
         try:
             try:
                 raw = p.read_bytes()
