@@ -327,12 +327,13 @@ def cmd_lock(args) -> int:
         path, digests = write_lock(args.dir, args.output)
     except OSError as exc:   # e.g. --output in a folder that does not exist
         raise FactorError(f"lock: cannot write the lock file: {exc}") from exc
-    for name, digest in digests.items():
-        print(f"  {digest}  {name}")
-    print(f"wrote {path} ({len(digests)} librar{'y' if len(digests) == 1 else 'ies'}; "
+    from .registry import _printable   # one line per library, as list-factors: a file name
+    for name, digest in digests.items():   # may hold a newline or an escape sequence
+        print(f"  {digest}  {_printable(name)}")
+    print(f"wrote {_printable(str(path))} ({len(digests)} librar{'y' if len(digests) == 1 else 'ies'}; "
           "JSON {file name: sha256})")
     if not digests:
-        print(f"note: no *.so in {args.dir}: every library will be refused under this lock")
+        print(f"note: no *.so in {_printable(str(args.dir))}: every library will be refused under this lock")
     return 0
 
 
@@ -486,7 +487,9 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Write a lock file, JSON {file name: sha256}, of every *.so in the "
                                    "folder. FactorRegistry.load(lock=...) and `list-factors --lock` "
                                    "then refuse any library that differs or is not listed, before "
-                                   "opening it.")
+                                   "opening it. It prints one line per library, a name's control "
+                                   "characters escaped as list-factors does ('\\n'); the file keeps "
+                                   "the names as they are.")
     p.add_argument("--dir", type=nonempty, default=str(_paths.factors_dir()),
                    help="folder of plugin libraries (default: %(default)s)")
     p.add_argument("--output", type=nonempty, default=None, metavar="FILE",

@@ -2,7 +2,9 @@
 
 A manifest names the kernel's output, input and aux inputs in ABI order, each with a symbolic
 shape ("T", "2*I"), allowed dtypes and a role; the order of dims[]; where each dim comes from
-(a size, a dtype code, a user parameter, a row stride); user parameters ({type: float | int |
+(a size of an array's shape, or for a dim that is none, its dim_sources entry: a dtype code, a
+user parameter, a row stride, a tuned choice; a size only optional arrays give may name a
+default_dim, the one source a size takes); user parameters ({type: float | int |
 bool, default, gt: a lower bound a float must exceed}); constraints between sizes; the Python
 fallback; tolerances (DEFAULT_TOLERANCE for a dtype not named) and test shapes.
 ``Manifest.bind`` checks a call's arrays against it and returns the dims to pass, raising an
@@ -137,12 +139,14 @@ PARAM_KEYS = ("type", "default", "gt", "float32")
 SOURCE_KEYS = ("dtype_of", "row_stride_of", "param", "default_dim", "tuned", "range", "options",
                "encode")
 VALUES_KEYS = ("normal", "uniform", "ids_below", "distinct")
+NOT_MANIFESTS = ("moe_models.yaml",)   # files of a manifests folder load_all does not read
 _ID_MAX = 2 ** 31 - 1     # the ABI's factor_id is an int32_t
 
 
 def _got(v) -> str:
-    """``v`` for an error message: its type and a bounded repr (brief)."""
-    return f"{type(v).__name__} {brief(v)}"
+    """``v`` of a manifest's YAML for an error message: its type and a bounded repr (brief);
+    null for None (YAML's ``key:`` with no value, or ``key: null``)."""
+    return "null" if v is None else f"{type(v).__name__} {brief(v)}"
 
 
 def _array_problem(where: str, d) -> str:
@@ -188,7 +192,8 @@ def raw_problem(d: dict) -> str:
     """What is wrong with a manifest's parsed mapping ``d`` before its fields are read ('' if
     nothing): an unknown key (at the top, in an array entry, a params, dim_sources or values
     entry), a field of the wrong type (a bool that is not true/false, an id that is not an
-    integer, a scalar where a list belongs)."""
+    integer, a scalar where a list belongs, null for a list or mapping: a field left out is
+    not given, a field given as null is refused)."""
     problem = unknown_keys("", d, TOP_KEYS)
     if problem:
         return problem
@@ -201,9 +206,11 @@ def raw_problem(d: dict) -> str:
         return "id: missing; expected the factor id (an integer)"
     if not _is_int(d["id"]) or not -_ID_MAX - 1 <= d["id"] <= _ID_MAX:   # (the registry judges its value)
         return f"id: expected an integer (the factor id, an int32_t), got {_got(d['id'])}"
-    for k in ("summary", "math", "memory"):   # (memory was str()'d: a list became its repr)
+    for k in ("summary", "math"):   # text for readers: null is none
         if d.get(k) is not None and not isinstance(d[k], str):
             return f"{k}: expected a string, got {_got(d[k])}"
+    if "memory" in d and d["memory"] not in ("device", "host"):   # (it was str()'d: a list became
+        return f"memory: expected 'device' or 'host', got {_got(d['memory'])}"   # its repr, null 'None')
     if not (isinstance(d["dims"], list) and all(isinstance(x, str) and x for x in d["dims"])):
         return f"dims: expected a list of size names ([T, H, dtype]), got {_got(d['dims'])}"
     twice = sorted({x for x in d["dims"] if d["dims"].count(x) > 1})
@@ -213,8 +220,11 @@ def raw_problem(d: dict) -> str:
         problem = _array_problem(k, d[k])
         if problem:
             return problem
-    aux = d.get("aux")
-    if aux is not None:
+    # a list or mapping field given as null (`aux:` with its entries commented out) is refused
+    # like any other wrong type: `aux: null` failed with "TypeError: 'NoneType' object is not
+    # iterable", and `params: null` read as no parameters
+    if "aux" in d:
+        aux = d["aux"]
         if not isinstance(aux, list):
             return f"aux: expected a list of array entries, got {_got(aux)}"
         for i, a in enumerate(aux):
@@ -223,7 +233,7 @@ def raw_problem(d: dict) -> str:
                 return problem
     for k, what in (("params", "name -> {type, default, ...}"), ("dim_sources", "dim -> {source: ...}"),
                     ("tolerance", "dtype -> relative error"), ("device_flags", "bit -> meaning")):
-        if d.get(k) is not None and not isinstance(d[k], dict):
+        if k in d and not isinstance(d[k], dict):
             return f"{k}: expected a mapping {what}, got {_got(d[k])}"
     for k, spec in (d.get("params") or {}).items():
         if isinstance(spec, dict):
@@ -237,9 +247,10 @@ def raw_problem(d: dict) -> str:
                 return problem
             if "encode" in src and src["encode"] != "f64_bits":
                 return f"dim_sources: {k}: encode: expected f64_bits, got {_got(src['encode'])}"
-    for k in ("constraints", "test_shapes"):
-        if d.get(k) is not None and not isinstance(d[k], list):
-            return f"{k}: expected a list, got {_got(d[k])}"
+    for k, what in (("constraints", "constraints (['K <= E'])"),
+                    ("test_shapes", "test shapes ([{T: 3, H: 64}])")):
+        if k in d and not isinstance(d[k], list):
+            return f"{k}: expected a list of {what}, got {_got(d[k])}"
     if not all(isinstance(c, str) for c in d.get("constraints") or []):
         return f"constraints: expected a list of strings ('K <= E'), got {_got(d['constraints'])}"
     bits: set = set()
@@ -359,8 +370,8 @@ class Manifest:
             problem = raw_problem(d)
             if problem:
                 raise FactorError(problem)
-            m = cls(name=d["name"], id=d["id"], summary=d.get("summary", ""),
-                    math=d.get("math", ""), dims=list(d["dims"]),
+            m = cls(name=d["name"], id=d["id"], summary=d.get("summary") or "",
+                    math=d.get("math") or "", dims=list(d["dims"]),
                     output=TensorSpec.from_yaml(d["output"], "output"),
                     input=TensorSpec.from_yaml(d["input"], "input"),
                     aux=[TensorSpec.from_yaml(a, "input") for a in d.get("aux", [])],
@@ -403,7 +414,9 @@ class Manifest:
 
     def _structure_problem(self) -> str:
         """What in the manifest's cross-references is wrong ('' if nothing): every dim has a size
-        or a source, every source names an existing array, parameter or size, constraints
+        or a source, every source names an existing array, parameter or size, a size of an
+        array's shape has no source but default_dim (and that only when no required array
+        gives it), constraints
         compare known sizes, dtypes and roles are known ones (checked at load, so that a broken
         manifest refuses its plugin there instead of failing every call)."""
         arrays = self.tensors
@@ -450,6 +463,28 @@ class Manifest:
                 return f"dim_sources: {d}: expected one of {sorted(kinds)}, got {_got(src)}"
             if kinds[kind] is not None and src[kind] not in kinds[kind]:
                 return f"dim_sources: {d}: {kind}: expected one of {sorted(kinds[kind])}, got {_got(src[kind])}"
+        # a size of an array's shape reaches the kernel as bind measures it: a source of another
+        # kind on it ({N: {dtype_of: x}}) was never read, and the kernel got the size, not the
+        # dtype code. Only default_dim applies, to a size no required array fixes (else the
+        # default is never taken either)
+        fixed: dict = {}   # size -> the first required array whose shape holds it
+        for t in arrays:
+            for _, sym in t.parsed if not t.optional and t.role != "workspace" else ():
+                if sym is not None:
+                    fixed.setdefault(sym, t.name)
+        for d, src in self.dim_sources.items():
+            if d not in syms:
+                continue
+            kind = next(k for k in kinds if k in src)
+            if kind != "default_dim":
+                return (f"dim_sources: {d}: expected a source only for a dim that is not a size of "
+                        "an array's shape (dtype_of, param, row_stride_of, tuned), or default_dim for a "
+                        f"size only optional arrays give; got {brief(src)} for {d}, a size of "
+                        f"{self._shape_of(d)}'s shape (the kernel receives the size, not this source)")
+            if d in fixed:
+                return (f"dim_sources: {d}: default_dim: expected it only for a size that only optional "
+                        f"arrays give; got it for {d}, a size of the required array {fixed[d]}'s "
+                        "shape, so the default never applies")
         for d in self.tuned_dims:
             src = self.dim_sources[d]
             if "range" in src:
@@ -629,6 +664,10 @@ class Manifest:
         """The size symbols of the arrays' shapes (T, H, E, ...)."""
         return frozenset(sym for t in self.tensors for _, sym in t.parsed if sym is not None)
 
+    def _shape_of(self, sym: str) -> str:
+        """The name of the first array (ABI order) whose shape holds the size ``sym``."""
+        return next(t.name for t in self.tensors if any(s == sym for _, s in t.parsed))
+
     @functools.cached_property
     def size_names(self) -> frozenset:
         """Sizes a call binds (the symbols of the arrays' shapes and the dims that default to
@@ -694,7 +733,7 @@ class Manifest:
         ``params`` does not give (a required one)."""
         if not isinstance(params, dict):
             raise ArgumentError(self.name, "params", "type", "a mapping of parameter name -> value",
-                                _got(params))
+                                f"{type(params).__name__} {brief(params)}")   # (Python's None, not YAML's null)
         out = {}
         for k in params:
             if k not in self.params:
@@ -933,6 +972,11 @@ def why_not_found(path, name: str) -> str:
 def load_all(folder, errors: dict | None = None, notes: list | None = None) -> dict:
     """name -> Manifest for every *.yaml in ``folder`` that is a factor manifest.
 
+    The folder's own files that are not manifests are not read: its hardware/ and tuning/
+    subfolders (only *.yaml directly in ``folder`` is), and NOT_MANIFESTS (moe_models.yaml, the
+    model list, which moe_layer.load_models reads and checks; a corrupt one was reported as a
+    malformed manifest, and one with name and id keys would have been loaded as one).
+
     A file that cannot be read or checked raises FactorError naming it, unless ``errors`` is
     given: then errors[file stem] = the message and the other files still load (a registry
     rejects only the plugins that need the broken manifest). A stray file that names a factor
@@ -952,6 +996,8 @@ def load_all(folder, errors: dict | None = None, notes: list | None = None) -> d
                           + ("not a directory" if Path(folder).exists() else "does not exist"))
     claims: dict = {}   # factor name -> every Manifest that names it, by file name
     for p in sorted(Path(folder).glob("*.yaml")):
+        if p.name in NOT_MANIFESTS:   # the model list: moe_layer reads it, by its own rules
+            continue
         try:
             try:
                 raw = p.read_bytes()

@@ -5,6 +5,10 @@ dim from this table: the entry for the call's shape (the keys the file lists, e.
 and the largest tuned T not above the call's T (a T below every tuned T runs on DEFAULT, quietly:
 a row tuned at T = 4096 says nothing of T = 1). A shape the file does not list runs on DEFAULT (the kernel's own heuristic) and, on a live GPU, a TuningWarning
 says so once per shape, naming the file and the tuner (benchmarks/tune_moe.py) that fills it.
+A table holds dim, key, values and shapes, and a shapes entry the sizes its key names, model
+(the model it was tuned for, a note) and by_T, nothing else: another key (`kee: 1`, `Z: 3` in an
+entry) sets the file aside as malformed, as an unknown top-level key does (a note naming the
+file and the key; its shapes run on DEFAULT).
 Where the dim's manifest entry gives ``range: [LO, HI]`` or ``options: [...]``, a table whose
 rows use a value outside is set aside (a registry note, and on a live GPU a warning, name the
 file, the values and the allowed ones; its shapes run on DEFAULT).
@@ -49,6 +53,10 @@ def tuning_dir() -> Path:
     return _paths.manifests_dir() / "tuning"
 
 
+TABLE_KEYS = ("dim", "key", "values", "shapes")   # a factor's table holds these, nothing else
+SHAPE_KEYS = ("model", "by_T")   # a shapes entry: the sizes its table's key names, and these
+
+
 def _int(v, what: str, lo: int | None = None) -> int:
     """An int (not a bool or a float) >= lo, else ValueError naming ``what``."""
     if isinstance(v, bool) or not isinstance(v, int) or (lo is not None and v < lo):
@@ -64,6 +72,9 @@ class FactorTuning:
             self.factor, self.path = factor, path
             if not isinstance(data, dict):
                 raise TypeError(f"expected a mapping, got {type(data).__name__}")
+            problem = _yaml.unknown_keys("", data, TABLE_KEYS)   # (`kee: 1` passed unread)
+            if problem:
+                raise ValueError(problem)
             self.dim = str(data["dim"])
             key = data["key"]
             if not isinstance(key, list) or not key or not all(isinstance(k, str) for k in key):
@@ -94,6 +105,9 @@ class FactorTuning:
                 if missing:
                     raise ValueError(f"shapes[{i}]: no {missing[0]!r}, a size the key {self.key} names "
                                      f"(the entry has {sorted(map(str, entry))})")
+                problem = _yaml.unknown_keys(f"shapes[{i}]: ", entry, [*self.key, *SHAPE_KEYS])
+                if problem:   # (`Z: 3` beside the key sizes passed unread)
+                    raise ValueError(problem)
                 shape = tuple(_int(entry[k], f"shapes[{i}].{k}", 1) for k in self.key)
                 if shape in self.table:
                     raise ValueError(f"shapes[{i}]: {dict(zip(self.key, shape))} listed twice")

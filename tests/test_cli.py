@@ -324,6 +324,20 @@ def test_lock_to_a_missing_folder_is_a_clear_error(tmp_path, capsys):
     assert "ex-engine: error: lock: cannot write the lock file" in capsys.readouterr().err
 
 
+def test_lock_escapes_a_file_name_with_a_newline_as_list_factors_does(tmp_path, capsys):
+    """lock printed a library named 'new\\nline.so' with a raw line break (a second line that
+    looks like another entry); list-factors writes it '\\n' (registry._printable)."""
+    (tmp_path / "new\nline.so").write_bytes(b"not an ELF file")
+    (tmp_path / "b\x1b[31m.so").write_bytes(b"neither")
+    assert main(["lock", "--dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert len(lines) == 3 and "\x1b" not in out, out
+    assert lines[0].endswith("  b\\x1b[31m.so") and lines[1].endswith("  new\\nline.so"), out
+    assert main(["list-factors", "--dir", str(tmp_path)]) in (0, 1)
+    assert "new\\nline.so" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("argv,says", [
     (["run", "moe", "--model", "granite-3.0-3b-a800m", "--tokens", "1", "--repeat", "0"], "--repeat: expected >= 1, got 0"),
     (["build", "--jobs", "0"], "--jobs: expected >= 1, got 0"),

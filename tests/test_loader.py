@@ -1,5 +1,6 @@
 """The registry on small host-memory plugins built with gcc: loading, checks, dispatch, fallbacks."""
 import json
+import os
 import re
 import shutil
 
@@ -875,3 +876,25 @@ def test_device_flags_take_a_quoted_bit_number(tmp_path):
         (tmp_path / "host_scale.yaml").write_text(base + f"device_flags: {{{key}: a bad alpha}}\n")
         with pytest.raises(FactorError, match="device_flags: .*expected a bit number 0..31"):
             Manifest.load(tmp_path / "host_scale.yaml")
+
+
+@pytest.mark.parametrize("text", ["models: [\n", "name: moe_models\nid: 77\ndims: [N]\n", "- 1\n- 2\n"])
+def test_the_model_list_is_not_read_as_a_manifest(tmp_path, monkeypatch, text):
+    """A corrupt or foreign moe_models.yaml in a folder of EX_ENGINE_MANIFESTS gave 'note: manifest
+    .../moe_models.yaml: malformed ... skipped': it is the model list (moe_layer.load_models reads
+    it, with its own message), not a factor manifest, in the home folder or a later one."""
+    from ex_engine.errors import FactorError
+    from ex_engine.moe_layer import load_models
+    home, mine = tmp_path / "manifests", tmp_path / "mine"
+    shutil.copytree(ROOT / "manifests", home)
+    mine.mkdir()
+    (tmp_path / "none").mkdir()
+    for d in (home, mine):
+        (d / "moe_models.yaml").write_text(text)
+    monkeypatch.setenv("EX_ENGINE_MANIFESTS", f"{mine}{os.pathsep}{home}")
+    reg = FactorRegistry.load(tmp_path / "none", hardware="h200")
+    assert not [n for n in reg.notes if "moe_models" in n], reg.notes
+    assert "moe_models" not in reg.manifests and not reg.manifest_errors, reg.manifest_errors
+    assert {"moe_fused_gemm", "topk_softmax"} <= set(reg.manifests)
+    with pytest.raises(FactorError, match=f"model list {home / 'moe_models.yaml'}: "):
+        load_models()

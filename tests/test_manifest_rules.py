@@ -397,3 +397,60 @@ def test_parse_cases_lists_a_non_ascii_digit_as_a_problem():
     from ex_engine.moe_layer import parse_cases
     cases, problems = parse_cases({"m": None}, ["m:\u00b2", "m:3"])   # '²'.isdigit() is True
     assert cases == [("m", 3)] and len(problems) == 1 and "'m:\u00b2'" in problems[0]
+
+
+@pytest.mark.parametrize("sources,needle", [
+    ("{N: {dtype_of: x}}", "dim_sources: N: expected a source only for a dim that is not a size of an "
+     "array's shape (dtype_of, param, row_stride_of, tuned), or default_dim for a size only optional "
+     "arrays give; got {'dtype_of': 'x'} for N, a size of out's shape"),
+    ("{N: {row_stride_of: x}}", "dim_sources: N: expected a source only for a dim that is not a size"),
+    ("{N: {tuned: 0}}", "dim_sources: N: expected a source only for a dim that is not a size"),
+    ("{N: {default_dim: N}}", "dim_sources: N: default_dim: expected it only for a size that only "
+     "optional arrays give; got it for N, a size of the required array out's shape"),
+])
+def test_a_source_for_a_size_of_a_shape_is_refused(tmp_path, sources, needle):
+    """dims: [N] with N a size of out's and x's shapes and dim_sources: {N: {dtype_of: x}} loaded
+    as ready: bind passes the size it measures, so the source was never read (the kernel got N,
+    not the dtype code). A size takes only default_dim, and only where no required array gives it."""
+    p = manifest(tmp_path, lambda t: t.replace("dims: [N]", f"dims: [N]\ndim_sources: {sources}"))
+    with pytest.raises(FactorError) as e:
+        Manifest.load(p)
+    assert str(e.value).startswith(f"manifest {p}: {needle}"), str(e.value)
+    assert Manifest.load(ROOT / "manifests" / "moe_fused_gemm.yaml").dim_sources["G"] == {"default_dim": "E"}
+
+
+@pytest.mark.parametrize("field,needle", [
+    ("dims", "dims: expected a list of size names ([T, H, dtype]), got null"),
+    ("output", "output: expected a mapping {name, shape, dtype, ...}, got null"),
+    ("input", "input: expected a mapping {name, shape, dtype, ...}, got null"),
+    ("aux", "aux: expected a list of array entries, got null"),
+    ("params", "params: expected a mapping name -> {type, default, ...}, got null"),
+    ("dim_sources", "dim_sources: expected a mapping dim -> {source: ...}, got null"),
+    ("constraints", "constraints: expected a list of constraints (['K <= E']), got null"),
+    ("tolerance", "tolerance: expected a mapping dtype -> relative error, got null"),
+    ("test_shapes", "test_shapes: expected a list of test shapes ([{T: 3, H: 64}]), got null"),
+    ("device_flags", "device_flags: expected a mapping bit -> meaning, got null"),
+    ("memory", "memory: expected 'device' or 'host', got null"),
+    ("shape", "input (x): shape: expected a list of sizes ([T, H], [N], [E, 2*I, H]), got null"),
+    ("dtype", "input (x): dtype: expected a list of dtypes ([float32] or [float16, bfloat16]), got null"),
+    ("values", "input (x): values: expected a mapping ({normal: STD}"),
+])
+def test_a_list_or_mapping_field_given_as_null_is_refused_naming_it(tmp_path, field, needle):
+    """`aux: null` (or `aux:` with its entries commented out) was 'malformed (TypeError:
+    'NoneType' object is not iterable)'; `params: null` and the like read as empty, and
+    `memory: null` as the string 'None'. Each is now refused naming the field."""
+    import re
+
+    def change(t):
+        t += "params: {}\ndim_sources: {}\nconstraints: []\ndevice_flags: {}\n"
+        if field in ("shape", "dtype", "values"):
+            return t.replace("{name: x, shape: [N], dtype: [float32]}",
+                             "{name: x, " + {"shape": "shape: null, dtype: [float32]}",
+                                             "dtype": "shape: [N], dtype: null}",
+                                             "values": "shape: [N], dtype: [float32], values: null}"}[field])
+        return re.sub(rf"^{field}:.*(\n  .*)*", f"{field}: null", t, count=1, flags=re.M)
+    p = manifest(tmp_path, change)
+    assert "null" in p.read_text()
+    with pytest.raises(FactorError) as e:
+        Manifest.load(p)
+    assert str(e.value).startswith(f"manifest {p}: {needle}"), str(e.value)

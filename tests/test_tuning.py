@@ -448,3 +448,31 @@ def test_two_names_for_one_code_keep_the_table_with_a_remark(tmp_path):
     assert t.value("moe_fused_gemm", "config", {"H": 64, "I": 32, "G": 8, "K": 2, "T": 64}, -1) == 2
     assert any("moe_fused_gemm: values: 'smallest' and 'tiny' both give 0: rows naming either run "
                "configuration 0" in r for r in t.remarks), t.remarks
+
+
+@pytest.mark.parametrize("old,new,why", [
+    ("  dim: config\n", "  dim: config\n  kee: 1\n",
+     "moe_fused_gemm: malformed (ValueError: unknown key 'kee' (did you mean 'key'?); expected some of "
+     "dim, key, values, shapes)"),
+    ("    G: 40\n", "    G: 40\n    Z: 3\n",
+     "moe_fused_gemm: malformed (ValueError: shapes[0]: unknown key 'Z'; expected some of H, I, G, K, "
+     "model, by_T)"),
+])
+def test_an_unknown_key_inside_a_table_or_a_shape_entry_sets_the_file_aside(tmp_path, monkeypatch, old, new, why):
+    """`kee: 1` in the moe_fused_gemm table, or `Z: 3` in a shapes entry, of a copy of the shipped
+    h200.yaml gave no note (only an unknown top-level key did): now the same note, naming the
+    file and the key. The shipped file's entries (key sizes, model, by_T) still load."""
+    import shutil
+    from ex_engine import _paths
+    shutil.copytree(_paths.manifests_dir(), tmp_path / "m")
+    (tmp_path / "none").mkdir()
+    monkeypatch.setenv("EX_ENGINE_MANIFESTS", str(tmp_path / "m"))
+    path = tmp_path / "m" / "tuning" / "h200.yaml"
+    assert FactorRegistry.load(tmp_path / "none", hardware="h200").tuning.path == str(path)
+    text = path.read_text()
+    assert old in text
+    path.write_text(text.replace(old, new, 1))
+    reg = FactorRegistry.load(tmp_path / "none", hardware="h200")
+    notes = [n for n in reg.notes if n.startswith("tuning:")]
+    assert len(notes) == 1 and notes[0].startswith(f"tuning: tuning file {path}: {why}"), reg.notes
+    assert notes[0].endswith("; skipped") and reg.tuning.factors == {}, notes
