@@ -105,6 +105,7 @@ def main():
     from ex_engine.hardware import Hardware
     stage("dlopen")
     lib = abi.dlopen(sys.argv[1])
+    stage("opened")
     try:
         version = int(lib.ex_abi_version)
     except Exception:
@@ -162,6 +163,19 @@ def _done_detail(what: str, before: str) -> str:
                 "it could not open the library (the checks below say why)")
     return (f"child process: did not crash; it stopped at {before} with a Python error ({error}) "
             "(the checks below say why)")
+
+
+def _unprobed(what: str, before: str) -> str:
+    """Why a child that finished without crashing still leaves the library unprobed ('' if it
+    does not): a Python error before dlopen (importing ex_engine) or between opening the library
+    and calling ex_get_factor (reading the hardware): the child never called it, so the
+    in-process load would be the first to run the library's code."""
+    if not what.startswith("python error ") or before not in ("", "opened"):
+        return ""
+    where = "before opening the library" if before == "" else \
+        "between opening the library and calling ex_get_factor"
+    return (f"the probe's child process stopped {where} with a Python error "
+            f"({what[len('python error '):]}); not opened unprobed")
 
 
 def _signal_name(num: int) -> str:
@@ -247,10 +261,11 @@ def probe_library(path, hardware, timeout: float = 10.0) -> tuple:
         return False, f"crashed in {stage}: signal {_signal_name(-rc)}"
     if stage.startswith("done") and rc == 0:
         what = stage[len("done: "):] if stage.startswith("done: ") else ""
-        if len(stages) < 2:   # a Python error before "dlopen" (importing ex_engine): no probe ran
-            return False, (f"the probe's child process stopped before opening the library with a "
-                           f"Python error ({what.removeprefix('python error ')}); not opened unprobed")
-        return True, _done_detail(what, stages[-2])
+        before = stages[-2] if len(stages) >= 2 else ""   # '': it ended before its first stage
+        why = _unprobed(what, before)
+        if why:
+            return False, why
+        return True, _done_detail(what, before)
     if not stages:   # the child never reached the library: the probe did not run
         return False, (f"the probe's child process ended with status {rc} before opening the library "
                        f"(last stderr line: {last[:300]}); not opened unprobed")

@@ -267,6 +267,22 @@ def test_probe_fails_when_its_child_stops_before_the_library(tmp_path, monkeypat
                         "library with a Python error (ImportError); not opened unprobed"), p.reason
 
 
+def test_probe_fails_when_its_child_stops_between_opening_and_calling(tmp_path, monkeypatch):
+    """A Python error after the child opened the library but before it called ex_get_factor
+    (here: reading the hardware) read as 'could not open the library' and passed the probe: the
+    in-process load would have been the first to run the library's code."""
+    from ex_engine import trust
+    child = trust._CHILD.replace("    hw = Hardware(", "    raise KeyError('hw')\n    hw = Hardware(")
+    assert child != trust._CHILD
+    monkeypatch.setattr(trust, "_CHILD", child)
+    build_plugin(tmp_path)
+    p = FactorRegistry.load(tmp_path, hardware="h200", probe="subprocess").plugins[0]
+    assert p.status == "rejected" and p.lib is None
+    assert p.reason == ("probe (child process): the probe's child process stopped between opening the "
+                        "library and calling ex_get_factor with a Python error (KeyError); not "
+                        "opened unprobed"), p.reason
+
+
 # ------------------------------------------------------------------------------ lock
 def test_lock_accepts_listed_files_and_refuses_changed_or_unlisted_ones_before_dlopen(tmp_path, capsys):
     build_plugin(tmp_path)
