@@ -93,29 +93,26 @@ def _import_torch_distributed(fn: str):
 def init_from_env(backend: str = "nccl") -> DistInfo:
     """Initialise torch.distributed from torchrun's environment and pick this rank's GPU.
 
-    Reads RANK, WORLD_SIZE and LOCAL_RANK (set by ``torchrun``); with the nccl backend calls
+    Reads RANK, WORLD_SIZE and LOCAL_RANK (set by ``torchrun``); where CUDA is available calls
     ``torch.cuda.set_device(LOCAL_RANK)`` (and makes it CuPy's current device, so a registry
-    loaded afterwards serves this GPU); then ``torch.distributed.init_process_group(backend)``
-    (the rendezvous comes from MASTER_ADDR/MASTER_PORT, also set by torchrun). The gloo backend
-    is a CPU process group: no GPU is bound, so more CPU ranks than GPUs can run on a GPU host.
+    loaded afterwards serves this GPU), except with backend "gloo" alone, a CPU process group
+    (no GPU is bound, so more CPU ranks than GPUs can run on a GPU host; "cpu:gloo,cuda:nccl"
+    binds); then ``torch.distributed.init_process_group(backend)`` (the rendezvous comes from
+    MASTER_ADDR/MASTER_PORT, also set by torchrun).
     NVLink multicast is switched off first (``disable_nvlink_multicast``). Without RANK and
     WORLD_SIZE (a plain ``python script.py``) no process group is created: rank 0 of a world of
     1 on LOCAL_RANK (default 0). If the process group already exists, it is used as it is.
 
     Returns DistInfo(rank, world_size, local_rank). Raises ArgumentError for a malformed
-    variable, one of RANK and WORLD_SIZE set without the other, or (nccl) a LOCAL_RANK with no
-    such CUDA device; FactorError (with an install hint) when torch is not installed; torch's
-    own errors for a failed rendezvous.
+    variable, one of RANK and WORLD_SIZE set without the other (where no process group exists
+    yet), or (a GPU bound) a LOCAL_RANK with no such CUDA device; FactorError (with an install
+    hint) when torch is not installed; torch's own errors for a failed rendezvous.
     """
     disable_nvlink_multicast()
     local_rank = _env_int("LOCAL_RANK", 0)
-    rank, world = _env_int("RANK", None), _env_int("WORLD_SIZE", None)
-    if (rank is None) != (world is None):   # half of torchrun's environment: not a 1-process job
-        missing, present = ("WORLD_SIZE", "RANK") if world is None else ("RANK", "WORLD_SIZE")
-        raise ArgumentError("init_from_env", missing, "environment variable",
-                            f"set together with {present} (torchrun sets both)", "unset")
     torch, dist = _import_torch_distributed("init_from_env")
-    if backend == "nccl" and torch.cuda.is_available():
+    cpu_only = isinstance(backend, str) and backend.strip().lower() == "gloo"   # a CPU process group
+    if not cpu_only and torch.cuda.is_available():
         n = torch.cuda.device_count()
         if not 0 <= local_rank < n:
             raise ArgumentError("init_from_env", "LOCAL_RANK", "a CUDA device of this host",
@@ -128,6 +125,11 @@ def init_from_env(backend: str = "nccl") -> DistInfo:
             pass
     if dist.is_available() and dist.is_initialized():
         return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank)
+    rank, world = _env_int("RANK", None), _env_int("WORLD_SIZE", None)
+    if (rank is None) != (world is None):   # half of torchrun's environment: not a 1-process job
+        missing, present = ("WORLD_SIZE", "RANK") if world is None else ("RANK", "WORLD_SIZE")
+        raise ArgumentError("init_from_env", missing, "environment variable",
+                            f"set together with {present} (torchrun sets both)", "unset")
     if rank is None:
         return DistInfo(0, 1, local_rank)
     if world < 1:

@@ -262,38 +262,53 @@ def test_init_from_env_names_a_bad_world_size(monkeypatch):
         init_from_env(backend="gloo")
 
 
+def _fake_torch(monkeypatch, gpus=1, group=None):
+    """init_from_env's torch, faked: ``gpus`` CUDA devices (set_device calls recorded in the
+    returned list), a process group (rank, world_size) already initialised or none."""
+    import ex_engine.distributed as d
+    bound = []
+    fake_torch = SimpleNamespace(cuda=SimpleNamespace(is_available=lambda: gpus > 0,
+                                                      device_count=lambda: gpus, set_device=bound.append))
+    fake_dist = SimpleNamespace(is_available=lambda: True, is_initialized=lambda: group is not None,
+                                get_rank=lambda: group[0], get_world_size=lambda: group[1])
+    monkeypatch.setattr(d, "_import_torch_distributed", lambda fn: (fake_torch, fake_dist))
+    monkeypatch.setenv("NCCL_NVLS_ENABLE", "0")                # init_from_env sets these two
+    monkeypatch.setenv("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    for v in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(v, raising=False)
+    return bound
+
+
 @pytest.mark.parametrize("present,missing", [("RANK", "WORLD_SIZE"), ("WORLD_SIZE", "RANK")])
 def test_init_from_env_refuses_half_of_torchruns_environment(monkeypatch, present, missing):
     """One of RANK and WORLD_SIZE without the other was taken as a one-process job (rank 0 of 1):
-    every process kept every expert and skipped the all-reduce. Checked before torch is needed."""
+    every process kept every expert and skipped the all-reduce. A process group that already
+    exists is used as it is, whatever the variables say (torch faked, no GPU)."""
     from ex_engine.distributed import init_from_env
-    monkeypatch.setenv("NCCL_NVLS_ENABLE", "0")                # init_from_env sets these two
-    monkeypatch.setenv("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
-    monkeypatch.delenv(missing, raising=False)
+    _fake_torch(monkeypatch, gpus=0)
     monkeypatch.setenv(present, "1")
     with pytest.raises(ArgumentError, match=rf"argument '{missing}': .*set together with {present}"):
         init_from_env(backend="gloo")
+    _fake_torch(monkeypatch, gpus=0, group=(1, 2))
+    monkeypatch.setenv(present, "1")
+    assert tuple(init_from_env(backend="gloo")) == (1, 2, 0)
 
 
-def test_init_from_env_binds_a_gpu_only_for_nccl(monkeypatch):
+@pytest.mark.parametrize("backend,binds", [("gloo", False), ("GLOO", False), ("nccl", True),
+                                           ("cpu:gloo,cuda:nccl", True)])
+def test_init_from_env_binds_a_gpu_unless_the_backend_is_gloo_alone(monkeypatch, backend, binds):
     """gloo is a CPU process group: on a host with one GPU a rank with LOCAL_RANK 1 (more CPU
-    ranks than GPUs, `ep_moe.py --device cpu`) ran into 'expected 0 <= LOCAL_RANK < 1'. nccl still
-    refuses a LOCAL_RANK with no GPU. (torch faked: one GPU, no process group.)"""
-    import ex_engine.distributed as d
-    bound = []
-    fake_torch = SimpleNamespace(cuda=SimpleNamespace(is_available=lambda: True, device_count=lambda: 1,
-                                                      set_device=bound.append))
-    fake_dist = SimpleNamespace(is_available=lambda: True, is_initialized=lambda: False)
-    monkeypatch.setattr(d, "_import_torch_distributed", lambda fn: (fake_torch, fake_dist))
-    monkeypatch.setenv("NCCL_NVLS_ENABLE", "0")
-    monkeypatch.setenv("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
-    for v in ("RANK", "WORLD_SIZE"):
-        monkeypatch.delenv(v, raising=False)
+    ranks than GPUs, `ep_moe.py --device cpu`) ran into 'expected 0 <= LOCAL_RANK < 1'. A backend
+    with nccl in it still binds the GPU and refuses a LOCAL_RANK with none (torch faked: one GPU,
+    no process group)."""
+    from ex_engine.distributed import init_from_env
+    bound = _fake_torch(monkeypatch, gpus=1)
     monkeypatch.setenv("LOCAL_RANK", "1")
-    assert tuple(d.init_from_env(backend="gloo")) == (0, 1, 1)
-    assert bound == []
-    with pytest.raises(ArgumentError, match=r"argument 'LOCAL_RANK': .*0 <= LOCAL_RANK < 1, got 1"):
-        d.init_from_env(backend="nccl")
+    if binds:
+        with pytest.raises(ArgumentError, match=r"argument 'LOCAL_RANK': .*0 <= LOCAL_RANK < 1, got 1"):
+            init_from_env(backend=backend)
+    else:
+        assert tuple(init_from_env(backend=backend)) == (0, 1, 1)
     assert bound == []
 
 
