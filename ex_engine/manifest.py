@@ -2,9 +2,9 @@
 
 A manifest names the kernel's output, input and aux inputs in ABI order, each with a symbolic
 shape ("T", "2*I"), allowed dtypes and a role; the order of dims[]; where each dim comes from
-(a size of an array's shape, or for a dim that is none, its dim_sources entry: a dtype code, a
-user parameter, a row stride, a tuned choice; a size only optional arrays give may name a
-default_dim, the one source a size takes); user parameters ({type: float | int |
+(a size of an array's shape, or its dim_sources entry: a dtype code, a user parameter, a row
+stride, a tuned choice, a default_dim; read only where no present array gives the size, so a
+size that a required array gives has none); user parameters ({type: float | int |
 bool, default, gt: a lower bound a float must exceed}); constraints between sizes; the Python
 fallback; tolerances (DEFAULT_TOLERANCE for a dtype not named) and test shapes.
 ``Manifest.bind`` checks a call's arrays against it and returns the dims to pass, raising an
@@ -414,9 +414,8 @@ class Manifest:
 
     def _structure_problem(self) -> str:
         """What in the manifest's cross-references is wrong ('' if nothing): every dim has a size
-        or a source, every source names an existing array, parameter or size, a size of an
-        array's shape has no source but default_dim (and that only when no required array
-        gives it), constraints
+        or a source, every source names an existing array, parameter or size, no size that a
+        required array's shape gives has a source (it would never be read), constraints
         compare known sizes, dtypes and roles are known ones (checked at load, so that a broken
         manifest refuses its plugin there instead of failing every call)."""
         arrays = self.tensors
@@ -463,28 +462,20 @@ class Manifest:
                 return f"dim_sources: {d}: expected one of {sorted(kinds)}, got {_got(src)}"
             if kinds[kind] is not None and src[kind] not in kinds[kind]:
                 return f"dim_sources: {d}: {kind}: expected one of {sorted(kinds[kind])}, got {_got(src[kind])}"
-        # a size of an array's shape reaches the kernel as bind measures it: a source of another
-        # kind on it ({N: {dtype_of: x}}) was never read, and the kernel got the size, not the
-        # dtype code. Only default_dim applies, to a size no required array fixes (else the
-        # default is never taken either)
+        # a size that a required array's shape gives reaches the kernel as bind measures it: a
+        # source on it ({N: {dtype_of: x}}, or a default_dim) is never read, and the kernel got
+        # the size, not the dtype code. A size only optional arrays (or a workspace) give takes
+        # its source where those are absent
         fixed: dict = {}   # size -> the first required array whose shape holds it
         for t in arrays:
             for _, sym in t.parsed if not t.optional and t.role != "workspace" else ():
                 if sym is not None:
                     fixed.setdefault(sym, t.name)
         for d, src in self.dim_sources.items():
-            if d not in syms:
-                continue
-            kind = next(k for k in kinds if k in src)
-            if kind != "default_dim":
-                return (f"dim_sources: {d}: expected a source only for a dim that is not a size of "
-                        "an array's shape (dtype_of, param, row_stride_of, tuned), or default_dim for a "
-                        f"size only optional arrays give; got {brief(src)} for {d}, a size of "
-                        f"{self._shape_of(d)}'s shape (the kernel receives the size, not this source)")
             if d in fixed:
-                return (f"dim_sources: {d}: default_dim: expected it only for a size that only optional "
-                        f"arrays give; got it for {d}, a size of the required array {fixed[d]}'s "
-                        "shape, so the default never applies")
+                return (f"dim_sources: {d}: expected a source only for a dim that no required array's "
+                        f"shape gives; got {brief(src)} for {d}, a size of the required array "
+                        f"{fixed[d]}'s shape, so it is never read (the kernel receives the size)")
         for d in self.tuned_dims:
             src = self.dim_sources[d]
             if "range" in src:
@@ -663,10 +654,6 @@ class Manifest:
     def shape_symbols(self) -> frozenset:
         """The size symbols of the arrays' shapes (T, H, E, ...)."""
         return frozenset(sym for t in self.tensors for _, sym in t.parsed if sym is not None)
-
-    def _shape_of(self, sym: str) -> str:
-        """The name of the first array (ABI order) whose shape holds the size ``sym``."""
-        return next(t.name for t in self.tensors if any(s == sym for _, s in t.parsed))
 
     @functools.cached_property
     def size_names(self) -> frozenset:

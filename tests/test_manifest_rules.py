@@ -399,23 +399,35 @@ def test_parse_cases_lists_a_non_ascii_digit_as_a_problem():
     assert cases == [("m", 3)] and len(problems) == 1 and "'m:\u00b2'" in problems[0]
 
 
-@pytest.mark.parametrize("sources,needle", [
-    ("{N: {dtype_of: x}}", "dim_sources: N: expected a source only for a dim that is not a size of an "
-     "array's shape (dtype_of, param, row_stride_of, tuned), or default_dim for a size only optional "
-     "arrays give; got {'dtype_of': 'x'} for N, a size of out's shape"),
-    ("{N: {row_stride_of: x}}", "dim_sources: N: expected a source only for a dim that is not a size"),
-    ("{N: {tuned: 0}}", "dim_sources: N: expected a source only for a dim that is not a size"),
-    ("{N: {default_dim: N}}", "dim_sources: N: default_dim: expected it only for a size that only "
-     "optional arrays give; got it for N, a size of the required array out's shape"),
-])
-def test_a_source_for_a_size_of_a_shape_is_refused(tmp_path, sources, needle):
+@pytest.mark.parametrize("sources", ["{N: {dtype_of: x}}", "{N: {row_stride_of: x}}", "{N: {tuned: 0}}",
+                                     "{N: {default_dim: N}}"])
+def test_a_source_for_a_size_a_required_array_gives_is_refused(tmp_path, sources):
     """dims: [N] with N a size of out's and x's shapes and dim_sources: {N: {dtype_of: x}} loaded
     as ready: bind passes the size it measures, so the source was never read (the kernel got N,
-    not the dtype code). A size takes only default_dim, and only where no required array gives it."""
+    not the dtype code)."""
     p = manifest(tmp_path, lambda t: t.replace("dims: [N]", f"dims: [N]\ndim_sources: {sources}"))
     with pytest.raises(FactorError) as e:
         Manifest.load(p)
-    assert str(e.value).startswith(f"manifest {p}: {needle}"), str(e.value)
+    assert str(e.value).startswith(
+        f"manifest {p}: dim_sources: N: expected a source only for a dim that no required array's shape "
+        "gives; got {"), str(e.value)
+    assert str(e.value).endswith("for N, a size of the required array out's shape, so it is never read "
+                                 "(the kernel receives the size)"), str(e.value)
+
+
+def test_a_source_for_a_size_only_an_optional_array_gives_is_read_where_it_is_absent(tmp_path):
+    """A size that only an optional array gives takes its source where that array is absent
+    (moe_fused_gemm's G: {default_dim: E}; here a param): the rule above must not refuse it."""
+    p = manifest(tmp_path, lambda t: t.replace("dims: [N]", "dims: [N, S]\ndim_sources: {S: {param: ns}}\n"
+                                                "params: {ns: {type: int, default: 7}}").replace(
+        "role: input}\n", "role: input}\n  - {name: scale, shape: [S], dtype: [float32], role: input, "
+        "optional: true}\n"))
+    m = Manifest.load(p)
+    from ex_engine.arrays import TensorRef
+    arrays = {"out": TensorRef.of(np.zeros(3, np.float32)), "x": TensorRef.of(np.ones(3, np.float32)),
+              "alpha": TensorRef.of(np.ones(1, np.float32))}
+    assert m.bind({**arrays, "scale": None})[1] == [3, 7]
+    assert m.bind({**arrays, "scale": TensorRef.of(np.ones(5, np.float32))})[1] == [3, 5]
     assert Manifest.load(ROOT / "manifests" / "moe_fused_gemm.yaml").dim_sources["G"] == {"default_dim": "E"}
 
 
