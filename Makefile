@@ -55,32 +55,52 @@ STEMS := $(basename $(notdir $(SOURCES) $(HOST_C_SOURCES) $(HOST_CXX_SOURCES)))
 CLASHES := $(strip $(foreach s,$(sort $(STEMS)),$(if $(word 2,$(filter $(s),$(STEMS))),$(s))))
 
 # The flags each library was last built with, in build/flags/<name>.so.txt: before any rule runs,
-# rewritten for the libraries this make is asked to build (all by default) where the flags
+# rewritten for the libraries this make is asked to build (all by default) where their flags
 # changed, and each library depends on its own, so that a build for other targets (ARCHS=...,
 # `ex-engine build --archs=... NAME`) is rebuilt by the next plain `make` (file dates alone kept
-# an sm_80-only library in place), and only that library (one stamp for all rebuilt every
-# library, the CUTLASS plugin's minutes included, after any one was built with other flags).
-BUILD_FLAGS := $(NVCC) | $(NVCCFLAGS) | $(EXTRA_NVCCFLAGS) | $(ARCHS) | $(SM90_NVCCFLAGS) | $(SM90_ARCHS) | \
-               $(CC) $(HOST_CFLAGS) | $(CXX) $(HOST_CXXFLAGS) | $(HOST_LDLIBS)
+# an sm_80-only library in place), and only that library. A library's flags are those of its own
+# rule (ARCHS does not touch the Hopper plugin, nor host flags a .cu): one stamp of every flag
+# rebuilt every library, the CUTLASS plugin's minutes included, after any one was built otherwise.
+CU_FLAGS := $(NVCC) | $(NVCCFLAGS) | $(EXTRA_NVCCFLAGS) | $(ARCHS)
+SM90_FLAGS := $(NVCC) | $(SM90_NVCCFLAGS) | $(EXTRA_NVCCFLAGS) | $(SM90_ARCHS)
+C_FLAGS := $(CC) | $(HOST_CFLAGS) | $(HOST_LDLIBS)
+CXX_FLAGS := $(CXX) | $(HOST_CXXFLAGS) | $(HOST_LDLIBS)
+# the flags of factors/<name>.so, by the rule that builds it
+flags_of = $(if $(filter %_sm90.so,$(1)),$(SM90_FLAGS),$(if $(wildcard $(1:.so=.cu)),$(CU_FLAGS),$(if $(wildcard $(1:.so=.c)),$(C_FLAGS),$(CXX_FLAGS))))
 FLAGS_DIR := build/flags
 GOAL_PLUGINS := $(if $(filter all,$(MAKECMDGOALS))$(if $(MAKECMDGOALS),,all),$(PLUGINS),$(filter factors/%.so,$(MAKECMDGOALS)))
+# A dry run (make -n) writes no stamp (it would say the libraries were built so): a library
+# whose flags changed is marked to be rebuilt instead.
+DRY_RUN := $(findstring n,$(firstword -$(MAKEFLAGS)))
+# (the dry run's rules below come before all's)
+.DEFAULT_GOAL := all
+# (read through cat: make 4.3's $(file <...) returned a wrong text for a stamp of 200 bytes or
+# more after another had been read, and a library whose flags had not changed was rebuilt)
 define stamp_flags
-ifneq ($$(file <$(FLAGS_DIR)/$(notdir $(1)).txt),$$(BUILD_FLAGS))
-$$(file >$(FLAGS_DIR)/$(notdir $(1)).txt,$$(BUILD_FLAGS))
+stamp_old := $$(shell cat $(FLAGS_DIR)/$(notdir $(1)).txt 2>/dev/null)
+stamp_new := $$(call flags_of,$(1))
+ifneq ($$(stamp_old),$$(stamp_new))
+ifeq ($(DRY_RUN),)
+$$(file >$(FLAGS_DIR)/$(notdir $(1)).txt,$$(stamp_new))
+else
+$(1): FORCE
+endif
 endif
 endef
 ifeq ($(filter help list clean,$(MAKECMDGOALS)),)
-$(shell mkdir -p $(FLAGS_DIR))
+$(if $(DRY_RUN),,$(shell mkdir -p $(FLAGS_DIR)))
 $(foreach p,$(GOAL_PLUGINS),$(eval $(call stamp_flags,$(p))))
 endif
-# a library built as another's prerequisite, never named: its stamp as it is now
-$(FLAGS_DIR)/%.txt:
-	$(file >$@,$(BUILD_FLAGS))
+# a library built without being named (`make clean all`, whose stamps the lines above skip): its
+# stamp as its flags are now
+$(FLAGS_DIR)/%.so.txt:
+	$(shell mkdir -p $(FLAGS_DIR))$(file >$@,$(call flags_of,factors/$*.so))
 
 # a half-written .so (nvcc killed, disk full) is deleted, never left to be loaded
 .DELETE_ON_ERROR:
-.PHONY: all clean list help check-nvcc check-sources
+.PHONY: all clean list help check-nvcc check-sources FORCE
 all: $(PLUGINS)
+FORCE:
 
 help:
 	@sed -n '1,/^$$/p' Makefile | sed 's/^# \{0,1\}//'

@@ -79,7 +79,8 @@ def not_a_checkout(building: bool = False) -> str:
     then names make in the checkout, and is given whatever the variables say."""
     if not building and (os.environ.get("EX_ENGINE_MANIFESTS") or (ROOT / "manifests").is_dir()):
         return ""
-    why = (f"ex_engine at {ROOT} is not in a checkout of its repository (no manifests/ beside "
+    missing = "no Makefile" if building and (ROOT / "manifests").is_dir() else "no manifests/"
+    why = (f"ex_engine at {ROOT} is not in a checkout of its repository ({missing} beside "
            "the package: a plain `pip install .` copies the package alone)")
     if building:
         return (f"{why}; build in the checkout (`make -C <checkout>`), or install it with "

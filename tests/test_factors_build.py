@@ -299,6 +299,42 @@ def test_a_build_with_other_flags_is_rebuilt_by_the_next_plain_make(tmp_path):
     assert "-O2 -Wall" in (proj / "build" / "flags" / "host_scale.so.txt").read_text()
 
 
+def test_each_library_is_rebuilt_only_for_a_change_of_its_own_rule_s_flags(tmp_path):
+    """A stamp of every flag rebuilt the CUTLASS plugin for HOST_CFLAGS or ARCHS, neither of
+    which its rule uses; and `make clean all` without build/ stopped on the missing stamp
+    folder. (nvcc faked: it writes the -o file; CUTLASS_INC a folder with cutlass/cutlass.h.)"""
+    if shutil.which("cc") is None:
+        pytest.skip("cc not installed")
+    (tmp_path / "p").mkdir()
+    proj = _project_copy(tmp_path / "p")
+    nvcc = tmp_path / "nvcc"
+    nvcc.write_text('#!/bin/sh\nwhile [ $# -gt 0 ]; do [ "$1" = -o ] && : > "$2"; shift; done\n')
+    nvcc.chmod(0o755)
+    (tmp_path / "inc" / "cutlass").mkdir(parents=True)
+    (tmp_path / "inc" / "cutlass" / "cutlass.h").write_text("")
+    shutil.copy(ROOT / "tests" / "plugins" / "host_scale.c", proj / "factors" / "a.c")
+    for name in ("g.cu", "g_sm90.cu"):
+        (proj / "factors" / name).write_text("// a GPU factor\n")
+
+    def make(*args):
+        r = subprocess.run(["make", "-C", str(proj), f"NVCC={nvcc}", f"CUTLASS_INC={tmp_path / 'inc'}", *args],
+                           capture_output=True, text=True)
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+        return {n for n in ("a", "g", "g_sm90") if f"built factors/{n}.so" in r.stdout}
+
+    assert make() == {"a", "g", "g_sm90"}
+    assert make("HOST_CFLAGS=-O1 -Wall") == {"a"}
+    assert make("HOST_CFLAGS=-O1 -Wall", "ARCHS=-gencode=arch=compute_80,code=sm_80") == {"g"}
+    assert make("HOST_CFLAGS=-O1 -Wall", "SM90_NVCCFLAGS=-O2") == {"g", "g_sm90"}
+    # a dry run lists what other flags would rebuild, and leaves the stamps as they were
+    other = ("HOST_CFLAGS=-O2 -Wall", "SM90_NVCCFLAGS=-O2", "ARCHS=-gencode=arch=compute_80,code=sm_80")
+    assert make("-n", *other) == {"a", "g"}
+    assert make("-n", *other) == {"a", "g"}
+    assert make(*other) == {"a", "g"}
+    shutil.rmtree(proj / "build")
+    assert make("clean", "all") == {"a", "g", "g_sm90"}
+
+
 def test_a_build_of_one_library_with_other_flags_rebuilds_only_that_one(tmp_path):
     """`ex-engine build --archs=... my_op`, then `make`: one stamp for every library made the
     plain build recompile all of them (the CUTLASS plugin's minutes included), though only
