@@ -98,10 +98,10 @@ def init_from_env(backend: str = "nccl") -> DistInfo:
     loaded afterwards serves this GPU), except with backend "gloo" alone, a CPU process group
     (no GPU is bound, so more CPU ranks than GPUs can run on a GPU host; "cpu:gloo,cuda:nccl"
     binds); then ``torch.distributed.init_process_group(backend)`` (the rendezvous comes from
-    MASTER_ADDR/MASTER_PORT, also set by torchrun).
-    NVLink multicast is switched off first (``disable_nvlink_multicast``). Without RANK and
-    WORLD_SIZE (a plain ``python script.py``) no process group is created: rank 0 of a world of
-    1 on LOCAL_RANK (default 0). If the process group already exists, it is used as it is.
+    MASTER_ADDR/MASTER_PORT, also set by torchrun). NVLink multicast is switched off first
+    (``disable_nvlink_multicast``). Without RANK and WORLD_SIZE (a plain ``python script.py``)
+    no process group is created: rank 0 of a world of 1 on LOCAL_RANK (default 0). If the
+    process group already exists, it is used as it is.
 
     Returns DistInfo(rank, world_size, local_rank). Raises ArgumentError for a malformed
     variable, one of RANK and WORLD_SIZE set without the other (where no process group exists
