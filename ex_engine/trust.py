@@ -83,9 +83,9 @@ def read_lock(path) -> dict:
 
 
 # ------------------------------------------------------------------------------------ probe
-# The child reports its stages ("dlopen", "ex_get_factor", "done ...") on a pipe of its own (the
-# fd in argv[4]), each line starting with a random token it reads from stdin before the library
-# is opened: what a library prints (stdout is /dev/null here; "stage done" then _exit(0) passed
+# The child reports its stages ("dlopen", "opened", "ex_get_factor", "done ...") on a pipe of its
+# own (the fd in argv[4]), each line starting with a random token it reads from stdin before the
+# library is opened: what a library prints (stdout is /dev/null here; "stage done" then _exit(0) passed
 # the probe when stages were read from stdout) cannot pass for a report, and a child that ends
 # without the final "done" line is a failure whatever its status. This guards against accidents,
 # not against a library written to deceive the probe: its code runs in the child and can reach
@@ -154,7 +154,8 @@ _DONE = {
 
 def _done_detail(what: str, before: str) -> str:
     """The probe's detail for a child that finished: ``what`` follows "done" in its last report
-    ('' for none), ``before`` is the stage it reported before that ("dlopen", "ex_get_factor")."""
+    ('' for none), ``before`` is the stage it reported before that ("dlopen", "opened",
+    "ex_get_factor"; a Python error before "dlopen" or at "opened" is _unprobed's, not this)."""
     if what in _DONE:
         return _DONE[what]
     error = what[len("python error "):] if what.startswith("python error ") else what
