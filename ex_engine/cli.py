@@ -157,9 +157,10 @@ def cmd_list_factors(args) -> int:
                                             "shared_mem_bytes", "num_warps", "num_stages")) if t else "-"
         rows.append(tuple(_printable(c) for c in (str(p.factor_id) if p.name else "-", p.name or "?",
                                                   p.version or "-", p.status, tun, p.path.name, p.reason)))
-    widths = [max(len(r[i]) for r in rows) for i in range(6)]
+    widths = [max(_width(r[i]) for r in rows) for i in range(6)]
     for r in rows:
-        print("  ".join(c.ljust(w) for c, w in zip(r[:6], widths)) + ("  " + r[6] if r[6] else ""))
+        print("  ".join(c + " " * (w - _width(c)) for c, w in zip(r[:6], widths))
+              + ("  " + r[6] if r[6] else ""))
     if args.why:
         for p in reg.plugins:
             print(f"\n{_printable(p.path.name)}: {p.status}" + (f" ({p.reason})" if p.status == "shadowed" else ""))
@@ -200,6 +201,15 @@ def _progress(line: str) -> None:
     terminal): before a step a user would otherwise wait on in silence."""
     sys.stdout.flush()
     print(line, file=sys.stderr, flush=True)
+
+
+def _width(text: str) -> int:
+    """Columns ``text`` takes in a terminal: 0 for a combining mark ('u' + U+0308 is one
+    column), 2 for an East Asian wide or full-width character, else 1 (a table padded by len()
+    misaligned on a library named with such characters)."""
+    import unicodedata
+    return sum(0 if unicodedata.combining(c) or unicodedata.category(c) in ("Mn", "Me")
+               else 2 if unicodedata.east_asian_width(c) in ("W", "F") else 1 for c in text)
 
 
 def cmd_run_moe(args) -> int:

@@ -363,6 +363,26 @@ def test_list_factors_why_shows_no_failure_text_on_passed_checks(capsys):
             assert "returned NULL" not in line and "got NULL" not in line and "found none" not in line, line
 
 
+def test_list_factors_columns_line_up_for_wide_and_combining_characters(tmp_path, capsys):
+    """The table was padded by len(): a file named with a combining mark ('u' + U+0308, one
+    column, two characters) or East Asian wide characters (two columns each) pushed the columns
+    after it out of line (fresh user's finding)."""
+    from ex_engine.cli import _width
+    from tests.conftest import build_plugin
+    names = ["plain", "u\u0308n\u0131", "\u6f22\u5b57"]
+    for i, stem in enumerate(names):
+        build_plugin(tmp_path, stem, defines={"NAME": f'"host_scale_{i}"', "FACTOR_ID": 1110 + i})
+    assert (_width("u\u0308"), _width("\u6f22\u5b57"), _width("abc")) == (1, 4, 3)
+    main(["list-factors", "--dir", str(tmp_path), "--hardware", "h200", "--no-probe"])
+    lines = capsys.readouterr().out.splitlines()
+    header = next(line for line in lines if line.startswith("id  "))
+    starts = {_width(header[:header.index("file")])}
+    for stem in names:
+        line = next(line for line in lines if f"{stem}.so" in line)
+        starts.add(_width(line[:line.index(f"{stem}.so")]))
+    assert len(starts) == 1, (starts, lines)
+
+
 def test_list_factors_names_the_tuning_file_in_use(tmp_path, capsys):
     from ex_engine.tuning import tuning_dir
     # (exit status 1: an empty folder, no plugin is ready)
