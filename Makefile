@@ -54,13 +54,13 @@ PLUGINS := $(sort $(SOURCES:.cu=.so) $(HOST_C_SOURCES:.c=.so) $(HOST_CXX_SOURCES
 STEMS := $(basename $(notdir $(SOURCES) $(HOST_C_SOURCES) $(HOST_CXX_SOURCES)))
 CLASHES := $(strip $(foreach s,$(sort $(STEMS)),$(if $(word 2,$(filter $(s),$(STEMS))),$(s))))
 
-# The flags each library was last built with, in build/flags/<name>.so.txt: before any rule runs,
-# rewritten for the libraries this make is asked to build (all by default) where their flags
-# changed, and each library depends on its own, so that a build for other targets (ARCHS=...,
-# `ex-engine build --archs=... NAME`) is rebuilt by the next plain `make` (file dates alone kept
-# an sm_80-only library in place), and only that library. A library's flags are those of its own
-# rule (ARCHS does not touch the Hopper plugin, nor host flags a .cu): one stamp of every flag
-# rebuilt every library, the CUTLASS plugin's minutes included, after any one was built otherwise.
+# The flags each library was built with, in build/flags/<name>.so.txt, written by its rule once
+# the library is built. Where they differ from the flags of this make (or there is no stamp), the
+# library is rebuilt, so that a build for other targets (ARCHS=..., `ex-engine build --archs=...`)
+# is undone by the next plain `make` (file dates alone kept an sm_80-only library in place), and
+# only that library: a library's flags are those of its own rule (ARCHS does not touch the Hopper
+# plugin, nor host flags a .cu; CUTLASS_INC is not in them). Nothing is written before a library
+# is built (a failed or dry run, make -n or -q, leaves the stamps as they are).
 CU_FLAGS := $(NVCC) | $(NVCCFLAGS) | $(EXTRA_NVCCFLAGS) | $(ARCHS)
 SM90_FLAGS := $(NVCC) | $(SM90_NVCCFLAGS) | $(EXTRA_NVCCFLAGS) | $(SM90_ARCHS)
 C_FLAGS := $(CC) | $(HOST_CFLAGS) | $(HOST_LDLIBS)
@@ -68,33 +68,22 @@ CXX_FLAGS := $(CXX) | $(HOST_CXXFLAGS) | $(HOST_LDLIBS)
 # the flags of factors/<name>.so, by the rule that builds it
 flags_of = $(if $(filter %_sm90.so,$(1)),$(SM90_FLAGS),$(if $(wildcard $(1:.so=.cu)),$(CU_FLAGS),$(if $(wildcard $(1:.so=.c)),$(C_FLAGS),$(CXX_FLAGS))))
 FLAGS_DIR := build/flags
-GOAL_PLUGINS := $(if $(filter all,$(MAKECMDGOALS))$(if $(MAKECMDGOALS),,all),$(PLUGINS),$(filter factors/%.so,$(MAKECMDGOALS)))
-# A dry run (make -n) writes no stamp (it would say the libraries were built so): a library
-# whose flags changed is marked to be rebuilt instead.
-DRY_RUN := $(findstring n,$(firstword -$(MAKEFLAGS)))
-# (the dry run's rules below come before all's)
-.DEFAULT_GOAL := all
-# (read through cat: make 4.3's $(file <...) returned a wrong text for a stamp of 200 bytes or
-# more after another had been read, and a library whose flags had not changed was rebuilt)
-define stamp_flags
-stamp_old := $$(shell cat $(FLAGS_DIR)/$(notdir $(1)).txt 2>/dev/null)
-stamp_new := $$(call flags_of,$(1))
-ifneq ($$(stamp_old),$$(stamp_new))
-ifeq ($(DRY_RUN),)
-$$(file >$(FLAGS_DIR)/$(notdir $(1)).txt,$$(stamp_new))
-else
+# the recipe line that records the flags of the library $@ just built (single-quoted for the shell)
+write_stamp = @mkdir -p $(FLAGS_DIR) && printf '%s\n' '$(subst ','\'',$(call flags_of,$@))' > $(FLAGS_DIR)/$(@F).txt
+# (the stamps are read through cat: make 4.3's $(file <...) returned a wrong text for one of 200
+# bytes or more after another had been read)
+define check_flags
+ifneq ($$(shell cat $(FLAGS_DIR)/$(notdir $(1)).txt 2>/dev/null),$$(call flags_of,$(1)))
 $(1): FORCE
 endif
-endif
 endef
-ifeq ($(filter help list clean,$(MAKECMDGOALS)),)
-$(if $(DRY_RUN),,$(shell mkdir -p $(FLAGS_DIR)))
-$(foreach p,$(GOAL_PLUGINS),$(eval $(call stamp_flags,$(p))))
+$(foreach p,$(PLUGINS),$(eval $(call check_flags,$(p))))
+# (those rules come before all's)
+.DEFAULT_GOAL := all
+# clean beside other goals: one job at a time (with -j, clean deleted what all had just built)
+ifneq ($(filter clean,$(MAKECMDGOALS)),)
+.NOTPARALLEL:
 endif
-# a library built without being named (`make clean all`, whose stamps the lines above skip): its
-# stamp as its flags are now
-$(FLAGS_DIR)/%.so.txt:
-	$(shell mkdir -p $(FLAGS_DIR))$(file >$@,$(call flags_of,factors/$*.so))
 
 # a half-written .so (nvcc killed, disk full) is deleted, never left to be loaded
 .DELETE_ON_ERROR:
@@ -114,16 +103,17 @@ check-sources:
 	@if [ -n "$(CLASHES)" ]; then echo "[ex_engine] error: more than one source for $(CLASHES):" \
 	    "keep one of factors/<name>.cu (GPU), .c or .cpp (host factor) per name" >&2; exit 1; fi
 
-factors/%.so: factors/%.cu include/ex_engine.h $(wildcard factors/*.cuh) $(FLAGS_DIR)/%.so.txt | check-nvcc check-sources
+factors/%.so: factors/%.cu include/ex_engine.h $(wildcard factors/*.cuh) | check-nvcc check-sources
 	@if [ -z "$(strip $(ARCHS))" ]; then echo "[ex_engine] error: ARCHS is empty: give at least one target of sm_80 or newer, e.g. ARCHS=\"-gencode=arch=compute_80,code=sm_80\"" >&2; exit 1; fi
 	@echo "[ex_engine] nvcc $< -> $@ (targets: $(patsubst -gencode=arch=%,%,$(ARCHS)))"
 	@start=$$(date +%s); \
 	$(NVCC) $(NVCCFLAGS) $(EXTRA_NVCCFLAGS) $(ARCHS) --threads $(NVCC_THREADS) \
 	    -Xcompiler -fPIC,-fvisibility=hidden -shared -Iinclude -o $@ $< || exit 1; \
 	echo "[ex_engine] built $@ in $$(( $$(date +%s) - start )) s"
+	$(write_stamp)
 
 # Hopper-only plugins (a more specific pattern than the rule above, so make prefers it)
-factors/%_sm90.so: factors/%_sm90.cu include/ex_engine.h $(wildcard factors/*.cuh) $(FLAGS_DIR)/%_sm90.so.txt | check-nvcc check-sources
+factors/%_sm90.so: factors/%_sm90.cu include/ex_engine.h $(wildcard factors/*.cuh) | check-nvcc check-sources
 	@if [ -z "$(CUTLASS_INC)" ] || [ ! -f "$(CUTLASS_INC)/cutlass/cutlass.h" ]; then \
 	    $(if $(filter command line environment,$(origin CUTLASS_INC)), \
 	    echo "[ex_engine] error: $@ needs CUTLASS's headers: CUTLASS_INC='$(CUTLASS_INC)' (given)" \
@@ -138,18 +128,21 @@ factors/%_sm90.so: factors/%_sm90.cu include/ex_engine.h $(wildcard factors/*.cu
 	$(NVCC) $(SM90_NVCCFLAGS) $(EXTRA_NVCCFLAGS) $(SM90_ARCHS) --threads $(NVCC_THREADS) \
 	    -Xcompiler -fPIC,-fvisibility=hidden -shared -Iinclude -I"$(CUTLASS_INC)" -o $@ $< || exit 1; \
 	echo "[ex_engine] built $@ in $$(( $$(date +%s) - start )) s"
+	$(write_stamp)
 
 # host factors (memory: host): the host compiler, no nvcc; -fvisibility=hidden as above
 # (EX_EXPORT makes ex_abi_version and ex_get_factor visible)
-factors/%.so: factors/%.c include/ex_engine.h $(wildcard factors/*.h) $(FLAGS_DIR)/%.so.txt | check-sources
+factors/%.so: factors/%.c include/ex_engine.h $(wildcard factors/*.h) | check-sources
 	@echo "[ex_engine] $(CC) $< -> $@ (host factor: no GPU code)"
 	@$(CC) $(HOST_CFLAGS) -fPIC -fvisibility=hidden -shared -Iinclude -o $@ $< $(HOST_LDLIBS)
 	@echo "[ex_engine] built $@"
+	$(write_stamp)
 
-factors/%.so: factors/%.cpp include/ex_engine.h $(wildcard factors/*.h) $(FLAGS_DIR)/%.so.txt | check-sources
+factors/%.so: factors/%.cpp include/ex_engine.h $(wildcard factors/*.h) | check-sources
 	@echo "[ex_engine] $(CXX) $< -> $@ (host factor: no GPU code)"
 	@$(CXX) $(HOST_CXXFLAGS) -fPIC -fvisibility=hidden -shared -Iinclude -o $@ $< $(HOST_LDLIBS)
 	@echo "[ex_engine] built $@"
+	$(write_stamp)
 
 list:
 	@echo $(PLUGINS)

@@ -372,9 +372,10 @@ def cmd_build(args) -> int:
     # PYTHON: the Makefile finds CUTLASS's headers through this interpreter (any venv's name)
     cmd = ["make", "-C", str(_paths.ROOT), f"-j{args.jobs}", f"PYTHON={sys.executable}"]
     if args.archs is not None:
-        # other targets than the ones the .so files were built for: make cannot tell from file
-        # dates, so rebuild what is built (-B)
-        cmd += ["-B", f"ARCHS={args.archs}"]
+        # other targets: the Makefile's flag stamps rebuild each library whose own flags change
+        # (-B rebuilt every library named, or all of them, the CUTLASS plugin included, whose
+        # targets ARCHS does not set)
+        cmd += [f"ARCHS={args.archs}"]
     cmd += targets
     print("running:", " ".join(cmd), flush=True)
     try:

@@ -678,6 +678,11 @@ def test_build_takes_factor_names(tmp_path, monkeypatch, capsys):
         ["factors/one.so", "factors/two.so"], out
     assert main(["build", "three"]) == 2
     assert "known are one, two (the file stems of factors/*.cu, *.c and *.cpp)" in capsys.readouterr().err
+    # --archs: no -B (it rebuilt every library named, or all, whatever their flags): the flag
+    # stamps rebuild the libraries whose own flags change (host factors: none here)
+    assert main(["build", "--archs=-gencode=arch=compute_80,code=sm_80", "one"]) == 0
+    out = capsys.readouterr().out
+    assert " -B " not in out and "built factors/one.so" not in out, out
 
 
 def test_manifests_search_path_keeps_the_shipped_profiles_and_manifests(tmp_path, monkeypatch, capsys):

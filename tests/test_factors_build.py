@@ -333,6 +333,17 @@ def test_each_library_is_rebuilt_only_for_a_change_of_its_own_rule_s_flags(tmp_p
     assert make(*other) == {"a", "g"}
     shutil.rmtree(proj / "build")
     assert make("clean", "all") == {"a", "g", "g_sm90"}
+    assert make() == set()
+    # clean among the goals: a library it builds with other flags is rebuilt by a plain make
+    # (its stamp had been left as it was)
+    assert make("clean", "all", "ARCHS=-gencode=arch=compute_90a,code=sm_90a") == {"a", "g", "g_sm90"}
+    assert make() == {"g"}
+    # a build that fails, and make -q, write no stamp: the next plain make rebuilds nothing
+    r = subprocess.run(["make", "-C", str(proj), "NVCC=/nonexistent/nvcc", "factors/g.so"],
+                       capture_output=True, text=True)
+    assert r.returncode != 0 and "nvcc not found" in r.stderr, r.stderr
+    subprocess.run(["make", "-C", str(proj), f"NVCC={nvcc}", "-q", "HOST_CFLAGS=-O3"], capture_output=True)
+    assert make() == set()
 
 
 def test_a_build_of_one_library_with_other_flags_rebuilds_only_that_one(tmp_path):
