@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import threading
+import unicodedata
 import warnings
 
 from . import _paths
@@ -207,7 +208,6 @@ def _width(text: str) -> int:
     """Columns ``text`` takes in a terminal: 0 for a combining mark ('u' + U+0308 is one
     column), 2 for an East Asian wide or full-width character, else 1 (a table padded by len()
     misaligned on a library named with such characters)."""
-    import unicodedata
     return sum(0 if unicodedata.combining(c) or unicodedata.category(c) in ("Mn", "Me")
                else 2 if unicodedata.east_asian_width(c) in ("W", "F") else 1 for c in text)
 

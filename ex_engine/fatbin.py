@@ -140,6 +140,8 @@ _STT_NAMES = {0: "STT_NOTYPE", 1: "STT_OBJECT", 2: "STT_FUNC", 3: "STT_SECTION",
 class SymbolProblem(str):
     """exported_u32's answer for a symbol that is defined once but is no 4-byte data object
     (a function, a 1-byte variable, a thread-local one): what is wrong with it, in words."""
+
+
 _SYM = struct.Struct("<IBBHQQ")   # Elf64_Sym: st_name, st_info, st_other, st_shndx, st_value, st_size
 
 

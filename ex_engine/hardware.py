@@ -19,6 +19,8 @@ from . import _paths, _yaml
 from ._yaml import brief
 from .errors import FactorError, is_integer, one_line
 
+NO_CUPY = "CuPy cannot be imported"   # how from_device's message starts when CuPy is missing
+
 FIELDS = ("cc_major", "cc_minor", "multiprocessor_count", "warp_size", "max_threads_per_block",
           "max_threads_per_multiprocessor", "regs_per_block", "regs_per_multiprocessor",
           "shared_mem_per_block", "shared_mem_per_block_optin", "shared_mem_per_multiprocessor",
@@ -228,7 +230,7 @@ class Hardware:
             import cupy
             from cupy.cuda import runtime
         except ImportError as exc:   # not "no GPU": on a GPU machine the gpu extra is missing
-            raise NoDeviceError(f"CuPy cannot be imported ({exc}), so no GPU can be seen (on a GPU "
+            raise NoDeviceError(f"{NO_CUPY} ({exc}), so no GPU can be seen (on a GPU "
                                 "machine: pip install -e '.[gpu]', cupy-cuda13x; cupy-cuda12x for CUDA 12)") from exc
         try:
             n = runtime.getDeviceCount()
@@ -276,7 +278,8 @@ class Hardware:
         return hw
 
 
-# why the last Hardware.detect() saw no device ('' when it saw one): CuPy missing, or no GPU
+# why the last Hardware.detect() saw no device ('' when it saw one): CuPy missing (it starts
+# with NO_CUPY), or no GPU
 no_device_reason = ""
 
 

@@ -369,6 +369,8 @@ class WorkspaceSizeError(KernelError):
                        f"{_MAX_WORKSPACE} (2**40); a bug of the plugin's workspace_size, so its "
                        "kernel was not called")
         RuntimeError.__init__(self, f"{factor}: {self.detail}")
+
+
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _SEMVER = re.compile(r"\d+\.\d+\.\d+")
 # ex_engine's own factors, from the ABI's ex_factor_id_t (whatever manifests folder is loaded)
@@ -483,7 +485,7 @@ class FactorRegistry:
         if hw is None:
             hw = Hardware.from_profile("h200")
             from . import hardware as _hw
-            why = _hw.no_device_reason if _hw.no_device_reason.startswith("CuPy cannot") else "no GPU visible"
+            why = _hw.no_device_reason if _hw.no_device_reason.startswith(_hw.NO_CUPY) else "no GPU visible"
             self.no_gpu_note = f"{why}: plugins checked against profile h200, calls use the Python fallbacks"
         if lock_mode not in ("refuse", "warn"):
             raise FactorError(f"lock_mode: expected 'refuse' or 'warn', got {lock_mode!r}")
