@@ -87,7 +87,11 @@
  *   tiny    BM=16,  BN1=16(x2 gate+up), BN2=32,  BK=64, 2 warps (1x2), 8 stages    decode, when
  *           its GEMM1 grid (upper bound) fits 4 blocks per SM (T=1 on qwen3/olmoe/granite/deepseek)
  *   decode  BM=16,  BN1=32(x2 gate+up), BN2=64,  BK=64, 4 warps (1x4), 6 stages    rows/e < 12
- *           (rows/e <= 24 under EX_MOE_DECODE_CONFIG=old)
+ *           (rows/e <= 24 under EX_MOE_DECODE_CONFIG=old), 3 blocks per SM; where H < 2048
+ *   decode4 BM=16,  BN1=32(x2 gate+up), BN2=64,  BK=64, 4 warps (1x4), 5 stages    decode's
+ *           tile at 4 blocks per SM (dims[7] = 9): the kernel's choice in place of decode where
+ *           H >= kDecode4MinH (a grid of up to 528 blocks in one wave on 132 SMs: qwen3-235b and
+ *           phi-3.5 at T = 1, 384 and 400 blocks)
  *   mid     BM=64,  BN1=64(x2),         BN2=128, BK=64, 4 warps (2x2), 4 stages    rows/e <= 128
  *   mid32   BM=32,  BN1=64(x2),         BN2=128, BK=64, 4 warps (1x4), 5 stages    rows/e in
  *           12..28 (kMid32MinRows..kMid32MaxRows, in place of decode or mid), or dims[7] = 5:
@@ -183,6 +187,13 @@ struct MoeCfg {
 
 //                    BM  BN1  BN2 WM WN STAGES MINB
 using CfgDecode = MoeCfg<16, 32, 64, 1, 4, 6, 3>;     // T*K/G < 12 (old mode: <= 24)  (61,440 B smem)
+// The decode tile at 4 blocks per SM, one stage less (dims[7] = 9; the kernel's choice in place of
+// CfgDecode where H >= kDecode4MinH). H200, ab_moe, one process (ab_decode4_h200_2026-12-02.json):
+// qwen3-235b T = 1 81.4 -> 78.0 us (384 blocks: one wave either way, a third more free slots),
+// phi-3.5 T = 1 92.0 -> 80.8 (400 blocks: 1.01 waves of CfgDecode), 0-3% faster at T = 16..128
+// on the H = 2048 and 4096 models, 1-5% slower on granite (H = 1536) at T = 16..48 and 2% on
+// phi-3.5 at T = 8.
+using CfgDecode4 = MoeCfg<16, 32, 64, 1, 4, 5, 4>;    // (51,200 B smem)
 using CfgMid = MoeCfg<64, 64, 128, 2, 2, 4, 2>;       // T*K/E <= 128  (98,304 B smem)
 // Half-height mid tile (the kernel's choice at 12..28 rows per expert, or dims[7] = 5): such
 // experts fill a BM=64 tile half; BM=32 halves the wasted mma work, and an expert with more rows
@@ -211,7 +222,8 @@ enum {
     kTileConfigMid48 = 6,    // CfgMid48
     kTileConfigGrouped64 = 7,  // moe_fused_gemm_sm90.so's grouped GEMM on 64-row tiles (else: auto)
     kTileConfigNarrow = 8,  // moe_fused_gemm_sm90.so's grouped GEMM on 128 x 128 tiles (else: auto)
-    kTileConfigMax = 8,
+    kTileConfigDecode4 = 9,  // CfgDecode4
+    kTileConfigMax = 9,
 };
 
 // What the host needs of each config: when to pick it and what it launches with.
@@ -233,12 +245,15 @@ constexpr int kTinyBlocksPerSm = 4;  // CfgTiny's grid must fit in this many blo
 // mid32 beat decode and mid by 4-26% at 16, 24 and 25 rows per expert, lost at 8 and 32)
 constexpr int64_t kMid32MinRows = 12;
 constexpr int64_t kMid32MaxRows = 28;
+// Hidden size from which the kernel's decode choice is CfgDecode4 rather than CfgDecode (above)
+constexpr int64_t kDecode4MinH = 2048;
 
 constexpr int kRouteThreads = 1024;      // router block for many slots
 constexpr int kRouteThreadsSmall = 128;  // ... for at most kRouteSmallSlots slots (decode: a
 constexpr int kRouteSmallSlots = 2048;   // shorter scan and cheaper barriers, ~2 us less)
 constexpr int kSmallBM = 16;      // the smallest BM of any config: bounds the tile list
-static_assert(CfgDecode::BM == kSmallBM && CfgMid::BM >= kSmallBM && CfgMid32::BM >= kSmallBM &&
+static_assert(CfgDecode::BM == kSmallBM && CfgDecode4::BM == kSmallBM && CfgMid::BM >= kSmallBM &&
+                  CfgMid32::BM >= kSmallBM &&
                   CfgMid48::BM >= kSmallBM &&
                   CfgPrefill::BM >= kSmallBM && CfgTiny::BM == kSmallBM,
               "the workspace's tile list is sized for the smallest BM");
@@ -1251,10 +1266,11 @@ struct Problem {
     int64_t G;                 // global experts (dims[6]; E when absent)
     int64_t config;            // dims[7], tile configuration: -1 (absent) = chosen here from
                                // T*K/G; 0 tiny, 1 decode, 2 mid, 3 prefill, 4 Hopper grouped GEMM,
-                               // 5 mid32, 6 mid48, 7 Hopper grouped GEMM on 64-row tiles
+                               // 5 mid32, 6 mid48, 7 Hopper grouped GEMM on 64-row tiles,
+                               // 8 Hopper grouped GEMMs on 128 x 128 tiles, 9 decode4
                                // (kTileConfig*; the registry passes tuned values,
                                // manifests/tuning; below -1: read_dims rejects the call; above
-                               // 7, a later plugin's value: read as -1)
+                               // kTileConfigMax, a later plugin's value: read as -1)
     int64_t TK;
     const int* expert_map;     // aux[6]: (G,) int32 global -> local id or -1; nullptr: none
     ExpertMap em() const { return ExpertMap{expert_map, (int)G}; }
@@ -1554,7 +1570,7 @@ static int launch_fast(const Problem& P, void* out, const void* x, const void* w
     p1.pre_ws = 0;
     // M-tile-fastest order only while every A tile of the grid (re-read once per N-tile) stays
     // well inside L2; otherwise the old order, which reuses one A tile over consecutive blocks
-    const bool m_fast_ok = mode != MODE_OLD && C::BM <= 48;  // decode, tiny, mid32, mid48
+    const bool m_fast_ok = mode != MODE_OLD && C::BM <= 48;  // decode(4), tiny, mid32, mid48
     const int64_t a_bytes1 = max_tiles * C::BM * P.H * 2, a_bytes2 = max_tiles * C::BM * P.I * 2;
     p1.m_tiles = (m_fast_ok && a_bytes1 <= s_l2_bytes / 4) ? (int)max_tiles : 0;
     if ((err = launch_k(moe_gemm_kernel<T, C, true>, dim3((unsigned)blocks1, 1, 1),
@@ -1598,6 +1614,8 @@ static int dispatch_fast(const Problem& P, void* out, const void* x, const void*
         return launch_fast<T, CfgMid32>(P, out, x, w13, w2, tw, ids, ws, stream, mode);
     if (P.config == kTileConfigMid48 && CfgMid48::smem_max() <= s_smem_optin)
         return launch_fast<T, CfgMid48>(P, out, x, w13, w2, tw, ids, ws, stream, mode);
+    if (P.config == kTileConfigDecode4 && CfgDecode4::smem_max() <= s_smem_optin)
+        return launch_fast<T, CfgDecode4>(P, out, x, w13, w2, tw, ids, ws, stream, mode);
     switch (P.config >= kTileConfigDecode && P.config <= kTileConfigPrefill &&
                     s_cfg_allowed[P.config - kTileConfigDecode]
                 ? (int)P.config : -1) {
@@ -1618,6 +1636,8 @@ static int dispatch_fast(const Problem& P, void* out, const void* x, const void*
         if (blocks_tiny <= (int64_t)kTinyBlocksPerSm * s_num_sms)
             return launch_fast<T, CfgTiny>(P, out, x, w13, w2, tw, ids, ws, stream, mode);
     }
+    if (c == CFG_DECODE && mode != MODE_OLD && P.H >= kDecode4MinH && CfgDecode4::smem_max() <= s_smem_optin)
+        return launch_fast<T, CfgDecode4>(P, out, x, w13, w2, tw, ids, ws, stream, mode);
     switch (c) {
         case CFG_DECODE: return launch_fast<T, CfgDecode>(P, out, x, w13, w2, tw, ids, ws, stream, mode);
         case CFG_MID: return launch_fast<T, CfgMid>(P, out, x, w13, w2, tw, ids, ws, stream, mode);

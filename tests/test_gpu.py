@@ -242,6 +242,26 @@ def test_moe_sm90_tilings_on_awkward_shapes(cp, config, dtype, kind):
     r.check_device_errors()
 
 
+@pytest.mark.parametrize("T,H,E,I,K", [(1, 4096, 128, 1536, 8), (2, 4096, 16, 6400, 2), (4, 2048, 128, 768, 8),
+                                       (8, 1536, 40, 512, 8), (64, 2048, 64, 1408, 6), (40, 2056, 16, 200, 2)])
+def test_moe_decode4_equals_decode(reg, cp, T, H, E, I, K):
+    """decode4 (dims[7] = 9) is decode's tile at 4 blocks per SM: forced, its output equals
+    decode's (dims[7] = 1) bit for bit, with the routing inside the GEMMs (T*K <= 32) and with a
+    routing launch, a last N-tile that is partly past I (I = 200) and an H that is no multiple of
+    its 64-column k-step (2056); the kernel's own choice (the decode4 tile for H >= 2048) too."""
+    case = moe_case(cp, T, H, E, I, K, "bfloat16")
+    outs = []
+    try:
+        for config in (1, 9, -1):
+            reg.set_tuning("moe_fused_gemm", lambda sizes, c=config: c)
+            outs.append(run_moe_check(reg, cp, case, "bfloat16"))
+    finally:
+        reg.set_tuning("moe_fused_gemm", None)
+    reg.check_device_errors()
+    for o in outs[1:]:
+        assert bool((outs[0].bits == o.bits).all())
+
+
 @pytest.mark.parametrize("T,H,E,I,K", [(130, 111, 40, 67, 8), (3, 100, 5, 20, 2)])
 def test_moe_unaligned_sizes_go_to_kernel_fallback(reg, cp, T, H, E, I, K):
     run_moe_check(reg, cp, moe_case(cp, T, H, E, I, K, "bfloat16"), "bfloat16",
