@@ -87,7 +87,8 @@
  *   tiny    BM=16,  BN1=16(x2 gate+up), BN2=32,  BK=64, 2 warps (1x2), 8 stages    decode, when
  *           its GEMM1 grid (upper bound) fits 4 blocks per SM (T=1 on qwen3/olmoe/granite/deepseek)
  *   decode  BM=16,  BN1=32(x2 gate+up), BN2=64,  BK=64, 4 warps (1x4), 6 stages    rows/e < 12
- *           (rows/e <= 24 under EX_MOE_DECODE_CONFIG=old), 3 blocks per SM; where H < 2048
+ *           and H < kDecode4MinH (rows/e <= 24, any H, under EX_MOE_DECODE_CONFIG=old); 3 blocks
+ *           per SM
  *   decode4 BM=16,  BN1=32(x2 gate+up), BN2=64,  BK=64, 4 warps (1x4), 5 stages    decode's
  *           tile at 4 blocks per SM (dims[7] = 9): the kernel's choice in place of decode where
  *           H >= kDecode4MinH (a grid of up to 528 blocks in one wave on 132 SMs: qwen3-235b and
