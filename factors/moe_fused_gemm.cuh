@@ -65,11 +65,12 @@
  *                         inputs give bit-identical outputs.
  *                    Surplus GEMM blocks (the grid is an upper bound computed from dims) read the
  *                    tile count the router wrote and exit.
- *                    T*K <= 32 with the BM=16 configs (decode): no routing launch; every GEMM1
- *                    block routes the slots itself in one warp (ballots, shuffles: the same tile
- *                    list), and so does every GEMM2 block, which issues the cp.async of its
- *                    first STAGES-1 weight tiles before its griddepcontrol.wait (topk_ids and w2
- *                    are inputs that GEMM1 already waited for), then waits and loads act.
+ *                    T*K <= 32 with the BM=16 configs (tiny, decode, decode4): no routing
+ *                    launch; every GEMM1 block routes the slots itself in one warp (ballots,
+ *                    shuffles: the same tile list), and so does every GEMM2 block, which issues
+ *                    the cp.async of its first STAGES-1 weight tiles before its
+ *                    griddepcontrol.wait (topk_ids and w2 are inputs that GEMM1 already waited
+ *                    for), then waits and loads act.
  *                    With more slots, the routing launch's tile list is final before GEMM1
  *                    starts, and GEMM2 reads it (through L2) and streams its first weight
  *                    stages before its wait as well. GEMM1 and GEMM2 let the next grid launch
@@ -91,8 +92,8 @@
  *           per SM
  *   decode4 BM=16,  BN1=32(x2 gate+up), BN2=64,  BK=64, 4 warps (1x4), 5 stages    decode's
  *           tile at 4 blocks per SM (dims[7] = 9): the kernel's choice in place of decode where
- *           H >= kDecode4MinH (a grid of up to 528 blocks in one wave on 132 SMs: qwen3-235b and
- *           phi-3.5 at T = 1, 384 and 400 blocks)
+ *           H >= kDecode4MinH and four of its blocks fit on an SM (a grid of up to 528 blocks in
+ *           one wave on 132 SMs: qwen3-235b and phi-3.5 at T = 1, 384 and 400 blocks)
  *   mid     BM=64,  BN1=64(x2),         BN2=128, BK=64, 4 warps (2x2), 4 stages    rows/e <= 128
  *   mid32   BM=32,  BN1=64(x2),         BN2=128, BK=64, 4 warps (1x4), 5 stages    rows/e in
  *           12..28 (kMid32MinRows..kMid32MaxRows, in place of decode or mid), or dims[7] = 5:
@@ -103,11 +104,12 @@
  * EX_MOE_DECODE_CONFIG (read per call; decode_mode() below): old = no tiny config, N-tile-fastest
  * block order, plain launches, a routing launch (the choices before tiny existed); nopdl = tiny,
  * GEMM1's fused routing for T*K <= 32 on the BM=16 configs, and M-tile-fastest block order for
- * the BM<=48 configs (tiny, decode, mid32, mid48) while the grid's A tiles fit in a quarter of L2 (an
- * expert's M-tiles then stream the same weight rows at the same time: one DRAM read instead of
- * one per M-tile, e.g. mixtral T=64 where ~45% of the experts get 17-32 rows); late = nopdl +
- * programmatic dependent launch of GEMM1, GEMM2 and combine on sm_90+ (each launch overlaps the
- * previous kernel's tail; each kernel waits for its predecessor before its first global access);
+ * the BM<=48 configs (tiny, decode, decode4, mid32, mid48) while the grid's A tiles fit in a
+ * quarter of L2 (an expert's M-tiles then stream the same weight rows at the same time: one DRAM
+ * read instead of one per M-tile, e.g. mixtral T=64 where ~45% of the experts get 17-32 rows);
+ * late = nopdl + programmatic dependent launch of GEMM1, GEMM2 and combine on sm_90+ (each
+ * launch overlaps the previous kernel's tail; each kernel waits for its predecessor before its
+ * first global access);
  * onewave = late + the early launches (grids that fit in one wave) and GEMM2's own routing and
  * weight prefetch above; new (default; an unknown value is named on stderr and runs new) =
  * onewave + early launches of GEMM1's and GEMM2's successors whatever their wave count, and GEMM2's
@@ -187,13 +189,13 @@ struct MoeCfg {
 };
 
 //                    BM  BN1  BN2 WM WN STAGES MINB
-using CfgDecode = MoeCfg<16, 32, 64, 1, 4, 6, 3>;     // T*K/G < 12 (old mode: <= 24)  (61,440 B smem)
+using CfgDecode = MoeCfg<16, 32, 64, 1, 4, 6, 3>;     // T*K/G < 12, H < 2048 (old: <= 24)  (61,440 B smem)
 // The decode tile at 4 blocks per SM, one stage less (dims[7] = 9; the kernel's choice in place of
-// CfgDecode where H >= kDecode4MinH). H200, ab_moe, one process (ab_decode4_h200_2026-12-02.json):
-// qwen3-235b T = 1 81.4 -> 78.0 us (384 blocks: one wave either way, a third more free slots),
-// phi-3.5 T = 1 92.0 -> 80.8 (400 blocks: 1.01 waves of CfgDecode), 0-3% faster at T = 16..128
-// on the H = 2048 and 4096 models, 1-5% slower on granite (H = 1536) at T = 16..48 and 2% on
-// phi-3.5 at T = 8.
+// CfgDecode where H >= kDecode4MinH and four blocks fit on an SM). H200, ab_moe, one process
+// (ab_decode4_h200_2026-12-02.json): qwen3-235b T = 1 81.4 -> 78.0 us (384 blocks: one wave either
+// way, 528 slots instead of 396), phi-3.5 T = 1 92.0 -> 80.8 (400 blocks: 1.01 waves of
+// CfgDecode), mostly 0-3% faster at T = 16..128 on the H = 2048 and 4096 models (at most 0.4%
+// slower on three rows), 1-5% slower on granite (H = 1536) at T = 16..48 and 2% on phi-3.5 at T = 8.
 using CfgDecode4 = MoeCfg<16, 32, 64, 1, 4, 5, 4>;    // (51,200 B smem)
 using CfgMid = MoeCfg<64, 64, 128, 2, 2, 4, 2>;       // T*K/E <= 128  (98,304 B smem)
 // Half-height mid tile (the kernel's choice at 12..28 rows per expert, or dims[7] = 5): such
@@ -1198,6 +1200,10 @@ static int s_num_sms = 132;
 static int s_smem_optin = 232448;
 static bool s_cfg_allowed[CFG_COUNT] = {true, true, true};
 static bool s_pdl_ok = false;  // cc >= 9.0: programmatic dependent launch
+// Whether CfgDecode4's MINB blocks are resident on one SM (its shared memory, with the 1 KB the
+// runtime reserves per block, and its threads): the kernel chooses it only then (an A100's
+// 164 KB per SM holds three, and decode4 would be decode with a stage less)
+static bool s_decode4_resident = false;
 static int64_t s_l2_bytes = 50LL << 20;
 // Routing of more than this many slots (T*K) takes the multi-block launches (kernel 1,
 // multi-block), fewer the single-block moe_route_kernel. moe_portable_init sets it from
@@ -1637,7 +1643,8 @@ static int dispatch_fast(const Problem& P, void* out, const void* x, const void*
         if (blocks_tiny <= (int64_t)kTinyBlocksPerSm * s_num_sms)
             return launch_fast<T, CfgTiny>(P, out, x, w13, w2, tw, ids, ws, stream, mode);
     }
-    if (c == CFG_DECODE && mode != MODE_OLD && P.H >= kDecode4MinH && CfgDecode4::smem_max() <= s_smem_optin)
+    if (c == CFG_DECODE && mode != MODE_OLD && P.H >= kDecode4MinH && s_decode4_resident &&
+        CfgDecode4::smem_max() <= s_smem_optin)
         return launch_fast<T, CfgDecode4>(P, out, x, w13, w2, tw, ids, ws, stream, mode);
     switch (c) {
         case CFG_DECODE: return launch_fast<T, CfgDecode>(P, out, x, w13, w2, tw, ids, ws, stream, mode);
@@ -1741,6 +1748,9 @@ static bool moe_portable_init(const ex_hardware_t* hw, ex_tuning_t* tuning) {
     s_pdl_ok = hw->cc_major >= 9;
     s_route_mb_slots = explugin::env_count("EX_MOE_ROUTE_MULTIBLOCK_SLOTS", kRouteMultiBlockSlots);
     if (hw->l2_cache_bytes > 0) s_l2_bytes = hw->l2_cache_bytes;
+    s_decode4_resident =
+        (int64_t)CfgDecode4::MINB * (CfgDecode4::smem_max() + 1024) <= hw->shared_mem_per_multiprocessor &&
+        (int64_t)CfgDecode4::MINB * CfgDecode4::THREADS <= hw->max_threads_per_multiprocessor;
     s_smem_optin = (int)(hw->shared_mem_per_block_optin < 0x7fffffff ? hw->shared_mem_per_block_optin
                                                                       : 0x7fffffff);
     int smem = 0;

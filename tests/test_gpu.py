@@ -243,12 +243,14 @@ def test_moe_sm90_tilings_on_awkward_shapes(cp, config, dtype, kind):
 
 
 @pytest.mark.parametrize("T,H,E,I,K", [(1, 4096, 128, 1536, 8), (2, 4096, 16, 6400, 2), (4, 2048, 128, 768, 8),
-                                       (8, 1536, 40, 512, 8), (64, 2048, 64, 1408, 6), (40, 2056, 16, 200, 2)])
+                                       (8, 1536, 40, 512, 8), (64, 2048, 64, 1408, 6), (40, 2056, 16, 1000, 2)])
 def test_moe_decode4_equals_decode(reg, cp, T, H, E, I, K):
     """decode4 (dims[7] = 9) is decode's tile at 4 blocks per SM: forced, its output equals
     decode's (dims[7] = 1) bit for bit, with the routing inside the GEMMs (T*K <= 32) and with a
-    routing launch, a last N-tile that is partly past I (I = 200) and an H that is no multiple of
-    its 64-column k-step (2056); the kernel's own choice (the decode4 tile for H >= 2048) too."""
+    routing launch, a last N-tile that is partly past I (I = 1000: 31.25 tiles of 32) and an H that
+    is no multiple of its 64-column k-step (2056); and so does the kernel's own choice (decode4
+    where H >= 2048 on the H200, whose SMs hold four of its blocks; decode at H = 1536; tiny's grid
+    does not fit in one wave on any of these shapes)."""
     case = moe_case(cp, T, H, E, I, K, "bfloat16")
     outs = []
     try:
