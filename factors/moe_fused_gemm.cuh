@@ -189,7 +189,7 @@ struct MoeCfg {
 };
 
 //                    BM  BN1  BN2 WM WN STAGES MINB
-using CfgDecode = MoeCfg<16, 32, 64, 1, 4, 6, 3>;     // T*K/G < 12, H < 2048 (old: <= 24)  (61,440 B smem)
+using CfgDecode = MoeCfg<16, 32, 64, 1, 4, 6, 3>;     // T*K/G < 12 (old: <= 24), H < kDecode4MinH  (61,440 B)
 // The decode tile at 4 blocks per SM, one stage less (dims[7] = 9; the kernel's choice in place of
 // CfgDecode where H >= kDecode4MinH and four blocks fit on an SM). H200, ab_moe, one process
 // (ab_decode4_h200_2026-12-02.json): qwen3-235b T = 1 81.4 -> 78.0 us (384 blocks: one wave either
@@ -1200,9 +1200,9 @@ static int s_num_sms = 132;
 static int s_smem_optin = 232448;
 static bool s_cfg_allowed[CFG_COUNT] = {true, true, true};
 static bool s_pdl_ok = false;  // cc >= 9.0: programmatic dependent launch
-// Whether CfgDecode4's MINB blocks are resident on one SM (its shared memory, with the 1 KB the
-// runtime reserves per block, and its threads): the kernel chooses it only then (an A100's
-// 164 KB per SM holds three, and decode4 would be decode with a stage less)
+// Whether CfgDecode4 fits a block and its MINB blocks are resident on one SM (its shared memory,
+// with the 1 KB the runtime reserves per block, and its threads): the kernel chooses it only then
+// (an A100's 164 KB per SM holds three, and decode4 would be decode with a stage less)
 static bool s_decode4_resident = false;
 static int64_t s_l2_bytes = 50LL << 20;
 // Routing of more than this many slots (T*K) takes the multi-block launches (kernel 1,
@@ -1643,8 +1643,7 @@ static int dispatch_fast(const Problem& P, void* out, const void* x, const void*
         if (blocks_tiny <= (int64_t)kTinyBlocksPerSm * s_num_sms)
             return launch_fast<T, CfgTiny>(P, out, x, w13, w2, tw, ids, ws, stream, mode);
     }
-    if (c == CFG_DECODE && mode != MODE_OLD && P.H >= kDecode4MinH && s_decode4_resident &&
-        CfgDecode4::smem_max() <= s_smem_optin)
+    if (c == CFG_DECODE && mode != MODE_OLD && P.H >= kDecode4MinH && s_decode4_resident)
         return launch_fast<T, CfgDecode4>(P, out, x, w13, w2, tw, ids, ws, stream, mode);
     switch (c) {
         case CFG_DECODE: return launch_fast<T, CfgDecode>(P, out, x, w13, w2, tw, ids, ws, stream, mode);
@@ -1748,11 +1747,12 @@ static bool moe_portable_init(const ex_hardware_t* hw, ex_tuning_t* tuning) {
     s_pdl_ok = hw->cc_major >= 9;
     s_route_mb_slots = explugin::env_count("EX_MOE_ROUTE_MULTIBLOCK_SLOTS", kRouteMultiBlockSlots);
     if (hw->l2_cache_bytes > 0) s_l2_bytes = hw->l2_cache_bytes;
-    s_decode4_resident =
-        (int64_t)CfgDecode4::MINB * (CfgDecode4::smem_max() + 1024) <= hw->shared_mem_per_multiprocessor &&
-        (int64_t)CfgDecode4::MINB * CfgDecode4::THREADS <= hw->max_threads_per_multiprocessor;
     s_smem_optin = (int)(hw->shared_mem_per_block_optin < 0x7fffffff ? hw->shared_mem_per_block_optin
                                                                       : 0x7fffffff);
+    s_decode4_resident =
+        CfgDecode4::smem_max() <= s_smem_optin &&
+        (int64_t)CfgDecode4::MINB * (CfgDecode4::smem_max() + 1024) <= hw->shared_mem_per_multiprocessor &&
+        (int64_t)CfgDecode4::MINB * CfgDecode4::THREADS <= hw->max_threads_per_multiprocessor;
     int smem = 0;
     for (int c = 0; c < CFG_COUNT; ++c)
         if (allowed[c] && kCfg[c].smem > smem) smem = kCfg[c].smem;
