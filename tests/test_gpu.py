@@ -614,3 +614,65 @@ def test_moe_multiblock_routing_under_graph_capture(route_reg, cp, library, sm90
     assert bool((out.bits == eager.bits).all())
     with pytest.raises(DeviceSideError, match="topk_id outside"):
         r.check_device_errors()
+
+
+RA_ENV, RA_ROWS_ENV = "EX_MOE_SM90_GEMM2_RA", "EX_MOE_SM90_GEMM2_RA_MAX_ROWS"
+
+
+@pytest.fixture
+def ra_reg():
+    """load(on): a registry whose moe_fused_gemm is the Hopper plugin, loaded with GEMM2's
+    resident-A kernel on (at any rows per expert) or off; the environment and the module's
+    registry settings are restored at the end."""
+    saved = {k: os.environ.get(k) for k in (RA_ENV, RA_ROWS_ENV)}
+
+    def load(mode):
+        lib = "moe_fused_gemm_sm90.so"
+        if not (ROOT / "factors" / lib).exists():
+            pytest.skip(f"{lib} not built")
+        os.environ[RA_ENV] = str(mode)
+        os.environ[RA_ROWS_ENV] = str(1 << 40)
+        r = FactorRegistry.load(ROOT / "factors", prefer={"moe_fused_gemm": lib})
+        p = r.get("moe_fused_gemm")
+        if p is None or p.path.name != lib:
+            pytest.skip(f"{lib} not ready on this GPU")
+        return r
+
+    try:
+        yield load
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        FactorRegistry.load(ROOT / "factors")
+
+
+@pytest.mark.parametrize("mode", [1, 2])
+@pytest.mark.parametrize("config", [7, 4, 8])
+@pytest.mark.parametrize("kind", ["qwen3-30b T=512", "E=40 3 tiles", "T=3 E=40", "one expert", "empty experts",
+                                  "I=1024", "E=33", "H=1536 fp16"])
+def test_sm90_gemm2_resident_a_matches_reference(ra_reg, cp, mode, config, kind):
+    """GEMM2 with its 64-row tiles of act resident in shared memory (EX_MOE_SM90_GEMM2_RA=1, any
+    rows per expert), under each tiling of GEMM1 (forced): within tolerance of the float64
+    reference and within rounding of the grouped GEMM2 (RA off), with experts of 0, 1-3 and 47
+    M-tiles, E not a multiple of 32, the largest I it takes (1024: three ring stages) and H = 1536."""
+    shapes = {"qwen3-30b T=512": (512, 2048, 128, 768, 8), "E=40 3 tiles": (1000, 512, 40, 256, 6),
+              "T=3 E=40": (3, 256, 40, 128, 8), "one expert": (3000, 512, 16, 384, 1),
+              "empty experts": (2048, 256, 64, 128, 4), "I=1024": (700, 256, 8, 1024, 2),
+              "E=33": (100, 256, 33, 128, 4), "H=1536 fp16": (512, 1536, 40, 512, 8)}
+    dtype = "float16" if "fp16" in kind else "bfloat16"
+    x, w13, w2, w, ids = moe_case(cp, *shapes[kind], dtype)
+    if kind == "one expert":
+        ids[:] = 3
+    if kind == "empty experts":
+        ids[:] = empty_experts_ids(cp, 2048)
+    outs = []
+    for m in (mode, 0):
+        r = ra_reg(m)
+        r.set_tuning("moe_fused_gemm", lambda sizes: config)
+        outs.append(run_moe_check(r, cp, (x, w13, w2, w, ids), dtype))
+        r.check_device_errors()
+    a, b = f64(outs[0]), f64(outs[1])
+    assert float(cp.linalg.norm(a - b) / cp.linalg.norm(b)) < 1e-2
