@@ -98,7 +98,6 @@
 
 // after CUTLASS: its templates must not see the portable code's names (namespace exmoe anyway)
 #include "moe_fused_gemm.cuh"
-#include "moe_gemm2_ra_sm90.cuh"
 
 #if !defined(CUTLASS_ARCH_MMA_SM90_SUPPORTED) || !defined(CUTLASS_ARCH_MMA_MODIFIABLE_TMA_SM90_SUPPORTED)
 #error "moe_fused_gemm_sm90.cu needs CUDA >= 12.3 and CUTLASS >= 3.5 (TMA descriptor updates on sm_90)"
@@ -319,9 +318,6 @@ struct GatedMainloop : Base {
                              cute::tuple<TensorMapA, TensorMapB> const& input_tensormaps,
                              BlockCoord const& blk_coord, KTileIterator k_tile_iter, int k_tile_count,
                              int thread_idx, uint32_t block_rank_in_cluster, TensorStorage& shared_tensors) {
-        // a GEMM2 launched with programmatic dependent launch may take the SMs this grid frees
-        // (it waits for this grid's end before it reads act; idempotent per tile)
-        asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
         int lane_predicate = cute::elect_one_sync();
         if (lane_predicate) {
             Tensor sA = make_tensor(make_smem_ptr(shared_tensors.smem_A.data()), SmemLayoutA{});    // (BM,BK,PIPE)
@@ -810,12 +806,6 @@ static bool s_sm90_gemm2_pp = true;
 // row read once, written to its slots' sorted rows); EX_MOE_SM90_GATHER_BY_TOKEN=0: a warp per
 // sorted row (each row read K times), for comparison
 static bool s_sm90_gather_by_token = true;
-// set by ex_get_factor: GEMM2 with its rows of act resident in shared memory (moe_gemm2_ra_sm90.cuh)
-// where GEMM1 is gated, H % 256 == 0, I <= 1024 and at most s_sm90_ra_max_rows rows per expert
-// (EX_MOE_SM90_GEMM2_RA=0: the grouped GEMM2 everywhere; EX_MOE_SM90_GEMM2_RA_MAX_ROWS=n)
-static bool s_sm90_gemm2_ra = false;
-static bool s_sm90_gemm2_ra_pdl = false;  // EX_MOE_SM90_GEMM2_RA=2: launched early (PDL) into GEMM1's tail
-static int64_t s_sm90_ra_max_rows = 64;
 
 using GemmBf16 = sm90::GroupedGemm<cutlass::bfloat16_t>;
 using GemmF16 = sm90::GroupedGemm<cutlass::half_t>;
@@ -1104,17 +1094,7 @@ static int launch_sm90(const Problem& P, void* out, const void* x, const void* w
     }
 
     // 5. GEMM2: ys = act . w2[e]^T per expert
-    const int ra_stages = ra2::stages_for(I, E, s_smem_optin);
-    if (gated && s_sm90_gemm2_ra && P.TK / P.G <= s_sm90_ra_max_rows && H % ra2::kBN == 0 &&
-        I % ra2::kBK == 0 && I <= ra2::kBK * ra2::kMaxKBlocks && ra_stages >= 3) {
-        const int64_t items_max = (P.TK / ra2::kBM + E) * (H / ra2::kBN);
-        const int grid = (int)std::min<int64_t>(s_num_sms, items_max);
-        const ra2::Args a{expert_off, ys, w2, H, I, E, ra_stages};
-        err = ra2::Launcher<T>::run(act, (int)P.TK, static_cast<const T*>(w2), a, grid, s_smem_optin,
-                                    s_sm90_gemm2_ra_pdl && explugin::pdl_enabled(), stream);
-        if (err != cudaSuccess) return cuda_error(err);
-        st = EX_OK;
-    } else if (std::is_same<Tile, sm90::Tile128>::value && sm90_gemm2_pingpong_for(P))
+    if (std::is_same<Tile, sm90::Tile128>::value && sm90_gemm2_pingpong_for(P))
         st = run_grouped_gemm<sm90::GroupedGemm<CT, sm90::Tile128N128>, 2>(ga[1], E, cutlass_ws, key, stream);
     else
         st = run_grouped_gemm<GT, 2>(ga[1], E, cutlass_ws, key, stream);
@@ -1186,9 +1166,6 @@ extern "C" EX_EXPORT ex_factor_t* ex_get_factor(const ex_hardware_t* hw) {
     s_sm90_gemm2_pp = explugin::env_switch("EX_MOE_SM90_GEMM2_PINGPONG");
     s_sm90_raster_n = explugin::env_count("EX_MOE_SM90_RASTER_N", 0) != 0;
     s_sm90_gather_by_token = explugin::env_switch("EX_MOE_SM90_GATHER_BY_TOKEN");
-    s_sm90_gemm2_ra = explugin::env_count("EX_MOE_SM90_GEMM2_RA", 0) != 0;
-    s_sm90_gemm2_ra_pdl = explugin::env_count("EX_MOE_SM90_GEMM2_RA", 0) == 2;
-    s_sm90_ra_max_rows = explugin::env_count("EX_MOE_SM90_GEMM2_RA_MAX_ROWS", s_sm90_ra_max_rows);
     static const char* const kSwizzles[] = {"1", "2", "4", "8"};
     s_sm90_swizzle = 1 << explugin::env_choice("EX_MOE_SM90_SWIZZLE", kSwizzles, 4, 0);
     if (s_sm90_enabled) {
