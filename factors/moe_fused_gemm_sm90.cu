@@ -35,7 +35,9 @@
  *   3. GEMM1 (grouped, TN)  I % 128 == 0 (every model of moe_models.yaml): GatedGemm1, act_e
  *                           (M_e x I) = dtype(silu(dtype(g)) * dtype(u)) with g, u the gate and
  *                           up halves of xs_e . w13[e]^T, computed in the epilogue (B stages hold
- *                           128 gate rows and the matching 128 up rows; see GatedMainloop);
+ *                           128 gate rows and the matching 128 up rows; see GatedMainloop; a
+ *                           multicast slice of A past the expert's rows is not copied,
+ *                           EX_MOE_SM90_SKIP_EMPTY_A=0 at load copies it);
  *                           else gu_e (M_e x 2I) = xs_e (M_e x H, row-major) . w13[e]^T
  *                           (w13[e] is 2I x H row-major = K-major B, CUTLASS ColumnMajor) and
  *   4. sm90_silu_mul_kernel act[r] = dtype(silu(gu[r, :I]) * gu[r, I:]), rows r < meta[1]
@@ -251,6 +253,10 @@ template <class G> struct IsGated : std::false_type {};
 // first, as the unfused path's GEMM1 epilogue does, so act is bit-identical to it.
 // ------------------------------------------------------------------------------------------
 
+// Set at load (EX_MOE_SM90_SKIP_EMPTY_A=0 turns it off): GEMM1's producer leaves out the TMA
+// copy of a multicast slice of A whose rows all lie past the group's M (see load below).
+static bool g_skip_empty_a = true;
+
 template <class Base>
 struct GatedMainloop : Base {
     using typename Base::TileShape;
@@ -284,6 +290,7 @@ struct GatedMainloop : Base {
 
     struct Params : Base::Params {
         TMA_BH tma_load_bh;
+        int skip_empty_a;
     };
 
     template <class ProblemShape>
@@ -296,7 +303,7 @@ struct GatedMainloop : Base {
                                                                InternalStrideB{}));
         TMA_BH bh = make_tma_copy(SM90_TMA_LOAD{}, tensor_b, SmemLayoutBH{}(_, _, cute::Int<0>{}),
                                   make_shape(HalfN{}, BK{}), _1{});
-        return Params{Base::to_underlying_arguments(problem_shapes, args, workspace), bh};
+        return Params{Base::to_underlying_arguments(problem_shapes, args, workspace), bh, g_skip_empty_a ? 1 : 0};
     }
 
     template <class ProblemShape_MNKL>
@@ -307,14 +314,21 @@ struct GatedMainloop : Base {
         Tensor mB_nkl = p.tma_load_bh.get_tma_tensor(make_shape(N, K, int32_t(1)));
         Tensor gA_mkl = local_tile(mA_mkl, TileShape{}, make_coord(_, _, _), Step<_1, X, _1>{});   // (BM,BK,m,k,l)
         Tensor gB_nkl = local_tile(mB_nkl, TileShapeH{}, make_coord(_, _, _), Step<X, _1, _1>{});  // (BN/2,BK,n,k,l)
-        return cute::make_tuple(gA_mkl, gB_nkl);
+        return cute::make_tuple(gA_mkl, gB_nkl, int32_t(M));  // M: the group's rows (load's empty slices)
+    }
+
+    // the kernel calls this where a tile's group differs from the previous tile's: its M
+    template <class InputTensors, class ProblemShape_MNKL>
+    CUTLASS_DEVICE InputTensors tensors_perform_update(InputTensors const& in, Params const&,
+                                                       ProblemShape_MNKL problem_shape_mnkl, int32_t) {
+        return cute::make_tuple(get<0>(in), get<1>(in), int32_t(get<0>(problem_shape_mnkl)));
     }
 
     template <class TensorA, class TensorB, class TensorMapA, class TensorMapB, class KTileIterator,
               class BlockCoord>
     CUTLASS_DEVICE void load(Params const& p, MainloopPipeline pipeline,
                              typename Base::PipelineState smem_pipe_write,
-                             cute::tuple<TensorA, TensorB> const& load_inputs,
+                             cute::tuple<TensorA, TensorB, int32_t> const& load_inputs,
                              cute::tuple<TensorMapA, TensorMapB> const& input_tensormaps,
                              BlockCoord const& blk_coord, KTileIterator k_tile_iter, int k_tile_count,
                              int thread_idx, uint32_t block_rank_in_cluster, TensorStorage& shared_tensors) {
@@ -345,14 +359,33 @@ struct GatedMainloop : Base {
                 for (int n = 0; n < size<1>(block_layout); ++n)
                     mcast_mask_a |= (uint16_t(1) << block_layout(cluster_local_block_id.x, n, Int<0>{}));
             }
+            // A's tile is multicast in cluster_y slices of BM / cluster_y rows, CTA y loading slice y
+            // to every CTA of its cluster row. Where the tile's valid rows (the group's M past
+            // m_coord * BM) end before a slice begins, that slice is all zero fill: its CTA issues no
+            // copy, and every CTA completes the slice's bytes on its own stage barrier instead. The
+            // MMA then reads that slice's stale rows of the stage, which give output rows >= M only,
+            // and the epilogue stores rows < M (both CTAs of the cluster see the same M-tile).
+            constexpr int kSlices = size<1>(typename DispatchPolicy::ClusterShape{});
+            constexpr int kBM = size<0>(TileShape{});
+            constexpr int kSliceRows = kBM / kSlices;
+            constexpr uint32_t kSliceBytes = uint32_t(kSliceRows * size<2>(TileShape{}) * sizeof(InternalElementA));
+            const int m_valid = get<2>(load_inputs) - int(m_coord) * kBM;
+            int empty_slices = 0;
+            if (p.skip_empty_a)
+                for (int sl = 0; sl < kSlices; ++sl) empty_slices += (sl * kSliceRows >= m_valid) ? 1 : 0;
+            const bool skip_mine = p.skip_empty_a && int(cluster_local_block_id.y) * kSliceRows >= m_valid;
             CUTLASS_PRAGMA_NO_UNROLL
             for (; k_tile_count > 0; --k_tile_count) {
                 pipeline.producer_acquire(smem_pipe_write);
                 using BarrierType = typename MainloopPipeline::ProducerBarrierType;
                 BarrierType* tma_barrier = pipeline.producer_get_barrier(smem_pipe_write);
                 const int write_stage = smem_pipe_write.index();
-                copy(p.tma_load_a.with(get<0>(input_tensormaps), *tma_barrier, mcast_mask_a),
-                     tAgA(_, _, _, *k_tile_iter), tAsA(_, _, _, write_stage));
+                if (!skip_mine)
+                    copy(p.tma_load_a.with(get<0>(input_tensormaps), *tma_barrier, mcast_mask_a),
+                         tAgA(_, _, _, *k_tile_iter), tAsA(_, _, _, write_stage));
+                if (empty_slices)
+                    cutlass::arch::ClusterTransactionBarrier::complete_transaction(
+                        tma_barrier, cute::block_rank_in_cluster(), empty_slices * kSliceBytes, 1);
                 copy(p.tma_load_bh.with(get<1>(input_tensormaps), *tma_barrier, 0),
                      tBgBg(_, _, _, *k_tile_iter), tBsB(_, _, _, 2 * write_stage));
                 copy(p.tma_load_bh.with(get<1>(input_tensormaps), *tma_barrier, 0),
@@ -1166,6 +1199,7 @@ extern "C" EX_EXPORT ex_factor_t* ex_get_factor(const ex_hardware_t* hw) {
     s_sm90_gemm2_pp = explugin::env_switch("EX_MOE_SM90_GEMM2_PINGPONG");
     s_sm90_raster_n = explugin::env_count("EX_MOE_SM90_RASTER_N", 0) != 0;
     s_sm90_gather_by_token = explugin::env_switch("EX_MOE_SM90_GATHER_BY_TOKEN");
+    sm90::g_skip_empty_a = explugin::env_switch("EX_MOE_SM90_SKIP_EMPTY_A");
     static const char* const kSwizzles[] = {"1", "2", "4", "8"};
     s_sm90_swizzle = 1 << explugin::env_choice("EX_MOE_SM90_SWIZZLE", kSwizzles, 4, 0);
     if (s_sm90_enabled) {

@@ -614,3 +614,67 @@ def test_moe_multiblock_routing_under_graph_capture(route_reg, cp, library, sm90
     assert bool((out.bits == eager.bits).all())
     with pytest.raises(DeviceSideError, match="topk_id outside"):
         r.check_device_errors()
+
+
+SKIP_A_ENV = "EX_MOE_SM90_SKIP_EMPTY_A"   # read by the sm90 plugin's ex_get_factor
+
+
+@pytest.fixture
+def skip_a_reg():
+    """load(on): a registry whose moe_fused_gemm is the Hopper plugin, loaded with GEMM1's
+    skipping of all-padding A slices on or off; the environment and the module's registry
+    settings are restored at the end."""
+    saved = os.environ.get(SKIP_A_ENV)
+
+    def load(on):
+        lib = "moe_fused_gemm_sm90.so"
+        if not (ROOT / "factors" / lib).exists():
+            pytest.skip(f"{lib} not built")
+        os.environ[SKIP_A_ENV] = "1" if on else "0"
+        r = FactorRegistry.load(ROOT / "factors", prefer={"moe_fused_gemm": lib})
+        p = r.get("moe_fused_gemm")
+        if p is None or p.path.name != lib:
+            pytest.skip(f"{lib} not ready on this GPU")
+        return r
+
+    try:
+        yield load
+    finally:
+        if saved is None:
+            os.environ.pop(SKIP_A_ENV, None)
+        else:
+            os.environ[SKIP_A_ENV] = saved
+        FactorRegistry.load(ROOT / "factors")
+
+
+@pytest.mark.parametrize("config", [7, 4, 8])
+@pytest.mark.parametrize("kind", ["qwen3-30b T=512", "few rows", "one expert", "empty experts", "E=40 fp16"])
+def test_sm90_skip_empty_a_slices_bit_identical(skip_a_reg, cp, config, kind):
+    """GEMM1 leaving out the multicast slices of A that hold only padding rows (the default; the
+    MMA then reads stale rows there, for output rows past the expert's M that are never stored)
+    gives the same bits as loading them (EX_MOE_SM90_SKIP_EMPTY_A=0), under each tiling (forced),
+    with experts of 1-64 rows, every slot on one expert, and idle experts; both within tolerance
+    of the float64 reference. Stale rows are made NaN first: the first call fills every stage
+    from an input of NaN rows, so a skipped slice that held valid rows would show."""
+    shapes = {"qwen3-30b T=512": (512, 2048, 128, 768, 8), "few rows": (40, 512, 64, 256, 6),
+              "one expert": (300, 512, 16, 384, 1), "empty experts": (2048, 256, 64, 128, 4),
+              "E=40 fp16": (1000, 512, 40, 256, 6)}
+    T, H, E, I, K = shapes[kind]
+    dtype = "float16" if "fp16" in kind else "bfloat16"
+    x, w13, w2, w, ids = moe_case(cp, T, H, E, I, K, dtype)
+    if kind == "one expert":
+        ids[:] = 3
+    if kind == "empty experts":
+        ids[:] = empty_experts_ids(cp, 2048)
+    outs = []
+    for on in (True, False):
+        r = skip_a_reg(on)
+        r.set_tuning("moe_fused_gemm", lambda sizes: config)
+        # stages full of NaN rows: hidden_states all NaN, every expert full (slot t -> t % E)
+        nan_x = make(cp, cp.full((T, H), cp.nan, cp.float32), dtype)
+        all_ids = (cp.arange(T * K, dtype=cp.int32) % E).reshape(T, K)
+        moe_fused_gemm(nan_x, w13, w2, w, all_ids, out=poison(cp, (T, H), dtype), registry=r)
+        outs.append(run_moe_check(r, cp, (x, w13, w2, w, ids), dtype))
+        r.check_device_errors()
+    assert bool((outs[0].bits == outs[1].bits).all()) if dtype == "bfloat16" else bool(
+        (outs[0].view(cp.uint16) == outs[1].view(cp.uint16)).all())

@@ -73,7 +73,8 @@ __global__ void __launch_bounds__(64) gstream(const __grid_constant__ CUtensorMa
                 uint8_t* d = base + s * stage_bytes;
                 tma2d(d, &mw, kt * 64, t * 256, &full[s]);
                 tma2d(d + 16384, &mw, kt * 64, t * 256 + 128, &full[s]);
-                if (a_rows) tma2d(d + STAGE, &ma, kt * 64, (t * a_rows) % a_region, &full[s]);
+                // a_region < 0: the A box lies past the tensor's last row (the TMA zero-fills it)
+                if (a_rows) tma2d(d + STAGE, &ma, kt * 64, a_region < 0 ? 32768 + (t * a_rows) % 4096 : (t * a_rows) % a_region, &full[s]);
                 if (++s == stages) { s = 0; ph ^= 1; }
             }
     } else if (warp == 1) {
@@ -134,15 +135,18 @@ int main() {
         // cluster multicasting A: ~16 A rows per CTA and stage)
         for (int n_tiles : {768, 808, 792, 1584, 1600})
             for (int a_rows : {0, 16, 32, 64, 128})
-                for (int a_region : {4096, 32768}) {
-                    if (!a_rows && a_region == 32768) continue;
+                for (int a_region : {4096, 32768, -1}) {
+                    if (!a_rows && a_region != 4096) continue;
                     int stages = a_rows == 128 ? 4 : 5;
                     int smem = stages * (STAGE + a_rows * 128) + 1024;
                     CK(cudaFuncSetAttribute(gstream, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
                     const CUtensorMap& ma = a_rows == 128 ? ma128 : a_rows == 64 ? ma64 : a_rows == 32 ? ma32 : ma16;
                     const float best = best_ms(3, [&] { gstream<<<nsm, 64, smem>>>(mw_all, ma, n_tiles, a_rows, a_region, stages, sink); });
-                    printf("gemm-like: %4d tiles (%5.2f per SM), A %3d rows from %5d rows, %d stages: %8.1f us, weights %5.2f TB/s\n",
-                           n_tiles, n_tiles / (double)nsm, a_rows, a_region, stages, best * 1e3,
+                    char from[32];
+                    if (a_region < 0) snprintf(from, sizeof from, "past the end");
+                    else snprintf(from, sizeof from, "from %5d rows", a_region);
+                    printf("gemm-like: %4d tiles (%5.2f per SM), A %3d rows %s, %d stages: %8.1f us, weights %5.2f TB/s\n",
+                           n_tiles, n_tiles / (double)nsm, a_rows, from, stages, best * 1e3,
                            n_tiles * 256.0 * H * 2 / (best * 1e-3) / 1e12);
                 }
     }
