@@ -35,15 +35,15 @@
  *   3. GEMM1 (grouped, TN)  I % 128 == 0 (every model of moe_models.yaml): GatedGemm1, act_e
  *                           (M_e x I) = dtype(silu(dtype(g)) * dtype(u)) with g, u the gate and
  *                           up halves of xs_e . w13[e]^T, computed in the epilogue (B stages hold
- *                           128 gate rows and the matching 128 up rows; see GatedMainloop; a
- *                           multicast slice of A past the expert's rows is not copied,
- *                           EX_MOE_SM90_SKIP_EMPTY_A=0 at load copies it);
+ *                           128 gate rows and the matching 128 up rows; see GatedMainloop);
  *                           else gu_e (M_e x 2I) = xs_e (M_e x H, row-major) . w13[e]^T
  *                           (w13[e] is 2I x H row-major = K-major B, CUTLASS ColumnMajor) and
  *   4. sm90_silu_mul_kernel act[r] = dtype(silu(gu[r, :I]) * gu[r, I:]), rows r < meta[1]
  *                           (EX_MOE_SM90_SILU_IN_GEMM1=0 at load time: always this way, for A/B)
  *   5. GEMM2 (grouped, TN)  ys_e (M_e x H) = act_e (M_e x I) . w2[e]^T (under Tile128 with
  *                           I <= 1024 on 128 x 128 ping-pong tiles, Tile128N128)
+ *   In both GEMMs a multicast slice of A that lies past the expert's rows is not copied
+ *   (EmptyASlices; EX_MOE_SM90_SKIP_EMPTY_A=0 at load copies it).
  *   6. sm90_combine_kernel  out[t] = dtype(sum_k [id valid] topk_weights[t,k] * ys[slot_pos[t*K+k]])
  *                           in fp32, fixed k order: deterministic, no atomics, rounded once.
  *   Numerics: gu is rounded to the dtype by GEMM1's epilogue before silu (as vLLM's
@@ -174,6 +174,137 @@ struct Tile128N128 {
     using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
 };
 
+// Set at load (EX_MOE_SM90_SKIP_EMPTY_A=0 turns it off): the GEMMs' producers leave out the TMA
+// copy of a multicast slice of A whose rows all lie past the group's M (EmptyASlices).
+static bool g_skip_empty_a = true;
+
+// A's tile is multicast in cluster_y slices of BM / cluster_y rows, CTA y of a cluster row loading
+// slice y to all of them (cute's multicast TMA splits the box along its outermost mode, M). Where
+// the tile's valid rows (the group's M past m_coord * BM) end before a slice begins, that slice is
+// all zero fill: its CTA issues no copy, and every CTA completes the slice's bytes on its own
+// stage barrier instead (the same elected lane that armed it, within the same phase). The MMA then
+// reads that slice's stale rows of the stage, which give output rows >= M only: the epilogues
+// store rows < M (the gated one by its row test, the TMA store by the group's D extent). Both CTAs
+// of a cluster work on the same M-tile of the same group (A is multicast between them).
+template <class TileShape, class ClusterShape, class ElementA>
+struct EmptyASlices {
+    static constexpr int kSlices = cute::size<1>(ClusterShape{});
+    static constexpr int kBM = cute::size<0>(TileShape{});
+    static constexpr int kSliceRows = kBM / kSlices;
+    static constexpr uint32_t kSliceBytes = uint32_t(kSliceRows * cute::size<2>(TileShape{}) * sizeof(ElementA));
+    static_assert(kBM % kSlices == 0, "whole slices");
+    // the split is along M only while a stage is one 64-column (128-byte swizzle) block of K
+    static_assert(cute::size<2>(TileShape{}) * sizeof(ElementA) == 128, "A stage: 128-byte rows");
+    int count = 0;      // empty slices of this tile
+    bool mine = false;  // this CTA's slice is one of them
+    // Only in groups of one M-tile: where an expert has more, its last tile runs in step with the
+    // others over the same weight tiles (L2 reuse), and a lighter last tile measured slower
+    // (H200, both GEMMs skipping: mixtral T = 512 1031.5 vs 1012.1 us, phi-3.5 T = 1024 935.4 vs
+    // 923.6, every round; ab_skip_empty_a2_h200_2026-12-02.json).
+    CUTLASS_DEVICE EmptyASlices(bool on, int group_m, int m_coord, int slice) {
+        if (!on || group_m > kBM) return;
+        const int m_valid = group_m - m_coord * kBM;
+        for (int sl = 0; sl < kSlices; ++sl) count += (sl * kSliceRows >= m_valid) ? 1 : 0;
+        mine = slice * kSliceRows >= m_valid;
+    }
+    template <class Barrier>
+    CUTLASS_DEVICE void complete(Barrier* bar) const {
+        if (count)
+            cutlass::arch::ClusterTransactionBarrier::complete_transaction(bar, cute::block_rank_in_cluster(),
+                                                                           count * kSliceBytes, 1);
+    }
+};
+
+// CUTLASS's ptr-array mainloop with EmptyASlices in its producer (GEMM2 and the ungated GEMM1):
+// load_init and tensors_perform_update (which the kernels call where a tile's group differs from
+// the previous tile's, the first tile included) carry the group's M to load.
+template <class Base>
+struct SkipAMainloop : Base {
+    using typename Base::TileShape;
+    using typename Base::InternalElementA;
+    using typename Base::SmemLayoutA;
+    using typename Base::SmemLayoutB;
+    using typename Base::MainloopPipeline;
+    using typename Base::TensorStorage;
+    using typename Base::Arguments;
+    using DispatchPolicy = typename Base::DispatchPolicy;
+    using Slices = EmptyASlices<TileShape, typename DispatchPolicy::ClusterShape, InternalElementA>;
+
+    struct Params : Base::Params {
+        int skip_empty_a;
+    };
+    template <class ProblemShape>
+    static Params to_underlying_arguments(ProblemShape problem_shapes, Arguments const& args, void* workspace) {
+        return Params{Base::to_underlying_arguments(problem_shapes, args, workspace), g_skip_empty_a ? 1 : 0};
+    }
+    template <class ProblemShape_MNKL>
+    CUTLASS_DEVICE auto load_init(ProblemShape_MNKL const& problem_shape_MNKL, Params const& p) const {
+        auto t = Base::load_init(problem_shape_MNKL, p);
+        return cute::make_tuple(get<0>(t), get<1>(t), int32_t(get<0>(problem_shape_MNKL)));
+    }
+    template <class InputTensors, class ProblemShape_MNKL>
+    CUTLASS_DEVICE InputTensors tensors_perform_update(InputTensors const& in, Params const&,
+                                                       ProblemShape_MNKL problem_shape_mnkl, int32_t) {
+        return cute::make_tuple(get<0>(in), get<1>(in), int32_t(get<0>(problem_shape_mnkl)));
+    }
+    // Base::load with the A copy of an empty slice left out
+    template <class TensorA, class TensorB, class TensorMapA, class TensorMapB, class KTileIterator,
+              class BlockCoord>
+    CUTLASS_DEVICE void load(Params const& p, MainloopPipeline pipeline,
+                             typename Base::PipelineState smem_pipe_write,
+                             cute::tuple<TensorA, TensorB, int32_t> const& load_inputs,
+                             cute::tuple<TensorMapA, TensorMapB> const& input_tensormaps,
+                             BlockCoord const& blk_coord, KTileIterator k_tile_iter, int k_tile_count,
+                             int thread_idx, uint32_t block_rank_in_cluster, TensorStorage& shared_tensors) {
+        int lane_predicate = cute::elect_one_sync();
+        if (lane_predicate) {
+            Tensor sA = make_tensor(make_smem_ptr(shared_tensors.smem_A.data()), SmemLayoutA{});  // (BM,BK,PIPE)
+            Tensor sB = make_tensor(make_smem_ptr(shared_tensors.smem_B.data()), SmemLayoutB{});  // (BN,BK,PIPE)
+            constexpr uint32_t cluster_shape_x = get<0>(typename DispatchPolicy::ClusterShape());
+            uint2 cluster_local_block_id = {block_rank_in_cluster % cluster_shape_x,
+                                            block_rank_in_cluster / cluster_shape_x};
+            Tensor gA_mkl = get<0>(load_inputs);
+            Tensor gB_nkl = get<1>(load_inputs);
+            auto block_tma_a = p.tma_load_a.get_slice(cluster_local_block_id.y);
+            auto block_tma_b = p.tma_load_b.get_slice(cluster_local_block_id.x);
+            auto [m_coord, n_coord, k_coord, l_coord] = blk_coord;
+            Tensor gA = gA_mkl(_, _, m_coord, _, l_coord);
+            Tensor gB = gB_nkl(_, _, n_coord, _, l_coord);
+            Tensor tAgA = block_tma_a.partition_S(gA);
+            Tensor tAsA = block_tma_a.partition_D(sA);
+            Tensor tBgB = block_tma_b.partition_S(gB);
+            Tensor tBsB = block_tma_b.partition_D(sB);
+            uint16_t mcast_mask_a = 0, mcast_mask_b = 0;
+            if constexpr (cute::is_same_v<typename Base::GmemTiledCopyA, SM90_TMA_LOAD_MULTICAST>) {
+                auto block_layout = Layout<typename DispatchPolicy::ClusterShape>{};
+                for (int n = 0; n < size<1>(block_layout); ++n)
+                    mcast_mask_a |= (uint16_t(1) << block_layout(cluster_local_block_id.x, n, Int<0>{}));
+            }
+            if constexpr (cute::is_same_v<typename Base::GmemTiledCopyB, SM90_TMA_LOAD_MULTICAST>) {
+                auto block_layout = Layout<typename DispatchPolicy::ClusterShape>{};
+                for (int m = 0; m < size<0>(block_layout); ++m)
+                    mcast_mask_b |= (uint16_t(1) << block_layout(m, cluster_local_block_id.y, Int<0>{}));
+            }
+            const Slices empty(p.skip_empty_a != 0, get<2>(load_inputs), int(m_coord), int(cluster_local_block_id.y));
+            CUTLASS_PRAGMA_NO_UNROLL
+            for (; k_tile_count > 0; --k_tile_count) {
+                pipeline.producer_acquire(smem_pipe_write);
+                using BarrierType = typename MainloopPipeline::ProducerBarrierType;
+                BarrierType* tma_barrier = pipeline.producer_get_barrier(smem_pipe_write);
+                const int write_stage = smem_pipe_write.index();
+                if (!empty.mine)
+                    copy(p.tma_load_a.with(get<0>(input_tensormaps), *tma_barrier, mcast_mask_a),
+                         tAgA(_, _, _, *k_tile_iter), tAsA(_, _, _, write_stage));
+                empty.complete(tma_barrier);
+                copy(p.tma_load_b.with(get<1>(input_tensormaps), *tma_barrier, mcast_mask_b),
+                     tBgB(_, _, _, *k_tile_iter), tBsB(_, _, _, write_stage));
+                ++k_tile_iter;
+                ++smem_pipe_write;
+            }
+        }
+    }
+};
+
 template <typename ElementT, class Tile = Tile128>  // ElementT: cutlass::bfloat16_t or cutlass::half_t
 struct GroupedGemmKernel {
     using ProblemShape = cutlass::gemm::GroupProblemShape<Shape<int, int, int>>;  // (M, N, K) per group
@@ -192,13 +323,13 @@ struct GroupedGemmKernel {
         typename Tile::EpilogueSchedule,
         cutlass::epilogue::fusion::LinearCombination<ElementT, float, void, float>>::CollectiveOp;
 
-    using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+    using CollectiveMainloop = SkipAMainloop<typename cutlass::gemm::collective::CollectiveBuilder<
         cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp,
         ElementT, LayoutA*, kAlign, ElementT, LayoutB*, kAlign, float,
         TileShape, ClusterShape,
         cutlass::gemm::collective::StageCountAutoCarveout<
             static_cast<int>(sizeof(typename CollectiveEpilogue::SharedStorage))>,
-        typename Tile::KernelSchedule>::CollectiveOp;
+        typename Tile::KernelSchedule>::CollectiveOp>;
 
     using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop, CollectiveEpilogue>;
 };
@@ -252,10 +383,6 @@ template <class G> struct IsGated : std::false_type {};
 // reads it unchanged. The epilogue (no smem, direct stores) rounds gate and up to the dtype
 // first, as the unfused path's GEMM1 epilogue does, so act is bit-identical to it.
 // ------------------------------------------------------------------------------------------
-
-// Set at load (EX_MOE_SM90_SKIP_EMPTY_A=0 turns it off): GEMM1's producer leaves out the TMA
-// copy of a multicast slice of A whose rows all lie past the group's M (see load below).
-static bool g_skip_empty_a = true;
 
 template <class Base>
 struct GatedMainloop : Base {
@@ -359,33 +486,19 @@ struct GatedMainloop : Base {
                 for (int n = 0; n < size<1>(block_layout); ++n)
                     mcast_mask_a |= (uint16_t(1) << block_layout(cluster_local_block_id.x, n, Int<0>{}));
             }
-            // A's tile is multicast in cluster_y slices of BM / cluster_y rows, CTA y loading slice y
-            // to every CTA of its cluster row. Where the tile's valid rows (the group's M past
-            // m_coord * BM) end before a slice begins, that slice is all zero fill: its CTA issues no
-            // copy, and every CTA completes the slice's bytes on its own stage barrier instead. The
-            // MMA then reads that slice's stale rows of the stage, which give output rows >= M only,
-            // and the epilogue stores rows < M (both CTAs of the cluster see the same M-tile).
-            constexpr int kSlices = size<1>(typename DispatchPolicy::ClusterShape{});
-            constexpr int kBM = size<0>(TileShape{});
-            constexpr int kSliceRows = kBM / kSlices;
-            constexpr uint32_t kSliceBytes = uint32_t(kSliceRows * size<2>(TileShape{}) * sizeof(InternalElementA));
-            const int m_valid = get<2>(load_inputs) - int(m_coord) * kBM;
-            int empty_slices = 0;
-            if (p.skip_empty_a)
-                for (int sl = 0; sl < kSlices; ++sl) empty_slices += (sl * kSliceRows >= m_valid) ? 1 : 0;
-            const bool skip_mine = p.skip_empty_a && int(cluster_local_block_id.y) * kSliceRows >= m_valid;
+            // A's multicast slices past the group's rows: not copied (EmptyASlices)
+            const EmptyASlices<TileShape, typename DispatchPolicy::ClusterShape, InternalElementA> empty(
+                p.skip_empty_a != 0, get<2>(load_inputs), int(m_coord), int(cluster_local_block_id.y));
             CUTLASS_PRAGMA_NO_UNROLL
             for (; k_tile_count > 0; --k_tile_count) {
                 pipeline.producer_acquire(smem_pipe_write);
                 using BarrierType = typename MainloopPipeline::ProducerBarrierType;
                 BarrierType* tma_barrier = pipeline.producer_get_barrier(smem_pipe_write);
                 const int write_stage = smem_pipe_write.index();
-                if (!skip_mine)
+                if (!empty.mine)
                     copy(p.tma_load_a.with(get<0>(input_tensormaps), *tma_barrier, mcast_mask_a),
                          tAgA(_, _, _, *k_tile_iter), tAsA(_, _, _, write_stage));
-                if (empty_slices)
-                    cutlass::arch::ClusterTransactionBarrier::complete_transaction(
-                        tma_barrier, cute::block_rank_in_cluster(), empty_slices * kSliceBytes, 1);
+                empty.complete(tma_barrier);
                 copy(p.tma_load_bh.with(get<1>(input_tensormaps), *tma_barrier, 0),
                      tBgBg(_, _, _, *k_tile_iter), tBsB(_, _, _, 2 * write_stage));
                 copy(p.tma_load_bh.with(get<1>(input_tensormaps), *tma_barrier, 0),
@@ -960,19 +1073,23 @@ static int64_t sm90_workspace_size(const int64_t dims[], int n_dims) {
 // Host: one grouped GEMM launch
 // ------------------------------------------------------------------------------------------
 
+// Calls of ex_get_factor so far: part of every cached Params' key, since the Params hold settings
+// read at load (the tile order, EmptyASlices' switch) and two registries share this library.
+static int64_t s_sm90_loads = 0;
+
 // Params of the last launch per (GEMM, element type, thread): to_underlying_arguments builds
 // three TMA descriptors on the host (driver entry point + cuTensorMapEncodeTiled) whose contents
 // depend only on the workspace address and the dims, so an identical call reuses them.
 template <class G, int WHICH>
 struct ParamsCache {
     bool valid = false;
-    int64_t key[8] = {};
+    int64_t key[9] = {};
     typename G::Kernel::Params params;
 };
 
 template <class G, int WHICH, class GA>
 static int run_grouped_gemm(const sm90::GroupArrays<GA>& ga_in, int E, void* cutlass_ws,
-                            const int64_t key[8], cudaStream_t stream, void* gated_d = nullptr,
+                            const int64_t key[9], cudaStream_t stream, void* gated_d = nullptr,
                             void* gated_sd = nullptr) {
     using GK = typename G::Kernel;
     static_assert(std::is_same<typename G::Shape3, typename GA::Shape3>::value &&
@@ -1113,7 +1230,8 @@ static int launch_sm90(const Problem& P, void* out, const void* x, const void* w
 
     // 3. GEMM1: act = silu(g) * u straight from the epilogue (I % 128 == 0), else gu = xs . w13[e]^T
     //    and 4. act = silu(g) * u (valid rows only; the bound on the grid is from dims)
-    const int64_t key[8] = {(int64_t)(uintptr_t)ws, P.T, P.H, P.E, P.I, P.K, P.dtype, s_num_sms};
+    const int64_t key[9] = {(int64_t)(uintptr_t)ws, P.T, P.H, P.E, P.I, P.K, P.dtype, s_num_sms,
+                            s_sm90_loads};
     int st;
     if (gated) {
         using GG = sm90::GatedGemm1<CT, T, Tile>;
@@ -1200,6 +1318,7 @@ extern "C" EX_EXPORT ex_factor_t* ex_get_factor(const ex_hardware_t* hw) {
     s_sm90_raster_n = explugin::env_count("EX_MOE_SM90_RASTER_N", 0) != 0;
     s_sm90_gather_by_token = explugin::env_switch("EX_MOE_SM90_GATHER_BY_TOKEN");
     sm90::g_skip_empty_a = explugin::env_switch("EX_MOE_SM90_SKIP_EMPTY_A");
+    ++s_sm90_loads;  // cached Params (run_grouped_gemm) were built under the previous settings
     static const char* const kSwizzles[] = {"1", "2", "4", "8"};
     s_sm90_swizzle = 1 << explugin::env_choice("EX_MOE_SM90_SWIZZLE", kSwizzles, 4, 0);
     if (s_sm90_enabled) {
