@@ -96,6 +96,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <atomic>
 #include <cstring>
 
 // after CUTLASS: its templates must not see the portable code's names (namespace exmoe anyway)
@@ -1075,7 +1076,7 @@ static int64_t sm90_workspace_size(const int64_t dims[], int n_dims) {
 
 // Calls of ex_get_factor so far: part of every cached Params' key, since the Params hold settings
 // read at load (the tile order, EmptyASlices' switch) and two registries share this library.
-static int64_t s_sm90_loads = 0;
+static std::atomic<int64_t> s_sm90_loads{0};
 
 // Params of the last launch per (GEMM, element type, thread): to_underlying_arguments builds
 // three TMA descriptors on the host (driver entry point + cuTensorMapEncodeTiled) whose contents
@@ -1231,7 +1232,7 @@ static int launch_sm90(const Problem& P, void* out, const void* x, const void* w
     // 3. GEMM1: act = silu(g) * u straight from the epilogue (I % 128 == 0), else gu = xs . w13[e]^T
     //    and 4. act = silu(g) * u (valid rows only; the bound on the grid is from dims)
     const int64_t key[9] = {(int64_t)(uintptr_t)ws, P.T, P.H, P.E, P.I, P.K, P.dtype, s_num_sms,
-                            s_sm90_loads};
+                            s_sm90_loads.load(std::memory_order_acquire)};
     int st;
     if (gated) {
         using GG = sm90::GatedGemm1<CT, T, Tile>;
@@ -1318,9 +1319,11 @@ extern "C" EX_EXPORT ex_factor_t* ex_get_factor(const ex_hardware_t* hw) {
     s_sm90_raster_n = explugin::env_count("EX_MOE_SM90_RASTER_N", 0) != 0;
     s_sm90_gather_by_token = explugin::env_switch("EX_MOE_SM90_GATHER_BY_TOKEN");
     sm90::g_skip_empty_a = explugin::env_switch("EX_MOE_SM90_SKIP_EMPTY_A");
-    ++s_sm90_loads;  // cached Params (run_grouped_gemm) were built under the previous settings
     static const char* const kSwizzles[] = {"1", "2", "4", "8"};
     s_sm90_swizzle = 1 << explugin::env_choice("EX_MOE_SM90_SWIZZLE", kSwizzles, 4, 0);
+    // last, after every setting the cached Params (run_grouped_gemm) hold: a call that reads the
+    // new count (acquire) builds its Params from the new settings
+    s_sm90_loads.fetch_add(1, std::memory_order_release);
     if (s_sm90_enabled) {
         // Tuning reported: the grouped GEMM (one producer + two consumer warpgroups, its smem
         // and pipeline depth); the other launches are the portable kernels' (its tuning) and
