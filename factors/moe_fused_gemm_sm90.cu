@@ -42,8 +42,8 @@
  *                           (EX_MOE_SM90_SILU_IN_GEMM1=0 at load time: always this way, for A/B)
  *   5. GEMM2 (grouped, TN)  ys_e (M_e x H) = act_e (M_e x I) . w2[e]^T (under Tile128 with
  *                           I <= 1024 on 128 x 128 ping-pong tiles, Tile128N128)
- *   In both GEMMs a multicast slice of A that lies past the expert's rows is not copied
- *   (EmptyASlices; EX_MOE_SM90_SKIP_EMPTY_A=0 at load copies it).
+ *   In both GEMMs, in an expert of one M-tile, a multicast slice of A that lies past the
+ *   expert's rows is not copied (EmptyASlices; EX_MOE_SM90_SKIP_EMPTY_A=0 at load copies it).
  *   6. sm90_combine_kernel  out[t] = dtype(sum_k [id valid] topk_weights[t,k] * ys[slot_pos[t*K+k]])
  *                           in fp32, fixed k order: deterministic, no atomics, rounded once.
  *   Numerics: gu is rounded to the dtype by GEMM1's epilogue before silu (as vLLM's
@@ -95,8 +95,8 @@
 #include "cutlass/gemm/kernel/gemm_universal.hpp"
 
 #include <algorithm>
-#include <cstdlib>
 #include <atomic>
+#include <cstdlib>
 #include <cstring>
 
 // after CUTLASS: its templates must not see the portable code's names (namespace exmoe anyway)
@@ -1080,7 +1080,8 @@ static std::atomic<int64_t> s_sm90_loads{0};
 
 // Params of the last launch per (GEMM, element type, thread): to_underlying_arguments builds
 // three TMA descriptors on the host (driver entry point + cuTensorMapEncodeTiled) whose contents
-// depend only on the workspace address and the dims, so an identical call reuses them.
+// depend only on the workspace address, the dims and the settings read at load (the key's load
+// count), so an identical call reuses them.
 template <class G, int WHICH>
 struct ParamsCache {
     bool valid = false;

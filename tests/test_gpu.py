@@ -621,7 +621,7 @@ SKIP_A_ENV = "EX_MOE_SM90_SKIP_EMPTY_A"   # read by the sm90 plugin's ex_get_fac
 
 @pytest.fixture
 def skip_a_reg():
-    """load(on): a registry whose moe_fused_gemm is the Hopper plugin, loaded with GEMM1's
+    """load(on): a registry whose moe_fused_gemm is the Hopper plugin, loaded with the GEMMs'
     skipping of all-padding A slices on or off; the environment and the module's registry
     settings are restored at the end."""
     saved = os.environ.get(SKIP_A_ENV)
@@ -678,7 +678,8 @@ def test_sm90_skip_empty_a_slices_bit_identical(skip_a_reg, cp, config, kind):
     for on in (True, False):
         r = skip_a_reg(on)
         r.set_tuning("moe_fused_gemm", lambda sizes: config)
-        # stages full of NaN rows: hidden_states all NaN, every expert full (slot t -> t % E)
+        # a first call on NaN rows, every expert given slots (slot t -> t % E): its A stages hold
+        # NaN rows afterwards where shared memory keeps them
         nan_x = make(cp, cp.full((T, H), cp.nan, cp.float32), dtype)
         all_ids = (cp.arange(T * K, dtype=cp.int32) % E).reshape(T, K)
         moe_fused_gemm(nan_x, w13, w2, w, all_ids, out=poison(cp, (T, H), dtype), registry=r)
