@@ -34,6 +34,18 @@ def token_count(v: str) -> int:
     return n
 
 
+def positive_count(v: str) -> int:
+    """argparse type: an integer >= 1 (--repeat, --jobs); refused like any argument error, with
+    the usage line (was a bare message after parsing)."""
+    try:
+        n = int(v)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {v!r}")
+    return n
+
+
 def nonempty(v: str) -> str:
     """argparse type: a non-empty string (a folder, a file, a profile). An empty one was read
     differently by each option: --dir '' as the default folder (list-factors) or the current
@@ -214,9 +226,6 @@ def _width(text: str) -> int:
 
 def cmd_run_moe(args) -> int:
     from .moe_layer import load_models, model_shape, run_moe
-    if args.repeat < 1:  # (--tokens is checked by its argparse type)
-        print(f"ex-engine run moe: --repeat: expected >= 1, got {args.repeat}", file=sys.stderr)
-        return 2
     # the model list and --model before any plugin loads (FactorError: main's one-line error)
     if args.model == "all":
         models = sorted(load_models())
@@ -229,6 +238,7 @@ def cmd_run_moe(args) -> int:
         print(f"note: {note}", file=sys.stderr)
     for name in ("topk_softmax", "moe_fused_gemm"):   # (it printed PASS without a word)
         if reg.get(name) is None:
+            reg.manifest(name)   # no manifest, no fallback either: FactorNotFoundError, before any work
             print(f"note: no ready plugin for {name} in {args.dir or 'factors/'}"
                   + (f" (none of the {len(reg.plugins)} *.so there is a ready one for it; "
                      "`ex-engine list-factors --why` says why)" if reg.plugins else " (no *.so there)")
@@ -348,9 +358,6 @@ def cmd_lock(args) -> int:
 
 
 def cmd_build(args) -> int:
-    if args.jobs < 1:
-        print(f"ex-engine build: --jobs: expected >= 1, got {args.jobs}", file=sys.stderr)
-        return 2
     if not (_paths.ROOT / "Makefile").is_file():
         print(f"ex-engine build: no Makefile in {_paths.ROOT}: "
               f"{_paths.not_a_checkout(building=True)}",
@@ -461,7 +468,7 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16",
                    help="activation and weight dtype (default: %(default)s)")
     q.add_argument("--seed", type=token_count, default=0, help="random seed >= 0 (default: %(default)s)")
-    q.add_argument("--repeat", type=int, default=10, help="timed calls per factor on a GPU (default: %(default)s)")
+    q.add_argument("--repeat", type=positive_count, default=10, help="timed calls per factor on a GPU (default: %(default)s)")
     q.set_defaults(fn=cmd_run_moe)
     # `ex-engine run` without a job: run's own help (bind p now: p is rebound below)
     p.set_defaults(fn=lambda a, run_parser=p: (run_parser.print_help(), 2)[1])
@@ -518,7 +525,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="nvcc -gencode flags for the portable plugins, written with '=' because they start "
                         "with '-': --archs='-gencode=arch=compute_80,code=sm_80' (default: the Makefile's "
                         "sm_90a + sm_80 + PTX); rebuilds every plugin built (the NAMEs given, or all)")
-    p.add_argument("-j", "--jobs", type=int, default=2, help="parallel nvcc jobs (default: %(default)s)")
+    p.add_argument("-j", "--jobs", type=positive_count, default=2, help="parallel nvcc jobs (default: %(default)s)")
     p.set_defaults(fn=cmd_build)
     return ap
 

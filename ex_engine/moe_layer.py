@@ -95,13 +95,15 @@ def load_models(path=None) -> dict:
     if path is not None and not isinstance(path, (str, os.PathLike)):
         raise ArgumentError("load_models", "path", "type", "None, a str or an os.PathLike",
                             f"{type(path).__name__} {path!r}")
+    default = path is None
     path = path or _paths.manifests_dir() / "moe_models.yaml"
     try:
         with open(path) as f:
             data = _yaml.load(f)
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+        hint = _paths.not_a_checkout() if default and isinstance(exc, FileNotFoundError) else ""
         raise FactorError(f"model list {path}: malformed or unreadable "
-                          f"({type(exc).__name__}: {one_line(exc)})") from None
+                          f"({type(exc).__name__}: {one_line(exc)})" + (f"; {hint}" if hint else "")) from None
     try:
         _check_models(data)
     except ValueError as exc:

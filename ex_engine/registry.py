@@ -898,7 +898,8 @@ class FactorRegistry:
                          f"expected three dot-separated numbers (e.g. 1.0.0), got {version!r}"):
             return p
         p.check("name matches file stem", True,  # informative: a renamed drop-in still loads
-                "yes" if p.name == path.stem else f"note: name '{p.name}' differs from file '{path.name}'")
+                "yes" if p.name == path.stem
+                else f"note: name '{p.name}' differs from file '{_printable(path.name)}'")
         m, why = self._find_manifest(p.name, path.parent)
         if not p.require("manifest", m is not None,
                        why or f"expected {p.name}.yaml beside the library or in the manifests folder, found none",
@@ -1084,6 +1085,9 @@ class FactorRegistry:
         if name in self.manifests:
             return self.manifests[name]
         why = self.manifest_errors.get(name)   # its manifest refused (malformed, or claimed twice)
+        if not why:   # a library of that name set aside for want of its manifest (a manifests
+            why = next((f"{_printable(p.path.name)}: {p.reason}" for p in self.plugins   # folder
+                        if p.name == name and p.manifest is None and p.reason), "")       # without it)
         raise FactorNotFoundError(f"no factor named '{name}'" + (f" ({why})" if why else "") +
                                   f": known are {sorted(set(self.manifests) | set(self._chosen))}")
 

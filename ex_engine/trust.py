@@ -53,7 +53,9 @@ def write_lock(folder, output=None) -> tuple:
     directory."""
     folder = Path(folder)
     if not folder.is_dir():
-        raise FactorError(f"lock: '{folder}' is not a directory")
+        from . import _paths
+        hint = _paths.not_a_checkout() if folder == _paths.factors_dir() else ""
+        raise FactorError(f"lock: '{folder}' is not a directory" + (f"; {hint}" if hint else ""))
     if output is not None and not str(output):
         raise FactorError("lock: --output: expected a file name, got '' (leave it out for "
                           f"<folder>/{LOCK_NAME})")

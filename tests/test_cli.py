@@ -339,12 +339,47 @@ def test_lock_escapes_a_file_name_with_a_newline_as_list_factors_does(tmp_path, 
 
 
 @pytest.mark.parametrize("argv,says", [
-    (["run", "moe", "--model", "granite-3.0-3b-a800m", "--tokens", "1", "--repeat", "0"], "--repeat: expected >= 1, got 0"),
-    (["build", "--jobs", "0"], "--jobs: expected >= 1, got 0"),
+    (["run", "moe", "--model", "granite-3.0-3b-a800m", "--tokens", "1", "--repeat", "0"],
+     "argument --repeat: expected an integer >= 1, got '0'"),
+    (["build", "--jobs", "0"], "argument -j/--jobs: expected an integer >= 1, got '0'"),
+    (["build", "-j", "two"], "argument -j/--jobs: expected an integer >= 1, got 'two'"),
 ])
 def test_bad_counts_are_refused_before_any_work(argv, says, capsys):
-    assert main(argv) == 2
-    assert says in capsys.readouterr().err
+    """As every argument error: argparse's usage line and 'error:', exit status 2 (these two
+    were bare messages printed after parsing)."""
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert says in err and "usage: ex-engine" in err and "error:" in err, err
+
+
+def test_list_factors_why_escapes_a_file_name_in_its_checks(tmp_path, capsys):
+    """The name check's line printed a library's file name raw (a newline in it split the line);
+    it is escaped as in the table."""
+    from tests.conftest import ROOT
+    src = ROOT / "factors" / "topk_softmax.so"
+    if not src.exists():
+        pytest.skip("factors not built")
+    (tmp_path / "we ird\nname.so").write_bytes(src.read_bytes())
+    main(["list-factors", "--why", "--dir", str(tmp_path), "--hardware", "h200"])
+    out = capsys.readouterr().out
+    line = next(ln for ln in out.splitlines() if "name matches file stem" in ln)
+    assert "differs from file 'we ird\\nname.so'" in line, out
+
+
+def test_not_a_checkout_hint_on_run_moe_and_lock(tmp_path, monkeypatch, capsys):
+    """Installed without the checkout (no manifests/ or factors/ beside the package), run moe
+    and lock named the missing file or folder without the hint that list-factors, verify,
+    hardware and build give: install with pip install -e, or set the two folder variables."""
+    from ex_engine import _paths
+    monkeypatch.setattr(_paths, "ROOT", tmp_path)
+    monkeypatch.delenv("EX_ENGINE_MANIFESTS", raising=False)
+    monkeypatch.delenv("EX_ENGINE_FACTORS", raising=False)
+    assert main(["run", "moe", "--tokens", "1"]) == 2
+    assert "pip install -e <checkout>" in capsys.readouterr().err
+    assert main(["lock"]) == 2
+    assert "pip install -e <checkout>" in capsys.readouterr().err
 
 
 def test_verify_with_no_ready_plugin_fails(tmp_path, capsys):
@@ -781,3 +816,20 @@ def test_a_relative_factor_folder_that_is_not_there_names_where_it_looked(tmp_pa
     (tmp_path / "factors").write_text("a file")
     with pytest.raises(FactorError, match="not a directory"):
         FactorRegistry.load("factors/", hardware="h200")
+
+
+def test_run_moe_without_a_factors_manifest_fails_before_building_weights(tmp_path, monkeypatch, capsys):
+    """A manifests folder without topk_softmax.yaml: run moe said 'the Python fallback serves it',
+    built the layer's weights, then failed with a bare 'no factor named' (the fallback needs the
+    manifest too). It now fails first, naming the library set aside and the manifest it lacks."""
+    import shutil
+    from tests.conftest import ROOT
+    if not (ROOT / "factors" / "topk_softmax.so").exists():
+        pytest.skip("factors not built")
+    shutil.copytree(ROOT / "manifests", tmp_path / "m")
+    (tmp_path / "m" / "topk_softmax.yaml").unlink()
+    monkeypatch.setenv("EX_ENGINE_MANIFESTS", str(tmp_path / "m"))
+    assert main(["run", "moe", "--model", "granite-3.0-3b-a800m", "--tokens", "1"]) == 2
+    captured = capsys.readouterr()
+    assert "no factor named 'topk_softmax' (topk_softmax.so: manifest: expected topk_softmax.yaml" in captured.err
+    assert "fallback serves it" not in captured.err and "building the layer" not in captured.out
