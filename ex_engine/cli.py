@@ -23,27 +23,26 @@ from .hardware import Hardware, list_profiles, profiles_problem, resolve
 from .trust import CHILD_TIMEOUT_S
 
 
-def token_count(v: str) -> int:
-    """argparse type: an integer >= 0 (a token count T, a seed)."""
+def _int_at_least(v: str, low: int) -> int:
+    """``v`` as an integer >= low, else argparse's ArgumentTypeError (a word included)."""
     try:
         n = int(v)
     except ValueError:
-        n = -1
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {v!r}")
+        n = low - 1
+    if n < low:
+        raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {v!r}")
     return n
+
+
+def token_count(v: str) -> int:
+    """argparse type: an integer >= 0 (a token count T, a seed)."""
+    return _int_at_least(v, 0)
 
 
 def positive_count(v: str) -> int:
     """argparse type: an integer >= 1 (--repeat, --jobs); refused like any argument error, with
     the usage line (was a bare message after parsing)."""
-    try:
-        n = int(v)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {v!r}")
-    return n
+    return _int_at_least(v, 1)
 
 
 def nonempty(v: str) -> str:

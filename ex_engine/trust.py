@@ -21,6 +21,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from . import _paths
 from .errors import FactorError
 
 LOCK_NAME = "ex_engine.lock"
@@ -53,7 +54,6 @@ def write_lock(folder, output=None) -> tuple:
     directory."""
     folder = Path(folder)
     if not folder.is_dir():
-        from . import _paths
         hint = _paths.not_a_checkout() if folder == _paths.factors_dir() else ""
         raise FactorError(f"lock: '{folder}' is not a directory" + (f"; {hint}" if hint else ""))
     if output is not None and not str(output):
