@@ -2,7 +2,7 @@
 
 For each model of manifests/moe_models.yaml and each T, forces every tile configuration the
 kernels know (tiny, decode, decode4, mid, mid32, mid48, prefill and, with the Hopper plugin,
-grouped, grouped64 and narrow), checks each output against a float32 reference, times it (CUDA-graph
+grouped, grouped64, narrow and chunked), checks each output against a float32 reference, times it (CUDA-graph
 replay over rotated input sets, as bench_moe.py), and writes the fastest per (H, I, G, K, T) to a
 tuning file that the registry reads (ex_engine/tuning.py documents the format). Needs PyTorch, a
 CUDA GPU and the built plugins.
@@ -44,7 +44,7 @@ from ex_engine.moe_layer import (case_problems, load_models_or_exit, models_help
 from ex_engine.tuning import _NUMERIC_DEVICE, FactorTuning, TuningTable, tuning_dir  # noqa: E402
 
 CONFIGS = {"tiny": 0, "decode": 1, "mid": 2, "prefill": 3, "grouped": 4, "mid32": 5, "mid48": 6,
-           "grouped64": 7, "narrow": 8, "decode4": 9}
+           "grouped64": 7, "narrow": 8, "decode4": 9, "chunked": 10}
 VALUES = {"auto": -1, **CONFIGS}   # auto: the kernel's own choice from T*K/G
 KEY = ["H", "I", "G", "K"]
 
@@ -62,6 +62,8 @@ def candidates(rows_per_expert: float, grouped: bool) -> list:
         out += ["mid48"]
     if rows_per_expert >= 16:
         out += ["prefill"] + (["grouped", "grouped64", "narrow"] if grouped else [])
+    if rows_per_expert >= 64 and grouped:
+        out += ["chunked"]
     return out
 
 

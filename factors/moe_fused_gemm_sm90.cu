@@ -65,7 +65,10 @@
  * ping-pong, same cluster) instead. Where dims[7] = 8 (tuned data: "narrow") both GEMMs run on
  * Tile128N128 (the gated GEMM1 with gate and up boxes of 64 rows): twice the tiles of Tile128,
  * for shapes whose 128 x 256 tiles leave the last round of the persistent grid mostly idle (granite
- * at T = 384..1024: ~160 tiles of GEMM1 on 132 SMs).
+ * at T = 384..1024: ~160 tiles of GEMM1 on 132 SMs). Where dims[7] = 10 (tuned data: "chunked")
+ * both GEMMs run on kernels of our own (moe_chunked_sm90.cuh: a CTA takes up to 256 of an expert's
+ * rows against one weight tile, MMAs on the 64-row sub-tiles that hold rows) where GEMM1 is gated
+ * and H % 128 == 0, else on Tile128; for experts of a little over 128 rows (mixtral T = 512).
  *
  * Workspace (a pure function of dims; sections 256-byte aligned):
  *   [0, 256)   status word (int32 at byte 0), as the portable path
@@ -101,6 +104,7 @@
 
 // after CUTLASS: its templates must not see the portable code's names (namespace exmoe anyway)
 #include "moe_fused_gemm.cuh"
+#include "moe_chunked_sm90.cuh"
 
 #if !defined(CUTLASS_ARCH_MMA_SM90_SUPPORTED) || !defined(CUTLASS_ARCH_MMA_MODIFIABLE_TMA_SM90_SUPPORTED)
 #error "moe_fused_gemm_sm90.cu needs CUDA >= 12.3 and CUTLASS >= 3.5 (TMA descriptor updates on sm_90)"
@@ -1042,7 +1046,7 @@ static bool sm90_path_for(const Problem& P) {
     if (!(s_sm90_enabled && P.T > 0 && P.H % 8 == 0 && P.I % 8 == 0)) return false;
     if (P.config >= 0)  // tuned choice (dims[7])
         return P.config == kTileConfigGrouped || P.config == kTileConfigGrouped64 ||
-               P.config == kTileConfigNarrow;
+               P.config == kTileConfigNarrow || P.config == kTileConfigChunked;
     return P.TK / P.G >= s_sm90_min_rows;  // floor(T*K/G) >= n  <=>  T*K >= n*G (rows per expert)
 }
 
@@ -1052,6 +1056,14 @@ static bool sm90_path_for(const Problem& P) {
 static bool sm90_tile64_for(const Problem& P) {
     if (P.config >= 0) return P.config == kTileConfigGrouped64;
     return P.TK / P.G < s_sm90_tile64_max_rows;
+}
+
+// Whether both GEMMs run on chunks of up to 256 of an expert's rows (moe_chunked_sm90.cuh): a tuned
+// choice (dims[7] = 10) on shapes it takes (gated GEMM1: I % 128 == 0 here; H % 128 == 0; its
+// shared memory); else such a call runs on the 128 x 256 tiling.
+static bool sm90_chunked_for(const Problem& P) {
+    return P.config == kTileConfigChunked && s_sm90_gated && P.I % 128 == 0 && chunked::supports(P.H, P.I) &&
+           chunked::smem_bytes((int)P.E) <= s_smem_optin;
 }
 
 // Under the 128-row tiling, whether GEMM2 runs on Tile128N128 (short reduction over I).
@@ -1200,6 +1212,7 @@ static int launch_sm90(const Problem& P, void* out, const void* x, const void* w
     // bufA when gated (GEMM1 still reads xs while its epilogue writes act), else xs/act in bufA,
     // gu/ys in bufB.
     const bool gated = s_sm90_gated && P.I % 128 == 0;
+    const bool use_chunked = sm90_chunked_for(P);
     T* bufA = reinterpret_cast<T*>(ws + L.bufA);
     T* bufB = reinterpret_cast<T*>(ws + L.bufB);
     T* xs = bufA;
@@ -1235,7 +1248,20 @@ static int launch_sm90(const Problem& P, void* out, const void* x, const void* w
     const int64_t key[9] = {(int64_t)(uintptr_t)ws, P.T, P.H, P.E, P.I, P.K, P.dtype, s_num_sms,
                             s_sm90_loads.load(std::memory_order_acquire)};
     int st;
-    if (gated) {
+    const bool chunked_on = use_chunked && gated;  // (sm90_chunked_for checked the shape)
+    if (chunked_on) {
+        const int chunk_rows = chunked::kSub * chunked::kMaxSub;
+        const int64_t chunks_max = P.TK / chunk_rows + E;
+        const chunked::Args a1{expert_off, act, I, I, H, E};
+        const int grid1 = (int)std::min<int64_t>(s_num_sms, chunks_max * (I / (chunked::kBN / 2)));
+        err = chunked::run<T, true>(xs, (int)P.TK, static_cast<const T*>(w13), 2 * I, a1, grid1, s_smem_optin, stream);
+        if (err != cudaSuccess) return cuda_error(err);
+        const chunked::Args a2{expert_off, ys, H, H, I, E};
+        const int grid2 = (int)std::min<int64_t>(s_num_sms, chunks_max * (H / chunked::kBN));
+        err = chunked::run<T, false>(act, (int)P.TK, static_cast<const T*>(w2), H, a2, grid2, s_smem_optin, stream);
+        if (err != cudaSuccess) return cuda_error(err);
+        st = EX_OK;
+    } else if (gated) {
         using GG = sm90::GatedGemm1<CT, T, Tile>;
         st = run_grouped_gemm<GG, 1>(ga[0], E, cutlass_ws, key, stream, (void*)ga[1].a, (void*)ga[1].sa);
         if (st != EX_OK) return st;
@@ -1247,7 +1273,9 @@ static int launch_sm90(const Problem& P, void* out, const void* x, const void* w
     }
 
     // 5. GEMM2: ys = act . w2[e]^T per expert
-    if (std::is_same<Tile, sm90::Tile128>::value && sm90_gemm2_pingpong_for(P))
+    if (chunked_on)
+        ;  // both GEMMs above
+    else if (std::is_same<Tile, sm90::Tile128>::value && sm90_gemm2_pingpong_for(P))
         st = run_grouped_gemm<sm90::GroupedGemm<CT, sm90::Tile128N128>, 2>(ga[1], E, cutlass_ws, key, stream);
     else
         st = run_grouped_gemm<GT, 2>(ga[1], E, cutlass_ws, key, stream);

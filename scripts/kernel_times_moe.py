@@ -70,7 +70,7 @@ def main() -> int:
     ap.add_argument("--config", default=None,
                     help="force a tile configuration by name: auto (the kernel's own choice, "
                          "ignoring the tuning file) or one of benchmarks/tune_moe.py's CONFIGS (tiny, "
-                         "decode, decode4, mid, ..., grouped, grouped64, narrow); default: tuned data, else auto")
+                         "decode, decode4, mid, ..., grouped, grouped64, narrow, chunked); default: tuned data, else auto")
     args = ap.parse_args()
     from ex_engine import FactorError, FactorRegistry, moe_fused_gemm
     from ex_engine.moe_layer import load_models_or_exit, parse_cases, report_problems

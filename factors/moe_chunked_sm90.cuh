@@ -1,0 +1,341 @@
+/*
+ * moe_chunked_sm90.cuh -- the Hopper path's two grouped GEMMs on chunks of up to 256 of an expert's
+ * rows (dims[7] = 10, "chunked"; a tuned choice):
+ *   GEMM1 (gated): act[r, n] = dtype(silu(dtype(g)) * dtype(u)), g = xs[r] . w13[e, n],
+ *                  u = xs[r] . w13[e, I + n]   (w13 as (E, 2I, H), gate rows first: vLLM's layout)
+ *   GEMM2:         ys[r, h]  = dtype(act[r] . w2[e, h])   (w2 as (E, H, I))
+ * for the sorted rows r of expert e (rows [expert_off[e], expert_off[e+1]) of xs / act / ys).
+ *
+ * Why: the CUTLASS tilings pad every expert's rows to 128-row M-tiles, and each M-tile streams
+ * the expert's weights again. Where an expert has a little over 128 rows (mixtral T = 512:
+ * 128 +- 11 rows) half the experts run a second, nearly empty M-tile: the tensor cores multiply
+ * 1536 padded rows for 1024 real ones, and its weights are read twice. Here one CTA takes up to
+ * 256 of an expert's rows (a "chunk", in sub-tiles of 64 rows) against one weight tile in shared
+ * memory: the weights stream once per chunk and the MMAs run only on sub-tiles that hold rows
+ * (padding to 64 rows, not 128).
+ *
+ * Work: an item is (expert e, chunk q, N-tile n); per expert the items run N-tile-major (the
+ * chunks of one N-tile side by side, so a second chunk's weight reads hit L2). The grid is
+ * persistent (at most one CTA per SM, sized on the host), items dealt round-robin; the item
+ * count comes from expert_off on the device.
+ *
+ * Roles (384 threads): warp 0 (one elected lane) issues the TMA copies of a ring of stages, each
+ * the B tile (128 weight rows x 64 of the reduction: two 64 x 64 boxes; GEMM1: 64 gate rows and
+ * the 64 up rows I below them) and the chunk's A sub-tiles (64 x 64 boxes, only those with rows);
+ * warps 4-11 are two consumer warpgroups: warpgroup w multiplies sub-tiles w and w + 2 (where they
+ * hold rows) by the whole B tile (SM90 64 x 128 x 16 GMMA, fp32 accumulators), then stores its
+ * rows straight from registers.
+ *
+ * Math: fp32 accumulation over the reduction in k-steps of 16, rounded once to the dtype (GEMM1
+ * rounds g and u to the dtype before silu, as the CUTLASS path's gated epilogue and vLLM do).
+ */
+#pragma once
+
+#include <cuda.h>
+
+#include "cute/tensor.hpp"
+#include "cute/arch/copy_sm90_tma.hpp"
+#include "cute/atom/mma_traits_sm90_gmma.hpp"
+#include "cutlass/arch/barrier.h"
+#include "cutlass/cuda_host_adapter.hpp"
+
+namespace exmoe {
+namespace chunked {
+using namespace cute;
+
+constexpr int kSub = 64;      // rows per sub-tile (one GMMA M)
+constexpr int kMaxSub = 4;    // sub-tiles per chunk (256 rows)
+constexpr int kBN = 128;      // weight rows per B tile (GEMM1: 64 gate + 64 up -> 64 act columns)
+constexpr int kBK = 64;       // reduction columns per stage (128 bytes: the swizzle's width)
+constexpr int kStages = 4;
+constexpr int kThreads = 384;
+constexpr int kBoxBytes = kSub * kBK * 2;                 // 8 KB
+constexpr int kABytes = kMaxSub * kBoxBytes;              // 32 KB per stage
+constexpr int kBBytes = kBN * kBK * 2;                    // 16 KB per stage
+constexpr int kBarOff = kStages * (kABytes + kBBytes);    // 196,608
+constexpr int kPreOff = kBarOff + 2 * kStages * 8;
+inline int smem_bytes(int E) { return kPreOff + (E + 1) * 4; }
+
+template <typename T> struct CuteElem;
+template <> struct CuteElem<__nv_bfloat16> { using type = cutlass::bfloat16_t; };
+template <> struct CuteElem<__half> { using type = cutlass::half_t; };
+
+template <typename T>
+struct Types {
+    using E = typename CuteElem<T>::type;
+    using SmemLayoutA = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<E>{},
+                                               Shape<Int<kSub>, Int<kBK>, Int<kMaxSub * kStages>>{}));
+    using SmemLayoutB = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<E>{},
+                                               Shape<Int<kBN>, Int<kBK>, Int<kStages>>{}));
+    using MmaOp = decltype(GMMA::ss_op_selector<E, E, float, Shape<Int<kSub>, Int<kBN>, Int<kBK>>,
+                                                 GMMA::Major::K, GMMA::Major::K>());
+    using TiledMma = decltype(make_tiled_mma(MmaOp{}));  // one warpgroup
+};
+
+struct Args {
+    const int* expert_off;  // E + 1 (routing output)
+    void* out;              // act (rows, I) for GEMM1, ys (rows, H) for GEMM2
+    int ld_out;             // I or H
+    int N;                  // GEMM1: I (act columns); GEMM2: H
+    int Kdim;               // reduction: H or I
+    int E;
+};
+
+__device__ __forceinline__ float silu_fast(float g) { return __fdividef(g, 1.0f + __expf(-g)); }
+
+template <typename T, bool kGated>
+__global__ void __launch_bounds__(kThreads, 1)
+chunked_gemm_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_constant__ CUtensorMap tma_b,
+               const Args p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(CUTE_ARCH_MMA_SM90A_ENABLED)
+    using Ty = Types<T>;
+    using E = typename Ty::E;
+    extern __shared__ __align__(1024) unsigned char smem[];
+    E* sa_ptr = reinterpret_cast<E*>(smem);
+    E* sb_ptr = reinterpret_cast<E*>(smem + kStages * kABytes);
+    uint64_t* full = reinterpret_cast<uint64_t*>(smem + kBarOff);
+    uint64_t* empty = full + kStages;
+    int* s_pre = reinterpret_cast<int*>(smem + kPreOff);  // chunks before expert e; [E] = total
+
+    const int tid = threadIdx.x;
+    const int warp = tid / 32, lane = tid % 32;
+    const int KB = p.Kdim / kBK;
+    const int NT = kGated ? p.N / (kBN / 2) : p.N / kBN;
+    constexpr int chunk_rows = kSub * kMaxSub;
+
+    if (tid == 0) {
+        for (int s = 0; s < kStages; ++s) {
+            cutlass::arch::ClusterTransactionBarrier::init(&full[s], 1);
+            cutlass::arch::ClusterBarrier::init(&empty[s], 8);
+        }
+        cutlass::arch::fence_barrier_init();
+    }
+    if (warp == 1) {  // chunks per expert, exclusive prefix
+        int carry = 0;
+        for (int base = 0; base < p.E; base += 32) {
+            const int e = base + lane;
+            int m = 0;
+            if (e < p.E) m = __ldg(p.expert_off + e + 1) - __ldg(p.expert_off + e);
+            const int nc = (m + chunk_rows - 1) / chunk_rows;
+            int inc = nc;
+#pragma unroll
+            for (int o = 1; o < 32; o <<= 1) {
+                const int v = __shfl_up_sync(0xffffffffu, inc, o);
+                if (lane >= o) inc += v;
+            }
+            if (e < p.E) s_pre[e] = carry + inc - nc;
+            carry += __shfl_sync(0xffffffffu, inc, 31);
+        }
+        if (lane == 0) s_pre[p.E] = carry;
+    }
+    __syncthreads();
+    const int n_items = s_pre[p.E] * NT;
+
+    // item -> expert, first row of the chunk, its rows (1..chunk_rows), N-tile
+    auto item_of = [&](int it, int& e, int& m0, int& mv, int& n) {
+        const int c = it / NT;  // chunk index (global): items of expert e are [pre[e]*NT, pre[e+1]*NT)
+        int lo = 0, hi = p.E - 1;
+        while (lo < hi) {
+            const int mid = (lo + hi + 1) >> 1;
+            if (s_pre[mid] <= c) lo = mid; else hi = mid - 1;
+        }
+        e = lo;
+        const int nc = s_pre[e + 1] - s_pre[e];
+        const int local = it - s_pre[e] * NT;  // n-major within the expert
+        n = local / nc;
+        const int q = local - n * nc;
+        const int off = __ldg(p.expert_off + e);
+        const int m = __ldg(p.expert_off + e + 1) - off;
+        m0 = off + q * chunk_rows;
+        mv = min(chunk_rows, m - q * chunk_rows);
+    };
+
+    if (warp == 0) {
+        // ------------------------------ producer ------------------------------
+        if (cute::elect_one_sync()) {
+            int stage = 0, phase = 1;  // a fresh empty barrier passes parity 1
+            const uint64_t hint = static_cast<uint64_t>(cute::TMA::CacheHintSm90::EVICT_NORMAL);
+            for (int it = blockIdx.x; it < n_items; it += gridDim.x) {
+                int e, m0, mv, n;
+                item_of(it, e, m0, mv, n);
+                const int nsub = (mv + kSub - 1) / kSub;
+                const int b0 = kGated ? n * (kBN / 2) : n * kBN;
+                const int b1 = kGated ? p.N + n * (kBN / 2) : n * kBN + kBN / 2;
+                for (int kb = 0; kb < KB; ++kb) {
+                    cutlass::arch::ClusterBarrier::wait(&empty[stage], phase);
+                    cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(
+                        &full[stage], kBBytes + nsub * kBoxBytes);
+                    unsigned char* sb = reinterpret_cast<unsigned char*>(sb_ptr) + stage * kBBytes;
+                    SM90_TMA_LOAD_3D::copy(&tma_b, &full[stage], hint, sb, kb * kBK, b0, e);
+                    SM90_TMA_LOAD_3D::copy(&tma_b, &full[stage], hint, sb + kBoxBytes, kb * kBK, b1, e);
+                    unsigned char* sa = reinterpret_cast<unsigned char*>(sa_ptr) + stage * kABytes;
+                    for (int s = 0; s < nsub; ++s)
+                        SM90_TMA_LOAD_2D::copy(&tma_a, &full[stage], hint, sa + s * kBoxBytes, kb * kBK,
+                                               m0 + s * kSub);
+                    if (++stage == kStages) { stage = 0; phase ^= 1; }
+                }
+            }
+        }
+        return;
+    }
+    if (warp < 4) return;
+
+    // ------------------------------ consumers ------------------------------
+    const int ct = tid - 128;
+    // warp-uniform by construction (a shuffle's broadcast), so that ptxas sees the MMA branches
+    // below as non-divergent and keeps the wgmmas asynchronous (else warning C7520)
+    const int wg = __shfl_sync(0xffffffffu, ct / 128, 0);  // 0, 1
+    const int wt = ct % 128;   // thread in its warpgroup
+    typename Ty::TiledMma mma;
+    auto thr = mma.get_thread_slice(wt);
+    Tensor sA = make_tensor(make_smem_ptr(sa_ptr), typename Ty::SmemLayoutA{});  // (64, 64, 4*STAGES)
+    Tensor sB = make_tensor(make_smem_ptr(sb_ptr), typename Ty::SmemLayoutB{});  // (128, 64, STAGES)
+    Tensor tCsA = thr.partition_A(sA);
+    Tensor tCsB = thr.partition_B(sB);
+    Tensor tCrA = thr.make_fragment_A(tCsA);  // (MMA, 1, 4, 4*STAGES)
+    Tensor tCrB = thr.make_fragment_B(tCsB);  // (MMA, 1, 4, STAGES)
+    Tensor acc0 = partition_fragment_C(mma, Shape<Int<kSub>, Int<kBN>>{});  // sub-tile wg
+    Tensor acc1 = partition_fragment_C(mma, Shape<Int<kSub>, Int<kBN>>{});  // sub-tile wg + 2
+    Tensor cC = make_identity_tensor(Shape<Int<kSub>, Int<kBN>>{});
+    Tensor tCcC = thr.partition_C(cC);
+
+    int stage = 0, phase = 0;
+    T* out = static_cast<T*>(p.out);
+    using E2 = typename Elem<T>::T2;
+    for (int it = blockIdx.x; it < n_items; it += gridDim.x) {
+        int e, m0, mv, n;
+        item_of(it, e, m0, mv, n);
+        const int nsub = __shfl_sync(0xffffffffu, (mv + kSub - 1) / kSub, 0);
+        const bool do0 = wg < nsub, do1 = wg + 2 < nsub;
+        // the k-loop for NS of this warpgroup's sub-tiles (0, 1, 2), one MMA batch in flight:
+        // batch kb is issued before batch kb - 1 is waited for, then kb - 1's stage is released
+        auto mainloop = [&](auto ns_tag) {
+            constexpr int NS = decltype(ns_tag)::value;
+            int prev = -1;
+            for (int kb = 0; kb < KB; ++kb) {
+                cutlass::arch::ClusterBarrier::wait(&full[stage], phase);
+                if constexpr (NS > 0) {
+                    warpgroup_fence_operand(acc0);
+                    if constexpr (NS > 1) warpgroup_fence_operand(acc1);
+                    warpgroup_arrive();
+                    CUTLASS_PRAGMA_UNROLL
+                    for (int k = 0; k < size<2>(tCrA); ++k) {
+                        mma.accumulate_ = (kb == 0 && k == 0) ? GMMA::ScaleOut::Zero : GMMA::ScaleOut::One;
+                        cute::gemm(mma, tCrA(_, _, k, stage * kMaxSub + wg), tCrB(_, _, k, stage), acc0);
+                        if constexpr (NS > 1)
+                            cute::gemm(mma, tCrA(_, _, k, stage * kMaxSub + wg + 2), tCrB(_, _, k, stage), acc1);
+                    }
+                    warpgroup_commit_batch();
+                    warpgroup_wait<1>();
+                    warpgroup_fence_operand(acc0);
+                    if constexpr (NS > 1) warpgroup_fence_operand(acc1);
+                }
+                if (prev >= 0) {
+                    __syncwarp();
+                    if (lane == 0) cutlass::arch::ClusterBarrier::arrive(&empty[prev]);
+                }
+                prev = stage;
+                if (++stage == kStages) { stage = 0; phase ^= 1; }
+            }
+            if constexpr (NS > 0) {
+                warpgroup_wait<0>();
+                warpgroup_fence_operand(acc0);
+                if constexpr (NS > 1) warpgroup_fence_operand(acc1);
+            }
+            if (prev >= 0) {
+                __syncwarp();
+                if (lane == 0) cutlass::arch::ClusterBarrier::arrive(&empty[prev]);
+            }
+        };
+        if (do1) mainloop(Int<2>{});
+        else if (do0) mainloop(Int<1>{});
+        else mainloop(Int<0>{});
+        // epilogue: fragment ((2 cols, 2 rows, 16 column blocks of 8), 1, 1)
+        auto store = [&](auto& acc, int s) {
+            const int rbase = s * kSub;
+            CUTLASS_PRAGMA_UNROLL
+            for (int h = 0; h < 2; ++h) {
+                const int r = rbase + int(get<0>(tCcC(make_coord(make_coord(0, h, 0), 0, 0))));
+                if (r >= mv) continue;
+                T* orow = out + (int64_t)(m0 + r) * p.ld_out;
+                if constexpr (kGated) {
+                    CUTLASS_PRAGMA_UNROLL
+                    for (int b = 0; b < 8; ++b) {
+                        const int c = int(get<1>(tCcC(make_coord(make_coord(0, h, b), 0, 0))));
+                        const float2 g = Elem<T>::unpack(Elem<T>::pack(acc(make_coord(make_coord(0, h, b), 0, 0)),
+                                                                       acc(make_coord(make_coord(1, h, b), 0, 0))));
+                        const float2 u = Elem<T>::unpack(Elem<T>::pack(acc(make_coord(make_coord(0, h, b + 8), 0, 0)),
+                                                                       acc(make_coord(make_coord(1, h, b + 8), 0, 0))));
+                        *reinterpret_cast<E2*>(orow + n * (kBN / 2) + c) =
+                            Elem<T>::pack(silu_fast(g.x) * u.x, silu_fast(g.y) * u.y);
+                    }
+                } else {
+                    CUTLASS_PRAGMA_UNROLL
+                    for (int b = 0; b < 16; ++b) {
+                        const int c = int(get<1>(tCcC(make_coord(make_coord(0, h, b), 0, 0))));
+                        *reinterpret_cast<E2*>(orow + n * kBN + c) =
+                            Elem<T>::pack(acc(make_coord(make_coord(0, h, b), 0, 0)),
+                                          acc(make_coord(make_coord(1, h, b), 0, 0)));
+                    }
+                }
+            }
+        };
+        if (do0) store(acc0, wg);
+        if (do1) store(acc1, wg + 2);
+    }
+#endif
+}
+
+// Host: a 2D (A: rows x K) or 3D (B: E x rows x K) tensor map of 64 x 64 boxes, 128-byte swizzle
+inline bool encode_map(CUtensorMap* map, const void* base, bool bf16, int rank, uint64_t K, uint64_t rows,
+                       uint64_t E) {
+    const cuuint64_t dims[3] = {K, rows, E};
+    const cuuint64_t strides[2] = {K * 2, K * rows * 2};
+    const cuuint32_t box[3] = {kBK, kSub, 1};
+    const cuuint32_t estr[3] = {1, 1, 1};
+    const CUresult r = CUTLASS_CUDA_DRIVER_WRAPPER_CALL(cuTensorMapEncodeTiled)(
+        map, bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, rank,
+        const_cast<void*>(base), dims, strides, box, estr, CU_TENSOR_MAP_INTERLEAVE_NONE,
+        CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    return r == CUDA_SUCCESS;
+}
+
+// Shapes the kernels take: GEMM1 gated with I % 64 == 0 and H % 64 == 0; GEMM2 with H % 128 == 0
+// and I % 64 == 0.
+inline bool supports(int64_t H, int64_t I) { return H % kBN == 0 && I % kBK == 0 && H >= kBN && I >= kBK; }
+
+// One launch: a = xs or act (rows_cap x Kdim), b = w13 or w2 (E x N_rows x Kdim)
+// grid: CTAs (<= SMs; items past the device's count make a CTA return at once); smem_optin: the
+// device's opt-in shared memory per block (the kernel's attribute, set once)
+template <typename T, bool kGated>
+cudaError_t run(const T* a, int rows_cap, const T* b, int b_rows, const Args& args, int grid, int smem_optin,
+                cudaStream_t stream) {
+    struct Cache {
+        bool valid = false;
+        const void* a = nullptr;
+        const void* b = nullptr;
+        int rows = 0, b_rows = 0, K = 0, E = 0;
+        CUtensorMap ta, tb;
+    };
+    static thread_local Cache c;
+    const bool bf16 = std::is_same<T, __nv_bfloat16>::value;
+    if (!c.valid || c.a != a || c.b != b || c.rows != rows_cap || c.b_rows != b_rows || c.K != args.Kdim ||
+        c.E != args.E) {
+        c.valid = false;
+        if (!encode_map(&c.ta, a, bf16, 2, args.Kdim, rows_cap, 1) ||
+            !encode_map(&c.tb, b, bf16, 3, args.Kdim, b_rows, args.E))
+            return cudaErrorInvalidValue;
+        c.a = a; c.b = b; c.rows = rows_cap; c.b_rows = b_rows; c.K = args.Kdim; c.E = args.E;
+        c.valid = true;
+    }
+    auto kern = chunked_gemm_kernel<T, kGated>;
+    const int smem = smem_bytes(args.E);
+    static const cudaError_t set = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                        smem_optin);
+    if (set != cudaSuccess) return set;
+    kern<<<grid, kThreads, smem, stream>>>(c.ta, c.tb, args);
+    return cudaGetLastError();
+}
+
+}  // namespace chunked
+}  // namespace exmoe
