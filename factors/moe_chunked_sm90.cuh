@@ -33,11 +33,17 @@
 
 #include <cuda.h>
 
+#include <algorithm>
+#include <cstdint>
+#include <type_traits>
+
 #include "cute/tensor.hpp"
 #include "cute/arch/copy_sm90_tma.hpp"
 #include "cute/atom/mma_traits_sm90_gmma.hpp"
 #include "cutlass/arch/barrier.h"
+#include "cutlass/arch/reg_reconfig.h"
 #include "cutlass/cuda_host_adapter.hpp"
+// needs exmoe::Elem (and, with EX_SM90_EPI_ACCURATE, exmoe::silu_f) from moe_fused_gemm.cuh
 
 namespace exmoe {
 namespace chunked {
@@ -54,7 +60,7 @@ constexpr int kABytes = kMaxSub * kBoxBytes;              // 32 KB per stage
 constexpr int kBBytes = kBN * kBK * 2;                    // 16 KB per stage
 constexpr int kBarOff = kStages * (kABytes + kBBytes);    // 196,608
 constexpr int kPreOff = kBarOff + 2 * kStages * 8;
-inline int smem_bytes(int E) { return kPreOff + (E + 1) * 4; }
+inline int64_t smem_bytes(int64_t E) { return kPreOff + (E + 1) * 4; }
 
 template <typename T> struct CuteElem;
 template <> struct CuteElem<__nv_bfloat16> { using type = cutlass::bfloat16_t; };
@@ -81,7 +87,12 @@ struct Args {
     int E;
 };
 
-__device__ __forceinline__ float silu_fast(float g) { return __fdividef(g, 1.0f + __expf(-g)); }
+// silu as the CUTLASS path's gated epilogue computes it (its EX_SM90_EPI_ACCURATE build: expf)
+#if defined(EX_SM90_EPI_ACCURATE)
+__device__ __forceinline__ float silu_epi(float g) { return silu_f(g); }
+#else
+__device__ __forceinline__ float silu_epi(float g) { return __fdividef(g, 1.0f + __expf(-g)); }
+#endif
 
 template <typename T, bool kGated>
 __global__ void __launch_bounds__(kThreads, 1)
@@ -133,7 +144,7 @@ chunked_gemm_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_cons
 
     // item -> expert, first row of the chunk, its rows (1..chunk_rows), N-tile
     auto item_of = [&](int it, int& e, int& m0, int& mv, int& n) {
-        const int c = it / NT;  // chunk index (global): items of expert e are [pre[e]*NT, pre[e+1]*NT)
+        const int c = it / NT;  // items of expert e are [pre[e]*NT, pre[e+1]*NT): it / NT finds e
         int lo = 0, hi = p.E - 1;
         while (lo < hi) {
             const int mid = (lo + hi + 1) >> 1;
@@ -150,8 +161,12 @@ chunked_gemm_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_cons
         mv = min(chunk_rows, m - q * chunk_rows);
     };
 
-    if (warp == 0) {
+    if (warp < 4) {
         // ------------------------------ producer ------------------------------
+        // registers: 40 a thread here, 232 for the consumers (128 of their accumulators), as
+        // CUTLASS's warp-specialized kernels split them (the whole warpgroup executes it)
+        cutlass::arch::warpgroup_reg_dealloc<40>();
+        if (warp != 0) return;
         if (cute::elect_one_sync()) {
             int stage = 0, phase = 1;  // a fresh empty barrier passes parity 1
             const uint64_t hint = static_cast<uint64_t>(cute::TMA::CacheHintSm90::EVICT_NORMAL);
@@ -178,9 +193,9 @@ chunked_gemm_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_cons
         }
         return;
     }
-    if (warp < 4) return;
 
     // ------------------------------ consumers ------------------------------
+    cutlass::arch::warpgroup_reg_alloc<232>();
     const int ct = tid - 128;
     // warp-uniform by construction (a shuffle's broadcast), so that ptxas sees the MMA branches
     // below as non-divergent and keeps the wgmmas asynchronous (else warning C7520)
@@ -209,6 +224,10 @@ chunked_gemm_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_cons
         const bool do0 = wg < nsub, do1 = wg + 2 < nsub;
         // the k-loop for NS of this warpgroup's sub-tiles (0, 1, 2), one MMA batch in flight:
         // batch kb is issued before batch kb - 1 is waited for, then kb - 1's stage is released
+        auto release = [&](int s) {  // each consumer warp's arrival on stage s's empty barrier
+            __syncwarp();
+            if (lane == 0) cutlass::arch::ClusterBarrier::arrive(&empty[s]);
+        };
         auto mainloop = [&](auto ns_tag) {
             constexpr int NS = decltype(ns_tag)::value;
             int prev = -1;
@@ -230,10 +249,7 @@ chunked_gemm_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_cons
                     warpgroup_fence_operand(acc0);
                     if constexpr (NS > 1) warpgroup_fence_operand(acc1);
                 }
-                if (prev >= 0) {
-                    __syncwarp();
-                    if (lane == 0) cutlass::arch::ClusterBarrier::arrive(&empty[prev]);
-                }
+                if (prev >= 0) release(prev);
                 prev = stage;
                 if (++stage == kStages) { stage = 0; phase ^= 1; }
             }
@@ -242,10 +258,7 @@ chunked_gemm_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_cons
                 warpgroup_fence_operand(acc0);
                 if constexpr (NS > 1) warpgroup_fence_operand(acc1);
             }
-            if (prev >= 0) {
-                __syncwarp();
-                if (lane == 0) cutlass::arch::ClusterBarrier::arrive(&empty[prev]);
-            }
+            if (prev >= 0) release(prev);
         };
         if (do1) mainloop(Int<2>{});
         else if (do0) mainloop(Int<1>{});
@@ -267,7 +280,7 @@ chunked_gemm_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_cons
                         const float2 u = Elem<T>::unpack(Elem<T>::pack(acc(make_coord(make_coord(0, h, b + 8), 0, 0)),
                                                                        acc(make_coord(make_coord(1, h, b + 8), 0, 0))));
                         *reinterpret_cast<E2*>(orow + n * (kBN / 2) + c) =
-                            Elem<T>::pack(silu_fast(g.x) * u.x, silu_fast(g.y) * u.y);
+                            Elem<T>::pack(silu_epi(g.x) * u.x, silu_epi(g.y) * u.y);
                     }
                 } else {
                     CUTLASS_PRAGMA_UNROLL
@@ -283,6 +296,8 @@ chunked_gemm_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_cons
         if (do0) store(acc0, wg);
         if (do1) store(acc1, wg + 2);
     }
+#elif defined(__CUDA_ARCH__)
+    __trap();  // built without sm_90a's wgmma/TMA: fail loudly, never leave act / ys unwritten
 #endif
 }
 
@@ -300,13 +315,20 @@ inline bool encode_map(CUtensorMap* map, const void* base, bool bf16, int rank, 
     return r == CUDA_SUCCESS;
 }
 
-// Shapes the kernels take: GEMM1 gated with I % 64 == 0 and H % 64 == 0; GEMM2 with H % 128 == 0
-// and I % 64 == 0.
-inline bool supports(int64_t H, int64_t I) { return H % kBN == 0 && I % kBK == 0 && H >= kBN && I >= kBK; }
+// Shapes the kernels take: H % 128 == 0 (GEMM2's N-tiles, GEMM1's k-steps) and I % 64 == 0
+// (GEMM1's N-tiles of 64 act columns, GEMM2's k-steps); the caller adds its own conditions (the
+// gated path: I % 128 == 0) and E <= kMaxE (the per-expert prefix in shared memory).
+constexpr int64_t kMaxE = 4096;
+inline bool supports(int64_t H, int64_t I, int64_t E) {
+    return H % kBN == 0 && I % kBK == 0 && H >= kBN && I >= kBK && E >= 1 && E <= kMaxE;
+}
 
 // One launch: a = xs or act (rows_cap x Kdim), b = w13 or w2 (E x N_rows x Kdim)
-// grid: CTAs (<= SMs; items past the device's count make a CTA return at once); smem_optin: the
-// device's opt-in shared memory per block (the kernel's attribute, set once)
+// grid: CTAs (<= SMs; a CTA past the item count, which the device reads from expert_off, returns
+// at once); smem_optin: the device's opt-in shared memory per block (the kernel's attribute, set
+// once per process, as the CUTLASS launches do). The two tensor maps are cached for the last
+// (pointers, shapes) only: an eager call on another layer's weights encodes them again (host work,
+// a few µs, beside GEMMs of hundreds of µs where this tiling is chosen).
 template <typename T, bool kGated>
 cudaError_t run(const T* a, int rows_cap, const T* b, int b_rows, const Args& args, int grid, int smem_optin,
                 cudaStream_t stream) {
@@ -329,7 +351,7 @@ cudaError_t run(const T* a, int rows_cap, const T* b, int b_rows, const Args& ar
         c.valid = true;
     }
     auto kern = chunked_gemm_kernel<T, kGated>;
-    const int smem = smem_bytes(args.E);
+    const int smem = (int)smem_bytes(args.E);
     static const cudaError_t set = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                         smem_optin);
     if (set != cudaSuccess) return set;

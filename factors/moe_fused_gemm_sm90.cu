@@ -67,8 +67,9 @@
  * for shapes whose 128 x 256 tiles leave the last round of the persistent grid mostly idle (granite
  * at T = 384..1024: ~160 tiles of GEMM1 on 132 SMs). Where dims[7] = 10 (tuned data: "chunked")
  * both GEMMs run on kernels of our own (moe_chunked_sm90.cuh: a CTA takes up to 256 of an expert's
- * rows against one weight tile, MMAs on the 64-row sub-tiles that hold rows) where GEMM1 is gated
- * and H % 128 == 0, else on Tile128; for experts of a little over 128 rows (mixtral T = 512).
+ * rows against one weight tile, MMAs on the 64-row sub-tiles that hold rows) where sm90_chunked_for
+ * allows (GEMM1 gated, H % 128 == 0, E <= 4096), else as dims[7] = 4; for experts of a little over
+ * 128 rows (mixtral T = 512).
  *
  * Workspace (a pure function of dims; sections 256-byte aligned):
  *   [0, 256)   status word (int32 at byte 0), as the portable path
@@ -1059,11 +1060,12 @@ static bool sm90_tile64_for(const Problem& P) {
 }
 
 // Whether both GEMMs run on chunks of up to 256 of an expert's rows (moe_chunked_sm90.cuh): a tuned
-// choice (dims[7] = 10) on shapes it takes (gated GEMM1: I % 128 == 0 here; H % 128 == 0; its
-// shared memory); else such a call runs on the 128 x 256 tiling.
+// choice (dims[7] = 10) on shapes it takes: the gated GEMM1 (I % 128 == 0, and not turned off by
+// EX_MOE_SM90_SILU_IN_GEMM1=0), H % 128 == 0, E <= chunked::kMaxE and its shared memory; else such
+// a call runs on the 128-row tiling as dims[7] = 4 (grouped) does.
 static bool sm90_chunked_for(const Problem& P) {
-    return P.config == kTileConfigChunked && s_sm90_gated && P.I % 128 == 0 && chunked::supports(P.H, P.I) &&
-           chunked::smem_bytes((int)P.E) <= s_smem_optin;
+    return P.config == kTileConfigChunked && s_sm90_gated && P.I % 128 == 0 &&
+           chunked::supports(P.H, P.I, P.E) && chunked::smem_bytes(P.E) <= s_smem_optin;
 }
 
 // Under the 128-row tiling, whether GEMM2 runs on Tile128N128 (short reduction over I).
@@ -1248,8 +1250,9 @@ static int launch_sm90(const Problem& P, void* out, const void* x, const void* w
     const int64_t key[9] = {(int64_t)(uintptr_t)ws, P.T, P.H, P.E, P.I, P.K, P.dtype, s_num_sms,
                             s_sm90_loads.load(std::memory_order_acquire)};
     int st;
-    const bool chunked_on = use_chunked && gated;  // (sm90_chunked_for checked the shape)
-    if (chunked_on) {
+    // (the gather's group arrays for the CUTLASS GEMMs are written also where the chunked kernels
+    // run instead: the same launch, a few KB)
+    if (use_chunked) {
         const int chunk_rows = chunked::kSub * chunked::kMaxSub;
         const int64_t chunks_max = P.TK / chunk_rows + E;
         const chunked::Args a1{expert_off, act, I, I, H, E};
@@ -1273,7 +1276,7 @@ static int launch_sm90(const Problem& P, void* out, const void* x, const void* w
     }
 
     // 5. GEMM2: ys = act . w2[e]^T per expert
-    if (chunked_on)
+    if (use_chunked)
         ;  // both GEMMs above
     else if (std::is_same<Tile, sm90::Tile128>::value && sm90_gemm2_pingpong_for(P))
         st = run_grouped_gemm<sm90::GroupedGemm<CT, sm90::Tile128N128>, 2>(ga[1], E, cutlass_ws, key, stream);

@@ -244,6 +244,40 @@ def test_moe_sm90_tilings_on_awkward_shapes(cp, config, dtype, kind):
     r.check_device_errors()
 
 
+@pytest.mark.parametrize("kind,chunked", [("I > H", True), ("one expert", True), ("H=200", False),
+                                          ("ungated I=200", False)])
+def test_moe_chunked_kernels_run_where_they_take_the_shape(cp, kind, chunked):
+    """dims[7] = 10 (chunked) runs the chunked kernels (moe_chunked_sm90.cuh) on the shapes they
+    take (gated GEMM1, H % 128 == 0) and the 128-row CUTLASS tiling elsewhere; dims[7] = 4 never
+    runs them. The outputs agree whichever ran, so the kernels' names in PyTorch's profiler (a
+    CUPTI kernel trace) say which did."""
+    torch = pytest.importorskip("torch")
+    from torch.profiler import ProfilerActivity, profile
+    if not (ROOT / "factors" / "moe_fused_gemm_sm90.so").exists():
+        pytest.skip("moe_fused_gemm_sm90.so not built")
+    r = FactorRegistry.load(ROOT / "factors", prefer={"moe_fused_gemm": "moe_fused_gemm_sm90.so"})
+    if r.get("moe_fused_gemm") is None or r.get("moe_fused_gemm").path.name != "moe_fused_gemm_sm90.so":
+        pytest.skip("moe_fused_gemm_sm90.so not ready on this GPU")
+    shapes = {"I > H": (700, 256, 8, 1024, 2), "one expert": (3000, 512, 16, 384, 1),
+              "H=200": (1000, 200, 16, 256, 4), "ungated I=200": (1024, 512, 8, 200, 2)}
+    case = moe_case(cp, *shapes[kind], "bfloat16")
+    if kind == "one expert":
+        case[4][:] = 3
+    ran = {}
+    for config in (10, 4):
+        r.set_tuning("moe_fused_gemm", lambda sizes, c=config: c)
+        run_moe_check(r, cp, case, "bfloat16")           # compiled, warm
+        cp.cuda.Device().synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            run_moe_check(r, cp, case, "bfloat16")
+            cp.cuda.Device().synchronize()
+        names = [ev.name for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA]
+        assert any("combine" in n for n in names), names   # the trace saw the call
+        ran[config] = any("chunked_gemm_kernel" in n for n in names)
+    assert ran == {10: chunked, 4: False}, ran
+    r.check_device_errors()
+
+
 @pytest.mark.parametrize("T,H,E,I,K", [(1, 4096, 128, 1536, 8), (2, 4096, 16, 6400, 2), (4, 2048, 128, 768, 8),
                                        (8, 1536, 40, 512, 8), (64, 2048, 64, 1408, 6), (40, 2056, 16, 1000, 2)])
 def test_moe_decode4_equals_decode(reg, cp, T, H, E, I, K):
