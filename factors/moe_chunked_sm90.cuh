@@ -94,7 +94,11 @@ __device__ __forceinline__ float silu_epi(float g) { return silu_f(g); }
 __device__ __forceinline__ float silu_epi(float g) { return __fdividef(g, 1.0f + __expf(-g)); }
 #endif
 
-template <typename T, bool kGated>
+// kMc: launched in clusters of two CTAs that take the two N-tiles of a pair for the same chunk;
+// each copies half of the chunk's A sub-tiles (s % 2 == its rank) to both CTAs' shared memory (TMA
+// multicast), so A crosses from L2 once per pair; a stage is refilled only after both CTAs'
+// consumers released it (empty barriers count 16 arrivals, one per consumer warp of either CTA).
+template <typename T, bool kGated, bool kMc>
 __global__ void __launch_bounds__(kThreads, 1)
 chunked_gemm_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_constant__ CUtensorMap tma_b,
                const Args p) {
@@ -111,13 +115,17 @@ chunked_gemm_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_cons
     const int tid = threadIdx.x;
     const int warp = tid / 32, lane = tid % 32;
     const int KB = p.Kdim / kBK;
-    const int NT = kGated ? p.N / (kBN / 2) : p.N / kBN;
+    constexpr int kCtas = kMc ? 2 : 1;
+    // N-tiles per item: one, or a pair (the host checks NT % 2 == 0 for kMc)
+    const int NT = (kGated ? p.N / (kBN / 2) : p.N / kBN) / kCtas;
     constexpr int chunk_rows = kSub * kMaxSub;
+    const int rank = kMc ? (int)cute::block_rank_in_cluster() : 0;
+    const int cid = blockIdx.x / kCtas, n_clusters = gridDim.x / kCtas;
 
     if (tid == 0) {
         for (int s = 0; s < kStages; ++s) {
             cutlass::arch::ClusterTransactionBarrier::init(&full[s], 1);
-            cutlass::arch::ClusterBarrier::init(&empty[s], 8);
+            cutlass::arch::ClusterBarrier::init(&empty[s], 8 * kCtas);
         }
         cutlass::arch::fence_barrier_init();
     }
@@ -139,7 +147,10 @@ chunked_gemm_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_cons
         }
         if (lane == 0) s_pre[p.E] = carry;
     }
-    __syncthreads();
+    if constexpr (kMc)
+        cute::cluster_sync();  // the peer's barriers are initialized before any multicast or remote arrival
+    else
+        __syncthreads();
     const int n_items = s_pre[p.E] * NT;
 
     // item -> expert, first row of the chunk, its rows (1..chunk_rows), N-tile
@@ -170,9 +181,10 @@ chunked_gemm_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_cons
         if (cute::elect_one_sync()) {
             int stage = 0, phase = 1;  // a fresh empty barrier passes parity 1
             const uint64_t hint = static_cast<uint64_t>(cute::TMA::CacheHintSm90::EVICT_NORMAL);
-            for (int it = blockIdx.x; it < n_items; it += gridDim.x) {
+            for (int it = cid; it < n_items; it += n_clusters) {
                 int e, m0, mv, n;
                 item_of(it, e, m0, mv, n);
+                n = n * kCtas + rank;
                 const int nsub = (mv + kSub - 1) / kSub;
                 const int b0 = kGated ? n * (kBN / 2) : n * kBN;
                 const int b1 = kGated ? p.N + n * (kBN / 2) : n * kBN + kBN / 2;
@@ -184,11 +196,23 @@ chunked_gemm_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_cons
                     SM90_TMA_LOAD_3D::copy(&tma_b, &full[stage], hint, sb, kb * kBK, b0, e);
                     SM90_TMA_LOAD_3D::copy(&tma_b, &full[stage], hint, sb + kBoxBytes, kb * kBK, b1, e);
                     unsigned char* sa = reinterpret_cast<unsigned char*>(sa_ptr) + stage * kABytes;
-                    for (int s = 0; s < nsub; ++s)
-                        SM90_TMA_LOAD_2D::copy(&tma_a, &full[stage], hint, sa + s * kBoxBytes, kb * kBK,
-                                               m0 + s * kSub);
+                    if constexpr (kMc) {
+                        for (int s = rank; s < nsub; s += 2)
+                            SM90_TMA_LOAD_MULTICAST_2D::copy(&tma_a, &full[stage], (uint16_t)0x3, hint,
+                                                             sa + s * kBoxBytes, kb * kBK, m0 + s * kSub);
+                    } else {
+                        for (int s = 0; s < nsub; ++s)
+                            SM90_TMA_LOAD_2D::copy(&tma_a, &full[stage], hint, sa + s * kBoxBytes, kb * kBK,
+                                                   m0 + s * kSub);
+                    }
                     if (++stage == kStages) { stage = 0; phase ^= 1; }
                 }
+            }
+            // tail: wait until every stage is released once more, so that this CTA does not exit
+            // while its peer's consumers may still arrive on its barriers
+            for (int i = 0; i < kStages; ++i) {
+                cutlass::arch::ClusterBarrier::wait(&empty[stage], phase);
+                if (++stage == kStages) { stage = 0; phase ^= 1; }
             }
         }
         return;
@@ -217,16 +241,20 @@ chunked_gemm_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_cons
     int stage = 0, phase = 0;
     T* out = static_cast<T*>(p.out);
     using E2 = typename Elem<T>::T2;
-    for (int it = blockIdx.x; it < n_items; it += gridDim.x) {
+    for (int it = cid; it < n_items; it += n_clusters) {
         int e, m0, mv, n;
         item_of(it, e, m0, mv, n);
+        n = n * kCtas + rank;
         const int nsub = __shfl_sync(0xffffffffu, (mv + kSub - 1) / kSub, 0);
         const bool do0 = wg < nsub, do1 = wg + 2 < nsub;
         // the k-loop for NS of this warpgroup's sub-tiles (0, 1, 2), one MMA batch in flight:
         // batch kb is issued before batch kb - 1 is waited for, then kb - 1's stage is released
-        auto release = [&](int s) {  // each consumer warp's arrival on stage s's empty barrier
+        auto release = [&](int s) {  // each consumer warp's arrival on stage s's empty barrier(s)
             __syncwarp();
-            if (lane == 0) cutlass::arch::ClusterBarrier::arrive(&empty[s]);
+            if (lane == 0) {
+                cutlass::arch::ClusterBarrier::arrive(&empty[s]);
+                if constexpr (kMc) cutlass::arch::ClusterBarrier::arrive(&empty[s], (uint32_t)(rank ^ 1), 1u);
+            }
         };
         auto mainloop = [&](auto ns_tag) {
             constexpr int NS = decltype(ns_tag)::value;
@@ -319,19 +347,23 @@ inline bool encode_map(CUtensorMap* map, const void* base, bool bf16, int rank, 
 // (GEMM1's N-tiles of 64 act columns, GEMM2's k-steps); the caller adds its own conditions (the
 // gated path: I % 128 == 0) and E <= kMaxE (the per-expert prefix in shared memory).
 constexpr int64_t kMaxE = 4096;
+// the multicast variant's pairs of N-tiles: GEMM1's I / 64 and GEMM2's H / 128 even
+inline bool pairs_ok(int64_t H, int64_t I) { return (I / (kBN / 2)) % 2 == 0 && (H / kBN) % 2 == 0; }
 inline bool supports(int64_t H, int64_t I, int64_t E) {
     return H % kBN == 0 && I % kBK == 0 && H >= kBN && I >= kBK && E >= 1 && E <= kMaxE;
 }
 
 // One launch: a = xs or act (rows_cap x Kdim), b = w13 or w2 (E x N_rows x Kdim)
-// grid: CTAs (<= SMs; a CTA past the item count, which the device reads from expert_off, returns
-// at once); smem_optin: the device's opt-in shared memory per block (the kernel's attribute, set
-// once per process, as the CUTLASS launches do). The two tensor maps are cached for the last
+// work_max: an upper bound on the (chunk, N-tile) items; the grid is persistent: at most one CTA
+// per SM (kMc: as many clusters of two as the device holds at once, cudaOccupancyMaxActiveClusters)
+// and no more than the items (a CTA past the item count, which the device reads from expert_off,
+// returns at once); smem_optin: the device's opt-in shared memory per block (the kernel's
+// attribute, set once per process, as the CUTLASS launches do). The two tensor maps are cached for the last
 // (pointers, shapes) only: an eager call on another layer's weights encodes them again (host work,
 // a few µs, beside GEMMs of hundreds of µs where this tiling is chosen).
-template <typename T, bool kGated>
-cudaError_t run(const T* a, int rows_cap, const T* b, int b_rows, const Args& args, int grid, int smem_optin,
-                cudaStream_t stream) {
+template <typename T, bool kGated, bool kMc>
+cudaError_t run(const T* a, int rows_cap, const T* b, int b_rows, const Args& args, int64_t work_max, int num_sms,
+                int smem_optin, cudaStream_t stream) {
     struct Cache {
         bool valid = false;
         const void* a = nullptr;
@@ -350,13 +382,37 @@ cudaError_t run(const T* a, int rows_cap, const T* b, int b_rows, const Args& ar
         c.a = a; c.b = b; c.rows = rows_cap; c.b_rows = b_rows; c.K = args.Kdim; c.E = args.E;
         c.valid = true;
     }
-    auto kern = chunked_gemm_kernel<T, kGated>;
+    auto kern = chunked_gemm_kernel<T, kGated, kMc>;
     const int smem = (int)smem_bytes(args.E);
     static const cudaError_t set = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                         smem_optin);
     if (set != cudaSuccess) return set;
-    kern<<<grid, kThreads, smem, stream>>>(c.ta, c.tb, args);
-    return cudaGetLastError();
+    cudaLaunchConfig_t cfg = {};
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = kMc ? 2 : 1;
+    attr[0].val.clusterDim.y = 1;
+    attr[0].val.clusterDim.z = 1;
+    cfg.blockDim = dim3(kThreads);
+    cfg.dynamicSmemBytes = (size_t)smem_optin;  // the occupancy query's; the launch's below
+    cfg.stream = stream;
+    cfg.attrs = attr;
+    cfg.numAttrs = kMc ? 1 : 0;
+    int64_t grid = std::min<int64_t>(num_sms, std::max<int64_t>(work_max, 1));
+    if constexpr (kMc) {
+        static int max_clusters = -1;  // once per process (one device's figure, as the attribute)
+        if (max_clusters < 0) {
+            cfg.gridDim = dim3(2 * (unsigned)std::max(1, num_sms / 2));
+            int n = 0;
+            const cudaError_t q = cudaOccupancyMaxActiveClusters(&n, kern, &cfg);
+            if (q != cudaSuccess) return q;
+            max_clusters = std::max(1, n);
+        }
+        grid = 2 * std::min<int64_t>(max_clusters, (std::max<int64_t>(work_max, 1) + 1) / 2);
+    }
+    cfg.gridDim = dim3((unsigned)grid);
+    cfg.dynamicSmemBytes = (size_t)smem;
+    return cudaLaunchKernelEx(&cfg, kern, c.ta, c.tb, args);
 }
 
 }  // namespace chunked

@@ -958,6 +958,9 @@ static bool s_sm90_gemm2_pp = true;
 // row read once, written to its slots' sorted rows); EX_MOE_SM90_GATHER_BY_TOKEN=0: a warp per
 // sorted row (each row read K times), for comparison
 static bool s_sm90_gather_by_token = true;
+// set by ex_get_factor: the chunked kernels in clusters of two CTAs multicasting A (where the
+// N-tiles pair up); EX_MOE_SM90_CHUNKED_MULTICAST=0: one CTA per item, each loading its own A
+static bool s_sm90_chunked_mc = true;
 
 using GemmBf16 = sm90::GroupedGemm<cutlass::bfloat16_t>;
 using GemmF16 = sm90::GroupedGemm<cutlass::half_t>;
@@ -1256,12 +1259,19 @@ static int launch_sm90(const Problem& P, void* out, const void* x, const void* w
         const int chunk_rows = chunked::kSub * chunked::kMaxSub;
         const int64_t chunks_max = P.TK / chunk_rows + E;
         const chunked::Args a1{expert_off, act, I, I, H, E};
-        const int grid1 = (int)std::min<int64_t>(s_num_sms, chunks_max * (I / (chunked::kBN / 2)));
-        err = chunked::run<T, true>(xs, (int)P.TK, static_cast<const T*>(w13), 2 * I, a1, grid1, s_smem_optin, stream);
-        if (err != cudaSuccess) return cuda_error(err);
         const chunked::Args a2{expert_off, ys, H, H, I, E};
-        const int grid2 = (int)std::min<int64_t>(s_num_sms, chunks_max * (H / chunked::kBN));
-        err = chunked::run<T, false>(act, (int)P.TK, static_cast<const T*>(w2), H, a2, grid2, s_smem_optin, stream);
+        const int64_t work1 = chunks_max * (I / (chunked::kBN / 2)), work2 = chunks_max * (H / chunked::kBN);
+        const T* w13t = static_cast<const T*>(w13);
+        const T* w2t = static_cast<const T*>(w2);
+        if (s_sm90_chunked_mc && chunked::pairs_ok(H, I)) {
+            err = chunked::run<T, true, true>(xs, (int)P.TK, w13t, 2 * I, a1, work1, s_num_sms, s_smem_optin, stream);
+            if (err == cudaSuccess)
+                err = chunked::run<T, false, true>(act, (int)P.TK, w2t, H, a2, work2, s_num_sms, s_smem_optin, stream);
+        } else {
+            err = chunked::run<T, true, false>(xs, (int)P.TK, w13t, 2 * I, a1, work1, s_num_sms, s_smem_optin, stream);
+            if (err == cudaSuccess)
+                err = chunked::run<T, false, false>(act, (int)P.TK, w2t, H, a2, work2, s_num_sms, s_smem_optin, stream);
+        }
         if (err != cudaSuccess) return cuda_error(err);
         st = EX_OK;
     } else if (gated) {
@@ -1351,6 +1361,7 @@ extern "C" EX_EXPORT ex_factor_t* ex_get_factor(const ex_hardware_t* hw) {
     s_sm90_raster_n = explugin::env_count("EX_MOE_SM90_RASTER_N", 0) != 0;
     s_sm90_gather_by_token = explugin::env_switch("EX_MOE_SM90_GATHER_BY_TOKEN");
     sm90::g_skip_empty_a = explugin::env_switch("EX_MOE_SM90_SKIP_EMPTY_A");
+    s_sm90_chunked_mc = explugin::env_switch("EX_MOE_SM90_CHUNKED_MULTICAST");
     static const char* const kSwizzles[] = {"1", "2", "4", "8"};
     s_sm90_swizzle = 1 << explugin::env_choice("EX_MOE_SM90_SWIZZLE", kSwizzles, 4, 0);
     // last, after every setting the cached Params (run_grouped_gemm) hold: a call that reads the
