@@ -723,3 +723,43 @@ def test_sm90_skip_empty_a_slices_bit_identical(skip_a_reg, cp, config, kind):
         r.check_device_errors()
     assert bool((outs[0].bits == outs[1].bits).all()) if dtype == "bfloat16" else bool(
         (outs[0].view(cp.uint16) == outs[1].view(cp.uint16)).all())
+
+
+CHUNKED_MC_ENV = "EX_MOE_SM90_CHUNKED_MULTICAST"   # read by the sm90 plugin's ex_get_factor
+
+
+@pytest.mark.parametrize("kind", ["150 rows per expert", "one expert", "empty experts", "E=40 fp16", "T=1"])
+def test_chunked_multicast_bit_identical(skip_a_reg, cp, kind):
+    """The chunked tiling (dims[7] = 10) in clusters of two CTAs that multicast A (the default)
+    gives the same bits as one CTA per item (EX_MOE_SM90_CHUNKED_MULTICAST=0): chunks of 3 sub-tiles
+    (a little over 128 rows per expert, mixtral T = 512's case), of 1 (T = 1, E = 40), twelve chunks
+    of one expert, idle experts; both within tolerance of the float64 reference. A sub-tile copied
+    by the wrong CTA of a pair, or a stage refilled before the peer released it, changes the bits
+    or hangs. Each registry is loaded right before its calls (the setting is the plugin's, read at
+    its latest load)."""
+    shapes = {"150 rows per expert": (600, 512, 8, 1024, 2), "one expert": (3000, 512, 16, 384, 1),
+              "empty experts": (2048, 256, 64, 128, 4), "E=40 fp16": (1000, 512, 40, 256, 6),
+              "T=1": (1, 2048, 128, 768, 8)}
+    T, H, E, I, K = shapes[kind]
+    dtype = "float16" if "fp16" in kind else "bfloat16"
+    x, w13, w2, w, ids = moe_case(cp, T, H, E, I, K, dtype)
+    if kind == "one expert":
+        ids[:] = 3
+    if kind == "empty experts":
+        ids[:] = empty_experts_ids(cp, 2048)
+    saved = os.environ.get(CHUNKED_MC_ENV)
+    outs = []
+    try:
+        for on in (True, False):
+            os.environ[CHUNKED_MC_ENV] = "1" if on else "0"
+            r = skip_a_reg(True)
+            r.set_tuning("moe_fused_gemm", lambda sizes: 10)
+            outs.append(run_moe_check(r, cp, (x, w13, w2, w, ids), dtype))
+            r.check_device_errors()
+    finally:
+        if saved is None:
+            os.environ.pop(CHUNKED_MC_ENV, None)
+        else:
+            os.environ[CHUNKED_MC_ENV] = saved
+    assert bool((outs[0].bits == outs[1].bits).all()) if dtype == "bfloat16" else bool(
+        (outs[0].view(cp.uint16) == outs[1].view(cp.uint16)).all())
