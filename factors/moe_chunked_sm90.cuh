@@ -17,7 +17,12 @@
  * Work: an item is (expert e, chunk q, N-tile n); per expert the items run N-tile-major (the
  * chunks of one N-tile side by side, so a second chunk's weight reads hit L2). The grid is
  * persistent (at most one CTA per SM, sized on the host), items dealt round-robin; the item
- * count comes from expert_off on the device.
+ * count comes from expert_off on the device. By default (kMc) CTAs run in clusters of two on the
+ * two N-tiles of a pair and multicast the chunk's A sub-tiles (each CTA copies half to both).
+ *
+ * Measured (H200, benchmarks/RESULTS.md "Chunked"): mixtral T = 512 875 µs against 1006 on the
+ * 128 x 256 tiling; the tuning file picks it where it wins (a little over 128 to 256 rows per
+ * expert with a long reduction); slower with short reductions and many rows (qwen3-30b T = 4096).
  *
  * Roles (384 threads): warp 0 (one elected lane) issues the TMA copies of a ring of stages, each
  * the B tile (128 weight rows x 64 of the reduction: two 64 x 64 boxes; GEMM1: 64 gate rows and
