@@ -655,6 +655,26 @@ def test_moe_multiblock_routing_under_graph_capture(route_reg, cp, library, sm90
 SKIP_A_ENV = "EX_MOE_SM90_SKIP_EMPTY_A"   # read by the sm90 plugin's ex_get_factor
 
 
+def kind_case(cp, shapes, kind):
+    """(moe_case, dtype) of shapes[kind] = (T, H, E, I, K): float16 where the kind names fp16;
+    "one expert": every slot on expert 3; "empty experts": empty_experts_ids (T = 2048)."""
+    T, H, E, I, K = shapes[kind]
+    dtype = "float16" if "fp16" in kind else "bfloat16"
+    case = moe_case(cp, T, H, E, I, K, dtype)
+    if kind == "one expert":
+        case[4][:] = 3
+    if kind == "empty experts":
+        case[4][:] = empty_experts_ids(cp, 2048)
+    return case, dtype
+
+
+def same_bits(cp, a, b, dtype):
+    """Whether two moe_fused_gemm outputs of dtype are equal bit for bit."""
+    if dtype == "bfloat16":
+        return bool((a.bits == b.bits).all())
+    return bool((a.view(cp.uint16) == b.view(cp.uint16)).all())
+
+
 @pytest.fixture
 def skip_a_reg():
     """load(on): a registry whose moe_fused_gemm is the Hopper plugin, loaded with the GEMMs'
@@ -703,13 +723,7 @@ def test_sm90_skip_empty_a_slices_bit_identical(skip_a_reg, cp, config, kind):
     shapes = {"qwen3-30b T=512": (512, 2048, 128, 768, 8), "few rows": (40, 512, 64, 256, 6),
               "one expert": (300, 512, 16, 384, 1), "empty experts": (2048, 256, 64, 128, 4),
               "E=40 fp16": (100, 512, 40, 256, 6), "ungated few rows": (40, 512, 16, 200, 2)}
-    T, H, E, I, K = shapes[kind]
-    dtype = "float16" if "fp16" in kind else "bfloat16"
-    x, w13, w2, w, ids = moe_case(cp, T, H, E, I, K, dtype)
-    if kind == "one expert":
-        ids[:] = 3
-    if kind == "empty experts":
-        ids[:] = empty_experts_ids(cp, 2048)
+    (x, w13, w2, w, ids), dtype = kind_case(cp, shapes, kind)
     outs = []
     for on in (True, False):
         r = skip_a_reg(on)
@@ -721,8 +735,7 @@ def test_sm90_skip_empty_a_slices_bit_identical(skip_a_reg, cp, config, kind):
         moe_fused_gemm(nan_x, w13, w2, w, all_ids, out=poison(cp, (T, H), dtype), registry=r)
         outs.append(run_moe_check(r, cp, (x, w13, w2, w, ids), dtype))
         r.check_device_errors()
-    assert bool((outs[0].bits == outs[1].bits).all()) if dtype == "bfloat16" else bool(
-        (outs[0].view(cp.uint16) == outs[1].view(cp.uint16)).all())
+    assert same_bits(cp, outs[0], outs[1], dtype)
 
 
 CHUNKED_MC_ENV = "EX_MOE_SM90_CHUNKED_MULTICAST"   # read by the sm90 plugin's ex_get_factor
@@ -740,13 +753,7 @@ def test_chunked_multicast_bit_identical(skip_a_reg, cp, kind):
     shapes = {"150 rows per expert": (600, 512, 8, 1024, 2), "one expert": (3000, 512, 16, 384, 1),
               "empty experts": (2048, 256, 64, 128, 4), "E=40 fp16": (1000, 512, 40, 256, 6),
               "T=1": (1, 2048, 128, 768, 8)}
-    T, H, E, I, K = shapes[kind]
-    dtype = "float16" if "fp16" in kind else "bfloat16"
-    x, w13, w2, w, ids = moe_case(cp, T, H, E, I, K, dtype)
-    if kind == "one expert":
-        ids[:] = 3
-    if kind == "empty experts":
-        ids[:] = empty_experts_ids(cp, 2048)
+    (x, w13, w2, w, ids), dtype = kind_case(cp, shapes, kind)
     saved = os.environ.get(CHUNKED_MC_ENV)
     outs = []
     try:
@@ -761,5 +768,4 @@ def test_chunked_multicast_bit_identical(skip_a_reg, cp, kind):
             os.environ.pop(CHUNKED_MC_ENV, None)
         else:
             os.environ[CHUNKED_MC_ENV] = saved
-    assert bool((outs[0].bits == outs[1].bits).all()) if dtype == "bfloat16" else bool(
-        (outs[0].view(cp.uint16) == outs[1].view(cp.uint16)).all())
+    assert same_bits(cp, outs[0], outs[1], dtype)
