@@ -66,6 +66,9 @@ constexpr int kBBytes = kBN * kBK * 2;                    // 16 KB per stage
 constexpr int kBarOff = kStages * (kABytes + kBBytes);    // 196,608
 constexpr int kPreOff = kBarOff + 2 * kStages * 8;
 inline int64_t smem_bytes(int64_t E) { return kPreOff + (E + 1) * 4; }
+// N-tiles of a GEMM (GEMM1: I / 64 of act's columns; GEMM2: H / 128); the multicast variant
+// takes them in pairs, so it runs only where their count is even (run() checks)
+__host__ __device__ constexpr int64_t n_tiles(bool gated, int64_t N) { return gated ? N / (kBN / 2) : N / kBN; }
 
 template <typename T> struct CuteElem;
 template <> struct CuteElem<__nv_bfloat16> { using type = cutlass::bfloat16_t; };
@@ -122,7 +125,7 @@ chunked_gemm_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_cons
     const int KB = p.Kdim / kBK;
     constexpr int kCtas = kMc ? 2 : 1;
     // N-tiles per item: one, or a pair (the host checks NT % 2 == 0 for kMc)
-    const int NT = (kGated ? p.N / (kBN / 2) : p.N / kBN) / kCtas;
+    const int NT = (int)n_tiles(kGated, p.N) / kCtas;
     constexpr int chunk_rows = kSub * kMaxSub;
     const int rank = kMc ? (int)cute::block_rank_in_cluster() : 0;
     const int cid = blockIdx.x / kCtas, n_clusters = gridDim.x / kCtas;
@@ -213,11 +216,13 @@ chunked_gemm_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_cons
                     if (++stage == kStages) { stage = 0; phase ^= 1; }
                 }
             }
-            // tail: wait until every stage is released once more, so that this CTA does not exit
-            // while its peer's consumers may still arrive on its barriers
-            for (int i = 0; i < kStages; ++i) {
-                cutlass::arch::ClusterBarrier::wait(&empty[stage], phase);
-                if (++stage == kStages) { stage = 0; phase ^= 1; }
+            // kMc tail: wait until every stage is released once more, so that this CTA does not
+            // exit while its peer's consumers may still arrive on its barriers
+            if constexpr (kMc) {
+                for (int i = 0; i < kStages; ++i) {
+                    cutlass::arch::ClusterBarrier::wait(&empty[stage], phase);
+                    if (++stage == kStages) { stage = 0; phase ^= 1; }
+                }
             }
         }
         return;
@@ -352,10 +357,28 @@ inline bool encode_map(CUtensorMap* map, const void* base, bool bf16, int rank, 
 // (GEMM1's N-tiles of 64 act columns, GEMM2's k-steps); the caller adds its own conditions (the
 // gated path: I % 128 == 0) and E <= kMaxE (the per-expert prefix in shared memory).
 constexpr int64_t kMaxE = 4096;
-// the multicast variant's pairs of N-tiles: GEMM1's I / 64 and GEMM2's H / 128 even
-inline bool pairs_ok(int64_t H, int64_t I) { return (I / (kBN / 2)) % 2 == 0 && (H / kBN) % 2 == 0; }
 inline bool supports(int64_t H, int64_t I, int64_t E) {
     return H % kBN == 0 && I % kBK == 0 && H >= kBN && I >= kBK && E >= 1 && E <= kMaxE;
+}
+
+// Clusters of two CTAs of kern (one per SM's worth of shared memory) the device holds at once;
+// 0 where the query fails
+template <class Kernel>
+int max_active_clusters(Kernel kern, int num_sms, int smem_optin, cudaStream_t stream) {
+    cudaLaunchConfig_t cfg = {};
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = 2;
+    attr[0].val.clusterDim.y = 1;
+    attr[0].val.clusterDim.z = 1;
+    cfg.gridDim = dim3(2 * (unsigned)std::max(1, num_sms / 2));
+    cfg.blockDim = dim3(kThreads);
+    cfg.dynamicSmemBytes = (size_t)smem_optin;
+    cfg.stream = stream;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    int n = 0;
+    return cudaOccupancyMaxActiveClusters(&n, kern, &cfg) == cudaSuccess ? std::max(1, n) : 0;
 }
 
 // One launch: a = xs or act (rows_cap x Kdim), b = w13 or w2 (E x N_rows x Kdim)
@@ -387,6 +410,7 @@ cudaError_t run(const T* a, int rows_cap, const T* b, int b_rows, const Args& ar
         c.a = a; c.b = b; c.rows = rows_cap; c.b_rows = b_rows; c.K = args.Kdim; c.E = args.E;
         c.valid = true;
     }
+    if (kMc && n_tiles(kGated, args.N) % 2 != 0) return cudaErrorInvalidValue;  // an N-tile would be left out
     auto kern = chunked_gemm_kernel<T, kGated, kMc>;
     const int smem = (int)smem_bytes(args.E);
     static const cudaError_t set = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -399,25 +423,26 @@ cudaError_t run(const T* a, int rows_cap, const T* b, int b_rows, const Args& ar
     attr[0].val.clusterDim.y = 1;
     attr[0].val.clusterDim.z = 1;
     cfg.blockDim = dim3(kThreads);
-    cfg.dynamicSmemBytes = (size_t)smem_optin;  // the occupancy query's; the launch's below
     cfg.stream = stream;
     cfg.attrs = attr;
     cfg.numAttrs = kMc ? 1 : 0;
     int64_t grid = std::min<int64_t>(num_sms, std::max<int64_t>(work_max, 1));
     if constexpr (kMc) {
-        static int max_clusters = -1;  // once per process (one device's figure, as the attribute)
-        if (max_clusters < 0) {
-            cfg.gridDim = dim3(2 * (unsigned)std::max(1, num_sms / 2));
-            int n = 0;
-            const cudaError_t q = cudaOccupancyMaxActiveClusters(&n, kern, &cfg);
-            if (q != cudaSuccess) return q;
-            max_clusters = std::max(1, n);
+        // once per process (one device's figure, as the attribute; thread-safe static init)
+        static const int max_clusters = max_active_clusters(kern, num_sms, smem_optin, stream);
+        if (max_clusters == 0) {
+            (void)cudaGetLastError();
+            return cudaErrorInvalidConfiguration;
         }
-        grid = 2 * std::min<int64_t>(max_clusters, (std::max<int64_t>(work_max, 1) + 1) / 2);
+        const int64_t clusters = std::min<int64_t>(std::min<int64_t>(max_clusters, std::max(1, num_sms / 2)),
+                                                   (std::max<int64_t>(work_max, 1) + 1) / 2);
+        grid = 2 * clusters;
     }
     cfg.gridDim = dim3((unsigned)grid);
     cfg.dynamicSmemBytes = (size_t)smem;
-    return cudaLaunchKernelEx(&cfg, kern, c.ta, c.tb, args);
+    const cudaError_t err = cudaLaunchKernelEx(&cfg, kern, c.ta, c.tb, args);
+    if (err != cudaSuccess) (void)cudaGetLastError();  // reported here, not again by the next check
+    return err;
 }
 
 }  // namespace chunked

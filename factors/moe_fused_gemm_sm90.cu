@@ -1263,15 +1263,15 @@ static int launch_sm90(const Problem& P, void* out, const void* x, const void* w
         const int64_t work1 = chunks_max * (I / (chunked::kBN / 2)), work2 = chunks_max * (H / chunked::kBN);
         const T* w13t = static_cast<const T*>(w13);
         const T* w2t = static_cast<const T*>(w2);
-        if (s_sm90_chunked_mc && chunked::pairs_ok(H, I)) {
-            err = chunked::run<T, true, true>(xs, (int)P.TK, w13t, 2 * I, a1, work1, s_num_sms, s_smem_optin, stream);
-            if (err == cudaSuccess)
-                err = chunked::run<T, false, true>(act, (int)P.TK, w2t, H, a2, work2, s_num_sms, s_smem_optin, stream);
-        } else {
-            err = chunked::run<T, true, false>(xs, (int)P.TK, w13t, 2 * I, a1, work1, s_num_sms, s_smem_optin, stream);
-            if (err == cudaSuccess)
-                err = chunked::run<T, false, false>(act, (int)P.TK, w2t, H, a2, work2, s_num_sms, s_smem_optin, stream);
-        }
+        // each GEMM multicasts A where its N-tiles pair up (GEMM1: I / 64, even as I % 128 == 0;
+        // GEMM2: H / 128)
+        const bool mc1 = s_sm90_chunked_mc && chunked::n_tiles(true, I) % 2 == 0;
+        const bool mc2 = s_sm90_chunked_mc && chunked::n_tiles(false, H) % 2 == 0;
+        err = mc1 ? chunked::run<T, true, true>(xs, (int)P.TK, w13t, 2 * I, a1, work1, s_num_sms, s_smem_optin, stream)
+                  : chunked::run<T, true, false>(xs, (int)P.TK, w13t, 2 * I, a1, work1, s_num_sms, s_smem_optin, stream);
+        if (err != cudaSuccess) return cuda_error(err);
+        err = mc2 ? chunked::run<T, false, true>(act, (int)P.TK, w2t, H, a2, work2, s_num_sms, s_smem_optin, stream)
+                  : chunked::run<T, false, false>(act, (int)P.TK, w2t, H, a2, work2, s_num_sms, s_smem_optin, stream);
         if (err != cudaSuccess) return cuda_error(err);
         st = EX_OK;
     } else if (gated) {
