@@ -24,7 +24,8 @@
  * 128 x 256 tiling; the tuning file picks it where it wins (a little over 128 to 256 rows per
  * expert with a long reduction); slower with short reductions and many rows (qwen3-30b T = 4096).
  *
- * Roles (384 threads): warp 0 (one elected lane) issues the TMA copies of a ring of stages, each
+ * Roles (384 threads): warp 0 (one elected lane) issues the TMA copies of a ring of stages (warps
+ * 1-3 hand their registers to the consumers and leave), each
  * the B tile (128 weight rows x 64 of the reduction: two 64 x 64 boxes; GEMM1: 64 gate rows and
  * the 64 up rows I below them) and the chunk's A sub-tiles (64 x 64 boxes, only those with rows);
  * warps 4-11 are two consumer warpgroups: warpgroup w multiplies sub-tiles w and w + 2 (where they
@@ -124,7 +125,7 @@ chunked_gemm_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_cons
     const int warp = tid / 32, lane = tid % 32;
     const int KB = p.Kdim / kBK;
     constexpr int kCtas = kMc ? 2 : 1;
-    // N-tiles per item: one, or a pair (the host checks NT % 2 == 0 for kMc)
+    // items per chunk: its N-tiles, or (kMc) their pairs; run() refuses an odd count for kMc
     const int NT = (int)n_tiles(kGated, p.N) / kCtas;
     constexpr int chunk_rows = kSub * kMaxSub;
     const int rank = kMc ? (int)cute::block_rank_in_cluster() : 0;
