@@ -57,6 +57,7 @@ using namespace cute;
 
 constexpr int kSub = 64;      // rows per sub-tile (one GMMA M)
 constexpr int kMaxSub = 4;    // sub-tiles per chunk (256 rows)
+constexpr int kChunkRows = kSub * kMaxSub;
 constexpr int kBN = 128;      // weight rows per B tile (GEMM1: 64 gate + 64 up -> 64 act columns)
 constexpr int kBK = 64;       // reduction columns per stage (128 bytes: the swizzle's width)
 constexpr int kStages = 4;
@@ -127,7 +128,7 @@ chunked_gemm_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_cons
     constexpr int kCtas = kMc ? 2 : 1;
     // items per chunk: its N-tiles, or (kMc) their pairs; run() refuses an odd count for kMc
     const int NT = (int)n_tiles(kGated, p.N) / kCtas;
-    constexpr int chunk_rows = kSub * kMaxSub;
+    constexpr int chunk_rows = kChunkRows;
     const int rank = kMc ? (int)cute::block_rank_in_cluster() : 0;
     const int cid = blockIdx.x / kCtas, n_clusters = gridDim.x / kCtas;
 
@@ -444,6 +445,17 @@ cudaError_t run(const T* a, int rows_cap, const T* b, int b_rows, const Args& ar
     const cudaError_t err = cudaLaunchKernelEx(&cfg, kern, c.ta, c.tb, args);
     if (err != cudaSuccess) (void)cudaGetLastError();  // reported here, not again by the next check
     return err;
+}
+
+// One GEMM on the chunked kernels: rows_max = T*K (an upper bound on the sorted rows; the chunk
+// count is at most rows_max / 256 + E), multicast where asked and the GEMM's N-tiles pair up.
+template <typename T, bool kGated>
+cudaError_t launch(const T* a, int rows_max, const T* b, int b_rows, const Args& args, bool multicast,
+                   int num_sms, int smem_optin, cudaStream_t stream) {
+    const int64_t work = ((int64_t)rows_max / kChunkRows + args.E) * n_tiles(kGated, args.N);
+    if (multicast && n_tiles(kGated, args.N) % 2 == 0)
+        return run<T, kGated, true>(a, rows_max, b, b_rows, args, work, num_sms, smem_optin, stream);
+    return run<T, kGated, false>(a, rows_max, b, b_rows, args, work, num_sms, smem_optin, stream);
 }
 
 }  // namespace chunked

@@ -1255,25 +1255,15 @@ static int launch_sm90(const Problem& P, void* out, const void* x, const void* w
     int st;
     // (the gather's group arrays for the CUTLASS GEMMs are written also where the chunked kernels
     // run instead: the same launch, a few KB)
-    if (use_chunked) {
-        const int chunk_rows = chunked::kSub * chunked::kMaxSub;
-        const int64_t chunks_max = P.TK / chunk_rows + E;
+    if (use_chunked) {  // both GEMMs (each multicasts A where its N-tiles pair up)
         const chunked::Args a1{expert_off, act, I, I, H, E};
         const chunked::Args a2{expert_off, ys, H, H, I, E};
-        const int64_t work1 = chunks_max * (I / (chunked::kBN / 2)), work2 = chunks_max * (H / chunked::kBN);
-        const T* w13t = static_cast<const T*>(w13);
-        const T* w2t = static_cast<const T*>(w2);
-        // each GEMM multicasts A where its N-tiles pair up (GEMM1: I / 64, even as I % 128 == 0;
-        // GEMM2: H / 128)
-        const bool mc1 = s_sm90_chunked_mc && chunked::n_tiles(true, I) % 2 == 0;
-        const bool mc2 = s_sm90_chunked_mc && chunked::n_tiles(false, H) % 2 == 0;
-        err = mc1 ? chunked::run<T, true, true>(xs, (int)P.TK, w13t, 2 * I, a1, work1, s_num_sms, s_smem_optin, stream)
-                  : chunked::run<T, true, false>(xs, (int)P.TK, w13t, 2 * I, a1, work1, s_num_sms, s_smem_optin, stream);
+        err = chunked::launch<T, true>(xs, (int)P.TK, static_cast<const T*>(w13), 2 * I, a1, s_sm90_chunked_mc,
+                                       s_num_sms, s_smem_optin, stream);
+        if (err == cudaSuccess)
+            err = chunked::launch<T, false>(act, (int)P.TK, static_cast<const T*>(w2), H, a2, s_sm90_chunked_mc,
+                                            s_num_sms, s_smem_optin, stream);
         if (err != cudaSuccess) return cuda_error(err);
-        err = mc2 ? chunked::run<T, false, true>(act, (int)P.TK, w2t, H, a2, work2, s_num_sms, s_smem_optin, stream)
-                  : chunked::run<T, false, false>(act, (int)P.TK, w2t, H, a2, work2, s_num_sms, s_smem_optin, stream);
-        if (err != cudaSuccess) return cuda_error(err);
-        st = EX_OK;
     } else if (gated) {
         using GG = sm90::GatedGemm1<CT, T, Tile>;
         st = run_grouped_gemm<GG, 1>(ga[0], E, cutlass_ws, key, stream, (void*)ga[1].a, (void*)ga[1].sa);
@@ -1285,14 +1275,14 @@ static int launch_sm90(const Problem& P, void* out, const void* x, const void* w
                                   stream>>>(act, gu, meta, I);
     }
 
-    // 5. GEMM2: ys = act . w2[e]^T per expert
-    if (use_chunked)
-        ;  // both GEMMs above
-    else if (std::is_same<Tile, sm90::Tile128>::value && sm90_gemm2_pingpong_for(P))
-        st = run_grouped_gemm<sm90::GroupedGemm<CT, sm90::Tile128N128>, 2>(ga[1], E, cutlass_ws, key, stream);
-    else
-        st = run_grouped_gemm<GT, 2>(ga[1], E, cutlass_ws, key, stream);
-    if (st != EX_OK) return st;
+    // 5. GEMM2: ys = act . w2[e]^T per expert (the chunked kernels ran both above)
+    if (!use_chunked) {
+        if (std::is_same<Tile, sm90::Tile128>::value && sm90_gemm2_pingpong_for(P))
+            st = run_grouped_gemm<sm90::GroupedGemm<CT, sm90::Tile128N128>, 2>(ga[1], E, cutlass_ws, key, stream);
+        else
+            st = run_grouped_gemm<GT, 2>(ga[1], E, cutlass_ws, key, stream);
+        if (st != EX_OK) return st;
+    }
 
     // 6. weighted combine in fp32
     sm90_combine_kernel<T><<<capped_blocks(P.T * (P.H / 8), kSimpleThreads, 16), kSimpleThreads, 0,

@@ -210,6 +210,25 @@ def test_moe_plugin_awkward(reg, cp, T, H, E, I, K, dtype):
     run_moe_check(reg, cp, moe_case(cp, T, H, E, I, K, dtype), dtype)
 
 
+# (T, H, E, I, K) of the Hopper tiling tests (kind_case: "one expert", "empty experts" routing)
+SM90_AWKWARD_SHAPES = {"T=1": (1, 2048, 128, 768, 8), "T=3 E=40": (3, 256, 40, 128, 8),
+                       "E=40": (1000, 512, 40, 256, 6), "ungated I=200": (1024, 512, 8, 200, 2),
+                       "I > H": (700, 256, 8, 1024, 2), "one expert": (3000, 512, 16, 384, 1),
+                       "empty experts": (2048, 256, 64, 128, 4), "H=200": (1000, 200, 16, 256, 4),
+                       "I=1408": (700, 256, 8, 1408, 2)}
+
+
+def sm90_registry():
+    """A registry whose moe_fused_gemm is the Hopper plugin (skips where it is not built or not
+    ready on this GPU)."""
+    if not (ROOT / "factors" / "moe_fused_gemm_sm90.so").exists():
+        pytest.skip("moe_fused_gemm_sm90.so not built")
+    r = FactorRegistry.load(ROOT / "factors", prefer={"moe_fused_gemm": "moe_fused_gemm_sm90.so"})
+    if r.get("moe_fused_gemm") is None or r.get("moe_fused_gemm").path.name != "moe_fused_gemm_sm90.so":
+        pytest.skip("moe_fused_gemm_sm90.so not ready on this GPU")
+    return r
+
+
 # Tile128 (cooperative; GEMM2 on 128 x 128 ping-pong tiles where I <= 1024), Tile64 (ping-pong),
 # narrow (both GEMMs on 128 x 128 ping-pong tiles, two MMAs along M per warpgroup), chunked
 # (both GEMMs on chunks of up to 256 of an expert's rows; on the gated shapes with H % 128 == 0,
@@ -224,23 +243,10 @@ def test_moe_sm90_tilings_on_awkward_shapes(cp, config, dtype, kind):
     (I % 128 == 0) and the ungated one with the separate silu launch; H = 200 leaves a last
     k-tile of 8 of the 64 columns for the TMA to zero-fill; I = 1408 keeps GEMM2 on the 128-row
     tiling's cooperative tile (the other shapes have I <= 1024: ping-pong)."""
-    if not (ROOT / "factors" / "moe_fused_gemm_sm90.so").exists():
-        pytest.skip("moe_fused_gemm_sm90.so not built")
-    r = FactorRegistry.load(ROOT / "factors", prefer={"moe_fused_gemm": "moe_fused_gemm_sm90.so"})
-    if r.get("moe_fused_gemm") is None or r.get("moe_fused_gemm").path.name != "moe_fused_gemm_sm90.so":
-        pytest.skip("moe_fused_gemm_sm90.so not ready on this GPU")
+    r = sm90_registry()
     r.set_tuning("moe_fused_gemm", lambda sizes: config)
-    shapes = {"T=1": (1, 2048, 128, 768, 8), "T=3 E=40": (3, 256, 40, 128, 8),
-              "E=40": (1000, 512, 40, 256, 6), "ungated I=200": (1024, 512, 8, 200, 2),
-              "I > H": (700, 256, 8, 1024, 2), "one expert": (3000, 512, 16, 384, 1),
-              "empty experts": (2048, 256, 64, 128, 4), "H=200": (1000, 200, 16, 256, 4),
-              "I=1408": (700, 256, 8, 1408, 2)}
-    x, w13, w2, w, ids = moe_case(cp, *shapes[kind], dtype)
-    if kind == "one expert":
-        ids[:] = 3
-    if kind == "empty experts":
-        ids[:] = empty_experts_ids(cp, 2048)
-    run_moe_check(r, cp, (x, w13, w2, w, ids), dtype)
+    case, _ = kind_case(cp, SM90_AWKWARD_SHAPES, kind, dtype)
+    run_moe_check(r, cp, case, dtype)
     r.check_device_errors()
 
 
@@ -253,16 +259,8 @@ def test_moe_chunked_kernels_run_where_they_take_the_shape(cp, kind, chunked):
     CUPTI kernel trace) say which did."""
     torch = pytest.importorskip("torch")
     from torch.profiler import ProfilerActivity, profile
-    if not (ROOT / "factors" / "moe_fused_gemm_sm90.so").exists():
-        pytest.skip("moe_fused_gemm_sm90.so not built")
-    r = FactorRegistry.load(ROOT / "factors", prefer={"moe_fused_gemm": "moe_fused_gemm_sm90.so"})
-    if r.get("moe_fused_gemm") is None or r.get("moe_fused_gemm").path.name != "moe_fused_gemm_sm90.so":
-        pytest.skip("moe_fused_gemm_sm90.so not ready on this GPU")
-    shapes = {"I > H": (700, 256, 8, 1024, 2), "one expert": (3000, 512, 16, 384, 1),
-              "H=200": (1000, 200, 16, 256, 4), "ungated I=200": (1024, 512, 8, 200, 2)}
-    case = moe_case(cp, *shapes[kind], "bfloat16")
-    if kind == "one expert":
-        case[4][:] = 3
+    r = sm90_registry()
+    case, _ = kind_case(cp, SM90_AWKWARD_SHAPES, kind)
     ran = {}
     for config in (10, 4):
         r.set_tuning("moe_fused_gemm", lambda sizes, c=config: c)
@@ -655,11 +653,12 @@ def test_moe_multiblock_routing_under_graph_capture(route_reg, cp, library, sm90
 SKIP_A_ENV = "EX_MOE_SM90_SKIP_EMPTY_A"   # read by the sm90 plugin's ex_get_factor
 
 
-def kind_case(cp, shapes, kind):
-    """(moe_case, dtype) of shapes[kind] = (T, H, E, I, K): float16 where the kind names fp16;
-    "one expert": every slot on expert 3; "empty experts": empty_experts_ids (T = 2048)."""
+def kind_case(cp, shapes, kind, dtype=None):
+    """(moe_case, dtype) of shapes[kind] = (T, H, E, I, K): dtype, else float16 where the kind
+    names fp16 and bfloat16 otherwise; "one expert": every slot on expert 3; "empty experts":
+    empty_experts_ids (T = 2048)."""
     T, H, E, I, K = shapes[kind]
-    dtype = "float16" if "fp16" in kind else "bfloat16"
+    dtype = dtype or ("float16" if "fp16" in kind else "bfloat16")
     case = moe_case(cp, T, H, E, I, K, dtype)
     if kind == "one expert":
         case[4][:] = 3
