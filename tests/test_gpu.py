@@ -723,6 +723,7 @@ def test_sm90_skip_empty_a_slices_bit_identical(skip_a_reg, cp, config, kind):
               "one expert": (300, 512, 16, 384, 1), "empty experts": (2048, 256, 64, 128, 4),
               "E=40 fp16": (100, 512, 40, 256, 6), "ungated few rows": (40, 512, 16, 200, 2)}
     (x, w13, w2, w, ids), dtype = kind_case(cp, shapes, kind)
+    T, H, E, _, K = shapes[kind]
     outs = []
     for on in (True, False):
         r = skip_a_reg(on)
