@@ -32,6 +32,16 @@
  * hold rows) by the whole B tile (SM90 64 x 128 x 16 GMMA, fp32 accumulators), then stores its
  * rows straight from registers.
  *
+ * Swap AB (kT, the default; EX_MOE_SM90_CHUNKED_SWAP_AB=0 turns it off): a chunk whose last
+ * sub-tile would be at most half full (swap_pays: 1-32, 65-96, 129-160 or 193-224 rows) runs
+ * with its rows as the GMMA's N instead, rounded up to 16 (64 x N x 16, N = 16 .. 224: cute's
+ * extended shapes), and warpgroup w's M is the B tile's rows 64w .. 64w + 63: a chunk of 140 rows
+ * multiplies 144, not 192. For GEMM1 the producer then loads the weight tile through a second
+ * tensor map (tma_b_gu) as 8 groups of 8 gate rows each followed by the same columns' 8 up rows,
+ * so that GMMA's C gives a thread a gate (row r) and its up (row r + 8). The epilogue stores one
+ * element at a time (a thread holds 2 weight rows x 2 chunk rows per block of 8 chunk rows). The
+ * outputs are bit-identical to the sub-tiles' (tests/test_gpu.py).
+ *
  * Math: fp32 accumulation over the reduction in k-steps of 16, rounded once to the dtype (GEMM1
  * rounds g and u to the dtype before silu, as the CUTLASS path's gated epilogue and vLLM do).
  */
@@ -49,6 +59,9 @@
 #include "cutlass/arch/barrier.h"
 #include "cutlass/arch/reg_reconfig.h"
 #include "cutlass/cuda_host_adapter.hpp"
+#if !defined(CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED)
+#error "moe_chunked_sm90.cuh needs CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED defined before any cute header"
+#endif
 // needs exmoe::Elem (and, with EX_SM90_EPI_ACCURATE, exmoe::silu_f) from moe_fused_gemm.cuh
 
 namespace exmoe {
@@ -68,6 +81,15 @@ constexpr int kBBytes = kBN * kBK * 2;                    // 16 KB per stage
 constexpr int kBarOff = kStages * (kABytes + kBBytes);    // 196,608
 constexpr int kPreOff = kBarOff + 2 * kStages * 8;
 inline int64_t smem_bytes(int64_t E) { return kPreOff + (E + 1) * 4; }
+// kT (swap AB): the chunk's rows are the GMMA's N, rounded up to kStepN (16 .. 256 in 16 steps)
+constexpr int kStepN = 16;
+constexpr int kMaxStepsN = kChunkRows / kStepN;
+// The kT kernels run swap AB on the chunks whose MMA it shortens by at least half a sub-tile:
+// 1-32, 65-96, 129-160 and 193-224 rows (N = 16, 32, 80, 96, 144, 160, 208 or 224), the others on
+// the sub-tiles. Measured per MMA row, swap AB is slower than the sub-tiles (every chunk on it,
+// mixtral T = 448, chunks of 100-128 rows: 884 vs 829 µs), so it pays only where it leaves out a
+// large share of the padding.
+__host__ __device__ constexpr bool swap_pays(int m) { return m % kSub != 0 && m % kSub <= kSub / 2; }
 // N-tiles of a GEMM (GEMM1: I / 64 of act's columns; GEMM2: H / 128); the multicast variant
 // takes them in pairs, so it runs only where their count is even (run() checks)
 __host__ __device__ constexpr int64_t n_tiles(bool gated, int64_t N) { return gated ? N / (kBN / 2) : N / kBN; }
@@ -87,6 +109,19 @@ struct Types {
                                                  GMMA::Major::K, GMMA::Major::K>());
     using TiledMma = decltype(make_tiled_mma(MmaOp{}));  // one warpgroup
 };
+
+// f(Int<S * kStepN>{}) for the S of s, one instantiation for each S that a chunk under swap AB
+// can have (swap_pays: S % 4 == 1 or 2); s is warp-uniform
+template <int S, class F>
+__device__ __forceinline__ void dispatch_steps(int s, F& f) {
+    if constexpr (S % 4 == 1 || S % 4 == 2) {
+        if (s >= S) {
+            f(Int<S * kStepN>{});
+            return;
+        }
+    }
+    if constexpr (S > 1) dispatch_steps<S - 1>(s, f);
+}
 
 struct Args {
     const int* expert_off;  // E + 1 (routing output)
@@ -108,10 +143,10 @@ __device__ __forceinline__ float silu_epi(float g) { return __fdividef(g, 1.0f +
 // each copies half of the chunk's A sub-tiles (s % 2 == its rank) to both CTAs' shared memory (TMA
 // multicast), so A crosses from L2 once per pair; a stage is refilled only after both CTAs'
 // consumers released it (empty barriers count 16 arrivals, one per consumer warp of either CTA).
-template <typename T, bool kGated, bool kMc>
+template <typename T, bool kGated, bool kMc, bool kT>
 __global__ void __launch_bounds__(kThreads, 1)
 chunked_gemm_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_constant__ CUtensorMap tma_b,
-               const Args p) {
+                    const __grid_constant__ CUtensorMap tma_b_gu, const Args p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(CUTE_ARCH_MMA_SM90A_ENABLED)
     using Ty = Types<T>;
     using E = typename Ty::E;
@@ -196,6 +231,7 @@ chunked_gemm_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_cons
                 item_of(it, e, m0, mv, n);
                 n = n * kCtas + rank;
                 const int nsub = (mv + kSub - 1) / kSub;
+                const bool swap = kT && swap_pays(mv);
                 const int b0 = kGated ? n * (kBN / 2) : n * kBN;
                 const int b1 = kGated ? p.N + n * (kBN / 2) : n * kBN + kBN / 2;
                 for (int kb = 0; kb < KB; ++kb) {
@@ -203,8 +239,14 @@ chunked_gemm_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_cons
                     cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(
                         &full[stage], kBBytes + nsub * kBoxBytes);
                     unsigned char* sb = reinterpret_cast<unsigned char*>(sb_ptr) + stage * kBBytes;
-                    SM90_TMA_LOAD_3D::copy(&tma_b, &full[stage], hint, sb, kb * kBK, b0, e);
-                    SM90_TMA_LOAD_3D::copy(&tma_b, &full[stage], hint, sb + kBoxBytes, kb * kBK, b1, e);
+                    if (kT && kGated && swap) {
+                        // one box of the interleaved view (tma_b_gu): groups of 8 gate rows, each
+                        // followed by its 8 up rows (64 act columns: 8 groups)
+                        SM90_TMA_LOAD_5D::copy(&tma_b_gu, &full[stage], hint, sb, kb * kBK, 0, 0, n * 8, e);
+                    } else {
+                        SM90_TMA_LOAD_3D::copy(&tma_b, &full[stage], hint, sb, kb * kBK, b0, e);
+                        SM90_TMA_LOAD_3D::copy(&tma_b, &full[stage], hint, sb + kBoxBytes, kb * kBK, b1, e);
+                    }
                     unsigned char* sa = reinterpret_cast<unsigned char*>(sa_ptr) + stage * kABytes;
                     if constexpr (kMc) {
                         for (int s = rank; s < nsub; s += 2)
@@ -245,8 +287,6 @@ chunked_gemm_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_cons
     Tensor tCsB = thr.partition_B(sB);
     Tensor tCrA = thr.make_fragment_A(tCsA);  // (MMA, 1, 4, 4*STAGES)
     Tensor tCrB = thr.make_fragment_B(tCsB);  // (MMA, 1, 4, STAGES)
-    Tensor acc0 = partition_fragment_C(mma, Shape<Int<kSub>, Int<kBN>>{});  // sub-tile wg
-    Tensor acc1 = partition_fragment_C(mma, Shape<Int<kSub>, Int<kBN>>{});  // sub-tile wg + 2
     Tensor cC = make_identity_tensor(Shape<Int<kSub>, Int<kBN>>{});
     Tensor tCcC = thr.partition_C(cC);
 
@@ -268,6 +308,83 @@ chunked_gemm_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_cons
                 if constexpr (kMc) cutlass::arch::ClusterBarrier::arrive(&empty[s], (uint32_t)(rank ^ 1), 1u);
             }
         };
+        if constexpr (kT) {
+          if (__shfl_sync(0xffffffffu, swap_pays(mv), 0)) {
+            // swap AB: D^T (64 weight rows of this warpgroup x NN of the chunk's rows) = W . X^T;
+            // NN = the chunk's rows rounded up to 16, so a chunk of 140 rows multiplies 144
+            const int steps = __shfl_sync(0xffffffffu, (mv + kStepN - 1) / kStepN, 0);
+            auto run_t = [&](auto nn_tag) {
+                constexpr int NN = decltype(nn_tag)::value;
+                using MmaT = decltype(GMMA::ss_op_selector<E, E, float, Shape<Int<kSub>, Int<NN>, Int<kBK>>,
+                                                           GMMA::Major::K, GMMA::Major::K>());
+                static_assert(size<1>(typename MMA_Traits<MmaT>::Shape_MNK{}) == NN,
+                              "one GMMA of the chunk's whole N per k-step of 16");
+                auto mma_t = make_tiled_mma(MmaT{});
+                auto thr_t = mma_t.get_thread_slice(wt);
+                // weights: the stage's 128-row tile as two 64-row halves, half wg for this warpgroup
+                using LayoutW = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<E>{},
+                                                       Shape<Int<kSub>, Int<kBK>, Int<2 * kStages>>{}));
+                using LayoutX = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<E>{}, Shape<Int<NN>, Int<kBK>>{}));
+                Tensor sW = make_tensor(make_smem_ptr(sb_ptr), LayoutW{});
+                Tensor tWr = thr_t.make_fragment_A(thr_t.partition_A(sW));  // (MMA, 1, 4, 2*STAGES)
+                // the chunk's rows: stage 0's descriptors, moved to stage s by s * kABytes (in the
+                // descriptor's 16-byte units)
+                Tensor tXr0 = thr_t.make_fragment_B(thr_t.partition_B(make_tensor(make_smem_ptr(sa_ptr), LayoutX{})));
+                Tensor acc = partition_fragment_C(mma_t, Shape<Int<kSub>, Int<NN>>{});
+                int prev = -1;
+                for (int kb = 0; kb < KB; ++kb) {
+                    cutlass::arch::ClusterBarrier::wait(&full[stage], phase);
+                    Tensor tXr = make_tensor(tXr0.data() + stage * (kABytes / 16), tXr0.layout());  // (MMA, 1, 4)
+                    warpgroup_fence_operand(acc);
+                    warpgroup_arrive();
+                    CUTLASS_PRAGMA_UNROLL
+                    for (int k = 0; k < size<2>(tWr); ++k) {
+                        mma_t.accumulate_ = (kb == 0 && k == 0) ? GMMA::ScaleOut::Zero : GMMA::ScaleOut::One;
+                        cute::gemm(mma_t, tWr(_, _, k, stage * 2 + wg), tXr(_, _, k), acc);
+                    }
+                    warpgroup_commit_batch();
+                    warpgroup_wait<1>();
+                    warpgroup_fence_operand(acc);
+                    if (prev >= 0) release(prev);
+                    prev = stage;
+                    if (++stage == kStages) { stage = 0; phase ^= 1; }
+                }
+                warpgroup_wait<0>();
+                warpgroup_fence_operand(acc);
+                if (prev >= 0) release(prev);
+                // epilogue: fragment ((2 chunk rows, 2 weight rows r / r + 8, NN / 8 blocks of 8
+                // chunk rows), 1, 1); this thread's weight row r = warp * 16 + lane / 4 (GMMA's C)
+                Tensor cC = make_identity_tensor(Shape<Int<kSub>, Int<NN>>{});
+                Tensor tCc = thr_t.partition_C(cC);
+                const int r = int(get<0>(tCc(make_coord(make_coord(0, 0, 0), 0, 0))));
+                CUTLASS_PRAGMA_UNROLL
+                for (int b = 0; b < NN / 8; ++b) {
+                    CUTLASS_PRAGMA_UNROLL
+                    for (int x = 0; x < 2; ++x) {
+                        const int t = int(get<1>(tCc(make_coord(make_coord(x, 0, b), 0, 0))));
+                        if (t >= mv) continue;
+                        T* orow = out + (int64_t)(m0 + t) * p.ld_out;
+                        const float v0 = acc(make_coord(make_coord(x, 0, b), 0, 0));
+                        const float v1 = acc(make_coord(make_coord(x, 1, b), 0, 0));
+                        if constexpr (kGated) {
+                            // rows r (gate) and r + 8 (up) of act column (r / 16) * 8 + r % 8 of
+                            // this warpgroup's 32 (the interleaved weight tile)
+                            const float2 gu = Elem<T>::unpack(Elem<T>::pack(v0, v1));
+                            orow[n * (kBN / 2) + wg * 32 + (r / 16) * 8 + (r % 8)] =
+                                Elem<T>::from_f(silu_epi(gu.x) * gu.y);
+                        } else {
+                            orow[n * kBN + wg * kSub + r] = Elem<T>::from_f(v0);
+                            orow[n * kBN + wg * kSub + r + 8] = Elem<T>::from_f(v1);
+                        }
+                    }
+                }
+            };
+            dispatch_steps<kMaxStepsN>(steps, run_t);
+            continue;
+          }
+        }
+        Tensor acc0 = partition_fragment_C(mma, Shape<Int<kSub>, Int<kBN>>{});  // sub-tile wg
+        Tensor acc1 = partition_fragment_C(mma, Shape<Int<kSub>, Int<kBN>>{});  // sub-tile wg + 2
         auto mainloop = [&](auto ns_tag) {
             constexpr int NS = decltype(ns_tag)::value;
             int prev = -1;
@@ -355,6 +472,21 @@ inline bool encode_map(CUtensorMap* map, const void* base, bool bf16, int rank, 
     return r == CUDA_SUCCESS;
 }
 
+// Host (kT, GEMM1): w13 (E, 2I, H) seen as (E, I / 8, 2, 8, H) with the gate/up mode inside the
+// 8-row group mode, so that one 128 x 64 box holds 8 groups of 8 gate rows each followed by the
+// same 8 columns' up rows (GMMA's C gives a thread rows r and r + 8: a gate and its up)
+inline bool encode_map_gate_up(CUtensorMap* map, const void* base, bool bf16, uint64_t K, uint64_t I, uint64_t E) {
+    const cuuint64_t dims[5] = {K, 8, 2, I / 8, E};
+    const cuuint64_t strides[4] = {K * 2, I * K * 2, 8 * K * 2, 2 * I * K * 2};
+    const cuuint32_t box[5] = {kBK, 8, 2, kBN / 16, 1};
+    const cuuint32_t estr[5] = {1, 1, 1, 1, 1};
+    const CUresult r = CUTLASS_CUDA_DRIVER_WRAPPER_CALL(cuTensorMapEncodeTiled)(
+        map, bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 5,
+        const_cast<void*>(base), dims, strides, box, estr, CU_TENSOR_MAP_INTERLEAVE_NONE,
+        CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    return r == CUDA_SUCCESS;
+}
+
 // Shapes the kernels take: H % 128 == 0 (GEMM2's N-tiles, GEMM1's k-steps) and I % 64 == 0
 // (GEMM1's N-tiles of 64 act columns, GEMM2's k-steps); the caller adds its own conditions (the
 // gated path: I % 128 == 0) and E <= kMaxE (the per-expert prefix in shared memory).
@@ -391,7 +523,7 @@ int max_active_clusters(Kernel kern, int num_sms, int smem_optin, cudaStream_t s
 // attribute, set once per process, as the CUTLASS launches do). The two tensor maps are cached for the last
 // (pointers, shapes) only: an eager call on another layer's weights encodes them again (host work,
 // a few µs, beside GEMMs of hundreds of µs where this tiling is chosen).
-template <typename T, bool kGated, bool kMc>
+template <typename T, bool kGated, bool kMc, bool kT>
 cudaError_t run(const T* a, int rows_cap, const T* b, int b_rows, const Args& args, int64_t work_max, int num_sms,
                 int smem_optin, cudaStream_t stream) {
     struct Cache {
@@ -399,7 +531,7 @@ cudaError_t run(const T* a, int rows_cap, const T* b, int b_rows, const Args& ar
         const void* a = nullptr;
         const void* b = nullptr;
         int rows = 0, b_rows = 0, K = 0, E = 0;
-        CUtensorMap ta, tb;
+        CUtensorMap ta, tb, tb_gu;
     };
     static thread_local Cache c;
     const bool bf16 = std::is_same<T, __nv_bfloat16>::value;
@@ -407,13 +539,15 @@ cudaError_t run(const T* a, int rows_cap, const T* b, int b_rows, const Args& ar
         c.E != args.E) {
         c.valid = false;
         if (!encode_map(&c.ta, a, bf16, 2, args.Kdim, rows_cap, 1) ||
-            !encode_map(&c.tb, b, bf16, 3, args.Kdim, b_rows, args.E))
+            !encode_map(&c.tb, b, bf16, 3, args.Kdim, b_rows, args.E) ||
+            (kT && kGated && !encode_map_gate_up(&c.tb_gu, b, bf16, args.Kdim, b_rows / 2, args.E)))
             return cudaErrorInvalidValue;
+        if (!(kT && kGated)) c.tb_gu = c.tb;  // a parameter the kernel does not read
         c.a = a; c.b = b; c.rows = rows_cap; c.b_rows = b_rows; c.K = args.Kdim; c.E = args.E;
         c.valid = true;
     }
     if (kMc && n_tiles(kGated, args.N) % 2 != 0) return cudaErrorInvalidValue;  // an N-tile would be left out
-    auto kern = chunked_gemm_kernel<T, kGated, kMc>;
+    auto kern = chunked_gemm_kernel<T, kGated, kMc, kT>;
     const int smem = (int)smem_bytes(args.E);
     static const cudaError_t set = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                         smem_optin);
@@ -442,20 +576,27 @@ cudaError_t run(const T* a, int rows_cap, const T* b, int b_rows, const Args& ar
     }
     cfg.gridDim = dim3((unsigned)grid);
     cfg.dynamicSmemBytes = (size_t)smem;
-    const cudaError_t err = cudaLaunchKernelEx(&cfg, kern, c.ta, c.tb, args);
+    const cudaError_t err = cudaLaunchKernelEx(&cfg, kern, c.ta, c.tb, c.tb_gu, args);
     if (err != cudaSuccess) (void)cudaGetLastError();  // reported here, not again by the next check
     return err;
 }
 
 // One GEMM on the chunked kernels: rows_max = T*K (an upper bound on the sorted rows; the chunk
 // count is at most rows_max / 256 + E), multicast where asked and the GEMM's N-tiles pair up.
-template <typename T, bool kGated>
-cudaError_t launch(const T* a, int rows_max, const T* b, int b_rows, const Args& args, bool multicast,
-                   int num_sms, int smem_optin, cudaStream_t stream) {
+template <typename T, bool kGated, bool kT>
+cudaError_t launch_mc(const T* a, int rows_max, const T* b, int b_rows, const Args& args, bool multicast,
+                      int num_sms, int smem_optin, cudaStream_t stream) {
     const int64_t work = ((int64_t)rows_max / kChunkRows + args.E) * n_tiles(kGated, args.N);
     if (multicast && n_tiles(kGated, args.N) % 2 == 0)
-        return run<T, kGated, true>(a, rows_max, b, b_rows, args, work, num_sms, smem_optin, stream);
-    return run<T, kGated, false>(a, rows_max, b, b_rows, args, work, num_sms, smem_optin, stream);
+        return run<T, kGated, true, kT>(a, rows_max, b, b_rows, args, work, num_sms, smem_optin, stream);
+    return run<T, kGated, false, kT>(a, rows_max, b, b_rows, args, work, num_sms, smem_optin, stream);
+}
+// swap_ab: swap AB on the chunks where it pays (swap_pays), else every chunk on 64-row sub-tiles
+template <typename T, bool kGated>
+cudaError_t launch(const T* a, int rows_max, const T* b, int b_rows, const Args& args, bool multicast, bool swap_ab,
+                   int num_sms, int smem_optin, cudaStream_t stream) {
+    return swap_ab ? launch_mc<T, kGated, true>(a, rows_max, b, b_rows, args, multicast, num_sms, smem_optin, stream)
+                   : launch_mc<T, kGated, false>(a, rows_max, b, b_rows, args, multicast, num_sms, smem_optin, stream);
 }
 
 }  // namespace chunked

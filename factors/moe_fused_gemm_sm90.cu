@@ -86,6 +86,11 @@
  * else the portable layout.
  */
 #define EX_PLUGIN_FILE "moe_fused_gemm_sm90.so"  // names this library in its messages (ex_plugin.cuh)
+// GMMA's N in every multiple of 8 (cute's "extended" shapes: m64n144k16 and the like), before any
+// cute header: the chunked kernels' swap-AB variant multiplies a chunk's rows rounded up to 16;
+// without them cute's selector takes the largest standard N that divides the tile (144 -> nine
+// m64n16k16 instructions). The CUTLASS tiles here (N = 64, 128, 256) get the same ops either way.
+#define CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED
 
 #include "cutlass/cutlass.h"
 #include "cutlass/numeric_types.h"
@@ -961,6 +966,11 @@ static bool s_sm90_gather_by_token = true;
 // set by ex_get_factor: the chunked kernels in clusters of two CTAs multicasting A (where the
 // N-tiles pair up); EX_MOE_SM90_CHUNKED_MULTICAST=0: one CTA per item, each loading its own A
 static bool s_sm90_chunked_mc = true;
+// set by ex_get_factor: the chunked kernels' swap AB (a chunk's rows as the GMMA's N, rounded up
+// to 16 rows instead of 64-row sub-tiles; the weights' 64-row halves as M) on the chunks where it
+// saves at least half a sub-tile of MMA rows (chunked::swap_pays); EX_MOE_SM90_CHUNKED_SWAP_AB=0:
+// never, for comparison
+static bool s_sm90_chunked_swap = true;
 
 using GemmBf16 = sm90::GroupedGemm<cutlass::bfloat16_t>;
 using GemmF16 = sm90::GroupedGemm<cutlass::half_t>;
@@ -1259,10 +1269,10 @@ static int launch_sm90(const Problem& P, void* out, const void* x, const void* w
         const chunked::Args a1{expert_off, act, I, I, H, E};
         const chunked::Args a2{expert_off, ys, H, H, I, E};
         err = chunked::launch<T, true>(xs, (int)P.TK, static_cast<const T*>(w13), 2 * I, a1, s_sm90_chunked_mc,
-                                       s_num_sms, s_smem_optin, stream);
+                                       s_sm90_chunked_swap, s_num_sms, s_smem_optin, stream);
         if (err == cudaSuccess)
             err = chunked::launch<T, false>(act, (int)P.TK, static_cast<const T*>(w2), H, a2, s_sm90_chunked_mc,
-                                            s_num_sms, s_smem_optin, stream);
+                                            s_sm90_chunked_swap, s_num_sms, s_smem_optin, stream);
         if (err != cudaSuccess) return cuda_error(err);
     } else if (gated) {
         using GG = sm90::GatedGemm1<CT, T, Tile>;
@@ -1352,6 +1362,7 @@ extern "C" EX_EXPORT ex_factor_t* ex_get_factor(const ex_hardware_t* hw) {
     s_sm90_gather_by_token = explugin::env_switch("EX_MOE_SM90_GATHER_BY_TOKEN");
     sm90::g_skip_empty_a = explugin::env_switch("EX_MOE_SM90_SKIP_EMPTY_A");
     s_sm90_chunked_mc = explugin::env_switch("EX_MOE_SM90_CHUNKED_MULTICAST");
+    s_sm90_chunked_swap = explugin::env_switch("EX_MOE_SM90_CHUNKED_SWAP_AB");
     static const char* const kSwizzles[] = {"1", "2", "4", "8"};
     s_sm90_swizzle = 1 << explugin::env_choice("EX_MOE_SM90_SWIZZLE", kSwizzles, 4, 0);
     // last, after every setting the cached Params (run_grouped_gemm) hold: a call that reads the

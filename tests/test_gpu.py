@@ -769,3 +769,45 @@ def test_chunked_multicast_bit_identical(skip_a_reg, cp, kind):
         else:
             os.environ[CHUNKED_MC_ENV] = saved
     assert same_bits(cp, outs[0], outs[1], dtype)
+
+
+CHUNKED_SWAP_ENV = "EX_MOE_SM90_CHUNKED_SWAP_AB"   # read by the sm90 plugin's ex_get_factor
+
+
+@pytest.mark.parametrize("multicast", [True, False])
+@pytest.mark.parametrize("kind", ["150 rows per expert", "one expert", "empty experts", "E=40 fp16", "T=1",
+                                  "I=1408", "I > H fp16"])
+def test_chunked_swap_ab_bit_identical(skip_a_reg, cp, kind, multicast):
+    """The chunked tiling (dims[7] = 10) with swap AB on the chunks where it pays (the default: a
+    chunk of 1-32, 65-96, 129-160 or 193-224 rows as the GMMA's N, rounded up to 16, the weights'
+    64-row halves as M, GEMM1's weight tile loaded as interleaved groups of 8 gate and 8 up rows)
+    gives the same bits as every chunk on 64-row sub-tiles (EX_MOE_SM90_CHUNKED_SWAP_AB=0), with
+    and without the multicast, both within tolerance of the float64 reference: experts of ~150
+    rows (chunks on either side of 160), one expert of 3000 rows (eleven chunks of 256 and one of
+    184), idle experts, E = 40, one row per expert (T = 1: N = 16), GEMM1 N-tiles of 64 act
+    columns past 1024 (I = 1408), fp16. A gate row paired with the wrong up row, a chunk row
+    stored to the wrong token, or an N that leaves out rows changes the bits; rows past a chunk's
+    end are multiplied but never stored (the output is poisoned first). Each registry is loaded
+    right before its calls (the setting is the plugin's, read at its latest load)."""
+    shapes = {"150 rows per expert": (600, 512, 8, 1024, 2), "one expert": (3000, 512, 16, 384, 1),
+              "empty experts": (2048, 256, 64, 128, 4), "E=40 fp16": (1000, 512, 40, 256, 6),
+              "T=1": (1, 2048, 128, 768, 8), "I=1408": (700, 256, 8, 1408, 2),
+              "I > H fp16": (700, 256, 8, 1024, 2)}
+    case, dtype = kind_case(cp, shapes, kind)
+    saved = {k: os.environ.get(k) for k in (CHUNKED_SWAP_ENV, CHUNKED_MC_ENV)}
+    outs = []
+    try:
+        os.environ[CHUNKED_MC_ENV] = "1" if multicast else "0"
+        for swap in ("1", "0"):
+            os.environ[CHUNKED_SWAP_ENV] = swap
+            r = skip_a_reg(True)
+            r.set_tuning("moe_fused_gemm", lambda sizes: 10)
+            outs.append(run_moe_check(r, cp, case, dtype))
+            r.check_device_errors()
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    assert same_bits(cp, outs[0], outs[1], dtype)
