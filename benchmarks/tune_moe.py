@@ -51,8 +51,9 @@ KEY = ["H", "I", "G", "K"]
 
 def candidates(rows_per_expert: float, grouped: bool, H: int = 0, I: int = 0) -> list:
     """Configurations worth timing at this many rows per expert (the others lose by far); chunked
-    only on shapes its kernels take (H and I multiples of 128: elsewhere the plugin runs grouped
-    for it, which would be recorded under chunked's name)."""
+    from 32 rows per expert (it beat the tuned choice at deepseek-v2-lite T = 512, 48 rows, and
+    qwen3-235b T = 512, 32 rows) and only on shapes its kernels take (H and I multiples of 128:
+    elsewhere the plugin runs grouped for it, which would be recorded under chunked's name)."""
     out = []
     if rows_per_expert <= 64:
         out += ["tiny", "decode", "decode4"]
@@ -64,7 +65,7 @@ def candidates(rows_per_expert: float, grouped: bool, H: int = 0, I: int = 0) ->
         out += ["mid48"]
     if rows_per_expert >= 16:
         out += ["prefill"] + (["grouped", "grouped64", "narrow"] if grouped else [])
-    if rows_per_expert >= 64 and grouped and H % 128 == 0 and I % 128 == 0 and H > 0 and I > 0:
+    if rows_per_expert >= 32 and grouped and H % 128 == 0 and I % 128 == 0 and H > 0 and I > 0:
         out += ["chunked"]
     return out
 
