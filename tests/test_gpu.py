@@ -516,11 +516,7 @@ def route_reg():
     try:
         yield load
     finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        restore_env(saved)
         FactorRegistry.load(ROOT / "factors")
 
 
@@ -653,6 +649,15 @@ def test_moe_multiblock_routing_under_graph_capture(route_reg, cp, library, sm90
 SKIP_A_ENV = "EX_MOE_SM90_SKIP_EMPTY_A"   # read by the sm90 plugin's ex_get_factor
 
 
+def restore_env(saved):
+    """Set each environment variable of saved (name -> value, None: unset) back as it was."""
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
 def kind_case(cp, shapes, kind, dtype=None):
     """(moe_case, dtype) of shapes[kind] = (T, H, E, I, K): dtype, else float16 where the kind
     names fp16 and bfloat16 otherwise; "one expert": every slot on expert 3; "empty experts":
@@ -679,7 +684,7 @@ def skip_a_reg():
     """load(on): a registry whose moe_fused_gemm is the Hopper plugin, loaded with the GEMMs'
     skipping of all-padding A slices on or off; the environment and the module's registry
     settings are restored at the end."""
-    saved = os.environ.get(SKIP_A_ENV)
+    saved = {SKIP_A_ENV: os.environ.get(SKIP_A_ENV)}
 
     def load(on):
         lib = "moe_fused_gemm_sm90.so"
@@ -695,10 +700,7 @@ def skip_a_reg():
     try:
         yield load
     finally:
-        if saved is None:
-            os.environ.pop(SKIP_A_ENV, None)
-        else:
-            os.environ[SKIP_A_ENV] = saved
+        restore_env(saved)
         FactorRegistry.load(ROOT / "factors")
 
 
@@ -754,7 +756,7 @@ def test_chunked_multicast_bit_identical(skip_a_reg, cp, kind):
               "empty experts": (2048, 256, 64, 128, 4), "E=40 fp16": (1000, 512, 40, 256, 6),
               "T=1": (1, 2048, 128, 768, 8)}
     (x, w13, w2, w, ids), dtype = kind_case(cp, shapes, kind)
-    saved = os.environ.get(CHUNKED_MC_ENV)
+    saved = {CHUNKED_MC_ENV: os.environ.get(CHUNKED_MC_ENV)}
     outs = []
     try:
         for on in (True, False):
@@ -764,10 +766,7 @@ def test_chunked_multicast_bit_identical(skip_a_reg, cp, kind):
             outs.append(run_moe_check(r, cp, (x, w13, w2, w, ids), dtype))
             r.check_device_errors()
     finally:
-        if saved is None:
-            os.environ.pop(CHUNKED_MC_ENV, None)
-        else:
-            os.environ[CHUNKED_MC_ENV] = saved
+        restore_env(saved)
     assert same_bits(cp, outs[0], outs[1], dtype)
 
 
@@ -805,9 +804,5 @@ def test_chunked_swap_ab_bit_identical(skip_a_reg, cp, kind, multicast):
             outs.append(run_moe_check(r, cp, case, dtype))
             r.check_device_errors()
     finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        restore_env(saved)
     assert same_bits(cp, outs[0], outs[1], dtype)
