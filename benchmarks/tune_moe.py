@@ -51,9 +51,10 @@ KEY = ["H", "I", "G", "K"]
 
 def candidates(rows_per_expert: float, grouped: bool, H: int = 0, I: int = 0) -> list:
     """Configurations worth timing at this many rows per expert (the others lose by far); chunked
-    from 32 rows per expert (it beat the tuned choice at deepseek-v2-lite T = 512, 48 rows, and
-    qwen3-235b T = 512, 32 rows) and only on shapes its kernels take (H and I multiples of 128:
-    elsewhere the plugin runs grouped for it, which would be recorded under chunked's name)."""
+    from 32 rows per expert (in one A/B it beat the tuned choice at deepseek-v2-lite T = 512, 48
+    rows, and qwen3-235b T = 512, 32 rows; the re-tune that followed had it within 3% of auto
+    there) and only on shapes its kernels take (H and I multiples of 128: elsewhere the plugin
+    runs grouped for it, which would be recorded under chunked's name)."""
     out = []
     if rows_per_expert <= 64:
         out += ["tiny", "decode", "decode4"]

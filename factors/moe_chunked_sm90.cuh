@@ -20,8 +20,8 @@
  * count comes from expert_off on the device. By default (kMc) CTAs run in clusters of two on the
  * two N-tiles of a pair and multicast the chunk's A sub-tiles (each CTA copies half to both).
  *
- * Measured (H200, benchmarks/RESULTS.md "Chunked"): mixtral T = 512 875 µs against 1006 on the
- * 128 x 256 tiling; the tuning file picks it where it wins (a little over 128 to 256 rows per
+ * Measured (H200, benchmarks/RESULTS.md "Chunked" and "Swap AB"): mixtral T = 512 875 µs against
+ * 1006 on the 128 x 256 tiling, 869 with swap AB where it pays (934 without, same run); the tuning file picks it where it wins (a little over 128 to 256 rows per
  * expert with a long reduction); slower with short reductions and many rows (qwen3-30b T = 4096).
  *
  * Roles (384 threads): warp 0 (one elected lane) issues the TMA copies of a ring of stages (warps
@@ -81,7 +81,8 @@ constexpr int kBBytes = kBN * kBK * 2;                    // 16 KB per stage
 constexpr int kBarOff = kStages * (kABytes + kBBytes);    // 196,608
 constexpr int kPreOff = kBarOff + 2 * kStages * 8;
 inline int64_t smem_bytes(int64_t E) { return kPreOff + (E + 1) * 4; }
-// kT (swap AB): the chunk's rows are the GMMA's N, rounded up to kStepN (16 .. 256 in 16 steps)
+// kT (swap AB): the chunk's rows are the GMMA's N, rounded up to kStepN (dispatch_steps instantiates
+// the N that swap_pays lets through: 16 .. 224)
 constexpr int kStepN = 16;
 constexpr int kMaxStepsN = kChunkRows / kStepN;
 // The kT kernels run swap AB on the chunks whose MMA it shortens by at least half a sub-tile:
@@ -520,7 +521,7 @@ int max_active_clusters(Kernel kern, int num_sms, int smem_optin, cudaStream_t s
 // per SM (kMc: as many clusters of two as the device holds at once, cudaOccupancyMaxActiveClusters)
 // and no more than the items (a CTA past the item count, which the device reads from expert_off,
 // returns at once); smem_optin: the device's opt-in shared memory per block (the kernel's
-// attribute, set once per process, as the CUTLASS launches do). The two tensor maps are cached for the last
+// attribute, set once per process, as the CUTLASS launches do). The three tensor maps are cached for the last
 // (pointers, shapes) only: an eager call on another layer's weights encodes them again (host work,
 // a few µs, beside GEMMs of hundreds of µs where this tiling is chosen).
 template <typename T, bool kGated, bool kMc, bool kT>

@@ -67,7 +67,8 @@
  * for shapes whose 128 x 256 tiles leave the last round of the persistent grid mostly idle (granite
  * at T = 384..1024: ~160 tiles of GEMM1 on 132 SMs). Where dims[7] = 10 (tuned data: "chunked")
  * both GEMMs run on kernels of our own (moe_chunked_sm90.cuh: a CTA takes up to 256 of an expert's
- * rows against one weight tile, MMAs on the 64-row sub-tiles that hold rows) where sm90_chunked_for
+ * rows against one weight tile, MMAs on the 64-row sub-tiles that hold rows, or with swap AB the
+ * chunk's rows as the MMA's N where the last sub-tile would be at most half full) where sm90_chunked_for
  * allows (GEMM1 gated, H % 128 == 0, E <= 4096), else as dims[7] = 4; for experts of a little over
  * 128 rows (mixtral T = 512).
  *
