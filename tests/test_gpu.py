@@ -250,6 +250,18 @@ def test_moe_sm90_tilings_on_awkward_shapes(cp, config, dtype, kind):
     r.check_device_errors()
 
 
+def profiled_kernels(cp, call):
+    """(call()'s result, the names of the CUDA kernels it launched), from PyTorch's profiler (a
+    CUPTI kernel trace; skips where PyTorch is missing); the device is synchronized on both sides."""
+    torch = pytest.importorskip("torch")
+    from torch.profiler import ProfilerActivity, profile
+    cp.cuda.Device().synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        result = call()
+        cp.cuda.Device().synchronize()
+    return result, [ev.name for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA]
+
+
 @pytest.mark.parametrize("kind,chunked", [("I > H", True), ("one expert", True), ("H=200", False),
                                           ("ungated I=200", False)])
 def test_moe_chunked_kernels_run_where_they_take_the_shape(cp, kind, chunked):
@@ -257,19 +269,13 @@ def test_moe_chunked_kernels_run_where_they_take_the_shape(cp, kind, chunked):
     take (gated GEMM1, H % 128 == 0) and the 128-row CUTLASS tiling elsewhere; dims[7] = 4 never
     runs them. The outputs agree whichever ran, so the kernels' names in PyTorch's profiler (a
     CUPTI kernel trace) say which did."""
-    torch = pytest.importorskip("torch")
-    from torch.profiler import ProfilerActivity, profile
     r = sm90_registry()
     case, _ = kind_case(cp, SM90_AWKWARD_SHAPES, kind)
     ran = {}
     for config in (10, 4):
         r.set_tuning("moe_fused_gemm", lambda sizes, c=config: c)
         run_moe_check(r, cp, case, "bfloat16")           # compiled, warm
-        cp.cuda.Device().synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            run_moe_check(r, cp, case, "bfloat16")
-            cp.cuda.Device().synchronize()
-        names = [ev.name for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA]
+        _, names = profiled_kernels(cp, lambda: run_moe_check(r, cp, case, "bfloat16"))
         assert any("combine" in n for n in names), names   # the trace saw the call
         ran[config] = any("chunked_gemm_kernel" in n for n in names)
     assert ran == {10: chunked, 4: False}, ran
@@ -818,8 +824,6 @@ def test_chunked_swap_ab_bit_identical(skip_a_reg, cp, kind, multicast):
     profiler shows that the swap-AB kernels ran with the default and not with =0 (else both runs
     could take one path and agree trivially). Each registry is loaded right before its calls
     (the setting is the plugin's, read at its latest load)."""
-    torch = pytest.importorskip("torch")
-    from torch.profiler import ProfilerActivity, profile
     shapes = {"150 rows per expert": (600, 512, 8, 1024, 2), "E=40 fp16": (1000, 512, 40, 256, 6),
               "T=1": (1, 2048, 128, 768, 8), "I=1408": (700, 256, 8, 1408, 2)}
     if kind.startswith("every swap N"):
@@ -834,11 +838,8 @@ def test_chunked_swap_ab_bit_identical(skip_a_reg, cp, kind, multicast):
             os.environ[CHUNKED_SWAP_ENV] = swap
             r = skip_a_reg(True)
             r.set_tuning("moe_fused_gemm", lambda sizes: 10)
-            cp.cuda.Device().synchronize()
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                outs.append(run_moe_check(r, cp, case, dtype))
-                cp.cuda.Device().synchronize()
-            names = [ev.name for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA]
+            out, names = profiled_kernels(cp, lambda: run_moe_check(r, cp, case, dtype))
+            outs.append(out)
             swaps.append(chunked_kernel_swaps(names))
             r.check_device_errors()
     finally:
