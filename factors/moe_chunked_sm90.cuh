@@ -32,11 +32,12 @@
  * hold rows) by the whole B tile (SM90 64 x 128 x 16 GMMA, fp32 accumulators), then stores its
  * rows straight from registers.
  *
- * Swap AB (kT, the default; EX_MOE_SM90_CHUNKED_SWAP_AB=0 turns it off): a chunk whose last
- * sub-tile would be at most half full (swap_pays: 1-32, 65-96, 129-160 or 193-224 rows) runs
- * with its rows as the GMMA's N instead, rounded up to 16 (64 x N x 16, N = 16 .. 224: cute's
- * extended shapes), and warpgroup w's M is the B tile's rows 64w .. 64w + 63: a chunk of 140 rows
- * multiplies 144, not 192. For GEMM1 the producer then loads the weight tile through a second
+ * Swap AB (kBand, the default; EX_MOE_SM90_CHUNKED_SWAP_AB=0 turns it off): a launch takes one
+ * band of chunk sizes, 64j + 1 .. 64j + 32 rows (swap_band: the band nearest the call's rows per
+ * expert); a chunk in it, whose last sub-tile would be at most half full, runs with its rows as
+ * the GMMA's N instead, N = 64j + 32 (64 x N x 16; 160 and 224 are cute's extended shapes), and
+ * warpgroup w's M is the B tile's rows 64w .. 64w + 63: a chunk of 140 rows multiplies 160, not
+ * 192. One N per kernel keeps its code small (see band_n). For GEMM1 the producer then loads the weight tile through a second
  * tensor map (tma_b_gu) as 8 groups of 8 gate rows each followed by the same columns' 8 up rows,
  * so that GMMA's C gives a thread a gate (row r) and its up (row r + 8). The epilogue stores one
  * element at a time (a thread holds 2 weight rows x 2 chunk rows per block of 8 chunk rows). The
@@ -81,16 +82,27 @@ constexpr int kBBytes = kBN * kBK * 2;                    // 16 KB per stage
 constexpr int kBarOff = kStages * (kABytes + kBBytes);    // 196,608
 constexpr int kPreOff = kBarOff + 2 * kStages * 8;
 inline int64_t smem_bytes(int64_t E) { return kPreOff + (E + 1) * 4; }
-// kT (swap AB): the chunk's rows are the GMMA's N, rounded up to kStepN (dispatch_steps instantiates
-// the N that swap_pays lets through: 16 .. 224)
-constexpr int kStepN = 16;
-constexpr int kMaxStepsN = kChunkRows / kStepN;
-// The kT kernels run swap AB on the chunks whose MMA it shortens by at least half a sub-tile:
-// 1-32, 65-96, 129-160 and 193-224 rows (N = 16, 32, 80, 96, 144, 160, 208 or 224), the others on
-// the sub-tiles. Measured per MMA row, swap AB is slower than the sub-tiles (every chunk on it,
-// mixtral T = 448, chunks of 100-128 rows: 884 vs 829 µs), so it pays only where it leaves out a
-// large share of the padding.
-__host__ __device__ constexpr bool swap_pays(int m) { return m % kSub != 0 && m % kSub <= kSub / 2; }
+// Swap AB by band (kBand, 1..4; 0: none): a kernel of band b runs swap AB on the chunks of
+// 64(b-1) + 1 .. 64(b-1) + 32 rows, with N = band_n(b) = 64(b-1) + 32 (32, 96, 160, 224), and the
+// other chunks on the sub-tiles. Measured per MMA row, swap AB is slower than the sub-tiles (every
+// chunk on it, mixtral T = 448, chunks of 100-128 rows: 884 vs 829 µs), so it pays only where it
+// leaves out at least half a sub-tile. One N per kernel, not every N a chunk could take: a kernel
+// that held swap AB at eight N (16 .. 224, 207 KB of code against 52 KB without) ran its sub-tile
+// chunks 3-4% slower where the reductions are short (deepseek T = 512: GEMMs 299.1 against 288.0
+// µs; with only N = 16, 32, 64 KB of code: 288.3; benchmarks/RESULTS.md), the instruction cache's
+// cost of the code size. The host picks the band from the rows per expert (swap_band).
+__host__ __device__ constexpr int band_n(int band) { return kSub * (band - 1) + kSub / 2; }
+__host__ __device__ constexpr bool swap_pays(int m, int band) {
+    return band > 0 && m > kSub * (band - 1) && m <= band_n(band);
+}
+// The band for experts of rows_per_expert rows on average (T*K/G; a chunk holds up to 256): the
+// one whose rows (64j + 1 .. 64j + 32) centre nearest the average's remainder past the full chunks
+// (mixtral T = 512, 128 rows: band 3, 129-160; phi-3.5 T = 512, 64: band 2; deepseek T = 2048,
+// 192: band 4)
+inline int swap_band(int64_t rows_per_expert) {
+    const int64_t r = (rows_per_expert < 0 ? 0 : rows_per_expert) % kChunkRows;
+    return (int)std::min<int64_t>((r + kSub / 4) / kSub, kMaxSub - 1) + 1;
+}
 // N-tiles of a GEMM (GEMM1: I / 64 of act's columns; GEMM2: H / 128); the multicast variant
 // takes them in pairs, so it runs only where their count is even (run() checks)
 __host__ __device__ constexpr int64_t n_tiles(bool gated, int64_t N) { return gated ? N / (kBN / 2) : N / kBN; }
@@ -111,19 +123,6 @@ struct Types {
     using TiledMma = decltype(make_tiled_mma(MmaOp{}));  // one warpgroup
 };
 
-// f(Int<S * kStepN>{}) for the S of s, one instantiation for each S that a chunk under swap AB
-// can have (swap_pays: S % 4 == 1 or 2); s is warp-uniform
-template <int S, class F>
-__device__ __forceinline__ void dispatch_steps(int s, F& f) {
-    if constexpr (S % 4 == 1 || S % 4 == 2) {
-        if (s >= S) {
-            f(Int<S * kStepN>{});
-            return;
-        }
-    }
-    if constexpr (S > 1) dispatch_steps<S - 1>(s, f);
-}
-
 struct Args {
     const int* expert_off;  // E + 1 (routing output)
     void* out;              // act (rows, I) for GEMM1, ys (rows, H) for GEMM2
@@ -137,14 +136,20 @@ struct Args {
 #if defined(EX_SM90_EPI_ACCURATE)
 __device__ __forceinline__ float silu_epi(float g) { return silu_f(g); }
 #else
-__device__ __forceinline__ float silu_epi(float g) { return __fdividef(g, 1.0f + __expf(-g)); }
+// __fdividef(g, 1 + __expf(-g)) with ex2's flush-to-zero form (one instruction less, no branch):
+// the same bits, since ex2 of an argument under -126 (a subnormal result) adds nothing to 1
+__device__ __forceinline__ float silu_epi(float g) {
+    float e;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(g * -1.4426950408889634f));
+    return __fdividef(g, 1.0f + e);
+}
 #endif
 
 // kMc: launched in clusters of two CTAs that take the two N-tiles of a pair for the same chunk;
 // each copies half of the chunk's A sub-tiles (s % 2 == its rank) to both CTAs' shared memory (TMA
 // multicast), so A crosses from L2 once per pair; a stage is refilled only after both CTAs'
 // consumers released it (empty barriers count 16 arrivals, one per consumer warp of either CTA).
-template <typename T, bool kGated, bool kMc, bool kT>
+template <typename T, bool kGated, bool kMc, int kBand>
 __global__ void __launch_bounds__(kThreads, 1)
 chunked_gemm_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_constant__ CUtensorMap tma_b,
                     const __grid_constant__ CUtensorMap tma_b_gu, const Args p) {
@@ -232,7 +237,7 @@ chunked_gemm_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_cons
                 item_of(it, e, m0, mv, n);
                 n = n * kCtas + rank;
                 const int nsub = (mv + kSub - 1) / kSub;
-                const bool swap = kT && swap_pays(mv);
+                const bool swap = swap_pays(mv, kBand);
                 const int b0 = kGated ? n * (kBN / 2) : n * kBN;
                 const int b1 = kGated ? p.N + n * (kBN / 2) : n * kBN + kBN / 2;
                 for (int kb = 0; kb < KB; ++kb) {
@@ -240,7 +245,7 @@ chunked_gemm_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_cons
                     cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(
                         &full[stage], kBBytes + nsub * kBoxBytes);
                     unsigned char* sb = reinterpret_cast<unsigned char*>(sb_ptr) + stage * kBBytes;
-                    if (kT && kGated && swap) {
+                    if (kBand > 0 && kGated && swap) {
                         // one box of the interleaved view (tma_b_gu): groups of 8 gate rows, each
                         // followed by its 8 up rows (64 act columns: 8 groups)
                         SM90_TMA_LOAD_5D::copy(&tma_b_gu, &full[stage], hint, sb, kb * kBK, 0, 0, n * 8, e);
@@ -309,13 +314,12 @@ chunked_gemm_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_cons
                 if constexpr (kMc) cutlass::arch::ClusterBarrier::arrive(&empty[s], (uint32_t)(rank ^ 1), 1u);
             }
         };
-        if constexpr (kT) {
-          if (__shfl_sync(0xffffffffu, swap_pays(mv), 0)) {
+        if constexpr (kBand > 0) {
+          if (__shfl_sync(0xffffffffu, swap_pays(mv, kBand), 0)) {
             // swap AB: D^T (64 weight rows of this warpgroup x NN of the chunk's rows) = W . X^T;
-            // NN = the chunk's rows rounded up to 16, so a chunk of 140 rows multiplies 144
-            const int steps = __shfl_sync(0xffffffffu, (mv + kStepN - 1) / kStepN, 0);
-            auto run_t = [&](auto nn_tag) {
-                constexpr int NN = decltype(nn_tag)::value;
+            // NN = band_n(kBand), so a chunk of 140 rows multiplies 160 (192 on the sub-tiles)
+            {
+                constexpr int NN = band_n(kBand);
                 using MmaT = decltype(GMMA::ss_op_selector<E, E, float, Shape<Int<kSub>, Int<NN>, Int<kBK>>,
                                                            GMMA::Major::K, GMMA::Major::K>());
                 static_assert(size<1>(typename MMA_Traits<MmaT>::Shape_MNK{}) == NN,
@@ -354,33 +358,37 @@ chunked_gemm_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_cons
                 warpgroup_fence_operand(acc);
                 if (prev >= 0) release(prev);
                 // epilogue: fragment ((2 chunk rows, 2 weight rows r / r + 8, NN / 8 blocks of 8
-                // chunk rows), 1, 1); this thread's weight row r = warp * 16 + lane / 4 (GMMA's C)
+                // chunk rows), 1, 1); this thread's weight row r = warp * 16 + lane / 4 (GMMA's C).
+                // Written for little code per element (the code size is what the band bounds):
+                // one base pointer, 32-bit row offsets (t < 256, ld_out = I or H), every value
+                // computed and its store predicated on t < mv (rows past the chunk are never stored)
                 Tensor cC = make_identity_tensor(Shape<Int<kSub>, Int<NN>>{});
                 Tensor tCc = thr_t.partition_C(cC);
                 const int r = int(get<0>(tCc(make_coord(make_coord(0, 0, 0), 0, 0))));
+                const int ld = p.ld_out;
+                // GEMM1: rows r (gate) and r + 8 (up) give act column (r / 16) * 8 + r % 8 of this
+                // warpgroup's 32 (the interleaved weight tile); GEMM2: columns r and r + 8
+                T* obase = out + (int64_t)m0 * ld +
+                           (kGated ? n * (kBN / 2) + wg * 32 + (r / 16) * 8 + (r % 8) : n * kBN + wg * kSub + r);
                 CUTLASS_PRAGMA_UNROLL
                 for (int b = 0; b < NN / 8; ++b) {
                     CUTLASS_PRAGMA_UNROLL
                     for (int x = 0; x < 2; ++x) {
                         const int t = int(get<1>(tCc(make_coord(make_coord(x, 0, b), 0, 0))));
-                        if (t >= mv) continue;
-                        T* orow = out + (int64_t)(m0 + t) * p.ld_out;
                         const float v0 = acc(make_coord(make_coord(x, 0, b), 0, 0));
                         const float v1 = acc(make_coord(make_coord(x, 1, b), 0, 0));
+                        T* o = obase + t * ld;
                         if constexpr (kGated) {
-                            // rows r (gate) and r + 8 (up) of act column (r / 16) * 8 + r % 8 of
-                            // this warpgroup's 32 (the interleaved weight tile)
                             const float2 gu = Elem<T>::unpack(Elem<T>::pack(v0, v1));
-                            orow[n * (kBN / 2) + wg * 32 + (r / 16) * 8 + (r % 8)] =
-                                Elem<T>::from_f(silu_epi(gu.x) * gu.y);
+                            const T a = Elem<T>::from_f(silu_epi(gu.x) * gu.y);
+                            if (t < mv) o[0] = a;
                         } else {
-                            orow[n * kBN + wg * kSub + r] = Elem<T>::from_f(v0);
-                            orow[n * kBN + wg * kSub + r + 8] = Elem<T>::from_f(v1);
+                            const T a = Elem<T>::from_f(v0), c = Elem<T>::from_f(v1);
+                            if (t < mv) { o[0] = a; o[8] = c; }
                         }
                     }
                 }
-            };
-            dispatch_steps<kMaxStepsN>(steps, run_t);
+            }
             continue;
           }
         }
@@ -524,7 +532,7 @@ int max_active_clusters(Kernel kern, int num_sms, int smem_optin, cudaStream_t s
 // attribute, set once per process, as the CUTLASS launches do). The three tensor maps are cached for the last
 // (pointers, shapes) only: an eager call on another layer's weights encodes them again (host work,
 // a few µs, beside GEMMs of hundreds of µs where this tiling is chosen).
-template <typename T, bool kGated, bool kMc, bool kT>
+template <typename T, bool kGated, bool kMc, int kBand>
 cudaError_t run(const T* a, int rows_cap, const T* b, int b_rows, const Args& args, int64_t work_max, int num_sms,
                 int smem_optin, cudaStream_t stream) {
     struct Cache {
@@ -541,14 +549,14 @@ cudaError_t run(const T* a, int rows_cap, const T* b, int b_rows, const Args& ar
         c.valid = false;
         if (!encode_map(&c.ta, a, bf16, 2, args.Kdim, rows_cap, 1) ||
             !encode_map(&c.tb, b, bf16, 3, args.Kdim, b_rows, args.E) ||
-            (kT && kGated && !encode_map_gate_up(&c.tb_gu, b, bf16, args.Kdim, b_rows / 2, args.E)))
+            (kBand > 0 && kGated && !encode_map_gate_up(&c.tb_gu, b, bf16, args.Kdim, b_rows / 2, args.E)))
             return cudaErrorInvalidValue;
-        if (!(kT && kGated)) c.tb_gu = c.tb;  // a parameter the kernel does not read
+        if (!(kBand > 0 && kGated)) c.tb_gu = c.tb;  // a parameter the kernel does not read
         c.a = a; c.b = b; c.rows = rows_cap; c.b_rows = b_rows; c.K = args.Kdim; c.E = args.E;
         c.valid = true;
     }
     if (kMc && n_tiles(kGated, args.N) % 2 != 0) return cudaErrorInvalidValue;  // an N-tile would be left out
-    auto kern = chunked_gemm_kernel<T, kGated, kMc, kT>;
+    auto kern = chunked_gemm_kernel<T, kGated, kMc, kBand>;
     const int smem = (int)smem_bytes(args.E);
     static const cudaError_t set = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                         smem_optin);
@@ -584,20 +592,27 @@ cudaError_t run(const T* a, int rows_cap, const T* b, int b_rows, const Args& ar
 
 // One GEMM on the chunked kernels: rows_max = T*K (an upper bound on the sorted rows; the chunk
 // count is at most rows_max / 256 + E), multicast where asked and the GEMM's N-tiles pair up.
-template <typename T, bool kGated, bool kT>
+template <typename T, bool kGated, int kBand>
 cudaError_t launch_mc(const T* a, int rows_max, const T* b, int b_rows, const Args& args, bool multicast,
                       int num_sms, int smem_optin, cudaStream_t stream) {
     const int64_t work = ((int64_t)rows_max / kChunkRows + args.E) * n_tiles(kGated, args.N);
     if (multicast && n_tiles(kGated, args.N) % 2 == 0)
-        return run<T, kGated, true, kT>(a, rows_max, b, b_rows, args, work, num_sms, smem_optin, stream);
-    return run<T, kGated, false, kT>(a, rows_max, b, b_rows, args, work, num_sms, smem_optin, stream);
+        return run<T, kGated, true, kBand>(a, rows_max, b, b_rows, args, work, num_sms, smem_optin, stream);
+    return run<T, kGated, false, kBand>(a, rows_max, b, b_rows, args, work, num_sms, smem_optin, stream);
 }
-// swap_ab: swap AB on the chunks where it pays (swap_pays), else every chunk on 64-row sub-tiles
+// band: swap AB on the chunks of that band (swap_pays; the caller's swap_band, or 0: every chunk on
+// 64-row sub-tiles); a band outside 0..4 is refused
 template <typename T, bool kGated>
-cudaError_t launch(const T* a, int rows_max, const T* b, int b_rows, const Args& args, bool multicast, bool swap_ab,
+cudaError_t launch(const T* a, int rows_max, const T* b, int b_rows, const Args& args, bool multicast, int band,
                    int num_sms, int smem_optin, cudaStream_t stream) {
-    return swap_ab ? launch_mc<T, kGated, true>(a, rows_max, b, b_rows, args, multicast, num_sms, smem_optin, stream)
-                   : launch_mc<T, kGated, false>(a, rows_max, b, b_rows, args, multicast, num_sms, smem_optin, stream);
+    switch (band) {
+        case 0: return launch_mc<T, kGated, 0>(a, rows_max, b, b_rows, args, multicast, num_sms, smem_optin, stream);
+        case 1: return launch_mc<T, kGated, 1>(a, rows_max, b, b_rows, args, multicast, num_sms, smem_optin, stream);
+        case 2: return launch_mc<T, kGated, 2>(a, rows_max, b, b_rows, args, multicast, num_sms, smem_optin, stream);
+        case 3: return launch_mc<T, kGated, 3>(a, rows_max, b, b_rows, args, multicast, num_sms, smem_optin, stream);
+        case 4: return launch_mc<T, kGated, 4>(a, rows_max, b, b_rows, args, multicast, num_sms, smem_optin, stream);
+        default: return cudaErrorInvalidValue;
+    }
 }
 
 }  // namespace chunked

@@ -68,7 +68,8 @@
  * at T = 384..1024: ~160 tiles of GEMM1 on 132 SMs). Where dims[7] = 10 (tuned data: "chunked")
  * both GEMMs run on kernels of our own (moe_chunked_sm90.cuh: a CTA takes up to 256 of an expert's
  * rows against one weight tile, MMAs on the 64-row sub-tiles that hold rows, or with swap AB the
- * chunk's rows as the MMA's N where the last sub-tile would be at most half full) where sm90_chunked_for
+ * chunk's rows as the MMA's N where the last sub-tile would be at most half full, on one band of
+ * chunk sizes per launch) where sm90_chunked_for
  * allows (GEMM1 gated, H % 128 == 0, E <= 4096), else as dims[7] = 4; for experts of a little over
  * 128 rows (mixtral T = 512).
  *
@@ -88,7 +89,7 @@
  */
 #define EX_PLUGIN_FILE "moe_fused_gemm_sm90.so"  // names this library in its messages (ex_plugin.cuh)
 // GMMA's N in every multiple of 8 (cute's "extended" shapes: m64n144k16 and the like), before any
-// cute header: the chunked kernels' swap-AB variant multiplies a chunk's rows rounded up to 16;
+// cute header: the chunked kernels' swap-AB variant multiplies a chunk's rows as N = 96, 160, 224;
 // without them cute's selector takes the largest standard N that divides the tile (144 -> nine
 // m64n16k16 instructions). The CUTLASS tiles here (N = 64, 128, 256) get the same ops either way.
 #define CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED
@@ -967,10 +968,10 @@ static bool s_sm90_gather_by_token = true;
 // set by ex_get_factor: the chunked kernels in clusters of two CTAs multicasting A (where the
 // N-tiles pair up); EX_MOE_SM90_CHUNKED_MULTICAST=0: one CTA per item, each loading its own A
 static bool s_sm90_chunked_mc = true;
-// set by ex_get_factor: the chunked kernels' swap AB (a chunk's rows as the GMMA's N, rounded up
-// to 16 rows instead of 64-row sub-tiles; the weights' 64-row halves as M) on the chunks where it
-// saves at least half a sub-tile of MMA rows (chunked::swap_pays); EX_MOE_SM90_CHUNKED_SWAP_AB=0:
-// never, for comparison
+// set by ex_get_factor: the chunked kernels' swap AB (a chunk's rows as the GMMA's N instead of
+// 64-row sub-tiles; the weights' 64-row halves as M) on the chunks of one band of sizes, 64j + 1 ..
+// 64j + 32 rows, the band nearest the call's rows per expert (chunked::swap_band, swap_pays);
+// EX_MOE_SM90_CHUNKED_SWAP_AB=0: never, for comparison
 static bool s_sm90_chunked_swap = true;
 
 using GemmBf16 = sm90::GroupedGemm<cutlass::bfloat16_t>;
@@ -1269,11 +1270,13 @@ static int launch_sm90(const Problem& P, void* out, const void* x, const void* w
     if (use_chunked) {  // both GEMMs (each multicasts A where its N-tiles pair up)
         const chunked::Args a1{expert_off, act, I, I, H, E};
         const chunked::Args a2{expert_off, ys, H, H, I, E};
+        // swap AB on one band of chunk sizes, the one nearest the rows per expert (T*K/G)
+        const int band = s_sm90_chunked_swap ? chunked::swap_band(P.TK / P.G) : 0;
         err = chunked::launch<T, true>(xs, (int)P.TK, static_cast<const T*>(w13), 2 * I, a1, s_sm90_chunked_mc,
-                                       s_sm90_chunked_swap, s_num_sms, s_smem_optin, stream);
+                                       band, s_num_sms, s_smem_optin, stream);
         if (err == cudaSuccess)
             err = chunked::launch<T, false>(act, (int)P.TK, static_cast<const T*>(w2), H, a2, s_sm90_chunked_mc,
-                                            s_sm90_chunked_swap, s_num_sms, s_smem_optin, stream);
+                                            band, s_num_sms, s_smem_optin, stream);
         if (err != cudaSuccess) return cuda_error(err);
     } else if (gated) {
         using GG = sm90::GatedGemm1<CT, T, Tile>;

@@ -779,16 +779,27 @@ def test_chunked_multicast_bit_identical(skip_a_reg, cp, kind):
 CHUNKED_SWAP_ENV = "EX_MOE_SM90_CHUNKED_SWAP_AB"   # read by the sm90 plugin's ex_get_factor
 
 
-# rows per expert (top_k = 1) whose chunks take every N of swap AB (16, 32, 80, 96, 144, 160, 208,
-# 224: 10, 30, 70, 90, 140, 150, 200, 220 rows) and the sub-tiles (40, 100, 180, 250, 64, 128 rows;
-# 300 = chunks of 256 and 44), and one idle expert
-SWAP_AB_COUNTS = [10, 30, 70, 90, 140, 150, 200, 220, 40, 100, 180, 250, 0, 300, 64, 128]
+def swap_band(rows_per_expert):
+    """The swap-AB band the sm90 plugin picks for T*K/G rows per expert (chunked::swap_band): the
+    band j + 1 of chunks of 64j + 1 .. 64j + 32 rows centred nearest the rows past full chunks."""
+    return min((rows_per_expert % 256 + 16) // 64, 3) + 1
 
 
-def swap_ab_case(cp, dtype, H=256, I=256):
-    """(moe_case, dtype): T = sum(SWAP_AB_COUNTS) tokens, top_k = 1, expert e given
-    SWAP_AB_COUNTS[e] of them (in a random order)."""
-    counts = SWAP_AB_COUNTS
+def swap_ab_counts(band):
+    """Rows per expert (top_k = 1, 16 experts) for a call whose swap-AB band is ``band``: chunks in
+    the band (64(band-1) + 1, 5, 12, 16, 17, 20, 24, 28, 31, 32 rows, and an expert of 256 + base + 7
+    rows whose second chunk is in it), chunks past it on the sub-tiles (+33, +48, +63, +64), an idle
+    expert."""
+    base = 64 * (band - 1)
+    counts = [base + d for d in (1, 5, 16, 17, 31, 32, 33, 48, 63, 64, 24, 20, 12, 28)] + [0, 256 + base + 7]
+    assert swap_band(sum(counts) // len(counts)) == band
+    return counts
+
+
+def swap_ab_case(cp, dtype, band, H=256, I=256):
+    """(moe_case, dtype): T = sum(swap_ab_counts(band)) tokens, top_k = 1, expert e given
+    swap_ab_counts(band)[e] of them (in a random order)."""
+    counts = swap_ab_counts(band)
     T, E = sum(counts), len(counts)
     x, w13, w2, w, _ = moe_case(cp, T, H, E, I, 1, dtype)
     ids = cp.asarray(np.random.default_rng().permutation(np.repeat(np.arange(E), counts)).astype(np.int32))
@@ -796,40 +807,43 @@ def swap_ab_case(cp, dtype, H=256, I=256):
 
 
 def chunked_kernel_swaps(names):
-    """Of the profiled kernel names, the kT (swap AB) template argument of every
-    chunked_gemm_kernel launch: a set of True / False."""
+    """Of the profiled kernel names, the kBand (swap-AB band, 0: none) template argument of every
+    chunked_gemm_kernel launch: a set of ints."""
     out = set()
     for n in names:
         if "chunked_gemm_kernel<" in n:
-            last = n.split("chunked_gemm_kernel<", 1)[1].split(">", 1)[0].split(",")[-1].strip()
-            out.add(last in ("true", "1", "(bool)1"))
+            out.add(int(n.split("chunked_gemm_kernel<", 1)[1].split(">", 1)[0].split(",")[-1].strip()))
     return out
 
 
 @pytest.mark.parametrize("multicast", [True, False])
-@pytest.mark.parametrize("kind", ["every swap N", "every swap N fp16", "150 rows per expert", "E=40 fp16", "T=1",
-                                  "I=1408"])
+@pytest.mark.parametrize("kind", ["band 1", "band 2", "band 3", "band 4", "band 3 fp16", "150 rows per expert",
+                                  "E=40 fp16", "T=1", "I=1408"])
 def test_chunked_swap_ab_bit_identical(skip_a_reg, cp, kind, multicast):
-    """The chunked tiling (dims[7] = 10) with swap AB on the chunks where it pays (the default: a
-    chunk of 1-32, 65-96, 129-160 or 193-224 rows as the GMMA's N, rounded up to 16, the weights'
-    64-row halves as M, GEMM1's weight tile loaded as interleaved groups of 8 gate and 8 up rows)
-    gives the same bits as every chunk on 64-row sub-tiles (EX_MOE_SM90_CHUNKED_SWAP_AB=0), with
-    and without the multicast, both within tolerance of the float64 reference. "every swap N":
-    experts of fixed row counts whose chunks take each of the eight N that swap AB instantiates
-    and the sub-tiles beside them, one expert of two chunks, one idle (bf16 and fp16); then
-    random routing: ~150 rows per expert, E = 40, one row per expert (T = 1: N = 16), GEMM1
-    N-tiles of 64 act columns past 1024 (I = 1408). A gate row paired with the wrong up row, a
-    chunk row stored to the wrong token, or an N that leaves out rows changes the bits; rows past
-    a chunk's end are multiplied but never stored (the output is poisoned first). PyTorch's
-    profiler shows that the swap-AB kernels ran with the default and not with =0 (else both runs
-    could take one path and agree trivially). Each registry is loaded right before its calls
-    (the setting is the plugin's, read at its latest load)."""
+    """The chunked tiling (dims[7] = 10) with swap AB on the chunks of the call's band (the
+    default: chunks of 64j + 1 .. 64j + 32 rows, the band nearest the rows per expert, as the
+    GMMA's N = 64j + 32, the weights' 64-row halves as M, GEMM1's weight tile loaded as interleaved
+    groups of 8 gate and 8 up rows) gives the same bits as every chunk on 64-row sub-tiles
+    (EX_MOE_SM90_CHUNKED_SWAP_AB=0), with and without the multicast, both within tolerance of the
+    float64 reference. "band b": experts of fixed row counts whose call takes band b (N = 32, 96,
+    160, 224), with chunks in the band (one of them an expert's second chunk) and chunks past it
+    on the sub-tiles, one idle expert (band 3 also in fp16); then random routing: ~150 rows per
+    expert, E = 40, one row per expert (T = 1: band 1), GEMM1 N-tiles of 64 act columns past 1024
+    (I = 1408). A gate row paired with the wrong up row, a chunk row stored to the wrong token, or
+    an N that leaves out rows changes the bits; rows past a chunk's end are multiplied but never
+    stored (the output is poisoned first). PyTorch's profiler shows that the kernels of the
+    expected band ran with the default and band 0 with =0 (else both runs could take one path and
+    agree trivially). Each registry is loaded right before its calls (the setting is the plugin's,
+    read at its latest load)."""
     shapes = {"150 rows per expert": (600, 512, 8, 1024, 2), "E=40 fp16": (1000, 512, 40, 256, 6),
               "T=1": (1, 2048, 128, 768, 8), "I=1408": (700, 256, 8, 1408, 2)}
-    if kind.startswith("every swap N"):
-        case, dtype = swap_ab_case(cp, "float16" if "fp16" in kind else "bfloat16")
+    if kind.startswith("band"):
+        band = int(kind.split()[1])
+        case, dtype = swap_ab_case(cp, "float16" if "fp16" in kind else "bfloat16", band)
     else:
         case, dtype = kind_case(cp, shapes, kind)
+        T, _, E, _, K = shapes[kind]
+        band = swap_band(T * K // E)
     saved = {k: os.environ.get(k) for k in (CHUNKED_SWAP_ENV, CHUNKED_MC_ENV)}
     outs, swaps = [], []
     try:
@@ -844,5 +858,5 @@ def test_chunked_swap_ab_bit_identical(skip_a_reg, cp, kind, multicast):
             r.check_device_errors()
     finally:
         restore_env(saved)
-    assert swaps == [{True}, {False}], (swaps, sorted({n for n in names if "chunked" in n}))
+    assert swaps == [{band}, {0}], (swaps, sorted({n for n in names if "chunked" in n}))
     assert same_bits(cp, outs[0], outs[1], dtype)
