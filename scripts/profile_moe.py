@@ -3,6 +3,9 @@
     ncu --profile-from-start off --metrics gpu__time_duration.sum,dram__bytes_read.sum \\
         python3 scripts/profile_moe.py --models qwen3-30b-a3b olmoe-1b-7b --tokens 1
 
+--config forces a tile configuration by name (as kernel_times_moe.py's), e.g. `--config chunked`
+to profile the chunked kernels on a row the tuning file gives to another tiling.
+
 Each case: build the layer (N(0, 0.02) bf16 weights), route, three warm-up calls outside the
 range, then one call inside it, so the profile shows that call's kernels only (serialised by
 ncu: the per-kernel durations add up to more than the overlapped PDL launch).
@@ -19,6 +22,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))   # tune_moe's VALUES
 
 from ex_engine import FactorRegistry, moe_fused_gemm, topk_softmax  # noqa: E402
 from ex_engine._scripts import HelpFormatter, cupy_with_gpu  # noqa: E402
@@ -32,15 +36,25 @@ def main() -> int:
                     help=f"models of manifests/moe_models.yaml: {models_help()}")
     ap.add_argument("--tokens", type=int, nargs="+", default=[1], metavar="T", help="token counts T, each >= 1")
     ap.add_argument("--factors", default=None, metavar="FOLDER", help="plugin folder (default: factors/)")
+    ap.add_argument("--config", default=None,
+                    help="force a tile configuration by name: auto (the kernel's own choice, ignoring the "
+                         "tuning file) or one of benchmarks/tune_moe.py's CONFIGS (tiny, decode, decode4, mid, "
+                         "..., grouped, grouped64, narrow, chunked); default: tuned data, else auto")
     args = ap.parse_args()
+    from tune_moe import VALUES
     models = load_models_or_exit("profile_moe")
-    if report_problems("profile_moe", case_problems(models, args.models, args.tokens, args.factors)):
+    problems = case_problems(models, args.models, args.tokens, args.factors)
+    if args.config is not None and args.config not in VALUES:
+        problems.append(f"--config: expected one of {', '.join(VALUES)}, got {args.config!r}")
+    if report_problems("profile_moe", problems):
         return 2
     cupy, why = cupy_with_gpu()
     if cupy is None:     # CuPy without a usable device: this line, not a CUDARuntimeError traceback
         print(f"profile_moe: needs CuPy and a CUDA GPU: {why}", file=sys.stderr)
         return 2
     reg = FactorRegistry.load(args.factors)
+    if args.config is not None:
+        reg.set_tuning("moe_fused_gemm", lambda sizes, v=VALUES[args.config]: v)
     for m in args.models:
         s = models[m]
         layer = MoELayer(s, "bfloat16", cupy, seed=1)

@@ -568,6 +568,13 @@ def test_ab_moe_and_kernel_times_list_every_problem_at_once(ab_moe):
     assert lines[1].startswith("kernel_times_moe: case 'qwen3-30b-a3b:0'")
     assert lines[2].startswith("kernel_times_moe: --config: expected one of auto")
     assert lines[3] == "kernel_times_moe: --calls: expected >= 1, got 0"
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "profile_moe.py"), "--models", "nope",
+                        "--tokens", "0", "--config", "zz"], capture_output=True, text=True, timeout=120)
+    lines = r.stderr.splitlines()     # profile_moe's --config (for ncu on a forced tiling): the same
+    assert r.returncode == 2 and len(lines) == 3, r.stderr
+    assert lines[0].startswith("profile_moe: --models: 'nope' is not one of")
+    assert lines[1] == "profile_moe: --tokens: expected T >= 1, got 0"
+    assert lines[2].startswith("profile_moe: --config: expected one of auto, tiny,") and "chunked" in lines[2]
 
 
 @pytest.mark.parametrize("script, words", [
@@ -575,7 +582,8 @@ def test_ab_moe_and_kernel_times_list_every_problem_at_once(ab_moe):
                               "activation and weight dtype (default: bfloat16)", "(default: 2)"]),
     ("scripts/kernel_times_moe.py", ["activation and weight dtype (default: bfloat16)", "(default: 8)",
                                      "Needs PyTorch with a CUDA GPU"]),
-    ("scripts/profile_moe.py", ["Needs CuPy with a CUDA GPU", "Nsight Compute (ncu", "qwen3-30b-a3b"]),
+    ("scripts/profile_moe.py", ["Needs CuPy with a CUDA GPU", "Nsight Compute (ncu", "qwen3-30b-a3b",
+                                "force a tile configuration by name"]),
     ("examples/hf_moe_generate.py", ["tokens to generate, >= 5", "tokens of the random prompt (>= 1) (default: 16)",
                                      "vocabulary size", "seed of the weights and the prompt (default: 0)",
                                      "(default: all)"]),
