@@ -20,9 +20,10 @@
  * count comes from expert_off on the device. By default (kMc) CTAs run in clusters of two on the
  * two N-tiles of a pair and multicast the chunk's A sub-tiles (each CTA copies half to both).
  *
- * Measured (H200, benchmarks/RESULTS.md "Chunked" and "Swap AB"): mixtral T = 512 875 µs against
- * 1006 on the 128 x 256 tiling, 869 with swap AB where it pays (934 without, same run); the tuning file picks it where it wins (a little over 128 to 256 rows per
- * expert with a long reduction); slower with short reductions and many rows (qwen3-30b T = 4096).
+ * Measured (H200, benchmarks/RESULTS.md "Chunked", "Swap AB" and "Swap AB by band"): mixtral
+ * T = 512 875 µs against 1006 on the 128 x 256 tiling; swap AB by band 873.7 against 928.5 without
+ * (same run); the tuning file picks it where it wins (a little over 64j to 256 rows per expert);
+ * slower with short reductions and many rows (qwen3-30b T = 4096).
  *
  * Roles (384 threads): warp 0 (one elected lane) issues the TMA copies of a ring of stages (warps
  * 1-3 hand their registers to the consumers and leave), each
@@ -86,22 +87,25 @@ inline int64_t smem_bytes(int64_t E) { return kPreOff + (E + 1) * 4; }
 // 64(b-1) + 1 .. 64(b-1) + 32 rows, with N = band_n(b) = 64(b-1) + 32 (32, 96, 160, 224), and the
 // other chunks on the sub-tiles. Measured per MMA row, swap AB is slower than the sub-tiles (every
 // chunk on it, mixtral T = 448, chunks of 100-128 rows: 884 vs 829 µs), so it pays only where it
-// leaves out at least half a sub-tile. One N per kernel, not every N a chunk could take: a kernel
-// that held swap AB at eight N (16 .. 224, 207 KB of code against 52 KB without) ran its sub-tile
-// chunks 3-4% slower where the reductions are short (deepseek T = 512: GEMMs 299.1 against 288.0
-// µs; with only N = 16, 32, 64 KB of code: 288.3; benchmarks/RESULTS.md), the instruction cache's
-// cost of the code size. The host picks the band from the rows per expert (swap_band).
+// leaves out at least half a sub-tile. One N per kernel, not every N a chunk could take: kernels
+// that held swap AB at eight N (16 .. 224; 207 KB of code against 52 KB without) ran their
+// sub-tile chunks slower where the reductions are short, with the same instructions (deepseek
+// T = 512 at Nsight Compute's clock: GEMM1 209.3 against 200.2 µs; both GEMMs, eager: 299.1
+// against 288.0, and 288.3 with only N = 16 and 32, 64 KB; 3-4% of the whole call): the
+// instruction cache's cost of the code size (benchmarks/RESULTS.md "Swap AB by band"). The host
+// picks the band from the rows per expert (swap_band).
 __host__ __device__ constexpr int band_n(int band) { return kSub * (band - 1) + kSub / 2; }
 __host__ __device__ constexpr bool swap_pays(int m, int band) {
     return band > 0 && m > kSub * (band - 1) && m <= band_n(band);
 }
 // The band for experts of rows_per_expert rows on average (T*K/G; a chunk holds up to 256): the
-// one whose rows (64j + 1 .. 64j + 32) centre nearest the average's remainder past the full chunks
-// (mixtral T = 512, 128 rows: band 3, 129-160; phi-3.5 T = 512, 64: band 2; deepseek T = 2048,
-// 192: band 4)
+// one whose rows (64j + 1 .. 64j + 32, centre 64j + 16.5) lie nearest the average's remainder r
+// past the full chunks, j = round((r - 16.5) / 64), and past 240 band 1 again (the centre
+// 256 + 16.5: about half such experts have a second chunk of a few rows). Mixtral T = 512, 128
+// rows: band 3 (129-160); phi-3.5 T = 512, 64: band 2; deepseek T = 2048, 192: band 4.
 inline int swap_band(int64_t rows_per_expert) {
     const int64_t r = (rows_per_expert < 0 ? 0 : rows_per_expert) % kChunkRows;
-    return (int)std::min<int64_t>((r + kSub / 4) / kSub, kMaxSub - 1) + 1;
+    return (int)(((r + 15) / kSub) % kMaxSub) + 1;
 }
 // N-tiles of a GEMM (GEMM1: I / 64 of act's columns; GEMM2: H / 128); the multicast variant
 // takes them in pairs, so it runs only where their count is even (run() checks)
@@ -481,7 +485,7 @@ inline bool encode_map(CUtensorMap* map, const void* base, bool bf16, int rank, 
     return r == CUDA_SUCCESS;
 }
 
-// Host (kT, GEMM1): w13 (E, 2I, H) seen as (E, I / 8, 2, 8, H) with the gate/up mode inside the
+// Host (kBand > 0, GEMM1): w13 (E, 2I, H) seen as (E, I / 8, 2, 8, H) with the gate/up mode inside the
 // 8-row group mode, so that one 128 x 64 box holds 8 groups of 8 gate rows each followed by the
 // same 8 columns' up rows (GMMA's C gives a thread rows r and r + 8: a gate and its up)
 inline bool encode_map_gate_up(CUtensorMap* map, const void* base, bool bf16, uint64_t K, uint64_t I, uint64_t E) {
@@ -499,9 +503,12 @@ inline bool encode_map_gate_up(CUtensorMap* map, const void* base, bool bf16, ui
 // Shapes the kernels take: H % 128 == 0 (GEMM2's N-tiles, GEMM1's k-steps) and I % 64 == 0
 // (GEMM1's N-tiles of 64 act columns, GEMM2's k-steps); the caller adds its own conditions (the
 // gated path: I % 128 == 0) and E <= kMaxE (the per-expert prefix in shared memory).
+// H and I up to 2^23: the swap-AB epilogue's 32-bit row offsets (t * ld, t < 256) stay in range.
 constexpr int64_t kMaxE = 4096;
+constexpr int64_t kMaxDim = int64_t(1) << 23;
 inline bool supports(int64_t H, int64_t I, int64_t E) {
-    return H % kBN == 0 && I % kBK == 0 && H >= kBN && I >= kBK && E >= 1 && E <= kMaxE;
+    return H % kBN == 0 && I % kBK == 0 && H >= kBN && I >= kBK && H <= kMaxDim && I <= kMaxDim && E >= 1 &&
+           E <= kMaxE;
 }
 
 // Clusters of two CTAs of kern (one per SM's worth of shared memory) the device holds at once;

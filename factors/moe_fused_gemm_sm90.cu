@@ -88,10 +88,11 @@
  * else the portable layout.
  */
 #define EX_PLUGIN_FILE "moe_fused_gemm_sm90.so"  // names this library in its messages (ex_plugin.cuh)
-// GMMA's N in every multiple of 8 (cute's "extended" shapes: m64n144k16 and the like), before any
-// cute header: the chunked kernels' swap-AB variant multiplies a chunk's rows as N = 96, 160, 224;
-// without them cute's selector takes the largest standard N that divides the tile (144 -> nine
-// m64n16k16 instructions). The CUTLASS tiles here (N = 64, 128, 256) get the same ops either way.
+// GMMA's N in every multiple of 8 (cute's "extended" shapes: m64n160k16 and the like), before any
+// cute header: the chunked kernels' swap-AB bands multiply a chunk's rows as N = 32, 96, 160 or 224,
+// and without them cute's selector takes the largest standard N that divides the tile (160 -> five
+// m64n32k16 instructions, each reading the weights again). The CUTLASS tiles here (N = 64, 128,
+// 256) get the same ops either way.
 #define CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED
 
 #include "cutlass/cutlass.h"

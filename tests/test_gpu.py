@@ -781,8 +781,21 @@ CHUNKED_SWAP_ENV = "EX_MOE_SM90_CHUNKED_SWAP_AB"   # read by the sm90 plugin's e
 
 def swap_band(rows_per_expert):
     """The swap-AB band the sm90 plugin picks for T*K/G rows per expert (chunked::swap_band): the
-    band j + 1 of chunks of 64j + 1 .. 64j + 32 rows centred nearest the rows past full chunks."""
-    return min((rows_per_expert % 256 + 16) // 64, 3) + 1
+    band j + 1 of chunks of 64j + 1 .. 64j + 32 rows centred nearest the rows past full chunks
+    (past 240: band 1, the next chunk's)."""
+    return ((rows_per_expert % 256 + 15) // 64) % 4 + 1
+
+
+def chunks_in_band(ids, E, band):
+    """How many chunks (256 rows each, an expert's last one shorter) of the routing ``ids`` have
+    a size that band's kernels run on swap AB (64(band-1) + 1 .. 64(band-1) + 32 rows)."""
+    lo, hi = 64 * (band - 1) + 1, 64 * (band - 1) + 32
+    n = 0
+    for m in np.bincount(np.asarray(ids).ravel(), minlength=E):
+        while m > 0:
+            n += lo <= min(m, 256) <= hi
+            m -= 256
+    return n
 
 
 def swap_ab_counts(band):
@@ -829,14 +842,14 @@ def test_chunked_swap_ab_bit_identical(skip_a_reg, cp, kind, multicast):
     160, 224), with chunks in the band (one of them an expert's second chunk) and chunks past it
     on the sub-tiles, one idle expert (band 3 also in fp16); then random routing: ~150 rows per
     expert, E = 40, one row per expert (T = 1: band 1), GEMM1 N-tiles of 64 act columns past 1024
-    (I = 1408). A gate row paired with the wrong up row, a chunk row stored to the wrong token, or
+    (I = 1408; ~144 rows per expert), each case checked to hold chunks of its band. A gate row paired with the wrong up row, a chunk row stored to the wrong token, or
     an N that leaves out rows changes the bits; rows past a chunk's end are multiplied but never
     stored (the output is poisoned first). PyTorch's profiler shows that the kernels of the
     expected band ran with the default and band 0 with =0 (else both runs could take one path and
     agree trivially). Each registry is loaded right before its calls (the setting is the plugin's,
     read at its latest load)."""
     shapes = {"150 rows per expert": (600, 512, 8, 1024, 2), "E=40 fp16": (1000, 512, 40, 256, 6),
-              "T=1": (1, 2048, 128, 768, 8), "I=1408": (700, 256, 8, 1408, 2)}
+              "T=1": (1, 2048, 128, 768, 8), "I=1408": (576, 256, 8, 1408, 2)}
     if kind.startswith("band"):
         band = int(kind.split()[1])
         case, dtype = swap_ab_case(cp, "float16" if "fp16" in kind else "bfloat16", band)
@@ -844,6 +857,8 @@ def test_chunked_swap_ab_bit_identical(skip_a_reg, cp, kind, multicast):
         case, dtype = kind_case(cp, shapes, kind)
         T, _, E, _, K = shapes[kind]
         band = swap_band(T * K // E)
+    # the case has chunks the band swaps (else both runs would take the sub-tiles and agree trivially)
+    assert chunks_in_band(case[4].get(), case[1].shape[0], band) > 0, (kind, band)
     saved = {k: os.environ.get(k) for k in (CHUNKED_SWAP_ENV, CHUNKED_MC_ENV)}
     outs, swaps = [], []
     try:
