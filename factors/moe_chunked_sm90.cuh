@@ -38,9 +38,10 @@
  * expert); a chunk in it, whose last sub-tile would be at most half full, runs with its rows as
  * the GMMA's N instead, N = 64j + 32 (64 x N x 16; 160 and 224 are cute's extended shapes), and
  * warpgroup w's M is the B tile's rows 64w .. 64w + 63: a chunk of 140 rows multiplies 160, not
- * 192. One N per kernel keeps its code small (see band_n). For GEMM1 the producer then loads the weight tile through a second
- * tensor map (tma_b_gu) as 8 groups of 8 gate rows each followed by the same columns' 8 up rows,
- * so that GMMA's C gives a thread a gate (row r) and its up (row r + 8). The epilogue stores one
+ * 192. One N per kernel keeps its code small (see band_n). For GEMM1 the producer then loads the
+ * weight tile through a second tensor map (tma_b_gu) as 8 groups of 8 gate rows each followed by
+ * the same columns' 8 up rows, so that GMMA's C gives a thread a gate (row r) and its up (row
+ * r + 8). The epilogue stores one
  * element at a time (a thread holds 2 weight rows x 2 chunk rows per block of 8 chunk rows). The
  * outputs are bit-identical to the sub-tiles' (tests/test_gpu.py).
  *

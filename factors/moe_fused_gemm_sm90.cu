@@ -70,7 +70,7 @@
  * rows against one weight tile, MMAs on the 64-row sub-tiles that hold rows, or with swap AB the
  * chunk's rows as the MMA's N where the last sub-tile would be at most half full, on one band of
  * chunk sizes per launch) where sm90_chunked_for
- * allows (GEMM1 gated, H % 128 == 0, E <= 4096), else as dims[7] = 4; for experts of a little over
+ * allows (GEMM1 gated, H % 128 == 0, H and I <= 2^23, E <= 4096), else as dims[7] = 4; for experts of a little over
  * 128 rows (mixtral T = 512).
  *
  * Workspace (a pure function of dims; sections 256-byte aligned):
