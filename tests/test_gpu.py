@@ -875,3 +875,53 @@ def test_chunked_swap_ab_bit_identical(skip_a_reg, cp, kind, multicast):
         restore_env(saved)
     assert swaps == [{band}, {0}], (swaps, sorted({n for n in names if "chunked" in n}))
     assert same_bits(cp, outs[0], outs[1], dtype)
+
+
+CHUNKED_FUSED_ENV = "EX_MOE_SM90_CHUNKED_FUSED"   # read by the sm90 plugin's ex_get_factor
+
+
+@pytest.mark.parametrize("multicast", [True, False])
+@pytest.mark.parametrize("kind", ["qwen3-30b T=512", "150 rows per expert", "one expert", "empty experts",
+                                  "E=40 fp16", "T=1", "band 2", "band 4 fp16"])
+def test_chunked_fused_bit_identical(skip_a_reg, cp, kind, multicast):
+    """The chunked tiling (dims[7] = 10) with both GEMMs in one persistent launch (the default:
+    GEMM2's items after GEMM1's, each waiting until its chunk's act is stored, through per-chunk
+    counters that the gather kernel zeroes) gives the same bits as two launches
+    (EX_MOE_SM90_CHUNKED_FUSED=0), with and without the multicast, both within tolerance of the
+    float64 reference: 32 rows per expert at qwen3-30b's shape (every GEMM2 item right behind its
+    GEMM1 items), ~150 rows per expert, twelve chunks of one expert (all GEMM2 items on one
+    expert's counters), idle experts, E = 40 in float16, one row per expert (T = 1), chunks on
+    swap AB (bands 2 and 4). Before each checked call a call on NaN hidden_states with the same
+    routing leaves NaN in act's rows (the workspace keeps them): a GEMM2 item that read act before
+    its chunk was stored, or counters left over from that call (so that GEMM2 did not wait), read
+    NaN and fail the reference check; three checked calls per setting, each after such a call.
+    PyTorch's profiler shows one chunked launch per call with the default and two with =0."""
+    shapes = {"qwen3-30b T=512": (512, 2048, 128, 768, 8), "150 rows per expert": (600, 512, 8, 1024, 2),
+              "one expert": (3000, 512, 16, 384, 1), "empty experts": (2048, 256, 64, 128, 4),
+              "E=40 fp16": (1000, 512, 40, 256, 6), "T=1": (1, 2048, 128, 768, 8)}
+    if kind.startswith("band"):
+        case, dtype = swap_ab_case(cp, "float16" if "fp16" in kind else "bfloat16", int(kind.split()[1]))
+    else:
+        case, dtype = kind_case(cp, shapes, kind)
+    saved = {k: os.environ.get(k) for k in (CHUNKED_FUSED_ENV, CHUNKED_MC_ENV)}
+    outs, launches = [], []
+    try:
+        os.environ[CHUNKED_MC_ENV] = "1" if multicast else "0"
+        for fused in ("1", "0"):
+            os.environ[CHUNKED_FUSED_ENV] = fused
+            r = skip_a_reg(True)
+            r.set_tuning("moe_fused_gemm", lambda sizes: 10)
+            x, w13, w2, w, ids = case
+            shape = TensorRef.of(x).shape
+            nan_x = make(cp, cp.full(shape, cp.nan, cp.float32), dtype)
+            for _ in range(3):
+                # NaN rows of act (and this call's counters) left in the workspace
+                moe_fused_gemm(nan_x, w13, w2, w, ids, out=poison(cp, shape, dtype), registry=r)
+                out, names = profiled_kernels(cp, lambda: run_moe_check(r, cp, case, dtype))
+                outs.append(out)
+                launches.append(sum("chunked_gemm_kernel" in n for n in names))
+            r.check_device_errors()
+    finally:
+        restore_env(saved)
+    assert launches == [1, 1, 1, 2, 2, 2], launches
+    assert all(same_bits(cp, outs[0], o, dtype) for o in outs[1:])
