@@ -14,16 +14,11 @@
  * memory: the weights stream once per chunk and the MMAs run only on sub-tiles that hold rows
  * (padding to 64 rows, not 128).
  *
- * Work: an item is (GEMM, expert e, chunk q, N-tile n); per expert the items run N-tile-major (the
+ * Work: an item is (expert e, chunk q, N-tile n); per expert the items run N-tile-major (the
  * chunks of one N-tile side by side, so a second chunk's weight reads hit L2). The grid is
  * persistent (at most one CTA per SM, sized on the host), items dealt round-robin; the item
- * count comes from expert_off on the device. By default one launch runs both GEMMs (kPhaseBoth):
- * GEMM2's items follow GEMM1's in the same round-robin sequence, and a GEMM2 item's producer waits
- * until its chunk's act is stored (per-chunk counters), so GEMM2 fills the SMs that GEMM1's last
- * round leaves idle, without a second launch and ramp. The k-loops are one copy for both GEMMs
- * (only the epilogues differ): code size costs time here (see band_n). By default (kMc) CTAs
- * run in clusters of two on the two N-tiles of a pair and multicast the chunk's A sub-tiles (each
- * CTA copies half to both).
+ * count comes from expert_off on the device. By default (kMc) CTAs run in clusters of two on the
+ * two N-tiles of a pair and multicast the chunk's A sub-tiles (each CTA copies half to both).
  *
  * Measured (H200, benchmarks/RESULTS.md "Chunked", "Swap AB" and "Swap AB by band"): mixtral
  * T = 512 875 µs against 1006 on the 128 x 256 tiling; swap AB by band 873.7 against 928.5 without
@@ -44,7 +39,7 @@
  * the GMMA's N instead, N = 64j + 32 (64 x N x 16; 160 and 224 are cute's extended shapes), and
  * warpgroup w's M is the B tile's rows 64w .. 64w + 63: a chunk of 140 rows multiplies 160, not
  * 192. One N per kernel keeps its code small (see band_n). For GEMM1 the producer then loads the
- * weight tile through a second tensor map (tma_b_gu1) as 8 groups of 8 gate rows each followed by
+ * weight tile through a second tensor map (tma_b_gu) as 8 groups of 8 gate rows each followed by
  * the same columns' 8 up rows, so that GMMA's C gives a thread a gate (row r) and its up (row
  * r + 8). The epilogue stores one
  * element at a time (a thread holds 2 weight rows x 2 chunk rows per block of 8 chunk rows). The
@@ -58,7 +53,6 @@
 #include <cuda.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <type_traits>
 
@@ -134,29 +128,14 @@ struct Types {
     using TiledMma = decltype(make_tiled_mma(MmaOp{}));  // one warpgroup
 };
 
-// One GEMM's output and sizes
-struct Gemm {
+struct Args {
+    const int* expert_off;  // E + 1 (routing output)
     void* out;              // act (rows, I) for GEMM1, ys (rows, H) for GEMM2
     int ld_out;             // I or H
     int N;                  // GEMM1: I (act columns); GEMM2: H
     int Kdim;               // reduction: H or I
-};
-// Phases of a launch: GEMM1 (gated, xs . w13 -> act), GEMM2 (act . w2 -> ys), or both in one
-// persistent launch (kPhaseBoth, "fused"): its items are GEMM1's then GEMM2's, dealt round-robin
-// as one sequence, and a GEMM2 item waits (its producer, before its first copy) until every GEMM1
-// N-tile of its chunk is stored: GEMM1's consumers count them in chunk_done[chunk] (zeroed by the
-// gather kernel before the launch). One weight stream instead of two: GEMM2's items run in the
-// SMs' idle time of GEMM1's last round, with no second launch, prologue and ramp.
-constexpr int kPhaseGemm1 = 1, kPhaseGemm2 = 2, kPhaseBoth = 3;
-struct Args {
-    const int* expert_off;  // E + 1 (routing output)
     int E;
-    Gemm g1, g2;
-    int* chunk_done;        // kPhaseBoth: per chunk (in item order), GEMM1 N-tiles stored
-    int phases;             // kPhaseGemm1, kPhaseGemm2 or kPhaseBoth
 };
-// chunk_done entries a launch can touch: chunks of up to kChunkRows of each expert's rows
-inline int64_t max_chunks(int64_t rows_max, int64_t E) { return rows_max / kChunkRows + E; }
 
 // silu as the CUTLASS path's gated epilogue computes it (its EX_SM90_EPI_ACCURATE build: expf)
 #if defined(EX_SM90_EPI_ACCURATE)
@@ -175,27 +154,10 @@ __device__ __forceinline__ float silu_epi(float g) {
 // each copies half of the chunk's A sub-tiles (s % 2 == its rank) to both CTAs' shared memory (TMA
 // multicast), so A crosses from L2 once per pair; a stage is refilled only after both CTAs'
 // consumers released it (empty barriers count 16 arrivals, one per consumer warp of either CTA).
-// kPhaseBoth's hand-over (GEMM1's act, stored by other CTAs, read by this CTA's TMA copies): the
-// GEMM2 producer's acquire load of the chunk's counter, then a proxy fence so that its copies (the
-// async proxy) are ordered after what the load saw; GEMM1's consumers fence their generic stores
-// to the async proxy, meet on a named barrier, and one thread releases the count (fence + atomic)
-__device__ __forceinline__ int ld_acquire_gpu(const int* ptr) {
-    int v;
-    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(ptr) : "memory");
-    return v;
-}
-__device__ __forceinline__ int ld_relaxed_gpu(const int* ptr) {
-    int v;
-    asm volatile("ld.relaxed.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(ptr) : "memory");
-    return v;
-}
-__device__ __forceinline__ void fence_proxy_async_global() { asm volatile("fence.proxy.async.global;" ::: "memory"); }
-
-template <typename T, bool kMc, int kBand>
+template <typename T, bool kGated, bool kMc, int kBand>
 __global__ void __launch_bounds__(kThreads, 1)
-chunked_gemm_kernel(const __grid_constant__ CUtensorMap tma_a1, const __grid_constant__ CUtensorMap tma_b1,
-                    const __grid_constant__ CUtensorMap tma_b_gu1, const __grid_constant__ CUtensorMap tma_a2,
-                    const __grid_constant__ CUtensorMap tma_b2, const Args p) {
+chunked_gemm_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_constant__ CUtensorMap tma_b,
+                    const __grid_constant__ CUtensorMap tma_b_gu, const Args p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(CUTE_ARCH_MMA_SM90A_ENABLED)
     using Ty = Types<T>;
     using E = typename Ty::E;
@@ -208,11 +170,10 @@ chunked_gemm_kernel(const __grid_constant__ CUtensorMap tma_a1, const __grid_con
 
     const int tid = threadIdx.x;
     const int warp = tid / 32, lane = tid % 32;
+    const int KB = p.Kdim / kBK;
     constexpr int kCtas = kMc ? 2 : 1;
-    // items per chunk of each GEMM: its N-tiles, or (kMc) their pairs (run() refuses an odd count
-    // for kMc); 0 for a GEMM this launch does not run
-    const int NT1 = (p.phases & kPhaseGemm1) ? (int)n_tiles(true, p.g1.N) / kCtas : 0;
-    const int NT2 = (p.phases & kPhaseGemm2) ? (int)n_tiles(false, p.g2.N) / kCtas : 0;
+    // items per chunk: its N-tiles, or (kMc) their pairs; run() refuses an odd count for kMc
+    const int NT = (int)n_tiles(kGated, p.N) / kCtas;
     constexpr int chunk_rows = kChunkRows;
     const int rank = kMc ? (int)cute::block_rank_in_cluster() : 0;
     const int cid = blockIdx.x / kCtas, n_clusters = gridDim.x / kCtas;
@@ -246,25 +207,21 @@ chunked_gemm_kernel(const __grid_constant__ CUtensorMap tma_a1, const __grid_con
         cute::cluster_sync();  // the peer's barriers are initialized before any multicast or remote arrival
     else
         __syncthreads();
-    // items: GEMM1's [0, n1), then GEMM2's [n1, n_items), one round-robin sequence
-    const int n1 = s_pre[p.E] * NT1;
-    const int n_items = n1 + s_pre[p.E] * NT2;
+    const int n_items = s_pre[p.E] * NT;
 
-    // item of a GEMM (NT items per chunk) -> expert, chunk index (the one chunk_done counts),
-    // first row of the chunk, its rows (1..chunk_rows), N-tile
-    auto item_of = [&](int it, int NT, int& e, int& chunk, int& m0, int& mv, int& n) {
-        const int ce = it / NT;  // items of expert e are [pre[e]*NT, pre[e+1]*NT): it / NT finds e
+    // item -> expert, first row of the chunk, its rows (1..chunk_rows), N-tile
+    auto item_of = [&](int it, int& e, int& m0, int& mv, int& n) {
+        const int c = it / NT;  // items of expert e are [pre[e]*NT, pre[e+1]*NT): it / NT finds e
         int lo = 0, hi = p.E - 1;
         while (lo < hi) {
             const int mid = (lo + hi + 1) >> 1;
-            if (s_pre[mid] <= ce) lo = mid; else hi = mid - 1;
+            if (s_pre[mid] <= c) lo = mid; else hi = mid - 1;
         }
         e = lo;
         const int nc = s_pre[e + 1] - s_pre[e];
         const int local = it - s_pre[e] * NT;  // n-major within the expert
         n = local / nc;
         const int q = local - n * nc;
-        chunk = s_pre[e] + q;
         const int off = __ldg(p.expert_off + e);
         const int m = __ldg(p.expert_off + e + 1) - off;
         m0 = off + q * chunk_rows;
@@ -281,45 +238,34 @@ chunked_gemm_kernel(const __grid_constant__ CUtensorMap tma_a1, const __grid_con
             int stage = 0, phase = 1;  // a fresh empty barrier passes parity 1
             const uint64_t hint = static_cast<uint64_t>(cute::TMA::CacheHintSm90::EVICT_NORMAL);
             for (int it = cid; it < n_items; it += n_clusters) {
-                const bool g1 = it < n1;
-                int e, chunk, m0, mv, n;
-                item_of(g1 ? it : it - n1, g1 ? NT1 : NT2, e, chunk, m0, mv, n);
+                int e, m0, mv, n;
+                item_of(it, e, m0, mv, n);
                 n = n * kCtas + rank;
                 const int nsub = (mv + kSub - 1) / kSub;
                 const bool swap = swap_pays(mv, kBand);
-                const int KB = (g1 ? p.g1.Kdim : p.g2.Kdim) / kBK;
-                const int b0 = g1 ? n * (kBN / 2) : n * kBN;
-                const int b1 = g1 ? p.g1.N + n * (kBN / 2) : n * kBN + kBN / 2;
-                const CUtensorMap* tma_a = g1 ? &tma_a1 : &tma_a2;
-                const CUtensorMap* tma_b = g1 ? &tma_b1 : &tma_b2;
-                if (!g1 && p.phases == kPhaseBoth) {
-                    // act of this chunk: every GEMM1 N-tile of it stored (counted by the consumers)
-                    const int need = (int)n_tiles(true, p.g1.N);
-                    while (ld_relaxed_gpu(p.chunk_done + chunk) < need) __nanosleep(64);
-                    (void)ld_acquire_gpu(p.chunk_done + chunk);
-                    fence_proxy_async_global();
-                }
+                const int b0 = kGated ? n * (kBN / 2) : n * kBN;
+                const int b1 = kGated ? p.N + n * (kBN / 2) : n * kBN + kBN / 2;
                 for (int kb = 0; kb < KB; ++kb) {
                     cutlass::arch::ClusterBarrier::wait(&empty[stage], phase);
                     cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(
                         &full[stage], kBBytes + nsub * kBoxBytes);
                     unsigned char* sb = reinterpret_cast<unsigned char*>(sb_ptr) + stage * kBBytes;
-                    if (kBand > 0 && g1 && swap) {
-                        // one box of the interleaved view (tma_b_gu1): groups of 8 gate rows, each
+                    if (kBand > 0 && kGated && swap) {
+                        // one box of the interleaved view (tma_b_gu): groups of 8 gate rows, each
                         // followed by its 8 up rows (64 act columns: 8 groups)
-                        SM90_TMA_LOAD_5D::copy(&tma_b_gu1, &full[stage], hint, sb, kb * kBK, 0, 0, n * 8, e);
+                        SM90_TMA_LOAD_5D::copy(&tma_b_gu, &full[stage], hint, sb, kb * kBK, 0, 0, n * 8, e);
                     } else {
-                        SM90_TMA_LOAD_3D::copy(tma_b, &full[stage], hint, sb, kb * kBK, b0, e);
-                        SM90_TMA_LOAD_3D::copy(tma_b, &full[stage], hint, sb + kBoxBytes, kb * kBK, b1, e);
+                        SM90_TMA_LOAD_3D::copy(&tma_b, &full[stage], hint, sb, kb * kBK, b0, e);
+                        SM90_TMA_LOAD_3D::copy(&tma_b, &full[stage], hint, sb + kBoxBytes, kb * kBK, b1, e);
                     }
                     unsigned char* sa = reinterpret_cast<unsigned char*>(sa_ptr) + stage * kABytes;
                     if constexpr (kMc) {
                         for (int s = rank; s < nsub; s += 2)
-                            SM90_TMA_LOAD_MULTICAST_2D::copy(tma_a, &full[stage], (uint16_t)0x3, hint,
+                            SM90_TMA_LOAD_MULTICAST_2D::copy(&tma_a, &full[stage], (uint16_t)0x3, hint,
                                                              sa + s * kBoxBytes, kb * kBK, m0 + s * kSub);
                     } else {
                         for (int s = 0; s < nsub; ++s)
-                            SM90_TMA_LOAD_2D::copy(tma_a, &full[stage], hint, sa + s * kBoxBytes, kb * kBK,
+                            SM90_TMA_LOAD_2D::copy(&tma_a, &full[stage], hint, sa + s * kBoxBytes, kb * kBK,
                                                    m0 + s * kSub);
                     }
                     if (++stage == kStages) { stage = 0; phase ^= 1; }
@@ -356,18 +302,11 @@ chunked_gemm_kernel(const __grid_constant__ CUtensorMap tma_a1, const __grid_con
     Tensor tCcC = thr.partition_C(cC);
 
     int stage = 0, phase = 0;
+    T* out = static_cast<T*>(p.out);
     using E2 = typename Elem<T>::T2;
-    // one item of GEMM1 (gated) or GEMM2: its k-loop and epilogue; returns the item's chunk. The
-    // k-loops are the same code for both GEMMs (only the epilogues differ, on the CTA-uniform
-    // flag), which keeps the kernel near the size of the GEMM1-only one (the code size costs time:
-    // see band_n)
-    auto consume = [&](const bool gated, int it) -> int {
-        // the fields by value (a reference into the parameter would copy Args to local memory)
-        const int KB = (gated ? p.g1.Kdim : p.g2.Kdim) / kBK;
-        const int ld_out = gated ? p.g1.ld_out : p.g2.ld_out;
-        T* out = static_cast<T*>(gated ? p.g1.out : p.g2.out);
-        int e, chunk, m0, mv, n;
-        item_of(it, gated ? NT1 : NT2, e, chunk, m0, mv, n);
+    for (int it = cid; it < n_items; it += n_clusters) {
+        int e, m0, mv, n;
+        item_of(it, e, m0, mv, n);
         n = n * kCtas + rank;
         const int nsub = __shfl_sync(0xffffffffu, (mv + kSub - 1) / kSub, 0);
         const bool do0 = wg < nsub, do1 = wg + 2 < nsub;
@@ -431,35 +370,31 @@ chunked_gemm_kernel(const __grid_constant__ CUtensorMap tma_a1, const __grid_con
                 Tensor cC = make_identity_tensor(Shape<Int<kSub>, Int<NN>>{});
                 Tensor tCc = thr_t.partition_C(cC);
                 const int r = int(get<0>(tCc(make_coord(make_coord(0, 0, 0), 0, 0))));
-                const int ld = ld_out;
+                const int ld = p.ld_out;
                 // GEMM1: rows r (gate) and r + 8 (up) give act column (r / 16) * 8 + r % 8 of this
                 // warpgroup's 32 (the interleaved weight tile); GEMM2: columns r and r + 8
                 T* obase = out + (int64_t)m0 * ld +
-                           (gated ? n * (kBN / 2) + wg * 32 + (r / 16) * 8 + (r % 8) : n * kBN + wg * kSub + r);
-                auto store_t = [&](auto gated_tag) {
+                           (kGated ? n * (kBN / 2) + wg * 32 + (r / 16) * 8 + (r % 8) : n * kBN + wg * kSub + r);
+                CUTLASS_PRAGMA_UNROLL
+                for (int b = 0; b < NN / 8; ++b) {
                     CUTLASS_PRAGMA_UNROLL
-                    for (int b = 0; b < NN / 8; ++b) {
-                        CUTLASS_PRAGMA_UNROLL
-                        for (int x = 0; x < 2; ++x) {
-                            const int t = int(get<1>(tCc(make_coord(make_coord(x, 0, b), 0, 0))));
-                            const float v0 = acc(make_coord(make_coord(x, 0, b), 0, 0));
-                            const float v1 = acc(make_coord(make_coord(x, 1, b), 0, 0));
-                            T* o = obase + t * ld;
-                            if constexpr (decltype(gated_tag)::value) {
-                                const float2 gu = Elem<T>::unpack(Elem<T>::pack(v0, v1));
-                                const T a = Elem<T>::from_f(silu_epi(gu.x) * gu.y);
-                                if (t < mv) o[0] = a;
-                            } else {
-                                const T a = Elem<T>::from_f(v0), c = Elem<T>::from_f(v1);
-                                if (t < mv) { o[0] = a; o[8] = c; }
-                            }
+                    for (int x = 0; x < 2; ++x) {
+                        const int t = int(get<1>(tCc(make_coord(make_coord(x, 0, b), 0, 0))));
+                        const float v0 = acc(make_coord(make_coord(x, 0, b), 0, 0));
+                        const float v1 = acc(make_coord(make_coord(x, 1, b), 0, 0));
+                        T* o = obase + t * ld;
+                        if constexpr (kGated) {
+                            const float2 gu = Elem<T>::unpack(Elem<T>::pack(v0, v1));
+                            const T a = Elem<T>::from_f(silu_epi(gu.x) * gu.y);
+                            if (t < mv) o[0] = a;
+                        } else {
+                            const T a = Elem<T>::from_f(v0), c = Elem<T>::from_f(v1);
+                            if (t < mv) { o[0] = a; o[8] = c; }
                         }
                     }
-                };
-                if (gated) store_t(std::true_type{});
-                else store_t(std::false_type{});
+                }
             }
-            return chunk;
+            continue;
           }
         }
         Tensor acc0 = partition_fragment_C(mma, Shape<Int<kSub>, Int<kBN>>{});  // sub-tile wg
@@ -500,14 +435,13 @@ chunked_gemm_kernel(const __grid_constant__ CUtensorMap tma_a1, const __grid_con
         else if (do0) mainloop(Int<1>{});
         else mainloop(Int<0>{});
         // epilogue: fragment ((2 cols, 2 rows, 16 column blocks of 8), 1, 1)
-        auto store = [&](auto gated_tag, auto& acc, int s) {
-            constexpr bool kGated = decltype(gated_tag)::value;
+        auto store = [&](auto& acc, int s) {
             const int rbase = s * kSub;
             CUTLASS_PRAGMA_UNROLL
             for (int h = 0; h < 2; ++h) {
                 const int r = rbase + int(get<0>(tCcC(make_coord(make_coord(0, h, 0), 0, 0))));
                 if (r >= mv) continue;
-                T* orow = out + (int64_t)(m0 + r) * ld_out;
+                T* orow = out + (int64_t)(m0 + r) * p.ld_out;
                 if constexpr (kGated) {
                     CUTLASS_PRAGMA_UNROLL
                     for (int b = 0; b < 8; ++b) {
@@ -530,31 +464,8 @@ chunked_gemm_kernel(const __grid_constant__ CUtensorMap tma_a1, const __grid_con
                 }
             }
         };
-        // one store site per GEMM (code size): sub-tile wg + 2 goes through acc0 after sub-tile wg
-        CUTLASS_PRAGMA_NO_UNROLL
-        for (int j = 0; j < 2; ++j) {
-            if (!(j == 0 ? do0 : do1)) break;  // do1 implies do0
-            if (j == 1) {
-                CUTLASS_PRAGMA_UNROLL
-                for (int i = 0; i < size(acc0); ++i) acc0(i) = acc1(i);
-            }
-            if (gated) store(std::true_type{}, acc0, wg + 2 * j);
-            else store(std::false_type{}, acc0, wg + 2 * j);
-        }
-        return chunk;
-    };
-    for (int it = cid; it < n_items; it += n_clusters) {
-        const bool g1 = it < n1;  // one call site: the k-loops stay one copy
-        const int chunk = consume(g1, g1 ? it : it - n1);
-        if (g1 && p.phases == kPhaseBoth) {
-            // this item's act columns of the chunk, stored by both warpgroups, counted once
-            fence_proxy_async_global();
-            cutlass::arch::NamedBarrier::sync(256, 1);
-            if (ct == 0) {
-                __threadfence();
-                atomicAdd(p.chunk_done + chunk, 1);
-            }
-        }
+        if (do0) store(acc0, wg);
+        if (do1) store(acc1, wg + 2);
     }
 #elif defined(__CUDA_ARCH__)
     __trap();  // built without sm_90a's wgmma/TMA: fail loudly, never leave act / ys unwritten
@@ -621,83 +532,53 @@ int max_active_clusters(Kernel kern, int num_sms, int smem_optin, cudaStream_t s
     return cudaOccupancyMaxActiveClusters(&n, kern, &cfg) == cudaSuccess ? std::max(1, n) : 0;
 }
 
-// The tensors of both GEMMs: xs (rows_cap x H), w13 (E x 2I x H), act (rows_cap x I), w2 (E x H x I)
-template <typename T>
-struct Operands {
-    const T* xs;
-    const T* w13;
-    const T* act;
-    const T* w2;
-    int rows_cap;  // rows of xs and act (T*K)
-    int H, I;
-};
-
-// One launch of the phases args.phases names. work_max: an upper bound on its items; the grid is
-// persistent: at most one CTA per SM (kMc: as many clusters of two as the device holds at once,
-// cudaOccupancyMaxActiveClusters) and no more than the items (a CTA past the item count, which the
-// device reads from expert_off, returns at once). kPhaseBoth launches cooperatively: it needs all
-// its CTAs resident at once (a GEMM2 item waits for GEMM1 items of lower index, dealt to CTAs that
-// run their items in order), and the device refuses the launch where it cannot. smem_optin: the device's opt-in shared memory per block (the kernel's
-// attribute, set once per process, as the CUTLASS launches do). The five tensor maps are cached
-// for the last (pointers, shapes) only: an eager call on another layer's weights encodes them
-// again (host work, a few µs, beside GEMMs of hundreds of µs where this tiling is chosen).
-template <typename T, bool kMc, int kBand>
-cudaError_t run(const Operands<T>& o, const Args& args, int64_t work_max, int num_sms, int smem_optin,
-                cudaStream_t stream) {
+// One launch: a = xs or act (rows_cap x Kdim), b = w13 or w2 (E x N_rows x Kdim)
+// work_max: an upper bound on the (chunk, N-tile) items; the grid is persistent: at most one CTA
+// per SM (kMc: as many clusters of two as the device holds at once, cudaOccupancyMaxActiveClusters)
+// and no more than the items (a CTA past the item count, which the device reads from expert_off,
+// returns at once); smem_optin: the device's opt-in shared memory per block (the kernel's
+// attribute, set once per process, as the CUTLASS launches do). The three tensor maps are cached for the last
+// (pointers, shapes) only: an eager call on another layer's weights encodes them again (host work,
+// a few µs, beside GEMMs of hundreds of µs where this tiling is chosen).
+template <typename T, bool kGated, bool kMc, int kBand>
+cudaError_t run(const T* a, int rows_cap, const T* b, int b_rows, const Args& args, int64_t work_max, int num_sms,
+                int smem_optin, cudaStream_t stream) {
     struct Cache {
         bool valid = false;
-        Operands<T> o{};
-        int E = 0;
-        CUtensorMap ta1, tb1, tb_gu1, ta2, tb2;
+        const void* a = nullptr;
+        const void* b = nullptr;
+        int rows = 0, b_rows = 0, K = 0, E = 0;
+        CUtensorMap ta, tb, tb_gu;
     };
     static thread_local Cache c;
     const bool bf16 = std::is_same<T, __nv_bfloat16>::value;
-    if (!c.valid || c.o.xs != o.xs || c.o.w13 != o.w13 || c.o.act != o.act || c.o.w2 != o.w2 ||
-        c.o.rows_cap != o.rows_cap || c.o.H != o.H || c.o.I != o.I || c.E != args.E) {
+    if (!c.valid || c.a != a || c.b != b || c.rows != rows_cap || c.b_rows != b_rows || c.K != args.Kdim ||
+        c.E != args.E) {
         c.valid = false;
-        if (!encode_map(&c.ta1, o.xs, bf16, 2, o.H, o.rows_cap, 1) ||
-            !encode_map(&c.tb1, o.w13, bf16, 3, o.H, 2 * (uint64_t)o.I, args.E) ||
-            !encode_map(&c.ta2, o.act, bf16, 2, o.I, o.rows_cap, 1) ||
-            !encode_map(&c.tb2, o.w2, bf16, 3, o.I, o.H, args.E) ||
-            (kBand > 0 && !encode_map_gate_up(&c.tb_gu1, o.w13, bf16, o.H, o.I, args.E)))
+        if (!encode_map(&c.ta, a, bf16, 2, args.Kdim, rows_cap, 1) ||
+            !encode_map(&c.tb, b, bf16, 3, args.Kdim, b_rows, args.E) ||
+            (kBand > 0 && kGated && !encode_map_gate_up(&c.tb_gu, b, bf16, args.Kdim, b_rows / 2, args.E)))
             return cudaErrorInvalidValue;
-        if (kBand == 0) c.tb_gu1 = c.tb1;  // a parameter the kernel does not read
-        c.o = o;
-        c.E = args.E;
+        if (!(kBand > 0 && kGated)) c.tb_gu = c.tb;  // a parameter the kernel does not read
+        c.a = a; c.b = b; c.rows = rows_cap; c.b_rows = b_rows; c.K = args.Kdim; c.E = args.E;
         c.valid = true;
     }
-    // an N-tile would be left out
-    if (kMc && (((args.phases & kPhaseGemm1) && n_tiles(true, args.g1.N) % 2 != 0) ||
-                ((args.phases & kPhaseGemm2) && n_tiles(false, args.g2.N) % 2 != 0)))
-        return cudaErrorInvalidValue;
-    if (args.phases < kPhaseGemm1 || args.phases > kPhaseBoth || (args.phases == kPhaseBoth && !args.chunk_done))
-        return cudaErrorInvalidValue;
-    auto kern = chunked_gemm_kernel<T, kMc, kBand>;
+    if (kMc && n_tiles(kGated, args.N) % 2 != 0) return cudaErrorInvalidValue;  // an N-tile would be left out
+    auto kern = chunked_gemm_kernel<T, kGated, kMc, kBand>;
     const int smem = (int)smem_bytes(args.E);
     static const cudaError_t set = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                         smem_optin);
     if (set != cudaSuccess) return set;
     cudaLaunchConfig_t cfg = {};
-    cudaLaunchAttribute attr[2];
-    int n_attr = 0;
-    if (kMc) {
-        attr[n_attr].id = cudaLaunchAttributeClusterDimension;
-        attr[n_attr].val.clusterDim.x = 2;
-        attr[n_attr].val.clusterDim.y = 1;
-        attr[n_attr].val.clusterDim.z = 1;
-        ++n_attr;
-    }
-    if (args.phases == kPhaseBoth) {
-        // a cooperative launch: every CTA resident at once, or the launch fails (never a GEMM2
-        // item spinning on GEMM1 items of a CTA that waits for its SM)
-        attr[n_attr].id = cudaLaunchAttributeCooperative;
-        attr[n_attr].val.cooperative = 1;
-        ++n_attr;
-    }
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = kMc ? 2 : 1;
+    attr[0].val.clusterDim.y = 1;
+    attr[0].val.clusterDim.z = 1;
     cfg.blockDim = dim3(kThreads);
     cfg.stream = stream;
     cfg.attrs = attr;
-    cfg.numAttrs = n_attr;
+    cfg.numAttrs = kMc ? 1 : 0;
     int64_t grid = std::min<int64_t>(num_sms, std::max<int64_t>(work_max, 1));
     if constexpr (kMc) {
         // once per process (one device's figure, as the attribute; thread-safe static init)
@@ -712,50 +593,32 @@ cudaError_t run(const Operands<T>& o, const Args& args, int64_t work_max, int nu
     }
     cfg.gridDim = dim3((unsigned)grid);
     cfg.dynamicSmemBytes = (size_t)smem;
-    const cudaError_t err = cudaLaunchKernelEx(&cfg, kern, c.ta1, c.tb1, c.tb_gu1, c.ta2, c.tb2, args);
+    const cudaError_t err = cudaLaunchKernelEx(&cfg, kern, c.ta, c.tb, c.tb_gu, args);
     if (err != cudaSuccess) (void)cudaGetLastError();  // reported here, not again by the next check
     return err;
 }
 
-// Both GEMMs on the chunked kernels: one cooperative launch (fused: kPhaseBoth; args.chunk_done
-// zeroed, max_chunks(rows_cap, E) entries) or two (GEMM1, then GEMM2); rows_cap = T*K (an upper
-// bound on the sorted rows; the chunk count is at most rows_cap / 256 + E). Multicast where asked
-// and the N-tiles pair up: for the fused launch both GEMMs' (one kernel), else each GEMM's own.
-// band: swap AB on the chunks of that band (swap_pays; the caller's swap_band, or 0: every chunk
-// on 64-row sub-tiles); a band outside 0..4 is refused. Where the device refuses the cooperative
-// launch (it cannot hold the grid at once) the two launches run instead, from then on.
-template <typename T, int kBand>
-cudaError_t launch_band(const Operands<T>& o, Args args, bool multicast, bool fused, int num_sms, int smem_optin,
-                        cudaStream_t stream) {
-    const int64_t chunks = max_chunks(o.rows_cap, args.E);
-    const int64_t w1 = chunks * n_tiles(true, args.g1.N), w2 = chunks * n_tiles(false, args.g2.N);
-    const bool mc1 = multicast && n_tiles(true, args.g1.N) % 2 == 0;
-    const bool mc2 = multicast && n_tiles(false, args.g2.N) % 2 == 0;
-    static std::atomic<bool> refused{false};
-    if (fused && !refused.load(std::memory_order_relaxed)) {
-        args.phases = kPhaseBoth;
-        const cudaError_t err = mc1 && mc2 ? run<T, true, kBand>(o, args, w1 + w2, num_sms, smem_optin, stream)
-                                           : run<T, false, kBand>(o, args, w1 + w2, num_sms, smem_optin, stream);
-        if (err != cudaErrorCooperativeLaunchTooLarge && err != cudaErrorNotSupported) return err;
-        refused.store(true, std::memory_order_relaxed);
-    }
-    args.phases = kPhaseGemm1;
-    cudaError_t err = mc1 ? run<T, true, kBand>(o, args, w1, num_sms, smem_optin, stream)
-                          : run<T, false, kBand>(o, args, w1, num_sms, smem_optin, stream);
-    if (err != cudaSuccess) return err;
-    args.phases = kPhaseGemm2;
-    return mc2 ? run<T, true, kBand>(o, args, w2, num_sms, smem_optin, stream)
-               : run<T, false, kBand>(o, args, w2, num_sms, smem_optin, stream);
+// One GEMM on the chunked kernels: rows_max = T*K (an upper bound on the sorted rows; the chunk
+// count is at most rows_max / 256 + E), multicast where asked and the GEMM's N-tiles pair up.
+template <typename T, bool kGated, int kBand>
+cudaError_t launch_mc(const T* a, int rows_max, const T* b, int b_rows, const Args& args, bool multicast,
+                      int num_sms, int smem_optin, cudaStream_t stream) {
+    const int64_t work = ((int64_t)rows_max / kChunkRows + args.E) * n_tiles(kGated, args.N);
+    if (multicast && n_tiles(kGated, args.N) % 2 == 0)
+        return run<T, kGated, true, kBand>(a, rows_max, b, b_rows, args, work, num_sms, smem_optin, stream);
+    return run<T, kGated, false, kBand>(a, rows_max, b, b_rows, args, work, num_sms, smem_optin, stream);
 }
-template <typename T>
-cudaError_t launch(const Operands<T>& o, const Args& args, bool multicast, bool fused, int band, int num_sms,
-                   int smem_optin, cudaStream_t stream) {
+// band: swap AB on the chunks of that band (swap_pays; the caller's swap_band, or 0: every chunk on
+// 64-row sub-tiles); a band outside 0..4 is refused
+template <typename T, bool kGated>
+cudaError_t launch(const T* a, int rows_max, const T* b, int b_rows, const Args& args, bool multicast, int band,
+                   int num_sms, int smem_optin, cudaStream_t stream) {
     switch (band) {
-        case 0: return launch_band<T, 0>(o, args, multicast, fused, num_sms, smem_optin, stream);
-        case 1: return launch_band<T, 1>(o, args, multicast, fused, num_sms, smem_optin, stream);
-        case 2: return launch_band<T, 2>(o, args, multicast, fused, num_sms, smem_optin, stream);
-        case 3: return launch_band<T, 3>(o, args, multicast, fused, num_sms, smem_optin, stream);
-        case 4: return launch_band<T, 4>(o, args, multicast, fused, num_sms, smem_optin, stream);
+        case 0: return launch_mc<T, kGated, 0>(a, rows_max, b, b_rows, args, multicast, num_sms, smem_optin, stream);
+        case 1: return launch_mc<T, kGated, 1>(a, rows_max, b, b_rows, args, multicast, num_sms, smem_optin, stream);
+        case 2: return launch_mc<T, kGated, 2>(a, rows_max, b, b_rows, args, multicast, num_sms, smem_optin, stream);
+        case 3: return launch_mc<T, kGated, 3>(a, rows_max, b, b_rows, args, multicast, num_sms, smem_optin, stream);
+        case 4: return launch_mc<T, kGated, 4>(a, rows_max, b, b_rows, args, multicast, num_sms, smem_optin, stream);
         default: return cudaErrorInvalidValue;
     }
 }

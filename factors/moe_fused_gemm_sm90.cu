@@ -79,15 +79,11 @@
  *              routing finds it there: kRouteHistOffset)
  *   meta, tiles, sorted_slots         as the portable layout (the router writes them)
  *   expert_off int32[E+1], slot_pos int32[T*K]
- *   chunk_done int32[T*K/256 + E]  (the chunked kernels' fused launch; zeroed by the gather kernel)
  *   per GEMM g in {1, 2}: shapes[E] (int M,N,K), ptr_A[E], ptr_B[E], ptr_D[E], stride_A/B/D[E]
  *   cutlass    GemmKernel::get_workspace_size for kSm90MaxSms SMs (per-SM TMA descriptors)
  *   bufA       dtype[T*K, max(H, I)]   xs (GEMM1's A); later ys (gated) or act (ungated)
  *   bufB       dtype[T*K, max(2I, H)]  act (gated GEMM1's D); or gu, later ys (ungated)
- *   No launch reads and writes the same buffer (the gated GEMM1 writes act while it still reads xs),
- *   except the chunked kernels' fused launch: it writes a chunk's ys rows (bufA) and reads its act
- *   (bufB) only once every GEMM1 item of that chunk is stored; other chunks' TMA boxes can reach
- *   those rows only as padding rows, whose outputs are never stored.
+ *   No launch reads and writes the same buffer (the gated GEMM1 writes act while it still reads xs).
  * workspace_size = max(portable layout, this layout) where this path can be chosen for the dims,
  * else the portable layout.
  */
@@ -768,8 +764,7 @@ sm90_prepare_kernel(const T* __restrict__ x, T* __restrict__ xs, const int* __re
                     const int* __restrict__ slot_pos, const int* __restrict__ ids, const ExpertMap em,
                     const T* __restrict__ w13, const T* __restrict__ w2, T* __restrict__ gu,
                     T* __restrict__ act, T* __restrict__ ys, int T_, int H, int I, int E, int K,
-                    bool by_token, int vpl, sm90::GroupArrays<G> g1, sm90::GroupArrays<G> g2,
-                    int* __restrict__ chunk_done, int n_chunk_done) {
+                    bool by_token, int vpl, sm90::GroupArrays<G> g1, sm90::GroupArrays<G> g2) {
     using EA = typename G::EA;
     using EB = typename G::EB;
     using ED = typename G::ED;
@@ -798,9 +793,6 @@ sm90_prepare_kernel(const T* __restrict__ x, T* __restrict__ xs, const int* __re
         typename G::StrideD sd2{}; cute::get<0>(sd2) = H;
         g2.sa[e] = sa2; g2.sb[e] = sb2; g2.sd[e] = sd2;
     }
-
-    // the chunked kernels' fused launch counts GEMM1's stored N-tiles per chunk from zero
-    for (long long i = gtid; i < n_chunk_done; i += nthreads) chunk_done[i] = 0;
 
     const int lane = threadIdx.x & 31;
     const int HV = H >> 3;
@@ -982,10 +974,6 @@ static bool s_sm90_chunked_mc = true;
 // 64j + 32 rows, the band nearest the call's rows per expert (chunked::swap_band, swap_pays);
 // EX_MOE_SM90_CHUNKED_SWAP_AB=0: never, for comparison
 static bool s_sm90_chunked_swap = true;
-// set by ex_get_factor: the chunked kernels run both GEMMs in one persistent launch (GEMM2's items
-// after GEMM1's, each waiting for its chunk's act; chunked::kPhaseBoth), or two launches
-// (EX_MOE_SM90_CHUNKED_FUSED=0)
-static bool s_sm90_chunked_fused = true;
 
 using GemmBf16 = sm90::GroupedGemm<cutlass::bfloat16_t>;
 using GemmF16 = sm90::GroupedGemm<cutlass::half_t>;
@@ -1028,7 +1016,7 @@ using AllKernels = KernelSet<GemmBf16, GemmF16, GatedBf16, GatedF16, Gemm64Bf16,
 static int64_t cutlass_ws_bytes() { return AllKernels::ws_bytes(); }
 
 struct Sm90Layout {
-    int64_t meta, tiles, sorted, expert_off, slot_pos, chunk_done;
+    int64_t meta, tiles, sorted, expert_off, slot_pos;
     int64_t grp[2][7];  // shapes, a, b, d, sa, sb, sd
     int64_t cutlass, cutlass_bytes, bufA, bufB, total;
 };
@@ -1047,8 +1035,6 @@ static Sm90Layout sm90_layout(const Problem& P) {
     off += align256((P.E + 1) * 4);
     L.slot_pos = off;
     off += align256(P.TK * 4);
-    L.chunk_done = off;  // the chunked kernels' fused launch: GEMM1 N-tiles stored per chunk
-    off += align256(chunked::max_chunks(P.TK, P.E) * 4);
     static_assert(sizeof(GemmBf16::Shape3) == 12 && sizeof(GemmF16::Shape3) == 12, "shape (M,N,K) of int");
     static_assert(sizeof(GemmBf16::StrideA) == 8 && sizeof(GemmBf16::StrideB) == 8 &&
                   sizeof(GemmBf16::StrideD) == 8, "strides of one int64");
@@ -1228,7 +1214,6 @@ static int launch_sm90(const Problem& P, void* out, const void* x, const void* w
     int* sorted = reinterpret_cast<int*>(ws + L.sorted);
     int* expert_off = reinterpret_cast<int*>(ws + L.expert_off);
     int* slot_pos = reinterpret_cast<int*>(ws + L.slot_pos);
-    int* chunk_done = reinterpret_cast<int*>(ws + L.chunk_done);
     sm90::GroupArrays<G> ga[2];
     for (int g = 0; g < 2; ++g) {
         ga[g].shapes = reinterpret_cast<typename G::Shape3*>(ws + L.grp[g][0]);
@@ -1241,8 +1226,7 @@ static int launch_sm90(const Problem& P, void* out, const void* x, const void* w
     }
     void* cutlass_ws = ws + L.cutlass;
     // xs is GEMM1's A; GEMM1 writes gu (then silu_mul act) or, gated, act; GEMM2 reads act and
-    // writes ys. A buffer is never read and written by the same launch (but the chunked kernels'
-    // fused launch: see the workspace note at the top): xs, act, ys in bufA, bufB,
+    // writes ys. A buffer is never read and written by the same launch: xs, act, ys in bufA, bufB,
     // bufA when gated (GEMM1 still reads xs while its epilogue writes act), else xs/act in bufA,
     // gu/ys in bufB.
     const bool gated = s_sm90_gated && P.I % 128 == 0;
@@ -1273,8 +1257,7 @@ static int launch_sm90(const Problem& P, void* out, const void* x, const void* w
                                 stream>>>(
         static_cast<const T*>(x), xs, sorted, meta, expert_off, slot_pos, ids, P.em(),
         static_cast<const T*>(w13), static_cast<const T*>(w2), gu, act, ys, (int)P.T, H, I, E, K,
-        s_sm90_gather_by_token, vpl, ga[0], ga[1], chunk_done,
-        use_chunked && s_sm90_chunked_fused ? (int)chunked::max_chunks(P.TK, P.E) : 0);
+        s_sm90_gather_by_token, vpl, ga[0], ga[1]);
     cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess) return cuda_error(err);
 
@@ -1285,14 +1268,16 @@ static int launch_sm90(const Problem& P, void* out, const void* x, const void* w
     int st;
     // (the gather's group arrays for the CUTLASS GEMMs are written also where the chunked kernels
     // run instead: the same launch, a few KB)
-    if (use_chunked) {  // both GEMMs, in one launch (fused) or two; A multicast where the N-tiles pair up
-        const chunked::Operands<T> o{xs, static_cast<const T*>(w13), act, static_cast<const T*>(w2), (int)P.TK,
-                                     H, I};
-        const chunked::Args a{expert_off, E, {act, I, I, H}, {ys, H, H, I}, chunk_done, chunked::kPhaseBoth};
+    if (use_chunked) {  // both GEMMs (each multicasts A where its N-tiles pair up)
+        const chunked::Args a1{expert_off, act, I, I, H, E};
+        const chunked::Args a2{expert_off, ys, H, H, I, E};
         // swap AB on one band of chunk sizes, the one nearest the rows per expert (T*K/G)
         const int band = s_sm90_chunked_swap ? chunked::swap_band(P.TK / P.G) : 0;
-        err = chunked::launch<T>(o, a, s_sm90_chunked_mc, s_sm90_chunked_fused, band, s_num_sms, s_smem_optin,
-                                 stream);
+        err = chunked::launch<T, true>(xs, (int)P.TK, static_cast<const T*>(w13), 2 * I, a1, s_sm90_chunked_mc,
+                                       band, s_num_sms, s_smem_optin, stream);
+        if (err == cudaSuccess)
+            err = chunked::launch<T, false>(act, (int)P.TK, static_cast<const T*>(w2), H, a2, s_sm90_chunked_mc,
+                                            band, s_num_sms, s_smem_optin, stream);
         if (err != cudaSuccess) return cuda_error(err);
     } else if (gated) {
         using GG = sm90::GatedGemm1<CT, T, Tile>;
@@ -1383,7 +1368,6 @@ extern "C" EX_EXPORT ex_factor_t* ex_get_factor(const ex_hardware_t* hw) {
     sm90::g_skip_empty_a = explugin::env_switch("EX_MOE_SM90_SKIP_EMPTY_A");
     s_sm90_chunked_mc = explugin::env_switch("EX_MOE_SM90_CHUNKED_MULTICAST");
     s_sm90_chunked_swap = explugin::env_switch("EX_MOE_SM90_CHUNKED_SWAP_AB");
-    s_sm90_chunked_fused = explugin::env_switch("EX_MOE_SM90_CHUNKED_FUSED");
     static const char* const kSwizzles[] = {"1", "2", "4", "8"};
     s_sm90_swizzle = 1 << explugin::env_choice("EX_MOE_SM90_SWIZZLE", kSwizzles, 4, 0);
     // last, after every setting the cached Params (run_grouped_gemm) hold: a call that reads the
