@@ -98,7 +98,7 @@ def parse_cfg(c, problems=None):
         problem = f"config {c!r}: expected NAME=FOLDER[:VAR=VALUE,...]"
     env = {k: v for k, _, v in pairs}
     if not problem and "config" in env:
-        from tune_moe import VALUES  # benchmarks/ is on sys.path (top of this file)
+        from ex_engine._scripts import VALUES
         if env["config"] not in VALUES:
             problem = f"config {c!r}: config={env['config']}: expected one of {', '.join(VALUES)}"
     if problem:
@@ -119,8 +119,8 @@ def set_env(env, reg=None):
     os.environ.update({k: v for k, v in env.items() if k != "config"})
     if reg is not None:
         if "config" in env:
-            from tune_moe import VALUES
-            reg.set_tuning("moe_fused_gemm", lambda sizes, v=VALUES[env["config"]]: v)
+            from ex_engine._scripts import force_config
+            force_config(reg, env["config"])
         else:
             reg.set_tuning("moe_fused_gemm", None)
 

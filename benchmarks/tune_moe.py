@@ -43,9 +43,8 @@ from ex_engine.moe_layer import (case_problems, load_models_or_exit, models_help
                                  output_file_problem, report_problems)
 from ex_engine.tuning import _NUMERIC_DEVICE, FactorTuning, TuningTable, tuning_dir  # noqa: E402
 
-CONFIGS = {"tiny": 0, "decode": 1, "mid": 2, "prefill": 3, "grouped": 4, "mid32": 5, "mid48": 6,
-           "grouped64": 7, "narrow": 8, "decode4": 9, "chunked": 10}
-VALUES = {"auto": -1, **CONFIGS}   # auto: the kernel's own choice from T*K/G
+from ex_engine._scripts import CONFIGS, VALUES, force_config  # noqa: E402,F401  (tests import CONFIGS, VALUES from here)
+
 KEY = ["H", "I", "G", "K"]
 
 
@@ -196,7 +195,7 @@ def main() -> int:
         times = {}
         names = []
         for name in ["auto", *candidates(T * s.K / s.E, grouped, s.H, s.I)]:
-            reg.set_tuning("moe_fused_gemm", lambda sizes, v=VALUES[name]: v)
+            force_config(reg, name)
             err = rel(moe_fused_gemm(*sets[0], registry=reg), ref)
             if err > 1e-2:
                 print(f"  {name}: rel err {err:.2e} > 1e-2, not timed", flush=True)
@@ -205,7 +204,7 @@ def main() -> int:
                 names.append(name)
         # two rounds in opposite orders, best of both: clocks and caches favour no position
         for name in names + names[::-1]:
-            reg.set_tuning("moe_fused_gemm", lambda sizes, v=VALUES[name]: v)
+            force_config(reg, name)
             t = graph_us([lambda a=a: moe_fused_gemm(*a, registry=reg) for a in sets])
             times[name] = min(t, times.get(name, t))
         reg.set_tuning("moe_fused_gemm", None)

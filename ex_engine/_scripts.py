@@ -109,3 +109,27 @@ def exit_quietly_on_broken_pipe(script_main, *args) -> None:
     except BrokenPipeError:
         code = _reader_left()
     sys.exit(code)
+
+
+# The tile configurations of moe_fused_gemm (dims[7]) by name, and the --config option of the tools
+# that force one (benchmarks/tune_moe.py, ab_moe.py, scripts/kernel_times_moe.py, profile_moe.py)
+CONFIGS = {"tiny": 0, "decode": 1, "mid": 2, "prefill": 3, "grouped": 4, "mid32": 5, "mid48": 6,
+           "grouped64": 7, "narrow": 8, "decode4": 9, "chunked": 10}
+VALUES = {"auto": -1, **CONFIGS}   # auto: the kernel's own choice from T*K/G
+# The --config option of the scripts that force one configuration (kernel_times_moe, profile_moe)
+CONFIG_HELP = ("force a tile configuration by name: auto (the kernel's own choice, ignoring the tuning file) "
+               "or one of benchmarks/tune_moe.py's CONFIGS (tiny, decode, decode4, mid, ..., grouped, "
+               "grouped64, narrow, chunked); default: tuned data, else auto")
+
+
+def config_problems(name) -> list:
+    """[] where ``name`` (a --config value) is None or a VALUES key, else its one problem line."""
+    if name is None or name in VALUES:
+        return []
+    return [f"--config: expected one of {', '.join(VALUES)}, got {name!r}"]
+
+
+def force_config(reg, name) -> None:
+    """Make ``reg``'s moe_fused_gemm run tile configuration ``name`` (a VALUES key) on every call,
+    whatever its tuning data says."""
+    reg.set_tuning("moe_fused_gemm", lambda sizes, v=VALUES[name]: v)

@@ -67,19 +67,14 @@ def main() -> int:
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"],
                     help="activation and weight dtype")
     ap.add_argument("--factors", default=None, metavar="FOLDER", help="plugin folder (default: factors/)")
-    ap.add_argument("--config", default=None,
-                    help="force a tile configuration by name: auto (the kernel's own choice, "
-                         "ignoring the tuning file) or one of benchmarks/tune_moe.py's CONFIGS (tiny, "
-                         "decode, decode4, mid, ..., grouped, grouped64, narrow, chunked); default: tuned data, else auto")
+    ap.add_argument("--config", default=None, help=_scripts["CONFIG_HELP"])
     args = ap.parse_args()
     from ex_engine import FactorError, FactorRegistry, moe_fused_gemm
     from ex_engine.moe_layer import load_models_or_exit, parse_cases, report_problems
 
     models = load_models_or_exit("kernel_times_moe")
     cases, problems = parse_cases(models, args.cases)      # every problem at once, before any work
-    from tune_moe import VALUES  # benchmarks/ is on sys.path (top of this file)
-    if args.config is not None and args.config not in VALUES:
-        problems.append(f"--config: expected one of {', '.join(VALUES)}, got {args.config!r}")
+    problems += _scripts["config_problems"](args.config)
     if args.factors is not None and not Path(args.factors).is_dir():
         problems.append(f"--factors: folder {args.factors!r} does not exist")
     if args.calls < 1:
@@ -99,7 +94,7 @@ def main() -> int:
         print(f"kernel_times_moe: --factors: {exc}", file=sys.stderr)
         return 2
     if args.config is not None:
-        reg.set_tuning("moe_fused_gemm", lambda sizes, v=VALUES[args.config]: v)
+        _scripts["force_config"](reg, args.config)
     gen = torch.Generator(device="cuda").manual_seed(0)
     for i, (m, T) in enumerate(cases):
         print(f"[{i + 1}/{len(cases)}] {m} T={T} ...", file=sys.stderr, flush=True)

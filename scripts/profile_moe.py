@@ -22,10 +22,9 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))   # tune_moe's VALUES
 
 from ex_engine import FactorRegistry, moe_fused_gemm, topk_softmax  # noqa: E402
-from ex_engine._scripts import HelpFormatter, cupy_with_gpu  # noqa: E402
+from ex_engine._scripts import CONFIG_HELP, HelpFormatter, config_problems, cupy_with_gpu, force_config  # noqa: E402
 from ex_engine.moe_layer import (MoELayer, case_problems, load_models_or_exit, models_help,  # noqa: E402
                                  report_problems)
 
@@ -36,16 +35,10 @@ def main() -> int:
                     help=f"models of manifests/moe_models.yaml: {models_help()}")
     ap.add_argument("--tokens", type=int, nargs="+", default=[1], metavar="T", help="token counts T, each >= 1")
     ap.add_argument("--factors", default=None, metavar="FOLDER", help="plugin folder (default: factors/)")
-    ap.add_argument("--config", default=None,
-                    help="force a tile configuration by name: auto (the kernel's own choice, ignoring the "
-                         "tuning file) or one of benchmarks/tune_moe.py's CONFIGS (tiny, decode, decode4, mid, "
-                         "..., grouped, grouped64, narrow, chunked); default: tuned data, else auto")
+    ap.add_argument("--config", default=None, help=CONFIG_HELP)
     args = ap.parse_args()
-    from tune_moe import VALUES
     models = load_models_or_exit("profile_moe")
-    problems = case_problems(models, args.models, args.tokens, args.factors)
-    if args.config is not None and args.config not in VALUES:
-        problems.append(f"--config: expected one of {', '.join(VALUES)}, got {args.config!r}")
+    problems = case_problems(models, args.models, args.tokens, args.factors) + config_problems(args.config)
     if report_problems("profile_moe", problems):
         return 2
     cupy, why = cupy_with_gpu()
@@ -54,7 +47,7 @@ def main() -> int:
         return 2
     reg = FactorRegistry.load(args.factors)
     if args.config is not None:
-        reg.set_tuning("moe_fused_gemm", lambda sizes, v=VALUES[args.config]: v)
+        force_config(reg, args.config)
     for m in args.models:
         s = models[m]
         layer = MoELayer(s, "bfloat16", cupy, seed=1)
