@@ -79,8 +79,6 @@ constexpr int kBK = 64;       // reduction columns per stage (128 bytes: the swi
 constexpr int kStages = 4;
 constexpr int kThreads = 384;
 constexpr int kBoxBytes = kSub * kBK * 2;                 // 8 KB
-constexpr int kPiece = 16;                                // rows per TMA box of a last, partial sub-tile
-constexpr int kPieceBytes = kPiece * kBK * 2;             // 2 KB
 constexpr int kABytes = kMaxSub * kBoxBytes;              // 32 KB per stage
 constexpr int kBBytes = kBN * kBK * 2;                    // 16 KB per stage
 constexpr int kBarOff = kStages * (kABytes + kBBytes);    // 196,608
@@ -158,8 +156,7 @@ __device__ __forceinline__ float silu_epi(float g) {
 // consumers released it (empty barriers count 16 arrivals, one per consumer warp of either CTA).
 template <typename T, bool kGated, bool kMc, int kBand>
 __global__ void __launch_bounds__(kThreads, 1)
-chunked_gemm_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_constant__ CUtensorMap tma_a16,
-                    const __grid_constant__ CUtensorMap tma_b,
+chunked_gemm_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_constant__ CUtensorMap tma_b,
                     const __grid_constant__ CUtensorMap tma_b_gu, const Args p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(CUTE_ARCH_MMA_SM90A_ENABLED)
     using Ty = Types<T>;
@@ -244,18 +241,14 @@ chunked_gemm_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_cons
                 int e, m0, mv, n;
                 item_of(it, e, m0, mv, n);
                 n = n * kCtas + rank;
-                // A: the chunk's whole sub-tiles as 64-row boxes, its last, partial one as 16-row
-                // pieces up to its last row (the MMAs read the rest of that sub-tile, whatever a
-                // previous stage left there, into accumulator rows or columns that are never stored)
-                const int nfull = mv / kSub;
-                const int npiece = (mv - nfull * kSub + kPiece - 1) / kPiece;
+                const int nsub = (mv + kSub - 1) / kSub;
                 const bool swap = swap_pays(mv, kBand);
                 const int b0 = kGated ? n * (kBN / 2) : n * kBN;
                 const int b1 = kGated ? p.N + n * (kBN / 2) : n * kBN + kBN / 2;
                 for (int kb = 0; kb < KB; ++kb) {
                     cutlass::arch::ClusterBarrier::wait(&empty[stage], phase);
                     cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(
-                        &full[stage], kBBytes + nfull * kBoxBytes + npiece * kPieceBytes);
+                        &full[stage], kBBytes + nsub * kBoxBytes);
                     unsigned char* sb = reinterpret_cast<unsigned char*>(sb_ptr) + stage * kBBytes;
                     if (kBand > 0 && kGated && swap) {
                         // one box of the interleaved view (tma_b_gu): groups of 8 gate rows, each
@@ -266,23 +259,14 @@ chunked_gemm_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_cons
                         SM90_TMA_LOAD_3D::copy(&tma_b, &full[stage], hint, sb + kBoxBytes, kb * kBK, b1, e);
                     }
                     unsigned char* sa = reinterpret_cast<unsigned char*>(sa_ptr) + stage * kABytes;
-                    // kMc: copy i (sub-tiles, then pieces) is this CTA's where i % 2 == rank
                     if constexpr (kMc) {
-                        for (int s = rank; s < nfull; s += 2)
+                        for (int s = rank; s < nsub; s += 2)
                             SM90_TMA_LOAD_MULTICAST_2D::copy(&tma_a, &full[stage], (uint16_t)0x3, hint,
                                                              sa + s * kBoxBytes, kb * kBK, m0 + s * kSub);
-                        for (int j = (nfull + rank) % 2; j < npiece; j += 2)
-                            SM90_TMA_LOAD_MULTICAST_2D::copy(&tma_a16, &full[stage], (uint16_t)0x3, hint,
-                                                             sa + nfull * kBoxBytes + j * kPieceBytes, kb * kBK,
-                                                             m0 + nfull * kSub + j * kPiece);
                     } else {
-                        for (int s = 0; s < nfull; ++s)
+                        for (int s = 0; s < nsub; ++s)
                             SM90_TMA_LOAD_2D::copy(&tma_a, &full[stage], hint, sa + s * kBoxBytes, kb * kBK,
                                                    m0 + s * kSub);
-                        for (int j = 0; j < npiece; ++j)
-                            SM90_TMA_LOAD_2D::copy(&tma_a16, &full[stage], hint,
-                                                   sa + nfull * kBoxBytes + j * kPieceBytes, kb * kBK,
-                                                   m0 + nfull * kSub + j * kPiece);
                     }
                     if (++stage == kStages) { stage = 0; phase ^= 1; }
                 }
@@ -490,10 +474,10 @@ chunked_gemm_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_cons
 
 // Host: a 2D (A: rows x K) or 3D (B: E x rows x K) tensor map of 64 x 64 boxes, 128-byte swizzle
 inline bool encode_map(CUtensorMap* map, const void* base, bool bf16, int rank, uint64_t K, uint64_t rows,
-                       uint64_t E, uint32_t box_rows = kSub) {
+                       uint64_t E) {
     const cuuint64_t dims[3] = {K, rows, E};
     const cuuint64_t strides[2] = {K * 2, K * rows * 2};
-    const cuuint32_t box[3] = {kBK, box_rows, 1};
+    const cuuint32_t box[3] = {kBK, kSub, 1};
     const cuuint32_t estr[3] = {1, 1, 1};
     const CUresult r = CUTLASS_CUDA_DRIVER_WRAPPER_CALL(cuTensorMapEncodeTiled)(
         map, bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, rank,
@@ -564,7 +548,7 @@ cudaError_t run(const T* a, int rows_cap, const T* b, int b_rows, const Args& ar
         const void* a = nullptr;
         const void* b = nullptr;
         int rows = 0, b_rows = 0, K = 0, E = 0;
-        CUtensorMap ta, ta16, tb, tb_gu;
+        CUtensorMap ta, tb, tb_gu;
     };
     static thread_local Cache c;
     const bool bf16 = std::is_same<T, __nv_bfloat16>::value;
@@ -572,7 +556,6 @@ cudaError_t run(const T* a, int rows_cap, const T* b, int b_rows, const Args& ar
         c.E != args.E) {
         c.valid = false;
         if (!encode_map(&c.ta, a, bf16, 2, args.Kdim, rows_cap, 1) ||
-            !encode_map(&c.ta16, a, bf16, 2, args.Kdim, rows_cap, 1, kPiece) ||
             !encode_map(&c.tb, b, bf16, 3, args.Kdim, b_rows, args.E) ||
             (kBand > 0 && kGated && !encode_map_gate_up(&c.tb_gu, b, bf16, args.Kdim, b_rows / 2, args.E)))
             return cudaErrorInvalidValue;
@@ -610,7 +593,7 @@ cudaError_t run(const T* a, int rows_cap, const T* b, int b_rows, const Args& ar
     }
     cfg.gridDim = dim3((unsigned)grid);
     cfg.dynamicSmemBytes = (size_t)smem;
-    const cudaError_t err = cudaLaunchKernelEx(&cfg, kern, c.ta, c.ta16, c.tb, c.tb_gu, args);
+    const cudaError_t err = cudaLaunchKernelEx(&cfg, kern, c.ta, c.tb, c.tb_gu, args);
     if (err != cudaSuccess) (void)cudaGetLastError();  // reported here, not again by the next check
     return err;
 }
