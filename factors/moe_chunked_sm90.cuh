@@ -171,6 +171,9 @@ chunked_gemm_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_cons
     const int tid = threadIdx.x;
     const int warp = tid / 32, lane = tid % 32;
     const int KB = p.Kdim / kBK;
+    // launched with PDL (run's pdl): the next grid's CTAs may be scheduled now (as this grid's
+    // CTAs exit: it holds at most one CTA per SM, each an SM's registers and shared memory)
+    explugin::pdl_launch_dependents();
     constexpr int kCtas = kMc ? 2 : 1;
     // items per chunk: its N-tiles, or (kMc) their pairs; run() refuses an odd count for kMc
     const int NT = (int)n_tiles(kGated, p.N) / kCtas;
@@ -237,6 +240,12 @@ chunked_gemm_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_cons
         if (cute::elect_one_sync()) {
             int stage = 0, phase = 1;  // a fresh empty barrier passes parity 1
             const uint64_t hint = static_cast<uint64_t>(cute::TMA::CacheHintSm90::EVICT_NORMAL);
+            // PDL: the weights (inputs) of the first item's first stages are copied before the
+            // wait for the previous grid (the gather or GEMM1, which write A); their A copies
+            // follow the wait. expert_off is the routing's, final before the previous grid began
+            // (that one was launched plainly, or waited before it let this grid launch). Without
+            // PDL the wait returns at once.
+            bool early = true;
             for (int it = cid; it < n_items; it += n_clusters) {
                 int e, m0, mv, n;
                 item_of(it, e, m0, mv, n);
@@ -245,7 +254,27 @@ chunked_gemm_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_cons
                 const bool swap = swap_pays(mv, kBand);
                 const int b0 = kGated ? n * (kBN / 2) : n * kBN;
                 const int b1 = kGated ? p.N + n * (kBN / 2) : n * kBN + kBN / 2;
+                auto copy_a = [&](int st, int kb) {
+                    unsigned char* sa = reinterpret_cast<unsigned char*>(sa_ptr) + st * kABytes;
+                    if constexpr (kMc) {
+                        for (int s = rank; s < nsub; s += 2)
+                            SM90_TMA_LOAD_MULTICAST_2D::copy(&tma_a, &full[st], (uint16_t)0x3, hint,
+                                                             sa + s * kBoxBytes, kb * kBK, m0 + s * kSub);
+                    } else {
+                        for (int s = 0; s < nsub; ++s)
+                            SM90_TMA_LOAD_2D::copy(&tma_a, &full[st], hint, sa + s * kBoxBytes, kb * kBK,
+                                                   m0 + s * kSub);
+                    }
+                };
+                // stages of this item whose A is owed (the first item's first stages: 0 .. pre-1)
+                const int pre = early ? min(KB, kStages) : 0;
+                auto pay = [&]() {
+                    explugin::pdl_wait();
+                    for (int j = 0; j < pre; ++j) copy_a(j, j);
+                    early = false;
+                };
                 for (int kb = 0; kb < KB; ++kb) {
+                    if (early && kb == pre) pay();
                     cutlass::arch::ClusterBarrier::wait(&empty[stage], phase);
                     cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(
                         &full[stage], kBBytes + nsub * kBoxBytes);
@@ -258,19 +287,14 @@ chunked_gemm_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_cons
                         SM90_TMA_LOAD_3D::copy(&tma_b, &full[stage], hint, sb, kb * kBK, b0, e);
                         SM90_TMA_LOAD_3D::copy(&tma_b, &full[stage], hint, sb + kBoxBytes, kb * kBK, b1, e);
                     }
-                    unsigned char* sa = reinterpret_cast<unsigned char*>(sa_ptr) + stage * kABytes;
-                    if constexpr (kMc) {
-                        for (int s = rank; s < nsub; s += 2)
-                            SM90_TMA_LOAD_MULTICAST_2D::copy(&tma_a, &full[stage], (uint16_t)0x3, hint,
-                                                             sa + s * kBoxBytes, kb * kBK, m0 + s * kSub);
-                    } else {
-                        for (int s = 0; s < nsub; ++s)
-                            SM90_TMA_LOAD_2D::copy(&tma_a, &full[stage], hint, sa + s * kBoxBytes, kb * kBK,
-                                                   m0 + s * kSub);
-                    }
+                    if (!early) copy_a(stage, kb);
                     if (++stage == kStages) { stage = 0; phase ^= 1; }
                 }
+                if (early) pay();  // KB <= kStages: every stage of the item was owed
             }
+            // a CTA without items waits too: this grid's end must imply the previous grid's (the
+            // next grid waits for this one only)
+            if (early) explugin::pdl_wait();
             // kMc tail: wait until every stage is released once more, so that this CTA does not
             // exit while its peer's consumers may still arrive on its barriers
             if constexpr (kMc) {
@@ -542,7 +566,7 @@ int max_active_clusters(Kernel kern, int num_sms, int smem_optin, cudaStream_t s
 // a few µs, beside GEMMs of hundreds of µs where this tiling is chosen).
 template <typename T, bool kGated, bool kMc, int kBand>
 cudaError_t run(const T* a, int rows_cap, const T* b, int b_rows, const Args& args, int64_t work_max, int num_sms,
-                int smem_optin, cudaStream_t stream) {
+                int smem_optin, bool pdl, cudaStream_t stream) {
     struct Cache {
         bool valid = false;
         const void* a = nullptr;
@@ -570,15 +594,24 @@ cudaError_t run(const T* a, int rows_cap, const T* b, int b_rows, const Args& ar
                                                         smem_optin);
     if (set != cudaSuccess) return set;
     cudaLaunchConfig_t cfg = {};
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = kMc ? 2 : 1;
-    attr[0].val.clusterDim.y = 1;
-    attr[0].val.clusterDim.z = 1;
+    cudaLaunchAttribute attr[2];
+    int na = 0;
+    if (kMc) {
+        attr[na].id = cudaLaunchAttributeClusterDimension;
+        attr[na].val.clusterDim.x = 2;
+        attr[na].val.clusterDim.y = 1;
+        attr[na].val.clusterDim.z = 1;
+        ++na;
+    }
+    if (pdl) {  // programmatic dependent launch: see the producer's first stages
+        attr[na].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+        attr[na].val.programmaticStreamSerializationAllowed = 1;
+        ++na;
+    }
     cfg.blockDim = dim3(kThreads);
     cfg.stream = stream;
     cfg.attrs = attr;
-    cfg.numAttrs = kMc ? 1 : 0;
+    cfg.numAttrs = (unsigned)na;
     int64_t grid = std::min<int64_t>(num_sms, std::max<int64_t>(work_max, 1));
     if constexpr (kMc) {
         // once per process (one device's figure, as the attribute; thread-safe static init)
@@ -602,23 +635,25 @@ cudaError_t run(const T* a, int rows_cap, const T* b, int b_rows, const Args& ar
 // count is at most rows_max / 256 + E), multicast where asked and the GEMM's N-tiles pair up.
 template <typename T, bool kGated, int kBand>
 cudaError_t launch_mc(const T* a, int rows_max, const T* b, int b_rows, const Args& args, bool multicast,
-                      int num_sms, int smem_optin, cudaStream_t stream) {
+                      int num_sms, int smem_optin, bool pdl, cudaStream_t stream) {
     const int64_t work = ((int64_t)rows_max / kChunkRows + args.E) * n_tiles(kGated, args.N);
     if (multicast && n_tiles(kGated, args.N) % 2 == 0)
-        return run<T, kGated, true, kBand>(a, rows_max, b, b_rows, args, work, num_sms, smem_optin, stream);
-    return run<T, kGated, false, kBand>(a, rows_max, b, b_rows, args, work, num_sms, smem_optin, stream);
+        return run<T, kGated, true, kBand>(a, rows_max, b, b_rows, args, work, num_sms, smem_optin, pdl, stream);
+    return run<T, kGated, false, kBand>(a, rows_max, b, b_rows, args, work, num_sms, smem_optin, pdl, stream);
 }
 // band: swap AB on the chunks of that band (swap_pays; the caller's swap_band, or 0: every chunk on
-// 64-row sub-tiles); a band outside 0..4 is refused
+// 64-row sub-tiles); a band outside 0..4 is refused. pdl: programmatic dependent launch (sm_90's
+// griddepcontrol): the caller's previous launch in the stream must be one that let this grid
+// launch only once expert_off was final (see the producer's first stages)
 template <typename T, bool kGated>
 cudaError_t launch(const T* a, int rows_max, const T* b, int b_rows, const Args& args, bool multicast, int band,
-                   int num_sms, int smem_optin, cudaStream_t stream) {
+                   int num_sms, int smem_optin, bool pdl, cudaStream_t stream) {
     switch (band) {
-        case 0: return launch_mc<T, kGated, 0>(a, rows_max, b, b_rows, args, multicast, num_sms, smem_optin, stream);
-        case 1: return launch_mc<T, kGated, 1>(a, rows_max, b, b_rows, args, multicast, num_sms, smem_optin, stream);
-        case 2: return launch_mc<T, kGated, 2>(a, rows_max, b, b_rows, args, multicast, num_sms, smem_optin, stream);
-        case 3: return launch_mc<T, kGated, 3>(a, rows_max, b, b_rows, args, multicast, num_sms, smem_optin, stream);
-        case 4: return launch_mc<T, kGated, 4>(a, rows_max, b, b_rows, args, multicast, num_sms, smem_optin, stream);
+        case 0: return launch_mc<T, kGated, 0>(a, rows_max, b, b_rows, args, multicast, num_sms, smem_optin, pdl, stream);
+        case 1: return launch_mc<T, kGated, 1>(a, rows_max, b, b_rows, args, multicast, num_sms, smem_optin, pdl, stream);
+        case 2: return launch_mc<T, kGated, 2>(a, rows_max, b, b_rows, args, multicast, num_sms, smem_optin, pdl, stream);
+        case 3: return launch_mc<T, kGated, 3>(a, rows_max, b, b_rows, args, multicast, num_sms, smem_optin, pdl, stream);
+        case 4: return launch_mc<T, kGated, 4>(a, rows_max, b, b_rows, args, multicast, num_sms, smem_optin, pdl, stream);
         default: return cudaErrorInvalidValue;
     }
 }

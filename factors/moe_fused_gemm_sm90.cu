@@ -770,11 +770,36 @@ sm90_prepare_kernel(const T* __restrict__ x, T* __restrict__ xs, const int* __re
     using ED = typename G::ED;
     const long long gtid = (long long)blockIdx.x * kPrepThreads + threadIdx.x;
     const long long nthreads = (long long)gridDim.x * kPrepThreads;
+    const int lane = threadIdx.x & 31;
+    const int HV = H >> 3;
+    // gather by token: a warp's first span of hidden_states is loaded before the wait for the
+    // routing (launched with PDL, s_sm90_pdl): x is the call's input, final before the routing's
+    // first launch (a plain one) began
+    const int span = 32 * vpl;
+    const long long spans = (HV + span - 1) / span;
+    const long long item0 = gtid >> 5;
+    uint4 v[8];
+    auto load_span = [&](long long item) {
+        const long long t = item / spans;
+        const int c0 = (int)(item - t * spans) * span;
+        const uint4* src = reinterpret_cast<const uint4*>(x + t * H);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            const int c = c0 + j * 32 + lane;
+            if (j < vpl && c < HV) v[j] = __ldg(src + c);
+        }
+    };
+    if (by_token && item0 < T_ * spans) load_span(item0);
+    explugin::pdl_wait();  // the routing's outputs (expert_off, slot_pos, sorted, meta) are final
+    // the chunked GEMM1 (launched with PDL) may be scheduled as this grid's blocks exit; it reads
+    // expert_off before its own wait, so this comes after ours
+    explugin::pdl_launch_dependents();
 
     // per-expert problem sizes, pointers and strides (an empty expert gets M = 0: no tiles)
+    // the routing's outputs through L2 (__ldcg): written by the grid this one waited for
     for (long long e = gtid; e < E; e += nthreads) {
-        const long long off = expert_off[e];
-        const int m = expert_off[e + 1] - (int)off;
+        const long long off = __ldcg(expert_off + e);
+        const int m = __ldcg(expert_off + e + 1) - (int)off;
         g1.shapes[e] = typename G::Shape3(m, 2 * I, H);
         g1.a[e] = reinterpret_cast<const EA*>(xs + off * H);
         g1.b[e] = reinterpret_cast<const EB*>(w13 + e * 2LL * I * H);
@@ -794,8 +819,6 @@ sm90_prepare_kernel(const T* __restrict__ x, T* __restrict__ xs, const int* __re
         g2.sa[e] = sa2; g2.sb[e] = sb2; g2.sd[e] = sd2;
     }
 
-    const int lane = threadIdx.x & 31;
-    const int HV = H >> 3;
     if (by_token) {
         // gather by token: one warp per token reads its row of hidden_states once and writes it
         // to the sorted rows of its valid slots (slot_pos, from the routing). Read by sorted row
@@ -803,24 +826,16 @@ sm90_prepare_kernel(const T* __restrict__ x, T* __restrict__ xs, const int* __re
         // (67 MB at H = 2048) does not stay in L2 and those reads went to DRAM.
         // Work item: (token, span of 32 * vpl vectors of its row); vpl (1, 2, 4 or 8 vectors per
         // lane) is chosen on the host so that few tokens still make enough warps.
-        const int span = 32 * vpl;
-        const long long spans = (HV + span - 1) / span;
-        for (long long item = gtid >> 5; item < T_ * spans; item += nthreads >> 5) {
+        for (long long item = item0; item < T_ * spans; item += nthreads >> 5) {
             const long long t = item / spans;
             const int c0 = (int)(item - t * spans) * span;
-            const uint4* src = reinterpret_cast<const uint4*>(x + t * H);
-            uint4 v[8];
-#pragma unroll
-            for (int j = 0; j < 8; ++j) {
-                const int c = c0 + j * 32 + lane;
-                if (j < vpl && c < HV) v[j] = __ldg(src + c);
-            }
+            if (item != item0) load_span(item);  // the first was loaded before the wait
             for (int kb = 0; kb < K; kb += 32) {  // 32 slots of the token at a time
                 int r = -1;  // lane j: sorted row of slot t*K + kb + j, -1 if it goes nowhere
                 if (kb + lane < K) {
                     const long long slot = t * K + kb + lane;
                     int unused = 0;
-                    if (local_expert(em, __ldg(ids + slot), E, unused) >= 0) r = __ldg(slot_pos + slot);
+                    if (local_expert(em, __ldg(ids + slot), E, unused) >= 0) r = __ldcg(slot_pos + slot);
                 }
                 const int nk = K - kb < 32 ? K - kb : 32;
                 for (int j2 = 0; j2 < nk; ++j2) {
@@ -838,9 +853,9 @@ sm90_prepare_kernel(const T* __restrict__ x, T* __restrict__ xs, const int* __re
         return;
     }
     // gather by sorted row (EX_MOE_SM90_GATHER_BY_TOKEN=0): one warp per row, 4 copies in flight
-    const int rows = meta[1];
+    const int rows = __ldcg(meta + 1);
     for (long long r = gtid >> 5; r < rows; r += nthreads >> 5) {
-        const int slot = sorted[r];
+        const int slot = __ldcg(sorted + r);
         const uint4* src = reinterpret_cast<const uint4*>(x + (long long)(slot / K) * H);
         uint4* dst = reinterpret_cast<uint4*>(xs + r * H);
         int c = lane;
@@ -897,6 +912,7 @@ sm90_combine_kernel(T* __restrict__ out, const T* __restrict__ ys, const int* __
     using E2 = typename Elem<T>::T2;
     const int HV = H >> 3;
     const long long total = (long long)T_ * HV;
+    explugin::pdl_wait();  // launched with PDL (s_sm90_pdl): GEMM2 is done and ys visible
     for (long long i = (long long)blockIdx.x * kSimpleThreads + threadIdx.x; i < total;
          i += (long long)gridDim.x * kSimpleThreads) {
         const long long t = i / HV;
@@ -918,7 +934,8 @@ sm90_combine_kernel(T* __restrict__ out, const T* __restrict__ ys, const int* __
                     if (local_expert(em, __ldg(ids + slot), E, unused) >= 0) {  // else: nothing
                         w[j] = __ldg(tw + slot);
                         const long long r = __ldg(slot_pos + slot);
-                        raw[j] = __ldg(reinterpret_cast<const uint4*>(ys + r * H) + hv);
+                        // ys through L2 (__ldcg): GEMM2's output, this grid waited for it
+                        raw[j] = __ldcg(reinterpret_cast<const uint4*>(ys + r * H) + hv);
                     }
                 }
             }
@@ -974,6 +991,11 @@ static bool s_sm90_chunked_mc = true;
 // 64j + 32 rows, the band nearest the call's rows per expert (chunked::swap_band, swap_pays);
 // EX_MOE_SM90_CHUNKED_SWAP_AB=0: never, for comparison
 static bool s_sm90_chunked_swap = true;
+// set by ex_get_factor (cc >= 9.0 and EX_MOE_SM90_PDL not 0): programmatic dependent launch of the
+// gather (it loads its first hidden_states before it waits for the routing), of the chunked GEMMs
+// (each copies its first weight stages before it waits for the previous grid) and of the combine
+// (its blocks get resident as GEMM2's CTAs exit)
+static bool s_sm90_pdl = true;
 
 using GemmBf16 = sm90::GroupedGemm<cutlass::bfloat16_t>;
 using GemmF16 = sm90::GroupedGemm<cutlass::half_t>;
@@ -1253,12 +1275,12 @@ static int launch_sm90(const Problem& P, void* out, const void* x, const void* w
     auto spans = [&](int v) { return (HV + 32 * v - 1) / (32 * v); };
     while (vpl > 1 && P.T * spans(vpl) < 16LL * s_num_sms) vpl /= 2;
     const int64_t gather_warps = s_sm90_gather_by_token ? P.T * spans(vpl) : P.TK;
-    sm90_prepare_kernel<T, G><<<capped_blocks(gather_warps * 32, kPrepThreads, 8), kPrepThreads, 0,
-                                stream>>>(
-        static_cast<const T*>(x), xs, sorted, meta, expert_off, slot_pos, ids, P.em(),
-        static_cast<const T*>(w13), static_cast<const T*>(w2), gu, act, ys, (int)P.T, H, I, E, K,
-        s_sm90_gather_by_token, vpl, ga[0], ga[1]);
-    cudaError_t err = cudaGetLastError();
+    cudaError_t err = explugin::launch_kernel(
+        sm90_prepare_kernel<T, G>, dim3(capped_blocks(gather_warps * 32, kPrepThreads, 8)), dim3(kPrepThreads), 0,
+        stream, s_sm90_pdl, static_cast<const T*>(x), xs, (const int*)sorted, (const int*)meta,
+        (const int*)expert_off, (const int*)slot_pos, ids, P.em(), static_cast<const T*>(w13),
+        static_cast<const T*>(w2), gu, act, ys, (int)P.T, H, I, E, K, s_sm90_gather_by_token, vpl, ga[0], ga[1]);
+    if (err == cudaSuccess) err = cudaGetLastError();
     if (err != cudaSuccess) return cuda_error(err);
 
     // 3. GEMM1: act = silu(g) * u straight from the epilogue (I % 128 == 0), else gu = xs . w13[e]^T
@@ -1274,10 +1296,10 @@ static int launch_sm90(const Problem& P, void* out, const void* x, const void* w
         // swap AB on one band of chunk sizes, the one nearest the rows per expert (T*K/G)
         const int band = s_sm90_chunked_swap ? chunked::swap_band(P.TK / P.G) : 0;
         err = chunked::launch<T, true>(xs, (int)P.TK, static_cast<const T*>(w13), 2 * I, a1, s_sm90_chunked_mc,
-                                       band, s_num_sms, s_smem_optin, stream);
+                                       band, s_num_sms, s_smem_optin, s_sm90_pdl, stream);
         if (err == cudaSuccess)
             err = chunked::launch<T, false>(act, (int)P.TK, static_cast<const T*>(w2), H, a2, s_sm90_chunked_mc,
-                                            band, s_num_sms, s_smem_optin, stream);
+                                            band, s_num_sms, s_smem_optin, s_sm90_pdl, stream);
         if (err != cudaSuccess) return cuda_error(err);
     } else if (gated) {
         using GG = sm90::GatedGemm1<CT, T, Tile>;
@@ -1300,10 +1322,11 @@ static int launch_sm90(const Problem& P, void* out, const void* x, const void* w
     }
 
     // 6. weighted combine in fp32
-    sm90_combine_kernel<T><<<capped_blocks(P.T * (P.H / 8), kSimpleThreads, 16), kSimpleThreads, 0,
-                             stream>>>(static_cast<T*>(out), ys, slot_pos, tw, ids, P.em(), (int)P.T,
-                                       H, E, K);
-    if ((err = cudaGetLastError()) != cudaSuccess) return cuda_error(err);
+    err = explugin::launch_kernel(sm90_combine_kernel<T>, dim3(capped_blocks(P.T * (P.H / 8), kSimpleThreads, 16)),
+                                  dim3(kSimpleThreads), 0, stream, s_sm90_pdl, static_cast<T*>(out), (const T*)ys,
+                                  (const int*)slot_pos, tw, ids, P.em(), (int)P.T, H, E, K);
+    if (err == cudaSuccess) err = cudaGetLastError();
+    if (err != cudaSuccess) return cuda_error(err);
     return EX_OK;
 }
 
@@ -1368,6 +1391,7 @@ extern "C" EX_EXPORT ex_factor_t* ex_get_factor(const ex_hardware_t* hw) {
     sm90::g_skip_empty_a = explugin::env_switch("EX_MOE_SM90_SKIP_EMPTY_A");
     s_sm90_chunked_mc = explugin::env_switch("EX_MOE_SM90_CHUNKED_MULTICAST");
     s_sm90_chunked_swap = explugin::env_switch("EX_MOE_SM90_CHUNKED_SWAP_AB");
+    s_sm90_pdl = hw->cc_major >= 9 && explugin::env_switch("EX_MOE_SM90_PDL");
     static const char* const kSwizzles[] = {"1", "2", "4", "8"};
     s_sm90_swizzle = 1 << explugin::env_choice("EX_MOE_SM90_SWIZZLE", kSwizzles, 4, 0);
     // last, after every setting the cached Params (run_grouped_gemm) hold: a call that reads the

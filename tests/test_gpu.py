@@ -776,6 +776,73 @@ def test_chunked_multicast_bit_identical(skip_a_reg, cp, kind):
     assert same_bits(cp, outs[0], outs[1], dtype)
 
 
+SM90_PDL_ENV = "EX_MOE_SM90_PDL"   # read by the sm90 plugin's ex_get_factor
+
+
+def fill_nan(cp, out, dtype):
+    """Sets every element of a moe_fused_gemm output (Bits16, or a float16 array) to NaN bits, on
+    the current stream."""
+    (out.bits if dtype == "bfloat16" else out.view(cp.uint16)).fill(0xFFFF)
+
+
+@pytest.mark.parametrize("config", [10, 7])
+@pytest.mark.parametrize("kind", ["qwen3-30b T=512", "150 rows per expert", "E=40 fp16", "H=128", "T=1"])
+def test_sm90_pdl_bit_identical(skip_a_reg, cp, config, kind):
+    """The Hopper path with programmatic dependent launch (the default: the gather loads its first
+    hidden_states rows before it waits for the routing, the chunked GEMMs copy their first weight
+    stages before they wait for the previous kernel, the combine's blocks get resident before
+    GEMM2 ends) gives the same bits as plain launches (EX_MOE_SM90_PDL=0), under the chunked
+    tiling (config 10) and a CUTLASS one (7, grouped64: the gather and the combine), eagerly and
+    in CUDA-graph replays. Every checked call follows, on the same stream, a call on NaN
+    hidden_states routed otherwise (slot s to expert s % E, so that its expert_off, slot_pos and
+    every row of xs, act and ys differ): a kernel that read the routing, A (xs, act) or ys before
+    the kernel that writes them in the checked call had done so would read the first call's
+    values; that call's output must be NaN everywhere (a checked call that overwrote the
+    workspace while it still ran would change it). "H=128": GEMM1's reduction of 2 stages, fewer
+    than the ring's 4 (every stage of a chunked CTA's first item copied before the wait). Each
+    registry is loaded right before its calls (the setting is read at load)."""
+    shapes = {"qwen3-30b T=512": (512, 2048, 128, 768, 8), "150 rows per expert": (600, 512, 8, 1024, 2),
+              "E=40 fp16": (1000, 512, 40, 256, 6), "H=128": (300, 128, 8, 256, 2), "T=1": (1, 2048, 128, 768, 8)}
+    case, dtype = kind_case(cp, shapes, kind)
+    x, w13, w2, w, ids = case
+    T, H, E, _, K = shapes[kind]
+    nan_x = make(cp, cp.full((T, H), cp.nan, cp.float32), dtype)
+    nan_ids = (cp.arange(T * K, dtype=cp.int32) % E).reshape(T, K)
+
+    def all_nan(out):
+        return bool(cp.isnan(f64(out)).all())
+
+    saved = {SM90_PDL_ENV: os.environ.get(SM90_PDL_ENV)}
+    eager, replays = [], []
+    try:
+        for on in ("1", "0"):
+            os.environ[SM90_PDL_ENV] = on
+            r = skip_a_reg(True)
+            r.set_tuning("moe_fused_gemm", lambda sizes: config)
+            for _ in range(3):
+                nan_out = moe_fused_gemm(nan_x, w13, w2, w, nan_ids, out=poison(cp, (T, H), dtype), registry=r)
+                out = run_moe_check(r, cp, case, dtype)
+                assert all_nan(nan_out)
+            eager.append(out)
+            nan_out, g_out = poison(cp, (T, H), dtype), poison(cp, (T, H), dtype)
+            stream = cp.cuda.Stream(non_blocking=True)
+            with stream:
+                stream.begin_capture()
+                moe_fused_gemm(nan_x, w13, w2, w, nan_ids, out=nan_out, registry=r)
+                moe_fused_gemm(x, w13, w2, w, ids, out=g_out, registry=r)
+                graph = stream.end_capture()
+                for _ in range(3):
+                    fill_nan(cp, g_out, dtype)
+                    graph.launch(stream)
+                    stream.synchronize()
+                    replays.append((same_bits(cp, g_out, out, dtype), all_nan(nan_out)))
+            r.check_device_errors()
+    finally:
+        restore_env(saved)
+    assert same_bits(cp, eager[0], eager[1], dtype)
+    assert replays == [(True, True)] * 6, replays
+
+
 CHUNKED_SWAP_ENV = "EX_MOE_SM90_CHUNKED_SWAP_AB"   # read by the sm90 plugin's ex_get_factor
 
 
