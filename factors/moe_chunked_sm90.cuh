@@ -45,6 +45,12 @@
  * element at a time (a thread holds 2 weight rows x 2 chunk rows per block of 8 chunk rows). The
  * outputs are bit-identical to the sub-tiles' (tests/test_gpu.py).
  *
+ * Launch (pdl, the default on the Hopper path; EX_MOE_SM90_PDL=0 turns it off): programmatic
+ * dependent launch. A kernel lets the next grid launch at its start (that grid's CTAs get resident
+ * as this one's exit) and its producer copies the weight tiles of its first item's first stages
+ * before it waits for the previous grid (the gather or GEMM1, which write A), their A sub-tiles
+ * after the wait (benchmarks/RESULTS.md "Programmatic dependent launch").
+ *
  * Math: fp32 accumulation over the reduction in k-steps of 16, rounded once to the dtype (GEMM1
  * rounds g and u to the dtype before silu, as the CUTLASS path's gated epilogue and vLLM do).
  */
