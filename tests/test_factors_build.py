@@ -211,6 +211,9 @@ def test_template_factor_dispatches_on_gpu(template_plugin):
     ("EX_MOE_SM90_GEMM2_PINGPONG", "no", "only 0 turns it off"),
     ("EX_MOE_SM90_GATHER_BY_TOKEN", "yes", "only 0 turns it off"),
     ("EX_MOE_SM90_SKIP_EMPTY_A", "no", "only 0 turns it off"),
+    ("EX_MOE_SM90_CHUNKED_MULTICAST", "off", "only 0 turns it off"),
+    ("EX_MOE_SM90_CHUNKED_SWAP_AB", "false", "only 0 turns it off"),
+    ("EX_MOE_SM90_PDL", "garbage", "only 0 turns it off"),
 ])
 def test_a_malformed_switch_is_reported_when_the_plugins_load(built, var, value, says):
     """The moe plugins read these switches in ex_get_factor (host code: a hardware profile is
