@@ -111,8 +111,8 @@ def exit_quietly_on_broken_pipe(script_main, *args) -> None:
     sys.exit(code)
 
 
-# The tile configurations of moe_fused_gemm (dims[7]) by name, and the --config option of the tools
-# that force one (benchmarks/tune_moe.py, ab_moe.py, scripts/kernel_times_moe.py, profile_moe.py)
+# The tile configurations of moe_fused_gemm (dims[7]) by name (benchmarks/tune_moe.py, ab_moe.py,
+# scripts/kernel_times_moe.py, profile_moe.py force them through force_config)
 CONFIGS = {"tiny": 0, "decode": 1, "mid": 2, "prefill": 3, "grouped": 4, "mid32": 5, "mid48": 6,
            "grouped64": 7, "narrow": 8, "decode4": 9, "chunked": 10}
 VALUES = {"auto": -1, **CONFIGS}   # auto: the kernel's own choice from T*K/G
