@@ -59,6 +59,18 @@ def test_kernel_times_names_the_cutlass_tilings(kernel_times, tile, label):
     assert kernel_times.short_name(gated) == "cutlass_grouped_gemm<gated GEMM1>"
 
 
+@pytest.mark.parametrize("args,label", [("__nv_bfloat16, true, true, 2", "chunked_gemm_kernel<GEMM1>"),
+                                        ("__half, false, true, 0", "chunked_gemm_kernel<GEMM2>"),
+                                        ("__nv_bfloat16, false, false, 3", "chunked_gemm_kernel<GEMM2>"),
+                                        ("__nv_bfloat16, 1, 1, 2", "chunked_gemm_kernel<GEMM1>"),
+                                        ("__half, 0, 1, 0", "chunked_gemm_kernel<GEMM2>")])
+def test_kernel_times_names_the_chunked_gemms(kernel_times, args, label):
+    """The chunked tiling's two GEMMs are one template (<T, kGated, kMc, kBand>): told apart by kGated."""
+    name = (f"void exmoe::chunked::chunked_gemm_kernel<{args}>(CUtensorMap, CUtensorMap, CUtensorMap, "
+            "exmoe::chunked::Args)")
+    assert kernel_times.short_name(name) == label
+
+
 def test_ab_moe_variables_come_from_the_readme_table(ab_moe):
     """Every EX_ variable the plugin sources read has a row in README.md's environment table (the
     list ab_moe checks configs against), with when it is read."""
