@@ -2,7 +2,7 @@
 
 For each model of manifests/moe_models.yaml and each T, forces every tile configuration the
 kernels know (tiny, decode, decode4, mid, mid32, mid48, prefill and, with the Hopper plugin,
-grouped, grouped64, narrow and chunked), checks each output against a float32 reference, times it (CUDA-graph
+grouped, grouped64, narrow, chunked and chunked_nomc), checks each output against a float32 reference, times it (CUDA-graph
 replay over rotated input sets, as bench_moe.py), and writes the fastest per (H, I, G, K, T) to a
 tuning file that the registry reads (ex_engine/tuning.py documents the format). Needs PyTorch, a
 CUDA GPU and the built plugins.
@@ -66,7 +66,7 @@ def candidates(rows_per_expert: float, grouped: bool, H: int = 0, I: int = 0) ->
     if rows_per_expert >= 16:
         out += ["prefill"] + (["grouped", "grouped64", "narrow"] if grouped else [])
     if rows_per_expert >= 32 and grouped and H % 128 == 0 and I % 128 == 0 and H > 0 and I > 0:
-        out += ["chunked"]
+        out += ["chunked", "chunked_nomc"]
     return out
 
 

@@ -1,6 +1,6 @@
 /*
  * moe_chunked_sm90.cuh -- the Hopper path's two grouped GEMMs on chunks of up to 256 of an expert's
- * rows (dims[7] = 10, "chunked"; a tuned choice):
+ * rows (dims[7] = 10, "chunked", or 11, "chunked_nomc": the same without kMc's multicast; a tuned choice):
  *   GEMM1 (gated): act[r, n] = dtype(silu(dtype(g)) * dtype(u)), g = xs[r] . w13[e, n],
  *                  u = xs[r] . w13[e, I + n]   (w13 as (E, 2I, H), gate rows first: vLLM's layout)
  *   GEMM2:         ys[r, h]  = dtype(act[r] . w2[e, h])   (w2 as (E, H, I))

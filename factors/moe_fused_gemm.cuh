@@ -227,7 +227,8 @@ enum {
     kTileConfigNarrow = 8,  // moe_fused_gemm_sm90.so's grouped GEMM on 128 x 128 tiles (else: auto)
     kTileConfigDecode4 = 9,  // CfgDecode4
     kTileConfigChunked = 10,  // moe_fused_gemm_sm90.so's GEMMs on chunks of up to 256 rows (else: auto)
-    kTileConfigMax = 10,
+    kTileConfigChunkedNomc = 11,  // the same, each CTA copying its own chunk's A (no cluster multicast)
+    kTileConfigMax = 11,
 };
 
 // What the host needs of each config: when to pick it and what it launches with.

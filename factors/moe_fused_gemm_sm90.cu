@@ -69,7 +69,8 @@
  * both GEMMs run on kernels of our own (moe_chunked_sm90.cuh: a CTA takes up to 256 of an expert's
  * rows against one weight tile, MMAs on the 64-row sub-tiles that hold rows, or with swap AB the
  * chunk's rows as the MMA's N where the last sub-tile would be at most half full, on one band of
- * chunk sizes per launch) where sm90_chunked_for
+ * chunk sizes per launch; the two CTAs of a cluster multicasting the chunk's A, or, where dims[7]
+ * = 11 ("chunked_nomc"), each CTA copying its own) where sm90_chunked_for
  * allows (GEMM1 gated, H % 128 == 0, H and I <= 2^23, E <= 4096), else as dims[7] = 4; for experts of a little over
  * 128 rows (mixtral T = 512).
  *
@@ -1085,7 +1086,8 @@ static bool sm90_path_for(const Problem& P) {
     if (!(s_sm90_enabled && P.T > 0 && P.H % 8 == 0 && P.I % 8 == 0)) return false;
     if (P.config >= 0)  // tuned choice (dims[7])
         return P.config == kTileConfigGrouped || P.config == kTileConfigGrouped64 ||
-               P.config == kTileConfigNarrow || P.config == kTileConfigChunked;
+               P.config == kTileConfigNarrow || P.config == kTileConfigChunked ||
+               P.config == kTileConfigChunkedNomc;
     return P.TK / P.G >= s_sm90_min_rows;  // floor(T*K/G) >= n  <=>  T*K >= n*G (rows per expert)
 }
 
@@ -1098,11 +1100,11 @@ static bool sm90_tile64_for(const Problem& P) {
 }
 
 // Whether both GEMMs run on chunks of up to 256 of an expert's rows (moe_chunked_sm90.cuh): a tuned
-// choice (dims[7] = 10) on shapes it takes: the gated GEMM1 (I % 128 == 0, and not turned off by
+// choice (dims[7] = 10, or 11: without the multicast) on shapes it takes: the gated GEMM1 (I % 128 == 0, and not turned off by
 // EX_MOE_SM90_SILU_IN_GEMM1=0), H % 128 == 0, E <= chunked::kMaxE and its shared memory; else such
 // a call runs on the 128-row tiling as dims[7] = 4 (grouped) does.
 static bool sm90_chunked_for(const Problem& P) {
-    return P.config == kTileConfigChunked && s_sm90_gated && P.I % 128 == 0 &&
+    return (P.config == kTileConfigChunked || P.config == kTileConfigChunkedNomc) && s_sm90_gated && P.I % 128 == 0 &&
            chunked::supports(P.H, P.I, P.E) && chunked::smem_bytes(P.E) <= s_smem_optin;
 }
 
@@ -1290,15 +1292,16 @@ static int launch_sm90(const Problem& P, void* out, const void* x, const void* w
     int st;
     // (the gather's group arrays for the CUTLASS GEMMs are written also where the chunked kernels
     // run instead: the same launch, a few KB)
-    if (use_chunked) {  // both GEMMs (each multicasts A where its N-tiles pair up)
+    if (use_chunked) {  // both GEMMs (each multicasts A where its N-tiles pair up, unless chunked_nomc)
+        const bool mc = s_sm90_chunked_mc && P.config != kTileConfigChunkedNomc;
         const chunked::Args a1{expert_off, act, I, I, H, E};
         const chunked::Args a2{expert_off, ys, H, H, I, E};
         // swap AB on one band of chunk sizes, the one nearest the rows per expert (T*K/G)
         const int band = s_sm90_chunked_swap ? chunked::swap_band(P.TK / P.G) : 0;
-        err = chunked::launch<T, true>(xs, (int)P.TK, static_cast<const T*>(w13), 2 * I, a1, s_sm90_chunked_mc,
+        err = chunked::launch<T, true>(xs, (int)P.TK, static_cast<const T*>(w13), 2 * I, a1, mc,
                                        band, s_num_sms, s_smem_optin, s_sm90_pdl, stream);
         if (err == cudaSuccess)
-            err = chunked::launch<T, false>(act, (int)P.TK, static_cast<const T*>(w2), H, a2, s_sm90_chunked_mc,
+            err = chunked::launch<T, false>(act, (int)P.TK, static_cast<const T*>(w2), H, a2, mc,
                                             band, s_num_sms, s_smem_optin, s_sm90_pdl, stream);
         if (err != cudaSuccess) return cuda_error(err);
     } else if (gated) {

@@ -408,6 +408,8 @@ def test_tune_moe_offers_chunked_only_where_its_kernels_take_the_shape(tune):
     """chunked (dims[7] = 10) runs its own kernels only where H and I are multiples of 128 (else
     the plugin runs the 128-row tiling for it): the tuner must not time grouped under its name."""
     assert "chunked" in tune.candidates(128, True, 4096, 14336)          # mixtral T = 512
+    assert "chunked_nomc" in tune.candidates(128, True, 4096, 14336)     # its multicast off: tuned too
+    assert "chunked_nomc" not in tune.candidates(128, True, 200, 256)
     assert "chunked" in tune.candidates(64, True, 2048, 1408)             # I = 1408 = 11 * 128
     assert "chunked" not in tune.candidates(128, True, 200, 256)         # H % 128 != 0
     assert "chunked" not in tune.candidates(128, True, 512, 200)         # I % 128 != 0

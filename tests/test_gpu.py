@@ -265,20 +265,20 @@ def profiled_kernels(cp, call):
 @pytest.mark.parametrize("kind,chunked", [("I > H", True), ("one expert", True), ("H=200", False),
                                           ("ungated I=200", False)])
 def test_moe_chunked_kernels_run_where_they_take_the_shape(cp, kind, chunked):
-    """dims[7] = 10 (chunked) runs the chunked kernels (moe_chunked_sm90.cuh) on the shapes they
-    take (gated GEMM1, H % 128 == 0) and the 128-row CUTLASS tiling elsewhere; dims[7] = 4 never
-    runs them. The outputs agree whichever ran, so the kernels' names in PyTorch's profiler (a
-    CUPTI kernel trace) say which did."""
+    """dims[7] = 10 (chunked) and 11 (chunked_nomc) run the chunked kernels (moe_chunked_sm90.cuh)
+    on the shapes they take (gated GEMM1, H % 128 == 0) and the 128-row CUTLASS tiling elsewhere;
+    dims[7] = 4 never runs them. The outputs agree whichever ran, so the kernels' names in
+    PyTorch's profiler (a CUPTI kernel trace) say which did."""
     r = sm90_registry()
     case, _ = kind_case(cp, SM90_AWKWARD_SHAPES, kind)
     ran = {}
-    for config in (10, 4):
+    for config in (10, 11, 4):
         r.set_tuning("moe_fused_gemm", lambda sizes, c=config: c)
         run_moe_check(r, cp, case, "bfloat16")           # compiled, warm
         _, names = profiled_kernels(cp, lambda: run_moe_check(r, cp, case, "bfloat16"))
         assert any("combine" in n for n in names), names   # the trace saw the call
         ran[config] = any("chunked_gemm_kernel" in n for n in names)
-    assert ran == {10: chunked, 4: False}, ran
+    assert ran == {10: chunked, 11: chunked, 4: False}, ran
     r.check_device_errors()
 
 
@@ -756,8 +756,9 @@ def test_chunked_multicast_bit_identical(skip_a_reg, cp, kind):
     (a little over 128 rows per expert, mixtral T = 512's case), of 1 (T = 1, E = 40), twelve chunks
     of one expert, idle experts; both within tolerance of the float64 reference. A sub-tile copied
     by the wrong CTA of a pair, or a stage refilled before the peer released it, changes the bits
-    or hangs. Each registry is loaded right before its calls (the setting is the plugin's, read at
-    its latest load)."""
+    or hangs. chunked_nomc (dims[7] = 11) gives the same bits with the switch on, and the
+    profiler shows its kernels without the multicast where config 10's use it. Each registry is
+    loaded right before its calls (the setting is the plugin's, read at its latest load)."""
     shapes = {"150 rows per expert": (600, 512, 8, 1024, 2), "one expert": (3000, 512, 16, 384, 1),
               "empty experts": (2048, 256, 64, 128, 4), "E=40 fp16": (1000, 512, 40, 256, 6),
               "T=1": (1, 2048, 128, 768, 8)}
@@ -771,9 +772,23 @@ def test_chunked_multicast_bit_identical(skip_a_reg, cp, kind):
             r.set_tuning("moe_fused_gemm", lambda sizes: 10)
             outs.append(run_moe_check(r, cp, (x, w13, w2, w, ids), dtype))
             r.check_device_errors()
+        # chunked_nomc (dims[7] = 11) with the switch on: the same bits, and no multicast kernel
+        # (chunked_gemm_kernel<T, kGated, kMc, kBand>: kMc false) where 10 runs one
+        os.environ[CHUNKED_MC_ENV] = "1"
+        r = skip_a_reg(True)
+        kmc = {}
+        for config in (10, 11):
+            r.set_tuning("moe_fused_gemm", lambda sizes, c=config: c)
+            run_moe_check(r, cp, (x, w13, w2, w, ids), dtype)
+            out, names = profiled_kernels(cp, lambda: run_moe_check(r, cp, (x, w13, w2, w, ids), dtype))
+            kmc[config] = chunked_kernel_multicast(names)
+            if config == 11:
+                outs.append(out)
+        r.check_device_errors()
     finally:
         restore_env(saved)
-    assert same_bits(cp, outs[0], outs[1], dtype)
+    assert same_bits(cp, outs[0], outs[1], dtype) and same_bits(cp, outs[0], outs[2], dtype)
+    assert kmc[11] == {False} and True in kmc[10], kmc
 
 
 SM90_PDL_ENV = "EX_MOE_SM90_PDL"   # read by the sm90 plugin's ex_get_factor
@@ -884,6 +899,19 @@ def swap_ab_case(cp, dtype, band, H=256, I=256):
     x, w13, w2, w, _ = moe_case(cp, T, H, E, I, 1, dtype)
     ids = cp.asarray(np.random.default_rng().permutation(np.repeat(np.arange(E), counts)).astype(np.int32))
     return (x, w13, w2, w, ids.reshape(T, 1)), dtype
+
+
+def chunked_kernel_multicast(names):
+    """Of the profiled kernel names, the kMc (A multicast across clusters of two) template argument
+    of every chunked_gemm_kernel<T, kGated, kMc, kBand> launch: a set of bools (a demangler writes
+    a bool as true/false or as 1/0)."""
+    out = set()
+    for n in names:
+        if "chunked_gemm_kernel<" in n:
+            arg = n.split("chunked_gemm_kernel<", 1)[1].split(">", 1)[0].split(",")[2].strip()
+            assert arg in ("true", "false", "1", "0"), n
+            out.add(arg in ("true", "1"))
+    return out
 
 
 def chunked_kernel_swaps(names):
