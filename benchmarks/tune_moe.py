@@ -48,12 +48,18 @@ from ex_engine._scripts import CONFIGS, VALUES, force_config  # noqa: E402,F401 
 KEY = ["H", "I", "G", "K"]
 
 
+def _width(name: str) -> int:
+    """Column width of a configuration in the printed table: 10, or its name and a space."""
+    return max(10, len(name) + 1)
+
+
 def candidates(rows_per_expert: float, grouped: bool, H: int = 0, I: int = 0) -> list:
     """Configurations worth timing at this many rows per expert (the others lose by far); chunked
     from 32 rows per expert (in one A/B it beat the tuned choice at deepseek-v2-lite T = 512, 48
     rows, and qwen3-235b T = 512, 32 rows; the re-tune that followed had it within 3% of auto
     there) and only on shapes its kernels take (H and I multiples of 128: elsewhere the plugin
-    runs grouped for it, which would be recorded under chunked's name)."""
+    runs grouped for it, which would be recorded under chunked's name); chunked_nomc (the same
+    kernels without the multicast of A) wherever chunked is offered."""
     out = []
     if rows_per_expert <= 64:
         out += ["tiny", "decode", "decode4"]
@@ -181,7 +187,7 @@ def main() -> int:
     dt = torch.bfloat16
     cases = [(m, T) for m in names for T in args.tokens]
     print(f"# tuning moe_fused_gemm with {plugin.path.name} on {device} ({sms} SMs)", flush=True)
-    print(f"{'model':<22}{'T':>6}  " + "".join(f"{c:>10}" for c in ["auto", *CONFIGS]) + "  best")
+    print(f"{'model':<22}{'T':>6}  " + "".join(f"{c:>{_width(c)}}" for c in ["auto", *CONFIGS]) + "  best")
     cur, failed = None, 0
     for i, (m, T) in enumerate(cases):
         s = models[m]
@@ -214,7 +220,7 @@ def main() -> int:
         best = min(tuned, key=tuned.get)
         if tuned[best] > times["auto"] * (1 - args.margin):
             best = "auto"              # no configuration is clearly better than the default
-        print(f"{m:<22}{T:>6}  " + "".join(f"{times[c]:>10.1f}" if c in times else f"{'-':>10}"
+        print(f"{m:<22}{T:>6}  " + "".join(f"{times[c]:>{_width(c)}.1f}" if c in times else f"{'-':>{_width(c)}}"
                                            for c in ["auto", *CONFIGS]) + f"  {best}", flush=True)
         key = (s.H, s.I, s.E, s.K)
         entry = shapes.setdefault(key, {"H": s.H, "I": s.I, "G": s.E, "K": s.K, "model": m, "by_T": []})

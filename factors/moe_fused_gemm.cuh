@@ -1277,7 +1277,8 @@ struct Problem {
                                // T*K/G; 0 tiny, 1 decode, 2 mid, 3 prefill, 4 Hopper grouped GEMM,
                                // 5 mid32, 6 mid48, 7 Hopper grouped GEMM on 64-row tiles,
                                // 8 Hopper grouped GEMMs on 128 x 128 tiles, 9 decode4,
-                               // 10 Hopper GEMMs on chunks of up to 256 of an expert's rows
+                               // 10 Hopper GEMMs on chunks of up to 256 of an expert's rows,
+                               // 11 the same without the multicast of A (chunked_nomc)
                                // (kTileConfig*; the registry passes tuned values,
                                // manifests/tuning; below -1: read_dims rejects the call; above
                                // kTileConfigMax, a later plugin's value: read as -1)
@@ -1632,7 +1633,7 @@ static int dispatch_fast(const Problem& P, void* out, const void* x, const void*
         case kTileConfigDecode: return launch_fast<T, CfgDecode>(P, out, x, w13, w2, tw, ids, ws, stream, mode);
         case kTileConfigMid: return launch_fast<T, CfgMid>(P, out, x, w13, w2, tw, ids, ws, stream, mode);
         case kTileConfigPrefill: return launch_fast<T, CfgPrefill>(P, out, x, w13, w2, tw, ids, ws, stream, mode);
-        default: break;  // -1, 4, 7, 8, 10 (not this path's) or one this hardware cannot run: choose here
+        default: break;  // -1, 4, 7, 8, 10, 11 (not this path's) or one this hardware cannot run: choose here
     }
     const int c = pick_config(P);
     const int64_t rows_per_expert = P.TK / P.G;

@@ -56,10 +56,11 @@ def short_name(name: str) -> str:
     base = name.split("<", 1)[0].split("(", 1)[0]
     if base.endswith("moe_gemm_kernel"):  # GATED is the third template argument
         return "moe_gemm_kernel<GEMM1>" if re.search(r",\s*true\s*>", name) else "moe_gemm_kernel<GEMM2>"
-    if base.endswith("chunked_gemm_kernel"):  # <T, kGated, kMc, kBand>: kGated is the second
+    if base.endswith("chunked_gemm_kernel") and "<" in name:  # <T, kGated, kMc, kBand>: kGated second
         args = [a.strip() for a in name.split("<", 1)[1].split(">", 1)[0].split(",")]
-        gemm = "GEMM1" if len(args) > 1 and args[1] in ("true", "1") else "GEMM2"  # true, or 1 (ncu)
-        return f"chunked_gemm_kernel<{gemm}>"
+        gated = args[1] if len(args) > 1 else ""   # true/false, or 1/0 (Nsight Compute's names)
+        if gated in ("true", "1", "false", "0"):
+            return "chunked_gemm_kernel<GEMM1>" if gated in ("true", "1") else "chunked_gemm_kernel<GEMM2>"
     return base.rsplit("::", 1)[-1]
 
 

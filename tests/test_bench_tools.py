@@ -65,10 +65,15 @@ def test_kernel_times_names_the_cutlass_tilings(kernel_times, tile, label):
                                         ("__nv_bfloat16, 1, 1, 2", "chunked_gemm_kernel<GEMM1>"),
                                         ("__half, 0, 1, 0", "chunked_gemm_kernel<GEMM2>")])
 def test_kernel_times_names_the_chunked_gemms(kernel_times, args, label):
-    """The chunked tiling's two GEMMs are one template (<T, kGated, kMc, kBand>): told apart by kGated."""
+    """The chunked tiling's two GEMMs are one template (<T, kGated, kMc, kBand>): told apart by kGated;
+    a name without its template arguments, or with kGated spelled otherwise, keeps the bare name."""
     name = (f"void exmoe::chunked::chunked_gemm_kernel<{args}>(CUtensorMap, CUtensorMap, CUtensorMap, "
             "exmoe::chunked::Args)")
     assert kernel_times.short_name(name) == label
+    assert kernel_times.short_name("void exmoe::chunked::chunked_gemm_kernel(int)") == "chunked_gemm_kernel"
+    parts = args.split(",")
+    odd = name.replace(args, ",".join([parts[0], " (bool)2", *parts[2:]]))
+    assert kernel_times.short_name(odd) == "chunked_gemm_kernel"
 
 
 def test_ab_moe_variables_come_from_the_readme_table(ab_moe):

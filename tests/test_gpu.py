@@ -232,8 +232,8 @@ def sm90_registry():
 # Tile128 (cooperative; GEMM2 on 128 x 128 ping-pong tiles where I <= 1024), Tile64 (ping-pong),
 # narrow (both GEMMs on 128 x 128 ping-pong tiles, two MMAs along M per warpgroup), chunked
 # (both GEMMs on chunks of up to 256 of an expert's rows; on the gated shapes with H % 128 == 0,
-# else the 128 x 256 tiling)
-@pytest.mark.parametrize("config", [4, 7, 8, 10])
+# else the 128 x 256 tiling), chunked_nomc (the same without the multicast of A)
+@pytest.mark.parametrize("config", [4, 7, 8, 10, 11])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("kind", ["T=1", "T=3 E=40", "E=40", "ungated I=200", "I > H", "one expert",
                                   "empty experts", "H=200", "I=1408"])

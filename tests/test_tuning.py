@@ -214,7 +214,7 @@ def test_shipped_tuning_files_parse():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [-1, 0, 1, 2, 3, 4, 5, 6, 7, 9, 10])
+@pytest.mark.parametrize("config", [-1, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11])
 @pytest.mark.parametrize("T,H,G,I,K", [(1, 2048, 128, 768, 8), (300, 512, 40, 256, 6), (4096, 1024, 16, 512, 2)])
 def test_every_forced_config_is_correct_on_the_gpu(config, T, H, G, I, K):
     """What the tuner times: each tile configuration, forced through dims[7], on the plugin."""
