@@ -94,7 +94,8 @@ static bool env_switch(const char* name) {
     if (std::strcmp(v, "1") != 0) {
         static thread_local const char* warned = nullptr;  // once per variable in a row
         if (warned != name)
-            std::fprintf(stderr, "[ex_engine] " EX_PLUGIN_FILE ": %s='%s': only 0 turns it off; on\n", name, v);
+            std::fprintf(stderr, "[ex_engine] " EX_PLUGIN_FILE ": %s='%s' ignored: expected 0 (off) or 1 (on); using 1 (on, the default)\n",
+                         name, v);
         warned = name;
     }
     return true;
