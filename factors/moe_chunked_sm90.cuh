@@ -141,8 +141,6 @@ struct Args {
     int N;                  // GEMM1: I (act columns); GEMM2: H
     int Kdim;               // reduction: H or I
     int E;
-    int early;              // weight stages of the first item copied before the PDL wait (0..kStages;
-                            // run() sets 0 for a plain launch: A's copies then follow B's stage by stage)
 };
 
 // silu as the CUTLASS path's gated epilogue computes it (its EX_SM90_EPI_ACCURATE build: expf)
@@ -253,8 +251,7 @@ chunked_gemm_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_cons
             // follow the wait. expert_off is the routing's, final before the previous grid began
             // (that one was launched plainly, or waited before it let this grid launch). Without
             // PDL the wait returns at once.
-            bool early = p.early > 0;
-            if (!early) explugin::pdl_wait();  // no weight stages ahead: wait first (a no-op in a plain launch)
+            bool early = true;
             for (int it = cid; it < n_items; it += n_clusters) {
                 int e, m0, mv, n;
                 item_of(it, e, m0, mv, n);
@@ -276,7 +273,7 @@ chunked_gemm_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_cons
                     }
                 };
                 // stages of this item whose A is owed (the first item's first stages: 0 .. pre-1)
-                const int pre = early ? min(KB, min(p.early, kStages)) : 0;
+                const int pre = early ? min(KB, kStages) : 0;
                 auto pay = [&]() {
                     explugin::pdl_wait();
                     for (int j = 0; j < pre; ++j) copy_a(j, j);
@@ -635,9 +632,7 @@ cudaError_t run(const T* a, int rows_cap, const T* b, int b_rows, const Args& ar
     }
     cfg.gridDim = dim3((unsigned)grid);
     cfg.dynamicSmemBytes = (size_t)smem;
-    Args kargs = args;
-    if (!pdl) kargs.early = 0;  // a plain launch: nothing to overlap, A's first copy follows B's
-    const cudaError_t err = cudaLaunchKernelEx(&cfg, kern, c.ta, c.tb, c.tb_gu, kargs);
+    const cudaError_t err = cudaLaunchKernelEx(&cfg, kern, c.ta, c.tb, c.tb_gu, args);
     if (err != cudaSuccess) (void)cudaGetLastError();  // reported here, not again by the next check
     return err;
 }

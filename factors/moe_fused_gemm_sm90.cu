@@ -997,9 +997,6 @@ static bool s_sm90_chunked_swap = true;
 // (each copies its first weight stages before it waits for the previous grid) and of the combine
 // (its blocks get resident as GEMM2's CTAs exit)
 static bool s_sm90_pdl = true;
-// set by ex_get_factor (experiment, exp/pdl-early-stages): weight stages the chunked GEMMs copy before
-// their PDL wait, EX_MOE_SM90_PDL_EARLY_STAGES (0..4, default 4)
-static int s_sm90_pdl_early = 4;
 
 using GemmBf16 = sm90::GroupedGemm<cutlass::bfloat16_t>;
 using GemmF16 = sm90::GroupedGemm<cutlass::half_t>;
@@ -1297,8 +1294,8 @@ static int launch_sm90(const Problem& P, void* out, const void* x, const void* w
     // run instead: the same launch, a few KB)
     if (use_chunked) {  // both GEMMs (each multicasts A where its N-tiles pair up, unless chunked_nomc)
         const bool mc = s_sm90_chunked_mc && P.config != kTileConfigChunkedNomc;
-        const chunked::Args a1{expert_off, act, I, I, H, E, s_sm90_pdl_early};
-        const chunked::Args a2{expert_off, ys, H, H, I, E, s_sm90_pdl_early};
+        const chunked::Args a1{expert_off, act, I, I, H, E};
+        const chunked::Args a2{expert_off, ys, H, H, I, E};
         // swap AB on one band of chunk sizes, the one nearest the rows per expert (T*K/G)
         const int band = s_sm90_chunked_swap ? chunked::swap_band(P.TK / P.G) : 0;
         err = chunked::launch<T, true>(xs, (int)P.TK, static_cast<const T*>(w13), 2 * I, a1, mc,
@@ -1398,7 +1395,6 @@ extern "C" EX_EXPORT ex_factor_t* ex_get_factor(const ex_hardware_t* hw) {
     s_sm90_chunked_mc = explugin::env_switch("EX_MOE_SM90_CHUNKED_MULTICAST");
     s_sm90_chunked_swap = explugin::env_switch("EX_MOE_SM90_CHUNKED_SWAP_AB");
     s_sm90_pdl = hw->cc_major >= 9 && explugin::env_switch("EX_MOE_SM90_PDL");
-    s_sm90_pdl_early = (int)std::min<long long>(explugin::env_count("EX_MOE_SM90_PDL_EARLY_STAGES", 4), 4);
     static const char* const kSwizzles[] = {"1", "2", "4", "8"};
     s_sm90_swizzle = 1 << explugin::env_choice("EX_MOE_SM90_SWIZZLE", kSwizzles, 4, 0);
     // last, after every setting the cached Params (run_grouped_gemm) hold: a call that reads the
