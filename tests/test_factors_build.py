@@ -199,6 +199,10 @@ def test_template_factor_dispatches_on_gpu(template_plugin):
     assert float(cp.linalg.norm(out - ref) / cp.linalg.norm(ref)) < 1e-6
 
 
+# what a plugin says of an on/off switch set to neither 0 nor 1 (explugin::env_switch)
+SWITCH_SAYS = "ignored: expected 0 (off) or 1 (on); using 1 (on, the default)"
+
+
 @needs_nvcc
 @pytest.mark.parametrize("var,value,says", [
     ("EX_MOE_ROUTE_MULTIBLOCK_SLOTS", "abc", "ignored: expected a decimal integer >= 0; using 2048"),
@@ -207,13 +211,13 @@ def test_template_factor_dispatches_on_gpu(template_plugin):
     ("EX_MOE_SM90_MIN_ROWS_PER_EXPERT", "99999999999999999999",    # beyond a long long: was
      "ignored: expected a decimal integer >= 0; using 64"),          # taken as LLONG_MAX
     ("EX_MOE_SM90_SWIZZLE", "3", "ignored: expected 1, 2, 4 or 8; using 1"),
-    ("EX_MOE_SM90_SILU_IN_GEMM1", "off", "ignored: expected 0 (off) or 1 (on); using 1 (on, the default)"),
-    ("EX_MOE_SM90_GEMM2_PINGPONG", "no", "ignored: expected 0 (off) or 1 (on); using 1 (on, the default)"),
-    ("EX_MOE_SM90_GATHER_BY_TOKEN", "yes", "ignored: expected 0 (off) or 1 (on); using 1 (on, the default)"),
-    ("EX_MOE_SM90_SKIP_EMPTY_A", "no", "ignored: expected 0 (off) or 1 (on); using 1 (on, the default)"),
-    ("EX_MOE_SM90_CHUNKED_MULTICAST", "off", "ignored: expected 0 (off) or 1 (on); using 1 (on, the default)"),
-    ("EX_MOE_SM90_CHUNKED_SWAP_AB", "false", "ignored: expected 0 (off) or 1 (on); using 1 (on, the default)"),
-    ("EX_MOE_SM90_PDL", "garbage", "ignored: expected 0 (off) or 1 (on); using 1 (on, the default)"),
+    ("EX_MOE_SM90_SILU_IN_GEMM1", "off", SWITCH_SAYS),
+    ("EX_MOE_SM90_GEMM2_PINGPONG", "no", SWITCH_SAYS),
+    ("EX_MOE_SM90_GATHER_BY_TOKEN", "yes", SWITCH_SAYS),
+    ("EX_MOE_SM90_SKIP_EMPTY_A", "no", SWITCH_SAYS),
+    ("EX_MOE_SM90_CHUNKED_MULTICAST", "off", SWITCH_SAYS),
+    ("EX_MOE_SM90_CHUNKED_SWAP_AB", "false", SWITCH_SAYS),
+    ("EX_MOE_SM90_PDL", "garbage", SWITCH_SAYS),
 ])
 def test_a_malformed_switch_is_reported_when_the_plugins_load(built, var, value, says):
     """The moe plugins read these switches in ex_get_factor (host code: a hardware profile is
