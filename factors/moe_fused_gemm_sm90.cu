@@ -1080,14 +1080,18 @@ static Sm90Layout sm90_layout(const Problem& P) {
     return L;
 }
 
+// Whether a tuned configuration names the chunked kernels (10 chunked, 11 chunked_nomc)
+static bool chunked_config(int64_t config) {
+    return config == kTileConfigChunked || config == kTileConfigChunkedNomc;
+}
+
 // Whether the dims take the CUTLASS path (given 16-byte aligned tensors); a function of dims
 // and of the hardware seen by ex_get_factor.
 static bool sm90_path_for(const Problem& P) {
     if (!(s_sm90_enabled && P.T > 0 && P.H % 8 == 0 && P.I % 8 == 0)) return false;
     if (P.config >= 0)  // tuned choice (dims[7])
         return P.config == kTileConfigGrouped || P.config == kTileConfigGrouped64 ||
-               P.config == kTileConfigNarrow || P.config == kTileConfigChunked ||
-               P.config == kTileConfigChunkedNomc;
+               P.config == kTileConfigNarrow || chunked_config(P.config);
     return P.TK / P.G >= s_sm90_min_rows;  // floor(T*K/G) >= n  <=>  T*K >= n*G (rows per expert)
 }
 
@@ -1100,11 +1104,11 @@ static bool sm90_tile64_for(const Problem& P) {
 }
 
 // Whether both GEMMs run on chunks of up to 256 of an expert's rows (moe_chunked_sm90.cuh): a tuned
-// choice (dims[7] = 10, or 11: without the multicast) on shapes it takes: the gated GEMM1 (I % 128 == 0, and not turned off by
-// EX_MOE_SM90_SILU_IN_GEMM1=0), H % 128 == 0, E <= chunked::kMaxE and its shared memory; else such
-// a call runs on the 128-row tiling as dims[7] = 4 (grouped) does.
+// choice (dims[7] = 10, or 11: without the multicast) on shapes it takes: the gated GEMM1 (I % 128
+// == 0, and not turned off by EX_MOE_SM90_SILU_IN_GEMM1=0), H % 128 == 0, E <= chunked::kMaxE and
+// its shared memory; else such a call runs on the 128-row tiling as dims[7] = 4 (grouped) does.
 static bool sm90_chunked_for(const Problem& P) {
-    return (P.config == kTileConfigChunked || P.config == kTileConfigChunkedNomc) && s_sm90_gated && P.I % 128 == 0 &&
+    return chunked_config(P.config) && s_sm90_gated && P.I % 128 == 0 &&
            chunked::supports(P.H, P.I, P.E) && chunked::smem_bytes(P.E) <= s_smem_optin;
 }
 

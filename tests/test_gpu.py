@@ -901,27 +901,25 @@ def swap_ab_case(cp, dtype, band, H=256, I=256):
     return (x, w13, w2, w, ids.reshape(T, 1)), dtype
 
 
+def chunked_kernel_args(names):
+    """Of the profiled kernel names, the template arguments of every chunked_gemm_kernel<T, kGated,
+    kMc, kBand> launch, each a list of 4 stripped strings."""
+    return [[a.strip() for a in n.split("chunked_gemm_kernel<", 1)[1].split(">", 1)[0].split(",")]
+            for n in names if "chunked_gemm_kernel<" in n]
+
+
 def chunked_kernel_multicast(names):
-    """Of the profiled kernel names, the kMc (A multicast across clusters of two) template argument
-    of every chunked_gemm_kernel<T, kGated, kMc, kBand> launch: a set of bools (a demangler writes
-    a bool as true/false or as 1/0)."""
-    out = set()
-    for n in names:
-        if "chunked_gemm_kernel<" in n:
-            arg = n.split("chunked_gemm_kernel<", 1)[1].split(">", 1)[0].split(",")[2].strip()
-            assert arg in ("true", "false", "1", "0"), n
-            out.add(arg in ("true", "1"))
-    return out
+    """The kMc (A multicast across clusters of two) of every chunked_gemm_kernel launch among the
+    profiled kernel names: a set of bools (a demangler writes a bool as true/false or as 1/0)."""
+    mcs = [args[2] for args in chunked_kernel_args(names)]
+    assert all(a in ("true", "false", "1", "0") for a in mcs), mcs
+    return {a in ("true", "1") for a in mcs}
 
 
 def chunked_kernel_swaps(names):
-    """Of the profiled kernel names, the kBand (swap-AB band, 0: none) template argument of every
-    chunked_gemm_kernel launch: a set of ints."""
-    out = set()
-    for n in names:
-        if "chunked_gemm_kernel<" in n:
-            out.add(int(n.split("chunked_gemm_kernel<", 1)[1].split(">", 1)[0].split(",")[-1].strip()))
-    return out
+    """The kBand (swap-AB band, 0: none) of every chunked_gemm_kernel launch among the profiled
+    kernel names: a set of ints."""
+    return {int(args[-1]) for args in chunked_kernel_args(names)}
 
 
 @pytest.mark.parametrize("multicast", [True, False])
