@@ -78,18 +78,33 @@ namespace chunked {
 using namespace cute;
 
 constexpr int kSub = 64;      // rows per sub-tile (one GMMA M)
-constexpr int kMaxSub = 4;    // sub-tiles per chunk (256 rows)
+constexpr int kMaxSub = 4;    // sub-tiles of the largest chunk (256 rows)
 constexpr int kChunkRows = kSub * kMaxSub;
 constexpr int kBN = 128;      // weight rows per B tile (GEMM1: 64 gate + 64 up -> 64 act columns)
 constexpr int kBK = 64;       // reduction columns per stage (128 bytes: the swizzle's width)
-constexpr int kStages = 4;
 constexpr int kThreads = 384;
 constexpr int kBoxBytes = kSub * kBK * 2;                 // 8 KB
-constexpr int kABytes = kMaxSub * kBoxBytes;              // 32 KB per stage
 constexpr int kBBytes = kBN * kBK * 2;                    // 16 KB per stage
-constexpr int kBarOff = kStages * (kABytes + kBBytes);    // 196,608
-constexpr int kPreOff = kBarOff + 2 * kStages * 8;
-inline int64_t smem_bytes(int64_t E) { return kPreOff + (E + 1) * 4; }
+// Chunk geometry of a kernel whose chunks hold up to kSubs sub-tiles (kSubs * 64 rows: 4, 2 or 1).
+// A stage holds kSubs A boxes and the B tile; smaller chunks leave room for a deeper ring: 4 stages
+// of 48 KB (256-row chunks), 7 of 32 KB (128), 9 of 24 KB (64), so that more weight bytes are in
+// flight per SM where an expert's rows fit a smaller chunk (EXPERIMENT: EX_MOE_SM90_CHUNK_ROWS).
+template <int kSubs>
+struct Geo {
+    static_assert(kSubs == 1 || kSubs == 2 || kSubs == 4, "chunks of 64, 128 or 256 rows");
+    static constexpr int kRows = kSub * kSubs;
+    static constexpr int kABytes = kSubs * kBoxBytes;
+    static constexpr int kStages = kSubs == 4 ? 4 : (kSubs == 2 ? 7 : 9);
+    static constexpr int kBarOff = kStages * (kABytes + kBBytes);  // 196,608 / 229,376 / 221,184
+    static constexpr int kPreOff = kBarOff + 2 * kStages * 8;
+};
+constexpr int kStages = Geo<kMaxSub>::kStages;  // the 256-row kernels'
+template <int kSubs>
+inline int64_t smem_bytes(int64_t E) { return Geo<kSubs>::kPreOff + (E + 1) * 4; }
+inline int64_t smem_bytes(int64_t E) { return smem_bytes<kMaxSub>(E); }
+inline int64_t smem_bytes_for(int subs, int64_t E) {
+    return subs == 1 ? smem_bytes<1>(E) : subs == 2 ? smem_bytes<2>(E) : smem_bytes<4>(E);
+}
 // Swap AB by band (kBand, 1..4; 0: none): a kernel of band b runs swap AB on the chunks of
 // 64(b-1) + 1 .. 64(b-1) + 32 rows, with N = band_n(b) = 64(b-1) + 32 (32, 96, 160, 224), and the
 // other chunks on the sub-tiles. Measured per MMA row, swap AB is slower than the sub-tiles (every
@@ -110,9 +125,10 @@ __host__ __device__ constexpr bool swap_pays(int m, int band) {
 // past the full chunks, j = round((r - 16.5) / 64), and past 240 band 1 again (the centre
 // 256 + 16.5: about half such experts have a second chunk of a few rows). Mixtral T = 512, 128
 // rows: band 3 (129-160); phi-3.5 T = 512, 64: band 2; deepseek T = 2048, 192: band 4.
-inline int swap_band(int64_t rows_per_expert) {
-    const int64_t r = (rows_per_expert < 0 ? 0 : rows_per_expert) % kChunkRows;
-    return (int)(((r + 15) / kSub) % kMaxSub) + 1;
+// Chunks of subs sub-tiles (64 * subs rows): the same rule on that chunk size (bands 1..subs).
+inline int swap_band(int64_t rows_per_expert, int subs = kMaxSub) {
+    const int64_t r = (rows_per_expert < 0 ? 0 : rows_per_expert) % (kSub * subs);
+    return (int)(((r + 15) / kSub) % subs) + 1;
 }
 // N-tiles of a GEMM (GEMM1: I / 64 of act's columns; GEMM2: H / 128); the multicast variant
 // takes them in pairs, so it runs only where their count is even (run() checks)
@@ -122,13 +138,13 @@ template <typename T> struct CuteElem;
 template <> struct CuteElem<__nv_bfloat16> { using type = cutlass::bfloat16_t; };
 template <> struct CuteElem<__half> { using type = cutlass::half_t; };
 
-template <typename T>
+template <typename T, int kSubs>
 struct Types {
     using E = typename CuteElem<T>::type;
     using SmemLayoutA = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<E>{},
-                                               Shape<Int<kSub>, Int<kBK>, Int<kMaxSub * kStages>>{}));
+                                               Shape<Int<kSub>, Int<kBK>, Int<kSubs * Geo<kSubs>::kStages>>{}));
     using SmemLayoutB = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<E>{},
-                                               Shape<Int<kBN>, Int<kBK>, Int<kStages>>{}));
+                                               Shape<Int<kBN>, Int<kBK>, Int<Geo<kSubs>::kStages>>{}));
     using MmaOp = decltype(GMMA::ss_op_selector<E, E, float, Shape<Int<kSub>, Int<kBN>, Int<kBK>>,
                                                  GMMA::Major::K, GMMA::Major::K>());
     using TiledMma = decltype(make_tiled_mma(MmaOp{}));  // one warpgroup
@@ -160,12 +176,17 @@ __device__ __forceinline__ float silu_epi(float g) {
 // each copies half of the chunk's A sub-tiles (s % 2 == its rank) to both CTAs' shared memory (TMA
 // multicast), so A crosses from L2 once per pair; a stage is refilled only after both CTAs'
 // consumers released it (empty barriers count 16 arrivals, one per consumer warp of either CTA).
-template <typename T, bool kGated, bool kMc, int kBand>
+// kSubs: sub-tiles per chunk (Geo); kBand <= kSubs.
+template <typename T, bool kGated, bool kMc, int kBand, int kSubs>
 __global__ void __launch_bounds__(kThreads, 1)
 chunked_gemm_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_constant__ CUtensorMap tma_b,
                     const __grid_constant__ CUtensorMap tma_b_gu, const Args p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(CUTE_ARCH_MMA_SM90A_ENABLED)
-    using Ty = Types<T>;
+    static_assert(kBand <= kSubs, "a swap band's N fits the chunk");
+    using G = Geo<kSubs>;
+    constexpr int kStages = G::kStages, kABytes = G::kABytes, kMaxSub = kSubs;
+    constexpr int kBarOff = G::kBarOff, kPreOff = G::kPreOff;
+    using Ty = Types<T, kSubs>;
     using E = typename Ty::E;
     extern __shared__ __align__(1024) unsigned char smem[];
     E* sa_ptr = reinterpret_cast<E*>(smem);
@@ -183,7 +204,7 @@ chunked_gemm_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_cons
     constexpr int kCtas = kMc ? 2 : 1;
     // items per chunk: its N-tiles, or (kMc) their pairs; run() refuses an odd count for kMc
     const int NT = (int)n_tiles(kGated, p.N) / kCtas;
-    constexpr int chunk_rows = kChunkRows;
+    constexpr int chunk_rows = G::kRows;
     const int rank = kMc ? (int)cute::block_rank_in_cluster() : 0;
     const int cid = blockIdx.x / kCtas, n_clusters = gridDim.x / kCtas;
 
@@ -339,7 +360,7 @@ chunked_gemm_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_cons
         item_of(it, e, m0, mv, n);
         n = n * kCtas + rank;
         const int nsub = __shfl_sync(0xffffffffu, (mv + kSub - 1) / kSub, 0);
-        const bool do0 = wg < nsub, do1 = wg + 2 < nsub;
+        const bool do0 = wg < nsub, do1 = kSubs > 2 && wg + 2 < nsub;
         // the k-loop for NS of this warpgroup's sub-tiles (0, 1, 2), one MMA batch in flight:
         // batch kb is issued before batch kb - 1 is waited for, then kb - 1's stage is released
         auto release = [&](int s) {  // each consumer warp's arrival on stage s's empty barrier(s)
@@ -461,9 +482,16 @@ chunked_gemm_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_cons
             }
             if (prev >= 0) release(prev);
         };
-        if (do1) mainloop(Int<2>{});
-        else if (do0) mainloop(Int<1>{});
-        else mainloop(Int<0>{});
+        // (chunks of at most two sub-tiles: one per warpgroup; kSubs == 1 leaves warpgroup 1
+        // without MMAs off the swap band, as a 256-row chunk of at most 64 rows does)
+        bool looped = false;
+        if constexpr (kSubs > 2) {
+            if (do1) { mainloop(Int<2>{}); looped = true; }
+        }
+        if (!looped) {
+            if (do0) mainloop(Int<1>{});
+            else mainloop(Int<0>{});
+        }
         // epilogue: fragment ((2 cols, 2 rows, 16 column blocks of 8), 1, 1)
         auto store = [&](auto& acc, int s) {
             const int rbase = s * kSub;
@@ -495,7 +523,9 @@ chunked_gemm_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_cons
             }
         };
         if (do0) store(acc0, wg);
-        if (do1) store(acc1, wg + 2);
+        if constexpr (kSubs > 2) {
+            if (do1) store(acc1, wg + 2);
+        }
     }
 #elif defined(__CUDA_ARCH__)
     __trap();  // built without sm_90a's wgmma/TMA: fail loudly, never leave act / ys unwritten
@@ -570,7 +600,7 @@ int max_active_clusters(Kernel kern, int num_sms, int smem_optin, cudaStream_t s
 // attribute, set once per process, as the CUTLASS launches do). The three tensor maps are cached for the last
 // (pointers, shapes) only: an eager call on another layer's weights encodes them again (host work,
 // a few µs, beside GEMMs of hundreds of µs where this tiling is chosen).
-template <typename T, bool kGated, bool kMc, int kBand>
+template <typename T, bool kGated, bool kMc, int kBand, int kSubs>
 cudaError_t run(const T* a, int rows_cap, const T* b, int b_rows, const Args& args, int64_t work_max, int num_sms,
                 int smem_optin, bool pdl, cudaStream_t stream) {
     struct Cache {
@@ -594,8 +624,9 @@ cudaError_t run(const T* a, int rows_cap, const T* b, int b_rows, const Args& ar
         c.valid = true;
     }
     if (kMc && n_tiles(kGated, args.N) % 2 != 0) return cudaErrorInvalidValue;  // an N-tile would be left out
-    auto kern = chunked_gemm_kernel<T, kGated, kMc, kBand>;
-    const int smem = (int)smem_bytes(args.E);
+    auto kern = chunked_gemm_kernel<T, kGated, kMc, kBand, kSubs>;
+    const int smem = (int)smem_bytes<kSubs>(args.E);
+    if (smem > smem_optin) return cudaErrorInvalidValue;  // the caller checks smem_bytes_for first
     static const cudaError_t set = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                         smem_optin);
     if (set != cudaSuccess) return set;
@@ -638,30 +669,57 @@ cudaError_t run(const T* a, int rows_cap, const T* b, int b_rows, const Args& ar
 }
 
 // One GEMM on the chunked kernels: rows_max = T*K (an upper bound on the sorted rows; the chunk
-// count is at most rows_max / 256 + E), multicast where asked and the GEMM's N-tiles pair up.
-template <typename T, bool kGated, int kBand>
+// count is at most rows_max / (64 * kSubs) + E), multicast where asked, the GEMM's N-tiles pair
+// up and the chunks are of 256 rows (the smaller chunks' kernels run one CTA per item).
+template <typename T, bool kGated, int kBand, int kSubs>
 cudaError_t launch_mc(const T* a, int rows_max, const T* b, int b_rows, const Args& args, bool multicast,
                       int num_sms, int smem_optin, bool pdl, cudaStream_t stream) {
-    const int64_t work = ((int64_t)rows_max / kChunkRows + args.E) * n_tiles(kGated, args.N);
-    if (multicast && n_tiles(kGated, args.N) % 2 == 0)
-        return run<T, kGated, true, kBand>(a, rows_max, b, b_rows, args, work, num_sms, smem_optin, pdl, stream);
-    return run<T, kGated, false, kBand>(a, rows_max, b, b_rows, args, work, num_sms, smem_optin, pdl, stream);
+    const int64_t work = ((int64_t)rows_max / Geo<kSubs>::kRows + args.E) * n_tiles(kGated, args.N);
+    if constexpr (kSubs == kMaxSub) {
+        if (multicast && n_tiles(kGated, args.N) % 2 == 0)
+            return run<T, kGated, true, kBand, kSubs>(a, rows_max, b, b_rows, args, work, num_sms, smem_optin, pdl,
+                                                      stream);
+    }
+    return run<T, kGated, false, kBand, kSubs>(a, rows_max, b, b_rows, args, work, num_sms, smem_optin, pdl, stream);
 }
 // band: swap AB on the chunks of that band (swap_pays; the caller's swap_band, or 0: every chunk on
-// 64-row sub-tiles); a band outside 0..4 is refused. pdl: programmatic dependent launch (sm_90's
-// griddepcontrol): the caller's previous launch in the stream must be one that let this grid
-// launch only once expert_off was final (see the producer's first stages)
+// 64-row sub-tiles); subs: sub-tiles per chunk (4, 2, 1: chunks of 256, 128, 64 rows; the caller
+// checks smem_bytes_for(subs, E) against the opt-in shared memory); a band outside 0..subs or
+// another subs is refused. pdl: programmatic dependent launch (sm_90's griddepcontrol): the
+// caller's previous launch in the stream must be one that let this grid launch only once
+// expert_off was final (see the producer's first stages)
 template <typename T, bool kGated>
 cudaError_t launch(const T* a, int rows_max, const T* b, int b_rows, const Args& args, bool multicast, int band,
-                   int num_sms, int smem_optin, bool pdl, cudaStream_t stream) {
-    switch (band) {
-        case 0: return launch_mc<T, kGated, 0>(a, rows_max, b, b_rows, args, multicast, num_sms, smem_optin, pdl, stream);
-        case 1: return launch_mc<T, kGated, 1>(a, rows_max, b, b_rows, args, multicast, num_sms, smem_optin, pdl, stream);
-        case 2: return launch_mc<T, kGated, 2>(a, rows_max, b, b_rows, args, multicast, num_sms, smem_optin, pdl, stream);
-        case 3: return launch_mc<T, kGated, 3>(a, rows_max, b, b_rows, args, multicast, num_sms, smem_optin, pdl, stream);
-        case 4: return launch_mc<T, kGated, 4>(a, rows_max, b, b_rows, args, multicast, num_sms, smem_optin, pdl, stream);
-        default: return cudaErrorInvalidValue;
+                   int subs, int num_sms, int smem_optin, bool pdl, cudaStream_t stream) {
+#define EX_CHUNKED_LAUNCH(B, S) \
+    launch_mc<T, kGated, B, S>(a, rows_max, b, b_rows, args, multicast, num_sms, smem_optin, pdl, stream)
+    if (subs == 4) {
+        switch (band) {
+            case 0: return EX_CHUNKED_LAUNCH(0, 4);
+            case 1: return EX_CHUNKED_LAUNCH(1, 4);
+            case 2: return EX_CHUNKED_LAUNCH(2, 4);
+            case 3: return EX_CHUNKED_LAUNCH(3, 4);
+            case 4: return EX_CHUNKED_LAUNCH(4, 4);
+            default: return cudaErrorInvalidValue;
+        }
     }
+    if (subs == 2) {
+        switch (band) {
+            case 0: return EX_CHUNKED_LAUNCH(0, 2);
+            case 1: return EX_CHUNKED_LAUNCH(1, 2);
+            case 2: return EX_CHUNKED_LAUNCH(2, 2);
+            default: return cudaErrorInvalidValue;
+        }
+    }
+    if (subs == 1) {
+        switch (band) {
+            case 0: return EX_CHUNKED_LAUNCH(0, 1);
+            case 1: return EX_CHUNKED_LAUNCH(1, 1);
+            default: return cudaErrorInvalidValue;
+        }
+    }
+#undef EX_CHUNKED_LAUNCH
+    return cudaErrorInvalidValue;
 }
 
 }  // namespace chunked

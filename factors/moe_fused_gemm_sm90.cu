@@ -997,6 +997,9 @@ static bool s_sm90_chunked_swap = true;
 // (each copies its first weight stages before it waits for the previous grid) and of the combine
 // (its blocks get resident as GEMM2's CTAs exit)
 static bool s_sm90_pdl = true;
+// set by ex_get_factor (EXPERIMENT): sub-tiles per chunk of the chunked kernels (4, 2, 1: chunks of
+// 256, 128, 64 rows, 4, 7, 9 stages), EX_MOE_SM90_CHUNK_ROWS = 256 (default), 128 or 64
+static int s_sm90_chunk_subs = 4;
 
 using GemmBf16 = sm90::GroupedGemm<cutlass::bfloat16_t>;
 using GemmF16 = sm90::GroupedGemm<cutlass::half_t>;
@@ -1300,13 +1303,16 @@ static int launch_sm90(const Problem& P, void* out, const void* x, const void* w
         const bool mc = s_sm90_chunked_mc && P.config != kTileConfigChunkedNomc;
         const chunked::Args a1{expert_off, act, I, I, H, E};
         const chunked::Args a2{expert_off, ys, H, H, I, E};
+        // chunk size (EXPERIMENT: EX_MOE_SM90_CHUNK_ROWS, 256 unless set), where its shared memory fits
+        int subs = s_sm90_chunk_subs;
+        if (chunked::smem_bytes_for(subs, E) > s_smem_optin) subs = chunked::kMaxSub;
         // swap AB on one band of chunk sizes, the one nearest the rows per expert (T*K/G)
-        const int band = s_sm90_chunked_swap ? chunked::swap_band(P.TK / P.G) : 0;
+        const int band = s_sm90_chunked_swap ? chunked::swap_band(P.TK / P.G, subs) : 0;
         err = chunked::launch<T, true>(xs, (int)P.TK, static_cast<const T*>(w13), 2 * I, a1, mc,
-                                       band, s_num_sms, s_smem_optin, s_sm90_pdl, stream);
+                                       band, subs, s_num_sms, s_smem_optin, s_sm90_pdl, stream);
         if (err == cudaSuccess)
             err = chunked::launch<T, false>(act, (int)P.TK, static_cast<const T*>(w2), H, a2, mc,
-                                            band, s_num_sms, s_smem_optin, s_sm90_pdl, stream);
+                                            band, subs, s_num_sms, s_smem_optin, s_sm90_pdl, stream);
         if (err != cudaSuccess) return cuda_error(err);
     } else if (gated) {
         using GG = sm90::GatedGemm1<CT, T, Tile>;
@@ -1399,6 +1405,8 @@ extern "C" EX_EXPORT ex_factor_t* ex_get_factor(const ex_hardware_t* hw) {
     s_sm90_chunked_mc = explugin::env_switch("EX_MOE_SM90_CHUNKED_MULTICAST");
     s_sm90_chunked_swap = explugin::env_switch("EX_MOE_SM90_CHUNKED_SWAP_AB");
     s_sm90_pdl = hw->cc_major >= 9 && explugin::env_switch("EX_MOE_SM90_PDL");
+    static const char* const kChunkRowsNames[] = {"256", "128", "64"};
+    s_sm90_chunk_subs = 4 >> explugin::env_choice("EX_MOE_SM90_CHUNK_ROWS", kChunkRowsNames, 3, 0);
     static const char* const kSwizzles[] = {"1", "2", "4", "8"};
     s_sm90_swizzle = 1 << explugin::env_choice("EX_MOE_SM90_SWIZZLE", kSwizzles, 4, 0);
     // last, after every setting the cached Params (run_grouped_gemm) hold: a call that reads the

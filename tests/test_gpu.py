@@ -861,11 +861,11 @@ def test_sm90_pdl_bit_identical(skip_a_reg, cp, config, kind):
 CHUNKED_SWAP_ENV = "EX_MOE_SM90_CHUNKED_SWAP_AB"   # read by the sm90 plugin's ex_get_factor
 
 
-def swap_band(rows_per_expert):
-    """The swap-AB band the sm90 plugin picks for T*K/G rows per expert (chunked::swap_band): the
-    band j + 1 of chunks of 64j + 1 .. 64j + 32 rows centred nearest the rows past full chunks
-    (past 240: band 1, the next chunk's)."""
-    return ((rows_per_expert % 256 + 15) // 64) % 4 + 1
+def swap_band(rows_per_expert, subs=4):
+    """The swap-AB band the sm90 plugin picks for T*K/G rows per expert on chunks of subs 64-row
+    sub-tiles (chunked::swap_band): the band j + 1 of chunks of 64j + 1 .. 64j + 32 rows centred
+    nearest the rows past full chunks (past 64 * subs - 16: band 1, the next chunk's)."""
+    return ((rows_per_expert % (64 * subs) + 15) // 64) % subs + 1
 
 
 def chunks_in_band(ids, E, band):
@@ -903,7 +903,7 @@ def swap_ab_case(cp, dtype, band, H=256, I=256):
 
 def chunked_kernel_args(names):
     """Of the profiled kernel names, the template arguments of every chunked_gemm_kernel<T, kGated,
-    kMc, kBand> launch, each a list of 4 stripped strings."""
+    kMc, kBand, kSubs> launch, each a list of 5 stripped strings."""
     return [[a.strip() for a in n.split("chunked_gemm_kernel<", 1)[1].split(">", 1)[0].split(",")]
             for n in names if "chunked_gemm_kernel<" in n]
 
@@ -919,7 +919,13 @@ def chunked_kernel_multicast(names):
 def chunked_kernel_swaps(names):
     """The kBand (swap-AB band, 0: none) of every chunked_gemm_kernel launch among the profiled
     kernel names: a set of ints."""
-    return {int(args[-1]) for args in chunked_kernel_args(names)}
+    return {int(args[3]) for args in chunked_kernel_args(names)}
+
+
+def chunked_kernel_subs(names):
+    """The kSubs (64-row sub-tiles per chunk: 4, 2, 1) of every chunked_gemm_kernel launch among
+    the profiled kernel names: a set of ints."""
+    return {int(args[4]) for args in chunked_kernel_args(names)}
 
 
 @pytest.mark.parametrize("multicast", [True, False])
@@ -968,3 +974,44 @@ def test_chunked_swap_ab_bit_identical(skip_a_reg, cp, kind, multicast):
         restore_env(saved)
     assert swaps == [{band}, {0}], (swaps, sorted({n for n in names if "chunked" in n}))
     assert same_bits(cp, outs[0], outs[1], dtype)
+
+
+CHUNK_ROWS_ENV = "EX_MOE_SM90_CHUNK_ROWS"   # read by the sm90 plugin's ex_get_factor
+
+
+@pytest.mark.parametrize("config", [11, 10])
+@pytest.mark.parametrize("kind", ["qwen3-30b T=512", "granite T=512", "150 rows per expert", "one expert",
+                                  "empty experts", "E=40 fp16", "T=1"])
+def test_chunked_chunk_rows_bit_identical(skip_a_reg, cp, kind, config):
+    """The chunked kernels on chunks of 128 and of 64 rows (EX_MOE_SM90_CHUNK_ROWS; 7 and 9
+    stages, one CTA per item) give the same bits as on chunks of 256 rows (the default), each
+    within tolerance of the float64 reference: ~32 rows per expert (qwen3-30b's T = 512 shape:
+    one chunk of any size), ~100 (granite's T = 512 shape: one 128-row chunk, two 64-row ones),
+    ~150 (two 128-row chunks), one expert of 3000 rows (12 to 47 chunks), idle experts, E = 40 in
+    float16, T = 1. Each row's sum runs over the same k-steps whichever chunk holds it, so a row
+    stored to the wrong place, a chunk left out or a stage of the deeper ring refilled too soon
+    changes the bits. PyTorch's profiler shows the kernels of each chunk size ran (kSubs 4, 2,
+    1) and, under config 10 (multicast asked for), that the smaller chunks run without it. Each
+    registry is loaded right before its calls (the setting is read at load)."""
+    shapes = {"qwen3-30b T=512": (512, 2048, 128, 768, 8), "granite T=512": (512, 1536, 40, 512, 8),
+              "150 rows per expert": (600, 512, 8, 1024, 2), "one expert": (3000, 512, 16, 384, 1),
+              "empty experts": (2048, 256, 64, 128, 4), "E=40 fp16": (1000, 512, 40, 256, 6),
+              "T=1": (1, 2048, 128, 768, 8)}
+    case, dtype = kind_case(cp, shapes, kind)
+    saved = {CHUNK_ROWS_ENV: os.environ.get(CHUNK_ROWS_ENV)}
+    outs, subs, mcs = [], [], []
+    try:
+        for rows in ("256", "128", "64"):
+            os.environ[CHUNK_ROWS_ENV] = rows
+            r = skip_a_reg(True)
+            r.set_tuning("moe_fused_gemm", lambda sizes: config)
+            out, names = profiled_kernels(cp, lambda: run_moe_check(r, cp, case, dtype))
+            outs.append(out)
+            subs.append(chunked_kernel_subs(names))
+            mcs.append(chunked_kernel_multicast(names))
+            r.check_device_errors()
+    finally:
+        restore_env(saved)
+    assert subs == [{4}, {2}, {1}], subs
+    assert mcs[1] == {False} and mcs[2] == {False}, mcs
+    assert same_bits(cp, outs[0], outs[1], dtype) and same_bits(cp, outs[0], outs[2], dtype)
