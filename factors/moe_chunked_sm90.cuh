@@ -12,7 +12,9 @@
  * 1536 padded rows for 1024 real ones, and its weights are read twice. Here one CTA takes up to
  * 256 of an expert's rows (a "chunk", in sub-tiles of 64 rows) against one weight tile in shared
  * memory: the weights stream once per chunk and the MMAs run only on sub-tiles that hold rows
- * (padding to 64 rows, not 128).
+ * (padding to 64 rows, not 128). Where the rows per expert fit (chunk_subs: at most 104 on
+ * average), the chunks hold up to 128 rows instead, with a ring of 7 stages instead of 4 (Geo)
+ * and one CTA per item.
  *
  * Work: an item is (expert e, chunk q, N-tile n); per expert the items run N-tile-major (the
  * chunks of one N-tile side by side, so a second chunk's weight reads hit L2). The grid is
@@ -85,26 +87,33 @@ constexpr int kBK = 64;       // reduction columns per stage (128 bytes: the swi
 constexpr int kThreads = 384;
 constexpr int kBoxBytes = kSub * kBK * 2;                 // 8 KB
 constexpr int kBBytes = kBN * kBK * 2;                    // 16 KB per stage
-// Chunk geometry of a kernel whose chunks hold up to kSubs sub-tiles (kSubs * 64 rows: 4, 2 or 1).
-// A stage holds kSubs A boxes and the B tile; smaller chunks leave room for a deeper ring: 4 stages
-// of 48 KB (256-row chunks), 7 of 32 KB (128), 9 of 24 KB (64), so that more weight bytes are in
-// flight per SM where an expert's rows fit a smaller chunk (EXPERIMENT: EX_MOE_SM90_CHUNK_ROWS).
+// Chunk geometry of a kernel whose chunks hold up to kSubs sub-tiles (kSubs * 64 rows: 4 or 2). A
+// stage holds kSubs A boxes and the B tile; the smaller chunks leave room for a deeper ring: 4
+// stages of 48 KB (256-row chunks) or 7 of 32 KB (128), so that an SM keeps 112 KB of weights in
+// flight instead of 64 where an expert's rows fit the smaller chunk (chunk_subs). Measured
+// (H200, benchmarks/RESULTS.md "Chunks of 128 rows"): 1-4% faster wherever the rows per expert
+// fit, e.g. granite T = 512 86.5 against 89.7 µs; chunks of 64 rows at 9 stages were no faster
+// than 128 at 7 (and lost where an expert overflows them), so they are not built.
 template <int kSubs>
 struct Geo {
-    static_assert(kSubs == 1 || kSubs == 2 || kSubs == 4, "chunks of 64, 128 or 256 rows");
+    static_assert(kSubs == 2 || kSubs == 4, "chunks of 128 or 256 rows");
     static constexpr int kRows = kSub * kSubs;
     static constexpr int kABytes = kSubs * kBoxBytes;
-    static constexpr int kStages = kSubs == 4 ? 4 : (kSubs == 2 ? 7 : 9);
-    static constexpr int kBarOff = kStages * (kABytes + kBBytes);  // 196,608 / 229,376 / 221,184
+    static constexpr int kStages = kSubs == 4 ? 4 : 7;
+    static constexpr int kBarOff = kStages * (kABytes + kBBytes);  // 196,608 / 229,376
     static constexpr int kPreOff = kBarOff + 2 * kStages * 8;
 };
-constexpr int kStages = Geo<kMaxSub>::kStages;  // the 256-row kernels'
+// The chunk size for rows_per_expert = T*K/G on average: 128-row chunks (2 sub-tiles) where an
+// expert of the mean plus 2.5 standard deviations of uniform routing (a count near Poisson: sqrt
+// of the mean) fits one, i.e. at most 104 rows per expert on average, else 256 (an expert past a
+// chunk runs a second one, its weights read again). Measured at 102 (granite T = 512): 86.5
+// against 89.7 µs on 256-row chunks; at 128 (olmoe T = 1024) 369.1 against 300.7.
+constexpr int64_t kSmallChunkMaxRowsPerExpert = 104;
+inline int chunk_subs(int64_t rows_per_expert) { return rows_per_expert <= kSmallChunkMaxRowsPerExpert ? 2 : kMaxSub; }
 template <int kSubs>
 inline int64_t smem_bytes(int64_t E) { return Geo<kSubs>::kPreOff + (E + 1) * 4; }
 inline int64_t smem_bytes(int64_t E) { return smem_bytes<kMaxSub>(E); }
-inline int64_t smem_bytes_for(int subs, int64_t E) {
-    return subs == 1 ? smem_bytes<1>(E) : subs == 2 ? smem_bytes<2>(E) : smem_bytes<4>(E);
-}
+inline int64_t smem_bytes_for(int subs, int64_t E) { return subs == 2 ? smem_bytes<2>(E) : smem_bytes<4>(E); }
 // Swap AB by band (kBand, 1..4; 0: none): a kernel of band b runs swap AB on the chunks of
 // 64(b-1) + 1 .. 64(b-1) + 32 rows, with N = band_n(b) = 64(b-1) + 32 (32, 96, 160, 224), and the
 // other chunks on the sub-tiles. Measured per MMA row, swap AB is slower than the sub-tiles (every
@@ -482,8 +491,7 @@ chunked_gemm_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_cons
             }
             if (prev >= 0) release(prev);
         };
-        // (chunks of at most two sub-tiles: one per warpgroup; kSubs == 1 leaves warpgroup 1
-        // without MMAs off the swap band, as a 256-row chunk of at most 64 rows does)
+        // (chunks of at most two sub-tiles: one per warpgroup)
         bool looped = false;
         if constexpr (kSubs > 2) {
             if (do1) { mainloop(Int<2>{}); looped = true; }
@@ -683,7 +691,7 @@ cudaError_t launch_mc(const T* a, int rows_max, const T* b, int b_rows, const Ar
     return run<T, kGated, false, kBand, kSubs>(a, rows_max, b, b_rows, args, work, num_sms, smem_optin, pdl, stream);
 }
 // band: swap AB on the chunks of that band (swap_pays; the caller's swap_band, or 0: every chunk on
-// 64-row sub-tiles); subs: sub-tiles per chunk (4, 2, 1: chunks of 256, 128, 64 rows; the caller
+// 64-row sub-tiles); subs: sub-tiles per chunk (4 or 2: chunks of 256 or 128 rows; the caller
 // checks smem_bytes_for(subs, E) against the opt-in shared memory); a band outside 0..subs or
 // another subs is refused. pdl: programmatic dependent launch (sm_90's griddepcontrol): the
 // caller's previous launch in the stream must be one that let this grid launch only once
@@ -708,13 +716,6 @@ cudaError_t launch(const T* a, int rows_max, const T* b, int b_rows, const Args&
             case 0: return EX_CHUNKED_LAUNCH(0, 2);
             case 1: return EX_CHUNKED_LAUNCH(1, 2);
             case 2: return EX_CHUNKED_LAUNCH(2, 2);
-            default: return cudaErrorInvalidValue;
-        }
-    }
-    if (subs == 1) {
-        switch (band) {
-            case 0: return EX_CHUNKED_LAUNCH(0, 1);
-            case 1: return EX_CHUNKED_LAUNCH(1, 1);
             default: return cudaErrorInvalidValue;
         }
     }

@@ -70,7 +70,8 @@
  * rows against one weight tile, MMAs on the 64-row sub-tiles that hold rows, or with swap AB the
  * chunk's rows as the MMA's N where the last sub-tile would be at most half full, on one band of
  * chunk sizes per launch; the two CTAs of a cluster multicasting the chunk's A, or, where dims[7]
- * = 11 ("chunked_nomc"), each CTA copying its own) where sm90_chunked_for
+ * = 11 ("chunked_nomc"), each CTA copying its own; chunks of up to 128 rows, one CTA each, with a
+ * deeper ring, where the call's rows per expert are at most 104 on average) where sm90_chunked_for
  * allows (GEMM1 gated, H % 128 == 0, H and I <= 2^23, E <= 4096), else as dims[7] = 4; for experts of a little over
  * 128 rows (mixtral T = 512).
  *
@@ -997,9 +998,9 @@ static bool s_sm90_chunked_swap = true;
 // (each copies its first weight stages before it waits for the previous grid) and of the combine
 // (its blocks get resident as GEMM2's CTAs exit)
 static bool s_sm90_pdl = true;
-// set by ex_get_factor (EXPERIMENT): sub-tiles per chunk of the chunked kernels (4, 2, 1: chunks of
-// 256, 128, 64 rows, 4, 7, 9 stages), EX_MOE_SM90_CHUNK_ROWS = 256 (default), 128 or 64
-static int s_sm90_chunk_subs = 4;
+// set by ex_get_factor: sub-tiles per chunk of the chunked kernels, EX_MOE_SM90_CHUNK_ROWS = auto
+// (0, the default: chunked::chunk_subs of the call's rows per expert), 256 (4) or 128 (2)
+static int s_sm90_chunk_subs = 0;
 
 using GemmBf16 = sm90::GroupedGemm<cutlass::bfloat16_t>;
 using GemmF16 = sm90::GroupedGemm<cutlass::half_t>;
@@ -1303,8 +1304,9 @@ static int launch_sm90(const Problem& P, void* out, const void* x, const void* w
         const bool mc = s_sm90_chunked_mc && P.config != kTileConfigChunkedNomc;
         const chunked::Args a1{expert_off, act, I, I, H, E};
         const chunked::Args a2{expert_off, ys, H, H, I, E};
-        // chunk size (EXPERIMENT: EX_MOE_SM90_CHUNK_ROWS, 256 unless set), where its shared memory fits
-        int subs = s_sm90_chunk_subs;
+        // chunks of 128 rows (7 stages, one CTA per item) where the rows per expert fit them and
+        // their shared memory fits (E <= 739), else 256 (EX_MOE_SM90_CHUNK_ROWS forces one)
+        int subs = s_sm90_chunk_subs > 0 ? s_sm90_chunk_subs : chunked::chunk_subs(P.TK / P.G);
         if (chunked::smem_bytes_for(subs, E) > s_smem_optin) subs = chunked::kMaxSub;
         // swap AB on one band of chunk sizes, the one nearest the rows per expert (T*K/G)
         const int band = s_sm90_chunked_swap ? chunked::swap_band(P.TK / P.G, subs) : 0;
@@ -1405,8 +1407,9 @@ extern "C" EX_EXPORT ex_factor_t* ex_get_factor(const ex_hardware_t* hw) {
     s_sm90_chunked_mc = explugin::env_switch("EX_MOE_SM90_CHUNKED_MULTICAST");
     s_sm90_chunked_swap = explugin::env_switch("EX_MOE_SM90_CHUNKED_SWAP_AB");
     s_sm90_pdl = hw->cc_major >= 9 && explugin::env_switch("EX_MOE_SM90_PDL");
-    static const char* const kChunkRowsNames[] = {"256", "128", "64"};
-    s_sm90_chunk_subs = 4 >> explugin::env_choice("EX_MOE_SM90_CHUNK_ROWS", kChunkRowsNames, 3, 0);
+    static const char* const kChunkRowsNames[] = {"auto", "256", "128"};
+    static const int kChunkSubs[] = {0, 4, 2};
+    s_sm90_chunk_subs = kChunkSubs[explugin::env_choice("EX_MOE_SM90_CHUNK_ROWS", kChunkRowsNames, 3, 0)];
     static const char* const kSwizzles[] = {"1", "2", "4", "8"};
     s_sm90_swizzle = 1 << explugin::env_choice("EX_MOE_SM90_SWIZZLE", kSwizzles, 4, 0);
     // last, after every setting the cached Params (run_grouped_gemm) hold: a call that reads the

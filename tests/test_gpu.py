@@ -979,30 +979,41 @@ def test_chunked_swap_ab_bit_identical(skip_a_reg, cp, kind, multicast):
 CHUNK_ROWS_ENV = "EX_MOE_SM90_CHUNK_ROWS"   # read by the sm90 plugin's ex_get_factor
 
 
+def chunk_subs(rows_per_expert):
+    """The 64-row sub-tiles per chunk the sm90 plugin picks for T*K/G rows per expert
+    (chunked::chunk_subs): 2 (128-row chunks) up to 104 rows per expert, else 4 (256)."""
+    return 2 if rows_per_expert <= 104 else 4
+
+
 @pytest.mark.parametrize("config", [11, 10])
 @pytest.mark.parametrize("kind", ["qwen3-30b T=512", "granite T=512", "150 rows per expert", "one expert",
                                   "empty experts", "E=40 fp16", "T=1"])
 def test_chunked_chunk_rows_bit_identical(skip_a_reg, cp, kind, config):
-    """The chunked kernels on chunks of 128 and of 64 rows (EX_MOE_SM90_CHUNK_ROWS; 7 and 9
-    stages, one CTA per item) give the same bits as on chunks of 256 rows (the default), each
-    within tolerance of the float64 reference: ~32 rows per expert (qwen3-30b's T = 512 shape:
-    one chunk of any size), ~100 (granite's T = 512 shape: one 128-row chunk, two 64-row ones),
-    ~150 (two 128-row chunks), one expert of 3000 rows (12 to 47 chunks), idle experts, E = 40 in
-    float16, T = 1. Each row's sum runs over the same k-steps whichever chunk holds it, so a row
-    stored to the wrong place, a chunk left out or a stage of the deeper ring refilled too soon
-    changes the bits. PyTorch's profiler shows the kernels of each chunk size ran (kSubs 4, 2,
-    1) and, under config 10 (multicast asked for), that the smaller chunks run without it. Each
-    registry is loaded right before its calls (the setting is read at load)."""
+    """The chunked kernels on chunks of 128 rows (7 stages, one CTA per item) give the same bits
+    as on chunks of 256 rows (EX_MOE_SM90_CHUNK_ROWS=128 / 256), each within tolerance of the
+    float64 reference, and the default (auto) runs the chunk size chunked::chunk_subs gives the
+    call: ~32 rows per expert (qwen3-30b's T = 512 shape: one chunk of either size), ~100
+    (granite's T = 512 shape: a few experts past 128 rows run two), ~150 (two 128-row chunks),
+    one expert of 3000 rows (12 or 24 chunks), idle experts, E = 40 in float16, T = 1. Each
+    row's sum runs over the same k-steps whichever chunk holds it, so a row stored to the wrong
+    place, a chunk left out or a stage of the deeper ring refilled too soon changes the bits.
+    PyTorch's profiler shows the kernels of each chunk size ran (kSubs 4, 2) and, under config
+    10 (multicast asked for), that the 128-row chunks run without it. Each registry is loaded
+    right before its calls (the setting is read at load)."""
     shapes = {"qwen3-30b T=512": (512, 2048, 128, 768, 8), "granite T=512": (512, 1536, 40, 512, 8),
               "150 rows per expert": (600, 512, 8, 1024, 2), "one expert": (3000, 512, 16, 384, 1),
               "empty experts": (2048, 256, 64, 128, 4), "E=40 fp16": (1000, 512, 40, 256, 6),
               "T=1": (1, 2048, 128, 768, 8)}
     case, dtype = kind_case(cp, shapes, kind)
+    T, _, E, _, K = shapes[kind]
     saved = {CHUNK_ROWS_ENV: os.environ.get(CHUNK_ROWS_ENV)}
     outs, subs, mcs = [], [], []
     try:
-        for rows in ("256", "128", "64"):
-            os.environ[CHUNK_ROWS_ENV] = rows
+        for rows in ("256", "128", None):
+            if rows is None:
+                os.environ.pop(CHUNK_ROWS_ENV, None)
+            else:
+                os.environ[CHUNK_ROWS_ENV] = rows
             r = skip_a_reg(True)
             r.set_tuning("moe_fused_gemm", lambda sizes: config)
             out, names = profiled_kernels(cp, lambda: run_moe_check(r, cp, case, dtype))
@@ -1012,6 +1023,6 @@ def test_chunked_chunk_rows_bit_identical(skip_a_reg, cp, kind, config):
             r.check_device_errors()
     finally:
         restore_env(saved)
-    assert subs == [{4}, {2}, {1}], subs
-    assert mcs[1] == {False} and mcs[2] == {False}, mcs
+    assert subs == [{4}, {2}, {chunk_subs(T * K // E)}], subs
+    assert mcs[1] == {False}, mcs
     assert same_bits(cp, outs[0], outs[1], dtype) and same_bits(cp, outs[0], outs[2], dtype)
