@@ -747,6 +747,7 @@ def test_sm90_skip_empty_a_slices_bit_identical(skip_a_reg, cp, config, kind):
 
 
 CHUNKED_MC_ENV = "EX_MOE_SM90_CHUNKED_MULTICAST"   # read by the sm90 plugin's ex_get_factor
+CHUNK_ROWS_ENV = "EX_MOE_SM90_CHUNK_ROWS"   # likewise
 
 
 @pytest.mark.parametrize("kind", ["150 rows per expert", "one expert", "empty experts", "E=40 fp16", "T=1"])
@@ -757,15 +758,18 @@ def test_chunked_multicast_bit_identical(skip_a_reg, cp, kind):
     of one expert, idle experts; both within tolerance of the float64 reference. A sub-tile copied
     by the wrong CTA of a pair, or a stage refilled before the peer released it, changes the bits
     or hangs. chunked_nomc (dims[7] = 11) gives the same bits with the switch on, and the
-    profiler shows its kernels without the multicast where config 10's use it. Each registry is
-    loaded right before its calls (the setting is the plugin's, read at its latest load)."""
+    profiler shows its kernels without the multicast where config 10's use it. On 256-row chunks
+    throughout (EX_MOE_SM90_CHUNK_ROWS=256: the 128-row chunks run without the multicast). Each
+    registry is loaded right before its calls (the setting is the plugin's, read at its latest
+    load)."""
     shapes = {"150 rows per expert": (600, 512, 8, 1024, 2), "one expert": (3000, 512, 16, 384, 1),
               "empty experts": (2048, 256, 64, 128, 4), "E=40 fp16": (1000, 512, 40, 256, 6),
               "T=1": (1, 2048, 128, 768, 8)}
     (x, w13, w2, w, ids), dtype = kind_case(cp, shapes, kind)
-    saved = {CHUNKED_MC_ENV: os.environ.get(CHUNKED_MC_ENV)}
+    saved = {k: os.environ.get(k) for k in (CHUNKED_MC_ENV, CHUNK_ROWS_ENV)}
     outs = []
     try:
+        os.environ[CHUNK_ROWS_ENV] = "256"
         for on in (True, False):
             os.environ[CHUNKED_MC_ENV] = "1" if on else "0"
             r = skip_a_reg(True)
@@ -945,8 +949,10 @@ def test_chunked_swap_ab_bit_identical(skip_a_reg, cp, kind, multicast):
     an N that leaves out rows changes the bits; rows past a chunk's end are multiplied but never
     stored (the output is poisoned first). PyTorch's profiler shows that the kernels of the
     expected band ran with the default and band 0 with =0 (else both runs could take one path and
-    agree trivially). Each registry is loaded right before its calls (the setting is the plugin's,
-    read at its latest load)."""
+    agree trivially). On 256-row chunks throughout (EX_MOE_SM90_CHUNK_ROWS=256: the 128-row chunks
+    run without the multicast; test_chunked_chunk_rows_bit_identical gives them the same bits).
+    Each registry is loaded right before its calls (the setting is the plugin's, read at its
+    latest load)."""
     shapes = {"150 rows per expert": (600, 512, 8, 1024, 2), "E=40 fp16": (1000, 512, 40, 256, 6),
               "T=1": (1, 2048, 128, 768, 8), "I=1408": (576, 256, 8, 1408, 2)}
     if kind.startswith("band"):
@@ -958,9 +964,10 @@ def test_chunked_swap_ab_bit_identical(skip_a_reg, cp, kind, multicast):
         band = swap_band(T * K // E)
     # the case has chunks the band swaps (else both runs would take the sub-tiles and agree trivially)
     assert chunks_in_band(case[4].get(), case[1].shape[0], band) > 0, (kind, band)
-    saved = {k: os.environ.get(k) for k in (CHUNKED_SWAP_ENV, CHUNKED_MC_ENV)}
+    saved = {k: os.environ.get(k) for k in (CHUNKED_SWAP_ENV, CHUNKED_MC_ENV, CHUNK_ROWS_ENV)}
     outs, swaps = [], []
     try:
+        os.environ[CHUNK_ROWS_ENV] = "256"
         os.environ[CHUNKED_MC_ENV] = "1" if multicast else "0"
         for swap in ("1", "0"):
             os.environ[CHUNKED_SWAP_ENV] = swap
@@ -974,9 +981,6 @@ def test_chunked_swap_ab_bit_identical(skip_a_reg, cp, kind, multicast):
         restore_env(saved)
     assert swaps == [{band}, {0}], (swaps, sorted({n for n in names if "chunked" in n}))
     assert same_bits(cp, outs[0], outs[1], dtype)
-
-
-CHUNK_ROWS_ENV = "EX_MOE_SM90_CHUNK_ROWS"   # read by the sm90 plugin's ex_get_factor
 
 
 def chunk_subs(rows_per_expert):
