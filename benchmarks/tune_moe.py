@@ -55,11 +55,11 @@ def _width(name: str) -> int:
 
 def candidates(rows_per_expert: float, grouped: bool, H: int = 0, I: int = 0) -> list:
     """Configurations worth timing at this many rows per expert (the others lose by far); chunked
-    from 32 rows per expert (in one A/B it beat the tuned choice at deepseek-v2-lite T = 512, 48
-    rows, and qwen3-235b T = 512, 32 rows; the re-tune that followed had it within 3% of auto
-    there) and only on shapes its kernels take (H and I multiples of 128: elsewhere the plugin
-    runs grouped for it, which would be recorded under chunked's name); chunked_nomc (the same
-    kernels without the multicast of A) wherever chunked is offered."""
+    from 8 rows per expert (on 128-row chunks it beat the tuned choice by 4-9% at 16-24 rows per
+    expert in an A/B of session 26: qwen3-30b T = 384 315.6 against 345.0 µs, granite T = 96
+    64.3 against 70.5) and only on shapes its kernels take (H and I multiples of 128: elsewhere
+    the plugin runs grouped for it, which would be recorded under chunked's name); chunked_nomc
+    (the same kernels without the multicast of A) wherever chunked is offered."""
     out = []
     if rows_per_expert <= 64:
         out += ["tiny", "decode", "decode4"]
@@ -71,7 +71,7 @@ def candidates(rows_per_expert: float, grouped: bool, H: int = 0, I: int = 0) ->
         out += ["mid48"]
     if rows_per_expert >= 16:
         out += ["prefill"] + (["grouped", "grouped64", "narrow"] if grouped else [])
-    if rows_per_expert >= 32 and grouped and H % 128 == 0 and I % 128 == 0 and H > 0 and I > 0:
+    if rows_per_expert >= 8 and grouped and H % 128 == 0 and I % 128 == 0 and H > 0 and I > 0:
         out += ["chunked", "chunked_nomc"]
     return out
 

@@ -420,7 +420,8 @@ def test_tune_moe_offers_chunked_only_where_its_kernels_take_the_shape(tune):
     assert "chunked" not in tune.candidates(128, True, 512, 200)         # I % 128 != 0
     assert "chunked" not in tune.candidates(128, False, 4096, 14336)     # no Hopper plugin
     assert "chunked" in tune.candidates(32, True, 2048, 768)             # qwen3-30b T = 512
-    assert "chunked" not in tune.candidates(16, True, 4096, 14336)       # under 32 rows per expert
+    assert "chunked" in tune.candidates(16, True, 2048, 768)             # qwen3-30b T = 256
+    assert "chunked" not in tune.candidates(4, True, 4096, 14336)        # under 8 rows per expert
     assert "grouped" in tune.candidates(128, True, 200, 256)
 
 
