@@ -55,7 +55,7 @@ def _width(name: str) -> int:
 
 def candidates(rows_per_expert: float, grouped: bool, H: int = 0, I: int = 0) -> list:
     """Configurations worth timing at this many rows per expert (the others lose by far); chunked
-    from 8 rows per expert (on 128-row chunks it beat the tuned choice by 4-9% at 16-24 rows per
+    from 8 rows per expert (on 128-row chunks it beat the tuned choice by 1-9% at 16-24 rows per
     expert in an A/B of session 26: qwen3-30b T = 384 315.6 against 345.0 µs, granite T = 96
     64.3 against 70.5) and only on shapes its kernels take (H and I multiples of 128: elsewhere
     the plugin runs grouped for it, which would be recorded under chunked's name); chunked_nomc

@@ -81,7 +81,6 @@ using namespace cute;
 
 constexpr int kSub = 64;      // rows per sub-tile (one GMMA M)
 constexpr int kMaxSub = 4;    // sub-tiles of the largest chunk (256 rows)
-constexpr int kChunkRows = kSub * kMaxSub;
 constexpr int kBN = 128;      // weight rows per B tile (GEMM1: 64 gate + 64 up -> 64 act columns)
 constexpr int kBK = 64;       // reduction columns per stage (128 bytes: the swizzle's width)
 constexpr int kThreads = 384;
@@ -103,11 +102,12 @@ struct Geo {
     static constexpr int kBarOff = kStages * (kABytes + kBBytes);  // 196,608 / 229,376
     static constexpr int kPreOff = kBarOff + 2 * kStages * 8;
 };
-// The chunk size for rows_per_expert = T*K/G on average: 128-row chunks (2 sub-tiles) where an
-// expert of the mean plus 2.5 standard deviations of uniform routing (a count near Poisson: sqrt
-// of the mean) fits one, i.e. at most 104 rows per expert on average, else 256 (an expert past a
-// chunk runs a second one, its weights read again). Measured at 102 (granite T = 512): 86.5
-// against 89.7 µs on 256-row chunks; at 128 (olmoe T = 1024) 369.1 against 300.7.
+// The chunk size for rows_per_expert = T*K/G on average: 128-row chunks (2 sub-tiles) up to 104
+// rows per expert, else 256. 104 is where an expert of the mean plus ~2.4 standard deviations of
+// uniform routing (a count near Poisson: sqrt of the mean) still fits one chunk (an expert past it
+// runs a second chunk and reads its weights again), chosen to take granite T = 512 (102.4 rows).
+// Measured (H200, one process): at 102 rows (granite T = 512) 86.5 against 89.7 µs on 256-row
+// chunks; at 128 (olmoe T = 1024) 369.1 against 300.7; nothing measured between 104 and 128.
 constexpr int64_t kSmallChunkMaxRowsPerExpert = 104;
 inline int chunk_subs(int64_t rows_per_expert) { return rows_per_expert <= kSmallChunkMaxRowsPerExpert ? 2 : kMaxSub; }
 template <int kSubs>
@@ -129,12 +129,13 @@ __host__ __device__ constexpr int band_n(int band) { return kSub * (band - 1) + 
 __host__ __device__ constexpr bool swap_pays(int m, int band) {
     return band > 0 && m > kSub * (band - 1) && m <= band_n(band);
 }
-// The band for experts of rows_per_expert rows on average (T*K/G; a chunk holds up to 256): the
+// The band for experts of rows_per_expert rows on average (T*K/G; chunks of up to 256 rows): the
 // one whose rows (64j + 1 .. 64j + 32, centre 64j + 16.5) lie nearest the average's remainder r
 // past the full chunks, j = round((r - 16.5) / 64), and past 240 band 1 again (the centre
 // 256 + 16.5: about half such experts have a second chunk of a few rows). Mixtral T = 512, 128
 // rows: band 3 (129-160); phi-3.5 T = 512, 64: band 2; deepseek T = 2048, 192: band 4.
-// Chunks of subs sub-tiles (64 * subs rows): the same rule on that chunk size (bands 1..subs).
+// Chunks of subs sub-tiles (64 * subs rows): the same rule on that chunk size (bands 1..subs;
+// past 112 rows of a 128-row chunk, band 1).
 inline int swap_band(int64_t rows_per_expert, int subs = kMaxSub) {
     const int64_t r = (rows_per_expert < 0 ? 0 : rows_per_expert) % (kSub * subs);
     return (int)(((r + 15) / kSub) % subs) + 1;
@@ -352,11 +353,11 @@ chunked_gemm_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_cons
     const int wt = ct % 128;   // thread in its warpgroup
     typename Ty::TiledMma mma;
     auto thr = mma.get_thread_slice(wt);
-    Tensor sA = make_tensor(make_smem_ptr(sa_ptr), typename Ty::SmemLayoutA{});  // (64, 64, 4*STAGES)
+    Tensor sA = make_tensor(make_smem_ptr(sa_ptr), typename Ty::SmemLayoutA{});  // (64, 64, kSubs*STAGES)
     Tensor sB = make_tensor(make_smem_ptr(sb_ptr), typename Ty::SmemLayoutB{});  // (128, 64, STAGES)
     Tensor tCsA = thr.partition_A(sA);
     Tensor tCsB = thr.partition_B(sB);
-    Tensor tCrA = thr.make_fragment_A(tCsA);  // (MMA, 1, 4, 4*STAGES)
+    Tensor tCrA = thr.make_fragment_A(tCsA);  // (MMA, 1, 4, kSubs*STAGES)
     Tensor tCrB = thr.make_fragment_B(tCsB);  // (MMA, 1, 4, STAGES)
     Tensor cC = make_identity_tensor(Shape<Int<kSub>, Int<kBN>>{});
     Tensor tCcC = thr.partition_C(cC);

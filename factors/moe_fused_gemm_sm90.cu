@@ -1107,10 +1107,11 @@ static bool sm90_tile64_for(const Problem& P) {
     return P.TK / P.G < s_sm90_tile64_max_rows;
 }
 
-// Whether both GEMMs run on chunks of up to 256 of an expert's rows (moe_chunked_sm90.cuh): a tuned
+// Whether both GEMMs run on chunks of up to 256 (or 128) of an expert's rows (moe_chunked_sm90.cuh): a tuned
 // choice (dims[7] = 10, or 11: without the multicast) on shapes it takes: the gated GEMM1 (I % 128
 // == 0, and not turned off by EX_MOE_SM90_SILU_IN_GEMM1=0), H % 128 == 0, E <= chunked::kMaxE and
-// its shared memory; else such a call runs on the 128-row tiling as dims[7] = 4 (grouped) does.
+// its shared memory (the 256-row chunks', the smaller need; launch_sm90 falls back to them where
+// the 128-row chunks' does not fit); else such a call runs on the 128-row tiling as dims[7] = 4 (grouped) does.
 static bool sm90_chunked_for(const Problem& P) {
     return chunked_config(P.config) && s_sm90_gated && P.I % 128 == 0 &&
            chunked::supports(P.H, P.I, P.E) && chunked::smem_bytes(P.E) <= s_smem_optin;

@@ -56,7 +56,7 @@ def short_name(name: str) -> str:
     base = name.split("<", 1)[0].split("(", 1)[0]
     if base.endswith("moe_gemm_kernel"):  # GATED is the third template argument
         return "moe_gemm_kernel<GEMM1>" if re.search(r",\s*true\s*>", name) else "moe_gemm_kernel<GEMM2>"
-    if base.endswith("chunked_gemm_kernel") and "<" in name:  # <T, kGated, kMc, kBand>: kGated second
+    if base.endswith("chunked_gemm_kernel") and "<" in name:  # <T, kGated, kMc, kBand, kSubs>: kGated second
         args = [a.strip() for a in name.split("<", 1)[1].split(">", 1)[0].split(",")]
         gated = args[1] if len(args) > 1 else ""   # true/false, or 1/0 (Nsight Compute's names)
         if gated in ("true", "1", "false", "0"):

@@ -62,10 +62,11 @@ def test_kernel_times_names_the_cutlass_tilings(kernel_times, tile, label):
 @pytest.mark.parametrize("args,label", [("__nv_bfloat16, true, true, 2", "chunked_gemm_kernel<GEMM1>"),
                                         ("__half, false, true, 0", "chunked_gemm_kernel<GEMM2>"),
                                         ("__nv_bfloat16, false, false, 3", "chunked_gemm_kernel<GEMM2>"),
+                                        ("__nv_bfloat16, true, false, 2, 2", "chunked_gemm_kernel<GEMM1>"),
                                         ("__nv_bfloat16, 1, 1, 2", "chunked_gemm_kernel<GEMM1>"),
                                         ("__half, 0, 1, 0", "chunked_gemm_kernel<GEMM2>")])
 def test_kernel_times_names_the_chunked_gemms(kernel_times, args, label):
-    """The chunked tiling's two GEMMs are one template (<T, kGated, kMc, kBand>): told apart by kGated;
+    """The chunked tiling's two GEMMs are one template (<T, kGated, kMc, kBand, kSubs>): told apart by kGated;
     a name without its template arguments, or with kGated spelled otherwise, keeps the bare name."""
     name = (f"void exmoe::chunked::chunked_gemm_kernel<{args}>(CUtensorMap, CUtensorMap, CUtensorMap, "
             "exmoe::chunked::Args)")

@@ -777,7 +777,7 @@ def test_chunked_multicast_bit_identical(skip_a_reg, cp, kind):
             outs.append(run_moe_check(r, cp, (x, w13, w2, w, ids), dtype))
             r.check_device_errors()
         # chunked_nomc (dims[7] = 11) with the switch on: the same bits, and no multicast kernel
-        # (chunked_gemm_kernel<T, kGated, kMc, kBand>: kMc false) where 10 runs one
+        # (chunked_gemm_kernel<T, kGated, kMc, kBand, kSubs>: kMc false) where 10 runs one
         os.environ[CHUNKED_MC_ENV] = "1"
         r = skip_a_reg(True)
         kmc = {}
@@ -805,7 +805,8 @@ def fill_nan(cp, out, dtype):
 
 
 @pytest.mark.parametrize("config", [10, 7])
-@pytest.mark.parametrize("kind", ["qwen3-30b T=512", "150 rows per expert", "E=40 fp16", "H=128", "T=1"])
+@pytest.mark.parametrize("kind", ["qwen3-30b T=512", "150 rows per expert", "E=40 fp16", "H=128", "H=128 150 rows",
+                                  "T=1"])
 def test_sm90_pdl_bit_identical(skip_a_reg, cp, config, kind):
     """The Hopper path with programmatic dependent launch (the default: the gather loads its first
     hidden_states rows before it waits for the routing, the chunked GEMMs copy their first weight
@@ -818,10 +819,12 @@ def test_sm90_pdl_bit_identical(skip_a_reg, cp, config, kind):
     the kernel that writes them in the checked call had done so would read the first call's
     values; that call's output must be NaN everywhere (a checked call that overwrote the
     workspace while it still ran would change it). "H=128": GEMM1's reduction of 2 stages, fewer
-    than the ring's 4 (every stage of a chunked CTA's first item copied before the wait). Each
-    registry is loaded right before its calls (the setting is read at load)."""
+    than the ring's 7 (75 rows per expert: 128-row chunks) or, "H=128 150 rows", its 4 (256-row
+    chunks): every stage of a chunked CTA's first item copied before the wait. Each registry is
+    loaded right before its calls (the setting is read at load)."""
     shapes = {"qwen3-30b T=512": (512, 2048, 128, 768, 8), "150 rows per expert": (600, 512, 8, 1024, 2),
-              "E=40 fp16": (1000, 512, 40, 256, 6), "H=128": (300, 128, 8, 256, 2), "T=1": (1, 2048, 128, 768, 8)}
+              "E=40 fp16": (1000, 512, 40, 256, 6), "H=128": (300, 128, 8, 256, 2),
+              "H=128 150 rows": (600, 128, 8, 256, 2), "T=1": (1, 2048, 128, 768, 8)}
     case, dtype = kind_case(cp, shapes, kind)
     x, w13, w2, w, ids = case
     T, H, E, _, K = shapes[kind]
@@ -927,7 +930,7 @@ def chunked_kernel_swaps(names):
 
 
 def chunked_kernel_subs(names):
-    """The kSubs (64-row sub-tiles per chunk: 4, 2, 1) of every chunked_gemm_kernel launch among
+    """The kSubs (64-row sub-tiles per chunk: 4 or 2) of every chunked_gemm_kernel launch among
     the profiled kernel names: a set of ints."""
     return {int(args[4]) for args in chunked_kernel_args(names)}
 
@@ -989,31 +992,44 @@ def chunk_subs(rows_per_expert):
     return 2 if rows_per_expert <= 104 else 4
 
 
+def chunk_subs_run(setting, rows_per_expert, E):
+    """The sub-tiles per chunk the sm90 plugin runs with EX_MOE_SM90_CHUNK_ROWS = setting ("256",
+    "128", or None: auto): 128-row chunks only where their shared memory (7 stages of 32 KB,
+    barriers, and (E + 1) int32) fits the H200's 232,448 bytes, E <= 739."""
+    want = {"256": 4, "128": 2}.get(setting) or chunk_subs(rows_per_expert)
+    return want if want == 4 or E <= 739 else 4
+
+
 @pytest.mark.parametrize("config", [11, 10])
-@pytest.mark.parametrize("kind", ["qwen3-30b T=512", "granite T=512", "150 rows per expert", "one expert",
-                                  "empty experts", "E=40 fp16", "T=1"])
+@pytest.mark.parametrize("kind", ["qwen3-30b T=512", "granite T=512", "112 rows per expert", "150 rows per expert",
+                                  "one expert", "empty experts", "E=40 fp16", "E=768", "T=1"])
 def test_chunked_chunk_rows_bit_identical(skip_a_reg, cp, kind, config):
     """The chunked kernels on chunks of 128 rows (7 stages, one CTA per item) give the same bits
     as on chunks of 256 rows (EX_MOE_SM90_CHUNK_ROWS=128 / 256), each within tolerance of the
     float64 reference, and the default (auto) runs the chunk size chunked::chunk_subs gives the
     call: ~32 rows per expert (qwen3-30b's T = 512 shape: one chunk of either size), ~100
-    (granite's T = 512 shape: a few experts past 128 rows run two), ~150 (two 128-row chunks),
-    one expert of 3000 rows (12 or 24 chunks), idle experts, E = 40 in float16, T = 1. Each
-    row's sum runs over the same k-steps whichever chunk holds it, so a row stored to the wrong
-    place, a chunk left out or a stage of the deeper ring refilled too soon changes the bits.
-    PyTorch's profiler shows the kernels of each chunk size ran (kSubs 4, 2) and, under config
-    10 (multicast asked for), that the 128-row chunks run without it. Each registry is loaded
-    right before its calls (the setting is read at load)."""
+    (granite's T = 512 shape: a few experts past 128 rows run two), 112 (auto: 256-row chunks,
+    past the 104 of chunk_subs), ~150 (two 128-row chunks), one expert of 3000 rows (12 or 24
+    chunks), idle experts, E = 40 in float16, E = 768 (past the 739 experts whose prefix fits
+    beside 7 stages: 256-row chunks whatever the setting), T = 1. Each row's sum runs over the
+    same k-steps whichever chunk holds it, so a row stored to the wrong place, a chunk left out
+    or a stage of the deeper ring refilled too soon changes the bits. PyTorch's profiler shows
+    the kernels of the expected chunk size ran (kSubs 4 or 2), with the swap-AB band the plugin
+    picks for that chunk size, and, under config 10 (multicast asked for), that the 128-row
+    chunks run without it. Each registry is loaded right before its calls (the setting is read
+    at load)."""
     shapes = {"qwen3-30b T=512": (512, 2048, 128, 768, 8), "granite T=512": (512, 1536, 40, 512, 8),
-              "150 rows per expert": (600, 512, 8, 1024, 2), "one expert": (3000, 512, 16, 384, 1),
-              "empty experts": (2048, 256, 64, 128, 4), "E=40 fp16": (1000, 512, 40, 256, 6),
+              "112 rows per expert": (560, 512, 40, 256, 8), "150 rows per expert": (600, 512, 8, 1024, 2),
+              "one expert": (3000, 512, 16, 384, 1), "empty experts": (2048, 256, 64, 128, 4),
+              "E=40 fp16": (1000, 512, 40, 256, 6), "E=768": (400, 256, 768, 128, 2),
               "T=1": (1, 2048, 128, 768, 8)}
     case, dtype = kind_case(cp, shapes, kind)
     T, _, E, _, K = shapes[kind]
     saved = {CHUNK_ROWS_ENV: os.environ.get(CHUNK_ROWS_ENV)}
-    outs, subs, mcs = [], [], []
+    settings = ("256", "128", None)
+    outs, subs, mcs, swaps = [], [], [], []
     try:
-        for rows in ("256", "128", None):
+        for rows in settings:
             if rows is None:
                 os.environ.pop(CHUNK_ROWS_ENV, None)
             else:
@@ -1024,9 +1040,12 @@ def test_chunked_chunk_rows_bit_identical(skip_a_reg, cp, kind, config):
             outs.append(out)
             subs.append(chunked_kernel_subs(names))
             mcs.append(chunked_kernel_multicast(names))
+            swaps.append(chunked_kernel_swaps(names))
             r.check_device_errors()
     finally:
         restore_env(saved)
-    assert subs == [{4}, {2}, {chunk_subs(T * K // E)}], subs
-    assert mcs[1] == {False}, mcs
+    want = [chunk_subs_run(s, T * K // E, E) for s in settings]
+    assert subs == [{n} for n in want], (subs, want)
+    assert swaps == [{swap_band(T * K // E, n)} for n in want], (swaps, want)
+    assert all(m == {False} for m, n in zip(mcs, want) if n == 2), (mcs, want)
     assert same_bits(cp, outs[0], outs[1], dtype) and same_bits(cp, outs[0], outs[2], dtype)
