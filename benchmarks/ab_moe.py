@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""A/B timing of moe_fused_gemm builds or settings in one process (CUDA-graph replay, rotated inputs).
+r"""A/B timing of moe_fused_gemm builds or settings in one process (CUDA-graph replay, rotated inputs).
 
     cp -r factors /tmp/one_block        # a copy (not a link): its own handle, its own settings
     python3 benchmarks/ab_moe.py --cases qwen3-30b-a3b:4096 olmoe-1b-7b:4096 \

@@ -709,8 +709,11 @@ def test_build_takes_factor_names(tmp_path, monkeypatch, capsys):
     assert main(["build", "two.so", "-j", "1"]) == 0           # the library's file name works too
     assert (proj / "factors" / "two.so").is_file()
     out = capsys.readouterr().out
-    assert [ln.split()[-1] for ln in out.splitlines() if ln.startswith("running: make -C")] == \
+    assert [ln.split()[-1] for ln in out.splitlines() if ln.startswith("running: make ")] == \
         ["factors/one.so", "factors/two.so"], out
+    assert main(["build", "one"]) == 0          # built already: says so instead of make's silence
+    out = capsys.readouterr().out
+    assert "ex-engine build: factors/one.so up to date" in out, out
     assert main(["build", "three"]) == 2
     assert "known are one, two (the file stems of factors/*.cu, *.c and *.cpp)" in capsys.readouterr().err
     # --archs: no -B (it rebuilt every library named, or all, whatever their flags): the flag
