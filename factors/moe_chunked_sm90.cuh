@@ -112,7 +112,6 @@ constexpr int64_t kSmallChunkMaxRowsPerExpert = 104;
 inline int chunk_subs(int64_t rows_per_expert) { return rows_per_expert <= kSmallChunkMaxRowsPerExpert ? 2 : kMaxSub; }
 template <int kSubs>
 inline int64_t smem_bytes(int64_t E) { return Geo<kSubs>::kPreOff + (E + 1) * 4; }
-inline int64_t smem_bytes(int64_t E) { return smem_bytes<kMaxSub>(E); }
 inline int64_t smem_bytes_for(int subs, int64_t E) { return subs == 2 ? smem_bytes<2>(E) : smem_bytes<4>(E); }
 // Swap AB by band (kBand, 1..4; 0: none): a kernel of band b runs swap AB on the chunks of
 // 64(b-1) + 1 .. 64(b-1) + 32 rows, with N = band_n(b) = 64(b-1) + 32 (32, 96, 160, 224), and the
@@ -194,7 +193,7 @@ chunked_gemm_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_cons
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(CUTE_ARCH_MMA_SM90A_ENABLED)
     static_assert(kBand <= kSubs, "a swap band's N fits the chunk");
     using G = Geo<kSubs>;
-    constexpr int kStages = G::kStages, kABytes = G::kABytes, kMaxSub = kSubs;
+    constexpr int kStages = G::kStages, kABytes = G::kABytes;
     constexpr int kBarOff = G::kBarOff, kPreOff = G::kPreOff;
     using Ty = Types<T, kSubs>;
     using E = typename Ty::E;
@@ -472,9 +471,9 @@ chunked_gemm_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_cons
                     CUTLASS_PRAGMA_UNROLL
                     for (int k = 0; k < size<2>(tCrA); ++k) {
                         mma.accumulate_ = (kb == 0 && k == 0) ? GMMA::ScaleOut::Zero : GMMA::ScaleOut::One;
-                        cute::gemm(mma, tCrA(_, _, k, stage * kMaxSub + wg), tCrB(_, _, k, stage), acc0);
+                        cute::gemm(mma, tCrA(_, _, k, stage * kSubs + wg), tCrB(_, _, k, stage), acc0);
                         if constexpr (NS > 1)
-                            cute::gemm(mma, tCrA(_, _, k, stage * kMaxSub + wg + 2), tCrB(_, _, k, stage), acc1);
+                            cute::gemm(mma, tCrA(_, _, k, stage * kSubs + wg + 2), tCrB(_, _, k, stage), acc1);
                     }
                     warpgroup_commit_batch();
                     warpgroup_wait<1>();

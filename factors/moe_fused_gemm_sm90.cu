@@ -1114,7 +1114,7 @@ static bool sm90_tile64_for(const Problem& P) {
 // the 128-row chunks' does not fit); else such a call runs on the 128-row tiling as dims[7] = 4 (grouped) does.
 static bool sm90_chunked_for(const Problem& P) {
     return chunked_config(P.config) && s_sm90_gated && P.I % 128 == 0 &&
-           chunked::supports(P.H, P.I, P.E) && chunked::smem_bytes(P.E) <= s_smem_optin;
+           chunked::supports(P.H, P.I, P.E) && chunked::smem_bytes_for(chunked::kMaxSub, P.E) <= s_smem_optin;
 }
 
 // Under the 128-row tiling, whether GEMM2 runs on Tile128N128 (short reduction over I).
@@ -1307,10 +1307,11 @@ static int launch_sm90(const Problem& P, void* out, const void* x, const void* w
         const chunked::Args a2{expert_off, ys, H, H, I, E};
         // chunks of 128 rows (7 stages, one CTA per item) where the rows per expert fit them and
         // their shared memory fits (E <= 739), else 256 (EX_MOE_SM90_CHUNK_ROWS forces one)
-        int subs = s_sm90_chunk_subs > 0 ? s_sm90_chunk_subs : chunked::chunk_subs(P.TK / P.G);
+        const int64_t rows_per_expert = P.TK / P.G;
+        int subs = s_sm90_chunk_subs > 0 ? s_sm90_chunk_subs : chunked::chunk_subs(rows_per_expert);
         if (chunked::smem_bytes_for(subs, E) > s_smem_optin) subs = chunked::kMaxSub;
         // swap AB on one band of chunk sizes, the one nearest the rows per expert (T*K/G)
-        const int band = s_sm90_chunked_swap ? chunked::swap_band(P.TK / P.G, subs) : 0;
+        const int band = s_sm90_chunked_swap ? chunked::swap_band(rows_per_expert, subs) : 0;
         err = chunked::launch<T, true>(xs, (int)P.TK, static_cast<const T*>(w13), 2 * I, a1, mc,
                                        band, subs, s_num_sms, s_smem_optin, s_sm90_pdl, stream);
         if (err == cudaSuccess)
