@@ -143,24 +143,6 @@ inline int swap_band(int64_t rows_per_expert, int subs = kMaxSub) {
 // takes them in pairs, so it runs only where their count is even (run() checks)
 __host__ __device__ constexpr int64_t n_tiles(bool gated, int64_t N) { return gated ? N / (kBN / 2) : N / kBN; }
 
-// Stream-K tail (kernels of one CTA per item on 128-row chunks, where Args::sk_part is set). Dealt
-// round-robin, n items on G CTAs leave the last round n % G items and the other SMs idle (granite
-// T = 512: ~336 items of GEMM1 on 132 SMs, 2.5 rounds of work in 3). Here the last n % G items and
-// one whole round before them (S = G + n % G items, W = S * KB k-blocks) are shared evenly: CTA c
-// takes the k-blocks [c W / G, (c + 1) W / G) of those, after its n / G - 1 whole items. A CTA's
-// range is at least KB long, so an item is split between at most two CTAs, at the boundary b
-// between CTAs b and b + 1 (slot b). Each consumer warp of a part counts itself on its slot's
-// counter: the first publishes its fp32 accumulators and marks them ready; the second (it arrived
-// last, so the first is already writing and waits for nothing) adds them to its own and stores
-// the item. No CTA ever waits for a part that is not yet computed: under PDL the next grid's CTAs
-// may hold the SMs such a part would need. Two parts add as a + b = b + a, so the bits do not
-// depend on which part arrives last (they differ from the unsplit sum's by rounding only).
-constexpr int kSkWarps = 8;                                    // consumer warps per CTA
-constexpr int kSkFragFloats = 64;                              // accumulators per consumer thread
-constexpr int kSkSlotFloats = kSkWarps * 32 * kSkFragFloats;   // 64 KB per slot
-constexpr int kSkMaxCtas = 256;                                // slots: kSkMaxCtas - 1
-constexpr int kSkCounters = kSkMaxCtas * kSkWarps;             // per GEMM
-
 template <typename T> struct CuteElem;
 template <> struct CuteElem<__nv_bfloat16> { using type = cutlass::bfloat16_t; };
 template <> struct CuteElem<__half> { using type = cutlass::half_t; };
@@ -184,12 +166,6 @@ struct Args {
     int N;                  // GEMM1: I (act columns); GEMM2: H
     int Kdim;               // reduction: H or I
     int E;
-    // stream-K tail (kernels of one CTA per item and 128-row chunks only; nullptr: off): the
-    // fp32 partials of the items split between two CTAs, kSkSlotFloats per slot, and a counter per
-    // slot and consumer warp (kSkWarps), zero at launch (the gather zeroes them every call); slot b
-    // is the item split at the boundary between CTAs b and b + 1, b < gridDim.x - 1 <= kSkMaxSlots
-    float* sk_part = nullptr;
-    int* sk_cnt = nullptr;
 };
 
 // silu as the CUTLASS path's gated epilogue computes it (its EX_SM90_EPI_ACCURATE build: expf)
@@ -272,35 +248,6 @@ chunked_gemm_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_cons
         __syncthreads();
     const int n_items = s_pre[p.E] * NT;
 
-    // units of work, (item, its k-blocks [k0, k1)): whole items round-robin, then (sk) this CTA's
-    // share of the stream-K tail (see kSkWarps)
-    constexpr bool kSk = !kMc && kSubs == 2;
-    const int n_full = n_items / n_clusters, n_rem = n_items % n_clusters;
-    const bool sk = kSk && p.sk_part != nullptr && n_full >= 1 && n_rem != 0;
-    const int dp_items = sk ? (n_full - 1) * n_clusters : n_items;
-    const int64_t sk_w = (int64_t)(n_items - dp_items) * KB;
-    const int64_t sk_lo = sk ? cid * sk_w / n_clusters : 0;
-    const int64_t sk_hi = sk ? (cid + 1) * sk_w / n_clusters : 0;
-    struct Cursor { int it; int64_t pos; };
-    auto next_unit = [&](Cursor& cu, int& it, int& k0, int& k1) -> bool {
-        if (cu.it < dp_items) {
-            it = cu.it;
-            cu.it += n_clusters;
-            k0 = 0;
-            k1 = KB;
-            return true;
-        }
-        if (cu.pos < sk_hi) {
-            const int j = (int)(cu.pos / KB);
-            it = dp_items + j;
-            k0 = (int)(cu.pos - (int64_t)j * KB);
-            k1 = (int)min((int64_t)KB, k0 + (sk_hi - cu.pos));
-            cu.pos += k1 - k0;
-            return true;
-        }
-        return false;
-    };
-
     // item -> expert, first row of the chunk, its rows (1..chunk_rows), N-tile
     auto item_of = [&](int it, int& e, int& m0, int& mv, int& n) {
         const int c = it / NT;  // items of expert e are [pre[e]*NT, pre[e+1]*NT): it / NT finds e
@@ -335,9 +282,7 @@ chunked_gemm_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_cons
             // (that one was launched plainly, or waited before it let this grid launch). Without
             // PDL the wait returns at once.
             bool early = true;
-            Cursor cur{cid, sk_lo};
-            int it, k0, k1;
-            while (next_unit(cur, it, k0, k1)) {
+            for (int it = cid; it < n_items; it += n_clusters) {
                 int e, m0, mv, n;
                 item_of(it, e, m0, mv, n);
                 n = n * kCtas + rank;
@@ -357,15 +302,15 @@ chunked_gemm_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_cons
                                                    m0 + s * kSub);
                     }
                 };
-                // stages of this unit whose A is owed (the first unit's first stages: 0 .. pre-1)
-                const int pre = early ? min(k1 - k0, kStages) : 0;
+                // stages of this item whose A is owed (the first item's first stages: 0 .. pre-1)
+                const int pre = early ? min(KB, kStages) : 0;
                 auto pay = [&]() {
                     explugin::pdl_wait();
-                    for (int j = 0; j < pre; ++j) copy_a(j, k0 + j);
+                    for (int j = 0; j < pre; ++j) copy_a(j, j);
                     early = false;
                 };
-                for (int kb = k0; kb < k1; ++kb) {
-                    if (early && kb - k0 == pre) pay();
+                for (int kb = 0; kb < KB; ++kb) {
+                    if (early && kb == pre) pay();
                     cutlass::arch::ClusterBarrier::wait(&empty[stage], phase);
                     cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(
                         &full[stage], kBBytes + nsub * kBoxBytes);
@@ -381,7 +326,7 @@ chunked_gemm_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_cons
                     if (!early) copy_a(stage, kb);
                     if (++stage == kStages) { stage = 0; phase ^= 1; }
                 }
-                if (early) pay();  // k1 - k0 <= kStages: every stage of the unit was owed
+                if (early) pay();  // KB <= kStages: every stage of the item was owed
             }
             // a CTA without items waits too: this grid's end must imply the previous grid's (the
             // next grid waits for this one only)
@@ -419,56 +364,10 @@ chunked_gemm_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_cons
     int stage = 0, phase = 0;
     T* out = static_cast<T*>(p.out);
     using E2 = typename Elem<T>::T2;
-    // stream-K: warp cw's half of a split item's fix-up (kSkWarps); true where this warp stores
-    // the item (its part arrived last and now holds the sum), false where it published its part
-    const int cw = warp - 4;
-    auto sk_finish = [&](auto& acc, int slot) -> bool {
-        using AccT = std::remove_reference_t<decltype(acc)>;
-        constexpr int F = decltype(cute::size(typename AccT::layout_type{}))::value;
-        static_assert(F % 4 == 0 && F <= kSkFragFloats, "a warp's accumulators fit its part of the slot");
-        float4* part = reinterpret_cast<float4*>(p.sk_part + (int64_t)slot * kSkSlotFloats + cw * 32 * kSkFragFloats);
-        int* cnt = p.sk_cnt + slot * kSkWarps + cw;
-        int old = 0;
-        if (lane == 0) old = atomicAdd(cnt, 1);
-        old = __shfl_sync(0xffffffffu, old, 0);
-        if (old == 0) {  // first: publish, then mark ready (+2)
-            CUTLASS_PRAGMA_UNROLL
-            for (int j = 0; j < F / 4; ++j)
-                __stcg(part + j * 32 + lane, make_float4(acc(4 * j), acc(4 * j + 1), acc(4 * j + 2), acc(4 * j + 3)));
-            __threadfence();
-            __syncwarp();
-            if (lane == 0) atomicAdd(cnt, 2);
-            return false;
-        }
-        if (lane == 0) {  // second: the first is writing; wait for its mark (1 + 1 + 2)
-            int v;
-            while (true) {
-                asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(cnt) : "memory");
-                if (v == 4) break;
-                __nanosleep(32);
-            }
-        }
-        __syncwarp();
-        __threadfence();
-        CUTLASS_PRAGMA_UNROLL
-        for (int j = 0; j < F / 4; ++j) {
-            const float4 o = __ldcg(part + j * 32 + lane);
-            acc(4 * j) += o.x;
-            acc(4 * j + 1) += o.y;
-            acc(4 * j + 2) += o.z;
-            acc(4 * j + 3) += o.w;
-        }
-        return true;
-    };
-    Cursor cur{cid, sk_lo};
-    int it, k0, k1;
-    while (next_unit(cur, it, k0, k1)) {
+    for (int it = cid; it < n_items; it += n_clusters) {
         int e, m0, mv, n;
         item_of(it, e, m0, mv, n);
         n = n * kCtas + rank;
-        // split between two CTAs (stream-K): slot of the boundary inside the item
-        const bool split = kSk && (k0 > 0 || k1 < KB);
-        const int slot = k1 < KB ? cid : cid - 1;
         const int nsub = __shfl_sync(0xffffffffu, (mv + kSub - 1) / kSub, 0);
         const bool do0 = wg < nsub, do1 = kSubs > 2 && wg + 2 < nsub;
         // the k-loop for NS of this warpgroup's sub-tiles (0, 1, 2), one MMA batch in flight:
@@ -503,14 +402,14 @@ chunked_gemm_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_cons
                 Tensor tXr0 = thr_t.make_fragment_B(thr_t.partition_B(make_tensor(make_smem_ptr(sa_ptr), LayoutX{})));
                 Tensor acc = partition_fragment_C(mma_t, Shape<Int<kSub>, Int<NN>>{});
                 int prev = -1;
-                for (int kb = k0; kb < k1; ++kb) {
+                for (int kb = 0; kb < KB; ++kb) {
                     cutlass::arch::ClusterBarrier::wait(&full[stage], phase);
                     Tensor tXr = make_tensor(tXr0.data() + stage * (kABytes / 16), tXr0.layout());  // (MMA, 1, 4)
                     warpgroup_fence_operand(acc);
                     warpgroup_arrive();
                     CUTLASS_PRAGMA_UNROLL
                     for (int k = 0; k < size<2>(tWr); ++k) {
-                        mma_t.accumulate_ = (kb == k0 && k == 0) ? GMMA::ScaleOut::Zero : GMMA::ScaleOut::One;
+                        mma_t.accumulate_ = (kb == 0 && k == 0) ? GMMA::ScaleOut::Zero : GMMA::ScaleOut::One;
                         cute::gemm(mma_t, tWr(_, _, k, stage * 2 + wg), tXr(_, _, k), acc);
                     }
                     warpgroup_commit_batch();
@@ -523,9 +422,6 @@ chunked_gemm_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_cons
                 warpgroup_wait<0>();
                 warpgroup_fence_operand(acc);
                 if (prev >= 0) release(prev);
-                if constexpr (kSk) {
-                    if (split && !sk_finish(acc, slot)) continue;
-                }
                 // epilogue: fragment ((2 chunk rows, 2 weight rows r / r + 8, NN / 8 blocks of 8
                 // chunk rows), 1, 1); this thread's weight row r = warp * 16 + lane / 4 (GMMA's C).
                 // Written for little code per element (the code size is what the band bounds):
@@ -566,7 +462,7 @@ chunked_gemm_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_cons
         auto mainloop = [&](auto ns_tag) {
             constexpr int NS = decltype(ns_tag)::value;
             int prev = -1;
-            for (int kb = k0; kb < k1; ++kb) {
+            for (int kb = 0; kb < KB; ++kb) {
                 cutlass::arch::ClusterBarrier::wait(&full[stage], phase);
                 if constexpr (NS > 0) {
                     warpgroup_fence_operand(acc0);
@@ -574,7 +470,7 @@ chunked_gemm_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_cons
                     warpgroup_arrive();
                     CUTLASS_PRAGMA_UNROLL
                     for (int k = 0; k < size<2>(tCrA); ++k) {
-                        mma.accumulate_ = (kb == k0 && k == 0) ? GMMA::ScaleOut::Zero : GMMA::ScaleOut::One;
+                        mma.accumulate_ = (kb == 0 && k == 0) ? GMMA::ScaleOut::Zero : GMMA::ScaleOut::One;
                         cute::gemm(mma, tCrA(_, _, k, stage * kSubs + wg), tCrB(_, _, k, stage), acc0);
                         if constexpr (NS > 1)
                             cute::gemm(mma, tCrA(_, _, k, stage * kSubs + wg + 2), tCrB(_, _, k, stage), acc1);
@@ -634,11 +530,7 @@ chunked_gemm_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_cons
                 }
             }
         };
-        bool stores = true;  // not where this warp published its part of a split item
-        if constexpr (kSk) {
-            if (split && do0) stores = sk_finish(acc0, slot);
-        }
-        if (do0 && stores) store(acc0, wg);
+        if (do0) store(acc0, wg);
         if constexpr (kSubs > 2) {
             if (do1) store(acc1, wg + 2);
         }
@@ -779,13 +671,7 @@ cudaError_t run(const T* a, int rows_cap, const T* b, int b_rows, const Args& ar
     }
     cfg.gridDim = dim3((unsigned)grid);
     cfg.dynamicSmemBytes = (size_t)smem;
-    // the stream-K tail only where the kernel has it and the slots cover the grid's boundaries
-    Args ka = args;
-    if (kMc || kSubs != 2 || grid > kSkMaxCtas || ka.sk_cnt == nullptr) {
-        ka.sk_part = nullptr;
-        ka.sk_cnt = nullptr;
-    }
-    const cudaError_t err = cudaLaunchKernelEx(&cfg, kern, c.ta, c.tb, c.tb_gu, ka);
+    const cudaError_t err = cudaLaunchKernelEx(&cfg, kern, c.ta, c.tb, c.tb_gu, args);
     if (err != cudaSuccess) (void)cudaGetLastError();  // reported here, not again by the next check
     return err;
 }

@@ -766,8 +766,7 @@ sm90_prepare_kernel(const T* __restrict__ x, T* __restrict__ xs, const int* __re
                     const int* __restrict__ slot_pos, const int* __restrict__ ids, const ExpertMap em,
                     const T* __restrict__ w13, const T* __restrict__ w2, T* __restrict__ gu,
                     T* __restrict__ act, T* __restrict__ ys, int T_, int H, int I, int E, int K,
-                    bool by_token, int vpl, sm90::GroupArrays<G> g1, sm90::GroupArrays<G> g2,
-                    int* __restrict__ sk_cnt, int n_sk_cnt) {
+                    bool by_token, int vpl, sm90::GroupArrays<G> g1, sm90::GroupArrays<G> g2) {
     using EA = typename G::EA;
     using EB = typename G::EB;
     using ED = typename G::ED;
@@ -797,9 +796,6 @@ sm90_prepare_kernel(const T* __restrict__ x, T* __restrict__ xs, const int* __re
     // the chunked GEMM1 (launched with PDL) may be scheduled as this grid's blocks exit; it reads
     // expert_off before its own wait, so this comes after ours
     explugin::pdl_launch_dependents();
-
-    // the chunked GEMMs' stream-K counters start at zero (both GEMMs read them after their wait)
-    for (long long i = gtid; i < n_sk_cnt; i += nthreads) sk_cnt[i] = 0;
 
     // per-expert problem sizes, pointers and strides (an empty expert gets M = 0: no tiles)
     // the routing's outputs through L2 (__ldcg): written by the grid this one waited for
@@ -997,7 +993,6 @@ static bool s_sm90_chunked_mc = true;
 // 64j + 32 rows, the band nearest the call's rows per expert (chunked::swap_band, swap_pays);
 // EX_MOE_SM90_CHUNKED_SWAP_AB=0: never, for comparison
 static bool s_sm90_chunked_swap = true;
-static bool s_sm90_stream_k = true;  // EX_MOE_SM90_STREAM_K: the chunked kernels' stream-K tail
 // set by ex_get_factor (cc >= 9.0 and EX_MOE_SM90_PDL not 0): programmatic dependent launch of the
 // gather (it loads its first hidden_states before it waits for the routing), of the chunked GEMMs
 // (each copies its first weight stages before it waits for the previous grid) and of the combine
@@ -1047,17 +1042,10 @@ using AllKernels = KernelSet<GemmBf16, GemmF16, GatedBf16, GatedF16, Gemm64Bf16,
                              GemmPpBf16, GemmPpF16, GatedPpBf16, GatedPpF16>;
 static int64_t cutlass_ws_bytes() { return AllKernels::ws_bytes(); }
 
-// Whether a tuned configuration names the chunked kernels (10 chunked, 11 chunked_nomc)
-static bool chunked_config(int64_t config) {
-    return config == kTileConfigChunked || config == kTileConfigChunkedNomc;
-}
-
 struct Sm90Layout {
     int64_t meta, tiles, sorted, expert_off, slot_pos;
     int64_t grp[2][7];  // shapes, a, b, d, sa, sb, sd
-    int64_t cutlass, cutlass_bytes, bufA, bufB;
-    int64_t sk_part, sk_cnt;  // chunked configurations only (else 0)
-    int64_t total;
+    int64_t cutlass, cutlass_bytes, bufA, bufB, total;
 };
 
 static Sm90Layout sm90_layout(const Problem& P) {
@@ -1092,15 +1080,13 @@ static Sm90Layout sm90_layout(const Problem& P) {
     off += align256(P.TK * (P.H > P.I ? P.H : P.I) * 2);
     L.bufB = off;
     off += align256(P.TK * (2 * P.I > P.H ? 2 * P.I : P.H) * 2);
-    L.sk_part = L.sk_cnt = 0;
-    if (chunked_config(P.config)) {  // the chunked kernels' stream-K tail (one set of partials for both GEMMs)
-        L.sk_part = off;
-        off += align256((int64_t)(chunked::kSkMaxCtas - 1) * chunked::kSkSlotFloats * 4);
-        L.sk_cnt = off;
-        off += align256(2LL * chunked::kSkCounters * 4);
-    }
     L.total = off;
     return L;
+}
+
+// Whether a tuned configuration names the chunked kernels (10 chunked, 11 chunked_nomc)
+static bool chunked_config(int64_t config) {
+    return config == kTileConfigChunked || config == kTileConfigChunkedNomc;
 }
 
 // Whether the dims take the CUTLASS path (given 16-byte aligned tensors); a function of dims
@@ -1272,11 +1258,6 @@ static int launch_sm90(const Problem& P, void* out, const void* x, const void* w
         ga[g].sd = reinterpret_cast<typename G::StrideD*>(ws + L.grp[g][6]);
     }
     void* cutlass_ws = ws + L.cutlass;
-    // the chunked kernels' stream-K partials and counters (GEMM1's, then GEMM2's), where the
-    // layout has them (chunked configurations) and the setting allows
-    const bool sk = s_sm90_stream_k && L.sk_cnt != 0;
-    float* sk_part = sk ? reinterpret_cast<float*>(ws + L.sk_part) : nullptr;
-    int* sk_cnt = sk ? reinterpret_cast<int*>(ws + L.sk_cnt) : nullptr;
     // xs is GEMM1's A; GEMM1 writes gu (then silu_mul act) or, gated, act; GEMM2 reads act and
     // writes ys. A buffer is never read and written by the same launch: xs, act, ys in bufA, bufB,
     // bufA when gated (GEMM1 still reads xs while its epilogue writes act), else xs/act in bufA,
@@ -1309,8 +1290,7 @@ static int launch_sm90(const Problem& P, void* out, const void* x, const void* w
         sm90_prepare_kernel<T, G>, dim3(capped_blocks(gather_warps * 32, kPrepThreads, 8)), dim3(kPrepThreads), 0,
         stream, s_sm90_pdl, static_cast<const T*>(x), xs, (const int*)sorted, (const int*)meta,
         (const int*)expert_off, (const int*)slot_pos, ids, P.em(), static_cast<const T*>(w13),
-        static_cast<const T*>(w2), gu, act, ys, (int)P.T, H, I, E, K, s_sm90_gather_by_token, vpl, ga[0], ga[1],
-        sk_cnt, sk ? 2 * chunked::kSkCounters : 0);
+        static_cast<const T*>(w2), gu, act, ys, (int)P.T, H, I, E, K, s_sm90_gather_by_token, vpl, ga[0], ga[1]);
     if (err == cudaSuccess) err = cudaGetLastError();
     if (err != cudaSuccess) return cuda_error(err);
 
@@ -1323,8 +1303,8 @@ static int launch_sm90(const Problem& P, void* out, const void* x, const void* w
     // run instead: the same launch, a few KB)
     if (use_chunked) {  // both GEMMs (each multicasts A where its N-tiles pair up, unless chunked_nomc)
         const bool mc = s_sm90_chunked_mc && P.config != kTileConfigChunkedNomc;
-        const chunked::Args a1{expert_off, act, I, I, H, E, sk_part, sk_cnt};
-        const chunked::Args a2{expert_off, ys, H, H, I, E, sk_part, sk ? sk_cnt + chunked::kSkCounters : nullptr};
+        const chunked::Args a1{expert_off, act, I, I, H, E};
+        const chunked::Args a2{expert_off, ys, H, H, I, E};
         // chunks of 128 rows (7 stages, one CTA per item) where the rows per expert fit them and
         // their shared memory fits (E <= 739), else 256 (EX_MOE_SM90_CHUNK_ROWS forces one)
         const int64_t rows_per_expert = P.TK / P.G;
@@ -1428,7 +1408,6 @@ extern "C" EX_EXPORT ex_factor_t* ex_get_factor(const ex_hardware_t* hw) {
     sm90::g_skip_empty_a = explugin::env_switch("EX_MOE_SM90_SKIP_EMPTY_A");
     s_sm90_chunked_mc = explugin::env_switch("EX_MOE_SM90_CHUNKED_MULTICAST");
     s_sm90_chunked_swap = explugin::env_switch("EX_MOE_SM90_CHUNKED_SWAP_AB");
-    s_sm90_stream_k = explugin::env_switch("EX_MOE_SM90_STREAM_K");
     s_sm90_pdl = hw->cc_major >= 9 && explugin::env_switch("EX_MOE_SM90_PDL");
     static const char* const kChunkRowsNames[] = {"auto", "256", "128"};
     static const int kChunkSubs[] = {0, 4, 2};

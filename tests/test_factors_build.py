@@ -217,7 +217,6 @@ SWITCH_SAYS = "ignored: expected 0 (off) or 1 (on); using 1 (on, the default)"
     ("EX_MOE_SM90_SKIP_EMPTY_A", "no", SWITCH_SAYS),
     ("EX_MOE_SM90_CHUNKED_MULTICAST", "off", SWITCH_SAYS),
     ("EX_MOE_SM90_CHUNKED_SWAP_AB", "false", SWITCH_SAYS),
-    ("EX_MOE_SM90_STREAM_K", "on", SWITCH_SAYS),
     ("EX_MOE_SM90_PDL", "garbage", SWITCH_SAYS),
 ])
 def test_a_malformed_switch_is_reported_when_the_plugins_load(built, var, value, says):

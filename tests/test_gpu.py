@@ -748,7 +748,6 @@ def test_sm90_skip_empty_a_slices_bit_identical(skip_a_reg, cp, config, kind):
 
 CHUNKED_MC_ENV = "EX_MOE_SM90_CHUNKED_MULTICAST"   # read by the sm90 plugin's ex_get_factor
 CHUNK_ROWS_ENV = "EX_MOE_SM90_CHUNK_ROWS"   # likewise
-STREAM_K_ENV = "EX_MOE_SM90_STREAM_K"   # likewise
 
 
 @pytest.mark.parametrize("kind", ["150 rows per expert", "one expert", "empty experts", "E=40 fp16", "T=1"])
@@ -1018,7 +1017,7 @@ def test_chunked_chunk_rows_bit_identical(skip_a_reg, cp, kind, config):
     the kernels of the expected chunk size ran (kSubs 4 or 2), with the swap-AB band the plugin
     picks for that chunk size, and, under config 10 (multicast asked for), that the 128-row
     chunks run without it. Each registry is loaded right before its calls (the setting is read
-    at load). With the stream-K tail off (EX_MOE_SM90_STREAM_K=0: test_chunked_stream_k)."""
+    at load)."""
     shapes = {"qwen3-30b T=512": (512, 2048, 128, 768, 8), "granite T=512": (512, 1536, 40, 512, 8),
               "112 rows per expert": (560, 512, 40, 256, 8), "150 rows per expert": (600, 512, 8, 1024, 2),
               "one expert": (3000, 512, 16, 384, 1), "empty experts": (2048, 256, 64, 128, 4),
@@ -1026,11 +1025,10 @@ def test_chunked_chunk_rows_bit_identical(skip_a_reg, cp, kind, config):
               "T=1": (1, 2048, 128, 768, 8)}
     case, dtype = kind_case(cp, shapes, kind)
     T, _, E, _, K = shapes[kind]
-    saved = {k: os.environ.get(k) for k in (CHUNK_ROWS_ENV, STREAM_K_ENV)}
+    saved = {CHUNK_ROWS_ENV: os.environ.get(CHUNK_ROWS_ENV)}
     settings = ("256", "128", None)
     outs, subs, mcs, swaps = [], [], [], []
     try:
-        os.environ[STREAM_K_ENV] = "0"  # the 128-row chunks' stream-K tail sums split items in two parts
         for rows in settings:
             if rows is None:
                 os.environ.pop(CHUNK_ROWS_ENV, None)
@@ -1051,62 +1049,3 @@ def test_chunked_chunk_rows_bit_identical(skip_a_reg, cp, kind, config):
     assert swaps == [{swap_band(T * K // E, n)} for n in want], (swaps, want)
     assert all(m == {False} for m, n in zip(mcs, want) if n == 2), (mcs, want)
     assert same_bits(cp, outs[0], outs[1], dtype) and same_bits(cp, outs[0], outs[2], dtype)
-
-
-def chunked_stream_k_splits(ids, T, H, E, I, K, n_sms):
-    """Whether the 128-row chunked kernels (one CTA per item) split items under their stream-K tail
-    (moe_chunked_sm90.cuh, kSkWarps) in GEMM1 or GEMM2, from the routing: n items (chunks of up to
-    128 of an expert's rows x the GEMM's N-tiles, I / 64 or H / 128) on G = min(SMs, the host's
-    bound (T*K / 128 + E) x N-tiles) CTAs split where n >= G and n % G != 0."""
-    counts = [int(c) for c in (ids.ravel().get() if hasattr(ids, "get") else ids.ravel()).tolist()]
-    per_expert = [0] * E
-    for e in counts:
-        per_expert[e] += 1
-    chunks = sum((m + 127) // 128 for m in per_expert)
-    for nt in (I // 64, H // 128):
-        n, grid = chunks * nt, min(n_sms, max((T * K // 128 + E) * nt, 1))
-        if n >= grid and n % grid != 0:
-            return True
-    return False
-
-
-@pytest.mark.parametrize("config", [11, 10])
-@pytest.mark.parametrize("kind", ["granite T=512", "qwen3-30b T=512", "granite T=512 fp16", "one expert",
-                                  "empty experts", "E=40 fp16", "T=1"])
-def test_chunked_stream_k(skip_a_reg, cp, kind, config):
-    """The chunked kernels' stream-K tail on 128-row chunks (the default; EX_MOE_SM90_STREAM_K=0
-    turns it off): items of the last round and one round before it shared by k-blocks between two
-    CTAs, the part that arrives last adding the other's fp32 partials. Within tolerance of the
-    float64 reference on and off; on, five calls give the same bits (which part arrives last
-    varies, and a + b = b + a); where the routing splits no item (fewer items than CTAs, or a
-    multiple of them: chunked_stream_k_splits) the bits equal the unsplit kernels'; on the
-    granite and qwen3-30b T = 512 shapes, where it splits ~100 items, they differ (the split sums
-    round otherwise: evidence the split path ran). A part that stored its half, read the other's
-    before it was written, or a slot or counter shared by two items would change the bits from
-    call to call or fail the reference (every output element is poisoned first). Each registry is
-    loaded right before its calls (the setting is read at load)."""
-    shapes = {"granite T=512": (512, 1536, 40, 512, 8), "qwen3-30b T=512": (512, 2048, 128, 768, 8),
-              "granite T=512 fp16": (512, 1536, 40, 512, 8), "one expert": (3000, 512, 16, 384, 1),
-              "empty experts": (2048, 256, 64, 128, 4), "E=40 fp16": (1000, 512, 40, 256, 6),
-              "T=1": (1, 2048, 128, 768, 8)}
-    case, dtype = kind_case(cp, shapes, kind)
-    T, H, E, I, K = shapes[kind]
-    saved = {k: os.environ.get(k) for k in (CHUNK_ROWS_ENV, STREAM_K_ENV)}
-    outs = {}
-    try:
-        os.environ[CHUNK_ROWS_ENV] = "128"
-        for on in (True, False):
-            os.environ[STREAM_K_ENV] = "1" if on else "0"
-            r = skip_a_reg(True)
-            r.set_tuning("moe_fused_gemm", lambda sizes: config)
-            outs[on] = [run_moe_check(r, cp, case, dtype) for _ in range(5 if on else 1)]
-            r.check_device_errors()
-    finally:
-        restore_env(saved)
-    assert all(same_bits(cp, outs[True][0], o, dtype) for o in outs[True][1:])
-    n_sms = cp.cuda.Device().attributes["MultiProcessorCount"]
-    splits = chunked_stream_k_splits(case[4], T, H, E, I, K, n_sms)
-    if not splits:
-        assert same_bits(cp, outs[True][0], outs[False][0], dtype)
-    elif kind.startswith(("granite", "qwen3")):
-        assert not same_bits(cp, outs[True][0], outs[False][0], dtype)
