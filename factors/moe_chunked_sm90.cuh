@@ -95,11 +95,10 @@ constexpr int kBBytes = kBN * kBK * 2;                    // 16 KB per stage
 // than 128 at 7 (and lost where an expert overflows them), so they are not built.
 template <int kSubs>
 struct Geo {
-    static_assert(kSubs >= 2 && kSubs <= 4, "chunks of 128, 192 or 256 rows");
+    static_assert(kSubs == 2 || kSubs == 4, "chunks of 128 or 256 rows");
     static constexpr int kRows = kSub * kSubs;
     static constexpr int kABytes = kSubs * kBoxBytes;
-    // (EXPERIMENT: 192-row chunks at 5 stages of 40 KB, 200 KB)
-    static constexpr int kStages = kSubs == 4 ? 4 : (kSubs == 3 ? 5 : 7);
+    static constexpr int kStages = kSubs == 4 ? 4 : 7;
     static constexpr int kBarOff = kStages * (kABytes + kBBytes);  // 196,608 / 229,376
     static constexpr int kPreOff = kBarOff + 2 * kStages * 8;
 };
@@ -110,18 +109,10 @@ struct Geo {
 // Measured (H200, one process): at 102 rows (granite T = 512) 86.5 against 89.7 µs on 256-row
 // chunks; at 128 (olmoe T = 1024) 369.1 against 300.7; nothing measured between 104 and 128.
 constexpr int64_t kSmallChunkMaxRowsPerExpert = 104;
-// EXPERIMENT (not measured): 192-row chunks (5 stages) up to 160 rows per expert (160 + 2.4 * sqrt(160)
-// = 190), e.g. mixtral T = 512, olmoe T = 1024, qwen3-30b T = 2048, phi-3.5 T = 1024 (128 rows)
-constexpr int64_t kMidChunkMaxRowsPerExpert = 160;
-inline int chunk_subs(int64_t rows_per_expert) {
-    return rows_per_expert <= kSmallChunkMaxRowsPerExpert ? 2
-           : (rows_per_expert <= kMidChunkMaxRowsPerExpert ? 3 : kMaxSub);
-}
+inline int chunk_subs(int64_t rows_per_expert) { return rows_per_expert <= kSmallChunkMaxRowsPerExpert ? 2 : kMaxSub; }
 template <int kSubs>
 inline int64_t smem_bytes(int64_t E) { return Geo<kSubs>::kPreOff + (E + 1) * 4; }
-inline int64_t smem_bytes_for(int subs, int64_t E) {
-    return subs == 2 ? smem_bytes<2>(E) : (subs == 3 ? smem_bytes<3>(E) : smem_bytes<4>(E));
-}
+inline int64_t smem_bytes_for(int subs, int64_t E) { return subs == 2 ? smem_bytes<2>(E) : smem_bytes<4>(E); }
 // Swap AB by band (kBand, 1..4; 0: none): a kernel of band b runs swap AB on the chunks of
 // 64(b-1) + 1 .. 64(b-1) + 32 rows, with N = band_n(b) = 64(b-1) + 32 (32, 96, 160, 224), and the
 // other chunks on the sub-tiles. Measured per MMA row, swap AB is slower than the sub-tiles (every
@@ -692,7 +683,7 @@ template <typename T, bool kGated, int kBand, int kSubs>
 cudaError_t launch_mc(const T* a, int rows_max, const T* b, int b_rows, const Args& args, bool multicast,
                       int num_sms, int smem_optin, bool pdl, cudaStream_t stream) {
     const int64_t work = ((int64_t)rows_max / Geo<kSubs>::kRows + args.E) * n_tiles(kGated, args.N);
-    if constexpr (kSubs >= 3) {  // (EXPERIMENT: the 192-row chunks multicast too)
+    if constexpr (kSubs == kMaxSub) {
         if (multicast && n_tiles(kGated, args.N) % 2 == 0)
             return run<T, kGated, true, kBand, kSubs>(a, rows_max, b, b_rows, args, work, num_sms, smem_optin, pdl,
                                                       stream);
@@ -717,15 +708,6 @@ cudaError_t launch(const T* a, int rows_max, const T* b, int b_rows, const Args&
             case 2: return EX_CHUNKED_LAUNCH(2, 4);
             case 3: return EX_CHUNKED_LAUNCH(3, 4);
             case 4: return EX_CHUNKED_LAUNCH(4, 4);
-            default: return cudaErrorInvalidValue;
-        }
-    }
-    if (subs == 3) {
-        switch (band) {
-            case 0: return EX_CHUNKED_LAUNCH(0, 3);
-            case 1: return EX_CHUNKED_LAUNCH(1, 3);
-            case 2: return EX_CHUNKED_LAUNCH(2, 3);
-            case 3: return EX_CHUNKED_LAUNCH(3, 3);
             default: return cudaErrorInvalidValue;
         }
     }

@@ -1409,9 +1409,9 @@ extern "C" EX_EXPORT ex_factor_t* ex_get_factor(const ex_hardware_t* hw) {
     s_sm90_chunked_mc = explugin::env_switch("EX_MOE_SM90_CHUNKED_MULTICAST");
     s_sm90_chunked_swap = explugin::env_switch("EX_MOE_SM90_CHUNKED_SWAP_AB");
     s_sm90_pdl = hw->cc_major >= 9 && explugin::env_switch("EX_MOE_SM90_PDL");
-    static const char* const kChunkRowsNames[] = {"auto", "256", "128", "192"};
-    static const int kChunkSubs[] = {0, 4, 2, 3};
-    s_sm90_chunk_subs = kChunkSubs[explugin::env_choice("EX_MOE_SM90_CHUNK_ROWS", kChunkRowsNames, 4, 0)];
+    static const char* const kChunkRowsNames[] = {"auto", "256", "128"};
+    static const int kChunkSubs[] = {0, 4, 2};
+    s_sm90_chunk_subs = kChunkSubs[explugin::env_choice("EX_MOE_SM90_CHUNK_ROWS", kChunkRowsNames, 3, 0)];
     static const char* const kSwizzles[] = {"1", "2", "4", "8"};
     s_sm90_swizzle = 1 << explugin::env_choice("EX_MOE_SM90_SWIZZLE", kSwizzles, 4, 0);
     // last, after every setting the cached Params (run_grouped_gemm) hold: a call that reads the

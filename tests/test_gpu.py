@@ -988,37 +988,35 @@ def test_chunked_swap_ab_bit_identical(skip_a_reg, cp, kind, multicast):
 
 def chunk_subs(rows_per_expert):
     """The 64-row sub-tiles per chunk the sm90 plugin picks for T*K/G rows per expert
-    (chunked::chunk_subs): 2 (128-row chunks) up to 104 rows per expert, 3 (192) up to 160,
-    else 4 (256)."""
-    return 2 if rows_per_expert <= 104 else (3 if rows_per_expert <= 160 else 4)
+    (chunked::chunk_subs): 2 (128-row chunks) up to 104 rows per expert, else 4 (256)."""
+    return 2 if rows_per_expert <= 104 else 4
 
 
 def chunk_subs_run(setting, rows_per_expert, E):
     """The sub-tiles per chunk the sm90 plugin runs with EX_MOE_SM90_CHUNK_ROWS = setting ("256",
-    "192", "128", or None: auto): 128-row chunks only where their shared memory (7 stages of 32
-    KB, barriers, and (E + 1) int32) fits the H200's 232,448 bytes, E <= 739 (the 192-row chunks'
-    5 stages of 40 KB fit any E the kernels take)."""
-    want = {"256": 4, "192": 3, "128": 2}.get(setting) or chunk_subs(rows_per_expert)
-    return want if want != 2 or E <= 739 else 4
+    "128", or None: auto): 128-row chunks only where their shared memory (7 stages of 32 KB,
+    barriers, and (E + 1) int32) fits the H200's 232,448 bytes, E <= 739."""
+    want = {"256": 4, "128": 2}.get(setting) or chunk_subs(rows_per_expert)
+    return want if want == 4 or E <= 739 else 4
 
 
 @pytest.mark.parametrize("config", [11, 10])
 @pytest.mark.parametrize("kind", ["qwen3-30b T=512", "granite T=512", "112 rows per expert", "150 rows per expert",
                                   "one expert", "empty experts", "E=40 fp16", "E=768", "T=1"])
 def test_chunked_chunk_rows_bit_identical(skip_a_reg, cp, kind, config):
-    """The chunked kernels on chunks of 128 rows (7 stages, one CTA per item) and of 192 rows (5
-    stages) give the same bits as on chunks of 256 rows (EX_MOE_SM90_CHUNK_ROWS=128 / 192 / 256),
-    each within tolerance of the float64 reference, and the default (auto) runs the chunk size
-    chunked::chunk_subs gives the call: ~32 rows per expert (qwen3-30b's T = 512 shape: one
-    chunk of any size), ~100 (granite's T = 512 shape: a few experts past 128 rows run two), 112
-    (auto: 192-row chunks, past the 104 of chunk_subs), ~150 (auto: 192; two 128-row chunks),
-    one expert of 3000 rows (12, 16 or 24 chunks), idle experts, E = 40 in float16, E = 768
-    (past the 739 experts whose prefix fits beside 7 stages: 256-row chunks where 128 is asked
-    for), T = 1. Each row's sum runs over the same k-steps whichever chunk holds it, so a row
-    stored to the wrong place, a chunk left out or a stage of a deeper ring refilled too soon
-    changes the bits. PyTorch's profiler shows the kernels of the expected chunk size ran
-    (kSubs 4, 3 or 2), with the swap-AB band the plugin picks for that chunk size, and, under
-    config 10 (multicast asked for), that the 128-row chunks run without it. Each registry is loaded right before its calls (the setting is read
+    """The chunked kernels on chunks of 128 rows (7 stages, one CTA per item) give the same bits
+    as on chunks of 256 rows (EX_MOE_SM90_CHUNK_ROWS=128 / 256), each within tolerance of the
+    float64 reference, and the default (auto) runs the chunk size chunked::chunk_subs gives the
+    call: ~32 rows per expert (qwen3-30b's T = 512 shape: one chunk of either size), ~100
+    (granite's T = 512 shape: a few experts past 128 rows run two), 112 (auto: 256-row chunks,
+    past the 104 of chunk_subs), ~150 (two 128-row chunks), one expert of 3000 rows (12 or 24
+    chunks), idle experts, E = 40 in float16, E = 768 (past the 739 experts whose prefix fits
+    beside 7 stages: 256-row chunks whatever the setting), T = 1. Each row's sum runs over the
+    same k-steps whichever chunk holds it, so a row stored to the wrong place, a chunk left out
+    or a stage of the deeper ring refilled too soon changes the bits. PyTorch's profiler shows
+    the kernels of the expected chunk size ran (kSubs 4 or 2), with the swap-AB band the plugin
+    picks for that chunk size, and, under config 10 (multicast asked for), that the 128-row
+    chunks run without it. Each registry is loaded right before its calls (the setting is read
     at load)."""
     shapes = {"qwen3-30b T=512": (512, 2048, 128, 768, 8), "granite T=512": (512, 1536, 40, 512, 8),
               "112 rows per expert": (560, 512, 40, 256, 8), "150 rows per expert": (600, 512, 8, 1024, 2),
@@ -1028,7 +1026,7 @@ def test_chunked_chunk_rows_bit_identical(skip_a_reg, cp, kind, config):
     case, dtype = kind_case(cp, shapes, kind)
     T, _, E, _, K = shapes[kind]
     saved = {CHUNK_ROWS_ENV: os.environ.get(CHUNK_ROWS_ENV)}
-    settings = ("256", "128", "192", None)
+    settings = ("256", "128", None)
     outs, subs, mcs, swaps = [], [], [], []
     try:
         for rows in settings:
@@ -1050,4 +1048,4 @@ def test_chunked_chunk_rows_bit_identical(skip_a_reg, cp, kind, config):
     assert subs == [{n} for n in want], (subs, want)
     assert swaps == [{swap_band(T * K // E, n)} for n in want], (swaps, want)
     assert all(m == {False} for m, n in zip(mcs, want) if n == 2), (mcs, want)
-    assert all(same_bits(cp, outs[0], o, dtype) for o in outs[1:])
+    assert same_bits(cp, outs[0], outs[1], dtype) and same_bits(cp, outs[0], outs[2], dtype)
