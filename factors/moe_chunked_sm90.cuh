@@ -491,15 +491,10 @@ chunked_gemm_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_cons
             }
             if (prev >= 0) release(prev);
         };
-        // (chunks of at most two sub-tiles: one per warpgroup)
-        bool looped = false;
-        if constexpr (kSubs > 2) {
-            if (do1) { mainloop(Int<2>{}); looped = true; }
-        }
-        if (!looped) {
-            if (do0) mainloop(Int<1>{});
-            else mainloop(Int<0>{});
-        }
+        // (do1 is false where chunks hold two sub-tiles, one per warpgroup: no 2-sub-tile loop there)
+        if (do1) mainloop(Int<(kSubs > 2 ? 2 : 1)>{});
+        else if (do0) mainloop(Int<1>{});
+        else mainloop(Int<0>{});
         // epilogue: fragment ((2 cols, 2 rows, 16 column blocks of 8), 1, 1)
         auto store = [&](auto& acc, int s) {
             const int rbase = s * kSub;
@@ -531,9 +526,7 @@ chunked_gemm_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_cons
             }
         };
         if (do0) store(acc0, wg);
-        if constexpr (kSubs > 2) {
-            if (do1) store(acc1, wg + 2);
-        }
+        if (do1) store(acc1, wg + 2);
     }
 #elif defined(__CUDA_ARCH__)
     __trap();  // built without sm_90a's wgmma/TMA: fail loudly, never leave act / ys unwritten
