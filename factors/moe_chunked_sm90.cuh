@@ -93,18 +93,13 @@ constexpr int kBBytes = kBN * kBK * 2;                    // 16 KB per stage
 // (H200, benchmarks/RESULTS.md "Chunks of 128 rows"): 1-4% faster wherever the rows per expert
 // fit, e.g. granite T = 512 86.5 against 89.7 µs; chunks of 64 rows at 9 stages were no faster
 // than 128 at 7 (and lost where an expert overflows them), so they are not built.
-// kW: weight tiles of kW * 128 rows (kW = 2, "wide": 128-row chunks only, 4 stages of 48 KB; each
-// warpgroup's sub-tile is one 64 x 256 GMMA, as CUTLASS's 128 x 256 cooperative tile)
-template <int kSubs, int kW = 1>
+template <int kSubs>
 struct Geo {
     static_assert(kSubs == 2 || kSubs == 4, "chunks of 128 or 256 rows");
-    static_assert(kW == 1 || (kW == 2 && kSubs == 2), "wide weight tiles on 128-row chunks only");
     static constexpr int kRows = kSub * kSubs;
     static constexpr int kABytes = kSubs * kBoxBytes;
-    static constexpr int kBN = chunked::kBN * kW;     // weight rows per stage
-    static constexpr int kBBytes = chunked::kBBytes * kW;
-    static constexpr int kStages = kSubs == 4 ? 4 : (kW == 2 ? 4 : 7);
-    static constexpr int kBarOff = kStages * (kABytes + kBBytes);  // 196,608 / 229,376 / 196,608
+    static constexpr int kStages = kSubs == 4 ? 4 : 7;
+    static constexpr int kBarOff = kStages * (kABytes + kBBytes);  // 196,608 / 229,376
     static constexpr int kPreOff = kBarOff + 2 * kStages * 8;
 };
 // The chunk size for rows_per_expert = T*K/G on average: 128-row chunks (2 sub-tiles) up to 104
@@ -115,8 +110,8 @@ struct Geo {
 // chunks; at 128 (olmoe T = 1024) 369.1 against 300.7; nothing measured between 104 and 128.
 constexpr int64_t kSmallChunkMaxRowsPerExpert = 104;
 inline int chunk_subs(int64_t rows_per_expert) { return rows_per_expert <= kSmallChunkMaxRowsPerExpert ? 2 : kMaxSub; }
-template <int kSubs, int kW = 1>
-inline int64_t smem_bytes(int64_t E) { return Geo<kSubs, kW>::kPreOff + (E + 1) * 4; }
+template <int kSubs>
+inline int64_t smem_bytes(int64_t E) { return Geo<kSubs>::kPreOff + (E + 1) * 4; }
 inline int64_t smem_bytes_for(int subs, int64_t E) { return subs == 2 ? smem_bytes<2>(E) : smem_bytes<4>(E); }
 // Swap AB by band (kBand, 1..4; 0: none): a kernel of band b runs swap AB on the chunks of
 // 64(b-1) + 1 .. 64(b-1) + 32 rows, with N = band_n(b) = 64(b-1) + 32 (32, 96, 160, 224), and the
@@ -146,23 +141,20 @@ inline int swap_band(int64_t rows_per_expert, int subs = kMaxSub) {
 }
 // N-tiles of a GEMM (GEMM1: I / 64 of act's columns; GEMM2: H / 128); the multicast variant
 // takes them in pairs, so it runs only where their count is even (run() checks)
-__host__ __device__ constexpr int64_t n_tiles(bool gated, int64_t N, int w = 1) {
-    return gated ? N / (kBN * w / 2) : N / (kBN * w);
-}
+__host__ __device__ constexpr int64_t n_tiles(bool gated, int64_t N) { return gated ? N / (kBN / 2) : N / kBN; }
 
 template <typename T> struct CuteElem;
 template <> struct CuteElem<__nv_bfloat16> { using type = cutlass::bfloat16_t; };
 template <> struct CuteElem<__half> { using type = cutlass::half_t; };
 
-template <typename T, int kSubs, int kW = 1>
+template <typename T, int kSubs>
 struct Types {
-    using G = Geo<kSubs, kW>;
     using E = typename CuteElem<T>::type;
     using SmemLayoutA = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<E>{},
-                                               Shape<Int<kSub>, Int<kBK>, Int<kSubs * G::kStages>>{}));
+                                               Shape<Int<kSub>, Int<kBK>, Int<kSubs * Geo<kSubs>::kStages>>{}));
     using SmemLayoutB = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<E>{},
-                                               Shape<Int<G::kBN>, Int<kBK>, Int<G::kStages>>{}));
-    using MmaOp = decltype(GMMA::ss_op_selector<E, E, float, Shape<Int<kSub>, Int<G::kBN>, Int<kBK>>,
+                                               Shape<Int<kBN>, Int<kBK>, Int<Geo<kSubs>::kStages>>{}));
+    using MmaOp = decltype(GMMA::ss_op_selector<E, E, float, Shape<Int<kSub>, Int<kBN>, Int<kBK>>,
                                                  GMMA::Major::K, GMMA::Major::K>());
     using TiledMma = decltype(make_tiled_mma(MmaOp{}));  // one warpgroup
 };
@@ -194,18 +186,16 @@ __device__ __forceinline__ float silu_epi(float g) {
 // multicast), so A crosses from L2 once per pair; a stage is refilled only after both CTAs'
 // consumers released it (empty barriers count 16 arrivals, one per consumer warp of either CTA).
 // kSubs: sub-tiles per chunk (Geo); kBand <= kSubs.
-template <typename T, bool kGated, bool kMc, int kBand, int kSubs, int kW>
+template <typename T, bool kGated, bool kMc, int kBand, int kSubs>
 __global__ void __launch_bounds__(kThreads, 1)
 chunked_gemm_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_constant__ CUtensorMap tma_b,
                     const __grid_constant__ CUtensorMap tma_b_gu, const Args p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(CUTE_ARCH_MMA_SM90A_ENABLED)
     static_assert(kBand <= kSubs, "a swap band's N fits the chunk");
-    static_assert(kW == 1 || (kBand == 0 && !kMc), "wide tiles: no swap AB, no multicast");
-    using G = Geo<kSubs, kW>;
+    using G = Geo<kSubs>;
     constexpr int kStages = G::kStages, kABytes = G::kABytes;
     constexpr int kBarOff = G::kBarOff, kPreOff = G::kPreOff;
-    constexpr int kBN = G::kBN, kBBytes = G::kBBytes;  // this kernel's weight tile
-    using Ty = Types<T, kSubs, kW>;
+    using Ty = Types<T, kSubs>;
     using E = typename Ty::E;
     extern __shared__ __align__(1024) unsigned char smem[];
     E* sa_ptr = reinterpret_cast<E*>(smem);
@@ -222,7 +212,7 @@ chunked_gemm_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_cons
     explugin::pdl_launch_dependents();
     constexpr int kCtas = kMc ? 2 : 1;
     // items per chunk: its N-tiles, or (kMc) their pairs; run() refuses an odd count for kMc
-    const int NT = (int)n_tiles(kGated, p.N, kW) / kCtas;
+    const int NT = (int)n_tiles(kGated, p.N) / kCtas;
     constexpr int chunk_rows = G::kRows;
     const int rank = kMc ? (int)cute::block_rank_in_cluster() : 0;
     const int cid = blockIdx.x / kCtas, n_clusters = gridDim.x / kCtas;
@@ -330,14 +320,8 @@ chunked_gemm_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_cons
                         // followed by its 8 up rows (64 act columns: 8 groups)
                         SM90_TMA_LOAD_5D::copy(&tma_b_gu, &full[stage], hint, sb, kb * kBK, 0, 0, n * 8, e);
                     } else {
-                        // kW boxes of 64 rows from b0 (gate, or the tile's first half), kW from b1
-#pragma unroll
-                        for (int j = 0; j < kW; ++j) {
-                            SM90_TMA_LOAD_3D::copy(&tma_b, &full[stage], hint, sb + j * kBoxBytes, kb * kBK,
-                                                   b0 + j * kSub, e);
-                            SM90_TMA_LOAD_3D::copy(&tma_b, &full[stage], hint, sb + (kW + j) * kBoxBytes,
-                                                   kb * kBK, b1 + j * kSub, e);
-                        }
+                        SM90_TMA_LOAD_3D::copy(&tma_b, &full[stage], hint, sb, kb * kBK, b0, e);
+                        SM90_TMA_LOAD_3D::copy(&tma_b, &full[stage], hint, sb + kBoxBytes, kb * kBK, b1, e);
                     }
                     if (!early) copy_a(stage, kb);
                     if (++stage == kStages) { stage = 0; phase ^= 1; }
@@ -511,7 +495,7 @@ chunked_gemm_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_cons
         if (do1) mainloop(Int<(kSubs > 2 ? 2 : 1)>{});
         else if (do0) mainloop(Int<1>{});
         else mainloop(Int<0>{});
-        // epilogue: fragment ((2 cols, 2 rows, kBN / 8 column blocks of 8), 1, 1)
+        // epilogue: fragment ((2 cols, 2 rows, 16 column blocks of 8), 1, 1)
         auto store = [&](auto& acc, int s) {
             const int rbase = s * kSub;
             CUTLASS_PRAGMA_UNROLL
@@ -521,19 +505,18 @@ chunked_gemm_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_cons
                 T* orow = out + (int64_t)(m0 + r) * p.ld_out;
                 if constexpr (kGated) {
                     CUTLASS_PRAGMA_UNROLL
-                    for (int b = 0; b < kBN / 16; ++b) {  // gate column blocks; their up ones kBN / 16 later
-                        constexpr int U = kBN / 16;
+                    for (int b = 0; b < 8; ++b) {
                         const int c = int(get<1>(tCcC(make_coord(make_coord(0, h, b), 0, 0))));
                         const float2 g = Elem<T>::unpack(Elem<T>::pack(acc(make_coord(make_coord(0, h, b), 0, 0)),
                                                                        acc(make_coord(make_coord(1, h, b), 0, 0))));
-                        const float2 u = Elem<T>::unpack(Elem<T>::pack(acc(make_coord(make_coord(0, h, b + U), 0, 0)),
-                                                                       acc(make_coord(make_coord(1, h, b + U), 0, 0))));
+                        const float2 u = Elem<T>::unpack(Elem<T>::pack(acc(make_coord(make_coord(0, h, b + 8), 0, 0)),
+                                                                       acc(make_coord(make_coord(1, h, b + 8), 0, 0))));
                         *reinterpret_cast<E2*>(orow + n * (kBN / 2) + c) =
                             Elem<T>::pack(silu_epi(g.x) * u.x, silu_epi(g.y) * u.y);
                     }
                 } else {
                     CUTLASS_PRAGMA_UNROLL
-                    for (int b = 0; b < kBN / 8; ++b) {
+                    for (int b = 0; b < 16; ++b) {
                         const int c = int(get<1>(tCcC(make_coord(make_coord(0, h, b), 0, 0))));
                         *reinterpret_cast<E2*>(orow + n * kBN + c) =
                             Elem<T>::pack(acc(make_coord(make_coord(0, h, b), 0, 0)),
@@ -618,7 +601,7 @@ int max_active_clusters(Kernel kern, int num_sms, int smem_optin, cudaStream_t s
 // attribute, set once per process, as the CUTLASS launches do). The three tensor maps are cached for the last
 // (pointers, shapes) only: an eager call on another layer's weights encodes them again (host work,
 // a few µs, beside GEMMs of hundreds of µs where this tiling is chosen).
-template <typename T, bool kGated, bool kMc, int kBand, int kSubs, int kW>
+template <typename T, bool kGated, bool kMc, int kBand, int kSubs>
 cudaError_t run(const T* a, int rows_cap, const T* b, int b_rows, const Args& args, int64_t work_max, int num_sms,
                 int smem_optin, bool pdl, cudaStream_t stream) {
     struct Cache {
@@ -642,9 +625,8 @@ cudaError_t run(const T* a, int rows_cap, const T* b, int b_rows, const Args& ar
         c.valid = true;
     }
     if (kMc && n_tiles(kGated, args.N) % 2 != 0) return cudaErrorInvalidValue;  // an N-tile would be left out
-    if (args.N % (kGated ? kBN * kW / 2 : kBN * kW) != 0) return cudaErrorInvalidValue;  // a partial weight tile
-    auto kern = chunked_gemm_kernel<T, kGated, kMc, kBand, kSubs, kW>;
-    const int smem = (int)smem_bytes<kSubs, kW>(args.E);
+    auto kern = chunked_gemm_kernel<T, kGated, kMc, kBand, kSubs>;
+    const int smem = (int)smem_bytes<kSubs>(args.E);
     if (smem > smem_optin) return cudaErrorInvalidValue;  // the caller checks smem_bytes_for first
     static const cudaError_t set = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                         smem_optin);
@@ -696,11 +678,10 @@ cudaError_t launch_mc(const T* a, int rows_max, const T* b, int b_rows, const Ar
     const int64_t work = ((int64_t)rows_max / Geo<kSubs>::kRows + args.E) * n_tiles(kGated, args.N);
     if constexpr (kSubs == kMaxSub) {
         if (multicast && n_tiles(kGated, args.N) % 2 == 0)
-            return run<T, kGated, true, kBand, kSubs, 1>(a, rows_max, b, b_rows, args, work, num_sms, smem_optin,
-                                                         pdl, stream);
+            return run<T, kGated, true, kBand, kSubs>(a, rows_max, b, b_rows, args, work, num_sms, smem_optin, pdl,
+                                                      stream);
     }
-    return run<T, kGated, false, kBand, kSubs, 1>(a, rows_max, b, b_rows, args, work, num_sms, smem_optin, pdl,
-                                                  stream);
+    return run<T, kGated, false, kBand, kSubs>(a, rows_max, b, b_rows, args, work, num_sms, smem_optin, pdl, stream);
 }
 // band: swap AB on the chunks of that band (swap_pays; the caller's swap_band, or 0: every chunk on
 // 64-row sub-tiles); subs: sub-tiles per chunk (4 or 2: chunks of 256 or 128 rows; the caller
@@ -710,12 +691,7 @@ cudaError_t launch_mc(const T* a, int rows_max, const T* b, int b_rows, const Ar
 // expert_off was final (see the producer's first stages)
 template <typename T, bool kGated>
 cudaError_t launch(const T* a, int rows_max, const T* b, int b_rows, const Args& args, bool multicast, int band,
-                   int subs, int num_sms, int smem_optin, bool pdl, cudaStream_t stream, bool wide = false) {
-    if (wide) {  // 128-row chunks on 256-row weight tiles, no swap AB, one CTA per item
-        if (subs != 2 || band != 0) return cudaErrorInvalidValue;
-        const int64_t work = ((int64_t)rows_max / Geo<2, 2>::kRows + args.E) * n_tiles(kGated, args.N, 2);
-        return run<T, kGated, false, 0, 2, 2>(a, rows_max, b, b_rows, args, work, num_sms, smem_optin, pdl, stream);
-    }
+                   int subs, int num_sms, int smem_optin, bool pdl, cudaStream_t stream) {
 #define EX_CHUNKED_LAUNCH(B, S) \
     launch_mc<T, kGated, B, S>(a, rows_max, b, b_rows, args, multicast, num_sms, smem_optin, pdl, stream)
     if (subs == 4) {

@@ -999,10 +999,8 @@ static bool s_sm90_chunked_swap = true;
 // (its blocks get resident as GEMM2's CTAs exit)
 static bool s_sm90_pdl = true;
 // set by ex_get_factor: sub-tiles per chunk of the chunked kernels, EX_MOE_SM90_CHUNK_ROWS = auto
-// (0, the default: chunked::chunk_subs of the call's rows per expert), 256 (4) or 128 (2); 128w:
-// 128-row chunks on weight tiles of 256 rows (s_sm90_chunk_wide; where H % 256 == 0, else 128)
+// (0, the default: chunked::chunk_subs of the call's rows per expert), 256 (4) or 128 (2)
 static int s_sm90_chunk_subs = 0;
-static bool s_sm90_chunk_wide = false;
 
 using GemmBf16 = sm90::GroupedGemm<cutlass::bfloat16_t>;
 using GemmF16 = sm90::GroupedGemm<cutlass::half_t>;
@@ -1312,14 +1310,13 @@ static int launch_sm90(const Problem& P, void* out, const void* x, const void* w
         const int64_t rows_per_expert = P.TK / P.G;
         int subs = s_sm90_chunk_subs > 0 ? s_sm90_chunk_subs : chunked::chunk_subs(rows_per_expert);
         if (chunked::smem_bytes_for(subs, E) > s_smem_optin) subs = chunked::kMaxSub;
-        const bool wide = s_sm90_chunk_wide && subs == 2 && H % 256 == 0;
         // swap AB on one band of chunk sizes, the one nearest the rows per expert (T*K/G)
-        const int band = s_sm90_chunked_swap && !wide ? chunked::swap_band(rows_per_expert, subs) : 0;
+        const int band = s_sm90_chunked_swap ? chunked::swap_band(rows_per_expert, subs) : 0;
         err = chunked::launch<T, true>(xs, (int)P.TK, static_cast<const T*>(w13), 2 * I, a1, mc,
-                                       band, subs, s_num_sms, s_smem_optin, s_sm90_pdl, stream, wide);
+                                       band, subs, s_num_sms, s_smem_optin, s_sm90_pdl, stream);
         if (err == cudaSuccess)
             err = chunked::launch<T, false>(act, (int)P.TK, static_cast<const T*>(w2), H, a2, mc,
-                                            band, subs, s_num_sms, s_smem_optin, s_sm90_pdl, stream, wide);
+                                            band, subs, s_num_sms, s_smem_optin, s_sm90_pdl, stream);
         if (err != cudaSuccess) return cuda_error(err);
     } else if (gated) {
         using GG = sm90::GatedGemm1<CT, T, Tile>;
@@ -1412,11 +1409,9 @@ extern "C" EX_EXPORT ex_factor_t* ex_get_factor(const ex_hardware_t* hw) {
     s_sm90_chunked_mc = explugin::env_switch("EX_MOE_SM90_CHUNKED_MULTICAST");
     s_sm90_chunked_swap = explugin::env_switch("EX_MOE_SM90_CHUNKED_SWAP_AB");
     s_sm90_pdl = hw->cc_major >= 9 && explugin::env_switch("EX_MOE_SM90_PDL");
-    static const char* const kChunkRowsNames[] = {"auto", "256", "128", "128w"};
-    static const int kChunkSubs[] = {0, 4, 2, 2};
-    const int chunk_rows = explugin::env_choice("EX_MOE_SM90_CHUNK_ROWS", kChunkRowsNames, 4, 0);
-    s_sm90_chunk_subs = kChunkSubs[chunk_rows];
-    s_sm90_chunk_wide = chunk_rows == 3;
+    static const char* const kChunkRowsNames[] = {"auto", "256", "128"};
+    static const int kChunkSubs[] = {0, 4, 2};
+    s_sm90_chunk_subs = kChunkSubs[explugin::env_choice("EX_MOE_SM90_CHUNK_ROWS", kChunkRowsNames, 3, 0)];
     static const char* const kSwizzles[] = {"1", "2", "4", "8"};
     s_sm90_swizzle = 1 << explugin::env_choice("EX_MOE_SM90_SWIZZLE", kSwizzles, 4, 0);
     // last, after every setting the cached Params (run_grouped_gemm) hold: a call that reads the

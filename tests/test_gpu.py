@@ -910,7 +910,7 @@ def swap_ab_case(cp, dtype, band, H=256, I=256):
 
 def chunked_kernel_args(names):
     """Of the profiled kernel names, the template arguments of every chunked_gemm_kernel<T, kGated,
-    kMc, kBand, kSubs, kW> launch, each a list of 6 stripped strings."""
+    kMc, kBand, kSubs> launch, each a list of 5 stripped strings."""
     return [[a.strip() for a in n.split("chunked_gemm_kernel<", 1)[1].split(">", 1)[0].split(",")]
             for n in names if "chunked_gemm_kernel<" in n]
 
@@ -998,50 +998,6 @@ def chunk_subs_run(setting, rows_per_expert, E):
     barriers, and (E + 1) int32) fits the H200's 232,448 bytes, E <= 739."""
     want = {"256": 4, "128": 2}.get(setting) or chunk_subs(rows_per_expert)
     return want if want == 4 or E <= 739 else 4
-
-
-def chunked_kernel_wide(names):
-    """The kW (weight rows per tile / 128: 1, or 2 for EX_MOE_SM90_CHUNK_ROWS=128w) of every
-    chunked_gemm_kernel launch among the profiled kernel names: a set of ints."""
-    return {int(args[5]) for args in chunked_kernel_args(names)}
-
-
-@pytest.mark.parametrize("kind", ["qwen3-30b T=512", "granite T=512", "150 rows per expert", "one expert",
-                                  "empty experts", "E=40 fp16", "T=1", "H=384", "I=1408"])
-def test_chunked_wide_bit_identical(skip_a_reg, cp, kind):
-    """The chunked kernels on 128-row chunks with weight tiles of 256 rows (EX_MOE_SM90_CHUNK_ROWS=128w:
-    one 64 x 256 GMMA per warpgroup, GEMM1's tile 128 gate rows and their 128 up rows, 4 stages)
-    give the same bits as on 128-row weight tiles (=128), both within tolerance of the float64
-    reference: each output's sum runs over the same k-steps of 16 in either, so a column stored
-    to the wrong place, a gate paired with the wrong up row, a box copied to the wrong rows or a
-    stage refilled too soon changes the bits. The profiler shows kW = 2 ran where H % 256 == 0
-    and kW = 1 elsewhere (H = 384: the wide tiles decline it), without swap AB (band 0). Shapes:
-    ~32 and ~100 rows per expert, ~150 (two chunks), one expert of 3000 rows, idle experts, E = 40
-    in float16, T = 1, I = 1408 (11 wide N-tiles of GEMM1)."""
-    shapes = {"qwen3-30b T=512": (512, 2048, 128, 768, 8), "granite T=512": (512, 1536, 40, 512, 8),
-              "150 rows per expert": (600, 512, 8, 1024, 2), "one expert": (3000, 512, 16, 384, 1),
-              "empty experts": (2048, 256, 64, 128, 4), "E=40 fp16": (1000, 512, 40, 256, 6),
-              "T=1": (1, 2048, 128, 768, 8), "H=384": (512, 384, 16, 256, 4), "I=1408": (384, 512, 16, 1408, 6)}
-    case, dtype = kind_case(cp, shapes, kind)
-    H = shapes[kind][1]
-    saved = {CHUNK_ROWS_ENV: os.environ.get(CHUNK_ROWS_ENV)}
-    outs, kws, swaps = [], [], []
-    try:
-        for rows in ("128", "128w"):
-            os.environ[CHUNK_ROWS_ENV] = rows
-            r = skip_a_reg(True)
-            r.set_tuning("moe_fused_gemm", lambda sizes: 11)
-            out, names = profiled_kernels(cp, lambda: run_moe_check(r, cp, case, dtype))
-            outs.append(out)
-            kws.append(chunked_kernel_wide(names))
-            swaps.append(chunked_kernel_swaps(names))
-            r.check_device_errors()
-    finally:
-        restore_env(saved)
-    assert kws == [{1}, {2 if H % 256 == 0 else 1}], kws
-    if H % 256 == 0:
-        assert swaps[1] == {0}, swaps
-    assert same_bits(cp, outs[0], outs[1], dtype)
 
 
 @pytest.mark.parametrize("config", [11, 10])
