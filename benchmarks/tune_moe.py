@@ -59,7 +59,10 @@ def candidates(rows_per_expert: float, grouped: bool, H: int = 0, I: int = 0) ->
     expert in an A/B of session 26: qwen3-30b T = 384 315.6 against 345.0 µs, granite T = 96
     64.3 against 70.5) and only on shapes its kernels take (H and I multiples of 128: elsewhere
     the plugin runs grouped for it, which would be recorded under chunked's name); chunked_nomc
-    (the same kernels without the multicast of A) wherever chunked is offered."""
+    (the same kernels without the multicast of A) wherever chunked is offered, and chunked_tail
+    (256-row chunks whose last takes up to 32 rows more) there from 128 rows per expert (it
+    gained 3-18% at ~256 rows per expert in session 28's A/B, e.g. mixtral T = 1024 1398.4 against
+    1617.7 µs, and lost 7% at 128: qwen3-30b T = 2048)."""
     out = []
     if rows_per_expert <= 64:
         out += ["tiny", "decode", "decode4"]
@@ -72,7 +75,7 @@ def candidates(rows_per_expert: float, grouped: bool, H: int = 0, I: int = 0) ->
     if rows_per_expert >= 16:
         out += ["prefill"] + (["grouped", "grouped64", "narrow"] if grouped else [])
     if rows_per_expert >= 8 and grouped and H % 128 == 0 and I % 128 == 0 and H > 0 and I > 0:
-        out += ["chunked", "chunked_nomc"]
+        out += ["chunked", "chunked_nomc"] + (["chunked_tail"] if rows_per_expert >= 128 else [])
     return out
 
 

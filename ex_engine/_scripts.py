@@ -114,12 +114,13 @@ def exit_quietly_on_broken_pipe(script_main, *args) -> None:
 # The tile configurations of moe_fused_gemm (dims[7]) by name (benchmarks/tune_moe.py, ab_moe.py,
 # scripts/kernel_times_moe.py, profile_moe.py force them through force_config)
 CONFIGS = {"tiny": 0, "decode": 1, "mid": 2, "prefill": 3, "grouped": 4, "mid32": 5, "mid48": 6,
-           "grouped64": 7, "narrow": 8, "decode4": 9, "chunked": 10, "chunked_nomc": 11}
+           "grouped64": 7, "narrow": 8, "decode4": 9, "chunked": 10, "chunked_nomc": 11,
+           "chunked_tail": 12}
 VALUES = {"auto": -1, **CONFIGS}   # auto: the kernel's own choice from T*K/G
 # The --config option of the scripts that force one configuration (kernel_times_moe, profile_moe)
 CONFIG_HELP = ("force a tile configuration by name: auto (the kernel's own choice, ignoring the tuning file) "
                "or one of benchmarks/tune_moe.py's CONFIGS (tiny, decode, decode4, mid, ..., grouped, "
-               "grouped64, narrow, chunked, chunked_nomc); default: tuned data, else auto")
+               "grouped64, narrow, chunked, chunked_nomc, chunked_tail); default: tuned data, else auto")
 
 
 def config_problems(name) -> list:

@@ -21,7 +21,8 @@ File format (written by benchmarks/tune_moe.py)::
       dim: config                  # the manifest dim this table fills
       key: [H, I, G, K]            # sizes that select a shape entry
       values: {auto: -1, tiny: 0, decode: 1, mid: 2, prefill: 3, grouped: 4, mid32: 5, mid48: 6,
-               grouped64: 7, narrow: 8, decode4: 9, chunked: 10, chunked_nomc: 11}
+               grouped64: 7, narrow: 8, decode4: 9, chunked: 10, chunked_nomc: 11,
+               chunked_tail: 12}
       shapes:
         - {H: 2048, I: 768, G: 128, K: 8, model: qwen3-30b-a3b,
            by_T: [[1, tiny, 30.1, 31.0], [64, decode, 80.2, 80.9], [4096, grouped, 790.0, 792.3]]}

@@ -47,6 +47,18 @@
  * element at a time (a thread holds 2 weight rows x 2 chunk rows per block of 8 chunk rows). The
  * outputs are bit-identical to the sub-tiles' (tests/test_gpu.py).
  *
+ * Tail (kX = kXRows, dims[7] = 12, "chunked_tail": 256-row chunks, one CTA per item, no swap band):
+ * the last of an expert's chunks takes up to 32 rows more, multiplied as a swap-AB piece (64 weight
+ * rows of the warpgroup's half x 32 rows) from a fifth A box per stage (4 stages of 56 KB), so that
+ * an expert of 257..288 rows is one item and streams its weights once. Without it such an expert
+ * runs a second chunk of a few rows that streams the weight tile again, and the persistent grid's
+ * CTAs, their items of unequal times, no longer read it while L2 still holds it (qwen3-30b T = 4096,
+ * Nsight Compute: the chunked GEMM1 moved 1.44 GB from DRAM where 0.99 is the least, CUTLASS 1.07).
+ * GEMM1's weight tile is then always the interleaved one (tma_b_gu), so the sub-tiles' epilogue
+ * takes a gate from column block 2j and its up from block 2j + 1. Measured (H200, benchmarks/
+ * RESULTS.md "chunked_tail"): 3-18% faster than the tuned choice at ~256 rows per expert (mixtral
+ * T = 1024 1398.4 against 1617.7 µs), slower at 128 or 512.
+ *
  * Launch (pdl, the default on the Hopper path; EX_MOE_SM90_PDL=0 turns it off): programmatic
  * dependent launch. A kernel lets the next grid launch at its start (that grid's CTAs get resident
  * as this one's exit) and its producer copies the weight tiles of its first item's first stages
@@ -93,15 +105,30 @@ constexpr int kBBytes = kBN * kBK * 2;                    // 16 KB per stage
 // (H200, benchmarks/RESULTS.md "Chunks of 128 rows"): 1-4% faster wherever the rows per expert
 // fit, e.g. granite T = 512 86.5 against 89.7 µs; chunks of 64 rows at 9 stages were no faster
 // than 128 at 7 (and lost where an expert overflows them), so they are not built.
-template <int kSubs>
+// kX (0 or kXRows): a chunk of the last of an expert's chunks may hold kX rows past its kSubs * 64,
+// multiplied as a swap-AB piece (N = kX) from one more A box per stage (256-row chunks only:
+// 4 stages of 56 KB)
+constexpr int kXRows = 32;
+template <int kSubs, int kX = 0>
 struct Geo {
     static_assert(kSubs == 2 || kSubs == 4, "chunks of 128 or 256 rows");
+    static_assert(kX == 0 || (kX == kXRows && kSubs == 4), "extra rows on 256-row chunks only");
     static constexpr int kRows = kSub * kSubs;
-    static constexpr int kABytes = kSubs * kBoxBytes;
+    static constexpr int kABoxes = kSubs + (kX > 0 ? 1 : 0);  // A boxes per stage
+    static constexpr int kABytes = kABoxes * kBoxBytes;
     static constexpr int kStages = kSubs == 4 ? 4 : 7;
-    static constexpr int kBarOff = kStages * (kABytes + kBBytes);  // 196,608 / 229,376
+    static constexpr int kBarOff = kStages * (kABytes + kBBytes);  // 196,608 / 229,376 / 229,376
     static constexpr int kPreOff = kBarOff + 2 * kStages * 8;
 };
+// Chunks of an expert of m rows: ceil(m / kRows), or with kX the last chunk taking up to kX rows
+// more (an expert of 257..288 rows is one chunk)
+template <int kSubs, int kX>
+__host__ __device__ inline int chunks_of(int m) {
+    constexpr int R = Geo<kSubs, kX>::kRows;
+    if (m <= 0) return 0;
+    const int c = (m - kX + R - 1) / R;
+    return c < 1 ? 1 : c;
+}
 // The chunk size for rows_per_expert = T*K/G on average: 128-row chunks (2 sub-tiles) up to 104
 // rows per expert, else 256. 104 is where an expert of the mean plus ~2.4 standard deviations of
 // uniform routing (a count near Poisson: sqrt of the mean) still fits one chunk (an expert past it
@@ -110,8 +137,8 @@ struct Geo {
 // chunks; at 128 (olmoe T = 1024) 369.1 against 300.7; nothing measured between 104 and 128.
 constexpr int64_t kSmallChunkMaxRowsPerExpert = 104;
 inline int chunk_subs(int64_t rows_per_expert) { return rows_per_expert <= kSmallChunkMaxRowsPerExpert ? 2 : kMaxSub; }
-template <int kSubs>
-inline int64_t smem_bytes(int64_t E) { return Geo<kSubs>::kPreOff + (E + 1) * 4; }
+template <int kSubs, int kX = 0>
+inline int64_t smem_bytes(int64_t E) { return Geo<kSubs, kX>::kPreOff + (E + 1) * 4; }
 inline int64_t smem_bytes_for(int subs, int64_t E) { return subs == 2 ? smem_bytes<2>(E) : smem_bytes<4>(E); }
 // Swap AB by band (kBand, 1..4; 0: none): a kernel of band b runs swap AB on the chunks of
 // 64(b-1) + 1 .. 64(b-1) + 32 rows, with N = band_n(b) = 64(b-1) + 32 (32, 96, 160, 224), and the
@@ -147,13 +174,14 @@ template <typename T> struct CuteElem;
 template <> struct CuteElem<__nv_bfloat16> { using type = cutlass::bfloat16_t; };
 template <> struct CuteElem<__half> { using type = cutlass::half_t; };
 
-template <typename T, int kSubs>
+template <typename T, int kSubs, int kX = 0>
 struct Types {
+    using G = Geo<kSubs, kX>;
     using E = typename CuteElem<T>::type;
     using SmemLayoutA = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<E>{},
-                                               Shape<Int<kSub>, Int<kBK>, Int<kSubs * Geo<kSubs>::kStages>>{}));
+                                               Shape<Int<kSub>, Int<kBK>, Int<G::kABoxes * G::kStages>>{}));
     using SmemLayoutB = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<E>{},
-                                               Shape<Int<kBN>, Int<kBK>, Int<Geo<kSubs>::kStages>>{}));
+                                               Shape<Int<kBN>, Int<kBK>, Int<G::kStages>>{}));
     using MmaOp = decltype(GMMA::ss_op_selector<E, E, float, Shape<Int<kSub>, Int<kBN>, Int<kBK>>,
                                                  GMMA::Major::K, GMMA::Major::K>());
     using TiledMma = decltype(make_tiled_mma(MmaOp{}));  // one warpgroup
@@ -186,16 +214,20 @@ __device__ __forceinline__ float silu_epi(float g) {
 // multicast), so A crosses from L2 once per pair; a stage is refilled only after both CTAs'
 // consumers released it (empty barriers count 16 arrivals, one per consumer warp of either CTA).
 // kSubs: sub-tiles per chunk (Geo); kBand <= kSubs.
-template <typename T, bool kGated, bool kMc, int kBand, int kSubs>
+template <typename T, bool kGated, bool kMc, int kBand, int kSubs, int kX>
 __global__ void __launch_bounds__(kThreads, 1)
 chunked_gemm_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_constant__ CUtensorMap tma_b,
                     const __grid_constant__ CUtensorMap tma_b_gu, const Args p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(CUTE_ARCH_MMA_SM90A_ENABLED)
     static_assert(kBand <= kSubs, "a swap band's N fits the chunk");
-    using G = Geo<kSubs>;
-    constexpr int kStages = G::kStages, kABytes = G::kABytes;
+    static_assert(kX == 0 || (kBand == 0 && !kMc), "extra rows: no swap band, no multicast");
+    using G = Geo<kSubs, kX>;
+    constexpr int kStages = G::kStages, kABytes = G::kABytes, kABoxes = G::kABoxes;
     constexpr int kBarOff = G::kBarOff, kPreOff = G::kPreOff;
-    using Ty = Types<T, kSubs>;
+    // GEMM1's weight tile as interleaved groups of 8 gate and 8 up rows (tma_b_gu) wherever a
+    // swap-AB piece may read it (its C gives a thread a gate row and its up row)
+    constexpr bool kGu = kGated && (kBand > 0 || kX > 0);
+    using Ty = Types<T, kSubs, kX>;
     using E = typename Ty::E;
     extern __shared__ __align__(1024) unsigned char smem[];
     E* sa_ptr = reinterpret_cast<E*>(smem);
@@ -230,7 +262,7 @@ chunked_gemm_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_cons
             const int e = base + lane;
             int m = 0;
             if (e < p.E) m = __ldg(p.expert_off + e + 1) - __ldg(p.expert_off + e);
-            const int nc = (m + chunk_rows - 1) / chunk_rows;
+            const int nc = chunks_of<kSubs, kX>(m);
             int inc = nc;
 #pragma unroll
             for (int o = 1; o < 32; o <<= 1) {
@@ -264,7 +296,8 @@ chunked_gemm_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_cons
         const int off = __ldg(p.expert_off + e);
         const int m = __ldg(p.expert_off + e + 1) - off;
         m0 = off + q * chunk_rows;
-        mv = min(chunk_rows, m - q * chunk_rows);
+        // (kX: the last chunk holds up to kX rows more)
+        mv = kX > 0 ? (q == nc - 1 ? m - q * chunk_rows : chunk_rows) : min(chunk_rows, m - q * chunk_rows);
     };
 
     if (warp < 4) {
@@ -286,7 +319,8 @@ chunked_gemm_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_cons
                 int e, m0, mv, n;
                 item_of(it, e, m0, mv, n);
                 n = n * kCtas + rank;
-                const int nsub = (mv + kSub - 1) / kSub;
+                const int nsub = kX > 0 ? min(kSubs, (mv + kSub - 1) / kSub) : (mv + kSub - 1) / kSub;
+                const int nx = (kX > 0 && mv > chunk_rows) ? 1 : 0;  // the extra rows' box
                 const bool swap = swap_pays(mv, kBand);
                 const int b0 = kGated ? n * (kBN / 2) : n * kBN;
                 const int b1 = kGated ? p.N + n * (kBN / 2) : n * kBN + kBN / 2;
@@ -300,6 +334,9 @@ chunked_gemm_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_cons
                         for (int s = 0; s < nsub; ++s)
                             SM90_TMA_LOAD_2D::copy(&tma_a, &full[st], hint, sa + s * kBoxBytes, kb * kBK,
                                                    m0 + s * kSub);
+                        if (nx)  // rows chunk_rows .. chunk_rows + 63 (past the expert: not stored)
+                            SM90_TMA_LOAD_2D::copy(&tma_a, &full[st], hint, sa + kSubs * kBoxBytes, kb * kBK,
+                                                   m0 + chunk_rows);
                     }
                 };
                 // stages of this item whose A is owed (the first item's first stages: 0 .. pre-1)
@@ -313,9 +350,9 @@ chunked_gemm_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_cons
                     if (early && kb == pre) pay();
                     cutlass::arch::ClusterBarrier::wait(&empty[stage], phase);
                     cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(
-                        &full[stage], kBBytes + nsub * kBoxBytes);
+                        &full[stage], kBBytes + (nsub + nx) * kBoxBytes);
                     unsigned char* sb = reinterpret_cast<unsigned char*>(sb_ptr) + stage * kBBytes;
-                    if (kBand > 0 && kGated && swap) {
+                    if (kGu && (kX > 0 || swap)) {
                         // one box of the interleaved view (tma_b_gu): groups of 8 gate rows, each
                         // followed by its 8 up rows (64 act columns: 8 groups)
                         SM90_TMA_LOAD_5D::copy(&tma_b_gu, &full[stage], hint, sb, kb * kBK, 0, 0, n * 8, e);
@@ -368,7 +405,7 @@ chunked_gemm_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_cons
         int e, m0, mv, n;
         item_of(it, e, m0, mv, n);
         n = n * kCtas + rank;
-        const int nsub = __shfl_sync(0xffffffffu, (mv + kSub - 1) / kSub, 0);
+        const int nsub = __shfl_sync(0xffffffffu, kX > 0 ? min(kSubs, (mv + kSub - 1) / kSub) : (mv + kSub - 1) / kSub, 0);
         const bool do0 = wg < nsub, do1 = kSubs > 2 && wg + 2 < nsub;
         // the k-loop for NS of this warpgroup's sub-tiles (0, 1, 2), one MMA batch in flight:
         // batch kb is issued before batch kb - 1 is waited for, then kb - 1's stage is released
@@ -471,9 +508,9 @@ chunked_gemm_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_cons
                     CUTLASS_PRAGMA_UNROLL
                     for (int k = 0; k < size<2>(tCrA); ++k) {
                         mma.accumulate_ = (kb == 0 && k == 0) ? GMMA::ScaleOut::Zero : GMMA::ScaleOut::One;
-                        cute::gemm(mma, tCrA(_, _, k, stage * kSubs + wg), tCrB(_, _, k, stage), acc0);
+                        cute::gemm(mma, tCrA(_, _, k, stage * kABoxes + wg), tCrB(_, _, k, stage), acc0);
                         if constexpr (NS > 1)
-                            cute::gemm(mma, tCrA(_, _, k, stage * kSubs + wg + 2), tCrB(_, _, k, stage), acc1);
+                            cute::gemm(mma, tCrA(_, _, k, stage * kABoxes + wg + 2), tCrB(_, _, k, stage), acc1);
                     }
                     warpgroup_commit_batch();
                     warpgroup_wait<1>();
@@ -491,10 +528,6 @@ chunked_gemm_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_cons
             }
             if (prev >= 0) release(prev);
         };
-        // (do1 is false where chunks hold two sub-tiles, one per warpgroup: no 2-sub-tile loop there)
-        if (do1) mainloop(Int<(kSubs > 2 ? 2 : 1)>{});
-        else if (do0) mainloop(Int<1>{});
-        else mainloop(Int<0>{});
         // epilogue: fragment ((2 cols, 2 rows, 16 column blocks of 8), 1, 1)
         auto store = [&](auto& acc, int s) {
             const int rbase = s * kSub;
@@ -503,7 +536,20 @@ chunked_gemm_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_cons
                 const int r = rbase + int(get<0>(tCcC(make_coord(make_coord(0, h, 0), 0, 0))));
                 if (r >= mv) continue;
                 T* orow = out + (int64_t)(m0 + r) * p.ld_out;
-                if constexpr (kGated) {
+                if constexpr (kGated && kX > 0) {
+                    // the interleaved weight tile: column block 2j holds the gates of act columns
+                    // 8j .. 8j + 7, block 2j + 1 their ups
+                    CUTLASS_PRAGMA_UNROLL
+                    for (int j = 0; j < 8; ++j) {
+                        const int c = int(get<1>(tCcC(make_coord(make_coord(0, h, 2 * j), 0, 0))));
+                        const float2 g = Elem<T>::unpack(Elem<T>::pack(acc(make_coord(make_coord(0, h, 2 * j), 0, 0)),
+                                                                       acc(make_coord(make_coord(1, h, 2 * j), 0, 0))));
+                        const float2 u = Elem<T>::unpack(Elem<T>::pack(acc(make_coord(make_coord(0, h, 2 * j + 1), 0, 0)),
+                                                                       acc(make_coord(make_coord(1, h, 2 * j + 1), 0, 0))));
+                        *reinterpret_cast<E2*>(orow + n * (kBN / 2) + j * 8 + (c % 8)) =
+                            Elem<T>::pack(silu_epi(g.x) * u.x, silu_epi(g.y) * u.y);
+                    }
+                } else if constexpr (kGated) {
                     CUTLASS_PRAGMA_UNROLL
                     for (int b = 0; b < 8; ++b) {
                         const int c = int(get<1>(tCcC(make_coord(make_coord(0, h, b), 0, 0))));
@@ -525,6 +571,88 @@ chunked_gemm_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_cons
                 }
             }
         };
+        if constexpr (kX > 0) {
+          if (__shfl_sync(0xffffffffu, (int)(mv > chunk_rows), 0)) {
+            // a chunk of chunk_rows + 1 .. chunk_rows + kX rows: the kSubs sub-tiles as always, and
+            // the rows past them as a swap-AB piece: D^T (64 weight rows of this warpgroup's half x
+            // kX rows) = W . X^T, X the stage's extra A box
+            using MmaX = decltype(GMMA::ss_op_selector<E, E, float, Shape<Int<kSub>, Int<kX>, Int<kBK>>,
+                                                       GMMA::Major::K, GMMA::Major::K>());
+            auto mma_x = make_tiled_mma(MmaX{});
+            auto thr_x = mma_x.get_thread_slice(wt);
+            using LayoutW = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<E>{},
+                                                   Shape<Int<kSub>, Int<kBK>, Int<2 * kStages>>{}));
+            using LayoutX = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<E>{}, Shape<Int<kX>, Int<kBK>>{}));
+            Tensor tWr = thr_x.make_fragment_A(thr_x.partition_A(make_tensor(make_smem_ptr(sb_ptr), LayoutW{})));
+            Tensor tXr0 = thr_x.make_fragment_B(
+                thr_x.partition_B(make_tensor(make_smem_ptr(sa_ptr + kSubs * kSub * kBK), LayoutX{})));
+            Tensor accx = partition_fragment_C(mma_x, Shape<Int<kSub>, Int<kX>>{});
+            int prev = -1;
+            for (int kb = 0; kb < KB; ++kb) {
+                cutlass::arch::ClusterBarrier::wait(&full[stage], phase);
+                Tensor tXr = make_tensor(tXr0.data() + stage * (kABytes / 16), tXr0.layout());
+                warpgroup_fence_operand(acc0);
+                warpgroup_fence_operand(acc1);
+                warpgroup_fence_operand(accx);
+                warpgroup_arrive();
+                CUTLASS_PRAGMA_UNROLL
+                for (int k = 0; k < size<2>(tCrA); ++k) {
+                    const auto sc = (kb == 0 && k == 0) ? GMMA::ScaleOut::Zero : GMMA::ScaleOut::One;
+                    mma.accumulate_ = sc;
+                    cute::gemm(mma, tCrA(_, _, k, stage * kABoxes + wg), tCrB(_, _, k, stage), acc0);
+                    cute::gemm(mma, tCrA(_, _, k, stage * kABoxes + wg + 2), tCrB(_, _, k, stage), acc1);
+                    mma_x.accumulate_ = sc;
+                    cute::gemm(mma_x, tWr(_, _, k, stage * 2 + wg), tXr(_, _, k), accx);
+                }
+                warpgroup_commit_batch();
+                warpgroup_wait<1>();
+                warpgroup_fence_operand(acc0);
+                warpgroup_fence_operand(acc1);
+                warpgroup_fence_operand(accx);
+                if (prev >= 0) release(prev);
+                prev = stage;
+                if (++stage == kStages) { stage = 0; phase ^= 1; }
+            }
+            warpgroup_wait<0>();
+            warpgroup_fence_operand(acc0);
+            warpgroup_fence_operand(acc1);
+            warpgroup_fence_operand(accx);
+            if (prev >= 0) release(prev);
+            store(acc0, wg);
+            store(acc1, wg + 2);
+            // the extra rows, as the swap-AB epilogue (rows r / r + 8 of this warpgroup's weight half)
+            Tensor cCx = make_identity_tensor(Shape<Int<kSub>, Int<kX>>{});
+            Tensor tCcx = thr_x.partition_C(cCx);
+            const int r = int(get<0>(tCcx(make_coord(make_coord(0, 0, 0), 0, 0))));
+            const int ld = p.ld_out;
+            const int mx = mv - chunk_rows;
+            T* obase = out + (int64_t)(m0 + chunk_rows) * ld +
+                       (kGated ? n * (kBN / 2) + wg * 32 + (r / 16) * 8 + (r % 8) : n * kBN + wg * kSub + r);
+            CUTLASS_PRAGMA_UNROLL
+            for (int b = 0; b < kX / 8; ++b) {
+                CUTLASS_PRAGMA_UNROLL
+                for (int x = 0; x < 2; ++x) {
+                    const int t = int(get<1>(tCcx(make_coord(make_coord(x, 0, b), 0, 0))));
+                    const float v0 = accx(make_coord(make_coord(x, 0, b), 0, 0));
+                    const float v1 = accx(make_coord(make_coord(x, 1, b), 0, 0));
+                    T* o = obase + t * ld;
+                    if constexpr (kGated) {
+                        const float2 gu = Elem<T>::unpack(Elem<T>::pack(v0, v1));
+                        const T a = Elem<T>::from_f(silu_epi(gu.x) * gu.y);
+                        if (t < mx) o[0] = a;
+                    } else {
+                        const T a = Elem<T>::from_f(v0), c = Elem<T>::from_f(v1);
+                        if (t < mx) { o[0] = a; o[8] = c; }
+                    }
+                }
+            }
+            continue;
+          }
+        }
+        // (do1 is false where chunks hold two sub-tiles, one per warpgroup: no 2-sub-tile loop there)
+        if (do1) mainloop(Int<(kSubs > 2 ? 2 : 1)>{});
+        else if (do0) mainloop(Int<1>{});
+        else mainloop(Int<0>{});
         if (do0) store(acc0, wg);
         if (do1) store(acc1, wg + 2);
     }
@@ -601,7 +729,7 @@ int max_active_clusters(Kernel kern, int num_sms, int smem_optin, cudaStream_t s
 // attribute, set once per process, as the CUTLASS launches do). The three tensor maps are cached for the last
 // (pointers, shapes) only: an eager call on another layer's weights encodes them again (host work,
 // a few µs, beside GEMMs of hundreds of µs where this tiling is chosen).
-template <typename T, bool kGated, bool kMc, int kBand, int kSubs>
+template <typename T, bool kGated, bool kMc, int kBand, int kSubs, int kX>
 cudaError_t run(const T* a, int rows_cap, const T* b, int b_rows, const Args& args, int64_t work_max, int num_sms,
                 int smem_optin, bool pdl, cudaStream_t stream) {
     struct Cache {
@@ -618,15 +746,15 @@ cudaError_t run(const T* a, int rows_cap, const T* b, int b_rows, const Args& ar
         c.valid = false;
         if (!encode_map(&c.ta, a, bf16, 2, args.Kdim, rows_cap, 1) ||
             !encode_map(&c.tb, b, bf16, 3, args.Kdim, b_rows, args.E) ||
-            (kBand > 0 && kGated && !encode_map_gate_up(&c.tb_gu, b, bf16, args.Kdim, b_rows / 2, args.E)))
+            ((kBand > 0 || kX > 0) && kGated && !encode_map_gate_up(&c.tb_gu, b, bf16, args.Kdim, b_rows / 2, args.E)))
             return cudaErrorInvalidValue;
-        if (!(kBand > 0 && kGated)) c.tb_gu = c.tb;  // a parameter the kernel does not read
+        if (!((kBand > 0 || kX > 0) && kGated)) c.tb_gu = c.tb;  // a parameter the kernel does not read
         c.a = a; c.b = b; c.rows = rows_cap; c.b_rows = b_rows; c.K = args.Kdim; c.E = args.E;
         c.valid = true;
     }
     if (kMc && n_tiles(kGated, args.N) % 2 != 0) return cudaErrorInvalidValue;  // an N-tile would be left out
-    auto kern = chunked_gemm_kernel<T, kGated, kMc, kBand, kSubs>;
-    const int smem = (int)smem_bytes<kSubs>(args.E);
+    auto kern = chunked_gemm_kernel<T, kGated, kMc, kBand, kSubs, kX>;
+    const int smem = (int)smem_bytes<kSubs, kX>(args.E);
     if (smem > smem_optin) return cudaErrorInvalidValue;  // the caller checks smem_bytes_for first
     static const cudaError_t set = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                         smem_optin);
@@ -678,10 +806,11 @@ cudaError_t launch_mc(const T* a, int rows_max, const T* b, int b_rows, const Ar
     const int64_t work = ((int64_t)rows_max / Geo<kSubs>::kRows + args.E) * n_tiles(kGated, args.N);
     if constexpr (kSubs == kMaxSub) {
         if (multicast && n_tiles(kGated, args.N) % 2 == 0)
-            return run<T, kGated, true, kBand, kSubs>(a, rows_max, b, b_rows, args, work, num_sms, smem_optin, pdl,
-                                                      stream);
+            return run<T, kGated, true, kBand, kSubs, 0>(a, rows_max, b, b_rows, args, work, num_sms, smem_optin,
+                                                         pdl, stream);
     }
-    return run<T, kGated, false, kBand, kSubs>(a, rows_max, b, b_rows, args, work, num_sms, smem_optin, pdl, stream);
+    return run<T, kGated, false, kBand, kSubs, 0>(a, rows_max, b, b_rows, args, work, num_sms, smem_optin, pdl,
+                                                  stream);
 }
 // band: swap AB on the chunks of that band (swap_pays; the caller's swap_band, or 0: every chunk on
 // 64-row sub-tiles); subs: sub-tiles per chunk (4 or 2: chunks of 256 or 128 rows; the caller
@@ -691,7 +820,13 @@ cudaError_t launch_mc(const T* a, int rows_max, const T* b, int b_rows, const Ar
 // expert_off was final (see the producer's first stages)
 template <typename T, bool kGated>
 cudaError_t launch(const T* a, int rows_max, const T* b, int b_rows, const Args& args, bool multicast, int band,
-                   int subs, int num_sms, int smem_optin, bool pdl, cudaStream_t stream) {
+                   int subs, int num_sms, int smem_optin, bool pdl, cudaStream_t stream, bool extra = false) {
+    if (extra) {  // 256-row chunks whose last takes up to kXRows more rows; no swap band, no multicast
+        if (subs != kMaxSub || band != 0) return cudaErrorInvalidValue;
+        const int64_t work = ((int64_t)rows_max / Geo<kMaxSub>::kRows + args.E) * n_tiles(kGated, args.N);
+        return run<T, kGated, false, 0, kMaxSub, kXRows>(a, rows_max, b, b_rows, args, work, num_sms, smem_optin, pdl,
+                                                          stream);
+    }
 #define EX_CHUNKED_LAUNCH(B, S) \
     launch_mc<T, kGated, B, S>(a, rows_max, b, b_rows, args, multicast, num_sms, smem_optin, pdl, stream)
     if (subs == 4) {

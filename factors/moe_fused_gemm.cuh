@@ -228,7 +228,8 @@ enum {
     kTileConfigDecode4 = 9,  // CfgDecode4
     kTileConfigChunked = 10,  // moe_fused_gemm_sm90.so's GEMMs on chunks of up to 256 rows (else: auto)
     kTileConfigChunkedNomc = 11,  // the same, each CTA copying its own chunk's A (no cluster multicast)
-    kTileConfigMax = 11,
+    kTileConfigChunkedTail = 12,  // chunked_nomc on 256-row chunks whose last takes up to 32 rows more
+    kTileConfigMax = 12,
 };
 
 // What the host needs of each config: when to pick it and what it launches with.
@@ -1278,7 +1279,9 @@ struct Problem {
                                // 5 mid32, 6 mid48, 7 Hopper grouped GEMM on 64-row tiles,
                                // 8 Hopper grouped GEMMs on 128 x 128 tiles, 9 decode4,
                                // 10 Hopper GEMMs on chunks of up to 256 of an expert's rows,
-                               // 11 the same without the multicast of A (chunked_nomc)
+                               // 11 the same without the multicast of A (chunked_nomc),
+                               // 12 chunked_nomc on 256-row chunks, the last of an expert's
+                               // taking up to 32 rows more (chunked_tail)
                                // (kTileConfig*; the registry passes tuned values,
                                // manifests/tuning; below -1: read_dims rejects the call; above
                                // kTileConfigMax, a later plugin's value: read as -1)

@@ -71,7 +71,9 @@
  * chunk's rows as the MMA's N where the last sub-tile would be at most half full, on one band of
  * chunk sizes per launch; the two CTAs of a cluster multicasting the chunk's A, or, where dims[7]
  * = 11 ("chunked_nomc"), each CTA copying its own; chunks of up to 128 rows, one CTA each, with a
- * deeper ring, where the call's rows per expert are at most 104 on average) where sm90_chunked_for
+ * deeper ring, where the call's rows per expert are at most 104 on average; where dims[7] = 12
+ * ("chunked_tail"), chunked_nomc's kernels on 256-row chunks whose last takes up to 32 rows more
+ * as a swap-AB piece, so that an expert of 257..288 rows streams its weights once) where sm90_chunked_for
  * allows (GEMM1 gated, H % 128 == 0, H and I <= 2^23, E <= 4096), else as dims[7] = 4; for experts of a little over
  * 128 rows (mixtral T = 512).
  *
@@ -1084,9 +1086,9 @@ static Sm90Layout sm90_layout(const Problem& P) {
     return L;
 }
 
-// Whether a tuned configuration names the chunked kernels (10 chunked, 11 chunked_nomc)
+// Whether a tuned configuration names the chunked kernels (10 chunked, 11 chunked_nomc, 12 chunked_tail)
 static bool chunked_config(int64_t config) {
-    return config == kTileConfigChunked || config == kTileConfigChunkedNomc;
+    return config == kTileConfigChunked || config == kTileConfigChunkedNomc || config == kTileConfigChunkedTail;
 }
 
 // Whether the dims take the CUTLASS path (given 16-byte aligned tensors); a function of dims
@@ -1302,21 +1304,26 @@ static int launch_sm90(const Problem& P, void* out, const void* x, const void* w
     // (the gather's group arrays for the CUTLASS GEMMs are written also where the chunked kernels
     // run instead: the same launch, a few KB)
     if (use_chunked) {  // both GEMMs (each multicasts A where its N-tiles pair up, unless chunked_nomc)
-        const bool mc = s_sm90_chunked_mc && P.config != kTileConfigChunkedNomc;
+        const bool mc = s_sm90_chunked_mc && P.config == kTileConfigChunked;
         const chunked::Args a1{expert_off, act, I, I, H, E};
         const chunked::Args a2{expert_off, ys, H, H, I, E};
         // chunks of 128 rows (7 stages, one CTA per item) where the rows per expert fit them and
         // their shared memory fits (E <= 739), else 256 (EX_MOE_SM90_CHUNK_ROWS forces one)
         const int64_t rows_per_expert = P.TK / P.G;
-        int subs = s_sm90_chunk_subs > 0 ? s_sm90_chunk_subs : chunked::chunk_subs(rows_per_expert);
+        // chunked_tail: 256-row chunks whose last takes up to 32 rows more (where its shared
+        // memory fits, E <= 751; else plain 256-row chunks)
+        const bool tail = P.config == kTileConfigChunkedTail;
+        int subs = tail ? chunked::kMaxSub
+                        : s_sm90_chunk_subs > 0 ? s_sm90_chunk_subs : chunked::chunk_subs(rows_per_expert);
         if (chunked::smem_bytes_for(subs, E) > s_smem_optin) subs = chunked::kMaxSub;
+        const bool extra = tail && chunked::smem_bytes<chunked::kMaxSub, chunked::kXRows>(E) <= s_smem_optin;
         // swap AB on one band of chunk sizes, the one nearest the rows per expert (T*K/G)
-        const int band = s_sm90_chunked_swap ? chunked::swap_band(rows_per_expert, subs) : 0;
+        const int band = s_sm90_chunked_swap && !extra ? chunked::swap_band(rows_per_expert, subs) : 0;
         err = chunked::launch<T, true>(xs, (int)P.TK, static_cast<const T*>(w13), 2 * I, a1, mc,
-                                       band, subs, s_num_sms, s_smem_optin, s_sm90_pdl, stream);
+                                       band, subs, s_num_sms, s_smem_optin, s_sm90_pdl, stream, extra);
         if (err == cudaSuccess)
             err = chunked::launch<T, false>(act, (int)P.TK, static_cast<const T*>(w2), H, a2, mc,
-                                            band, subs, s_num_sms, s_smem_optin, s_sm90_pdl, stream);
+                                            band, subs, s_num_sms, s_smem_optin, s_sm90_pdl, stream, extra);
         if (err != cudaSuccess) return cuda_error(err);
     } else if (gated) {
         using GG = sm90::GatedGemm1<CT, T, Tile>;

@@ -416,6 +416,9 @@ def test_tune_moe_offers_chunked_only_where_its_kernels_take_the_shape(tune):
     assert "chunked" in tune.candidates(128, True, 4096, 14336)          # mixtral T = 512
     assert "chunked_nomc" in tune.candidates(128, True, 4096, 14336)     # its multicast off: tuned too
     assert "chunked_nomc" not in tune.candidates(128, True, 200, 256)
+    assert "chunked_tail" in tune.candidates(256, True, 2048, 768)       # qwen3-30b T = 4096
+    assert "chunked_tail" not in tune.candidates(64, True, 2048, 768)    # no expert past 256 rows
+    assert "chunked_tail" not in tune.candidates(256, True, 200, 256)
     assert "chunked" in tune.candidates(64, True, 2048, 1408)             # I = 1408 = 11 * 128
     assert "chunked" not in tune.candidates(128, True, 200, 256)         # H % 128 != 0
     assert "chunked" not in tune.candidates(128, True, 512, 200)         # I % 128 != 0

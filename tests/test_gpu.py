@@ -232,8 +232,9 @@ def sm90_registry():
 # Tile128 (cooperative; GEMM2 on 128 x 128 ping-pong tiles where I <= 1024), Tile64 (ping-pong),
 # narrow (both GEMMs on 128 x 128 ping-pong tiles, two MMAs along M per warpgroup), chunked
 # (both GEMMs on chunks of up to 256 of an expert's rows; on the gated shapes with H % 128 == 0,
-# else the 128 x 256 tiling), chunked_nomc (the same without the multicast of A)
-@pytest.mark.parametrize("config", [4, 7, 8, 10, 11])
+# else the 128 x 256 tiling), chunked_nomc (the same without the multicast of A), chunked_tail
+# (256-row chunks whose last takes up to 32 rows more)
+@pytest.mark.parametrize("config", [4, 7, 8, 10, 11, 12])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("kind", ["T=1", "T=3 E=40", "E=40", "ungated I=200", "I > H", "one expert",
                                   "empty experts", "H=200", "I=1408"])
@@ -910,7 +911,7 @@ def swap_ab_case(cp, dtype, band, H=256, I=256):
 
 def chunked_kernel_args(names):
     """Of the profiled kernel names, the template arguments of every chunked_gemm_kernel<T, kGated,
-    kMc, kBand, kSubs> launch, each a list of 5 stripped strings."""
+    kMc, kBand, kSubs, kX> launch, each a list of 6 stripped strings."""
     return [[a.strip() for a in n.split("chunked_gemm_kernel<", 1)[1].split(">", 1)[0].split(",")]
             for n in names if "chunked_gemm_kernel<" in n]
 
@@ -998,6 +999,51 @@ def chunk_subs_run(setting, rows_per_expert, E):
     barriers, and (E + 1) int32) fits the H200's 232,448 bytes, E <= 739."""
     want = {"256": 4, "128": 2}.get(setting) or chunk_subs(rows_per_expert)
     return want if want == 4 or E <= 739 else 4
+
+
+def chunked_kernel_extra(names):
+    """The kX (rows a chunk may hold past its 256: 0, or 32 under chunked_tail) of every
+    chunked_gemm_kernel launch among the profiled kernel names: a set of ints."""
+    return {int(args[5]) for args in chunked_kernel_args(names)}
+
+
+@pytest.mark.parametrize("kind", ["270 rows per expert", "270 fp16", "qwen3-30b T=4096", "one expert 2840",
+                                  "I=1408", "E=40 fp16", "empty experts", "T=1", "E=768"])
+def test_chunked_extra_rows_bit_identical(skip_a_reg, cp, kind):
+    """chunked_tail (dims[7] = 12: 256-row chunks whose last takes up to 32 rows more as a swap-AB
+    piece, so an expert of 257..288 rows is one item; GEMM1's weight tile loaded as interleaved
+    groups of 8 gate and 8 up rows) gives the same bits as chunked_nomc on plain 256-row chunks
+    (EX_MOE_SM90_CHUNK_ROWS=256), both within tolerance of the float64 reference: each row's sum runs over the same
+    k-steps of 16 whichever MMA holds it, so a row stored to the wrong place, a gate paired with
+    the wrong up, the extra box copied to the wrong rows or a chunk left out changes the bits.
+    The profiler shows kX = 32 ran under chunked_tail and 0 under chunked_nomc. Shapes: ~270 rows per expert
+    (experts under 256, of 257..288 and past 288 rows) in bfloat16 and float16, qwen3-30b's
+    T = 4096 (256 +- 16), one expert of 2840 rows (11 chunks, the last of 280), I = 1408, and
+    shapes without extra rows (E = 40, idle experts, T = 1); E = 768, past the 751 experts whose
+    prefix fits beside its stages: plain 256-row chunks (kX = 0) under chunked_tail too."""
+    shapes = {"270 rows per expert": (1080, 512, 8, 256, 2), "270 fp16": (1080, 512, 8, 256, 2),
+              "qwen3-30b T=4096": (4096, 2048, 128, 768, 8), "one expert 2840": (2840, 512, 16, 384, 1),
+              "I=1408": (1440, 512, 16, 1408, 3), "E=40 fp16": (1000, 512, 40, 256, 6),
+              "empty experts": (2048, 256, 64, 128, 4), "T=1": (1, 2048, 128, 768, 8),
+              "E=768": (400, 256, 768, 128, 2)}
+    case, dtype = kind_case(cp, shapes, kind)
+    if kind == "one expert 2840":
+        case[4][:] = 3  # every slot on expert 3
+    saved = {CHUNK_ROWS_ENV: os.environ.get(CHUNK_ROWS_ENV)}
+    outs, kxs = [], []
+    try:
+        for config in (11, 12):
+            os.environ[CHUNK_ROWS_ENV] = "256"  # chunked_tail's chunks whatever the setting
+            r = skip_a_reg(True)
+            r.set_tuning("moe_fused_gemm", lambda sizes, c=config: c)
+            out, names = profiled_kernels(cp, lambda: run_moe_check(r, cp, case, dtype))
+            outs.append(out)
+            kxs.append(chunked_kernel_extra(names))
+            r.check_device_errors()
+    finally:
+        restore_env(saved)
+    assert kxs == [{0}, {0 if shapes[kind][2] > 751 else 32}], kxs
+    assert same_bits(cp, outs[0], outs[1], dtype)
 
 
 @pytest.mark.parametrize("config", [11, 10])

@@ -214,7 +214,7 @@ def test_shipped_tuning_files_parse():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [-1, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11])
+@pytest.mark.parametrize("config", [-1, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12])
 @pytest.mark.parametrize("T,H,G,I,K", [(1, 2048, 128, 768, 8), (300, 512, 40, 256, 6), (4096, 1024, 16, 512, 2)])
 def test_every_forced_config_is_correct_on_the_gpu(config, T, H, G, I, K):
     """What the tuner times: each tile configuration, forced through dims[7], on the plugin."""
@@ -259,7 +259,7 @@ def test_config_values_agree_with_the_kernel():
 
 def test_tuning_values_outside_what_the_manifest_allows_refuse_the_table(tmp_path):
     """A choice value >= -1 was taken whatever it was: bogus: 99 used in a by_T row reached the
-    kernel. moe_fused_gemm's manifest gives config's range [-1, 11]; a table with a value
+    kernel. moe_fused_gemm's manifest gives config's range [-1, 12]; a table with a value
     outside is refused with a note naming the file, the value and the allowed ones, and its
     shapes run on the default (the rest of the registry works)."""
     import copy
@@ -270,7 +270,7 @@ def test_tuning_values_outside_what_the_manifest_allows_refuse_the_table(tmp_pat
     notes = [n for n in reg.notes if "bogus" in n]
     assert len(notes) == 1 and notes[0] == (
         f"tuning: tuning file {tmp_path / 'm' / 'tuning' / 'h200.yaml'}: moe_fused_gemm: values: bogus: 99 "
-        f"outside what {tmp_path / 'm' / 'moe_fused_gemm.yaml'} allows for config (the range -1..11); "
+        f"outside what {tmp_path / 'm' / 'moe_fused_gemm.yaml'} allows for config (the range -1..12); "
         "its table is never used"), reg.notes
     sizes = {"H": 64, "I": 32, "G": 8, "K": 2}
     with pytest.warns(TuningWarning) if reg.tuning.warn else warnings.catch_warnings():
@@ -296,17 +296,17 @@ def test_a_manifest_tuned_range_or_options_is_checked_at_load(tmp_path):
     from ex_engine.manifest import Manifest
     from ex_engine import _paths
     src = (_paths.manifests_dir() / "moe_fused_gemm.yaml").read_text()
-    assert "config: {tuned: -1, range: [-1, 11]}" in src
+    assert "config: {tuned: -1, range: [-1, 12]}" in src
     for entry, needle in (("{tuned: -1, range: [8, -1]}", "config: range: expected [LOWEST, HIGHEST]"),
                           ("{tuned: -1, range: [0, x]}", "config: range: expected [LOWEST, HIGHEST]"),
                           ("{tuned: -1, options: []}", "config: options: expected a non-empty list"),
-                          ("{tuned: 12, range: [-1, 11]}", "config: tuned: the default 12 is outside the range -1..11"),
+                          ("{tuned: 13, range: [-1, 12]}", "config: tuned: the default 13 is outside the range -1..12"),
                           ("{tuned: x}", "config: tuned: expected the default value")):
         p = tmp_path / "moe_fused_gemm.yaml"
-        p.write_text(src.replace("config: {tuned: -1, range: [-1, 11]}", f"config: {entry}"))
+        p.write_text(src.replace("config: {tuned: -1, range: [-1, 12]}", f"config: {entry}"))
         with pytest.raises(FactorError, match="^" + re.escape(f"manifest {p}: dim_sources: {needle}")):
             Manifest.load(p)
-    p.write_text(src.replace("config: {tuned: -1, range: [-1, 11]}", "config: {tuned: -1, options: [-1, 0, 2]}"))
+    p.write_text(src.replace("config: {tuned: -1, range: [-1, 12]}", "config: {tuned: -1, options: [-1, 0, 2]}"))
     m = Manifest.load(p)
     (tmp_path / "t").mkdir()
     t = TuningTable.for_hardware(H200, write(tmp_path / "t", TABLE))
@@ -384,7 +384,7 @@ def test_override_refuses_a_non_callable_when_set(tmp_path):
 
 
 def test_a_tuning_override_outside_the_manifests_range_is_refused_by_name(tmp_path):
-    """set_tuning's fn returning 99 for moe_fused_gemm's config (range -1..11) was passed to the
+    """set_tuning's fn returning 99 for moe_fused_gemm's config (range -1..12) was passed to the
     kernel silently: the call is refused, naming the factor, the dim, the allowed values and
     the value, and counted; a value in range still runs, once per signature (the bind cache)."""
     from ex_engine import ArgumentError, moe_fused_gemm
@@ -396,7 +396,7 @@ def test_a_tuning_override_outside_the_manifests_range_is_refused_by_name(tmp_pa
     reg.set_tuning("moe_fused_gemm", lambda sizes: 99)
     for _ in range(2):     # also on the second call (no signature was remembered)
         with pytest.raises(ArgumentError, match=r"^moe_fused_gemm: argument 'config': tuned dim .*: "
-                                                r"expected a value in the range -1\.\.11, got 99$"):
+                                                r"expected a value in the range -1\.\.12, got 99$"):
             moe_fused_gemm(*args, registry=reg)
     assert reg.stats()["moe_fused_gemm"]["errors"] == 2
     calls = []
