@@ -56,7 +56,7 @@
  * Nsight Compute: the chunked GEMM1 moved 1.44 GB from DRAM where 0.99 is the least, CUTLASS 1.07).
  * GEMM1's weight tile is then always the interleaved one (tma_b_gu), so the sub-tiles' epilogue
  * takes a gate from column block 2j and its up from block 2j + 1. Measured (H200, benchmarks/
- * RESULTS.md "chunked_tail"): 3-18% faster than the tuned choice at ~256 rows per expert (mixtral
+ * RESULTS.md "chunked_tail"): 0.6-18% faster than the tuned choice at ~256 rows per expert (mixtral
  * T = 1024 1398.4 against 1617.7 µs), slower at 128 or 512.
  *
  * Launch (pdl, the default on the Hopper path; EX_MOE_SM90_PDL=0 turns it off): programmatic
