@@ -1,6 +1,7 @@
 /*
  * moe_chunked_sm90.cuh -- the Hopper path's two grouped GEMMs on chunks of up to 256 of an expert's
- * rows (dims[7] = 10, "chunked", or 11, "chunked_nomc": the same without kMc's multicast; a tuned choice):
+ * rows (dims[7] = 10, "chunked", or 11, "chunked_nomc": the same without kMc's multicast, or 12,
+ * "chunked_tail": chunked_nomc with up to 32 rows more in an expert's last chunk; a tuned choice):
  *   GEMM1 (gated): act[r, n] = dtype(silu(dtype(g)) * dtype(u)), g = xs[r] . w13[e, n],
  *                  u = xs[r] . w13[e, I + n]   (w13 as (E, 2I, H), gate rows first: vLLM's layout)
  *   GEMM2:         ys[r, h]  = dtype(act[r] . w2[e, h])   (w2 as (E, H, I))
@@ -817,7 +818,9 @@ cudaError_t launch_mc(const T* a, int rows_max, const T* b, int b_rows, const Ar
 // checks smem_bytes_for(subs, E) against the opt-in shared memory); a band outside 0..subs or
 // another subs is refused. pdl: programmatic dependent launch (sm_90's griddepcontrol): the
 // caller's previous launch in the stream must be one that let this grid launch only once
-// expert_off was final (see the producer's first stages)
+// expert_off was final (see the producer's first stages). extra (chunked_tail): 256-row chunks whose
+// last takes up to kXRows rows more (subs 4, band 0, no multicast; the caller checks
+// smem_bytes<kMaxSub, kXRows>(E) against the opt-in shared memory)
 template <typename T, bool kGated>
 cudaError_t launch(const T* a, int rows_max, const T* b, int b_rows, const Args& args, bool multicast, int band,
                    int subs, int num_sms, int smem_optin, bool pdl, cudaStream_t stream, bool extra = false) {
