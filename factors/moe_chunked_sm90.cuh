@@ -210,6 +210,33 @@ __device__ __forceinline__ float silu_epi(float g) {
 }
 #endif
 
+// The swap-AB epilogue of NN chunk rows (GMMA's C fragment ((2 chunk rows, 2 weight rows r / r + 8,
+// NN / 8 blocks of 8 chunk rows), 1, 1), tCc its coordinates): each value computed and its store
+// predicated on t < mv (rows past the chunk are never stored), at obase + t * ld (32-bit offsets: t <
+// 288, ld = I or H <= 2^23). GEMM1: rows r (gate) and r + 8 (up) give one act column; GEMM2: columns
+// r and r + 8. Written for little code per element (the code size is what the swap band bounds).
+template <typename T, bool kGated, int NN, class Acc, class Coords>
+__device__ __forceinline__ void store_swap(const Acc& acc, const Coords& tCc, T* obase, int ld, int mv) {
+    CUTLASS_PRAGMA_UNROLL
+    for (int b = 0; b < NN / 8; ++b) {
+        CUTLASS_PRAGMA_UNROLL
+        for (int x = 0; x < 2; ++x) {
+            const int t = int(get<1>(tCc(make_coord(make_coord(x, 0, b), 0, 0))));
+            const float v0 = acc(make_coord(make_coord(x, 0, b), 0, 0));
+            const float v1 = acc(make_coord(make_coord(x, 1, b), 0, 0));
+            T* o = obase + t * ld;
+            if constexpr (kGated) {
+                const float2 gu = Elem<T>::unpack(Elem<T>::pack(v0, v1));
+                const T a = Elem<T>::from_f(silu_epi(gu.x) * gu.y);
+                if (t < mv) o[0] = a;
+            } else {
+                const T a = Elem<T>::from_f(v0), c = Elem<T>::from_f(v1);
+                if (t < mv) { o[0] = a; o[8] = c; }
+            }
+        }
+    }
+}
+
 // kMc: launched in clusters of two CTAs that take the two N-tiles of a pair for the same chunk;
 // each copies half of the chunk's A sub-tiles (s % 2 == its rank) to both CTAs' shared memory (TMA
 // multicast), so A crosses from L2 once per pair; a stage is refilled only after both CTAs'
@@ -460,11 +487,7 @@ chunked_gemm_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_cons
                 warpgroup_wait<0>();
                 warpgroup_fence_operand(acc);
                 if (prev >= 0) release(prev);
-                // epilogue: fragment ((2 chunk rows, 2 weight rows r / r + 8, NN / 8 blocks of 8
-                // chunk rows), 1, 1); this thread's weight row r = warp * 16 + lane / 4 (GMMA's C).
-                // Written for little code per element (the code size is what the band bounds):
-                // one base pointer, 32-bit row offsets (t < 256, ld_out = I or H), every value
-                // computed and its store predicated on t < mv (rows past the chunk are never stored)
+                // epilogue (store_swap); this thread's weight row r = warp * 16 + lane / 4 (GMMA's C)
                 Tensor cC = make_identity_tensor(Shape<Int<kSub>, Int<NN>>{});
                 Tensor tCc = thr_t.partition_C(cC);
                 const int r = int(get<0>(tCc(make_coord(make_coord(0, 0, 0), 0, 0))));
@@ -473,24 +496,7 @@ chunked_gemm_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_cons
                 // warpgroup's 32 (the interleaved weight tile); GEMM2: columns r and r + 8
                 T* obase = out + (int64_t)m0 * ld +
                            (kGated ? n * (kBN / 2) + wg * 32 + (r / 16) * 8 + (r % 8) : n * kBN + wg * kSub + r);
-                CUTLASS_PRAGMA_UNROLL
-                for (int b = 0; b < NN / 8; ++b) {
-                    CUTLASS_PRAGMA_UNROLL
-                    for (int x = 0; x < 2; ++x) {
-                        const int t = int(get<1>(tCc(make_coord(make_coord(x, 0, b), 0, 0))));
-                        const float v0 = acc(make_coord(make_coord(x, 0, b), 0, 0));
-                        const float v1 = acc(make_coord(make_coord(x, 1, b), 0, 0));
-                        T* o = obase + t * ld;
-                        if constexpr (kGated) {
-                            const float2 gu = Elem<T>::unpack(Elem<T>::pack(v0, v1));
-                            const T a = Elem<T>::from_f(silu_epi(gu.x) * gu.y);
-                            if (t < mv) o[0] = a;
-                        } else {
-                            const T a = Elem<T>::from_f(v0), c = Elem<T>::from_f(v1);
-                            if (t < mv) { o[0] = a; o[8] = c; }
-                        }
-                    }
-                }
+                store_swap<T, kGated, NN>(acc, tCc, obase, ld, mv);
             }
             continue;
           }
@@ -626,27 +632,9 @@ chunked_gemm_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_cons
             Tensor tCcx = thr_x.partition_C(cCx);
             const int r = int(get<0>(tCcx(make_coord(make_coord(0, 0, 0), 0, 0))));
             const int ld = p.ld_out;
-            const int mx = mv - chunk_rows;
             T* obase = out + (int64_t)(m0 + chunk_rows) * ld +
                        (kGated ? n * (kBN / 2) + wg * 32 + (r / 16) * 8 + (r % 8) : n * kBN + wg * kSub + r);
-            CUTLASS_PRAGMA_UNROLL
-            for (int b = 0; b < kX / 8; ++b) {
-                CUTLASS_PRAGMA_UNROLL
-                for (int x = 0; x < 2; ++x) {
-                    const int t = int(get<1>(tCcx(make_coord(make_coord(x, 0, b), 0, 0))));
-                    const float v0 = accx(make_coord(make_coord(x, 0, b), 0, 0));
-                    const float v1 = accx(make_coord(make_coord(x, 1, b), 0, 0));
-                    T* o = obase + t * ld;
-                    if constexpr (kGated) {
-                        const float2 gu = Elem<T>::unpack(Elem<T>::pack(v0, v1));
-                        const T a = Elem<T>::from_f(silu_epi(gu.x) * gu.y);
-                        if (t < mx) o[0] = a;
-                    } else {
-                        const T a = Elem<T>::from_f(v0), c = Elem<T>::from_f(v1);
-                        if (t < mx) { o[0] = a; o[8] = c; }
-                    }
-                }
-            }
+            store_swap<T, kGated, kX>(accx, tCcx, obase, ld, mv - chunk_rows);
             continue;
           }
         }
