@@ -126,9 +126,13 @@ struct Geo {
 template <int kSubs, int kX>
 __host__ __device__ inline int chunks_of(int m) {
     constexpr int R = Geo<kSubs, kX>::kRows;
-    if (m <= 0) return 0;
-    const int c = (m - kX + R - 1) / R;
-    return c < 1 ? 1 : c;
+    if constexpr (kX == 0) {
+        return (m + R - 1) / R;
+    } else {
+        if (m <= 0) return 0;
+        const int c = (m - kX + R - 1) / R;
+        return c < 1 ? 1 : c;
+    }
 }
 // The chunk size for rows_per_expert = T*K/G on average: 128-row chunks (2 sub-tiles) up to 104
 // rows per expert, else 256. 104 is where an expert of the mean plus ~2.4 standard deviations of
