@@ -793,17 +793,18 @@ cudaError_t run(const T* a, int rows_cap, const T* b, int b_rows, const Args& ar
 // One GEMM on the chunked kernels: rows_max = T*K (an upper bound on the sorted rows; the chunk
 // count is at most rows_max / (64 * kSubs) + E), multicast where asked, the GEMM's N-tiles pair
 // up and the chunks are of 256 rows (the smaller chunks' kernels run one CTA per item).
-template <typename T, bool kGated, int kBand, int kSubs>
+// (kX > 0, chunked_tail: never multicast; its chunks are no more than the plain ones)
+template <typename T, bool kGated, int kBand, int kSubs, int kX = 0>
 cudaError_t launch_mc(const T* a, int rows_max, const T* b, int b_rows, const Args& args, bool multicast,
                       int num_sms, int smem_optin, bool pdl, cudaStream_t stream) {
     const int64_t work = ((int64_t)rows_max / Geo<kSubs>::kRows + args.E) * n_tiles(kGated, args.N);
-    if constexpr (kSubs == kMaxSub) {
+    if constexpr (kSubs == kMaxSub && kX == 0) {
         if (multicast && n_tiles(kGated, args.N) % 2 == 0)
             return run<T, kGated, true, kBand, kSubs, 0>(a, rows_max, b, b_rows, args, work, num_sms, smem_optin,
                                                          pdl, stream);
     }
-    return run<T, kGated, false, kBand, kSubs, 0>(a, rows_max, b, b_rows, args, work, num_sms, smem_optin, pdl,
-                                                  stream);
+    return run<T, kGated, false, kBand, kSubs, kX>(a, rows_max, b, b_rows, args, work, num_sms, smem_optin, pdl,
+                                                   stream);
 }
 // band: swap AB on the chunks of that band (swap_pays; the caller's swap_band, or 0: every chunk on
 // 64-row sub-tiles); subs: sub-tiles per chunk (4 or 2: chunks of 256 or 128 rows; the caller
@@ -818,9 +819,8 @@ cudaError_t launch(const T* a, int rows_max, const T* b, int b_rows, const Args&
                    int subs, int num_sms, int smem_optin, bool pdl, cudaStream_t stream, bool extra = false) {
     if (extra) {  // 256-row chunks whose last takes up to kXRows more rows; no swap band, no multicast
         if (subs != kMaxSub || band != 0) return cudaErrorInvalidValue;
-        const int64_t work = ((int64_t)rows_max / Geo<kMaxSub>::kRows + args.E) * n_tiles(kGated, args.N);
-        return run<T, kGated, false, 0, kMaxSub, kXRows>(a, rows_max, b, b_rows, args, work, num_sms, smem_optin, pdl,
-                                                          stream);
+        return launch_mc<T, kGated, 0, kMaxSub, kXRows>(a, rows_max, b, b_rows, args, false, num_sms, smem_optin,
+                                                         pdl, stream);
     }
 #define EX_CHUNKED_LAUNCH(B, S) \
     launch_mc<T, kGated, B, S>(a, rows_max, b, b_rows, args, multicast, num_sms, smem_optin, pdl, stream)
