@@ -61,7 +61,7 @@ def candidates(rows_per_expert: float, grouped: bool, H: int = 0, I: int = 0) ->
     the plugin runs grouped for it, which would be recorded under chunked's name); chunked_nomc
     (the same kernels without the multicast of A) wherever chunked is offered, and chunked_tail
     (256-row chunks whose last takes up to 32 rows more) there from 128 rows per expert (it
-    gained 3-18% at ~256 rows per expert in session 28's A/B, e.g. mixtral T = 1024 1398.4 against
+    gained 0.6-18% at ~256 rows per expert in session 28's A/B, e.g. mixtral T = 1024 1398.4 against
     1617.7 µs, and lost 7% at 128: qwen3-30b T = 2048)."""
     out = []
     if rows_per_expert <= 64:
