@@ -507,7 +507,11 @@ chunked_gemm_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_cons
         }
         Tensor acc0 = partition_fragment_C(mma, Shape<Int<kSub>, Int<kBN>>{});  // sub-tile wg
         Tensor acc1 = partition_fragment_C(mma, Shape<Int<kSub>, Int<kBN>>{});  // sub-tile wg + 2
-        auto mainloop = [&](auto ns_tag) {
+        // the k-loop of NS sub-tiles; extra (chunked_tail's rows past the sub-tiles, see below) is
+        // a hook that fences its accumulators (extra(stage, -1, sc)) or issues its MMA of k-step k
+        // after the sub-tiles' (extra(stage, k, sc)); no_extra for every other chunk
+        auto no_extra = [](int, int, GMMA::ScaleOut) {};
+        auto mainloop = [&](auto ns_tag, auto&& extra) {
             constexpr int NS = decltype(ns_tag)::value;
             int prev = -1;
             for (int kb = 0; kb < KB; ++kb) {
@@ -515,18 +519,22 @@ chunked_gemm_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_cons
                 if constexpr (NS > 0) {
                     warpgroup_fence_operand(acc0);
                     if constexpr (NS > 1) warpgroup_fence_operand(acc1);
+                    extra(stage, -1, GMMA::ScaleOut::One);
                     warpgroup_arrive();
                     CUTLASS_PRAGMA_UNROLL
                     for (int k = 0; k < size<2>(tCrA); ++k) {
-                        mma.accumulate_ = (kb == 0 && k == 0) ? GMMA::ScaleOut::Zero : GMMA::ScaleOut::One;
+                        const auto sc = (kb == 0 && k == 0) ? GMMA::ScaleOut::Zero : GMMA::ScaleOut::One;
+                        mma.accumulate_ = sc;
                         cute::gemm(mma, tCrA(_, _, k, stage * kABoxes + wg), tCrB(_, _, k, stage), acc0);
                         if constexpr (NS > 1)
                             cute::gemm(mma, tCrA(_, _, k, stage * kABoxes + wg + 2), tCrB(_, _, k, stage), acc1);
+                        extra(stage, k, sc);
                     }
                     warpgroup_commit_batch();
                     warpgroup_wait<1>();
                     warpgroup_fence_operand(acc0);
                     if constexpr (NS > 1) warpgroup_fence_operand(acc1);
+                    extra(stage, -1, GMMA::ScaleOut::One);
                 }
                 if (prev >= 0) release(prev);
                 prev = stage;
@@ -536,6 +544,7 @@ chunked_gemm_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_cons
                 warpgroup_wait<0>();
                 warpgroup_fence_operand(acc0);
                 if constexpr (NS > 1) warpgroup_fence_operand(acc1);
+                extra(stage, -1, GMMA::ScaleOut::One);
             }
             if (prev >= 0) release(prev);
         };
@@ -598,37 +607,15 @@ chunked_gemm_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_cons
             Tensor tXr0 = thr_x.make_fragment_B(
                 thr_x.partition_B(make_tensor(make_smem_ptr(sa_ptr + kSubs * kSub * kBK), LayoutX{})));
             Tensor accx = partition_fragment_C(mma_x, Shape<Int<kSub>, Int<kX>>{});
-            int prev = -1;
-            for (int kb = 0; kb < KB; ++kb) {
-                cutlass::arch::ClusterBarrier::wait(&full[stage], phase);
-                Tensor tXr = make_tensor(tXr0.data() + stage * (kABytes / 16), tXr0.layout());
-                warpgroup_fence_operand(acc0);
-                warpgroup_fence_operand(acc1);
-                warpgroup_fence_operand(accx);
-                warpgroup_arrive();
-                CUTLASS_PRAGMA_UNROLL
-                for (int k = 0; k < size<2>(tCrA); ++k) {
-                    const auto sc = (kb == 0 && k == 0) ? GMMA::ScaleOut::Zero : GMMA::ScaleOut::One;
-                    mma.accumulate_ = sc;
-                    cute::gemm(mma, tCrA(_, _, k, stage * kABoxes + wg), tCrB(_, _, k, stage), acc0);
-                    cute::gemm(mma, tCrA(_, _, k, stage * kABoxes + wg + 2), tCrB(_, _, k, stage), acc1);
-                    mma_x.accumulate_ = sc;
-                    cute::gemm(mma_x, tWr(_, _, k, stage * 2 + wg), tXr(_, _, k), accx);
+            mainloop(Int<2>{}, [&](int s, int k, GMMA::ScaleOut sc) {
+                if (k < 0) {
+                    warpgroup_fence_operand(accx);
+                    return;
                 }
-                warpgroup_commit_batch();
-                warpgroup_wait<1>();
-                warpgroup_fence_operand(acc0);
-                warpgroup_fence_operand(acc1);
-                warpgroup_fence_operand(accx);
-                if (prev >= 0) release(prev);
-                prev = stage;
-                if (++stage == kStages) { stage = 0; phase ^= 1; }
-            }
-            warpgroup_wait<0>();
-            warpgroup_fence_operand(acc0);
-            warpgroup_fence_operand(acc1);
-            warpgroup_fence_operand(accx);
-            if (prev >= 0) release(prev);
+                Tensor tXr = make_tensor(tXr0.data() + s * (kABytes / 16), tXr0.layout());
+                mma_x.accumulate_ = sc;
+                cute::gemm(mma_x, tWr(_, _, k, s * 2 + wg), tXr(_, _, k), accx);
+            });
             store(acc0, wg);
             store(acc1, wg + 2);
             // the extra rows, as the swap-AB epilogue (rows r / r + 8 of this warpgroup's weight half)
@@ -643,9 +630,9 @@ chunked_gemm_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_cons
           }
         }
         // (do1 is false where chunks hold two sub-tiles, one per warpgroup: no 2-sub-tile loop there)
-        if (do1) mainloop(Int<(kSubs > 2 ? 2 : 1)>{});
-        else if (do0) mainloop(Int<1>{});
-        else mainloop(Int<0>{});
+        if (do1) mainloop(Int<(kSubs > 2 ? 2 : 1)>{}, no_extra);
+        else if (do0) mainloop(Int<1>{}, no_extra);
+        else mainloop(Int<0>{}, no_extra);
         if (do0) store(acc0, wg);
         if (do1) store(acc1, wg + 2);
     }
