@@ -10,6 +10,7 @@ from __future__ import annotations
 import operator
 import sys
 import threading
+from contextlib import contextmanager
 
 from .arrays import _KINDS, Bits16, TensorRef, _kind_of, data_ptr
 from .errors import ArgumentError, FactorError, ShapeError
@@ -51,6 +52,17 @@ def set_default_registry(registry: FactorRegistry | None) -> None:
                           f"{registry!r:.80}")
     with _default_lock:
         _default = registry
+
+
+@contextmanager
+def _counted_refusal(reg: FactorRegistry, name: str):
+    """Count a FactorError that an op raises before it calls dispatch (an argument it checks
+    itself) in ``reg.stats()[name]['errors']``, as dispatch counts the arguments it refuses."""
+    try:
+        yield
+    except FactorError:
+        reg._count(name, "errors")
+        raise
 
 
 def _empty(ref: TensorRef, shape, dtype: str):
@@ -131,25 +143,27 @@ def topk_softmax(router_logits, top_k: int, renormalize: bool = False, *, topk_w
     output, or marked read-only), DeviceError, KernelError. Each names topk_softmax and the
     argument.
     """
-    try:
-        if isinstance(top_k, bool):
-            raise TypeError
-        top_k = operator.index(top_k)
-    except TypeError:
-        raise ArgumentError("topk_softmax", "top_k", "type", "an int >= 1", repr(top_k)) from None
-    if top_k < 1:
-        raise ArgumentError("topk_softmax", "top_k", "value", "an int >= 1", top_k)
-    # outputs given: described once here, checked against top_k, and handed to dispatch as refs
-    given = {name: TensorRef.of(arr, name, "topk_softmax")
-             for name, arr in (("topk_weights", topk_weights), ("topk_ids", topk_ids)) if arr is not None}
-    for name, r in given.items():
-        if len(r.shape) == 2 and r.shape[1] != top_k:
-            raise ShapeError("topk_softmax", name, "shape[1] = K", f"top_k = {top_k} columns",
-                             f"{r.shape[1]} (its shape {tuple(r.shape)})")
-    ref = TensorRef.of(router_logits, "router_logits", "topk_softmax")
-    if len(ref.shape) == 2 and top_k > ref.shape[1]:
-        raise ShapeError("topk_softmax", "top_k", "K <= E", f"at most E = {ref.shape[1]} (router_logits' "
-                         f"width)", top_k)
+    reg = resolve_registry(registry)
+    with _counted_refusal(reg, "topk_softmax"):
+        try:
+            if isinstance(top_k, bool):
+                raise TypeError
+            top_k = operator.index(top_k)
+        except TypeError:
+            raise ArgumentError("topk_softmax", "top_k", "type", "an int >= 1", repr(top_k)) from None
+        if top_k < 1:
+            raise ArgumentError("topk_softmax", "top_k", "value", "an int >= 1", top_k)
+        # outputs given: described once here, checked against top_k, and handed to dispatch as refs
+        given = {name: TensorRef.of(arr, name, "topk_softmax")
+                 for name, arr in (("topk_weights", topk_weights), ("topk_ids", topk_ids)) if arr is not None}
+        for name, r in given.items():
+            if len(r.shape) == 2 and r.shape[1] != top_k:
+                raise ShapeError("topk_softmax", name, "shape[1] = K", f"top_k = {top_k} columns",
+                                 f"{r.shape[1]} (its shape {tuple(r.shape)})")
+        ref = TensorRef.of(router_logits, "router_logits", "topk_softmax")
+        if len(ref.shape) == 2 and top_k > ref.shape[1]:
+            raise ShapeError("topk_softmax", "top_k", "K <= E", f"at most E = {ref.shape[1]} (router_logits' "
+                             f"width)", top_k)
     T = ref.shape[0] if len(ref.shape) == 2 else 0
     w_arg, ids_arg = given.get("topk_weights"), given.get("topk_ids")
     if topk_weights is None and topk_ids is None:
@@ -167,7 +181,7 @@ def topk_softmax(router_logits, top_k: int, renormalize: bool = False, *, topk_w
         topk_weights = _empty(ref, (T, top_k), "float32")
     if topk_ids is None:
         topk_ids = _empty(ref, (T, top_k), "int32")
-    resolve_registry(registry).dispatch(
+    reg.dispatch(
         "topk_softmax", {"router_logits": ref, "topk_weights": w_arg or topk_weights,
                          "topk_ids": ids_arg or topk_ids}, {"renormalize": renormalize})
     return topk_weights, topk_ids
@@ -197,10 +211,12 @@ def fused_add_rmsnorm(x, residual, weight, eps: float = 1e-6, *,
     number > 0 or not a normal float32; x or residual a torch leaf that requires grad under
     grad mode), DeviceError, KernelError. Each names fused_add_rmsnorm and the argument.
     """
+    reg = resolve_registry(registry)
     if ((_KINDS.get(type(x)) or _kind_of(x)) == "torch" and x.requires_grad
             or (_KINDS.get(type(residual)) or _kind_of(residual)) == "torch" and residual.requires_grad):
-        _refuse_grad_leaf("fused_add_rmsnorm", {"x": x, "residual": residual})
-    resolve_registry(registry).dispatch(
+        with _counted_refusal(reg, "fused_add_rmsnorm"):
+            _refuse_grad_leaf("fused_add_rmsnorm", {"x": x, "residual": residual})
+    reg.dispatch(
         "fused_add_rmsnorm", {"x": x, "residual": residual, "weight": weight}, {"eps": eps})
     return x, residual
 
@@ -240,13 +256,15 @@ def moe_fused_gemm(hidden_states, w13, w2, topk_weights, topk_ids, *, router_log
     LayoutError (also: out sharing memory with another argument, e.g. out=hidden_states, or
     marked read-only), DeviceError, KernelError; each names moe_fused_gemm and the argument.
     """
+    reg = resolve_registry(registry)
     if out is None:
         if _KINDS.get(type(hidden_states)) == "torch":   # host time: no description needed
             out = hidden_states.new_empty(hidden_states.shape)
         else:
-            ref = TensorRef.of(hidden_states, "hidden_states", "moe_fused_gemm")
+            with _counted_refusal(reg, "moe_fused_gemm"):
+                ref = TensorRef.of(hidden_states, "hidden_states", "moe_fused_gemm")
             out = _empty(ref, ref.shape, ref.dtype)
-    resolve_registry(registry).dispatch(
+    reg.dispatch(
         "moe_fused_gemm", {"hidden_states": hidden_states, "out": out, "router_logits": router_logits,
                            "w13": w13, "w2": w2, "topk_weights": topk_weights,
                            "topk_ids": topk_ids, "expert_map": expert_map})

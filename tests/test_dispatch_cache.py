@@ -6,7 +6,7 @@ import pytest
 
 from ex_engine import FactorRegistry, topk_softmax
 from ex_engine.arrays import TensorRef
-from ex_engine.errors import ArgumentError, DTypeError, LayoutError, ShapeError
+from ex_engine.errors import ArgumentError, DTypeError, FactorError, LayoutError, ShapeError
 
 
 @pytest.fixture
@@ -35,7 +35,7 @@ def test_a_cached_signature_still_rejects_what_differs(reg):
     with pytest.raises(DTypeError, match="router_logits"):
         topk_softmax(x.astype(np.float64), 4, True, registry=reg)
     with pytest.raises(ShapeError, match="K <= E"):   # refused by topk_softmax itself (names top_k),
-        topk_softmax(logits(E=3), 4, True, registry=reg)   # before the registry: not counted below
+        topk_softmax(logits(E=3), 4, True, registry=reg)   # before dispatch: counted all the same
     with pytest.raises(LayoutError, match="layout"):
         topk_softmax(np.asfortranarray(logits(T=4, E=16)).T.copy().T, 4, True, registry=reg)
     with pytest.raises(LayoutError, match="alignment"):
@@ -43,7 +43,7 @@ def test_a_cached_signature_still_rejects_what_differs(reg):
     with pytest.raises(DTypeError, match="topk_ids"):
         topk_softmax(x, 4, True, topk_weights=np.empty((3, 4), np.float32),
                      topk_ids=np.empty((3, 4), np.int64), registry=reg)
-    assert reg.stats()["topk_softmax"]["errors"] == 4
+    assert reg.stats()["topk_softmax"]["errors"] == 5
 
 
 def test_a_parameter_of_another_type_is_checked_again(reg):
@@ -75,3 +75,23 @@ def test_ops_describes_its_outputs_as_tensorref_of_would(reg, T):
                (want.kind, want.ptr, want.shape, want.dtype, want.itemsize, want.device)
         assert got.strides == want.strides or T == 0   # NumPy gives empty arrays any strides
         assert got.is_contiguous() and want.is_contiguous()
+
+
+def test_arguments_the_ops_refuse_before_dispatch_count_as_errors(reg):
+    """stats()' errors counts every call that raised, also where the op checks an argument
+    itself before it calls dispatch (topk_softmax's top_k, moe_fused_gemm's hidden_states when
+    it allocates out)."""
+    from ex_engine import moe_fused_gemm
+    x = logits(E=8)
+    for bad in (9, 0, 2.0, True):
+        with pytest.raises(FactorError, match="top_k"):
+            topk_softmax(x, bad, registry=reg)
+    with pytest.raises(ShapeError, match="topk_ids"):
+        topk_softmax(x, 2, topk_ids=np.empty((x.shape[0], 3), np.int32), registry=reg)
+    assert reg.stats()["topk_softmax"]["errors"] == 5
+    with pytest.raises(FactorError, match="hidden_states"):
+        moe_fused_gemm([[1.0]], None, None, None, None, registry=reg)
+    assert reg.stats()["moe_fused_gemm"]["errors"] == 1
+    topk_softmax(x, 2, registry=reg)   # a good call still counts as served, not as an error
+    assert reg.stats()["topk_softmax"]["errors"] == 5
+    assert sum(v for k, v in reg.stats()["topk_softmax"].items() if k != "errors") == 1
