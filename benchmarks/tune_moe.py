@@ -1,8 +1,9 @@
 """Tune moe_fused_gemm's tile configuration per shape and T on this GPU; write it as data.
 
-For each model of manifests/moe_models.yaml and each T, forces every tile configuration the
-kernels know (tiny, decode, decode4, mid, mid32, mid48, prefill and, with the Hopper plugin,
-grouped, grouped64, narrow, chunked and chunked_nomc), checks each output against a float32 reference, times it (CUDA-graph
+For each model of manifests/moe_models.yaml and each T, forces each tile configuration the
+kernels know that candidates() offers at its rows per expert (tiny, decode, decode4, mid, mid32,
+mid48, prefill and, with the Hopper plugin, grouped, grouped64, narrow, chunked, chunked_nomc and
+chunked_tail), checks each output against a float32 reference, times it (CUDA-graph
 replay over rotated input sets, as bench_moe.py), and writes the fastest per (H, I, G, K, T) to a
 tuning file that the registry reads (ex_engine/tuning.py documents the format). Needs PyTorch, a
 CUDA GPU and the built plugins.
