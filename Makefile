@@ -105,6 +105,8 @@ check-sources:
 
 factors/%.so: factors/%.cu include/ex_engine.h $(wildcard factors/*.cuh) | check-nvcc check-sources
 	@if [ -z "$(strip $(ARCHS))" ]; then echo "[ex_engine] error: ARCHS is empty: give at least one target of sm_80 or newer, e.g. ARCHS=\"-gencode=arch=compute_80,code=sm_80\"" >&2; exit 1; fi
+	@old=$$(printf '%s\n' '$(ARCHS)' | grep -oE '(compute|sm)_[1-7][0-9]a?([^0-9]|$$)' | grep -oE '(compute|sm)_[0-9]+a?' | sort -u | tr '\n' ' '); \
+	if [ -n "$$old" ]; then echo "[ex_engine] error: ARCHS names targets older than sm_80 ($${old% }): every factor needs sm_80 or newer, e.g. ARCHS=\"-gencode=arch=compute_80,code=sm_80\"" >&2; exit 1; fi
 	@echo "[ex_engine] nvcc $< -> $@ (targets: $(patsubst -gencode=arch=%,%,$(ARCHS)))"
 	@start=$$(date +%s); \
 	$(NVCC) $(NVCCFLAGS) $(EXTRA_NVCCFLAGS) $(ARCHS) --threads $(NVCC_THREADS) \

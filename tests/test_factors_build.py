@@ -375,3 +375,33 @@ def test_a_build_of_one_library_with_other_flags_rebuilds_only_that_one(tmp_path
     assert make() == {"host_a"}                         # host_b was built with these flags
     assert make() == set()
     assert make("HOST_CFLAGS=-O1 -Wall", "all") == {"host_a", "host_b"}   # `all` named: every one
+
+
+@pytest.mark.parametrize("archs, named", [
+    ("-gencode=arch=compute_70,code=sm_70", "compute_70 sm_70"),
+    ("-gencode=arch=compute_90a,code=sm_90a -gencode=arch=compute_75,code=sm_75", "compute_75 sm_75"),
+])
+def test_targets_older_than_sm80_are_refused_before_nvcc(tmp_path, archs, named):
+    """ARCHS naming a target older than sm_80 stopped inside nvcc ("Unsupported gpu
+    architecture", or an error deep in a kernel); the Makefile now names those targets itself
+    and runs no nvcc. sm_80 and later (sm_90a, sm_100, sm_120) pass. (nvcc faked: it logs its
+    calls and writes the -o file.)"""
+    (tmp_path / "p").mkdir()
+    proj = _project_copy(tmp_path / "p")
+    log = tmp_path / "nvcc.log"
+    nvcc = tmp_path / "nvcc"
+    nvcc.write_text(f'#!/bin/sh\necho "$@" >> {log}\nwhile [ $# -gt 0 ]; do [ "$1" = -o ] && : > "$2"; shift; done\n')
+    nvcc.chmod(0o755)
+    (proj / "factors" / "g.cu").write_text("// a GPU factor\n")
+
+    def make(a):
+        return subprocess.run(["make", "-C", str(proj), f"NVCC={nvcc}", f"ARCHS={a}", "factors/g.so"],
+                              capture_output=True, text=True)
+    r = make(archs)
+    assert r.returncode != 0
+    assert f"ARCHS names targets older than sm_80 ({named})" in r.stderr, r.stderr[-2000:]
+    assert not log.exists()
+    ok = "-gencode=arch=compute_80,code=sm_80 -gencode=arch=compute_100,code=sm_100 -gencode=arch=compute_120,code=sm_120"
+    r = make(ok)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "built factors/g.so" in r.stdout and log.exists()
