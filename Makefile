@@ -78,6 +78,20 @@ $(1): FORCE
 endif
 endef
 $(foreach p,$(PLUGINS),$(eval $(call check_flags,$(p))))
+
+# The headers each GPU library was built from, as nvcc listed them (-MMD) in build/deps/<name>.so.d:
+# a library is rebuilt when one of its own headers changes (an edit of moe_chunked_sm90.cuh no
+# longer rebuilds topk_softmax.so). A library without that file yet (never built here, or built
+# before it was written) depends on every factors/*.cuh, as all did before.
+DEP_DIR := build/deps
+dep_flags = -MMD -MP -MT $@ -MF $(DEP_DIR)/$(@F).d
+define cuh_deps
+ifeq ($$(wildcard $(DEP_DIR)/$(notdir $(1)).d),)
+$(1): $$(wildcard factors/*.cuh)
+endif
+endef
+$(foreach p,$(SOURCES:.cu=.so),$(eval $(call cuh_deps,$(p))))
+-include $(wildcard $(DEP_DIR)/*.d)
 # (those rules come before all's)
 .DEFAULT_GOAL := all
 # clean beside other goals: one job at a time (with -j, clean deleted what all had just built)
@@ -103,19 +117,19 @@ check-sources:
 	@if [ -n "$(CLASHES)" ]; then echo "[ex_engine] error: more than one source for $(CLASHES):" \
 	    "keep one of factors/<name>.cu (GPU), .c or .cpp (host factor) per name" >&2; exit 1; fi
 
-factors/%.so: factors/%.cu include/ex_engine.h $(wildcard factors/*.cuh) | check-nvcc check-sources
+factors/%.so: factors/%.cu include/ex_engine.h | check-nvcc check-sources
 	@if [ -z "$(strip $(ARCHS))" ]; then echo "[ex_engine] error: ARCHS is empty: give at least one target of sm_80 or newer, e.g. ARCHS=\"-gencode=arch=compute_80,code=sm_80\"" >&2; exit 1; fi
 	@old=$$(printf '%s\n' '$(ARCHS)' | grep -oE '(compute|sm)_[1-7][0-9]a?([^0-9]|$$)' | grep -oE '(compute|sm)_[0-9]+a?' | sort -u | tr '\n' ' '); \
 	if [ -n "$$old" ]; then echo "[ex_engine] error: ARCHS names targets older than sm_80 ($${old% }): every factor needs sm_80 or newer, e.g. ARCHS=\"-gencode=arch=compute_80,code=sm_80\"" >&2; exit 1; fi
 	@echo "[ex_engine] nvcc $< -> $@ (targets: $(patsubst -gencode=arch=%,%,$(ARCHS)))"
-	@start=$$(date +%s); \
-	$(NVCC) $(NVCCFLAGS) $(EXTRA_NVCCFLAGS) $(ARCHS) --threads $(NVCC_THREADS) \
+	@mkdir -p $(DEP_DIR); start=$$(date +%s); \
+	$(NVCC) $(NVCCFLAGS) $(EXTRA_NVCCFLAGS) $(ARCHS) --threads $(NVCC_THREADS) $(dep_flags) \
 	    -Xcompiler -fPIC,-fvisibility=hidden -shared -Iinclude -o $@ $< || exit 1; \
 	echo "[ex_engine] built $@ in $$(( $$(date +%s) - start )) s"
 	$(write_stamp)
 
 # Hopper-only plugins (a more specific pattern than the rule above, so make prefers it)
-factors/%_sm90.so: factors/%_sm90.cu include/ex_engine.h $(wildcard factors/*.cuh) | check-nvcc check-sources
+factors/%_sm90.so: factors/%_sm90.cu include/ex_engine.h | check-nvcc check-sources
 	@if [ -z "$(CUTLASS_INC)" ] || [ ! -f "$(CUTLASS_INC)/cutlass/cutlass.h" ]; then \
 	    $(if $(filter command line environment,$(origin CUTLASS_INC)), \
 	    echo "[ex_engine] error: $@ needs CUTLASS's headers: CUTLASS_INC='$(CUTLASS_INC)' (given)" \
@@ -126,8 +140,8 @@ factors/%_sm90.so: factors/%_sm90.cu include/ex_engine.h $(wildcard factors/*.cu
 	         "(or pip install -e '.[build]'), or pass CUTLASS_INC=<cutlass>/include" >&2; \
 	    exit 1; fi
 	@echo "[ex_engine] nvcc $< -> $@ (targets: $(patsubst -gencode=arch=%,%,$(SM90_ARCHS)); CUTLASS $(CUTLASS_INC))"
-	@start=$$(date +%s); \
-	$(NVCC) $(SM90_NVCCFLAGS) $(EXTRA_NVCCFLAGS) $(SM90_ARCHS) --threads $(NVCC_THREADS) \
+	@mkdir -p $(DEP_DIR); start=$$(date +%s); \
+	$(NVCC) $(SM90_NVCCFLAGS) $(EXTRA_NVCCFLAGS) $(SM90_ARCHS) --threads $(NVCC_THREADS) $(dep_flags) \
 	    -Xcompiler -fPIC,-fvisibility=hidden -shared -Iinclude -I"$(CUTLASS_INC)" -o $@ $< || exit 1; \
 	echo "[ex_engine] built $@ in $$(( $$(date +%s) - start )) s"
 	$(write_stamp)

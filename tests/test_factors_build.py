@@ -1,10 +1,12 @@
 """Every factors/*.cu compiles (nvcc, no GPU needed) and the built plugins pass the registry's
 checks against hardware profiles."""
 import dataclasses
+import os
 import re
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -405,3 +407,57 @@ def test_targets_older_than_sm80_are_refused_before_nvcc(tmp_path, archs, named)
     r = make(ok)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     assert "built factors/g.so" in r.stdout and log.exists()
+
+
+def test_a_gpu_library_is_rebuilt_for_its_own_headers_only(tmp_path):
+    """Every factors/*.so depended on every factors/*.cuh: an edit of the Hopper plugin's header
+    rebuilt topk_softmax.so (minutes). nvcc now lists each library's headers (-MMD, in
+    build/deps/<name>.so.d) and a library is rebuilt for those; one without that list yet
+    depends on every header, as before. (nvcc faked: it writes the -o file and, given -MF, a
+    dependency file naming the headers its source lists on a '// headers:' line, with -MP's
+    empty rule for each.)"""
+    (tmp_path / "p").mkdir()
+    proj = _project_copy(tmp_path / "p")
+    nvcc = tmp_path / "nvcc"
+    nvcc.write_text("""#!/bin/sh
+out=; mf=; mt=; mp=; src=
+while [ $# -gt 0 ]; do
+  case "$1" in -o) out=$2; shift;; -MF) mf=$2; shift;; -MT) mt=$2; shift;; -MP) mp=1;; *.cu) src=$1;; esac; shift
+done
+: > "$out"
+if [ -n "$mf" ] && ! grep -q nodeps "$src"; then
+  hdrs=$(sed -n 's|^// headers: ||p' "$src")
+  echo "$mt : $src $hdrs" > "$mf"
+  if [ -n "$mp" ]; then for h in $hdrs; do printf '\n%s:\n' "$h" >> "$mf"; done; fi
+fi
+""")
+    nvcc.chmod(0o755)
+    f = proj / "factors"
+    (f / "a.cuh").write_text("// a\n")
+    (f / "b.cuh").write_text("// b\n")
+    (f / "g.cu").write_text("// headers: factors/a.cuh\n")
+    (f / "h.cu").write_text("// headers: factors/b.cuh\n")
+    (f / "k.cu").write_text("// nodeps: nvcc writes no list for it\n")
+
+    def make(*args):
+        r = subprocess.run(["make", "-C", str(proj), f"NVCC={nvcc}", *args], capture_output=True, text=True)
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+        return {n for n in ("g", "h", "k") if f"built factors/{n}.so" in r.stdout}
+
+    def touch(name):   # the header newer than every library, whatever the clock's grain
+        now = time.time()
+        for p in [*f.iterdir(), *(proj / "include").iterdir()]:   # sources 20 s old, libraries 10 s
+            t = now - (10 if p.suffix == ".so" else 20)
+            os.utime(p, (t, t))
+        os.utime(f / name, (now, now))
+
+    assert make() == {"g", "h", "k"}
+    assert (proj / "build" / "deps" / "g.so.d").is_file()
+    assert make() == set()
+    touch("b.cuh")
+    assert make() == {"h", "k"}            # g's list does not name b.cuh; k has no list
+    touch("a.cuh")
+    assert make() == {"g", "k"}
+    (f / "b.cuh").unlink()                 # a header gone from the tree: -MP keeps make going
+    (f / "h.cu").write_text("// headers: factors/a.cuh\n")
+    assert make() == {"h"}
