@@ -134,6 +134,17 @@ __host__ __device__ inline int chunks_of(int m) {
         return c < 1 ? 1 : c;
     }
 }
+// The 64-row sub-tiles of a chunk of mv rows that hold rows (with kX, rows past kSubs * 64 go to
+// the extra box, not a sub-tile)
+template <int kSubs, int kX>
+__device__ inline int subtiles_of(int mv) {
+    if constexpr (kX > 0) return min(kSubs, (mv + kSub - 1) / kSub);
+    else return (mv + kSub - 1) / kSub;
+}
+// Whether GEMM1's weight tile is loaded as interleaved groups of 8 gate and 8 up rows (tma_b_gu):
+// wherever a swap-AB piece may read it (its C gives a thread a gate row and its up row)
+template <bool kGated, int kBand, int kX>
+constexpr bool gate_up_tile() { return kGated && (kBand > 0 || kX > 0); }
 // The chunk size for rows_per_expert = T*K/G on average: 128-row chunks (2 sub-tiles) up to 104
 // rows per expert, else 256. 104 is where an expert of the mean plus ~2.4 standard deviations of
 // uniform routing (a count near Poisson: sqrt of the mean) still fits one chunk (an expert past it
@@ -256,9 +267,7 @@ chunked_gemm_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_cons
     using G = Geo<kSubs, kX>;
     constexpr int kStages = G::kStages, kABytes = G::kABytes, kABoxes = G::kABoxes;
     constexpr int kBarOff = G::kBarOff, kPreOff = G::kPreOff;
-    // GEMM1's weight tile as interleaved groups of 8 gate and 8 up rows (tma_b_gu) wherever a
-    // swap-AB piece may read it (its C gives a thread a gate row and its up row)
-    constexpr bool kGu = kGated && (kBand > 0 || kX > 0);
+    constexpr bool kGu = gate_up_tile<kGated, kBand, kX>();
     using Ty = Types<T, kSubs, kX>;
     using E = typename Ty::E;
     extern __shared__ __align__(1024) unsigned char smem[];
@@ -351,7 +360,7 @@ chunked_gemm_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_cons
                 int e, m0, mv, n;
                 item_of(it, e, m0, mv, n);
                 n = n * kCtas + rank;
-                const int nsub = kX > 0 ? min(kSubs, (mv + kSub - 1) / kSub) : (mv + kSub - 1) / kSub;
+                const int nsub = subtiles_of<kSubs, kX>(mv);
                 const int nx = (kX > 0 && mv > chunk_rows) ? 1 : 0;  // the extra rows' box
                 const bool swap = swap_pays(mv, kBand);
                 const int b0 = kGated ? n * (kBN / 2) : n * kBN;
@@ -437,7 +446,7 @@ chunked_gemm_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_cons
         int e, m0, mv, n;
         item_of(it, e, m0, mv, n);
         n = n * kCtas + rank;
-        const int nsub = __shfl_sync(0xffffffffu, kX > 0 ? min(kSubs, (mv + kSub - 1) / kSub) : (mv + kSub - 1) / kSub, 0);
+        const int nsub = __shfl_sync(0xffffffffu, subtiles_of<kSubs, kX>(mv), 0);
         const bool do0 = wg < nsub, do1 = kSubs > 2 && wg + 2 < nsub;
         // the k-loop for NS of this warpgroup's sub-tiles (0, 1, 2), one MMA batch in flight:
         // batch kb is issued before batch kb - 1 is waited for, then kb - 1's stage is released
@@ -726,9 +735,10 @@ cudaError_t run(const T* a, int rows_cap, const T* b, int b_rows, const Args& ar
         c.valid = false;
         if (!encode_map(&c.ta, a, bf16, 2, args.Kdim, rows_cap, 1) ||
             !encode_map(&c.tb, b, bf16, 3, args.Kdim, b_rows, args.E) ||
-            ((kBand > 0 || kX > 0) && kGated && !encode_map_gate_up(&c.tb_gu, b, bf16, args.Kdim, b_rows / 2, args.E)))
+            (gate_up_tile<kGated, kBand, kX>() &&
+             !encode_map_gate_up(&c.tb_gu, b, bf16, args.Kdim, b_rows / 2, args.E)))
             return cudaErrorInvalidValue;
-        if (!((kBand > 0 || kX > 0) && kGated)) c.tb_gu = c.tb;  // a parameter the kernel does not read
+        if (!gate_up_tile<kGated, kBand, kX>()) c.tb_gu = c.tb;  // a parameter the kernel does not read
         c.a = a; c.b = b; c.rows = rows_cap; c.b_rows = b_rows; c.K = args.Kdim; c.E = args.E;
         c.valid = true;
     }
