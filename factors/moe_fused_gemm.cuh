@@ -375,6 +375,128 @@ __device__ __forceinline__ int local_expert(const ExpertMap& m, int id, int E, i
 }
 
 // ------------------------------------------------------------------------------------------
+// The routing kernels' shared steps (moe_route_kernel below, and the multi-block pair after it).
+// Each is run by all NT threads of a block; slots are walked U at a time per thread (independent
+// loads in flight).
+// ------------------------------------------------------------------------------------------
+
+// s_cnt[l] += rows of local expert l among slots [lo, hi); bad collects the status bits
+template <int NT, int U>
+__device__ __forceinline__ void route_count(const int* __restrict__ topk_ids, const ExpertMap& em,
+                                            int E, long long lo, long long hi, int* s_cnt, int& bad) {
+    for (long long s0 = lo + threadIdx.x; s0 < hi; s0 += (long long)NT * U) {
+        int ev[U];
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const long long s = s0 + (long long)u * NT;
+            ev[u] = (s < hi) ? __ldg(topk_ids + s) : 0;
+        }
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            if (s0 + (long long)u * NT < hi) {
+                const int l = local_expert(em, ev[u], E, bad);
+                if (l >= 0) atomicAdd(&s_cnt[l], 1);
+            }
+        }
+    }
+}
+
+// Exclusive sums over the E experts, in chunks of NT, of their rows (s_cnt) and of their BM-row
+// tiles: s_row0[e] (first sorted row), s_toff[e] (first tile; s_toff[E] = all tiles) and the
+// placement cursor s_cur[e] = s_row0[e] (kAddCursor: s_cur[e] += s_row0[e], the rows of e that
+// other blocks place first already in it). meta ([0] tiles, [1] valid rows) and expert_off
+// (E + 1 entries) are written where not NULL. Returns the tile count (in every thread); ends
+// with __syncthreads.
+template <int NT, bool kAddCursor>
+__device__ __forceinline__ int route_prefix(typename cub::BlockScan<int, NT>::TempStorage& scan_tmp,
+                                            int E, int BM, const int* s_cnt, int* s_row0, int* s_cur,
+                                            int* s_toff, int* __restrict__ meta,
+                                            int* __restrict__ expert_off) {
+    using Scan = cub::BlockScan<int, NT>;
+    const int tid = threadIdx.x;
+    int row_carry = 0, tile_carry = 0;
+    for (int base = 0; base < E; base += NT) {
+        const int e = base + tid;
+        const int c = (e < E) ? s_cnt[e] : 0;
+        const int nt = (c + BM - 1) / BM;
+        int rex, ragg, tex, tagg;
+        Scan(scan_tmp).ExclusiveSum(c, rex, ragg);
+        __syncthreads();  // scan_tmp reused
+        Scan(scan_tmp).ExclusiveSum(nt, tex, tagg);
+        __syncthreads();
+        if (e < E) {
+            s_row0[e] = row_carry + rex;
+            if constexpr (kAddCursor) s_cur[e] += row_carry + rex;
+            else s_cur[e] = row_carry + rex;
+            s_toff[e] = tile_carry + tex;
+            if (expert_off != nullptr) expert_off[e] = row_carry + rex;
+        }
+        row_carry += ragg;  // the aggregates reach every thread
+        tile_carry += tagg;
+    }
+    if (tid == 0) {
+        s_toff[E] = tile_carry;
+        if (meta != nullptr) {
+            meta[0] = tile_carry;
+            meta[1] = row_carry;
+        }
+        if (expert_off != nullptr) expert_off[E] = row_carry;
+    }
+    __syncthreads();
+    return tile_carry;
+}
+
+// Tile list entries i = i0, i0 + stride, ... below n_tiles: {e, first row, end row, 0}, tile i
+// belonging to the largest e with s_toff[e] <= i (necessarily non-empty)
+__device__ __forceinline__ void route_tiles(long long i0, long long stride, int n_tiles, int E,
+                                            int BM, const int* s_toff, const int* s_row0,
+                                            const int* s_cnt, int4* __restrict__ tiles) {
+    for (long long i = i0; i < n_tiles; i += stride) {
+        int lo = 0, hi = E - 1;
+        while (lo < hi) {
+            const int mid = (lo + hi + 1) >> 1;
+            if (s_toff[mid] <= i) lo = mid;
+            else hi = mid - 1;
+        }
+        const int r0 = s_row0[lo] + ((int)i - s_toff[lo]) * BM;
+        tiles[i] = make_int4(lo, r0, s_row0[lo] + s_cnt[lo], 0);
+    }
+}
+
+// Slot s of local expert l >= 0 takes the next sorted row of its expert
+__device__ __forceinline__ void route_place_one(int l, long long s, int* s_cur,
+                                                int* __restrict__ sorted_slots,
+                                                int* __restrict__ slot_pos) {
+    const int pos = atomicAdd(&s_cur[l], 1);
+    sorted_slots[pos] = (int)s;
+    if (slot_pos != nullptr) slot_pos[s] = pos;
+}
+
+// Places slots s_first, s_first + NT, ... below hi (s_first: this thread's first; the order inside
+// an expert is arbitrary: every row is computed independently, so the outputs do not depend on it)
+template <int NT, int U>
+__device__ __forceinline__ void route_place(const int* __restrict__ topk_ids, const ExpertMap& em,
+                                            int E, long long s_first, long long hi, int* s_cur,
+                                            int* __restrict__ sorted_slots,
+                                            int* __restrict__ slot_pos) {
+    for (long long s0 = s_first; s0 < hi; s0 += (long long)NT * U) {
+        int ev[U];
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const long long s = s0 + (long long)u * NT;
+            ev[u] = (s < hi) ? __ldg(topk_ids + s) : -1;
+        }
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const long long s = s0 + (long long)u * NT;
+            int unused = 0;
+            const int l = (s < hi) ? local_expert(em, ev[u], E, unused) : -1;
+            if (l >= 0) route_place_one(l, s, s_cur, sorted_slots, slot_pos);
+        }
+    }
+}
+
+// ------------------------------------------------------------------------------------------
 // Kernel 1: routing. One block. Dynamic smem: 4*E + 1 ints.
 //   cnt[e]   rows of expert e           row0[e]  exclusive prefix of cnt (first sorted row)
 //   cur[e]   placement cursor           toff[e]  exclusive prefix of ceil(cnt/BM), toff[E]=total
@@ -410,86 +532,19 @@ moe_route_kernel(const int* __restrict__ topk_ids, const ExpertMap em, int TK, i
     // 1. histogram; four independent loads in flight per thread
     constexpr int U = 4;
     int bad = 0;
-    for (long long s0 = tid; s0 < TK; s0 += (long long)kRouteThreads * U) {
-        int ev[U];
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-            const long long s = s0 + (long long)u * kRouteThreads;
-            ev[u] = (s < TK) ? __ldg(topk_ids + s) : 0;
-        }
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-            const long long s = s0 + (long long)u * kRouteThreads;
-            if (s < TK) {
-                const int l = local_expert(em, ev[u], E, bad);
-                if (l >= 0) atomicAdd(&s_cnt[l], 1);
-            }
-        }
-    }
+    route_count<kRouteThreads, U>(topk_ids, em, E, 0, TK, s_cnt, bad);
     if (bad) atomicOr(status, bad);  // rare (bad input): one atomic per thread that saw it
     __syncthreads();                 // the histogram is complete
 
-    // 2. exclusive sums of rows and tiles per expert, E entries in chunks of the block size
-    int row_carry = 0, tile_carry = 0;
-    for (int base = 0; base < E; base += kRouteThreads) {
-        const int e = base + tid;
-        const int c = (e < E) ? s_cnt[e] : 0;
-        const int nt = (c + BM - 1) / BM;
-        int rex, ragg, tex, tagg;
-        Scan(scan_tmp).ExclusiveSum(c, rex, ragg);
-        __syncthreads();  // scan_tmp reused
-        Scan(scan_tmp).ExclusiveSum(nt, tex, tagg);
-        __syncthreads();
-        if (e < E) {
-            s_row0[e] = row_carry + rex;
-            s_cur[e] = row_carry + rex;
-            s_toff[e] = tile_carry + tex;
-            if (expert_off != nullptr) expert_off[e] = row_carry + rex;
-        }
-        row_carry += ragg;  // the aggregates reach every thread
-        tile_carry += tagg;
-    }
-    if (tid == 0) {
-        s_toff[E] = tile_carry;
-        meta[0] = tile_carry;
-        meta[1] = row_carry;
-        if (expert_off != nullptr) expert_off[E] = row_carry;
-    }
-    __syncthreads();
+    // 2. exclusive sums of rows and tiles per expert; meta and expert_off
+    const int n_tiles = route_prefix<kRouteThreads, false>(scan_tmp, E, BM, s_cnt, s_row0, s_cur,
+                                                           s_toff, meta, expert_off);
 
-    // 3. tile list: tile i belongs to the largest e with toff[e] <= i (necessarily non-empty)
-    for (int i = tid; i < tile_carry; i += kRouteThreads) {
-        int lo = 0, hi = E - 1;
-        while (lo < hi) {
-            const int mid = (lo + hi + 1) >> 1;
-            if (s_toff[mid] <= i) lo = mid;
-            else hi = mid - 1;
-        }
-        const int r0 = s_row0[lo] + (i - s_toff[lo]) * BM;
-        tiles[i] = make_int4(lo, r0, s_row0[lo] + s_cnt[lo], 0);
-    }
+    // 3. tile list
+    route_tiles(tid, kRouteThreads, n_tiles, E, BM, s_toff, s_row0, s_cnt, tiles);
 
-    // 4. placement (order inside an expert is arbitrary; every row is computed independently,
-    //    so the outputs do not depend on it)
-    for (long long s0 = tid; s0 < TK; s0 += (long long)kRouteThreads * U) {
-        int ev[U];
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-            const long long s = s0 + (long long)u * kRouteThreads;
-            ev[u] = (s < TK) ? __ldg(topk_ids + s) : -1;
-        }
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-            const long long s = s0 + (long long)u * kRouteThreads;
-            int unused = 0;
-            const int l = (s < TK) ? local_expert(em, ev[u], E, unused) : -1;
-            if (l >= 0) {
-                const int pos = atomicAdd(&s_cur[l], 1);
-                sorted_slots[pos] = (int)s;
-                if (slot_pos != nullptr) slot_pos[s] = pos;
-            }
-        }
-    }
+    // 4. placement
+    route_place<kRouteThreads, U>(topk_ids, em, E, tid, TK, s_cur, sorted_slots, slot_pos);
 }
 
 // ------------------------------------------------------------------------------------------
@@ -532,23 +587,8 @@ moe_route_hist_kernel(const int* __restrict__ topk_ids, const ExpertMap em, int 
 
     const long long lo = (long long)blockIdx.x * S;
     const long long hi = lo + S < TK ? lo + S : TK;
-    constexpr int U = kRouteMbUnroll;
     int bad = 0;
-    for (long long s0 = lo + tid; s0 < hi; s0 += (long long)NT * U) {
-        int ev[U];
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-            const long long s = s0 + (long long)u * NT;
-            ev[u] = (s < hi) ? __ldg(topk_ids + s) : 0;
-        }
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-            if (s0 + (long long)u * NT < hi) {
-                const int l = local_expert(em, ev[u], E, bad);
-                if (l >= 0) atomicAdd(&s_cnt[l], 1);
-            }
-        }
-    }
+    route_count<NT, kRouteMbUnroll>(topk_ids, em, E, lo, hi, s_cnt, bad);
     if (bad) atomicOr(status, bad);
     __syncthreads();
     int* row = hist + (long long)blockIdx.x * E;
@@ -625,77 +665,20 @@ moe_route_place_kernel(const int* __restrict__ topk_ids, const ExpertMap em, int
     }
     __syncthreads();
 
-    // 2. exclusive sums of rows and tiles per expert (as moe_route_kernel; in every block)
-    int row_carry = 0, tile_carry = 0;
-    for (int base = 0; base < E; base += NT) {
-        const int e = base + tid;
-        const int c = (e < E) ? s_cnt[e] : 0;
-        const int nt = (c + BM - 1) / BM;
-        int rex, ragg, tex, tagg;
-        Scan(scan_tmp).ExclusiveSum(c, rex, ragg);
-        __syncthreads();  // scan_tmp reused
-        Scan(scan_tmp).ExclusiveSum(nt, tex, tagg);
-        __syncthreads();
-        if (e < E) {
-            s_row0[e] = row_carry + rex;
-            s_cur[e] += row_carry + rex;
-            s_toff[e] = tile_carry + tex;
-            if (b == 0 && expert_off != nullptr) expert_off[e] = row_carry + rex;
-        }
-        row_carry += ragg;
-        tile_carry += tagg;
-    }
-    if (tid == 0) {
-        s_toff[E] = tile_carry;
-        if (b == 0) {
-            meta[0] = tile_carry;
-            meta[1] = row_carry;
-            if (expert_off != nullptr) expert_off[E] = row_carry;
-        }
-    }
-    __syncthreads();
+    // 2. exclusive sums of rows and tiles per expert (as moe_route_kernel; in every block), the
+    //    cursor row0[e] + pre[e]; block 0 writes meta and expert_off
+    const int n_tiles = route_prefix<NT, true>(scan_tmp, E, BM, s_cnt, s_row0, s_cur, s_toff,
+                                               b == 0 ? meta : nullptr, b == 0 ? expert_off : nullptr);
 
-    // 3. tile list, shared by the blocks (tile i: the largest e with toff[e] <= i)
-    for (long long i = (long long)b * NT + tid; i < tile_carry; i += (long long)B * NT) {
-        int lo_e = 0, hi_e = E - 1;
-        while (lo_e < hi_e) {
-            const int mid = (lo_e + hi_e + 1) >> 1;
-            if (s_toff[mid] <= i) lo_e = mid;
-            else hi_e = mid - 1;
-        }
-        const int r0 = s_row0[lo_e] + ((int)i - s_toff[lo_e]) * BM;
-        tiles[i] = make_int4(lo_e, r0, s_row0[lo_e] + s_cnt[lo_e], 0);
-    }
+    // 3. tile list, shared by the blocks
+    route_tiles((long long)b * NT + tid, (long long)B * NT, n_tiles, E, BM, s_toff, s_row0, s_cnt,
+                tiles);
 
     // 4. placement of this block's slots: the first pass from registers, then the others
 #pragma unroll
-    for (int u = 0; u < U; ++u) {
-        if (first[u] >= 0) {
-            const int pos = atomicAdd(&s_cur[first[u]], 1);
-            const long long s = lo + tid + (long long)u * NT;
-            sorted_slots[pos] = (int)s;
-            if (slot_pos != nullptr) slot_pos[s] = pos;
-        }
-    }
-    for (long long s0 = lo + tid + (long long)NT * U; s0 < hi; s0 += (long long)NT * U) {
-        int ev[U];
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-            const long long s = s0 + (long long)u * NT;
-            ev[u] = (s < hi) ? __ldg(topk_ids + s) : -1;
-        }
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-            const long long s = s0 + (long long)u * NT;
-            int unused = 0;
-            const int l = (s < hi) ? local_expert(em, ev[u], E, unused) : -1;
-            if (l >= 0) {
-                const int pos = atomicAdd(&s_cur[l], 1);
-                sorted_slots[pos] = (int)s;
-                if (slot_pos != nullptr) slot_pos[s] = pos;
-            }
-        }
-    }
+    for (int u = 0; u < U; ++u)
+        if (first[u] >= 0) route_place_one(first[u], lo + tid + (long long)u * NT, s_cur, sorted_slots, slot_pos);
+    route_place<NT, U>(topk_ids, em, E, lo + tid + (long long)NT * U, hi, s_cur, sorted_slots, slot_pos);
 }
 
 // ------------------------------------------------------------------------------------------
