@@ -44,7 +44,7 @@ def _dtype_name(dt) -> str:
     return name
 
 
-_KINDS: dict = {}          # type -> 'torch' | 'numpy' | 'cupy' | 'bits16' | 'other'
+_KINDS: dict = {}          # type -> 'torch' | 'fake' | 'numpy' | 'cupy' | 'bits16' | 'other'
 _TORCH_DTYPES: dict = {}   # torch dtype -> (name, itemsize)
 
 
@@ -55,9 +55,14 @@ def _kind_of(x) -> str:
     if issubclass(t, Bits16):
         kind = "bits16"
     elif mod.startswith("torch"):
-        kind = "torch"
-    elif issubclass(t, np.matrix):
-        kind = "other"   # its * is a matrix product and its rows stay 2-D: refused, not misread
+        # a FakeTensor (what torch.compile and FakeTensorMode trace with) has no memory: its own
+        # kind, refused by TensorRef.of before its data pointer is read (torch warns on that read)
+        fake = sys.modules.get("torch._subclasses.fake_tensor")
+        kind = "fake" if fake is not None and issubclass(t, fake.FakeTensor) else "torch"
+    elif issubclass(t, (np.matrix, np.ma.MaskedArray)):
+        # refused, not misread: a matrix's * is a matrix product and its rows stay 2-D; a masked
+        # array's mask would be dropped (the kernels read every element)
+        kind = "other"
     elif issubclass(t, np.ndarray):
         kind = "numpy"
     elif mod.startswith("cupy"):
@@ -232,10 +237,16 @@ class TensorRef:
     def of(cls, x, name: str = "array", factor: str = "ex_engine") -> "TensorRef":
         """Describe ``x``. Raises DTypeError (a FactorError and a TypeError) naming ``factor``
         (the function or factor called) and the argument ``name`` for anything that is not an
-        array (also a torch tensor a kernel cannot read as it is: DeviceError for meta)."""
+        array (also a torch tensor a kernel cannot read as it is: DeviceError for meta and for a
+        FakeTensor)."""
         kind = _KINDS.get(type(x))
         if kind is None:
             kind = _kind_of(x)
+        if kind == "fake":
+            from .errors import DeviceError
+            raise DeviceError(factor, name, "memory", "an array with memory behind its data pointer",
+                              f"a torch FakeTensor of shape {tuple(x.shape)} (no memory: what "
+                              "torch.compile and FakeTensorMode trace with)")
         if kind == "torch":
             if (x.is_meta or x.layout is not sys.modules["torch"].strided or x.is_nested
                     or x.is_neg() or x.is_conj()):

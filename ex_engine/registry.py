@@ -1371,18 +1371,19 @@ class FactorRegistry:
 
     @staticmethod
     def _check_memory(name: str, m: Manifest, refs_by_name: dict, spans, device: int):
-        """dispatch's (and call_plugin's) checks after bind: written arrays (check_writes), then
-        NULL data pointers (a kernel or a fallback given NULL would crash). Returns the host
+        """dispatch's (and call_plugin's) checks after bind: NULL data pointers (a kernel or a
+        fallback given NULL would crash), then written arrays (check_writes). Returns the host
         writability read ({name: bool}; None on a device), for the short path's key. Raises
         LayoutError or DeviceError, uncounted."""
-        # host writability read once: for the check and for the short path's key
-        writable = {k: _writable(r.obj) for k, r in refs_by_name.items()} if device < 0 else None
-        check_writes(name, m, refs_by_name, spans, device, writable)
         # after the names, dtypes and shapes (a misspelt name is the problem then), before any
-        # path reads the memory: a kernel or a fallback given NULL would crash
+        # path reads the memory (a kernel or a fallback given NULL would crash) and before the
+        # overlap check (NumPy's stand-in arrays refuse a NULL pointer with elements)
         null = null_pointer_error(name, refs_by_name)
         if null is not None:
             raise null
+        # host writability read once: for the check and for the short path's key
+        writable = {k: _writable(r.obj) for k, r in refs_by_name.items()} if device < 0 else None
+        check_writes(name, m, refs_by_name, spans, device, writable)
         return writable
 
     def _tuned_value(self, m: Manifest):

@@ -369,6 +369,12 @@ def test_call_plugin_checks_names_and_types_as_dispatch_does(tmp_path):
     with pytest.raises(DeviceError):
         reg.call_plugin(p, {"x": null, "out": out, "alpha": alpha}, count=False)
     assert reg.stats()["host_scale"]["errors"] == 6          # count=False: not counted
+    # NULL in an array read and in the one written: refused as such before the overlap check,
+    # whose NumPy stand-ins raised a bare ValueError for two NULL ranges (a new-user trial)
+    null_out = TensorRef.of(out, "out")
+    null_out.ptr = 0
+    with pytest.raises(DeviceError, match="^host_scale: argument 'x': memory: .*NULL data pointer"):
+        reg.call_plugin(p, {"x": null, "out": null_out, "alpha": alpha}, count=False)
     assert reg.call_plugin(p, {"x": x, "out": out, "alpha": alpha}) == "plugin" and (out == 2).all()
 
 

@@ -359,6 +359,35 @@ def test_router_and_experts_capture_in_a_torch_cuda_graph(greg):
     torch.testing.assert_close(layer(x).float(), eager.float(), rtol=1e-2, atol=1e-2)
 
 
+def test_fake_tensors_are_refused_by_name_without_a_torch_warning(tmp_path):
+    """A new-user trial: under FakeTensorMode (what torch.compile traces with) every op raised
+    NumPy's bare ValueError ("data is NULL but array contains data") from the overlap check,
+    after torch's warning that reading a FakeTensor's data pointer is a bug. Each op now names
+    its first argument, and no data pointer is read."""
+    import warnings
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from ex_engine.errors import DeviceError
+    reg = FactorRegistry.load(tmp_path, hardware="h200")   # no plugin: the Python fallbacks
+    calls = {
+        "router_logits": lambda: topk_softmax(torch.randn(3, 8), 2, registry=reg),
+        "x": lambda: fused_add_rmsnorm(torch.randn(3, 8), torch.randn(3, 8), torch.ones(8), registry=reg),
+        "hidden_states": lambda: moe_fused_gemm(
+            torch.randn(3, 8), torch.randn(2, 8, 8), torch.randn(2, 8, 4), torch.ones(3, 1),
+            torch.zeros(3, 1, dtype=torch.int32), registry=reg),
+    }
+    for arg, call in calls.items():
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            with pytest.raises(DeviceError, match=rf"argument '{arg}': memory: .*FakeTensor of shape \(3, 8\)"):
+                with FakeTensorMode():
+                    call()
+    with FakeTensorMode():
+        fake = torch.empty(0)
+    with pytest.raises(DeviceError, match="FakeTensor of shape \\(0,\\)"):   # no elements: still no memory
+        TensorRef.of(fake, "x")
+    assert reg.stats()["topk_softmax"]["errors"] == 1
+
+
 def test_views_and_pointers_a_kernel_cannot_read_as_they_are(tmp_path, monkeypatch):
     """From a review: a negated view (torch applies the sign lazily) gave 2*x where -2*x was
     due, also through the short path of a checked signature; a nested tensor raised torch's
@@ -382,7 +411,7 @@ def test_views_and_pointers_a_kernel_cannot_read_as_they_are(tmp_path, monkeypat
     from torch._subclasses.fake_tensor import FakeTensorMode
     with FakeTensorMode():
         fake = torch.empty(7)
-    with pytest.raises(DeviceError, match=r"'x'.*NULL data pointer for an array of shape \(7,\)"):
+    with pytest.raises(DeviceError, match=r"'x': memory: .*FakeTensor of shape \(7,\)"):
         r.dispatch("host_scale", {"x": fake, "out": out, "alpha": alpha})
     from ex_engine.errors import ArgumentError   # a misspelt name is the problem, not its pointer
     with pytest.raises(ArgumentError, match="argument 'X': unknown argument"):

@@ -328,6 +328,10 @@ def test_registry_and_dispatch_arguments_of_the_wrong_kind_are_named(tmp_path):
     with pytest.raises(DTypeError, match="argument 'x': type: .* got matrix"):   # its * is a matmul
         from ex_engine import fused_add_rmsnorm
         fused_add_rmsnorm(np.asmatrix(x), np.asmatrix(x.copy()), np.ones(8, np.float32), registry=reg)
+    # a masked array's mask would be dropped (a new-user trial: topk_softmax picked a masked expert)
+    masked = np.ma.masked_array(x, mask=np.zeros(x.shape, bool))
+    with pytest.raises(DTypeError, match="argument 'router_logits': type: .* got MaskedArray"):
+        topk_softmax(masked, 2, registry=reg)
     for v in (1, np.int64(1), np.bool_(True), True):            # a bool, whatever integer type says it
         topk_softmax(x, 2, renormalize=v, registry=reg)
     for v in (2, 1.0, "1"):
