@@ -603,7 +603,8 @@ class FactorRegistry:
     def load_folder(self, folder) -> list:
         """Load every ``*.so`` in ``folder`` (sorted by name); returns the new Plugin records.
         Raises FactorError if ``folder`` is not a directory (or not a path at all) or cannot be
-        read (no permission to list it)."""
+        read (no permission to list it), or if the registry has a lock and the one that applies
+        to ``folder`` is missing or malformed (also where the folder holds no library)."""
         folder = _path_arg("folder", folder, "a directory path")
         if not folder.is_dir():
             hint = _paths.not_a_checkout() if folder == _paths.factors_dir() else ""
@@ -618,6 +619,9 @@ class FactorRegistry:
                 files = sorted(folder / e.name for e in it if e.name.endswith(".so"))
         except OSError as exc:
             raise FactorError(f"factor folder '{folder}': cannot be read ({exc.strerror or exc})") from None
+        if self._lock_path(folder) is not None:
+            self._lock_for(folder / "_")   # a missing or malformed lock: FactorError, also for a
+                                           # folder without libraries (nothing else would read it)
         new = [self._load_one(p) for p in files]
         self._note_missing_locked(folder, {p.name for p in files})
         self._choose()

@@ -394,6 +394,15 @@ def test_missing_lock_file_is_an_error(tmp_path, capsys):
     with pytest.raises(FactorError, match="lock file .*nope.lock: not found; write one with `ex-engine lock`"):
         FactorRegistry.load(tmp_path, hardware="h200", lock=tmp_path / "nope.lock")
     assert cli_main(["list-factors", "--dir", str(tmp_path), "--lock", str(tmp_path / "nope.lock")]) == 2
+    # also for a folder without libraries, where no library's check reads the lock (a new-user
+    # trial: a mistyped --lock passed silently there, and list-factors said only "no plugins")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    for lock in (tmp_path / "nope.lock", True):
+        with pytest.raises(FactorError, match="lock file .*(nope|ex_engine).lock: not found"):
+            FactorRegistry.load(empty, hardware="h200", lock=lock)
+    assert cli_main(["list-factors", "--dir", str(empty), "--lock", str(tmp_path / "nope.lock")]) == 2
+    assert "lock file" in capsys.readouterr().err
 
 
 def test_cli_lock_output_path(tmp_path, capsys):
