@@ -448,13 +448,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("--why", action="store_true", help="also print every check each plugin went through "
                                                           "(and its description)")
-    p.set_defaults(fn=cmd_list_factors)
+    p.set_defaults(fn=cmd_list_factors, command_parser=p)
 
     p = sub.add_parser("hardware", help="what the runtime sees: the live GPU or a profile",
                        description="Print the ex_hardware_t the runtime fills from the live GPU or a profile.")
     p.add_argument("--profile", type=nonempty, default=None, help=f"a profile name ({profiles}) or YAML path")
     p.add_argument("--json", action="store_true", help="print JSON")
-    p.set_defaults(fn=cmd_hardware)
+    p.set_defaults(fn=cmd_hardware, command_parser=p)
 
     p = sub.add_parser("run", help="run a job through the registry (see: ex-engine run moe --help)",
                        description="Run a job through the registry.")
@@ -476,9 +476,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="activation and weight dtype (default: %(default)s)")
     q.add_argument("--seed", type=token_count, default=0, help="random seed >= 0 (default: %(default)s)")
     q.add_argument("--repeat", type=positive_count, default=10, help="timed calls per factor on a GPU (default: %(default)s)")
-    q.set_defaults(fn=cmd_run_moe)
+    q.set_defaults(fn=cmd_run_moe, command_parser=q)
     # `ex-engine run` without a job: run's own help (bind p now: p is rebound below)
-    p.set_defaults(fn=lambda a, run_parser=p: (run_parser.print_help(), 2)[1])
+    p.set_defaults(fn=lambda a, run_parser=p: (run_parser.print_help(), 2)[1], command_parser=p)
 
     p = sub.add_parser("verify", help="run every ready factor against its Python fallback on its test shapes",
                        description="Run every ready factor against its Python fallback on the test "
@@ -506,7 +506,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=seconds, default=None,
                    help=f"seconds for one plugin's checks in its child process, its start-up (about a "
                         f"second) included (default: {CHILD_TIMEOUT_S:g})")
-    p.set_defaults(fn=cmd_verify)
+    p.set_defaults(fn=cmd_verify, command_parser=p)
 
     p = sub.add_parser("lock", help="write the SHA-256 of every plugin library to a lock file",
                        description="Write a lock file, JSON {file name: sha256}, of every *.so in the "
@@ -519,7 +519,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="folder of plugin libraries (default: %(default)s)")
     p.add_argument("--output", type=nonempty, default=None, metavar="FILE",
                    help="lock file to write (default: <dir>/ex_engine.lock)")
-    p.set_defaults(fn=cmd_lock)
+    p.set_defaults(fn=cmd_lock, command_parser=p)
 
     p = sub.add_parser("build", help="compile factors/*.cu (nvcc) and host factors' *.c, *.cpp into .so files (runs make)",
                        description="Run `make` in the project root: one factors/<name>.so per factors/<name>.cu "
@@ -533,13 +533,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "with '-': --archs='-gencode=arch=compute_80,code=sm_80' (default: the Makefile's "
                         "sm_90a + sm_80 + PTX); rebuilds every plugin built (the NAMEs given, or all)")
     p.add_argument("-j", "--jobs", type=positive_count, default=2, help="parallel nvcc jobs (default: %(default)s)")
-    p.set_defaults(fn=cmd_build)
+    p.set_defaults(fn=cmd_build, command_parser=p)
     return ap
 
 
 def main(argv=None) -> int:
     ap = build_parser()
-    args = ap.parse_args(argv)
+    args, extra = ap.parse_known_args(argv)
+    if extra:   # reported with the usage of the (sub)command they were given to, not the top's
+        getattr(args, "command_parser", ap).error(f"unrecognized arguments: {' '.join(extra)}")
     args.command_process = argv is None   # the ex-engine command (or python -m ex_engine) itself
     if args.command_process and not faulthandler.is_enabled():
         # a library that crashes in this process (run moe, or --no-probe) prints a traceback of

@@ -20,6 +20,24 @@ def test_every_command_has_help(argv, capsys):
     assert "usage: ex-engine" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("argv,usage", [
+    (["list-factors", "--unknown"], "usage: ex-engine list-factors "),
+    (["run", "moe", "--no-probe"], "usage: ex-engine run moe "),
+    (["run", "--x"], "usage: ex-engine run "),
+    (["hardware", "--zz"], "usage: ex-engine hardware "),
+    (["verify", "extra"], "usage: ex-engine verify "),
+    (["--bogus"], "usage: ex-engine [-h] COMMAND"),
+])
+def test_an_unknown_argument_is_reported_with_its_commands_usage(argv, usage, capsys):
+    """A new-user trial: an unknown option of a subcommand printed the top-level usage, where
+    every other usage error of that subcommand prints its own."""
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith(usage), err
+    assert f"error: unrecognized arguments: {argv[-1]}" in err
+
+
 def test_seed_must_be_non_negative(capsys):
     with pytest.raises(SystemExit) as e:
         main(["verify", "--seed", "-1"])
