@@ -218,15 +218,23 @@ SM90_AWKWARD_SHAPES = {"T=1": (1, 2048, 128, 768, 8), "T=3 E=40": (3, 256, 40, 1
                        "I=1408": (700, 256, 8, 1408, 2)}
 
 
+def registry_preferring(library):
+    """A registry of factors/ whose moe_fused_gemm is ``library`` (a file name there), loaded with
+    the environment as it is now (a plugin reads its switches when it loads); skips where the
+    library is not built or not ready on this GPU."""
+    if not (ROOT / "factors" / library).exists():
+        pytest.skip(f"{library} not built")
+    r = FactorRegistry.load(ROOT / "factors", prefer={"moe_fused_gemm": library})
+    p = r.get("moe_fused_gemm")
+    if p is None or p.path.name != library:
+        pytest.skip(f"{library} not ready on this GPU")
+    return r
+
+
 def sm90_registry():
     """A registry whose moe_fused_gemm is the Hopper plugin (skips where it is not built or not
     ready on this GPU)."""
-    if not (ROOT / "factors" / "moe_fused_gemm_sm90.so").exists():
-        pytest.skip("moe_fused_gemm_sm90.so not built")
-    r = FactorRegistry.load(ROOT / "factors", prefer={"moe_fused_gemm": "moe_fused_gemm_sm90.so"})
-    if r.get("moe_fused_gemm") is None or r.get("moe_fused_gemm").path.name != "moe_fused_gemm_sm90.so":
-        pytest.skip("moe_fused_gemm_sm90.so not ready on this GPU")
-    return r
+    return registry_preferring("moe_fused_gemm_sm90.so")
 
 
 # Tile128 (cooperative; GEMM2 on 128 x 128 ping-pong tiles where I <= 1024), Tile64 (ping-pong),
@@ -380,11 +388,7 @@ def test_torch_tensors_zero_copy(reg):
 @pytest.mark.parametrize("library", ["moe_fused_gemm.so", "moe_fused_gemm_sm90.so"])
 def test_moe_index_arithmetic_beyond_2_pow_31(cp, library):
     """T*K*H > 2^31 elements: offsets into the T*K x H intermediates must be 64-bit."""
-    if not (ROOT / "factors" / library).exists():
-        pytest.skip(f"{library} not built")
-    reg = FactorRegistry.load(ROOT / "factors", prefer={"moe_fused_gemm": library})
-    if reg.get("moe_fused_gemm") is None or reg.get("moe_fused_gemm").path.name != library:
-        pytest.skip(f"{library} not ready on this GPU")
+    reg = registry_preferring(library)
     T, H, E, I, K = 32768, 8200, 8, 64, 8      # T*K*H = 2.15e9 > 2^31
     assert T * K * H > 2**31
     x, w13, w2, w, ids = moe_case(cp, T, H, E, I, K, "bfloat16")
@@ -506,19 +510,13 @@ def route_reg():
     saved = {k: os.environ.get(k) for k in (ROUTE_ENV, SM90_ENV, GATHER_ENV)}
 
     def load(library, route_slots, sm90_min_rows=None, gather_by_token=None):
-        if not (ROOT / "factors" / library).exists():
-            pytest.skip(f"{library} not built")
         os.environ[ROUTE_ENV] = str(route_slots)
         for var, value in ((SM90_ENV, sm90_min_rows), (GATHER_ENV, gather_by_token)):
             if value is None:
                 os.environ.pop(var, None)
             else:
                 os.environ[var] = str(value)
-        r = FactorRegistry.load(ROOT / "factors", prefer={"moe_fused_gemm": library})
-        p = r.get("moe_fused_gemm")
-        if p is None or p.path.name != library:
-            pytest.skip(f"{library} not ready on this GPU")
-        return r
+        return registry_preferring(library)
 
     try:
         yield load
@@ -694,15 +692,8 @@ def skip_a_reg():
     saved = {SKIP_A_ENV: os.environ.get(SKIP_A_ENV)}
 
     def load(on):
-        lib = "moe_fused_gemm_sm90.so"
-        if not (ROOT / "factors" / lib).exists():
-            pytest.skip(f"{lib} not built")
         os.environ[SKIP_A_ENV] = "1" if on else "0"
-        r = FactorRegistry.load(ROOT / "factors", prefer={"moe_fused_gemm": lib})
-        p = r.get("moe_fused_gemm")
-        if p is None or p.path.name != lib:
-            pytest.skip(f"{lib} not ready on this GPU")
-        return r
+        return sm90_registry()
 
     try:
         yield load
