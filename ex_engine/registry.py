@@ -619,23 +619,22 @@ class FactorRegistry:
                 files = sorted(folder / e.name for e in it if e.name.endswith(".so"))
         except OSError as exc:
             raise FactorError(f"factor folder '{folder}': cannot be read ({exc.strerror or exc})") from None
-        if self._lock_path(folder) is not None:
-            self._lock_for(folder / "_")   # a missing or malformed lock: FactorError, also for a
-                                           # folder without libraries (nothing else would read it)
+        # the lock that applies to the folder (any file of it names the lock), read before any
+        # library: a missing or malformed one raises FactorError, also for a folder without one
+        lock = self._lock_for(folder / "_")
         new = [self._load_one(p) for p in files]
-        self._note_missing_locked(folder, {p.name for p in files})
+        self._note_missing_locked(folder, lock, {p.name for p in files})
         self._choose()
         return new
 
-    def _note_missing_locked(self, folder: Path, present: set) -> None:
-        """A note per library the folder's lock lists but the folder lacks (deleted or renamed
-        since `ex-engine lock`: nothing runs from it, but the lock no longer describes the
-        folder). Only for a lock that sits in ``folder``: a lock given by path may list several
-        folders' files."""
-        lock_path = self._lock_path(folder)
-        if lock_path is None or not lock_path.is_file() or _resolved(lock_path.parent) != _resolved(folder):
-            return   # a missing lock is reported by the first library it should cover
-        _, digests = self._lock_for(folder / "_")   # (any file of the folder names its lock)
+    def _note_missing_locked(self, folder: Path, lock, present: set) -> None:
+        """A note per library the folder's lock (``lock``: _lock_for's (path, digests), or None)
+        lists but the folder lacks (deleted or renamed since `ex-engine lock`: nothing runs from
+        it, but the lock no longer describes the folder). Only for a lock that sits in
+        ``folder``: a lock given by path may list several folders' files."""
+        if lock is None or _resolved(lock[0].parent) != _resolved(folder):
+            return
+        lock_path, digests = lock
         for name in sorted(set(digests) - present):
             note = (f"lock: {_resolved(lock_path)} lists {name}, which {_resolved(folder)} does not have "
                     "(deleted or renamed since the lock was written)")
