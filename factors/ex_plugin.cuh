@@ -71,15 +71,17 @@ static int launch_for_dtype(int dtype, const Args& a, Launch launch) {
 }
 
 // A decimal integer >= 0 from the environment variable `name` (a tuning or comparison switch read
-// when the plugin loads), else `fallback`; a set but malformed value ("abc", "-1", "8192 ", or
-// one beyond a long long, "99999999999999999999") is reported on stderr and the fallback kept.
+// when the plugin loads), else `fallback`; a set but malformed value ("abc", "-1", "8192 ", " 12",
+// "+12", or one beyond a long long, "99999999999999999999") is reported on stderr and the
+// fallback kept.
 static long long env_count(const char* name, long long fallback) {
     const char* v = std::getenv(name);
     if (v == nullptr) return fallback;
     char* end = nullptr;
     errno = 0;
     const long long n = std::strtoll(v, &end, 10);
-    if (end != v && *end == '\0' && errno == 0 && n >= 0) return n;
+    // (strtoll also takes leading blanks and a sign: refused, as the trailing blank is)
+    if (v[0] >= '0' && v[0] <= '9' && *end == '\0' && errno == 0) return n;
     std::fprintf(stderr, "[ex_engine] " EX_PLUGIN_FILE ": %s='%s' ignored: expected a decimal integer >= 0; using %lld\n",
                  name, v, fallback);
     return fallback;

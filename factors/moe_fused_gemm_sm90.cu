@@ -1410,7 +1410,8 @@ extern "C" EX_EXPORT ex_factor_t* ex_get_factor(const ex_hardware_t* hw) {
     s_sm90_tile64_max_rows = explugin::env_count("EX_MOE_SM90_TILE64_MAX_ROWS", kSm90Tile64MaxRows);
     s_sm90_gated = explugin::env_switch("EX_MOE_SM90_SILU_IN_GEMM1");
     s_sm90_gemm2_pp = explugin::env_switch("EX_MOE_SM90_GEMM2_PINGPONG");
-    s_sm90_raster_n = explugin::env_count("EX_MOE_SM90_RASTER_N", 0) != 0;
+    static const char* const kOffOn[] = {"0", "1"};  // a switch that is off unless set to 1
+    s_sm90_raster_n = explugin::env_choice("EX_MOE_SM90_RASTER_N", kOffOn, 2, 0) == 1;
     s_sm90_gather_by_token = explugin::env_switch("EX_MOE_SM90_GATHER_BY_TOKEN");
     sm90::g_skip_empty_a = explugin::env_switch("EX_MOE_SM90_SKIP_EMPTY_A");
     s_sm90_chunked_mc = explugin::env_switch("EX_MOE_SM90_CHUNKED_MULTICAST");

@@ -213,6 +213,11 @@ SWITCH_SAYS = "ignored: expected 0 (off) or 1 (on); using 1 (on, the default)"
     ("EX_MOE_SM90_MIN_ROWS_PER_EXPERT", "99999999999999999999",    # beyond a long long: was
      "ignored: expected a decimal integer >= 0; using 64"),          # taken as LLONG_MAX
     ("EX_MOE_SM90_SWIZZLE", "3", "ignored: expected 1, 2, 4 or 8; using 1"),
+    # a new user's trial: taken as on, silently (read as a count, not a switch)
+    ("EX_MOE_SM90_RASTER_N", "2", "ignored: expected 0 or 1; using 0"),
+    # strtoll takes leading blanks and a sign; the trailing blank was refused, these passed
+    ("EX_MOE_SM90_TILE64_MAX_ROWS", " 12", "ignored: expected a decimal integer >= 0; using 0"),
+    ("EX_MOE_SM90_MIN_ROWS_PER_EXPERT", "+12", "ignored: expected a decimal integer >= 0; using 64"),
     ("EX_MOE_SM90_SILU_IN_GEMM1", "off", SWITCH_SAYS),
     ("EX_MOE_SM90_GEMM2_PINGPONG", "no", SWITCH_SAYS),
     ("EX_MOE_SM90_GATHER_BY_TOKEN", "yes", SWITCH_SAYS),
