@@ -14,7 +14,9 @@ that a plugin reads when it loads, such as EX_MOE_SM90_MIN_ROWS_PER_EXPERT, are 
 folder loads, so give such a config its own folder). Every config's output on the first input
 set is compared with the first config's (max abs difference, relative difference) and the
 first config's with a float32 reference (unless --no-ref); a config more than 2e-2 off the
-first is not timed. Timing: --rounds rounds, the config order reversed every other round (the
+first is not timed, unless --unchecked names it (a diagnostic build whose output is wrong by
+design, e.g. one built with -DEX_MOE_DIAG that skips a stage: its time bounds what removing that
+stage could save; such a row is marked "unchecked" in the output and the JSON). Timing: --rounds rounds, the config order reversed every other round (the
 power-limited card drifts by up to 12% within a minute); a row reports, per config, the median
 over rounds of graph_us (benchmarks/_timing.py). Progress on stderr; --json writes every round.
 """
@@ -141,6 +143,9 @@ def main():
                          "times) here, after every row; not written by default")
     ap.add_argument("--no-ref", action="store_true", help="skip the float32 reference check")
     ap.add_argument("--rounds", type=int, default=2, help="timing rounds, config order reversed every other round")
+    ap.add_argument("--unchecked", nargs="+", default=[], metavar="NAME",
+                    help="configs timed whatever their output (diagnostic knock-out builds, "
+                         "-DEX_MOE_DIAG: wrong by design); their checks are still reported")
     args = ap.parse_args()
     models = load_models_or_exit("ab_moe")
     problems = []                       # every one at once, before any work
@@ -148,6 +153,12 @@ def main():
     names = [n for n, _, _ in cfgs]
     if len(args.configs) < 2 or len(set(names)) != len(names):
         problems.append(f"--configs: expected two or more configs with distinct names, got {names}")
+    for n in args.unchecked:
+        if n not in names:
+            problems.append(f"--unchecked: {n!r} is no config name; expected some of {names}")
+    if cfgs and cfgs[0][0] in args.unchecked:
+        problems.append(f"--unchecked: the first config ({cfgs[0][0]}) is the one the others are checked "
+                        "against; put a checked config first")
     problems += variable_problems(cfgs, readme_variables())
     for n, folder, env in cfgs:
         if not Path(folder).is_dir():
@@ -178,7 +189,8 @@ def main():
             print(f"# {folder}: {p.path}", flush=True)
     gen = torch.Generator(device="cuda").manual_seed(0)
     meta = run_meta(dtype=args.dtype, sets=args.sets, rounds=args.rounds,
-                    configs={n: {"folder": folder, "env": env} for n, folder, env in cfgs})
+                    configs={n: {"folder": folder, "env": env, "unchecked": n in args.unchecked}
+                             for n, folder, env in cfgs})
     rows = []
     layer_key, layer = None, None
     print(f"{'model':<22}{'T':>6} " + "".join(f"{n:>12}" for n, _, _ in cfgs), flush=True)
@@ -210,11 +222,13 @@ def main():
             d = (o.float() - outs[0].float()).abs().max().item()
             checks[name]["maxdiff_vs_first"] = d
             checks[name]["rel_vs_first"] = rel(o, outs[0].float())
+            if name in args.unchecked:
+                checks[name]["unchecked"] = True
         times = {n: [] for n, _, _ in cfgs}
         for rnd in range(args.rounds):
             order = cfgs if rnd % 2 == 0 else cfgs[::-1]
             for name, folder, env in order:
-                if checks[name]["rel_vs_first"] > 2e-2:
+                if checks[name]["rel_vs_first"] > 2e-2 and name not in args.unchecked:
                     continue
                 reg = regs[folder]
                 set_env(env, reg)
@@ -226,7 +240,8 @@ def main():
             f"{row['us'][n]:>12.1f}" if row["us"][n] else f"{'FAIL':>12}" for n, _, _ in cfgs), flush=True)
         print("   checks: " + "; ".join(
             f"{n}: d={c['maxdiff_vs_first']:.2e} r={c['rel_vs_first']:.1e}" + (f" ref={c['rel_ref']:.1e}" if "rel_ref" in c else "")
-            + f" {c['path']}" for n, c in checks.items()), flush=True)
+            + f" {c['path']}" + (" unchecked" if c.get("unchecked") else "") for n, c in checks.items()),
+            flush=True)
         del outs
         if args.json:   # after every row: a run cut short still leaves what it measured
             Path(args.json).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))

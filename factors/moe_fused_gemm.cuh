@@ -1199,6 +1199,18 @@ static int64_t s_l2_bytes = 50LL << 20;
 // at 2048-4096 (within 0.6%, ab_route_h200_2026-12-01.json).
 constexpr int64_t kRouteMultiBlockSlots = 2048;
 static int64_t s_route_mb_slots = kRouteMultiBlockSlots;
+// Diagnostic knock-out, compiled only with -DEX_MOE_DIAG (never in a shipped build): a bit mask
+// read from EX_MOE_DIAG_SKIP at load, of stages not run: 1 the Hopper path's gather after the
+// first call on a workspace and dims (its launch stays, one block that writes the group arrays
+// and copies no rows: GEMM1 reads the first call's rows, which GEMM2 leaves, writing ys to a
+// buffer of its own in such a build's larger workspace), 2 the combine (both paths). The output
+// is then wrong (benchmarks/ab_moe.py --unchecked times such a build): the time bounds what
+// folding that stage into a neighbour could save in a call (benchmarks/RESULTS.md, session 31).
+#if defined(EX_MOE_DIAG)
+static int s_diag_skip = 0;
+#else
+constexpr int s_diag_skip = 0;
+#endif
 
 // Decode choices, read per call from EX_MOE_DECODE_CONFIG (so one process can compare them):
 //   old    the previous choices: CfgDecode for T*K/E <= 24, N-tile-fastest block order, plain
@@ -1590,7 +1602,8 @@ static int launch_fast(const Problem& P, void* out, const void* x, const void* w
         return cuda_error(err);
 
     const unsigned cblocks = capped_blocks(P.T * (P.H / 8), kSimpleThreads, 16);
-    if ((err = launch_k(moe_combine_kernel<T>, dim3(cblocks), dim3(kSimpleThreads), 0,
+    if (!(s_diag_skip & 2) &&
+        (err = launch_k(moe_combine_kernel<T>, dim3(cblocks), dim3(kSimpleThreads), 0,
                         stream, pdl, static_cast<T*>(out), static_cast<const T*>(y), topk_ids,
                         P.em(), (int)P.T, H, E, K, S, (long long)(P.TK * P.H))) != cudaSuccess)
         return cuda_error(err);
@@ -1736,6 +1749,9 @@ static bool moe_portable_init(const ex_hardware_t* hw, ex_tuning_t* tuning) {
     s_num_sms = hw->multiprocessor_count > 0 ? hw->multiprocessor_count : 1;
     s_pdl_ok = hw->cc_major >= 9;
     s_route_mb_slots = explugin::env_count("EX_MOE_ROUTE_MULTIBLOCK_SLOTS", kRouteMultiBlockSlots);
+#if defined(EX_MOE_DIAG)
+    s_diag_skip = (int)explugin::env_count("EX_MOE_DIAG_SKIP", 0);
+#endif
     if (hw->l2_cache_bytes > 0) s_l2_bytes = hw->l2_cache_bytes;
     s_smem_optin = (int)(hw->shared_mem_per_block_optin < 0x7fffffff ? hw->shared_mem_per_block_optin
                                                                       : 0x7fffffff);

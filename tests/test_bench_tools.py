@@ -632,3 +632,16 @@ def test_gpu_check_help_names_its_environment_variables():
                 "RUN_TIMEOUT", "BENCH_TIMEOUT", "TUNE_TIMEOUT", "EP_TIMEOUT"):
         assert f"{var} " in r.stdout, var
     assert "set -u" not in r.stdout and "Exit status" in r.stdout
+
+
+def test_ab_moe_unchecked_names_configs_and_not_the_first():
+    """--unchecked (a diagnostic knock-out build timed whatever its output) must name configs, and
+    not the first one, which every other config's output is compared with."""
+    import subprocess
+    base = [sys.executable, str(ROOT / "benchmarks" / "ab_moe.py"), "--cases", "qwen3-30b-a3b:8",
+            "--configs", "a=factors", "b=factors:EX_MOE_DECODE_CONFIG=old"]
+    r = subprocess.run(base + ["--unchecked", "zz", "a"], capture_output=True, text=True, timeout=120)
+    lines = r.stderr.splitlines()
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert any("--unchecked: 'zz' is no config name; expected some of ['a', 'b']" in x for x in lines), lines
+    assert any("--unchecked: the first config (a)" in x for x in lines), lines
