@@ -3,7 +3,8 @@
 graph_us: device µs per call of a CUDA graph that cycles over ``fns`` (one zero-argument
 callable per input set, so the sets can be rotated past the L2), after a warm-up of the graph;
 host_us: host µs of one eager call, device work left to overlap; ceilings: the card's matmul and
-copy ceilings with graph_us's timer; run_meta: the date, device and commit a result file records.
+copy ceilings with graph_us's timer; run_meta: the date, device and commit a result file records;
+ClockSampler: the SM clock and power while a block runs (NVML).
 """
 from __future__ import annotations
 
@@ -93,6 +94,63 @@ def graph_us(fns, calls: int | None = None, replays: int = 20, warm_ms: float = 
         times.append(a.elapsed_time(b) * 1000.0 / calls)
     times.sort()
     return times[len(times) // 2]
+
+
+class ClockSampler:
+    """SM clock (MHz), board power (W) and the clock-event reasons of GPU ``index``, sampled by
+    NVML (pynvml, which torch.cuda's clock_rate uses) every ``period_s`` on a thread while the
+    ``with`` block runs; ``summary()`` gives the medians, ranges and the reasons' bit mask OR-ed
+    over the samples (0x4: the software power cap), or why nothing was sampled. The power-limited
+    H200 sets its clock by what the tensor cores multiply: on near-zero rows it held 1850 MHz
+    against ~1500 on real ones at the same ~690 W (RESULTS.md, session thirty-one), so a time
+    that moves should be read with the clock it ran at."""
+
+    def __init__(self, index: int = 0, period_s: float = 0.01):
+        self.index, self.period_s, self.samples, self.problem = index, period_s, [], None
+
+    def __enter__(self):
+        import threading
+        try:
+            import pynvml
+            pynvml.nvmlInit()
+            h = pynvml.nvmlDeviceGetHandleByIndex(self.index)
+            reasons = getattr(pynvml, "nvmlDeviceGetCurrentClocksEventReasons", None) or \
+                pynvml.nvmlDeviceGetCurrentClocksThrottleReasons
+        except Exception as exc:   # not installed, no driver, no device
+            self.problem = f"no NVML ({type(exc).__name__}: {exc})"
+            self._thread = None
+            return self
+        self._stop = threading.Event()
+
+        def run():
+            while not self._stop.is_set():
+                try:
+                    self.samples.append((pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_SM),
+                                         pynvml.nvmlDeviceGetPowerUsage(h) / 1000.0, reasons(h)))
+                except Exception as exc:
+                    self.problem = f"NVML failed ({type(exc).__name__}: {exc})"
+                    return
+                time.sleep(self.period_s)
+        self._thread = threading.Thread(target=run, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+        return False
+
+    def summary(self) -> str:
+        if not self.samples:
+            return self.problem or "no NVML samples"
+        clk = sorted(x[0] for x in self.samples)
+        pw = sorted(x[1] for x in self.samples)
+        mask = 0
+        for x in self.samples:
+            mask |= int(x[2])
+        return (f"SM {clk[len(clk) // 2]} MHz ({clk[0]}-{clk[-1]}), {pw[len(pw) // 2]:.0f} W "
+                f"({pw[0]:.0f}-{pw[-1]:.0f}), clock-event reasons 0x{mask:x}, {len(self.samples)} samples")
 
 
 def ceilings(warm_ms: float = 20.0) -> dict:

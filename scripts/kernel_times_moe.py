@@ -13,6 +13,14 @@ eager calls also includes launch gaps that a CUDA graph removes. Needs no hardwa
 (works where Nsight Compute cannot read them). Environment variables such as
 EX_MOE_SM90_MIN_ROWS_PER_EXPERT apply as for any call (read when the plugin loads).
 
+--graph: the calls run as benchmarks/bench_moe.py and ab_moe.py time them instead, in a CUDA
+graph of --calls calls cycling over the three sets, replayed back to back (0.3 s of warm-up,
+then 5 profiled replays): per-kernel µs per call under sustained load, the graph's µs per call,
+and the SM clock and board power sampled (NVML) during the warm-up. The eager calls above are
+synchronised one by one, so the card idles between them and holds higher clocks than in a
+graph: on the power-limited H200, qwen3-30b T = 4096 read 699 µs a call eager and 729-795 in
+graph replay (RESULTS.md, session thirty-one).
+
 Needs PyTorch with a CUDA GPU (its profiler) and the built plugins; --help needs neither. Every
 argument problem is listed before any work (exit status 2).
 """
@@ -22,6 +30,7 @@ import argparse
 import re
 import runpy
 import sys
+import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -73,6 +82,9 @@ def main() -> int:
                     help="activation and weight dtype")
     ap.add_argument("--factors", default=None, metavar="FOLDER", help="plugin folder (default: factors/)")
     ap.add_argument("--config", default=None, help=_scripts["CONFIG_HELP"])
+    ap.add_argument("--graph", action="store_true",
+                    help="time the kernels inside CUDA-graph replay (sustained, as the benchmarks time "
+                         "calls) and report the SM clock and power it ran at")
     args = ap.parse_args()
     from ex_engine import FactorError, FactorRegistry, moe_fused_gemm
     from ex_engine.moe_layer import load_models_or_exit, parse_cases, report_problems
@@ -91,6 +103,7 @@ def main() -> int:
     from torch.profiler import ProfilerActivity, profile
 
     from bench_moe import input_sets, layer_weights
+    from _timing import ClockSampler, _capture
 
     dt = getattr(torch, args.dtype)
     try:
@@ -109,10 +122,35 @@ def main() -> int:
         for a in sets:
             moe_fused_gemm(*a, registry=reg)
         torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for j in range(args.calls):
-                moe_fused_gemm(*sets[j % 3], registry=reg)
+        if args.graph:
+            fns = [lambda a=a: moe_fused_gemm(*a, registry=reg) for a in sets]
+            calls = max(args.calls, len(fns))
+            graph = _capture(fns, calls)
+            with ClockSampler(torch.cuda.current_device()) as clocks:
+                t0 = time.perf_counter()
+                while time.perf_counter() - t0 < 0.3:
+                    graph.replay()
+                    torch.cuda.synchronize()
+            replays = 5
+            ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+            ev[0].record()
+            for _ in range(replays):
+                graph.replay()
+            ev[1].record()
+            ev[1].synchronize()
+            graph_us = ev[0].elapsed_time(ev[1]) * 1000.0 / (replays * calls)
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(replays):
+                    graph.replay()
                 torch.cuda.synchronize()
+            del graph
+            ncalls = replays * calls
+        else:
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for j in range(args.calls):
+                    moe_fused_gemm(*sets[j % 3], registry=reg)
+                    torch.cuda.synchronize()
+            ncalls = args.calls
         per = defaultdict(float)
         spans = []
         for ev in prof.events():
@@ -122,6 +160,16 @@ def main() -> int:
             per[short_name(ev.name)] += ev.time_range.end - ev.time_range.start
             spans.append((ev.time_range.start, ev.time_range.end))
         total = sum(per.values())
+        path = reg.last_path.get("moe_fused_gemm")
+        if args.graph:
+            print(f"{m} T={T} ({path}, CUDA graph of {calls} calls, {replays} replays): kernels "
+                  f"{total / ncalls:.1f} µs per call, graph {graph_us:.1f} µs per call; warm-up at "
+                  f"{clocks.summary()}", flush=True)
+            for k, v in sorted(per.items(), key=lambda kv: -kv[1]):
+                print(f"    {k:<36}{v / ncalls:>9.1f} µs {100 * v / total:>5.1f}%", flush=True)
+            del w13, w2, sets, fns
+            torch.cuda.empty_cache()
+            continue
         # wall per call: kernels grouped into calls by the gaps between them (calls are synchronised)
         spans.sort()
         walls, cur = [], None
@@ -136,7 +184,6 @@ def main() -> int:
             walls.append(cur[1] - cur[0])
         walls.sort()
         wall = walls[len(walls) // 2] if walls else 0.0
-        path = reg.last_path.get("moe_fused_gemm")
         print(f"{m} T={T} ({path}): kernels {total / args.calls:.1f} µs per call, wall {wall:.1f} µs "
               f"(median of {len(walls)} calls)", flush=True)
         for k, v in sorted(per.items(), key=lambda kv: -kv[1]):
