@@ -155,9 +155,9 @@ class ClockSampler:
 
 def ceilings(warm_ms: float = 20.0) -> dict:
     """The card's ceilings measured here and now with graph_us's timer, for ratios that share the
-    benchmark's clocks: bf16 torch.matmul of 8192 x 8192 x 8192 (random normal data, as PERF.md's
+    benchmark's clocks: bf16 torch.matmul of 8192 x 8192 x 8192 (random normal data, as ../shared/PERF.md's
     787 TFLOP/s) and a device-to-device copy of 2 GiB by an elementwise kernel (bytes read +
-    written, as PERF.md's 4229 GB/s). Returns {"matmul_tflops": ..., "copy_gbs": ...}; allocates ~4.4 GB (back to
+    written, as ../shared/PERF.md's 4229 GB/s). Returns {"matmul_tflops": ..., "copy_gbs": ...}; allocates ~4.4 GB (back to
     torch's cache when it returns)."""
     n = 8192
     a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)

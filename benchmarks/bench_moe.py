@@ -8,7 +8,7 @@ output against a float32 reference, then times CUDA-graph replays that rotate ov
 the weights of one call are not in L2 from the last). Prints time, TFLOP/s, GB/s, ratio to the
 floor and to the peer; writes JSON.
 
-Floor (PERF.md): max(FLOPs / 787 TFLOP/s, bytes / 4.23 TB/s); FLOPs = 2*T*K*3*H*I; bytes = the
+Floor (../shared/PERF.md, beside the checkout): max(FLOPs / 787 TFLOP/s, bytes / 4.23 TB/s); FLOPs = 2*T*K*3*H*I; bytes = the
 distinct experts hit * 3*H*I*2 + activations in and out + routing. Column 'x here': the same
 ratio against the ceilings measured at the start of the run with the same timer (a bf16 matmul of
 8192^3 and a 2 GiB copy, _timing.ceilings), so that both sides of the ratio see the same clocks.
@@ -67,7 +67,7 @@ def routing(T, E, K, renormalize, skew, gen):
 
 
 def layer_weights(s, dt, gen):
-    """w13 (E, 2I, H) and w2 (E, H, I) of model shape ``s``: N(0, 0.02) in dtype ``dt`` (PERF.md)."""
+    """w13 (E, 2I, H) and w2 (E, H, I) of model shape ``s``: N(0, 0.02) in dtype ``dt`` (../shared/PERF.md)."""
     w13 = (torch.randn(s.E, 2 * s.I, s.H, device="cuda", generator=gen) * 0.02).to(dt)
     w2 = (torch.randn(s.E, s.H, s.I, device="cuda", generator=gen) * 0.02).to(dt)
     return w13, w2
@@ -85,7 +85,7 @@ def input_sets(s, T, n, w13, w2, dt, gen, skew=False):
 
 
 def gmm_pipeline(x, w13, w2, w, ids):
-    """PERF.md's `gmm` peer: argsort by expert, grouped_mm w13, silu*up, grouped_mm w2, index_add."""
+    """../shared/PERF.md's `gmm` peer: argsort by expert, grouped_mm w13, silu*up, grouped_mm w2, index_add."""
     T, H = x.shape
     E, I2, _ = w13.shape
     I = I2 // 2

@@ -1,6 +1,7 @@
 """vLLM 0.33.0 fused-MoE times on the H200 (CUDA-graph replay, µs), copied from ../shared/PERF.md
-(measured 2026-11-29 in another process: compare ratios with care; vLLM is not installed on the
-lent machine, so it cannot run side by side).
+(the project's shared reference beside the checkout, not in it; measured 2026-11-29 in another
+process: compare ratios with care; vLLM is not installed on the lent machine, so it cannot run
+side by side). This file carries those times for the scripts here.
 
 A table, not a benchmark: it measures nothing. table_moe.py and plot_moe.py put these times
 beside bench_moe.py's. `python benchmarks/perf_peers.py` prints the table (--json: as JSON)."""
@@ -24,9 +25,10 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(
         prog="perf_peers.py",
         description="Print vLLM 0.33.0's fused-MoE times on the H200 (µs per call, CUDA-graph "
-                    "replay), copied from PERF.md (measured 2026-11-29 in another "
-                    "process). This script measures nothing: it is the table that table_moe.py "
-                    "and plot_moe.py show beside bench_moe.py's times.")
+                    "replay), copied from ../shared/PERF.md (the project's shared reference "
+                    "beside the checkout, not in it; measured 2026-11-29 in another "
+                    "process), carried in this file. This script measures nothing: it is the "
+                    "table that table_moe.py and plot_moe.py show beside bench_moe.py's times.")
     ap.add_argument("--json", action="store_true",
                     help="print JSON rows {model, T, vllm_us} instead of a table")
     args = ap.parse_args(argv)

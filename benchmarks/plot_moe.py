@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Chart of bench_moe.py's JSON: time over floor against T, one line per implementation (ours,
 the torch._grouped_mm pipeline, vLLM's fused_moe, the Python fallback), one panel per model
-(uniform routing; vLLM's times are PERF.md's, measured in another process on the same inputs).
+(uniform routing; vLLM's times are ../shared/PERF.md's (carried in perf_peers.py), measured in another process on the same inputs).
 
     python3 benchmarks/plot_moe.py bench_moe.json -o benchmarks/moe_vs_floor.png
 

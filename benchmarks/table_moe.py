@@ -1,14 +1,16 @@
 #!/usr/bin/env python3
-"""Markdown table of bench_moe.py's JSON, with PERF.md's vLLM times beside ours.
+"""Markdown table of bench_moe.py's JSON, with vLLM's times (../shared/PERF.md) beside ours.
 
     python3 benchmarks/table_moe.py bench_moe.json > table.md
 
 One row per bench_moe row: floor, our time and its ratio to the floor, TFLOP/s and GB/s, the
-torch._grouped_mm pipeline ('gmm'), vLLM's time from PERF.md (uniform routing only; measured in
-another process) and the Python fallback. Where the JSON has the ratio against the ceilings
-measured during the run (bench_moe's 'x_floor_here', newer files), an 'x here' column follows
-'ours/floor'. '-' is a time not measured (a gmm peer that could not be captured, a T beyond
---fallback-max-t, no vLLM time); a row whose check failed says so in its 'ours' cell.
+torch._grouped_mm pipeline ('gmm'), vLLM's time (column 'vLLM (PERF.md)': from ../shared/PERF.md,
+the project's shared reference beside the checkout, not in it; its vLLM times are carried in
+benchmarks/perf_peers.py; uniform routing only; measured in another process) and the Python
+fallback. Where the JSON has the ratio against the ceilings measured during the run (bench_moe's
+'x_floor_here', newer files), an 'x here' column follows 'ours/floor'. '-' is a time not
+measured (a gmm peer that could not be captured, a T beyond --fallback-max-t, no vLLM time); a
+row whose check failed says so in its 'ours' cell.
 
 Needs only the standard library (no numpy, no torch). Exit status: 0 a table; 1 the reader left
 early (`| head`); 2 a file that is not bench_moe.py's JSON, or one without rows.

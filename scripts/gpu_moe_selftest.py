@@ -22,7 +22,8 @@ T*K/E >= 64; the portable code below that), then a side-by-side table of graph-r
 
 Decode choices: the portable path reads EX_MOE_DECODE_CONFIG per call (old | nopdl | late | onewave | new, default
 new; see factors/moe_fused_gemm.cuh). Every case above runs with the default; then, unless
---no-decode, the decode shapes of PERF.md (DECODE_CASES: qwen3/olmoe/granite/deepseek T=1, mixtral
+--no-decode, the decode shapes of ../shared/PERF.md (the project's shared reference beside the
+checkout, not in it; DECODE_CASES: qwen3/olmoe/granite/deepseek T=1, mixtral
 T=64, qwen3 T=64; uniform routing, weights rotated over several sets so they are not served from
 L2) run once per mode on each library, each checked the same way (float64, poisoned out,
 determinism, graph replay), and a table gives graph-replay time, the floor (weight bytes of the
@@ -244,9 +245,9 @@ CUTLASS_MIN_ROWS_PER_EXPERT = 64   # kSm90MinRowsPerExpert in factors/moe_fused_
 
 FORCE_ENV = "EX_MOE_SM90_MIN_ROWS_PER_EXPERT"  # read by the sm90 plugin's ex_get_factor
 DECODE_ENV = "EX_MOE_DECODE_CONFIG"             # read by the portable path on every call
-COPY_TBS = 4.23                                 # PERF.md device-copy ceiling, TB/s
+COPY_TBS = 4.23                                 # ../shared/PERF.md device-copy ceiling, TB/s
 
-# PERF.md's decode shapes: name, T, H, E, I, K
+# ../shared/PERF.md's decode shapes (beside the checkout, not in it): name, T, H, E, I, K
 DECODE_CASES = [
     ("qwen3-30b T=1", 1, 2048, 128, 768, 8),
     ("olmoe T=1", 1, 2048, 64, 1024, 8),
@@ -598,7 +599,7 @@ def run_library(so_path, a, explicit, forced=False):
 
 
 def decode_pass(fac, a, stream, results):
-    """PERF.md's decode shapes under each EX_MOE_DECODE_CONFIG mode: checked like every case, timed
+    """../shared/PERF.md's decode shapes under each EX_MOE_DECODE_CONFIG mode: checked like every case, timed
     by graph replay over rotated input sets. Results go into `results` keyed (name [mode], dtype)."""
     modes = [m for m in a.modes.split(",") if m]
     dtypes = ("bf16",) if a.quick else ("bf16", "fp16")
