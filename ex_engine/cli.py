@@ -235,6 +235,10 @@ def cmd_run_moe(args) -> int:
     sys.stdout.flush()
     for note in reg.notes:   # e.g. a --prefer that names no ready plugin (it was silent)
         print(f"note: {note}", file=sys.stderr)
+    from .registry import _printable
+    for p in reg.plugins:    # each library refused, and why, as list-factors' rows say (--probe's
+        if p.status == "rejected":   # crash or hang in ex_get_factor was refused without a word)
+            print(f"note: {_printable(p.path.name)} refused: {_printable(p.reason)}", file=sys.stderr)
     for name in ("topk_softmax", "moe_fused_gemm"):   # (it printed PASS without a word)
         if reg.get(name) is None:
             reg.manifest(name)   # no manifest, no fallback either: FactorNotFoundError, before any work
@@ -429,8 +433,9 @@ def build_parser() -> argparse.ArgumentParser:
         else:       # run: in-process for speed
             p.add_argument("--probe", action="store_true",
                            help="open each library in a child process first; refuse one that crashes "
-                                "or hangs (without it such a library ends the command with a "
-                                "fault traceback: --probe names it)")
+                                "or hangs, naming it in a 'note: FILE refused: REASON' line on "
+                                "stderr, as every refused library is (without it such a library "
+                                "ends the command with a fault traceback)")
         p.add_argument("--probe-timeout", type=seconds, default=None, metavar="S",
                        help="seconds a probed library may take to open and answer ex_get_factor "
                             "before it is refused as hanging (default: 10; a slow host that starts "

@@ -20,6 +20,7 @@ import operator
 import os
 import re
 import struct
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -357,9 +358,10 @@ class Manifest:
         """Read and check a manifest file (``data``: its contents already parsed, as load_all
         has them, from the bytes ``raw``). Raises FactorError naming the file and the field."""
         path = Path(path)
+        if data is None:
+            raw = read_manifest_bytes(path)
         try:
             if data is None:
-                raw = path.read_bytes()
                 d = _yaml.load(raw.decode())
             else:
                 d = data
@@ -695,15 +697,32 @@ class Manifest:
     def fallback_fn(self):
         """The Python fallback callable named by 'module:function', or None. Raises FactorError
         naming the manifest if it cannot be imported, is not callable or cannot be called as
-        ``fn(arrays, sizes, params)`` (fallback_problem)."""
+        ``fn(arrays, sizes, params)`` (fallback_problem).
+
+        A module whose import raises is reported so, whatever it raises: an Exception, and also
+        SystemExit (``sys.exit(3)`` at import time ended the whole program, list-factors with
+        status 3 and no output) or another BaseException but KeyboardInterrupt (Ctrl-C stays
+        Ctrl-C): "cannot be loaded (SystemExit: 3 while importing module 'm' ...)". What
+        cannot be caught in this process is a module that ends it outright (``os._exit(7)``, a
+        crash in an extension module): FactorRegistry.load(probe="subprocess") (list-factors
+        and verify by default, ``run moe --probe``) imports such a module in a child process
+        first and refuses the plugin if the child dies; without the probe it ends the caller."""
         if not self.fallback:
             return None
         mod, _, fn = self.fallback.partition(":")
+        fresh = mod not in sys.modules   # its code runs in this call (a BaseException is its own)
         try:
             f = getattr(importlib.import_module(mod), fn)
         except Exception as exc:  # ImportError, AttributeError, or the module's own error
             raise FactorError(f"manifest {self.path}: fallback {self.fallback!r} cannot be loaded "
                               f"({type(exc).__name__}: {exc})") from None
+        except BaseException as exc:   # sys.exit() at import time, say: no reason to end the caller
+            if isinstance(exc, (KeyboardInterrupt, GeneratorExit)) or not fresh:
+                raise                      # Ctrl-C, or a signal's exception arriving here: not the module's
+            what = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+            raise FactorError(f"manifest {self.path}: fallback {self.fallback!r} cannot be loaded "
+                              f"({what} while importing module {mod!r}: the "
+                              "module ended its own import; a fallback module must not exit)") from None
         if self.__dict__.get("_fallback_checked") is not f:   # the signature read once per function
             problem = fallback_problem(f)
             if problem:
@@ -933,6 +952,20 @@ class Manifest:
         raise FactorError(f"manifest {self.path}: dim '{d}': unknown source {src}")
 
 
+def read_manifest_bytes(path: Path) -> bytes:
+    """The bytes of the manifest file ``path``. Raises FactorError naming it: "not readable
+    (permission denied)" for a file this process may not read (chmod 000: it was reported as
+    "malformed (PermissionError: ...)", as if its contents were wrong), "not readable
+    (<OSError>: ...)" for another read error (a folder of that name, a dangling link or a
+    loop), as an unreadable tuning file is."""
+    try:
+        return path.read_bytes()
+    except PermissionError as exc:
+        raise FactorError(f"manifest {path}: not readable (permission denied)") from exc
+    except OSError as exc:
+        raise FactorError(f"manifest {path}: not readable ({type(exc).__name__}: {one_line(exc)})") from exc
+
+
 def why_not_found(path, name: str) -> str:
     """Why the file ``path`` (<name>.yaml in a manifests folder) gave no manifest named
     ``name`` although it is there ('' if it is not a readable file, or gave nothing to say):
@@ -986,10 +1019,10 @@ def load_all(folder, errors: dict | None = None, notes: list | None = None) -> d
         if p.name in NOT_MANIFESTS:   # the model list: moe_layer reads it, by its own rules
             continue
         try:
+            raw = read_manifest_bytes(p)
             try:
-                raw = p.read_bytes()
                 d = _yaml.load(raw.decode())
-            except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+            except (UnicodeDecodeError, yaml.YAMLError) as exc:
                 raise FactorError(f"manifest {p}: malformed ({type(exc).__name__}: {one_line(exc)})") from exc
             if isinstance(d, dict) and "name" in d and ("dims" in d or "id" in d):
                 m = Manifest.load(p, d, raw)  # a factor manifest (one missing a key is named)
@@ -1060,7 +1093,8 @@ def _one_claim(name: str, ms: list, errors: dict) -> tuple:
                         "not used (a stray copy? rename it or remove it)" for o in others}
     if name in errors:   # <name>.yaml is malformed: its error is the factor's, not a stray's file
         return None, {Path(o.path).stem: f"manifest {o.path}: names '{name}', whose own file "
-                      f"{name}.yaml is malformed (see its note): not used in its place" for o in others}
+                      f"{name}.yaml is malformed or not readable (see its note): not used in its "
+                      "place" for o in others}
     if len(ms) == 1:     # the only file naming it, under another name: used
         return ms[0], {}
     files = " and ".join(str(m.path) for m in ms)

@@ -12,8 +12,10 @@ which path served.
 from __future__ import annotations
 
 import copy
+import json
 import os
 import re
+import signal
 import sys
 import threading
 import warnings
@@ -456,6 +458,121 @@ def _share_memory(a, b) -> bool:
         return True
 
 
+# The fallback module's import in a child process (probe="subprocess"): as trust's library
+# probe, the child reports "done" on a pipe of its own, marked with a token read from stdin, once
+# the import returned or raised; a child that ended without that line (os._exit(7) at import time,
+# a crash in an extension module) or hung took the module's import down with it, and would have
+# taken this process: the plugin is refused and the module never imported here.
+_IMPORT_CHILD = r"""
+import importlib, json, os, sys
+sys.path[:] = json.loads(sys.argv[2])
+_fd, _token = int(sys.argv[3]), sys.stdin.readline().strip()
+try:
+    importlib.import_module(sys.argv[1])
+    what = "done"
+except BaseException as exc:   # SystemExit too: the in-process import reports it, it ends nothing
+    what = "done: " + type(exc).__name__
+os.write(_fd, (_token + " " + what + "\n").encode())
+os._exit(0)   # not the module's atexit handlers or threads: its import is what was probed
+"""
+
+
+def probe_fallback_import(module: str, timeout: float = 10.0) -> tuple:
+    """Import the Python module ``module`` (a manifest's fallback 'module:function') in a child
+    process with this process's sys.path. Returns (ok, detail): not ok when the child died of
+    a signal, ran past ``timeout`` seconds or ended without reporting that the import returned
+    (``os._exit(7)`` at import time ends the importing process, which no except clause sees).
+    An import that raises, SystemExit included, is ok here: Manifest.fallback_fn reports it in
+    this process without ending it."""
+    import secrets
+    import subprocess
+    import tempfile
+    token = secrets.token_hex(16)
+    r, w = os.pipe()
+    try:
+        cmd = [sys.executable, "-c", _IMPORT_CHILD, module, json.dumps(trust.child_sys_path()), str(w)]
+        with tempfile.TemporaryFile() as err:
+            proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=err,
+                                    pass_fds=(w,), start_new_session=True)
+            os.close(w)
+            w = -1
+            try:
+                proc.stdin.write((token + "\n").encode())
+                proc.stdin.close()
+            except OSError:   # the child already ended: its status says how
+                pass
+            try:
+                rc = proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                rc = None
+            finally:          # the child and what the module started (its own session)
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+                proc.wait()
+            stages = trust._read_reports(r, token)
+            err.seek(max(0, err.seek(0, os.SEEK_END) - 4096))
+            last = (err.read().decode(errors="replace").strip().splitlines() or [""])[-1]
+    finally:
+        os.close(r)
+        if w >= 0:
+            os.close(w)
+    if stages and stages[-1].startswith("done"):
+        raised = stages[-1][len("done: "):] if stages[-1].startswith("done: ") else ""
+        return True, (f"child process: importing module {module!r} raised {raised} (reported below)"
+                      if raised else f"child process: imported module {module!r}")
+    if rc is None:
+        why = f"timed out after {timeout:g} s importing it"
+    elif rc < 0:
+        why = f"crashed importing it: signal {trust._signal_name(-rc)}"
+    else:
+        why = (f"the child process ended with status {rc} while importing it (os._exit() or a "
+               "C-level exit at import time" + (f"; last stderr line: {last[:300]})" if last else ")"))
+    return False, (f"fallback module {module!r}: {why}; not imported in this process (it would "
+                   "have ended it)")
+
+
+def _poison_outputs(m: Manifest, refs_by_name: dict) -> list:
+    """Fill each pure output among ``refs_by_name`` (role output: not an inout array, nor an
+    output that is the input, in place, whose values are the call's input) with verify's poison
+    (verify.POISON_BITS: a quiet NaN with a payload for floats, 0xA5.. for integers: the int32
+    topk_ids read -1515870811, outside any [0, E)), so that an element a Python fallback does
+    not write is visibly wrong instead of whatever the memory held (a fallback that wrote
+    nothing handed back weights 1.0 and ids 1065353216 from np.empty). Returns [(name, the
+    output's bits as a signed-integer view, the pattern)] for _unwritten. Only the Python
+    fallback path pays for it (one fill per output)."""
+    from .verify import POISON_BITS   # (verify imports no registry: no cycle, once per process)
+    out = []
+    for spec in m.tensors:
+        if spec.role != "output" or (spec is m.output and m.input.same_as_output):
+            continue
+        ref = refs_by_name.get(spec.name)
+        bits = POISON_BITS.get(ref.dtype) if ref is not None else None
+        if bits is None or ref.size == 0:
+            continue
+        raw = ref.raw()
+        width = raw.dtype.itemsize * 8
+        if bits >> width:   # a raw view of another width than the dtype's (not expected)
+            continue
+        pattern = bits - (1 << width) if bits >> (width - 1) else bits
+        view = raw.view(f"int{width}")
+        view[...] = pattern
+        out.append((spec.name, view, pattern))
+    return out
+
+
+def _unwritten(poisoned: list) -> list:
+    """[(name, elements still holding the poison, elements)] of the outputs _poison_outputs
+    filled, for those a fallback left (partly) unwritten."""
+    left = []
+    for name, view, pattern in poisoned:
+        n = int((view == pattern).sum())
+        if n:
+            left.append((name, n, view.size))
+    return left
+
+
 class FactorRegistry:
     """Plugins found in folders, the one chosen per factor name, and the dispatch to them.
 
@@ -546,6 +663,7 @@ class FactorRegistry:
         self._flags: dict = defaultdict(Counter)
         self._fallbacks: dict = {}
         self._fallback_checks: dict = {}   # factor name -> (fn, fallback_problem(fn)): the last one
+        self._fallback_probes: dict = {}   # fallback module -> probe_fallback_import's (ok, detail)
         self._bind_cache: dict = {}     # call signature -> what bind() returned, ready for the C call
         self._fast_calls: dict = {}     # _fast_key of a valid plugin call -> _FastCall (dispatch)
         self._entries: dict = {}        # id(plugin) -> (plugin, kernel, kernel_fallback) as _KERNEL_INT_T
@@ -578,6 +696,10 @@ class FactorRegistry:
             rejected before it is opened. lock_mode="warn" loads it with a warning check.
         probe: "subprocess" -- open each library and call its ex_get_factor in a child process
             first (``probe_timeout`` seconds); one that crashes or hangs there is rejected.
+            Its manifest's fallback module, unless already imported (or ex_engine's own), is
+            imported in a child process too (probe_fallback_import): one that ends the process
+            at import (os._exit, a crash) rejects the plugin; without the probe it would end
+            this one (sys.exit() at import time is caught either way: Manifest.fallback_fn).
             With verify=True the verification runs in a child process too, within
             ``verify_timeout`` seconds per library (a crash, an exit or a hang there rejects it).
         verify: run each ready plugin against its Python fallback on its manifest's test
@@ -954,6 +1076,15 @@ class FactorRegistry:
             p.check("gpu code", True, "none in the library itself although the manifest says memory: "
                     "device: its kernels must come from a library it links or loads (not checked)")
         if m.fallback:
+            mod = m.fallback.partition(":")[0]
+            if self.probe == "subprocess" and mod not in sys.modules and mod.partition(".")[0] != "ex_engine":
+                # a module that ends the process at import (os._exit) cannot be caught here: its
+                # import is tried in a child first (once per module; ex_engine's own are known)
+                hit = self._fallback_probes.get(mod)
+                if hit is None:
+                    hit = self._fallback_probes[mod] = probe_fallback_import(mod, self.probe_timeout)
+                if not p.check("python fallback probe (child process)", *hit):
+                    return p
             try:
                 problem = fallback_problem(m.fallback_fn())
                 ok, detail = (False, f"manifest {m.path}: fallback: {m.fallback!r}: {problem}") if problem \
@@ -1119,8 +1250,9 @@ class FactorRegistry:
         kernel returns an error status (named); FactorError when no path took the call (no
         ready plugin or both C paths declined, and no Python fallback) or the Python fallback
         raised or returned something other than its flags (its own FactorError or MemoryError
-        passes as it is). Every one counts in stats()' 'errors' but FactorNotFoundError and the
-        ArgumentError for a name that is not a str (neither names a factor to count it under).
+        passes as it is), or, set with set_fallback, left an output (partly) unwritten. Every
+        one counts in stats()' 'errors' but FactorNotFoundError and the ArgumentError for a
+        name that is not a str (neither names a factor to count it under).
 
         Host time: a call whose arrays have the dtypes, shapes, strides, devices (and, on the
         host, writability) of an earlier valid call to the same plugin, with equal parameters,
@@ -1255,8 +1387,9 @@ class FactorRegistry:
         arrays; returns 'python_fallback'. Raises FactorError (why no plugin took the call)
         when there is none, or one that cannot be loaded, or that raised (then naming the
         factor and the fallback; a FactorError or MemoryError of its own passes as it is), or
-        that returned something other than None, a Counter of flag texts or a list of them; each
-        counts in stats()' errors."""
+        that returned something other than None, a Counter of flag texts or a list of them, or
+        (set_fallback's) that left an element of an output unwritten; each counts in stats()'
+        errors. Each pure output is poisoned first (_poison_outputs)."""
         try:
             flags = self._run_python_fallback(name, m, plugin, refs_by_name, sizes, pvals, device)
         except (FactorError, MemoryError):
@@ -1288,6 +1421,7 @@ class FactorRegistry:
         if problem:   # the manifest's, where no plugin's load checked it (a manifest-only factor)
             raise FactorError(f"{name}: the Python fallback {self._fallback_label(name, m, fn)}: {problem}; "
                               "not called")
+        poisoned = _poison_outputs(m, refs_by_name)   # an output it does not write stays visibly wrong
         try:
             flags = fn(refs_by_name, sizes, pvals)
         except (FactorError, MemoryError):   # its own error, naming the factor already; out of
@@ -1303,6 +1437,16 @@ class FactorRegistry:
             raise FactorError(f"{name}: the Python fallback {self._fallback_label(name, m, fn)} returned "
                               f"{type(flags).__name__} {flags!r:.80}; expected None, a Counter "
                               "{flag text: slots >= 0} or a list of flag texts")
+        if poisoned and self._fallbacks.get(name) is fn:   # the user's own: checked (the manifests'
+            left = _unwritten(poisoned)                     # are checked by verify; not paid per call)
+            if left:
+                raise FactorError(
+                    f"{name}: the Python fallback {self._fallback_label(name, m, fn)} left "
+                    + ", ".join(f"{k}: {n} of {size}" for k, n, size in left)
+                    + " element(s) unwritten (still the poison the registry fills each output "
+                    "with before a Python fallback runs: a NaN with a payload, 0xA5.. for "
+                    "integers); a fallback must write every element of its outputs in place "
+                    "(arrays[name].raw()[...] = ..., or .store(...)), not return them")
         return flags
 
     def _fallback_problem(self, name: str, fn) -> str:
@@ -1451,7 +1595,20 @@ class FactorRegistry:
         manifest's); None restores the manifest's. Raises FactorNotFoundError for an unknown
         factor, FactorError for an ``fn`` that cannot be called so (fallback_problem); None for
         any name is quiet (cleanup code may run before a factor is known); a ``name`` that is
-        not a str is an ArgumentError naming set_fallback, with or without ``fn``."""
+        not a str is an ArgumentError naming set_fallback, with or without ``fn``.
+
+        ``fn`` writes the outputs in place (``arrays[name]`` are TensorRefs: ``.raw()[...] =``
+        or ``.store()``) and returns None or its device flags. Before any Python fallback runs
+        (this one or the manifest's), the registry fills each output the manifest gives the role
+        output (not an inout array, nor an in-place output, which hold the call's input) with a
+        poison: a quiet NaN with a payload for float dtypes, 0xA5A5.. for integers (int32
+        -1515870811: no id in [0, E)), so that an element no fallback wrote is visibly wrong,
+        never the memory's old contents (``lambda a, s, p: None`` handed back topk_softmax
+        weights 1.0 and ids 1065353216). After ``fn`` returns, each such output is compared
+        with the poison: an element still holding it makes the call a FactorError naming the
+        factor, ``fn``, each output and how many of its elements were left (counted in
+        stats()' errors). Only the Python fallback path pays for the fill and this check; the
+        manifest's fallbacks are filled but not checked (verify checks them)."""
         if type(name) is not str:
             _check_name("set_fallback", name)
         if fn is None:

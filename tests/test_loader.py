@@ -249,7 +249,7 @@ def test_manifest_problems_name_the_file_and_spare_the_rest(tmp_path, monkeypatc
                                                  .replace("id: 1100", "id: 1103") + "params: {alpha2: 3}\n")
     reg = FactorRegistry.load(folder, hardware="h200")
     st = {p.path.stem: p for p in reg.plugins}
-    assert "host_scale_a.yaml: malformed (IsADirectoryError" in st["a"].reason, st["a"].reason
+    assert "host_scale_a.yaml: not readable (IsADirectoryError" in st["a"].reason, st["a"].reason
     assert "host_scale_b.yaml: unknown key 'dim' (did you mean 'dims'?)" in st["b"].reason, st["b"].reason
     assert "host_scale_c.yaml: params: alpha2: expected" in st["c"].reason, st["c"].reason
     assert call(reg)[0] == "plugin"
@@ -600,8 +600,8 @@ def test_a_symlink_loop_is_a_rejected_row_not_a_crash(tmp_path, capsys):
     for name in ("loop.so", "dangling.so"):
         assert st[name].status == "rejected" and st[name].reason.startswith("read: "), st[name].reason
     assert "Too many levels of symbolic links" in st["loop.so"].reason
-    assert st["b.so"].status == "rejected" and "host_scale_b.yaml: malformed" in st["b.so"].reason
-    assert any("x.yaml: malformed" in n for n in reg.notes), reg.notes
+    assert st["b.so"].status == "rejected" and "host_scale_b.yaml: not readable" in st["b.so"].reason
+    assert any("x.yaml: not readable" in n for n in reg.notes), reg.notes
     assert any("tuning" in n and "h200.yaml: not readable" in n for n in reg.notes), reg.notes
     assert any(n.startswith("prefer: host_scale") for n in reg.notes), reg.notes
     assert call(reg)[0] == "plugin"
