@@ -14,9 +14,9 @@ eager calls also includes launch gaps that a CUDA graph removes. Needs no hardwa
 EX_MOE_SM90_MIN_ROWS_PER_EXPERT apply as for any call (read when the plugin loads).
 
 --graph: the calls run as benchmarks/bench_moe.py and ab_moe.py time them instead, in a CUDA
-graph of --calls calls cycling over the three sets, replayed back to back (0.3 s of warm-up,
-then 5 profiled replays): per-kernel µs per call under sustained load, the graph's µs per call,
-and the SM clock and board power sampled (NVML) during the warm-up. The eager calls above are
+graph of --calls calls cycling over the three sets, replayed back to back (1 s of warm-up, then
+5 profiled replays): per-kernel µs per call under sustained load, the graph's µs per call, and
+the SM clock and board power sampled (NVML) in the warm-up's second half. The eager calls above are
 synchronised one by one, so the card idles between them and holds higher clocks than in a
 graph: on the power-limited H200, qwen3-30b T = 4096 read 699 µs a call eager and 729-795 in
 graph replay (RESULTS.md, session thirty-one).
@@ -126,11 +126,17 @@ def main() -> int:
             fns = [lambda a=a: moe_fused_gemm(*a, registry=reg) for a in sets]
             calls = max(args.calls, len(fns))
             graph = _capture(fns, calls)
-            with ClockSampler(torch.cuda.current_device()) as clocks:
+            # 1 s of replays, 4 queued at a time (no idle gap), the clock sampled in the last half
+            # (NVML's power reading lags: sampled from the start, 0.3 s read 94-247 W)
+            def replay_for(seconds):
                 t0 = time.perf_counter()
-                while time.perf_counter() - t0 < 0.3:
-                    graph.replay()
+                while time.perf_counter() - t0 < seconds:
+                    for _ in range(4):
+                        graph.replay()
                     torch.cuda.synchronize()
+            replay_for(0.5)
+            with ClockSampler(torch.cuda.current_device()) as clocks:
+                replay_for(0.5)
             replays = 5
             ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
             ev[0].record()
