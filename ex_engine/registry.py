@@ -15,7 +15,6 @@ import copy
 import json
 import os
 import re
-import signal
 import sys
 import threading
 import warnings
@@ -484,40 +483,8 @@ def probe_fallback_import(module: str, timeout: float = 10.0) -> tuple:
     (``os._exit(7)`` at import time ends the importing process, which no except clause sees).
     An import that raises, SystemExit included, is ok here: Manifest.fallback_fn reports it in
     this process without ending it."""
-    import secrets
-    import subprocess
-    import tempfile
-    token = secrets.token_hex(16)
-    r, w = os.pipe()
-    try:
-        cmd = [sys.executable, "-c", _IMPORT_CHILD, module, json.dumps(trust.child_sys_path()), str(w)]
-        with tempfile.TemporaryFile() as err:
-            proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=err,
-                                    pass_fds=(w,), start_new_session=True)
-            os.close(w)
-            w = -1
-            try:
-                proc.stdin.write((token + "\n").encode())
-                proc.stdin.close()
-            except OSError:   # the child already ended: its status says how
-                pass
-            try:
-                rc = proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                rc = None
-            finally:          # the child and what the module started (its own session)
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except (ProcessLookupError, PermissionError):
-                    pass
-                proc.wait()
-            stages = trust._read_reports(r, token)
-            err.seek(max(0, err.seek(0, os.SEEK_END) - 4096))
-            last = (err.read().decode(errors="replace").strip().splitlines() or [""])[-1]
-    finally:
-        os.close(r)
-        if w >= 0:
-            os.close(w)
+    rc, stages, last = trust.run_reporting_child(
+        [_IMPORT_CHILD, module, json.dumps(trust.child_sys_path())], timeout)
     if stages and stages[-1].startswith("done"):
         raised = stages[-1][len("done: "):] if stages[-1].startswith("done: ") else ""
         return True, (f"child process: importing module {module!r} raised {raised} (reported below)"

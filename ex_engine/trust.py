@@ -205,31 +205,17 @@ def _read_reports(fd: int, token: str) -> list:
     return [ln[len(head):] for ln in data.decode(errors="replace").splitlines() if ln.startswith(head)]
 
 
-def probe_library(path, hardware, timeout: float = 10.0) -> tuple:
-    """Open ``path`` in a child process and call its ex_get_factor with ``hardware``.
-
-    Returns (ok, detail). Not ok: the child died of a signal ("crashed in ex_get_factor:
-    signal SIGSEGV"), ran past ``timeout`` seconds ("timed out after 10 s in
-    ex_get_factor"), or ended without reporting that it finished ("exited with status 0 in
-    ex_get_factor": exit() in a constructor or in ex_get_factor would end the caller's process
-    too), also where it could not start or reach the library at all (the probe did not run:
-    the library is not opened unprobed). The child reports its stages on a pipe of its own,
-    marked with a random token (_CHILD), so nothing the library prints counts (a library
-    written to deceive the probe could still reach the child's Python: it is a guard against
-    faults, not a sandbox; ``lock=`` checks which bytes are loaded). It reads every
-    field of the factor struct the in-process load reads. A Python error in the child (an
-    unloadable file, a missing symbol) is ok here: the in-process checks report it without
-    running the library's code. The ok detail says how far the child got: "child process:
-    opened the library and called ex_get_factor without crashing" only when it did; else e.g.
-    "child process: did not crash; it stopped at dlopen with a Python error (OSError): it could
-    not open the library (the checks below say why)" or "...; it opened the library, found no
-    ex_get_factor and called nothing (...)".
-    """
+def run_reporting_child(args: list, timeout: float) -> tuple:
+    """Run ``python -c args[0] args[1:]... FD`` in a session of its own, FD the write end of a
+    pipe whose lines the child marks with a random token it reads from stdin (_read_reports: what
+    the child's code prints elsewhere does not count); wait ``timeout`` seconds, then kill the
+    child and what it started. Returns (status: None if it timed out, negative for a signal;
+    the token-marked reports in order; the last line of its stderr, '' if none). The library
+    probe here and the registry's fallback-import probe run their children so."""
     token = secrets.token_hex(16)
     r, w = os.pipe()
     try:
-        cmd = [sys.executable, "-c", _CHILD, str(Path(path).absolute()), json.dumps(hardware.as_dict()),
-               json.dumps(child_sys_path()), str(w)]
+        cmd = [sys.executable, "-c", *args, str(w)]
         with tempfile.TemporaryFile() as err:
             proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=err,
                                     pass_fds=(w,), start_new_session=True)
@@ -252,11 +238,38 @@ def probe_library(path, hardware, timeout: float = 10.0) -> tuple:
                 proc.wait()
             stages = _read_reports(r, token)
             err.seek(max(0, err.seek(0, os.SEEK_END) - 4096))
-            last = (err.read().decode(errors="replace").strip().splitlines() or ["no message"])[-1]
+            last = (err.read().decode(errors="replace").strip().splitlines() or [""])[-1]
     finally:
         os.close(r)
         if w >= 0:
             os.close(w)
+    return rc, stages, last
+
+
+def probe_library(path, hardware, timeout: float = 10.0) -> tuple:
+    """Open ``path`` in a child process and call its ex_get_factor with ``hardware``.
+
+    Returns (ok, detail). Not ok: the child died of a signal ("crashed in ex_get_factor:
+    signal SIGSEGV"), ran past ``timeout`` seconds ("timed out after 10 s in
+    ex_get_factor"), or ended without reporting that it finished ("exited with status 0 in
+    ex_get_factor": exit() in a constructor or in ex_get_factor would end the caller's process
+    too), also where it could not start or reach the library at all (the probe did not run:
+    the library is not opened unprobed). The child reports its stages on a pipe of its own,
+    marked with a random token (_CHILD), so nothing the library prints counts (a library
+    written to deceive the probe could still reach the child's Python: it is a guard against
+    faults, not a sandbox; ``lock=`` checks which bytes are loaded). It reads every
+    field of the factor struct the in-process load reads. A Python error in the child (an
+    unloadable file, a missing symbol) is ok here: the in-process checks report it without
+    running the library's code. The ok detail says how far the child got: "child process:
+    opened the library and called ex_get_factor without crashing" only when it did; else e.g.
+    "child process: did not crash; it stopped at dlopen with a Python error (OSError): it could
+    not open the library (the checks below say why)" or "...; it opened the library, found no
+    ex_get_factor and called nothing (...)".
+    """
+    rc, stages, last = run_reporting_child(
+        [_CHILD, str(Path(path).absolute()), json.dumps(hardware.as_dict()), json.dumps(child_sys_path())],
+        timeout)
+    last = last or "no message"
     stage = stages[-1] if stages else "start-up"
     if rc is None:
         return False, f"timed out after {timeout:g} s in {stage}"
