@@ -13,12 +13,13 @@ instead, e.g. `t64=factors:config=grouped64 t128=factors:config=grouped` (variab
 that a plugin reads when it loads, such as EX_MOE_SM90_MIN_ROWS_PER_EXPERT, are set while its
 folder loads, so give such a config its own folder). Every config's output on the first input
 set is compared with the first config's (max abs difference, relative difference) and the
-first config's with a float32 reference (unless --no-ref); a config more than 2e-2 off the
-first is not timed, unless --unchecked names it (a diagnostic build whose output is wrong by
-design, e.g. one built with -DEX_MOE_DIAG that skips a stage: its time bounds what removing that
-stage could save; such a row is marked "unchecked" in the output and the JSON). Timing: --rounds rounds, the config order reversed every other round (the
-power-limited card drifts by up to 12% within a minute); a row reports, per config, the median
-over rounds of graph_us (benchmarks/_timing.py). Progress on stderr; --json writes every round.
+first config's with a float32 reference (unless --no-ref); a config more than 2e-2 off the first
+is not timed, unless --unchecked names it (a diagnostic build whose output is wrong by design,
+e.g. one built with -DEX_MOE_DIAG that skips a stage: its time bounds what removing that stage
+could save; such a row is marked "unchecked" in the output and the JSON). Timing: --rounds
+rounds, the config order reversed every other round (the power-limited card drifts by up to 12%
+within a minute); a row reports, per config, the median over rounds of graph_us
+(benchmarks/_timing.py). Progress on stderr; --json writes every round.
 """
 from __future__ import annotations
 
