@@ -509,22 +509,20 @@ def _poison_outputs(m: Manifest, refs_by_name: dict) -> list:
     nothing handed back weights 1.0 and ids 1065353216 from np.empty). Returns [(name, the
     output's bits as a signed-integer view, the pattern)] for _unwritten. Only the Python
     fallback path pays for it (one fill per output)."""
-    from .verify import POISON_BITS   # (verify imports no registry: no cycle, once per process)
+    from .verify import POISON_BITS, POISON_WIDTH, poison_pattern   # (verify imports no registry)
     out = []
     for spec in m.tensors:
         if spec.role != "output" or (spec is m.output and m.input.same_as_output):
             continue
         ref = refs_by_name.get(spec.name)
-        bits = POISON_BITS.get(ref.dtype) if ref is not None else None
-        if bits is None or ref.size == 0:
+        if ref is None or ref.dtype not in POISON_BITS or ref.size == 0:
             continue
         raw = ref.raw()
-        width = raw.dtype.itemsize * 8
-        if bits >> width:   # a raw view of another width than the dtype's (not expected)
+        width = POISON_WIDTH[ref.dtype]
+        if raw.dtype.itemsize * 8 != width:   # a raw view of another width than the dtype's (not expected)
             continue
-        pattern = bits - (1 << width) if bits >> (width - 1) else bits
         view = raw.view(f"int{width}")
-        view[...] = pattern
+        view[...] = pattern = poison_pattern(ref.dtype)
         out.append((spec.name, view, pattern))
     return out
 

@@ -158,13 +158,13 @@ def _normal(xp, rng, shape, std: float):
 # element still holding it afterwards was not written (unwritten_count), whoever's output it is.
 POISON_BITS = {"float32": 0x7FC05A5A, "float16": 0x7E5A, "bfloat16": 0x7FDA,
                "int32": 0xA5A5A5A5, "int64": 0xA5A5A5A5A5A5A5A5}
-_WIDTH = {"float32": 32, "float16": 16, "bfloat16": 16, "int32": 32, "int64": 64}
+POISON_WIDTH = {"float32": 32, "float16": 16, "bfloat16": 16, "int32": 32, "int64": 64}
 
 
-def _signed_pattern(dtype: str) -> int:
+def poison_pattern(dtype: str) -> int:
     """POISON_BITS of ``dtype`` as a signed integer of its width (CuPy fills and compares C
-    longs: 0xA5A5A5A5A5A5A5A5 does not fit one)."""
-    bits, w = POISON_BITS[dtype], _WIDTH[dtype]
+    longs: 0xA5A5A5A5A5A5A5A5 does not fit one); its width is POISONPOISON_WIDTH[dtype]."""
+    bits, w = POISON_BITS[dtype], POISON_WIDTH[dtype]
     return bits - (1 << w) if bits >> (w - 1) else bits
 
 
@@ -174,7 +174,7 @@ def _poison(xp, shape, dtype: str):
         if dtype.startswith("int"):
             return xp.full(shape, -7, dtype=dtype)
         return _to_dtype(xp, xp.full(shape, xp.nan, dtype=xp.float32), dtype)
-    raw = xp.full(shape, _signed_pattern(dtype), dtype=f"int{_WIDTH[dtype]}")
+    raw = xp.full(shape, poison_pattern(dtype), dtype=f"int{POISON_WIDTH[dtype]}")
     return Bits16(raw.view(xp.uint16)) if dtype == "bfloat16" else raw.view(dtype)
 
 
@@ -183,9 +183,9 @@ def unwritten_count(a) -> int:
     (POISON_BITS of its dtype; 0 for a dtype without a pattern)."""
     raw = a.bits if isinstance(a, Bits16) else a
     dtype = a.dtype if isinstance(a, Bits16) else str(raw.dtype)
-    if dtype not in POISON_BITS or raw.size == 0 or raw.dtype.itemsize * 8 != _WIDTH[dtype]:
+    if dtype not in POISON_BITS or raw.size == 0 or raw.dtype.itemsize * 8 != POISON_WIDTH[dtype]:
         return 0
-    return int((raw.view(f"int{_WIDTH[dtype]}") == _signed_pattern(dtype)).sum())
+    return int((raw.view(f"int{POISON_WIDTH[dtype]}") == poison_pattern(dtype)).sum())
 
 
 def poisoned_names(m) -> list:
