@@ -313,6 +313,98 @@ def test_moe_decode4_equals_decode(reg, cp, T, H, E, I, K):
         assert bool((outs[0].bits == o.bits).all())
 
 
+# ------------------------------------------------------------------------------ token-combined GEMM2
+TOKC_ENV = "EX_MOE_TOKEN_COMBINE_SLOTS"   # read by ex_get_factor (moe_portable_init)
+# (T, H, E, I, K, ids edit): 32 < T*K <= 128, where GEMM2 sums each token's slots itself
+TOKC_CASES = {
+    "qwen3-30b T=8": (8, 2048, 128, 768, 8, None),
+    "granite T=8": (8, 1536, 40, 512, 8, None),
+    "T*K=128": (16, 2048, 128, 768, 8, None),
+    # a last N-tile of 8 of 64 columns (H = 200), a last k-tile of 40 of 64 (I = 1000), K = 6
+    "H=200 I=1000 K=6": (9, 200, 64, 1000, 6, None),
+    "K=32": (2, 256, 64, 128, 32, None),
+    # token 2 has no valid slot (its out row is zeros), token 0 one expert six times, token 5
+    # two invalid ids among four valid ones
+    "invalid and repeated ids": (11, 512, 40, 256, 6, "edit"),
+    # G = 64 global ids, E = 24 local experts (route_case's "expert map" at 60 slots)
+    "expert map": (10, 256, 24, 128, 6, "map"),
+}
+
+
+def tokc_case(cp, kind, dtype):
+    """((x, w13, w2, w, ids), expert_map or None, whether invalid ids are flagged)."""
+    T, H, E, I, K, edit = TOKC_CASES[kind]
+    x, w13, w2, w, ids = moe_case(cp, T, H, E, I, K, dtype)
+    emap = None
+    if edit == "edit":
+        ids[2, :] = -1
+        ids[0, :] = 5
+        ids[5, 1], ids[5, 4] = E, -3
+    elif edit == "map":
+        G = 64
+        ids = cp.argsort(cp.random.standard_normal((T, G), dtype=cp.float32), axis=1)[:, :K].astype(cp.int32)
+        m = np.full(G, -1, np.int32)
+        m[5:5 + E] = np.arange(E, dtype=np.int32)[::-1]
+        emap = cp.asarray(m)
+    return (x, w13, w2, w, ids), emap, edit == "edit"
+
+
+@pytest.fixture
+def tokc_reg():
+    """load(library, slots): a registry whose moe_fused_gemm is ``library``, its ex_get_factor
+    called with EX_MOE_TOKEN_COMBINE_SLOTS = slots; the environment and every library's settings
+    are restored at the end (as route_reg)."""
+    saved = {TOKC_ENV: os.environ.get(TOKC_ENV)}
+
+    def load(library, slots):
+        os.environ[TOKC_ENV] = str(slots)
+        return registry_preferring(library)
+
+    try:
+        yield load
+    finally:
+        restore_env(saved)
+        FactorRegistry.load(ROOT / "factors")
+
+
+@pytest.mark.parametrize("library,config,dtype", [
+    ("moe_fused_gemm.so", -1, "bfloat16"), ("moe_fused_gemm.so", 0, "float16"),   # auto, tiny,
+    ("moe_fused_gemm.so", 1, "bfloat16"), ("moe_fused_gemm.so", 9, "float16"),    # decode, decode4
+    ("moe_fused_gemm_sm90.so", -1, "bfloat16")])
+@pytest.mark.parametrize("kind", sorted(TOKC_CASES))
+def test_moe_token_combined_gemm2_equals_gemm2_and_combine(tokc_reg, cp, library, config, dtype, kind):
+    """With 32 < T*K <= EX_MOE_TOKEN_COMBINE_SLOTS on the 16-row decode tiles (auto, tiny, decode,
+    decode4), GEMM2 sums each token's slots itself (kernel 3b: no combine launch); with the
+    variable at 0 the GEMM2 + combine launches run. Both match the float64 reference and each
+    other bit for bit (the combine's fp32 sum in slot order), with a partial last N-tile and
+    k-tile, K = 32, a token without a valid slot, one expert repeated in a token, and invalid ids
+    (flagged either way) and an expert map; the kernels PyTorch's profiler saw say which path ran."""
+    case, emap, flagged = tokc_case(cp, kind, dtype)
+    ref = route_reference(cp, *case, emap)
+    outs = []
+    for slots in (0, 128):
+        r = tokc_reg(library, slots)
+        r.set_tuning("moe_fused_gemm", lambda sizes, c=config: c)
+        T, H = TensorRef.of(case[0]).shape
+        out = poison(cp, (T, H), dtype)
+        _, names = profiled_kernels(cp, lambda: moe_fused_gemm(*case, expert_map=emap, out=out, registry=r))
+        assert r.last_path["moe_fused_gemm"] == "plugin"
+        assert any("moe_gemm_kernel" in n for n in names), names
+        assert any("combine" in n for n in names) == (slots == 0), (slots, names)
+        if flagged:
+            with pytest.raises(DeviceSideError, match="topk_id outside"):
+                r.check_device_errors()
+        else:
+            r.check_device_errors()
+        tol = r.manifest("moe_fused_gemm").tolerance[dtype]
+        assert rel(cp, out, ref) < tol, (slots, rel(cp, out, ref))
+        outs.append(out)
+    if kind == "invalid and repeated ids":
+        assert bool((f64(outs[1])[2] == 0).all())
+    assert bool((outs[0].bits == outs[1].bits).all()) if dtype == "bfloat16" else \
+        bool((outs[0].view(cp.uint16) == outs[1].view(cp.uint16)).all())
+
+
 @pytest.mark.parametrize("T,H,E,I,K", [(130, 111, 40, 67, 8), (3, 100, 5, 20, 2)])
 def test_moe_unaligned_sizes_go_to_kernel_fallback(reg, cp, T, H, E, I, K):
     run_moe_check(reg, cp, moe_case(cp, T, H, E, I, K, "bfloat16"), "bfloat16",
