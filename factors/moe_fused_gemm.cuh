@@ -63,12 +63,6 @@
  *                         vectors, 8 (k, z) loads in flight per thread, invalid slots skipped;
  *                         rounded once. No atomics: the same
  *                         inputs give bit-identical outputs.
- *                      3b. in place of 3 and 4, where 32 < T*K <= 128 (kTokcSlots;
- *                         EX_MOE_TOKEN_COMBINE_SLOTS, read at init, overrides it, 0 = never) on
- *                         the BM=16 configs under EX_MOE_DECODE_CONFIG=new:
- *                         moe_gemm_kernel<!GATED, TOKC> one block per (N-tile, token): the
- *                         token's valid slots one after the other (row 0 of the M-tile), y_k in
- *                         smem, out = the combine's sum of them in slot order (bit-identical).
  *                    Surplus GEMM blocks (the grid is an upper bound computed from dims) read the
  *                    tile count the router wrote and exit.
  *                    T*K <= 32 with the BM=16 configs (tiny, decode, decode4): no routing
@@ -736,29 +730,7 @@ struct GemmParams {
                                // tiles and sorted_slots before GEMM1 started, so they are final:
                                // read them (through L2) and stream the first weight stages before
                                // the wait, as a GEMM2 that routes itself does
-    // Token-combined GEMM2 (moe_gemm_kernel<..., TOKC = true>, kernel 3b below): the block of
-    // blockIdx.x = ntile * T + t owns out[t, ntile's columns] and multiplies t's valid slots
-    // itself, one after the other; c is out, not y
-    const int* tok_ids;        // topk_ids (T*K,)
-    int tokens;                // T
 };
-
-// Token-combined GEMM2 (TOKC): with few slots (32 < T*K <= EX_MOE_TOKEN_COMBINE_SLOTS, the BM=16
-// configs, a routing launch before GEMM1) the combine launch is the call's last kernel boundary:
-// GEMM2 writes y at scattered times and the combine waits for all of it. A TOKC block instead
-// owns one token t and one N-tile: it streams w2[e_k]'s rows of that N-tile for each of t's valid
-// slots k in turn (in sorted-row order, i.e. by expert, so that two tokens of one N-tile that
-// share an expert read its rows at about the same time: the second read hits L2), each slot's
-// act row as row 0 of the M-tile through the same cp.async ring (rows 1-15 are zero), keeps
-// y_k = dtype(topk_weight * (act . w2)) in shared memory and sums the y_k in slot order in fp32:
-// the combine's arithmetic in its order, so the output is bit-identical to the four-launch path's.
-// No y, no combine launch; the same weight bytes (each slot's expert rows once per token).
-constexpr int kTokcMaxK = 32;  // slots per token a TOKC block can hold (one warp sorts them)
-template <class C> constexpr int tokc_smem_extra() {
-    // segment table int4[kTokcMaxK], y_k rows dtype[kTokcMaxK][BN2], act row per slot int[kTokcMaxK]
-    // and two counters (the valid-slot mask and the segment count)
-    return kTokcMaxK * 16 + kTokcMaxK * C::BN2 * 2 + kTokcMaxK * 4 + 16;
-}
 
 constexpr int kFusedRouteSlots = 32;  // one warp routes them with ballots and shuffles
 
@@ -799,7 +771,7 @@ __device__ __forceinline__ int warp_route(const GemmParams& p, int lane, int* s_
     return __popc(tmask);
 }
 
-template <typename T, class C, bool GATED, bool TOKC = false>
+template <typename T, class C, bool GATED>
 __global__ void __launch_bounds__(C::THREADS, C::MINB) moe_gemm_kernel(const GemmParams p) {
     constexpr int BM = C::BM, BK = C::BK, STAGES = C::STAGES, NT = C::THREADS;
     constexpr int BN = GATED ? C::BN1 : C::BN2;
@@ -816,18 +788,10 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) moe_gemm_kernel(const Gem
     static_assert(BM % (16 * C::WARPS_M) == 0 && BN % (8 * WARPS_N) == 0, "warp tiling");
     static_assert(NT % CPR == 0, "a thread keeps one chunk column");
     static_assert(STAGES >= 2, "pipeline");
-    static_assert(!TOKC || (!GATED && BM == 16 && C::WARPS_M == 1 && BN % 8 == 0),
-                  "TOKC: GEMM2 on one 16-row M fragment per warp");
 
     extern __shared__ __align__(128) unsigned char gemm_smem[];
     T* sA = reinterpret_cast<T*>(gemm_smem);
     T* sB = sA + STAGES * A_STAGE;
-    // TOKC scratch after the pipeline's stages: segment j = {expert, act row, slot k, weight
-    // bits}, y_k rows (BN columns each), the act row of each slot (-1: none), mask and count
-    int4* k_seg = reinterpret_cast<int4*>(sB + STAGES * B_STAGE);
-    T* k_y = reinterpret_cast<T*>(k_seg + kTokcMaxK);
-    int* k_row = reinterpret_cast<int*>(k_y + kTokcMaxK * BN);
-    int* k_cnt = k_row + kTokcMaxK;
 
     const int tid = threadIdx.x;
     // fused routing: scratch at the start of the pipeline's smem, read before the prologue
@@ -843,46 +807,12 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) moe_gemm_kernel(const Gem
         if (p.early) pdl_launch_dependents();
     }
     const bool m_fast = p.m_tiles > 0;
-    // TOKC: tile is the token, N-tile-major (the tokens of one N-tile run side by side)
-    const int tile = TOKC ? (int)(blockIdx.x % (unsigned)p.tokens)
-                   : m_fast ? (int)(blockIdx.x % (unsigned)p.m_tiles)
+    const int tile = m_fast ? (int)(blockIdx.x % (unsigned)p.m_tiles)
                             : (int)(blockIdx.x / (unsigned)p.n_tiles_n);
-    const int ntile = TOKC ? (int)(blockIdx.x / (unsigned)p.tokens)
-                    : m_fast ? (int)(blockIdx.x / (unsigned)p.m_tiles)
+    const int ntile = m_fast ? (int)(blockIdx.x / (unsigned)p.m_tiles)
                              : (int)(blockIdx.x % (unsigned)p.n_tiles_n);
     int n_tiles;
-    if constexpr (TOKC) {
-        // the token's valid slots, in sorted-row order (routing outputs: final before GEMM1
-        // started, see pre_ws); rows past meta[1] hold no slot
-        const int K = p.topk, t = tile;
-        if (tid < kTokcMaxK) k_row[tid] = -1;
-        __syncthreads();
-        const int nrows = __ldcg(p.meta + 1);
-        for (int r = tid; r < nrows; r += NT) {
-            const int s = __ldcg(p.sorted_slots + r);
-            if (s / K == t) k_row[s - t * K] = r;
-        }
-        __syncthreads();
-        if (tid < 32) {
-            int unused = 0;
-            const int l = tid < K ? local_expert(p.em, __ldg(p.tok_ids + t * K + tid), p.E, unused) : -1;
-            const int r = tid < K ? k_row[tid] : -1;
-            const bool v = l >= 0 && r >= 0;
-            const unsigned vm = __ballot_sync(0xffffffffu, v);
-            int rank = 0;
-            for (int j = 0; j < K; ++j) {
-                const int rj = __shfl_sync(0xffffffffu, r, j);
-                rank += ((vm >> j) & 1u) && rj < r ? 1 : 0;
-            }
-            if (v) k_seg[rank] = make_int4(l, r, tid, __float_as_int(p.topk_weights[t * K + tid]));
-            if (tid == 0) {
-                k_cnt[0] = (int)vm;
-                k_cnt[1] = __popc(vm);
-            }
-        }
-        __syncthreads();
-        n_tiles = 1;
-    } else if (fused) {
+    if (fused) {
         if (tid < 32) {
             int bad = 0, n_rows;
             const int nt = warp_route<BM>(p, tid, r_e, r_sorted, r_tiles, &n_rows, bad);
@@ -902,17 +832,14 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) moe_gemm_kernel(const Gem
     } else {
         n_tiles = __ldcg(p.meta);
     }
-    if (!TOKC && tile >= n_tiles) return;  // surplus block: the whole block leaves before any barrier
-    // TOKC: one row (row 0 of the M-tile), expert and act row per segment (k_seg)
-    const int4 td = TOKC ? make_int4(0, 0, 1, 0) : fused ? r_tiles[tile] : __ldcg(p.tiles + tile);
+    if (tile >= n_tiles) return;  // surplus block: the whole block leaves before any barrier
+    const int4 td = fused ? r_tiles[tile] : __ldcg(p.tiles + tile);
     const int e = td.x, row0 = td.y, row_end = td.z;
     const int n0 = ntile * BN;
     const int KT = (p.Kd + BK - 1) / BK;
-    const int kt0 = TOKC ? 0 : blockIdx.z * p.kt_per_split;
+    const int kt0 = blockIdx.z * p.kt_per_split;
     const int kt1 = min(KT, kt0 + p.kt_per_split);
-    // >= 1: the host picks the split count so that no slice is empty (TOKC: k-tiles of every
-    // segment in turn, stage index s = j * KT + kt; 0 where the token has no valid slot)
-    const int nkt = TOKC ? k_cnt[1] * KT : kt1 - kt0;
+    const int nkt = kt1 - kt0;  // >= 1: the host picks the split count so that no slice is empty
 
     const T* A = static_cast<const T*>(p.a);
     const T* B = static_cast<const T*>(p.b);
@@ -950,15 +877,7 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) moe_gemm_kernel(const Gem
     }
     const int chunk = tid % CPR;  // the same for every j since NT % CPR == 0
 
-    // TOKC: stage index s -> (segment s / KT, k-tile s % KT); the segment's expert and act row
-    auto tokc_seg = [&](int& kt) {
-        const int j = kt / KT;
-        kt -= j * KT;
-        return k_seg[j];
-    };
     auto load_a = [&](int slot, int kt) {
-        long long a_off = 0;  // TOKC: row 0 is the segment's act row
-        if constexpr (TOKC) a_off = (long long)tokc_seg(kt).y * p.Kd;
         const int col = kt * BK + chunk * 8;
         const bool col_ok = col < p.Kd;  // Kd % 8 == 0: a chunk is all in or all out
         const uint32_t dA = smem_u32(sA + slot * A_STAGE);
@@ -968,14 +887,12 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) moe_gemm_kernel(const Gem
             if (A_CHUNKS % NT == 0 || idx < A_CHUNKS) {
                 const int r = idx / CPR;
                 const bool v = col_ok && a_src[j] != nullptr;
-                const void* src = v ? static_cast<const void*>(a_src[j] + a_off + col) : p.a;
+                const void* src = v ? static_cast<const void*>(a_src[j] + col) : p.a;
                 cp_async16(dA + (uint32_t)(r * BK + ((chunk ^ (r & 7)) << 3)) * 2u, src, v);
             }
         }
     };
     auto load_b = [&](int slot, int kt) {
-        long long b_off = 0;  // TOKC: the segment's expert (b_src holds expert 0's rows)
-        if constexpr (TOKC) b_off = (long long)tokc_seg(kt).x * p.N * p.Kd;
         const int col = kt * BK + chunk * 8;
         const bool col_ok = col < p.Kd;
         const uint32_t dB = smem_u32(sB + slot * B_STAGE);
@@ -985,7 +902,7 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) moe_gemm_kernel(const Gem
             if (B_CHUNKS % NT == 0 || idx < B_CHUNKS) {
                 const int r = idx / CPR;
                 const bool v = col_ok && b_src[j] != nullptr;
-                const void* src = v ? static_cast<const void*>(b_src[j] + b_off + col) : p.b;
+                const void* src = v ? static_cast<const void*>(b_src[j] + col) : p.b;
                 cp_async16(dB + (uint32_t)(r * BK + ((chunk ^ (r & 7)) << 3)) * 2u, src, v);
             }
         }
@@ -1013,7 +930,7 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) moe_gemm_kernel(const Gem
 
     // GEMM2's epilogue rows -> slots, read now (the fused routing's scratch is about to go)
     int ep_slot[GATED ? 1 : MI][2];
-    if constexpr (!GATED && !TOKC) {
+    if constexpr (!GATED) {
 #pragma unroll
         for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
@@ -1088,60 +1005,12 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) moe_gemm_kernel(const Gem
 #pragma unroll
                 for (int f = 0; f < NF; ++f) mma_16816<T>(acc[mi][f], af[mi], bf[f]);
         }
-        if constexpr (TOKC) {
-            if ((it + 1) % KT == 0) {
-                // segment it / KT ends: y_k = dtype(w_k * acc) of row 0 (lanes 0-3 hold its
-                // c0, c1), as GEMM2's epilogue rounds it; the accumulators restart at zero
-                const int4 sg = k_seg[it / KT];
-                if (lane < 4) {
-                    const float w = __int_as_float(sg.w);
-#pragma unroll
-                    for (int f = 0; f < NI; ++f)
-                        *reinterpret_cast<typename Elem<T>::T2*>(k_y + sg.z * BN + wn * WN + f * 8 + 2 * lane) =
-                            Elem<T>::pack(w * acc[0][f][0], w * acc[0][f][1]);
-                }
-#pragma unroll
-                for (int f = 0; f < NF; ++f)
-#pragma unroll
-                    for (int q = 0; q < 4; ++q) acc[0][f][q] = 0.0f;
-            }
-        }
     }
     cp_async_wait<0>();  // only empty groups can remain; leave nothing in flight
     if (!p.early) pdl_launch_dependents();
 
     // Epilogue. Accumulator fragment: c0,c1 at (row g, cols 2q, 2q+1), c2,c3 at row g + 8.
     using E2 = typename Elem<T>::T2;
-    if constexpr (TOKC) {
-        // out[t, n0 ..] = sum over t's valid slots k, in slot order, of y_k in fp32, rounded
-        // once: moe_combine_kernel's sum (S = 1)
-        __syncthreads();
-        const unsigned vm = (unsigned)k_cnt[0];
-        for (int c8 = tid; c8 < BN / 8; c8 += NT) {
-            const int n = n0 + c8 * 8;
-            if (n >= p.N) continue;
-            float sum[8];
-#pragma unroll
-            for (int v = 0; v < 8; ++v) sum[v] = 0.0f;
-            for (int k = 0; k < p.topk; ++k) {
-                if (!((vm >> k) & 1u)) continue;
-                const uint4 raw = *reinterpret_cast<const uint4*>(k_y + k * BN + c8 * 8);
-                const E2* v2 = reinterpret_cast<const E2*>(&raw);
-#pragma unroll
-                for (int v = 0; v < 4; ++v) {
-                    const float2 f = Elem<T>::unpack(v2[v]);
-                    sum[2 * v] += f.x;
-                    sum[2 * v + 1] += f.y;
-                }
-            }
-            uint4 res;
-            E2* r2 = reinterpret_cast<E2*>(&res);
-#pragma unroll
-            for (int v = 0; v < 4; ++v) r2[v] = Elem<T>::pack(sum[2 * v], sum[2 * v + 1]);
-            *reinterpret_cast<uint4*>(static_cast<T*>(p.c) + (long long)tile * p.N + n) = res;
-        }
-        return;
-    }
     const int g = lane >> 2, q = lane & 3;
 #pragma unroll
     for (int mi = 0; mi < MI; ++mi) {
@@ -1330,11 +1199,6 @@ static int64_t s_l2_bytes = 50LL << 20;
 // at 2048-4096 (within 0.6%, ab_route_h200_2026-12-01.json).
 constexpr int64_t kRouteMultiBlockSlots = 2048;
 static int64_t s_route_mb_slots = kRouteMultiBlockSlots;
-// The token-combined GEMM2 (TOKC, kernel 3b) runs for 32 < T*K <= this many slots on the BM=16
-// configs under EX_MOE_DECODE_CONFIG=new; moe_portable_init sets it from
-// EX_MOE_TOKEN_COMBINE_SLOTS (decimal >= 0; 0: never, the GEMM2 + combine launches instead).
-constexpr int64_t kTokcSlots = 128;
-static int64_t s_tokc_slots = kTokcSlots;
 // Diagnostic knock-out, compiled only with -DEX_MOE_DIAG (never in a shipped build): a bit mask
 // read from EX_MOE_DIAG_SKIP at load, of stages not run: 1 the Hopper path's gather after the
 // first call on a workspace and dims (its launch stays, one block that writes the group arrays
@@ -1571,12 +1435,12 @@ static int pick_config(const Problem& P) {
     return s_cfg_allowed[c] ? c : -1;
 }
 
-template <typename T, class C, bool GATED, bool TOKC = false>
+template <typename T, class C, bool GATED>
 static cudaError_t gemm_smem_opt_in() {
     // once per instantiation (host-only, capture-safe); thread-safe static initialisation
     static const cudaError_t err = cudaFuncSetAttribute(
-        moe_gemm_kernel<T, C, GATED, TOKC>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-        C::smem_bytes(GATED) + (TOKC ? tokc_smem_extra<C>() : 0));
+        moe_gemm_kernel<T, C, GATED>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+        C::smem_bytes(GATED));
     return err;
 }
 
@@ -1733,24 +1597,6 @@ static int launch_fast(const Problem& P, void* out, const void* x, const void* w
     p2.N = H; p2.Kd = I; p2.n_tiles_n = n_tiles_n2;
     p2.kt_per_split = kt_per_split; p2.split_stride = P.TK * P.H;
     p2.m_tiles = (m_fast_ok && a_bytes2 <= s_l2_bytes / 4) ? (int)max_tiles : 0;
-    p2.tok_ids = topk_ids;
-    p2.tokens = (int)P.T;
-    if constexpr (C::BM == kSmallBM) {
-        // token-combined GEMM2 (kernel 3b): out written here, no y, no combine launch
-        if (wide && !fused_route && S == 1 && P.TK <= s_tokc_slots && K <= kTokcMaxK &&
-            P.T * n_tiles_n2 <= 0x7fffffff) {
-            if ((err = gemm_smem_opt_in<T, C, false, true>()) != cudaSuccess) return cuda_error(err);
-            p2.c = out;
-            p2.pre_ws = 1;
-            if ((err = launch_k(moe_gemm_kernel<T, C, false, true>,
-                                dim3((unsigned)(P.T * n_tiles_n2), 1, 1), dim3(C::THREADS),
-                                C::smem_bytes(false) + tokc_smem_extra<C>(), stream, pdl, p2)) !=
-                cudaSuccess)
-                return cuda_error(err);
-            if ((err = cudaGetLastError()) != cudaSuccess) return cuda_error(err);
-            return EX_OK;
-        }
-    }
     if ((err = launch_k(moe_gemm_kernel<T, C, false>, dim3((unsigned)blocks2, 1, (unsigned)S),
                         dim3(C::THREADS), C::smem_bytes(false), stream, pdl, p2)) != cudaSuccess)
         return cuda_error(err);
@@ -1903,7 +1749,6 @@ static bool moe_portable_init(const ex_hardware_t* hw, ex_tuning_t* tuning) {
     s_num_sms = hw->multiprocessor_count > 0 ? hw->multiprocessor_count : 1;
     s_pdl_ok = hw->cc_major >= 9;
     s_route_mb_slots = explugin::env_count("EX_MOE_ROUTE_MULTIBLOCK_SLOTS", kRouteMultiBlockSlots);
-    s_tokc_slots = explugin::env_count("EX_MOE_TOKEN_COMBINE_SLOTS", kTokcSlots);
 #if defined(EX_MOE_DIAG)
     s_diag_skip = (int)explugin::env_count("EX_MOE_DIAG_SKIP", 0);
 #endif

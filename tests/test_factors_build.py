@@ -208,7 +208,6 @@ SWITCH_SAYS = "ignored: expected 0 (off) or 1 (on); using 1 (on, the default)"
 @needs_nvcc
 @pytest.mark.parametrize("var,value,says", [
     ("EX_MOE_ROUTE_MULTIBLOCK_SLOTS", "abc", "ignored: expected a decimal integer >= 0; using 2048"),
-    ("EX_MOE_TOKEN_COMBINE_SLOTS", "-5", "ignored: expected a decimal integer >= 0; using 128"),
     ("EX_MOE_SM90_MIN_ROWS_PER_EXPERT", "-1", "ignored: expected a decimal integer >= 0; using 64"),
     ("EX_MOE_SM90_TILE64_MAX_ROWS", "1e3", "ignored: expected a decimal integer >= 0; using 0"),
     ("EX_MOE_SM90_MIN_ROWS_PER_EXPERT", "99999999999999999999",    # beyond a long long: was
