@@ -32,6 +32,41 @@ except ImportError:  # --help works without it; a run says it needs it
     plt = None
 
 
+META = ("dtype", "device", "date", "commit")   # what the chart's title reads
+
+
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def data_problem(data) -> str:
+    """What keeps bench_moe.py's JSON ``data`` out of the chart ('' if nothing), in table_moe.py's
+    words (its check is inline in its main(), and its row_problem asks for columns the chart does
+    not draw): not a mapping with 'meta' (a mapping) and 'rows' (a list) (a bare KeyError: 'rows'
+    before), a meta without the dtype, device, date and commit of the title, a row that is not a
+    mapping, and in each row drawn (timed, uniform routing) no 'model' and 'T', a time that is
+    not a number, or a floor_us not > 0."""
+    if not isinstance(data, dict) or not isinstance(data.get("meta"), dict) or not isinstance(data.get("rows"), list):
+        return "expected a mapping with 'meta' (a mapping) and 'rows' (a list)"
+    missing = [k for k in META if k not in data["meta"]]
+    if missing:
+        return f"meta: expected the keys {list(META)}, missing {missing}"
+    for i, r in enumerate(data["rows"]):
+        if not isinstance(r, dict):
+            return f"row {i}: expected a mapping, got {type(r).__name__}"
+        if r.get("skewed") or "ours_us" not in r:   # not drawn
+            continue
+        if not isinstance(r.get("model"), str) or not isinstance(r.get("T"), int):
+            return f"row {i}: expected 'model' (a name) and 'T' (an integer), got {r.get('model')!r} and {r.get('T')!r}"
+        where = f"row {i} ({r['model']} T={r['T']})"
+        for k in ("ours_us", "floor_us", "gmm_us", "fallback_us"):
+            if (r.get(k) is not None or k in ("ours_us", "floor_us")) and not _number(r.get(k)):
+                return f"{where}: '{k}': expected a number, got {r.get(k, 'nothing')!r}"
+        if not r["floor_us"] > 0:
+            return f"{where}: floor_us must be > 0, got {r['floor_us']!r}"
+    return ""
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("json", help="the --json output of benchmarks/bench_moe.py")
@@ -45,18 +80,17 @@ def main():
         problems.append(f"--output: expected a .png, .pdf or .svg file name, got {a.output}")
     rows, data = [], None
     try:
-        data = json.load(open(a.json))
+        with open(a.json) as f:
+            data = json.load(f)
+        problem = data_problem(data)
+    except (OSError, ValueError) as exc:
+        problem = f"{type(exc).__name__}: {exc}"
+    if problem:
+        problems.append(f"{a.json}: expected the JSON that bench_moe.py --json writes (meta and rows): {problem}")
+    else:
         rows = [r for r in data["rows"] if not r.get("skewed") and "ours_us" in r]
-        for k in ("dtype", "device", "date", "commit"):
-            data["meta"][k]
-        for r in rows:   # what each plotted row needs: a model, T and a positive floor
-            if not (isinstance(r["model"], str) and isinstance(r["T"], int) and r["floor_us"] > 0):
-                raise ValueError(f"row {r.get('model')} T={r.get('T')}: floor_us must be > 0")
         if not rows:
             problems.append(f"{a.json}: no timed uniform-routing rows to plot")
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-        problems.append(f"{a.json}: expected the JSON that bench_moe.py --json writes "
-                        f"(meta and rows): {type(exc).__name__}: {exc}")
     if plt is None:   # reported with the other problems, not after installing it
         problems.append("needs matplotlib (pip install matplotlib)")
     if report_problems("plot_moe", problems):

@@ -9,12 +9,17 @@ order, as PATH is: a factor's manifest is taken from the first folder that has o
 the hardware profiles (hardware/), the tuning files (tuning/) and the model list
 (moe_models.yaml) come from one folder, the first of the list that has a hardware/ folder (so
 ``EX_ENGINE_MANIFESTS=$HOME/my_manifests:<checkout>/manifests`` keeps the shipped profiles,
-tuning and factors' manifests beside the author's).
+tuning and factors' manifests beside the author's). An entry that is no folder is skipped, with a
+note; none being a folder is an error naming the variable, its value and what each entry is
+(usable_folders: the registry checks it first, before any hardware profile is looked for in
+it). The registry's manifests_dir= takes the same form, by the same rule.
 """
 from __future__ import annotations
 
 import os
 from pathlib import Path
+
+from .errors import FactorError
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -50,6 +55,52 @@ def separator_hint(value) -> str:
     if other in text and not any(p.is_dir() for p in search_path(text)):
         return f" (folders are joined with {os.pathsep!r} here, not {other!r})"
     return ""
+
+
+def folder_problem(path) -> str:
+    """Why ``path`` is no folder, in a few words ('' when it is one): 'does not exist' (a
+    dangling link says so), 'is a file, not a folder', or 'is not a folder' (a socket, say)."""
+    p = Path(path)
+    if p.is_dir():
+        return ""
+    if not p.exists():
+        return "does not exist" + (" (a link to nothing)" if p.is_symlink() else "")
+    return "is a file, not a folder" if p.is_file() else "is not a folder"
+
+
+def usable_folders(value, what: str) -> tuple[list[Path], list[str]]:
+    """The folders of the search path ``value`` (see search_path) that exist, and a note for
+    each entry that is no folder ("manifests folder X (of the search path V) does not exist;
+    skipped"): one rule for $EX_ENGINE_MANIFESTS and the registry's manifests_dir=, which takes
+    the same form. Raises FactorError when no entry is a folder (or there is none), naming
+    ``what`` ("EX_ENGINE_MANIFESTS" or "manifests_dir"), the value, each entry and what it is
+    instead: a missing folder is then the first thing the user reads, not a consequence of it
+    (a hardware profile that cannot be found in it, say)."""
+    text = os.fsdecode(os.fspath(value))
+    dirs = search_path(text)
+    usable = [d for d in dirs if d.is_dir()]
+    if not usable:
+        env = what.startswith("EX_ENGINE_")
+        head = f"{what}={text}" if env else f"{what} '{text}'"
+        if env and (ROOT / "manifests").is_dir():
+            tail = f"; unset it to use {ROOT / 'manifests'}"
+        else:
+            tail = ""
+        tail = separator_hint(text) + tail
+        if not dirs:
+            raise FactorError(f"{head}: names no folder; expected a folder of factor manifests, "
+                              f"or several joined with {os.pathsep!r}{tail}")
+        if len(dirs) == 1:
+            problem = folder_problem(dirs[0])
+            if env:   # the value is shown as given: say which folder the words are about
+                problem = f"{'the folder ' if problem.startswith('does not') else ''}{dirs[0]} {problem}"
+            raise FactorError(f"{head}: {problem}; expected a folder of factor manifests{tail}")
+        entries = "; ".join(f"{d} {folder_problem(d)}" for d in dirs)
+        raise FactorError(f"{head}: none of its {len(dirs)} folders is there ({entries}); "
+                          f"expected at least one folder of factor manifests{tail}")
+    notes = [f"manifests folder {d} (of the search path {text}) {folder_problem(d)}; skipped"
+             for d in dirs if not d.is_dir()]
+    return usable, notes
 
 
 def manifests_dirs() -> list[Path]:

@@ -23,6 +23,7 @@ Anchors, aliases and merge keys (``<<: *base``) of ordinary size keep working.
 from __future__ import annotations
 
 import difflib
+import os
 import re
 import reprlib
 
@@ -205,17 +206,32 @@ def _check_expansion(root) -> None:
                             f"deep; expected at most {MAX_DEPTH}", root.start_mark)
 
 
-def load(text):
+def load(text, name=None):
     """The YAML document in ``text`` (str, bytes or a text file) as Python objects, by
     yaml.safe_load's rules plus YAML 1.2's floats and integers. Raises yaml.YAMLError on
     malformed YAML, also where PyYAML's own constructors raise ValueError (a timestamp such as
     2024-13-01), for nesting deeper than MAX_DEPTH, for aliases that would expand the document
     by more than MAX_ALIAS_NODES nodes or contain themselves, and where Python's stack runs out
-    (RecursionError) anyway."""
+    (RecursionError) anyway.
+
+    name: the file ``text`` was read from (a str or os.PathLike), named by the error's marks
+    ('in "/path/x.yaml", line 1, column 7'); without it PyYAML names a str "<unicode string>"
+    (bytes "<byte string>"; a file object its own name)."""
+    name = None if name is None else os.fsdecode(os.fspath(name))
     try:
-        return yaml.load(text, Loader=_Loader)
+        loader = _Loader(text)
+    except yaml.reader.ReaderError as exc:   # a character YAML refuses, found on reading a str
+        if name is not None:
+            exc.name = name
+        raise
+    if name is not None:   # (PyYAML's Reader names every mark after this attribute)
+        loader.name = name
+    try:
+        return loader.get_single_data()
     except ValueError as exc:   # a scalar its resolver matched but its constructor refused
         raise yaml.constructor.ConstructorError(None, None, f"{type(exc).__name__}: {exc}") from exc
     except RecursionError:      # (MAX_DEPTH keeps PyYAML from it; another path must not escape)
         raise yaml.YAMLError(f"nested too deeply to read (RecursionError); expected at most "
                              f"{MAX_DEPTH} levels") from None
+    finally:
+        loader.dispose()

@@ -157,17 +157,20 @@ def as_bfloat16(bits) -> Bits16:
 
 def _refuse_torch(x, name: str, factor: str = "ex_engine"):
     """Raise the named error for a torch tensor a kernel cannot read as it is: no memory behind
-    it (meta), not one strided block (sparse, mkldnn, nested), or a negation/conjugation that
-    torch applies lazily (its memory holds the values before it: a kernel would read those)."""
-    from .errors import DeviceError, DTypeError
+    it (meta: DeviceError), not one strided block (sparse, mkldnn, nested: TensorLayoutError, a
+    LayoutError and a DTypeError), or a negation/conjugation that torch applies lazily (its
+    memory holds the values before it: a kernel would read those; DTypeError)."""
+    from .errors import DeviceError, DTypeError, TensorLayoutError
     if x.is_meta:
         raise DeviceError(factor, name, "device", "a tensor on cuda or the CPU (memory a "
                           "kernel can read)", "a tensor on meta (no memory)")
+    # a layout rule: a LayoutError (TensorLayoutError, also a DTypeError as it was before)
     if x.is_nested:
-        raise DTypeError(factor, name, "layout", "a dense (strided) torch tensor", "a nested tensor")
+        raise TensorLayoutError(factor, name, "layout", "a dense (strided) torch tensor",
+                                "a nested tensor")
     if x.layout is not sys.modules["torch"].strided:
-        raise DTypeError(factor, name, "layout", "a dense (strided) torch tensor",
-                         f"layout {str(x.layout).replace('torch.', '')}")
+        raise TensorLayoutError(factor, name, "layout", "a dense (strided) torch tensor",
+                                f"layout {str(x.layout).replace('torch.', '')}")
     raise DTypeError(factor, name, "view", "a tensor whose memory holds its values (call "
                      ".resolve_neg() / .resolve_conj() first)",
                      "a negated view" if x.is_neg() else "a conjugated view")
@@ -238,7 +241,8 @@ class TensorRef:
         """Describe ``x``. Raises DTypeError (a FactorError and a TypeError) naming ``factor``
         (the function or factor called) and the argument ``name`` for anything that is not an
         array (also a torch tensor a kernel cannot read as it is: DeviceError for meta and for a
-        FakeTensor)."""
+        FakeTensor; for a sparse, mkldnn or nested one errors.TensorLayoutError, a LayoutError
+        that is also a DTypeError)."""
         kind = _KINDS.get(type(x))
         if kind is None:
             kind = _kind_of(x)

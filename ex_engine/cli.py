@@ -10,11 +10,13 @@ import argparse
 import faulthandler
 import json
 import signal
+import stat
 import subprocess
 import sys
 import threading
 import unicodedata
 import warnings
+from pathlib import Path
 
 from . import _paths
 from ._scripts import _reader_left, exit_quietly_on_broken_pipe  # noqa: F401 (the scripts' import)
@@ -91,6 +93,20 @@ def _prefer(items) -> dict:
     return out
 
 
+def _check_lock_arg(lock, folder) -> None:
+    """Raise FactorError if --lock names a folder (the registry read it as a file and said
+    'not readable JSON ([Errno 21] Is a directory ...)'): a lock file was expected; the message
+    names the one in that folder if there is one, else how to write one for ``folder`` (--dir)."""
+    if lock is None or not Path(lock).is_dir():
+        return
+    from .trust import LOCK_NAME
+    inside = Path(lock) / LOCK_NAME
+    hint = (f"; did you mean --lock {inside}?" if inside.is_file() else
+            f"; `ex-engine lock --dir {folder}` writes one ({Path(folder) / LOCK_NAME})")
+    raise FactorError(f"--lock {lock}: is a folder; expected a lock file (the JSON {{file name: "
+                      f"sha256}} written by `ex-engine lock`){hint}")
+
+
 def _registry(args, verify: bool = False):
     """The registry of list-factors, verify and run moe, from their common options. Raises
     FactorError for options that mean nothing without another: --lock-warn without --lock,
@@ -102,6 +118,7 @@ def _registry(args, verify: bool = False):
     if args.probe_timeout is not None and not args.probe:   # it was ignored without a word
         raise FactorError("--probe-timeout: expected together with --probe (it limits the probe's "
                           "child process), got " + ("no --probe" if args.command == "run" else "--no-probe"))
+    _check_lock_arg(args.lock, args.dir)
     timeout = {} if args.probe_timeout is None else {"probe_timeout": args.probe_timeout}
     # the registry's load warnings (lock_mode=warn, a library shared with another registry) are
     # also its notes, which every command prints: print each once
@@ -142,21 +159,26 @@ def cmd_list_factors(args) -> int:
     reg = _registry(args)
     if args.json:
         print(json.dumps({"hardware": reg.hardware.as_dict(), "note": reg.no_gpu_note,
-                          "tuning_file": reg.tuning.path, "notes": reg.notes,
+                          "tuning_file": reg.tuning.in_use, "notes": reg.notes,
                           "plugins": [p.as_dict() for p in reg.plugins]}, indent=2))
         return _none_ready(reg, args.dir)
     hw = reg.hardware
     print(f"hardware: {hw.name} (sm_{hw.cc_major}{hw.cc_minor}, {hw.multiprocessor_count} SMs, "
           f"warp {hw.warp_size}; {hw.source})")
-    if reg.tuning.path:
-        print(f"tuning: {reg.tuning.path}")
+    if reg.tuning.in_use:
+        print(f"tuning: {reg.tuning.in_use}")
+    elif reg.tuning.path:   # read, but check() set every table of it aside (the notes say why)
+        print(f"tuning: {reg.tuning.path} (for {hw.name}): none of its tables is used (see the "
+              "notes): tuned dims take the kernels' defaults")
     elif reg.tuning.set_aside:   # the file is there: it said "no file" above the note saying why
         print(f"tuning: {', '.join(reg.tuning.set_aside)} (for {hw.name}) set aside as malformed (see "
               "the note): tuned dims take the kernels' defaults")
     else:
+        skipped = [f"{len(files)} {word} file(s)" for files, word in
+                   ((reg.tuning.unreadable, "unreadable"), (reg.tuning.malformed, "malformed")) if files]
         print(f"tuning: no file for {hw.name} ({hw.multiprocessor_count} SMs) in {reg.tuning.folder}"
-              + (f" ({len(reg.tuning.problems)} unreadable file(s) set aside, see the notes)"
-                 if reg.tuning.problems else "") + ": tuned dims take the kernels' defaults")
+              + (f" ({' and '.join(skipped)} set aside, see the notes)" if skipped else "")
+              + ": tuned dims take the kernels' defaults")
     _print_notes(reg)
     if not reg.plugins:
         print(f"no plugins (*.so) in {args.dir}; build them with `make` or `ex-engine build`")
@@ -224,13 +246,17 @@ def _width(text: str) -> int:
 
 
 def cmd_run_moe(args) -> int:
-    from .moe_layer import load_models, model_shape, run_moe
+    from .moe_layer import load_models, run_moe
     # the model list and --model before any plugin loads (FactorError: main's one-line error)
+    known = sorted(load_models())
     if args.model == "all":
-        models = sorted(load_models())
-    else:
-        model_shape(args.model)   # FactorError naming the known models
+        models = known
+    elif args.model in known:
         models = [args.model]
+    else:   # 'all' is a valid --model too (the error listed the models alone)
+        near = [m for m in ["all"] + known if m.lower() == args.model.lower()]
+        raise FactorError(f"model '{args.model}': unknown; expected one of {known} or 'all' (every "
+                          "model)" + (f"; did you mean '{near[0]}'? (names are case-sensitive)" if near else ""))
     reg = _registry(args)
     sys.stdout.flush()
     for note in reg.notes:   # e.g. a --prefer that names no ready plugin (it was silent)
@@ -248,12 +274,15 @@ def cmd_run_moe(args) -> int:
                   + ": the Python fallback serves it", file=sys.stderr)
     ok = True
     runs = [(m, T) for m in models for T in args.tokens]
+    # a model's weights are built once and reused for each of its T (they were built per T);
+    # run_moe empties `layers` before building the next model's: one model's weights at a time
+    layers: dict = {}
     for i, (m, T) in enumerate(runs):
         if len(runs) > 1:
             print(f"[{i + 1}/{len(runs)}] ", end="")
         try:
             res = run_moe(m, T, dtype=args.dtype, seed=args.seed, repeat=args.repeat, registry=reg,
-                          progress=_progress)
+                          progress=_progress, layers=layers)
         except MemoryError as exc:   # NumPy's and CuPy's out-of-memory errors are MemoryErrors
             print(f"ex-engine run moe: --tokens {T}: the {m} layer's arrays do not fit in memory "
                   f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else 'no detail'})",
@@ -344,8 +373,83 @@ def _ignore_signal(signum, frame):
     """SIGTERM while the command already ends through Terminated."""
 
 
+LOCK_MAX_BYTES = 1 << 24   # a lock file larger than this is not one `ex-engine lock` wrote
+
+
+def _left_out_of_lock(folder) -> list:
+    """(name, why) of each entry of ``folder`` named *.so that the lock leaves out, not being a
+    regular file (trust.lock_digests skips them; the registry rejects them)."""
+    out = []
+    for p in sorted(Path(folder).glob("*.so")):
+        if p.is_file():
+            continue
+        if not p.exists():   # a link to nothing (or a loop of links)
+            try:
+                why = f"a dangling symbolic link (to {p.readlink()})"
+            except OSError:
+                why = "a dangling symbolic link"
+        else:
+            mode = p.stat().st_mode
+            kinds = ((stat.S_ISDIR, "folder"), (stat.S_ISFIFO, "FIFO"), (stat.S_ISSOCK, "socket"),
+                     (stat.S_ISCHR, "device"), (stat.S_ISBLK, "device"))
+            kind = next((k for test, k in kinds if test(mode)), None)
+            why = ("not a regular file" if kind is None else
+                   f"a link to a {kind}" if p.is_symlink() else f"a {kind}")
+        out.append((p.name, why))
+    return out
+
+
+def _check_lock_output(folder, output) -> None:
+    """Raise FactorError if the lock file would be written over something it must not be: a
+    name ending in .so (the registry reads such a file as a library: the lock would destroy the
+    library and record the hash of what it destroyed), one of the libraries being locked (by
+    any name: a link to one), a folder or another non-regular file, or an existing file that is
+    not a lock file (JSON {file name: sha256}). An existing lock file, or an empty file, is
+    replaced."""
+    from .trust import LOCK_NAME, read_lock
+    out = Path(output) if output else Path(folder) / LOCK_NAME
+    where = f"--output {output}" if output else f"the default lock file {out}"
+    for lib in Path(folder).glob("*.so") if out.exists() and Path(folder).is_dir() else ():
+        try:
+            same = lib.is_file() and out.samefile(lib)
+        except OSError:
+            same = False
+        if same:
+            raise FactorError(f"lock: {where}: is the library {lib} (one of those being locked); "
+                              "expected a lock file name: writing the lock there would destroy it")
+    if out.name.endswith(".so"):
+        raise FactorError(f"lock: {where}: expected a lock file name, got a library's (*.so): the "
+                          "registry reads every *.so as a plugin, and the file may be one (leave "
+                          f"--output out for <dir>/{LOCK_NAME})")
+    if not (out.exists() or out.is_symlink()):
+        return
+    if not out.exists():   # a link to nothing: writing would create its target, somewhere else
+        raise FactorError(f"lock: {where}: is a symbolic link to nothing that exists; expected a "
+                          "new file or an existing lock file")
+    if out.is_dir():
+        raise FactorError(f"lock: {where}: is a folder; expected a file name (e.g. {out / LOCK_NAME})")
+    if not out.is_file():
+        raise FactorError(f"lock: {where}: is not a regular file (a FIFO, a socket or a device); "
+                          "expected a new file or an existing lock file")
+    size = out.stat().st_size
+    if size == 0:
+        return
+    if size > LOCK_MAX_BYTES:
+        why = f"{size} bytes, more than a lock file holds"
+    else:
+        try:
+            read_lock(out)
+            return
+        except FactorError as exc:
+            why = str(exc).removeprefix(f"lock file {out}: ")
+    raise FactorError(f"lock: {where}: exists and is not a lock file ({why}); expected a new file "
+                      "or a lock file `ex-engine lock` wrote, which it replaces: remove that file "
+                      "or give another --output")
+
+
 def cmd_lock(args) -> int:
     from .trust import write_lock
+    _check_lock_output(args.dir, args.output)
     try:
         path, digests = write_lock(args.dir, args.output)
     except OSError as exc:   # e.g. --output in a folder that does not exist
@@ -355,6 +459,9 @@ def cmd_lock(args) -> int:
         print(f"  {digest}  {_printable(name)}")
     print(f"wrote {_printable(str(path))} ({len(digests)} librar{'y' if len(digests) == 1 else 'ies'}; "
           "JSON {file name: sha256})")
+    for name, why in _left_out_of_lock(args.dir):   # (it left them out without a word)
+        print(f"note: {_printable(name)} left out: {_printable(why)}; a lock lists regular files "
+              "only (the registry refuses anything else)")
     if not digests:
         print(f"note: no *.so in {_printable(str(args.dir))}: every library will be refused under this lock")
     return 0
@@ -475,12 +582,13 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--model", default="qwen3-30b-a3b",
                    help=f"a model of manifests/moe_models.yaml ({models_help(all_ok=True)}; 'all': "
                         "every one) (default: %(default)s)")
-    q.add_argument("--tokens", type=tokens_arg, nargs="+", default=[64],
+    q.add_argument("--tokens", type=tokens_arg, nargs="+", default=[64], metavar="T",
                    help=f"token counts T, 0..{MAX_TOKENS} (default: 64)")
     q.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16",
                    help="activation and weight dtype (default: %(default)s)")
-    q.add_argument("--seed", type=token_count, default=0, help="random seed >= 0 (default: %(default)s)")
-    q.add_argument("--repeat", type=positive_count, default=10, help="timed calls per factor on a GPU (default: %(default)s)")
+    q.add_argument("--seed", type=token_count, default=0, metavar="N", help="random seed >= 0 (default: %(default)s)")
+    q.add_argument("--repeat", type=positive_count, default=10, metavar="N",
+                   help="timed calls per factor on a GPU (default: %(default)s)")
     q.set_defaults(fn=cmd_run_moe, command_parser=q)
     # `ex-engine run` without a job: run's own help (bind p now: p is rebound below)
     p.set_defaults(fn=lambda a, run_parser=p: (run_parser.print_help(), 2)[1], command_parser=p)
@@ -498,7 +606,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "check that checked nothing does not pass; without --strict the "
                                    "latter is a warning on stderr and the exit status stays 0.")
     common(p, probe=True)
-    p.add_argument("--seed", type=token_count, default=0, help="random seed >= 0 (default: %(default)s)")
+    p.add_argument("--seed", type=token_count, default=0, metavar="N", help="random seed >= 0 (default: %(default)s)")
     p.add_argument("--strict", action="store_true",
                    help="exit status 3 when any ready factor was skipped (a device factor without "
                         "a live GPU) or its plugin declined every case: every one must have been "
@@ -508,14 +616,16 @@ def build_parser() -> argparse.ArgumentParser:
                         "so that a kernel that crashes, exits or hangs is a FAIL row and the others "
                         "still run); a kernel that crashes or calls exit() then ends the command, "
                         "with no table and the library's exit status")
-    p.add_argument("--timeout", type=seconds, default=None,
+    p.add_argument("--timeout", type=seconds, default=None, metavar="S",
                    help=f"seconds for one plugin's checks in its child process, its start-up (about a "
                         f"second) included (default: {CHILD_TIMEOUT_S:g})")
     p.set_defaults(fn=cmd_verify, command_parser=p)
 
     p = sub.add_parser("lock", help="write the SHA-256 of every plugin library to a lock file",
-                       description="Write a lock file, JSON {file name: sha256}, of every *.so in the "
-                                   "folder. FactorRegistry.load(lock=...) and `list-factors --lock` "
+                       description="Write a lock file, JSON {file name: sha256}, of every *.so file in "
+                                   "the folder (an entry named *.so that is not a regular file, such as "
+                                   "a folder or a link to nothing, is left out, with a 'note:' line "
+                                   "saying why). FactorRegistry.load(lock=...) and `list-factors --lock` "
                                    "then refuse any library that differs or is not listed, before "
                                    "opening it. It prints one line per library, a name's control "
                                    "characters escaped as list-factors does ('\\n'); the file keeps "
@@ -523,7 +633,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dir", type=nonempty, default=str(_paths.factors_dir()),
                    help="folder of plugin libraries (default: %(default)s)")
     p.add_argument("--output", type=nonempty, default=None, metavar="FILE",
-                   help="lock file to write (default: <dir>/ex_engine.lock)")
+                   help="lock file to write (default: <dir>/ex_engine.lock); not a *.so name, and "
+                        "an existing file only if it is a lock file (or empty), which is replaced")
     p.set_defaults(fn=cmd_lock, command_parser=p)
 
     p = sub.add_parser("build", help="compile factors/*.cu (nvcc) and host factors' *.c, *.cpp into .so files (runs make)",
@@ -533,11 +644,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("names", nargs="*", metavar="NAME",
                    help="factors to build, by file stem (e.g. topk_softmax; moe_fused_gemm_sm90 is a "
                         "factor file of its own); default: every one")
-    p.add_argument("--archs", type=nonempty, default=None,
+    p.add_argument("--archs", type=nonempty, default=None, metavar="FLAGS",
                    help="nvcc -gencode flags for the portable plugins, written with '=' because they start "
                         "with '-': --archs='-gencode=arch=compute_80,code=sm_80' (default: the Makefile's "
                         "sm_90a + sm_80 + PTX); rebuilds every plugin built (the NAMEs given, or all)")
-    p.add_argument("-j", "--jobs", type=positive_count, default=2, help="parallel nvcc jobs (default: %(default)s)")
+    p.add_argument("-j", "--jobs", type=positive_count, default=2, metavar="N", help="parallel nvcc jobs (default: %(default)s)")
     p.set_defaults(fn=cmd_build, command_parser=p)
     return ap
 

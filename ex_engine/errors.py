@@ -55,6 +55,12 @@ class LayoutError(ArgumentError):
     """Non-contiguous or mis-strided array, or a misaligned pointer."""
 
 
+class TensorLayoutError(LayoutError, DTypeError):
+    """A torch tensor that is not one strided block of memory (sparse, mkldnn, nested): a
+    LayoutError, the class of its rule ('layout'). It is a DTypeError too (so a TypeError),
+    what these tensors raised before, so that code catching DTypeError for them still does."""
+
+
 class DeviceError(ArgumentError):
     """An array lives on the host where device memory is needed, or on another device."""
 

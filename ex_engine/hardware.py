@@ -195,7 +195,7 @@ class Hardware:
         if path.is_dir():
             raise FactorError(f"hardware profile {path}: a directory; expected a YAML file")
         try:
-            data = _yaml.load(path.read_text())
+            data = _yaml.load(path.read_text(), name=path)
         except (OSError, ValueError, yaml.YAMLError) as exc:
             raise FactorError(f"hardware profile {path}: malformed ({type(exc).__name__}: {one_line(exc)})") from None
         if data is None:

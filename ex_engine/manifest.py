@@ -37,11 +37,16 @@ _F32_MAX = 3.4028234663852886e38     # float32's largest finite number
 
 
 def bool_like(v) -> bool:
-    """True/False, 0/1 as Python's, NumPy's or torch's integers (0-d), or a NumPy bool scalar:
-    what a bool parameter takes (not a string, a float, a 0-d float array or tensor)."""
+    """True/False, 0/1 as Python's, NumPy's or torch's integers (0-d), or a NumPy or torch bool
+    scalar (0-d): what a bool parameter takes (not a string, a float, a 0-d float array or
+    tensor, nor an array or tensor of one element and a rank above 0, which NumPy refuses and
+    torch's __index__ took: torch.tensor([[1]]), torch.tensor([True]))."""
     if getattr(getattr(v, "dtype", None), "kind", None) == "b" and getattr(v, "shape", None) == ():
         return bool(v in (0, 1))
     if isinstance(v, (str, bytes)):
+        return False
+    shape = getattr(v, "shape", ())
+    if not isinstance(shape, tuple) or shape != ():   # (torch.Size is a tuple; () for 0-d)
         return False
     try:
         return operator.index(v) in (0, 1)
@@ -362,7 +367,7 @@ class Manifest:
             raw = read_manifest_bytes(path)
         try:
             if data is None:
-                d = _yaml.load(raw.decode())
+                d = _yaml.load(raw.decode(), name=path)
             else:
                 d = data
             if not isinstance(d, dict):   # None for an empty file (or one of comments only)
@@ -404,12 +409,18 @@ class Manifest:
         m._constraints = [_CONSTRAINT.match(c) for c in m.constraints]
         m._absent = [(t, _CONSTRAINT.match(t.absent_requires)) for t in m.aux if t.absent_requires]
         # bind checks inputs first, outputs last: the sizes come from what the caller computes
-        # with, so a wrongly sized output is the argument an error names. Among the inputs the
-        # required ones come first, then optional ones that define a size when given (an
-        # absent_requires entry: moe_fused_gemm's expert_map fixes G), then the other optional
-        # ones (router_logits, which the computation does not read, is checked against that G)
+        # with, so a wrongly sized output is the argument an error names. An output that is
+        # also the input (in place: input same_as_output, fused_add_rmsnorm's x) is an input
+        # here, checked where the input stands in ABI order (first): its sizes are the ones the
+        # others are held to (x (4, H) with residual (5, H) names residual, T from x). Among the
+        # inputs the required ones come first, then optional ones that define a size when given
+        # (an absent_requires entry: moe_fused_gemm's expert_map fixes G), then the other
+        # optional ones (router_logits, which the computation does not read, is checked against
+        # that G)
+        in_place = m.input.same_as_output
         m._bind_order = sorted(range(len(m.tensors)), key=lambda i: (
-            m.tensors[i].role == "output", m.tensors[i].optional, not m.tensors[i].absent_requires))
+            m.tensors[i].role == "output" and not in_place, m.tensors[i].optional,
+            not m.tensors[i].absent_requires))
         if not all(m._constraints) or not all(c for _, c in m._absent):
             raise FactorError(f"manifest {path}: constraint not of the form 'A <= B': {m.constraints}")
         return m
@@ -519,7 +530,7 @@ class Manifest:
             if "default" not in spec:           # bool) failed every call using it; a parameter
                 continue                        # without one is required of every call
             try:
-                self._param_value(k, spec, spec["default"])
+                self._param_value(k, spec, spec["default"], in_manifest=True)
             except ArgumentError as exc:
                 return f"params: {exc.argument}: default: expected {exc.expected}, got {exc.got}"
         if self.fallback is not None and not (isinstance(self.fallback, str) and _FALLBACK.match(self.fallback)):
@@ -752,13 +763,16 @@ class Manifest:
             out[k] = self._param_value(k, spec, params[k] if k in params else spec["default"])
         return out
 
-    def _param_value(self, k: str, spec: dict, v):
+    def _param_value(self, k: str, spec: dict, v, in_manifest: bool = False):
         """Parameter ``k``'s value ``v`` checked against its ``spec`` (type, gt, float32) and
-        converted (bool, int or float); raises ArgumentError naming the parameter."""
+        converted (bool, int or float); raises ArgumentError naming the parameter. A bool
+        parameter takes 0 and 1 too, which a call's message says; ``in_manifest`` (the
+        manifest's default, written in YAML, whose bools are true and false) says "a bool"."""
         typ = spec.get("type", "float")
         if typ == "bool":
             if not bool_like(v):
-                raise ArgumentError(self.name, k, "type", "a bool", brief(v))
+                raise ArgumentError(self.name, k, "type", "a bool" if in_manifest else "a bool (or 0/1)",
+                                    brief(v))
             v = bool(v)
         elif typ == "int":
             # Python's or NumPy's integers (not bools); passed to the kernel as an int64
@@ -974,7 +988,7 @@ def why_not_found(path, name: str) -> str:
     try:
         if not path.is_file():
             return ""
-        d = _yaml.load(path.read_bytes().decode())
+        d = _yaml.load(path.read_bytes().decode(), name=path)
     except (OSError, UnicodeDecodeError, yaml.YAMLError):
         return ""   # load_all reported it already
     if d is None:
@@ -1021,7 +1035,7 @@ def load_all(folder, errors: dict | None = None, notes: list | None = None) -> d
         try:
             raw = read_manifest_bytes(p)
             try:
-                d = _yaml.load(raw.decode())
+                d = _yaml.load(raw.decode(), name=p)
             except (UnicodeDecodeError, yaml.YAMLError) as exc:
                 raise FactorError(f"manifest {p}: malformed ({type(exc).__name__}: {one_line(exc)})") from exc
             if isinstance(d, dict) and "name" in d and ("dims" in d or "id" in d):

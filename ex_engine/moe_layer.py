@@ -96,6 +96,10 @@ def load_models(path=None) -> dict:
         raise ArgumentError("load_models", "path", "type", "None, a str or an os.PathLike",
                             f"{type(path).__name__} {path!r}")
     default = path is None
+    if default and os.environ.get("EX_ENGINE_MANIFESTS"):
+        # none of the variable's folders there: say that first (FactorError), as the registry
+        # does, rather than that moe_models.yaml inside it cannot be opened
+        _paths.usable_folders(os.environ["EX_ENGINE_MANIFESTS"], "EX_ENGINE_MANIFESTS")
     path = path or _paths.manifests_dir() / "moe_models.yaml"
     try:
         with open(path) as f:
@@ -324,7 +328,7 @@ def time_call(xp, fn, repeat: int) -> float:
 
 
 def run_moe(model: str, tokens: int, dtype: str = "bfloat16", seed: int = 0, repeat: int = 10,
-            registry=None, echo=print, progress=None) -> dict:
+            registry=None, echo=print, progress=None, layers=None) -> dict:
     """Build ``model``'s MoE layer, run it through ``registry`` at T=``tokens``, check, time.
 
     Runs on the GPU (CuPy) when the registry's hardware is a live device, else on NumPy with the
@@ -333,7 +337,13 @@ def run_moe(model: str, tokens: int, dtype: str = "bfloat16", seed: int = 0, rep
     calls. ``echo`` prints the header and the table; ``progress`` (None: quiet), if given, is
     called with a line before each step that can take long (building the weights: 5 GB and most
     of a minute for qwen3-235b-a22b on a CPU; running the layer; the float64 reference; the
-    timed calls). Returns a dict with the paths
+    timed calls). ``layers``: None (the weights are built for this call alone) or a dict the
+    caller keeps across calls (start with {}): the layer built is kept there and a later call for
+    the same model shape, dtype, seed and array library reuses its weights instead of building
+    them again (`ex-engine run moe --tokens 1 64`: once, not once per T); a call for another one
+    empties the dict before building its own, so it holds one layer's weights at most. A reused
+    layer draws the next activations from its generator, so T's activations differ from those
+    of a call that builds the layer (the weights are the same). Returns a dict with the paths
     that served, the errors and the times; 'ok' is False if a check failed. Raises FactorError
     for an unknown model, another registry type, or an argument out of those ranges.
     """
@@ -343,6 +353,9 @@ def run_moe(model: str, tokens: int, dtype: str = "bfloat16", seed: int = 0, rep
             raise FactorError(f"run_moe: {name}: expected an int >= {lo}, got {v!r}")
     if dtype not in ("bfloat16", "float16"):
         raise FactorError(f"run_moe: dtype: expected 'bfloat16' or 'float16', got {dtype!r}")
+    if layers is not None and not isinstance(layers, dict):
+        raise FactorError(f"run_moe: layers: expected None or a dict (kept across calls), "
+                          f"got {type(layers).__name__}")
     reg = resolve_registry(registry)
     shape = model_shape(model)
     if reg.hardware.live:
@@ -356,8 +369,17 @@ def run_moe(model: str, tokens: int, dtype: str = "bfloat16", seed: int = 0, rep
     if reg.no_gpu_note:
         echo(f"  note: {reg.no_gpu_note}")
     size = shape.E * 3 * shape.I * shape.H * 2 + shape.E * shape.H * 4   # w13, w2; router fp32
-    step(f"  building the layer's weights ({size / 1e9:.2f} GB: w13, w2 of {dtype}, the router) ...")
-    layer = MoELayer(shape, dtype, xp, seed)
+    key = (shape, dtype, seed, xp.__name__)
+    layer = layers.get(key) if layers is not None else None
+    if layer is not None:
+        step(f"  reusing the layer's weights ({size / 1e9:.2f} GB), built for an earlier T")
+    else:
+        if layers is not None:
+            layers.clear()   # the previous layer's weights go before this one's are drawn
+        step(f"  building the layer's weights ({size / 1e9:.2f} GB: w13, w2 of {dtype}, the router) ...")
+        layer = MoELayer(shape, dtype, xp, seed)
+        if layers is not None:
+            layers[key] = layer
     x = layer.hidden_states(tokens)
     step(f"  running the layer (router + experts) at T={tokens} ...")
     before = reg.stats()

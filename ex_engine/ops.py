@@ -140,7 +140,7 @@ def topk_softmax(router_logits, top_k: int, renormalize: bool = False, *, topk_w
     not a bool or 0/1), DTypeError (also: an argument that is no array),
     ShapeError (K > E, naming top_k; an output given whose width is not top_k, naming that
     output), LayoutError (also: an output sharing memory with router_logits or with the other
-    output, or marked read-only), DeviceError, KernelError. Each names topk_softmax and the
+    output, or marked read-only; a sparse, mkldnn or nested torch tensor), DeviceError, KernelError. Each names topk_softmax and the
     argument.
     """
     reg = resolve_registry(registry)
@@ -205,11 +205,13 @@ def fused_add_rmsnorm(x, residual, weight, eps: float = 1e-6, *,
     refused).
     Range: the sum of squares is fp32 (as vLLM's kernel), so a row whose values reach ~1e19
     overflows it and comes out as zeros; float16 rows are far from that.
-    Returns (x, residual), both written in place. Raises DTypeError, ShapeError, LayoutError
-    (also: x and residual, or either and weight, sharing memory; views of one wider buffer that
-    share no byte are fine; x or residual marked read-only), ArgumentError (eps not a finite
-    number > 0 or not a normal float32; x or residual a torch leaf that requires grad under
-    grad mode), DeviceError, KernelError. Each names fused_add_rmsnorm and the argument.
+    Returns (x, residual), both written in place. Raises DTypeError, ShapeError (a T or H of
+    residual or weight that differs from x's names that argument: x's sizes are the reference),
+    LayoutError (also: x and residual, or either and weight, sharing memory; views of one wider
+    buffer that share no byte are fine; x or residual marked read-only; a sparse, mkldnn or
+    nested torch tensor), ArgumentError (eps not a finite number > 0 or not a normal float32;
+    x or residual a torch leaf that requires grad under grad mode), DeviceError, KernelError.
+    Each names fused_add_rmsnorm and the argument.
     """
     reg = resolve_registry(registry)
     if ((_KINDS.get(type(x)) or _kind_of(x)) == "torch" and x.requires_grad
@@ -254,7 +256,7 @@ def moe_fused_gemm(hidden_states, w13, w2, topk_weights, topk_ids, *, router_log
     must be scaled as a model's are (activations O(1)); bfloat16 has float32's range.
     Returns out. Raises DTypeError (also: an argument that is no array), ShapeError,
     LayoutError (also: out sharing memory with another argument, e.g. out=hidden_states, or
-    marked read-only), DeviceError, KernelError; each names moe_fused_gemm and the argument.
+    marked read-only; a sparse, mkldnn or nested torch tensor), DeviceError, KernelError; each names moe_fused_gemm and the argument.
     """
     reg = resolve_registry(registry)
     if out is None:

@@ -556,12 +556,27 @@ class FactorRegistry:
     visible GPU no profile can hold; lock_mode not 'refuse'/'warn', or 'warn' without lock;
     lock not a path, True or None; probe not None/'subprocess'; verify not a bool (or 0/1);
     probe_timeout or verify_timeout not a finite number of seconds > 0; prefer not a
-    {str: str or path} mapping; manifests_dir not a path, or not a directory.
+    {str: str or path} mapping; manifests_dir not a path, or none of its folders there (one
+    that is missing, of several, is a note and skipped, as in $EX_ENGINE_MANIFESTS; with none
+    of the variable's folders there, that is the error too, before any hardware profile).
     """
 
     def __init__(self, hardware=None, manifests_dir=None, *, prefer=None, lock=None,
                  lock_mode: str = "refuse", probe=None, probe_timeout: float = 10.0,
                  verify: bool = False, verify_timeout: float = trust.CHILD_TIMEOUT_S):
+        # the manifests search path first: with none of its folders there, a hardware profile
+        # looked for in it (the 'h200' of a machine without a GPU) is not the problem to name.
+        # manifests_dir= and $EX_ENGINE_MANIFESTS follow one rule (_paths.usable_folders): an
+        # entry that is no folder is a note and skipped; no folder at all is an error.
+        if manifests_dir is not None:
+            _path_arg("manifests_dir", manifests_dir, "a directory path or None")
+        if manifests_dir:
+            dirs, path_notes = _paths.usable_folders(manifests_dir, "manifests_dir")
+        elif os.environ.get("EX_ENGINE_MANIFESTS"):
+            dirs, path_notes = _paths.usable_folders(os.environ["EX_ENGINE_MANIFESTS"],
+                                                     "EX_ENGINE_MANIFESTS")
+        else:
+            dirs, path_notes = _paths.manifests_dirs(), []
         hw = resolve(hardware)
         self.no_gpu_note = ""
         if hw is None:
@@ -591,19 +606,11 @@ class FactorRegistry:
                 isinstance(k, str) and isinstance(v, (str, os.PathLike)) for k, v in prefer.items())):
             raise FactorError(f"prefer: expected a mapping {{factor name: library file name or path}}, "
                               f"got {prefer!r}")
-        if manifests_dir is not None:
-            _path_arg("manifests_dir", manifests_dir, "a directory path or None")
-            for d in _paths.search_path(manifests_dir):   # (several: joined with os.pathsep)
-                if not d.is_dir():
-                    raise FactorError(f"manifests_dir '{d}': not a directory"
-                                      + _paths.separator_hint(manifests_dir))
         self.hardware: Hardware = hw
         # a malformed manifest rejects only the plugins that need it (see _find_manifest)
         self.manifest_errors: dict = {}  # file stem -> message
         # a search path (manifest.load_search_path: <name>.yaml preferred, then folder order)
-        dirs = [d.absolute() for d in (_paths.search_path(manifests_dir) if manifests_dir
-                                       else _paths.manifests_dirs())]
-        self.manifests_dirs: list = [d for d in dirs if d.is_dir()] or dirs[:1]
+        self.manifests_dirs: list = [d.absolute() for d in dirs]   # (those that are folders)
         self.manifests_dir = Path(os.pathsep.join(map(str, self.manifests_dirs)))
         self._manifest_notes: list = []   # stray copies that name a factor (load_search_path)
         self.manifests: dict = load_search_path(self.manifests_dirs, self.manifest_errors,
@@ -635,10 +642,7 @@ class FactorRegistry:
         # tuned launch choices: <manifests>/tuning/<device>.yaml (a malformed file is skipped)
         self.tuning: TuningTable = TuningTable.for_hardware(
             hw, _paths.home_dir(self.manifests_dirs) / "tuning", report=False)
-        if len(dirs) > 1:
-            self.notes.extend(f"manifests folder {d} (of the search path {os.pathsep.join(map(str, dirs))}) "
-                              + ("is a file, not a folder" if d.exists() else "does not exist")
-                              + "; skipped" for d in dirs if not d.is_dir())
+        self.notes.extend(path_notes)   # the search path's entries that are no folder
         self.notes.extend(f"tuning: {msg}; skipped" for msg in self.tuning.problems)
         self.notes.extend(f"tuning: {msg}" for msg in self.tuning.remarks)
         self._note_unused_tuning()

@@ -46,6 +46,11 @@ class TuningWarning(UserWarning):
     """A call ran on a default launch choice: no tuned entry for its shape on this device."""
 
 
+class _Unreadable(FactorError):
+    """A tuning file that cannot be read from disk (TuningTable.unreadable), as against one
+    read but malformed."""
+
+
 _NUMERIC_DEVICE = object()   # _read's mark (a key no YAML file can hold): the device was a number
 BELOW = object()  # lookup(): the shape is tuned, but only for larger T (the default applies, quietly)
 
@@ -164,7 +169,7 @@ class TuningTable:
         self.path = path
         self.folder = Path(folder) if folder else tuning_dir()   # where the files were looked for
         self.warn = warn
-        self.problems: list = problems or []   # files skipped as malformed (message each)
+        self.problems: list = problems or []   # files skipped, unreadable or malformed (message each)
         self.remarks: list = remarks or []     # well-formed files not used, and why; two names
                                                # for one code in a table (message each)
         self._warned: set = set()
@@ -172,6 +177,20 @@ class TuningTable:
         self._overrides: dict = {}
         self.refused: dict = {}                # factor -> why check() set its table aside
         self.set_aside: list = []              # files for this device skipped as malformed
+        # the files of ``problems``, by what was wrong: ``unreadable``, not read from disk at
+        # all (no permission, a dangling link, a folder); ``malformed``, read but wrong (not
+        # text, not YAML, not a tuning file's form: an empty file, multiprocessor_count: many)
+        self.unreadable: list = []
+        self.malformed: list = []
+
+    @property
+    def in_use(self) -> str | None:
+        """The file whose tables serve calls: ``path`` while check() has left at least one of
+        its tables in use; None when there is no file, or none of its tables can apply (each
+        set aside by check(): a dim no manifest has, say; ``path`` still names the file read)."""
+        if self.path is None or not any(name not in self.refused for name in self.factors):
+            return None
+        return self.path
 
     @classmethod
     def for_hardware(cls, hardware, folder=None, report: bool = True) -> "TuningTable":
@@ -199,12 +218,14 @@ class TuningTable:
         warn = bool(getattr(hardware, "live", False))
         if hardware is None or not folder.is_dir():
             return cls(warn=warn, folder=folder)
-        problems, remarks, chosen, set_aside = [], [], None, []
+        problems, remarks, chosen, set_aside, unreadable, malformed = [], [], None, [], [], []
         for p in sorted([*folder.glob("*.yaml"), *folder.glob("*.yml")]):
             device = None
             try:
-                data = cls._read(p)
-                device, sms = data["device"], data.get("multiprocessor_count")
+                data = cls._read_device(p)   # (a file that names this device and is malformed
+                device = data["device"]      # further on is this device's file, set aside)
+                cls._check_top(p, data)
+                sms = data.get("multiprocessor_count")
                 if device != hardware.name:
                     if device.lower() == hardware.name.lower():
                         remarks.append(f"tuning file {p}: device {device!r} is not this GPU's name "
@@ -228,6 +249,7 @@ class TuningTable:
                 chosen = (factors, str(p))
             except FactorError as exc:
                 problems.append(str(exc))
+                (unreadable if isinstance(exc, _Unreadable) else malformed).append(str(p))
                 if device == hardware.name:   # this device's file, set aside
                     set_aside.append(str(p))
                 if report:
@@ -237,18 +259,29 @@ class TuningTable:
             t = cls(warn=warn, problems=problems, folder=folder, remarks=remarks)
         else:
             t = cls(chosen[0], chosen[1], warn, problems, folder, remarks)
-        t.set_aside = set_aside
+        t.set_aside, t.unreadable, t.malformed = set_aside, unreadable, malformed
         return t
 
     @staticmethod
     def _read(p: Path) -> dict:
         """The file's mapping, its device and SM count checked. Raises FactorError."""
+        data = TuningTable._read_device(p)
+        TuningTable._check_top(p, data)
+        return data
+
+    @staticmethod
+    def _read_device(p: Path) -> dict:
+        """The file's mapping, its device checked (a name; a number made a name). Raises
+        FactorError: _Unreadable where the file cannot be read from disk."""
         try:
             text = p.read_text()
-        except (OSError, UnicodeDecodeError) as exc:   # a dangling link, a folder, binary data
-            raise FactorError(f"tuning file {p}: not readable ({type(exc).__name__}: {exc})") from exc
+        except OSError as exc:   # a dangling link, a folder, no permission
+            raise _Unreadable(f"tuning file {p}: not readable ({type(exc).__name__}: {exc})") from exc
+        except UnicodeDecodeError as exc:   # binary data: read, but it is no text
+            raise FactorError(f"tuning file {p}: malformed ({type(exc).__name__}: {exc}); expected "
+                              "UTF-8 text") from exc
         try:
-            data = _yaml.load(text)
+            data = _yaml.load(text, name=p)
         except yaml.YAMLError as exc:
             raise FactorError(f"tuning file {p}: not readable YAML ({type(exc).__name__}: {one_line(exc)})") from exc
         if not isinstance(data, dict):
@@ -260,6 +293,12 @@ class TuningTable:
         if not isinstance(dev, str) or not dev:
             raise FactorError(f"tuning file {p}: device: expected the name of the GPU it was "
                               f"tuned on (as `ex-engine hardware` prints it), got {data.get('device')!r}")
+        return data
+
+    @staticmethod
+    def _check_top(p: Path, data: dict) -> None:
+        """Raise FactorError unless the top level of _read_device's ``data`` is a tuning file's:
+        an SM count (an integer >= 1, or none) and a mapping per factor."""
         sms = data.get("multiprocessor_count")
         try:
             if sms is not None:
@@ -271,7 +310,6 @@ class TuningTable:
                 raise FactorError(f"tuning file {p}: top-level key {k!r}: expected a factor's table "
                                   f"(a mapping with dim, key, values, shapes) or device / "
                                   f"multiprocessor_count, got {type(v).__name__}")
-        return data
 
     def unused(self, manifests: dict) -> list:
         """Why parts of the loaded file can never apply (one message each; empty if none): a
@@ -359,10 +397,12 @@ class TuningTable:
                 warnings.warn(f"{factor}: running on the kernel's default choice of {dim}: "
                               f"{self.refused[factor]}", TuningWarning, stacklevel=4)
             elif new:
+                how = ("unreadable or malformed" if self.unreadable and self.malformed
+                       else "unreadable" if self.unreadable else "malformed")
                 where = self.path or (f"{self.folder} (this device's file set aside as malformed: "
                                       f"{'; '.join(self.problems)})" if self.set_aside else
                                       f"{self.folder} (no file for this device; skipped as "
-                                      f"malformed: {'; '.join(self.problems)})" if self.problems
+                                      f"{how}: {'; '.join(self.problems)})" if self.problems
                                       else f"{self.folder} (no file for this device)")
                 warnings.warn(
                     f"{factor}: no tuned {dim} for {', '.join(f'{k}={v}' for k, v in shape)} in "

@@ -645,3 +645,60 @@ def test_ab_moe_unchecked_names_configs_and_not_the_first():
     assert r.returncode == 2, r.stdout + r.stderr
     assert any("--unchecked: 'zz' is no config name; expected some of ['a', 'b']" in x for x in lines), lines
     assert any("--unchecked: the first config (a)" in x for x in lines), lines
+
+
+@pytest.mark.parametrize("text, says", [
+    ("{}", "expected a mapping with 'meta' (a mapping) and 'rows' (a list)"),
+    ("[1, 2]", "expected a mapping with 'meta' (a mapping) and 'rows' (a list)"),
+    ('{"meta": {}, "rows": {}}', "expected a mapping with 'meta' (a mapping) and 'rows' (a list)"),
+    ('{"meta": {"device": "X"}, "rows": []}', "meta: expected the keys ['dtype', 'device', 'date', 'commit'], "
+                                               "missing ['dtype', 'date', 'commit']"),
+    ('{"meta": {"dtype": "b", "device": "x", "date": "d", "commit": "c"}, "rows": [{"T": 1, "ours_us": 2.0}]}',
+     "row 0: expected 'model' (a name) and 'T' (an integer), got None and 1"),
+    ('{"meta": {"dtype": "b", "device": "x", "date": "d", "commit": "c"}, "rows": [{"model": "m", "T": 1, '
+     '"floor_us": 0, "ours_us": 2.0, "x_floor": 1.0, "tflops": 1.0, "gbs": 1.0}]}',
+     "row 0 (m T=1): floor_us must be > 0, got 0"),
+    ('{"meta": {"dtype": "b", "device": "x", "date": "d", "commit": "c"}, "rows": [{"model": "m", "T": 1, '
+     '"floor_us": 1.0, "ours_us": "2"}]}', "row 0 (m T=1): 'ours_us': expected a number, got '2'"),
+    ('{"meta": {"dtype": "b", "device": "x", "date": "d", "commit": "c"}, "rows": [3]}',
+     "row 0: expected a mapping, got int"),
+])
+def test_plot_moe_names_what_is_wrong_with_a_malformed_json_as_table_moe_does(tmp_path, text, says):
+    """plot_moe.py on `{}` said only "KeyError: 'rows'" where table_moe.py says what it expected;
+    it now reports it in table_moe's words, one line per problem, exit status 2, no traceback."""
+    import subprocess
+    bad = tmp_path / "b.json"
+    bad.write_text(text)
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "plot_moe.py"), str(bad), "-o",
+                        str(tmp_path / "x.png")], capture_output=True, text=True, timeout=120)
+    first = r.stderr.splitlines()[0]
+    assert r.returncode == 2 and r.stdout == "" and "Traceback" not in r.stderr, r.stderr
+    assert first == (f"plot_moe: {bad}: expected the JSON that bench_moe.py --json writes (meta and rows): "
+                     f"{says}"), first
+    assert "KeyError" not in r.stderr and not (tmp_path / "x.png").exists()
+    if text == "{}":   # the same words as table_moe.py's
+        t = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "table_moe.py"), str(bad)],
+                           capture_output=True, text=True, timeout=120)
+        assert t.returncode == 2 and t.stderr.endswith(f"ValueError: {says}\n"), t.stderr
+
+
+def test_plot_moe_accepts_every_bench_moe_json_of_the_repo():
+    """plot_moe.py's checks of the JSON refuse none of the repo's bench_moe files."""
+    import json
+    plot = import_tool("benchmarks", "plot_moe")
+    for path in sorted((ROOT / "benchmarks").glob("bench_moe*.json")):
+        assert plot.data_problem(json.loads(path.read_text())) == "", path
+
+
+def test_the_readme_names_the_tuning_files_as_tune_moe_writes_them(tune):
+    """The README said `manifests/tuning/<device>.yaml`; tune_moe.py writes h200.yaml on the H200
+    and <device>_<SMs>sm.yaml elsewhere, and the registry picks a file by its content."""
+    text = " ".join((ROOT / "README.md").read_text().split())
+    assert "`manifests/tuning/<device>.yaml`" not in text
+    assert tune.default_out("NVIDIA H200", 132).name == "h200.yaml"
+    assert "`tune_moe.py` writes `manifests/tuning/h200.yaml` on the H200 (132 SMs)" in text
+    assert "and for any other GPU `<device>_<SMs>sm.yaml`" in text
+    example = tune.default_out("NVIDIA A100-SXM4-80GB", 108).name
+    assert f"e.g. `{example}` for an NVIDIA A100-SXM4-80GB (108 SMs)" in text, example
+    assert ("the registry reads every `*.yaml` and `*.yml` in `manifests/tuning/` and takes the one "
+            "whose `device` is the GPU's name") in text

@@ -780,14 +780,18 @@ def test_manifests_search_path_keeps_the_shipped_profiles_and_manifests(tmp_path
     assert "host_scale" in out and "FAIL" not in out, out
     assert main(["list-factors", "--dir", str(plugs), "--hardware", "h200", "--no-probe"]) == 0
     capsys.readouterr()
-    # a folder of the path that does not exist is a note, not an error; given, it is an error
+    # a folder of the path that does not exist is a note, not an error, in the variable and in
+    # manifests_dir= alike (one rule, session 32; manifests_dir= was an error); none there is
     gone = tmp_path / "gone"
     monkeypatch.setenv("EX_ENGINE_MANIFESTS", os.pathsep.join([str(gone), path]))
     reg = FactorRegistry.load(plugs, hardware="h200")
     assert reg.get("host_scale").status == "ready"
     assert any(f"manifests folder {gone} " in n and "does not exist; skipped" in n for n in reg.notes), reg.notes
-    with pytest.raises(FactorError, match=f"manifests_dir '{gone}': not a directory"):
-        FactorRegistry.load(plugs, hardware="h200", manifests_dir=os.pathsep.join([path, str(gone)]))
+    reg = FactorRegistry.load(plugs, hardware="h200", manifests_dir=os.pathsep.join([path, str(gone)]))
+    assert reg.get("host_scale").status == "ready"
+    assert any(f"manifests folder {gone} " in n and "does not exist; skipped" in n for n in reg.notes), reg.notes
+    with pytest.raises(FactorError, match=f"manifests_dir '{gone}': does not exist"):
+        FactorRegistry.load(plugs, hardware="h200", manifests_dir=gone)
     # one folder replaces the default, as before (no hardware/ there: no profiles)
     monkeypatch.setenv("EX_ENGINE_MANIFESTS", str(mine))
     assert _paths.manifests_dirs() == [mine] and list_profiles() == []
@@ -854,3 +858,209 @@ def test_run_moe_without_a_factors_manifest_fails_before_building_weights(tmp_pa
     captured = capsys.readouterr()
     assert "no factor named 'topk_softmax' (topk_softmax.so: manifest: expected topk_softmax.yaml" in captured.err
     assert "fallback serves it" not in captured.err and "building the layer" not in captured.out
+
+
+# ---------------------------------------------------------------- a new-user trial's findings
+
+def _lock_folder(tmp_path):
+    """A folder of two libraries (their bytes need not be ELF: lock only hashes them)."""
+    folder = tmp_path / "lk"
+    folder.mkdir()
+    (folder / "topk_softmax.so").write_bytes(b"\x7fELF library one")
+    (folder / "other.so").write_bytes(b"\x7fELF library two")
+    return folder
+
+
+@pytest.mark.parametrize("output,says", [
+    ("topk_softmax.so", "is the library {folder}/topk_softmax.so (one of those being locked)"),
+    ("alias", "is the library {folder}/topk_softmax.so (one of those being locked)"),
+    ("new.so", "expected a lock file name, got a library's (*.so)"),
+    ("notes.txt", "exists and is not a lock file (not readable JSON"),
+    ("other.json", "exists and is not a lock file (entry 'a': expected a SHA-256 digest"),
+    ("sub", "is a folder; expected a file name"),
+])
+def test_lock_refuses_an_output_it_would_destroy(tmp_path, capsys, output, says):
+    """`lock --dir D --output D/topk_softmax.so` wrote the lock JSON over the library (and
+    recorded the hash of the library it destroyed); any existing file was overwritten likewise.
+    A *.so name, a library (by any name), a folder or a file that is not a lock file is refused,
+    exit status 2, and nothing is written."""
+    folder = _lock_folder(tmp_path)
+    (folder / "alias").symlink_to(folder / "topk_softmax.so")
+    (folder / "notes.txt").write_text("my notes\n")
+    (folder / "other.json").write_text('{"a": 1}\n')
+    (folder / "sub").mkdir()
+    before = {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()}
+    assert main(["lock", "--dir", str(folder), "--output", str(folder / output)]) == 2
+    captured = capsys.readouterr()
+    err = captured.err.strip()
+    assert err.startswith(f"ex-engine: error: lock: --output {folder / output}: "), err
+    assert says.format(folder=folder) in err and "\n" not in err, err
+    assert captured.out == ""
+    assert {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()} == before
+    assert not (folder / "new.so").exists() and not (folder / "ex_engine.lock").exists()
+
+
+def test_lock_replaces_a_lock_file_or_an_empty_file_and_refuses_a_bad_default(tmp_path, capsys):
+    """Writing over an existing lock file stays allowed (as over an empty one, e.g. mktemp's);
+    the default <dir>/ex_engine.lock is refused like --output when it holds something else."""
+    folder = _lock_folder(tmp_path)
+    assert main(["lock", "--dir", str(folder)]) == 0
+    lock = folder / "ex_engine.lock"
+    first = json.loads(lock.read_text())
+    (folder / "other.so").write_bytes(b"\x7fELF library two, rebuilt")
+    assert main(["lock", "--dir", str(folder)]) == 0
+    assert json.loads(lock.read_text())["other.so"] != first["other.so"]
+    empty = tmp_path / "empty.lock"
+    empty.write_text("")
+    assert main(["lock", "--dir", str(folder), "--output", str(empty)]) == 0
+    assert json.loads(empty.read_text()) == json.loads(lock.read_text())
+    capsys.readouterr()
+    lock.write_text("not a lock\n")
+    assert main(["lock", "--dir", str(folder)]) == 2
+    err = capsys.readouterr().err
+    assert f"lock: the default lock file {lock}: exists and is not a lock file" in err, err
+    assert lock.read_text() == "not a lock\n"
+
+
+def test_lock_notes_each_so_entry_it_leaves_out(tmp_path, capsys):
+    """A dangling link dangling.so and a folder dir.so were left out of the lock without a word,
+    while `lock --help` said "every *.so in the folder": each now has a note saying why."""
+    import os
+    folder = _lock_folder(tmp_path)
+    (folder / "dangling.so").symlink_to(tmp_path / "gone")
+    (folder / "dir.so").mkdir()
+    (folder / "linkdir.so").symlink_to(folder / "dir.so")
+    os.mkfifo(folder / "fifo.so")
+    assert main(["lock", "--dir", str(folder)]) == 0
+    out = capsys.readouterr().out
+    notes = [line for line in out.splitlines() if line.startswith("note: ")]
+    tail = "; a lock lists regular files only (the registry refuses anything else)"
+    assert notes == [f"note: dangling.so left out: a dangling symbolic link (to {tmp_path / 'gone'})" + tail,
+                     "note: dir.so left out: a folder" + tail,
+                     "note: fifo.so left out: a FIFO" + tail,
+                     "note: linkdir.so left out: a link to a folder" + tail], out
+    assert set(json.loads((folder / "ex_engine.lock").read_text())) == {"other.so", "topk_softmax.so"}
+    text = " ".join(build_parser()._subparsers._group_actions[0].choices["lock"].format_help().split())
+    assert "every *.so file in the folder (an entry named *.so that is not a regular file" in text
+
+
+@pytest.mark.parametrize("command", [["list-factors"], ["verify"], ["run", "moe", "--tokens", "1"]])
+def test_a_folder_given_as_lock_is_named_as_a_folder(tmp_path, capsys, command):
+    """`list-factors --lock DIR` said 'lock file DIR: not readable JSON ([Errno 21] Is a
+    directory ...)'; it now says DIR is a folder and a lock file was expected, and names the
+    one inside if there is one."""
+    folder = _lock_folder(tmp_path)
+    assert main(command + ["--dir", str(folder), "--lock", str(folder)]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"ex-engine: error: --lock {folder}: is a folder; expected a lock file (the JSON "
+                   f"{{file name: sha256}} written by `ex-engine lock`); `ex-engine lock --dir {folder}` "
+                   f"writes one ({folder / 'ex_engine.lock'})\n"), err
+    assert main(["lock", "--dir", str(folder)]) == 0
+    capsys.readouterr()
+    assert main(command + ["--dir", str(folder), "--lock", str(folder)]) == 2
+    err = capsys.readouterr().err
+    assert f"is a folder; expected a lock file" in err and f"did you mean --lock {folder / 'ex_engine.lock'}?" in err, err
+    assert "Errno" not in err
+
+
+@pytest.mark.parametrize("model,hint", [("ALL", "; did you mean 'all'? (names are case-sensitive)"),
+                                        ("Mixtral-8x7B", "; did you mean 'mixtral-8x7b'?"), ("gpt-5", "")])
+def test_run_moe_unknown_model_names_all_as_a_choice(capsys, model, hint):
+    """`run moe --model ALL` listed the models but not 'all', which is valid too."""
+    assert main(["run", "moe", "--model", model, "--tokens", "1"]) == 2
+    err = capsys.readouterr().err
+    assert (f"model '{model}': unknown; expected one of ['deepseek-v2-lite'" in err
+            and "'qwen3-30b-a3b'] or 'all' (every model)" + hint in err), err
+
+
+def _readme_command_lines() -> dict:
+    """The README's "Command line" block: {command (e.g. 'run moe'): its options part}."""
+    text = (ROOT / "README.md").read_text()
+    block = text.split("## Command line\n", 1)[1].split("```\n", 2)[1]
+    out = {}
+    for line in block.splitlines():
+        usage = re.split(r"\s{2,}", line)[0]          # the description follows two spaces
+        words = usage.split()
+        name = " ".join(words[1:3]) if words[1] == "run" else words[1]
+        out[name] = usage.split(name, 1)[1]
+    return out
+
+
+def test_the_readmes_command_lines_match_each_commands_help():
+    """The README showed `run moe --model M|all --tokens T [T ...]` as if both were required
+    (they are optional: qwen3-30b-a3b and 64) and `--dtype`, `--seed`, `--repeat` without their
+    values. Each line now names the options of its command's usage (bar --help and the --lock,
+    --lock-warn, --prefer the paragraph below gives), every option in brackets, as optional as
+    the parser has it."""
+    lines = _readme_command_lines()
+    ap = build_parser()
+    parsers = ap._subparsers._group_actions[0].choices
+    parsers = {**parsers, "run moe": parsers["run"]._subparsers._group_actions[0].choices["moe"]}
+    assert set(lines) == {"list-factors", "hardware", "run moe", "verify", "lock", "build"}, lines
+    shared = {"-h", "--help", "--lock", "--lock-warn", "--prefer"}
+    for name, usage in lines.items():
+        p = parsers[name]
+        opts = {o for a in p._actions for o in a.option_strings} - shared
+        shown = set(re.findall(r"(?<![\w-])(--?[a-z][\w-]*)", usage))
+        assert shown <= opts | {"--no-probe"}, (name, shown - opts)
+        for a in p._actions:    # every option of the parser is shown (one of --probe/--no-probe)
+            if a.option_strings and not set(a.option_strings) & shared:
+                assert set(a.option_strings) & shown, (name, a.option_strings)
+            if a.option_strings:
+                assert not a.required
+        bare = usage
+        while re.search(r"\[[^\[\]]*\]", bare):     # what is left outside brackets is required
+            bare = re.sub(r"\[[^\[\]]*\]", "", bare)
+        assert not re.search(r"(?<![\w-])--?[a-z]", bare), (name, bare)
+        real = " ".join(p.format_usage().split())
+        for shown_as in re.findall(r"\[--?[a-z][\w-]* [A-Z]+", usage):   # an option's value as named
+            assert shown_as in real, (name, shown_as, real)
+
+
+def test_the_readme_says_build_needs_a_checkout_not_the_folder_variables():
+    """After a plain `pip install .` with EX_ENGINE_MANIFESTS and EX_ENGINE_FACTORS set, as the
+    README said to, `ex-engine build` still refuses (no Makefile in site-packages): the README
+    says so where it names the two variables."""
+    text = " ".join((ROOT / "README.md").read_text().split())
+    at = text.index("A plain `pip install .` copies the package alone")
+    paragraph = text[at:text.index("**Run the tests**", at)]
+    assert "`EX_ENGINE_FACTORS=<checkout>/factors`" in paragraph
+    assert ("The two variables serve every command but `ex-engine build`, which runs the Makefile "
+            "beside the package: it works only from a checkout") in paragraph, paragraph
+    assert "`no Makefile in .../site-packages`" in paragraph and "`make -C <checkout>`" in paragraph
+
+
+def test_run_moe_builds_each_models_weights_once_for_all_its_token_counts(tmp_path, monkeypatch, capsys):
+    """`run moe --model all --tokens 1 3` built each model's weights once per T (2.82 GB twice
+    for mixtral). Now once per model, reused for its other T; the next model's replace them (one
+    model's weights alive at a time)."""
+    from ex_engine import moe_layer
+    _models_file(tmp_path, monkeypatch, "models:\n  tiny-a: {H: 64, I: 32, E: 4, K: 2}\n"
+                                        "  tiny-b: {H: 32, I: 16, E: 8, K: 2, renormalize: true}\n")
+    built, alive = [], []
+    real = moe_layer.MoELayer
+
+    class Counted(real):
+        def __init__(self, shape, *a, **k):
+            built.append(shape.model)
+            super().__init__(shape, *a, **k)
+            alive.append(sum(1 for r in refs if r() is not None))   # layers alive besides this one
+            refs.append(weakref.ref(self))
+
+    import weakref
+    refs = []
+    monkeypatch.setattr(moe_layer, "MoELayer", Counted)
+    assert main(["run", "moe", "--model", "all", "--tokens", "1", "3", "2", "--dir", str(tmp_path)]) == 0
+    captured = capsys.readouterr()
+    assert built == ["tiny-a", "tiny-b"] and alive == [0, 0], (built, alive)
+    assert captured.err.count("building the layer's weights") == 2, captured.err
+    assert captured.err.count("reusing the layer's weights (0.00 GB), built for an earlier T") == 4
+    assert captured.out.count("PASS") == 6 and "[6/6] MoE layer tiny-b: T=2" in captured.out
+    # a library caller's dict holds one layer at most; without one, each call builds its own
+    layers = {}
+    for model, T in (("tiny-a", 1), ("tiny-a", 2), ("tiny-b", 1)):
+        assert moe_layer.run_moe(model, T, echo=lambda *a: None, layers=layers)["ok"]
+        assert [k[0].model for k in layers] == [model]
+    assert moe_layer.run_moe("tiny-b", 1, echo=lambda *a: None)["ok"] and len(built) == 5
+    with pytest.raises(moe_layer.FactorError, match="run_moe: layers: expected None or a dict"):
+        moe_layer.run_moe("tiny-b", 1, echo=lambda *a: None, layers=[])

@@ -94,9 +94,12 @@ def test_unreadable_files_and_folders_named_yaml_are_skipped(tmp_path):
     (tmp_path / "a_dangling.yaml").symlink_to(tmp_path / "nowhere")
     (tmp_path / "b_folder.yaml").mkdir()
     (tmp_path / "c_binary.yaml").write_bytes(b"\xff\xfe\x00garbage")
-    with pytest.warns(TuningWarning, match="not readable"):
+    with pytest.warns(TuningWarning) as caught:
         t = TuningTable.for_hardware(H200, write(tmp_path, TABLE, "z_good.yaml"))
+    says = [str(w.message) for w in caught]
+    assert sum("not readable" in m for m in says) == 2 and sum("malformed" in m for m in says) == 1, says
     assert "moe_fused_gemm" in t.factors and len(t.problems) == 3, t.problems
+    assert len(t.unreadable) == 2 and t.malformed == [str(tmp_path / "c_binary.yaml")], (t.unreadable, t.malformed)
     assert all("\n" not in p for p in t.problems)
 
 
