@@ -40,12 +40,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from ex_engine import FactorError, FactorRegistry, moe_fused_gemm  # noqa: E402
-from ex_engine._scripts import HelpFormatter  # noqa: E402
+from ex_engine._scripts import HelpFormatter, folder_problem  # noqa: E402
 from ex_engine.moe_layer import (load_models_or_exit, models_help, output_file_problem,  # noqa: E402
                                  parse_cases, report_problems)
 from _timing import graph_us, run_meta  # noqa: E402
 from bench_moe import input_sets, layer_weights, reference, rel  # noqa: E402
 
+LOAD_TIME = ("at load", "when a registry loads")   # the table's 'read' of a folder's settings
 ENV_KEYS: set = set()  # every variable any config sets: unset before each config's own
 
 
@@ -79,7 +80,7 @@ def variable_problems(cfgs, variables, readme_text=None):
     for i, (n, folder, env) in enumerate(cfgs):
         for n2, folder2, env2 in cfgs[i + 1:]:
             diff = {k for k in set(env) | set(env2)
-                    if k in variables and variables[k] != "per call" and env.get(k) != env2.get(k)}
+                    if variables.get(k) in LOAD_TIME and env.get(k) != env2.get(k)}
             same = Path(folder).resolve() == Path(folder2).resolve()  # ./factors is factors/
             if same and diff:
                 problems.append(f"configs {n} and {n2} load the same folder {folder} but differ in "
@@ -161,9 +162,7 @@ def main():
         problems.append(f"--unchecked: the first config ({cfgs[0][0]}) is the one the others are checked "
                         "against; put a checked config first")
     problems += variable_problems(cfgs, readme_variables())
-    for n, folder, env in cfgs:
-        if not Path(folder).is_dir():
-            problems.append(f"config {n}: folder {folder!r} does not exist")
+    problems += [folder_problem(f"config {n}", folder) for n, folder, env in cfgs]
     problems += parse_cases(models, args.cases)[1]
     problems.append(output_file_problem("--json", args.json))
     if args.rounds < 1 or args.sets < 1:

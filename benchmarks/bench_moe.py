@@ -186,7 +186,7 @@ def main():
     gen = torch.Generator(device="cuda").manual_seed(0)
     print("measuring the card's ceilings here (matmul, copy) ...", file=sys.stderr, flush=True)
     here = ceilings(args.warm_ms)
-    meta = run_meta(dtype=args.dtype, plugin=reg.get("moe_fused_gemm").path.name,
+    meta = run_meta(dtype=args.dtype, sets=args.sets, plugin=reg.get("moe_fused_gemm").path.name,
                     factors=str(args.factors or "factors/"), warm_ms=args.warm_ms,
                     ceilings_perf_md={"matmul_tflops": PEAK_TFLOPS, "copy_gbs": PEAK_GBS},
                     ceilings_here=here)

@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _timing import host_us, run_meta, torch  # noqa: E402
 
 from ex_engine import FactorRegistry, abi, moe_fused_gemm  # noqa: E402
+from ex_engine._scripts import HelpFormatter  # noqa: E402
 from ex_engine.arrays import TensorRef  # noqa: E402
 from ex_engine.moe_layer import case_problems, load_models_or_exit, output_file_problem, report_problems  # noqa: E402
 
@@ -102,7 +103,8 @@ def profile_text(fn, calls: int, top: int) -> str:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+    # the whole docstring (its table of stages), as written, and each option's default
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter,
                                  epilog="Prints one line per stage; --json writes them too.")
     ap.add_argument("--models", nargs="+", default=["qwen3-30b-a3b"], help="models of moe_models.yaml")
     ap.add_argument("--tokens", type=int, nargs="+", default=[1], help="token counts T")

@@ -32,19 +32,38 @@ def _number(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
+def file_problem(d: dict) -> str:
+    """Why ``d`` (a mapping with meta and rows) is not bench_moe.py's JSON ('' if it may be):
+    bench_moe writes 'floor_us' in every row and 'ours_us' (timed) or 'error' (failed) beside it;
+    ab_moe.py's rows have 'us' and its meta 'configs', host_moe.py's rows 'us' and 'plugin'."""
+    rows = [r for r in d["rows"] if isinstance(r, dict)]
+    keys = sorted({k for r in rows for k in r})
+    if {"floor_us", "ours_us", "error"} & set(keys) or not set(keys) - {"model", "T"}:
+        return ""   # bench_moe's, or too little to tell: row_problem names what is missing
+    whose = ("ab_moe.py's JSON?" if "configs" in d["meta"] else
+             "host_moe.py's JSON?" if "plugin" in keys else "another tool's JSON?")
+    shown = ", ".join(keys[:8]) + (", ..." if len(keys) > 8 else "")
+    return (f"expected bench_moe.py's JSON (rows with 'floor_us', and 'ours_us' or 'error'), "
+            f"got rows with {shown} and no 'floor_us' ({whose})")
+
+
 def row_problem(i: int, r) -> str:
-    """What keeps row ``i`` out of the table ('' if nothing): not a mapping, no model or T, a
-    timed row (one with ours_us) without one of NUMBERS, an optional time that is not a number."""
+    """What keeps row ``i`` out of the table ('' if nothing): not a mapping, no model or T, no
+    floor_us, a timed row (one with ours_us) without one of NUMBERS, an untimed row without the
+    'error' bench_moe writes for it, an optional time that is not a number."""
     if not isinstance(r, dict):
         return f"row {i}: expected a mapping, got {type(r).__name__}"
     if not isinstance(r.get("model"), str) or not isinstance(r.get("T"), int):
         return f"row {i}: expected 'model' (a name) and 'T' (an integer), got {r.get('model')!r} and {r.get('T')!r}"
     where = f"row {i} ({r['model']} T={r['T']})"
-    need = NUMBERS if "ours_us" in r else ()
+    need = NUMBERS if "ours_us" in r else ("floor_us",)
     for k in need:
         if not _number(r.get(k)):
             return f"{where}: '{k}': expected a number, got {r.get(k, 'nothing')!r}"
-    for k in ("gmm_us", "fallback_us", "x_floor_here", "floor_us"):
+    if "ours_us" not in r and not isinstance(r.get("error"), str):
+        return (f"{where}: expected 'ours_us' (a timed row) or 'error' (a failed one), "
+                f"got neither")
+    for k in ("gmm_us", "fallback_us", "x_floor_here"):
         if r.get(k) is not None and not _number(r[k]):
             return f"{where}: '{k}': expected a number or null, got {r[k]!r}"
     return ""
@@ -102,7 +121,8 @@ def main(path) -> int:
         problem = (f"{path}: expected the JSON that bench_moe.py --json writes (meta and rows): "
                    f"{type(exc).__name__}: {exc}")
     else:
-        problems = [p for p in (row_problem(i, r) for i, r in enumerate(d["rows"])) if p]
+        problems = [p for p in [file_problem(d)] if p] or \
+            [p for p in (row_problem(i, r) for i, r in enumerate(d["rows"])) if p]
         if problems:
             problem = f"{path}: {problems[0]}" + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else "")
         elif not d["rows"]:

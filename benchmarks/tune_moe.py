@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import math
 import re
 import sys
 from pathlib import Path
@@ -157,8 +158,10 @@ def main() -> int:
     models = load_models_or_exit("tune_moe")
     # every argument checked before any work (the tuning file is written after the whole run)
     problems = case_problems(models, args.models, args.tokens, all_ok=True)
-    if args.sets < 1 or args.margin < 0:
-        problems.append(f"--sets and --margin: expected >= 1 and >= 0, got {args.sets} and {args.margin}")
+    if args.sets < 1:
+        problems.append(f"--sets: expected >= 1, got {args.sets}")
+    if not (math.isfinite(args.margin) and args.margin >= 0):   # nan passed `< 0`: no margin test
+        problems.append(f"--margin: expected a finite fraction >= 0, got {args.margin}")
     problems.append(output_file_problem("--out", args.out))
     if not problems[-1]:
         problems.append(merge_problem(args.out, args.replace))

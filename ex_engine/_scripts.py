@@ -18,16 +18,17 @@ from pathlib import Path
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """--help with each option's default appended ('(default: ...)'; a list as its values, 'none'
-    and a flag's False left out, and a help text that names its default itself kept as it is)
-    and the description printed as written (a script's docstring: usage lines, paragraphs)."""
+    """--help with each option's default appended ('(default: ...)'; a list as its values, an
+    empty one as 'none'; None and a flag's False left out, and a help text that names its
+    default itself kept as it is) and the description printed as written (a script's
+    docstring: usage lines, paragraphs)."""
 
     def _get_help_string(self, action):
         d, text = action.default, action.help or ""
         if d is None or d is False or d is argparse.SUPPRESS or "default" in text:
             return text
-        if isinstance(d, (list, tuple)) and "%" not in text:
-            return f"{text} (default: {' '.join(map(str, d))})"
+        if isinstance(d, (list, tuple)) and "%" not in text:   # an empty list: none, not ''
+            return f"{text} (default: {' '.join(map(str, d)) or 'none'})"
         return super()._get_help_string(action)
 
 
@@ -38,6 +39,17 @@ def report_problems(tool: str, problems) -> bool:
     for p in problems:
         print(f"{tool}: {p}", file=sys.stderr)
     return bool(problems)
+
+
+def folder_problem(flag: str, path) -> str:
+    """What keeps ``path`` from being the plugin folder ``flag`` names ('' if nothing): a file in
+    its place, or nothing there."""
+    p = Path(path)
+    if p.is_dir():
+        return ""
+    if p.exists():
+        return f"{flag}: {str(path)!r} is a file, not a folder; expected a plugin folder"
+    return f"{flag}: folder {str(path)!r} does not exist"
 
 
 def output_file_problem(flag: str, path) -> str:
@@ -52,6 +64,8 @@ def output_file_problem(flag: str, path) -> str:
     refused rather than waited on)."""
     if path is None:
         return ""
+    if not str(path):   # Path('') is '.', a folder: an empty value is its own mistake
+        return f"{flag}: expected a file path, got an empty value"
     p = Path(path)
     if p.is_dir():
         return f"{flag}: {path} is a folder; expected a file path"

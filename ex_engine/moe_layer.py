@@ -16,7 +16,7 @@ import numpy as np
 import yaml
 
 from . import _paths, _yaml
-from ._scripts import output_file_problem, report_problems  # noqa: F401 (the scripts' import)
+from ._scripts import folder_problem, output_file_problem, report_problems  # noqa: F401 (the scripts' import)
 from .arrays import Bits16, TensorRef, f32_to_bf16_bits
 from .errors import ArgumentError, DTypeError, FactorError, ShapeError, is_integer, one_line
 from .fallbacks import moe_fused_gemm_math, topk_softmax_math
@@ -91,16 +91,20 @@ def load_models(path=None) -> dict:
     a rule: a non-empty ``models`` mapping, H, I, E, K integers >= 1 with K <= E, renormalize
     true or false (default false), an optional ``token_counts`` list of integers >= 1.
     path: None (the default file), a str or an os.PathLike; anything else (an int would be
-    opened as a file descriptor) raises ArgumentError."""
+    opened as a file descriptor) or an empty str (not the default file: None is) raises
+    ArgumentError."""
     if path is not None and not isinstance(path, (str, os.PathLike)):
         raise ArgumentError("load_models", "path", "type", "None, a str or an os.PathLike",
                             f"{type(path).__name__} {path!r}")
+    if isinstance(path, str) and not path:
+        raise ArgumentError("load_models", "path", "a file", "None (the default file) or a non-empty path",
+                            repr(path))
     default = path is None
     if default and os.environ.get("EX_ENGINE_MANIFESTS"):
         # none of the variable's folders there: say that first (FactorError), as the registry
         # does, rather than that moe_models.yaml inside it cannot be opened
         _paths.usable_folders(os.environ["EX_ENGINE_MANIFESTS"], "EX_ENGINE_MANIFESTS")
-    path = path or _paths.manifests_dir() / "moe_models.yaml"
+    path = _paths.manifests_dir() / "moe_models.yaml" if default else path
     try:
         with open(path) as f:
             data = _yaml.load(f)
@@ -133,8 +137,8 @@ def case_problems(models: dict, names, tokens, factors=None, all_ok: bool = Fals
         out.append("--tokens: expected at least one T")
     elif min(tokens) < 1:
         out.append(f"--tokens: expected T >= 1, got {' '.join(map(str, tokens))}")
-    if factors is not None and not Path(factors).is_dir():
-        out.append(f"--factors: folder {factors!r} does not exist")
+    if factors is not None and folder_problem("--factors", factors):
+        out.append(folder_problem("--factors", factors))
     return out
 
 
@@ -175,8 +179,8 @@ def load_models_or_exit(tool: str) -> dict:
 def model_shape(name: str) -> MoEShape:
     """The MoEShape of ``name``. Raises FactorError listing the known models."""
     models = load_models()
-    if name not in models:
-        raise FactorError(f"model '{name}': unknown; expected one of {sorted(models)}")
+    if not isinstance(name, str) or name not in models:   # a list is no key (unhashable)
+        raise FactorError(f"model {name!r}: unknown; expected one of {sorted(models)}")
     return models[name]
 
 
@@ -276,9 +280,21 @@ class MoELayer:
         integer expert ids in [0, E). An id outside [0, E) would contribute nothing to the
         reference (as in the kernel, which flags it as a device-side error), so it raises
         ArgumentError naming topk_ids and the number of such slots instead of a silently
-        smaller reference; a wrong hidden_states raises DTypeError / ShapeError."""
-        x = self._activations("MoELayer.reference", hidden_states)
+        smaller reference; a wrong hidden_states raises DTypeError / ShapeError, and so do
+        topk_weights / topk_ids that are not arrays (ArgumentError), not float / integer
+        (DTypeError) or not (T, K) (ShapeError)."""
+        fn = "MoELayer.reference"
+        x = self._activations(fn, hidden_states)
         xp = self.xp
+        T, K = x.shape[0], self.shape.K
+        for name, a, kinds, what in (("topk_weights", topk_weights, "f", "float weights"),
+                                     ("topk_ids", topk_ids, "iu", "integer expert ids")):
+            if not all(hasattr(a, k) for k in ("dtype", "shape", "astype")):
+                raise ArgumentError(fn, name, "type", f"an array of {xp.__name__} (T, K)", type(a).__name__)
+            if getattr(a.dtype, "kind", "") not in kinds:
+                raise DTypeError(fn, name, "dtype", what, str(a.dtype))
+            if tuple(a.shape) != (T, K):
+                raise ShapeError(fn, name, "shape (T, K)", f"({T}, {K})", tuple(a.shape))
         w13 = TensorRef.of(self.w13).raw()
         w2 = TensorRef.of(self.w2).raw()
         conv = (lambda a: TensorRef.of(Bits16(a)).load_f32()) if self.dtype == "bfloat16" \
@@ -349,8 +365,9 @@ def run_moe(model: str, tokens: int, dtype: str = "bfloat16", seed: int = 0, rep
     """
     step = progress or (lambda line: None)
     for name, v, lo in (("tokens", tokens, 0), ("seed", seed, 0), ("repeat", repeat, 1)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+        if not is_integer(v) or v < lo:   # NumPy integers count, as in MoELayer; bools do not
             raise FactorError(f"run_moe: {name}: expected an int >= {lo}, got {v!r}")
+    tokens, seed, repeat = int(tokens), int(seed), int(repeat)
     if dtype not in ("bfloat16", "float16"):
         raise FactorError(f"run_moe: dtype: expected 'bfloat16' or 'float16', got {dtype!r}")
     if layers is not None and not isinstance(layers, dict):

@@ -56,6 +56,14 @@ MODELS = {
 TINY = dict(layers=2, H=64, heads=4, kv_heads=2, head_dim=16, I=32)
 
 
+def params_text(n: int) -> str:
+    """A parameter count in a unit that shows it: '30.53 B', '2.46 M', '123,456' (a tiny model's
+    count read '0.00 B')."""
+    if n >= 1e9:
+        return f"{n / 1e9:.2f} B"
+    return f"{n / 1e6:.2f} M" if n >= 1e6 else f"{n:,}"
+
+
 def log(msg: str) -> None:
     print(msg, flush=True)
 
@@ -156,7 +164,7 @@ def run_model(name: str, args) -> dict:
     model, s = build(name, args.vocab, args.device, args.tiny, args.layers, args.seed)
     n_params = sum(p.numel() for p in model.parameters())
     log(f"[{name}] {s['label']} dims: H {s['H']}, E {s['E']}, top-{s['K']}, I {s['I']}, {s['layers']} layers, "
-        f"vocab {args.vocab}, bf16, {n_params / 1e9:.2f} B params on {dev} "
+        f"vocab {args.vocab}, bf16, {params_text(n_params)} params on {dev} "
         f"(built in {time.perf_counter() - t:.1f} s)")
     g = torch.Generator().manual_seed(args.seed + 1)
     prompt = torch.randint(0, args.vocab, (1, args.prompt_len), generator=g).to(dev)
@@ -328,6 +336,9 @@ def main(argv=None) -> int:
     info = {"torch": torch.__version__, "transformers": transformers.__version__, "device": args.device}
     if args.device.startswith("cuda"):
         info["gpu"] = torch.cuda.get_device_name(torch.device(args.device))
+    elif args.stock_graph:   # run_model times it only on CUDA: say so rather than drop it silently
+        log(f"[hf_moe] note: --stock-graph needs a CUDA device (a CUDA graph), got --device "
+            f"{args.device}: stock_grouped_mm_graph is not run")
     from ex_engine import default_registry
     reg = default_registry()
     # the ready plugin of each factor (None: the Python fallback serves); what served the calls

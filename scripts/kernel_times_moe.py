@@ -92,8 +92,8 @@ def main() -> int:
     models = load_models_or_exit("kernel_times_moe")
     cases, problems = parse_cases(models, args.cases)      # every problem at once, before any work
     problems += _scripts["config_problems"](args.config)
-    if args.factors is not None and not Path(args.factors).is_dir():
-        problems.append(f"--factors: folder {args.factors!r} does not exist")
+    if args.factors is not None:
+        problems.append(_scripts["folder_problem"]("--factors", args.factors))
     if args.calls < 1:
         problems.append(f"--calls: expected >= 1, got {args.calls}")
     if torch is None or not torch.cuda.is_available():

@@ -702,3 +702,35 @@ def test_the_readme_names_the_tuning_files_as_tune_moe_writes_them(tune):
     assert f"e.g. `{example}` for an NVIDIA A100-SXM4-80GB (108 SMs)" in text, example
     assert ("the registry reads every `*.yaml` and `*.yml` in `manifests/tuning/` and takes the one "
             "whose `device` is the GPU's name") in text
+
+
+# --------------------------------------------- trial 2 (session thirty-two): table_moe's input
+@pytest.mark.parametrize("name, whose", [("ab_chunk192_h200_2026-12-03.json", "ab_moe.py's JSON?"),
+                                         ("host_moe_h200_2026-12-02_6d2775f.json", "host_moe.py's JSON?")])
+def test_table_moe_refuses_another_tools_json(name, whose):
+    """ab_moe.py's JSON came out as a table of 'FAILED: not timed' rows with exit 0, though the
+    docstring promises exit 2 for a file that is not bench_moe.py's JSON: now one line, exit 2."""
+    r = _run_table(ROOT / "benchmarks" / name)
+    assert r.returncode == 2 and r.stdout == "", (r.stdout, r.stderr)
+    assert r.stderr.count("\n") == 1 and r.stderr.startswith("table_moe: "), r.stderr
+    assert "expected bench_moe.py's JSON" in r.stderr and whose in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("rows, words", [
+    ([{"model": "m", "T": 1}], "row 0 (m T=1): 'floor_us': expected a number, got 'nothing'"),
+    ([{"model": "m", "T": 1, "floor_us": 2.0}], "expected 'ours_us' (a timed row) or 'error' (a failed one)"),
+])
+def test_table_moe_refuses_a_row_bench_moe_would_not_write(tmp_path, rows, words):
+    """Any {meta: {}, rows: [{model, T}]} passed as a failed row: bench_moe writes 'floor_us' in
+    every row and 'error' in a row it did not time."""
+    r = _run_table(_bench_json(tmp_path, rows))
+    assert r.returncode == 2 and r.stdout == "" and words in r.stderr, (r.stdout, r.stderr)
+
+
+def test_table_moe_renders_every_bench_moe_json_in_benchmarks():
+    files = sorted((ROOT / "benchmarks").glob("bench_moe*.json"))
+    assert len(files) >= 40
+    for f in files:
+        r = _run_table(f)
+        assert r.returncode == 0 and r.stderr == "", (f.name, r.stderr)
+        assert len(_table_rows(r.stdout)) > 2 and "FAILED" not in r.stdout, f.name

@@ -136,7 +136,7 @@ def test_bad_arguments_of_the_integration_are_named(reg):
     d = hf.StaticDecoder(m, batch_size=2, max_len=16)
     d.prefill(torch.zeros(2, 3, dtype=torch.long))
     for bad in (torch.tensor([1, 2, 3]), torch.tensor([1.5, 2.0])):
-        with pytest.raises(ValueError, match="step: tokens: expected 2 integer token ids"):
+        with pytest.raises(ValueError, match="^StaticDecoder.step: argument 'tokens': (shape|dtype): expected "):
             d.step(bad)
 
 

@@ -235,9 +235,11 @@ def _check_block(name, block, a: MoEAdapter) -> _Block:
         fail(f"expected submodules '{a.router_attr}' and '{a.experts_attr}'")
     for mod, what in ((router, "router"), (experts, "experts")):
         if "forward" in vars(mod):
+            ours = hasattr(mod, _MARK)   # advice for what it is: a second patch, or a hook
             fail(f"the {what} module already has an instance-level forward "
-                 f"({'patched by ex_engine' if hasattr(mod, _MARK) else 'e.g. an accelerate hook'}); "
-                 "patch a model that is fully on one GPU, once")
+                 f"({'patched by ex_engine' if ours else 'e.g. an accelerate hook'}); "
+                 + ("patch each model once (undo() its handle to patch it again)" if ours else
+                    "patch a model that is fully on one device, without accelerate's hooks"))
     W = getattr(router, "weight", None)
     K = getattr(router, "top_k", None)
     if not isinstance(W, torch.Tensor) or W.dim() != 2 or K is None:
@@ -610,16 +612,19 @@ class StaticDecoder:
     @torch.no_grad()
     def step(self, tokens):
         """Feed ``tokens`` (B,) at the next position; returns that position's logits (B, V) (a copy).
-        tokens: a torch integer tensor of batch_size ids (ArgumentError, a ValueError, naming
-        tokens otherwise); ValueError past max_len."""
+        tokens: a torch integer tensor (not bool, as prefill) of batch_size ids (ArgumentError, a
+        ValueError, naming tokens otherwise); ValueError past max_len."""
+        want = f"a torch integer tensor of {self.batch_size} token ids"
         if not isinstance(tokens, torch.Tensor):
-            raise ArgumentError("StaticDecoder.step", "tokens", "type",
-                                f"a torch integer tensor of {self.batch_size} token ids", type(tokens).__name__)
+            raise ArgumentError("StaticDecoder.step", "tokens", "type", want, type(tokens).__name__)
+        if tokens.is_floating_point() or tokens.is_complex() or tokens.dtype == torch.bool:
+            raise ArgumentError("StaticDecoder.step", "tokens", "dtype",
+                                "integer token ids (e.g. torch.long)", str(tokens.dtype))
+        if tokens.numel() != self.batch_size:
+            raise ArgumentError("StaticDecoder.step", "tokens", "shape", f"{self.batch_size} token ids "
+                                f"(batch_size)", tuple(tokens.shape))
         if self.next_pos >= self.max_len:
             raise ValueError(f"step: the static cache holds {self.max_len} positions, all used")
-        if tokens.numel() != self.batch_size or tokens.is_floating_point() or tokens.is_complex():
-            raise ValueError(f"step: tokens: expected {self.batch_size} integer token ids, got "
-                             f"{tuple(tokens.shape)} {tokens.dtype}")
         self.ids.copy_(tokens.view(-1, 1))
         self.pos.fill_(self.next_pos)
         if not self.use_graph:
