@@ -40,7 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from ex_engine import FactorError, FactorRegistry, moe_fused_gemm  # noqa: E402
-from ex_engine._scripts import HelpFormatter, folder_problem  # noqa: E402
+from ex_engine._scripts import HelpFormatter, plugin_folder_problem  # noqa: E402
 from ex_engine.moe_layer import (load_models_or_exit, models_help, output_file_problem,  # noqa: E402
                                  parse_cases, report_problems)
 from _timing import graph_us, run_meta  # noqa: E402
@@ -162,7 +162,7 @@ def main():
         problems.append(f"--unchecked: the first config ({cfgs[0][0]}) is the one the others are checked "
                         "against; put a checked config first")
     problems += variable_problems(cfgs, readme_variables())
-    problems += [folder_problem(f"config {n}", folder) for n, folder, env in cfgs]
+    problems += [plugin_folder_problem(f"config {n}", folder) for n, folder, env in cfgs]
     problems += parse_cases(models, args.cases)[1]
     problems.append(output_file_problem("--json", args.json))
     if args.rounds < 1 or args.sets < 1:

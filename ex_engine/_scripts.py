@@ -41,7 +41,7 @@ def report_problems(tool: str, problems) -> bool:
     return bool(problems)
 
 
-def folder_problem(flag: str, path) -> str:
+def plugin_folder_problem(flag: str, path) -> str:
     """What keeps ``path`` from being the plugin folder ``flag`` names ('' if nothing): a file in
     its place, or nothing there."""
     p = Path(path)

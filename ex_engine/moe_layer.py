@@ -16,7 +16,7 @@ import numpy as np
 import yaml
 
 from . import _paths, _yaml
-from ._scripts import folder_problem, output_file_problem, report_problems  # noqa: F401 (the scripts' import)
+from ._scripts import output_file_problem, plugin_folder_problem, report_problems  # noqa: F401 (the scripts' import)
 from .arrays import Bits16, TensorRef, f32_to_bf16_bits
 from .errors import ArgumentError, DTypeError, FactorError, ShapeError, is_integer, one_line
 from .fallbacks import moe_fused_gemm_math, topk_softmax_math
@@ -137,8 +137,8 @@ def case_problems(models: dict, names, tokens, factors=None, all_ok: bool = Fals
         out.append("--tokens: expected at least one T")
     elif min(tokens) < 1:
         out.append(f"--tokens: expected T >= 1, got {' '.join(map(str, tokens))}")
-    if factors is not None and folder_problem("--factors", factors):
-        out.append(folder_problem("--factors", factors))
+    if factors is not None and plugin_folder_problem("--factors", factors):
+        out.append(plugin_folder_problem("--factors", factors))
     return out
 
 

@@ -93,7 +93,7 @@ def main() -> int:
     cases, problems = parse_cases(models, args.cases)      # every problem at once, before any work
     problems += _scripts["config_problems"](args.config)
     if args.factors is not None:
-        problems.append(_scripts["folder_problem"]("--factors", args.factors))
+        problems.append(_scripts["plugin_folder_problem"]("--factors", args.factors))
     if args.calls < 1:
         problems.append(f"--calls: expected >= 1, got {args.calls}")
     if torch is None or not torch.cuda.is_available():
