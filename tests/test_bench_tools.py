@@ -734,3 +734,25 @@ def test_table_moe_renders_every_bench_moe_json_in_benchmarks():
         r = _run_table(f)
         assert r.returncode == 0 and r.stderr == "", (f.name, r.stderr)
         assert len(_table_rows(r.stdout)) > 2 and "FAILED" not in r.stdout, f.name
+
+
+def test_dram_rows_probe_checks_its_arguments_and_needs_a_gpu():
+    """benchmarks/dram_rows_probe.py (session thirty-two's read probe): a row length that is no
+    multiple of 128 bytes, or a size <= 0, is refused in one line; without a usable GPU it says
+    it needs one (exit 2, no traceback); its JSON records date, device and commit (run_meta)."""
+    import subprocess
+    from tests.conftest import child_env
+    tool = str(ROOT / "benchmarks" / "dram_rows_probe.py")
+    for args, says in ((["--row-bytes", "100"], "--row-bytes: expected a multiple of 128"),
+                       (["--mb", "0"], "--mb must be > 0")):
+        r = subprocess.run([sys.executable, tool, *args], capture_output=True, text=True, env=child_env())
+        assert r.returncode == 2 and says in r.stderr and "Traceback" not in r.stderr, r.stderr
+    text = (ROOT / "benchmarks" / "dram_rows_probe.py").read_text()
+    assert "run_meta(device=name)" in text
+    try:
+        import cupy  # noqa: F401
+        return   # a machine with CuPy: the GPU path is the device's to run
+    except ImportError:
+        pass
+    r = subprocess.run([sys.executable, tool], capture_output=True, text=True, env=child_env())
+    assert r.returncode == 2 and r.stderr.startswith("dram_rows_probe.py: needs a GPU with CuPy"), r.stderr
