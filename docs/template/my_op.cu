@@ -9,7 +9,8 @@
  *
  * Build: make factors/my_op.so, or ex-engine build my_op  (nvcc, sm_90a + sm_80 + PTX; no GPU
  *        needed to build; a bare `make` builds every factor)
- * Python fallback: my_op_fallback.py beside this file (name it in the manifest's `fallback`)
+ * Python fallback: docs/template/my_op_fallback.py; copy it into a module on your PYTHONPATH and
+ *                  name it in the manifest's `fallback` (e.g. myfactors.my_op:silu)
  * Contract: docs/factor-contract.md
  */
 #include <cuda_bf16.h>
