@@ -29,7 +29,7 @@ import numpy as np
 from . import _paths, abi, fatbin, trust
 from .arrays import _KINDS, _NAME_CACHE, _TORCH_DTYPES, Bits16, TensorRef, _kind_of
 from .errors import (ArgumentError, DeviceError, DeviceSideError, FactorError,
-                     FactorNotFoundError, KernelError, LayoutError)
+                     FactorNotFoundError, KernelError, LayoutError, one_line)
 from .hardware import Hardware, resolve
 from .manifest import Manifest, bool_like, fallback_problem, load_search_path, why_not_found
 from .tuning import TuningTable
@@ -372,6 +372,35 @@ class WorkspaceSizeError(KernelError):
         RuntimeError.__init__(self, f"{factor}: {self.detail}")
 
 
+def _out_of_memory(exc: BaseException) -> bool:
+    """``exc`` says memory ran out: a MemoryError (NumPy's), or CuPy's OutOfMemoryError (told
+    by name, so that CuPy need not be importable)."""
+    return isinstance(exc, MemoryError) or any(c.__name__ == "OutOfMemoryError" for c in type(exc).__mro__)
+
+
+def _bytes_text(n: int) -> str:
+    """1099511627776 -> '1.00 TiB' (a size for a message)."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024:
+            return f"{n} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} TiB"
+
+
+class WorkspaceAllocationError(FactorError, MemoryError):
+    """A workspace_size inside 0..2**40 bytes that could not be allocated (host memory, or the
+    GPU's): the message names the factor, the size asked and the dims it was asked for. A
+    MemoryError too, for callers that catch those."""
+
+    def __init__(self, factor: str, need: int, dims, where: str, cause: BaseException):
+        self.factor, self.need = factor, need
+        shown = list(dims)
+        shown = f"{shown[:16]}"[:-1] + ", ...]" if len(shown) > 16 else f"{shown}"
+        super().__init__(f"{factor}: cannot allocate its workspace: workspace_size returned {need} bytes "
+                         f"({_bytes_text(need)}) for dims {shown}; expected a size {where} can hold, "
+                         f"got {type(cause).__name__}: {one_line(cause)}")
+
+
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _SEMVER = re.compile(r"\d+\.\d+\.\d+")
 # ex_engine's own factors, from the ABI's ex_factor_id_t (whatever manifests folder is loaded)
@@ -415,6 +444,19 @@ def _printable(text: str) -> str:
     newline or an escape sequence's ESC, format characters such as a bidi override) written as
     Python escapes ('\\n', '\\x1b'): strings from a library, for tables and messages."""
     return text if text.isprintable() else "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
+PLUGIN_TEXT_LIMIT = 500   # characters of a plugin's last_error() text kept in a message
+
+
+def _plugin_text(text: str, limit: int = PLUGIN_TEXT_LIMIT) -> str:
+    """A plugin's free text (its last_error()) for a message: _printable (no raw escape
+    sequence reaches a terminal), then cut to ``limit`` characters, the cut said:
+    '... (N more characters)'."""
+    text = _printable(text)
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... ({len(text) - limit} more characters)"
 
 
 def _caller_stacklevel() -> int:
@@ -1191,6 +1233,10 @@ class FactorRegistry:
         if not why:   # a library of that name set aside for want of its manifest (a manifests
             why = next((f"{_printable(p.path.name)}: {p.reason}" for p in self.plugins   # folder
                         if p.name == name and p.manifest is None and p.reason), "")       # without it)
+        if not why:   # a library for that name rejected at load (its id, its fallback, ABI 2.0, ...):
+            why = next((f"{_printable(p.path.name)} was rejected: {p.reason}; see list-factors --why"
+                        for p in self.plugins if p.status == "rejected" and p.reason   # (unopened or
+                        and (p.name == name or (not p.name and p.path.stem == name))), "")  # nameless: its stem)
         raise FactorNotFoundError(f"no factor named '{name}'" + (f" ({why})" if why else "") +
                                   f": known are {sorted(set(self.manifests) | set(self._chosen))}")
 
@@ -1606,8 +1652,15 @@ class FactorRegistry:
         buf = self._workspaces.get((plugin.name, device, stream))
         if buf is not None and buf.nbytes >= need:
             return buf
-        with self._ws_lock:
-            return self._new_workspace((plugin.name, device, stream), need)
+        try:
+            with self._ws_lock:
+                return self._new_workspace((plugin.name, device, stream), need)
+        except Exception as exc:   # counted as the other refused calls are
+            self._count(plugin.name, "errors")
+            if isinstance(exc, FactorError) or not _out_of_memory(exc):
+                raise
+            where = "host memory" if device < 0 else f"cuda:{device}"
+            raise WorkspaceAllocationError(plugin.name, need, dims, where, exc) from exc
 
     def _new_workspace(self, key, need: int):
         """Allocate (or grow) the workspace of ``key``; called under _ws_lock.
@@ -1654,6 +1707,8 @@ class FactorRegistry:
                     runtime.memcpyAsync(buf.data.ptr, old.data.ptr, 256, runtime.memcpyDeviceToDevice, stream)
                     self._retired.append(old)
         except Exception as exc:  # CUDARuntimeError, OutOfMemoryError
+            if _out_of_memory(exc):   # said by _workspace, with the size asked and the dims
+                raise
             raise FactorError(f"{name}: cannot allocate a {size}-byte workspace on cuda:{device} "
                               f"(stream 0x{stream:x}): {exc}. During CUDA-graph capture, call "
                               "once with these shapes before capturing") from exc
@@ -1760,7 +1815,8 @@ class FactorRegistry:
         detail = ""
         if f.last_error != ffi.NULL:
             text = f.last_error()
-            detail = ffi.string(text).decode(errors="replace") if text != ffi.NULL else ""
+            # plugin-controlled text: escaped and cut to length like its name and description
+            detail = _plugin_text(_c_text(text))
         self._count(plugin.name, "errors")
         raise KernelError(plugin.name, status, abi.status_name(status), detail)
 

@@ -3,7 +3,8 @@
 A factor whose manifest has a dim with ``dim_sources: {NAME: {tuned: DEFAULT}}`` gets that
 dim from this table: the entry for the call's shape (the keys the file lists, e.g. H, I, G, K)
 and the largest tuned T not above the call's T (a T below every tuned T runs on DEFAULT, quietly:
-a row tuned at T = 4096 says nothing of T = 1). A shape the file does not list runs on DEFAULT (the kernel's own heuristic) and, on a live GPU, a TuningWarning
+a row tuned at T = 4096 says nothing of T = 1; a factor whose calls have no size T looks up
+T = 0, so its table needs a row at T = 0, else it is noted as never used). A shape the file does not list runs on DEFAULT (the kernel's own heuristic) and, on a live GPU, a TuningWarning
 says so once per shape, naming the file and the tuner (benchmarks/tune_moe.py) that fills it.
 A table holds dim, key, values and shapes, and a shapes entry the sizes its key names, model
 (the model it was tuned for, a note) and by_T, nothing else: another key (`kee: 1`, `Z: 3` in an
@@ -314,7 +315,8 @@ class TuningTable:
     def unused(self, manifests: dict) -> list:
         """Why parts of the loaded file can never apply (one message each; empty if none): a
         table for a factor no manifest names, a dim that is not one of that factor's tuned dims,
-        a key that is no size of its calls, a value its rows use outside what the manifest allows
+        a key that is no size of its calls (T included, for a factor whose calls have no T),
+        rows that all lie above T = 0 for a factor without T (its calls look up T = 0), a value its rows use outside what the manifest allows
         for the dim (range / options). Such a table never matches a call (its shapes run on the
         defaults; check() sets it aside), so a misspelt name would otherwise pass unnoticed."""
         out = []
@@ -324,13 +326,21 @@ class TuningTable:
                 out.append(f"tuning file {self.path}: {name}: no factor of that name has a manifest "
                            f"(known: {', '.join(sorted(manifests)) or 'none'}); its table is never used")
                 continue
+            first = len(out)
             if ft.dim not in m.tuned_dims:
                 out.append(f"tuning file {self.path}: {name}: dim: expected one of {name}'s tuned dims "
                            f"{m.tuned_dims}, got {ft.dim!r}; its table is never used")
-            bad = [k for k in ft.key if k not in m.size_names and k != "T"]
+            bad = [k for k in ft.key if k not in m.size_names]   # (T too, for a factor without T)
             if bad:
                 out.append(f"tuning file {self.path}: {name}: key: {bad} no size of {name}'s calls "
                            f"(expected some of {sorted(m.size_names)}); its table is never used")
+            if "T" not in m.size_names and len(out) == first:   # (a wrong dim or key said first)
+                # lookup() reads a call's T as 0 when the factor has none: only rows at T = 0 apply
+                ts = sorted({t for rows, _ in ft.table.values() for t in rows})
+                if not any(rows[0] == 0 for rows, _ in ft.table.values()):
+                    out.append(f"tuning file {self.path}: {name}: by_T: {name}'s calls have no size T "
+                               f"(its sizes: {sorted(m.size_names)}), so every call looks up T = 0; "
+                               f"expected a row at T = 0, got rows at T = {ts}; its table is never used")
             if ft.dim in m.tuned_dims:
                 # the choices its rows use (a name in values that no row uses reaches no kernel)
                 ok, allowed = m.tuned_allowed(ft.dim)
