@@ -10,7 +10,6 @@ output file, or no matplotlib (every problem is listed before any drawing).
 """
 import argparse
 import json
-import runpy
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -18,9 +17,9 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from perf_peers import VLLM_US  # noqa: E402
-
-# standard library only, loaded by path: --help works without numpy (the package's __init__)
-_scripts = runpy.run_path(str(HERE.parent / "ex_engine" / "_scripts.py"))
+# one check of bench_moe's JSON; and table_moe's _scripts (standard library only, loaded by
+# path: --help works without numpy, the package's __init__), not a second load of it
+from table_moe import _number, _scripts, shape_problem  # noqa: E402
 output_file_problem, report_problems = _scripts["output_file_problem"], _scripts["report_problems"]
 
 try:
@@ -35,19 +34,15 @@ except ImportError:  # --help works without it; a run says it needs it
 META = ("dtype", "device", "date", "commit")   # what the chart's title reads
 
 
-def _number(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
 def data_problem(data) -> str:
     """What keeps bench_moe.py's JSON ``data`` out of the chart ('' if nothing), in table_moe.py's
-    words (its check is inline in its main(), and its row_problem asks for columns the chart does
-    not draw): not a mapping with 'meta' (a mapping) and 'rows' (a list) (a bare KeyError: 'rows'
-    before), a meta without the dtype, device, date and commit of the title, a row that is not a
-    mapping, and in each row drawn (timed, uniform routing) no 'model' and 'T', a time that is
-    not a number, or a floor_us not > 0."""
-    if not isinstance(data, dict) or not isinstance(data.get("meta"), dict) or not isinstance(data.get("rows"), list):
-        return "expected a mapping with 'meta' (a mapping) and 'rows' (a list)"
+    words (its shape_problem; its row_problem asks for columns the chart does not draw): not a
+    mapping with 'meta' (a mapping) and 'rows' (a list) (a bare KeyError: 'rows' before), a meta
+    without the dtype, device, date and commit of the title, a row that is not a mapping, and in
+    each row drawn (timed, uniform routing) no 'model' and 'T', a time that is not a number, or
+    a floor_us not > 0."""
+    if shape_problem(data):
+        return shape_problem(data)
     missing = [k for k in META if k not in data["meta"]]
     if missing:
         return f"meta: expected the keys {list(META)}, missing {missing}"

@@ -32,6 +32,14 @@ def _number(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
+def shape_problem(d) -> str:
+    """'' if ``d`` has bench_moe.py's top level (a mapping with 'meta', a mapping, and 'rows', a
+    list), else what is wrong (plot_moe.py's check too)."""
+    if not isinstance(d, dict) or not isinstance(d.get("meta"), dict) or not isinstance(d.get("rows"), list):
+        return "expected a mapping with 'meta' (a mapping) and 'rows' (a list)"
+    return ""
+
+
 def file_problem(d: dict) -> str:
     """Why ``d`` (a mapping with meta and rows) is not bench_moe.py's JSON ('' if it may be):
     bench_moe writes 'floor_us' in every row and 'ours_us' (timed) or 'error' (failed) beside it;
@@ -115,8 +123,8 @@ def main(path) -> int:
     try:
         with open(path) as f:
             d = json.load(f)
-        if not isinstance(d, dict) or not isinstance(d.get("meta"), dict) or not isinstance(d.get("rows"), list):
-            raise ValueError("expected a mapping with 'meta' (a mapping) and 'rows' (a list)")
+        if shape_problem(d):
+            raise ValueError(shape_problem(d))
     except (OSError, ValueError) as exc:
         problem = (f"{path}: expected the JSON that bench_moe.py --json writes (meta and rows): "
                    f"{type(exc).__name__}: {exc}")

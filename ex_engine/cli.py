@@ -376,12 +376,12 @@ def _ignore_signal(signum, frame):
 LOCK_MAX_BYTES = 1 << 24   # a lock file larger than this is not one `ex-engine lock` wrote
 
 
-def _left_out_of_lock(folder) -> list:
-    """(name, why) of each entry of ``folder`` named *.so that the lock leaves out, not being a
-    regular file (trust.lock_digests skips them; the registry rejects them)."""
+def _left_out_of_lock(folder, locked) -> list:
+    """(name, why) of each entry of ``folder`` named *.so that is not in ``locked`` (the digests
+    trust.write_lock wrote: it locks regular files only; the registry rejects the rest)."""
     out = []
     for p in sorted(Path(folder).glob("*.so")):
-        if p.is_file():
+        if p.name in locked:
             continue
         if not p.exists():   # a link to nothing (or a loop of links)
             try:
@@ -459,7 +459,7 @@ def cmd_lock(args) -> int:
         print(f"  {digest}  {_printable(name)}")
     print(f"wrote {_printable(str(path))} ({len(digests)} librar{'y' if len(digests) == 1 else 'ies'}; "
           "JSON {file name: sha256})")
-    for name, why in _left_out_of_lock(args.dir):   # (it left them out without a word)
+    for name, why in _left_out_of_lock(args.dir, digests):   # (it left them out without a word)
         print(f"note: {_printable(name)} left out: {_printable(why)}; a lock lists regular files "
               "only (the registry refuses anything else)")
     if not digests:

@@ -336,8 +336,8 @@ class TuningTable:
                            f"(expected some of {sorted(m.size_names)}); its table is never used")
             if "T" not in m.size_names and len(out) == first:   # (a wrong dim or key said first)
                 # lookup() reads a call's T as 0 when the factor has none: only rows at T = 0 apply
-                ts = sorted({t for rows, _ in ft.table.values() for t in rows})
                 if not any(rows[0] == 0 for rows, _ in ft.table.values()):
+                    ts = sorted({t for rows, _ in ft.table.values() for t in rows})
                     out.append(f"tuning file {self.path}: {name}: by_T: {name}'s calls have no size T "
                                f"(its sizes: {sorted(m.size_names)}), so every call looks up T = 0; "
                                f"expected a row at T = 0, got rows at T = {ts}; its table is never used")
