@@ -356,6 +356,12 @@ class _FastCall:
 _MAX_WORKSPACE = 1 << 40   # bytes: a workspace_size beyond this (or below 0) is a plugin bug
 
 
+def _dims_text(dims) -> str:
+    """A dims array for a message: its first 16 values, then ', ...]' where there are more."""
+    shown = list(dims)
+    return f"{shown[:16]}"[:-1] + ", ...]" if len(shown) > 16 else f"{shown}"
+
+
 class WorkspaceSizeError(KernelError):
     """A plugin's workspace_size returned a size outside 0..2**40 bytes, before its kernel ran:
     the plugin's bug. A KernelError (status EX_ERR_WORKSPACE, for callers that catch those)
@@ -364,9 +370,7 @@ class WorkspaceSizeError(KernelError):
     def __init__(self, factor: str, need: int, dims):
         self.factor, self.status = factor, abi.EX_ERR_WORKSPACE
         self.status_name, self.need = abi.status_name(abi.EX_ERR_WORKSPACE), need
-        shown = list(dims)
-        shown = f"{shown[:16]}"[:-1] + ", ...]" if len(shown) > 16 else f"{shown}"
-        self.detail = (f"workspace_size returned {need} bytes for dims {shown}: expected 0.."
+        self.detail = (f"workspace_size returned {need} bytes for dims {_dims_text(dims)}: expected 0.."
                        f"{_MAX_WORKSPACE} (2**40); a bug of the plugin's workspace_size, so its "
                        "kernel was not called")
         RuntimeError.__init__(self, f"{factor}: {self.detail}")
@@ -394,10 +398,8 @@ class WorkspaceAllocationError(FactorError, MemoryError):
 
     def __init__(self, factor: str, need: int, dims, where: str, cause: BaseException):
         self.factor, self.need = factor, need
-        shown = list(dims)
-        shown = f"{shown[:16]}"[:-1] + ", ...]" if len(shown) > 16 else f"{shown}"
         super().__init__(f"{factor}: cannot allocate its workspace: workspace_size returned {need} bytes "
-                         f"({_bytes_text(need)}) for dims {shown}; expected a size {where} can hold, "
+                         f"({_bytes_text(need)}) for dims {_dims_text(dims)}; expected a size {where} can hold, "
                          f"got {type(cause).__name__}: {one_line(cause)}")
 
 
@@ -917,6 +919,13 @@ class FactorRegistry:
         """The 'abi version' check of p.abi_version's major against the runtime's; ``failed``
         and ``passed`` say where the version was read."""
         v = abi.version_str(p.abi_version)
+        if p.abi_version >> 16 == abi.ABI_VERSION_MAJOR and p.abi_version & 0xFFFF > abi.ABI_VERSION & 0xFFFF:
+            # a newer minor: loaded (a minor only adds), with a warning check: what it added (a
+            # status code, a factor id) this runtime does not know, and names as unknown
+            return p.check("abi version", True,
+                           f"warning: {v}{passed}, newer than this runtime's ABI {abi.version_str(abi.ABI_VERSION)}: "
+                           f"loaded (same major); what {v} added (status codes, factor ids) is unknown "
+                           "here and is reported by number", warn=True)
         return p.require("abi version", p.abi_version >> 16 == abi.ABI_VERSION_MAJOR,
                          f"expected major {abi.ABI_VERSION_MAJOR} (runtime ABI "
                          f"{abi.version_str(abi.ABI_VERSION)}), library built against {v}{failed}",
@@ -1007,7 +1016,8 @@ class FactorRegistry:
             return p
         p.factor = f
         if not p.require("struct abi_version", f.abi_version == p.abi_version,
-                       f"expected {abi.version_str(p.abi_version)}, got {abi.version_str(f.abi_version)}"):
+                       f"expected {abi.version_str(p.abi_version)} (the library's ex_abi_version), got "
+                       f"{abi.version_str(f.abi_version)} in the struct ex_get_factor returned"):
             return p
         if not p.require("name", f.name != abi.ffi.NULL, "expected a name, got NULL"):
             return p
@@ -1200,6 +1210,26 @@ class FactorRegistry:
                     del self._chosen[q.name]
         if any(self._chosen.get(n) is not p for n, p in before.items()):   # (a new name: nothing to drop)
             self._forget_calls()
+        self._note_unserved()
+
+    def _note_unserved(self) -> None:
+        """A note per factor whose manifest is known (the manifests folder's) and whose every
+        library was rejected: its calls go to the Python fallback, or raise without one, and
+        nothing else said so before a call's stats (a plugin author's trial, session 32).
+        Recomputed after each load, so a library loaded later that is ready drops it."""
+        marker = "no ready plugin"
+        self.notes = [n for n in self.notes if not (n.startswith("fallback:") and marker in n)]
+        seen = set()
+        for p in self.plugins:
+            name = p.name or p.path.stem   # (refused unopened: no name read; its stem)
+            if p.status != "rejected" or name in seen or name in self._chosen or name not in self.manifests:
+                continue
+            seen.add(name)
+            m = self.manifests[name]
+            fb = (f"its calls go to the Python fallback {m.fallback}" if m.fallback else
+                  "its calls raise FactorError unless set_fallback gives it a Python fallback")
+            self.notes.append(f"fallback: {name}: {marker}: {_printable(p.path.name)} was rejected "
+                              f"({p.reason}); {fb}; see list-factors --why")
 
     def _forget_calls(self) -> None:
         """Drop every remembered call (bind cache, short path): what they hold (dims, the tuned

@@ -33,7 +33,10 @@ extern "C" {
 /* ---------------------------------------------------------------------------------------- */
 
 /* Major: any layout or semantic change; a library of another major version is never called.
- * Minor: additions that old plugins can ignore (new status codes, new factor ids).          */
+ * Minor: additions that old plugins can ignore (new status codes, new factor ids). A runtime
+ * loads a library of its major and any minor; one built against a newer minor than the
+ * runtime's gets a warning check ("abi version"), and the additions it may use (a status
+ * code this runtime does not know) are reported by number.                                */
 #define EX_ABI_VERSION_MAJOR 1
 #define EX_ABI_VERSION_MINOR 0
 #define EX_ABI_VERSION ((uint32_t)((EX_ABI_VERSION_MAJOR << 16) | EX_ABI_VERSION_MINOR))
