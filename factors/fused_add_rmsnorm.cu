@@ -347,8 +347,11 @@ ex_status_t parse_args(void* output, const void* input, const void* aux_inputs[]
     if (dt != EX_DTYPE_FLOAT32 && dt != EX_DTYPE_FLOAT16 && dt != EX_DTYPE_BFLOAT16)
         return fail(EX_ERR_UNSUPPORTED_DTYPE,
                     "fused_add_rmsnorm: dtype must be float32, float16 or bfloat16 (0, 1, 2), got %lld", (long long)dt);
-    if (H < 1 || H > INT_MAX)  // 1 <= H
-        return fail(EX_ERR_SHAPE, "fused_add_rmsnorm: expected 1 <= H <= %d, got H=%lld", INT_MAX, (long long)H);
+    // H <= 2^24 (the manifest's constraint): the generic kernel's threads step over H in int32,
+    // which wrapped for H within a block of 2^31 (writes before the row; a static review, session 33)
+    if (H < 1 || H > (int64_t(1) << 24))  // 1 <= H <= 2^24
+        return fail(EX_ERR_SHAPE, "fused_add_rmsnorm: expected 1 <= H <= %lld, got H=%lld",
+                    (long long)(int64_t(1) << 24), (long long)H);
     if (xs < H || rs < H)  // rows may not overlap
         return fail(EX_ERR_SHAPE,
                     "fused_add_rmsnorm: row strides must be >= H=%lld, got x_row_stride=%lld residual_row_stride=%lld",

@@ -1285,6 +1285,8 @@ struct Problem {
     ExpertMap em() const { return ExpertMap{expert_map, (int)G}; }
 };
 
+constexpr int64_t kMaxHI = int64_t(1) << 24;   // the largest H and I a call may have
+
 // Reads dims {T, H, E, I, K, dtype[, G]} into *P and checks their ranges. Returns false if the
 // kernel must reject them (the message is in msg).
 static bool read_dims(const int64_t dims[], int n_dims, Problem* P, char* msg, size_t n) {
@@ -1294,12 +1296,16 @@ static bool read_dims(const int64_t dims[], int n_dims, Problem* P, char* msg, s
     P->config = n_dims >= 8 ? dims[7] : -1;
     P->expert_map = nullptr;
     const int64_t lim = 0x7fffffff;
+    // H, I <= 2^24 (kMaxHI, as the manifest's constraints): the kernels count columns, k-tiles
+    // and 2I in int32 (a fallback's loop over H, ceil(I / BK), CUTLASS's N = 2I); near 2^31
+    // those wrapped (H or I within 63 of it: GEMM2 never ran, out all zero; a static review,
+    // session 33). Real layers have H, I < 2^17.
     if (P->T < 0 || P->H < 1 || P->E < 1 || P->I < 1 || P->K < 1 || P->G < 1 || P->K > P->G ||
-        P->T > lim || P->H > lim || P->E > lim || P->I > lim || P->G > lim) {
+        P->T > lim || P->H > kMaxHI || P->E > lim || P->I > kMaxHI || P->G > lim) {
         snprintf(msg, n,
-                 "moe_fused_gemm: expected T >= 0, H, E, I, G >= 1, 1 <= K <= G; got T=%lld H=%lld "
-                 "E=%lld I=%lld K=%lld G=%lld",
-                 (long long)P->T, (long long)P->H, (long long)P->E, (long long)P->I,
+                 "moe_fused_gemm: expected T >= 0, 1 <= H, I <= %lld, E, G >= 1, 1 <= K <= G; got T=%lld "
+                 "H=%lld E=%lld I=%lld K=%lld G=%lld",
+                 (long long)kMaxHI, (long long)P->T, (long long)P->H, (long long)P->E, (long long)P->I,
                  (long long)P->K, (long long)P->G);
         return false;
     }

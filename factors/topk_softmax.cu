@@ -883,8 +883,11 @@ ex_status_t parse_args(void* output, const void* input, const void* aux_inputs[]
         return fail(EX_ERR_INVALID_ARGUMENT, "topk_softmax: renormalize must be 0 or 1, got %lld", (long long)renorm);
     if (dt != EX_DTYPE_FLOAT32 && dt != EX_DTYPE_FLOAT16 && dt != EX_DTYPE_BFLOAT16)
         return fail(EX_ERR_UNSUPPORTED_DTYPE, "topk_softmax: router_logits dtype must be float32, float16 or bfloat16 (0, 1, 2), got %lld", (long long)dt);
-    if (E < 1 || E > INT_MAX)                            // 1 <= E
-        return fail(EX_ERR_SHAPE, "topk_softmax: expected 1 <= E <= %d, got E=%lld", INT_MAX, (long long)E);
+    // E <= 2^24 (the manifest's constraint): the generic kernel's lanes step over E in int32,
+    // which wrapped for E within 31 of 2^31 (reads before the row; a static review, session 33)
+    if (E < 1 || E > (int64_t(1) << 24))                 // 1 <= E <= 2^24
+        return fail(EX_ERR_SHAPE, "topk_softmax: expected 1 <= E <= %lld, got E=%lld",
+                    (long long)(int64_t(1) << 24), (long long)E);
     if (K < 1 || K > E)                                  // 1 <= K <= E
         return fail(EX_ERR_SHAPE, "topk_softmax: expected 1 <= K <= E, got K=%lld, E=%lld", (long long)K, (long long)E);
     a = Args{static_cast<float*>(output), nullptr, input, T, (int)E, (int)K, (int)renorm,
