@@ -57,15 +57,28 @@ def separator_hint(value) -> str:
     return ""
 
 
+def is_dir(path) -> bool:
+    """Path.is_dir that answers False where the path cannot be reached (a folder above it that
+    this user may not enter): Python 3.11's raises PermissionError there."""
+    try:
+        return Path(path).is_dir()
+    except OSError:
+        return False
+
+
 def folder_problem(path) -> str:
     """Why ``path`` is no folder, in a few words ('' when it is one): 'does not exist' (a
-    dangling link says so), 'is a file, not a folder', or 'is not a folder' (a socket, say)."""
+    dangling link says so), 'is a file, not a folder', 'is not a folder' (a socket, say), or
+    'cannot be reached (Permission denied)' (a folder above it this user may not enter)."""
     p = Path(path)
-    if p.is_dir():
-        return ""
-    if not p.exists():
-        return "does not exist" + (" (a link to nothing)" if p.is_symlink() else "")
-    return "is a file, not a folder" if p.is_file() else "is not a folder"
+    try:
+        if p.is_dir():
+            return ""
+        if not p.exists():
+            return "does not exist" + (" (a link to nothing)" if p.is_symlink() else "")
+        return "is a file, not a folder" if p.is_file() else "is not a folder"
+    except OSError as exc:
+        return f"cannot be reached ({exc.strerror or exc})"
 
 
 def usable_folders(value, what: str) -> tuple[list[Path], list[str]]:
@@ -78,7 +91,7 @@ def usable_folders(value, what: str) -> tuple[list[Path], list[str]]:
     (a hardware profile that cannot be found in it, say)."""
     text = os.fsdecode(os.fspath(value))
     dirs = search_path(text)
-    usable = [d for d in dirs if d.is_dir()]
+    usable = [d for d in dirs if is_dir(d)]
     if not usable:
         env = what.startswith("EX_ENGINE_")
         head = f"{what}={text}" if env else f"{what} '{text}'"
@@ -99,7 +112,7 @@ def usable_folders(value, what: str) -> tuple[list[Path], list[str]]:
         raise FactorError(f"{head}: none of its {len(dirs)} folders is there ({entries}); "
                           f"expected at least one folder of factor manifests{tail}")
     notes = [f"manifests folder {d} (of the search path {text}) {folder_problem(d)}; skipped"
-             for d in dirs if not d.is_dir()]
+             for d in dirs if not is_dir(d)]
     return usable, notes
 
 
@@ -112,7 +125,7 @@ def manifests_dirs() -> list[Path]:
 def home_dir(dirs) -> Path:
     """Of the manifests folders ``dirs`` (a non-empty list), the one whose hardware/, tuning/
     and moe_models.yaml are used: the first with a hardware/ folder, else the first."""
-    return next((d for d in dirs if (d / "hardware").is_dir()), dirs[0])
+    return next((d for d in dirs if is_dir(d / "hardware")), dirs[0])
 
 
 def manifests_dir() -> Path:

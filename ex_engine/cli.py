@@ -1,14 +1,15 @@
 """The ``ex-engine`` command line: list-factors, hardware, run moe, verify, lock, build.
 
 Every command has --help. Exit status: 0 success, 1 a check failed (`list-factors`: no plugin
-is ready), 2 bad usage or error, 3 `verify --strict` skipped a factor or its plugin declined
-every case.
+is ready), 2 bad usage or error (an output that cannot be written, such as a full disk, among
+them), 3 `verify --strict` skipped a factor or its plugin declined every case.
 """
 from __future__ import annotations
 
 import argparse
 import faulthandler
 import json
+import os
 import signal
 import stat
 import subprocess
@@ -170,6 +171,9 @@ def cmd_list_factors(args) -> int:
     elif reg.tuning.path:   # read, but check() set every table of it aside (the notes say why)
         print(f"tuning: {reg.tuning.path} (for {hw.name}): none of its tables is used (see the "
               "notes): tuned dims take the kernels' defaults")
+    elif reg.tuning.folder_problem:   # not listed at all: "no file" would be untrue
+        print(f"tuning: the folder {reg.tuning.folder} cannot be read (see the note): tuned dims take "
+              "the kernels' defaults")
     elif reg.tuning.set_aside:   # the file is there: it said "no file" above the note saying why
         print(f"tuning: {', '.join(reg.tuning.set_aside)} (for {hw.name}) set aside as malformed (see "
               "the note): tuned dims take the kernels' defaults")
@@ -449,21 +453,27 @@ def _check_lock_output(folder, output) -> None:
 
 def cmd_lock(args) -> int:
     from .trust import write_lock
-    _check_lock_output(args.dir, args.output)
-    try:
+    to_stdout = args.output == "-"   # the JSON on stdout; the lines about it on stderr
+    if to_stdout:   # (it wrote a file named '-')
+        path, digests = write_lock(args.dir, sys.stdout)
+        sys.stdout.flush()
+        say = sys.stderr
+    else:
+        _check_lock_output(args.dir, args.output)
+        # write_lock names the file it cannot write (a folder that does not exist, a full disk)
         path, digests = write_lock(args.dir, args.output)
-    except OSError as exc:   # e.g. --output in a folder that does not exist
-        raise FactorError(f"lock: cannot write the lock file: {exc}") from exc
+        say = sys.stdout
     from .registry import _printable   # one line per library, as list-factors: a file name
     for name, digest in digests.items():   # may hold a newline or an escape sequence
-        print(f"  {digest}  {_printable(name)}")
-    print(f"wrote {_printable(str(path))} ({len(digests)} librar{'y' if len(digests) == 1 else 'ies'}; "
-          "JSON {file name: sha256})")
+        print(f"  {digest}  {_printable(name)}", file=say)
+    print(f"wrote {'the lock to stdout' if to_stdout else _printable(str(path))} ({len(digests)} "
+          f"librar{'y' if len(digests) == 1 else 'ies'}; JSON {{file name: sha256}})", file=say)
     for name, why in _left_out_of_lock(args.dir, digests):   # (it left them out without a word)
         print(f"note: {_printable(name)} left out: {_printable(why)}; a lock lists regular files "
-              "only (the registry refuses anything else)")
+              "only (the registry refuses anything else)", file=say)
     if not digests:
-        print(f"note: no *.so in {_printable(str(args.dir))}: every library will be refused under this lock")
+        print(f"note: no *.so in {_printable(str(args.dir))}: every library will be refused under "
+              "this lock", file=say)
     return 0
 
 
@@ -516,10 +526,21 @@ def _profiles_help() -> str:
     return text.replace("%", "%%")
 
 
+def _version() -> str:
+    """'ex-engine <package version> (plugin ABI <major>.<minor>)': --version's line."""
+    from . import __version__, abi
+    return f"ex-engine {__version__} (plugin ABI {abi.ABI_VERSION_MAJOR}.{abi.ABI_VERSION_MINOR})"
+
+
 def build_parser() -> argparse.ArgumentParser:
     profiles = _profiles_help()
-    ap = argparse.ArgumentParser(prog="ex-engine", description="Load, check and run ex_engine factor plugins.")
-    sub = ap.add_subparsers(dest="command", metavar="COMMAND")
+    # --version on a usage line of its own, as it takes no command (in the first one it read as
+    # an option of every command)
+    ap = argparse.ArgumentParser(prog="ex-engine", description="Load, check and run ex_engine factor plugins.",
+                                 usage="%(prog)s [-h] COMMAND ...\n       %(prog)s --version")
+    ap.add_argument("--version", action="version", version=_version(),
+                    help="print the package version and the plugin ABI version it loads, and exit")
+    sub = ap.add_subparsers(dest="command", metavar="COMMAND", prog="ex-engine")   # (not the usage)
 
     def common(p, probe: bool):
         p.add_argument("--dir", type=nonempty, default=str(_paths.factors_dir()),
@@ -634,7 +655,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="folder of plugin libraries (default: %(default)s)")
     p.add_argument("--output", type=nonempty, default=None, metavar="FILE",
                    help="lock file to write (default: <dir>/ex_engine.lock); not a *.so name, and "
-                        "an existing file only if it is a lock file (or empty), which is replaced")
+                        "an existing file only if it is a lock file (or empty), which is replaced "
+                        "atomically (a new file renamed over it); '-': write the JSON to stdout, "
+                        "and the lines about it to stderr (a file named '-': ./-)")
     p.set_defaults(fn=cmd_lock, command_parser=p)
 
     p = sub.add_parser("build", help="compile factors/*.cu (nvcc) and host factors' *.c, *.cpp into .so files (runs make)",
@@ -653,21 +676,107 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def main(argv=None) -> int:
-    ap = build_parser()
-    args, extra = ap.parse_known_args(argv)
-    if extra:   # reported with the usage of the (sub)command they were given to, not the top's
-        getattr(args, "command_parser", ap).error(f"unrecognized arguments: {' '.join(extra)}")
-    args.command_process = argv is None   # the ex-engine command (or python -m ex_engine) itself
-    if args.command_process and not faulthandler.is_enabled():
-        # a library that crashes in this process (run moe, or --no-probe) prints a traceback of
-        # where, not only the shell's "Segmentation fault"
-        faulthandler.enable()
-    if not getattr(args, "fn", None):
-        ap.print_help()
-        return 2
+class _Output:
+    """sys.stdout while main() runs: the stream itself, except that it remembers the first error
+    writing to it (a full disk, /dev/full; not BrokenPipeError, a reader that left, which main
+    handles on its own): argparse swallows such an error (`--help > /dev/full` exited 0, its
+    text lost), and a command's can surface in any print of it (a traceback, exit status 1)."""
+
+    def __init__(self, stream):
+        self.stream = stream
+        self.lost = None
+
+    def _guard(self, call, *args):
+        try:
+            return call(*args)
+        except BrokenPipeError:
+            raise
+        except OSError as exc:
+            if self.lost is None:
+                self.lost = exc
+            raise
+
+    def write(self, text):
+        return self._guard(self.stream.write, text)
+
+    def writelines(self, lines):
+        return self._guard(self.stream.writelines, lines)
+
+    def flush(self):
+        return self._guard(self.stream.flush)
+
+    def __getattr__(self, name):   # fileno, isatty, encoding, buffer, ...
+        return getattr(self.stream, name)
+
+
+def _output_lost(exc: OSError) -> int:
+    """After an error writing stdout: stdout goes to /dev/null (what is still buffered would
+    fail again at exit, with Python's 'Exception ignored' lines), one line on stderr; status 2."""
     try:
-        return args.fn(args)
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):   # not a file (a program's own stream)
+        fd = None
+    if fd is not None:
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, fd)
+        os.close(null)
+    print(f"ex-engine: error: cannot write the output: {exc.strerror or exc}", file=sys.stderr)
+    return 2
+
+
+def _os_error(exc: OSError) -> str:
+    """An OSError a command did not turn into a FactorError, in one line: the file(s) it names
+    and the system's reason ('/srv/locks/ex_engine.lock: Permission denied')."""
+    why = exc.strerror or str(exc) or "no detail"
+    from .errors import printable   # (a file name may hold a newline: one line kept)
+    names = [printable(os.fsdecode(n) if isinstance(n, (bytes, os.PathLike)) else str(n))
+             for n in (exc.filename, exc.filename2) if n is not None]
+    if not names:
+        return f"{why} ({type(exc).__name__})"
+    return f"{' -> '.join(names)}: {why}"
+
+
+def main(argv=None) -> int:
+    if sys.stdout is None:   # no stdout at all (a daemon's): print() writes nothing
+        return _main(argv, None)
+    out = sys.stdout = _Output(sys.stdout)
+    try:
+        return _main(argv, out)
+    finally:
+        if sys.stdout is out:
+            sys.stdout = out.stream
+
+
+def _main(argv, out) -> int:
+    try:
+        ap = build_parser()
+        try:
+            args, extra = ap.parse_known_args(argv)
+            if extra:   # reported with the usage of the (sub)command they were given to, not the top's
+                getattr(args, "command_parser", ap).error(f"unrecognized arguments: {' '.join(extra)}")
+        except SystemExit:   # --help, --version (their text on stdout) or a usage error
+            if out is not None:
+                try:
+                    out.flush()
+                except BrokenPipeError:   # `ex-engine --help | head -1`
+                    return _reader_left()
+                except OSError:   # recorded in out.lost
+                    pass
+                if out.lost is not None:
+                    return _output_lost(out.lost)
+            raise
+        args.command_process = argv is None   # the ex-engine command (or python -m ex_engine) itself
+        if args.command_process and not faulthandler.is_enabled():
+            # a library that crashes in this process (run moe, or --no-probe) prints a traceback of
+            # where, not only the shell's "Segmentation fault"
+            faulthandler.enable()
+        if not getattr(args, "fn", None):
+            ap.print_help()
+            code = 2
+        else:
+            code = args.fn(args)
+        if out is not None:
+            out.flush()   # inside the try: an output that cannot be written is an error too
     except FactorError as exc:
         print(f"ex-engine: error: {exc}", file=sys.stderr)
         return 2
@@ -679,6 +788,14 @@ def main(argv=None) -> int:
         return 128 + signal.SIGTERM
     except BrokenPipeError:          # `ex-engine list-factors | head`: the reader left early
         return _reader_left()
+    except OSError as exc:           # stdout that cannot be written (a full disk), or a file a
+        if out is not None and out.lost is not None:   # command reads (a folder it cannot enter)
+            return _output_lost(out.lost)
+        print(f"ex-engine: error: {_os_error(exc)}", file=sys.stderr)
+        return 2
+    if out is not None and out.lost is not None:   # an error writing stdout that code swallowed
+        return _output_lost(out.lost)
+    return code
 
 
 if __name__ == "__main__":

@@ -24,6 +24,23 @@ def one_line(exc: BaseException) -> str:
     return " ".join(str(exc).split())
 
 
+def printable(text: str) -> str:
+    """``text`` with every character that is not printable (control characters such as a
+    newline or an escape sequence's ESC, format characters such as a bidi override) written as
+    Python escapes ('\\n', '\\x1b'): strings from a library, a child process or a file name,
+    for tables and messages (one line each; nothing that drives a terminal)."""
+    return text if text.isprintable() else "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
+def cut_text(text: str, limit: int) -> str:
+    """``text`` made printable (printable()), then cut to ``limit`` characters, the cut said:
+    '... (N more characters)'."""
+    text = printable(text)
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... ({len(text) - limit} more characters)"
+
+
 class FactorNotFoundError(FactorError, KeyError):
     """No factor of that name is registered (neither ready nor with a Python fallback)."""
 

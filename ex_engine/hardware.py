@@ -180,19 +180,25 @@ class Hardware:
         if len(given.parts) == 1 and given.suffix.lower() in ("", ".yaml", ".yml"):
             stem = given.name[: len(given.name) - len(given.suffix)] or given.name
             shipped = folder / f"{stem.lower()}.yaml"
-        if shipped is not None and not given.suffix and shipped.is_file():
-            path = shipped
-        elif given.exists():
-            path = given
-        elif shipped is not None and shipped.is_file():
-            path = shipped
-        else:
+        try:   # (Python 3.11's is_file and exists raise where a folder above cannot be entered)
+            if shipped is not None and not given.suffix and shipped.is_file():
+                path = shipped
+            elif given.exists():
+                path = given
+            elif shipped is not None and shipped.is_file():
+                path = shipped
+            else:
+                path = None
+        except OSError as exc:
+            raise FactorError(f"hardware profile '{text}': cannot be reached ({exc.strerror or exc}: "
+                              f"{exc.filename}); expected a profile name or a readable YAML file") from None
+        if path is None:
             looked = f"the file {given}" + (f" and {shipped}" if shipped is not None else "")
             problem = profiles_problem()
             raise FactorError(f"hardware profile '{text}': no such profile; expected one of "
                               f"{list_profiles()} or a path to a YAML file (looked for {looked}"
                               + (f"; {problem}" if problem else "") + ")")
-        if path.is_dir():
+        if _paths.is_dir(path):
             raise FactorError(f"hardware profile {path}: a directory; expected a YAML file")
         try:
             data = _yaml.load(path.read_text(), name=path)
@@ -303,8 +309,11 @@ def profiles_problem() -> str:
         return hint
     env = os.environ.get("EX_ENGINE_MANIFESTS")
     via = f" (EX_ENGINE_MANIFESTS={env}{_paths.separator_hint(env)})" if env else ""
-    if not folder.is_dir():
-        return f"the profiles folder {folder} does not exist{via}"
+    problem = _paths.folder_problem(folder)
+    if problem:
+        return f"the profiles folder {folder} {problem}{via}"
+    if not os.access(folder, os.R_OK | os.X_OK):
+        return f"the profiles folder {folder} cannot be listed (no read permission){via}"
     return f"the profiles folder {folder} has no *.yaml{via}"
 
 

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import _paths, abi, fatbin, trust
+from . import _paths, abi, errors, fatbin, trust
 from .arrays import _KINDS, _NAME_CACHE, _TORCH_DTYPES, Bits16, TensorRef, _kind_of
 from .errors import (ArgumentError, DeviceError, DeviceSideError, FactorError,
                      FactorNotFoundError, KernelError, LayoutError, one_line)
@@ -416,6 +416,18 @@ _BUILTIN_IDS = {v: k[len("EX_FACTOR_"):].lower() for k, v in abi.ffi.typeof("ex_
 # variables it reads at load) are those of the last registry that opened it (_note_shared).
 _OPENED: dict = {}
 _OPENED_LOCK = threading.Lock()
+# The copies of libraries opened in this process: address of the copy's ex_get_factor -> (the
+# sha256 of the file it was opened from, or None where that is not known: the file changed
+# while it was loaded; the cffi library, kept so that the copy is never closed and its address
+# never reused by another). dlopen hands a path it opened before that same copy even after the
+# file was replaced (a rebuild: a new inode), so a later load compares the bytes it checked
+# with the copy's (_check_copy).
+_COPIES: dict = {}
+
+
+def _file_identity(st: os.stat_result) -> tuple:
+    """What tells one file (and one version of it) from another: device, inode, size, mtime."""
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
 
 
 def _resolved(path: Path) -> Path:
@@ -441,24 +453,17 @@ def _c_text(ptr) -> str:
     return abi.ffi.string(ptr).decode(errors="replace") if ptr != abi.ffi.NULL else ""
 
 
-def _printable(text: str) -> str:
-    """``text`` with every character that is not printable (control characters such as a
-    newline or an escape sequence's ESC, format characters such as a bidi override) written as
-    Python escapes ('\\n', '\\x1b'): strings from a library, for tables and messages."""
-    return text if text.isprintable() else "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+_printable = errors.printable   # (the name the rest of the package imports)
 
 
 PLUGIN_TEXT_LIMIT = 500   # characters of a plugin's last_error() text kept in a message
 
 
 def _plugin_text(text: str, limit: int = PLUGIN_TEXT_LIMIT) -> str:
-    """A plugin's free text (its last_error()) for a message: _printable (no raw escape
+    """A plugin's free text (its last_error()) for a message: printable (no raw escape
     sequence reaches a terminal), then cut to ``limit`` characters, the cut said:
-    '... (N more characters)'."""
-    text = _printable(text)
-    if len(text) <= limit:
-        return text
-    return f"{text[:limit]}... ({len(text) - limit} more characters)"
+    '... (N more characters)' (errors.cut_text)."""
+    return errors.cut_text(text, limit)
 
 
 def _caller_stacklevel() -> int:
@@ -741,7 +746,10 @@ class FactorRegistry:
         read (no permission to list it), or if the registry has a lock and the one that applies
         to ``folder`` is missing or malformed (also where the folder holds no library)."""
         folder = _path_arg("folder", folder, "a directory path")
-        if not folder.is_dir():
+        if not _paths.is_dir(folder):
+            problem = _paths.folder_problem(folder)
+            if problem.startswith("cannot be reached"):
+                raise FactorError(f"factor folder '{folder}': {problem}")
             hint = _paths.not_a_checkout() if folder == _paths.factors_dir() else ""
             where = f" (= {folder.absolute()})" if not folder.is_absolute() else ""
             if os.environ.get("EX_ENGINE_FACTORS") and folder == _paths.factors_dir():
@@ -854,6 +862,50 @@ class FactorRegistry:
         ok, detail = fatbin.check_code(entries, hw.cc_major, hw.cc_minor)
         return p.check("cuda code", ok, f"{detail} ({hw.name}, cc {hw.cc_major}.{hw.cc_minor})")
 
+    @staticmethod
+    def _check_unchanged(p: Plugin, path: Path, ident: tuple) -> bool:
+        """After dlopen: the file at ``path`` is still the one whose bytes were checked
+        (``ident``: _file_identity when it was read). A file replaced or rewritten in between
+        (while the probe child ran, say) was opened unchecked: refused (its constructors ran,
+        nothing else of it runs), and its copy marked unknown for later loads (_check_copy)."""
+        try:
+            now = _file_identity(os.stat(path))
+        except OSError as exc:
+            now = str(exc)
+        if now == ident:
+            return True
+        try:
+            key = int(abi.ffi.cast("uintptr_t", p.lib.ex_get_factor))
+        except (AttributeError, OSError, KeyError):
+            key = None
+        if key is not None:
+            with _OPENED_LOCK:
+                _COPIES.setdefault(key, (None, p.lib))
+        return p.check("file unchanged", False,
+                       f"the file changed on disk between its checks (sha256 {p.sha256}) and dlopen "
+                       f"(device, inode, size or mtime differ: {ident} then {now}): what was opened is "
+                       "not what was checked, so none of it is used (its constructors ran); load it again")
+
+    @staticmethod
+    def _check_copy(p: Plugin, entry) -> bool:
+        """The copy dlopen handed back (``entry``: its ex_get_factor) holds the bytes checked
+        (p.sha256). A path opened before gives its first copy again, even after the file was
+        replaced (a rebuild): running that while reporting the new file's sha256 (and passing
+        its lock) would be a lie, so such a load is refused; a copy opened from the same bytes
+        (a file replaced by an identical one, a hard link) is the same code and passes."""
+        key = int(abi.ffi.cast("uintptr_t", entry))
+        with _OPENED_LOCK:
+            have = _COPIES.setdefault(key, (p.sha256, p.lib))[0]
+        if have == p.sha256:
+            return p.check("loaded copy", True, "this file's bytes")
+        held = (f"one opened earlier from sha256 {have}" if have else
+                "one of unknown bytes (its file changed while it was loaded)")
+        return p.check("loaded copy", False,
+                       f"this process already holds a copy of {_printable(p.path.name)} by this path, {held}, "
+                       f"and dlopen handed back that copy, not this file (sha256 {p.sha256}): the file "
+                       "was replaced since that copy was opened (a rebuild?); a process cannot load a "
+                       "second copy by the same path: restart it to load the new build")
+
     def _note_shared(self, p: Plugin, entry) -> None:
         """Before ex_get_factor: if another live registry of this process opened the same file
         (``entry``: its ex_get_factor, whose address names the loaded copy) with another
@@ -953,14 +1005,22 @@ class FactorRegistry:
         path = Path(path).absolute()
         where = _resolved(path)   # a symlink loop stays as named: its read fails below, reported
         if where in self._by_path:
-            return self._by_path[where]
+            first = self._by_path[where]
+            if first.path != path:   # another name of that file (a link): one row, and a note
+                note = (f"{_printable(path.name)}: the same file as {_printable(first.path.name)} "
+                        f"({where}); listed and loaded once, as {_printable(first.path.name)}")
+                if note not in self.notes:
+                    self.notes.append(note)
+            return first
         p = self._by_path[where] = Plugin(path=path)
         self.plugins.append(p)
         if path.exists() and not path.is_file():   # a FIFO would block the read, /dev/zero never end it
             p.check("read", False, "not a regular file (a folder, a FIFO, a device or a link to one)")
             return p
         try:
-            data = path.read_bytes()
+            with open(path, "rb") as fh:   # the identity of the file whose bytes are checked
+                ident = _file_identity(os.fstat(fh.fileno()))
+                data = fh.read()
         except OSError as exc:
             p.check("read", False, str(exc))
             return p
@@ -983,6 +1043,8 @@ class FactorRegistry:
             p.check("dlopen", False, self._dlopen_reason(exc, path))
             return p
         p.check("dlopen", True, "opened with its own handle (RTLD_LOCAL)")
+        if not self._check_unchanged(p, path, ident):
+            return p
         from_file = p.abi_version      # read before opening (_check_abi_in_file), or 0
         try:
             p.abi_version = int(p.lib.ex_abi_version)
@@ -1007,6 +1069,8 @@ class FactorRegistry:
             get = p.lib.ex_get_factor
         except (AttributeError, OSError, KeyError) as exc:
             p.check("symbol ex_get_factor", False, f"not exported ({exc})")
+            return p
+        if not self._check_copy(p, get):
             return p
         self._note_shared(p, get)
         f = get(self._hw_c)

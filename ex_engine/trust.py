@@ -48,21 +48,111 @@ def lock_digests(folder) -> dict:
 
 
 def write_lock(folder, output=None) -> tuple:
-    """Write the lock file of ``folder`` (default ``folder/ex_engine.lock``).
+    """Write the lock file of ``folder`` (default ``folder/ex_engine.lock``); ``output`` may also
+    be a text stream (``sys.stdout``: `ex-engine lock --output -`), which gets the JSON.
 
-    Returns (path written, {file name: sha256}). Raises FactorError if ``folder`` is not a
-    directory."""
+    A file is replaced atomically (replace_file): a reader sees the old lock or the new one,
+    never a part, and a write that fails (a full disk) leaves the old one as it was (it left an
+    empty file in its place). Returns (path written, or the stream; {file name: sha256}).
+    Raises FactorError if ``folder`` is not a directory, or naming the lock file it cannot
+    write and why."""
     folder = Path(folder)
     if not folder.is_dir():
         hint = _paths.not_a_checkout() if folder == _paths.factors_dir() else ""
         raise FactorError(f"lock: '{folder}' is not a directory" + (f"; {hint}" if hint else ""))
-    if output is not None and not str(output):
+    if output is not None and not hasattr(output, "write") and not str(output):
         raise FactorError("lock: --output: expected a file name, got '' (leave it out for "
                           f"<folder>/{LOCK_NAME})")
     digests = lock_digests(folder)
+    text = json.dumps(digests, indent=2, sort_keys=True) + "\n"
+    if hasattr(output, "write"):
+        output.write(text)
+        return output, digests
     out = Path(output) if output else folder / LOCK_NAME
-    out.write_text(json.dumps(digests, indent=2, sort_keys=True) + "\n")
+    try:
+        replace_file(out, text, mode=0o644)
+    except OSError as exc:
+        raise FactorError(f"lock: cannot write the lock file {out}: {_write_failure(exc, out)}") from exc
     return out, digests
+
+
+def _write_failure(exc: OSError, dest) -> str:
+    """Why replace_file could not write ``dest``, short: the error's text, and where it arose
+    where that is not ``dest`` itself (creating the temporary file in its folder)."""
+    why = exc.strerror or str(exc) or type(exc).__name__
+    name = exc.filename
+    if name is None or os.path.realpath(os.fsdecode(name)) == os.path.realpath(dest):
+        return why
+    name = os.fsdecode(name)
+    folder = os.path.dirname(os.path.realpath(dest))
+    if os.path.dirname(name) == folder:
+        if isinstance(exc, FileNotFoundError) and not os.path.isdir(folder):
+            return f"its folder {folder} does not exist"
+        return f"{why} (creating a file in its folder {folder})"
+    return f"{why} ({name})"
+
+
+def replace_file(dest, text: str, mode: int = 0o644, fsync: bool = True) -> None:
+    """Write ``text`` to ``dest`` atomically: into a new temporary file of a unique name in the
+    same folder (the destination of a symbolic link: the link keeps pointing at the new file),
+    flushed to disk (``fsync``), then renamed over ``dest`` (os.replace). The file gets the mode
+    of the file it replaces, or ``mode`` less the process's umask for a new one. On any failure
+    the temporary file is removed and ``dest`` is left as it was; raises the OSError."""
+    import stat
+    dest = Path(os.path.realpath(dest))
+    try:
+        keep = stat.S_IMODE(os.stat(dest).st_mode)
+    except FileNotFoundError:
+        keep = None
+    fd, tmp = _create_beside(dest, mode)
+    try:
+        try:
+            if keep is not None:   # if the file system lets it (else ``mode`` less the umask)
+                try:
+                    os.fchmod(fd, keep)
+                except OSError:
+                    pass
+            data = text.encode()
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            if fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, dest)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    if fsync:   # the rename itself, best effort (a folder may refuse to be opened or synced)
+        try:
+            dfd = os.open(dest.parent, os.O_RDONLY)
+        except OSError:
+            return
+        try:
+            os.fsync(dfd)
+        except OSError:
+            pass
+        finally:
+            os.close(dfd)
+
+
+def _create_beside(dest: Path, mode: int) -> tuple:
+    """(fd, path) of a new file named '.<dest's name>.<random>.tmp' in ``dest``'s folder, opened
+    for writing, created with ``mode`` (the kernel applies the umask, as for any new file; a
+    name taken already is tried again with another)."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
+    for _ in range(100):
+        tmp = dest.parent / f".{dest.name}.{secrets.token_hex(6)}.tmp"
+        try:
+            return os.open(tmp, flags, mode), tmp
+        except FileExistsError:
+            continue
+    import errno
+    raise FileExistsError(errno.EEXIST, "no unused temporary file name", str(dest.parent))
 
 
 def read_lock(path) -> dict:
@@ -269,7 +359,7 @@ def probe_library(path, hardware, timeout: float = 10.0) -> tuple:
     rc, stages, last = run_reporting_child(
         [_CHILD, str(Path(path).absolute()), json.dumps(hardware.as_dict()), json.dumps(child_sys_path())],
         timeout)
-    last = last or "no message"
+    said = _stderr_line(last)   # the cause where the child's stderr gives it (ld.so's message)
     stage = stages[-1] if stages else "start-up"
     if rc is None:
         return False, f"timed out after {timeout:g} s in {stage}"
@@ -282,14 +372,31 @@ def probe_library(path, hardware, timeout: float = 10.0) -> tuple:
         if why:
             return False, why
         return True, _done_detail(what, before)
+    said_in = f"; last stderr line: {said}" if said else ""
     if not stages:   # the child never reached the library: the probe did not run
         return False, (f"the probe's child process ended with status {rc} before opening the library "
-                       f"(last stderr line: {last[:300]}); not opened unprobed")
+                       f"(last stderr line: {said or 'no message'}); not opened unprobed")
     if stage.startswith("done"):   # its checks done, the child then ended with a status of its own
         return False, (f"exited with status {rc} after ex_get_factor returned (at exit: a destructor "
-                       "or atexit handler of the library ended the child process)")
-    # the library ended the process itself (exit() in a constructor or in ex_get_factor)
-    return False, f"exited with status {rc} in {stage} (the library ended the child process)"
+                       f"or atexit handler of the library ended the child process{said_in})")
+    if stage == "dlopen":   # ld.so ends a process on a corrupt library ("Inconsistency detected
+        # by ld.so: ...", status 127) before any of its code runs; or exit() in a constructor
+        return False, (f"exited with status {rc} in dlopen (the dynamic loader, or the library's "
+                       f"initialisation code, ended the child process{said_in})")
+    # the library ended the process itself (exit() in ex_get_factor)
+    return False, f"exited with status {rc} in {stage} (the library ended the child process{said_in})"
+
+
+STDERR_LINE_LIMIT = 300   # characters of a child's last stderr line kept in a probe's message
+
+
+def _stderr_line(line: str, limit: int = STDERR_LINE_LIMIT) -> str:
+    """A child's last stderr line for a message: every character that is not printable (a
+    control character, an escape sequence's ESC) written as a Python escape ('\\x1b'), so that
+    it stays one line and cannot drive a terminal, then cut to ``limit`` characters, the cut
+    said: '... (N more characters)'. '' for none."""
+    from .errors import cut_text
+    return cut_text(line.strip(), limit)
 
 
 CHILD_TIMEOUT_S = 120.0   # default for one plugin's verify cases in a child process (seconds)
@@ -299,12 +406,17 @@ def child_sys_path(extra=()) -> list:
     """sys.path for a child process: ``extra`` folders first, then this process's entries as
     absolute paths (an entry '' or a relative one means this process's current folder, which a
     child started later from another folder would read otherwise); entries that are not paths
-    (which imports ignore) dropped."""
+    (which imports ignore) dropped; last, where this ex_engine was imported from (so that the
+    child finds it), after the process's own entries: first, its folder's packages (a checkout's
+    tests/, scripts/) shadowed the user's of the same name in the child only, so the probe
+    imported another module than the process would (an operations engineer's trial)."""
     import os
     out = [str(p) for p in extra]
-    out.append(str(Path(__file__).resolve().parents[1]))   # where this ex_engine was imported from
     for p in sys.path:
         p = os.fspath(p) if isinstance(p, os.PathLike) else p
         if isinstance(p, str):
             out.append(os.path.abspath(p or "."))
+    root = str(Path(__file__).resolve().parents[1])   # where this ex_engine was imported from
+    if root not in out:
+        out.append(root)
     return out

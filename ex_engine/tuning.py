@@ -183,6 +183,10 @@ class TuningTable:
         # text, not YAML, not a tuning file's form: an empty file, multiprocessor_count: many)
         self.unreadable: list = []
         self.malformed: list = []
+        # why the folder itself could not be listed ('' when it could, or is not there): its
+        # files were not read at all (an operations engineer's trial: an unreadable tuning/
+        # folder read as "no file for this device", with no note)
+        self.folder_problem: str = ""
 
     @property
     def in_use(self) -> str | None:
@@ -217,10 +221,22 @@ class TuningTable:
                                 "a Hardware, a profile name or path, or None", type(hardware).__name__)
         folder = Path(folder) if folder else tuning_dir()
         warn = bool(getattr(hardware, "live", False))
-        if hardware is None or not folder.is_dir():
+        if hardware is None:
             return cls(warn=warn, folder=folder)
+        try:
+            with os.scandir(folder) as it:
+                files = sorted(folder / e.name for e in it if e.name.endswith((".yaml", ".yml")))
+        except (FileNotFoundError, NotADirectoryError):
+            return cls(warn=warn, folder=folder)
+        except OSError as exc:   # there, but not to be listed (or a folder above not entered)
+            why = f"tuning folder {folder}: cannot be read ({exc.strerror or exc}): none of its files read"
+            if report:
+                warnings.warn(f"{why} (tuned dims take the kernels' defaults)", TuningWarning, stacklevel=2)
+            t = cls(warn=warn, problems=[why], folder=folder)
+            t.folder_problem, t.unreadable = why, [str(folder)]
+            return t
         problems, remarks, chosen, set_aside, unreadable, malformed = [], [], None, [], [], []
-        for p in sorted([*folder.glob("*.yaml"), *folder.glob("*.yml")]):
+        for p in files:
             device = None
             try:
                 data = cls._read_device(p)   # (a file that names this device and is malformed

@@ -39,7 +39,7 @@ import numpy as np
 
 from .arrays import Bits16, TensorRef, f32_to_bf16_bits
 from .errors import ArgumentError, FactorError, is_integer
-from .trust import CHILD_TIMEOUT_S, _signal_name, child_sys_path, sha256_hex
+from .trust import CHILD_TIMEOUT_S, _signal_name, child_sys_path, replace_file, sha256_hex
 
 _RSQRT = re.compile(r"^\s*1\s*/\s*sqrt\(\s*(\w+)\s*\)\s*$")
 
@@ -789,9 +789,12 @@ def _read_cache() -> dict:
 def _write_cache(data: dict) -> str:
     """Write ``data`` to cache_file(). Returns '' when written, else why not, short (e.g.
     "/etc/passwd is not a folder", "/ro/verified.json: Permission denied"): a read-only home is
-    no error, verification is simply repeated next time."""
+    no error, verification is simply repeated next time.
+
+    The file is written under a temporary name of its own in the same folder and renamed into
+    place (trust.replace_file): writers in threads of one process shared one name ('.tmp<pid>')
+    and removed or replaced each other's file, so that some of them failed."""
     path = cache_file()
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
     except FileExistsError:   # a file (or a link to one) where the folder should be
@@ -799,11 +802,8 @@ def _write_cache(data: dict) -> str:
     except OSError as exc:
         return _os_error(exc, exc.filename or path.parent)
     try:
-        tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
-        tmp.replace(path)
+        replace_file(path, json.dumps(data, indent=1, sort_keys=True), mode=0o644, fsync=False)
     except OSError as exc:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
         return _os_error(exc, path)   # the cache file, not the temporary one beside it
     return ""
 

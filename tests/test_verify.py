@@ -152,10 +152,17 @@ def test_load_verify_remembers_a_pass(tmp_path, cache):
     assert data[key]["factor"] == "host_scale" and data[key]["cases"] == 1
     reg = FactorRegistry.load(tmp_path / "lib", hardware="h200", verify=True)
     assert reg.get("host_scale").checks[-1].detail.startswith("passed before (1 cases on host")
-    # another build of the library is verified again
-    build_plugin(tmp_path / "lib", defines={"VERSION": '"1.0.1"'})
-    reg = FactorRegistry.load(tmp_path / "lib", hardware="h200", verify=True)
+    # another build of the library is verified again (in a folder of its own: a build over the
+    # first one's path is refused in this process, which holds the first copy by that path, and
+    # its bytes, never run, are not recorded as passed)
+    build_plugin(tmp_path / "lib2", defines={"VERSION": '"1.0.1"'})
+    reg = FactorRegistry.load(tmp_path / "lib2", hardware="h200", verify=True)
     assert reg.get("host_scale").checks[-1].detail.startswith("1 cases passed")
+    build_plugin(tmp_path / "lib", defines={"VERSION": '"1.0.2"'})
+    reg = FactorRegistry.load(tmp_path / "lib", hardware="h200", verify=True)
+    (p,) = reg.plugins
+    assert p.status == "rejected" and p.reason.startswith("loaded copy: "), p.reason
+    assert f"{p.sha256}|host" not in json.loads(cache.read_text())
 
 
 def test_load_verify_says_when_the_pass_could_not_be_cached(tmp_path, monkeypatch):
