@@ -720,6 +720,8 @@ class FactorRegistry:
             this one (sys.exit() at import time is caught either way: Manifest.fallback_fn).
             With verify=True the verification runs in a child process too, within
             ``verify_timeout`` seconds per library (a crash, an exit or a hang there rejects it).
+            Without a probe, probe_timeout and verify_timeout are checked but not used (the CLI,
+            whose --probe-timeout has no default, refuses it without --probe).
         verify: run each ready plugin against its Python fallback on its manifest's test
             shapes (device factors need a live GPU); a pass per (library sha256, GPU name) is
             remembered in $EX_ENGINE_CACHE/verified.json (default ~/.cache/ex_engine); where
