@@ -63,6 +63,10 @@
  *                         vectors, 8 (k, z) loads in flight per thread, invalid slots skipped;
  *                         rounded once. No atomics: the same
  *                         inputs give bit-identical outputs.
+ *                         At T = 1 on sm_90+ where GEMM2 has at most 3 blocks per SM (K <= 8, S = 1):
+ *                         no such launch; GEMM2 runs in clusters of the token's K blocks of an
+ *                         N-tile, whose rank 0 sums their rows in the same order from distributed
+ *                         shared memory (cluster_combine; bit-identical; EX_MOE_CLUSTER_COMBINE=0: off).
  *                    Surplus GEMM blocks (the grid is an upper bound computed from dims) read the
  *                    tile count the router wrote and exit.
  *                    T*K <= 32 with the BM=16 configs (tiny, decode, decode4): no routing
@@ -149,6 +153,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <cooperative_groups.h>
 #include <cub/block/block_scan.cuh>
 
 #include <cstdint>
@@ -726,6 +731,9 @@ struct GemmParams {
                                // take the SM slots this grid leaves free and prefetch; they become
                                // resident only once this grid's last blocks have started, so they
                                // never delay its blocks)
+    void* cluster_out;         // GEMM2 at T = 1 (cluster combine, see cluster_combine): out (1, H);
+                               // launched in clusters of the m_tiles blocks of one N-tile, whose
+                               // rank 0 sums their rows in the combine's order; no y, no combine
     int pre_ws;                // GEMM2 (EX_MOE_DECODE_CONFIG=new): the routing launch wrote meta,
                                // tiles and sorted_slots before GEMM1 started, so they are final:
                                // read them (through L2) and stream the first weight stages before
@@ -769,6 +777,52 @@ __device__ __forceinline__ int warp_route(const GemmParams& p, int lane, int* s_
     __syncwarp();
     *n_rows = nvalid;
     return __popc(tmask);
+}
+
+// The cluster combine of GEMM2 at T = 1 (p.cluster_out): each block of a cluster (the m_tiles
+// M-tiles of one N-tile: the token's experts) has put its rows' y = dtype(w * acc) for the
+// N-tile's BN columns in shared memory (x_val, BM x BN), their slots (x_slot) and row count
+// (x_cnt: 0 for a block without a tile); rank 0 sums, for each column, the rows of slots 0..K-1
+// in that order in fp32 from its peers' shared memory (distributed shared memory), as
+// moe_combine_kernel sums y (k-major; S = 1), and writes out. The second cluster barrier keeps
+// every peer's shared memory alive until rank 0 has read it. sm_90+ only (the host asks for it
+// only there).
+template <typename T, int BM, int BN, int NT>
+__device__ __forceinline__ void cluster_combine(const GemmParams& p, unsigned char* smem, int n0) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    namespace cg = cooperative_groups;
+    cg::cluster_group cl = cg::this_cluster();
+    int* x_cnt = reinterpret_cast<int*>(smem);
+    int* x_slot = x_cnt + 1;
+    T* x_val = reinterpret_cast<T*>(smem + 128);
+    int* where = reinterpret_cast<int*>(smem + 128 + BM * BN * sizeof(T));  // [K]: rank*BM+row, or -1
+    cl.sync();   // every block's rows are in its shared memory
+    if (cl.block_rank() == 0) {
+        const int K = p.topk, cs = (int)cl.num_blocks();
+        for (int k = threadIdx.x; k < K; k += NT) where[k] = -1;
+        __syncthreads();
+        for (int r = threadIdx.x; r < cs; r += NT) {   // each peer's slots, read once
+            const int cnt = *cl.map_shared_rank(x_cnt, (unsigned)r);
+            const int* sl = cl.map_shared_rank(x_slot, (unsigned)r);
+            for (int row = 0; row < cnt; ++row) where[sl[row]] = r * BM + row;
+        }
+        __syncthreads();
+        T* out = static_cast<T*>(p.cluster_out);
+        for (int c = threadIdx.x; c < BN; c += NT) {
+            const int n = n0 + c;
+            if (n >= p.N) continue;
+            float acc = 0.0f;
+            for (int k = 0; k < K; ++k) {   // slot order: the combine's
+                const int w = where[k];
+                if (w < 0) continue;   // an invalid id (or another rank's expert): nothing
+                const T* v = cl.map_shared_rank(x_val, (unsigned)(w / BM));
+                acc += Elem<T>::to_f(v[(w % BM) * BN + c]);
+            }
+            out[n] = Elem<T>::from_f(acc);
+        }
+    }
+    cl.sync();   // rank 0 has read every peer's shared memory
+#endif
 }
 
 template <typename T, class C, bool GATED>
@@ -832,7 +886,15 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) moe_gemm_kernel(const Gem
     } else {
         n_tiles = __ldcg(p.meta);
     }
-    if (tile >= n_tiles) return;  // surplus block: the whole block leaves before any barrier
+    if (tile >= n_tiles) {  // surplus block: the whole block leaves before any barrier
+        if constexpr (!GATED) {
+            if (p.cluster_out != nullptr) {   // but a cluster's barriers count it: no rows
+                if (tid == 0) reinterpret_cast<int*>(gemm_smem)[0] = 0;
+                cluster_combine<T, BM, BN, NT>(p, gemm_smem, ntile * BN);
+            }
+        }
+        return;
+    }
     const int4 td = fused ? r_tiles[tile] : __ldcg(p.tiles + tile);
     const int e = td.x, row0 = td.y, row_end = td.z;
     const int n0 = ntile * BN;
@@ -1012,6 +1074,11 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) moe_gemm_kernel(const Gem
     // Epilogue. Accumulator fragment: c0,c1 at (row g, cols 2q, 2q+1), c2,c3 at row g + 8.
     using E2 = typename Elem<T>::T2;
     const int g = lane >> 2, q = lane & 3;
+    const bool to_cluster = !GATED && p.cluster_out != nullptr;
+    if (to_cluster) {
+        __syncthreads();   // every warp is done with the pipeline's shared memory
+        if (tid == 0) reinterpret_cast<int*>(gemm_smem)[0] = row_end - row0;
+    }
 #pragma unroll
     for (int mi = 0; mi < MI; ++mi) {
 #pragma unroll
@@ -1030,6 +1097,18 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) moe_gemm_kernel(const Gem
                         *reinterpret_cast<E2*>(crow + n) = Elem<T>::pack(a0, a1);
                     }
                 }
+            } else if (p.cluster_out != nullptr) {   // the row to shared memory (cluster_combine)
+                const int slot = ep_slot[mi][h];
+                const float w = p.topk_weights[slot];
+                const int lr = grow - row0;
+                if (wn == 0 && q == 0) reinterpret_cast<int*>(gemm_smem)[1 + lr] = slot;
+                T* xrow = reinterpret_cast<T*>(gemm_smem + 128) + lr * BN;
+#pragma unroll
+                for (int j = 0; j < NI; ++j) {
+                    const int nl = wn * WN + j * 8 + 2 * q;
+                    *reinterpret_cast<E2*>(xrow + nl) =
+                        Elem<T>::pack(w * acc[mi][j][2 * h], w * acc[mi][j][2 * h + 1]);
+                }
             } else {
                 const int slot = ep_slot[mi][h];
                 const float w = p.topk_weights[slot];
@@ -1045,6 +1124,7 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) moe_gemm_kernel(const Gem
             }
         }
     }
+    if (to_cluster) cluster_combine<T, BM, BN, NT>(p, gemm_smem, n0);
 }
 
 // ------------------------------------------------------------------------------------------
@@ -1186,6 +1266,16 @@ static int s_num_sms = 132;
 static int s_smem_optin = 232448;
 static bool s_cfg_allowed[CFG_COUNT] = {true, true, true};
 static bool s_pdl_ok = false;  // cc >= 9.0: programmatic dependent launch
+// cc >= 9.0 and EX_MOE_CLUSTER_COMBINE not 0 (read at load): GEMM2 at T = 1 sums the token's
+// rows in clusters (cluster_combine) instead of a combine launch
+static bool s_cluster_combine = false;
+// ... where GEMM2's grid holds at most this many blocks per SM. H200, ab_moe, one process, two
+// runs (benchmarks/RESULTS.md, session 33): granite T = 1 (384 blocks) 17.8 -> 16.9 and 17.2 ->
+// 16.6 us, deepseek (384) 32.0 -> 31.7, mixtral and phi-3.5 (K = 2) within 0.6%; but qwen3-30b
+// and olmoe (512 blocks) 26.3 -> 29.0 and 31.5 -> 34.8, qwen3-235b (512 of decode4) 78.9 -> 89.0:
+// a cluster's blocks must be resident on one GPC together, and where GEMM2 needs (nearly) every
+// slot GEMM1's tail frees, its clusters start later (inferred, not measured).
+constexpr int kClusterCombineBlocksPerSm = 3;
 // Whether CfgDecode4 fits a block and its MINB blocks are resident on one SM (its shared memory,
 // with the 1 KB the runtime reserves per block, and its threads): the kernel chooses it only then
 // (an A100's 164 KB per SM holds three, and decode4 would be decode with a stage less)
@@ -1583,6 +1673,7 @@ static int launch_fast(const Problem& P, void* out, const void* x, const void* w
     p1.status = status; p1.w_meta = meta; p1.w_tiles = tiles; p1.w_sorted = sorted;
     p1.early = (early && blocks1 <= wave) || wide;
     p1.pre_ws = 0;
+    p1.cluster_out = nullptr;
     // M-tile-fastest order only while every A tile of the grid (re-read once per N-tile) stays
     // well inside L2; otherwise the old order, which reuses one A tile over consecutive blocks
     const bool m_fast_ok = mode != MODE_OLD && C::BM <= 48;  // decode(4), tiny, mid32, mid48
@@ -1603,6 +1694,26 @@ static int launch_fast(const Problem& P, void* out, const void* x, const void* w
     p2.N = H; p2.Kd = I; p2.n_tiles_n = n_tiles_n2;
     p2.kt_per_split = kt_per_split; p2.split_stride = P.TK * P.H;
     p2.m_tiles = (m_fast_ok && a_bytes2 <= s_l2_bytes / 4) ? (int)max_tiles : 0;
+    // T = 1: GEMM2 in clusters of the token's K blocks of an N-tile, which sum its rows
+    // themselves (cluster_combine): no y, no combine launch (EX_MOE_CLUSTER_COMBINE=0 at load:
+    // off), where GEMM2 has at most kClusterCombineBlocksPerSm blocks per SM (see there)
+    const bool cluster = s_cluster_combine && pdl && C::BM == kSmallBM && P.T == 1 && S == 1 &&
+                         p2.m_tiles == (int)max_tiles && max_tiles == K && K <= 8 && K >= 1 &&
+                         blocks2 <= (int64_t)kClusterCombineBlocksPerSm * s_num_sms;
+    if (cluster) {
+        p2.cluster_out = out;
+        err = explugin::launch_kernel_cluster(moe_gemm_kernel<T, C, false>, dim3((unsigned)blocks2, 1, 1),
+                                              dim3(C::THREADS), C::smem_bytes(false), stream, pdl,
+                                              (unsigned)max_tiles, p2);
+        if (err == cudaSuccess) {
+            if ((err = cudaGetLastError()) != cudaSuccess) return cuda_error(err);
+            return EX_OK;
+        }
+        // a cluster launch the device refuses (its clusters cannot be resident: a partition
+        // of a GPU, say): nothing ran; the plain GEMM2 and the combine launch below instead
+        (void)cudaGetLastError();
+        p2.cluster_out = nullptr;
+    }
     if ((err = launch_k(moe_gemm_kernel<T, C, false>, dim3((unsigned)blocks2, 1, (unsigned)S),
                         dim3(C::THREADS), C::smem_bytes(false), stream, pdl, p2)) != cudaSuccess)
         return cuda_error(err);
@@ -1754,6 +1865,7 @@ static bool moe_portable_init(const ex_hardware_t* hw, ex_tuning_t* tuning) {
     for (int c = 0; c < CFG_COUNT; ++c) s_cfg_allowed[c] = allowed[c];
     s_num_sms = hw->multiprocessor_count > 0 ? hw->multiprocessor_count : 1;
     s_pdl_ok = hw->cc_major >= 9;
+    s_cluster_combine = hw->cc_major >= 9 && explugin::env_count("EX_MOE_CLUSTER_COMBINE", 1) != 0;
     s_route_mb_slots = explugin::env_count("EX_MOE_ROUTE_MULTIBLOCK_SLOTS", kRouteMultiBlockSlots);
 #if defined(EX_MOE_DIAG)
     s_diag_skip = (int)explugin::env_count("EX_MOE_DIAG_SKIP", 0);

@@ -493,6 +493,114 @@ def test_moe_decode_with_no_valid_slot_writes_zeros(reg, cp, monkeypatch, mode, 
     assert bool((f64(out) == 0).all())
 
 
+@pytest.fixture(scope="module")
+def cluster_regs(tmp_path_factory):
+    """(off, on): registries of copies of each moe plugin (a library is one copy per process and
+    reads EX_MOE_CLUSTER_COMBINE when it loads), loaded with the cluster combine off and on."""
+    import shutil
+    regs = {}
+    for lib in ("moe_fused_gemm.so", "moe_fused_gemm_sm90.so"):
+        if not (ROOT / "factors" / lib).exists():
+            continue
+        pair = []
+        for value in ("0", "1"):
+            d = tmp_path_factory.mktemp(f"cc{value}")
+            shutil.copy(ROOT / "factors" / lib, d / lib)
+            old = os.environ.get("EX_MOE_CLUSTER_COMBINE")
+            os.environ["EX_MOE_CLUSTER_COMBINE"] = value
+            try:
+                r = FactorRegistry.load(d)
+            finally:
+                if old is None:
+                    os.environ.pop("EX_MOE_CLUSTER_COMBINE", None)
+                else:
+                    os.environ["EX_MOE_CLUSTER_COMBINE"] = old
+            if r.get("moe_fused_gemm") is None:
+                break
+            pair.append(r)
+        if len(pair) == 2:
+            regs[lib] = pair
+    if not regs:
+        pytest.skip("no moe_fused_gemm plugin ready on this GPU")
+    return regs
+
+
+@pytest.mark.parametrize("lib", ["moe_fused_gemm.so", "moe_fused_gemm_sm90.so"])
+@pytest.mark.parametrize("kind", ["granite", "K=6", "K=2 H=4352", "K=1 H=8448", "invalid id", "all invalid",
+                                  "repeated expert", "expert_map", "fp16", "H=1544 I=1000", "K=8 512 blocks",
+                                  "K=2 split"])
+def test_moe_cluster_combine_equals_the_combine_launch(cp, cluster_regs, lib, kind):
+    """T = 1 on sm_90+: where GEMM2 has at most 3 blocks per SM, it runs in clusters of the token's
+    K blocks whose rank 0 sums the rows (no combine launch); its output equals the combine
+    launch's bit for bit (both within tolerance of the float64 reference), also in a CUDA graph,
+    and with ids that give some of a cluster's blocks no tile. The profiler's kernel names say
+    which path ran: the combine launch at 512 blocks (qwen3-30b's shape) and where GEMM2 is split
+    over I (S = 2: few blocks, mixtral's T = 1 and K = 2 at H = 4096 here)."""
+    if lib not in cluster_regs:
+        pytest.skip(f"{lib} not built or not ready")
+    off, on = cluster_regs[lib]
+    shapes = {"granite": (1536, 40, 512, 8), "K=6": (2048, 64, 1408, 6), "K=2 H=4352": (4352, 8, 3584, 2),
+              "K=1 H=8448": (8448, 16, 512, 1), "invalid id": (1536, 40, 512, 8), "all invalid": (1536, 40, 512, 8),
+              "repeated expert": (1536, 40, 512, 8), "expert_map": (1536, 40, 512, 8), "fp16": (1536, 40, 512, 8),
+              "H=1544 I=1000": (1544, 40, 1000, 8), "K=8 512 blocks": (2048, 128, 768, 8),
+              "K=2 split": (4096, 8, 3584, 2)}
+    H, E, I, K = shapes[kind]
+    dtype = "float16" if kind == "fp16" else "bfloat16"
+    x, w13, w2, w, ids = moe_case(cp, 1, H, E, I, K, dtype)
+    kw = {}
+    if kind == "invalid id":
+        ids[0, 1] = E + 5
+    elif kind == "all invalid":
+        ids[:] = E + 1
+    elif kind == "repeated expert":
+        ids[0, 1] = ids[0, 0]
+    elif kind == "expert_map":   # G = 2E global ids, the odd ones on another rank
+        emap = cp.asarray(np.array([g // 2 if g % 2 == 0 else -1 for g in range(2 * E)], np.int32))
+        ids = cp.asarray(np.array([[2 * j + (j % 2) for j in range(K)]], np.int32))
+        kw = {"expert_map": emap}
+    outs, names = [], []
+    for r in (off, on):
+        out = poison(cp, (1, H), dtype)
+        _, n = profiled_kernels(cp, lambda: moe_fused_gemm(x, w13, w2, w, ids, out=out, registry=r, **kw))
+        assert r.last_path["moe_fused_gemm"] == "plugin"
+        names.append(n)
+        outs.append(out)
+    flagged = kind in ("invalid id", "all invalid")
+    for r in (off, on):
+        if flagged:
+            with pytest.raises(DeviceSideError, match="topk_id outside"):
+                r.check_device_errors()
+        else:
+            r.check_device_errors()
+    bits = lambda o: o.bits if isinstance(o, Bits16) else o.view(cp.uint16)
+    assert bool((bits(outs[0]) == bits(outs[1])).all()), kind
+    if kind == "all invalid":
+        assert bool((f64(outs[1]) == 0).all())
+    elif kind != "expert_map":
+        ref = moe_reference(cp, x, w13, w2, w, ids)
+        assert rel(cp, outs[1], ref) < off.manifest("moe_fused_gemm").tolerance[dtype]
+    combine = [any("combine" in k for k in n) for n in names]
+    assert combine == [True, kind in ("K=8 512 blocks", "K=2 split")], (combine, names)
+    # graph replay of the cluster path
+    out = poison(cp, (1, H), dtype)
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        moe_fused_gemm(x, w13, w2, w, ids, out=out, registry=on, **kw)   # warm: the workspace
+        stream.begin_capture()
+        moe_fused_gemm(x, w13, w2, w, ids, out=out, registry=on, **kw)
+        graph = stream.end_capture()
+        for _ in range(2):
+            bits(out).fill(0xFFFF)
+            graph.launch(stream)
+            stream.synchronize()
+            assert bool((bits(out) == bits(outs[0])).all()), kind
+    if flagged:
+        with pytest.raises(DeviceSideError, match="topk_id outside"):
+            on.check_device_errors()
+    else:
+        on.check_device_errors()
+
+
 # ------------------------------------------------------------------------------ multi-block routing
 ROUTE_ENV = "EX_MOE_ROUTE_MULTIBLOCK_SLOTS"      # read by ex_get_factor (moe_portable_init)
 SM90_ENV = "EX_MOE_SM90_MIN_ROWS_PER_EXPERT"     # read by the sm90 plugin's ex_get_factor
