@@ -454,6 +454,9 @@ def _check_lock_output(folder, output) -> None:
 def cmd_lock(args) -> int:
     from .trust import write_lock
     to_stdout = args.output == "-"   # the JSON on stdout; the lines about it on stderr
+    if to_stdout and sys.stdout is None:   # (write_lock read None as "the default file")
+        raise FactorError("lock: --output -: expected a standard output to write the lock to, got none "
+                          "(it is closed); give a file name")
     if to_stdout:   # (it wrote a file named '-')
         path, digests = write_lock(args.dir, sys.stdout)
         sys.stdout.flush()
@@ -709,11 +712,15 @@ class _Output:
         return getattr(self.stream, name)
 
 
-def _output_lost(exc: OSError) -> int:
-    """After an error writing stdout: stdout goes to /dev/null (what is still buffered would
-    fail again at exit, with Python's 'Exception ignored' lines), one line on stderr; status 2."""
+def _output_lost(exc: OSError, command: bool = True) -> int:
+    """After an error writing stdout: one line on stderr; status 2. In the ex-engine command
+    itself (``command``), stdout goes to /dev/null too (what is still buffered would fail again
+    at exit, with Python's 'Exception ignored' lines); main() called by a program leaves that
+    program's stdout alone."""
+    fd = None
     try:
-        fd = sys.stdout.fileno()
+        if command:
+            fd = sys.stdout.fileno()
     except (AttributeError, OSError, ValueError):   # not a file (a program's own stream)
         fd = None
     if fd is not None:
@@ -763,7 +770,7 @@ def _main(argv, out) -> int:
                 except OSError:   # recorded in out.lost
                     pass
                 if out.lost is not None:
-                    return _output_lost(out.lost)
+                    return _output_lost(out.lost, argv is None)
             raise
         args.command_process = argv is None   # the ex-engine command (or python -m ex_engine) itself
         if args.command_process and not faulthandler.is_enabled():
@@ -790,11 +797,11 @@ def _main(argv, out) -> int:
         return _reader_left()
     except OSError as exc:           # stdout that cannot be written (a full disk), or a file a
         if out is not None and out.lost is not None:   # command reads (a folder it cannot enter)
-            return _output_lost(out.lost)
+            return _output_lost(out.lost, argv is None)
         print(f"ex-engine: error: {_os_error(exc)}", file=sys.stderr)
         return 2
     if out is not None and out.lost is not None:   # an error writing stdout that code swallowed
-        return _output_lost(out.lost)
+        return _output_lost(out.lost, argv is None)
     return code
 
 

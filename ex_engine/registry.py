@@ -867,15 +867,26 @@ class FactorRegistry:
     @staticmethod
     def _check_unchanged(p: Plugin, path: Path, ident: tuple) -> bool:
         """After dlopen: the file at ``path`` is still the one whose bytes were checked
-        (``ident``: _file_identity when it was read). A file replaced or rewritten in between
-        (while the probe child ran, say) was opened unchecked: refused (its constructors ran,
-        nothing else of it runs), and its copy marked unknown for later loads (_check_copy)."""
+        (``ident``: _file_identity when it was read), or one of the same bytes (a deploy that
+        replaced it by an identical copy meanwhile). A file replaced or rewritten in between by
+        other bytes (while the probe child ran, say) was opened unchecked: refused (its
+        constructors ran, nothing else of it runs), and its copy marked unknown, so that later
+        loads by this path, which dlopen hands the same copy, are refused too (_check_copy).
+        A rewrite in place that keeps the inode, the size and the mtime (within the file
+        system's granularity) is not seen."""
         try:
             now = _file_identity(os.stat(path))
         except OSError as exc:
             now = str(exc)
         if now == ident:
             return True
+        try:   # other metadata: the same bytes again? (whichever file dlopen opened, they match)
+            with open(path, "rb") as fh:
+                same = trust.sha256_hex(fh.read()) == p.sha256
+        except OSError:
+            same = False
+        if same:
+            return p.check("file unchanged", True, "replaced by a file of the same bytes while it was loaded")
         try:
             key = int(abi.ffi.cast("uintptr_t", p.lib.ex_get_factor))
         except (AttributeError, OSError, KeyError):
@@ -885,8 +896,9 @@ class FactorRegistry:
                 _COPIES.setdefault(key, (None, p.lib))
         return p.check("file unchanged", False,
                        f"the file changed on disk between its checks (sha256 {p.sha256}) and dlopen "
-                       f"(device, inode, size or mtime differ: {ident} then {now}): what was opened is "
-                       "not what was checked, so none of it is used (its constructors ran); load it again")
+                       f"(device, inode, size or mtime differ: {ident} then {now}, and its bytes): what was "
+                       "opened is not what was checked, so none of it is used (its constructors ran); this "
+                       "process holds that copy by this path now: restart it to load the file")
 
     @staticmethod
     def _check_copy(p: Plugin, entry) -> bool:

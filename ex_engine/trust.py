@@ -97,14 +97,28 @@ def replace_file(dest, text: str, mode: int = 0o644, fsync: bool = True) -> None
     same folder (the destination of a symbolic link: the link keeps pointing at the new file),
     flushed to disk (``fsync``), then renamed over ``dest`` (os.replace). The file gets the mode
     of the file it replaces, or ``mode`` less the process's umask for a new one. On any failure
-    the temporary file is removed and ``dest`` is left as it was; raises the OSError."""
+    the temporary file is removed and ``dest`` is left as it was; raises the OSError (one from
+    the rename names ``dest``). Where no file may be created in the folder but ``dest`` exists
+    and may be written (a lock file made writable in a folder that is not), it is rewritten in
+    place instead, as before: not atomic, but not refused."""
     import stat
     dest = Path(os.path.realpath(dest))
     try:
         keep = stat.S_IMODE(os.stat(dest).st_mode)
     except FileNotFoundError:
         keep = None
-    fd, tmp = _create_beside(dest, mode)
+    try:
+        fd, tmp = _create_beside(dest, mode)
+    except PermissionError:
+        if keep is None or not os.access(dest, os.W_OK):
+            raise
+        with open(dest, "r+b") as fh:   # in place (the folder refuses a new file)
+            fh.truncate(0)
+            fh.write(text.encode())
+            fh.flush()
+            if fsync:
+                os.fsync(fh.fileno())
+        return
     try:
         try:
             if keep is not None:   # if the file system lets it (else ``mode`` less the umask)
@@ -120,7 +134,10 @@ def replace_file(dest, text: str, mode: int = 0o644, fsync: bool = True) -> None
                 os.fsync(fd)
         finally:
             os.close(fd)
-        os.replace(tmp, dest)
+        try:
+            os.replace(tmp, dest)
+        except OSError as exc:   # the rename over dest refused (another user's file in a sticky folder)
+            raise OSError(exc.errno, exc.strerror, str(dest)) from exc
     except BaseException:
         try:
             os.unlink(tmp)

@@ -380,3 +380,57 @@ def test_version_prints_the_package_and_abi_versions(capsys):
 def test_version_of_the_command(tmp_path):
     r = _ex_engine(["--version"], tmp_path, capture_output=True)
     assert (r.returncode, r.stderr) == (0, "") and r.stdout.startswith(f"ex-engine {ex_engine.__version__} ")
+
+
+# ------------------------------------------------- a review's findings (session 33)
+def test_lock_output_dash_with_stdout_closed_writes_no_file(tmp_path, monkeypatch, capsys):
+    """`lock --output -` with stdout closed (sys.stdout None) wrote <dir>/ex_engine.lock over
+    whatever was there (write_lock read None as its default)."""
+    from ex_engine import cli
+    (tmp_path / "ex_engine.lock").write_text('{"keep": "me"}')
+    monkeypatch.setattr(sys, "stdout", None)
+    assert cli.main(["lock", "--dir", str(tmp_path), "--output", "-"]) == 2
+    assert (tmp_path / "ex_engine.lock").read_text() == '{"keep": "me"}'
+    assert "expected a standard output to write the lock to" in capsys.readouterr().err
+
+
+def test_main_called_by_a_program_leaves_its_stdout_descriptor_alone(monkeypatch):
+    """_output_lost pointed fd 1 at /dev/null even when main(argv) was called as a function."""
+    from ex_engine import cli
+    calls = []
+    monkeypatch.setattr(os, "dup2", lambda a, b: calls.append((a, b)))
+    assert cli._output_lost(OSError(28, "No space left on device"), command=False) == 2
+    assert calls == []
+
+
+def test_a_refused_rename_names_the_lock_file_not_its_folder(tmp_path, monkeypatch):
+    from ex_engine import trust
+    real = os.replace
+
+    def refuse(a, b):
+        if str(b).endswith("ex_engine.lock"):
+            raise PermissionError(1, "Operation not permitted", str(a), None, str(b))
+        return real(a, b)
+    monkeypatch.setattr(os, "replace", refuse)
+    (tmp_path / "x.so").write_bytes(b"\x7fELF")
+    with pytest.raises(ex_engine.FactorError) as e:
+        trust.write_lock(tmp_path)
+    assert str(e.value) == f"lock: cannot write the lock file {tmp_path / 'ex_engine.lock'}: Operation not permitted"
+    assert not [f for f in os.listdir(tmp_path) if f.endswith(".tmp")]
+
+
+def test_a_writable_lock_in_a_folder_that_refuses_new_files_is_rewritten_in_place(tmp_path, monkeypatch):
+    from ex_engine import trust
+    (tmp_path / "x.so").write_bytes(b"\x7fELF")
+    lock = tmp_path / "ex_engine.lock"
+    lock.write_text("{}")
+    real = os.open
+
+    def no_new_files(path, flags, *a):
+        if flags & os.O_CREAT and str(path).endswith(".tmp"):
+            raise PermissionError(13, "Permission denied", str(path))
+        return real(path, flags, *a)
+    monkeypatch.setattr(os, "open", no_new_files)
+    ino = lock.stat().st_ino
+    trust.write_lock(tmp_path)
+    assert "x.so" in lock.read_text() and lock.stat().st_ino == ino

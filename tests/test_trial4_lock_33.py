@@ -42,8 +42,32 @@ def test_a_file_replaced_between_its_checks_and_dlopen_is_refused(tmp_path, monk
     assert [c.name for c in p.checks if not c.ok] == ["file unchanged"]
     assert p.reason.startswith(f"file unchanged: the file changed on disk between its checks (sha256 {p.sha256}) "
                                "and dlopen"), p.reason
-    assert "none of it is used" in p.reason
+    assert "none of it is used" in p.reason and "restart it to load the file" in p.reason
     assert reg.get("host_scale") is None
+    # the process holds that copy by this path: a later load is refused too, saying why
+    monkeypatch.setattr(abi, "dlopen", real)
+    (q,) = FactorRegistry.load(tmp_path / "lib", hardware="h200").plugins
+    assert q.status == "rejected" and "one of unknown bytes" in q.reason, q.reason
+
+
+def test_a_file_replaced_by_the_same_bytes_while_it_loads_passes(tmp_path, monkeypatch):
+    """A deploy that puts an identical copy in place (rsync, cp then mv) during the load: the
+    bytes opened are the bytes checked, whichever file dlopen opened."""
+    lib = build_plugin(tmp_path / "lib")
+    shutil.copy(lib, tmp_path / "same.so")
+    real = abi.dlopen
+
+    def swap_then_open(path):
+        if os.path.basename(str(path)) == "host_scale.so":
+            os.replace(tmp_path / "same.so", path)
+        return real(path)
+
+    monkeypatch.setattr(abi, "dlopen", swap_then_open)
+    reg = FactorRegistry.load(tmp_path / "lib", hardware="h200")
+    p = reg.get("host_scale")
+    assert p is not None, [str(c) for q in reg.plugins for c in q.checks]
+    assert ("file unchanged", True, "replaced by a file of the same bytes while it was loaded") in [
+        (c.name, c.ok, c.detail) for c in p.checks]
 
 
 def test_a_library_rebuilt_after_this_process_opened_it_is_refused_with_the_reason(tmp_path):
@@ -146,17 +170,23 @@ def test_an_unreadable_tuning_folder_is_a_note_not_no_file(tmp_path, monkeypatch
         TuningTable.for_hardware("h200", m / "tuning")
 
 
-def test_a_factor_folder_that_cannot_be_reached_is_a_factor_error(tmp_path, monkeypatch):
-    from ex_engine import FactorError
+def _deny_below(monkeypatch, folder):
+    """Path.is_dir of anything below ``folder`` raises PermissionError, as Python 3.11's does for
+    a user who may not enter it (this suite runs as root)."""
     from pathlib import Path
     real = Path.is_dir
-    target = tmp_path / "locked" / "sub"
 
     def is_dir(self):
-        if str(self).startswith(str(tmp_path / "locked") + "/"):
+        if str(self).startswith(str(folder) + "/"):
             raise PermissionError(13, "Permission denied", str(self))
         return real(self)
     monkeypatch.setattr(Path, "is_dir", is_dir)
+
+
+def test_a_factor_folder_that_cannot_be_reached_is_a_factor_error(tmp_path, monkeypatch):
+    from ex_engine import FactorError
+    target = tmp_path / "locked" / "sub"
+    _deny_below(monkeypatch, tmp_path / "locked")
     with pytest.raises(FactorError, match=rf"^factor folder '{target}': cannot be reached \(Permission denied\)$"):
         FactorRegistry.load(target, hardware="h200")
 
@@ -178,15 +208,8 @@ def test_a_hardware_profile_path_that_cannot_be_reached_is_a_factor_error(tmp_pa
 
 def test_a_manifests_folder_that_cannot_be_reached_is_named(tmp_path, monkeypatch):
     from ex_engine import FactorError
-    from pathlib import Path
-    real = Path.is_dir
     target = tmp_path / "locked" / "manifests"
-
-    def is_dir(self):
-        if str(self).startswith(str(tmp_path / "locked") + "/"):
-            raise PermissionError(13, "Permission denied", str(self))
-        return real(self)
-    monkeypatch.setattr(Path, "is_dir", is_dir)
+    _deny_below(monkeypatch, tmp_path / "locked")
     (tmp_path / "none").mkdir()
     with pytest.raises(FactorError, match=rf"^manifests_dir '{target}': cannot be reached \(Permission denied\); "
                                           "expected a folder of factor manifests"):
