@@ -147,12 +147,14 @@ __device__ __forceinline__ void pdl_launch_dependents() {
 static bool g_pdl_hw = false;
 static bool pdl_enabled() { return g_pdl_hw && env_switch("EX_PDL"); }
 
-// A kernel launch, with the programmatic-stream-serialization attribute when pdl is set. Returns
-// the launch's error (a plain <<<>>> launch: cudaSuccess, errors reach cudaGetLastError).
+// A kernel launch, with the programmatic-stream-serialization attribute when pdl is set, and in
+// clusters of cluster_x blocks along x when cluster_x > 0 (cudaLaunchAttributeClusterDimension;
+// sm_90+). Returns the launch's error (a plain <<<>>> launch: cudaSuccess, errors reach
+// cudaGetLastError).
 template <typename... KArgs, typename... Args>
-static cudaError_t launch_kernel(void (*kern)(KArgs...), dim3 grid, dim3 block, size_t smem,
-                                 cudaStream_t stream, bool pdl, Args... args) {
-    if (!pdl) {
+static cudaError_t launch_kernel_cluster(void (*kern)(KArgs...), dim3 grid, dim3 block, size_t smem,
+                                         cudaStream_t stream, bool pdl, unsigned cluster_x, Args... args) {
+    if (!pdl && cluster_x == 0) {
         kern<<<grid, block, smem, stream>>>(args...);
         return cudaSuccess;
     }
@@ -161,34 +163,30 @@ static cudaError_t launch_kernel(void (*kern)(KArgs...), dim3 grid, dim3 block, 
     cfg.blockDim = block;
     cfg.dynamicSmemBytes = smem;
     cfg.stream = stream;
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cudaLaunchAttribute attr[2];
+    unsigned n = 0;
+    if (cluster_x > 0) {
+        attr[n].id = cudaLaunchAttributeClusterDimension;
+        attr[n].val.clusterDim.x = cluster_x;
+        attr[n].val.clusterDim.y = 1;
+        attr[n].val.clusterDim.z = 1;
+        ++n;
+    }
+    if (pdl) {
+        attr[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+        attr[n].val.programmaticStreamSerializationAllowed = 1;
+        ++n;
+    }
     cfg.attrs = attr;
-    cfg.numAttrs = 1;
+    cfg.numAttrs = n;
     return cudaLaunchKernelEx(&cfg, kern, static_cast<KArgs>(args)...);
 }
 
-// launch_kernel in clusters of cluster_x blocks along x (cudaLaunchAttributeClusterDimension;
-// sm_90+), with the programmatic-stream-serialization attribute too when pdl is set.
+// launch_kernel_cluster without clusters
 template <typename... KArgs, typename... Args>
-static cudaError_t launch_kernel_cluster(void (*kern)(KArgs...), dim3 grid, dim3 block, size_t smem,
-                                         cudaStream_t stream, bool pdl, unsigned cluster_x, Args... args) {
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = grid;
-    cfg.blockDim = block;
-    cfg.dynamicSmemBytes = smem;
-    cfg.stream = stream;
-    cudaLaunchAttribute attr[2];
-    attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = cluster_x;
-    attr[0].val.clusterDim.y = 1;
-    attr[0].val.clusterDim.z = 1;
-    attr[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[1].val.programmaticStreamSerializationAllowed = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = pdl ? 2 : 1;
-    return cudaLaunchKernelEx(&cfg, kern, static_cast<KArgs>(args)...);
+static cudaError_t launch_kernel(void (*kern)(KArgs...), dim3 grid, dim3 block, size_t smem,
+                                 cudaStream_t stream, bool pdl, Args... args) {
+    return launch_kernel_cluster(kern, grid, block, smem, stream, pdl, 0u, args...);
 }
 
 }  // namespace explugin

@@ -1617,6 +1617,42 @@ static int launch_route(const Problem& P, int BM, int* status, int* meta, int4* 
                                           topk_ids, stream, pdl);
 }
 
+// Whether GEMM2 of (T, C) can run the cluster combine here, asked once per process: the code
+// the device runs was compiled for sm_90+ (cluster_combine is compiled out below: PTX for
+// compute_80 JIT-compiled on a newer GPU would launch, sum nothing and leave out unwritten),
+// and a cluster of 8 of its blocks can be resident (cudaOccupancyMaxActiveClusters: not on
+// a partition of a GPU that cannot hold one), so that no launch, eager or captured in a graph,
+// depends on a cluster launch succeeding. Needs the kernel's shared-memory opt-in done.
+template <typename T, class C>
+static bool cluster_combine_ready() {
+    static const bool ok = [] {
+        cudaFuncAttributes a;
+        if (cudaFuncGetAttributes(&a, moe_gemm_kernel<T, C, false>) != cudaSuccess) {
+            (void)cudaGetLastError();
+            return false;
+        }
+        if (a.ptxVersion < 90 || a.binaryVersion < 90) return false;
+        cudaLaunchConfig_t cfg = {};
+        cfg.gridDim = dim3(8);
+        cfg.blockDim = dim3(C::THREADS);
+        cfg.dynamicSmemBytes = C::smem_bytes(false);
+        cudaLaunchAttribute attr[1];
+        attr[0].id = cudaLaunchAttributeClusterDimension;
+        attr[0].val.clusterDim.x = 8;
+        attr[0].val.clusterDim.y = 1;
+        attr[0].val.clusterDim.z = 1;
+        cfg.attrs = attr;
+        cfg.numAttrs = 1;
+        int n = 0;
+        if (cudaOccupancyMaxActiveClusters(&n, moe_gemm_kernel<T, C, false>, &cfg) != cudaSuccess) {
+            (void)cudaGetLastError();
+            return false;
+        }
+        return n >= 1;
+    }();
+    return ok;
+}
+
 template <typename T, class C>
 static int launch_fast(const Problem& P, void* out, const void* x, const void* w13,
                        const void* w2, const float* topk_weights, const int* topk_ids,
@@ -1699,7 +1735,8 @@ static int launch_fast(const Problem& P, void* out, const void* x, const void* w
     // off), where GEMM2 has at most kClusterCombineBlocksPerSm blocks per SM (see there)
     const bool cluster = s_cluster_combine && pdl && C::BM == kSmallBM && P.T == 1 && S == 1 &&
                          p2.m_tiles == (int)max_tiles && max_tiles == K && K <= 8 && K >= 1 &&
-                         blocks2 <= (int64_t)kClusterCombineBlocksPerSm * s_num_sms;
+                         blocks2 <= (int64_t)kClusterCombineBlocksPerSm * s_num_sms &&
+                         cluster_combine_ready<T, C>();
     if (cluster) {
         p2.cluster_out = out;
         err = explugin::launch_kernel_cluster(moe_gemm_kernel<T, C, false>, dim3((unsigned)blocks2, 1, 1),
