@@ -112,7 +112,7 @@ def usable_folders(value, what: str) -> tuple[list[Path], list[str]]:
         raise FactorError(f"{head}: none of its {len(dirs)} folders is there ({entries}); "
                           f"expected at least one folder of factor manifests{tail}")
     notes = [f"manifests folder {d} (of the search path {text}) {folder_problem(d)}; skipped"
-             for d in dirs if not is_dir(d)]
+             for d in dirs if d not in usable]
     return usable, notes
 
 

@@ -755,6 +755,8 @@ def main(argv=None) -> int:
 
 
 def _main(argv, out) -> int:
+    command = argv is None   # the ex-engine command (or python -m ex_engine) itself
+    lost = lambda: out.lost if out is not None else None   # an error writing stdout, if any
     try:
         ap = build_parser()
         try:
@@ -770,9 +772,9 @@ def _main(argv, out) -> int:
                 except OSError:   # recorded in out.lost
                     pass
                 if out.lost is not None:
-                    return _output_lost(out.lost, argv is None)
+                    return _output_lost(out.lost, command)
             raise
-        args.command_process = argv is None   # the ex-engine command (or python -m ex_engine) itself
+        args.command_process = command
         if args.command_process and not faulthandler.is_enabled():
             # a library that crashes in this process (run moe, or --no-probe) prints a traceback of
             # where, not only the shell's "Segmentation fault"
@@ -796,12 +798,12 @@ def _main(argv, out) -> int:
     except BrokenPipeError:          # `ex-engine list-factors | head`: the reader left early
         return _reader_left()
     except OSError as exc:           # stdout that cannot be written (a full disk), or a file a
-        if out is not None and out.lost is not None:   # command reads (a folder it cannot enter)
-            return _output_lost(out.lost, argv is None)
+        if lost() is not None:       # command reads (a folder it cannot enter)
+            return _output_lost(lost(), command)
         print(f"ex-engine: error: {_os_error(exc)}", file=sys.stderr)
         return 2
-    if out is not None and out.lost is not None:   # an error writing stdout that code swallowed
-        return _output_lost(out.lost, argv is None)
+    if lost() is not None:           # an error writing stdout that code swallowed
+        return _output_lost(lost(), command)
     return code
 
 

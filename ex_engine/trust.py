@@ -10,6 +10,7 @@ library that crashes or hangs there is reported and never opened in this process
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -107,6 +108,13 @@ def replace_file(dest, text: str, mode: int = 0o644, fsync: bool = True) -> None
         keep = stat.S_IMODE(os.stat(dest).st_mode)
     except FileNotFoundError:
         keep = None
+
+    def write(fh):   # the text, flushed (and synced) before anyone renames or reads it
+        fh.write(text.encode())
+        fh.flush()
+        if fsync:
+            os.fsync(fh.fileno())
+
     try:
         fd, tmp = _create_beside(dest, mode)
     except PermissionError:
@@ -114,35 +122,21 @@ def replace_file(dest, text: str, mode: int = 0o644, fsync: bool = True) -> None
             raise
         with open(dest, "r+b") as fh:   # in place (the folder refuses a new file)
             fh.truncate(0)
-            fh.write(text.encode())
-            fh.flush()
-            if fsync:
-                os.fsync(fh.fileno())
+            write(fh)
         return
     try:
-        try:
+        with os.fdopen(fd, "wb") as fh:
             if keep is not None:   # if the file system lets it (else ``mode`` less the umask)
-                try:
-                    os.fchmod(fd, keep)
-                except OSError:
-                    pass
-            data = text.encode()
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
-            if fsync:
-                os.fsync(fd)
-        finally:
-            os.close(fd)
+                with contextlib.suppress(OSError):
+                    os.fchmod(fh.fileno(), keep)
+            write(fh)
         try:
             os.replace(tmp, dest)
         except OSError as exc:   # the rename over dest refused (another user's file in a sticky folder)
             raise OSError(exc.errno, exc.strerror, str(dest)) from exc
     except BaseException:
-        try:
+        with contextlib.suppress(OSError):
             os.unlink(tmp)
-        except OSError:
-            pass
         raise
     if fsync:   # the rename itself, best effort (a folder may refuse to be opened or synced)
         try:
