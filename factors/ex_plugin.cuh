@@ -139,13 +139,34 @@ __device__ __forceinline__ void pdl_launch_dependents() {
 #endif
 }
 
+// Whether the code the device runs for this library was compiled from PTX for sm_90 or newer, so
+// that pdl_wait is a griddepcontrol.wait and not compiled out: a portable library's compute_80
+// PTX, JIT-compiled on a GPU newer than its SASS (cc 10.x, 12.x), has none, and a launch with
+// the programmatic-stream-serialization attribute would then read the previous kernel's output
+// with nothing ordering it. Asked once per library (its kernels share one set of targets), at
+// the first launch that asks; false where the query fails (no device).
+__global__ void pdl_code_probe() {}
+static bool pdl_code_ok() {
+    static const bool ok = [] {
+        cudaFuncAttributes a;
+        if (cudaFuncGetAttributes(&a, pdl_code_probe) != cudaSuccess) {
+            (void)cudaGetLastError();
+            return false;
+        }
+        return a.ptxVersion >= 90;
+    }();
+    return ok;
+}
+
 // Whether the launches of topk_softmax and fused_add_rmsnorm carry the programmatic-stream-
-// serialization attribute: the hardware has it (g_pdl_hw, set by ex_get_factor: cc >= 9.0) and
-// the environment variable EX_PDL is not "0" (read per call, so one process can compare).
-// With it, a launch's blocks may be scheduled while the previous kernel in the stream finishes;
-// they wait for it (pdl_wait) before touching memory, so only the launch latency overlaps.
+// serialization attribute: the hardware has it (g_pdl_hw, set by ex_get_factor: cc >= 9.0), the
+// code run has griddepcontrol (pdl_code_ok) and the environment variable EX_PDL is not "0" (read
+// per call, so one process can compare). With it, a launch's blocks may be scheduled while the
+// previous kernel in the stream finishes; they wait for it (pdl_wait) before touching what an
+// earlier kernel writes (a few read inputs that no earlier kernel of the call writes, weights
+// say, before it), so only the launch latency and those reads overlap.
 static bool g_pdl_hw = false;
-static bool pdl_enabled() { return g_pdl_hw && env_switch("EX_PDL"); }
+static bool pdl_enabled() { return g_pdl_hw && env_switch("EX_PDL") && pdl_code_ok(); }
 
 // A kernel launch, with the programmatic-stream-serialization attribute when pdl is set, and in
 // clusters of cluster_x blocks along x when cluster_x > 0 (cudaLaunchAttributeClusterDimension;

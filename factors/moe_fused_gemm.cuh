@@ -887,6 +887,11 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) moe_gemm_kernel(const Gem
         n_tiles = __ldcg(p.meta);
     }
     if (tile >= n_tiles) {  // surplus block: the whole block leaves before any barrier
+        // A GEMM2 that routes itself (pre) has not waited yet: where no block of the grid has a
+        // tile (every id invalid, or on another rank), every block waits here, so that this
+        // grid's end still implies GEMM1's (whose block 0 may still write meta and the status
+        // word) for the launches after it, which wait for this grid only
+        if (pre && n_tiles == 0) pdl_wait();
         if constexpr (!GATED) {
             if (p.cluster_out != nullptr) {   // but a cluster's barriers count it: no rows
                 if (tid == 0) reinterpret_cast<int*>(gemm_smem)[0] = 0;
@@ -1266,6 +1271,9 @@ static int s_num_sms = 132;
 static int s_smem_optin = 232448;
 static bool s_cfg_allowed[CFG_COUNT] = {true, true, true};
 static bool s_pdl_ok = false;  // cc >= 9.0: programmatic dependent launch
+// ... and the code run has griddepcontrol (explugin::pdl_code_ok: not PTX for compute_80 JIT-
+// compiled on a newer GPU, where pdl_wait is compiled out)
+static bool pdl_ok() { return s_pdl_ok && explugin::pdl_code_ok(); }
 // cc >= 9.0 and EX_MOE_CLUSTER_COMBINE not 0 (read at load): GEMM2 at T = 1 sums the token's
 // rows in clusters (cluster_combine) instead of a combine launch
 static bool s_cluster_combine = false;
@@ -1593,7 +1601,7 @@ static int launch_route_mb(const Problem& P, int BM, int* status, int* meta, int
                                topk_ids, P.em(), (int)P.TK, (int)P.E, S, status, hist);
     if (err != cudaSuccess) return cuda_error(err);
     err =
-        launch_k(moe_route_place_kernel<NT>, dim3(B), dim3(NT), place_smem, stream, s_pdl_ok,
+        launch_k(moe_route_place_kernel<NT>, dim3(B), dim3(NT), place_smem, stream, pdl_ok(),
                  topk_ids, P.em(), (int)P.TK, (int)P.E, BM, S, (const int*)hist, meta, tiles,
                  sorted, expert_off, slot_pos);
     if (err != cudaSuccess) return cuda_error(err);
@@ -1658,7 +1666,7 @@ static int launch_fast(const Problem& P, void* out, const void* x, const void* w
                        const void* w2, const float* topk_weights, const int* topk_ids,
                        char* ws, cudaStream_t stream, int mode) {
     const WsLayout L = ws_layout(P);
-    const bool pdl = mode != MODE_OLD && mode != MODE_NOPDL && s_pdl_ok;  // the PDL modes
+    const bool pdl = mode != MODE_OLD && mode != MODE_NOPDL && pdl_ok();  // the PDL modes
     // decode with a handful of slots: GEMM1 routes them itself (no routing launch to wait for)
     const bool fused_route = C::BM == kSmallBM && P.TK <= kFusedRouteSlots &&
                              mode != MODE_OLD && mode != MODE_UNFUSED;
