@@ -32,7 +32,8 @@ Importing this module needs no torch; torch (and torch.distributed) are imported
 function that needs them is called. The expert map and partition functions are plain NumPy.
 ``ExpertParallelMoE.forward_local`` works on NumPy (Python fallback), CuPy and torch arrays,
 which is how a single process can simulate the ranks; ``forward`` with world_size > 1 needs
-torch CUDA tensors and an initialised NCCL process group.
+torch tensors and an initialised process group: CUDA tensors with NCCL, or CPU tensors with
+gloo (the Python fallback on each rank, as ``examples/ep_moe.py --device cpu`` runs it).
 """
 from __future__ import annotations
 
@@ -104,15 +105,27 @@ def init_from_env(backend: str = "nccl") -> DistInfo:
     process group already exists, it is used as it is.
 
     Returns DistInfo(rank, world_size, local_rank). Raises ArgumentError for a malformed
-    variable, one of RANK and WORLD_SIZE set without the other (where no process group exists
-    yet), or (a GPU bound) a LOCAL_RANK with no such CUDA device; FactorError (with an install
+    variable, a negative LOCAL_RANK, one of RANK and WORLD_SIZE set without the other (where no
+    process group exists yet), or (a GPU bound) a LOCAL_RANK with no such CUDA device, or none
+    in a job of several processes (every rank would take GPU 0); FactorError (with an install
     hint) when torch is not installed; torch's own errors for a failed rendezvous.
     """
     disable_nvlink_multicast()
-    local_rank = _env_int("LOCAL_RANK", 0)
+    local_rank = _env_int("LOCAL_RANK", None)
+    if local_rank is not None and local_rank < 0:
+        raise ArgumentError("init_from_env", "LOCAL_RANK", "environment variable", "an integer >= 0", local_rank)
     torch, dist = _import_torch_distributed("init_from_env")
-    cpu_only = isinstance(backend, str) and backend.strip().lower() == "gloo"   # a CPU process group
+    name = backend.strip().lower() if isinstance(backend, str) else backend
+    cpu_only = name == "gloo"   # a CPU process group
+    group = dist.is_available() and dist.is_initialized()
+    rank, world = _env_int("RANK", None), _env_int("WORLD_SIZE", None)
     if not cpu_only and torch.cuda.is_available():
+        several = dist.get_world_size() > 1 if group else (world is not None and world > 1)
+        if local_rank is None and several:   # else every rank of the job would take GPU 0
+            raise ArgumentError("init_from_env", "LOCAL_RANK", "environment variable",
+                                "set in a job of several processes that binds a GPU, to this rank's GPU "
+                                "on its host (torchrun sets it; a launcher that does not must)", "unset")
+        local_rank = local_rank or 0
         n = torch.cuda.device_count()
         if not 0 <= local_rank < n:
             raise ArgumentError("init_from_env", "LOCAL_RANK", "a CUDA device of this host",
@@ -123,9 +136,9 @@ def init_from_env(backend: str = "nccl") -> DistInfo:
             cupy.cuda.Device(local_rank).use()
         except ImportError:
             pass
-    if dist.is_available() and dist.is_initialized():
+    local_rank = local_rank or 0
+    if group:
         return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank)
-    rank, world = _env_int("RANK", None), _env_int("WORLD_SIZE", None)
     if (rank is None) != (world is None):   # half of torchrun's environment: not a 1-process job
         missing, present = ("WORLD_SIZE", "RANK") if world is None else ("RANK", "WORLD_SIZE")
         raise ArgumentError("init_from_env", missing, "environment variable",
@@ -138,12 +151,12 @@ def init_from_env(backend: str = "nccl") -> DistInfo:
         raise ArgumentError("init_from_env", "RANK", "0 <= RANK < WORLD_SIZE",
                             f"0 <= RANK < {world}", rank)
     kwargs = {}
-    if backend == "nccl" and torch.cuda.is_available():
+    if name == "nccl" and torch.cuda.is_available():
         kwargs["device_id"] = torch.device("cuda", local_rank)   # binds the communicator eagerly
     try:
-        dist.init_process_group(backend, rank=rank, world_size=world, **kwargs)
+        dist.init_process_group(name, rank=rank, world_size=world, **kwargs)
     except TypeError:                                             # torch without device_id=
-        dist.init_process_group(backend, rank=rank, world_size=world)
+        dist.init_process_group(name, rank=rank, world_size=world)
     return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank)
 
 

@@ -467,11 +467,13 @@ def main(argv=None) -> int:
     set_default_registry(reg)
     ctx = Ctx(rank, world, local_rank, reg, cuda)
     p = reg.get("moe_fused_gemm")
-    try:
-        v = torch.cuda.nccl.version()
-        nccl = ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
-    except Exception:
-        nccl = None
+    nccl = None                          # a gloo (CPU) run uses no NCCL: none reported
+    if cuda:
+        try:
+            v = torch.cuda.nccl.version()
+            nccl = ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
+        except Exception:
+            pass
     info = {"torch": torch.__version__, "nccl": nccl, "world_size": world,
             "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if cuda else [],
             # what serves: CPU tensors take the Python fallback whatever plugin is loaded (the
@@ -481,8 +483,9 @@ def main(argv=None) -> int:
             "NCCL_NVLS_ENABLE": os.environ.get("NCCL_NVLS_ENABLE"),
             "routing": args.routing, "dtype": args.dtype, "seed": args.seed, "device": args.device,
             "tiny": args.tiny}
+    comm = (f"NCCL {info['nccl']}, " if cuda else "gloo, ")
     ctx.log(f"[ep_moe] world {world} ({info['gpus'][0] if info['gpus'] else args.device}), torch {info['torch']}, "
-            f"NCCL {info['nccl']}, moe_fused_gemm {info['moe_fused_gemm']}, NCCL_NVLS_ENABLE="
+            f"{comm}moe_fused_gemm {info['moe_fused_gemm']}, NCCL_NVLS_ENABLE="
             f"{info['NCCL_NVLS_ENABLE']}; models {args.models}, T {args.tokens}")
     if p is None and cuda:
         ctx.log("[ep_moe] warning: no moe_fused_gemm plugin is ready; the Python fallback serves (slow)")

@@ -262,15 +262,24 @@ def test_init_from_env_names_a_bad_world_size(monkeypatch):
         init_from_env(backend="gloo")
 
 
+class _Bound(list):
+    """The devices init_from_env bound (set_device calls), with .inits: its init_process_group calls."""
+
+
 def _fake_torch(monkeypatch, gpus=1, group=None):
     """init_from_env's torch, faked: ``gpus`` CUDA devices (set_device calls recorded in the
     returned list), a process group (rank, world_size) already initialised or none."""
     import ex_engine.distributed as d
-    bound = []
+    bound = _Bound()
     fake_torch = SimpleNamespace(cuda=SimpleNamespace(is_available=lambda: gpus > 0,
                                                       device_count=lambda: gpus, set_device=bound.append))
+    inits = []
     fake_dist = SimpleNamespace(is_available=lambda: True, is_initialized=lambda: group is not None,
-                                get_rank=lambda: group[0], get_world_size=lambda: group[1])
+                                get_rank=lambda: group[0] if group else inits[-1][1]["rank"],
+                                get_world_size=lambda: group[1] if group else inits[-1][1]["world_size"],
+                                init_process_group=lambda backend, **kw: inits.append((backend, kw)))
+    fake_torch.device = lambda kind, index: f"{kind}:{index}"
+    bound.inits = inits
     monkeypatch.setattr(d, "_import_torch_distributed", lambda fn: (fake_torch, fake_dist))
     monkeypatch.setenv("NCCL_NVLS_ENABLE", "0")                # init_from_env sets these two
     monkeypatch.setenv("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
@@ -310,6 +319,41 @@ def test_init_from_env_binds_a_gpu_unless_the_backend_is_gloo_alone(monkeypatch,
     else:
         assert tuple(init_from_env(backend=backend)) == (0, 1, 1)
     assert bound == []
+
+
+@pytest.mark.parametrize("group", [None, (1, 2)])
+def test_init_from_env_refuses_a_job_of_several_processes_without_local_rank(monkeypatch, group):
+    """RANK and WORLD_SIZE without LOCAL_RANK (a launcher other than torchrun) bound every rank to
+    GPU 0, and NCCL failed later with a duplicate-GPU error; with a process group of several
+    ranks already made, the same. Refused now, naming LOCAL_RANK, before any GPU is bound (torch
+    faked: two GPUs)."""
+    from ex_engine.distributed import init_from_env
+    bound = _fake_torch(monkeypatch, gpus=2, group=group)
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ArgumentError, match=r"argument 'LOCAL_RANK': .*set in a job of several processes .*got unset"):
+        init_from_env(backend="nccl")
+    assert bound == [] and bound.inits == []
+
+
+def test_init_from_env_without_local_rank_where_that_is_fine(monkeypatch):
+    """No LOCAL_RANK is GPU 0 in a job of one process, and no GPU at all under gloo alone (the
+    variable is then reported as 0); a negative LOCAL_RANK is refused; the backend's name is
+    taken whatever its case and blanks, and NCCL binds its communicator to the rank's GPU."""
+    from ex_engine.distributed import init_from_env
+    bound = _fake_torch(monkeypatch, gpus=2)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert tuple(init_from_env(backend=" NCCL ")) == (0, 1, 0)
+    assert bound == [0] and bound.inits == [("nccl", {"rank": 0, "world_size": 1, "device_id": "cuda:0"})]
+    bound = _fake_torch(monkeypatch, gpus=2)
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert tuple(init_from_env(backend="gloo")) == (1, 2, 0)
+    assert bound == [] and bound.inits == [("gloo", {"rank": 1, "world_size": 2})]
+    monkeypatch.setenv("LOCAL_RANK", "-1")
+    with pytest.raises(ArgumentError, match=r"argument 'LOCAL_RANK': .*an integer >= 0, got -1"):
+        init_from_env(backend="gloo")
 
 
 def test_expert_partition_returns_plain_ints_for_numpy_integers():
