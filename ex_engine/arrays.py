@@ -52,9 +52,12 @@ def _kind_of(x) -> str:
     """Which library ``x`` comes from, remembered per type (TensorRef.of runs on every call)."""
     t = type(x)
     mod = t.__module__
+    torch = sys.modules.get("torch")
     if issubclass(t, Bits16):
         kind = "bits16"
-    elif mod.startswith("torch"):
+    elif mod.startswith("torch") or (torch is not None and isinstance(getattr(torch, "Tensor", None), type)
+                                     and issubclass(t, torch.Tensor)):
+        # (a subclass of torch.Tensor defined elsewhere, as engines tag their weights: a tensor)
         # a FakeTensor (what torch.compile and FakeTensorMode trace with) has no memory: its own
         # kind, refused by TensorRef.of before its data pointer is read (torch warns on that read)
         fake = sys.modules.get("torch._subclasses.fake_tensor")
@@ -118,11 +121,16 @@ def round_to_dtype(xp, values, dtype: str):
 
 class Bits16:
     """A uint16 NumPy/CuPy array tagged as bfloat16 (or float16): how to pass bf16 data from a
-    library that has no bf16 dtype (CuPy without ml_dtypes support). ``as_bfloat16(bits)``."""
+    library that has no bf16 dtype (CuPy without ml_dtypes support). ``as_bfloat16(bits)``.
+    A torch tensor is refused (DTypeError): torch has both dtypes, so its tensors need no tag."""
 
     def __init__(self, bits, dtype: str = "bfloat16", _caller: str = "Bits16"):
         from .errors import ArgumentError, DTypeError   # (errors imports nothing of ours: no cycle)
         dt = getattr(bits, "dtype", None)
+        if _kind_of(bits) in ("torch", "fake"):   # torch has both dtypes: the ops take such tensors as they are
+            raise DTypeError(_caller, "bits", "library", "a NumPy or CuPy 2-byte integer array (uint16 or "
+                             "int16 bit patterns)", f"a torch tensor of dtype {dt} (a torch tensor needs no "
+                             "tag: pass it as torch.bfloat16 or torch.float16, e.g. bits.view(torch.bfloat16))")
         # NumPy/CuPy dtypes have a kind; torch's have none (is_floating_point instead): a torch
         # float16/bfloat16 tensor had passed as bit patterns
         kind = getattr(dt, "kind", None)
@@ -177,6 +185,28 @@ def _refuse_torch(x, name: str, factor: str = "ex_engine"):
 
 
 _CUPY_RUNTIME: list = []   # [cupy.cuda.runtime or None], filled on first use (_cai_device)
+_CUPY_IMPORT: list = []    # [whether cupy imports], filled on first use (_cupy_importable)
+
+
+def no_cupy_error(factor: str, name: str, x):
+    """The DeviceError for a device array ``x`` (argument ``name`` of ``factor``) where CuPy
+    cannot be imported: outputs, the Python fallbacks' views of device memory and the device's
+    streams all come from CuPy."""
+    from .errors import DeviceError
+    return DeviceError(factor, name, "device", "CuPy installed, to serve an array in device memory "
+                       "(pip install -e '.[gpu]': cupy-cuda13x, or cupy-cuda12x for CUDA 12)",
+                       f"a {type(x).__name__} in device memory, and CuPy cannot be imported")
+
+
+def _cupy_importable() -> bool:
+    """Whether CuPy can be imported (asked once per process)."""
+    if not _CUPY_IMPORT:
+        try:
+            import cupy  # noqa: F401
+            _CUPY_IMPORT.append(True)
+        except Exception:   # not installed, or an install that fails to import: it serves nothing
+            _CUPY_IMPORT.append(False)
+    return _CUPY_IMPORT[0]
 
 
 def _cai_device(x, ptr: int) -> int:

@@ -559,8 +559,9 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--probe", action=argparse.BooleanOptionalAction, default=True,
                            help="open each library in a child process first and refuse one that "
                                 "crashes or hangs (default); --no-probe opens them in this process "
-                                "(faster: list-factors about 0.5 s instead of 2 s on 2 cores without a GPU, "
-                                "1.0 s instead of 3.6 s on an H200; but such a library ends the command)")
+                                "(faster: loading the shipped factors takes about 0.5 s instead of 2 s on "
+                                "2 cores without a GPU, 1.0 s instead of 3.6 s on an H200, as measured with "
+                                "list-factors; but such a library ends the command)")
         else:       # run: in-process for speed
             p.add_argument("--probe", action="store_true",
                            help="open each library in a child process first; refuse one that crashes "

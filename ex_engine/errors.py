@@ -8,8 +8,28 @@ from __future__ import annotations
 import numbers
 
 
+def _rebuild_error(cls, args, state):
+    """A FactorError (or subclass) from what ``FactorError.__reduce__`` gave: its message
+    arguments and its attributes, without calling its ``__init__`` (whose parameters differ
+    from class to class)."""
+    try:
+        err = cls.__new__(cls, *args)
+    except TypeError:   # a MemoryError subclass: its __new__ refuses a class it did not make
+        err = BaseException.__new__(cls, *args)
+    err.args = args
+    err.__dict__.update(state)
+    return err
+
+
 class FactorError(Exception):
-    """Base class of every ex_engine error."""
+    """Base class of every ex_engine error.
+
+    Every one pickles and copies with its message and attributes (an error raised in a worker
+    process, a ProcessPoolExecutor's or torch.multiprocessing's, reaches the caller as itself),
+    whatever its subclass's ``__init__`` takes."""
+
+    def __reduce__(self):
+        return (_rebuild_error, (type(self), self.args, dict(self.__dict__)))
 
 
 def is_integer(v) -> bool:

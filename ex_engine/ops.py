@@ -12,7 +12,7 @@ import sys
 import threading
 from contextlib import contextmanager
 
-from .arrays import _KINDS, Bits16, TensorRef, _kind_of, data_ptr
+from .arrays import _KINDS, Bits16, TensorRef, _cupy_importable, _kind_of, data_ptr, no_cupy_error
 from .errors import ArgumentError, FactorError, ShapeError
 from .registry import FactorRegistry
 
@@ -65,13 +65,19 @@ def _counted_refusal(reg: FactorRegistry, name: str):
         raise
 
 
-def _empty(ref: TensorRef, shape, dtype: str):
-    """An uninitialised array of ``shape``/``dtype`` from the same library and device as ``ref``."""
+def _empty(ref: TensorRef, shape, dtype: str, factor: str, name: str, reg: FactorRegistry | None = None):
+    """An uninitialised array of ``shape``/``dtype`` from the same library and device as ``ref``
+    (argument ``name`` of ``factor``). Raises DeviceError for a device array where CuPy cannot
+    be imported (no_cupy_error; counted in ``reg``'s errors, as dispatch counts a refusal)."""
     like = ref.obj
     if ref.kind == "torch":
         import torch
         return like.new_empty(shape, dtype=getattr(torch, dtype))   # its device (host time: no kwargs)
     if ref.on_device:
+        if not _cupy_importable():
+            if reg is not None:
+                reg._count(factor, "errors")
+            raise no_cupy_error(factor, name, like)
         import cupy
         with cupy.cuda.Device(ref.device):
             if dtype == "bfloat16" and isinstance(like, Bits16):
@@ -86,7 +92,7 @@ def _empty(ref: TensorRef, shape, dtype: str):
 
 def _float32_of(arr):
     """The float32 dtype of ``arr``'s library (torch.float32 or numpy's, which CuPy takes)."""
-    if type(arr).__module__.startswith("torch"):
+    if (_KINDS.get(type(arr)) or _kind_of(arr)) == "torch":
         import torch
         return torch.float32
     import numpy as np
@@ -140,8 +146,10 @@ def topk_softmax(router_logits, top_k: int, renormalize: bool = False, *, topk_w
     not a bool or 0/1), DTypeError (also: an argument that is no array),
     ShapeError (K > E, naming top_k; an output given whose width is not top_k, naming that
     output), LayoutError (also: an output sharing memory with router_logits or with the other
-    output, or marked read-only; a sparse, mkldnn or nested torch tensor), DeviceError, KernelError. Each names topk_softmax and the
-    argument.
+    output, or marked read-only; a sparse, mkldnn or nested torch tensor), DeviceError, KernelError,
+    ArgumentError (an output given that is a torch leaf requiring grad, or a view of one, under
+    grad mode). Each names topk_softmax and the argument. A torch output given is written in
+    place: its version counter is bumped, as torch's in-place ops do.
     """
     reg = resolve_registry(registry)
     with _counted_refusal(reg, "topk_softmax"):
@@ -156,6 +164,9 @@ def topk_softmax(router_logits, top_k: int, renormalize: bool = False, *, topk_w
         # outputs given: described once here, checked against top_k, and handed to dispatch as refs
         given = {name: TensorRef.of(arr, name, "topk_softmax")
                  for name, arr in (("topk_weights", topk_weights), ("topk_ids", topk_ids)) if arr is not None}
+        grad = {name: r.obj for name, r in given.items() if r.kind == "torch" and r.obj.requires_grad}
+        if grad:
+            _refuse_grad_leaf("topk_softmax", grad)
         for name, r in given.items():
             if len(r.shape) == 2 and r.shape[1] != top_k:
                 raise ShapeError("topk_softmax", name, "shape[1] = K", f"top_k = {top_k} columns",
@@ -170,7 +181,7 @@ def topk_softmax(router_logits, top_k: int, renormalize: bool = False, *, topk_w
         # one allocation for both outputs (host time per call): ids in [0], weights in [1];
         # described here as what they are (C-contiguous (T, K), 4-byte elements, one base
         # address) instead of being read back from the arrays; dispatch validates them as usual
-        both = _empty(ref, (2, T, top_k), "int32")
+        both = _empty(ref, (2, T, top_k), "int32", "topk_softmax", "router_logits", reg)
         topk_ids = both[0]
         topk_weights = both[1].view(_float32_of(both))
         base, kind = data_ptr(both), "cupy" if ref.kind == "cai" else ref.kind
@@ -178,9 +189,9 @@ def topk_softmax(router_logits, top_k: int, renormalize: bool = False, *, topk_w
         w_arg = TensorRef(topk_weights, kind, base + 4 * T * top_k, (T, top_k), (top_k, 1), "float32", 4,
                           ref.device, True)
     if topk_weights is None:
-        topk_weights = _empty(ref, (T, top_k), "float32")
+        topk_weights = _empty(ref, (T, top_k), "float32", "topk_softmax", "router_logits", reg)
     if topk_ids is None:
-        topk_ids = _empty(ref, (T, top_k), "int32")
+        topk_ids = _empty(ref, (T, top_k), "int32", "topk_softmax", "router_logits", reg)
     reg.dispatch(
         "topk_softmax", {"router_logits": ref, "topk_weights": w_arg or topk_weights,
                          "topk_ids": ids_arg or topk_ids}, {"renormalize": renormalize})
@@ -197,7 +208,9 @@ def fused_add_rmsnorm(x, residual, weight, eps: float = 1e-6, *,
     An inference op: the in-place writes are recorded in no autograd graph (no gradient flows
     through it). A torch leaf tensor that requires grad, or a view of one, is refused as x or
     residual while grad mode is on (torch.is_grad_enabled()), as torch refuses in-place ops on
-    both; call it under torch.no_grad() / torch.inference_mode().
+    both; call it under torch.no_grad() / torch.inference_mode(). Their version counters are
+    bumped (as torch's in-place ops do), so a backward pass through a graph that saved x or
+    residual before this call raises instead of using the new values.
 
     x, residual: (T, H), the same dtype (float16, bfloat16 or float32); rows may be views into
     wider buffers (unit stride along H). weight: (H,) same dtype. eps: a float > 0 that rounds
@@ -256,16 +269,22 @@ def moe_fused_gemm(hidden_states, w13, w2, topk_weights, topk_ids, *, router_log
     must be scaled as a model's are (activations O(1)); bfloat16 has float32's range.
     Returns out. Raises DTypeError (also: an argument that is no array), ShapeError,
     LayoutError (also: out sharing memory with another argument, e.g. out=hidden_states, or
-    marked read-only; a sparse, mkldnn or nested torch tensor), DeviceError, KernelError; each names moe_fused_gemm and the argument.
+    marked read-only; a sparse, mkldnn or nested torch tensor), DeviceError, KernelError,
+    ArgumentError (out a torch leaf requiring grad, or a view of one, under grad mode); each names
+    moe_fused_gemm and the argument. A torch out given is written in place: its version counter is
+    bumped, as torch's in-place ops do.
     """
     reg = resolve_registry(registry)
+    if out is not None and (_KINDS.get(type(out)) or _kind_of(out)) == "torch" and out.requires_grad:
+        with _counted_refusal(reg, "moe_fused_gemm"):
+            _refuse_grad_leaf("moe_fused_gemm", {"out": out})
     if out is None:
         if _KINDS.get(type(hidden_states)) == "torch":   # host time: no description needed
             out = hidden_states.new_empty(hidden_states.shape)
         else:
             with _counted_refusal(reg, "moe_fused_gemm"):
                 ref = TensorRef.of(hidden_states, "hidden_states", "moe_fused_gemm")
-            out = _empty(ref, ref.shape, ref.dtype)
+            out = _empty(ref, ref.shape, ref.dtype, "moe_fused_gemm", "hidden_states", reg)
     reg.dispatch(
         "moe_fused_gemm", {"hidden_states": hidden_states, "out": out, "router_logits": router_logits,
                            "w13": w13, "w2": w2, "topk_weights": topk_weights,

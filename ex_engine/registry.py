@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from . import _paths, abi, errors, fatbin, trust
-from .arrays import _KINDS, _NAME_CACHE, _TORCH_DTYPES, Bits16, TensorRef, _kind_of
+from .arrays import _KINDS, _NAME_CACHE, _TORCH_DTYPES, Bits16, TensorRef, _cupy_importable, _kind_of, no_cupy_error
 from .errors import (ArgumentError, DeviceError, DeviceSideError, FactorError,
                      FactorNotFoundError, KernelError, LayoutError, one_line)
 from .hardware import Hardware, resolve
@@ -547,6 +547,30 @@ def probe_fallback_import(module: str, timeout: float = 10.0) -> tuple:
                "C-level exit at import time" + (f"; last stderr line: {last[:300]})" if last else ")"))
     return False, (f"fallback module {module!r}: {why}; not imported in this process (it would "
                    "have ended it)")
+
+
+def _mark_written(m: Manifest, arrays: dict) -> None:
+    """Bump torch's version counter of each torch tensor among ``arrays`` that the call wrote
+    (the manifest's outputs and inouts; torch.autograd.graph.increment_version), as torch's own
+    in-place ops do: a tensor that autograd saved for a backward pass and that a factor then
+    overwrote makes that backward pass raise ('modified by an inplace operation') instead of
+    computing gradients from the new values. Nothing where torch is not imported."""
+    if "torch" not in sys.modules:
+        return
+    for n in m.written_names:
+        a = arrays.get(n)
+        if type(a) is TensorRef:
+            a = a.obj
+        if a is not None and (_KINDS.get(type(a)) or _kind_of(a)) == "torch":
+            _increment_version(a)
+
+
+def _increment_version(t) -> None:
+    """torch.autograd.graph.increment_version(t) (a no-op on an inference tensor), where this
+    torch has it (2.1+)."""
+    bump = getattr(getattr(sys.modules["torch"].autograd, "graph", None), "increment_version", None)
+    if bump is not None:
+        bump(t)
 
 
 def _poison_outputs(m: Manifest, refs_by_name: dict) -> list:
@@ -1423,6 +1447,7 @@ class FactorRegistry:
             refs_by_name = {k: v if type(v) is TensorRef else TensorRef.of(v, k)
                             for k, v in arrays.items() if v is not None}
             path = self._python_fallback(name, e.m, plugin, refs_by_name, e.sizes, e.pvals, device)
+        _mark_written(e.m, arrays)
         self._count(name, path)
         self.last_path[name] = path
         return path
@@ -1500,6 +1525,7 @@ class FactorRegistry:
         if path is None:
             path = self._python_fallback(name, m, self._chosen.get(name), refs_by_name, sizes, pvals,
                                          device)
+        _mark_written(m, arrays)
         self._count(name, path)
         self.last_path[name] = path
         return path
@@ -1544,6 +1570,9 @@ class FactorRegistry:
         if problem:   # the manifest's, where no plugin's load checked it (a manifest-only factor)
             raise FactorError(f"{name}: the Python fallback {self._fallback_label(name, m, fn)}: {problem}; "
                               "not called")
+        if device >= 0 and not _cupy_importable():   # its views of device memory are CuPy's
+            arg, r = next((k, r) for k, r in refs_by_name.items() if r.on_device)
+            raise no_cupy_error(name, arg, r.obj)
         poisoned = _poison_outputs(m, refs_by_name)   # an output it does not write stays visibly wrong
         try:
             flags = fn(refs_by_name, sizes, pvals)
