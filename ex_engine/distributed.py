@@ -458,8 +458,8 @@ class ExpertParallelMoE:
             raise DeviceError("ExpertParallelMoE", "hidden_states", "same library and device as the weights",
                               f"{self.kind} on device {self.device}", f"{ref.kind} on device {ref.device}")
         from .ops import _empty, moe_fused_gemm
-        if out is None:
-            out = _empty(ref, ref.shape, ref.dtype, "ExpertParallelMoE", "hidden_states")   # ops' allocator: same library and device
+        if out is None:   # ops' allocator: same library and device
+            out = _empty(ref, ref.shape, ref.dtype, "ExpertParallelMoE", "hidden_states")
         if self.count == 0:            # a rank with no experts (world_size > G): contributes 0
             self._check_without_experts(hidden_states, topk_weights, topk_ids, out, router_logits)
             _zero(out)

@@ -1571,8 +1571,9 @@ class FactorRegistry:
             raise FactorError(f"{name}: the Python fallback {self._fallback_label(name, m, fn)}: {problem}; "
                               "not called")
         if device >= 0 and not _cupy_importable():   # its views of device memory are CuPy's
-            arg, r = next((k, r) for k, r in refs_by_name.items() if r.on_device)
-            raise no_cupy_error(name, arg, r.obj)
+            hit = next(((k, r) for k, r in refs_by_name.items() if r.on_device), None)
+            if hit is not None:
+                raise no_cupy_error(name, hit[0], hit[1].obj)
         poisoned = _poison_outputs(m, refs_by_name)   # an output it does not write stays visibly wrong
         try:
             flags = fn(refs_by_name, sizes, pvals)
