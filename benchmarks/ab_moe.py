@@ -13,13 +13,16 @@ instead, e.g. `t64=factors:config=grouped64 t128=factors:config=grouped` (variab
 that a plugin reads when it loads, such as EX_MOE_SM90_MIN_ROWS_PER_EXPERT, are set while its
 folder loads, so give such a config its own folder). Every config's output on the first input
 set is compared with the first config's (max abs difference, relative difference) and the
-first config's with a float32 reference (unless --no-ref); a config more than 2e-2 off the first
-is not timed, unless --unchecked names it (a diagnostic build whose output is wrong by design,
+first config's with a float32 reference (skipped with --no-ref; a first config more than 1e-2
+off that reference, or NaN, fails its row, which is then not timed); a config more than 2e-2 off
+the first (or NaN) is not timed, unless --unchecked names it (a diagnostic build whose output is wrong by design,
 e.g. one built with -DEX_MOE_DIAG that skips a stage: its time bounds what removing that stage
 could save; such a row is marked "unchecked" in the output and the JSON). Timing: --rounds
 rounds, the config order reversed every other round (the power-limited card drifts by up to 12%
 within a minute); a row reports, per config, the median over rounds of graph_us
-(benchmarks/_timing.py). Progress on stderr; --json writes every round.
+(benchmarks/_timing.py). Progress on stderr; --json writes every round, and each config's plugin
+file and its SHA-256. Exit status: 0 every row checked; 1 a row failed its reference check; 2
+bad arguments.
 """
 from __future__ import annotations
 
@@ -43,7 +46,7 @@ from ex_engine import FactorError, FactorRegistry, moe_fused_gemm  # noqa: E402
 from ex_engine._scripts import HelpFormatter, plugin_folder_problem  # noqa: E402
 from ex_engine.moe_layer import (load_models_or_exit, models_help, output_file_problem,  # noqa: E402
                                  parse_cases, report_problems)
-from _timing import graph_us, run_meta  # noqa: E402
+from _timing import file_sha256, graph_us, run_meta  # noqa: E402
 from bench_moe import input_sets, layer_weights, reference, rel  # noqa: E402
 
 LOAD_TIME = ("at load", "when a registry loads")   # the table's 'read' of a folder's settings
@@ -173,7 +176,7 @@ def main():
         print("ab_moe: needs PyTorch and a CUDA GPU", file=sys.stderr)
         return 2
     dt = getattr(torch, args.dtype)
-    regs = {}
+    regs, libs = {}, {}
     for n, folder, env in cfgs:
         if folder not in regs:
             set_env(env)  # ex_get_factor reads some variables at load time
@@ -187,9 +190,10 @@ def main():
                 print(f"ab_moe: config {n}: no ready moe_fused_gemm plugin in {folder}", file=sys.stderr)
                 return 2
             print(f"# {folder}: {p.path}", flush=True)
+            libs[folder] = {"plugin": str(p.path), "plugin_sha256": file_sha256(p.path)}
     gen = torch.Generator(device="cuda").manual_seed(0)
     meta = run_meta(dtype=args.dtype, sets=args.sets, rounds=args.rounds,
-                    configs={n: {"folder": folder, "env": env, "unchecked": n in args.unchecked}
+                    configs={n: {"folder": folder, "env": env, "unchecked": n in args.unchecked, **libs[folder]}
                              for n, folder, env in cfgs})
     rows = []
     layer_key, layer = None, None
@@ -218,6 +222,14 @@ def main():
             ref = reference(*sets[0])
             checks[cfgs[0][0]]["rel_ref"] = rel(outs[0], ref)
             del ref
+            if not checks[cfgs[0][0]]["rel_ref"] <= 1e-2:   # the baseline itself wrong (NaN included)
+                print(f"{m:<22}{T:>6} FAILED CHECK: {cfgs[0][0]} rel err {checks[cfgs[0][0]]['rel_ref']:.2e} "
+                      "against the float32 reference (> 1e-2): the row is not timed", flush=True)
+                rows.append({"model": m, "T": T, "checks": checks, "error": "first config failed its reference check"})
+                del outs
+                if args.json:
+                    Path(args.json).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+                continue
         for (name, _, _), o in zip(cfgs, outs):
             d = (o.float() - outs[0].float()).abs().max().item()
             checks[name]["maxdiff_vs_first"] = d
@@ -228,7 +240,7 @@ def main():
         for rnd in range(args.rounds):
             order = cfgs if rnd % 2 == 0 else cfgs[::-1]
             for name, folder, env in order:
-                if checks[name]["rel_vs_first"] > 2e-2 and name not in args.unchecked:
+                if not checks[name]["rel_vs_first"] <= 2e-2 and name not in args.unchecked:   # NaN too
                     continue
                 reg = regs[folder]
                 set_env(env, reg)
@@ -248,9 +260,7 @@ def main():
     set_env({})
     if args.json:
         Path(args.json).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-
-
-    return 0
+    return 1 if any("error" in r for r in rows) else 0
 
 
 if __name__ == "__main__":

@@ -4,8 +4,13 @@
 In one process on one GPU, bf16 (router logits fp32 as engines produce them), for each shape:
 checks our output against the PyTorch one, then times (a) eager calls, per call, as an engine
 calling from Python sees them (launch and host overhead included: median over many calls,
-synchronised every call) and (b) CUDA-graph replay (>= 20 calls captured, rotating over input
-sets of >= 256 MB together so the 60 MB L2 serves nothing; device time per call).
+synchronised every call) and (b) CUDA-graph replay (>= 20 calls captured, rotating over up to 64
+input sets of 256 MB together where 64 reach it, so that the 60 MB L2 serves nothing; the small
+shapes' 64 sets fit in L2 (rmsnorm T = 1: 2.6 MB, topk T = 1: 37 KB, topk T = 4096 E = 64: 84 MB,
+partly), rows bound by their launches; device time per call). The checks: fused_add_rmsnorm's x
+and residual against PyTorch's (relative 1e-2), topk_softmax's ids equal to torch.topk's but on
+rows of tied logits (at most T/1000 of them) and its weights within 1e-5 on the rows whose ids
+agree; a failed check stops the run.
 Prints µs and the fraction of the copy bandwidth (bytes that must be read and written once).
 
     python3 benchmarks/bench_router_norm.py [--json F] [--only topk|rmsnorm] [--no-torch]
@@ -91,7 +96,9 @@ def main():
         fused_add_rmsnorm(x, r, w, 1e-6, registry=reg)
         torch_rmsnorm(x2, r2, w, 1e-6)
         err = float((x.float() - x2.float()).norm() / x2.float().norm())
-        assert reg.last_path["fused_add_rmsnorm"] == "plugin" and err < 1e-2, err
+        err_r = float((r.float() - r2.float()).norm() / r2.float().norm())
+        assert reg.last_path["fused_add_rmsnorm"] == "plugin", reg.last_path
+        assert err <= 1e-2 and err_r <= 1e-2, f"fused_add_rmsnorm T={T} H={H}: rel err x {err:.2e}, residual {err_r:.2e}"
         nbytes = 4 * T * H * 2 + H * 2
         nsets = min(64, max(1, -(-256 * 2**20 // nbytes)))  # >= 256 MB in all (L2 is 60 MB)
         sets = [(x, r)] + [(torch.randn_like(x), torch.randn_like(r)) for _ in range(nsets - 1)]
@@ -116,7 +123,11 @@ def main():
         w2, ids2 = torch_topk(logits, K, True)
         assert reg.last_path["topk_softmax"] == "plugin"
         same = bool((ids == ids2).all())
-        differ = int((ids != ids2).any(dim=1).sum())  # rows whose ids differ from torch.topk's
+        agree = ~(ids != ids2).any(dim=1)
+        differ = int((~agree).sum())  # rows whose ids differ from torch.topk's (tied logits)
+        werr = float((w[agree] - w2[agree]).norm() / w2[agree].norm()) if bool(agree.any()) else float("nan")
+        assert differ <= max(1, T // 1000) and werr <= 1e-5, \
+            f"topk_softmax T={T} E={E}: {differ} rows' ids differ from torch.topk's, weights rel err {werr:.2e}"
         nbytes = T * E * 4 + T * K * 8
         nsets = max(1, -(-256 * 2**20 // nbytes))
         sets = [logits] + [torch.randn_like(logits) for _ in range(min(nsets, 64) - 1)]
