@@ -475,6 +475,17 @@ def test_tune_moe_refuses_a_file_it_cannot_merge_before_any_work(tmp_path):
     assert out.read_text() == text
 
 
+@pytest.mark.parametrize("value", ["-1", "nan", "60001"])
+def test_tune_moe_refuses_a_warm_up_out_of_range_before_any_work(value):
+    """tune_moe timed with graph_us's 20 ms warm-up while bench_moe's table uses 200 ms: its
+    choices were made at higher clocks than the card keeps under sustained load (a review,
+    session 34); --warm-ms (default 200) is checked with the other arguments."""
+    import subprocess
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "tune_moe.py"), "--warm-ms", value,
+                        "--models", "qwen3-30b-a3b", "--tokens", "8"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and f"tune_moe: --warm-ms: expected 0..60000 ms, got {float(value)}" in r.stderr, r.stderr
+
+
 def test_tune_moe_names_its_default_file_and_says_it_merges(tune):
     import subprocess
     assert tune.default_out("NVIDIA H200", 132).name == "h200.yaml"
