@@ -20,16 +20,6 @@ except ImportError:  # the timers need it; the scripts say so before timing
     torch = None
 
 
-def file_sha256(path) -> str:
-    """The SHA-256 of a file (a plugin library, say), in hex: what a result file records of the
-    library it timed, which names the build where the commit alone may not (a device copy's stale
-    .git, a build not committed)."""
-    import hashlib
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest() if hasattr(hashlib, "file_digest") \
-            else hashlib.sha256(f.read()).hexdigest()
-
-
 def run_meta(**extra) -> dict:
     """What a result file records of its run (benchmarks/RESULTS.md asks date, device and commit
     of every result): today's date, the CUDA device's name, the commit the tree is at (`git

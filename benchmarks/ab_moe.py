@@ -46,7 +46,7 @@ from ex_engine import FactorError, FactorRegistry, moe_fused_gemm  # noqa: E402
 from ex_engine._scripts import HelpFormatter, plugin_folder_problem  # noqa: E402
 from ex_engine.moe_layer import (load_models_or_exit, models_help, output_file_problem,  # noqa: E402
                                  parse_cases, report_problems)
-from _timing import file_sha256, graph_us, run_meta  # noqa: E402
+from _timing import graph_us, run_meta  # noqa: E402
 from bench_moe import input_sets, layer_weights, reference, rel  # noqa: E402
 
 LOAD_TIME = ("at load", "when a registry loads")   # the table's 'read' of a folder's settings
@@ -190,7 +190,7 @@ def main():
                 print(f"ab_moe: config {n}: no ready moe_fused_gemm plugin in {folder}", file=sys.stderr)
                 return 2
             print(f"# {folder}: {p.path}", flush=True)
-            libs[folder] = {"plugin": str(p.path), "plugin_sha256": file_sha256(p.path)}
+            libs[folder] = {"plugin": str(p.path), "plugin_sha256": p.sha256}   # (the bytes the registry checked)
     gen = torch.Generator(device="cuda").manual_seed(0)
     meta = run_meta(dtype=args.dtype, sets=args.sets, rounds=args.rounds,
                     configs={n: {"folder": folder, "env": env, "unchecked": n in args.unchecked, **libs[folder]}

@@ -51,7 +51,7 @@ try:
 except ImportError as exc:  # numpy missing: a run says so in one line
     FactorRegistry = None
     NO_PACKAGE = f"needs numpy, PyTorch and a CUDA GPU (the ex_engine package does not import: {exc})"
-from _timing import ceilings, file_sha256, graph_us, host_us, run_meta  # noqa: E402
+from _timing import ceilings, graph_us, host_us, run_meta  # noqa: E402
 
 PEAK_TFLOPS, PEAK_GBS = 787.0, 4230.0
 
@@ -196,7 +196,7 @@ def main():
     here = ceilings(args.warm_ms)
     plugin = reg.get("moe_fused_gemm")
     meta = run_meta(dtype=args.dtype, sets=args.sets, plugin=plugin.path.name,
-                    plugin_sha256=file_sha256(plugin.path), weight_copies=args.weight_copies,
+                    plugin_sha256=plugin.sha256, weight_copies=args.weight_copies,
                     factors=str(args.factors or "factors/"), warm_ms=args.warm_ms,
                     ceilings_perf_md={"matmul_tflops": PEAK_TFLOPS, "copy_gbs": PEAK_GBS},
                     ceilings_here=here)

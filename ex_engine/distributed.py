@@ -119,13 +119,14 @@ def init_from_env(backend: str = "nccl") -> DistInfo:
     cpu_only = name == "gloo"   # a CPU process group
     group = dist.is_available() and dist.is_initialized()
     rank, world = _env_int("RANK", None), _env_int("WORLD_SIZE", None)
-    if not cpu_only and torch.cuda.is_available():
-        several = dist.get_world_size() > 1 if group else (world is not None and world > 1)
-        if local_rank is None and several:   # else every rank of the job would take GPU 0
-            raise ArgumentError("init_from_env", "LOCAL_RANK", "environment variable",
-                                "set in a job of several processes that binds a GPU, to this rank's GPU "
-                                "on its host (torchrun sets it; a launcher that does not must)", "unset")
-        local_rank = local_rank or 0
+    binds = not cpu_only and torch.cuda.is_available()
+    several = dist.get_world_size() > 1 if group else (world is not None and world > 1)
+    if binds and local_rank is None and several:   # else every rank of the job would take GPU 0
+        raise ArgumentError("init_from_env", "LOCAL_RANK", "environment variable",
+                            "set in a job of several processes that binds a GPU, to this rank's GPU "
+                            "on its host (torchrun sets it; a launcher that does not must)", "unset")
+    local_rank = local_rank or 0
+    if binds:
         n = torch.cuda.device_count()
         if not 0 <= local_rank < n:
             raise ArgumentError("init_from_env", "LOCAL_RANK", "a CUDA device of this host",
@@ -136,7 +137,6 @@ def init_from_env(backend: str = "nccl") -> DistInfo:
             cupy.cuda.Device(local_rank).use()
         except ImportError:
             pass
-    local_rank = local_rank or 0
     if group:
         return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank)
     if (rank is None) != (world is None):   # half of torchrun's environment: not a 1-process job

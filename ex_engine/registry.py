@@ -565,12 +565,16 @@ def _mark_written(m: Manifest, arrays: dict) -> None:
             _increment_version(a)
 
 
+_BUMP: list = []   # [torch.autograd.graph.increment_version or None], looked up once
+
+
 def _increment_version(t) -> None:
     """torch.autograd.graph.increment_version(t) (a no-op on an inference tensor), where this
-    torch has it (2.1+)."""
-    bump = getattr(getattr(sys.modules["torch"].autograd, "graph", None), "increment_version", None)
-    if bump is not None:
-        bump(t)
+    torch has it (2.1+); the function is looked up at the first call (a hot path)."""
+    if not _BUMP:
+        _BUMP.append(getattr(getattr(sys.modules["torch"].autograd, "graph", None), "increment_version", None))
+    if _BUMP[0] is not None:
+        _BUMP[0](t)
 
 
 def _poison_outputs(m: Manifest, refs_by_name: dict) -> list:
