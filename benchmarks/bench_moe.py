@@ -56,12 +56,24 @@ from _timing import ceilings, graph_us, host_us, run_meta  # noqa: E402
 PEAK_TFLOPS, PEAK_GBS = 787.0, 4230.0
 
 
-def routing(T, E, K, renormalize, skew, gen):
-    logits = torch.randn(T, E, device="cuda", generator=gen)
+def routing(T, E, K, renormalize, skew, gen, balanced=False):
+    """(topk_weights (T, K) fp32, topk_ids (T, K) int32): the top K of softmax(N(0, 1) logits),
+    with ``skew`` a few hot experts lifted by 2.5. ``balanced`` (T * K a multiple of E): every
+    expert gets exactly T * K / E slots (token t takes experts perm[(t' * K + j) % E], j < K, t'
+    a shuffled position, perm a random order of the experts), each with its softmax weight: the
+    routing under which no expert's rows leave a part-filled tile beyond what T * K / E does."""
+    dev = gen.device   # the generator's (the GPU in a run; tests draw on the CPU)
+    logits = torch.randn(T, E, device=dev, generator=gen)
     if skew:  # a few hot experts take most tokens
         logits[:, : max(1, E // 16)] += 2.5
     p = torch.softmax(logits, dim=-1)
-    w, ids = torch.topk(p, K, dim=-1)
+    if balanced:
+        pos = torch.randperm(T, device=dev, generator=gen)
+        perm = torch.randperm(E, device=dev, generator=gen)
+        ids = perm[(pos[:, None] * K + torch.arange(K, device=dev)[None, :]) % E]
+        w = torch.gather(p, 1, ids)
+    else:
+        w, ids = torch.topk(p, K, dim=-1)
     if renormalize:
         w = w / w.sum(-1, keepdim=True)
     return w.float().contiguous(), ids.to(torch.int32).contiguous()
@@ -74,13 +86,13 @@ def layer_weights(s, dt, gen):
     return w13, w2
 
 
-def input_sets(s, T, n, w13, w2, dt, gen, skew=False):
+def input_sets(s, T, n, w13, w2, dt, gen, skew=False, balanced=False):
     """``n`` independently routed calls of the layer: (hidden_states (T, H) N(0, 1) in ``dt``,
-    w13, w2, topk_weights (T, K) fp32, topk_ids (T, K) int32), drawn in that order."""
+    w13, w2, topk_weights (T, K) fp32, topk_ids (T, K) int32), drawn in that order (routing())."""
     sets = []
     for _ in range(n):
         x = torch.randn(T, s.H, device="cuda", generator=gen).to(dt)
-        w, ids = routing(T, s.E, s.K, s.renormalize, skew, gen)
+        w, ids = routing(T, s.E, s.K, s.renormalize, skew, gen, balanced)
         sets.append((x, w13, w2, w, ids))
     return sets
 
@@ -149,6 +161,10 @@ def main():
     ap.add_argument("--skew", action="store_true",
                     help="also time skewed routing (a few hot experts take most tokens) at T = 64 and "
                          "T = 4096 for every model, whatever --tokens says")
+    ap.add_argument("--balanced", action="store_true",
+                    help="also time balanced routing (every expert exactly T*K/E slots: the case in "
+                         "which experts' rows pad tiles least; a diagnostic, not a model's routing) "
+                         "at each T of --tokens where E divides T*K")
     ap.add_argument("--fallback-max-t", type=int, default=64,
                     help="time the Python fallback (eager: one warm-up call, whose output is checked "
                          "against the reference, then the median of 5) at each T up to this")
@@ -207,23 +223,26 @@ def main():
             Path(args.json).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
 
     gmm_said = False   # the gmm peer's capture failure was printed once
-    cases = [(m, T, False) for m in names for T in args.tokens]
+    cases = [(m, T, "uniform") for m in names for T in args.tokens]
     if args.skew:
-        cases += [(m, T, True) for m in names for T in (64, 4096)]
+        cases += [(m, T, "skewed") for m in names for T in (64, 4096)]
+    if args.balanced:
+        cases += [(m, T, "balanced") for m in names for T in args.tokens if T * models[m].K % models[m].E == 0]
     hdr = (f"{'model':<22}{'T':>6} {'route':<6}{'floor':>9}{'ours':>9}{'x floor':>8}{'x here':>7}{'TFLOP/s':>8}"
            f"{'GB/s':>7}{'gmm':>9}{'gmm/ours':>9}{'fallbk':>10}{'err':>9}")
     print(f"# {meta}", flush=True)
     print(hdr)
     cur_model, layer = None, None
-    for i, (m, T, skew) in enumerate(cases):
-        s = models[m]
-        print(f"[{i + 1}/{len(cases)}] {m} T={T}{' skewed' if skew else ''} ...", file=sys.stderr, flush=True)
+    for i, (m, T, route) in enumerate(cases):
+        s, skew = models[m], route == "skewed"
+        print(f"[{i + 1}/{len(cases)}] {m} T={T}{'' if route == 'uniform' else ' ' + route} ...",
+              file=sys.stderr, flush=True)
         if m != cur_model:
             layer = None
             torch.cuda.empty_cache()
             layer, cur_model = layer_weights(s, dt, gen), m
         w13, w2 = layer
-        sets = input_sets(s, T, args.sets, w13, w2, dt, gen, skew)
+        sets = input_sets(s, T, args.sets, w13, w2, dt, gen, skew, route == "balanced")
         if args.weight_copies:   # set 0 keeps the layer's own copy; the others get theirs
             sets = [a if k == 0 else (a[0], w13.clone(), w2.clone(), a[3], a[4]) for k, a in enumerate(sets)]
         hit = sum(int(torch.unique(a[4]).numel()) for a in sets) / args.sets
@@ -236,7 +255,7 @@ def main():
         ref = reference(x, w13, w2, w, ids)
         err = rel(ours(*sets[0]), ref)
         err_g = rel(gmm_pipeline(*sets[0]), ref)
-        row = {"model": m, "T": T, "skewed": skew, "H": s.H, "I": s.I, "E": s.E, "K": s.K,
+        row = {"model": m, "T": T, "skewed": skew, "routing": route, "H": s.H, "I": s.I, "E": s.E, "K": s.K,
                "experts_hit": hit, "flops": flops, "bytes": bytes_, "floor_us": floor, "floor_here_us": floor_here,
                "err_ours": err, "err_gmm": err_g, "path": reg.last_path.get("moe_fused_gemm")}
         if not err <= 1e-2:   # (NaN never passes)
@@ -278,7 +297,7 @@ def main():
         rows.append(row)
         g = f"{row['gmm_us']:>9.1f}{row['gmm_over_ours']:>9.2f}" if row["gmm_us"] else f"{'-':>9}{'-':>9}"
         fb = f"{row['fallback_us']:>10.0f}" if "fallback_us" in row else f"{'-':>10}"
-        print(f"{m:<22}{T:>6} {'skew' if skew else 'unif':<6}{floor:>9.1f}{row['ours_us']:>9.1f}"
+        print(f"{m:<22}{T:>6} {route[:4]:<6}{floor:>9.1f}{row['ours_us']:>9.1f}"
               f"{row['x_floor']:>8.2f}{row['x_floor_here']:>7.2f}{row['tflops']:>8.1f}{row['gbs']:>7.0f}{g}{fb}{err:>9.1e}", flush=True)
         if "host_us" in row:
             print(f"{'':<28}host time of one eager call: {row['host_us']:.1f} µs", flush=True)

@@ -34,6 +34,12 @@ except ImportError:  # --help works without it; a run says it needs it
 META = ("dtype", "device", "date", "commit")   # what the chart's title reads
 
 
+def uniform(r: dict) -> bool:
+    """Whether row ``r`` was timed on uniform routing (the chart's): not --skew's or --balanced's
+    rows (files before --balanced have 'skewed' only)."""
+    return (r.get("routing") or ("skewed" if r.get("skewed") else "uniform")) == "uniform"
+
+
 def data_problem(data) -> str:
     """What keeps bench_moe.py's JSON ``data`` out of the chart ('' if nothing), in table_moe.py's
     words (its shape_problem; its row_problem asks for columns the chart does not draw): not a
@@ -49,7 +55,7 @@ def data_problem(data) -> str:
     for i, r in enumerate(data["rows"]):
         if not isinstance(r, dict):
             return f"row {i}: expected a mapping, got {type(r).__name__}"
-        if r.get("skewed") or "ours_us" not in r:   # not drawn
+        if not uniform(r) or "ours_us" not in r:   # not drawn
             continue
         if not isinstance(r.get("model"), str) or not isinstance(r.get("T"), int):
             return f"row {i}: expected 'model' (a name) and 'T' (an integer), got {r.get('model')!r} and {r.get('T')!r}"
@@ -83,7 +89,7 @@ def main():
     if problem:
         problems.append(f"{a.json}: expected the JSON that bench_moe.py --json writes (meta and rows): {problem}")
     else:
-        rows = [r for r in data["rows"] if not r.get("skewed") and "ours_us" in r]
+        rows = [r for r in data["rows"] if uniform(r) and "ours_us" in r]
         if not rows:
             problems.append(f"{a.json}: no timed uniform-routing rows to plot")
     if plt is None:   # reported with the other problems, not after installing it

@@ -99,14 +99,14 @@ def header(m: dict, here: bool) -> str:
 def cells(r: dict, here: bool) -> list:
     """The row's cells, as many as the header has."""
     skewed = bool(r.get("skewed", False))
-    route = "skewed" if skewed else "uniform"
+    route = r.get("routing") or ("skewed" if skewed else "uniform")   # (files before --balanced: no 'routing')
     floor = f"{r['floor_us']:.1f}" if r.get("floor_us") is not None else "-"
     width = 14 if here else 13
     if "ours_us" not in r:
         why = str(r.get("error") or "not timed").replace("|", "\\|")
         return [r["model"], str(r["T"]), route, floor, f"FAILED: {why}"] + ["-"] * (width - 5)
     ours = r["ours_us"]
-    v = VLLM_US.get((r["model"], r["T"])) if not skewed else None
+    v = VLLM_US.get((r["model"], r["T"])) if route == "uniform" else None
     g = r.get("gmm_us")
     out = [r["model"], str(r["T"]), route, floor, f"{ours:.1f}", f"{r['x_floor']:.2f}"]
     if here:

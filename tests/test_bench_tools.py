@@ -767,3 +767,34 @@ def test_dram_rows_probe_checks_its_arguments_and_needs_a_gpu():
         pass
     r = subprocess.run([sys.executable, tool], capture_output=True, text=True, env=child_env())
     assert r.returncode == 2 and r.stderr.startswith("dram_rows_probe.py: needs a GPU with CuPy"), r.stderr
+
+
+def test_table_and_chart_keep_balanced_rows_apart(tmp_path):
+    """--balanced rows (a diagnostic routing) are labelled as such in the table, get no vLLM
+    ratio, and stay out of the chart, as --skew's rows do; files before 'routing' still read."""
+    bal = dict(TIMED, routing="balanced", skewed=False)
+    r = _run_table(_bench_json(tmp_path, [TIMED, bal]))
+    assert r.returncode == 0, r.stderr
+    rows = _table_rows(r.stdout)
+    assert rows[2].startswith("| qwen3-30b-a3b | 1 | uniform |") and "| 30.2 |" in rows[2], rows[2]
+    assert rows[3].startswith("| qwen3-30b-a3b | 1 | balanced |") and "| 30.2 |" not in rows[3], rows[3]
+    plot = import_tool("benchmarks", "plot_moe")
+    assert plot.uniform(TIMED) and plot.uniform(dict(TIMED, skewed=False, routing="uniform"))
+    assert not plot.uniform(bal) and not plot.uniform(dict(TIMED, skewed=True))
+
+
+def test_bench_moe_balanced_routing_gives_every_expert_the_same_slots():
+    """routing(balanced=True): each expert exactly T*K/E slots, K distinct experts per token,
+    weights the softmax's at those ids (renormalised where the model does); uniform routing
+    is not balanced (so the diagnostic measures something else)."""
+    torch = pytest.importorskip("torch")
+    bench = import_tool("benchmarks", "bench_moe")
+    T, E, K = 96, 16, 4
+    gen = torch.Generator().manual_seed(1)
+    w, ids = bench.routing(T, E, K, True, False, gen, balanced=True)
+    assert ids.dtype == torch.int32 and w.dtype == torch.float32 and ids.shape == w.shape == (T, K)
+    assert torch.bincount(ids.reshape(-1).long(), minlength=E).tolist() == [T * K // E] * E
+    assert all(len(set(row)) == K for row in ids.tolist())
+    assert torch.allclose(w.sum(-1), torch.ones(T)) and bool((w > 0).all())
+    _, ids_u = bench.routing(T, E, K, True, False, gen)
+    assert torch.bincount(ids_u.reshape(-1).long(), minlength=E).tolist() != [T * K // E] * E
