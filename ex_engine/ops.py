@@ -13,7 +13,7 @@ import threading
 from contextlib import contextmanager
 
 from .arrays import _KINDS, Bits16, TensorRef, _cupy_importable, _kind_of, data_ptr, no_cupy_error
-from .errors import ArgumentError, FactorError, ShapeError
+from .errors import ArgumentError, DTypeError, FactorError, ShapeError
 from .registry import FactorRegistry
 
 _default: FactorRegistry | None = None
@@ -65,11 +65,19 @@ def _counted_refusal(reg: FactorRegistry, name: str):
         raise
 
 
-def _empty(ref: TensorRef, shape, dtype: str, factor: str, name: str, reg: FactorRegistry | None = None):
+def _empty(ref: TensorRef, shape, dtype: str, factor: str, name: str, reg: FactorRegistry | None = None,
+           expected: str = "a numeric dtype in native byte order"):
     """An uninitialised array of ``shape``/``dtype`` from the same library and device as ``ref``
     (argument ``name`` of ``factor``). Raises DeviceError for a device array where CuPy cannot
-    be imported (no_cupy_error; counted in ``reg``'s errors, as dispatch counts a refusal)."""
+    be imported (no_cupy_error; counted in ``reg``'s errors, as dispatch counts a refusal), and
+    DTypeError (counted likewise) for a dtype no array can be made of, e.g. float16 in
+    non-native byte order or a structured dtype (the argument's own dtype, which dispatch would
+    have refused by name: np.empty's TypeError named neither)."""
     like = ref.obj
+    if ref.kind != "torch" and dtype not in _ALLOCATABLE:
+        if reg is not None:
+            reg._count(factor, "errors")
+        raise DTypeError(factor, name, "dtype", expected, dtype)
     if ref.kind == "torch":
         import torch
         return like.new_empty(shape, dtype=getattr(torch, dtype))   # its device (host time: no kwargs)
@@ -97,6 +105,10 @@ def _float32_of(arr):
         return torch.float32
     import numpy as np
     return np.float32
+
+
+_ALLOCATABLE = frozenset({"float16", "bfloat16", "float32", "int32", "int16", "int8", "uint8", "int64",
+                          "float64", "uint16", "uint32", "uint64", "bool"})
 
 
 def _np_dtype(dtype: str):
@@ -284,7 +296,8 @@ def moe_fused_gemm(hidden_states, w13, w2, topk_weights, topk_ids, *, router_log
         else:
             with _counted_refusal(reg, "moe_fused_gemm"):
                 ref = TensorRef.of(hidden_states, "hidden_states", "moe_fused_gemm")
-            out = _empty(ref, ref.shape, ref.dtype, "moe_fused_gemm", "hidden_states", reg)
+            out = _empty(ref, ref.shape, ref.dtype, "moe_fused_gemm", "hidden_states", reg,
+                         expected="float16 or bfloat16")
     reg.dispatch(
         "moe_fused_gemm", {"hidden_states": hidden_states, "out": out, "router_logits": router_logits,
                            "w13": w13, "w2": w2, "topk_weights": topk_weights,
