@@ -27,3 +27,49 @@ def test_moe_without_out_names_hidden_states_for_a_dtype_no_array_is_made_of(reg
                                          "bfloat16, got"):
         moe_fused_gemm(x, w13, w2, np.ones((T, K), np.float32), np.zeros((T, K), np.int32), registry=reg)
     assert reg.stats()["moe_fused_gemm"]["errors"] == before + 1
+
+
+@pytest.fixture(scope="module")
+def hf_parts():
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from ex_engine.integrations import transformers as hf
+    from tests import test_integrations as ti
+    return hf, ti
+
+
+def test_patched_experts_do_not_wrap_int64_ids_onto_valid_experts(reg, hf_parts):
+    """int64 ids past 2^31 were narrowed by .to(int32): 2^32 + 1 became expert 1, silently.
+    They are clamped to -1..E first: out of range stays out of range, flagged."""
+    import torch
+    from ex_engine.errors import DeviceSideError
+    hf, ti = hf_parts
+    m = ti.tiny_model("qwen3_moe")
+    mlp = m.model.layers[0].mlp
+    x = torch.randn(2, ti.H).bfloat16()
+    w = torch.ones(2, 1)
+    good = torch.tensor([[1], [2]])
+    with torch.no_grad(), hf.patch_moe(m, registry=reg):
+        reg.check_device_errors()
+        a = mlp.experts(x, good, w)
+        reg.check_device_errors()                  # valid ids: nothing flagged
+        b = mlp.experts(x, good + 2 ** 32, w)
+        assert not torch.equal(a, b)
+        with pytest.raises(DeviceSideError, match="invalid_topk_ids in 2 slot"):
+            reg.check_device_errors()
+        mlp.experts(x, good - 2 ** 32, w)         # negative past -2^31: flagged too
+        with pytest.raises(DeviceSideError, match="invalid_topk_ids in 2 slot"):
+            reg.check_device_errors()
+
+
+def test_a_model_cast_after_patching_is_named_with_the_remedy(reg, hf_parts):
+    """model.float() after patch_moe raised moe_fused_gemm's DTypeError for 'hidden_states', an
+    argument the caller never passed. Now the block, the cast and the remedy are named."""
+    import torch
+    hf, ti = hf_parts
+    m = ti.tiny_model("olmoe")
+    with hf.patch_moe(m, registry=reg):
+        m.float()
+        with pytest.raises(hf.UnsupportedModelError, match=r"model\.layers\.0\.mlp: its experts' weights are "
+                                                           r"float32 now .* undo\(\) the patch before casting"):
+            ti.logits_of(m, ti.prompt())

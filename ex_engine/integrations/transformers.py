@@ -341,9 +341,22 @@ def _experts_forward(b: _Block, adapter: MoEAdapter, reg: FactorRegistry):
             tw = top_k_weights.to(hidden_states.dtype) if b.round_weights else top_k_weights
             return stock(experts, hidden_states, top_k_index.long(), tw)
         w13, w2 = weights()
+        if w13.dtype not in (torch.float16, torch.bfloat16):
+            # the model was cast after patching (model.float()): name the block and the remedy,
+            # not moe_fused_gemm's internal argument
+            raise UnsupportedModelError(
+                f"{b.name}: its experts' weights are {str(w13.dtype).replace('torch.', '')} now (the model was "
+                f"cast after patch_moe); expected float16 or bfloat16, which moe_fused_gemm takes: undo() the "
+                f"patch before casting the model, or cast it back")
         x = hidden_states if hidden_states.dtype == w13.dtype else hidden_states.to(w13.dtype)
         x = x.contiguous()                                          # no-op for the stock (T, H) view
-        ids = top_k_index if top_k_index.dtype == torch.int32 else top_k_index.to(torch.int32)
+        if top_k_index.dtype == torch.int32:
+            ids = top_k_index
+        else:
+            # a stock router's int64 ids: clamped to -1..E before narrowing, so that an id out of
+            # range stays out of range (flagged by check_device_errors) instead of wrapping
+            # modulo 2^32 onto a valid expert
+            ids = top_k_index.clamp(-1, w13.shape[0]).to(torch.int32)
         tw = top_k_weights if top_k_weights.dtype == torch.float32 else top_k_weights.float()
         out = moe_fused_gemm(x, w13, w2, tw.contiguous(), ids.contiguous(), registry=reg)
         return out if out.dtype == hidden_states.dtype else out.to(hidden_states.dtype)
@@ -437,7 +450,10 @@ class MoEPatch:
 
     def undo(self) -> None:
         """Put the stock forwards back and drop repacked copies (idempotent). Parameters were
-        never touched: they are the same tensors, at the same addresses, as before patching."""
+        never touched: they are the same tensors, at the same addresses, as before patching.
+        Not while a forward runs in another thread: a block whose router ran patched before the
+        undo hands the stock experts int32 ids, which they refuse (torch's one_hot: 'only
+        applicable to index tensor of type LongTensor')."""
         if not self.active:
             return
         for r in self._records:
