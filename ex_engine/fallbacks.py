@@ -77,14 +77,27 @@ def fused_add_rmsnorm_math(xp, x, residual, weight, eps: float, dtype: str):
     """(new x, new residual) as float32 values already rounded to ``dtype``.
 
     residual' = round(residual + x); x' = round(residual' * rsqrt(mean(residual'^2) + eps) * w).
+    A row whose fp32 sum of squares overflows while its values are finite (|r| past ~1.8e19 /
+    sqrt(H)) gets the same rsqrt computed on r / max|r|, as the kernels' rescued_inv_rms does; a
+    row holding an inf or NaN keeps the plain formula's IEEE result.
     Source: Zhang & Sennrich 2019 (RMSNorm); vLLM csrc/layernorm_kernels.cu fused_add_rms_norm.
     """
-    with np.errstate(over="ignore", invalid="ignore"):    # the kernel's fp32 overflow, quietly
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore", under="ignore"):
         r = round_to_dtype(xp, (x + residual).astype(xp.float32), dtype)
         H = r.shape[-1]
-        inv = 1.0 / xp.sqrt((r * r).sum(axis=-1, keepdims=True, dtype=xp.float32) / xp.float32(H)
-                            + xp.float32(eps))
-        y = round_to_dtype(xp, (r * inv.astype(xp.float32)) * weight, dtype)
+        f32 = xp.float32
+        total = (r * r).sum(axis=-1, keepdims=True, dtype=f32)
+        inv = (1.0 / xp.sqrt(total / f32(H) + f32(eps))).astype(f32)
+        over = ~(total <= f32(np.finfo(np.float32).max))           # inf or NaN sums
+        if bool(over.any()):
+            amax = xp.where(xp.isnan(r), f32(np.inf), xp.abs(r)).max(axis=-1, keepdims=True)
+            fine = over & (amax <= f32(np.finfo(np.float32).max)) & (amax > 0)
+            safe = xp.where(fine, amax, f32(1.0))
+            q = r * (f32(1.0) / safe)
+            s2 = (q * q).sum(axis=-1, keepdims=True, dtype=f32)
+            rescued = (1.0 / xp.sqrt(s2 / f32(H) + f32(eps) / safe / safe) / safe).astype(f32)
+            inv = xp.where(fine, rescued, inv)
+        y = round_to_dtype(xp, (r * inv) * weight, dtype)
     return y, r
 
 

@@ -228,8 +228,10 @@ def fused_add_rmsnorm(x, residual, weight, eps: float = 1e-6, *,
     wider buffers (unit stride along H). weight: (H,) same dtype. eps: a float > 0 that rounds
     to a normal float32 (from ~1.18e-38 to ~3.4e38: 1e-60 would be 0 in float32 and is
     refused).
-    Range: the sum of squares is fp32 (as vLLM's kernel), so a row whose values reach ~1e19
-    overflows it and comes out as zeros; float16 rows are far from that.
+    Range: the sum of squares is fp32 (as vLLM's kernel); a row whose values are finite but
+    overflow it (|values| past ~1.8e19 / sqrt(H), in float32 or bfloat16) is normalised by the
+    same formula on the row divided by its largest magnitude, not returned as zeros. A row
+    holding an inf or NaN gives IEEE's result (NaN where inf * 0 arises).
     Returns (x, residual), both written in place. Raises DTypeError, ShapeError (a T or H of
     residual or weight that differs from x's names that argument: x's sizes are the reference),
     LayoutError (also: x and residual, or either and weight, sharing memory; views of one wider

@@ -7,6 +7,9 @@
  *
  *   The normalised value is the residual as rounded to its dtype (as vLLM's
  *   fused_add_rms_norm); sum, rsqrt and products in fp32, one rounding at the end.
+ *   A row whose sum of squares overflows fp32 (|r| past ~1.8e19 / sqrt(H); float32 and bfloat16
+ *   reach it) while every r is finite gets the same rsqrt computed on r / max|r| (rescued_inv_rms),
+ *   not zeros; a row holding an inf or NaN keeps the plain formula's IEEE result.
  *
  * Shapes and dtypes (x, residual, weight all one dtype: float32 | float16 | bfloat16)
  *   output = input = x  (T, H), rows x_row_stride elements apart   (read and written)
@@ -36,6 +39,7 @@
 #define EX_PLUGIN_FILE "fused_add_rmsnorm.so"  // names this library in its messages (ex_plugin.cuh)
 
 #include <cuda_runtime.h>
+#include <cfloat>
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
 
@@ -147,6 +151,45 @@ __device__ __forceinline__ float block_sum(float v, float (&buf)[2][32], int par
     return total;
 }
 
+// A block reduction (sum, or max with kMax) with a barrier before and after, so that it may
+// reuse buf[parity] right after block_sum's read of it, and the next row's block_sum may reuse
+// it right after: for the rare path below only (three barriers).
+template <bool kMax>
+__device__ __forceinline__ float block_reduce_fenced(float v, float (&buf)[2][32], int parity) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const float u = __shfl_xor_sync(0xFFFFFFFFu, v, o);
+        v = kMax ? fmaxf(v, u) : v + u;
+    }
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+    __syncthreads();  // every thread has read buf[parity] of the reduction before
+    if (lane == 0) buf[parity][warp] = v;
+    __syncthreads();
+    float r = 0.0f;
+    for (int w = 0; w < nwarps; ++w) r = kMax ? fmaxf(r, buf[parity][w]) : r + buf[parity][w];
+    __syncthreads();  // every thread has read it before the next reduction writes
+    return r;
+}
+
+// |v| for the row's largest magnitude, NaN as +inf (so that a NaN row is not rescued)
+__device__ __forceinline__ float mag(float v) { return v == v ? fabsf(v) : INFINITY; }
+
+// The sum of squares overflowed fp32 (|r| past ~1.8e19 / sqrt(H)) or a value is inf or NaN.
+// Where every value is finite, rsqrt(sum r^2 / H + eps) is computed again on the row scaled by
+// its largest magnitude amax: rsqrt(sum (r / amax)^2 / H + eps / amax^2) / amax; else (an inf
+// or NaN in the row) the result of the plain formula stands, as IEEE arithmetic gives it.
+// Block-uniform (total is the same in every thread); rare: no cost on rows in range.
+// row_max / row_sq: this thread's largest mag() and sum of (r / amax)^2 over its elements.
+template <class RowMax, class RowSq>
+__device__ __forceinline__ float rescued_inv_rms(float inv_rms, float total, int H, float eps, float (&buf)[2][32],
+                                                 int parity, RowMax row_max, RowSq row_sq) {
+    if (total <= FLT_MAX) return inv_rms;  // finite: nothing overflowed
+    const float amax = block_reduce_fenced<true>(row_max(), buf, parity);
+    if (!(amax <= FLT_MAX) || amax == 0.0f) return inv_rms;  // an inf or NaN in the row
+    const float s2 = block_reduce_fenced<false>(row_sq(1.0f / amax), buf, parity);
+    return rsqrtf(s2 / (float)H + eps / amax / amax) / amax;
+}
+
 // ------------------------------------------------------------------------------------------
 // Fast kernel: one block per row, the row in registers
 // ------------------------------------------------------------------------------------------
@@ -200,7 +243,35 @@ fused_add_rmsnorm_kernel(T* x_out,                      // (T, H) stride x_strid
             }
         }
 
-        const float inv_rms = rsqrtf(block_sum(ss, red, parity) / (float)H + eps);
+        const float total = block_sum(ss, red, parity);
+        const float inv_rms = rescued_inv_rms(
+            rsqrtf(total / (float)H + eps), total, H, eps, red, parity,
+            [&]() {
+                float m = 0.0f;
+#pragma unroll
+                for (int k = 0; k < VPT; ++k) {
+                    if (tid + k * NT < npack) {
+                        float b[VEC];
+                        to_float(rv[k], b);
+#pragma unroll
+                        for (int e = 0; e < VEC; ++e) m = fmaxf(m, mag(b[e]));
+                    }
+                }
+                return m;
+            },
+            [&](float scale) {
+                float q = 0.0f;
+#pragma unroll
+                for (int k = 0; k < VPT; ++k) {
+                    if (tid + k * NT < npack) {
+                        float b[VEC];
+                        to_float(rv[k], b);
+#pragma unroll
+                        for (int e = 0; e < VEC; ++e) q = fmaf(b[e] * scale, b[e] * scale, q);
+                    }
+                }
+                return q;
+            });
 
 #pragma unroll
         for (int k = 0; k < VPT; ++k) {
@@ -243,7 +314,22 @@ fused_add_rmsnorm_generic_kernel(T* x_out, const T* x_in, T* residual, const T* 
             const float f = Num<T>::to_f(rr);
             ss = fmaf(f, f, ss);
         }
-        const float inv_rms = rsqrtf(block_sum(ss, red, parity) / (float)H + eps);
+        const float total = block_sum(ss, red, parity);
+        const float inv_rms = rescued_inv_rms(
+            rsqrtf(total / (float)H + eps), total, H, eps, red, parity,
+            [&]() {  // (reads back this thread's own writes, as below)
+                float m = 0.0f;
+                for (int h = threadIdx.x; h < H; h += blockDim.x) m = fmaxf(m, mag(Num<T>::to_f(res[h])));
+                return m;
+            },
+            [&](float scale) {
+                float q = 0.0f;
+                for (int h = threadIdx.x; h < H; h += blockDim.x) {
+                    const float f = Num<T>::to_f(res[h]) * scale;
+                    q = fmaf(f, f, q);
+                }
+                return q;
+            });
         for (int h = threadIdx.x; h < H; h += blockDim.x)  // reads back this thread's own writes
             xout[h] = Num<T>::from_f(Num<T>::to_f(res[h]) * inv_rms * Num<T>::to_f(weight[h]));
     }

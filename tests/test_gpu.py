@@ -101,6 +101,35 @@ def test_fused_add_rmsnorm_plugin(reg, cp, dtype, T, H):
     assert rel(cp, x, cp.asarray(X)) < tol and rel(cp, r, cp.asarray(R)) < tol
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("H", [111, 4096, 20000])
+def test_fused_add_rmsnorm_plugin_rows_past_the_fp32_sum_of_squares(reg, cp, dtype, H):
+    """Rows of finite values whose fp32 sum of squares overflows (|r| ~ 1e20, 3e37) were zeros:
+    rescued_inv_rms normalises them on r / max|r| (H = 111: the scalar fast kernel; 4096: the
+    vector one; 20000: the generic kernel). A row holding an inf keeps IEEE's result."""
+    scale = cp.asarray([1e20, 1.0, 3e37, 1e-3], dtype=cp.float32)[:, None]
+    xv = cp.random.standard_normal((4, H), dtype=cp.float32) * scale
+    rv = cp.random.standard_normal((4, H), dtype=cp.float32) * scale
+    wv = 1 + 0.1 * cp.random.standard_normal(H, dtype=cp.float32)
+    x, r, w = make(cp, xv, dtype), make(cp, rv, dtype), make(cp, wv, dtype)
+    X, R = rmsnorm_ref(f64(x).get(), f64(r).get(), f64(w).get(), 1e-6, dtype)
+    fused_add_rmsnorm(x, r, w, 1e-6, registry=reg)
+    assert reg.last_path["fused_add_rmsnorm"] in ("plugin", "kernel_fallback")
+    tol = reg.manifest("fused_add_rmsnorm").tolerance[dtype]
+    got = f64(x)
+    for t in range(4):
+        assert rel(cp, got[t], cp.asarray(X[t])) < tol, t
+    assert float(np.linalg.norm(X[0])) > 1.0   # O(1) per element: zeros fail above
+    xi = make(cp, xv, dtype)
+    ri = make(cp, rv, dtype)
+    ri_f = f64(ri)
+    ri_f[2, 5] = cp.inf
+    ri = make(cp, ri_f.astype(cp.float32), dtype)
+    fused_add_rmsnorm(xi, ri, w, 1e-6, registry=reg)
+    row = f64(xi)[2]
+    assert bool(cp.isnan(row[5])) and bool((row[cp.arange(H) != 5] == 0).all())
+
+
 @pytest.mark.parametrize("dtype", ["float16", "float32"])
 def test_fused_add_rmsnorm_views_and_misaligned_base(reg, cp, dtype):
     T, H = 33, 769

@@ -73,3 +73,32 @@ def test_a_model_cast_after_patching_is_named_with_the_remedy(reg, hf_parts):
         with pytest.raises(hf.UnsupportedModelError, match=r"model\.layers\.0\.mlp: its experts' weights are "
                                                            r"float32 now .* undo\(\) the patch before casting"):
             ti.logits_of(m, ti.prompt())
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("H", [111, 4096])
+def test_fused_add_rmsnorm_rows_past_the_fp32_sum_of_squares(dtype, H):
+    """A row of finite values whose fp32 sum of squares overflows (|r| ~ 1e20) came out as zeros
+    (exact answer: r / rms(r) * w, O(1)); it is normalised on r / max|r| now. Rows in range keep
+    their values; a row holding an inf keeps IEEE's result (NaN at the inf, zeros elsewhere).
+    (The Python fallback here; test_gpu.py runs the kernels on the same rows.)"""
+    from ex_engine import fused_add_rmsnorm
+    from tests.reference import NP_DTYPES, rmsnorm_ref
+    reg = FactorRegistry(hardware=None)       # no plugins: the Python fallback
+    rng = np.random.default_rng()
+    npdt = NP_DTYPES[dtype]
+    scale = np.array([1e20, 1.0, 3e37, 1e-3])[:, None]
+    x = (rng.standard_normal((4, H)) * scale).astype(npdt)
+    res = (rng.standard_normal((4, H)) * scale).astype(npdt)
+    wt = (1 + 0.1 * rng.standard_normal(H)).astype(npdt)
+    X, R = rmsnorm_ref(x.astype(np.float64), res.astype(np.float64), wt, 1e-6, dtype)
+    y, r = x.copy(), res.copy()
+    fused_add_rmsnorm(y, r, wt, 1e-6, registry=reg)
+    tol = reg.manifest("fused_add_rmsnorm").tolerance[dtype]
+    for t in range(4):
+        got = y[t].astype(np.float64)
+        assert np.isfinite(got).all() and np.linalg.norm(got - X[t]) / np.linalg.norm(X[t]) < tol, t
+    assert np.linalg.norm(X[0]) > 1.0        # O(1) per element: zeros would fail above
+    x[2, 5] = np.inf
+    fused_add_rmsnorm(x, res, wt, 1e-6, registry=reg)
+    assert np.isnan(x[2, 5]) and (x[2, np.arange(H) != 5] == 0).all()
