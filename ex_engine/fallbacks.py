@@ -34,8 +34,9 @@ def topk_softmax_math(xp, logits, K: int, renormalize: bool):
     """(topk_weights float32 (T,K), topk_ids int32 (T,K)) from float32 logits (T,E).
 
     Semantics of manifests/topk_softmax.yaml: ranking by logit with NaN as -inf, ties to the
-    lowest index; stable fp32 softmax; +inf entries share 1 equally; an all -inf/NaN row is
-    uniform 1/E. Source: vLLM csrc/moe/topk_softmax_kernels.cu (softmax, then top-k).
+    lowest index; stable fp32 softmax; +inf entries share 1 equally; an all -inf row is uniform
+    1/E; a row holding a NaN logit gets NaN for its K weights (its ids as ranked). Source: vLLM
+    csrc/moe/topk_softmax_kernels.cu (softmax, then top-k).
     """
     T, E = logits.shape
     key = xp.where(xp.isnan(logits), xp.float32(-np.inf), logits).astype(xp.float32) + xp.float32(0.0)
@@ -58,6 +59,7 @@ def topk_softmax_math(xp, logits, K: int, renormalize: bool):
     w = xp.take_along_axis(p, ids.astype(xp.int64), axis=1)
     if renormalize:
         w = w / w.sum(axis=1, keepdims=True)
+    w = xp.where(xp.isnan(logits).any(axis=1, keepdims=True), xp.float32(np.nan), w)
     return w.astype(xp.float32), ids
 
 

@@ -144,9 +144,10 @@ def topk_softmax(router_logits, top_k: int, renormalize: bool = False, *, topk_w
     p = softmax(router_logits[t]) in fp32 (stable: max subtracted); topk_ids[t] = the top_k
     experts by logit, ties to the lowest index, distinct; topk_weights[t,k] = p of that
     expert, divided by the sum over k when ``renormalize``. A NaN logit ranks as -inf (below
-    every number; among -inf and NaN logits the lower index ranks first) and gets p = 0;
-    +inf logits share probability 1; a row whose logits are all -inf or NaN is uniform
-    (p = 1/E, ids 0..K-1). (Source: vLLM csrc/moe/topk_softmax_kernels.cu; Shazeer et al.
+    every number; among -inf and NaN logits the lower index ranks first), so the ids stay valid
+    experts, and its row's K weights are all NaN (a corrupted router shows in the layer's
+    output, as in torch's softmax, instead of passing as a finite routing); +inf logits share
+    probability 1; a row whose logits are all -inf is uniform (p = 1/E, ids 0..K-1). (Source: vLLM csrc/moe/topk_softmax_kernels.cu; Shazeer et al.
     2017.)
     An inference op: no autograd graph is recorded (torch outputs do not require grad, and no
     gradient flows back to router_logits).

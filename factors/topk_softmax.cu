@@ -5,8 +5,10 @@
  *   topk_ids[t, :]     = the K experts of largest l[t, e], ties to the lowest index, distinct
  *   topk_weights[t, k] = p[t, topk_ids[t, k]]   (/ sum_k of them when renormalize), rank order
  *
- *   NaN ranks as -inf and gets p = 0; if m = +inf the +inf entries share 1 equally; if every
- *   logit of a row is -inf or NaN, p = 1/E for every expert (ids 0..K-1).
+ *   NaN ranks as -inf (the ids stay valid experts), and a row holding a NaN logit gets NaN
+ *   for all its K weights (a corrupted router shows in the layer's output, as it does in
+ *   torch's softmax); if m = +inf the +inf entries share 1 equally; if every logit of a row is
+ *   -inf, p = 1/E for every expert (ids 0..K-1).
  *
  * Shapes and dtypes
  *   output  topk_weights (T, K) float32          input  router_logits (T, E) contiguous,
@@ -307,9 +309,11 @@ __device__ __forceinline__ uint32_t ld_u16(const unsigned short* p) {
 }
 
 // VONLY: the caller guarantees vec_ok (the packed-key kernel runs only on 16-byte rows).
+// has_nan: whether any of the lane's logits is NaN (before NaN -> -inf), for the row's weights
 template <typename T, int NV, bool AGAIN = false, bool VONLY = false>
 __device__ __forceinline__ void load_lane(const T* __restrict__ logits, int64_t t, bool row_ok, int E,
-                                          int gbase, int vec_ok, float (&x)[NV * 16 / (int)sizeof(T)]) {
+                                          int gbase, int vec_ok, float (&x)[NV * 16 / (int)sizeof(T)],
+                                          bool& has_nan) {
     constexpr int V = 16 / (int)sizeof(T);  // elements per 16-byte vector
     constexpr int EPL = V * NV;             // elements per lane
     constexpr int WORDS = NV * 4;           // 32-bit registers holding the lane's raw logits
@@ -345,8 +349,14 @@ __device__ __forceinline__ void load_lane(const T* __restrict__ logits, int64_t 
             }
         }
     }
+    bool nan = false;
 #pragma unroll
-    for (int k = 0; k < EPL; ++k) x[k] = fmaxf(El::word_elem(raw[k / EPW], k % EPW), -INFINITY);
+    for (int k = 0; k < EPL; ++k) {
+        const float v = El::word_elem(raw[k / EPW], k % EPW);
+        nan = nan || v != v;
+        x[k] = fmaxf(v, -INFINITY);
+    }
+    has_nan = nan;
 }
 
 // ------------------------------------------------------------------------------------------
@@ -355,10 +365,11 @@ __device__ __forceinline__ void load_lane(const T* __restrict__ logits, int64_t 
 // calls it (uniform control flow); it writes the outputs of its rows.
 // ------------------------------------------------------------------------------------------
 
+// nan: this lane's logits hold a NaN (load_lane): the row's S, and so its every weight, is NaN
 template <int G, int EPL, int D, int RP, int KC>
 __device__ __forceinline__ void exact_rows(const float (&x)[EPL], float* __restrict__ out_w,
                                            int32_t* __restrict__ out_id, int64_t t, bool row_ok,
-                                           int E, int K_, int renormalize, int lane) {
+                                           int E, int K_, int renormalize, int lane, bool nan) {
     const int K = KC > 0 ? KC : K_;  // KC > 0: K is KC, and the rounds unroll
     const int g = lane & (G - 1);   // lane within the row's group
     const int gfirst = lane & ~(G - 1);
@@ -380,7 +391,7 @@ __device__ __forceinline__ void exact_rows(const float (&x)[EPL], float* __restr
     } else {
         s = g == 0 ? (float)E : 0.0f;
     }
-    s = group_sum<G>(s);  // every lane of the group holds S
+    s = group_sum<G>(nan ? __int_as_float(0x7FC00000) : s);  // every lane of the group holds S (NaN: a NaN logit)
 
     // ---- K rounds: the group's max key; its lowest holder gives up its best ------------------
     uint32_t mine_key = 0;  // K <= G: lane g keeps the winner of round g
@@ -465,8 +476,9 @@ topk_softmax_kernel(float* __restrict__ out_w,          // (T, K)
         const int64_t t = task * R + sub;
         const bool row_ok = t < n_rows;
         float x[EPL];
-        load_lane<T, NV>(logits, t, row_ok, E, gbase, vec_ok, x);
-        exact_rows<G, EPL, D, RP, KC>(x, out_w, out_id, t, row_ok, E, K_, renormalize, lane);
+        bool nan;
+        load_lane<T, NV>(logits, t, row_ok, E, gbase, vec_ok, x, nan);
+        exact_rows<G, EPL, D, RP, KC>(x, out_w, out_id, t, row_ok, E, K_, renormalize, lane, nan);
     }
 }
 
@@ -573,7 +585,8 @@ topk_softmax_pkey_kernel(float* __restrict__ out_w, int32_t* __restrict__ out_id
         const int64_t t = task * R + sub;
         const bool row_ok = t < n_rows;
         float x[EPL];
-        load_lane<T, NV, false, true>(logits, t, row_ok, E, gbase, 1, x);
+        bool nan;
+        load_lane<T, NV, false, true>(logits, t, row_ok, E, gbase, 1, x, nan);
 
         // ---- packed keys, the lane's D best; without renormalize the lane's exp sum ------------
         uint32_t c[D];
@@ -596,7 +609,7 @@ topk_softmax_pkey_kernel(float* __restrict__ out_w, int32_t* __restrict__ out_id
         uint32_t hi = group_max<G, RP>(c[0], lane);
         // m': the largest value of the top key's bucket (the +inf bucket holds +inf alone)
         const float mval = __uint_as_float(key_to_bits(min(hi | MASK, 0xFF800000u)));
-        bool bad = !(fabsf(mval) <= 65536.0f);  // non-finite or large: exact_rows
+        bool bad = !(fabsf(mval) <= 65536.0f) || nan;  // non-finite or large, or a NaN: exact_rows
         const float mL = mval * kLog2e;
         bool any_bad = __any_sync(0xFFFFFFFFu, bad);
 
@@ -615,7 +628,8 @@ topk_softmax_pkey_kernel(float* __restrict__ out_w, int32_t* __restrict__ out_id
                     if (pop && c[0] == 0u) {  // rare: the lane gave up its D best; next D below hi
                         if constexpr (RL) {
                             float y[EPL];
-                            load_lane<T, NV, true, true>(logits, t, row_ok, E, gbase, 1, y);
+                            bool ynan;  // (the row's NaN flag is nan's: no NaN reaches these rounds)
+                            load_lane<T, NV, true, true>(logits, t, row_ok, E, gbase, 1, y, ynan);
 #pragma unroll
                             for (int k = 0; k < EPL; ++k) {
                                 const uint32_t p = pk_key<LB, KB>(y[k], k, lreg);
@@ -683,10 +697,11 @@ topk_softmax_pkey_kernel(float* __restrict__ out_w, int32_t* __restrict__ out_id
 #endif
             if constexpr (RL) {
                 float y[EPL];
-                load_lane<T, NV, true, true>(logits, t, row_ok, E, gbase, 1, y);
-                exact_rows<G, EPL, 3, RP, KC>(y, out_w, out_id, t, row_ok, E, K_, renormalize, lane);
+                bool ynan;
+                load_lane<T, NV, true, true>(logits, t, row_ok, E, gbase, 1, y, ynan);
+                exact_rows<G, EPL, 3, RP, KC>(y, out_w, out_id, t, row_ok, E, K_, renormalize, lane, ynan);
             } else {
-                exact_rows<G, EPL, 3, RP, KC>(x, out_w, out_id, t, row_ok, E, K_, renormalize, lane);
+                exact_rows<G, EPL, 3, RP, KC>(x, out_w, out_id, t, row_ok, E, K_, renormalize, lane, nan);
             }
         }
     }
@@ -735,8 +750,13 @@ topk_softmax_generic_kernel(float* __restrict__ out_w, int32_t* __restrict__ out
             if (r == 0) {
                 m = l;
                 float acc = 0.0f;
-                for (int e = lane; e < E; e += 32) acc += unnormalised(load_float(row + e), m);
-                s = group_sum<32>(acc);
+                bool nan = false;
+                for (int e = lane; e < E; e += 32) {
+                    const float v = load_float(row + e);
+                    nan = nan || v != v;
+                    acc += unnormalised(v, m);
+                }
+                s = group_sum<32>(nan ? __int_as_float(0x7FC00000) : acc);  // NaN: a NaN logit, NaN weights
             }
             const float p = unnormalised(l, m) / s;
             psum += p;  // identical in every lane

@@ -13,8 +13,8 @@ check passed; 1 a check failed, or nothing was tested (neither library loads and
 device); 2 no CuPy, or no CUDA device that CuPy can use.
 
 topk_softmax reference (manifests/topk_softmax.yaml): ranking by logit with NaN as -inf, ties to
-the lowest index (a stable sort); p = exp(l - m) / sum exp(l - m) with NaN -> 0, the +inf entries
-sharing 1 when m = +inf, 1/E everywhere when every logit is -inf or NaN.  ids must match exactly,
+the lowest index (a stable sort); p = exp(l - m) / sum exp(l - m), the +inf entries sharing 1
+when m = +inf, 1/E everywhere when every logit is -inf; NaN weights in a row holding a NaN logit.  ids must match exactly,
 weights within 1e-5 relative (+1e-7 absolute, for values that underflow in fp32).
 
 fused_add_rmsnorm reference (manifests/fused_add_rmsnorm.yaml): residual = round(fp32(x + residual))
@@ -228,6 +228,7 @@ def topk_reference(l64, K, renormalize):
     w = np.take_along_axis(p, ids.astype(np.int64), axis=1)
     if renormalize:
         w = w / w.sum(axis=1, keepdims=True)
+    w = np.where(np.isnan(l64).any(axis=1, keepdims=True), np.nan, w)   # a NaN logit: NaN weights
     return ids, w
 
 
@@ -286,7 +287,7 @@ def run_topk(cp, tab, plug, stream, quick):
                             group = f"topk_softmax {which} {'E<=1024' if E <= 1024 else 'E>1024'}"
                             if vname != "aligned":
                                 group += " misaligned"
-                            w = cp.full((T, K), np.nan, dtype=cp.float32)
+                            w = cp.full((T, K), -7.0, dtype=cp.float32)   # no weight is negative
                             ids = cp.full((T, K), -7, dtype=cp.int32)
                             dims = [T, E, K, renorm, DTYPE_CODE[dtype]]
                             rc = plug.call(which, w.data.ptr, d_logits.data.ptr, [ids.data.ptr], dims, stream.ptr)
@@ -300,7 +301,7 @@ def run_topk(cp, tab, plug, stream, quick):
                                 tab.add(group, False, detail=f"{tag}: rc={rc} ({plug.error()})")
                                 continue
                             got_ids, got_w = cp.asnumpy(ids), cp.asnumpy(w).astype(np.float64)
-                            if (got_ids == -7).any() or np.isnan(got_w).any():
+                            if (got_ids == -7).any() or (got_w == -7.0).any():
                                 tab.add(group, False, detail=f"{tag}: outputs left unwritten")
                                 continue
                             bad_ids = got_ids != ref_ids
@@ -310,6 +311,12 @@ def run_topk(cp, tab, plug, stream, quick):
                                         f"row {t}: got {got_ids[t][:8]} want {ref_ids[t][:8]} "
                                         f"(logits {l64[t][:6]})")
                                 continue
+                            if (np.isnan(got_w) != np.isnan(ref_w)).any():
+                                t = int(np.argwhere(np.isnan(got_w) != np.isnan(ref_w))[0][0])
+                                tab.add(group, False, detail=f"{tag}: row {t}: NaN weights where the reference has "
+                                        f"{'none' if np.isnan(got_w[t]).any() else 'them'} (logits {l64[t][:6]})")
+                                continue
+                            got_w, ref_w = np.nan_to_num(got_w, nan=0.0), np.nan_to_num(ref_w, nan=0.0)
                             err = np.abs(got_w - ref_w)
                             ok = bool((err <= 1e-5 * np.abs(ref_w) + 1e-7).all())
                             rel = float((err / np.maximum(np.abs(ref_w), 1e-7)).max()) if T else 0.0

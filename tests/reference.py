@@ -18,7 +18,8 @@ def rel_err(out, ref) -> float:
 
 
 def topk_softmax_ref(logits, K, renormalize):
-    """Per row in float64: ranking (NaN last, ties lowest index), stable softmax, special rows."""
+    """Per row in float64: ranking (NaN last, ties lowest index), stable softmax, special rows;
+    a row holding a NaN logit gets NaN weights."""
     T, E = logits.shape
     W, I = np.zeros((T, K)), np.zeros((T, K), np.int64)
     for t in range(T):
@@ -38,6 +39,8 @@ def topk_softmax_ref(logits, K, renormalize):
         if renormalize:
             s = sum(w)
             w = [v / s for v in w]
+        if any(math.isnan(v) for v in logits[t]):
+            w = [math.nan] * K
         W[t], I[t] = w, order
     return W, I
 

@@ -33,9 +33,9 @@ def test_topk_softmax_special_rows(reg):
     nan, inf = math.nan, math.inf
     logits = np.array([
         [1.0, 3.0, 3.0, 0.0, 3.0],        # ties: lowest index first
-        [nan, 2.0, nan, 1.0, 0.5],        # NaN ranks last, p = 0
+        [nan, 2.0, nan, 1.0, 0.5],        # NaN ranks last; the row's weights NaN
         [inf, 0.0, inf, 5.0, -inf],       # +inf entries share 1
-        [-inf, -inf, nan, -inf, -inf],    # nothing finite: uniform
+        [-inf, -inf, nan, -inf, -inf],    # nothing finite, a NaN: NaN weights
         [65000.0, 64000.0, -65000.0, 0.0, 1.0],  # large fp32 values: stable
     ], np.float32)
     w, ids = topk_softmax(logits, 3, False, registry=reg)
@@ -44,8 +44,11 @@ def test_topk_softmax_special_rows(reg):
     np.testing.assert_allclose(w, W, rtol=1e-6, atol=1e-7)
     assert ids[0].tolist() == [1, 2, 4] and ids[1].tolist() == [1, 3, 4]
     assert w[2].tolist() == [0.5, 0.5, 0.0] and ids[3].tolist() == [0, 1, 2]  # NaN ties with -inf
+    assert np.isnan(w[1]).all() and np.isnan(w[3]).all() and not np.isnan(w[[0, 2, 4]]).any()
     for row in ids:
         assert len(set(row.tolist())) == 3 and all(0 <= i < 5 for i in row)
+    w, ids = topk_softmax(np.full((1, 5), -inf, np.float32), 2, False, registry=reg)
+    assert np.allclose(w, 0.2) and ids.tolist() == [[0, 1]]                  # all -inf: uniform
 
 
 def test_topk_softmax_large_fp16_logits_do_not_overflow(reg):

@@ -86,6 +86,31 @@ def test_topk_softmax_special_rows_match_fallback(reg, cp):
     np.testing.assert_allclose(w.get(), W, rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("E,K,renorm", [(128, 8, False), (384, 8, True), (64, 6, True), (2000, 8, False)])
+def test_topk_softmax_nan_rows_get_nan_weights(reg, cp, dtype, E, K, renorm):
+    """A row holding a NaN logit gets NaN for its K weights and valid ids (ranked with NaN as
+    -inf), on every kernel: the fast one (E = 64, 128), the packed-key one (E = 384 with
+    renormalize) and the generic one (E = 2000, kernel_fallback); other rows as the reference."""
+    T = 64
+    lv = cp.random.standard_normal((T, E), dtype=cp.float32) * 2
+    lv[3, 7] = cp.nan
+    lv[10, :] = cp.nan
+    lv[20, ::3] = cp.nan
+    lv[33, :] = -cp.inf
+    logits = make(cp, lv, dtype)
+    w = cp.full((T, K), -7.0, cp.float32)
+    ids = cp.full((T, K), -7, cp.int32)
+    topk_softmax(logits, K, renorm, topk_weights=w, topk_ids=ids, registry=reg)
+    assert reg.last_path["topk_softmax"] in ("plugin", "kernel_fallback")
+    W, I = topk_softmax_ref(f64(logits).get(), K, renorm)
+    np.testing.assert_array_equal(ids.get(), I)
+    got = w.get()
+    nan_rows = np.isnan(f64(logits).get()).any(axis=1)
+    assert nan_rows.sum() == 3 and np.isnan(got[nan_rows]).all() and not np.isnan(got[~nan_rows]).any()
+    np.testing.assert_allclose(got[~nan_rows], W[~nan_rows], rtol=1e-5, atol=1e-7)
+
+
 # ------------------------------------------------------------------------------ fused_add_rmsnorm
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 @pytest.mark.parametrize("T,H", [(1, 4096), (7, 111), (1000, 769), (64, 2048)])

@@ -102,3 +102,26 @@ def test_fused_add_rmsnorm_rows_past_the_fp32_sum_of_squares(dtype, H):
     x[2, 5] = np.inf
     fused_add_rmsnorm(x, res, wt, 1e-6, registry=reg)
     assert np.isnan(x[2, 5]) and (x[2, np.arange(H) != 5] == 0).all()
+
+
+def test_a_nan_router_logit_makes_its_tokens_weights_and_output_nan(reg):
+    """A NaN logit ranked as -inf with p = 0: a corrupted router became a finite routing and a
+    finite layer output, silently (the stock torch model gives NaN). Now the row's K weights
+    are NaN (its ids stay valid experts), so the token's MoE output is NaN; other rows keep
+    their values."""
+    from ex_engine import topk_softmax
+    rng = np.random.default_rng()
+    T, E, K, H, I = 4, 8, 2, 16, 8
+    logits = rng.standard_normal((T, E)).astype(np.float32)
+    logits[1, 3] = np.nan
+    logits[2, :] = np.nan
+    for renorm in (False, True):
+        w, ids = topk_softmax(logits, K, renorm, registry=reg)
+        assert np.isnan(w[1]).all() and np.isnan(w[2]).all() and np.isfinite(w[[0, 3]]).all()
+        assert ((ids >= 0) & (ids < E)).all() and ids[2].tolist() == [0, 1]
+    x = rng.standard_normal((T, H)).astype(np.float16)
+    w13 = (rng.standard_normal((E, 2 * I, H)) * 0.3).astype(np.float16)
+    w2 = (rng.standard_normal((E, H, I)) * 0.3).astype(np.float16)
+    out = moe_fused_gemm(x, w13, w2, w, ids, registry=reg)
+    assert np.isnan(out[1]).all() and np.isnan(out[2]).all() and np.isfinite(out[[0, 3]]).all()
+    reg.check_device_errors()                  # valid ids: nothing flagged
