@@ -313,17 +313,19 @@ def run_topk(cp, tab, plug, stream, quick):
                                 continue
                             if (np.isnan(got_w) != np.isnan(ref_w)).any():
                                 t = int(np.argwhere(np.isnan(got_w) != np.isnan(ref_w))[0][0])
-                                tab.add(group, False, detail=f"{tag}: row {t}: NaN weights where the reference has "
-                                        f"{'none' if np.isnan(got_w[t]).any() else 'them'} (logits {l64[t][:6]})")
+                                tab.add(group, False, detail=f"{tag}: row {t}: NaN weights {np.isnan(got_w[t]).astype(int)} "
+                                        f"where the reference's are {np.isnan(ref_w[t]).astype(int)} (logits {l64[t][:6]})")
                                 continue
-                            got_w, ref_w = np.nan_to_num(got_w, nan=0.0), np.nan_to_num(ref_w, nan=0.0)
-                            err = np.abs(got_w - ref_w)
-                            ok = bool((err <= 1e-5 * np.abs(ref_w) + 1e-7).all())
-                            rel = float((err / np.maximum(np.abs(ref_w), 1e-7)).max()) if T else 0.0
+                            # (NaN rows matched above; compared as 0 here, in copies: ref_w serves
+                            # every view and kernel of this K)
+                            gw, rw = np.nan_to_num(got_w, nan=0.0), np.nan_to_num(ref_w, nan=0.0)
+                            err = np.abs(gw - rw)
+                            ok = bool((err <= 1e-5 * np.abs(rw) + 1e-7).all())
+                            rel = float((err / np.maximum(np.abs(rw), 1e-7)).max()) if T else 0.0
                             detail = ""
                             if not ok:
-                                t, k = np.unravel_index(np.argmax(err - 1e-5 * np.abs(ref_w)), err.shape)
-                                detail = f"{tag}: weight[{t},{k}] {got_w[t, k]!r} want {ref_w[t, k]!r}"
+                                t, k = np.unravel_index(np.argmax(err - 1e-5 * np.abs(rw)), err.shape)
+                                detail = f"{tag}: weight[{t},{k}] {gw[t, k]!r} want {rw[t, k]!r}"
                             tab.add(group, ok, rel, detail)
 
 
