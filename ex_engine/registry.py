@@ -1943,17 +1943,30 @@ class FactorRegistry:
                 n_aux: int, dims_c, n_dims: int, stream: int) -> str | None:
         """The C call: 'plugin' or 'kernel_fallback' for the path that returned EX_OK, None when
         both said EX_FALLBACK. Raises KernelError (counted) for an error status, with the
-        plugin's last_error() text."""
+        plugin's last_error() text, and for a plugin that wrote to its const dims (the array is
+        cached for the calls that follow: those would run on the changed sizes); the dims are
+        restored first."""
+        ffi = abi.ffi
+        dims_before = ffi.buffer(dims_c)[:]
         status = kernel(out, inp, aux, n_aux, dims_c, n_dims, stream)
-        if status == abi.EX_OK:
-            return "plugin"
         if status == abi.EX_FALLBACK and kernel_fallback is not None:
             status = kernel_fallback(out, inp, aux, n_aux, dims_c, n_dims, stream)
             if status == abi.EX_OK:
-                return "kernel_fallback"
+                status = "kernel_fallback"
+        if ffi.buffer(dims_c)[:] != dims_before:
+            ffi.memmove(dims_c, dims_before, len(dims_before))
+            self._count(plugin.name, "errors")
+            code = 0 if status == "kernel_fallback" else status
+            raise KernelError(plugin.name, code, abi.status_name(code),
+                              "but it wrote to the const dims array it was passed (restored; this call's "
+                              "outputs are not to be trusted)")
+        if status == abi.EX_OK:
+            return "plugin"
+        if status == "kernel_fallback":
+            return status
         if status == abi.EX_FALLBACK:
             return None
-        ffi, f = abi.ffi, plugin.factor
+        f = plugin.factor
         detail = ""
         if f.last_error != ffi.NULL:
             text = f.last_error()

@@ -125,3 +125,26 @@ def test_a_nan_router_logit_makes_its_tokens_weights_and_output_nan(reg):
     out = moe_fused_gemm(x, w13, w2, w, ids, registry=reg)
     assert np.isnan(out[1]).all() and np.isnan(out[2]).all() and np.isfinite(out[[0, 3]]).all()
     reg.check_device_errors()                  # valid ids: nothing flagged
+
+
+def test_a_plugin_writing_its_const_dims_is_an_error_and_the_dims_are_restored(tmp_path):
+    """The dims array is cached for the calls that follow (both dispatch paths): a kernel that
+    wrote dims[0] = 3 made the next identical call compute 3 of 8 elements, silently (a larger
+    value would have written past the output). Now the call raises KernelError, the array is
+    restored, and a well-behaved call on the same signature is still right."""
+    from ex_engine.errors import KernelError
+    from tests.conftest import build_plugin
+    build_plugin(tmp_path / "bad", defines={"DIMS_WRITE": 3})
+    build_plugin(tmp_path / "good")
+    bad = FactorRegistry.load(tmp_path / "bad")
+    x = np.arange(8, dtype=np.float32)
+    args = lambda: {"x": x, "out": np.full(8, np.nan, np.float32), "alpha": np.array([2.0], np.float32)}
+    for _ in range(3):     # the first call (full path), then the short path's cached dims
+        with pytest.raises(KernelError, match="wrote to the const dims array it was passed"):
+            bad.dispatch("host_scale", args())
+    assert bad.stats()["host_scale"]["errors"] == 3
+    good = FactorRegistry.load(tmp_path / "good")
+    for _ in range(3):
+        a = args()
+        assert good.dispatch("host_scale", a) == "plugin"
+        np.testing.assert_array_equal(a["out"], 2 * x)
