@@ -459,6 +459,13 @@ class Manifest:
                 return (f"params: {k}: named like the dim {k}, whose value comes from "
                         f"{brief(src) if src else 'elsewhere'}; expected a name no array, size or "
                         f"dim uses (a dim may take a parameter's value: dim_sources: {{{k}: {{param: {k}}}}})")
+        # the kernel's first two pointers have their roles by their place in the ABI (void*
+        # output, const void* input): output: {role: input} turned off the checks of what the
+        # kernel writes (a read-only array given as out was written: SIGSEGV)
+        for label, t in (("output", self.output), ("input", self.input)):
+            if t.role != label:
+                return (f"{label}: role: expected {label} (the kernel's {label} pointer; other roles "
+                        f"belong to aux entries), got {_got(t.role)}")
         for t in arrays:
             if t.role not in ("input", "output", "inout", "workspace"):
                 return f"{t.name}: role: expected input, output, inout or workspace, got {_got(t.role)}"
