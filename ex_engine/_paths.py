@@ -16,12 +16,73 @@ it). The registry's manifests_dir= takes the same form, by the same rule.
 """
 from __future__ import annotations
 
+import errno
 import os
+import stat
 from pathlib import Path
 
 from .errors import FactorError
 
 ROOT = Path(__file__).resolve().parents[1]
+
+# the most bytes read of a manifest, lock file, hardware profile or tuning file (the shipped
+# ones are a few KiB; a file above this is no such file: a core dump, a disk image)
+TEXT_FILE_LIMIT = 4 << 20
+
+
+class FileRefused(OSError):
+    """A file read_small refuses before reading it: not a regular file, or over its size limit
+    (the message says which, without the file's name: the caller names it)."""
+
+
+def bytes_text(n: int) -> str:
+    """1099511627776 -> '1.00 TiB' (a size for a message)."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024:
+            return f"{n} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} TiB"
+
+
+_KINDS = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+          (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+
+
+def too_large(size: int, limit: int) -> str:
+    """FileRefused's words for a file of ``size`` bytes over ``limit``."""
+    return (f"{bytes_text(size)} ({size} bytes), over the limit of {bytes_text(limit)}: not read "
+            "(no such file is that large)")
+
+
+def read_small(path, limit: int = TEXT_FILE_LIMIT) -> bytes:
+    """The bytes of the regular file ``path`` (links followed), which must not exceed ``limit``.
+    Raises FileRefused, before reading anything, for what is not a regular file (a FIFO blocked
+    the read forever; /dev/zero filled memory) or a file over ``limit`` (its size named; one
+    that grows past it while read is refused too); IsADirectoryError for a folder (as reading
+    one raises); another OSError where the file cannot be opened or read. The file is opened
+    non-blocking, so a FIFO is refused, not waited on."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        st = os.fstat(fd)
+        if stat.S_ISDIR(st.st_mode):
+            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), os.fsdecode(path))
+        if not stat.S_ISREG(st.st_mode):
+            kind = next((what for test, what in _KINDS if test(st.st_mode)), "not a file")
+            raise FileRefused(f"not a regular file ({kind}): not read")
+        if st.st_size > limit:
+            raise FileRefused(too_large(st.st_size, limit))
+        chunks, n = [], 0
+        while n <= limit:
+            chunk = os.read(fd, min(limit + 1 - n, 1 << 20))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            n += len(chunk)
+        if n > limit:   # it grew while read
+            raise FileRefused(f"over the limit of {bytes_text(limit)} (it grew while read): not used")
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
 
 
 def _from_env(var: str, default: Path) -> Path:

@@ -201,7 +201,9 @@ class Hardware:
         if _paths.is_dir(path):
             raise FactorError(f"hardware profile {path}: a directory; expected a YAML file")
         try:
-            data = _yaml.load(path.read_text(), name=path)
+            data = _yaml.load(_paths.read_small(path).decode(), name=path)
+        except _paths.FileRefused as exc:   # a FIFO, a device, a file of gigabytes: not read
+            raise FactorError(f"hardware profile {path}: {exc}; expected a YAML file") from None
         except (OSError, ValueError, yaml.YAMLError) as exc:
             raise FactorError(f"hardware profile {path}: malformed ({type(exc).__name__}: {one_line(exc)})") from None
         if data is None:

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import yaml
 
-from . import _yaml, abi
+from . import _paths, _yaml, abi
 from ._yaml import brief, unknown_keys
 from .errors import (ArgumentError, DeviceError, DTypeError, FactorError, LayoutError,
                      ShapeError, one_line)
@@ -978,9 +978,13 @@ def read_manifest_bytes(path: Path) -> bytes:
     (permission denied)" for a file this process may not read (chmod 000: it was reported as
     "malformed (PermissionError: ...)", as if its contents were wrong), "not readable
     (<OSError>: ...)" for another read error (a folder of that name, a dangling link or a
-    loop), as an unreadable tuning file is."""
+    loop), as an unreadable tuning file is; "not a regular file" for a FIFO or a device (a FIFO
+    blocked the read forever, /dev/zero filled memory) and the file's size for one over
+    _paths.TEXT_FILE_LIMIT, before reading it."""
     try:
-        return path.read_bytes()
+        return _paths.read_small(path)
+    except _paths.FileRefused as exc:
+        raise FactorError(f"manifest {path}: {exc}") from None
     except PermissionError as exc:
         raise FactorError(f"manifest {path}: not readable (permission denied)") from exc
     except OSError as exc:
@@ -990,12 +994,13 @@ def read_manifest_bytes(path: Path) -> bytes:
 def why_not_found(path, name: str) -> str:
     """Why the file ``path`` (<name>.yaml in a manifests folder) gave no manifest named
     ``name`` although it is there ('' if it is not a readable file, or gave nothing to say):
-    empty, not a mapping, no name field, or a name field that differs."""
+    empty, not a mapping, no name field, or a name field that differs. A file read_manifest_bytes
+    refuses (a FIFO, one over the size limit) is not read: '' (load_all reported it)."""
     path = Path(path)
     try:
         if not path.is_file():
             return ""
-        d = _yaml.load(path.read_bytes().decode(), name=path)
+        d = _yaml.load(_paths.read_small(path).decode(), name=path)
     except (OSError, UnicodeDecodeError, yaml.YAMLError):
         return ""   # load_all reported it already
     if d is None:

@@ -106,8 +106,7 @@ def load_models(path=None) -> dict:
         _paths.usable_folders(os.environ["EX_ENGINE_MANIFESTS"], "EX_ENGINE_MANIFESTS")
     path = _paths.manifests_dir() / "moe_models.yaml" if default else path
     try:
-        with open(path) as f:
-            data = _yaml.load(f)
+        data = _yaml.load(_paths.read_small(path).decode(), name=path)   # (a FIFO: refused, not waited on)
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
         hint = _paths.not_a_checkout() if default and isinstance(exc, FileNotFoundError) else ""
         raise FactorError(f"model list {path}: malformed or unreadable "

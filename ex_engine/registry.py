@@ -382,13 +382,7 @@ def _out_of_memory(exc: BaseException) -> bool:
     return isinstance(exc, MemoryError) or any(c.__name__ == "OutOfMemoryError" for c in type(exc).__mro__)
 
 
-def _bytes_text(n: int) -> str:
-    """1099511627776 -> '1.00 TiB' (a size for a message)."""
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024:
-            return f"{n} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return f"{n:.2f} TiB"
+_bytes_text = _paths.bytes_text   # (1099511627776 -> '1.00 TiB')
 
 
 class WorkspaceAllocationError(FactorError, MemoryError):

@@ -167,12 +167,16 @@ def _create_beside(dest: Path, mode: int) -> tuple:
 
 
 def read_lock(path) -> dict:
-    """{file name: sha256} from a lock file. Raises FactorError if missing or malformed."""
+    """{file name: sha256} from a lock file. Raises FactorError if missing or malformed, or,
+    before reading it, if it is not a regular file (a FIFO blocked the read forever) or larger
+    than _paths.TEXT_FILE_LIMIT (its size named)."""
     path = Path(path)
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(_paths.read_small(path).decode())
     except FileNotFoundError:
         raise FactorError(f"lock file {path}: not found; write one with `ex-engine lock`") from None
+    except _paths.FileRefused as exc:
+        raise FactorError(f"lock file {path}: {exc}") from None
     except (OSError, ValueError) as exc:
         raise FactorError(f"lock file {path}: not readable JSON ({exc})") from None
     if not isinstance(data, dict):

@@ -291,7 +291,9 @@ class TuningTable:
         """The file's mapping, its device checked (a name; a number made a name). Raises
         FactorError: _Unreadable where the file cannot be read from disk."""
         try:
-            text = p.read_text()
+            text = _paths.read_small(p).decode()
+        except _paths.FileRefused as exc:   # a FIFO, a device, a file of gigabytes: not read
+            raise _Unreadable(f"tuning file {p}: {exc}") from exc
         except OSError as exc:   # a dangling link, a folder, no permission
             raise _Unreadable(f"tuning file {p}: not readable ({type(exc).__name__}: {exc})") from exc
         except UnicodeDecodeError as exc:   # binary data: read, but it is no text

@@ -42,3 +42,68 @@ def test_a_read_only_output_is_refused_not_written(tmp_path):
     reg = FactorRegistry.load(tmp_path, hardware="h200")
     p = reg.plugins[0]
     assert p.status == "rejected" and "host_scale.yaml: output: role: expected output" in p.reason, p.reason
+
+
+def _fifo(path):
+    import os
+    os.mkfifo(path)
+    return path
+
+
+def test_a_fifo_or_an_oversized_file_is_refused_unread(tmp_path, monkeypatch):
+    """A manifest, lock file, hardware profile or tuning file that was a FIFO blocked the read
+    forever (/dev/zero filled memory): each is refused as not a regular file before anything
+    is read, and one over the size limit with its size named."""
+    import threading
+
+    from ex_engine import _paths, manifest, trust
+    from ex_engine.hardware import Hardware
+    from ex_engine.tuning import TuningTable
+
+    def soon(fn, *args):   # fn(*args), failing the test instead of hanging it
+        got = {}
+
+        def run():
+            try:
+                got["value"] = fn(*args)
+            except BaseException as exc:   # the refusal, for the caller's pytest.raises
+                got["exc"] = exc
+        t = threading.Thread(target=run, daemon=True)
+        t.start()
+        t.join(10)
+        assert not t.is_alive(), f"{fn.__qualname__} blocked on a FIFO"
+        if "exc" in got:
+            raise got["exc"]
+        return got.get("value")
+
+    fifo = _fifo(tmp_path / "x.yaml")
+    with pytest.raises(FactorError, match=rf"manifest {fifo}: not a regular file \(a FIFO\)"):
+        soon(manifest.read_manifest_bytes, fifo)
+    with pytest.raises(FactorError, match=r"not a regular file \(a FIFO\)"):
+        soon(manifest.load_all, tmp_path)
+    with pytest.raises(FactorError, match=rf"lock file {fifo}: not a regular file \(a FIFO\)"):
+        soon(trust.read_lock, fifo)
+    with pytest.raises(FactorError, match=rf"hardware profile {fifo}: not a regular file \(a FIFO\)"):
+        soon(Hardware.from_profile, str(fifo))
+    assert soon(manifest.why_not_found, fifo, "x") == ""
+    with pytest.raises(FactorError, match=r"lock file /dev/zero: not a regular file \(a character device\)"):
+        soon(trust.read_lock, "/dev/zero")
+
+    tdir = tmp_path / "t"
+    tdir.mkdir()
+    _fifo(tdir / "h200.yaml")
+    t = soon(TuningTable.for_hardware, Hardware.from_profile("h200"), tdir, False)
+    assert t.unreadable == [str(tdir / "h200.yaml")]
+    assert any("not a regular file (a FIFO)" in p for p in t.problems), t.problems
+
+    monkeypatch.setattr(_paths, "TEXT_FILE_LIMIT", 1000)
+    monkeypatch.setattr(_paths.read_small, "__defaults__", (1000,))
+    big = tmp_path / "big"
+    big.mkdir()
+    (big / "host_scale.yaml").write_text(HOST_SCALE_YAML + "#" * 2000 + "\n")
+    with pytest.raises(FactorError, match=r"manifest .*host_scale\.yaml: 2.\d\d KiB \(2\d\d\d bytes\), over the "
+                                          r"limit of 1000 B"):
+        manifest.load_all(big)
+    (big / "lk.json").write_text("{}" + " " * 2000)
+    with pytest.raises(FactorError, match=r"lock file .*lk\.json: .*over the limit of 1000 B"):
+        trust.read_lock(big / "lk.json")
