@@ -48,19 +48,22 @@ _KINDS = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
           (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
 
 
-def too_large(size: int, limit: int) -> str:
-    """FileRefused's words for a file of ``size`` bytes over ``limit``."""
+def too_large(size: int, limit: int, what: str = "such file") -> str:
+    """FileRefused's words for a file of ``size`` bytes over ``limit`` (``what`` is never that
+    large)."""
     return (f"{bytes_text(size)} ({size} bytes), over the limit of {bytes_text(limit)}: not read "
-            "(no such file is that large)")
+            f"(no {what} is that large)")
 
 
-def read_small(path, limit: int = TEXT_FILE_LIMIT) -> bytes:
-    """The bytes of the regular file ``path`` (links followed), which must not exceed ``limit``.
-    Raises FileRefused, before reading anything, for what is not a regular file (a FIFO blocked
-    the read forever; /dev/zero filled memory) or a file over ``limit`` (its size named; one
-    that grows past it while read is refused too); IsADirectoryError for a folder (as reading
-    one raises); another OSError where the file cannot be opened or read. The file is opened
-    non-blocking, so a FIFO is refused, not waited on."""
+def read_chunks(path, limit: int, size: int = 1 << 20):
+    """The bytes of the regular file ``path`` (links followed), in chunks of up to ``size``
+    bytes (a generator: nothing is opened before the first chunk is asked for). The file must
+    not exceed ``limit`` bytes. Raises FileRefused, before reading anything, for what is not a
+    regular file (a FIFO blocked a read forever; /dev/zero filled memory) or a file over
+    ``limit`` (its size named; one that grows past it while read is refused too);
+    IsADirectoryError for a folder (as reading one raises); another OSError where the file
+    cannot be opened or read. The file is opened non-blocking, so a FIFO is refused, not waited
+    on."""
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     try:
         st = os.fstat(fd)
@@ -71,18 +74,23 @@ def read_small(path, limit: int = TEXT_FILE_LIMIT) -> bytes:
             raise FileRefused(f"not a regular file ({kind}): not read")
         if st.st_size > limit:
             raise FileRefused(too_large(st.st_size, limit))
-        chunks, n = [], 0
-        while n <= limit:
-            chunk = os.read(fd, min(limit + 1 - n, 1 << 20))
+        n = 0
+        while True:
+            chunk = os.read(fd, size)
             if not chunk:
-                break
-            chunks.append(chunk)
+                return
             n += len(chunk)
-        if n > limit:   # it grew while read
-            raise FileRefused(f"over the limit of {bytes_text(limit)} (it grew while read): not used")
-        return b"".join(chunks)
+            if n > limit:
+                raise FileRefused(f"over the limit of {bytes_text(limit)} (it grew while read): not used")
+            yield chunk
     finally:
         os.close(fd)
+
+
+def read_small(path, limit: int = TEXT_FILE_LIMIT) -> bytes:
+    """The bytes of the regular file ``path``, of at most ``limit`` bytes (a manifest, a lock
+    file, a hardware profile, a tuning file). Raises as read_chunks does."""
+    return b"".join(read_chunks(path, limit))
 
 
 def _from_env(var: str, default: Path) -> Path:

@@ -23,7 +23,7 @@ from . import _paths
 from ._scripts import _reader_left, exit_quietly_on_broken_pipe  # noqa: F401 (the scripts' import)
 from .errors import FactorError
 from .hardware import Hardware, list_profiles, profiles_problem, resolve
-from .trust import CHILD_TIMEOUT_S
+from .trust import CHILD_TIMEOUT_S, LIBRARY_LIMIT
 
 
 def _int_at_least(v: str, low: int) -> int:
@@ -392,6 +392,9 @@ def _left_out_of_lock(folder, locked) -> list:
                 why = f"a dangling symbolic link (to {p.readlink()})"
             except OSError:
                 why = "a dangling symbolic link"
+        elif p.is_file():   # (trust.lock_digests left it out for its size)
+            why = (f"{_paths.bytes_text(p.stat().st_size)}, over the limit of "
+                   f"{_paths.bytes_text(LIBRARY_LIMIT)} for a library")
         else:
             mode = p.stat().st_mode
             kinds = ((stat.S_ISDIR, "folder"), (stat.S_ISFIFO, "FIFO"), (stat.S_ISSOCK, "socket"),

@@ -903,8 +903,7 @@ class FactorRegistry:
         if now == ident:
             return True
         try:   # other metadata: the same bytes again? (whichever file dlopen opened, they match)
-            with open(path, "rb") as fh:
-                same = trust.sha256_hex(fh.read()) == p.sha256
+            same = isinstance(now, tuple) and now[2] == ident[2] and trust.sha256_file(path) == p.sha256
         except OSError:
             same = False
         if same:
@@ -1055,10 +1054,18 @@ class FactorRegistry:
             return p
         try:
             with open(path, "rb") as fh:   # the identity of the file whose bytes are checked
-                ident = _file_identity(os.fstat(fh.fileno()))
+                st = os.fstat(fh.fileno())
+                ident = _file_identity(st)
+                if st.st_size > trust.LIBRARY_LIMIT:   # (fh.read() of a 40 GB file: MemoryError)
+                    p.check("read", False, _paths.too_large(st.st_size, trust.LIBRARY_LIMIT, "plugin library"))
+                    return p
                 data = fh.read()
         except OSError as exc:
             p.check("read", False, str(exc))
+            return p
+        except MemoryError:   # under the limit, but more than this process can hold
+            p.check("read", False, f"{_bytes_text(ident[2])} ({ident[2]} bytes): more than this process "
+                    "can hold in memory to check it (MemoryError)")
             return p
         p.sha256 = trust.sha256_hex(data)
         # --- before any code of the library runs
@@ -1090,7 +1097,7 @@ class FactorRegistry:
             return p
         if from_file and p.abi_version != from_file:
             try:
-                same = trust.sha256_hex(path.read_bytes()) == p.sha256
+                same = trust.sha256_file(path) == p.sha256
             except OSError:
                 same = False
             why = ("the file on disk is unchanged, so the library's own code (a static constructor, "

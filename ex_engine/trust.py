@@ -26,6 +26,9 @@ from . import _paths
 from .errors import FactorError
 
 LOCK_NAME = "ex_engine.lock"
+# the largest library the registry reads (it holds the whole file in memory to check it): a
+# larger *.so (`truncate -s 40G`) is refused unread; no plugin library is near this
+LIBRARY_LIMIT = 2 << 30
 
 
 def sha256_hex(data: bytes) -> str:
@@ -33,16 +36,26 @@ def sha256_hex(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+def sha256_file(path, limit: int = LIBRARY_LIMIT) -> str:
+    """The SHA-256 digest of the regular file ``path`` as 64 hex digits, read in chunks (not
+    held in memory whole). Raises OSError as _paths.read_chunks does (FileRefused for a file
+    that is not a regular one, or larger than ``limit``)."""
+    h = hashlib.sha256()
+    for chunk in _paths.read_chunks(path, limit):
+        h.update(chunk)
+    return h.hexdigest()
+
+
 def lock_digests(folder) -> dict:
     """file name -> sha256 of every regular ``*.so`` file in ``folder`` (sorted by name; a
-    folder, FIFO or device named *.so is left out: the registry refuses those anyway).
-    Raises FactorError naming a library that cannot be read."""
+    folder, FIFO or device named *.so is left out, as is a file over LIBRARY_LIMIT: the
+    registry refuses those anyway). Raises FactorError naming a library that cannot be read."""
     out = {}
     for p in sorted(Path(folder).glob("*.so")):
-        if not p.is_file():
-            continue
         try:
-            out[p.name] = sha256_hex(p.read_bytes())
+            if not p.is_file() or p.stat().st_size > LIBRARY_LIMIT:
+                continue
+            out[p.name] = sha256_file(p)
         except OSError as exc:
             raise FactorError(f"lock: cannot read library {p}: {exc}") from exc
     return out

@@ -39,7 +39,7 @@ import numpy as np
 
 from .arrays import Bits16, TensorRef, f32_to_bf16_bits
 from .errors import ArgumentError, FactorError, is_integer
-from .trust import CHILD_TIMEOUT_S, _signal_name, child_sys_path, replace_file, sha256_hex
+from .trust import CHILD_TIMEOUT_S, _signal_name, child_sys_path, replace_file, sha256_file, sha256_hex
 
 _RSQRT = re.compile(r"^\s*1\s*/\s*sqrt\(\s*(\w+)\s*\)\s*$")
 
@@ -844,7 +844,7 @@ def _fallback_digest(registry, m) -> str:
     try:
         fn = registry._fallbacks.get(m.name) or m.fallback_fn()
         own = Path(inspect.getsourcefile(fn)).resolve()
-        parts = [f"{own}\0{sha256_hex(own.read_bytes())}"]
+        parts = [f"{own}\0{sha256_file(own)}"]
     except (FactorError, OSError, TypeError, RuntimeError):   # RuntimeError: a symlink loop
         return ""
     tree = set()
@@ -858,7 +858,7 @@ def _fallback_digest(registry, m) -> str:
         tree = set()
     for f in sorted(str(q) for q in tree):
         try:
-            digest = sha256_hex(Path(f).read_bytes())
+            digest = sha256_file(f)   # (a FIFO named x.py: refused, not waited on)
         except (OSError, RuntimeError) as exc:   # unreadable, a folder named x.py, a dangling link
             digest = f"unreadable: {type(exc).__name__}"
         parts.append(f"{f}\0{digest}")

@@ -107,3 +107,47 @@ def test_a_fifo_or_an_oversized_file_is_refused_unread(tmp_path, monkeypatch):
     (big / "lk.json").write_text("{}" + " " * 2000)
     with pytest.raises(FactorError, match=r"lock file .*lk\.json: .*over the limit of 1000 B"):
         trust.read_lock(big / "lk.json")
+
+
+def test_a_huge_library_is_refused_by_its_size_and_the_others_load(tmp_path, capsys):
+    """A 40 GB *.so (truncate -s 40G) made FactorRegistry.load raise MemoryError (the whole file
+    was read to hash it; only OSError was caught), and `ex-engine lock` likewise: it is refused
+    by its size, unread, and the other libraries load; the lock leaves it out, saying why."""
+    import os
+
+    from ex_engine import trust
+    from ex_engine.cli import main as cli_main
+    build_plugin(tmp_path)
+    huge = tmp_path / "huge.so"
+    with open(huge, "wb") as fh:
+        fh.truncate(40 << 30)   # sparse: no disk used
+    assert os.stat(huge).st_size == 40 << 30
+    reg = FactorRegistry.load(tmp_path, hardware="h200")
+    st = {p.path.name: p for p in reg.plugins}
+    assert st["huge.so"].status == "rejected"
+    assert st["huge.so"].reason == ("read: 40.00 GiB (42949672960 bytes), over the limit of 2.00 GiB: not read "
+                                    "(no plugin library is that large)"), st["huge.so"].reason
+    assert reg.get("host_scale").status == "ready"
+    assert list(trust.lock_digests(tmp_path)) == ["host_scale.so"]
+    assert cli_main(["lock", "--dir", str(tmp_path)]) == 0
+    assert "note: huge.so left out: 40.00 GiB, over the limit of 2.00 GiB for a library" in capsys.readouterr().out
+    reg = FactorRegistry.load(tmp_path, hardware="h200", lock=True)
+    assert reg.get("host_scale").status == "ready"
+
+
+def test_the_library_hash_is_read_in_chunks(tmp_path):
+    """Where only a digest is needed (the lock, a file compared after dlopen) the file is hashed
+    in chunks, not read whole; a FIFO is refused, not waited on."""
+    import hashlib
+    import os
+
+    from ex_engine import _paths, trust
+    data = os.urandom(3 << 20)
+    f = tmp_path / "x.so"
+    f.write_bytes(data)
+    assert trust.sha256_file(f) == hashlib.sha256(data).hexdigest()
+    assert trust.lock_digests(tmp_path) == {"x.so": hashlib.sha256(data).hexdigest()}
+    with pytest.raises(_paths.FileRefused, match="over the limit of 1.00 MiB"):
+        trust.sha256_file(f, 1 << 20)
+    with pytest.raises(_paths.FileRefused, match=r"not a regular file \(a FIFO\)"):
+        trust.sha256_file(_fifo(tmp_path / "p.so"))
