@@ -474,6 +474,9 @@ class Manifest:
                 return f"{t.name}: dtype: expected some of {sorted(abi.DTYPE_CODES)}, got {bad}"
             if t.same_dtype_as is not None and t.same_dtype_as not in names:
                 return f"{t.name}: same_dtype_as: expected an array of the manifest, got {_got(t.same_dtype_as)}"
+        problem = self._dtype_problem()
+        if problem:
+            return problem
         kinds = {"dtype_of": names, "row_stride_of": names, "param": set(self.params),
                  "default_dim": syms, "tuned": None}
         for d, src in self.dim_sources.items():
@@ -524,6 +527,44 @@ class Manifest:
             unknown = [s for s in (m.groups()[::2] if m else []) if not s.isdecimal() and s not in known]
             if unknown:
                 return f"constraint {brief(text)}: {unknown[0]} is no size of the manifest's arrays"
+        return ""
+
+    def _dtype_problem(self) -> str:
+        """What leaves the kernel unsure of an array's dtype ('' if nothing): an array (but a
+        workspace, or the in-place input, which is the output) with no dtype (no `dtype:` key,
+        or []: any dtype reached the kernel), and a required array allowed several dtypes whose
+        dtype no dim tells the kernel: a dim_sources entry ``dtype_of`` it, or of a required
+        array it is tied to by same_dtype_as (in either direction; bind checks the two are
+        equal), such as fused_add_rmsnorm's weight (same_dtype_as x, whose dtype is dim
+        `dtype`), or a tie to a required array of a single dtype (which fixes it). Without one a float16 call ran a kernel written for float32 (a heap overflow).
+        An optional array is not held to the second rule: a dim source cannot name one (it is
+        absent in some calls), so a kernel must not read an optional array of several dtypes
+        (moe_fused_gemm's router_logits is not read)."""
+        arrays = [t for t in self.tensors if t.role != "workspace" and not t.same_as_output]
+        for t in arrays:
+            if not t.dtypes:
+                return (f"{t.name}: dtype: expected a non-empty list of the dtypes the kernel takes "
+                        "([float32] or [float16, bfloat16]), got none: any dtype would reach the kernel")
+        required = {t.name: t for t in arrays if not t.optional}
+        group = {n: n for n in required}   # same_dtype_as ties among required arrays (union-find)
+
+        def root(n):
+            while group[n] != n:
+                n = group[n]
+            return n
+        for t in required.values():
+            if t.same_dtype_as in required:
+                group[root(t.name)] = root(t.same_dtype_as)
+        # a group is told its dtype by a dim, or fixed by a member allowed a single dtype
+        told = {root(src["dtype_of"]) for src in self.dim_sources.values()
+                if isinstance(src, dict) and src.get("dtype_of") in required}
+        told |= {root(n) for n, t in required.items() if len(set(t.dtypes)) == 1}
+        for t in required.values():
+            if len(set(t.dtypes)) > 1 and root(t.name) not in told:
+                return (f"{t.name}: dtype: {t.dtypes} allows several dtypes, but no dim tells the kernel "
+                        f"which one a call passes; expected a dim_sources entry {{<dim>: {{dtype_of: "
+                        f"{t.name}}}}} (the dim listed in dims), or same_dtype_as a required array that "
+                        "has one, or a single dtype")
         return ""
 
     def _fields_problem(self) -> str:

@@ -1,5 +1,7 @@
 """Session 35's plugin-author trial of the loader (helpers, no GPU): each defect it found has a
 test here."""
+import re
+
 import numpy as np
 import pytest
 
@@ -151,3 +153,55 @@ def test_the_library_hash_is_read_in_chunks(tmp_path):
         trust.sha256_file(f, 1 << 20)
     with pytest.raises(_paths.FileRefused, match=r"not a regular file \(a FIFO\)"):
         trust.sha256_file(_fifo(tmp_path / "p.so"))
+
+
+@pytest.mark.parametrize("old,new,needle", [
+    (IN, "input: {name: x, shape: [N]}", "x: dtype: expected a non-empty list"),
+    (IN, "input: {name: x, shape: [N], dtype: []}", "x: dtype: expected a non-empty list"),
+    ("{name: alpha, shape: [1], dtype: [float32], role: input}", "{name: alpha, shape: [1], role: input}",
+     "alpha: dtype: expected a non-empty list"),
+    # several dtypes, no dim saying which: a float16 x ran the float32 kernel (a heap overflow)
+    (IN, "input: {name: x, shape: [N], dtype: [float32, float16]}", "x: dtype: ['float32', 'float16'] allows "
+     "several dtypes, but no dim tells the kernel which"),
+    # tied to another array, but no dim says the dtype of either
+    (OUT + "\n" + IN, "output: {name: out, shape: [N], dtype: [float32, float16]}\n"
+     "input: {name: x, shape: [N], dtype: [float32, float16], same_dtype_as: out}", "out: dtype: ['float32', 'float16'] allows "
+     "several dtypes, but no dim tells"),
+    # tied only to an optional array (absent in some calls, so no dim source can name it)
+    ("{name: alpha, shape: [1], dtype: [float32], role: input}",
+     "{name: alpha, shape: [1], dtype: [float32, float16], role: input, same_dtype_as: y}\n"
+     "  - {name: y, shape: [N], dtype: [float32, float16], role: input, optional: true}",
+     "alpha: dtype: ['float32', 'float16'] allows several dtypes"),
+])
+def test_an_array_of_no_dtype_or_of_several_untold_dtypes_is_refused(tmp_path, old, new, needle):
+    path = _manifest(tmp_path, HOST_SCALE_YAML.replace(old, new))
+    with pytest.raises(FactorError, match=rf"manifest {path}: " + re.escape(needle)):
+        Manifest.load(path)
+
+
+@pytest.mark.parametrize("old,new", [
+    # a dim gives x's dtype code
+    (IN, "input: {name: x, shape: [N], dtype: [float32, float16]}\ndim_sources: {dt: {dtype_of: x}}"),
+    # ... and out is tied to x, in either direction
+    (OUT, "output: {name: out, shape: [N], dtype: [float32, float16], same_dtype_as: x}\n"
+          "dim_sources: {dt: {dtype_of: x}}"),
+    (IN, "input: {name: x, shape: [N], dtype: [float32, float16], same_dtype_as: out}\n"
+         "dim_sources: {dt: {dtype_of: out}}"),
+    # tied to an array of a single dtype, which fixes it
+    (IN, "input: {name: x, shape: [N], dtype: [float32, float16], same_dtype_as: out}"),
+    # an optional array of several dtypes (moe_fused_gemm's router_logits, which the kernel does not read)
+    ("{name: alpha, shape: [1], dtype: [float32], role: input}",
+     "{name: alpha, shape: [1], dtype: [float32], role: input}\n"
+     "  - {name: y, shape: [N], dtype: [float32, float16], role: input, optional: true}"),
+])
+def test_several_dtypes_load_where_a_dim_tells_the_kernel(tmp_path, old, new):
+    text = HOST_SCALE_YAML.replace(old, new)
+    if "dtype_of" in new:
+        text = text.replace("dims: [N]", "dims: [N, dt]")
+    Manifest.load(_manifest(tmp_path, text))
+
+
+def test_the_shipped_manifests_and_the_template_still_load():
+    from ex_engine import manifest
+    assert set(manifest.load_all(ROOT / "manifests")) == {"fused_add_rmsnorm", "moe_fused_gemm", "topk_softmax"}
+    assert Manifest.load(ROOT / "docs" / "template" / "my_op.yaml").name == "my_op"
