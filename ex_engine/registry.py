@@ -73,6 +73,7 @@ class Plugin:
     manifest: Manifest | None = None
     lib: object = None
     factor: object = None
+    hw_c: object = None             # the ex_hardware_t* its ex_get_factor was given (its own copy)
 
     def check(self, name: str, ok: bool, detail: str = "", warn: bool = False) -> bool:
         """Record a check whose detail describes the outcome either way; returns ok."""
@@ -476,6 +477,19 @@ def _load_context(hw_c) -> tuple:
     env = tuple(sorted((k, v) for k, v in os.environ.items()
                        if k.startswith("EX_") and not k.startswith("EX_ENGINE_")))
     return bytes(abi.ffi.buffer(hw_c)), env
+
+
+def _hardware_changes(before, after) -> list:
+    """'field: before -> after' for each field of the ex_hardware_t ``after`` that differs from
+    ``before`` (the copy a library's ex_get_factor was given, and what it was made from)."""
+    out = []
+    for k, _ in abi.ffi.typeof(before[0]).fields:
+        a, b = getattr(before, k), getattr(after, k)
+        if k == "name":
+            a, b = abi.ffi.string(a), abi.ffi.string(b)   # (up to the NUL: what a reader sees)
+        if a != b:
+            out.append(f"{k}: {a!r} -> {b!r}")
+    return out
 
 
 class _Span:
@@ -1116,7 +1130,16 @@ class FactorRegistry:
         if not self._check_copy(p, get):
             return p
         self._note_shared(p, get)
-        f = get(self._hw_c)
+        # its own copy of the hardware description: one library that writes through its const
+        # pointer made the next ones see other hardware (and decline); kept with the plugin, as
+        # a library may keep the pointer
+        p.hw_c = abi.ffi.new("ex_hardware_t*", self._hw_c[0])
+        f = get(p.hw_c)
+        changed = _hardware_changes(self._hw_c, p.hw_c)
+        if not p.require("hardware unchanged", not changed,
+                         "ex_get_factor wrote to the hardware description it was given (a const "
+                         f"ex_hardware_t*): {', '.join(changed)}; a library must only read it"):
+            return p
         if not p.require("ex_get_factor(hw)", f != abi.ffi.NULL,
                        f"returned NULL for {self.hardware.name} ({self.hardware.source}): "
                        "the factor declines this hardware"):

@@ -205,3 +205,20 @@ def test_the_shipped_manifests_and_the_template_still_load():
     from ex_engine import manifest
     assert set(manifest.load_all(ROOT / "manifests")) == {"fused_add_rmsnorm", "moe_fused_gemm", "topk_softmax"}
     assert Manifest.load(ROOT / "docs" / "template" / "my_op.yaml").name == "my_op"
+
+
+def test_a_library_that_writes_the_hardware_description_changes_no_other_library(tmp_path):
+    """ex_get_factor's hardware struct was one for every library: a library writing through its
+    const pointer (warp_size = 64) made the libraries loaded after it see other hardware
+    (host_scale's num_warps then broke the tuning check). Each call gets its own copy, and the
+    library that changed its copy is refused, naming the field."""
+    build_plugin(tmp_path, "a_mut", defines={"MUTATE_HW": 64, "NAME": '"host_scale_mut"', "FACTOR_ID": 1101})
+    build_plugin(tmp_path)
+    reg = FactorRegistry.load(tmp_path, hardware="h200")
+    assert [p.path.name for p in reg.plugins] == ["a_mut.so", "host_scale.so"]
+    mut = reg.plugins[0]
+    assert mut.status == "rejected" and mut.reason == (
+        "hardware unchanged: ex_get_factor wrote to the hardware description it was given (a const "
+        "ex_hardware_t*): warp_size: 32 -> 64; a library must only read it"), mut.reason
+    assert reg.get("host_scale").status == "ready", reg.plugins[1].reason
+    assert reg._hw_c.warp_size == 32

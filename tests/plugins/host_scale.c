@@ -13,7 +13,8 @@
  * PRINT_IN_KERNEL (the kernel prints a line that looks like a verify report to stdout),
  * STDERR_IN_KERNEL (the kernel writes a line that is not UTF-8 to stderr), CTOR_STDERR (a
  * constructor writes a line that is not UTF-8 to stderr when the library is opened), STDERR_FLOOD
- * (the kernel writes that many 64 KB blocks to stderr), HELPER (the kernel calls helper_alpha() from a separate library), WORKSPACE
+ * (the kernel writes that many 64 KB blocks to stderr), MUTATE_HW (ex_get_factor writes that value to
+ * hw->warp_size through its const pointer), HELPER (the kernel calls helper_alpha() from a separate library), WORKSPACE
  * (aux[1] is a runtime workspace: the product goes through scratch memory there, and a negative
  * alpha sets bit 0 of its status word; manifest tests/plugins/host_scale_ws.yaml). */
 #include "ex_engine.h"
@@ -183,6 +184,9 @@ EX_EXPORT ex_factor_t* ex_get_factor(const ex_hardware_t* hw) {
 #endif
 #ifdef EXIT_IN_GET
     exit(EXIT_IN_GET);   /* ends the caller's process: the probe must refuse it */
+#endif
+#ifdef MUTATE_HW
+    ((ex_hardware_t*)hw)->warp_size = MUTATE_HW;   /* a write through the const pointer */
 #endif
 #ifdef RETURN_NULL
     (void)hw;
