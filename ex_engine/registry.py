@@ -1345,8 +1345,11 @@ class FactorRegistry:
     def _note_unserved(self) -> None:
         """A note per factor whose manifest is known (the manifests folder's) and whose every
         library was rejected: its calls go to the Python fallback, or raise without one, and
-        nothing else said so before a call's stats (a plugin author's trial, session 32).
-        Recomputed after each load, so a library loaded later that is ready drops it."""
+        nothing else said so before a call's stats (a plugin author's trial, session 32). A
+        fallback that a library's load found cannot be loaded (a module that does not import,
+        a function of another signature) is no fallback: its calls raise, and the note says so
+        (it said they went to it). Recomputed after each load, so a library loaded later that
+        is ready drops it."""
         marker = "no ready plugin"
         self.notes = [n for n in self.notes if not (n.startswith("fallback:") and marker in n)]
         seen = set()
@@ -1356,8 +1359,16 @@ class FactorRegistry:
                 continue
             seen.add(name)
             m = self.manifests[name]
-            fb = (f"its calls go to the Python fallback {m.fallback}" if m.fallback else
-                  "its calls raise FactorError unless set_fallback gives it a Python fallback")
+            broken = next((c.detail for q in self.plugins if q.name == name and q.manifest is not None
+                           and q.manifest.fallback == m.fallback for c in q.checks
+                           if not c.ok and c.name.startswith("python fallback")), None) if m.fallback else None
+            if broken is not None:
+                why = "" if broken in p.reason else f" ({broken})"
+                fb = (f"its Python fallback {m.fallback} cannot be loaded{why}, so its calls raise "
+                      "FactorError unless set_fallback gives it a Python fallback")
+            else:
+                fb = (f"its calls go to the Python fallback {m.fallback}" if m.fallback else
+                      "its calls raise FactorError unless set_fallback gives it a Python fallback")
             self.notes.append(f"fallback: {name}: {marker}: {_printable(p.path.name)} was rejected "
                               f"({p.reason}); {fb}; see list-factors --why")
 

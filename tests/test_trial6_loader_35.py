@@ -222,3 +222,26 @@ def test_a_library_that_writes_the_hardware_description_changes_no_other_library
         "ex_hardware_t*): warp_size: 32 -> 64; a library must only read it"), mut.reason
     assert reg.get("host_scale").status == "ready", reg.plugins[1].reason
     assert reg._hw_c.warp_size == 32
+
+
+def test_the_note_of_a_factor_whose_fallback_cannot_be_loaded_says_its_calls_raise(tmp_path):
+    """Every library rejected because the manifest's fallback does not import: the note said
+    "its calls go to the Python fallback nosuch_mod:scale", and every call raised."""
+    import shutil
+
+    from ex_engine import _paths
+    m = tmp_path / "m"
+    shutil.copytree(_paths.manifests_dir(), m)
+    (m / "host_scale.yaml").write_text(HOST_SCALE_YAML.replace("tests.plugins.host_scale_fallback:scale",
+                                                               "nosuch_mod:scale"))
+    build_plugin(tmp_path / "lib", manifest=False)
+    reg = FactorRegistry.load(tmp_path / "lib", hardware="h200", manifests_dir=m)
+    (p,) = reg.plugins
+    assert p.status == "rejected" and "fallback 'nosuch_mod:scale' cannot be loaded" in p.reason, p.reason
+    notes = [n for n in reg.notes if n.startswith("fallback:")]
+    assert notes == [f"fallback: host_scale: no ready plugin: host_scale.so was rejected ({p.reason}); its "
+                     "Python fallback nosuch_mod:scale cannot be loaded, so its calls raise FactorError "
+                     "unless set_fallback gives it a Python fallback; see list-factors --why"], notes
+    x = np.ones(4, np.float32)
+    with pytest.raises(FactorError, match="cannot be loaded"):
+        reg.dispatch("host_scale", {"x": x, "out": np.empty_like(x), "alpha": np.ones(1, np.float32)})
