@@ -1618,7 +1618,8 @@ class FactorRegistry:
             flags = fn(refs_by_name, sizes, pvals)
         except (FactorError, MemoryError):   # its own error, naming the factor already; out of
             raise                            # memory (NumPy's, CuPy's OutOfMemoryError) stays what
-        except Exception as exc:             # it is, for callers that catch it
+        except (Exception, SystemExit) as exc:   # it is, for callers that catch it; sys.exit() in a
+            # fallback is its error too, not the caller's exit (Ctrl-C, KeyboardInterrupt, stays itself)
             raise FactorError(f"{name}: the Python fallback {self._fallback_label(name, m, fn)} raised "
                               f"{type(exc).__name__}: {exc}") from exc
         if isinstance(flags, (list, tuple, set, frozenset)) and all(isinstance(f, str) for f in flags):

@@ -245,3 +245,32 @@ def test_the_note_of_a_factor_whose_fallback_cannot_be_loaded_says_its_calls_rai
     x = np.ones(4, np.float32)
     with pytest.raises(FactorError, match="cannot be loaded"):
         reg.dispatch("host_scale", {"x": x, "out": np.empty_like(x), "alpha": np.ones(1, np.float32)})
+
+
+def _host_scale_call(reg):
+    x = np.arange(1, 5, dtype=np.float32)
+    out = np.empty_like(x)
+    return reg.dispatch("host_scale", {"x": x, "out": out, "alpha": np.full(1, 2, np.float32)}), x, out
+
+
+def test_a_fallback_that_exits_is_a_factor_error_but_ctrl_c_stays(tmp_path):
+    """sys.exit() in a Python fallback at call time reached the caller as SystemExit (ending
+    the program); the contract says a fallback's exception reaches the caller as FactorError."""
+    import sys
+    build_plugin(tmp_path, defines={"BEHAVIOUR": 2})   # both C paths decline
+    reg = FactorRegistry.load(tmp_path, hardware="h200")
+
+    def exits(arrays, sizes, params):
+        sys.exit(3)
+
+    def interrupted(arrays, sizes, params):
+        raise KeyboardInterrupt
+
+    reg.set_fallback("host_scale", exits)
+    with pytest.raises(FactorError, match=r"host_scale: the Python fallback set with set_fallback \(.*exits\) "
+                                          r"raised SystemExit: 3"):
+        _host_scale_call(reg)
+    reg.set_fallback("host_scale", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        _host_scale_call(reg)
+    assert reg.stats()["host_scale"]["errors"] == 1
