@@ -399,7 +399,7 @@ class WorkspaceAllocationError(FactorError, MemoryError):
 
 
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-_SEMVER = re.compile(r"\d+\.\d+\.\d+")
+_SEMVER = re.compile(r"[0-9]+\.[0-9]+\.[0-9]+")   # (\d took any script's digits: "١.٠.٠")
 # ex_engine's own factors, from the ABI's ex_factor_id_t (whatever manifests folder is loaded)
 _BUILTIN_IDS = {v: k[len("EX_FACTOR_"):].lower() for k, v in abi.ffi.typeof("ex_factor_id_t").relements.items()
                 if v <= abi.FACTOR_BUILTIN_LAST and k != "EX_FACTOR_BUILTIN_LAST"}

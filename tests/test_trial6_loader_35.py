@@ -274,3 +274,12 @@ def test_a_fallback_that_exits_is_a_factor_error_but_ctrl_c_stays(tmp_path):
     with pytest.raises(KeyboardInterrupt):
         _host_scale_call(reg)
     assert reg.stats()["host_scale"]["errors"] == 1
+
+
+def test_a_version_of_other_scripts_digits_is_refused(tmp_path):
+    """_SEMVER's \\d took any script's digits: "١.٠.٠" (Arabic-Indic) loaded, and ordered as 1.0.0."""
+    build_plugin(tmp_path, defines={"VERSION": '"\u0661.\u0660.\u0660"'})
+    reg = FactorRegistry.load(tmp_path, hardware="h200")
+    p = reg.plugins[0]
+    assert p.status == "rejected" and p.reason.startswith("version is MAJOR.MINOR.PATCH: expected three "
+                                                          "dot-separated numbers"), p.reason
