@@ -179,13 +179,31 @@ def _create_beside(dest: Path, mode: int) -> tuple:
     raise FileExistsError(errno.EEXIST, "no unused temporary file name", str(dest.parent))
 
 
+class _DuplicateKey(ValueError):
+    """A JSON object that gives one key twice (json keeps the last silently)."""
+
+
+def _unique_pairs(pairs: list) -> dict:
+    """json's object_pairs_hook: the object as a dict, refusing a key given twice."""
+    out = {}
+    for k, v in pairs:
+        if k in out:
+            raise _DuplicateKey(f"found duplicate key {k!r}: expected each library once (a lock "
+                                "file that names one twice was edited by hand; which digest holds?)")
+        out[k] = v
+    return out
+
+
 def read_lock(path) -> dict:
-    """{file name: sha256} from a lock file. Raises FactorError if missing or malformed, or,
-    before reading it, if it is not a regular file (a FIFO blocked the read forever) or larger
-    than _paths.TEXT_FILE_LIMIT (its size named)."""
+    """{file name: sha256} from a lock file. Raises FactorError if missing or malformed (a key
+    given twice too, as ex_engine's YAML files refuse one), or, before reading it, if it is not
+    a regular file (a FIFO blocked the read forever) or larger than _paths.TEXT_FILE_LIMIT (its
+    size named)."""
     path = Path(path)
     try:
-        data = json.loads(_paths.read_small(path).decode())
+        data = json.loads(_paths.read_small(path).decode(), object_pairs_hook=_unique_pairs)
+    except _DuplicateKey as exc:
+        raise FactorError(f"lock file {path}: {exc}") from None
     except FileNotFoundError:
         raise FactorError(f"lock file {path}: not found; write one with `ex-engine lock`") from None
     except _paths.FileRefused as exc:

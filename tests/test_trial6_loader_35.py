@@ -283,3 +283,16 @@ def test_a_version_of_other_scripts_digits_is_refused(tmp_path):
     p = reg.plugins[0]
     assert p.status == "rejected" and p.reason.startswith("version is MAJOR.MINOR.PATCH: expected three "
                                                           "dot-separated numbers"), p.reason
+
+
+def test_a_lock_file_that_names_a_library_twice_is_refused(tmp_path):
+    """json kept the last of two entries for one library silently; YAML files refuse a key
+    given twice, and so does a lock file now."""
+    from ex_engine import trust
+    a, b = "a" * 64, "b" * 64
+    lk = tmp_path / "ex_engine.lock"
+    lk.write_text(f'{{"x.so": "{a}", "x.so": "{b}"}}')
+    with pytest.raises(FactorError, match=rf"lock file {lk}: found duplicate key 'x.so': expected each library once"):
+        trust.read_lock(lk)
+    lk.write_text(f'{{"x.so": "{a}", "y.so": "{b}"}}')
+    assert trust.read_lock(lk) == {"x.so": a, "y.so": b}
