@@ -1436,7 +1436,7 @@ class FactorRegistry:
         kernel returns an error status (named); FactorError when no path took the call (no
         ready plugin or both C paths declined, and no Python fallback) or the Python fallback
         raised or returned something other than its flags (its own FactorError or MemoryError
-        passes as it is), or, set with set_fallback, left an output (partly) unwritten. Every
+        passes as it is), or left an output (partly) unwritten. Every
         one counts in stats()' 'errors' but FactorNotFoundError and the ArgumentError for a
         name that is not a str (neither names a factor to count it under).
 
@@ -1576,8 +1576,8 @@ class FactorRegistry:
         when there is none, or one that cannot be loaded, or that raised (then naming the
         factor and the fallback; a FactorError or MemoryError of its own passes as it is), or
         that returned something other than None, a Counter of flag texts or a list of them, or
-        (set_fallback's) that left an element of an output unwritten; each counts in stats()'
-        errors. Each pure output is poisoned first (_poison_outputs)."""
+        that left an element of an output unwritten; each counts in stats()' errors. Each pure
+        output is poisoned first (_poison_outputs)."""
         try:
             flags = self._run_python_fallback(name, m, plugin, refs_by_name, sizes, pvals, device)
         except (FactorError, MemoryError):
@@ -1630,8 +1630,8 @@ class FactorRegistry:
             raise FactorError(f"{name}: the Python fallback {self._fallback_label(name, m, fn)} returned "
                               f"{type(flags).__name__} {flags!r:.80}; expected None, a Counter "
                               "{flag text: slots >= 0} or a list of flag texts")
-        if poisoned and self._fallbacks.get(name) is fn:   # the user's own: checked (the manifests'
-            left = _unwritten(poisoned)                     # are checked by verify; not paid per call)
+        if poisoned:   # set_fallback's and the manifest's alike (a manifest's that left outputs
+            left = _unwritten(poisoned)   # unwritten returned 'python_fallback', the poison in them)
             if left:
                 raise FactorError(
                     f"{name}: the Python fallback {self._fallback_label(name, m, fn)} left "
@@ -1800,8 +1800,8 @@ class FactorRegistry:
         weights 1.0 and ids 1065353216). After ``fn`` returns, each such output is compared
         with the poison: an element still holding it makes the call a FactorError naming the
         factor, ``fn``, each output and how many of its elements were left (counted in
-        stats()' errors). Only the Python fallback path pays for the fill and this check; the
-        manifest's fallbacks are filled but not checked (verify checks them)."""
+        stats()' errors). Only the Python fallback path pays for the fill and this check, which
+        the manifest's fallbacks go through too."""
         if type(name) is not str:
             _check_name("set_fallback", name)
         if fn is None:

@@ -296,3 +296,32 @@ def test_a_lock_file_that_names_a_library_twice_is_refused(tmp_path):
         trust.read_lock(lk)
     lk.write_text(f'{{"x.so": "{a}", "y.so": "{b}"}}')
     assert trust.read_lock(lk) == {"x.so": a, "y.so": b}
+
+
+def test_a_manifest_fallback_that_leaves_outputs_unwritten_is_an_error_as_set_fallbacks_is(tmp_path, monkeypatch):
+    """The same function returned 'python_fallback' with the poison still in out when the
+    manifest named it, and raised "left ... unwritten" when given by set_fallback."""
+    mods = tmp_path / "mods"
+    mods.mkdir()
+    (mods / "trial6_half_fallback.py").write_text(
+        "def half(arrays, sizes, params):\n"
+        "    arrays['out'].raw()[:2] = arrays['x'].raw()[:2]\n")
+    monkeypatch.syspath_prepend(str(mods))
+    build_plugin(tmp_path, defines={"BEHAVIOUR": 2})   # both C paths decline
+    (tmp_path / "host_scale.yaml").write_text(HOST_SCALE_YAML.replace(
+        "tests.plugins.host_scale_fallback:scale", "trial6_half_fallback:half"))
+    reg = FactorRegistry.load(tmp_path, hardware="h200")
+    assert reg.get("host_scale").status == "ready"
+    with pytest.raises(FactorError, match=r"host_scale: the Python fallback 'trial6_half_fallback:half' \(manifest "
+                                          r".*host_scale\.yaml\) left out: 2 of 4 element\(s\) unwritten"):
+        _host_scale_call(reg)
+    import trial6_half_fallback
+    reg.set_fallback("host_scale", trial6_half_fallback.half)
+    with pytest.raises(FactorError, match=r"set with set_fallback \(half\) left out: 2 of 4 element\(s\) unwritten"):
+        _host_scale_call(reg)
+    assert reg.stats()["host_scale"]["errors"] == 2
+    reg.set_fallback("host_scale", None)
+    (tmp_path / "host_scale.yaml").write_text(HOST_SCALE_YAML)   # (a fallback that writes all: served)
+    reg = FactorRegistry.load(tmp_path, hardware="h200")
+    path, x, out = _host_scale_call(reg)
+    assert path == "python_fallback" and (out == 2 * x).all()
