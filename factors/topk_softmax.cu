@@ -40,9 +40,8 @@
  *       A round is one group max + a predicated pop (~15 SASS instructions instead of ~30: no
  *       ballot, no shuffle, no slot bookkeeping).  K+1 rounds, then e_1..e_{K+1} are checked in
  *       exact arithmetic (fp32 values reloaded, 16-bit values exact in the key); a warp with a
- *       row that fails a check, or whose row max is non-finite or above 2^16 (a NaN logit is
- *       loaded as +inf here, so its row goes there too), recomputes with the exact path above
- *       (exact_rows, on the row loaded again with NaN as -inf and the NaN flag).  With renormalize the softmax sum is skipped (it
+ *       row that fails a check, or whose row max is non-finite or above 2^16, recomputes with
+ *       the exact path above (exact_rows).  With renormalize the softmax sum is skipped (it
  *       cancels).  SASS count, fp32 E=384 K=8 renormalize, G=32: ~390 instructions a row on the
  *       fast path against ~520 for topk_softmax_kernel<float, 32, 3, 3> (not a timing).
  *   topk_softmax_generic_kernel<T>    kernel_fallback, any E: one warp per row, K passes over
@@ -310,11 +309,8 @@ __device__ __forceinline__ uint32_t ld_u16(const unsigned short* p) {
 }
 
 // VONLY: the caller guarantees vec_ok (the packed-key kernel runs only on 16-byte rows).
-// has_nan: whether any of the lane's logits is NaN (before NaN -> -inf), for the row's weights.
-// NAN_HIGH: NaN -> +inf instead and has_nan left false, at no cost (fminf for fmaxf): the
-// packed-key kernel's first load, whose row then has a non-finite max and goes to exact_rows,
-// which loads it again with NaN -> -inf and the flag.
-template <typename T, int NV, bool AGAIN = false, bool VONLY = false, bool NAN_HIGH = false>
+// has_nan: whether any of the lane's logits is NaN (before NaN -> -inf), for the row's weights
+template <typename T, int NV, bool AGAIN = false, bool VONLY = false>
 __device__ __forceinline__ void load_lane(const T* __restrict__ logits, int64_t t, bool row_ok, int E,
                                           int gbase, int vec_ok, float (&x)[NV * 16 / (int)sizeof(T)],
                                           bool& has_nan) {
@@ -357,12 +353,8 @@ __device__ __forceinline__ void load_lane(const T* __restrict__ logits, int64_t 
 #pragma unroll
     for (int k = 0; k < EPL; ++k) {
         const float v = El::word_elem(raw[k / EPW], k % EPW);
-        if constexpr (NAN_HIGH) {
-            x[k] = fminf(v, INFINITY);  // fminf returns the non-NaN operand: NaN -> +inf
-        } else {
-            nan = nan || v != v;
-            x[k] = fmaxf(v, -INFINITY);
-        }
+        nan = nan || v != v;
+        x[k] = fmaxf(v, -INFINITY);
     }
     has_nan = nan;
 }
@@ -556,9 +548,8 @@ __device__ __forceinline__ uint32_t pk_key(float x, int k, uint32_t lreg) {
     return pk_merge(q, lreg, imm);
 }
 
-// RL: the refill reloads the lane's logits (L1 / L2) instead of keeping them in registers
-// through the rounds; the exact path always reloads them (the first load holds NaN as +inf).
-// MB: min blocks per SM for the register allocation.
+// RL: the refill and the exact path reload the lane's logits (L1 / L2) instead of keeping them
+// in registers through the rounds.  MB: min blocks per SM for the register allocation.
 template <typename T, int G, int NV, int D = 3, int KC = 0, bool RL = true, int MB = 1>
 __global__ void __launch_bounds__(kMaxThreads, MB)
 topk_softmax_pkey_kernel(float* __restrict__ out_w, int32_t* __restrict__ out_id,
@@ -594,8 +585,8 @@ topk_softmax_pkey_kernel(float* __restrict__ out_w, int32_t* __restrict__ out_id
         const int64_t t = task * R + sub;
         const bool row_ok = t < n_rows;
         float x[EPL];
-        bool nan;  // (false: NaN is +inf here, and its row's max non-finite: exact_rows, reloaded)
-        load_lane<T, NV, false, true, true>(logits, t, row_ok, E, gbase, 1, x, nan);
+        bool nan;
+        load_lane<T, NV, false, true>(logits, t, row_ok, E, gbase, 1, x, nan);
 
         // ---- packed keys, the lane's D best; without renormalize the lane's exp sum ------------
         uint32_t c[D];
@@ -618,7 +609,7 @@ topk_softmax_pkey_kernel(float* __restrict__ out_w, int32_t* __restrict__ out_id
         uint32_t hi = group_max<G, RP>(c[0], lane);
         // m': the largest value of the top key's bucket (the +inf bucket holds +inf alone)
         const float mval = __uint_as_float(key_to_bits(min(hi | MASK, 0xFF800000u)));
-        bool bad = !(fabsf(mval) <= 65536.0f);  // non-finite (a NaN: +inf) or large: exact_rows
+        bool bad = !(fabsf(mval) <= 65536.0f) || nan;  // non-finite or large, or a NaN: exact_rows
         const float mL = mval * kLog2e;
         bool any_bad = __any_sync(0xFFFFFFFFu, bad);
 
@@ -704,11 +695,14 @@ topk_softmax_pkey_kernel(float* __restrict__ out_w, int32_t* __restrict__ out_id
 #ifdef TOPK_TUNE_COUNTERS
             if (lane == 0) atomicAdd(&g_tune_exact_warps, 1ull);
 #endif
-            // reloaded (RL or not): x holds NaN as +inf; y as -inf, with the row's NaN flag
-            float y[EPL];
-            bool ynan;
-            load_lane<T, NV, true, true>(logits, t, row_ok, E, gbase, 1, y, ynan);
-            exact_rows<G, EPL, 3, RP, KC>(y, out_w, out_id, t, row_ok, E, K_, renormalize, lane, ynan);
+            if constexpr (RL) {
+                float y[EPL];
+                bool ynan;
+                load_lane<T, NV, true, true>(logits, t, row_ok, E, gbase, 1, y, ynan);
+                exact_rows<G, EPL, 3, RP, KC>(y, out_w, out_id, t, row_ok, E, K_, renormalize, lane, ynan);
+            } else {
+                exact_rows<G, EPL, 3, RP, KC>(x, out_w, out_id, t, row_ok, E, K_, renormalize, lane, nan);
+            }
         }
     }
 }
