@@ -1985,21 +1985,14 @@ class FactorRegistry:
         ffi = abi.ffi
         dims_before = ffi.buffer(dims_c)[:]
         status = kernel(out, inp, aux, n_aux, dims_c, n_dims, stream)
-        if status == abi.EX_FALLBACK and kernel_fallback is not None:
-            status = kernel_fallback(out, inp, aux, n_aux, dims_c, n_dims, stream)
-            if status == abi.EX_OK:
-                status = "kernel_fallback"
-        if ffi.buffer(dims_c)[:] != dims_before:
-            ffi.memmove(dims_c, dims_before, len(dims_before))
-            self._count(plugin.name, "errors")
-            code = 0 if status == "kernel_fallback" else status
-            raise KernelError(plugin.name, code, abi.status_name(code),
-                              "but it wrote to the const dims array it was passed (restored; this call's "
-                              "outputs are not to be trusted)")
+        self._dims_kept(plugin, dims_c, dims_before, "kernel", status)   # before kernel_fallback reads them
         if status == abi.EX_OK:
             return "plugin"
-        if status == "kernel_fallback":
-            return status
+        if status == abi.EX_FALLBACK and kernel_fallback is not None:
+            status = kernel_fallback(out, inp, aux, n_aux, dims_c, n_dims, stream)
+            self._dims_kept(plugin, dims_c, dims_before, "kernel_fallback", status)
+            if status == abi.EX_OK:
+                return "kernel_fallback"
         if status == abi.EX_FALLBACK:
             return None
         f = plugin.factor
@@ -2010,6 +2003,22 @@ class FactorRegistry:
             detail = _plugin_text(_c_text(text))
         self._count(plugin.name, "errors")
         raise KernelError(plugin.name, status, abi.status_name(status), detail)
+
+    def _dims_kept(self, plugin: Plugin, dims_c, before: bytes, path: str, status: int) -> None:
+        """Raise KernelError (counted) if the C path ``path`` wrote to its const dims array
+        (``before``: its bytes before the call), after restoring them: the array is cached for
+        the calls that follow, and a kernel_fallback called next would read the changed sizes
+        (a write past the output). Names the path, its status and its last_error() text."""
+        ffi = abi.ffi
+        if ffi.buffer(dims_c)[:] == before:
+            return
+        ffi.memmove(dims_c, before, len(before))
+        self._count(plugin.name, "errors")
+        f = plugin.factor
+        text = _plugin_text(_c_text(f.last_error())) if f.last_error != ffi.NULL else ""
+        raise KernelError(plugin.name, status, abi.status_name(status),
+                          f"but its {path} wrote to the const dims array it was passed (restored; this "
+                          "call's outputs are not to be trusted)" + (f"; its last_error: {text}" if text else ""))
 
     def check_device_errors(self) -> None:
         """Raise DeviceSideError if any call since the last check flagged bad input.

@@ -140,9 +140,19 @@ def test_a_plugin_writing_its_const_dims_is_an_error_and_the_dims_are_restored(t
     x = np.arange(8, dtype=np.float32)
     args = lambda: {"x": x, "out": np.full(8, np.nan, np.float32), "alpha": np.array([2.0], np.float32)}
     for _ in range(3):     # the first call (full path), then the short path's cached dims
-        with pytest.raises(KernelError, match="wrote to the const dims array it was passed"):
+        with pytest.raises(KernelError, match=r"returned EX_OK \(0\): but its kernel wrote to the const dims "
+                                              "array it was passed"):
             bad.dispatch("host_scale", args())
     assert bad.stats()["host_scale"]["errors"] == 3
+    # a kernel that writes dims[0] = 12 and declines: its kernel_fallback must not run on 12 (it
+    # wrote 4 floats past an 8-float out, a view into a wider buffer)
+    build_plugin(tmp_path / "declines", defines={"DIMS_WRITE": 12, "BEHAVIOUR": 1})
+    dec = FactorRegistry.load(tmp_path / "declines")
+    buf = np.full(16, -1.0, np.float32)
+    with pytest.raises(KernelError, match=r"returned EX_FALLBACK \(-1\): but its kernel wrote"):
+        dec.dispatch("host_scale", {"x": np.arange(16, dtype=np.float32)[:8], "out": buf[:8],
+                                    "alpha": np.array([2.0], np.float32)})
+    assert (buf[8:] == -1.0).all()
     good = FactorRegistry.load(tmp_path / "good")
     for _ in range(3):
         a = args()

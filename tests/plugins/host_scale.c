@@ -14,7 +14,8 @@
  * STDERR_IN_KERNEL (the kernel writes a line that is not UTF-8 to stderr), CTOR_STDERR (a
  * constructor writes a line that is not UTF-8 to stderr when the library is opened), STDERR_FLOOD
  * (the kernel writes that many 64 KB blocks to stderr), MUTATE_HW (ex_get_factor writes that value to
- * hw->warp_size through its const pointer), HELPER (the kernel calls helper_alpha() from a separate library), WORKSPACE
+ * hw->warp_size through its const pointer), DIMS_WRITE (the kernel sets dims[0] to that value
+ * through its const pointer, then behaves as BEHAVIOUR says), HELPER (the kernel calls helper_alpha() from a separate library), WORKSPACE
  * (aux[1] is a runtime workspace: the product goes through scratch memory there, and a negative
  * alpha sets bit 0 of its status word; manifest tests/plugins/host_scale_ws.yaml). */
 #include "ex_engine.h"
@@ -124,10 +125,6 @@ static int scale(void* output, const void* input, const void* aux[], int n_aux,
     printf("CASE {\"factor\": \"host_scale\", \"case\": \"N=1\", \"dtype\": \"float32\", \"status\": \"pass\"}\n");
     fflush(stdout);
 #endif
-#ifdef DIMS_WRITE
-    ((int64_t*)dims)[0] = DIMS_WRITE;   /* writes through its const dims: a plugin bug */
-    return EX_OK;
-#endif
 #ifdef EXIT_IN_KERNEL
     exit(EXIT_IN_KERNEL);   /* ends whatever process runs the kernel */
 #endif
@@ -161,6 +158,9 @@ static int64_t workspace_size(const int64_t dims[], int n_dims) {
 
 static int kernel(void* output, const void* input, const void* aux[], int n_aux,
                   const int64_t dims[], int n_dims, void* stream) {
+#ifdef DIMS_WRITE
+    ((int64_t*)dims)[0] = DIMS_WRITE;   /* writes through its const dims: a plugin bug */
+#endif
     if (BEHAVIOUR == 1 || BEHAVIOUR == 2) return EX_FALLBACK;
     if (BEHAVIOUR == 3) { g_err = "N must be even"; return EX_ERR_SHAPE; }
     return scale(output, input, aux, n_aux, dims, n_dims, stream);
