@@ -223,11 +223,11 @@ def main():
             Path(args.json).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
 
     gmm_said = False   # the gmm peer's capture failure was printed once
-    cases = [(m, T, "uniform") for m in names for T in args.tokens]
+    # a balanced row right after its uniform row (the same weights, the same clocks' minute)
+    cases = [(m, T, r) for m in names for T in args.tokens
+             for r in ("uniform", "balanced") if r == "uniform" or (args.balanced and T * models[m].K % models[m].E == 0)]
     if args.skew:
         cases += [(m, T, "skewed") for m in names for T in (64, 4096)]
-    if args.balanced:
-        cases += [(m, T, "balanced") for m in names for T in args.tokens if T * models[m].K % models[m].E == 0]
     hdr = (f"{'model':<22}{'T':>6} {'route':<6}{'floor':>9}{'ours':>9}{'x floor':>8}{'x here':>7}{'TFLOP/s':>8}"
            f"{'GB/s':>7}{'gmm':>9}{'gmm/ours':>9}{'fallbk':>10}{'err':>9}")
     print(f"# {meta}", flush=True)

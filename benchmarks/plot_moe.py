@@ -19,7 +19,7 @@ sys.path.insert(0, str(HERE))
 from perf_peers import VLLM_US  # noqa: E402
 # one check of bench_moe's JSON; and table_moe's _scripts (standard library only, loaded by
 # path: --help works without numpy, the package's __init__), not a second load of it
-from table_moe import _number, _scripts, shape_problem  # noqa: E402
+from table_moe import _number, _scripts, route_of, shape_problem  # noqa: E402
 output_file_problem, report_problems = _scripts["output_file_problem"], _scripts["report_problems"]
 
 try:
@@ -35,9 +35,8 @@ META = ("dtype", "device", "date", "commit")   # what the chart's title reads
 
 
 def uniform(r: dict) -> bool:
-    """Whether row ``r`` was timed on uniform routing (the chart's): not --skew's or --balanced's
-    rows (files before --balanced have 'skewed' only)."""
-    return (r.get("routing") or ("skewed" if r.get("skewed") else "uniform")) == "uniform"
+    """Whether row ``r`` was timed on uniform routing (the chart's): not --skew's or --balanced's."""
+    return route_of(r) == "uniform"
 
 
 def data_problem(data) -> str:

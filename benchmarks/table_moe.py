@@ -96,10 +96,15 @@ def header(m: dict, here: bool) -> str:
     return text
 
 
+def route_of(r: dict) -> str:
+    """Row ``r``'s routing: 'uniform', 'skewed' or 'balanced' (files written before
+    bench_moe.py --balanced have 'skewed' only)."""
+    return r.get("routing") or ("skewed" if r.get("skewed") else "uniform")
+
+
 def cells(r: dict, here: bool) -> list:
     """The row's cells, as many as the header has."""
-    skewed = bool(r.get("skewed", False))
-    route = r.get("routing") or ("skewed" if skewed else "uniform")   # (files before --balanced: no 'routing')
+    route = route_of(r)
     floor = f"{r['floor_us']:.1f}" if r.get("floor_us") is not None else "-"
     width = 14 if here else 13
     if "ours_us" not in r:

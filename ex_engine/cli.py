@@ -377,7 +377,8 @@ def _ignore_signal(signum, frame):
     """SIGTERM while the command already ends through Terminated."""
 
 
-LOCK_MAX_BYTES = 1 << 24   # a lock file larger than this is not one `ex-engine lock` wrote
+LOCK_MAX_BYTES = _paths.TEXT_FILE_LIMIT   # a lock file larger than this is not one `ex-engine lock` wrote
+                                         # (and read_lock would not read it)
 
 
 def _left_out_of_lock(folder, locked) -> list:

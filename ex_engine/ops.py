@@ -12,7 +12,7 @@ import sys
 import threading
 from contextlib import contextmanager
 
-from .arrays import _KINDS, Bits16, TensorRef, _cupy_importable, _kind_of, data_ptr, no_cupy_error
+from .arrays import _KINDS, _NP_NAMES, Bits16, TensorRef, _cupy_importable, _kind_of, data_ptr, no_cupy_error
 from .errors import ArgumentError, DTypeError, FactorError, ShapeError
 from .registry import FactorRegistry
 
@@ -74,7 +74,7 @@ def _empty(ref: TensorRef, shape, dtype: str, factor: str, name: str, reg: Facto
     non-native byte order or a structured dtype (the argument's own dtype, which dispatch would
     have refused by name: np.empty's TypeError named neither)."""
     like = ref.obj
-    if ref.kind != "torch" and dtype not in _ALLOCATABLE:
+    if ref.kind != "torch" and dtype not in _NP_NAMES:   # (the names np.empty takes)
         if reg is not None:
             reg._count(factor, "errors")
         raise DTypeError(factor, name, "dtype", expected, dtype)
@@ -105,10 +105,6 @@ def _float32_of(arr):
         return torch.float32
     import numpy as np
     return np.float32
-
-
-_ALLOCATABLE = frozenset({"float16", "bfloat16", "float32", "int32", "int16", "int8", "uint8", "int64",
-                          "float64", "uint16", "uint32", "uint64", "bool"})
 
 
 def _np_dtype(dtype: str):

@@ -40,8 +40,8 @@
  *       A round is one group max + a predicated pop (~15 SASS instructions instead of ~30: no
  *       ballot, no shuffle, no slot bookkeeping).  K+1 rounds, then e_1..e_{K+1} are checked in
  *       exact arithmetic (fp32 values reloaded, 16-bit values exact in the key); a warp with a
- *       row that fails a check, or whose row max is non-finite or above 2^16, recomputes with
- *       the exact path above (exact_rows).  With renormalize the softmax sum is skipped (it
+ *       row that fails a check, holds a NaN logit, or whose row max is non-finite or above 2^16,
+ *       recomputes with the exact path above (exact_rows).  With renormalize the softmax sum is skipped (it
  *       cancels).  SASS count, fp32 E=384 K=8 renormalize, G=32: ~390 instructions a row on the
  *       fast path against ~520 for topk_softmax_kernel<float, 32, 3, 3> (not a timing).
  *   topk_softmax_generic_kernel<T>    kernel_fallback, any E: one warp per row, K passes over
@@ -55,8 +55,9 @@
  * logits, K=8): T=16384 E=128 7.5 us (the old two-reduction kernel 14.7), E=384 12.7 us
  * (bench_router_norm; 12.3 by the variant tuner's timer) with the packed-key kernel (13.9-14.2
  * before it; 23.6 for the old kernel; the 12.4 us target is met by one timer, missed by ~2% by
- * the other; the per-row NaN check of d7ed4ed made it 12.6-12.8 against 12.14 in one run: missed),
- * T=4096 E=64 3.5 us, E=128 4.3 us.
+ * the other), T=4096 E=64 3.5 us, E=128 4.3 us.  The NaN handling of d7ed4ed (a per-element
+ * check in load_lane, the flag live through the packed-key rounds) made E=384 12.6-12.8 against
+ * 12.14 us before it, one run of each in one process (benchmarks/RESULTS.md, session 35).
  */
 #define EX_PLUGIN_FILE "topk_softmax.so"  // names this library in its messages (ex_plugin.cuh)
 
@@ -504,7 +505,7 @@ topk_softmax_kernel(float* __restrict__ out_w,          // (T, K)
 // Without renormalize the normaliser is summed per lane against the lane's max, then scaled
 // by exp(lane max - m').  A lane that gives up its D cached keys with rounds to go refills with
 // its D best keys below the one it gave up (rare for D = 3).  A warp where any row fails a
-// check, or has a non-finite or large (> 2^16) m', recomputes its rows with exact_rows (ties,
+// check, holds a NaN logit, or has a non-finite or large (> 2^16) m', recomputes its rows with exact_rows (ties,
 // +-0 and special values follow that code's rules).  The checks were validated against a
 // float64 reference with a bit-level Python model (benchmarks/topk_variants/model.py; ~130k rows of near ties, special values,
 // +-0 mixes), then on the H200 by scripts/gpu_router_norm_selftest.py and the GPU tests.
