@@ -518,13 +518,42 @@ def cmd_build(args) -> int:
     print("running:", " ".join(cmd), flush=True)
     try:
         before = built()
-        rc = subprocess.call(cmd)
+        rc = _run_make(cmd)
     except FileNotFoundError:
         print("ex-engine build: needs `make` (and nvcc, CUDA 12.4+) on PATH; found no make", file=sys.stderr)
         return 2
     if rc == 0 and before and built() == before:  # make itself says nothing then
         print(f"ex-engine build: {', '.join(targets) or 'every factor'} up to date", flush=True)
     return rc
+
+
+def _run_make(cmd: list) -> int:
+    """Run make in a process group of its own; Ctrl-C (KeyboardInterrupt) or SIGTERM to this
+    command is passed to the whole group, and the command waits for make, which stops its
+    compilers and deletes the targets it had begun, before it ends (raising KeyboardInterrupt
+    or Terminated: main's exit statuses 130 and 143). subprocess.call killed make alone with
+    SIGKILL on an interrupt, and ignored SIGTERM: nvcc, cicc and cudafe++ went on, reparented
+    to init, writing factors/*.so (a new user's trial, session 35). A second interrupt while
+    make stops kills the group."""
+    proc = subprocess.Popen(cmd, start_new_session=True)
+    main_thread = threading.current_thread() is threading.main_thread()
+    old_term = signal.signal(signal.SIGTERM, _exit_on_sigterm) if main_thread else None
+    try:
+        return proc.wait()
+    except (KeyboardInterrupt, Terminated):
+        sig = signal.SIGTERM if sys.exc_info()[0] is Terminated else signal.SIGINT
+        try:
+            os.killpg(proc.pid, sig)
+            proc.wait()
+        except (KeyboardInterrupt, Terminated):
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        except ProcessLookupError:
+            pass
+        raise
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, old_term)
 
 
 def _profiles_help() -> str:

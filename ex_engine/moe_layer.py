@@ -342,6 +342,34 @@ def time_call(xp, fn, repeat: int) -> float:
     return float(np.median(times))
 
 
+def token_bytes(shape, tokens: int) -> int:
+    """Bytes run_moe allocates beyond the weights at T = ``tokens`` (an estimate that errs high):
+    per token, hidden_states and out of 2 bytes, the fallback's float32 and the reference's
+    float64 copies of both (40 bytes an H element in all), the router's logits and softmax
+    (float32 and float64 temporaries of E) and the routing; per expert, the rows it is given
+    (twice the mean, for routing's spread) times its float64 intermediates (2I + I + H)."""
+    per_token = shape.H * 40 + shape.E * 24 + shape.K * 24
+    rows = 2 * tokens * shape.K / max(shape.E, 1) + 64
+    return int(tokens * per_token + rows * (3 * shape.I + shape.H) * 8 * 2)
+
+
+def available_bytes(xp) -> int | None:
+    """Bytes this process could still allocate: the GPU's free memory (CuPy), else the host's
+    MemAvailable (/proc/meminfo); None where neither can be read."""
+    try:
+        if xp is not np:
+            return int(xp.cuda.runtime.memGetInfo()[0])
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, AttributeError, IndexError):
+        pass
+    except Exception:   # a CUDA runtime error from CuPy: no figure, not a failed run
+        pass
+    return None
+
+
 def run_moe(model: str, tokens: int, dtype: str = "bfloat16", seed: int = 0, repeat: int = 10,
             registry=None, echo=print, progress=None, layers=None) -> dict:
     """Build ``model``'s MoE layer, run it through ``registry`` at T=``tokens``, check, time.
@@ -387,6 +415,18 @@ def run_moe(model: str, tokens: int, dtype: str = "bfloat16", seed: int = 0, rep
     size = shape.E * 3 * shape.I * shape.H * 2 + shape.E * shape.H * 4   # w13, w2; router fp32
     key = (shape, dtype, seed, xp.__name__)
     layer = layers.get(key) if layers is not None else None
+    # what T adds, checked against what is free before anything is drawn (a T of millions on
+    # the CPU grew past the host's memory while the weights were built: the kernel's OOM
+    # killer ended the process without a word)
+    need = token_bytes(shape, tokens) + (0 if layer is not None else size)
+    free = available_bytes(xp)
+    if free is not None and need > free:
+        raise MemoryError(f"about {need / 1e9:.1f} GB needed at T={tokens} (weights and arrays), "
+                          f"{free / 1e9:.1f} GB available on {'the GPU' if xp is not np else 'this host'}")
+    if xp is np and tokens:
+        flops = 2.0 * tokens * shape.K * 3 * shape.H * shape.I
+        step(f"  on the CPU: about {need / 1e9:.1f} GB, and about {2 * flops / 1e9:.0f} s at the "
+             "~1 GFLOP/s of NumPy's fallback and reference")
     if layer is not None:
         step(f"  reusing the layer's weights ({size / 1e9:.2f} GB), built for an earlier T")
     else:

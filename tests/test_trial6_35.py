@@ -158,3 +158,60 @@ def test_a_plugin_writing_its_const_dims_is_an_error_and_the_dims_are_restored(t
         a = args()
         assert good.dispatch("host_scale", a) == "plugin"
         np.testing.assert_array_equal(a["out"], 2 * x)
+
+
+@pytest.mark.parametrize("sig, code", [("SIGTERM", 143), ("SIGINT", 130)])
+def test_build_interrupted_stops_make_and_its_compilers(tmp_path, sig, code):
+    """`ex-engine build` killed by pid (SIGTERM, or SIGINT to the command alone) left make's
+    children (nvcc, cicc) running, reparented to init, writing factors/*.so: subprocess.call
+    SIGKILLed make alone on an interrupt and ignored SIGTERM. make now runs in a group of its
+    own that gets the signal; the command waits for it and exits 143 / 130. (A fake make that
+    starts a long child stands in for the compilers.)"""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    fake = tmp_path / "make"
+    pidfile = tmp_path / "child.pid"
+    # (in the foreground, as make runs nvcc: a non-interactive shell's `cmd &` ignores SIGINT)
+    fake.write_text(f"#!/bin/bash\nbash -c 'echo $$ > {pidfile}; exec sleep 300'\n")
+    fake.chmod(0o755)
+    env = dict(os.environ, PATH=f"{tmp_path}:{os.environ['PATH']}")
+    proc = subprocess.Popen([sys.executable, "-m", "ex_engine.cli", "build"], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for _ in range(200):
+        if pidfile.exists() and pidfile.read_text().strip():
+            break
+        time.sleep(0.05)
+    child = int(pidfile.read_text())
+    proc.send_signal(getattr(signal, sig))
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == code, (out, err)
+    for _ in range(100):      # the compiler stand-in is gone (reaped by init once orphaned)
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.05)
+    else:
+        os.kill(child, signal.SIGKILL)
+        pytest.fail(f"make's child {child} outlived the interrupted build")
+
+
+def test_run_moe_refuses_a_t_that_does_not_fit_before_building_anything(monkeypatch):
+    """`ex-engine run moe --tokens 2000000` on the CPU grew past the host's memory while it
+    built the weights, and the kernel's OOM killer ended it without a word. The arrays T adds
+    are estimated first and compared with what is available: a MemoryError naming both (the
+    CLI prints it in one line, exit 2), before any weight is drawn."""
+    from ex_engine import moe_layer
+    built = []
+    monkeypatch.setattr(moe_layer, "MoELayer", lambda *a, **k: built.append(a))
+    monkeypatch.setattr(moe_layer, "available_bytes", lambda xp: 8 << 30)
+    with pytest.raises(MemoryError, match=r"about .* GB needed at T=2000000 \(weights and arrays\), 8\.6 GB "
+                                          r"available on this host"):
+        moe_layer.run_moe("qwen3-30b-a3b", 2_000_000, registry=FactorRegistry(hardware=None))
+    assert not built
+    shape = moe_layer.load_models()["qwen3-30b-a3b"]
+    small, big = moe_layer.token_bytes(shape, 64), moe_layer.token_bytes(shape, 2_000_000)
+    assert small < 50e6 and big > 100e9     # T's arrays, weights apart (1.2 GB)
