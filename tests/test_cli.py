@@ -620,7 +620,9 @@ def test_run_moe_says_what_it_is_doing_before_the_long_steps(tmp_path):
     from ex_engine.moe_layer import run_moe        # a library caller gets the steps only if it asks
     seen = []
     res = run_moe("granite-3.0-3b-a800m", 1, echo=lambda *a: None, progress=seen.append)
-    assert res["ok"] and [s.split()[0] for s in seen] == ["building", "running", "computing", "timing"]
+    # (on the CPU a first line says how much memory and time to expect)
+    assert res["ok"] and [s.split()[0] for s in seen] == ["on", "building", "running", "computing", "timing"]
+    assert seen[0].startswith("  on the CPU: about 0.2 GB, and about ")
 
 
 def test_from_device_names_a_missing_index(monkeypatch):
