@@ -47,6 +47,15 @@ def _capture(fns, calls: int):
     return g
 
 
+def write_json(path, data) -> None:
+    """``data`` as indented JSON to ``path``, atomically (trust.replace_file, not synced: a run
+    interrupted while it writes leaves the previous complete file, not a truncated one; the
+    scripts rewrite theirs after every row)."""
+    import json
+    from ex_engine.trust import replace_file
+    replace_file(path, json.dumps(data, indent=1), fsync=False)
+
+
 def graph_us(fns, calls: int | None = None, replays: int = 20, warm_ms: float = 20.0) -> float:
     """Median device µs per call over ``replays`` replays of a graph of ``calls`` calls cycling
     over ``fns`` (one zero-argument callable per input set). By default a graph holds one call

@@ -27,7 +27,6 @@ bad arguments.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import sys
@@ -46,7 +45,7 @@ from ex_engine import FactorError, FactorRegistry, moe_fused_gemm  # noqa: E402
 from ex_engine._scripts import HelpFormatter, plugin_folder_problem  # noqa: E402
 from ex_engine.moe_layer import (load_models_or_exit, models_help, output_file_problem,  # noqa: E402
                                  parse_cases, report_problems)
-from _timing import graph_us, run_meta  # noqa: E402
+from _timing import graph_us, run_meta, write_json  # noqa: E402
 from bench_moe import input_sets, layer_weights, reference, rel  # noqa: E402
 
 LOAD_TIME = ("at load", "when a registry loads")   # the table's 'read' of a folder's settings
@@ -228,7 +227,7 @@ def main():
                 rows.append({"model": m, "T": T, "checks": checks, "error": "first config failed its reference check"})
                 del outs
                 if args.json:
-                    Path(args.json).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+                    write_json(args.json, {"meta": meta, "rows": rows})
                 continue
         for (name, _, _), o in zip(cfgs, outs):
             d = (o.float() - outs[0].float()).abs().max().item()
@@ -256,10 +255,10 @@ def main():
             flush=True)
         del outs
         if args.json:   # after every row: a run cut short still leaves what it measured
-            Path(args.json).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+            write_json(args.json, {"meta": meta, "rows": rows})
     set_env({})
     if args.json:
-        Path(args.json).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+        write_json(args.json, {"meta": meta, "rows": rows})
     return 1 if any("error" in r for r in rows) else 0
 
 

@@ -26,7 +26,6 @@ needs is missing.
 from __future__ import annotations
 
 import argparse
-import json
 import runpy
 import sys
 import time
@@ -51,7 +50,7 @@ try:
 except ImportError as exc:  # numpy missing: a run says so in one line
     FactorRegistry = None
     NO_PACKAGE = f"needs numpy, PyTorch and a CUDA GPU (the ex_engine package does not import: {exc})"
-from _timing import ceilings, graph_us, host_us, run_meta  # noqa: E402
+from _timing import ceilings, graph_us, host_us, run_meta, write_json  # noqa: E402
 
 PEAK_TFLOPS, PEAK_GBS = 787.0, 4230.0
 
@@ -220,7 +219,7 @@ def main():
 
     def save():  # after every row: a run cut short still leaves what it measured
         if args.json:
-            Path(args.json).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+            write_json(args.json, {"meta": meta, "rows": rows})
 
     gmm_said = False   # the gmm peer's capture failure was printed once
     # a balanced row right after its uniform row (the same weights, the same clocks' minute)

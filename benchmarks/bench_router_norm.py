@@ -18,7 +18,6 @@ Prints µs and the fraction of the copy bandwidth (bytes that must be read and w
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -31,7 +30,7 @@ except ImportError:  # --help works without it; a run says it needs it
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ex_engine import FactorRegistry, fused_add_rmsnorm, topk_softmax  # noqa: E402
 from ex_engine.moe_layer import output_file_problem, report_problems  # noqa: E402
-from _timing import graph_us, host_us, run_meta  # noqa: E402
+from _timing import graph_us, host_us, run_meta, write_json  # noqa: E402
 
 COPY_GBS = 4230.0
 
@@ -147,7 +146,7 @@ def main():
             print(f"{'topk_softmax':<18}{f'T={T} E={E} K={K}':<22}{name:<15}{e:>10.1f}{g:>10.1f}"
                   f"{'':>8}{(f'{h:>9.1f}' if h else ''):>9}  target {target:.1f}", flush=True)
     if args.json:
-        Path(args.json).write_text(json.dumps({"meta": run_meta(), "rows": rows}, indent=1))
+        write_json(args.json, {"meta": run_meta(), "rows": rows})
 
 
 if __name__ == "__main__":

@@ -22,12 +22,11 @@ what holds their weight streams at 75-90% of the copy ceiling (benchmarks/RESULT
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _timing import run_meta  # noqa: E402  (date, device, commit: RESULTS.md's rule)
+from _timing import run_meta, write_json  # noqa: E402  (date, device, commit: RESULTS.md's rule)
 
 KERNEL = r"""
 extern "C" __global__ void __launch_bounds__(256)
@@ -129,9 +128,8 @@ def main(argv=None) -> int:
         results[key] = nbytes / t / 1e9
         print(f"  {key:<44s} {results[key]:8.1f} GB/s", flush=True)
     if a.json:
-        with open(a.json, "w") as f:
-            json.dump({**run_meta(device=name), "bytes": nbytes, "rows": a.rows,
-                       "row_bytes": a.row_bytes, "repeat": a.repeat, "GB/s": results}, f, indent=1)
+        write_json(a.json, {**run_meta(device=name), "bytes": nbytes, "rows": a.rows,
+                            "row_bytes": a.row_bytes, "repeat": a.repeat, "GB/s": results})
     return 0
 
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
-import json
 import pstats
 import sys
 from pathlib import Path
@@ -33,7 +32,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _timing import host_us, run_meta, torch  # noqa: E402
+from _timing import host_us, run_meta, torch, write_json  # noqa: E402
 
 from ex_engine import FactorRegistry, abi, moe_fused_gemm  # noqa: E402
 from ex_engine._scripts import HelpFormatter  # noqa: E402
@@ -146,8 +145,7 @@ def main() -> int:
             if args.profile:
                 print(profile_text(fns["call"], 3000, 25))
     if args.json:
-        Path(args.json).write_text(json.dumps({"meta": run_meta(rounds=args.rounds), "rows": results},
-                                              indent=1))
+        write_json(args.json, {"meta": run_meta(rounds=args.rounds), "rows": results})
     return 0
 
 

@@ -41,6 +41,7 @@ from _timing import graph_us, run_meta  # noqa: E402
 from bench_moe import input_sets, layer_weights, reference, rel  # noqa: E402
 from ex_engine import FactorError, FactorRegistry, moe_fused_gemm  # noqa: E402
 from ex_engine._scripts import HelpFormatter  # noqa: E402
+from ex_engine.trust import replace_file  # noqa: E402
 from ex_engine.moe_layer import (case_problems, load_models_or_exit, models_help,  # noqa: E402
                                  output_file_problem, report_problems)
 from ex_engine.tuning import _NUMERIC_DEVICE, FactorTuning, TuningTable, tuning_dir  # noqa: E402
@@ -252,7 +253,9 @@ def main() -> int:
         header += "# Earlier header of this file (its rows not re-tuned here keep its provenance):\n"
         header += "".join(n + "\n" for n in notes)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(header + yaml.safe_dump(data, sort_keys=False, default_flow_style=None, width=100))
+    # atomically: an interrupted write left a truncated table, which the registry set aside as
+    # malformed and the next run would not merge into (only --replace, dropping every row)
+    replace_file(out, header + yaml.safe_dump(data, sort_keys=False, default_flow_style=None, width=100))
     print(f"# wrote {out}; {failed} configuration(s) failed their check", flush=True)
     return 1 if failed else 0
 

@@ -214,9 +214,10 @@ def check_case(ctx: Ctx, shape, T, w13, w2, ep, inputs, tol: float) -> dict:
     res["device_error"] = device_error
     res["ok"] = ctx.all_true(ok)
     ctx.log(f"[ep_moe] check {shape.model} T={T} world={ctx.world}: "
-            f"ep vs 1-GPU factor {res.get('rel_err_vs_factor', float('nan')):.2e}, "
+            f"ep vs the factor on one {'GPU' if ctx.device.type == 'cuda' else 'process'} "
+            f"{res.get('rel_err_vs_factor', float('nan')):.2e}, "
             f"ep vs float64 {res.get('rel_err_vs_float64', float('nan')):.2e} "
-            f"(1-GPU factor vs float64 {res.get('factor_rel_err_vs_float64', float('nan')):.2e}; "
+            f"(the factor alone vs float64 {res.get('factor_rel_err_vs_float64', float('nan')):.2e}; "
             f"tol {tol:g}); ranks {'agree' if ranks_agree else 'DIFFER'}"
             f"{'; device error: ' + device_error if device_error else ''}: "
             f"{'PASS' if res['ok'] else 'FAIL'}")
@@ -335,7 +336,8 @@ def bench_case(ctx: Ctx, shape, T, w13, w2, ep, inputs, args) -> dict:
               f"GB/s, busbw {res['allreduce_busbw_GBps']:.1f} GB/s)") if ar else "no all-reduce (world 1)"
     ctx.log(f"[ep_moe] bench {shape.model} T={T} world={ctx.world} ({mode}): total {t_total:.1f} µs, "
             f"local {res['local_us']:.1f} µs (per rank {', '.join(f'{v:.1f}' for v in locals_)}), {ar_txt}; "
-            f"{res['useful_tflops']:.1f} TFLOP/s; 1 GPU {world1:.1f} µs -> speedup "
+            f"{res['useful_tflops']:.1f} TFLOP/s; 1 {'GPU' if ctx.device.type == 'cuda' else 'process'} "
+            f"{world1:.1f} µs -> speedup "
             f"{res['speedup_vs_world1']:.2f}x" + (f"; capture failed: {err}" if err else ""))
     return res
 

@@ -716,6 +716,12 @@ def main():
         print(f"gpu_moe_selftest: expected --modes from {','.join(known_modes)} and --rotate >= 1, "
               f"got --modes {a.modes} --rotate {a.rotate}", file=sys.stderr)
         return 2
+    # the arguments before the machine (a wrong --lib said only "needs CuPy and a CUDA GPU")
+    missing = [so for so in a.libs or [] if not os.path.isfile(so)]
+    if missing:
+        print(f"gpu_moe_selftest: --lib: expected a built library file, got {', '.join(missing)} "
+              "(no such file)", file=sys.stderr)
+        return 2
     usable, why = cupy_with_gpu()
     if usable is None:   # not 'skipped' library by library, nor a traceback at the first CUDA call
         print(f"gpu_moe_selftest: needs CuPy and a CUDA GPU: {why}", file=sys.stderr)

@@ -583,6 +583,11 @@ def main():
     ap.add_argument("--no-timing", action="store_true", help="checks only")
     ap.add_argument("--quick", action="store_true", help="skip T=16384 in the topk sweep")
     args = ap.parse_args()
+    # the arguments before the machine (a wrong --factors said only "needs CuPy and a CUDA GPU")
+    if not os.path.isdir(args.factors):
+        print(f"gpu_router_norm_selftest: --factors: expected a folder of built libraries, got "
+              f"{args.factors} (no such folder)", file=sys.stderr)
+        return 2
 
     cp, why = cupy_with_gpu()
     if cp is None:       # not a CUDARuntimeError traceback at the first CUDA call

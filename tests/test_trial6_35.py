@@ -215,3 +215,31 @@ def test_run_moe_refuses_a_t_that_does_not_fit_before_building_anything(monkeypa
     shape = moe_layer.load_models()["qwen3-30b-a3b"]
     small, big = moe_layer.token_bytes(shape, 64), moe_layer.token_bytes(shape, 2_000_000)
     assert small < 50e6 and big > 100e9     # T's arrays, weights apart (1.2 GB)
+
+
+def test_benchmark_json_is_written_whole_or_not_at_all(tmp_path, monkeypatch):
+    """The benchmarks rewrote their JSON with Path.write_text after every row, and tune_moe its
+    tuning table: an interrupt mid-write left a truncated file (a tuning table then set aside as
+    malformed, and not merged into by the next run). _timing.write_json (and tune_moe) write a
+    temporary file and rename it: the previous whole file stays if the write fails."""
+    import importlib
+    import json
+    import sys
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        timing = importlib.import_module("_timing")
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    out = tmp_path / "b.json"
+    timing.write_json(out, {"rows": [1]})
+    assert json.loads(out.read_text()) == {"rows": [1]}
+    import ex_engine.trust as trust
+
+    def cut(*a, **k):          # the write is cut short where the new text would replace the old
+        raise OSError("interrupted")
+    monkeypatch.setattr(trust.os, "replace", cut)
+    with pytest.raises(OSError, match="b.json"):
+        timing.write_json(out, {"rows": [1, 2]})
+    assert json.loads(out.read_text()) == {"rows": [1]} and [p.name for p in tmp_path.iterdir()] == ["b.json"]
+    src = (ROOT / "benchmarks" / "tune_moe.py").read_text()
+    assert "replace_file(out, header" in src and "out.write_text(" not in src

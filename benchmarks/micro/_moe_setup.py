@@ -29,3 +29,14 @@ def start(doc: str, tool: str):
         sys.exit(2)
     return ([(m, t, models[m]) for m, t in cases], FactorRegistry.load(None),
             torch.Generator(device="cuda").manual_seed(0))
+
+
+if __name__ == "__main__":   # run alone (`--help` printed nothing, exit 0): say what it is
+    import argparse as _argparse
+    _users = sorted(p.name for p in Path(__file__).parent.glob("*.py") if p.name != Path(__file__).name)
+    _argparse.ArgumentParser(prog="_moe_setup.py", description=(
+        "A library module, not a benchmark: the common start (model:T cases, the GPU check, a "
+        "registry, a seeded generator) of " + ", ".join(_users) + " in this folder; run one of "
+        "those (each answers --help).")).parse_args()
+    print("_moe_setup.py is a library module: run one of " + ", ".join(_users), file=sys.stderr)
+    sys.exit(2)

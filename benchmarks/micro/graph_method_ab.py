@@ -1,5 +1,5 @@
 """graph_us before fe1d21b (one call per input set, no warm-up) against graph_us since (16 calls,
-20 ms warm-up), same inputs, same process, 3 alternating rounds, ours and the gmm peer:
+20 ms warm-up), same inputs, same process, 3 alternating rounds, ours and the gmm peer.
 
     python3 benchmarks/micro/graph_method_ab.py qwen3-30b-a3b:1 [model:T ...]   (writes $OUT/graph_method_ab.json)
 
