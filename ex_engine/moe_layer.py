@@ -363,9 +363,7 @@ def available_bytes(xp) -> int | None:
             for line in f:
                 if line.startswith("MemAvailable:"):
                     return int(line.split()[1]) * 1024
-    except (OSError, ValueError, AttributeError, IndexError):
-        pass
-    except Exception:   # a CUDA runtime error from CuPy: no figure, not a failed run
+    except Exception:   # unreadable, malformed, or a CUDA runtime error from CuPy: no figure, no failure
         pass
     return None
 
@@ -418,13 +416,13 @@ def run_moe(model: str, tokens: int, dtype: str = "bfloat16", seed: int = 0, rep
     # what T adds, checked against what is free before anything is drawn (a T of millions on
     # the CPU grew past the host's memory while the weights were built: the kernel's OOM
     # killer ended the process without a word)
+    flops = 2.0 * tokens * shape.K * 3 * shape.H * shape.I
     need = token_bytes(shape, tokens) + (0 if layer is not None else size)
     free = available_bytes(xp)
     if free is not None and need > free:
         raise MemoryError(f"about {need / 1e9:.1f} GB needed at T={tokens} (weights and arrays), "
                           f"{free / 1e9:.1f} GB available on {'the GPU' if xp is not np else 'this host'}")
     if xp is np and tokens:
-        flops = 2.0 * tokens * shape.K * 3 * shape.H * shape.I
         step(f"  on the CPU: about {need / 1e9:.1f} GB, and about {2 * flops / 1e9:.0f} s at the "
              "~1 GFLOP/s of NumPy's fallback and reference")
     if layer is not None:
@@ -459,7 +457,6 @@ def run_moe(model: str, tokens: int, dtype: str = "bfloat16", seed: int = 0, rep
     t_router = time_call(xp, lambda: topk_softmax(logits, shape.K, shape.renormalize, registry=reg), reps)
     t_moe = time_call(xp, lambda: moe_fused_gemm(x, layer.w13, layer.w2, w, ids, registry=reg), reps)
     ok = ids_ok and w_err < 1e-5 and err < tol
-    flops = 2.0 * tokens * shape.K * 3 * shape.H * shape.I
     echo(f"  {'factor':<15} {'served by':<16} {'time (µs)':>11}  check")
     echo(f"  {'topk_softmax':<15} {paths['topk_softmax']:<16} {t_router:>11.1f}  ids "
          f"{'equal' if ids_ok else 'DIFFER'}, weights rel err {w_err:.1e} (tol 1e-5)")

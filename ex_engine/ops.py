@@ -74,18 +74,19 @@ def _empty(ref: TensorRef, shape, dtype: str, factor: str, name: str, reg: Facto
     non-native byte order or a structured dtype (the argument's own dtype, which dispatch would
     have refused by name: np.empty's TypeError named neither)."""
     like = ref.obj
-    if ref.kind != "torch" and dtype not in _NP_NAMES:   # (the names np.empty takes)
-        if reg is not None:
-            reg._count(factor, "errors")
-        raise DTypeError(factor, name, "dtype", expected, dtype)
     if ref.kind == "torch":
         import torch
         return like.new_empty(shape, dtype=getattr(torch, dtype))   # its device (host time: no kwargs)
+    problem = None
+    if dtype not in _NP_NAMES:   # (the names np.empty takes)
+        problem = DTypeError(factor, name, "dtype", expected, dtype)
+    elif ref.on_device and not _cupy_importable():
+        problem = no_cupy_error(factor, name, like)
+    if problem is not None:
+        if reg is not None:
+            reg._count(factor, "errors")
+        raise problem
     if ref.on_device:
-        if not _cupy_importable():
-            if reg is not None:
-                reg._count(factor, "errors")
-            raise no_cupy_error(factor, name, like)
         import cupy
         with cupy.cuda.Device(ref.device):
             if dtype == "bfloat16" and isinstance(like, Bits16):

@@ -383,9 +383,6 @@ def _out_of_memory(exc: BaseException) -> bool:
     return isinstance(exc, MemoryError) or any(c.__name__ == "OutOfMemoryError" for c in type(exc).__mro__)
 
 
-_bytes_text = _paths.bytes_text   # (1099511627776 -> '1.00 TiB')
-
-
 class WorkspaceAllocationError(FactorError, MemoryError):
     """A workspace_size inside 0..2**40 bytes that could not be allocated (host memory, or the
     GPU's): the message names the factor, the size asked and the dims it was asked for. A
@@ -394,7 +391,7 @@ class WorkspaceAllocationError(FactorError, MemoryError):
     def __init__(self, factor: str, need: int, dims, where: str, cause: BaseException):
         self.factor, self.need = factor, need
         super().__init__(f"{factor}: cannot allocate its workspace: workspace_size returned {need} bytes "
-                         f"({_bytes_text(need)}) for dims {_dims_text(dims)}; expected a size {where} can hold, "
+                         f"({_paths.bytes_text(need)}) for dims {_dims_text(dims)}; expected a size {where} can hold, "
                          f"got {type(cause).__name__}: {one_line(cause)}")
 
 
@@ -459,6 +456,13 @@ def _plugin_text(text: str, limit: int = PLUGIN_TEXT_LIMIT) -> str:
     sequence reaches a terminal), then cut to ``limit`` characters, the cut said:
     '... (N more characters)' (errors.cut_text)."""
     return errors.cut_text(text, limit)
+
+
+def _last_error_text(plugin: Plugin) -> str:
+    """The plugin's last_error() text ('' where it has no last_error): plugin-controlled text,
+    escaped and cut to length like its name and description."""
+    f = plugin.factor
+    return _plugin_text(_c_text(f.last_error())) if f.last_error != abi.ffi.NULL else ""
 
 
 def _caller_stacklevel() -> int:
@@ -1078,7 +1082,7 @@ class FactorRegistry:
             p.check("read", False, str(exc))
             return p
         except MemoryError:   # under the limit, but more than this process can hold
-            p.check("read", False, f"{_bytes_text(ident[2])} ({ident[2]} bytes): more than this process "
+            p.check("read", False, f"{_paths.bytes_text(ident[2])} ({ident[2]} bytes): more than this process "
                     "can hold in memory to check it (MemoryError)")
             return p
         p.sha256 = trust.sha256_hex(data)
@@ -1995,14 +1999,8 @@ class FactorRegistry:
                 return "kernel_fallback"
         if status == abi.EX_FALLBACK:
             return None
-        f = plugin.factor
-        detail = ""
-        if f.last_error != ffi.NULL:
-            text = f.last_error()
-            # plugin-controlled text: escaped and cut to length like its name and description
-            detail = _plugin_text(_c_text(text))
         self._count(plugin.name, "errors")
-        raise KernelError(plugin.name, status, abi.status_name(status), detail)
+        raise KernelError(plugin.name, status, abi.status_name(status), _last_error_text(plugin))
 
     def _dims_kept(self, plugin: Plugin, dims_c, before: bytes, path: str, status: int) -> None:
         """Raise KernelError (counted) if the C path ``path`` wrote to its const dims array
@@ -2014,8 +2012,7 @@ class FactorRegistry:
             return
         ffi.memmove(dims_c, before, len(before))
         self._count(plugin.name, "errors")
-        f = plugin.factor
-        text = _plugin_text(_c_text(f.last_error())) if f.last_error != ffi.NULL else ""
+        text = _last_error_text(plugin)
         raise KernelError(plugin.name, status, abi.status_name(status),
                           f"but its {path} wrote to the const dims array it was passed (restored; this "
                           "call's outputs are not to be trusted)" + (f"; its last_error: {text}" if text else ""))

@@ -311,8 +311,9 @@ def run_topk(cp, tab, plug, stream, quick):
                                         f"row {t}: got {got_ids[t][:8]} want {ref_ids[t][:8]} "
                                         f"(logits {l64[t][:6]})")
                                 continue
-                            if (np.isnan(got_w) != np.isnan(ref_w)).any():
-                                t = int(np.argwhere(np.isnan(got_w) != np.isnan(ref_w))[0][0])
+                            nan_differs = np.isnan(got_w) != np.isnan(ref_w)
+                            if nan_differs.any():
+                                t = int(np.argwhere(nan_differs)[0][0])
                                 tab.add(group, False, detail=f"{tag}: row {t}: NaN weights {np.isnan(got_w[t]).astype(int)} "
                                         f"where the reference's are {np.isnan(ref_w[t]).astype(int)} (logits {l64[t][:6]})")
                                 continue
