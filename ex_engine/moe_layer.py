@@ -21,6 +21,7 @@ from .arrays import Bits16, TensorRef, f32_to_bf16_bits
 from .errors import ArgumentError, DTypeError, FactorError, ShapeError, is_integer, one_line
 from .fallbacks import moe_fused_gemm_math, topk_softmax_math
 from .ops import moe_fused_gemm, resolve_registry, topk_softmax
+from .verify import ROW_SLACK, row_error
 
 
 @dataclass(frozen=True)
@@ -385,7 +386,10 @@ def run_moe(model: str, tokens: int, dtype: str = "bfloat16", seed: int = 0, rep
     empties the dict before building its own, so it holds one layer's weights at most. A reused
     layer draws the next activations from its generator, so T's activations differ from those
     of a call that builds the layer (the weights are the same). Returns a dict with the paths
-    that served, the errors and the times; 'ok' is False if a check failed. Raises FactorError
+    that served, the errors and the times; 'ok' is False if a check failed: the router's ids
+    differ from the fallback's, its weights are off by 1e-5 or more, the experts' output is off
+    the float64 reference by the dtype's tolerance or more (rel_err), or its worst token row by
+    more than verify.ROW_SLACK times it (worst_row_err, verify.row_error). Raises FactorError
     for an unknown model, another registry type, or an argument out of those ranges.
     """
     step = progress or (lambda line: None)
@@ -451,12 +455,14 @@ def run_moe(model: str, tokens: int, dtype: str = "bfloat16", seed: int = 0, rep
     # experts: float64 reference on the routing actually used
     step("  computing the float64 reference of the experts ...")
     ref = layer.reference(x, w, ids)
-    err = rel_error(xp, TensorRef.of(out).load_f32(), ref)
+    out64 = TensorRef.of(out).load_f32().astype(xp.float64)
+    err = rel_error(xp, out64, ref)
+    row_err, row = row_error(xp, out64, ref) if err < float("inf") else (float("inf"), -1)
     reps = repeat if reg.hardware.live else 1
     step(f"  timing each factor ({reps} call{'s' if reps > 1 else ''}) ...")
     t_router = time_call(xp, lambda: topk_softmax(logits, shape.K, shape.renormalize, registry=reg), reps)
     t_moe = time_call(xp, lambda: moe_fused_gemm(x, layer.w13, layer.w2, w, ids, registry=reg), reps)
-    ok = ids_ok and w_err < 1e-5 and err < tol
+    ok = ids_ok and w_err < 1e-5 and err < tol and row_err <= ROW_SLACK * tol
     echo(f"  {'factor':<15} {'served by':<16} {'time (µs)':>11}  check")
     echo(f"  {'topk_softmax':<15} {paths['topk_softmax']:<16} {t_router:>11.1f}  ids "
          f"{'equal' if ids_ok else 'DIFFER'}, weights rel err {w_err:.1e} (tol 1e-5)")
@@ -464,7 +470,10 @@ def run_moe(model: str, tokens: int, dtype: str = "bfloat16", seed: int = 0, rep
     rate = f"{rate:.1f} TFLOP/s" if rate >= 0.1 else f"{rate * 1e3:.2f} GFLOP/s"
     echo(f"  {'moe_fused_gemm':<15} {paths['moe_fused_gemm']:<16} {t_moe:>11.1f}  rel err vs float64 "
          f"{err:.2e} (tol {tol:g}); {rate} (eager, host-timed)")
+    if not row_err <= ROW_SLACK * tol:
+        echo(f"  {'':<15} {'':<16} {'':>11}  token row {row} off by {row_err:.2e} of the rows' RMS "
+             f"norm (at most {ROW_SLACK:g} x tol)")
     echo("  PASS" if ok else "  FAIL")
     return {"model": model, "tokens": tokens, "dtype": dtype, "paths": paths, "ids_equal": ids_ok,
-            "router_weight_err": w_err, "rel_err": err, "tolerance": tol,
+            "router_weight_err": w_err, "rel_err": err, "worst_row_err": row_err, "tolerance": tol,
             "time_us": {"topk_softmax": t_router, "moe_fused_gemm": t_moe}, "ok": ok}

@@ -115,12 +115,28 @@ def _np_dtype(dtype: str):
     return dtype
 
 
-def _refuse_grad_leaf(fn: str, written: dict) -> None:
-    """Raise ArgumentError naming the first of ``written`` (torch tensors that require grad,
-    written in place by ``fn``) that is a leaf, or a view of one (x = leaf[:, :H], a row-strided
-    view this op takes), while grad mode is on: torch refuses in-place ops on both, and ``fn``
-    records no autograd graph, so the leaf (a Parameter, say) would change behind autograd."""
-    if not sys.modules["torch"].is_grad_enabled():
+def _torch_write_suspect(a) -> bool:
+    """Whether ``a`` is a torch tensor that _refuse_torch_writes must look at (it requires grad,
+    or is an inference tensor): two attribute reads, on the hot path of every call."""
+    return (_KINDS.get(type(a)) or _kind_of(a)) == "torch" and (a.requires_grad or a.is_inference())
+
+
+def _refuse_torch_writes(fn: str, written: dict) -> None:
+    """Raise ArgumentError naming the first of ``written`` (torch tensors written in place by
+    ``fn``) that torch's own in-place ops refuse:
+    - an inference tensor (made under torch.inference_mode()) outside inference mode: torch
+      raises 'Inplace update to inference tensor outside InferenceMode';
+    - while grad mode is on, a leaf that requires grad or a view of one (x = leaf[:, :H], a
+      row-strided view this op takes): ``fn`` records no autograd graph, so the leaf (a
+      Parameter, say) would change behind autograd."""
+    torch = sys.modules["torch"]
+    for name, a in written.items():
+        if a.is_inference() and not torch.is_inference_mode_enabled():
+            raise ArgumentError(fn, name, "inference mode", "a tensor it may write in place (an "
+                                "inference tensor only inside torch.inference_mode(), as torch's "
+                                "in-place ops require; else pass a clone)",
+                                "an inference tensor outside inference mode")
+    if not torch.is_grad_enabled():
         return
     for name, a in written.items():
         if not getattr(a, "requires_grad", False):
@@ -158,8 +174,9 @@ def topk_softmax(router_logits, top_k: int, renormalize: bool = False, *, topk_w
     output), LayoutError (also: an output sharing memory with router_logits or with the other
     output, or marked read-only; a sparse, mkldnn or nested torch tensor), DeviceError, KernelError,
     ArgumentError (an output given that is a torch leaf requiring grad, or a view of one, under
-    grad mode). Each names topk_softmax and the argument. A torch output given is written in
-    place: its version counter is bumped, as torch's in-place ops do.
+    grad mode; or an inference tensor outside torch.inference_mode()). Each names topk_softmax
+    and the argument. A torch output given is written in place: its version counter is bumped,
+    as torch's in-place ops do.
     """
     reg = resolve_registry(registry)
     with _counted_refusal(reg, "topk_softmax"):
@@ -174,14 +191,18 @@ def topk_softmax(router_logits, top_k: int, renormalize: bool = False, *, topk_w
         # outputs given: described once here, checked against top_k, and handed to dispatch as refs
         given = {name: TensorRef.of(arr, name, "topk_softmax")
                  for name, arr in (("topk_weights", topk_weights), ("topk_ids", topk_ids)) if arr is not None}
-        grad = {name: r.obj for name, r in given.items() if r.kind == "torch" and r.obj.requires_grad}
-        if grad:
-            _refuse_grad_leaf("topk_softmax", grad)
+        suspects = {name: r.obj for name, r in given.items() if r.kind == "torch"
+                    and (r.obj.requires_grad or r.obj.is_inference())}
+        if suspects:
+            _refuse_torch_writes("topk_softmax", suspects)
         for name, r in given.items():
             if len(r.shape) == 2 and r.shape[1] != top_k:
                 raise ShapeError("topk_softmax", name, "shape[1] = K", f"top_k = {top_k} columns",
                                  f"{r.shape[1]} (its shape {tuple(r.shape)})")
         ref = TensorRef.of(router_logits, "router_logits", "topk_softmax")
+        if len(ref.shape) == 2 and ref.shape[1] == 0:
+            raise ShapeError("topk_softmax", "router_logits", "shape[1] = E", "E >= 1 experts",
+                             f"0 (its shape {tuple(ref.shape)})")
         if len(ref.shape) == 2 and top_k > ref.shape[1]:
             raise ShapeError("topk_softmax", "top_k", "K <= E", f"at most E = {ref.shape[1]} (router_logits' "
                              f"width)", top_k)
@@ -235,14 +256,15 @@ def fused_add_rmsnorm(x, residual, weight, eps: float = 1e-6, *,
     LayoutError (also: x and residual, or either and weight, sharing memory; views of one wider
     buffer that share no byte are fine; x or residual marked read-only; a sparse, mkldnn or
     nested torch tensor), ArgumentError (eps not a finite number > 0 or not a normal float32;
-    x or residual a torch leaf that requires grad under grad mode), DeviceError, KernelError.
+    x or residual a torch leaf that requires grad under grad mode, or an inference tensor outside
+    torch.inference_mode()), DeviceError, KernelError.
     Each names fused_add_rmsnorm and the argument.
     """
     reg = resolve_registry(registry)
-    if ((_KINDS.get(type(x)) or _kind_of(x)) == "torch" and x.requires_grad
-            or (_KINDS.get(type(residual)) or _kind_of(residual)) == "torch" and residual.requires_grad):
+    if _torch_write_suspect(x) or _torch_write_suspect(residual):
         with _counted_refusal(reg, "fused_add_rmsnorm"):
-            _refuse_grad_leaf("fused_add_rmsnorm", {"x": x, "residual": residual})
+            _refuse_torch_writes("fused_add_rmsnorm", {name: a for name, a in (("x", x), ("residual", residual))
+                                                       if _torch_write_suspect(a)})
     reg.dispatch(
         "fused_add_rmsnorm", {"x": x, "residual": residual, "weight": weight}, {"eps": eps})
     return x, residual
@@ -282,14 +304,15 @@ def moe_fused_gemm(hidden_states, w13, w2, topk_weights, topk_ids, *, router_log
     Returns out. Raises DTypeError (also: an argument that is no array), ShapeError,
     LayoutError (also: out sharing memory with another argument, e.g. out=hidden_states, or
     marked read-only; a sparse, mkldnn or nested torch tensor), DeviceError, KernelError,
-    ArgumentError (out a torch leaf requiring grad, or a view of one, under grad mode); each names
+    ArgumentError (out a torch leaf requiring grad, or a view of one, under grad mode, or an
+    inference tensor outside torch.inference_mode()); each names
     moe_fused_gemm and the argument. A torch out given is written in place: its version counter is
     bumped, as torch's in-place ops do.
     """
     reg = resolve_registry(registry)
-    if out is not None and (_KINDS.get(type(out)) or _kind_of(out)) == "torch" and out.requires_grad:
+    if out is not None and _torch_write_suspect(out):
         with _counted_refusal(reg, "moe_fused_gemm"):
-            _refuse_grad_leaf("moe_fused_gemm", {"out": out})
+            _refuse_torch_writes("moe_fused_gemm", {"out": out})
     if out is None:
         if _KINDS.get(type(hidden_states)) == "torch":   # host time: no description needed
             out = hidden_states.new_empty(hidden_states.shape)

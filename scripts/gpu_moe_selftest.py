@@ -8,7 +8,8 @@ dims = {T, H, E, I, K, dtype}; aux = [router_logits (NULL), w13, w2, topk_weight
 
 For bf16 and fp16 and each case: random inputs, `out` poisoned with NaN (and guard rows around it,
 guard bytes after the workspace), the call chain kernel -> kernel_fallback as the runtime does it,
-compared against a float64 reference (act rounded to the dtype, as the contract says); then a second
+compared against a float64 reference (act rounded to the dtype, as the contract says; the whole
+output and its worst token row); then a second
 call must give bit-identical output, a CUDA-graph replay too; invalid ids must set status bit 0.
 Prints a PASS/FAIL table and timings (informative: median of 20, eager and graph replay).
 Exit status: 0 every check passed on at least one library; 1 a check failed, or nothing was
@@ -52,6 +53,7 @@ _scripts = runpy.run_path(os.path.join(ROOT, "ex_engine", "_scripts.py"))
 cupy_with_gpu = _scripts["cupy_with_gpu"]
 
 EX_DTYPE_FLOAT32, EX_DTYPE_FLOAT16, EX_DTYPE_BFLOAT16 = 0, 1, 2
+ROW_SLACK = 8.0   # the worst token row may be off by this many times the tolerance (ex_engine.verify's)
 EX_OK, EX_FALLBACK = 0, -1
 STATUS_NAMES = {0: "EX_OK", -1: "EX_FALLBACK", 1: "EX_ERR_INVALID_ARGUMENT", 2: "EX_ERR_UNSUPPORTED_DTYPE",
                 3: "EX_ERR_SHAPE", 4: "EX_ERR_ALIGNMENT", 5: "EX_ERR_WORKSPACE", 6: "EX_ERR_CUDA",
@@ -388,6 +390,12 @@ def run_case(fac, dt, case, stream, timing, rotate=1):
         res["rel"] = rel
         if not rel < dt.tol:
             fails.append(f"rel err {rel:.3e} >= {dt.tol:g}")
+        # one wrong token row of many (a lost slot) moves rel by ~1/sqrt(T) only: the worst row
+        # against the rows' RMS norm, as ex_engine.verify.row_error does
+        d = (o64 - ref).reshape(T, -1)
+        row = float(cp.sqrt((d * d).sum(axis=1)).max()) * T ** 0.5 / ref_norm if T > 1 and ref_norm > 0 else 0.0
+        if not row <= ROW_SLACK * dt.tol:
+            fails.append(f"token row off by {row:.3e} of the rows' RMS norm > {ROW_SLACK:g} x {dt.tol:g}")
         zero_rel = float(cp.linalg.norm(cp.zeros_like(ref) - ref)) / ref_norm if ref_norm > 0 else 0.0
         if not zero_rel >= dt.tol:                   # an all-zero output must fail this check
             fails.append(f"check cannot tell a zero output from a right one (zero rel {zero_rel:.2e})")

@@ -6,7 +6,8 @@ import pytest
 
 from ex_engine import (DeviceSideError, FactorRegistry, ShapeError, fused_add_rmsnorm,
                        moe_fused_gemm, topk_softmax)
-from tests.reference import NP_DTYPES, moe_ref, random_routing, rel_err, rmsnorm_ref, topk_softmax_ref
+from tests.reference import (NP_DTYPES, moe_ref, random_routing, rel_err, rmsnorm_ref,
+                             rmsnorm_storage_problems, topk_softmax_ref)
 
 
 @pytest.fixture(scope="module")
@@ -80,6 +81,7 @@ def test_fused_add_rmsnorm_matches_float64(reg, dtype, T, H):
     assert rel_err(x.astype(np.float64), X) < tol
     assert rel_err(res.astype(np.float64), R) < tol
     assert rel_err(np.zeros_like(X), X) > tol  # the tolerance can fail
+    assert rmsnorm_storage_problems(x.astype(np.float64), res.astype(np.float64), X, R, dtype) == []
 
 
 def test_fused_add_rmsnorm_on_row_views_leaves_padding(reg):

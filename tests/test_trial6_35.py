@@ -83,7 +83,7 @@ def test_fused_add_rmsnorm_rows_past_the_fp32_sum_of_squares(dtype, H):
     their values; a row holding an inf keeps IEEE's result (NaN at the inf, zeros elsewhere).
     (The Python fallback here; test_gpu.py runs the kernels on the same rows.)"""
     from ex_engine import fused_add_rmsnorm
-    from tests.reference import NP_DTYPES, rmsnorm_ref
+    from tests.reference import NP_DTYPES, rmsnorm_ref, rmsnorm_storage_problems
     reg = FactorRegistry(hardware=None)       # no plugins: the Python fallback
     rng = np.random.default_rng()
     npdt = NP_DTYPES[dtype]
@@ -99,6 +99,7 @@ def test_fused_add_rmsnorm_rows_past_the_fp32_sum_of_squares(dtype, H):
         got = y[t].astype(np.float64)
         assert np.isfinite(got).all() and np.linalg.norm(got - X[t]) / np.linalg.norm(X[t]) < tol, t
     assert np.linalg.norm(X[0]) > 1.0        # O(1) per element: zeros would fail above
+    assert rmsnorm_storage_problems(y.astype(np.float64), r.astype(np.float64), X, R, dtype) == []
     x[2, 5] = np.inf
     fused_add_rmsnorm(x, res, wt, 1e-6, registry=reg)
     assert np.isnan(x[2, 5]) and (x[2, np.arange(H) != 5] == 0).all()

@@ -1,0 +1,162 @@
+"""Session 36's trials (helpers, no GPU): a numerics adversary found checks that one wrong row of
+many passes, a residual compared by a tolerance where it must be exact, in-place writes to torch
+inference tensors outside inference mode, and verify.compare's inf and NaN handling. Each has
+a test here."""
+import math
+
+import numpy as np
+import pytest
+
+from ex_engine import FactorRegistry, fused_add_rmsnorm, moe_fused_gemm, topk_softmax
+from ex_engine.errors import ArgumentError, ShapeError
+from ex_engine.verify import ROW_SLACK, compare, row_error
+from tests.conftest import ROOT
+from tests.reference import NP_DTYPES, rel_err, rmsnorm_ref, rmsnorm_storage_problems
+
+
+@pytest.fixture(scope="module")
+def reg():
+    return FactorRegistry.load(ROOT / "factors")
+
+
+def _noisy(rng, T, H, rel=2e-3):
+    ref = rng.standard_normal((T, H))
+    return ref + rel * rng.standard_normal((T, H)), ref
+
+
+# ------------------------------------------------------------------ one wrong row of many
+def test_row_error_sees_one_zeroed_row_that_the_whole_arrays_error_averages_away():
+    rng = np.random.default_rng()
+    out, ref = _noisy(rng, 20000, 128)
+    assert row_error(np, out, ref)[0] < 0.02           # noise: every row like the whole
+    out[1234] = 0
+    whole = np.linalg.norm(out - ref) / np.linalg.norm(ref)
+    err, row = row_error(np, out, ref)
+    assert whole < 1e-2 and row == 1234 and err > 0.5, (whole, err, row)
+    assert row_error(np, out[:1], ref[:1]) == (0.0, -1)            # one row: nothing to add
+    assert row_error(np, np.ones((3, 2)), np.zeros((3, 2)))[0] == math.inf
+    assert row_error(np, np.zeros((3, 2)), np.zeros((3, 2))) == (0.0, -1)
+
+
+def test_verify_compare_fails_one_dropped_slot_among_thousands_of_tokens(reg):
+    """A kernel that loses one token's slot at T = 4096, K = 8 moved ||out - ref|| / ||ref|| by
+    5e-3, inside bfloat16's 1e-2: verify passed it. The worst row is compared too now."""
+    m = reg.manifest("moe_fused_gemm")
+    rng = np.random.default_rng()
+    T, H, K = 4096, 64, 8
+    slots = rng.standard_normal((T, K, H)) / K
+    want = slots.sum(1).astype(np.float32)
+    ok, err, detail = compare(m, {"out": want.copy()}, {"out": want}, "bfloat16")
+    assert ok and err == 0.0, detail
+    got = want.copy()
+    got[77] -= slots[77, 3].astype(np.float32)         # slot (77, 3) dropped
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-2
+    ok, err, detail = compare(m, {"out": got}, {"out": want}, "bfloat16")
+    assert not ok and "row 77 is off by" in detail and f"{ROW_SLACK:g} x tolerance" in detail, detail
+    assert err > 1e-2
+
+
+def test_verify_compare_takes_equal_infinities_and_names_nan_both_ways(reg):
+    m = reg.manifest("moe_fused_gemm")
+    a = np.array([[1, np.inf], [2, -np.inf]], np.float16)
+    assert compare(m, {"out": a}, {"out": a.copy()}, "float16") == (True, 0.0, "")   # was NaN: failed
+    got, want = np.array([[1, 2]], np.float16), np.array([[1, np.nan]], np.float16)
+    ok, _, detail = compare(m, {"out": got}, {"out": want}, "float16")
+    assert not ok and detail == "out: 1 numbers where the fallback has NaN"       # was '0 NaN where ...'
+    ok, _, detail = compare(m, {"out": want}, {"out": got}, "float16")
+    assert not ok and "1 NaN where the fallback has a number" in detail
+    ok, _, detail = compare(m, {"out": -a}, {"out": a}, "float16")
+    assert not ok and "2 infinities that differ" in detail
+
+
+def test_the_tests_relative_error_fails_a_zeroed_row_and_passes_noise():
+    """tests/reference.rel_err (every CPU and GPU test's check) is held to what it promises."""
+    rng = np.random.default_rng()
+    out, ref = _noisy(rng, 20000, 128)
+    assert rel_err(out, ref) < 1e-2
+    out[-1] = 0
+    assert rel_err(out, ref) > 1e-2
+
+
+def test_run_moe_fails_a_layer_whose_one_token_row_is_zero(tmp_path, monkeypatch):
+    from ex_engine import moe_layer
+    from tests.test_cli import _models_file
+    _models_file(tmp_path, monkeypatch, "models:\n  tiny: {H: 32, I: 16, E: 8, K: 2}\n")
+    real = moe_layer.MoELayer.forward
+
+    def one_row_lost(self, x, registry=None):
+        out, w, ids, logits = real(self, x, registry)
+        out[5] = 0
+        return out, w, ids, logits
+    lines = []
+    ok = moe_layer.run_moe("tiny", 20000, dtype="float16", repeat=1, echo=lines.append)
+    assert ok["ok"] and ok["worst_row_err"] < ROW_SLACK * ok["tolerance"] / 4, ok
+    monkeypatch.setattr(moe_layer.MoELayer, "forward", one_row_lost)
+    res = moe_layer.run_moe("tiny", 20000, dtype="float16", repeat=1, echo=lines.append)
+    assert res["rel_err"] < res["tolerance"] and not res["ok"], res
+    assert any("token row 5 off by" in line for line in lines) and lines[-1].strip() == "FAIL", lines
+
+
+# ------------------------------------------------------------------ fused_add_rmsnorm's stored values
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_rmsnorm_storage_check_catches_what_the_tolerance_passes(dtype):
+    """A truncating bf16 conversion of the residual read 3.4e-3 (bf16 tolerance 8e-3); a mean
+    over H + 1 read 1.7e-3. rmsnorm_storage_problems (residual bit for bit, x within an ulp)
+    fails both and passes the fallback's own results."""
+    rng = np.random.default_rng()
+    npdt = NP_DTYPES[dtype]
+    T, H = 64, 769
+    x = rng.standard_normal((T, H)).astype(npdt)
+    res = rng.standard_normal((T, H)).astype(npdt)
+    wt = (1 + 0.1 * rng.standard_normal(H)).astype(npdt)
+    X, R = rmsnorm_ref(x.astype(np.float64), res.astype(np.float64), wt, 1e-6, dtype)
+    y, r = x.copy(), res.copy()
+    fused_add_rmsnorm(y, r, wt, 1e-6, registry=FactorRegistry(hardware=None))
+    assert rmsnorm_storage_problems(y.astype(np.float64), r.astype(np.float64), X, R, dtype) == []
+    # truncation toward zero of the fp32 sum (drop the low mantissa bits)
+    s32 = (x.astype(np.float32) + res.astype(np.float32))
+    keep = 16 if dtype == "bfloat16" else 13
+    trunc = (s32.view(np.uint32) >> keep << keep).view(np.float32).astype(npdt).astype(np.float64)
+    assert (trunc != R).any()
+    assert any("residual" in p for p in rmsnorm_storage_problems(y.astype(np.float64), trunc, X, R, dtype))
+    wrong_mean = (X * math.sqrt(H / (H + 1))).astype(npdt).astype(np.float64)
+    assert any(p.startswith("x:") for p in rmsnorm_storage_problems(wrong_mean, R, X, R, dtype))
+
+
+# ------------------------------------------------------------------ torch inference tensors
+def test_in_place_writes_to_inference_tensors_outside_inference_mode_are_refused():
+    """torch refuses x.add_(1) on an inference tensor outside torch.inference_mode(); the ops
+    wrote it silently through their NumPy / device views. Now ArgumentError naming the
+    argument, counted as an error; inside inference mode they run as before."""
+    torch = pytest.importorskip("torch")
+    reg = FactorRegistry(hardware=None)
+    with torch.inference_mode():
+        x, r, w = torch.randn(3, 8), torch.randn(3, 8), torch.ones(8)
+        wts, ids = torch.empty(3, 2), torch.empty(3, 2, dtype=torch.int32)
+        out = torch.empty(3, 8, dtype=torch.float16)
+        fused_add_rmsnorm(x, r, w, registry=reg)
+        topk_softmax(torch.randn(3, 8), 2, topk_weights=wts, topk_ids=ids, registry=reg)
+    calls = [
+        ("fused_add_rmsnorm", "x", lambda: fused_add_rmsnorm(x, r.clone(), w, registry=reg)),
+        ("fused_add_rmsnorm", "residual", lambda: fused_add_rmsnorm(x.clone(), r, w, registry=reg)),
+        ("topk_softmax", "topk_weights", lambda: topk_softmax(torch.randn(3, 8), 2, topk_weights=wts, registry=reg)),
+        ("topk_softmax", "topk_ids", lambda: topk_softmax(torch.randn(3, 8), 2, topk_ids=ids, registry=reg)),
+        ("moe_fused_gemm", "out", lambda: moe_fused_gemm(
+            torch.randn(3, 8, dtype=torch.float16), torch.randn(2, 8, 8, dtype=torch.float16),
+            torch.randn(2, 8, 4, dtype=torch.float16), torch.ones(3, 1), torch.zeros(3, 1, dtype=torch.int32),
+            out=out, registry=reg)),
+    ]
+    for fn, name, call in calls:
+        before = reg.stats().get(fn, {}).get("errors", 0)
+        with pytest.raises(ArgumentError, match=f"{fn}: argument '{name}': inference mode: .*"
+                                                "got an inference tensor outside inference mode"):
+            call()
+        assert reg.stats()[fn]["errors"] == before + 1
+    with torch.inference_mode():            # inside: as before
+        fused_add_rmsnorm(x, r, w, registry=reg)
+
+
+def test_topk_softmax_names_router_logits_for_zero_experts():
+    with pytest.raises(ShapeError, match=r"topk_softmax: argument 'router_logits': shape\[1\] = E: "
+                                         r"expected E >= 1 experts, got 0 \(its shape \(3, 0\)\)"):
+        topk_softmax(np.zeros((3, 0), np.float32), 1, registry=FactorRegistry(hardware=None))
