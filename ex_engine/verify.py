@@ -871,9 +871,9 @@ def _cache_key(registry, plugin) -> str:
 
 # What a cached pass was checked with besides the library: bump VERIFY_RULES when verify's own
 # checks change (2: guard zones around written arrays, fallbacks that raise SystemExit; 3: every
-# output element written, by the plugin and by the fallback), so a pass under weaker checks is
-# not reused.
-VERIFY_RULES = 3
+# output element written, by the plugin and by the fallback; 4: the worst row of each float
+# output too, row_error), so a pass under weaker checks is not reused.
+VERIFY_RULES = 4
 
 
 def _manifest_digest(m) -> str:
