@@ -54,6 +54,7 @@ from ex_engine import FactorError, FactorRegistry, moe_fused_gemm, set_default_r
 from ex_engine.distributed import (ExpertParallelMoE, expert_owner, expert_partition,  # noqa: E402
                                    init_from_env, shutdown)
 from ex_engine.hardware import Hardware  # noqa: E402
+from ex_engine.verify import ROW_SLACK, row_error  # noqa: E402
 from ex_engine.moe_layer import load_models_or_exit, output_file_problem, report_problems  # noqa: E402
 
 MODELS = load_models_or_exit("ep_moe")
@@ -173,14 +174,19 @@ def reference_f64(x, w13, w2, w, ids):
 
 
 def rel_err(out, ref) -> float:
-    """||out - ref|| / ||ref|| in float64; inf if out has a NaN or ref is zero; 0 when empty."""
+    """The larger of ||out - ref|| / ||ref|| and the worst token row's error over ROW_SLACK
+    (ex_engine.verify.row_error: one token that lost a rank's slots fails too), in float64; inf
+    if out has a NaN or ref is zero; 0 when empty."""
     o = out.double()
     if o.numel() == 0:
         return 0.0
     if bool(torch.isnan(o).any()):
         return math.inf
-    den = float(ref.double().norm())
-    return float((o - ref.double()).norm()) / den if den > 0 else math.inf
+    r = ref.double()
+    den = float(r.norm())
+    if not den > 0:
+        return math.inf
+    return max(float((o - r).norm()) / den, row_error(torch, o, r)[0] / ROW_SLACK)
 
 
 # ---------------------------------------------------------------------------------------------
