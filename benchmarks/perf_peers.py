@@ -42,7 +42,7 @@ def main(argv=None) -> int:
         print(text, flush=True)
     except BrokenPipeError:     # `perf_peers.py | head`: the reader left early
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 1
+        return 141              # as ex_engine._scripts.READER_LEFT_STATUS (this tool imports nothing of it)
     return 0
 
 

@@ -106,16 +106,22 @@ def cupy_with_gpu():
     return cupy, ""
 
 
+# The exit status after the reader of stdout left early: 128 + SIGPIPE, what a shell reports for a
+# writer that SIGPIPE ends (it was 1, which `list-factors` also returns for "no plugin is ready":
+# `set -o pipefail; ex-engine list-factors --json | head -1` read as that)
+READER_LEFT_STATUS = 141
+
+
 def _reader_left() -> int:
     """After a BrokenPipeError on stdout (`... | head`: the reader left early): stdout goes to
-    /dev/null, so that Python's flush at exit raises nothing more; returns the exit status 1."""
+    /dev/null, so that Python's flush at exit raises nothing more; returns READER_LEFT_STATUS."""
     os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-    return 1
+    return READER_LEFT_STATUS
 
 
 def exit_quietly_on_broken_pipe(script_main, *args) -> None:
     """``sys.exit(script_main(*args))`` for the scripts in benchmarks/ and scripts/: a reader
-    that leaves early (`bench_moe.py | head`) ends the script with status 1, not a
+    that leaves early (`bench_moe.py | head`) ends the script with READER_LEFT_STATUS (141), not a
     BrokenPipeError traceback, as ex-engine's own commands do. Never returns."""
     try:
         code = script_main(*args)

@@ -1,8 +1,10 @@
 """The ``ex-engine`` command line: list-factors, hardware, run moe, verify, lock, build.
 
 Every command has --help. Exit status: 0 success, 1 a check failed (`list-factors`: no plugin
-is ready), 2 bad usage or error (an output that cannot be written, such as a full disk, among
-them), 3 `verify --strict` skipped a factor or its plugin declined every case.
+is ready), 2 bad usage or error (an output that cannot be written, such as a full disk or a
+closed stdout, among them), 3 `verify --strict` skipped a factor or its plugin declined every
+case, 130 interrupted (Ctrl-C), 141 the reader of stdout left early (`ex-engine list-factors |
+head -1`: the status of a writer that SIGPIPE ends), 143 terminated (SIGTERM).
 """
 from __future__ import annotations
 
@@ -778,7 +780,12 @@ def _os_error(exc: OSError) -> str:
 
 
 def main(argv=None) -> int:
-    if sys.stdout is None:   # no stdout at all (a daemon's): print() writes nothing
+    if argv is None and sys.stderr is None:
+        # the command started with stderr closed (2>&-): Python sets sys.stderr to None, so
+        # faulthandler.enable() raised RuntimeError (exit 1, nothing printed) and print(...,
+        # file=sys.stderr) would write to stdout; its lines go to /dev/null instead
+        sys.stderr = open(os.devnull, "w")
+    if sys.stdout is None:   # no stdout at all (>&-, a daemon's): print() writes nothing
         return _main(argv, None)
     out = sys.stdout = _Output(sys.stdout)
     try:
@@ -809,6 +816,11 @@ def _main(argv, out) -> int:
                     return _output_lost(out.lost, command)
             raise
         args.command_process = command
+        if out is None and command and args.fn in (cmd_list_factors, cmd_hardware):
+            # their output is what they are for (list-factors > /dev/full was status 2 already)
+            print("ex-engine: error: cannot write the output: standard output is closed",
+                  file=sys.stderr)
+            return 2
         if args.command_process and not faulthandler.is_enabled():
             # a library that crashes in this process (run moe, or --no-probe) prints a traceback of
             # where, not only the shell's "Segmentation fault"

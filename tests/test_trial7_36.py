@@ -160,3 +160,33 @@ def test_topk_softmax_names_router_logits_for_zero_experts():
     with pytest.raises(ShapeError, match=r"topk_softmax: argument 'router_logits': shape\[1\] = E: "
                                          r"expected E >= 1 experts, got 0 \(its shape \(3, 0\)\)"):
         topk_softmax(np.zeros((3, 0), np.float32), 1, registry=FactorRegistry(hardware=None))
+
+
+# ------------------------------------------------------------------ a new user's trial of the CLI
+def test_the_command_with_stderr_closed_still_prints_its_table():
+    """`ex-engine hardware --profile h200 2>&-` exited 1 with nothing printed: faulthandler.enable()
+    raised on sys.stderr None."""
+    import os
+    import subprocess
+    import sys
+    from tests.conftest import child_env
+    r = subprocess.run([sys.executable, "-m", "ex_engine", "hardware", "--profile", "h200"], env=child_env(),
+                       capture_output=True, text=True, timeout=300, preexec_fn=lambda: os.close(2))
+    assert r.returncode == 0 and "NVIDIA H200" in r.stdout, (r.returncode, r.stdout)
+
+
+def test_list_factors_with_stdout_closed_is_an_error_and_a_reader_that_left_is_141(tmp_path):
+    """`list-factors >&-` exited 0 with its table lost; `list-factors | head -1` exited 1, the
+    status that means 'no plugin is ready'."""
+    import os
+    import subprocess
+    import sys
+    from tests.conftest import child_env
+    argv = [sys.executable, "-m", "ex_engine", "list-factors", "--dir", str(ROOT / "factors"), "--no-probe"]
+    r = subprocess.run(argv, env=child_env(), capture_output=True, text=True, timeout=300,
+                       preexec_fn=lambda: os.close(1))
+    assert r.returncode == 2 and "cannot write the output: standard output is closed" in r.stderr, r.stderr
+    p = subprocess.Popen(argv, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    p.stdout.close()
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=300) == 141 and "Traceback" not in err, err
