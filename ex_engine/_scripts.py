@@ -119,15 +119,38 @@ def _reader_left() -> int:
     return READER_LEFT_STATUS
 
 
+def _out_of_memory(exc: BaseException) -> bool:
+    """Whether ``exc`` is an allocation that failed: MemoryError (NumPy; CuPy's OutOfMemoryError
+    is one), torch's OutOfMemoryError (CUDA), or the RuntimeError of torch's CPU allocator."""
+    if isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError":
+        return True
+    return isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc)
+
+
 def exit_quietly_on_broken_pipe(script_main, *args) -> None:
-    """``sys.exit(script_main(*args))`` for the scripts in benchmarks/ and scripts/: a reader
-    that leaves early (`bench_moe.py | head`) ends the script with READER_LEFT_STATUS (141), not a
-    BrokenPipeError traceback, as ex-engine's own commands do. Never returns."""
+    """``sys.exit(script_main(*args))`` for the scripts in benchmarks/, scripts/ and examples/,
+    ending as ex-engine's own commands do, with one line on stderr instead of a traceback:
+    - a reader that leaves early (`bench_moe.py | head`): READER_LEFT_STATUS (141), no line;
+    - Ctrl-C: '<script>: interrupted', status 130;
+    - an allocation that fails (sizes asked for that do not fit: `--tokens 1000000000000`):
+      '<script>: out of memory: <the allocator's words>', status 2.
+    Never returns."""
+    tool = Path(sys.argv[0]).name if sys.argv and sys.argv[0] else "script"
     try:
         code = script_main(*args)
         sys.stdout.flush()
     except BrokenPipeError:
         code = _reader_left()
+    except KeyboardInterrupt:
+        print(f"{tool}: interrupted", file=sys.stderr)
+        code = 130
+    except (MemoryError, RuntimeError) as exc:
+        if not _out_of_memory(exc):
+            raise
+        words = " ".join(str(exc).split())[:300] or type(exc).__name__
+        print(f"{tool}: out of memory: {words} (the sizes asked for do not fit: ask for fewer "
+              "tokens or a smaller shape)", file=sys.stderr)
+        code = 2
     sys.exit(code)
 
 

@@ -55,6 +55,7 @@ from ex_engine.distributed import (ExpertParallelMoE, expert_owner, expert_parti
                                    init_from_env, shutdown)
 from ex_engine.hardware import Hardware  # noqa: E402
 from ex_engine.verify import ROW_SLACK, row_error  # noqa: E402
+from ex_engine._scripts import exit_quietly_on_broken_pipe  # noqa: E402
 from ex_engine.moe_layer import load_models_or_exit, output_file_problem, report_problems  # noqa: E402
 
 MODELS = load_models_or_exit("ep_moe")
@@ -521,4 +522,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_quietly_on_broken_pipe(main)   # Ctrl-C, out of memory, `| head`: one line, no traceback

@@ -37,7 +37,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from ex_engine._scripts import HelpFormatter  # noqa: E402
+from ex_engine._scripts import HelpFormatter, exit_quietly_on_broken_pipe  # noqa: E402
 from ex_engine.moe_layer import output_file_problem, report_problems  # noqa: E402
 
 try:  # --help works without PyTorch; a run needs it (and transformers)
@@ -369,4 +369,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_quietly_on_broken_pipe(main)   # Ctrl-C, out of memory, `| head`: one line, no traceback

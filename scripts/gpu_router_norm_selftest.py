@@ -131,9 +131,12 @@ STORAGE = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}
 
 
 def to_storage(a32, dtype):
+    """float32 values stored as ``dtype`` (bf16 as its bits); values past float16's range become
+    inf, as a cast does (callers draw such rows on purpose: no overflow warning)."""
     if dtype == "bfloat16":
         return f32_to_bf16_bits(a32)
-    return np.asarray(a32, dtype=np.float32).astype(STORAGE[dtype])
+    with np.errstate(over="ignore"):
+        return np.asarray(a32, dtype=np.float32).astype(STORAGE[dtype])
 
 
 def to_f32(s, dtype):

@@ -190,3 +190,27 @@ def test_list_factors_with_stdout_closed_is_an_error_and_a_reader_that_left_is_1
     p.stdout.close()
     err = p.stderr.read().decode()
     assert p.wait(timeout=300) == 141 and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("exc,status,line", [
+    (KeyboardInterrupt(), 130, "tool.py: interrupted"),
+    (MemoryError("Unable to allocate 1.2 TiB"), 2, "tool.py: out of memory: Unable to allocate 1.2 TiB"),
+    (RuntimeError("[enforce fail] DefaultCPUAllocator: can't allocate memory: you tried to allocate 8e11 bytes"),
+     2, "tool.py: out of memory: [enforce fail] DefaultCPUAllocator: can't allocate memory"),
+])
+def test_scripts_end_with_one_line_on_ctrl_c_and_on_memory_they_cannot_get(exc, status, line, monkeypatch, capsys):
+    """The examples printed a KeyboardInterrupt traceback on Ctrl-C and torch's allocator
+    traceback for `--tokens 99999999999`; they end through exit_quietly_on_broken_pipe now."""
+    import sys
+    from ex_engine._scripts import exit_quietly_on_broken_pipe
+    monkeypatch.setattr(sys, "argv", ["/somewhere/tool.py"])
+
+    def main():
+        raise exc
+    with pytest.raises(SystemExit) as ended:
+        exit_quietly_on_broken_pipe(main)
+    assert ended.value.code == status and capsys.readouterr().err.startswith(line)
+    with pytest.raises(RuntimeError, match="another error"):     # not memory: left as it is
+        exit_quietly_on_broken_pipe(lambda: (_ for _ in ()).throw(RuntimeError("another error")))
+    for script in ("examples/ep_moe.py", "examples/hf_moe_generate.py", "benchmarks/topk_variants/model.py"):
+        assert "exit_quietly_on_broken_pipe(main)" in (ROOT / script).read_text(), script

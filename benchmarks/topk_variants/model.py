@@ -217,4 +217,6 @@ def main():
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    from ex_engine._scripts import exit_quietly_on_broken_pipe
+    exit_quietly_on_broken_pipe(main)   # Ctrl-C, out of memory, `| head`: one line, no traceback
