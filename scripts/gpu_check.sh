@@ -28,8 +28,6 @@ if [ "${1:-}" = "-h" ] || [ "${1:-}" = "--help" ]; then
   sed -n '2,/^set -u/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'
   exit 0
 fi
-OUT=${OUT:-$PWD/gpu_out}
-mkdir -p "$OUT"
 stages=${*:-setup build list tests selftest run bench bench_rn}
 has() { [[ " $stages " == *" $1 "* ]]; }
 for s in $stages; do
@@ -38,6 +36,14 @@ for s in $stages; do
     *) echo "gpu_check.sh: unknown stage '$s'; expected some of: setup build list tests selftest run bench bench_rn host tune ep" >&2; exit 2 ;;
   esac
 done
+OUT=${OUT:-$PWD/gpu_out}
+# a log folder that cannot be made or written stops here, before any stage spends device time
+# whose logs and JSON would be lost (OUT=/proc/x ran every stage, tee failing on each)
+if ! mkdir -p "$OUT" 2>/dev/null || ! [ -w "$OUT" ] || ! : > "$OUT/.gpu_check_write_test" 2>/dev/null; then
+  echo "gpu_check.sh: OUT: cannot write the log folder '$OUT'; expected a writable folder (set OUT)" >&2
+  exit 2
+fi
+rm -f "$OUT/.gpu_check_write_test"
 status=0
 step() { echo; echo "=== $* ($(date +%T))"; }
 

@@ -214,3 +214,19 @@ def test_scripts_end_with_one_line_on_ctrl_c_and_on_memory_they_cannot_get(exc, 
         exit_quietly_on_broken_pipe(lambda: (_ for _ in ()).throw(RuntimeError("another error")))
     for script in ("examples/ep_moe.py", "examples/hf_moe_generate.py", "benchmarks/topk_variants/model.py"):
         assert "exit_quietly_on_broken_pipe(main)" in (ROOT / script).read_text(), script
+
+
+def test_gpu_check_stops_before_any_stage_when_its_log_folder_cannot_be_written(tmp_path):
+    """OUT=/proc/x ran every stage (device time) with tee failing on each: the logs lost."""
+    import os
+    import subprocess
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o500)
+    for out in ("/proc/ex_engine_gpu_check", str(ro / "sub"), str(ro)):
+        if out != "/proc/ex_engine_gpu_check" and os.access(ro, os.W_OK):   # root writes anywhere
+            continue
+        r = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), "list"], capture_output=True,
+                           text=True, timeout=60, env={**os.environ, "OUT": out})
+        assert r.returncode == 2 and f"cannot write the log folder '{out}'" in r.stderr, (out, r.stderr)
+        assert "===" not in r.stdout, r.stdout                     # no stage began
