@@ -478,8 +478,10 @@ def cmd_lock(args) -> int:
     print(f"wrote {'the lock to stdout' if to_stdout else _printable(str(path))} ({len(digests)} "
           f"librar{'y' if len(digests) == 1 else 'ies'}; JSON {{file name: sha256}})", file=say)
     for name, why in _left_out_of_lock(args.dir, digests):   # (it left them out without a word)
-        print(f"note: {_printable(name)} left out: {_printable(why)}; a lock lists regular files "
-              "only (the registry refuses anything else)", file=say)
+        rule = ("a lock lists libraries up to that size only" if why.endswith("for a library") else
+                "a lock lists regular files only")
+        print(f"note: {_printable(name)} left out: {_printable(why)}; {rule} (the registry refuses "
+              "anything else)", file=say)
     if not digests:
         print(f"note: no *.so in {_printable(str(args.dir))}: every library will be refused under "
               "this lock", file=say)

@@ -310,7 +310,11 @@ def profiles_problem() -> str:
     if hint:
         return hint
     env = os.environ.get("EX_ENGINE_MANIFESTS")
-    via = f" (EX_ENGINE_MANIFESTS={env}{_paths.separator_hint(env)})" if env else ""
+    folders = _paths.search_path(env) if env else []
+    missing = [str(d) for d in folders if not _paths.is_dir(d)]
+    gone = (f"; of its folders, {', '.join(missing)} {'does' if len(missing) == 1 else 'do'} not exist"
+            if missing and len(folders) > 1 and not _paths.separator_hint(env) else "")
+    via = f" (EX_ENGINE_MANIFESTS={env}{_paths.separator_hint(env)}{gone})" if env else ""
     problem = _paths.folder_problem(folder)
     if problem:
         return f"the profiles folder {folder} {problem}{via}"

@@ -427,8 +427,8 @@ def run_moe(model: str, tokens: int, dtype: str = "bfloat16", seed: int = 0, rep
         raise MemoryError(f"about {need / 1e9:.1f} GB needed at T={tokens} (weights and arrays), "
                           f"{free / 1e9:.1f} GB available on {'the GPU' if xp is not np else 'this host'}")
     if xp is np and tokens:
-        step(f"  on the CPU: about {need / 1e9:.1f} GB, and about {2 * flops / 1e9:.0f} s at the "
-             "~1 GFLOP/s of NumPy's fallback and reference")
+        step(f"  on the CPU: about {need / 1e9:.1f} GB, and about {2 * flops / 1e9:.0f}-{6 * flops / 1e9:.0f} s "
+             "(~1 GFLOP/s of NumPy's fallback and reference; a busy CPU takes longer)")
     if layer is not None:
         step(f"  reusing the layer's weights ({size / 1e9:.2f} GB), built for an earlier T")
     else:

@@ -1325,9 +1325,14 @@ class FactorRegistry:
                             f"{q.priority}); rule: {self._win_rule(win, q, pref)}")
         for name, want in self.prefer.items():
             win = self._chosen.get(name)
-            if win is None or not self._preferred(win):
+            known = set(self.manifests) | {p.name for p in self.plugins if isinstance(p.name, str)}
+            if win is None and name not in known:   # a misspelt name, say
+                self.notes.append(f"prefer: {name} -> {want}: no factor named {name!r} (known: "
+                                  f"{', '.join(sorted(known)) or 'none'})")
+            elif win is None or not self._preferred(win):
                 self.notes.append(f"prefer: {name} -> {want}: no ready plugin of that name from that file; "
-                                  + (f"chose {win.path.name} by version/priority" if win else "none is ready"))
+                                  + (f"chose {win.path.name} by version/priority" if win else
+                                     f"no plugin of {name!r} is ready"))
         ids = defaultdict(list)
         for p in self._chosen.values():
             ids[p.factor_id].append(p)

@@ -73,7 +73,9 @@ def write_lock(folder, output=None) -> tuple:
     folder = Path(folder)
     if not folder.is_dir():
         hint = _paths.not_a_checkout() if folder == _paths.factors_dir() else ""
-        raise FactorError(f"lock: '{folder}' is not a directory" + (f"; {hint}" if hint else ""))
+        raise FactorError(f"lock: factor folder '{folder}': "
+                          + ("not a directory" if folder.exists() else "does not exist")
+                          + (f" ({hint})" if hint else ""))
     if output is not None and not hasattr(output, "write") and not str(output):
         raise FactorError("lock: --output: expected a file name, got '' (leave it out for "
                           f"<folder>/{LOCK_NAME})")

@@ -230,3 +230,42 @@ def test_gpu_check_stops_before_any_stage_when_its_log_folder_cannot_be_written(
                            text=True, timeout=60, env={**os.environ, "OUT": out})
         assert r.returncode == 2 and f"cannot write the log folder '{out}'" in r.stderr, (out, r.stderr)
         assert "===" not in r.stdout, r.stdout                     # no stage began
+
+
+def test_small_cli_messages_of_the_new_users_trial(tmp_path, monkeypatch, capsys):
+    """--prefer with a misspelt factor said 'none is ready'; lock --dir of nothing said 'is not a
+    directory' where the other commands say 'does not exist'; a lock note for an over-size
+    regular file said 'a lock lists regular files only'; a missing folder on a search path of
+    several was not named when the profiles could not be found."""
+    import os
+    from ex_engine import cli
+    from ex_engine.errors import FactorError
+    from ex_engine.hardware import profiles_problem
+    reg = FactorRegistry.load(ROOT / "factors", hardware="h200", probe=None,
+                              prefer={"nosuch": "topk_softmax.so"})
+    assert any("prefer: nosuch -> topk_softmax.so: no factor named 'nosuch' (known: fused_add_rmsnorm, "
+               "moe_fused_gemm, topk_softmax)" in n for n in reg.notes), reg.notes
+    assert cli.main(["lock", "--dir", str(tmp_path / "nothing")]) == 2
+    assert "lock: factor folder '" + str(tmp_path / "nothing") + "': does not exist" in capsys.readouterr().err
+    big = tmp_path / "lib"
+    big.mkdir()
+    with open(big / "huge.so", "wb") as f:            # sparse: no disk used
+        f.truncate(3 * 2**30)
+    assert cli.main(["lock", "--dir", str(big)]) == 0
+    out = capsys.readouterr().out
+    assert ("note: huge.so left out: 3.00 GiB, over the limit of 2.00 GiB for a library; a lock lists "
+            "libraries up to that size only") in out, out
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    monkeypatch.setenv("EX_ENGINE_MANIFESTS", f"{mine}{os.pathsep}{tmp_path / 'gone'}")
+    assert f"of its folders, {tmp_path / 'gone'} does not exist" in profiles_problem()
+    with pytest.raises(FactorError):
+        FactorRegistry.load(ROOT / "factors", hardware="h200", probe=None)
+
+
+def test_dram_rows_probe_checks_its_json_path_before_asking_for_a_gpu():
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "dram_rows_probe.py"), "--json", "/nonexist/x"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stderr.strip() == "dram_rows_probe.py: --json: folder /nonexist does not exist"
