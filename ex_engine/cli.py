@@ -577,7 +577,12 @@ def build_parser() -> argparse.ArgumentParser:
     # --version on a usage line of its own, as it takes no command (in the first one it read as
     # an option of every command)
     ap = argparse.ArgumentParser(prog="ex-engine", description="Load, check and run ex_engine factor plugins.",
-                                 usage="%(prog)s [-h] COMMAND ...\n       %(prog)s --version")
+                                 usage="%(prog)s [-h] COMMAND ...\n       %(prog)s --version",
+                                 epilog="Exit status: 0 success; 1 a check failed (list-factors: no plugin is "
+                                        "ready); 2 bad usage or an error (an output that cannot be written "
+                                        "among them); 3 verify --strict skipped a factor or its plugin "
+                                        "declined every case; 130 Ctrl-C; 141 the reader of stdout left "
+                                        "early (| head); 143 SIGTERM.")
     ap.add_argument("--version", action="version", version=_version(),
                     help="print the package version and the plugin ABI version it loads, and exit")
     sub = ap.add_subparsers(dest="command", metavar="COMMAND", prog="ex-engine")   # (not the usage)
