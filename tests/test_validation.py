@@ -587,10 +587,14 @@ def test_rmsnorm_refuses_a_torch_leaf_that_requires_grad_under_grad_mode(reg, mo
     import types
     from ex_engine import fused_add_rmsnorm
     grad = {"on": True}
-    monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(is_grad_enabled=lambda: grad["on"]))
+    monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(is_grad_enabled=lambda: grad["on"],
+                                                                    is_inference_mode_enabled=lambda: False))
 
     class Leaf:
         requires_grad, is_leaf = True, True
+
+        def is_inference(self):   # (a normal tensor's answer: the inference-tensor check passes)
+            return False
     Leaf.__module__ = "torch"
     w = np.ones(8, np.float32)
     for name, args in (("x", (Leaf(), np.zeros((2, 8), np.float32))),
