@@ -258,8 +258,9 @@ ROW_SLACK = 8.0
 def row_error(xp, got, want) -> tuple:
     """(err, row): the worst row's error, max_t ||got[t] - want[t]|| / (||want|| / sqrt(R)),
     over the R rows of two float64 arrays of one shape (axis 0 = rows, the other axes of a row
-    flattened), and that row's index; (0.0, -1) where there are fewer than two rows, and
-    (inf, -1) where want is all zero but got is not. The denominator is the rows' RMS norm, not
+    flattened), and that row's index; (0.0, -1) where there are fewer than two rows or both are
+    all zero, and (inf, that row) where want is all zero but got is not. The denominator is the
+    rows' RMS norm, not
     the row's own, so a row that is legitimately near zero does not blow the figure up.
 
     Why: ||got - want|| / ||want|| over a (T, H) output averages one wrong row away: a zeroed
