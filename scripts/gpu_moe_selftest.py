@@ -230,7 +230,7 @@ CASES = [
     ("qwen3-30b prefill", 4096, 2048, 128, 768, 8, "kernel", None),
     ("few experts (split)", 2, 1024, 8, 2048, 2, "kernel", None),
     ("odd H, I", 130, 111, 40, 67, 8, "fallback", None),
-    ("all on expert 5", 256, 1024, 64, 512, 8, "kernel", "hot5"),
+    ("every token on expert 5", 256, 1024, 64, 512, 8, "kernel", "hot5"),
     ("invalid ids", 16, 256, 40, 96, 4, "kernel", "badids"),
     ("invalid ids, odd", 13, 111, 40, 67, 4, "fallback", "badids"),
     # prefill shapes for the Hopper plugin's CUTLASS path (T*K/E >= 64)
@@ -239,9 +239,12 @@ CASES = [
     ("skewed, empty experts", 2048, 1024, 64, 512, 8, "kernel", "skew"),
     ("invalid ids, prefill", 512, 256, 16, 128, 4, "kernel", "badids"),
     ("all ids invalid", 256, 256, 8, 128, 2, "kernel", "allbad"),
+    ("repeated ids", 64, 1024, 64, 512, 8, "kernel", "dupids"),
+    ("repeated ids, prefill", 1024, 512, 16, 256, 4, "kernel", "dupids"),
 ]
-QUICK = {"qwen3-30b decode", "tiny", "odd H, I", "all on expert 5", "invalid ids", "few experts (split)",
-         "granite-ish T=1000", "skewed, empty experts", "invalid ids, prefill", "all ids invalid"}
+QUICK = {"qwen3-30b decode", "tiny", "odd H, I", "every token on expert 5", "invalid ids", "few experts (split)",
+         "granite-ish T=1000", "skewed, empty experts", "invalid ids, prefill", "all ids invalid",
+         "repeated ids", "repeated ids, prefill"}
 CUTLASS_MIN_ROWS_PER_EXPERT = 64   # kSm90MinRowsPerExpert in factors/moe_fused_gemm_sm90.cu
 
 
@@ -293,6 +296,8 @@ def make_inputs(dt, T, H, E, I, K, special):
         ids[T - 1, K - 1] = 1 << 30
     if special == "allbad":
         ids[...] = E
+    if special == "dupids":                            # a row's ids repeat (the contract allows it:
+        ids[:, 1 % K] = ids[:, 0]                      # each slot counts)
     return x, w13, w2, cp.ascontiguousarray(tw), cp.ascontiguousarray(ids)
 
 

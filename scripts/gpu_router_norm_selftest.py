@@ -363,7 +363,9 @@ def check_topk_errors(cp, tab, plug, stream):
 # --------------------------------------------------------------------------------------------
 # fused_add_rmsnorm
 # --------------------------------------------------------------------------------------------
-NORM_TOL = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1.6e-2}
+NORM_TOL = {"float32": 1e-5, "float16": 1e-3, "bfloat16": 8e-3}   # manifests/fused_add_rmsnorm.yaml
+# (a correct kernel's error is at most half an ulp an element: 4.9e-4 in float16, 3.9e-3 in
+# bfloat16; the doubled values this table had could not fail where the manifest's pass)
 EPS = 1e-6
 
 
@@ -379,6 +381,25 @@ def norm_reference(x_s, r_s, w_s, dtype):
     exact = to_f32(x_s, dtype).astype(np.float64) + to_f32(r_s, dtype).astype(np.float64)
     x_ref = rr / np.sqrt((rr * rr).mean(axis=1, keepdims=True) + EPS) * to_f32(w_s, dtype).astype(np.float64)
     return res_s, exact, x_ref
+
+
+def ulp_problem(x_s, x_ref64, dtype):
+    """'' or what is wrong with a 16-bit x (storage) against the float64 reference: the kernel
+    computes in fp32 and rounds once, so every element is within one ulp of dtype(reference)
+    and at least 99% equal to it (tests/reference.py's rmsnorm_storage_problems; fp32's own
+    error moves an element across a rounding boundary at well under 1%)."""
+    if dtype == "float32":
+        return ""
+    def ordered(s):   # bits -> integers in the order of the values, one apart per ulp
+        u = np.ascontiguousarray(s).view(np.uint16).astype(np.int64)
+        return np.where(u & 0x8000, -(u & 0x7FFF), u)
+    finite = np.isfinite(x_ref64)
+    d = np.abs(ordered(x_s) - ordered(to_storage(x_ref64.astype(np.float32), dtype)))[finite]
+    if d.size and int(d.max()) > 1:
+        return f"x: an element {int(d.max())} ulp off dtype(reference)"
+    if d.size and (d > 0).mean() > 0.01:
+        return f"x: {100 * (d > 0).mean():.2f}% of the elements differ from dtype(reference) (at most 1%)"
+    return ""
 
 
 def rel_norm(got, ref):
@@ -451,11 +472,13 @@ def run_norm(cp, tab, plug, stream, quick):
                     e_res = rel_norm(to_f32(res_got, dtype).astype(np.float64), res_exact)
                     e_x = rel_norm(x_got, x_ref)
                     tol = NORM_TOL[dtype]
-                    ok = untouched and bits_ok and e_res <= tol and e_x <= tol and np.isfinite(x_got).all()
+                    up = ulp_problem(xo[:, xoff:xoff + H], x_ref, dtype)
+                    ok = (untouched and bits_ok and e_res <= tol and e_x <= tol and np.isfinite(x_got).all()
+                          and not up)
                     detail = ""
                     if not ok:
                         detail = (f"{tag}: padding untouched={untouched} residual bit-exact={bits_ok} "
-                                  f"residual err={e_res:.3g} x err={e_x:.3g} (tol {tol})")
+                                  f"residual err={e_res:.3g} x err={e_x:.3g} (tol {tol})" + (f"; {up}" if up else ""))
                     tab.add(group, ok, max(e_x, e_res) / tol, detail)
 
 

@@ -143,7 +143,7 @@ def test_simulated_ranks_sum_to_the_full_factor_torch(reg, torch, shape, T, N):
         assert not bool(torch.isnan(out).any())
         total += out.double()
     reg.check_device_errors()
-    err = float((total - full.double()).norm() / full.double().norm())
+    err = rel_err(total, full.double(), torch)   # the whole array, and its worst row
     assert err < reg.manifest("moe_fused_gemm").tolerance["bfloat16"], err
 
 

@@ -116,10 +116,10 @@ def test_concurrent_streams_give_the_serial_results(reg, cp):
 
     def run(i):
         a = dict(cases[i])
-        a["out"] = Bits16(cp.empty_like(a["out"].bits))
+        a["out"] = Bits16(cp.full_like(a["out"].bits, 0xFFFF))    # poisoned: NaN, -1
         reg.dispatch("moe_fused_gemm", a)
-        w = cp.empty((logits[i].shape[0], 8), cp.float32)
-        ids = cp.empty((logits[i].shape[0], 8), cp.int32)
+        w = cp.full((logits[i].shape[0], 8), cp.nan, cp.float32)
+        ids = cp.full((logits[i].shape[0], 8), -1, cp.int32)
         reg.dispatch("topk_softmax", {"router_logits": logits[i], "topk_weights": w, "topk_ids": ids},
                      {"renormalize": True})
         return a["out"], w, ids
@@ -127,6 +127,9 @@ def test_concurrent_streams_give_the_serial_results(reg, cp):
     serial = [run(i) for i in range(n_threads)]
     cp.cuda.Device().synchronize()
     serial = [tuple(_bits(x) for x in outs) for outs in serial]
+    # every element written (the outputs were poisoned; cp.empty could hold an earlier answer)
+    assert all(not ((o & 0x7FFF) > 0x7F80).any() and not np.isnan(w).any() and (i >= 0).all()
+               for o, w, i in serial)
     assert reg.last_path["moe_fused_gemm"] in ("plugin", "kernel_fallback")
 
     barrier, results, errors = threading.Barrier(n_threads, timeout=120), [None] * n_threads, []
