@@ -12,7 +12,7 @@ fallback. Where the JSON has the ratio against the ceilings measured during the 
 measured (a gmm peer that could not be captured, a T beyond --fallback-max-t, no vLLM time); a
 row whose check failed says so in its 'ours' cell.
 
-Needs only the standard library (no numpy, no torch). Exit status: 0 a table; 1 the reader left
+Needs only the standard library (no numpy, no torch). Exit status: 0 a table; 141 the reader left
 early (`| head`); 2 a file that is not bench_moe.py's JSON, or one without rows.
 """
 import argparse

@@ -116,9 +116,12 @@ def _np_dtype(dtype: str):
 
 
 def _torch_write_suspect(a) -> bool:
-    """Whether ``a`` is a torch tensor that _refuse_torch_writes must look at (it requires grad,
-    or is an inference tensor): two attribute reads, on the hot path of every call."""
-    return (_KINDS.get(type(a)) or _kind_of(a)) == "torch" and (a.requires_grad or a.is_inference())
+    """Whether ``a`` is a torch tensor that _refuse_torch_writes must look at: it requires grad,
+    or it is an inference tensor while inference mode is off (inside inference mode, where an
+    engine serving under torch.inference_mode() makes every call, nothing is refused: two
+    attribute reads and one mode query, on the hot path of every call)."""
+    return (_KINDS.get(type(a)) or _kind_of(a)) == "torch" and (
+        a.requires_grad or (a.is_inference() and not sys.modules["torch"].is_inference_mode_enabled()))
 
 
 def _refuse_torch_writes(fn: str, written: dict) -> None:
@@ -191,8 +194,7 @@ def topk_softmax(router_logits, top_k: int, renormalize: bool = False, *, topk_w
         # outputs given: described once here, checked against top_k, and handed to dispatch as refs
         given = {name: TensorRef.of(arr, name, "topk_softmax")
                  for name, arr in (("topk_weights", topk_weights), ("topk_ids", topk_ids)) if arr is not None}
-        suspects = {name: r.obj for name, r in given.items() if r.kind == "torch"
-                    and (r.obj.requires_grad or r.obj.is_inference())}
+        suspects = {name: r.obj for name, r in given.items() if _torch_write_suspect(r.obj)}
         if suspects:
             _refuse_torch_writes("topk_softmax", suspects)
         for name, r in given.items():
@@ -264,7 +266,7 @@ def fused_add_rmsnorm(x, residual, weight, eps: float = 1e-6, *,
     if _torch_write_suspect(x) or _torch_write_suspect(residual):
         with _counted_refusal(reg, "fused_add_rmsnorm"):
             _refuse_torch_writes("fused_add_rmsnorm", {name: a for name, a in (("x", x), ("residual", residual))
-                                                       if _torch_write_suspect(a)})
+                                                       if (_KINDS.get(type(a)) or _kind_of(a)) == "torch"})
     reg.dispatch(
         "fused_add_rmsnorm", {"x": x, "residual": residual, "weight": weight}, {"eps": eps})
     return x, residual

@@ -21,7 +21,8 @@
 #   BENCH_TIMEOUT (500: bench, bench_rn and host each), TUNE_TIMEOUT (400), EP_TIMEOUT (300, each
 #   torchrun): seconds before a stage's command is stopped (a stopped stage fails)
 # Exit status: 0 every stage passed; 1 a stage failed (a self-test that tested nothing, or GPU
-# tests that all skipped, fail too); 2 an unknown stage, or carried wheels that do not install.
+# tests that all skipped, fail too); 2 an unknown stage, a log folder (OUT) that cannot be
+# written, or carried wheels that do not install.
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 if [ "${1:-}" = "-h" ] || [ "${1:-}" = "--help" ]; then

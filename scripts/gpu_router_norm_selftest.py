@@ -397,8 +397,8 @@ def ulp_problem(x_s, x_ref64, dtype):
     d = np.abs(ordered(x_s) - ordered(to_storage(x_ref64.astype(np.float32), dtype)))[finite]
     if d.size and int(d.max()) > 1:
         return f"x: an element {int(d.max())} ulp off dtype(reference)"
-    if d.size and (d > 0).mean() > 0.01:
-        return f"x: {100 * (d > 0).mean():.2f}% of the elements differ from dtype(reference) (at most 1%)"
+    if int((d > 0).sum()) > max(1, 0.01 * d.size):   # (one element may, in a small array)
+        return f"x: {100 * (d > 0).mean():.2f}% of the elements differ from dtype(reference) (at most 1% may, by one unit)"
     return ""
 
 
