@@ -119,12 +119,15 @@ def _reader_left() -> int:
     return READER_LEFT_STATUS
 
 
-def _out_of_memory(exc: BaseException) -> bool:
-    """Whether ``exc`` is an allocation that failed: MemoryError (NumPy; CuPy's OutOfMemoryError
-    is one), torch's OutOfMemoryError (CUDA), or the RuntimeError of torch's CPU allocator."""
-    if isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError":
-        return True
-    return isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc)
+def out_of_memory(exc: BaseException) -> bool:
+    """``exc`` says memory ran out: a MemoryError (NumPy's), or an OutOfMemoryError (CuPy's,
+    torch's CUDA one; told by name, so that neither need be importable)."""
+    return isinstance(exc, MemoryError) or any(c.__name__ == "OutOfMemoryError" for c in type(exc).__mro__)
+
+
+def _allocation_failed(exc: BaseException) -> bool:
+    """out_of_memory, or the RuntimeError of torch's CPU allocator ("can't allocate memory")."""
+    return out_of_memory(exc) or isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc)
 
 
 def exit_quietly_on_broken_pipe(script_main, *args) -> None:
@@ -145,7 +148,7 @@ def exit_quietly_on_broken_pipe(script_main, *args) -> None:
         print(f"{tool}: interrupted", file=sys.stderr)
         code = 130
     except (MemoryError, RuntimeError) as exc:
-        if not _out_of_memory(exc):
+        if not _allocation_failed(exc):
             raise
         words = " ".join(str(exc).split())[:300] or type(exc).__name__
         print(f"{tool}: out of memory: {words} (the sizes asked for do not fit: ask for fewer "

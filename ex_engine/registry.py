@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from . import _paths, abi, errors, fatbin, trust
+from ._scripts import out_of_memory
 from .arrays import _KINDS, _NAME_CACHE, _TORCH_DTYPES, Bits16, TensorRef, _cupy_importable, _kind_of, no_cupy_error
 from .errors import (ArgumentError, DeviceError, DeviceSideError, FactorError,
                      FactorNotFoundError, KernelError, LayoutError, one_line)
@@ -375,12 +376,6 @@ class WorkspaceSizeError(KernelError):
                        f"{_MAX_WORKSPACE} (2**40); a bug of the plugin's workspace_size, so its "
                        "kernel was not called")
         RuntimeError.__init__(self, f"{factor}: {self.detail}")
-
-
-def _out_of_memory(exc: BaseException) -> bool:
-    """``exc`` says memory ran out: a MemoryError (NumPy's), or CuPy's OutOfMemoryError (told
-    by name, so that CuPy need not be importable)."""
-    return isinstance(exc, MemoryError) or any(c.__name__ == "OutOfMemoryError" for c in type(exc).__mro__)
 
 
 class WorkspaceAllocationError(FactorError, MemoryError):
@@ -1323,9 +1318,9 @@ class FactorRegistry:
                 q.reason = (f"another plugin of '{name}' wins: {win.path.name} (version {win.version}, "
                             f"priority {win.priority}) over this one (version {q.version}, priority "
                             f"{q.priority}); rule: {self._win_rule(win, q, pref)}")
+        known = set(self.manifests) | {p.name for p in self.plugins if isinstance(p.name, str)}
         for name, want in self.prefer.items():
             win = self._chosen.get(name)
-            known = set(self.manifests) | {p.name for p in self.plugins if isinstance(p.name, str)}
             if win is None and name not in known:   # a misspelt name, say
                 self.notes.append(f"prefer: {name} -> {want}: no factor named {name!r} (known: "
                                   f"{', '.join(sorted(known)) or 'none'})")
@@ -1844,7 +1839,7 @@ class FactorRegistry:
                 return self._new_workspace((plugin.name, device, stream), need)
         except Exception as exc:   # counted as the other refused calls are
             self._count(plugin.name, "errors")
-            if isinstance(exc, FactorError) or not _out_of_memory(exc):
+            if isinstance(exc, FactorError) or not out_of_memory(exc):
                 raise
             where = "host memory" if device < 0 else f"cuda:{device}"
             raise WorkspaceAllocationError(plugin.name, need, dims, where, exc) from exc
@@ -1894,7 +1889,7 @@ class FactorRegistry:
                     runtime.memcpyAsync(buf.data.ptr, old.data.ptr, 256, runtime.memcpyDeviceToDevice, stream)
                     self._retired.append(old)
         except Exception as exc:  # CUDARuntimeError, OutOfMemoryError
-            if _out_of_memory(exc):   # said by _workspace, with the size asked and the dims
+            if out_of_memory(exc):   # said by _workspace, with the size asked and the dims
                 raise
             raise FactorError(f"{name}: cannot allocate a {size}-byte workspace on cuda:{device} "
                               f"(stream 0x{stream:x}): {exc}. During CUDA-graph capture, call "

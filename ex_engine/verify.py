@@ -262,8 +262,8 @@ def row_error(xp, got, want) -> tuple:
     over the R rows of two float64 arrays of one shape (axis 0 = rows, the other axes of a row
     flattened), and that row's index; (0.0, -1) where there are fewer than two rows or both are
     all zero, and (inf, that row) where want is all zero but got is not. The denominator is the
-    rows' RMS norm, not
-    the row's own, so a row that is legitimately near zero does not blow the figure up.
+    rows' RMS norm, not the row's own, so a row that is legitimately near zero does not blow the
+    figure up.
 
     Why: ||got - want|| / ||want|| over a (T, H) output averages one wrong row away: a zeroed
     token at T = 20000 reads 7e-3, one dropped slot of T = 4096, K = 8 reads 5e-3, both inside
