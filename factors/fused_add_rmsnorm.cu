@@ -179,14 +179,20 @@ __device__ __forceinline__ float mag(float v) { return v == v ? fabsf(v) : INFIN
 // its largest magnitude amax: rsqrt(sum (r / amax)^2 / H + eps / amax^2) / amax; else (an inf
 // or NaN in the row) the result of the plain formula stands, as IEEE arithmetic gives it.
 // Block-uniform (total is the same in every thread); rare: no cost on rows in range.
-// row_max / row_sq: this thread's largest mag() and sum of (r / amax)^2 over its elements.
-template <class RowMax, class RowSq>
+// each_r(f): calls f(r) on every value r of the row that this thread holds (its part of the
+// row, in its own order); called twice, for the largest mag() and for the sum of (r / amax)^2.
+template <class EachR>
 __device__ __forceinline__ float rescued_inv_rms(float inv_rms, float total, int H, float eps, float (&buf)[2][32],
-                                                 int parity, RowMax row_max, RowSq row_sq) {
+                                                 int parity, EachR each_r) {
     if (total <= FLT_MAX) return inv_rms;  // finite: nothing overflowed
-    const float amax = block_reduce_fenced<true>(row_max(), buf, parity);
+    float m = 0.0f;
+    each_r([&](float r) { m = fmaxf(m, mag(r)); });
+    const float amax = block_reduce_fenced<true>(m, buf, parity);
     if (!(amax <= FLT_MAX) || amax == 0.0f) return inv_rms;  // an inf or NaN in the row
-    const float s2 = block_reduce_fenced<false>(row_sq(1.0f / amax), buf, parity);
+    const float scale = 1.0f / amax;
+    float q = 0.0f;
+    each_r([&](float r) { q = fmaf(r * scale, r * scale, q); });
+    const float s2 = block_reduce_fenced<false>(q, buf, parity);
     return rsqrtf(s2 / (float)H + eps / amax / amax) / amax;
 }
 
@@ -246,31 +252,16 @@ fused_add_rmsnorm_kernel(T* x_out,                      // (T, H) stride x_strid
         const float total = block_sum(ss, red, parity);
         const float inv_rms = rescued_inv_rms(
             rsqrtf(total / (float)H + eps), total, H, eps, red, parity,
-            [&]() {
-                float m = 0.0f;
+            [&](auto&& f) {
 #pragma unroll
                 for (int k = 0; k < VPT; ++k) {
                     if (tid + k * NT < npack) {
                         float b[VEC];
                         to_float(rv[k], b);
 #pragma unroll
-                        for (int e = 0; e < VEC; ++e) m = fmaxf(m, mag(b[e]));
+                        for (int e = 0; e < VEC; ++e) f(b[e]);
                     }
                 }
-                return m;
-            },
-            [&](float scale) {
-                float q = 0.0f;
-#pragma unroll
-                for (int k = 0; k < VPT; ++k) {
-                    if (tid + k * NT < npack) {
-                        float b[VEC];
-                        to_float(rv[k], b);
-#pragma unroll
-                        for (int e = 0; e < VEC; ++e) q = fmaf(b[e] * scale, b[e] * scale, q);
-                    }
-                }
-                return q;
             });
 
 #pragma unroll
@@ -317,18 +308,8 @@ fused_add_rmsnorm_generic_kernel(T* x_out, const T* x_in, T* residual, const T* 
         const float total = block_sum(ss, red, parity);
         const float inv_rms = rescued_inv_rms(
             rsqrtf(total / (float)H + eps), total, H, eps, red, parity,
-            [&]() {  // (reads back this thread's own writes, as below)
-                float m = 0.0f;
-                for (int h = threadIdx.x; h < H; h += blockDim.x) m = fmaxf(m, mag(Num<T>::to_f(res[h])));
-                return m;
-            },
-            [&](float scale) {
-                float q = 0.0f;
-                for (int h = threadIdx.x; h < H; h += blockDim.x) {
-                    const float f = Num<T>::to_f(res[h]) * scale;
-                    q = fmaf(f, f, q);
-                }
-                return q;
+            [&](auto&& f) {  // (reads back this thread's own writes, as below)
+                for (int h = threadIdx.x; h < H; h += blockDim.x) f(Num<T>::to_f(res[h]));
             });
         for (int h = threadIdx.x; h < H; h += blockDim.x)  // reads back this thread's own writes
             xout[h] = Num<T>::from_f(Num<T>::to_f(res[h]) * inv_rms * Num<T>::to_f(weight[h]));
