@@ -1430,6 +1430,9 @@ class FactorRegistry:
         object, Bits16 or TensorRef, or None for an absent optional one}; params: {parameter
         name: value} or None (the manifest's defaults).
         Returns the path that served: 'plugin', 'kernel_fallback' or 'python_fallback'.
+        A low-level call: it writes the outputs through their pointers and applies none of
+        torch's in-place rules (a leaf that requires grad, an inference tensor outside
+        torch.inference_mode()); the ops in ex_engine.ops refuse those as torch does.
         Raises, each naming the factor (and the argument where one is at fault):
         FactorNotFoundError for an unknown ``name`` (ArgumentError if it is not a str);
         before any C call, an ArgumentError subclass (DTypeError, ShapeError, LayoutError,
