@@ -93,9 +93,15 @@ def read_small(path, limit: int = TEXT_FILE_LIMIT) -> bytes:
     return b"".join(read_chunks(path, limit))
 
 
+def env_value(var: str) -> str:
+    """$var, or '' where it is unset, empty or only whitespace: such a value is unset (Path('')
+    is '.', the current folder, and '  ' a folder of two spaces, which nobody means)."""
+    v = os.environ.get(var) or ""
+    return v if v.strip() else ""
+
+
 def _from_env(var: str, default: Path) -> Path:
-    # an empty value is unset: Path('') is '.', the current folder, which nobody means
-    return Path(os.environ.get(var) or default)
+    return Path(env_value(var) or default)
 
 
 def factors_dir() -> Path:
@@ -188,7 +194,7 @@ def usable_folders(value, what: str) -> tuple[list[Path], list[str]]:
 def manifests_dirs() -> list[Path]:
     """The manifests search path: the folders of $EX_ENGINE_MANIFESTS (see search_path; when
     set and not empty) or [<root>/manifests]."""
-    return search_path(os.environ.get("EX_ENGINE_MANIFESTS") or "") or [ROOT / "manifests"]
+    return search_path(env_value("EX_ENGINE_MANIFESTS")) or [ROOT / "manifests"]
 
 
 def home_dir(dirs) -> Path:
@@ -210,7 +216,7 @@ def not_a_checkout(building: bool = False) -> str:
     the factors, manifests and Makefile stay in the checkout. building: for ``ex-engine build``,
     which needs the checkout's Makefile itself (the folder variables do not help it): the text
     then names make in the checkout, and is given whatever the variables say."""
-    if not building and (os.environ.get("EX_ENGINE_MANIFESTS") or (ROOT / "manifests").is_dir()):
+    if not building and (env_value("EX_ENGINE_MANIFESTS") or (ROOT / "manifests").is_dir()):
         return ""
     missing = "no Makefile" if building and (ROOT / "manifests").is_dir() else "no manifests/"
     why = (f"ex_engine at {ROOT} is not in a checkout of its repository ({missing} beside "

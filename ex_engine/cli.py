@@ -63,8 +63,9 @@ MAX_TOKENS = 1 << 24   # 16.8 M tokens: far beyond a layer's batch (moe_models.y
 
 
 def tokens_arg(v: str) -> int:
-    """argparse type: a token count T, 0 <= T <= MAX_TOKENS."""
-    n = token_count(v)
+    """argparse type: a token count T, 1 <= T <= MAX_TOKENS (T = 0, an empty batch, would build
+    the layer's weights to check nothing)."""
+    n = _int_at_least(v, 1)
     if n > MAX_TOKENS:
         raise argparse.ArgumentTypeError(f"expected at most {MAX_TOKENS} tokens, got {v!r}")
     return n
@@ -650,7 +651,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"a model of manifests/moe_models.yaml ({models_help(all_ok=True)}; 'all': "
                         "every one) (default: %(default)s)")
     q.add_argument("--tokens", type=tokens_arg, nargs="+", default=[64], metavar="T",
-                   help=f"token counts T, 0..{MAX_TOKENS} (default: 64)")
+                   help=f"token counts T, 1..{MAX_TOKENS} (default: 64)")
     q.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16",
                    help="activation and weight dtype (default: %(default)s)")
     q.add_argument("--seed", type=token_count, default=0, metavar="N", help="random seed >= 0 (default: %(default)s)")

@@ -43,7 +43,8 @@ class FatbinError(ValueError):
 class TruncatedElfError(FatbinError):
     """An ELF64 file whose section table or loadable segments reach past its end: opening it
     with dlopen maps pages beyond the end of the file, and touching them kills the process
-    with SIGBUS (an interrupted copy or build leaves such a file)."""
+    with SIGBUS (an interrupted copy or build leaves such a file; so do overwritten headers,
+    whose offsets and sizes then name impossible ranges)."""
 
 
 _PHDR = struct.Struct("<IIQQQQQQ")  # Elf64_Phdr: type, flags, offset, vaddr, paddr, filesz, memsz, align
@@ -61,12 +62,12 @@ def check_segments(data: bytes) -> None:
         return
     if e_phentsize < _PHDR.size or e_phoff + e_phnum * e_phentsize > len(data):
         raise TruncatedElfError(f"program header table ({e_phnum} x {e_phentsize} B at {e_phoff}) "
-                                f"beyond the end of the file ({len(data)} B): truncated")
+                                f"beyond the end of the file ({len(data)} B): truncated or corrupt")
     for i in range(e_phnum):
         p_type, _, p_offset, _, _, p_filesz, _, _ = _PHDR.unpack_from(data, e_phoff + i * e_phentsize)
         if p_type == PT_LOAD and p_offset + p_filesz > len(data):
             raise TruncatedElfError(f"loadable segment {i} (bytes {p_offset}..{p_offset + p_filesz}) "
-                                    f"beyond the end of the file ({len(data)} B): truncated")
+                                    f"beyond the end of the file ({len(data)} B): truncated or corrupt")
 
 
 @dataclass(frozen=True)
@@ -118,7 +119,7 @@ def _section_heads(data: bytes) -> list:
             e_shnum = sh.unpack_from(data, e_shoff)[5]
         if e_shentsize < sh.size or e_shoff + e_shnum * e_shentsize > len(data):
             raise TruncatedElfError(f"section table ({e_shnum} x {e_shentsize} B at {e_shoff}) "
-                                    f"beyond the end of the file ({len(data)} B): truncated")
+                                    f"beyond the end of the file ({len(data)} B): truncated or corrupt")
         heads = [sh.unpack_from(data, e_shoff + i * e_shentsize) for i in range(e_shnum)]
         str_off, str_size = heads[e_shstrndx][4], heads[e_shstrndx][5]
         names = data[str_off:str_off + str_size]
@@ -235,7 +236,7 @@ def library_code(data: bytes) -> list | None:
         return None
     off, size = sections[FATBIN_SECTION]
     if off + size > len(data):
-        raise TruncatedElfError(f"section {FATBIN_SECTION} beyond the end of the file: truncated")
+        raise TruncatedElfError(f"section {FATBIN_SECTION} beyond the end of the file: truncated or corrupt")
     entries = set(fatbin_entries(data[off:off + size]))
     return sorted(entries, key=lambda e: (e.kind != "sass", -e.arch, e.suffix != "a", e.suffix))
 

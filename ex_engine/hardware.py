@@ -195,9 +195,12 @@ class Hardware:
         if path is None:
             looked = f"the file {given}" + (f" and {shipped}" if shipped is not None else "")
             problem = profiles_problem()
+            if problem:   # no profile at all: the cause leads (it said "expected one of []" first)
+                raise FactorError(f"hardware profile '{text}': no profiles to choose from: {problem}; "
+                                  f"expected a folder of profiles there, or a path to a YAML file "
+                                  f"(looked for {looked})")
             raise FactorError(f"hardware profile '{text}': no such profile; expected one of "
-                              f"{list_profiles()} or a path to a YAML file (looked for {looked}"
-                              + (f"; {problem}" if problem else "") + ")")
+                              f"{list_profiles()} or a path to a YAML file (looked for {looked})")
         if _paths.is_dir(path):
             raise FactorError(f"hardware profile {path}: a directory; expected a YAML file")
         try:
@@ -309,7 +312,7 @@ def profiles_problem() -> str:
     hint = _paths.not_a_checkout()
     if hint:
         return hint
-    env = os.environ.get("EX_ENGINE_MANIFESTS")
+    env = _paths.env_value("EX_ENGINE_MANIFESTS")
     folders = _paths.search_path(env) if env else []
     missing = [str(d) for d in folders if not _paths.is_dir(d)]
     gone = (f"; of its folders, {', '.join(missing)} {'does' if len(missing) == 1 else 'do'} not exist"

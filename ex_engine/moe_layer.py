@@ -101,10 +101,10 @@ def load_models(path=None) -> dict:
         raise ArgumentError("load_models", "path", "a file", "None (the default file) or a non-empty path",
                             repr(path))
     default = path is None
-    if default and os.environ.get("EX_ENGINE_MANIFESTS"):
+    if default and _paths.env_value("EX_ENGINE_MANIFESTS"):
         # none of the variable's folders there: say that first (FactorError), as the registry
         # does, rather than that moe_models.yaml inside it cannot be opened
-        _paths.usable_folders(os.environ["EX_ENGINE_MANIFESTS"], "EX_ENGINE_MANIFESTS")
+        _paths.usable_folders(_paths.env_value("EX_ENGINE_MANIFESTS"), "EX_ENGINE_MANIFESTS")
     path = _paths.manifests_dir() / "moe_models.yaml" if default else path
     try:
         data = _yaml.load(_paths.read_small(path).decode(), name=path)   # (a FIFO: refused, not waited on)
@@ -354,6 +354,44 @@ def token_bytes(shape, tokens: int) -> int:
     return int(tokens * per_token + rows * (3 * shape.I + shape.H) * 8 * 2)
 
 
+def _gemm_flops_per_s(dtype, n: int = 384) -> float:
+    """NumPy's matmul rate here in ``dtype``: the best of three n x n products (~1-10 ms)."""
+    a = np.random.default_rng(0).standard_normal((n, n)).astype(dtype)
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        a @ a
+        best = min(best, time.perf_counter() - t0)
+    return 2.0 * n ** 3 / max(best, 1e-9)
+
+
+def cpu_seconds(shape, tokens: int, dtype: str, build: bool = True) -> float:
+    """Rough wall time (s) of run_moe on the CPU at T = ``tokens``: drawing the weights (where
+    ``build``), two calls of the fallback (the checked one and the timed one) and the float64
+    reference. From NumPy's speed here, measured on small samples (~30 ms): drawing and
+    converting 2^18 elements of ``dtype``, and float32 / float64 matmuls of 384^3. Each call
+    converts the weights of the experts it hits (min(E, T*K) of E) and does 2*T*K*3*H*I FLOPs.
+    On an idle 2-core x86 host a whole `ex-engine run moe` (its start and the registry's load
+    included) took 1.3-1.7x this (qwen3-30b-a3b at T = 1, 512, 4096: 7, 9, 13 s estimated, 10.7,
+    12.4, 19.8 s taken; granite T = 4096: 4 and 6.7 s); a busy CPU takes longer."""
+    n = 1 << 18
+    rng = np.random.default_rng(0)
+    draw = conv = float("inf")
+    for _ in range(2):   # the second of each is warm
+        t0 = time.perf_counter()
+        a = random_array(np, rng, (n,), dtype)
+        draw = min(draw, (time.perf_counter() - t0) / n)
+        t0 = time.perf_counter()
+        TensorRef.of(a).load_f32()
+        conv = min(conv, (time.perf_counter() - t0) / n)
+    elems = shape.E * 3 * shape.I * shape.H
+    hit = min(shape.E, tokens * shape.K) / max(shape.E, 1)
+    flops = 2.0 * tokens * shape.K * 3 * shape.H * shape.I
+    one_call = hit * elems * conv + flops / _gemm_flops_per_s(np.float32)
+    reference = 1.5 * hit * elems * conv + flops / _gemm_flops_per_s(np.float64)
+    return (elems * draw if build else 0.0) + 2 * one_call + reference
+
+
 def available_bytes(xp) -> int | None:
     """Bytes this process could still allocate: the GPU's free memory (CuPy), else the host's
     MemAvailable (/proc/meminfo); None where neither can be read."""
@@ -374,8 +412,8 @@ def run_moe(model: str, tokens: int, dtype: str = "bfloat16", seed: int = 0, rep
     """Build ``model``'s MoE layer, run it through ``registry`` at T=``tokens``, check, time.
 
     Runs on the GPU (CuPy) when the registry's hardware is a live device, else on NumPy with the
-    Python fallbacks. model: a name of manifests/moe_models.yaml; tokens: T >= 0 (0: an empty
-    batch, nothing to compare); dtype: 'bfloat16' or 'float16'; seed >= 0; repeat >= 1 timed
+    Python fallbacks. model: a name of manifests/moe_models.yaml; tokens: T >= 1 (an empty
+    batch would check nothing); dtype: 'bfloat16' or 'float16'; seed >= 0; repeat >= 1 timed
     calls. ``echo`` prints the header and the table; ``progress`` (None: quiet), if given, is
     called with a line before each step that can take long (building the weights: 5 GB and most
     of a minute for qwen3-235b-a22b on a CPU; running the layer; the float64 reference; the
@@ -393,7 +431,7 @@ def run_moe(model: str, tokens: int, dtype: str = "bfloat16", seed: int = 0, rep
     for an unknown model, another registry type, or an argument out of those ranges.
     """
     step = progress or (lambda line: None)
-    for name, v, lo in (("tokens", tokens, 0), ("seed", seed, 0), ("repeat", repeat, 1)):
+    for name, v, lo in (("tokens", tokens, 1), ("seed", seed, 0), ("repeat", repeat, 1)):
         if not is_integer(v) or v < lo:   # NumPy integers count, as in MoELayer; bools do not
             raise FactorError(f"run_moe: {name}: expected an int >= {lo}, got {v!r}")
     tokens, seed, repeat = int(tokens), int(seed), int(repeat)
@@ -426,9 +464,11 @@ def run_moe(model: str, tokens: int, dtype: str = "bfloat16", seed: int = 0, rep
     if free is not None and need > free:
         raise MemoryError(f"about {need / 1e9:.1f} GB needed at T={tokens} (weights and arrays), "
                           f"{free / 1e9:.1f} GB available on {'the GPU' if xp is not np else 'this host'}")
-    if xp is np and tokens:
-        step(f"  on the CPU: about {need / 1e9:.1f} GB, and about {2 * flops / 1e9:.0f}-{6 * flops / 1e9:.0f} s "
-             "(~1 GFLOP/s of NumPy's fallback and reference; a busy CPU takes longer)")
+    if xp is np and progress is not None:
+        secs = cpu_seconds(shape, tokens, dtype, build=layer is None)
+        step(f"  on the CPU: about {need / 1e9:.1f} GB, and about "
+             f"{'1 s or less' if secs < 1.5 else f'{secs:.0f} s'} (from NumPy's speed on this host; a busy "
+             "CPU takes longer)")
     if layer is not None:
         step(f"  reusing the layer's weights ({size / 1e9:.2f} GB), built for an earlier T")
     else:

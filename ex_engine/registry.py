@@ -656,8 +656,8 @@ class FactorRegistry:
             _path_arg("manifests_dir", manifests_dir, "a directory path or None")
         if manifests_dir:
             dirs, path_notes = _paths.usable_folders(manifests_dir, "manifests_dir")
-        elif os.environ.get("EX_ENGINE_MANIFESTS"):
-            dirs, path_notes = _paths.usable_folders(os.environ["EX_ENGINE_MANIFESTS"],
+        elif _paths.env_value("EX_ENGINE_MANIFESTS"):
+            dirs, path_notes = _paths.usable_folders(_paths.env_value("EX_ENGINE_MANIFESTS"),
                                                      "EX_ENGINE_MANIFESTS")
         else:
             dirs, path_notes = _paths.manifests_dirs(), []
@@ -789,7 +789,7 @@ class FactorRegistry:
                 raise FactorError(f"factor folder '{folder}': {problem}")
             hint = _paths.not_a_checkout() if folder == _paths.factors_dir() else ""
             where = f" (= {folder.absolute()})" if not folder.is_absolute() else ""
-            if os.environ.get("EX_ENGINE_FACTORS") and folder == _paths.factors_dir():
+            if _paths.env_value("EX_ENGINE_FACTORS") and folder == _paths.factors_dir():
                 where += " (from EX_ENGINE_FACTORS)"
             raise FactorError(f"factor folder '{folder}'{where}: "
                               + ("not a directory" if folder.exists() else "does not exist")
@@ -886,8 +886,8 @@ class FactorRegistry:
             fatbin.check_segments(data)
             entries = fatbin.library_code(data)
         except fatbin.TruncatedElfError as exc:  # dlopen would map pages past the end: SIGBUS
-            return p.check("elf", False, f"{exc}; not opened (dlopen of a truncated library "
-                                         "crashes the process when it touches the missing pages)")
+            return p.check("elf", False, f"{exc}; not opened (dlopen of a truncated or corrupt "
+                                         "library crashes the process when it touches pages past the file's end)")
         except fatbin.FatbinError as exc:
             p.check("cuda code", True, f"not checked: {exc} (dlopen decides)")
             return True

@@ -127,7 +127,7 @@ def test_run_moe_names_an_unknown_model_of_any_type_and_takes_numpy_integers():
             M.run_moe(bad, 1, echo=lambda *a: None)
     r = M.run_moe("olmoe-1b-7b", np.int64(1), seed=np.int32(0), repeat=np.int64(1), echo=lambda *a: None)
     assert r["ok"]
-    with pytest.raises(FactorError, match=r"run_moe: tokens: expected an int >= 0, got True"):
+    with pytest.raises(FactorError, match=r"run_moe: tokens: expected an int >= 1, got True"):
         M.run_moe("olmoe-1b-7b", True)
 
 
