@@ -365,15 +365,10 @@ def _gemm_flops_per_s(dtype, n: int = 384) -> float:
     return 2.0 * n ** 3 / max(best, 1e-9)
 
 
-def cpu_seconds(shape, tokens: int, dtype: str, build: bool = True) -> float:
-    """Rough wall time (s) of run_moe on the CPU at T = ``tokens``: drawing the weights (where
-    ``build``), two calls of the fallback (the checked one and the timed one) and the float64
-    reference. From NumPy's speed here, measured on small samples (~30 ms): drawing and
-    converting 2^18 elements of ``dtype``, and float32 / float64 matmuls of 384^3. Each call
-    converts the weights of the experts it hits (min(E, T*K) of E) and does 2*T*K*3*H*I FLOPs.
-    On an idle 2-core x86 host a whole `ex-engine run moe` (its start and the registry's load
-    included) took 1.3-1.7x this (qwen3-30b-a3b at T = 1, 512, 4096: 7, 9, 13 s estimated, 10.7,
-    12.4, 19.8 s taken; granite T = 4096: 4 and 6.7 s); a busy CPU takes longer."""
+def numpy_speeds(dtype: str) -> tuple:
+    """NumPy's speed here, measured on small samples (~30 ms): seconds to draw one element of
+    ``dtype`` (random_array) and to convert one to float32 (TensorRef.load_f32), each the
+    better of two runs of 2^18 elements; float32 and float64 matmul rates (FLOP/s, 384^3)."""
     n = 1 << 18
     rng = np.random.default_rng(0)
     draw = conv = float("inf")
@@ -384,11 +379,24 @@ def cpu_seconds(shape, tokens: int, dtype: str, build: bool = True) -> float:
         t0 = time.perf_counter()
         TensorRef.of(a).load_f32()
         conv = min(conv, (time.perf_counter() - t0) / n)
+    return draw, conv, _gemm_flops_per_s(np.float32), _gemm_flops_per_s(np.float64)
+
+
+def cpu_seconds(shape, tokens: int, dtype: str, build: bool = True, speeds=None) -> float:
+    """Rough wall time (s) of run_moe on the CPU at T = ``tokens``: drawing the weights (where
+    ``build``), two calls of the fallback (the checked one and the timed one) and the float64
+    reference, at ``speeds`` (numpy_speeds(dtype) where None). Each call converts the weights
+    of the experts it hits (min(E, T*K) of E; the reference 1.5 times as much, to float64) and
+    does 2*T*K*3*H*I FLOPs.
+    On an idle 2-core x86 host a whole `ex-engine run moe` (its start and the registry's load
+    included) took 1.3-1.7x this (qwen3-30b-a3b at T = 1, 512, 4096: 7, 9, 13 s estimated, 10.7,
+    12.4, 19.8 s taken; granite T = 4096: 4 and 6.7 s); a busy CPU takes longer."""
+    draw, conv, r32, r64 = speeds if speeds is not None else numpy_speeds(dtype)
     elems = shape.E * 3 * shape.I * shape.H
     hit = min(shape.E, tokens * shape.K) / max(shape.E, 1)
     flops = 2.0 * tokens * shape.K * 3 * shape.H * shape.I
-    one_call = hit * elems * conv + flops / _gemm_flops_per_s(np.float32)
-    reference = 1.5 * hit * elems * conv + flops / _gemm_flops_per_s(np.float64)
+    one_call = hit * elems * conv + flops / r32
+    reference = 1.5 * hit * elems * conv + flops / r64
     return (elems * draw if build else 0.0) + 2 * one_call + reference
 
 
