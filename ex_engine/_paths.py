@@ -105,8 +105,8 @@ def _from_env(var: str, default: Path) -> Path:
 
 
 def factors_dir() -> Path:
-    """Default folder of plugin libraries: $EX_ENGINE_FACTORS (when set and not empty) or
-    <root>/factors."""
+    """Default folder of plugin libraries: $EX_ENGINE_FACTORS (when set and not only
+    whitespace: env_value) or <root>/factors."""
     return _from_env("EX_ENGINE_FACTORS", ROOT / "factors")
 
 
@@ -193,7 +193,7 @@ def usable_folders(value, what: str) -> tuple[list[Path], list[str]]:
 
 def manifests_dirs() -> list[Path]:
     """The manifests search path: the folders of $EX_ENGINE_MANIFESTS (see search_path; when
-    set and not empty) or [<root>/manifests]."""
+    set and not only whitespace: env_value) or [<root>/manifests]."""
     return search_path(env_value("EX_ENGINE_MANIFESTS")) or [ROOT / "manifests"]
 
 
