@@ -355,7 +355,8 @@ def test_a_registry_argument_that_is_no_registry_is_named(reg):
 def test_run_moe_checks_its_arguments(reg):
     from ex_engine.errors import FactorError
     from ex_engine.moe_layer import run_moe
-    for kw, msg in (({"tokens": -1}, "tokens: expected an int >= 1"), ({"tokens": 0}, "tokens: expected an int >= 1"), ({"tokens": 2.5}, "tokens"),
+    for kw, msg in (({"tokens": -1}, "tokens: expected an int >= 1"),
+                    ({"tokens": 0}, "tokens: expected an int >= 1"), ({"tokens": 2.5}, "tokens"),
                     ({"tokens": 1, "seed": -1}, "seed: expected an int >= 0"),
                     ({"tokens": 1, "repeat": 0}, "repeat: expected an int >= 1"),
                     ({"tokens": 1, "dtype": "foo"}, "dtype: expected 'bfloat16' or 'float16'")):
