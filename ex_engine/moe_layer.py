@@ -101,10 +101,11 @@ def load_models(path=None) -> dict:
         raise ArgumentError("load_models", "path", "a file", "None (the default file) or a non-empty path",
                             repr(path))
     default = path is None
-    if default and _paths.env_value("EX_ENGINE_MANIFESTS"):
+    env = _paths.env_value("EX_ENGINE_MANIFESTS") if default else ""
+    if env:
         # none of the variable's folders there: say that first (FactorError), as the registry
         # does, rather than that moe_models.yaml inside it cannot be opened
-        _paths.usable_folders(_paths.env_value("EX_ENGINE_MANIFESTS"), "EX_ENGINE_MANIFESTS")
+        _paths.usable_folders(env, "EX_ENGINE_MANIFESTS")
     path = _paths.manifests_dir() / "moe_models.yaml" if default else path
     try:
         data = _yaml.load(_paths.read_small(path).decode(), name=path)   # (a FIFO: refused, not waited on)

@@ -101,7 +101,7 @@ def _empty(ref: TensorRef, shape, dtype: str, factor: str, name: str, reg: Facto
 
 def _float32_of(arr):
     """The float32 dtype of ``arr``'s library (torch.float32 or numpy's, which CuPy takes)."""
-    if (_KINDS.get(type(arr)) or _kind_of(arr)) == "torch":
+    if _is_torch(arr):
         import torch
         return torch.float32
     import numpy as np
@@ -115,12 +115,17 @@ def _np_dtype(dtype: str):
     return dtype
 
 
+def _is_torch(a) -> bool:
+    """Whether ``a`` is a torch tensor (its type's kind, cached in _KINDS)."""
+    return (_KINDS.get(type(a)) or _kind_of(a)) == "torch"
+
+
 def _torch_write_suspect(a) -> bool:
     """Whether ``a`` is a torch tensor that _refuse_torch_writes must look at: it requires grad,
     or it is an inference tensor while inference mode is off (inside inference mode, where an
     engine serving under torch.inference_mode() makes every call, nothing is refused: two
     attribute reads and one mode query, on the hot path of every call)."""
-    return (_KINDS.get(type(a)) or _kind_of(a)) == "torch" and (
+    return _is_torch(a) and (
         a.requires_grad or (a.is_inference() and not sys.modules["torch"].is_inference_mode_enabled()))
 
 
@@ -266,7 +271,7 @@ def fused_add_rmsnorm(x, residual, weight, eps: float = 1e-6, *,
     if _torch_write_suspect(x) or _torch_write_suspect(residual):
         with _counted_refusal(reg, "fused_add_rmsnorm"):
             _refuse_torch_writes("fused_add_rmsnorm", {name: a for name, a in (("x", x), ("residual", residual))
-                                                       if (_KINDS.get(type(a)) or _kind_of(a)) == "torch"})
+                                                       if _is_torch(a)})
     reg.dispatch(
         "fused_add_rmsnorm", {"x": x, "residual": residual, "weight": weight}, {"eps": eps})
     return x, residual

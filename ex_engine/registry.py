@@ -656,9 +656,8 @@ class FactorRegistry:
             _path_arg("manifests_dir", manifests_dir, "a directory path or None")
         if manifests_dir:
             dirs, path_notes = _paths.usable_folders(manifests_dir, "manifests_dir")
-        elif _paths.env_value("EX_ENGINE_MANIFESTS"):
-            dirs, path_notes = _paths.usable_folders(_paths.env_value("EX_ENGINE_MANIFESTS"),
-                                                     "EX_ENGINE_MANIFESTS")
+        elif env := _paths.env_value("EX_ENGINE_MANIFESTS"):
+            dirs, path_notes = _paths.usable_folders(env, "EX_ENGINE_MANIFESTS")
         else:
             dirs, path_notes = _paths.manifests_dirs(), []
         hw = resolve(hardware)
