@@ -73,6 +73,26 @@ def short_name(name: str) -> str:
     return base.rsplit("::", 1)[-1]
 
 
+def idle_gaps(spans):
+    """(first start to last end, time some kernel ran, {kernel name: idle µs before it}) of
+    profiled kernel spans (start µs, end µs, name); overlapping kernels (programmatic dependent
+    launch) count once in the busy time, and a kernel that starts before the running ones end
+    has no idle time before it."""
+    spans = sorted(spans)
+    idle = defaultdict(float)
+    if not spans:
+        return 0.0, 0.0, idle
+    busy, end = 0.0, spans[0][0]
+    for a, b, name in spans:
+        if a > end:
+            idle[name] += a - end
+            busy += b - a
+        else:
+            busy += max(0.0, b - end)
+        end = max(end, b)
+    return end - spans[0][0], busy, idle
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=_scripts["HelpFormatter"])
     ap.add_argument("--cases", nargs="+", required=True, metavar="MODEL:T",
@@ -164,7 +184,7 @@ def main() -> int:
                     or ev.name.startswith("Memset"):
                 continue
             per[short_name(ev.name)] += ev.time_range.end - ev.time_range.start
-            spans.append((ev.time_range.start, ev.time_range.end))
+            spans.append((ev.time_range.start, ev.time_range.end, short_name(ev.name)))
         total = sum(per.values())
         path = reg.last_path.get("moe_fused_gemm")
         if args.graph:
@@ -173,13 +193,19 @@ def main() -> int:
                   f"{clocks.summary()}", flush=True)
             for k, v in sorted(per.items(), key=lambda kv: -kv[1]):
                 print(f"    {k:<36}{v / ncalls:>9.1f} µs {100 * v / total:>5.1f}%", flush=True)
+            span_us, busy_us, idle_before = idle_gaps(spans)
+            print(f"  profiled replays: first kernel start to last end {span_us / ncalls:.1f} µs per "
+                  f"call, some kernel running {busy_us / ncalls:.1f}, none running "
+                  f"{(span_us - busy_us) / ncalls:.1f}; idle before each kernel (µs per call):", flush=True)
+            for k, v in sorted(idle_before.items(), key=lambda kv: -kv[1]):
+                print(f"    {k:<36}{v / ncalls:>9.1f} µs", flush=True)
             del w13, w2, sets, fns
             torch.cuda.empty_cache()
             continue
         # wall per call: kernels grouped into calls by the gaps between them (calls are synchronised)
         spans.sort()
         walls, cur = [], None
-        for a, b in spans:
+        for a, b, _ in spans:
             if cur is None or a > cur[1] + 20:  # > 20 µs idle: the next call
                 if cur:
                     walls.append(cur[1] - cur[0])

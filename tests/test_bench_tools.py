@@ -799,3 +799,15 @@ def test_bench_moe_balanced_routing_gives_every_expert_the_same_slots():
     assert torch.allclose(w.sum(-1), torch.ones(T)) and bool((w > 0).all())
     _, ids_u = bench.routing(T, E, K, True, False, gen)
     assert torch.bincount(ids_u.reshape(-1).long(), minlength=E).tolist() != [T * K // E] * E
+
+
+def test_kernel_times_idle_gaps_counts_overlap_once_and_names_the_kernel_after_a_gap(kernel_times):
+    """Graph replay's idle time is what no kernel covers: two kernels that overlap (programmatic
+    dependent launch) count once in the busy time, and each gap is charged to the kernel after it."""
+    spans = [(35.0, 40.0, "a"), (0.0, 10.0, "a"), (12.0, 20.0, "b"), (18.0, 30.0, "c")]
+    span, busy, idle = kernel_times.idle_gaps(spans)
+    assert (span, busy) == (40.0, 33.0)
+    assert dict(idle) == {"b": 2.0, "a": 5.0}
+    span, busy, idle = kernel_times.idle_gaps([(0.0, 10.0, "a"), (2.0, 5.0, "b")])  # b inside a
+    assert (span, busy, dict(idle)) == (10.0, 10.0, {})
+    assert kernel_times.idle_gaps([])[:2] == (0.0, 0.0)
