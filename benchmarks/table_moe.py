@@ -68,12 +68,23 @@ def row_problem(i: int, r) -> str:
     for k in need:
         if not _number(r.get(k)):
             return f"{where}: '{k}': expected a number, got {r.get(k, 'nothing')!r}"
+    if "ours_us" in r and not r["ours_us"] > 0:   # the ratios divide by it
+        return f"{where}: 'ours_us': expected a time > 0, got {r['ours_us']!r}"
     if "ours_us" not in r and not isinstance(r.get("error"), str):
         return (f"{where}: expected 'ours_us' (a timed row) or 'error' (a failed one), "
                 f"got neither")
     for k in ("gmm_us", "fallback_us", "x_floor_here"):
         if r.get(k) is not None and not _number(r[k]):
             return f"{where}: '{k}': expected a number or null, got {r[k]!r}"
+    return ""
+
+
+def meta_problem(m: dict) -> str:
+    """What keeps the meta out of the header ('' if nothing): a 'warm_ms' or 'sets' that is
+    neither a number nor null (the header formats them as numbers)."""
+    for k in ("warm_ms", "sets"):
+        if m.get(k) is not None and not _number(m[k]):
+            return f"meta: '{k}': expected a number or null, got {m[k]!r}"
     return ""
 
 
@@ -134,7 +145,7 @@ def main(path) -> int:
         problem = (f"{path}: expected the JSON that bench_moe.py --json writes (meta and rows): "
                    f"{type(exc).__name__}: {exc}")
     else:
-        problems = [p for p in [file_problem(d)] if p] or \
+        problems = [p for p in [file_problem(d), meta_problem(d["meta"])] if p] or \
             [p for p in (row_problem(i, r) for i, r in enumerate(d["rows"])) if p]
         if problems:
             problem = f"{path}: {problems[0]}" + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else "")

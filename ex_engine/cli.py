@@ -146,6 +146,26 @@ def _print_notes(reg) -> None:
         print(f"note: {note}")
 
 
+# the checks whose failure means "not for this GPU" (no code for its architecture, or the
+# library's ex_get_factor declined the hardware), not a broken library
+HARDWARE_CHECKS = ("cuda code", "ex_get_factor(hw)")
+
+
+def _note_refused(reg) -> list:
+    """A 'note: FILE refused: REASON' line on stderr for each library the registry rejected,
+    as list-factors' rows say; returns those refused for a reason other than this GPU
+    (HARDWARE_CHECKS), which `verify --strict` counts as not verified."""
+    from .registry import _printable
+    broken = []
+    for p in reg.plugins:
+        if p.status != "rejected":
+            continue
+        print(f"note: {_printable(p.path.name)} refused: {_printable(p.reason)}", file=sys.stderr)
+        if not all(c.name in HARDWARE_CHECKS for c in p.checks if not c.ok):
+            broken.append(p)
+    return broken
+
+
 def _none_ready(reg, folder) -> int:
     """list-factors' exit status: 0 if a plugin is ready, else 1 with a line on stderr saying so
     (a script checking a folder learns that nothing in it will serve a call)."""
@@ -268,10 +288,7 @@ def cmd_run_moe(args) -> int:
     sys.stdout.flush()
     for note in reg.notes:   # e.g. a --prefer that names no ready plugin (it was silent)
         print(f"note: {note}", file=sys.stderr)
-    from .registry import _printable
-    for p in reg.plugins:    # each library refused, and why, as list-factors' rows say (--probe's
-        if p.status == "rejected":   # crash or hang in ex_get_factor was refused without a word)
-            print(f"note: {_printable(p.path.name)} refused: {_printable(p.reason)}", file=sys.stderr)
+    _note_refused(reg)   # (--probe's crash or hang in ex_get_factor was refused without a word)
     for name in ("topk_softmax", "moe_fused_gemm"):   # (it printed PASS without a word)
         if reg.get(name) is None:
             reg.manifest(name)   # no manifest, no fallback either: FactorNotFoundError, before any work
@@ -308,7 +325,9 @@ def cmd_verify(args) -> int:
     hw = reg.hardware
     print(f"hardware: {hw.name} ({hw.source})")
     _print_notes(reg)
-    if not hw.live:
+    sys.stdout.flush()
+    refused = _note_refused(reg)   # (verify named none of them: --strict passed on a folder
+    if not hw.live:                # holding a truncated library beside a good one)
         print("note: no live GPU: device factors cannot be run here; checking host factors only")
     chosen = sorted((reg.get(n) for n in {p.name for p in reg.plugins if reg.get(p.name)}),
                     key=lambda p: p.name)
@@ -356,9 +375,15 @@ def cmd_verify(args) -> int:
               + ("" if args.strict else " (verify --strict fails on this)"), file=sys.stderr)
     if n["FAIL"]:
         return 1
-    if args.strict and (n["skipped"] or all_declined):
+    if refused:
+        print(f"{'verify --strict: error' if args.strict else 'warning'}: "
+              f"{len(refused)} librar{'y' if len(refused) == 1 else 'ies'} refused at load, not verified: "
+              f"{', '.join(p.path.name for p in refused)} (the notes above say why"
+              + (")" if args.strict else "; verify --strict fails on this)"), file=sys.stderr)
+    if args.strict and (n["skipped"] or all_declined or refused):
         what = [f"{n['skipped']} factor(s) skipped, not run"] if n["skipped"] else []
         what += [f"{len(all_declined)} factor(s) whose plugin declined every case"] if all_declined else []
+        what += [f"{len(refused)} library(ies) refused at load"] if refused else []
         print(f"verify --strict: {' and '.join(what)} (exit status 3)", file=sys.stderr)
         return 3
     return 0
@@ -677,8 +702,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=token_count, default=0, metavar="N", help="random seed >= 0 (default: %(default)s)")
     p.add_argument("--strict", action="store_true",
                    help="exit status 3 when any ready factor was skipped (a device factor without "
-                        "a live GPU) or its plugin declined every case: every one must have been "
-                        "run and compared")
+                        "a live GPU) or its plugin declined every case, or a library in the folder "
+                        "was refused at load for a reason other than this GPU (no code for its "
+                        "architecture, or its ex_get_factor declining the hardware, are notes "
+                        "only): every one must have been run and compared")
     p.add_argument("--in-process", action="store_true",
                    help="run the checks in this process (default: each plugin's in a child process, "
                         "so that a kernel that crashes, exits or hangs is a FAIL row and the others "

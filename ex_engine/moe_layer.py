@@ -64,6 +64,9 @@ def _check_models(data) -> None:
     for name, m in models.items():
         if not isinstance(name, str) or not name:
             raise ValueError(f"models: model name {name!r}: expected a non-empty string")
+        if name == "all":   # `run moe --model all`, the tools' `--models all`: every model
+            raise ValueError("models: model name 'all': expected another name ('all' stands for every "
+                             "model in `ex-engine run moe --model all` and the tools' --models all)")
         where = f"model '{name}'"
         if not isinstance(m, dict):
             raise ValueError(f"{where}: expected a mapping {{H, I, E, K, renormalize}}, got {m!r}")

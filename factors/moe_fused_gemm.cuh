@@ -1910,7 +1910,7 @@ static bool moe_portable_init(const ex_hardware_t* hw, ex_tuning_t* tuning) {
     for (int c = 0; c < CFG_COUNT; ++c) s_cfg_allowed[c] = allowed[c];
     s_num_sms = hw->multiprocessor_count > 0 ? hw->multiprocessor_count : 1;
     s_pdl_ok = hw->cc_major >= 9;
-    s_cluster_combine = hw->cc_major >= 9 && explugin::env_count("EX_MOE_CLUSTER_COMBINE", 1) != 0;
+    s_cluster_combine = hw->cc_major >= 9 && explugin::env_switch("EX_MOE_CLUSTER_COMBINE");   // an on/off switch (README)
     s_route_mb_slots = explugin::env_count("EX_MOE_ROUTE_MULTIBLOCK_SLOTS", kRouteMultiBlockSlots);
 #if defined(EX_MOE_DIAG)
     s_diag_skip = (int)explugin::env_count("EX_MOE_DIAG_SKIP", 0);

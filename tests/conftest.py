@@ -21,6 +21,21 @@ def child_env(*extra) -> dict:
     return dict(os.environ, PYTHONPATH=os.pathsep.join(parts))
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _private_verify_cache(tmp_path_factory):
+    """The whole run's verify cache (EX_ENGINE_CACHE) in a temporary folder, children included:
+    a test that loads with verify=True and sets no cache of its own wrote the user's
+    ~/.cache/ex_engine/verified.json (test_loader's manifest cross-reference test did). A test
+    that sets its own (monkeypatch.setenv) still gets it."""
+    old = os.environ.get("EX_ENGINE_CACHE")
+    os.environ["EX_ENGINE_CACHE"] = str(tmp_path_factory.mktemp("ex_engine_cache"))
+    yield
+    if old is None:
+        os.environ.pop("EX_ENGINE_CACHE", None)
+    else:
+        os.environ["EX_ENGINE_CACHE"] = old
+
+
 def have_gpu() -> bool:
     try:
         import cupy
