@@ -15,8 +15,10 @@ EX_MOE_SM90_MIN_ROWS_PER_EXPERT apply as for any call (read when the plugin load
 
 --graph: the calls run as benchmarks/bench_moe.py and ab_moe.py time them instead, in a CUDA
 graph of --calls calls cycling over the three sets, replayed back to back (1 s of warm-up, then
-5 profiled replays): per-kernel µs per call under sustained load, the graph's µs per call, and
-the SM clock and board power sampled (NVML) in the warm-up's second half. The eager calls above
+5 profiled replays): per-kernel µs per call under sustained load, the graph's µs per call, the
+profiled replays' time with no kernel running (idle gaps, charged to the kernel after each; kernels
+that overlap under programmatic dependent launch count once), and the SM clock and board power
+sampled (NVML) in the warm-up's second half. The eager calls above
 are synchronised one by one, so the card idles between them and holds higher clocks than in a
 graph: on the power-limited H200, qwen3-30b T = 4096 read 699 µs a call eager and 729-795 in
 graph replay (RESULTS.md, session thirty-one).
