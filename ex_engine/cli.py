@@ -146,24 +146,15 @@ def _print_notes(reg) -> None:
         print(f"note: {note}")
 
 
-# the checks whose failure means "not for this GPU" (no code for its architecture, or the
-# library's ex_get_factor declined the hardware), not a broken library
-HARDWARE_CHECKS = ("cuda code", "ex_get_factor(hw)")
-
-
 def _note_refused(reg) -> list:
     """A 'note: FILE refused: REASON' line on stderr for each library the registry rejected,
     as list-factors' rows say; returns those refused for a reason other than this GPU
-    (HARDWARE_CHECKS), which `verify --strict` counts as not verified."""
+    (Plugin.broken), which `verify --strict` counts as not verified."""
     from .registry import _printable
-    broken = []
     for p in reg.plugins:
-        if p.status != "rejected":
-            continue
-        print(f"note: {_printable(p.path.name)} refused: {_printable(p.reason)}", file=sys.stderr)
-        if not all(c.name in HARDWARE_CHECKS for c in p.checks if not c.ok):
-            broken.append(p)
-    return broken
+        if p.status == "rejected":
+            print(f"note: {_printable(p.path.name)} refused: {_printable(p.reason)}", file=sys.stderr)
+    return [p for p in reg.plugins if p.broken]
 
 
 def _none_ready(reg, folder) -> int:

@@ -7,6 +7,7 @@ fallback's float32 semantics, the experts against float64).
 """
 from __future__ import annotations
 
+import functools
 import os
 import time
 from dataclasses import dataclass
@@ -369,10 +370,12 @@ def _gemm_flops_per_s(dtype, n: int = 384) -> float:
     return 2.0 * n ** 3 / max(best, 1e-9)
 
 
+@functools.lru_cache(maxsize=None)
 def numpy_speeds(dtype: str) -> tuple:
-    """NumPy's speed here, measured on small samples (~30 ms): seconds to draw one element of
-    ``dtype`` (random_array) and to convert one to float32 (TensorRef.load_f32), each the
-    better of two runs of 2^18 elements; float32 and float64 matmul rates (FLOP/s, 384^3)."""
+    """NumPy's speed here, measured on small samples (~30 ms, once per dtype and process: a run
+    over several T asks again for each): seconds to draw one element of ``dtype``
+    (random_array) and to convert one to float32 (TensorRef.load_f32), each the better of two
+    runs of 2^18 elements; float32 and float64 matmul rates (FLOP/s, 384^3)."""
     n = 1 << 18
     rng = np.random.default_rng(0)
     draw = conv = float("inf")

@@ -54,6 +54,12 @@ class Check:
         return "FAIL" if not self.ok else "WARN" if self.warn else "ok"
 
 
+# the checks whose failure means "not for this GPU" (no code for its architecture, or the
+# library's ex_get_factor declined the hardware), not a broken library
+CUDA_CODE_CHECK, HARDWARE_CHECK = "cuda code", "ex_get_factor(hw)"
+HARDWARE_CHECKS = (CUDA_CODE_CHECK, HARDWARE_CHECK)
+
+
 @dataclass
 class Plugin:
     """A plugin library as the registry saw it. status: 'ready', 'rejected' or 'shadowed'."""
@@ -86,6 +92,12 @@ class Plugin:
     def require(self, name: str, ok: bool, failure: str, passed: str = "") -> bool:
         """Record a check whose detail is only meant for a failure (``passed`` otherwise)."""
         return self.check(name, ok, passed if ok else failure)
+
+    @property
+    def broken(self) -> bool:
+        """Rejected for a reason other than this GPU: some failed check is not one of
+        HARDWARE_CHECKS (no code for its architecture, ex_get_factor declining the hardware)."""
+        return self.status == "rejected" and not all(c.name in HARDWARE_CHECKS for c in self.checks if not c.ok)
 
     def version_key(self) -> tuple:
         """The version "MAJOR.MINOR.PATCH" as a tuple of ints for ordering (a part that is not
@@ -888,15 +900,15 @@ class FactorRegistry:
             return p.check("elf", False, f"{exc}; not opened (dlopen of a truncated or corrupt "
                                          "library crashes the process when it touches pages past the file's end)")
         except fatbin.FatbinError as exc:
-            p.check("cuda code", True, f"not checked: {exc} (dlopen decides)")
+            p.check(CUDA_CODE_CHECK, True, f"not checked: {exc} (dlopen decides)")
             return True
         p.code_known = True
         if entries is None:
-            return p.check("cuda code", True, "no .nv_fatbin section (a host-only library): check skipped")
+            return p.check(CUDA_CODE_CHECK, True, "no .nv_fatbin section (a host-only library): check skipped")
         p.cuda_code = {"sass": [e.name for e in entries if e.kind == "sass"],
                        "ptx": [e.name for e in entries if e.kind == "ptx"]}
         ok, detail = fatbin.check_code(entries, hw.cc_major, hw.cc_minor)
-        return p.check("cuda code", ok, f"{detail} ({hw.name}, cc {hw.cc_major}.{hw.cc_minor})")
+        return p.check(CUDA_CODE_CHECK, ok, f"{detail} ({hw.name}, cc {hw.cc_major}.{hw.cc_minor})")
 
     @staticmethod
     def _check_unchanged(p: Plugin, path: Path, ident: tuple) -> bool:
@@ -1138,7 +1150,7 @@ class FactorRegistry:
                          "ex_get_factor wrote to the hardware description it was given (a const "
                          f"ex_hardware_t*): {', '.join(changed)}; a library must only read it"):
             return p
-        if not p.require("ex_get_factor(hw)", f != abi.ffi.NULL,
+        if not p.require(HARDWARE_CHECK, f != abi.ffi.NULL,
                        f"returned NULL for {self.hardware.name} ({self.hardware.source}): "
                        "the factor declines this hardware"):
             return p

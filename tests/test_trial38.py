@@ -100,8 +100,8 @@ def test_verify_names_a_refused_library_and_strict_fails_on_it(tmp_path, capsys)
 def test_verify_strict_takes_a_library_for_another_gpu_as_a_note(tmp_path, capsys):
     """A library refused only because it has no code for this GPU (or its ex_get_factor
     declines the hardware) is not a broken one: a note, and --strict does not count it."""
-    from ex_engine.cli import HARDWARE_CHECKS, _note_refused
-    from ex_engine.registry import Check, Plugin
+    from ex_engine.cli import _note_refused
+    from ex_engine.registry import HARDWARE_CHECKS, Check, Plugin
 
     class Reg:
         plugins = [Plugin(tmp_path / "sm90.so", checks=[Check("elf", True), Check("cuda code", False, "no SASS")]),
