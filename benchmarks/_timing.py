@@ -47,6 +47,30 @@ def _capture(fns, calls: int):
     return g
 
 
+def graph_outputs(fns) -> list:
+    """The tensors ``fns`` (zero-argument callables, each returning one tensor) return when a
+    CUDA graph of one call each is captured, filled with NaN (float tensors; -1 otherwise) and
+    then written by one replay of that graph: what graph replay computes, with any element it
+    leaves unwritten poisoned. Each callable runs once on a side stream first (warm-up, as in
+    graph_us). The tensors live in the graph's private memory pool, which PyTorch keeps while
+    they are referenced."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for fn in fns:
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        outs = [fn() for fn in fns]
+    for o in outs:
+        o.fill_(float("nan") if o.is_floating_point() else -1)
+    g.replay()
+    torch.cuda.synchronize()
+    return outs
+
+
 def write_json(path, data) -> None:
     """``data`` as indented JSON to ``path``, atomically (trust.replace_file, not synced: a run
     interrupted while it writes leaves the previous complete file, not a truncated one; the

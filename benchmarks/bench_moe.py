@@ -4,11 +4,13 @@
 For each model of manifests/moe_models.yaml and each T, in one process on one GPU: builds the
 layer (weights N(0, 0.02), bf16 by default), draws several independently routed input sets
 (softmax of N(0,1) logits, top-K, renormalised per the model), checks every implementation's
-output on the first set against a float32 reference (relative error <= REL_TOL, 1e-2, for each:
-METHOD's bf16 range), then times CUDA-graph replays that rotate over the sets. The sets differ
-in hidden_states and routing and share one copy of the weights (--weight-copies: a copy each),
-so the weights one call read can still be in L2 for the next: a small layer's partly (granite
-T = 1 read 2.4-4.3% faster shared than with copies, RESULTS.md, "call 10"). Prints time, TFLOP/s, GB/s, ratio to the
+output against a float32 reference (relative error <= REL_TOL, 1e-2, for each: METHOD's bf16
+range), then times CUDA-graph replays that rotate over the sets. Each set has its own copy of
+w13 and w2 (--shared-weights: one copy for all, as the tables before 2026-12-05 were measured),
+so that no call reads weights the previous call left in L2. Checked before timing: the first
+set's eager call (its output poisoned with NaN first); after timing, every set's output from one
+replay of a CUDA graph of one call per set (ours and the gmm peer; outputs poisoned before the
+replay): a wrong or unwritten output on any set drops that implementation's time from the row. Prints time, TFLOP/s, GB/s, ratio to the
 floor and to the peer; writes JSON.
 
 Floor (../shared/PERF.md, beside the checkout): max(FLOPs / 787 TFLOP/s, bytes / 4.23 TB/s); FLOPs = 2*T*K*3*H*I; bytes = the
@@ -53,7 +55,7 @@ try:
 except ImportError as exc:  # numpy missing: a run says so in one line
     FactorRegistry = None
     NO_PACKAGE = f"needs numpy, PyTorch and a CUDA GPU (the ex_engine package does not import: {exc})"
-from _timing import ceilings, graph_us, host_us, run_meta, write_json  # noqa: E402
+from _timing import ceilings, graph_outputs, graph_us, host_us, run_meta, write_json  # noqa: E402
 
 PEAK_TFLOPS, PEAK_GBS = 787.0, 4230.0
 REL_TOL = 1e-2   # every implementation's check: bf16 operands land between 1e-3 and 1e-2 (METHOD)
@@ -148,6 +150,38 @@ def rel(out, ref):
     return float((o - ref).norm() / ref.norm())
 
 
+def graph_errors(fn, sets, refs):
+    """rel() of each set's output from one replay of a CUDA graph of ``fn(*set)`` for every set
+    in ``sets`` (their outputs filled with NaN before the replay, so an element the graph left
+    unwritten fails), against ``refs`` (one float32 reference per set): the check of what graph
+    replay computes, on every set the timed graphs rotate over, not only the first set's eager
+    call."""
+    return [rel(out, r) for out, r in zip(graph_outputs([lambda a=a: fn(*a) for a in sets]), refs)]
+
+
+def graph_failure(errs) -> str | None:
+    """None where every error in ``errs`` (graph_errors(), one per set) passes check_passes(),
+    else which sets failed and by how much (NaN, an unwritten element, reads 'inf')."""
+    bad = [f"set {k} rel err {e:.2e}" for k, e in enumerate(errs) if not check_passes(e)]
+    return f"{', '.join(bad)} > {REL_TOL:g}" if bad else None
+
+
+def weight_copies(w13, w2, n_sets, wanted, model):
+    """The copies of (w13, w2) for input sets 1..n_sets-1 (set 0 keeps the layer's own), or []
+    where ``wanted`` is False, there is one set, or the copies would not leave a quarter of the
+    GPU's free memory (said on stderr: the rows then share one copy of the weights)."""
+    if not wanted or n_sets == 1:
+        return []
+    need = (n_sets - 1) * (w13.nbytes + w2.nbytes)
+    free, _ = torch.cuda.mem_get_info()
+    if need > 0.75 * free:
+        print(f"# {model}: {n_sets - 1} more copies of the weights ({need / 2**30:.1f} GiB) do not fit "
+              f"in {free / 2**30:.1f} GiB free with room to spare: its sets share one copy",
+              file=sys.stderr, flush=True)
+        return []
+    return [(w13.clone(), w2.clone()) for _ in range(n_sets - 1)]
+
+
 def eager_time_us(fn, args, reps):
     torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -177,12 +211,17 @@ def main():
     ap.add_argument("--fallback-max-t", type=int, default=64,
                     help="time the Python fallback (eager: one warm-up call, whose output is checked "
                          "against the reference, then the median of 5) at each T up to this")
-    ap.add_argument("--weight-copies", action="store_true",
-                    help="give each input set its own copy of w13 and w2 (memory: --sets times the "
-                         "layer), so that no call reads weights that the previous call left in L2 "
-                         "(default: the sets share one copy and differ in hidden_states and routing; "
-                         "a model whose layer is a few times L2, granite's 189 MB, may then have "
-                         "part of its weights served from L2)")
+    copies = ap.add_mutually_exclusive_group()
+    copies.add_argument("--weight-copies", dest="weight_copies", action="store_true", default=True,
+                        help="the default: each input set has its own copy of w13 and w2 (memory: "
+                             "--sets times the layer; where they do not fit in the GPU's free memory "
+                             "with room to spare, the row shares one copy and says so), so that no "
+                             "call reads weights that the previous call left in L2")
+    copies.add_argument("--shared-weights", dest="weight_copies", action="store_false",
+                        help="the sets share one copy of the weights and differ in hidden_states and "
+                             "routing (the tables before 2026-12-05): a layer a few times L2, granite's "
+                             "189 MB, then has part of its weights served from L2 (granite T = 1 read "
+                             "2.4-4.3%% faster, RESULTS.md)")
     ap.add_argument("--json", default=None, metavar="FILE",
                     help="write the run's meta and every row here, after each row (a run cut short "
                          "keeps what it measured); not written by default")
@@ -247,24 +286,26 @@ def main():
         print(f"[{i + 1}/{len(cases)}] {m} T={T}{'' if route == 'uniform' else ' ' + route} ...",
               file=sys.stderr, flush=True)
         if m != cur_model:
-            layer = None
+            layer = sets = refs = w13 = w2 = None   # the last model's weights and copies freed
             torch.cuda.empty_cache()
             layer, cur_model = layer_weights(s, dt, gen), m
-        w13, w2 = layer
+            layer = (layer, weight_copies(*layer, args.sets, args.weight_copies, m))
+        (w13, w2), own = layer
         sets = input_sets(s, T, args.sets, w13, w2, dt, gen, skew, route == "balanced")
-        if args.weight_copies:   # set 0 keeps the layer's own copy; the others get theirs
-            sets = [a if k == 0 else (a[0], w13.clone(), w2.clone(), a[3], a[4]) for k, a in enumerate(sets)]
+        sets = [a if k == 0 or not own else (a[0], *own[k - 1], a[3], a[4]) for k, a in enumerate(sets)]
         hit = sum(int(torch.unique(a[4]).numel()) for a in sets) / args.sets
         flops = 2.0 * T * s.K * 3 * s.H * s.I
         bytes_ = hit * 3 * s.H * s.I * 2 + 2 * T * s.H * 2 + T * s.K * 8
         floor = max(flops / PEAK_TFLOPS / 1e6, bytes_ / PEAK_GBS / 1e3)
         floor_here = max(flops / here["matmul_tflops"] / 1e6, bytes_ / here["copy_gbs"] / 1e3)
         ours = lambda x, w13, w2, w, ids: moe_fused_gemm(x, w13, w2, w, ids, registry=reg)
-        x, _, _, w, ids = sets[0]
-        ref = reference(x, w13, w2, w, ids)
-        err = rel(ours(*sets[0]), ref)
+        refs = [reference(*a) for a in sets]
+        ref = refs[0]
+        poisoned = torch.full_like(sets[0][0], float("nan"))   # every element must be written
+        err = rel(moe_fused_gemm(*sets[0], out=poisoned, registry=reg), ref)
         err_g = rel(gmm_pipeline(*sets[0]), ref)
         row = {"model": m, "T": T, "skewed": skew, "routing": route, "H": s.H, "I": s.I, "E": s.E, "K": s.K,
+               "weight_copies": bool(own),
                "experts_hit": hit, "flops": flops, "bytes": bytes_, "floor_us": floor, "floor_here_us": floor_here,
                "err_ours": err, "err_gmm": err_g, "path": reg.last_path.get("moe_fused_gemm")}
         if not check_passes(err):   # (NaN never passes)
@@ -274,12 +315,24 @@ def main():
             save()
             continue
         row["ours_us"] = graph_us([lambda a=a: ours(*a) for a in sets], warm_ms=args.warm_ms)
+        row["err_ours_graph"] = graph_errors(ours, sets, refs)
+        if graph_failure(row["err_ours_graph"]):
+            row["error"] = f"ours in graph replay: {graph_failure(row['err_ours_graph'])}: time dropped"
+            del row["ours_us"]
+            print(f"{m:<22}{T:>6} FAILED CHECK: {row['error']}", flush=True)
+            rows.append(row)
+            save()
+            continue
         row["gmm_us"] = None
         if not check_passes(err_g):
             row["gmm_skipped"] = f"gmm rel err {err_g:.2e} > {REL_TOL:g}: not timed"
         else:
             try:
                 row["gmm_us"] = graph_us([lambda a=a: gmm_pipeline(*a) for a in sets], warm_ms=args.warm_ms)
+                row["err_gmm_graph"] = graph_errors(gmm_pipeline, sets, refs)
+                if graph_failure(row["err_gmm_graph"]):
+                    row["gmm_skipped"] = f"gmm in graph replay: {graph_failure(row['err_gmm_graph'])}: time dropped"
+                    row["gmm_us"] = None
             except RuntimeError as exc:
                 # torch 2.11's _grouped_mm in float16 copies to the host (not graph-capturable):
                 # the peer gets no time rather than an eager one beside our graph-replay time
