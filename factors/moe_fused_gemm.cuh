@@ -1397,14 +1397,16 @@ static bool read_dims(const int64_t dims[], int n_dims, Problem* P, char* msg, s
     // H, I <= 2^24 (kMaxHI, as the manifest's constraints): the kernels count columns, k-tiles
     // and 2I in int32 (a fallback's loop over H, ceil(I / BK), CUTLASS's N = 2I); near 2^31
     // those wrapped (H or I within 63 of it: GEMM2 never ran, out all zero; a static review,
-    // session 33). Real layers have H, I < 2^17.
+    // session 33). Real layers have H, I < 2^17. T, E and G are at most 2^31 - 1 (int32 in the
+    // kernels; the manifest refuses E and G past it by name): the message says so, since a G of
+    // 2^31 (an 8 GiB expert_map) was refused as "expected ... E, G >= 1", which it was (session 39)
     if (P->T < 0 || P->H < 1 || P->E < 1 || P->I < 1 || P->K < 1 || P->G < 1 || P->K > P->G ||
         P->T > lim || P->H > kMaxHI || P->E > lim || P->I > kMaxHI || P->G > lim) {
         snprintf(msg, n,
-                 "moe_fused_gemm: expected T >= 0, 1 <= H, I <= %lld, E, G >= 1, 1 <= K <= G; got T=%lld "
-                 "H=%lld E=%lld I=%lld K=%lld G=%lld",
-                 (long long)kMaxHI, (long long)P->T, (long long)P->H, (long long)P->E, (long long)P->I,
-                 (long long)P->K, (long long)P->G);
+                 "moe_fused_gemm: expected 0 <= T <= %lld, 1 <= H, I <= %lld, 1 <= E, G <= %lld, 1 <= K <= G; "
+                 "got T=%lld H=%lld E=%lld I=%lld K=%lld G=%lld",
+                 (long long)lim, (long long)kMaxHI, (long long)lim, (long long)P->T, (long long)P->H,
+                 (long long)P->E, (long long)P->I, (long long)P->K, (long long)P->G);
         return false;
     }
     P->TK = P->T * P->K;
@@ -1479,7 +1481,7 @@ static int check_args(void* output, const void* input, const void* aux[], int n_
                       const int64_t dims[], int n_dims, Problem* P, bool* done) {
     *done = false;
     explugin::clear_error();
-    char msg[192];
+    char msg[256];
     if (aux == nullptr || dims == nullptr)
         return set_error(EX_ERR_INVALID_ARGUMENT, "moe_fused_gemm: aux_inputs and dims must not be NULL");
     if (n_aux < 6) {
@@ -1522,7 +1524,7 @@ static int check_args(void* output, const void* input, const void* aux[], int n_
 static int64_t moe_workspace_size(const int64_t dims[], int n_dims) {
     if (dims == nullptr || n_dims < 6) return 256;
     Problem P;
-    char msg[192];
+    char msg[256];
     if (!read_dims(dims, n_dims, &P, msg, sizeof msg)) return 256;  // the kernel rejects these dims
     return ws_layout(P).total;
 }

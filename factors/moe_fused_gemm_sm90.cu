@@ -1134,7 +1134,7 @@ static int64_t sm90_workspace_size(const int64_t dims[], int n_dims) {
     const int64_t portable = moe_workspace_size(dims, n_dims);
     if (dims == nullptr || n_dims < 6) return portable;
     Problem P;
-    char msg[192];
+    char msg[256];
     if (!read_dims(dims, n_dims, &P, msg, sizeof msg)) return portable;  // the kernel rejects these
     if (!sm90_path_for(P)) return portable;
     const int64_t mine = sm90_layout(P).total;
