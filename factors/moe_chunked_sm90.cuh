@@ -227,8 +227,8 @@ __device__ __forceinline__ float silu_epi(float g) {
 
 // The swap-AB epilogue of NN chunk rows (GMMA's C fragment ((2 chunk rows, 2 weight rows r / r + 8,
 // NN / 8 blocks of 8 chunk rows), 1, 1), tCc its coordinates): each value computed and its store
-// predicated on t < mv (rows past the chunk are never stored), at obase + t * ld (32-bit offsets: t <
-// 288, ld = I or H <= 2^23). GEMM1: rows r (gate) and r + 8 (up) give one act column; GEMM2: columns
+// predicated on t < mv (rows past the chunk are never stored), at obase + t * ld (32-bit: t < NN <= 224
+// (kX's obase is past chunk_rows), ld <= 2^23: < 2^31). GEMM1: rows r, r + 8 give one act column; GEMM2: cols
 // r and r + 8. Written for little code per element (the code size is what the swap band bounds).
 template <typename T, bool kGated, int NN, class Acc, class Coords>
 __device__ __forceinline__ void store_swap(const Acc& acc, const Coords& tCc, T* obase, int ld, int mv) {
@@ -682,7 +682,7 @@ inline bool encode_map_gate_up(CUtensorMap* map, const void* base, bool bf16, ui
 // Shapes the kernels take: H % 128 == 0 (GEMM2's N-tiles, GEMM1's k-steps) and I % 64 == 0
 // (GEMM1's N-tiles of 64 act columns, GEMM2's k-steps); the caller adds its own conditions (the
 // gated path: I % 128 == 0) and E <= kMaxE (the per-expert prefix in shared memory).
-// H and I up to 2^23: the swap-AB epilogue's 32-bit row offsets (t * ld, t < 256) stay in range.
+// H and I up to 2^23: the swap-AB epilogue's 32-bit row offsets (t * ld, t < 224) stay in range.
 constexpr int64_t kMaxE = 4096;
 constexpr int64_t kMaxDim = int64_t(1) << 23;
 inline bool supports(int64_t H, int64_t I, int64_t E) {
