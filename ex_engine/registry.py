@@ -378,15 +378,19 @@ def _dims_text(dims) -> str:
 
 class WorkspaceSizeError(KernelError):
     """A plugin's workspace_size returned a size outside 0..2**40 bytes, before its kernel ran:
-    the plugin's bug. A KernelError (status EX_ERR_WORKSPACE, for callers that catch those)
-    whose message names workspace_size's answer, not a status the kernel never returned."""
+    below 0 the plugin's bug; above 2**40 (1 TiB, more than a device holds) either that or dims
+    too large for the factor (moe_fused_gemm's legal T = 2**20, H = 4096, E = K = 128, I = 768
+    asks 1.3 TB: its per-slot intermediates). A KernelError (status EX_ERR_WORKSPACE, for callers that catch those) whose message
+    names workspace_size's answer, not a status the kernel never returned."""
 
     def __init__(self, factor: str, need: int, dims):
         self.factor, self.status = factor, abi.EX_ERR_WORKSPACE
         self.status_name, self.need = abi.status_name(abi.EX_ERR_WORKSPACE), need
+        why = ("a bug of the plugin's workspace_size" if need < 0 else
+               "more scratch memory than a device holds: dims too large for this factor (or a bug "
+               "of the plugin's workspace_size)")
         self.detail = (f"workspace_size returned {need} bytes for dims {_dims_text(dims)}: expected 0.."
-                       f"{_MAX_WORKSPACE} (2**40); a bug of the plugin's workspace_size, so its "
-                       "kernel was not called")
+                       f"{_MAX_WORKSPACE} (2**40); {why}, so its kernel was not called")
         RuntimeError.__init__(self, f"{factor}: {self.detail}")
 
 
