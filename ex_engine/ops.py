@@ -8,6 +8,7 @@ process-wide registry loaded lazily from factors/ on first use.
 from __future__ import annotations
 
 import operator
+import os
 import sys
 import threading
 from contextlib import contextmanager
@@ -18,6 +19,17 @@ from .registry import FactorRegistry
 
 _default: FactorRegistry | None = None
 _default_lock = threading.Lock()
+
+
+def _reinit_lock_after_fork() -> None:
+    """A new _default_lock in a child made by os.fork (one held by a parent's thread at the
+    fork, while it loaded the default registry, would never be released there)."""
+    global _default_lock
+    _default_lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_reinit_lock_after_fork)
 
 
 def default_registry() -> FactorRegistry:

@@ -81,6 +81,7 @@ class Plugin:
     lib: object = None
     factor: object = None
     hw_c: object = None             # the ex_hardware_t* its ex_get_factor was given (its own copy)
+    ident: tuple | None = None      # _file_identity of the file whose bytes were checked (None: not read)
 
     def check(self, name: str, ok: bool, detail: str = "", warn: bool = False) -> bool:
         """Record a check whose detail describes the outcome either way; returns ok."""
@@ -426,11 +427,33 @@ _OPENED_LOCK = threading.Lock()
 # file was replaced (a rebuild: a new inode), so a later load compares the bytes it checked
 # with the copy's (_check_copy).
 _COPIES: dict = {}
+# Every live registry, so that a child made by fork gets fresh locks (_reinit_locks_after_fork)
+_LIVE: "weakref.WeakSet" = weakref.WeakSet()
+
+
+def _reinit_locks_after_fork() -> None:
+    """In a child made by os.fork (multiprocessing's 'fork' too): new, unheld locks for this
+    module and every live registry. A lock another thread of the parent held at the fork (a
+    call counting its path in stats(), say) stays held in the child, where no thread will ever
+    release it: the child's first call then waited forever (15 of 100 forks beside three
+    calling threads)."""
+    global _OPENED_LOCK
+    _OPENED_LOCK = threading.Lock()
+    for reg in list(_LIVE):
+        reg._lock = threading.Lock()
+        reg._ws_lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_reinit_locks_after_fork)
 
 
 def _file_identity(st: os.stat_result) -> tuple:
-    """What tells one file (and one version of it) from another: device, inode, size, mtime."""
-    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+    """What tells one file (and one version of it) from another: device, inode, size, mtime,
+    and ctime, which no user can set: a rewrite in place of the same size that put the mtime
+    back (os.utime, `touch -r`) passed as the file checked, so that bytes the lock and the
+    checks never saw were run."""
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
 
 
 def _resolved(path: Path) -> Path:
@@ -731,6 +754,7 @@ class FactorRegistry:
         self._workspaces: dict = {}     # (factor, device, stream or host thread) -> buffer
         self._ws_lock = threading.Lock()
         self._retired: list = []         # grown-out-of device workspaces, dropped after a sync
+        _LIVE.add(self)                  # (fresh locks in a forked child)
         self._flags: dict = defaultdict(Counter)
         self._fallbacks: dict = {}
         self._fallback_checks: dict = {}   # factor name -> (fn, fallback_problem(fn)): the last one
@@ -749,6 +773,15 @@ class FactorRegistry:
         self.notes.extend(self._manifest_notes)
         self.last_path: dict = {}
         self._hw_c = hw.to_c(abi.ffi)
+
+    def __reduce_ex__(self, protocol):
+        """A registry cannot be pickled (nor copied): it holds the libraries this process
+        opened and their entry points. Passed to a multiprocessing worker (Pool.apply(f, (reg,)),
+        'spawn' or 'fork'), it failed with "cannot pickle 're.Match' object", which named
+        nothing of the registry."""
+        raise TypeError("a FactorRegistry cannot be pickled or copied: it holds the plugin libraries "
+                        "this process opened; load one in each process (FactorRegistry.load(...) in "
+                        "the worker; a child made by fork may use its parent's)")
 
     # ------------------------------------------------------------------ loading
     @classmethod
@@ -922,8 +955,8 @@ class FactorRegistry:
         other bytes (while the probe child ran, say) was opened unchecked: refused (its
         constructors ran, nothing else of it runs), and its copy marked unknown, so that later
         loads by this path, which dlopen hands the same copy, are refused too (_check_copy).
-        A rewrite in place that keeps the inode, the size and the mtime (within the file
-        system's granularity) is not seen."""
+        A rewrite in place that keeps the inode, the size, the mtime and the ctime (within the
+        file system's granularity) is not seen; one whose mtime was set back is (its ctime)."""
         try:
             now = _file_identity(os.stat(path))
         except OSError as exc:
@@ -945,7 +978,7 @@ class FactorRegistry:
                 _COPIES.setdefault(key, (None, p.lib))
         return p.check("file unchanged", False,
                        f"the file changed on disk between its checks (sha256 {p.sha256}) and dlopen "
-                       f"(device, inode, size or mtime differ: {ident} then {now}, and its bytes): what was "
+                       f"(device, inode, size, mtime or ctime differ: {ident} then {now}, and its bytes): what was "
                        "opened is not what was checked, so none of it is used (its constructors ran); this "
                        "process holds that copy by this path now: restart it to load the file")
 
@@ -1067,23 +1100,44 @@ class FactorRegistry:
         # Absolute (not resolved: a link's own name stays), so a later chdir changes nothing
         path = Path(path).absolute()
         where = _resolved(path)   # a symlink loop stays as named: its read fails below, reported
+        slot = None
         if where in self._by_path:
             first = self._by_path[where]
-            if first.path != path:   # another name of that file (a link): one row, and a note
-                note = (f"{_printable(path.name)}: the same file as {_printable(first.path.name)} "
-                        f"({where}); listed and loaded once, as {_printable(first.path.name)}")
-                if note not in self.notes:
-                    self.notes.append(note)
-            return first
+            try:
+                now = _file_identity(os.stat(where))
+            except OSError:
+                now = None
+            if first.lib is None and now is not None and now != first.ident:
+                # refused before it was opened (cut short while it was being copied, say) and
+                # changed since: nothing of it is held, so the file as it is now is checked again
+                # (its first refusal stuck, naming a file that was no longer there)
+                slot = self.plugins.index(first)
+                del self._by_path[where]
+            else:
+                if first.path != path:   # another name of that file (a link): one row, and a note
+                    note = (f"{_printable(path.name)}: the same file as {_printable(first.path.name)} "
+                            f"({where}); listed and loaded once, as {_printable(first.path.name)}")
+                    if note not in self.notes:
+                        self.notes.append(note)
+                if first.lib is not None and (now or ())[:4] != (first.ident or ())[:4]:   # (not ctime: a chmod)
+                    note = (f"{_printable(first.path.name)}: the file changed on disk since this registry "
+                            f"opened it (sha256 {first.sha256}); it keeps the copy it opened (a process "
+                            "holds one copy per path): restart the process to load the new file")
+                    if note not in self.notes:
+                        self.notes.append(note)
+                return first
         p = self._by_path[where] = Plugin(path=path)
-        self.plugins.append(p)
+        if slot is None:
+            self.plugins.append(p)
+        else:
+            self.plugins[slot] = p
         if path.exists() and not path.is_file():   # a FIFO would block the read, /dev/zero never end it
             p.check("read", False, "not a regular file (a folder, a FIFO, a device or a link to one)")
             return p
         try:
             with open(path, "rb") as fh:   # the identity of the file whose bytes are checked
                 st = os.fstat(fh.fileno())
-                ident = _file_identity(st)
+                ident = p.ident = _file_identity(st)
                 if st.st_size > trust.LIBRARY_LIMIT:   # (fh.read() of a 40 GB file: MemoryError)
                     p.check("read", False, _paths.too_large(st.st_size, trust.LIBRARY_LIMIT, "plugin library"))
                     return p

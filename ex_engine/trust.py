@@ -116,13 +116,24 @@ def replace_file(dest, text: str, mode: int = 0o644, fsync: bool = True) -> None
     the temporary file is removed and ``dest`` is left as it was; raises the OSError (one from
     the rename names ``dest``). Where no file may be created in the folder but ``dest`` exists
     and may be written (a lock file made writable in a folder that is not), it is rewritten in
-    place instead, as before: not atomic, but not refused."""
+    place instead, as before: not atomic, but not refused. A ``dest`` (or a link's target) that
+    exists and is not a regular file (a device, a FIFO, a socket; a folder) is left alone:
+    OSError(EEXIST, 'not a regular file (...); not replaced', dest)."""
+    import errno
     import stat
-    dest = Path(os.path.realpath(dest))
+    named, dest = dest, Path(os.path.realpath(dest))
     try:
-        keep = stat.S_IMODE(os.stat(dest).st_mode)
+        st = os.stat(dest)
+        keep = stat.S_IMODE(st.st_mode)
     except FileNotFoundError:
-        keep = None
+        st = keep = None
+    if st is not None and not stat.S_ISREG(st.st_mode):
+        # a device, a FIFO or a socket (verified.json -> /dev/null, a common way to switch a
+        # cache off) was renamed over: run as root, /dev/null or /dev/zero became a JSON file
+        kind = next((what for test, what in _paths._KINDS if test(st.st_mode)),
+                    "a folder" if stat.S_ISDIR(st.st_mode) else "not a file")
+        link = f"a link to {dest}, " if os.fspath(named) != os.fspath(dest) else ""
+        raise OSError(errno.EEXIST, f"{link}not a regular file ({kind}); not replaced", str(named))
 
     def write(fh):   # the text, flushed (and synced) before anyone renames or reads it
         fh.write(text.encode())

@@ -38,6 +38,7 @@ from pathlib import Path
 
 import numpy as np
 
+from . import _paths
 from .arrays import Bits16, TensorRef, f32_to_bf16_bits
 from .errors import ArgumentError, FactorError, is_integer
 from .trust import CHILD_TIMEOUT_S, _signal_name, child_sys_path, replace_file, sha256_file, sha256_hex
@@ -828,17 +829,109 @@ def _reap_adopted_zombies(child_pid: int) -> None:
 
 # ------------------------------------------------------------------------------------ cache
 def cache_file() -> Path:
-    """$EX_ENGINE_CACHE/verified.json, default ~/.cache/ex_engine/verified.json."""
-    base = os.environ.get("EX_ENGINE_CACHE") or Path.home() / ".cache" / "ex_engine"
+    """$EX_ENGINE_CACHE/verified.json, default ~/.cache/ex_engine/verified.json ($EX_ENGINE_CACHE
+    empty or only whitespace counts as unset, as EX_ENGINE_FACTORS and EX_ENGINE_MANIFESTS do:
+    '  ' made a folder of two spaces in the current folder)."""
+    base = _paths.env_value("EX_ENGINE_CACHE") or Path.home() / ".cache" / "ex_engine"
     return Path(base) / "verified.json"
 
 
-def _read_cache() -> dict:
+# the most bytes of verified.json read (an entry is ~400 bytes: this holds ~150,000 of them); a
+# larger file, a FIFO (a read blocked load(verify=True) forever) or a device (/dev/zero filled
+# memory, and the MemoryError rejected the plugin being verified) is ignored unread
+CACHE_LIMIT = 64 << 20
+# how long a cache update waits for another process's (or thread's) update before it writes
+# without the lock (a holder that forked keeps the lock while its child lives)
+CACHE_LOCK_WAIT_S = 10.0
+
+
+def _load_cache() -> tuple:
+    """(entries of cache_file(), why the file was ignored: '' where it was read or is absent).
+    Never raises: a file that is corrupt, truncated, empty, not UTF-8, not a JSON object, not a
+    regular file or larger than CACHE_LIMIT counts as no entries, and the reason says which (it
+    was ignored silently, and then overwritten)."""
+    path = cache_file()
     try:
-        data = json.loads(cache_file().read_text())
-        return data if isinstance(data, dict) else {}
-    except (OSError, ValueError):
-        return {}
+        raw = _paths.read_small(path, CACHE_LIMIT)
+    except (FileNotFoundError, NotADirectoryError):   # no cache yet (or no folder: said at write)
+        return {}, ""
+    except _paths.FileRefused as exc:
+        return {}, f"{path}: {exc}"
+    except OSError as exc:
+        return {}, f"{path}: not readable ({exc.strerror or type(exc).__name__})"
+    try:
+        data = json.loads(raw.decode())
+    except UnicodeDecodeError:
+        return {}, f"{path}: not UTF-8 text"
+    except ValueError as exc:
+        return {}, f"{path}: not valid JSON ({'empty file' if not raw.strip() else exc})"
+    if not isinstance(data, dict):
+        return {}, f"{path}: expected a JSON object {{key: entry}}, got {type(data).__name__}"
+    return data, ""
+
+
+def _read_cache() -> dict:
+    """The entries of cache_file() ({} where it is absent or ignored: _load_cache)."""
+    return _load_cache()[0]
+
+
+@contextlib.contextmanager
+def _cache_locked():
+    """Hold an exclusive flock on the cache's folder (no file of its own) while an update reads,
+    merges and writes verified.json, so that processes (and threads) verifying at once do not
+    drop each other's entries (each read the file, added its entry and replaced it: of 12 loads
+    at once, 4 to 6 entries were lost while each said 'cached'). Best effort: where the folder
+    cannot be opened or locked, or another holder keeps it past CACHE_LOCK_WAIT_S, the update
+    runs unlocked."""
+    import fcntl
+    try:
+        fd = os.open(cache_file().parent, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0)
+                     | getattr(os, "O_CLOEXEC", 0))
+    except OSError:
+        yield
+        return
+    try:
+        deadline = time.monotonic() + CACHE_LOCK_WAIT_S
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(0.01)
+            except OSError:   # a file system without flock
+                break
+        yield
+    finally:
+        os.close(fd)   # (releases the lock)
+
+
+def _update_cache(key: str, entry: dict) -> tuple:
+    """Add ``entry`` under ``key`` to cache_file(), under _cache_locked: the file is read again
+    there, so that entries other processes wrote meanwhile are kept. Returns (why it was not
+    written, '' when it was; why the file found was ignored, '' when it was read or absent)."""
+    path = cache_file()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:   # a file (or a link to one) where the folder should be
+        return f"{path.parent} is not a folder", ""
+    except OSError as exc:
+        return _os_error(exc, exc.filename or path.parent), ""
+    with _cache_locked():
+        cache, ignored = _load_cache()
+        cache[key] = entry
+        return _write_cache(cache), ignored
+
+
+def _note_ignored(registry, ignored: str) -> str:
+    """The words for a cache file _load_cache ignored, also kept as a registry note (once)."""
+    if not ignored:
+        return ""
+    note = f"verify cache {ignored}: ignored"
+    if note not in registry.notes:
+        registry.notes.append(note)
+    return f"; the cache file found was ignored ({ignored})"
 
 
 def _write_cache(data: dict) -> str:
@@ -871,6 +964,20 @@ def _os_error(exc: OSError, where) -> str:
 def _cache_key(registry, plugin) -> str:
     where = "host" if plugin.manifest.memory == "host" else registry.hardware.name
     return f"{plugin.sha256}|{where}"
+
+
+def _context_digest(registry, plugin) -> str:
+    """SHA-256 of what a library's code path depends on besides its bytes, so that a pass under
+    one is not reused under another: the EX_* variables a plugin may read at load (README's
+    table; the registry's shared-library check compares the same set, registry._load_context),
+    and the tuning table rows that fill its tuned dims. A pass with EX_MOE_DECODE_CONFIG unset
+    was reused with it set, a configuration that was never checked."""
+    env = sorted((k, v) for k, v in os.environ.items()
+                 if k.startswith("EX_") and not k.startswith("EX_ENGINE_"))
+    table = getattr(getattr(registry, "tuning", None), "factors", {}).get(plugin.name)
+    rows = sorted((k, tuple(ts), tuple(vs)) for k, (ts, vs) in table.table.items()) if table is not None else []
+    text = json.dumps({"env": env, "tuning": [getattr(table, "dim", None), rows]}, default=str)
+    return sha256_hex(text.encode(errors="surrogateescape"))
 
 
 # What a cached pass was checked with besides the library: bump VERIFY_RULES when verify's own
@@ -928,9 +1035,10 @@ def verify_at_load(registry, plugin) -> tuple:
     why = cannot_run(registry, plugin)
     if why:
         return True, f"skipped: {why}"
-    key, cache = _cache_key(registry, plugin), _read_cache()
+    key, (cache, ignored) = _cache_key(registry, plugin), _load_cache()
     with_what = {"manifest_sha256": _manifest_digest(plugin.manifest),
-                 "fallback_sha256": _fallback_digest(registry, plugin.manifest), "rules": VERIFY_RULES}
+                 "fallback_sha256": _fallback_digest(registry, plugin.manifest), "rules": VERIFY_RULES,
+                 "context_sha256": _context_digest(registry, plugin)}
     hit = cache.get(key)
     if (isinstance(hit, dict) and with_what["fallback_sha256"]   # an unknown fallback: run again
             and all(hit.get(k) == v for k, v in with_what.items())):
@@ -946,12 +1054,11 @@ def verify_at_load(registry, plugin) -> tuple:
         head = f"{len(failed)} of {n} cases failed against the Python fallback" if failed else "could not check it"
         return False, f"{head}: {text}"
     declined = sum(r.status == "declined" for r in results)
-    cache = _read_cache()
-    cache[key] = {"factor": plugin.name, "file": plugin.path.name, "cases": len(results),
-                  "when": time.strftime("%Y-%m-%d %H:%M:%S"), **with_what}
-    unwritten = _write_cache(cache)
+    unwritten, ignored_now = _update_cache(key, {
+        "factor": plugin.name, "file": plugin.path.name, "cases": len(results),
+        "when": time.strftime("%Y-%m-%d %H:%M:%S"), **with_what})
     where = (f"not cached: {unwritten}; it is verified again at the next load" if unwritten
-             else f"cached in {cache_file()}")
+             else f"cached in {cache_file()}") + _note_ignored(registry, ignored_now or ignored)
     return True, (f"{len(results) - declined} cases passed against the Python fallback"
                   + (f", {declined} declined by the plugin" if declined else "") + f" ({where})")
 

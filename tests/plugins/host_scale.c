@@ -17,7 +17,9 @@
  * hw->warp_size through its const pointer), DIMS_WRITE (the kernel sets dims[0] to that value
  * through its const pointer, then behaves as BEHAVIOUR says), HELPER (the kernel calls helper_alpha() from a separate library), WORKSPACE
  * (aux[1] is a runtime workspace: the product goes through scratch memory there, and a negative
- * alpha sets bit 0 of its status word; manifest tests/plugins/host_scale_ws.yaml). */
+ * alpha sets bit 0 of its status word; manifest tests/plugins/host_scale_ws.yaml), ENV_SWITCH (a
+ * variable name: ex_get_factor reads it, as the shipped factors read their EX_* switches at
+ * load, and "1" selects a path that adds 1 to every output: a configuration verify must check). */
 #include "ex_engine.h"
 #include <stdint.h>
 #include <stdlib.h>
@@ -78,6 +80,7 @@ __attribute__((constructor)) static void ctor_stderr(void) { fprintf(stderr, "ct
 #endif
 
 static const char* g_err = "";
+static float g_env_plus = 0.0f;   /* ENV_SWITCH's path (set by ex_get_factor) */
 #ifdef NULL_ERROR_TEXT
 static const char* last_error(void) { return NULL; }   /* a plugin bug the runtime must survive */
 #else
@@ -89,7 +92,7 @@ static int scale(void* output, const void* input, const void* aux[], int n_aux,
     (void)stream;
     if (n_aux < 1 || n_dims < 1) return EX_ERR_INVALID_ARGUMENT;
     float alpha = ALPHA(((const float*)aux[0])[0]);
-    float plus = BEHAVIOUR == 4 ? 1.0f : 0.0f;
+    float plus = (BEHAVIOUR == 4 ? 1.0f : 0.0f) + g_env_plus;
 #ifdef STDERR_IN_KERNEL
     fprintf(stderr, "warnung: Gr\xf6\xdf" "e\n");   /* not UTF-8 */
     fflush(stderr);
@@ -184,6 +187,9 @@ EX_EXPORT ex_factor_t* ex_get_factor(const ex_hardware_t* hw) {
 #endif
 #ifdef EXIT_IN_GET
     exit(EXIT_IN_GET);   /* ends the caller's process: the probe must refuse it */
+#endif
+#ifdef ENV_SWITCH
+    { const char* v = getenv(ENV_SWITCH); g_env_plus = (v != NULL && v[0] == '1' && v[1] == 0) ? 1.0f : 0.0f; }
 #endif
 #ifdef MUTATE_HW
     ((ex_hardware_t*)hw)->warp_size = MUTATE_HW;   /* a write through the const pointer */
