@@ -100,6 +100,15 @@ def env_value(var: str) -> str:
     return v if v.strip() else ""
 
 
+def plugin_env() -> tuple:
+    """The EX_* variables a plugin library may read at load (README's table), sorted (name,
+    value) pairs; the runtime's own EX_ENGINE_* folders change nothing in a library. What two
+    loads of one library (registry._load_context) and a cached verify pass
+    (verify._context_digest) are compared on."""
+    return tuple(sorted((k, v) for k, v in os.environ.items()
+                        if k.startswith("EX_") and not k.startswith("EX_ENGINE_")))
+
+
 def _from_env(var: str, default: Path) -> Path:
     return Path(env_value(var) or default)
 

@@ -510,11 +510,7 @@ def _caller_stacklevel() -> int:
 
 def _load_context(hw_c) -> tuple:
     """What one ex_get_factor call depends on, for comparing two loads of one library."""
-    # EX_* variables a plugin may read at load (README's table); the runtime's own EX_ENGINE_*
-    # folders change nothing in a library
-    env = tuple(sorted((k, v) for k, v in os.environ.items()
-                       if k.startswith("EX_") and not k.startswith("EX_ENGINE_")))
-    return bytes(abi.ffi.buffer(hw_c)), env
+    return bytes(abi.ffi.buffer(hw_c)), _paths.plugin_env()
 
 
 def _hardware_changes(before, after) -> list:

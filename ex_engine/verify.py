@@ -968,12 +968,11 @@ def _cache_key(registry, plugin) -> str:
 
 def _context_digest(registry, plugin) -> str:
     """SHA-256 of what a library's code path depends on besides its bytes, so that a pass under
-    one is not reused under another: the EX_* variables a plugin may read at load (README's
-    table; the registry's shared-library check compares the same set, registry._load_context),
+    one is not reused under another: the EX_* variables a plugin may read at load
+    (_paths.plugin_env, which the registry's shared-library check compares too),
     and the tuning table rows that fill its tuned dims. A pass with EX_MOE_DECODE_CONFIG unset
     was reused with it set, a configuration that was never checked."""
-    env = sorted((k, v) for k, v in os.environ.items()
-                 if k.startswith("EX_") and not k.startswith("EX_ENGINE_"))
+    env = _paths.plugin_env()
     table = getattr(getattr(registry, "tuning", None), "factors", {}).get(plugin.name)
     rows = sorted((k, tuple(ts), tuple(vs)) for k, (ts, vs) in table.table.items()) if table is not None else []
     text = json.dumps({"env": env, "tuning": [getattr(table, "dim", None), rows]}, default=str)
