@@ -115,7 +115,9 @@ def load_models(path=None) -> dict:
         data = _yaml.load(_paths.read_small(path).decode(), name=path)   # (a FIFO: refused, not waited on)
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
         hint = _paths.not_a_checkout() if default and isinstance(exc, FileNotFoundError) else ""
-        raise FactorError(f"model list {path}: malformed or unreadable "
+        what = ("missing" if isinstance(exc, FileNotFoundError) else "unreadable" if isinstance(exc, OSError)
+                else "malformed")   # (a missing file read 'malformed or unreadable': session 39's trial)
+        raise FactorError(f"model list {path}: {what} "
                           f"({type(exc).__name__}: {one_line(exc)})" + (f"; {hint}" if hint else "")) from None
     try:
         _check_models(data)
