@@ -108,16 +108,22 @@ FORCE:
 help:
 	@sed -n '1,/^$$/p' Makefile | sed 's/^# \{0,1\}//'
 
-# a clear word where nvcc is missing (each rule needs it)
-check-nvcc:
-	@command -v $(NVCC) >/dev/null 2>&1 || { 	    echo "[ex_engine] error: $(NVCC) not found on PATH: install the CUDA toolkit (12.4+) or pass NVCC=/path/to/nvcc" >&2; 	    exit 1; }
-
-# one source per factor name
-check-sources:
-	@if [ -n "$(CLASHES)" ]; then echo "[ex_engine] error: more than one source for $(CLASHES):" \
+# A clear word where nvcc is missing, and where a factor name has two sources: the first lines of
+# each library's recipe (not phony prerequisites, which made `make -q` report every library out
+# of date, whatever was built). A library of a name with two sources is always remade, so that
+# the check runs even where the library is up to date.
+check_nvcc = @command -v $(NVCC) >/dev/null 2>&1 || { echo "[ex_engine] error: $(NVCC) not found on PATH: install the CUDA toolkit (12.4+) or pass NVCC=/path/to/nvcc" >&2; exit 1; }
+check_sources = @if [ -n "$(CLASHES)" ]; then echo "[ex_engine] error: more than one source for $(CLASHES):" \
 	    "keep one of factors/<name>.cu (GPU), .c or .cpp (host factor) per name" >&2; exit 1; fi
+$(foreach s,$(CLASHES),$(eval factors/$(s).so: FORCE))
+check-nvcc:
+	$(check_nvcc)
+check-sources:
+	$(check_sources)
 
-factors/%.so: factors/%.cu include/ex_engine.h | check-nvcc check-sources
+factors/%.so: factors/%.cu include/ex_engine.h
+	$(check_sources)
+	$(check_nvcc)
 	@if [ -z "$(strip $(ARCHS))" ]; then echo "[ex_engine] error: ARCHS is empty: give at least one target of sm_80 or newer, e.g. ARCHS=\"-gencode=arch=compute_80,code=sm_80\"" >&2; exit 1; fi
 	@old=$$(printf '%s\n' '$(ARCHS)' | grep -oE '(compute|sm)_[1-7][0-9]a?([^0-9]|$$)' | grep -oE '(compute|sm)_[0-9]+a?' | sort -u | tr '\n' ' '); \
 	if [ -n "$$old" ]; then echo "[ex_engine] error: ARCHS names targets older than sm_80 ($${old% }): every factor needs sm_80 or newer, e.g. ARCHS=\"-gencode=arch=compute_80,code=sm_80\"" >&2; exit 1; fi
@@ -129,7 +135,9 @@ factors/%.so: factors/%.cu include/ex_engine.h | check-nvcc check-sources
 	$(write_stamp)
 
 # Hopper-only plugins (a more specific pattern than the rule above, so make prefers it)
-factors/%_sm90.so: factors/%_sm90.cu include/ex_engine.h | check-nvcc check-sources
+factors/%_sm90.so: factors/%_sm90.cu include/ex_engine.h
+	$(check_sources)
+	$(check_nvcc)
 	@if [ -z "$(CUTLASS_INC)" ] || [ ! -f "$(CUTLASS_INC)/cutlass/cutlass.h" ]; then \
 	    $(if $(filter command line environment,$(origin CUTLASS_INC)), \
 	    echo "[ex_engine] error: $@ needs CUTLASS's headers: CUTLASS_INC='$(CUTLASS_INC)' (given)" \
@@ -148,13 +156,15 @@ factors/%_sm90.so: factors/%_sm90.cu include/ex_engine.h | check-nvcc check-sour
 
 # host factors (memory: host): the host compiler, no nvcc; -fvisibility=hidden as above
 # (EX_EXPORT makes ex_abi_version and ex_get_factor visible)
-factors/%.so: factors/%.c include/ex_engine.h $(wildcard factors/*.h) | check-sources
+factors/%.so: factors/%.c include/ex_engine.h $(wildcard factors/*.h)
+	$(check_sources)
 	@echo "[ex_engine] $(CC) $< -> $@ (host factor: no GPU code)"
 	@$(CC) $(HOST_CFLAGS) -fPIC -fvisibility=hidden -shared -Iinclude -o $@ $< $(HOST_LDLIBS)
 	@echo "[ex_engine] built $@"
 	$(write_stamp)
 
-factors/%.so: factors/%.cpp include/ex_engine.h $(wildcard factors/*.h) | check-sources
+factors/%.so: factors/%.cpp include/ex_engine.h $(wildcard factors/*.h)
+	$(check_sources)
 	@echo "[ex_engine] $(CXX) $< -> $@ (host factor: no GPU code)"
 	@$(CXX) $(HOST_CXXFLAGS) -fPIC -fvisibility=hidden -shared -Iinclude -o $@ $< $(HOST_LDLIBS)
 	@echo "[ex_engine] built $@"
