@@ -100,13 +100,19 @@ def env_value(var: str) -> str:
     return v if v.strip() else ""
 
 
+# EX_* variables that no plugin library reads: the runtime's own folders (EX_ENGINE_*) and the
+# commit a benchmark records in its result (EX_COMMIT, benchmarks/_timing.run_meta)
+_NOT_PLUGIN_ENV = ("EX_COMMIT",)
+
+
 def plugin_env() -> tuple:
     """The EX_* variables a plugin library may read at load (README's table), sorted (name,
-    value) pairs; the runtime's own EX_ENGINE_* folders change nothing in a library. What two
-    loads of one library (registry._load_context) and a cached verify pass
-    (verify._context_digest) are compared on."""
+    value) pairs; the runtime's own EX_ENGINE_* folders and EX_COMMIT (a benchmark's metadata)
+    change nothing in a library. What two loads of one library (registry._load_context) and a
+    cached verify pass (verify._context_digest) are compared on."""
     return tuple(sorted((k, v) for k, v in os.environ.items()
-                        if k.startswith("EX_") and not k.startswith("EX_ENGINE_")))
+                        if k.startswith("EX_") and not k.startswith("EX_ENGINE_")
+                        and k not in _NOT_PLUGIN_ENV))
 
 
 def _from_env(var: str, default: Path) -> Path:

@@ -1,0 +1,41 @@
+"""Review of session 39's changes (trial 39e), mended with tests:
+
+- a cached verify pass was keyed on every EX_* variable, EX_COMMIT too, which only names the
+  commit a benchmark records: a new EX_COMMIT verified every library again (and the registry's
+  shared-library check warned of 'other EX_* variables' for it);
+- load_folder noted an opened library as 'changed on disk ... restart the process to load the
+  new file' after a `touch` or a redeploy of the same bytes (copy and rename), whose bytes were
+  the ones it runs;
+- a child forked while a thread of the parent held verify's cache lock kept that flock (its copy
+  of the descriptor) for as long as it lived: every later cache update, of any process, waited
+  CACHE_LOCK_WAIT_S and then wrote without the lock;
+- verify's cached-pass context names the factor's tuning rows, which no test checked.
+"""
+import os
+import shutil
+import threading
+import time
+import warnings
+
+import pytest
+
+from ex_engine import FactorRegistry, verify
+from tests.conftest import build_plugin
+
+
+def _verify_detail(reg):
+    return next(c for c in reg.get("host_scale").checks if c.name == "verify").detail
+
+
+def test_ex_commit_neither_voids_a_cached_pass_nor_counts_as_a_library_setting(tmp_path, monkeypatch):
+    monkeypatch.setenv("EX_ENGINE_CACHE", str(tmp_path / "cache"))
+    build_plugin(tmp_path / "lib")
+    monkeypatch.setenv("EX_COMMIT", "aaaa")
+    first = FactorRegistry.load(tmp_path / "lib", hardware="h200", verify=True)
+    assert _verify_detail(first).startswith("1 cases passed"), _verify_detail(first)
+    monkeypatch.setenv("EX_COMMIT", "bbbb")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")   # no 'shared library' warning for EX_COMMIT
+        again = FactorRegistry.load(tmp_path / "lib", hardware="h200", verify=True)
+    assert _verify_detail(again).startswith("passed before"), _verify_detail(again)
+    assert not any(c.name == "shared library" for c in again.plugins[0].checks)
