@@ -1090,6 +1090,22 @@ class FactorRegistry:
             return text
         return f"not a loadable shared library: {text}"
 
+    @staticmethod
+    def _same_bytes(where: Path, p: Plugin, now) -> bool:
+        """The file at ``where`` (identity ``now``) still holds the bytes ``p`` was checked with
+        (p.sha256): its mtime or inode changed but not its bytes (a `touch`, or a redeploy of
+        the same build by copy and rename), which needs no restart. p.ident then becomes ``now``,
+        so the file is hashed again only when it changes again."""
+        if now is None or now[2] != p.ident[2]:
+            return False
+        try:
+            same = trust.sha256_file(where) == p.sha256
+        except OSError:
+            return False
+        if same:
+            p.ident = now
+        return same
+
     def _load_one(self, path: Path) -> Plugin:
         # the same file again (load_folder twice, say): its record, not a duplicate; a process
         # holds one copy of a library, so opening it again could not see a rebuilt file anyway.
@@ -1115,7 +1131,8 @@ class FactorRegistry:
                             f"({where}); listed and loaded once, as {_printable(first.path.name)}")
                     if note not in self.notes:
                         self.notes.append(note)
-                if first.lib is not None and (now or ())[:4] != (first.ident or ())[:4]:   # (not ctime: a chmod)
+                if first.lib is not None and (now or ())[:4] != (first.ident or ())[:4] \
+                        and not self._same_bytes(where, first, now):   # (not ctime: a chmod)
                     note = (f"{_printable(first.path.name)}: the file changed on disk since this registry "
                             f"opened it (sha256 {first.sha256}); it keeps the copy it opened (a process "
                             "holds one copy per path): restart the process to load the new file")

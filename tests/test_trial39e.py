@@ -39,3 +39,22 @@ def test_ex_commit_neither_voids_a_cached_pass_nor_counts_as_a_library_setting(t
         again = FactorRegistry.load(tmp_path / "lib", hardware="h200", verify=True)
     assert _verify_detail(again).startswith("passed before"), _verify_detail(again)
     assert not any(c.name == "shared library" for c in again.plugins[0].checks)
+
+
+def test_an_opened_library_touched_or_redeployed_unchanged_gets_no_note(tmp_path):
+    lib = build_plugin(tmp_path / "lib")
+    reg = FactorRegistry.load(tmp_path / "lib", hardware="h200")
+    (p,) = reg.plugins
+    os.chmod(lib, 0o700)                                     # ctime only
+    assert reg.load_folder(tmp_path / "lib") == [p] and reg.notes == []
+    time.sleep(0.02)
+    os.utime(lib)                                            # `touch`: mtime
+    assert reg.load_folder(tmp_path / "lib") == [p] and reg.notes == [], reg.notes
+    shutil.copy(lib, tmp_path / "lib" / ".tmp")              # the same build again: a new inode
+    os.replace(tmp_path / "lib" / ".tmp", lib)
+    assert reg.load_folder(tmp_path / "lib") == [p] and reg.notes == [], reg.notes
+    assert p.status == "ready"
+    build_plugin(tmp_path / "new", defines={"VERSION": '"1.0.9"'})   # other bytes: noted
+    os.replace(tmp_path / "new" / "host_scale.so", lib)
+    reg.load_folder(tmp_path / "lib")
+    assert len(reg.notes) == 1 and reg.notes[0].startswith("host_scale.so: the file changed on disk"), reg.notes
