@@ -841,8 +841,28 @@ def cache_file() -> Path:
 # memory, and the MemoryError rejected the plugin being verified) is ignored unread
 CACHE_LIMIT = 64 << 20
 # how long a cache update waits for another process's (or thread's) update before it writes
-# without the lock (a holder that forked keeps the lock while its child lives)
+# without the lock
 CACHE_LOCK_WAIT_S = 10.0
+# the descriptors of the cache folder that _cache_locked holds open now (in any thread)
+_CACHE_FDS: set = set()
+
+
+def _close_cache_fds_after_fork() -> None:
+    """In a child made by os.fork: close the cache folder's descriptors that the parent's
+    threads held at the fork. A flock belongs to the open file description, which the child's
+    copy kept alive: the lock stayed held after the parent's update released it, for as long as
+    the child lived, and every later update (of any process) waited CACHE_LOCK_WAIT_S and then
+    wrote unlocked."""
+    for fd in list(_CACHE_FDS):
+        _CACHE_FDS.discard(fd)
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_close_cache_fds_after_fork)
 
 
 def _load_cache() -> tuple:
@@ -890,6 +910,7 @@ def _cache_locked():
     except OSError:
         yield
         return
+    _CACHE_FDS.add(fd)
     try:
         deadline = time.monotonic() + CACHE_LOCK_WAIT_S
         while True:
@@ -904,7 +925,9 @@ def _cache_locked():
                 break
         yield
     finally:
-        os.close(fd)   # (releases the lock)
+        if fd in _CACHE_FDS:   # (not where a fork's child closed it: _close_cache_fds_after_fork)
+            _CACHE_FDS.discard(fd)
+            os.close(fd)   # (releases the lock)
 
 
 def _update_cache(key: str, entry: dict) -> tuple:

@@ -58,3 +58,33 @@ def test_an_opened_library_touched_or_redeployed_unchanged_gets_no_note(tmp_path
     os.replace(tmp_path / "new" / "host_scale.so", lib)
     reg.load_folder(tmp_path / "lib")
     assert len(reg.notes) == 1 and reg.notes[0].startswith("host_scale.so: the file changed on disk"), reg.notes
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_child_forked_during_a_cache_update_does_not_keep_the_cache_lock(tmp_path, monkeypatch):
+    monkeypatch.setenv("EX_ENGINE_CACHE", str(tmp_path / "cache"))
+    (tmp_path / "cache").mkdir()
+    monkeypatch.setattr(verify, "CACHE_LOCK_WAIT_S", 3.0)
+    inside, done = threading.Event(), threading.Event()
+
+    def update():   # a thread of the parent inside a cache update at the fork
+        with verify._cache_locked():
+            inside.set()
+            done.wait(10)
+    t = threading.Thread(target=update)
+    t.start()
+    assert inside.wait(10)
+    pid = os.fork()
+    if pid == 0:   # a long-lived worker
+        time.sleep(20)
+        os._exit(0)
+    try:
+        done.set()
+        t.join(10)
+        t0 = time.monotonic()
+        with verify._cache_locked():   # another update: a descriptor of its own
+            waited = time.monotonic() - t0
+    finally:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+    assert waited < 1.0, f"the update waited {waited:.1f} s on the lock the forked child kept"
