@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import numpy.ma  # noqa: F401  (numpy imports it lazily, at the first np.ma: here, not in a call that
+#                  a fork may cut short while it holds that import's lock: _kind_of)
 
 from .errors import is_integer
 

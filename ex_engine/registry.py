@@ -27,6 +27,9 @@ from pathlib import Path
 import numpy as np
 
 from . import _paths, abi, errors, fatbin, trust
+# imported with the registry, not at the first fallback call (_poison_outputs): a child forked
+# while another thread was inside that first import waited forever on its module lock
+from . import verify as _verify   # (verify imports no registry at its top)
 from ._scripts import out_of_memory
 from .arrays import _KINDS, _NAME_CACHE, _TORCH_DTYPES, Bits16, TensorRef, _cupy_importable, _kind_of, no_cupy_error
 from .errors import (ArgumentError, DeviceError, DeviceSideError, FactorError,
@@ -628,7 +631,7 @@ def _poison_outputs(m: Manifest, refs_by_name: dict) -> list:
     nothing handed back weights 1.0 and ids 1065353216 from np.empty). Returns [(name, the
     output's bits as a signed-integer view, the pattern)] for _unwritten. Only the Python
     fallback path pays for it (one fill per output)."""
-    from .verify import POISON_BITS, POISON_WIDTH, poison_pattern   # (verify imports no registry)
+    POISON_BITS, POISON_WIDTH, poison_pattern = _verify.POISON_BITS, _verify.POISON_WIDTH, _verify.poison_pattern
     out = []
     for spec in m.tensors:
         if spec.role != "output" or (spec is m.output and m.input.same_as_output):

@@ -9,10 +9,14 @@
 - a child forked while a thread of the parent held verify's cache lock kept that flock (its copy
   of the descriptor) for as long as it lived: every later cache update, of any process, waited
   CACHE_LOCK_WAIT_S and then wrote without the lock;
+- a child forked while another thread made the first call (which imported ex_engine.verify and
+  numpy.ma) waited forever on that import's module lock;
 - verify's cached-pass context names the factor's tuning rows, which no test checked.
 """
 import os
 import shutil
+import subprocess
+import sys
 import threading
 import time
 import warnings
@@ -20,7 +24,7 @@ import warnings
 import pytest
 
 from ex_engine import FactorRegistry, verify
-from tests.conftest import build_plugin
+from tests.conftest import ROOT, build_plugin, child_env
 
 
 def _verify_detail(reg):
@@ -88,3 +92,38 @@ def test_a_child_forked_during_a_cache_update_does_not_keep_the_cache_lock(tmp_p
         os.kill(pid, 9)
         os.waitpid(pid, 0)
     assert waited < 1.0, f"the update waited {waited:.1f} s on the lock the forked child kept"
+
+
+_FORK_IN_FIRST_IMPORT = r"""
+import os, signal, sys, threading
+from importlib import _bootstrap
+import numpy as np
+from ex_engine import FactorRegistry, topk_softmax
+reg = FactorRegistry.load(sys.argv[1], hardware="h200")
+logits = np.random.default_rng(0).standard_normal((4, 16), dtype=np.float32)
+for name in ("ex_engine.verify", "numpy.ma"):   # first imported by the first call, until now
+    held, go = threading.Event(), threading.Event()
+    def importing():   # another thread inside that first import at the fork
+        lock = _bootstrap._get_module_lock(name)
+        lock.acquire(); held.set(); go.wait(); lock.release()
+    t = threading.Thread(target=importing); t.start(); held.wait()
+    pid = os.fork()
+    if pid == 0:
+        signal.alarm(5)
+        topk_softmax(logits, 2, registry=reg)
+        os._exit(0)
+    go.set(); t.join()
+    _, st = os.waitpid(pid, 0)
+    print(name, "ok" if os.WIFEXITED(st) and os.WEXITSTATUS(st) == 0 else f"hung or failed ({st})")
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_child_forked_while_a_thread_makes_the_first_call_does_not_hang():
+    """The first fallback call imported ex_engine.verify (_poison_outputs) and numpy.ma
+    (arrays._kind_of's np.ma): a child forked while another thread held such an import's
+    module lock waited forever on its own first call (1 of the first forks in most runs of
+    three calling threads and a loading one)."""
+    r = subprocess.run([sys.executable, "-c", _FORK_IN_FIRST_IMPORT, str(ROOT / "factors")],
+                       capture_output=True, text=True, timeout=120, env=child_env())
+    assert r.stdout.split("\n")[:2] == ["ex_engine.verify ok", "numpy.ma ok"], (r.stdout, r.stderr[-2000:])
