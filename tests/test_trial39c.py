@@ -204,6 +204,7 @@ def test_a_forked_child_does_not_wait_on_a_lock_held_at_the_fork():
         assert np.array_equal(ids, want) and reg.stats()["topk_softmax"]["python_fallback"] == 2
         reg.check_device_errors()
         reg.tuning.value("moe_fused_gemm", "config", {"H": 8, "I": 8, "G": 8, "K": 1, "T": 1}, -1)
+        reg.tuning.override("moe_fused_gemm", None)   # (value() above takes no lock without a GPU)
         with registry_mod._OPENED_LOCK, ops._default_lock:
             pass
     held = [reg._lock, reg._ws_lock, reg.tuning._lock, registry_mod._OPENED_LOCK, ops._default_lock]

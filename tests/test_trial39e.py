@@ -127,3 +127,17 @@ def test_a_child_forked_while_a_thread_makes_the_first_call_does_not_hang():
     r = subprocess.run([sys.executable, "-c", _FORK_IN_FIRST_IMPORT, str(ROOT / "factors")],
                        capture_output=True, text=True, timeout=120, env=child_env())
     assert r.stdout.split("\n")[:2] == ["ex_engine.verify ok", "numpy.ma ok"], (r.stdout, r.stderr[-2000:])
+
+
+def test_a_cached_pass_is_keyed_on_the_factors_tuning_rows():
+    reg = FactorRegistry("h200")
+
+    class P:   # what _context_digest reads of a plugin
+        name = "moe_fused_gemm"
+    table = reg.tuning.factors["moe_fused_gemm"]
+    before = verify._context_digest(reg, P)
+    shape, (ts, vs) = next(iter(table.table.items()))
+    table.table[shape] = (ts, [v + 1 for v in vs])
+    assert verify._context_digest(reg, P) != before
+    table.table[shape] = (ts, vs)
+    assert verify._context_digest(reg, P) == before
