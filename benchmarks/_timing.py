@@ -47,13 +47,9 @@ def _capture(fns, calls: int):
     return g
 
 
-def graph_outputs(fns) -> list:
-    """The tensors ``fns`` (zero-argument callables, each returning one tensor) return when a
-    CUDA graph of one call each is captured, filled with NaN (float tensors; -1 otherwise) and
-    then written by one replay of that graph: what graph replay computes, with any element it
-    leaves unwritten poisoned. Each callable runs once on a side stream first (warm-up, as in
-    graph_us). The tensors live in the graph's private memory pool, which PyTorch keeps while
-    they are referenced."""
+def _warm_up(fns) -> None:
+    """Each callable of ``fns`` once on a side stream, before a capture (lazy allocations, a
+    first launch's set-up: nothing of that may happen inside a graph), then a device sync."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -61,6 +57,16 @@ def graph_outputs(fns) -> list:
             fn()
     torch.cuda.current_stream().wait_stream(s)
     torch.cuda.synchronize()
+
+
+def graph_outputs(fns) -> list:
+    """The tensors ``fns`` (zero-argument callables, each returning one tensor) return when a
+    CUDA graph of one call each is captured, filled with NaN (float tensors; -1 otherwise) and
+    then written by one replay of that graph: what graph replay computes, with any element it
+    leaves unwritten poisoned. Each callable runs once on a side stream first (warm-up, as in
+    graph_us). The tensors live in the graph's private memory pool, which PyTorch keeps while
+    they are referenced."""
+    _warm_up(fns)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         outs = [fn() for fn in fns]
@@ -90,13 +96,7 @@ def graph_us(fns, calls: int | None = None, replays: int = 20, warm_ms: float = 
     so that a row does not start with the clocks where an idle moment or another row left them."""
     fns = fns if isinstance(fns, list) else [fns]
     n = len(fns)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for fn in fns:
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
+    _warm_up(fns)
     g = _capture(fns, max(calls or n, n))
     if calls is None:
         g.replay()   # the first replay also uploads the graph: not the one that is timed
