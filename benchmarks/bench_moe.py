@@ -10,8 +10,8 @@ w13 and w2 (--shared-weights: one copy for all, as the tables before 2026-12-05 
 so that no call reads weights the previous call left in L2. Checked before timing: the first
 set's eager call (its output poisoned with NaN first); after timing, every set's output from one
 replay of a CUDA graph of one call per set (ours and the gmm peer; outputs poisoned before the
-replay): a wrong or unwritten output on any set drops that implementation's time from the row. Prints time, TFLOP/s, GB/s, ratio to the
-floor and to the peer; writes JSON.
+replay): a wrong or unwritten output on any set drops that implementation's time from the row.
+Prints time, TFLOP/s, GB/s, ratio to the floor and to the peer; writes JSON.
 
 Floor (../shared/PERF.md, beside the checkout): max(FLOPs / 787 TFLOP/s, bytes / 4.23 TB/s); FLOPs = 2*T*K*3*H*I; bytes = the
 distinct experts hit * 3*H*I*2 + activations in and out + routing. Column 'x here': the same

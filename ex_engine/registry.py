@@ -384,8 +384,9 @@ class WorkspaceSizeError(KernelError):
     """A plugin's workspace_size returned a size outside 0..2**40 bytes, before its kernel ran:
     below 0 the plugin's bug; above 2**40 (1 TiB, more than a device holds) either that or dims
     too large for the factor (moe_fused_gemm's legal T = 2**20, H = 4096, E = K = 128, I = 768
-    asks 1.3 TB: its per-slot intermediates). A KernelError (status EX_ERR_WORKSPACE, for callers that catch those) whose message
-    names workspace_size's answer, not a status the kernel never returned."""
+    asks 1.3 TB: its per-slot intermediates). A KernelError (status EX_ERR_WORKSPACE, for
+    callers that catch those) whose message names workspace_size's answer, not a status the
+    kernel never returned."""
 
     def __init__(self, factor: str, need: int, dims):
         self.factor, self.status = factor, abi.EX_ERR_WORKSPACE
