@@ -146,9 +146,11 @@ def _refuse_torch_writes(fn: str, written: dict) -> None:
     ``fn``) that torch's own in-place ops refuse:
     - an inference tensor (made under torch.inference_mode()) outside inference mode: torch
       raises 'Inplace update to inference tensor outside InferenceMode';
-    - while grad mode is on, a leaf that requires grad or a view of one (x = leaf[:, :H], a
-      row-strided view this op takes): ``fn`` records no autograd graph, so the leaf (a
-      Parameter, say) would change behind autograd."""
+    - while grad mode is on, any tensor that requires grad: a leaf or a view of one (x =
+      leaf[:, :H], a row-strided view this op takes), which would change behind autograd (torch
+      refuses in-place ops there too), and a non-leaf (an activation): ``fn`` records no
+      autograd graph, so the tensor would keep its old grad_fn and a backward pass through it
+      would return the gradient of the values it held before the call, silently wrong."""
     torch = sys.modules["torch"]
     for name, a in written.items():
         if a.is_inference() and not torch.is_inference_mode_enabled():
@@ -162,12 +164,56 @@ def _refuse_torch_writes(fn: str, written: dict) -> None:
         if not getattr(a, "requires_grad", False):
             continue
         base = None if a.is_leaf else a._base
-        if a.is_leaf or (base is not None and base.is_leaf and base.requires_grad):
-            raise ArgumentError(fn, name, "autograd", "a tensor it may write in place (no leaf that "
-                                "requires grad, nor a view of one, while grad mode is on: call under "
-                                "torch.no_grad() or torch.inference_mode(), or pass .detach())",
-                                "a leaf tensor with requires_grad=True" if a.is_leaf else
-                                "a view of a leaf tensor with requires_grad=True")
+        raise ArgumentError(fn, name, "autograd", "a tensor it may write in place (none that requires "
+                            "grad while grad mode is on: the write is recorded in no autograd graph; "
+                            "call under torch.no_grad() or torch.inference_mode(), or pass .detach())",
+                            "a leaf tensor with requires_grad=True" if a.is_leaf else
+                            "a view of a leaf tensor with requires_grad=True"
+                            if base is not None and base.is_leaf and base.requires_grad else
+                            "a non-leaf tensor with requires_grad=True (its grad_fn would stay that "
+                            "of its old values)")
+
+
+_EAGER: dict = {}   # op -> torch.compiler.disable(op), made on first use under torch.compile
+_PROBES: tuple = (None, None, None)   # (torch module, its is_compiling, its _get_tracing_state)
+
+
+def _tracer() -> str | None:
+    """'compile' while torch.compile (TorchDynamo) traces the caller, 'trace' under
+    torch.jit.trace, else None (torch not imported, or eager: two cheap calls per op)."""
+    global _PROBES
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return None
+    if _PROBES[0] is not torch:   # found once per torch module (either may be missing: torch < 2.3)
+        _PROBES = (torch, getattr(getattr(torch, "compiler", None), "is_compiling", None),
+                   getattr(getattr(torch, "_C", None), "_get_tracing_state", None))
+    _, is_compiling, tracing_state = _PROBES
+    if is_compiling is not None and is_compiling():
+        return "compile"
+    return "trace" if tracing_state is not None and tracing_state() is not None else None
+
+
+def _untraced(mode: str, op):
+    """What an op runs under a tracer (``mode`` from _tracer): under torch.compile, its body
+    ``op`` (_topk_softmax, ...: not the public op, which would ask _tracer again, and recurse
+    where is_compiling() stays true when it runs, as in torch.export's non-strict tracing, whose
+    FakeTensors the body then refuses by name) wrapped in torch.compiler.disable, so that
+    TorchDynamo breaks the graph there and runs it
+    eagerly on real tensors (it had traced the Python fallback's NumPy code into the graph, which
+    failed for bfloat16 with an error about uint32 fake tensors); under torch.jit.trace, a
+    FactorError: the factors run outside torch's operators, so a trace records only the
+    allocation of their outputs and its replay returns them unwritten (or, for fused_add_rmsnorm,
+    leaves x and residual as they were), a silently wrong result."""
+    if mode == "trace":
+        raise FactorError(f"{op.__name__.lstrip('_')}: cannot be recorded by torch.jit.trace (the factor runs "
+                          "outside torch's operators: the trace would replay without it and return "
+                          "unwritten outputs); trace the model without ex_engine (MoEPatch.undo() "
+                          "first), or use torch.compile, which runs the factor eagerly at a graph break")
+    fn = _EAGER.get(op)
+    if fn is None:
+        fn = _EAGER[op] = sys.modules["torch"].compiler.disable(op)
+    return fn
 
 
 def topk_softmax(router_logits, top_k: int, renormalize: bool = False, *, topk_weights=None,
@@ -193,11 +239,21 @@ def topk_softmax(router_logits, top_k: int, renormalize: bool = False, *, topk_w
     ShapeError (K > E, naming top_k; an output given whose width is not top_k, naming that
     output), LayoutError (also: an output sharing memory with router_logits or with the other
     output, or marked read-only; a sparse, mkldnn or nested torch tensor), DeviceError, KernelError,
-    ArgumentError (an output given that is a torch leaf requiring grad, or a view of one, under
-    grad mode; or an inference tensor outside torch.inference_mode()). Each names topk_softmax
-    and the argument. A torch output given is written in place: its version counter is bumped,
-    as torch's in-place ops do.
+    ArgumentError (an output given that is a torch tensor requiring grad (a leaf, a view of one
+    or a non-leaf) under grad mode; or an inference tensor outside torch.inference_mode()).
+    Each names topk_softmax and the argument. A torch output given is written in place: its
+    version counter is bumped, as torch's in-place ops do.
+    Under torch.compile it runs eagerly at a graph break; under torch.jit.trace it raises
+    FactorError (a trace would not record it).
     """
+    mode = _tracer()
+    if mode is not None:
+        return _untraced(mode, _topk_softmax)(router_logits, top_k, renormalize, topk_weights, topk_ids,
+                                              registry)
+    return _topk_softmax(router_logits, top_k, renormalize, topk_weights, topk_ids, registry)
+
+
+def _topk_softmax(router_logits, top_k, renormalize, topk_weights, topk_ids, registry):
     reg = resolve_registry(registry)
     with _counted_refusal(reg, "topk_softmax"):
         try:
@@ -256,11 +312,11 @@ def fused_add_rmsnorm(x, residual, weight, eps: float = 1e-6, *,
     fused_add_rms_norm). (Source: Zhang & Sennrich 2019, "Root Mean Square Layer
     Normalization"; vLLM csrc/layernorm_kernels.cu.)
     An inference op: the in-place writes are recorded in no autograd graph (no gradient flows
-    through it). A torch leaf tensor that requires grad, or a view of one, is refused as x or
-    residual while grad mode is on (torch.is_grad_enabled()), as torch refuses in-place ops on
-    both; call it under torch.no_grad() / torch.inference_mode(). Their version counters are
-    bumped (as torch's in-place ops do), so a backward pass through a graph that saved x or
-    residual before this call raises instead of using the new values.
+    through it). A torch tensor that requires grad (a leaf, a view of one, or a non-leaf, whose
+    grad_fn would stay that of its old values) is refused as x or residual while grad mode is on
+    (torch.is_grad_enabled()); call it under torch.no_grad() / torch.inference_mode(). Their
+    version counters are bumped (as torch's in-place ops do), so a backward pass through a graph
+    that saved x or residual before this call raises instead of using the new values.
 
     x, residual: (T, H), the same dtype (float16, bfloat16 or float32); rows may be views into
     wider buffers (unit stride along H). weight: (H,) same dtype. eps: a float > 0 that rounds
@@ -275,10 +331,17 @@ def fused_add_rmsnorm(x, residual, weight, eps: float = 1e-6, *,
     LayoutError (also: x and residual, or either and weight, sharing memory; views of one wider
     buffer that share no byte are fine; x or residual marked read-only; a sparse, mkldnn or
     nested torch tensor), ArgumentError (eps not a finite number > 0 or not a normal float32;
-    x or residual a torch leaf that requires grad under grad mode, or an inference tensor outside
+    x or residual a torch tensor that requires grad under grad mode, or an inference tensor outside
     torch.inference_mode()), DeviceError, KernelError.
     Each names fused_add_rmsnorm and the argument.
     """
+    mode = _tracer()
+    if mode is not None:
+        return _untraced(mode, _fused_add_rmsnorm)(x, residual, weight, eps, registry)
+    return _fused_add_rmsnorm(x, residual, weight, eps, registry)
+
+
+def _fused_add_rmsnorm(x, residual, weight, eps, registry):
     reg = resolve_registry(registry)
     if _torch_write_suspect(x) or _torch_write_suspect(residual):
         with _counted_refusal(reg, "fused_add_rmsnorm"):
@@ -323,11 +386,21 @@ def moe_fused_gemm(hidden_states, w13, w2, topk_weights, topk_ids, *, router_log
     Returns out. Raises DTypeError (also: an argument that is no array), ShapeError,
     LayoutError (also: out sharing memory with another argument, e.g. out=hidden_states, or
     marked read-only; a sparse, mkldnn or nested torch tensor), DeviceError, KernelError,
-    ArgumentError (out a torch leaf requiring grad, or a view of one, under grad mode, or an
+    ArgumentError (out a torch tensor requiring grad under grad mode, or an
     inference tensor outside torch.inference_mode()); each names
     moe_fused_gemm and the argument. A torch out given is written in place: its version counter is
     bumped, as torch's in-place ops do.
     """
+    mode = _tracer()
+    if mode is not None:
+        return _untraced(mode, _moe_fused_gemm)(hidden_states, w13, w2, topk_weights, topk_ids,
+                                                router_logits, expert_map, out, registry)
+    return _moe_fused_gemm(hidden_states, w13, w2, topk_weights, topk_ids, router_logits, expert_map,
+                           out, registry)
+
+
+def _moe_fused_gemm(hidden_states, w13, w2, topk_weights, topk_ids, router_logits, expert_map, out,
+                    registry):
     reg = resolve_registry(registry)
     if out is not None and _torch_write_suspect(out):
         with _counted_refusal(reg, "moe_fused_gemm"):

@@ -192,8 +192,8 @@ def test_meta_and_sparse_tensors_are_refused_by_name(tmp_path, reg):
 
 
 def test_rmsnorm_refuses_a_leaf_that_requires_grad_and_the_ops_record_no_graph(reg):
-    """In place into a leaf that requires grad under grad mode: refused by name, as torch
-    refuses it; under no_grad, or on a non-leaf, it runs; outputs never require grad."""
+    """In place into a tensor that requires grad under grad mode (a leaf, as torch refuses it,
+    or a non-leaf): refused by name; under no_grad it runs; outputs never require grad."""
     from ex_engine.errors import ArgumentError
     x, r, w = torch.randn(2, 8), torch.randn(2, 8), torch.ones(8)
     with pytest.raises(ArgumentError, match="^fused_add_rmsnorm: argument 'x': autograd"):
@@ -209,10 +209,15 @@ def test_rmsnorm_refuses_a_leaf_that_requires_grad_and_the_ops_record_no_graph(r
     with pytest.raises(ArgumentError, match="^fused_add_rmsnorm: argument 'x': autograd.*a view of a leaf"):
         fused_add_rmsnorm(leaf[:, :8], r.clone(), w, registry=reg)
     assert torch.equal(leaf.detach(), before)
-    # a non-leaf that requires grad (an activation) runs, and nothing it returns requires grad
+    # a non-leaf that requires grad (an activation) is refused too under grad mode: it would keep
+    # its old grad_fn, and a backward pass would return the gradient of its old values; under
+    # no_grad it runs, and nothing it returns requires grad
     act = x.clone().requires_grad_() * 1.0
     rr = r.clone()
-    xo, ro = fused_add_rmsnorm(act, rr, w, registry=reg)
+    with pytest.raises(ArgumentError, match="^fused_add_rmsnorm: argument 'x': autograd.*non-leaf"):
+        fused_add_rmsnorm(act, rr, w, registry=reg)
+    with torch.no_grad():
+        xo, ro = fused_add_rmsnorm(act, rr, w, registry=reg)
     assert xo is act and ro is rr and not ro.requires_grad     # the arrays given, written in place
     lg = torch.randn(3, 8, requires_grad=True)
     tw, ti = topk_softmax(lg, 2, registry=reg)
