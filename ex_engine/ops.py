@@ -7,12 +7,13 @@ process-wide registry loaded lazily from factors/ on first use.
 """
 from __future__ import annotations
 
+import functools
 import operator
-import os
 import sys
 import threading
 from contextlib import contextmanager
 
+from ._fork import renew_after_fork
 from .arrays import _KINDS, _NP_NAMES, Bits16, TensorRef, _cupy_importable, _kind_of, data_ptr, no_cupy_error
 from .errors import ArgumentError, DTypeError, FactorError, ShapeError
 from .registry import FactorRegistry
@@ -21,15 +22,7 @@ _default: FactorRegistry | None = None
 _default_lock = threading.Lock()
 
 
-def _reinit_lock_after_fork() -> None:
-    """A new _default_lock in a child made by os.fork (one held by a parent's thread at the
-    fork, while it loaded the default registry, would never be released there)."""
-    global _default_lock
-    _default_lock = threading.Lock()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_reinit_lock_after_fork)
+renew_after_fork(sys.modules[__name__], "_default_lock")   # (a fresh lock in a forked child)
 
 
 def default_registry() -> FactorRegistry:
@@ -196,17 +189,17 @@ def _tracer() -> str | None:
 
 def _untraced(mode: str, op):
     """What an op runs under a tracer (``mode`` from _tracer): under torch.compile, its body
-    ``op`` (_topk_softmax, ...: not the public op, which would ask _tracer again, and recurse
-    where is_compiling() stays true when it runs, as in torch.export's non-strict tracing, whose
-    FakeTensors the body then refuses by name) wrapped in torch.compiler.disable, so that
-    TorchDynamo breaks the graph there and runs it
-    eagerly on real tensors (it had traced the Python fallback's NumPy code into the graph, which
-    failed for bfloat16 with an error about uint32 fake tensors); under torch.jit.trace, a
+    ``op`` (the function _eager_under_tracers decorates: calling the decorated op would ask
+    _tracer again, and recurse where is_compiling() stays true when it runs, as in
+    torch.export's non-strict tracing, whose FakeTensors the body then refuses by name) wrapped
+    in torch.compiler.disable, so that TorchDynamo breaks the graph there and runs it eagerly on
+    real tensors (it had traced the Python fallback's NumPy code into the graph, which failed
+    for bfloat16 with an error about uint32 fake tensors); under torch.jit.trace, a
     FactorError: the factors run outside torch's operators, so a trace records only the
     allocation of their outputs and its replay returns them unwritten (or, for fused_add_rmsnorm,
     leaves x and residual as they were), a silently wrong result."""
     if mode == "trace":
-        raise FactorError(f"{op.__name__.lstrip('_')}: cannot be recorded by torch.jit.trace (the factor runs "
+        raise FactorError(f"{op.__name__}: cannot be recorded by torch.jit.trace (the factor runs "
                           "outside torch's operators: the trace would replay without it and return "
                           "unwritten outputs); trace the model without ex_engine (MoEPatch.undo() "
                           "first), or use torch.compile, which runs the factor eagerly at a graph break")
@@ -216,6 +209,20 @@ def _untraced(mode: str, op):
     return fn
 
 
+def _eager_under_tracers(op):
+    """The op ``op`` as it is called: ``op`` itself where no tracer runs (_tracer() is None),
+    else what _untraced gives for the tracer (a graph break under torch.compile, a FactorError
+    under torch.jit.trace). Keeps op's name, docstring and signature (functools.wraps)."""
+    @functools.wraps(op)
+    def call(*args, **kwargs):
+        mode = _tracer()
+        if mode is None:
+            return op(*args, **kwargs)
+        return _untraced(mode, op)(*args, **kwargs)
+    return call
+
+
+@_eager_under_tracers
 def topk_softmax(router_logits, top_k: int, renormalize: bool = False, *, topk_weights=None,
                  topk_ids=None, registry: FactorRegistry | None = None):
     """Router: softmax over the E experts of each token, then its top-k.
@@ -246,14 +253,6 @@ def topk_softmax(router_logits, top_k: int, renormalize: bool = False, *, topk_w
     Under torch.compile it runs eagerly at a graph break; under torch.jit.trace it raises
     FactorError (a trace would not record it).
     """
-    mode = _tracer()
-    if mode is not None:
-        return _untraced(mode, _topk_softmax)(router_logits, top_k, renormalize, topk_weights, topk_ids,
-                                              registry)
-    return _topk_softmax(router_logits, top_k, renormalize, topk_weights, topk_ids, registry)
-
-
-def _topk_softmax(router_logits, top_k, renormalize, topk_weights, topk_ids, registry):
     reg = resolve_registry(registry)
     with _counted_refusal(reg, "topk_softmax"):
         try:
@@ -304,6 +303,7 @@ def _topk_softmax(router_logits, top_k, renormalize, topk_weights, topk_ids, reg
     return topk_weights, topk_ids
 
 
+@_eager_under_tracers
 def fused_add_rmsnorm(x, residual, weight, eps: float = 1e-6, *,
                       registry: FactorRegistry | None = None):
     """In place: residual += x; x = residual * rsqrt(mean(residual**2) + eps) * weight.
@@ -335,13 +335,6 @@ def fused_add_rmsnorm(x, residual, weight, eps: float = 1e-6, *,
     torch.inference_mode()), DeviceError, KernelError.
     Each names fused_add_rmsnorm and the argument.
     """
-    mode = _tracer()
-    if mode is not None:
-        return _untraced(mode, _fused_add_rmsnorm)(x, residual, weight, eps, registry)
-    return _fused_add_rmsnorm(x, residual, weight, eps, registry)
-
-
-def _fused_add_rmsnorm(x, residual, weight, eps, registry):
     reg = resolve_registry(registry)
     if _torch_write_suspect(x) or _torch_write_suspect(residual):
         with _counted_refusal(reg, "fused_add_rmsnorm"):
@@ -352,6 +345,7 @@ def _fused_add_rmsnorm(x, residual, weight, eps, registry):
     return x, residual
 
 
+@_eager_under_tracers
 def moe_fused_gemm(hidden_states, w13, w2, topk_weights, topk_ids, *, router_logits=None,
                    expert_map=None, out=None, registry: FactorRegistry | None = None):
     """Routed experts of an MoE layer.
@@ -391,16 +385,6 @@ def moe_fused_gemm(hidden_states, w13, w2, topk_weights, topk_ids, *, router_log
     moe_fused_gemm and the argument. A torch out given is written in place: its version counter is
     bumped, as torch's in-place ops do.
     """
-    mode = _tracer()
-    if mode is not None:
-        return _untraced(mode, _moe_fused_gemm)(hidden_states, w13, w2, topk_weights, topk_ids,
-                                                router_logits, expert_map, out, registry)
-    return _moe_fused_gemm(hidden_states, w13, w2, topk_weights, topk_ids, router_logits, expert_map,
-                           out, registry)
-
-
-def _moe_fused_gemm(hidden_states, w13, w2, topk_weights, topk_ids, router_logits, expert_map, out,
-                    registry):
     reg = resolve_registry(registry)
     if out is not None and _torch_write_suspect(out):
         with _counted_refusal(reg, "moe_fused_gemm"):

@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from . import _paths, abi, errors, fatbin, trust
+from ._fork import renew_after_fork
 # imported with the registry, not at the first fallback call (_poison_outputs): a child forked
 # while another thread was inside that first import waited forever on its module lock
 from . import verify as _verify   # (verify imports no registry at its top)
@@ -431,25 +432,7 @@ _OPENED_LOCK = threading.Lock()
 # file was replaced (a rebuild: a new inode), so a later load compares the bytes it checked
 # with the copy's (_check_copy).
 _COPIES: dict = {}
-# Every live registry, so that a child made by fork gets fresh locks (_reinit_locks_after_fork)
-_LIVE: "weakref.WeakSet" = weakref.WeakSet()
-
-
-def _reinit_locks_after_fork() -> None:
-    """In a child made by os.fork (multiprocessing's 'fork' too): new, unheld locks for this
-    module and every live registry. A lock another thread of the parent held at the fork (a
-    call counting its path in stats(), say) stays held in the child, where no thread will ever
-    release it: the child's first call then waited forever (15 of 100 forks beside three
-    calling threads)."""
-    global _OPENED_LOCK
-    _OPENED_LOCK = threading.Lock()
-    for reg in list(_LIVE):
-        reg._lock = threading.Lock()
-        reg._ws_lock = threading.Lock()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_reinit_locks_after_fork)
+renew_after_fork(sys.modules[__name__], "_OPENED_LOCK")   # (and each registry's: __init__)
 
 
 def _file_identity(st: os.stat_result) -> tuple:
@@ -754,7 +737,7 @@ class FactorRegistry:
         self._workspaces: dict = {}     # (factor, device, stream or host thread) -> buffer
         self._ws_lock = threading.Lock()
         self._retired: list = []         # grown-out-of device workspaces, dropped after a sync
-        _LIVE.add(self)                  # (fresh locks in a forked child)
+        renew_after_fork(self, "_lock", "_ws_lock")   # (fresh locks in a forked child)
         self._flags: dict = defaultdict(Counter)
         self._fallbacks: dict = {}
         self._fallback_checks: dict = {}   # factor name -> (fn, fallback_problem(fn)): the last one

@@ -34,28 +34,14 @@ import bisect
 import os
 import threading
 import warnings
-import weakref
 from pathlib import Path
 
 import yaml
 
 from . import _paths, _yaml
+from ._fork import renew_after_fork
 from .errors import ArgumentError, FactorError, one_line
 from .hardware import Hardware, device_name
-
-
-_TABLES: "weakref.WeakSet" = weakref.WeakSet()   # every live table (fresh locks after a fork)
-
-
-def _reinit_locks_after_fork() -> None:
-    """In a child made by os.fork: a new lock for every live table (one a parent's thread held
-    at the fork would stay held in the child, and its next call would wait forever)."""
-    for t in list(_TABLES):
-        t._lock = threading.Lock()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_reinit_locks_after_fork)
 
 
 class TuningWarning(UserWarning):
@@ -190,7 +176,7 @@ class TuningTable:
                                                # for one code in a table (message each)
         self._warned: set = set()
         self._lock = threading.Lock()
-        _TABLES.add(self)
+        renew_after_fork(self, "_lock")        # (a fresh lock in a forked child)
         self._overrides: dict = {}
         self.refused: dict = {}                # factor -> why check() set its table aside
         self.set_aside: list = []              # files for this device skipped as malformed

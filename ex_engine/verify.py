@@ -890,11 +890,6 @@ def _load_cache() -> tuple:
     return data, ""
 
 
-def _read_cache() -> dict:
-    """The entries of cache_file() ({} where it is absent or ignored: _load_cache)."""
-    return _load_cache()[0]
-
-
 @contextlib.contextmanager
 def _cache_locked():
     """Hold an exclusive flock on the cache's folder (no file of its own) while an update reads,
