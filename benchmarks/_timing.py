@@ -62,10 +62,14 @@ def _warm_up(fns) -> None:
 def graph_outputs(fns) -> list:
     """The tensors ``fns`` (zero-argument callables, each returning one tensor) return when a
     CUDA graph of one call each is captured, filled with NaN (float tensors; -1 otherwise) and
-    then written by one replay of that graph: what graph replay computes, with any element it
-    leaves unwritten poisoned. Each callable runs once on a side stream first (warm-up, as in
-    graph_us). The tensors live in the graph's private memory pool, which PyTorch keeps while
-    they are referenced."""
+    then written by one replay of that graph: what graph replay computes. An element a callable
+    leaves unwritten reads NaN only where its tensor was allocated before the capture (e.g. an
+    ``out=`` buffer): a tensor allocated inside the capture comes from the graph's private pool,
+    whose memory freed during the capture is reused, so an earlier call's temporary may share it
+    and the replay then writes that temporary's values over the poison (seen on the H200: one
+    of three sets read 0.045 instead of NaN). Each callable runs once on a side stream first
+    (warm-up, as in graph_us). Tensors allocated in the capture live in that pool, which
+    PyTorch keeps while they are referenced."""
     _warm_up(fns)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):

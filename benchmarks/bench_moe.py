@@ -150,13 +150,21 @@ def rel(out, ref):
     return float((o - ref).norm() / ref.norm())
 
 
-def graph_errors(fn, sets, refs):
+def graph_errors(fn, sets, refs, out_arg=False):
     """rel() of each set's output from one replay of a CUDA graph of ``fn(*set)`` for every set
-    in ``sets`` (their outputs filled with NaN before the replay, so an element the graph left
-    unwritten fails), against ``refs`` (one float32 reference per set): the check of what graph
-    replay computes, on every set the timed graphs rotate over, not only the first set's eager
-    call."""
-    return [rel(out, r) for out, r in zip(graph_outputs([lambda a=a: fn(*a) for a in sets]), refs)]
+    in ``sets``, against ``refs`` (one float32 reference per set): the check of what graph replay
+    computes, on every set the timed graphs rotate over, not only the first set's eager call.
+    The outputs are filled with NaN before the replay. With ``out_arg`` each call writes into
+    ``fn(*set, out=buffer)``, a buffer like the set's first tensor allocated before the capture,
+    so that an element the call leaves unwritten reads NaN and fails; without it (a callable
+    that allocates its output) the graph's pool may have given that memory to another call's
+    temporary first (graph_outputs), so an unwritten element fails only by its wrong value."""
+    if out_arg:
+        bufs = [torch.empty_like(a[0]) for a in sets]
+        fns = [lambda a=a, o=o: fn(*a, out=o) for a, o in zip(sets, bufs)]
+    else:
+        fns = [lambda a=a: fn(*a) for a in sets]
+    return [rel(out, r) for out, r in zip(graph_outputs(fns), refs)]
 
 
 def graph_failure(errs) -> str | None:
@@ -298,7 +306,7 @@ def main():
         bytes_ = hit * 3 * s.H * s.I * 2 + 2 * T * s.H * 2 + T * s.K * 8
         floor = max(flops / PEAK_TFLOPS / 1e6, bytes_ / PEAK_GBS / 1e3)
         floor_here = max(flops / here["matmul_tflops"] / 1e6, bytes_ / here["copy_gbs"] / 1e3)
-        ours = lambda x, w13, w2, w, ids: moe_fused_gemm(x, w13, w2, w, ids, registry=reg)
+        ours = lambda x, w13, w2, w, ids, out=None: moe_fused_gemm(x, w13, w2, w, ids, out=out, registry=reg)
         refs = [reference(*a) for a in sets]
         ref = refs[0]
         poisoned = torch.full_like(sets[0][0], float("nan"))   # every element must be written
@@ -315,7 +323,7 @@ def main():
             save()
             continue
         row["ours_us"] = graph_us([lambda a=a: ours(*a) for a in sets], warm_ms=args.warm_ms)
-        row["err_ours_graph"] = graph_errors(ours, sets, refs)
+        row["err_ours_graph"] = graph_errors(ours, sets, refs, out_arg=True)
         if graph_failure(row["err_ours_graph"]):
             row["error"] = f"ours in graph replay: {graph_failure(row['err_ours_graph'])}: time dropped"
             del row["ours_us"]

@@ -881,24 +881,26 @@ def test_bench_moe_graph_failure_names_each_failing_set():
 
 @pytest.mark.gpu
 def test_bench_moe_graph_errors_catch_an_unwritten_element_in_graph_replay():
-    """graph_errors() checks what graph replay computes, every element: a callable that writes
-    all but one element of its output passes an eager check on memory that happens to hold the
-    right value, and fails here (the graph's outputs are poisoned before the replay); one that
-    writes the whole output passes on every set."""
+    """graph_errors(out_arg=True) checks what graph replay computes, every element: a callable
+    that writes all but one element of its out= buffer (through a temporary, whose memory the
+    graph's pool may reuse: an output allocated inside the capture read 0.045 instead of NaN on
+    one set of three on the H200) fails on every set; one that writes the whole output passes
+    on every set, with its output allocated inside the capture or given."""
     torch = pytest.importorskip("torch")
     bench = import_tool("benchmarks", "bench_moe")
     sets = [(torch.randn(64, 32, device="cuda"),) for _ in range(3)]
     refs = [2 * a[0] for a in sets]
 
-    def whole(x):
-        return 2 * x
+    def whole(x, out=None):
+        return torch.mul(x, 2, out=out)
 
-    def all_but_one(x):
-        out = torch.empty_like(x)
+    def all_but_one(x, out=None):
+        out = torch.empty_like(x) if out is None else out
         out.view(-1)[1:] = 2 * x.view(-1)[1:]
         return out
 
     assert bench.graph_failure(bench.graph_errors(whole, sets, refs)) is None
-    errs = bench.graph_errors(all_but_one, sets, refs)
+    assert bench.graph_failure(bench.graph_errors(whole, sets, refs, out_arg=True)) is None
+    errs = bench.graph_errors(all_but_one, sets, refs, out_arg=True)
     assert errs == [float("inf")] * 3
     assert "set 0 rel err inf" in bench.graph_failure(errs)
