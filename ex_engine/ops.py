@@ -104,6 +104,31 @@ def _empty(ref: TensorRef, shape, dtype: str, factor: str, name: str, reg: Facto
     return np.empty(shape, dtype=_np_dtype(dtype))
 
 
+def _refuse_before_allocating(reg: FactorRegistry, name: str, ref: TensorRef, arrays: dict, params=None) -> None:
+    """Raise what dispatch would raise for a call whose input ``ref`` (router_logits,
+    hidden_states: its shape sizes the outputs the op allocates) is not C-contiguous, before
+    anything is allocated: a broadcast view (0 strides) of a shape too large to hold made NumPy
+    or torch raise its own MemoryError / RuntimeError ('Unable to allocate 11.6 TiB') instead of
+    the LayoutError naming the argument. ``arrays``: dispatch's arrays, each output still to be
+    allocated a TensorRef without memory (what is bound in its place). Counted in ``reg``'s
+    errors, as dispatch counts a refusal; nothing is checked for a contiguous (or empty) input."""
+    if ref.size == 0 or ref.is_contiguous():
+        return
+    with _counted_refusal(reg, name):
+        m = reg.manifest(name)
+        m.bind(reg._describe(name, m, arrays, params), params, reg._tuned_value(m))
+
+
+def _no_memory(ref: TensorRef, shape, dtype: str, itemsize: int) -> TensorRef:
+    """A C-contiguous TensorRef of ``shape``/``dtype`` without memory, on ``ref``'s device: an
+    output not yet allocated, as _refuse_before_allocating binds it."""
+    strides, acc = [], 1
+    for n in reversed(shape):
+        strides.append(acc)
+        acc *= n
+    return TensorRef(None, ref.kind, 0, tuple(shape), tuple(reversed(strides)), dtype, itemsize, ref.device, True)
+
+
 def _float32_of(arr):
     """The float32 dtype of ``arr``'s library (torch.float32 or numpy's, which CuPy takes)."""
     if _is_torch(arr):
@@ -282,6 +307,11 @@ def topk_softmax(router_logits, top_k: int, renormalize: bool = False, *, topk_w
                              f"width)", top_k)
     T = ref.shape[0] if len(ref.shape) == 2 else 0
     w_arg, ids_arg = given.get("topk_weights"), given.get("topk_ids")
+    if w_arg is None or ids_arg is None:
+        _refuse_before_allocating(reg, "topk_softmax", ref, {
+            "router_logits": router_logits,
+            "topk_weights": w_arg or _no_memory(ref, (T, top_k), "float32", 4),
+            "topk_ids": ids_arg or _no_memory(ref, (T, top_k), "int32", 4)}, {"renormalize": renormalize})
     if topk_weights is None and topk_ids is None:
         # one allocation for both outputs (host time per call): ids in [0], weights in [1];
         # described here as what they are (C-contiguous (T, K), 4-byte elements, one base
@@ -390,11 +420,15 @@ def moe_fused_gemm(hidden_states, w13, w2, topk_weights, topk_ids, *, router_log
         with _counted_refusal(reg, "moe_fused_gemm"):
             _refuse_torch_writes("moe_fused_gemm", {"out": out})
     if out is None:
-        if _KINDS.get(type(hidden_states)) == "torch":   # host time: no description needed
-            out = hidden_states.new_empty(hidden_states.shape)
+        if _KINDS.get(type(hidden_states)) == "torch" and hidden_states.is_contiguous():   # host time:
+            out = hidden_states.new_empty(hidden_states.shape)                           # no description
         else:
             with _counted_refusal(reg, "moe_fused_gemm"):
                 ref = TensorRef.of(hidden_states, "hidden_states", "moe_fused_gemm")
+            _refuse_before_allocating(reg, "moe_fused_gemm", ref, {
+                "hidden_states": hidden_states, "out": _no_memory(ref, ref.shape, ref.dtype, ref.itemsize),
+                "router_logits": router_logits, "w13": w13, "w2": w2, "topk_weights": topk_weights,
+                "topk_ids": topk_ids, "expert_map": expert_map})
             out = _empty(ref, ref.shape, ref.dtype, "moe_fused_gemm", "hidden_states", reg,
                          expected="float16 or bfloat16")
     reg.dispatch(
