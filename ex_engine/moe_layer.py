@@ -18,7 +18,7 @@ import yaml
 
 from . import _paths, _yaml
 from ._scripts import output_file_problem, plugin_folder_problem, report_problems  # noqa: F401 (the scripts' import)
-from .arrays import Bits16, TensorRef, f32_to_bf16_bits
+from .arrays import Bits16, TensorRef, bf16_bits_to_f32, f32_to_bf16_bits
 from .errors import ArgumentError, DTypeError, FactorError, ShapeError, is_integer, one_line
 from .fallbacks import moe_fused_gemm_math, topk_softmax_math
 from .ops import moe_fused_gemm, resolve_registry, topk_softmax
@@ -317,10 +317,25 @@ class MoELayer:
         return out
 
 
+def _values(a, name: str):
+    """``a`` (argument ``name`` of rel_error) as a NumPy/CuPy array: itself where it is one
+    (ml_dtypes' bfloat16 too), else the values of a Bits16 (MoELayer's bfloat16 outputs; read
+    exactly from its bits) or of a torch tensor. Raises DTypeError naming it for anything else
+    (a list or None failed as an AttributeError about 'shape', a Bits16 about 'astype')."""
+    if hasattr(a, "astype") and hasattr(a, "shape"):
+        return a
+    r = TensorRef.of(a, name, "rel_error")
+    raw = r.raw()
+    return bf16_bits_to_f32(r.xp(), raw) if r.dtype == "bfloat16" else raw
+
+
 def rel_error(xp, out, ref) -> float:
     """||out - ref|| / ||ref|| in float64 over all elements (out and ref of one shape, e.g.
     (T, H)); inf if out has a NaN or ref is zero; 0 for an empty output (T = 0: nothing to
-    compare). Raises ShapeError when the shapes differ (no broadcasting)."""
+    compare). out, ref: NumPy/CuPy arrays, torch tensors or Bits16 (bfloat16, as MoELayer's
+    forward returns it); DTypeError naming the argument for anything else. Raises ShapeError
+    when the shapes differ (no broadcasting)."""
+    out, ref = _values(out, "out"), _values(ref, "ref")
     if tuple(out.shape) != tuple(ref.shape):
         raise ShapeError("rel_error", "ref", "same shape as out", tuple(out.shape), tuple(ref.shape))
     o = out.astype(xp.float64)

@@ -66,3 +66,25 @@ def test_torch_expanded_input_is_refused_before_outputs_are_allocated(reg):
         moe_fused_gemm(hs, w13, w2, torch.zeros(1, 2), torch.zeros(1, 2, dtype=torch.int32), registry=reg)
     with pytest.raises(LayoutError, match="^topk_softmax: argument 'router_logits': layout"):
         topk_softmax(torch.zeros(1, 8).expand(HUGE_T, 8), 2, registry=reg)
+
+
+def test_rel_error_takes_the_layers_bfloat16_output():
+    """MoELayer's default dtype is bfloat16, whose forward returns out as a Bits16: the
+    documented check rel_error(np, out, layer.reference(...)) raised AttributeError ('Bits16'
+    object has no attribute 'astype'); a list or None as out failed on 'shape'. The Bits16's
+    values are compared now (the same error as of their float32 copy); a non-array is a
+    DTypeError naming the argument."""
+    from ex_engine.arrays import TensorRef
+    from ex_engine.moe_layer import MoELayer, MoEShape, rel_error
+    layer = MoELayer(MoEShape("tiny", 32, 16, 8, 3, True), "bfloat16")
+    x = layer.hidden_states(3)
+    out, w, ids, _ = layer.forward(x, registry=FactorRegistry.load(hardware="h200"))
+    ref = layer.reference(x, w, ids)
+    err = rel_error(np, out, ref)
+    assert err == rel_error(np, TensorRef.of(out).load_f32(), ref)
+    assert 0 < err < 1e-2
+    with pytest.raises(DTypeError, match="^rel_error: argument 'out': type: expected .*array.*got list"):
+        rel_error(np, [1.0], np.ones(1))
+    with pytest.raises(DTypeError, match="^rel_error: argument 'ref': type: .*got NoneType"):
+        rel_error(np, np.ones(1), None)
+
