@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import os
 import time
+import types
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -224,8 +225,9 @@ class MoELayer:
     (xp), drawn N(0, 0.02^2) from ``seed`` (as benchmarks/bench_moe.py draws its weights).
     bfloat16 arrays come as Bits16.
     shape: an MoEShape (model_shape(name)) with H, I, E, K ints >= 1, K <= E; dtype:
-    'bfloat16' or 'float16'; seed: an int >= 0. Raises ArgumentError (DTypeError for dtype)
-    naming the argument otherwise, before any array is drawn."""
+    'bfloat16' or 'float16'; xp: the module numpy or cupy; seed: an int >= 0. Raises
+    ArgumentError (DTypeError for dtype) naming the argument otherwise, before any array is
+    drawn."""
 
     def __init__(self, shape: MoEShape, dtype: str = "bfloat16", xp=np, seed: int = 0):
         fn = "MoELayer"
@@ -238,6 +240,12 @@ class MoELayer:
             raise ArgumentError(fn, "shape.K", "K <= E", f"at most E = {shape.E}", shape.K)
         if not isinstance(dtype, str) or dtype not in LAYER_DTYPES:
             raise DTypeError(fn, "dtype", "the weights' dtype", "'bfloat16' or 'float16'", repr(dtype))
+        if xp is not np and getattr(xp, "__name__", None) != "cupy":
+            # (torch failed as "module 'torch.random' has no attribute 'default_rng'", a string
+            # as "'str' object has no attribute 'random'")
+            raise ArgumentError(fn, "xp", "array module", "the module numpy or cupy",
+                                f"the module {xp.__name__}" if isinstance(xp, types.ModuleType) else
+                                f"{type(xp).__name__} {xp!r:.80}")
         _check_int(fn, "seed", seed, 0)
         self.shape, self.dtype, self.xp = shape, dtype, xp
         rng = xp.random.default_rng(seed)

@@ -1,5 +1,7 @@
 """Trial 40 (an LLM inference engine's integrator, NumPy and torch CPU): defects found while
 calling the ops through the Python API, each test failing before its fix."""
+import re
+
 import numpy as np
 import pytest
 
@@ -88,3 +90,14 @@ def test_rel_error_takes_the_layers_bfloat16_output():
     with pytest.raises(DTypeError, match="^rel_error: argument 'ref': type: .*got NoneType"):
         rel_error(np, np.ones(1), None)
 
+
+@pytest.mark.parametrize("xp, got", [("numpy", "str 'numpy'"), (None, "NoneType None"),
+                                     (pytest, "the module pytest")])
+def test_moe_layer_refuses_an_xp_that_is_not_numpy_or_cupy(xp, got):
+    """MoELayer(shape, xp=torch) (an engine on torch) failed as "module 'torch.random' has no
+    attribute 'default_rng'", xp='numpy' as "'str' object has no attribute 'random'"."""
+    from ex_engine import ArgumentError
+    from ex_engine.moe_layer import MoELayer, MoEShape
+    with pytest.raises(ArgumentError, match=r"^MoELayer: argument 'xp': array module: expected the module "
+                                            r"numpy or cupy, got " + re.escape(got) + "$"):
+        MoELayer(MoEShape("tiny", 32, 16, 8, 3, True), "float16", xp=xp)
