@@ -310,8 +310,9 @@ def topk_softmax(router_logits, top_k: int, renormalize: bool = False, *, topk_w
     if w_arg is None or ids_arg is None:
         _refuse_before_allocating(reg, "topk_softmax", ref, {
             "router_logits": router_logits,
-            "topk_weights": w_arg or _no_memory(ref, (T, top_k), "float32", 4),
-            "topk_ids": ids_arg or _no_memory(ref, (T, top_k), "int32", 4)}, {"renormalize": renormalize})
+            "topk_weights": _no_memory(ref, (T, top_k), "float32", 4) if w_arg is None else w_arg,
+            "topk_ids": _no_memory(ref, (T, top_k), "int32", 4) if ids_arg is None else ids_arg},
+            {"renormalize": renormalize})
     if topk_weights is None and topk_ids is None:
         # one allocation for both outputs (host time per call): ids in [0], weights in [1];
         # described here as what they are (C-contiguous (T, K), 4-byte elements, one base
