@@ -9,8 +9,10 @@ range), then times CUDA-graph replays that rotate over the sets. Each set has it
 w13 and w2 (--shared-weights: one copy for all, as the tables before 2026-12-05 were measured),
 so that no call reads weights the previous call left in L2. Checked before timing: the first
 set's eager call (its output poisoned with NaN first); after timing, every set's output from one
-replay of a CUDA graph of one call per set (ours and the gmm peer; outputs poisoned before the
-replay): a wrong or unwritten output on any set drops that implementation's time from the row.
+replay of a CUDA graph of one call per set (outputs poisoned before the replay; ours writes into
+out= buffers allocated before the capture, so an unwritten element fails; the gmm peer allocates
+its own, which the graph's other temporaries may share, so only a wrong value fails): a failing
+set drops that implementation's time from the row.
 Prints time, TFLOP/s, GB/s, ratio to the floor and to the peer; writes JSON.
 
 Floor (../shared/PERF.md, beside the checkout): max(FLOPs / 787 TFLOP/s, bytes / 4.23 TB/s); FLOPs = 2*T*K*3*H*I; bytes = the
