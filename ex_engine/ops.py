@@ -111,7 +111,9 @@ def _refuse_before_allocating(reg: FactorRegistry, name: str, ref: TensorRef, ar
     or torch raise its own MemoryError / RuntimeError ('Unable to allocate 11.6 TiB') instead of
     the LayoutError naming the argument. ``arrays``: dispatch's arrays, each output still to be
     allocated a TensorRef without memory (what is bound in its place). Counted in ``reg``'s
-    errors, as dispatch counts a refusal; nothing is checked for a contiguous (or empty) input."""
+    errors, as dispatch counts a refusal; nothing is checked for a contiguous (or empty) input.
+    Callers test ``ref.is_contiguous()`` before building ``arrays`` (host time: a contiguous
+    input, an engine's every call, builds nothing)."""
     if ref.size == 0 or ref.is_contiguous():
         return
     with _counted_refusal(reg, name):
@@ -307,7 +309,7 @@ def topk_softmax(router_logits, top_k: int, renormalize: bool = False, *, topk_w
                              f"width)", top_k)
     T = ref.shape[0] if len(ref.shape) == 2 else 0
     w_arg, ids_arg = given.get("topk_weights"), given.get("topk_ids")
-    if w_arg is None or ids_arg is None:
+    if (w_arg is None or ids_arg is None) and not ref.is_contiguous():   # (host time: tested first)
         _refuse_before_allocating(reg, "topk_softmax", ref, {
             "router_logits": router_logits,
             "topk_weights": _no_memory(ref, (T, top_k), "float32", 4) if w_arg is None else w_arg,
@@ -426,10 +428,11 @@ def moe_fused_gemm(hidden_states, w13, w2, topk_weights, topk_ids, *, router_log
         else:
             with _counted_refusal(reg, "moe_fused_gemm"):
                 ref = TensorRef.of(hidden_states, "hidden_states", "moe_fused_gemm")
-            _refuse_before_allocating(reg, "moe_fused_gemm", ref, {
-                "hidden_states": hidden_states, "out": _no_memory(ref, ref.shape, ref.dtype, ref.itemsize),
-                "router_logits": router_logits, "w13": w13, "w2": w2, "topk_weights": topk_weights,
-                "topk_ids": topk_ids, "expert_map": expert_map})
+            if not ref.is_contiguous():   # (host time: tested before the arguments are built)
+                _refuse_before_allocating(reg, "moe_fused_gemm", ref, {
+                    "hidden_states": hidden_states, "out": _no_memory(ref, ref.shape, ref.dtype, ref.itemsize),
+                    "router_logits": router_logits, "w13": w13, "w2": w2, "topk_weights": topk_weights,
+                    "topk_ids": topk_ids, "expert_map": expert_map})
             out = _empty(ref, ref.shape, ref.dtype, "moe_fused_gemm", "hidden_states", reg,
                          expected="float16 or bfloat16")
     reg.dispatch(
