@@ -111,13 +111,14 @@ def _refuse_before_allocating(reg: FactorRegistry, name: str, ref: TensorRef, ar
     or torch raise its own MemoryError / RuntimeError ('Unable to allocate 11.6 TiB') instead of
     the LayoutError naming the argument. ``arrays``: dispatch's arrays, each output still to be
     allocated a TensorRef without memory (what is bound in its place). Counted in ``reg``'s
-    errors, as dispatch counts a refusal; nothing is checked for a contiguous (or empty) input.
+    errors, as dispatch counts a refusal (not a FactorNotFoundError, from a registry without
+    the factor: dispatch counts none); nothing is checked for a contiguous (or empty) input.
     Callers test ``ref.is_contiguous()`` before building ``arrays`` (host time: a contiguous
     input, an engine's every call, builds nothing)."""
     if ref.size == 0 or ref.is_contiguous():
         return
+    m = reg.manifest(name)   # (outside the count: a FactorNotFoundError names no factor to count)
     with _counted_refusal(reg, name):
-        m = reg.manifest(name)
         m.bind(reg._describe(name, m, arrays, params), params, reg._tuned_value(m))
 
 

@@ -4,7 +4,7 @@ test failing before its fix."""
 import numpy as np
 import pytest
 
-from ex_engine import FactorRegistry, moe_fused_gemm, topk_softmax
+from ex_engine import FactorNotFoundError, FactorRegistry, moe_fused_gemm, topk_softmax
 from ex_engine import ops
 
 
@@ -36,3 +36,15 @@ def test_contiguous_input_builds_no_refusal_arguments(reg, monkeypatch):
     torch = pytest.importorskip("torch")
     topk_softmax(torch.zeros(4, 8), 2, registry=reg)
     moe_fused_gemm(torch.zeros(4, 64, dtype=torch.float16), *_moe_args(torch.from_numpy), registry=reg)
+
+
+def test_unknown_factor_is_not_counted_for_a_non_contiguous_input(tmp_path):
+    """dispatch counts no FactorNotFoundError (there is no factor to count it under); the check
+    before allocating counted one for a non-contiguous input, so that stats() of a registry
+    without the factor listed it with errors 1 (a contiguous input: nothing)."""
+    reg = FactorRegistry(hardware="h200", manifests_dir=tmp_path)
+    with pytest.raises(FactorNotFoundError, match="no factor named 'topk_softmax'"):
+        topk_softmax(np.zeros((4, 16), np.float32)[:, ::2], 2, registry=reg)
+    with pytest.raises(FactorNotFoundError, match="no factor named 'moe_fused_gemm'"):
+        moe_fused_gemm(np.zeros((4, 128), np.float16)[:, ::2], *_moe_args(), registry=reg)
+    assert reg.stats() == {}
