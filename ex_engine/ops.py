@@ -424,8 +424,12 @@ def moe_fused_gemm(hidden_states, w13, w2, topk_weights, topk_ids, *, router_log
         with _counted_refusal(reg, "moe_fused_gemm"):
             _refuse_torch_writes("moe_fused_gemm", {"out": out})
     if out is None:
-        if _KINDS.get(type(hidden_states)) == "torch" and hidden_states.is_contiguous():   # host time:
-            out = hidden_states.new_empty(hidden_states.shape)                           # no description
+        try:   # host time: a contiguous torch tensor needs no description
+            fast = _KINDS.get(type(hidden_states)) == "torch" and hidden_states.is_contiguous()
+        except RuntimeError:   # a sparse CSR/CSC/BSR/BSC tensor has no is_contiguous: refused by name below
+            fast = False
+        if fast:
+            out = hidden_states.new_empty(hidden_states.shape)
         else:
             with _counted_refusal(reg, "moe_fused_gemm"):
                 ref = TensorRef.of(hidden_states, "hidden_states", "moe_fused_gemm")

@@ -4,7 +4,7 @@ test failing before its fix."""
 import numpy as np
 import pytest
 
-from ex_engine import FactorNotFoundError, FactorRegistry, moe_fused_gemm, topk_softmax
+from ex_engine import FactorNotFoundError, FactorRegistry, LayoutError, moe_fused_gemm, topk_softmax
 from ex_engine import ops
 
 
@@ -48,3 +48,21 @@ def test_unknown_factor_is_not_counted_for_a_non_contiguous_input(tmp_path):
     with pytest.raises(FactorNotFoundError, match="no factor named 'moe_fused_gemm'"):
         moe_fused_gemm(np.zeros((4, 128), np.float16)[:, ::2], *_moe_args(), registry=reg)
     assert reg.stats() == {}
+
+
+@pytest.mark.filterwarnings("ignore:Sparse .* support is in beta")
+@pytest.mark.parametrize("layout", ["sparse_csr", "sparse_csc", "sparse_bsr", "sparse_bsc"])
+def test_sparse_compressed_hidden_states_is_a_layout_error(reg, layout):
+    """moe_fused_gemm's torch fast path now asks hidden_states.is_contiguous(), which a sparse
+    compressed tensor does not have: torch's RuntimeError 'Sparse CSR tensors do not have
+    is_contiguous' (uncounted) instead of the TensorLayoutError naming hidden_states that CSR
+    and CSC got before (BSR and BSC failed in new_empty already)."""
+    torch = pytest.importorskip("torch")
+    topk_softmax(torch.zeros(1, 2), 1, registry=reg)   # torch's tensor type known (_KINDS): its fast path
+    dense = torch.zeros(4, 64)
+    hs = getattr(dense, f"to_{layout}")(*(((2, 2),) if "bs" in layout else ()))
+    before = reg.stats().get("moe_fused_gemm", {}).get("errors", 0)
+    with pytest.raises(LayoutError, match=f"^moe_fused_gemm: argument 'hidden_states': layout: expected a dense "
+                                          f"\\(strided\\) torch tensor, got layout {layout}"):
+        moe_fused_gemm(hs, *_moe_args(torch.from_numpy), registry=reg)
+    assert reg.stats()["moe_fused_gemm"]["errors"] == before + 1
