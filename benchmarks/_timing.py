@@ -66,10 +66,11 @@ def graph_outputs(fns) -> list:
     leaves unwritten reads NaN only where its tensor was allocated before the capture (e.g. an
     ``out=`` buffer): a tensor allocated inside the capture comes from the graph's private pool,
     whose memory freed during the capture is reused, so an earlier call's temporary may share it
-    and the replay then writes that temporary's values over the poison (seen on the H200: one
-    of three sets read 0.045 instead of NaN). Each callable runs once on a side stream first
-    (warm-up, as in graph_us). Tensors allocated in the capture live in that pool, which
-    PyTorch keeps while they are referenced."""
+    and the replay then writes that temporary's values over the poison (seen on the H200: sets
+    1 and 2 of three read finite errors, 0.045 on set 1, instead of inf; set 0, whose output
+    was allocated before any temporary was freed, read inf). Each callable
+    runs once on a side stream first (warm-up, as in graph_us). Tensors allocated in the
+    capture live in that pool, which PyTorch keeps while they are referenced."""
     _warm_up(fns)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):

@@ -883,9 +883,10 @@ def test_bench_moe_graph_failure_names_each_failing_set():
 def test_bench_moe_graph_errors_catch_an_unwritten_element_in_graph_replay():
     """graph_errors(out_arg=True) checks what graph replay computes, every element: a callable
     that writes all but one element of its out= buffer (through a temporary, whose memory the
-    graph's pool may reuse: an output allocated inside the capture read 0.045 instead of NaN on
-    one set of three on the H200) fails on every set; one that writes the whole output passes
-    on every set, with its output allocated inside the capture or given."""
+    graph's pool may reuse: outputs allocated inside the capture read finite errors (0.045)
+    instead of inf on sets 1 and 2 of three on the H200, pytest's truncated list showing only
+    the first) fails on every set; one that writes the whole output passes on every set, with
+    its output allocated inside the capture or given."""
     torch = pytest.importorskip("torch")
     bench = import_tool("benchmarks", "bench_moe")
     sets = [(torch.randn(64, 32, device="cuda"),) for _ in range(3)]
