@@ -66,3 +66,33 @@ def test_sparse_compressed_hidden_states_is_a_layout_error(reg, layout):
                                           f"\\(strided\\) torch tensor, got layout {layout}"):
         moe_fused_gemm(hs, *_moe_args(torch.from_numpy), registry=reg)
     assert reg.stats()["moe_fused_gemm"]["errors"] == before + 1
+
+
+def test_bench_moe_graph_errors_out_arg_writes_into_buffers_made_before_the_capture(monkeypatch):
+    """The CPU part of graph_errors(out_arg=True), which only a GPU test exercised: each set's
+    callable is given out= one buffer like the set's first tensor, made before graph_outputs
+    runs (captures) the callables and the same at every call, so that the poison graph_outputs
+    fills it with stays where a call leaves an element unwritten (a stand-in that runs each
+    callable, poisons what it returned and runs it again, as capture, fill and replay do)."""
+    torch = pytest.importorskip("torch")
+    from tests.test_bench_tools import import_tool
+    bench = import_tool("benchmarks", "bench_moe")
+
+    def graph_outputs(fns):
+        outs = [fn() for fn in fns]
+        for o in outs:
+            o.fill_(float("nan"))
+        return [fn() for fn in fns]
+
+    monkeypatch.setattr(bench, "graph_outputs", graph_outputs)
+    sets = [(torch.randn(8, 4),) for _ in range(3)]
+    refs = [2 * a[0] for a in sets]
+
+    def all_but_one(x, out=None):
+        assert out is not None and out.shape == x.shape and out.dtype == x.dtype
+        out.view(-1)[1:] = 2 * x.view(-1)[1:]
+        return out
+
+    assert bench.graph_errors(all_but_one, sets, refs, out_arg=True) == [float("inf")] * 3
+    assert bench.graph_failure(bench.graph_errors(lambda x, out=None: torch.mul(x, 2, out=out), sets, refs,
+                                                  out_arg=True)) is None
