@@ -387,7 +387,7 @@ class ExpertParallelMoE:
         self.expert_map = _map_like(make_expert_map(self.num_experts, self.world_size, self.rank), w13)
         # the rank that owns every expert calls the factor without a map (identical result)
         self._map_arg = None if self.count == self.num_experts else self.expert_map
-        self._group_checked = False
+        self._checked_world = None    # the default process group _check_group last passed in
 
     @classmethod
     def from_global(cls, w13, w2, *, rank: int | None = None, world_size: int | None = None,
@@ -518,8 +518,10 @@ class ExpertParallelMoE:
     __call__ = forward
 
     def _check_group(self, hidden_states) -> None:
-        if self._group_checked:
-            return
+        """FactorError unless this layer can all-reduce: torch weights, torch.distributed
+        initialised, and the group's rank and size this layer's. Checked again whenever the
+        default process group is not the one of the last check (after shutdown() and a new
+        init_from_env(), say), else only the cheap is-initialised test runs."""
         if self.kind != "torch":
             raise FactorError(f"ExpertParallelMoE.forward: world_size {self.world_size} needs torch "
                               f"tensors (the all-reduce is torch.distributed's: NCCL on CUDA tensors, "
@@ -529,10 +531,14 @@ class ExpertParallelMoE:
         if not (dist.is_available() and dist.is_initialized()):
             raise FactorError("ExpertParallelMoE.forward: torch.distributed is not initialised "
                               "(call ex_engine.distributed.init_from_env() under torchrun, or use "
-                              "forward_local to simulate a rank)")
+                              "forward_local to simulate a rank); after shutdown() a layer needs a "
+                              "process group again")
+        world = dist.group.WORLD
+        if self._checked_world is world:
+            return
         r, n = dist.get_rank(self.group), dist.get_world_size(self.group)
         if (r, n) != (self.rank, self.world_size):
             raise FactorError(f"ExpertParallelMoE.forward: the layer was built for rank {self.rank} of "
                               f"{self.world_size}, the process group is rank {r} of {n} (use "
                               f"forward_local to simulate a rank)")
-        self._group_checked = True
+        self._checked_world = world

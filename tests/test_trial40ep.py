@@ -1,0 +1,113 @@
+"""Expert parallelism as a user runs it (trial 40ep): ExpertParallelMoE over real gloo ranks (CPU
+tensors, the Python fallback) and its misuse. The tests that need several processes run this file
+as a script, one process per rank (RANK/WORLD_SIZE/MASTER_* as torchrun sets them), under a
+timeout: ``python tests/test_trial40ep.py SCENARIO`` prints ``OK SCENARIO`` on each rank that
+saw what it should.
+"""
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from ex_engine.errors import FactorError  # noqa: E402
+
+G, H, I, T, K = 4, 16, 8, 3, 2
+
+
+def _layer_inputs(torch, G=G, H=H):
+    """x, w13, w2, topk_weights, topk_ids: the same on every rank (seeded)."""
+    gen = torch.Generator().manual_seed(40)
+    x = torch.randn(T, H, generator=gen).to(torch.bfloat16)
+    w13 = (torch.randn(G, 2 * I, H, generator=gen) / H ** 0.5).to(torch.bfloat16)
+    w2 = (torch.randn(G, H, I, generator=gen) / I ** 0.5).to(torch.bfloat16)
+    w = torch.rand(T, K, generator=gen) * 0.9 + 0.1
+    ids = torch.tensor([[0, G - 1], [1, 2 % G], [G - 1, 0]], dtype=torch.int32)
+    return x, w13, w2, w, ids
+
+
+def _run_ranks(scenario: str, nproc: int = 2, timeout: float = 120.0) -> None:
+    """Run ``scenario`` in ``nproc`` processes of this file (rank r: RANK=r); every one must exit
+    0 and print OK. Kills them all after ``timeout`` seconds (a hang fails the test)."""
+    pytest.importorskip("torch.distributed")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_RANK",
+                                                                      "MASTER_"))}
+    env.update(PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]), OMP_NUM_THREADS="1",
+               CUDA_VISIBLE_DEVICES="", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+               WORLD_SIZE=str(nproc))
+    procs = [subprocess.Popen([sys.executable, __file__, scenario], cwd=ROOT, text=True,
+                              env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for r in range(nproc)]
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=timeout)[0])
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        pytest.fail(f"{scenario}: ranks still running after {timeout} s (a hang)")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    text = "\n".join(outs)
+    assert all(p.returncode == 0 for p in procs), text[-4000:]
+    assert text.count(f"OK {scenario}") == nproc, text[-4000:]
+
+
+# ------------------------------------------------------------------------------ scenarios (one rank)
+def _scenario_reinit(torch, dist, reg, rank):
+    """forward after shutdown() says so (it raised torch's ValueError from inside the all-reduce,
+    after the local compute); in a new process group of another size the layer is checked again
+    (the check was cached: the layer built for rank 0 of 2 all-reduced in a world of one and
+    returned rank 0's partial output as the layer's, silently)."""
+    from ex_engine.distributed import ExpertParallelMoE, init_from_env, shutdown
+    init_from_env(backend="gloo")
+    x, w13, w2, w, ids = _layer_inputs(torch)
+    layer = ExpertParallelMoE.from_global(w13, w2, registry=reg)
+    layer(x, w, ids)
+    shutdown()
+    with pytest.raises(FactorError, match="not initialised"):
+        layer(x, w, ids)
+    if rank == 0:
+        dist.init_process_group("gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
+        try:
+            with pytest.raises(FactorError, match="built for rank 0 of 2, the process group is rank 0 of 1"):
+                layer(x, w, ids)
+        finally:
+            dist.destroy_process_group()
+
+
+def test_forward_after_shutdown_and_in_a_new_process_group():
+    _run_ranks("reinit")
+
+
+def _main(scenario: str) -> int:
+    import torch
+    import torch.distributed as dist
+    from ex_engine import FactorRegistry
+    reg = FactorRegistry.load(tempfile.mkdtemp(), hardware="h200")     # no plugins: the fallback
+    rank = int(os.environ["RANK"])
+    try:
+        globals()["_scenario_" + scenario](torch, dist, reg, rank)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    print(f"OK {scenario}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1]))
