@@ -503,11 +503,14 @@ class ExpertParallelMoE:
         Arguments and shapes as ``forward_local``; hidden_states/topk_*: identical on every rank.
         Returns out (T, H). Raises FactorError when world_size > 1 and the tensors are not torch
         tensors (CUDA with NCCL; CPU tensors work with a gloo group, through the Python fallback:
-        a test path), torch.distributed is not initialised, or its group's rank/size differ from
+        a test path), DeviceError naming 'out' for an out that is not a torch tensor then,
+        torch.distributed is not initialised, or its group's rank/size differ from
         this layer's (a simulated rank: use forward_local).
         """
         if self.world_size > 1:
             self._check_group(hidden_states)
+            if out is not None:
+                self._check_out_for_all_reduce(out)
         out = self.forward_local(hidden_states, topk_weights, topk_ids, out=out,
                                  router_logits=router_logits)
         if self.world_size > 1:
@@ -516,6 +519,17 @@ class ExpertParallelMoE:
         return out
 
     __call__ = forward
+
+    @staticmethod
+    def _check_out_for_all_reduce(out) -> None:
+        """DeviceError naming 'out' unless it is a torch tensor: torch.distributed all-reduces
+        torch tensors only (the factor takes a NumPy out beside torch CPU tensors, and the
+        all-reduce then raised torch's TypeError after the local compute)."""
+        import torch
+        if not isinstance(out, torch.Tensor):
+            got = TensorRef.of(out, "out", "ExpertParallelMoE.forward").kind
+            raise DeviceError("ExpertParallelMoE.forward", "out", "all-reduced by torch.distributed",
+                              "a torch tensor, like the weights", f"a {got} array")
 
     def _check_group(self, hidden_states) -> None:
         """FactorError unless this layer can all-reduce: torch weights, torch.distributed

@@ -94,6 +94,30 @@ def test_forward_after_shutdown_and_in_a_new_process_group():
     _run_ranks("reinit")
 
 
+def _scenario_numpy_out(torch, dist, reg, rank):
+    """A NumPy out beside torch CPU tensors (the factor takes it on the host) is refused by name
+    before the compute: torch.distributed's all-reduce raised its own TypeError about a
+    parameter 'tensor' after the local compute. The layer then runs as usual."""
+    from ex_engine.distributed import ExpertParallelMoE, init_from_env
+    from ex_engine.errors import DeviceError
+    init_from_env(backend="gloo")
+    x, w13, w2, w, ids = _layer_inputs(torch)
+    layer = ExpertParallelMoE.from_global(w13, w2, registry=reg)
+    import ml_dtypes
+    out = np.zeros((T, H), ml_dtypes.bfloat16)
+    with pytest.raises(DeviceError, match=r"ExpertParallelMoE.forward: argument 'out': .*expected a torch "
+                                          r"tensor, like the weights, got a numpy array"):
+        layer(x, w, ids, out=out)
+    assert not out.astype(np.float32).any()           # refused before the local compute wrote it
+    full = layer(x, w, ids)
+    assert full.shape == (T, H) and bool(full.float().abs().sum() > 0)
+
+
+def test_forward_refuses_an_out_that_is_not_a_torch_tensor():
+    pytest.importorskip("ml_dtypes")
+    _run_ranks("numpy_out")
+
+
 def _main(scenario: str) -> int:
     import torch
     import torch.distributed as dist
