@@ -314,6 +314,23 @@ def _both_or_neither(fn: str, rank, world_size) -> None:
                             "both rank and world_size, or neither (from torch.distributed)", f"{given} only")
 
 
+def _rank_in_group(dist, group, fn: str) -> tuple[int, int]:
+    """(rank, size) of this process in ``group`` (None: the default group). ArgumentError naming
+    'group' for an object torch.distributed does not know as a group (torch's ValueError said
+    only that it is not registered) and for a group without this process (torch gives rank -1 and
+    size -1 there, which was reported as a bad world_size the caller never gave)."""
+    try:
+        r, n = dist.get_rank(group), dist.get_world_size(group)
+    except (ValueError, TypeError, RuntimeError) as exc:
+        raise ArgumentError(fn, "group", "a torch.distributed process group", "None or a group of "
+                            "torch.distributed.new_group", f"{group!r} ({exc})") from None
+    if r < 0:
+        raise ArgumentError(fn, "group", "a process group this process belongs to",
+                            "a group with this process in it", f"a group without it (this is rank "
+                            f"{dist.get_rank()} of the world of {dist.get_world_size()})")
+    return r, n
+
+
 class ExpertParallelMoE:
     """This rank's experts of one MoE layer, and the expert-parallel forward.
 
@@ -348,7 +365,7 @@ class ExpertParallelMoE:
         fn = _fn
         _both_or_neither(fn, rank, world_size)
         if rank is None or world_size is None:
-            r, n = self._dist_rank_world(group)
+            r, n = self._dist_rank_world(group, fn)
             rank = r if rank is None else rank
             world_size = n if world_size is None else world_size
         _check_partition_args(fn, num_experts, world_size, rank)
@@ -415,7 +432,7 @@ class ExpertParallelMoE:
                              tuple(r2.shape))
         _both_or_neither(fn, rank, world_size)
         if rank is None:
-            r, n = cls._dist_rank_world(group)
+            r, n = cls._dist_rank_world(group, fn)
             rank = r if rank is None else rank
             world_size = n if world_size is None else world_size
         _check_partition_args(fn, G, world_size, rank)
@@ -424,13 +441,16 @@ class ExpertParallelMoE:
                    G, rank=rank, world_size=world_size, group=group, registry=registry, _fn=fn)
 
     @staticmethod
-    def _dist_rank_world(group) -> tuple[int, int]:
+    def _dist_rank_world(group, fn: str) -> tuple[int, int]:
+        """(rank, world size) of this process in ``group`` (None: the world) when
+        torch.distributed is initialised, else (0, 1). Raises ArgumentError naming 'group' (and
+        ``fn``) for a group this process is not a member of, or an object that is no group."""
         try:
             import torch.distributed as dist
         except ImportError:
             return 0, 1
         if dist.is_available() and dist.is_initialized():
-            return dist.get_rank(group), dist.get_world_size(group)
+            return _rank_in_group(dist, group, fn)
         return 0, 1
 
     def __repr__(self) -> str:
@@ -550,7 +570,7 @@ class ExpertParallelMoE:
         world = dist.group.WORLD
         if self._checked_world is world:
             return
-        r, n = dist.get_rank(self.group), dist.get_world_size(self.group)
+        r, n = _rank_in_group(dist, self.group, "ExpertParallelMoE.forward")
         if (r, n) != (self.rank, self.world_size):
             raise FactorError(f"ExpertParallelMoE.forward: the layer was built for rank {self.rank} of "
                               f"{self.world_size}, the process group is rank {r} of {n} (use "

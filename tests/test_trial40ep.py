@@ -118,6 +118,34 @@ def test_forward_refuses_an_out_that_is_not_a_torch_tensor():
     _run_ranks("numpy_out")
 
 
+def _scenario_foreign_group(torch, dist, reg, rank):
+    """A group without this process is named as 'group' (the constructor reported torch's -1 as
+    "argument 'world_size': expected >= 1, got -1", an argument not given), in the constructor
+    and in forward; so is an object that is no group (torch's ValueError named nothing)."""
+    from ex_engine.distributed import ExpertParallelMoE, init_from_env
+    from ex_engine.errors import ArgumentError
+    init_from_env(backend="gloo")
+    x, w13, w2, w, ids = _layer_inputs(torch)
+    sub = dist.new_group([0])                       # every rank creates it; rank 1 is not in it
+    for group in ("foo", 3):
+        with pytest.raises(ArgumentError, match=r"from_global: argument 'group': .*process group"):
+            ExpertParallelMoE.from_global(w13, w2, group=group, registry=reg)
+    if rank == 0:
+        assert ExpertParallelMoE.from_global(w13, w2, group=sub, registry=reg).world_size == 1
+        return
+    with pytest.raises(ArgumentError, match=r"from_global: argument 'group': .*without it \(this is rank 1"):
+        ExpertParallelMoE.from_global(w13, w2, group=sub, registry=reg)
+    with pytest.raises(ArgumentError, match=r"^ExpertParallelMoE: argument 'group'"):
+        ExpertParallelMoE(w13[2:].contiguous(), w2[2:].contiguous(), G, group=sub, registry=reg)
+    layer = ExpertParallelMoE.from_global(w13, w2, rank=1, world_size=2, group=sub, registry=reg)
+    with pytest.raises(ArgumentError, match=r"forward: argument 'group': .*without it"):
+        layer(x, w, ids)
+
+
+def test_a_group_without_this_process_is_named():
+    _run_ranks("foreign_group")
+
+
 def _main(scenario: str) -> int:
     import torch
     import torch.distributed as dist
