@@ -517,15 +517,19 @@ class ExpertParallelMoE:
         """The layer's full routed-expert output on every rank: forward_local, then an NCCL
         all-reduce (sum) of out over the group, on torch's current stream (ProcessGroupNCCL
         orders its stream after it and it after the collective). With world_size 1: forward_local
-        alone. No host synchronisation: capturable in a CUDA graph (after one eager call, which
-        creates the NCCL communicator and the factor's workspace).
+        alone. No host synchronisation after the first call: capturable in a CUDA graph (after one
+        eager call, which creates the NCCL communicator and the factor's workspace). The first call
+        (and the first in a new process group) checks once, with one all-reduce of ten integers
+        read back on the host, that every rank of the group built this layer (the same G, H, I
+        and dtype) for its own rank and size; if not, every rank raises FactorError.
 
         Arguments and shapes as ``forward_local``; hidden_states/topk_*: identical on every rank.
         Returns out (T, H). Raises FactorError when world_size > 1 and the tensors are not torch
         tensors (CUDA with NCCL; CPU tensors work with a gloo group, through the Python fallback:
         a test path), DeviceError naming 'out' for an out that is not a torch tensor then,
-        torch.distributed is not initialised, or its group's rank/size differ from
-        this layer's (a simulated rank: use forward_local).
+        torch.distributed is not initialised, its group's rank/size differ from
+        this layer's (a simulated rank: use forward_local) or another rank's do from its layer's,
+        or the ranks' layers differ in G, H, I or dtype.
         """
         if self.world_size > 1:
             self._check_group(hidden_states)
@@ -553,14 +557,21 @@ class ExpertParallelMoE:
 
     def _check_group(self, hidden_states) -> None:
         """FactorError unless this layer can all-reduce: torch weights, torch.distributed
-        initialised, and the group's rank and size this layer's. Checked again whenever the
-        default process group is not the one of the last check (after shutdown() and a new
-        init_from_env(), say), else only the cheap is-initialised test runs."""
+        initialised, the group's rank and size this layer's, and every rank of the group holding
+        a slice of the same layer (G, H, I, dtype). Checked again whenever the default process
+        group is not the one of the last check (after shutdown() and a new init_from_env(), say),
+        else only the cheap is-initialised test runs. The full check is one all-reduce of ten
+        integers over the group, read back on the host: every rank learns whether any rank's
+        layer is wrong, so all raise together (a rank raising alone left the others in the
+        layer's all-reduce), and layers of different G, which summed partial outputs of
+        different partitions into a silently wrong layer, or different H, I or dtype, which
+        crashed gloo or left NCCL waiting, are refused."""
         if self.kind != "torch":
             raise FactorError(f"ExpertParallelMoE.forward: world_size {self.world_size} needs torch "
                               f"tensors (the all-reduce is torch.distributed's: NCCL on CUDA tensors, "
                               f"gloo on CPU ones); the weights are {self.kind} arrays (use forward_local "
                               f"to simulate a rank)")
+        import torch
         import torch.distributed as dist
         if not (dist.is_available() and dist.is_initialized()):
             raise FactorError("ExpertParallelMoE.forward: torch.distributed is not initialised "
@@ -571,8 +582,28 @@ class ExpertParallelMoE:
         if self._checked_world is world:
             return
         r, n = _rank_in_group(dist, self.group, "ExpertParallelMoE.forward")
-        if (r, n) != (self.rank, self.world_size):
+        names = ("num_experts", "H", "I", "dtype")
+        mine = [int((r, n) != (self.rank, self.world_size)), self.num_experts, self.H, self.I,
+                int(self.dtype == "bfloat16")]
+        both = torch.tensor(mine + [-v for v in mine], dtype=torch.int64).to(self.w13.device)
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.group)
+        got = both.tolist()
+        hi, lo = got[:5], [-v for v in got[5:]]
+        if mine[0]:
             raise FactorError(f"ExpertParallelMoE.forward: the layer was built for rank {self.rank} of "
                               f"{self.world_size}, the process group is rank {r} of {n} (use "
                               f"forward_local to simulate a rank)")
+        if hi[0]:
+            raise FactorError("ExpertParallelMoE.forward: another rank's layer was built for a rank or "
+                              "world size other than its own in the process group (its error says which); "
+                              "no rank all-reduces")
+        dtypes = ("float16", "bfloat16")
+        differ = [f"{name} from {dtypes[a] if name == 'dtype' else a} to {dtypes[b] if name == 'dtype' else b}"
+                  for name, a, b in zip(names, lo[1:], hi[1:]) if a != b]
+        if differ:
+            raise FactorError(f"ExpertParallelMoE.forward: the ranks of the process group hold slices of "
+                              f"different layers ({', '.join(differ)} across the ranks; this rank: "
+                              f"num_experts {self.num_experts}, H {self.H}, I {self.I}, {self.dtype}): "
+                              f"every rank must build the same layer (from_global of the same global "
+                              f"weights, or num_experts = the layer's G on every rank)")
         self._checked_world = world

@@ -146,6 +146,37 @@ def test_a_group_without_this_process_is_named():
     _run_ranks("foreign_group")
 
 
+def _scenario_layer_mismatch(torch, dist, reg, rank):
+    """Ranks whose layers differ are refused on every rank at the first forward: num_experts 4 on
+    rank 0 and 6 on rank 1 summed partial outputs of two different partitions into a wrong layer,
+    silently; a different H (or I) aborted the gloo processes (SIGABRT) in the all-reduce. Then a
+    rank built for another rank than its own: it raised alone and left the other waiting in the
+    all-reduce; now both raise. A consistent layer still runs afterwards."""
+    from ex_engine.distributed import ExpertParallelMoE, init_from_env
+    init_from_env(backend="gloo")
+    x, w13, w2, w, ids = _layer_inputs(torch, G=4 if rank == 0 else 6)
+    with pytest.raises(FactorError, match=r"different layers \(num_experts from 4 to 6 across the ranks; "
+                                          rf"this rank: num_experts {4 if rank == 0 else 6}, H 16"):
+        ExpertParallelMoE.from_global(w13, w2, registry=reg)(x, w, ids)
+    Hr = 16 if rank == 0 else 8
+    x, w13, w2, w, ids = _layer_inputs(torch, H=Hr)
+    with pytest.raises(FactorError, match=r"different layers \(H from 8 to 16 across"):
+        ExpertParallelMoE.from_global(w13, w2, registry=reg)(x, w, ids)
+    x, w13, w2, w, ids = _layer_inputs(torch)
+    wrong = ExpertParallelMoE.from_global(w13, w2, rank=0, world_size=2, registry=reg)
+    with pytest.raises(FactorError, match="built for rank 0 of 2, the process group is rank 1 of 2" if rank
+                       else "another rank's layer was built for a rank or world size other than its own"):
+        wrong(x, w, ids)
+    layer = ExpertParallelMoE.from_global(w13, w2, registry=reg)
+    out = layer(x, w, ids)
+    full = ExpertParallelMoE.from_global(w13, w2, rank=0, world_size=1, registry=reg).forward_local(x, w, ids)
+    assert float((out.double() - full.double()).norm() / full.double().norm()) < 1e-2
+
+
+def test_ranks_holding_different_layers_are_refused_on_every_rank():
+    _run_ranks("layer_mismatch")
+
+
 def _main(scenario: str) -> int:
     import torch
     import torch.distributed as dist
