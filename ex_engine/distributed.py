@@ -91,6 +91,26 @@ def _import_torch_distributed(fn: str):
     return torch, dist
 
 
+def _check_backend(dist, backend):
+    """backend stripped and lower-cased (None: torch's default), or ArgumentError naming
+    init_from_env's 'backend': not a str, or a name torch.distributed does not know (torch
+    raised its own ValueError or AssertionError, naming no argument, and only where a process
+    group was created)."""
+    if backend is None:
+        return None
+    known = [b for b in getattr(getattr(dist, "Backend", None), "backend_list", ()) or () if b != "undefined"]
+    if not isinstance(backend, str):
+        raise ArgumentError("init_from_env", "backend", "type", "a str such as 'nccl' or 'gloo'",
+                            type(backend).__name__)
+    name = backend.strip().lower()
+    parts = [p.split(":", 1)[-1].strip() for p in name.split(",")]
+    if not name or (known and any(p not in known for p in parts)):
+        raise ArgumentError("init_from_env", "backend", "a torch.distributed backend",
+                            f"one of {known} (or 'device:backend,...', e.g. 'cpu:gloo,cuda:nccl')",
+                            repr(backend))
+    return name
+
+
 def init_from_env(backend: str = "nccl") -> DistInfo:
     """Initialise torch.distributed from torchrun's environment and pick this rank's GPU.
 
@@ -104,7 +124,8 @@ def init_from_env(backend: str = "nccl") -> DistInfo:
     no process group is created: rank 0 of a world of 1 on LOCAL_RANK (default 0). If the
     process group already exists, it is used as it is.
 
-    Returns DistInfo(rank, world_size, local_rank). Raises ArgumentError for a malformed
+    Returns DistInfo(rank, world_size, local_rank). Raises ArgumentError for a backend that is
+    not a str naming torch.distributed backends (None: torch's default), a malformed
     variable, a negative LOCAL_RANK, one of RANK and WORLD_SIZE set without the other (where no
     process group exists yet), or (a GPU bound) a LOCAL_RANK with no such CUDA device, or none
     in a job of several processes (every rank would take GPU 0); FactorError (with an install
@@ -115,7 +136,7 @@ def init_from_env(backend: str = "nccl") -> DistInfo:
     if local_rank is not None and local_rank < 0:
         raise ArgumentError("init_from_env", "LOCAL_RANK", "environment variable", "an integer >= 0", local_rank)
     torch, dist = _import_torch_distributed("init_from_env")
-    name = backend.strip().lower() if isinstance(backend, str) else backend
+    name = _check_backend(dist, backend)
     cpu_only = name == "gloo"   # a CPU process group
     group = dist.is_available() and dist.is_initialized()
     rank, world = _env_int("RANK", None), _env_int("WORLD_SIZE", None)

@@ -177,6 +177,48 @@ def test_ranks_holding_different_layers_are_refused_on_every_rank():
     _run_ranks("layer_mismatch")
 
 
+# ------------------------------------------------------------------------------ one process
+@pytest.mark.parametrize("backend,got", [(123, "got int"), (b"gloo", "got bytes"), ("", "got ''"),
+                                         ("foo", "got 'foo'"), ("gloo,", "got 'gloo,'"),
+                                         ("cpu:glo", "got 'cpu:glo'")])
+def test_init_from_env_names_a_bad_backend(monkeypatch, backend, got):
+    """A backend that is no str or names no torch.distributed backend is an ArgumentError naming
+    'backend': torch raised "Backend constructor parameter must be string-ish" (ValueError) or
+    "Unknown backend type" (an AssertionError, gone under python -O), naming no argument."""
+    pytest.importorskip("torch.distributed")
+    import torch.distributed as dist
+    from ex_engine.distributed import init_from_env
+    from ex_engine.errors import ArgumentError
+    if not dist.is_available() or dist.is_initialized():
+        pytest.skip("torch.distributed unavailable or already initialised")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for k, v in dict(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)).items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    try:
+        with pytest.raises(ArgumentError, match=rf"init_from_env: argument 'backend': .*{got}"):
+            init_from_env(backend=backend)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    for k in ("RANK", "WORLD_SIZE"):                # no process group to create: still checked
+        monkeypatch.delenv(k)
+    with pytest.raises(ArgumentError, match="argument 'backend'"):
+        init_from_env(backend=backend)
+
+
+def test_init_from_env_takes_the_backends_torch_knows(monkeypatch):
+    """Upper case, spaces, device:backend pairs and None (torch's default) still pass."""
+    pytest.importorskip("torch.distributed")
+    from ex_engine.distributed import init_from_env
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(k, raising=False)
+    for backend in (" GLOO ", "cpu:gloo,cuda:nccl", None, "nccl"):
+        assert tuple(init_from_env(backend=backend)) == (0, 1, 0)
+
+
 def _main(scenario: str) -> int:
     import torch
     import torch.distributed as dist
