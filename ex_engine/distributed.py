@@ -38,6 +38,7 @@ gloo (the Python fallback on each rank, as ``examples/ep_moe.py --device cpu`` r
 from __future__ import annotations
 
 import os
+import re
 from typing import NamedTuple
 
 import numpy as np
@@ -71,13 +72,15 @@ def disable_nvlink_multicast() -> None:
 
 
 def _env_int(name: str, default: int | None) -> int | None:
+    """The environment variable ``name`` as an int (``default`` when unset or empty). Only ASCII
+    decimal digits with an optional sign (and blanks around) count: int() also took '1_6' (16)
+    and other scripts' digits, so a mistyped WORLD_SIZE waited for ranks that never come."""
     v = os.environ.get(name)
     if v is None or v == "":
         return default
-    try:
-        return int(v)
-    except ValueError:
-        raise ArgumentError("init_from_env", name, "environment variable", "an integer", repr(v)) from None
+    if not re.fullmatch(r"\s*[+-]?[0-9]+\s*", v, flags=re.ASCII):
+        raise ArgumentError("init_from_env", name, "environment variable", "an integer", repr(v))
+    return int(v)
 
 
 def _import_torch_distributed(fn: str):

@@ -219,6 +219,28 @@ def test_init_from_env_takes_the_backends_torch_knows(monkeypatch):
         assert tuple(init_from_env(backend=backend)) == (0, 1, 0)
 
 
+@pytest.mark.parametrize("name,value", [("WORLD_SIZE", "1_6"), ("RANK", "0_0"), ("WORLD_SIZE", "\u0662"),
+                                        ("LOCAL_RANK", "\u0661"), ("LOCAL_RANK", "1__")])
+def test_init_from_env_takes_only_decimal_integers(monkeypatch, name, value):
+    """RANK/WORLD_SIZE/LOCAL_RANK are read as ASCII decimal integers: int() took '1_6' as 16 (a
+    world of 16 to wait for, from a mistyped 16 or 1) and Arabic-Indic digits, silently."""
+    pytest.importorskip("torch.distributed")
+    from ex_engine.distributed import init_from_env
+    from ex_engine.errors import ArgumentError
+    for k in ("MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ArgumentError, match=rf"argument '{name}': environment variable: expected an integer, "
+                                            rf"got '{value}'"):
+        init_from_env(backend="gloo")
+    monkeypatch.delenv("RANK")
+    monkeypatch.delenv("WORLD_SIZE")
+    monkeypatch.setenv("LOCAL_RANK", " +1 ")                       # blanks and a sign: still fine
+    assert tuple(init_from_env(backend="gloo")) == (0, 1, 1)
+
+
 def _main(scenario: str) -> int:
     import torch
     import torch.distributed as dist
