@@ -595,7 +595,6 @@ class ExpertParallelMoE:
                               f"tensors (the all-reduce is torch.distributed's: NCCL on CUDA tensors, "
                               f"gloo on CPU ones); the weights are {self.kind} arrays (use forward_local "
                               f"to simulate a rank)")
-        import torch
         import torch.distributed as dist
         if not (dist.is_available() and dist.is_initialized()):
             raise FactorError("ExpertParallelMoE.forward: torch.distributed is not initialised "
@@ -603,8 +602,9 @@ class ExpertParallelMoE:
                               "forward_local to simulate a rank); after shutdown() a layer needs a "
                               "process group again")
         world = dist.group.WORLD
-        if self._checked_world is world:
+        if self._checked_world is world:   # every call after the first (host time)
             return
+        import torch
         r, n = _rank_in_group(dist, self.group, "ExpertParallelMoE.forward")
         names = ("num_experts", "H", "I", "dtype")
         mine = [int((r, n) != (self.rank, self.world_size)), self.num_experts, self.H, self.I,
