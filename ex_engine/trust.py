@@ -221,7 +221,7 @@ def read_lock(path) -> dict:
         raise FactorError(f"lock file {path}: not found; write one with `ex-engine lock`") from None
     except _paths.FileRefused as exc:
         raise FactorError(f"lock file {path}: {exc}") from None
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, RecursionError) as exc:   # (nesting past the recursion limit)
         raise FactorError(f"lock file {path}: not readable JSON ({exc})") from None
     if not isinstance(data, dict):
         raise FactorError(f"lock file {path}: expected a JSON object {{file name: sha256}}, "
