@@ -883,7 +883,7 @@ def _load_cache() -> tuple:
         data = json.loads(raw.decode())
     except UnicodeDecodeError:
         return {}, f"{path}: not UTF-8 text"
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:   # (RecursionError: nesting past the recursion limit)
         return {}, f"{path}: not valid JSON ({'empty file' if not raw.strip() else exc})"
     if not isinstance(data, dict):
         return {}, f"{path}: expected a JSON object {{key: entry}}, got {type(data).__name__}"

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from ex_engine import trust
+from ex_engine import trust, verify
 from ex_engine.errors import FactorError
 from ex_engine.registry import FactorRegistry
 
@@ -49,3 +49,21 @@ def test_deeply_nested_lock_file_cli(tmp_path):
     assert "RecursionError" not in r.stderr
     assert "deep.lock" in r.stderr
     assert r.returncode != 0
+
+
+def test_deeply_nested_verify_cache_is_ignored(tmp_path, monkeypatch):
+    """A verified.json of nested brackets raised RecursionError out of _load_cache ("never
+    raises") and so out of FactorRegistry.load(verify=True): anyone who can write the cache
+    folder stopped every verified load. It is a corrupt cache now: ignored, named, replaced."""
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    _deep_json(cache / "verified.json", '{"x": ')
+    monkeypatch.setenv("EX_ENGINE_CACHE", str(cache))
+    entries, why = verify._load_cache()
+    assert entries == {} and "not valid JSON" in why
+    folder = tmp_path / "lib"
+    build_plugin(folder)
+    reg = FactorRegistry.load(folder, hardware="h200", verify=True)
+    assert reg.get("host_scale").status == "ready", reg.get("host_scale").reason
+    assert any("verified.json" in n and "ignored" in n for n in reg.notes), reg.notes
+    assert os.path.getsize(cache / "verified.json") < 10_000   # replaced by a real cache
