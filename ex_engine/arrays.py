@@ -347,6 +347,15 @@ class TensorRef:
             n *= s
         return n
 
+    @classmethod
+    def without_memory(cls, kind: str, shape, dtype: str, itemsize: int, device: int) -> "TensorRef":
+        """A C-contiguous array of ``shape`` with no memory behind it (no object, pointer 0):
+        what a manifest binds in place of an array that is not there (an output not allocated
+        yet, the experts a rank does not hold), so that the other arguments' checks run."""
+        ref = cls(None, kind, 0, tuple(shape), (), dtype, itemsize, device, True)
+        ref.strides = ref.contiguous_strides()
+        return ref
+
     def contiguous_strides(self) -> tuple:
         """The strides (elements) a C-contiguous array of this shape has."""
         out, acc = [], 1

@@ -526,8 +526,7 @@ class ExpertParallelMoE:
         m = self.registry.manifest("moe_fused_gemm")
 
         def stand_in(shape):
-            strides = tuple(int(np.prod(shape[i + 1:])) for i in range(len(shape)))
-            return TensorRef(None, self.kind, 0, shape, strides, self.dtype, 2, self.device, True)
+            return TensorRef.without_memory(self.kind, shape, self.dtype, 2, self.device)
         arrays = {"hidden_states": hidden_states, "out": out, "topk_weights": topk_weights,
                   "topk_ids": topk_ids, "router_logits": router_logits, "expert_map": self._map_arg}
         refs = {k: TensorRef.of(v, k, "ExpertParallelMoE") for k, v in arrays.items() if v is not None}

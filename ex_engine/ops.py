@@ -110,12 +110,11 @@ def _refuse_before_allocating(reg: FactorRegistry, name: str, ref: TensorRef, ar
     anything is allocated: a broadcast view (0 strides) of a shape too large to hold made NumPy
     or torch raise its own MemoryError / RuntimeError ('Unable to allocate 11.6 TiB') instead of
     the LayoutError naming the argument. ``arrays``: dispatch's arrays, each output still to be
-    allocated a TensorRef without memory (what is bound in its place). Counted in ``reg``'s
-    errors, as dispatch counts a refusal (not a FactorNotFoundError, from a registry without
-    the factor: dispatch counts none); nothing is checked for a contiguous (or empty) input.
-    Callers test ``ref.is_contiguous()`` before building ``arrays`` (host time: a contiguous
-    input, an engine's every call, builds nothing)."""
-    if ref.size == 0 or ref.is_contiguous():
+    allocated a TensorRef without memory (_no_memory). Counted in ``reg``'s errors, as
+    dispatch counts a refusal (not a FactorNotFoundError, from a registry without the factor:
+    dispatch counts none). Called only for a non-contiguous input (host time: a contiguous
+    input, an engine's every call, builds nothing); an empty one needs no check."""
+    if ref.size == 0:
         return
     m = reg.manifest(name)   # (outside the count: a FactorNotFoundError names no factor to count)
     with _counted_refusal(reg, name):
@@ -123,13 +122,9 @@ def _refuse_before_allocating(reg: FactorRegistry, name: str, ref: TensorRef, ar
 
 
 def _no_memory(ref: TensorRef, shape, dtype: str, itemsize: int) -> TensorRef:
-    """A C-contiguous TensorRef of ``shape``/``dtype`` without memory, on ``ref``'s device: an
-    output not yet allocated, as _refuse_before_allocating binds it."""
-    strides, acc = [], 1
-    for n in reversed(shape):
-        strides.append(acc)
-        acc *= n
-    return TensorRef(None, ref.kind, 0, tuple(shape), tuple(reversed(strides)), dtype, itemsize, ref.device, True)
+    """An output of ``shape``/``dtype`` not allocated yet, on ``ref``'s device and library, as
+    _refuse_before_allocating binds it (TensorRef.without_memory)."""
+    return TensorRef.without_memory(ref.kind, shape, dtype, itemsize, ref.device)
 
 
 def _float32_of(arr):
@@ -261,8 +256,8 @@ def topk_softmax(router_logits, top_k: int, renormalize: bool = False, *, topk_w
     every number; among -inf and NaN logits the lower index ranks first), so the ids stay valid
     experts, and its row's K weights are all NaN (a corrupted router shows in the layer's
     output, as in torch's softmax, instead of passing as a finite routing); +inf logits share
-    probability 1; a row whose logits are all -inf is uniform (p = 1/E, ids 0..K-1). (Source: vLLM csrc/moe/topk_softmax_kernels.cu; Shazeer et al.
-    2017.)
+    probability 1; a row whose logits are all -inf is uniform (p = 1/E, ids 0..K-1). (Source:
+    vLLM csrc/moe/topk_softmax_kernels.cu; Shazeer et al. 2017.)
     An inference op: no autograd graph is recorded (torch outputs do not require grad, and no
     gradient flows back to router_logits).
 
