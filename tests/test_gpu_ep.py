@@ -1,6 +1,8 @@
 """Expert parallelism on GPUs: simulated ranks on one GPU (each with its expert map and its slice
-of the weights, through the moe_fused_gemm plugin) sum to the full factor; with >= 2 GPUs, the
-real thing (torchrun + NCCL, examples/ep_moe.py --check and a short --bench).
+of the weights, through the moe_fused_gemm plugin) sum to the full factor; two real ranks on one
+GPU over gloo (CUDA tensors: forward's first-call check of the group, its all-reduce, and the
+refusal of ranks built wrong, where only one GPU is lent); with >= 2 GPUs, the real thing
+(torchrun + NCCL, examples/ep_moe.py --check and a short --bench).
 
 Marked `gpu`: skipped where CuPy or a GPU is missing; the torch cases also need torch, the
 torchrun cases at least 2 GPUs. Outputs are poisoned (NaN) before every call.
@@ -8,6 +10,7 @@ torchrun cases at least 2 GPUs. Outputs are poisoned (NaN) before every call.
 import json
 import math
 import os
+import socket
 import subprocess
 import sys
 
@@ -213,3 +216,87 @@ def test_torchrun_two_gpus_bench_smoke(torch, tmp_path):
     assert case["total_us"] > 0 and case["allreduce_us"] > 0 and case["world1_us"] > 0
     assert case["allreduce_bytes"] == 64 * 2048 * 2
     assert sum(case["slots_per_rank"]) == 64 * 8
+
+
+# ------------------------------------------------------------------------------ one GPU, two real ranks (gloo)
+def _gloo_ranks_on_one_gpu(nproc: int = 2, timeout: float = 300.0) -> str:
+    """Run this file as ``nproc`` processes (RANK/WORLD_SIZE/MASTER_* as torchrun sets them), each
+    on GPU 0 in one gloo process group; every rank must exit 0 and print OK. Returns the output."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_", "TORCHELASTIC"))}
+    env.update(PYTHONPATH=os.pathsep.join(p for p in [str(ROOT), env.get("PYTHONPATH", "")] if p),
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(nproc))
+    procs = [subprocess.Popen([sys.executable, __file__, "gloo_one_gpu"], cwd=ROOT, text=True,
+                              env=dict(env, RANK=str(r), LOCAL_RANK="0"),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for r in range(nproc)]
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=timeout)[0])
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"gloo ranks on one GPU still running after {timeout} s (a hang)")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    text = "\n".join(outs)
+    assert all(p.returncode == 0 for p in procs), text[-6000:]
+    assert text.count("OK gloo_one_gpu") == nproc, text[-6000:]
+    return text
+
+
+def test_two_gloo_ranks_on_one_gpu(torch):
+    """forward over a real process group on CUDA tensors: the first call's check (its ten integers
+    all-reduced from the GPU and read back), the sum of the ranks' plugin outputs equal to the full
+    factor, and a rank built for another rank refused on both ranks (neither left waiting)."""
+    import torch.distributed as dist
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is unavailable")
+    _gloo_ranks_on_one_gpu()
+
+
+def _rank_gloo_one_gpu() -> None:
+    """One rank of test_two_gloo_ranks_on_one_gpu (run as a script)."""
+    import torch
+    from ex_engine import FactorRegistry
+    from ex_engine.distributed import init_from_env, shutdown
+    from ex_engine.errors import FactorError
+    info = init_from_env(backend="gloo")                 # a CPU process group: binds no GPU
+    torch.cuda.set_device(0)
+    reg = FactorRegistry.load(ROOT / "factors")
+    H, I, E, K = SHAPES["qwen3"]
+    x, w13, w2, w, ids = torch_case(torch, 64, H, I, E, K, seed=41)   # the same on every rank
+    full = torch.full((64, H), float("nan"), dtype=torch.bfloat16, device="cuda")
+    moe_fused_gemm(x, w13, w2, w, ids, out=full, registry=reg)
+    tol = reg.manifest("moe_fused_gemm").tolerance["bfloat16"]
+    layer = ExpertParallelMoE.from_global(w13, w2, registry=reg)
+    assert (layer.rank, layer.world_size) == (info.rank, info.world_size) == (info.rank, 2)
+    for _ in range(2):                                   # the first call checks; the second does not
+        out = torch.full((64, H), float("nan"), dtype=torch.bfloat16, device="cuda")
+        got = layer(x, w, ids, out=out)
+        assert got is out and reg.last_path["moe_fused_gemm"] == "plugin"
+        assert not bool(torch.isnan(out).any())
+        err = rel_err(out.double(), full.double(), torch)
+        assert err < tol, err
+    wrong = ExpertParallelMoE.from_global(w13, w2, rank=0, world_size=2, registry=reg)
+    try:
+        wrong(x, w, ids)
+    except FactorError as e:
+        want = ("built for rank 0 of 2, the process group is rank 1 of 2" if info.rank
+                else "another rank's layer was built for a rank or world size other than its own")
+        assert want in str(e), str(e)
+    else:
+        raise AssertionError("a rank built for rank 0 on both ranks was not refused")
+    reg.check_device_errors()
+    shutdown()
+    print("OK gloo_one_gpu", flush=True)
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] != ["gloo_one_gpu"]:
+        sys.exit("usage: python tests/test_gpu_ep.py gloo_one_gpu   (one rank; run by test_two_gloo_ranks_on_one_gpu)")
+    _rank_gloo_one_gpu()
