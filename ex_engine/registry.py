@@ -737,7 +737,11 @@ class FactorRegistry:
         self._workspaces: dict = {}     # (factor, device, stream or host thread) -> buffer
         self._ws_lock = threading.Lock()
         self._retired: list = []         # grown-out-of device workspaces, dropped after a sync
-        renew_after_fork(self, "_lock", "_ws_lock")   # (fresh locks in a forked child)
+        # loads into this registry run one at a time (load_folder, load_library): two threads'
+        # choices (_choose) could otherwise land in either order, the later made from a plugin
+        # list without the other's library. Dispatch never takes it.
+        self._load_lock = threading.Lock()
+        renew_after_fork(self, "_lock", "_ws_lock", "_load_lock")   # (fresh locks in a forked child)
         self._flags: dict = defaultdict(Counter)
         self._fallbacks: dict = {}
         self._fallback_checks: dict = {}   # factor name -> (fn, fallback_problem(fn)): the last one
@@ -812,7 +816,9 @@ class FactorRegistry:
         """Load every ``*.so`` in ``folder`` (sorted by name); returns the new Plugin records.
         Raises FactorError if ``folder`` is not a directory (or not a path at all) or cannot be
         read (no permission to list it), or if the registry has a lock and the one that applies
-        to ``folder`` is missing or malformed (also where the folder holds no library)."""
+        to ``folder`` is missing or malformed (also where the folder holds no library). Loads
+        from several threads into one registry run one after another; dispatch meanwhile serves
+        from the plugins chosen before the load, then from those chosen after it."""
         folder = _path_arg("folder", folder, "a directory path")
         if not _paths.is_dir(folder):
             problem = _paths.folder_problem(folder)
@@ -830,12 +836,13 @@ class FactorRegistry:
                 files = sorted(folder / e.name for e in it if e.name.endswith(".so"))
         except OSError as exc:
             raise FactorError(f"factor folder '{folder}': cannot be read ({exc.strerror or exc})") from None
-        # the lock that applies to the folder (any file of it names the lock), read before any
-        # library: a missing or malformed one raises FactorError, also for a folder without one
-        lock = self._lock_for(folder / "_")
-        new = [self._load_one(p) for p in files]
-        self._note_missing_locked(folder, lock, {p.name for p in files})
-        self._choose()
+        with self._load_lock:
+            # the lock that applies to the folder (any file of it names the lock), read before any
+            # library: a missing or malformed one raises FactorError, also for a folder without one
+            lock = self._lock_for(folder / "_")
+            new = [self._load_one(p) for p in files]
+            self._note_missing_locked(folder, lock, {p.name for p in files})
+            self._choose()
         return new
 
     def _note_missing_locked(self, folder: Path, lock, present: set) -> None:
@@ -854,9 +861,12 @@ class FactorRegistry:
 
     def load_library(self, path) -> Plugin:
         """Load one library file; returns its Plugin record (ready or rejected, never raises
-        except for an unreadable lock file, or FactorError for a ``path`` that is not a path)."""
-        p = self._load_one(_path_arg("path", path, "a library file path"))
-        self._choose()
+        except for an unreadable lock file, or FactorError for a ``path`` that is not a path).
+        Runs one at a time with the registry's other loads (load_folder)."""
+        path = _path_arg("path", path, "a library file path")
+        with self._load_lock:
+            p = self._load_one(path)
+            self._choose()
         return p
 
     def _find_manifest(self, name: str, folder: Path):
@@ -1367,7 +1377,10 @@ class FactorRegistry:
         """Pick one ready plugin per name: the user's ``prefer``, else highest version, then
         priority, then file name. Then one plugin per factor id. Losers say who won and why.
         A change of the chosen plugins drops the calls remembered for the old ones (their dims
-        came from the old plugin's manifest)."""
+        came from the old plugin's manifest). The choice is made in a dict of its own and
+        replaces ``_chosen`` whole: threads dispatching meanwhile see the old choice or the new
+        one, never an empty or half-filled one (they raised FactorNotFoundError, or took the
+        Python fallback, for a factor whose plugin stayed loaded and ready)."""
         self._note_unused_tuning()
         before = dict(self._chosen)
         self.notes = [n for n in self.notes if not n.startswith("prefer:")]
@@ -1376,11 +1389,11 @@ class FactorRegistry:
             if p.status in ("ready", "shadowed"):
                 p.status = "ready"
                 by_name[p.name].append(p)
-        self._chosen = {}
+        chosen = {}
         for name, ps in by_name.items():
             ps.sort(key=lambda q: (self._preferred(q), q.version_key(), q.priority, q.path.name, str(q.path)), reverse=True)
             win = ps[0]
-            self._chosen[name] = win
+            chosen[name] = win
             pref = f"{{{name!r}: {str(self.prefer[name])!r}}}" if self._preferred(win) else ""
             for q in ps[1:]:
                 q.status = "shadowed"
@@ -1389,7 +1402,7 @@ class FactorRegistry:
                             f"{q.priority}); rule: {self._win_rule(win, q, pref)}")
         known = set(self.manifests) | {p.name for p in self.plugins if isinstance(p.name, str)}
         for name, want in self.prefer.items():
-            win = self._chosen.get(name)
+            win = chosen.get(name)
             if win is None and name not in known:   # a misspelt name, say
                 self.notes.append(f"prefer: {name} -> {want}: no factor named {name!r} (known: "
                                   f"{', '.join(sorted(known)) or 'none'})")
@@ -1398,7 +1411,7 @@ class FactorRegistry:
                                   + (f"chose {win.path.name} by version/priority" if win else
                                      f"no plugin of {name!r} is ready"))
         ids = defaultdict(list)
-        for p in self._chosen.values():
+        for p in chosen.values():
             ids[p.factor_id].append(p)
         for fid, ps in ids.items():
             if len(ps) > 1:
@@ -1410,8 +1423,9 @@ class FactorRegistry:
                     rule = "both claim it; " + self._win_rule(win, q, pref)
                     q.status = "rejected"
                     q.reason = f"factor id {fid} already taken by '{win.name}' ({win.path.name}); rule: {rule}"
-                    del self._chosen[q.name]
-        if any(self._chosen.get(n) is not p for n, p in before.items()):   # (a new name: nothing to drop)
+                    del chosen[q.name]
+        self._chosen = chosen
+        if any(chosen.get(n) is not p for n, p in before.items()):   # (a new name: nothing to drop)
             self._forget_calls()
         self._note_unserved()
 
