@@ -375,13 +375,18 @@ class TuningTable:
     def check(self, manifests: dict) -> list:
         """unused(manifests), and the tables it names are set aside: value() no longer reads
         them (a table whose values the manifest does not allow would otherwise hand the kernel
-        a choice it refuses). Called again with more manifests, it decides again."""
+        a choice it refuses). Called again with more manifests, it decides again: the new
+        decision replaces ``refused`` whole, so that value() in another thread meanwhile reads the
+        old one or the new one (it read an empty one while it was refilled, and handed calls the
+        value of a table set aside: a registry loading more plugins while serving refused those
+        calls for a tuned value outside the manifest's range)."""
         out = self.unused(manifests)
-        self.refused = {}
+        refused = {}
         for name in self.factors:
             why = [m for m in out if m.startswith(f"tuning file {self.path}: {name}: ")]
             if why:
-                self.refused[name] = "; ".join(why)
+                refused[name] = "; ".join(why)
+        self.refused = refused
         return out
 
     def override(self, factor: str, fn) -> None:
