@@ -11,7 +11,8 @@ CUDA GPU and the built plugins.
 The file (--out; by default this GPU's: manifests/tuning/h200.yaml on an H200 with 132 SMs, else
 manifests/tuning/<device>_<SMs>sm.yaml, e.g. nvidia_a100_sxm4_80gb_108sm.yaml) is merged into
 when it is this GPU's tuning file: rows of shapes and T not tuned in this run are kept, and so is
-its comment header, below the new one. A file that cannot be merged (another GPU's or SM count's
+its comment header, below the new one. The file is read for that when the run ends, under a lock
+on its folder, so that tuners running at once (one per GPU of a host) keep each other's rows. A file that cannot be merged (another GPU's or SM count's
 tuning file, a file that is no tuning file, malformed YAML or a malformed table) is refused
 before any work (exit status 2; for another GPU's file, once the GPU is known) unless --replace
 is given, which writes a new table over it. Exit status: 0 written; 1 written, but a
@@ -22,8 +23,10 @@ configuration failed its check; 2 bad arguments or a file it will not replace.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import math
+import os
 import re
 import sys
 from pathlib import Path
@@ -137,6 +140,43 @@ def merge_problem(out, replace: bool, device=None, sms=None) -> str:
     return ""
 
 
+def merge_rows(data: dict, tuned: dict, device: str, sms: int) -> dict:
+    """``data`` (existing_table's mapping, {} for a new table) with this run's rows merged in:
+    ``tuned`` maps (H, I, G, K) to (model, {T: [T, configuration, its µs, auto's µs]}); a row
+    of the same shape and T replaces the file's, the file's other rows stay. Returns ``data``."""
+    data.update({"device": device, "multiprocessor_count": sms})
+    table = data.setdefault("moe_fused_gemm", {})
+    table.update({"dim": "config", "key": KEY, "values": VALUES})
+    shapes = {tuple(e[k] for k in KEY): e for e in table.get("shapes") or []}
+    for key, (model, new) in tuned.items():
+        entry = shapes.setdefault(key, {**dict(zip(KEY, key)), "model": model, "by_T": []})
+        rows = {r[0]: r for r in entry["by_T"]}
+        rows.update(new)
+        entry["by_T"] = [rows[t] for t in sorted(rows)]
+    table["shapes"] = [shapes[k] for k in sorted(shapes)]
+    return data
+
+
+@contextlib.contextmanager
+def _folder_locked(folder: Path):
+    """Hold an exclusive flock on ``folder`` while a run reads, merges and writes its tuning file
+    there, so that tuners finishing at once (one per GPU of a host, each tuning other models into
+    the same file) do not drop each other's rows. Best effort: where the folder cannot be opened
+    or locked (a file system without flock), the update runs unlocked."""
+    import fcntl
+    try:
+        fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0))
+    except OSError:
+        yield
+        return
+    try:
+        with contextlib.suppress(OSError):
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)   # (releases the lock)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     ap.add_argument("--models", nargs="+", default=["all"], metavar="MODEL",
@@ -188,14 +228,15 @@ def main() -> int:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     out = Path(args.out) if args.out else default_out(device, sms)
     try:   # (read once more now that this GPU is known: the file must be its table)
-        data, notes = ({}, []) if args.replace else existing_table(out, device, sms)
+        if not args.replace:
+            existing_table(out, device, sms)
     except FactorError as exc:
         report_problems("tune_moe", [_refusal(exc)])
         return 2
-    data.update({"device": device, "multiprocessor_count": sms})
-    table = data.setdefault("moe_fused_gemm", {})
-    table.update({"dim": "config", "key": KEY, "values": VALUES})
-    shapes = {tuple(e[k] for k in KEY): e for e in table.get("shapes") or []}
+    # this run's rows: (H, I, G, K) -> (model, {T: row}), merged into the file as it is when the
+    # run ends (read then, under a lock: another tuner may have written it meanwhile; the rows
+    # it added were dropped when the file read before this run's minutes of work was written back)
+    new_rows = {}
 
     names = sorted(models) if args.models == ["all"] else args.models
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -237,25 +278,28 @@ def main() -> int:
             best = "auto"              # no configuration is clearly better than the default
         print(f"{m:<22}{T:>6}  " + "".join(f"{times[c]:>{_width(c)}.1f}" if c in times else f"{'-':>{_width(c)}}"
                                            for c in ["auto", *CONFIGS]) + f"  {best}", flush=True)
-        key = (s.H, s.I, s.E, s.K)
-        entry = shapes.setdefault(key, {"H": s.H, "I": s.I, "G": s.E, "K": s.K, "model": m, "by_T": []})
-        rows = {r[0]: r for r in entry["by_T"]}
-        rows[T] = [T, best, round(times[best], 1), round(times["auto"], 1)]
-        entry["by_T"] = [rows[t] for t in sorted(rows)]
-    table["shapes"] = [shapes[k] for k in sorted(shapes)]
+        new_rows.setdefault((s.H, s.I, s.E, s.K), (m, {}))[1][T] = [
+            T, best, round(times[best], 1), round(times["auto"], 1)]
     commit = run_meta()["commit"]   # EX_COMMIT, else git describe of this checkout
     header = (f"# Tuned tile configurations of moe_fused_gemm on {device} (written by "
               f"benchmarks/tune_moe.py, {datetime.date.today().isoformat()}, commit {commit}).\n"
               "# by_T rows: [T, configuration, its µs, µs of the kernel's own choice ('auto')]; a\n"
               f"# configuration is recorded where it beat auto by more than {args.margin:.0%}. A call\n"
               "# uses the row of the largest T not above its own. Format: ex_engine/tuning.py.\n")
-    if notes:                      # what the merged file said of its earlier rows
-        header += "# Earlier header of this file (its rows not re-tuned here keep its provenance):\n"
-        header += "".join(n + "\n" for n in notes)
     out.parent.mkdir(parents=True, exist_ok=True)
-    # atomically: an interrupted write left a truncated table, which the registry set aside as
-    # malformed and the next run would not merge into (only --replace, dropping every row)
-    replace_file(out, header + yaml.safe_dump(data, sort_keys=False, default_flow_style=None, width=100))
+    with _folder_locked(out.parent):
+        try:
+            data, notes = ({}, []) if args.replace else existing_table(out, device, sms)
+        except FactorError as exc:   # replaced during the run by a file it cannot merge into
+            report_problems("tune_moe", [_refusal(exc)])
+            return 2
+        merge_rows(data, new_rows, device, sms)
+        if notes:                      # what the merged file said of its earlier rows
+            header += "# Earlier header of this file (its rows not re-tuned here keep its provenance):\n"
+            header += "".join(n + "\n" for n in notes)
+        # atomically: an interrupted write left a truncated table, which the registry set aside as
+        # malformed and the next run would not merge into (only --replace, dropping every row)
+        replace_file(out, header + yaml.safe_dump(data, sort_keys=False, default_flow_style=None, width=100))
     print(f"# wrote {out}; {failed} configuration(s) failed their check", flush=True)
     return 1 if failed else 0
 

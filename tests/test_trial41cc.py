@@ -126,3 +126,59 @@ def test_tuning_check_never_exposes_an_empty_refused(tmp_path):
     t.check(manifests)
     assert got == [-1], f"value() during check() gave {got}: the set-aside table's value"
     assert "moe_fused_gemm" in t.refused
+
+
+def test_tune_moe_keeps_rows_another_tuner_wrote_during_its_run(tmp_path, monkeypatch):
+    """Two tuners on one host (one per GPU, other models, one tuning file): each read the file
+    when it started and wrote that reading back with its own rows after minutes of work, so the
+    rows the other had written meanwhile were lost. Now the file is read, merged and written
+    at the end, under a lock on its folder. Driven on the CPU: the GPU parts of the tuner are
+    stand-ins, and 'the other tuner' writes its table while this one times its first case."""
+    import sys
+    import types
+
+    import yaml
+
+    from .test_bench_tools import import_tool
+    tune = import_tool("benchmarks", "tune_moe")
+    out = tmp_path / "h200.yaml"
+    out.write_text((ROOT / "manifests" / "tuning" / "h200.yaml").read_text())
+    other_key = (1024, 256, 16, 2)
+
+    def other_tuner_writes():   # its table: the file as it found it, with one shape more
+        data, notes = tune.existing_table(out, "NVIDIA H200", 132)
+        data["moe_fused_gemm"]["shapes"].append({"H": 1024, "I": 256, "G": 16, "K": 2, "model": "other",
+                                                "by_T": [[1, "tiny", 1.0, 2.0]]})
+        out.write_text("\n".join(notes) + "\n" + yaml.safe_dump(data, sort_keys=False))
+
+    calls, forced = [], [None]
+
+    def graph_us(fns, warm_ms):
+        if not calls:
+            other_tuner_writes()
+        calls.append(forced[0])
+        return 10.0 if forced[0] == "auto" else 5.0   # every candidate beats the kernel's choice
+
+    cuda = types.SimpleNamespace(is_available=lambda: True, get_device_name=lambda: "NVIDIA H200",
+                                 get_device_properties=lambda i: types.SimpleNamespace(multi_processor_count=132),
+                                 empty_cache=lambda: None)
+    fake_reg = types.SimpleNamespace(get=lambda name: types.SimpleNamespace(path=Path("moe_fused_gemm.so")),
+                                     set_tuning=lambda name, fn: None)
+    monkeypatch.setattr(tune, "torch", types.SimpleNamespace(
+        cuda=cuda, bfloat16="bfloat16", Generator=lambda device: types.SimpleNamespace(manual_seed=lambda s: None)))
+    monkeypatch.setattr(tune, "FactorRegistry", types.SimpleNamespace(load=lambda: fake_reg))
+    for name, fn in (("layer_weights", lambda s, dt, gen: (None, None)),
+                     ("input_sets", lambda s, T, n, w13, w2, dt, gen: [(None,)]),
+                     ("reference", lambda *a: None), ("rel", lambda a, b: 0.0),
+                     ("moe_fused_gemm", lambda *a, **k: None), ("force_config", lambda reg, name: forced.__setitem__(0, name)),
+                     ("graph_us", graph_us), ("run_meta", lambda: {"commit": "test"})):
+        monkeypatch.setattr(tune, name, fn)
+    monkeypatch.setattr(sys, "argv", ["tune_moe.py", "--models", "qwen3-30b-a3b", "--tokens", "1",
+                                      "--out", str(out)])
+    assert tune.main() == 0 and calls
+    data, _ = tune.existing_table(out, "NVIDIA H200", 132)
+    shapes = {tuple(e[k] for k in ("H", "I", "G", "K")): e for e in data["moe_fused_gemm"]["shapes"]}
+    assert other_key in shapes, "the other tuner's rows were dropped"
+    assert shapes[other_key]["by_T"] == [[1, "tiny", 1.0, 2.0]]
+    qwen = next(e for e in shapes.values() if e.get("model") == "qwen3-30b-a3b")
+    assert [r for r in qwen["by_T"] if r[0] == 1][0][2:] == [5.0, 10.0]   # this run's row
