@@ -182,3 +182,30 @@ def test_tune_moe_keeps_rows_another_tuner_wrote_during_its_run(tmp_path, monkey
     assert shapes[other_key]["by_T"] == [[1, "tiny", 1.0, 2.0]]
     qwen = next(e for e in shapes.values() if e.get("model") == "qwen3-30b-a3b")
     assert [r for r in qwen["by_T"] if r[0] == 1][0][2:] == [5.0, 10.0]   # this run's row
+
+
+def test_verify_at_load_leaves_no_device_flag_for_the_engine(tmp_path, monkeypatch):
+    """FactorRegistry.load(verify=True) runs the plugin's test cases in the loading thread, on
+    that thread's host workspace, with random inputs: a case whose alpha came out negative set
+    the kernel's status bit there, and the engine's first check_device_errors() raised
+    DeviceSideError "host_scale_ws: device status word 0x1 (alpha was negative)" for a call it
+    never made. The word is put back after each case; a call of the engine's own still flags."""
+    import shutil
+
+    import pytest
+
+    from ex_engine import DeviceSideError
+    monkeypatch.setenv("EX_ENGINE_CACHE", str(tmp_path / "cache"))
+    folder = tmp_path / "ws"
+    build_plugin(folder, "host_scale_ws", defines={"WORKSPACE": True, "NAME": '"host_scale_ws"',
+                                                   "FACTOR_ID": 1107}, manifest=False)
+    shutil.copy(ROOT / "tests" / "plugins" / "host_scale_ws.yaml", folder / "host_scale_ws.yaml")
+    reg = FactorRegistry.load(folder, hardware="h200", verify=True)
+    p = reg.get("host_scale_ws")
+    assert p is not None and "cases passed" in next(c.detail for c in p.checks if c.name == "verify")
+    assert reg._workspaces, "verify's cases ran in this process (the flag they set is the subject)"
+    reg.check_device_errors()   # raised DeviceSideError for verify's own input
+    x = np.ones(8, np.float32)
+    reg.dispatch("host_scale_ws", {"out": np.empty_like(x), "x": x, "alpha": np.array([-1.0], np.float32)})
+    with pytest.raises(DeviceSideError, match="alpha was negative"):
+        reg.check_device_errors()
