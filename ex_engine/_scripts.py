@@ -19,13 +19,13 @@ from pathlib import Path
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
     """--help with each option's default appended ('(default: ...)'; a list as its values, an
-    empty one as 'none'; None and a flag's False left out, and a help text that names its
-    default itself kept as it is) and the description printed as written (a script's
-    docstring: usage lines, paragraphs)."""
+    empty one as 'none'; None and a flag's default left out (a store_false flag's True read as
+    on by default), and a help text that names its default itself kept as it is) and the
+    description printed as written (a script's docstring: usage lines, paragraphs)."""
 
     def _get_help_string(self, action):
         d, text = action.default, action.help or ""
-        if d is None or d is False or d is argparse.SUPPRESS or "default" in text:
+        if d is None or d is False or d is argparse.SUPPRESS or action.nargs == 0 or "default" in text:
             return text
         if isinstance(d, (list, tuple)) and "%" not in text:   # an empty list: none, not ''
             return f"{text} (default: {' '.join(map(str, d)) or 'none'})"
