@@ -2,9 +2,10 @@
 
 Every command has --help. Exit status: 0 success, 1 a check failed (`list-factors`: no plugin
 is ready), 2 bad usage or error (an output that cannot be written, such as a full disk or a
-closed stdout, among them), 3 `verify --strict` skipped a factor or its plugin declined every
-case, 130 interrupted (Ctrl-C), 141 the reader of stdout left early (`ex-engine list-factors |
-head -1`: the status of a writer that SIGPIPE ends), 143 terminated (SIGTERM).
+closed stdout, among them), 3 `verify --strict` skipped a factor, its plugin declined every
+case or a library was refused at load, 130 interrupted (Ctrl-C), 141 the reader of stdout left
+early (`ex-engine list-factors | head -1`: the status of a writer that SIGPIPE ends), 143
+terminated (SIGTERM).
 """
 from __future__ import annotations
 
@@ -597,8 +598,8 @@ def build_parser() -> argparse.ArgumentParser:
                                  usage="%(prog)s [-h] COMMAND ...\n       %(prog)s --version",
                                  epilog="Exit status: 0 success; 1 a check failed (list-factors: no plugin is "
                                         "ready); 2 bad usage or an error (an output that cannot be written "
-                                        "among them); 3 verify --strict skipped a factor or its plugin "
-                                        "declined every case; 130 Ctrl-C; 141 the reader of stdout left "
+                                        "among them); 3 verify --strict skipped a factor, its plugin "
+                                        "declined every case or a library was refused at load; 130 Ctrl-C; 141 the reader of stdout left "
                                         "early (| head); 143 SIGTERM.")
     ap.add_argument("--version", action="version", version=_version(),
                     help="print the package version and the plugin ABI version it loads, and exit")
@@ -685,10 +686,11 @@ def build_parser() -> argparse.ArgumentParser:
                                    "child process (a kernel that crashes or hangs is a FAIL row). "
                                    "Without a GPU only host factors "
                                    "run. Exit status 1 if a case failed (or no plugin was ready to verify); with --strict, 3 if "
-                                   "a factor was skipped (e.g. no GPU) or its plugin declined every "
-                                   "case (EX_FALLBACK: nothing of its kernel was compared), so that a "
+                                   "a factor was skipped (e.g. no GPU), its plugin declined every "
+                                   "case (EX_FALLBACK: nothing of its kernel was compared) or a library "
+                                   "in the folder was refused at load (see --strict), so that a "
                                    "check that checked nothing does not pass; without --strict the "
-                                   "latter is a warning on stderr and the exit status stays 0.")
+                                   "latter two are warnings on stderr and the exit status stays 0.")
     common(p, probe=True)
     p.add_argument("--seed", type=token_count, default=0, metavar="N", help="random seed >= 0 (default: %(default)s)")
     p.add_argument("--strict", action="store_true",
