@@ -6,13 +6,14 @@
  *     const uint32_t ex_abi_version;                       (= EX_ABI_VERSION)
  *     ex_factor_t*   ex_get_factor(const ex_hardware_t* hw);
  *
- * The runtime reads `ex_abi_version` before it calls any function of the library (dlopen has
- * run the library's static constructors by then: keep them side-effect free) and refuses a
- * library whose major version differs from its own.  It then calls `ex_get_factor` with the
- * hardware it targets (once per registry that loads the library; a process holds one copy of
- * the library, so keep no state there that a second call for other hardware would break),
- * checks the returned tuning against that hardware, and afterwards calls `kernel` (then
- * `kernel_fallback`, then its Python fallback) on device pointers.
+ * The runtime reads `ex_abi_version` from the file's dynamic symbol table before it opens the
+ * library, and refuses a library whose major version differs from its own with none of its
+ * code run (where the file does not say, it reads the symbol after dlopen, which has run the
+ * library's static constructors by then: keep them side-effect free).  It then calls
+ * `ex_get_factor` with the hardware it targets (once per registry that loads the library; a
+ * process holds one copy of the library, so keep no state there that a second call for other
+ * hardware would break), checks the returned tuning against that hardware, and afterwards
+ * calls `kernel` (then `kernel_fallback`, then its Python fallback) on device pointers.
  *
  * This header is a specification: types, constants and comments, no logic.  The Python
  * binding (ex_engine/abi.py) mirrors it; tests/test_abi.py checks that both agree byte for
@@ -137,7 +138,8 @@ typedef struct ex_tuning {
 /* The factor                                                                               */
 /* ---------------------------------------------------------------------------------------- */
 
-/* output, input: device pointers (see the factor's manifest for what each one is).
+/* output, input: device pointers (see the factor's manifest for what each one is); host
+ * pointers, and stream NULL, for a manifest with `memory: host` (work done during the call).
  * aux_inputs[n_aux]: further device pointers in the manifest's order; an optional one is NULL.
  * dims[n_dims]: int64 values in the manifest's order (sizes, dtype codes, flags, strides).
  * stream: a cudaStream_t; all work is enqueued on it, never on the legacy default stream.
@@ -149,20 +151,23 @@ typedef int (*ex_kernel_fn)(void* output, const void* input, const void* aux_inp
 /* Bytes of device workspace the kernel needs for these dims (0: none).  The runtime passes
  * a buffer of at least that size, 256-byte aligned, as the aux input the manifest marks
  * `role: workspace`.  Must be a pure function of dims, returning 0..2^40 (anything else is
- * reported as this function's bug and the kernel is not called).  NULL means no workspace.
+ * reported, below 0 as this function's bug, above 2^40 as dims too large for the factor or a
+ * bug, and the kernel is not called).  NULL means no workspace.
  * The two go together: the registry refuses a library whose workspace_size is set while its
  * manifest has no `role: workspace` entry, or NULL while its manifest has one.             */
 typedef int64_t (*ex_workspace_fn)(const int64_t dims[], int n_dims);
 
 /* A NUL-terminated description of the last error this library's kernel returned on the
  * calling thread (for EX_ERR_CUDA: "cudaErrorInvalidValue: invalid argument"), or "" if none.
- * The runtime calls it only right after a kernel returned a status other than 0 or -1.     */
+ * The runtime calls it only right after a kernel returned a status other than 0 or -1, or
+ * one (whatever it returned) wrote to the const dims array it was passed.                   */
 typedef const char* (*ex_error_string_fn)(void);
 
 typedef struct ex_factor {
     uint32_t abi_version;          /* EX_ABI_VERSION the library was built with              */
     int32_t factor_id;             /* an ex_factor_id_t, or >= EX_FACTOR_USER_FIRST; never < 0 */
-    const char* name;              /* equals the library's file stem and its manifest's name */
+    const char* name;              /* equals its manifest's name (and, by convention, the
+                                    * library's file stem: a renamed file loads, with a note) */
     const char* version;           /* the factor's own version, "MAJOR.MINOR.PATCH"           */
     ex_tuning_t tuning;            /* what the kernel launches with on this hardware         */
     ex_kernel_fn kernel;           /* the fast path; must not be NULL                        */
