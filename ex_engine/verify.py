@@ -364,14 +364,36 @@ def _check_plugin(fn: str, plugin) -> None:
                             "manifest", f"plugin {plugin.name!r} without one")
 
 
+def _check_call(fn: str, registry, seed, timeout=None, **flags) -> None:
+    """Raise ArgumentError naming ``fn`` and the argument unless ``registry`` is a
+    FactorRegistry, ``seed`` an int >= 0, ``timeout`` (where given) a finite number of seconds
+    > 0 and each of ``flags`` True or False (a seed of -1 or a timeout of -1 had become a FAIL
+    row blaming the plugin, a seed of None a TypeError from deep inside)."""
+    from .manifest import bool_like
+    from .registry import FactorRegistry
+    if not isinstance(registry, FactorRegistry):
+        raise ArgumentError(fn, "registry", "type", "a FactorRegistry",
+                            f"{type(registry).__name__} {registry!r:.80}")
+    if not is_integer(seed) or seed < 0:
+        raise ArgumentError(fn, "seed", "value", "an int >= 0", repr(seed))
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                or not 0 < timeout < math.inf):
+        raise ArgumentError(fn, "timeout", "value", "a number of seconds > 0", repr(timeout))
+    for name, v in flags.items():
+        if not bool_like(v):
+            raise ArgumentError(fn, name, "type", "True or False", repr(v))
+
+
 def run_case(registry, plugin, case: dict, dtype: str, seed: int = 0, count: bool = True) -> CaseResult:
     """Run ``plugin`` and its Python fallback on one test case and compare.
 
+    registry: a FactorRegistry, seed: an int >= 0, count: a bool (ArgumentError otherwise).
     plugin: a loaded Plugin with a manifest (ArgumentError otherwise). A device factor needs a
     registry on a live GPU (and CuPy): without one it raises FactorError naming the plugin
     (verify_plugin skips it instead, see cannot_run). Errors of the case itself (a plugin
     refusing it, a shape that cannot be drawn) are a FAIL result, not an exception."""
     _check_plugin("run_case", plugin)
+    _check_call("run_case", registry, seed, count=count)
     if plugin.manifest.memory != "host":
         if not registry.hardware.live:
             raise FactorError(f"run_case: plugin '{plugin.name}': a device factor ({plugin.manifest.name}) "
@@ -537,8 +559,11 @@ def verify_plugin(registry, plugin, seed: int = 0, count: bool = True, isolate: 
     their results, and this process goes on; the child's calls are added to
     ``registry.stats()`` when ``count``. A fallback set with ``registry.set_fallback`` or named in
     ``__main__`` exists in this process only: such a plugin runs here. Raises ArgumentError
-    when ``plugin`` is not a loaded Plugin (e.g. a factor name: pass registry.get(name))."""
+    when ``plugin`` is not a loaded Plugin (e.g. a factor name: pass registry.get(name)),
+    ``registry`` not a FactorRegistry, ``seed`` not an int >= 0, ``timeout`` not a number of
+    seconds > 0, or ``count`` or ``isolate`` not True or False."""
     _check_plugin("verify_plugin", plugin)
+    _check_call("verify_plugin", registry, seed, timeout, count=count, isolate=isolate)
     why = cannot_run(registry, plugin)
     if why:
         return [CaseResult(plugin.name, "-", "-", "skipped", detail=why)]

@@ -4,7 +4,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from ex_engine import FactorRegistry
 from ex_engine._scripts import HelpFormatter
+from ex_engine.errors import ArgumentError
+from ex_engine.verify import run_case, verify_plugin
+from tests.conftest import build_plugin
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -26,3 +32,36 @@ def test_bench_moe_help_does_not_say_shared_weights_is_the_default():
     assert out.returncode == 0, out.stderr
     shared = out.stdout.rsplit("\n  --shared-weights", 1)[1].split("\n  --json")[0]
     assert "(default: True)" not in " ".join(shared.split())
+
+
+# ------------------------------------------------------------------------------ verify's arguments
+
+@pytest.fixture
+def host_reg(tmp_path, monkeypatch):
+    monkeypatch.setenv("EX_ENGINE_CACHE", str(tmp_path / "cache"))
+    build_plugin(tmp_path)
+    return FactorRegistry.load(tmp_path)
+
+
+@pytest.mark.parametrize("kwargs, argument", [
+    ({"seed": -1}, "seed"), ({"seed": "a"}, "seed"), ({"seed": None}, "seed"), ({"seed": 1.5}, "seed"),
+    ({"seed": True}, "seed"), ({"timeout": -1, "isolate": True}, "timeout"),
+    ({"timeout": "a", "isolate": True}, "timeout"), ({"timeout": float("nan")}, "timeout"),
+    ({"isolate": "no"}, "isolate"), ({"count": None}, "count")])
+def test_verify_plugin_names_a_bad_argument(host_reg, kwargs, argument):
+    # were a raw TypeError deep inside (seed 'a' or None, timeout 'a'), or a FAIL row blaming the
+    # plugin (seed -1: 'could not run this case'; timeout -1: 'timed out after -1 s')
+    with pytest.raises(ArgumentError) as err:
+        verify_plugin(host_reg, host_reg.get("host_scale"), **kwargs)
+    assert err.value.argument == argument and "verify_plugin" in str(err.value)
+
+
+def test_verify_plugin_and_run_case_name_a_registry_that_is_none(host_reg):
+    # were AttributeError: 'str' object has no attribute 'hardware'
+    p = host_reg.get("host_scale")
+    for fn in (lambda: verify_plugin("reg", p), lambda: run_case(None, p, {"N": 3}, "float32"),
+               lambda: run_case(host_reg, p, {"N": 3}, "float32", seed=-2)):
+        with pytest.raises(ArgumentError) as err:
+            fn()
+        assert err.value.argument in ("registry", "seed")
+    assert [r.status for r in verify_plugin(host_reg, p, seed=3, isolate=True, timeout=60)] == ["pass"]
