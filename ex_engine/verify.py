@@ -1130,7 +1130,11 @@ def verify_at_load(registry, plugin) -> tuple:
 
 # ------------------------------------------------------------------------------------ report
 def format_table(results: list) -> str:
-    """A fixed-width table: factor, dtype, case, path, error, tolerance, result (+ detail)."""
+    """A fixed-width table: factor, dtype, case, path, error, tolerance, result (+ detail).
+    results: a list of CaseResult (verify_plugin's); ArgumentError naming 'results' otherwise."""
+    if not isinstance(results, (list, tuple)) or not all(isinstance(r, CaseResult) for r in results):
+        raise ArgumentError("format_table", "results", "type", "a list of CaseResult (verify_plugin's rows)",
+                            f"{type(results).__name__} {results!r:.80}")
     rows = [("factor", "dtype", "case", "served by", "rel err", "tol", "result")]
     for r in results:
         err = "-" if r.error is None else f"{r.error:.2e}"

@@ -9,7 +9,7 @@ import pytest
 from ex_engine import FactorRegistry
 from ex_engine._scripts import HelpFormatter
 from ex_engine.errors import ArgumentError
-from ex_engine.verify import run_case, verify_plugin
+from ex_engine.verify import format_table, run_case, verify_plugin
 from tests.conftest import build_plugin
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -65,3 +65,13 @@ def test_verify_plugin_and_run_case_name_a_registry_that_is_none(host_reg):
             fn()
         assert err.value.argument in ("registry", "seed")
     assert [r.status for r in verify_plugin(host_reg, p, seed=3, isolate=True, timeout=60)] == ["pass"]
+
+
+def test_format_table_names_rows_that_are_not_results(host_reg):
+    # were TypeError ('NoneType' object is not iterable) and AttributeError ('int' object has no
+    # attribute 'error')
+    for bad in (None, [1], "rows"):
+        with pytest.raises(ArgumentError) as err:
+            format_table(bad)
+        assert err.value.argument == "results"
+    assert "host_scale" in format_table(verify_plugin(host_reg, host_reg.get("host_scale")))
