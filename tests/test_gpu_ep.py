@@ -10,7 +10,6 @@ torchrun cases at least 2 GPUs. Outputs are poisoned (NaN) before every call.
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 
@@ -21,6 +20,7 @@ from ex_engine.arrays import Bits16, TensorRef, f32_to_bf16_bits
 from ex_engine.distributed import ExpertParallelMoE, expert_owner, expert_partition, make_expert_map
 from ex_engine.fallbacks import moe_fused_gemm_math
 from tests.conftest import ROOT
+from tests.ranks import run_ranks
 from tests.reference import rel_err
 
 pytestmark = pytest.mark.gpu
@@ -219,36 +219,6 @@ def test_torchrun_two_gpus_bench_smoke(torch, tmp_path):
 
 
 # ------------------------------------------------------------------------------ one GPU, two real ranks (gloo)
-def _gloo_ranks_on_one_gpu(nproc: int = 2, timeout: float = 300.0) -> str:
-    """Run this file as ``nproc`` processes (RANK/WORLD_SIZE/MASTER_* as torchrun sets them), each
-    on GPU 0 in one gloo process group; every rank must exit 0 and print OK. Returns the output."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_", "TORCHELASTIC"))}
-    env.update(PYTHONPATH=os.pathsep.join(p for p in [str(ROOT), env.get("PYTHONPATH", "")] if p),
-               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(nproc))
-    procs = [subprocess.Popen([sys.executable, __file__, "gloo_one_gpu"], cwd=ROOT, text=True,
-                              env=dict(env, RANK=str(r), LOCAL_RANK="0"),
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for r in range(nproc)]
-    outs = []
-    try:
-        for p in procs:
-            outs.append(p.communicate(timeout=timeout)[0])
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"gloo ranks on one GPU still running after {timeout} s (a hang)")
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    text = "\n".join(outs)
-    assert all(p.returncode == 0 for p in procs), text[-6000:]
-    assert text.count("OK gloo_one_gpu") == nproc, text[-6000:]
-    return text
-
-
 def test_two_gloo_ranks_on_one_gpu(torch):
     """forward over a real process group on CUDA tensors: the first call's check (its ten integers
     all-reduced from the GPU and read back), the sum of the ranks' plugin outputs equal to the full
@@ -256,7 +226,7 @@ def test_two_gloo_ranks_on_one_gpu(torch):
     import torch.distributed as dist
     if not dist.is_available() or not dist.is_gloo_available():
         pytest.skip("torch.distributed with gloo is unavailable")
-    _gloo_ranks_on_one_gpu()
+    run_ranks(__file__, "gloo_one_gpu", timeout=300.0, gpu=True)
 
 
 def _rank_gloo_one_gpu() -> None:

@@ -6,7 +6,6 @@ saw what it should.
 """
 import os
 import socket
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -19,6 +18,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from ex_engine.errors import FactorError  # noqa: E402
+from tests.ranks import run_ranks  # noqa: E402
 
 G, H, I, T, K = 4, 16, 8, 3, 2
 
@@ -35,36 +35,8 @@ def _layer_inputs(torch, G=G, H=H):
 
 
 def _run_ranks(scenario: str, nproc: int = 2, timeout: float = 120.0) -> None:
-    """Run ``scenario`` in ``nproc`` processes of this file (rank r: RANK=r); every one must exit
-    0 and print OK. Kills them all after ``timeout`` seconds (a hang fails the test)."""
-    pytest.importorskip("torch.distributed")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_RANK",
-                                                                      "MASTER_"))}
-    env.update(PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]), OMP_NUM_THREADS="1",
-               CUDA_VISIBLE_DEVICES="", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-               WORLD_SIZE=str(nproc))
-    procs = [subprocess.Popen([sys.executable, __file__, scenario], cwd=ROOT, text=True,
-                              env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for r in range(nproc)]
-    outs = []
-    try:
-        for p in procs:
-            outs.append(p.communicate(timeout=timeout)[0])
-    except subprocess.TimeoutExpired:
-        for p in procs:
-            p.kill()
-        pytest.fail(f"{scenario}: ranks still running after {timeout} s (a hang)")
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    text = "\n".join(outs)
-    assert all(p.returncode == 0 for p in procs), text[-4000:]
-    assert text.count(f"OK {scenario}") == nproc, text[-4000:]
+    """Run ``scenario`` in ``nproc`` CPU processes of this file (tests/ranks.py)."""
+    run_ranks(__file__, scenario, nproc, timeout)
 
 
 # ------------------------------------------------------------------------------ scenarios (one rank)
