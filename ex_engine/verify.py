@@ -1142,7 +1142,7 @@ def format_table(results: list) -> str:
         rows.append((r.factor, r.dtype, r.case, r.path, err, tol, r.status))
     widths = [max(len(row[i]) for row in rows) for i in range(7)]
     lines = []
-    for row, r in zip(rows, [None] + results):
+    for row, r in zip(rows, [None, *results]):   # (a tuple too, as the check allows)
         line = "  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip()
         if r is not None and r.detail and r.status != "pass":
             line += f"  {r.detail}"
