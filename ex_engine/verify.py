@@ -25,6 +25,7 @@ import inspect
 import itertools
 import json
 import math
+import numbers
 import os
 import re
 import signal
@@ -364,11 +365,13 @@ def _check_plugin(fn: str, plugin) -> None:
                             "manifest", f"plugin {plugin.name!r} without one")
 
 
-def _check_call(fn: str, registry, seed, timeout=None, **flags) -> None:
-    """Raise ArgumentError naming ``fn`` and the argument unless ``registry`` is a
-    FactorRegistry, ``seed`` an int >= 0, ``timeout`` (where given) a finite number of seconds
-    > 0 and each of ``flags`` True or False (a seed of -1 or a timeout of -1 had become a FAIL
-    row blaming the plugin, a seed of None a TypeError from deep inside)."""
+def _check_call(fn: str, registry, seed, timeout=None, **flags) -> tuple:
+    """(seed as a Python int, timeout as a float or None) after raising ArgumentError naming
+    ``fn`` and the argument unless ``registry`` is a FactorRegistry, ``seed`` an int >= 0 (NumPy's
+    too), ``timeout`` (where given) a finite real number of seconds > 0 (NumPy's too) and each of
+    ``flags`` True or False (a seed of -1 or a timeout of -1 had become a FAIL row blaming the
+    plugin, a seed of None a TypeError from deep inside). The seed is made a Python int: a NumPy
+    one wrapped around in ``seed * 1000 + k`` and is no JSON for the child process."""
     from .manifest import bool_like
     from .registry import FactorRegistry
     if not isinstance(registry, FactorRegistry):
@@ -376,12 +379,15 @@ def _check_call(fn: str, registry, seed, timeout=None, **flags) -> None:
                             f"{type(registry).__name__} {registry!r:.80}")
     if not is_integer(seed) or seed < 0:
         raise ArgumentError(fn, "seed", "value", "an int >= 0", repr(seed))
-    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
-                                or not 0 < timeout < math.inf):
-        raise ArgumentError(fn, "timeout", "value", "a number of seconds > 0", repr(timeout))
+    if timeout is not None:
+        if (isinstance(timeout, bool) or not isinstance(timeout, numbers.Real)
+                or not 0 < timeout < math.inf):
+            raise ArgumentError(fn, "timeout", "value", "a number of seconds > 0", repr(timeout))
+        timeout = float(timeout)
     for name, v in flags.items():
         if not bool_like(v):
             raise ArgumentError(fn, name, "type", "True or False", repr(v))
+    return int(seed), timeout
 
 
 def run_case(registry, plugin, case: dict, dtype: str, seed: int = 0, count: bool = True) -> CaseResult:
@@ -393,7 +399,7 @@ def run_case(registry, plugin, case: dict, dtype: str, seed: int = 0, count: boo
     (verify_plugin skips it instead, see cannot_run). Errors of the case itself (a plugin
     refusing it, a shape that cannot be drawn) are a FAIL result, not an exception."""
     _check_plugin("run_case", plugin)
-    _check_call("run_case", registry, seed, count=count)
+    seed, _ = _check_call("run_case", registry, seed, count=count)
     if plugin.manifest.memory != "host":
         if not registry.hardware.live:
             raise FactorError(f"run_case: plugin '{plugin.name}': a device factor ({plugin.manifest.name}) "
@@ -563,7 +569,7 @@ def verify_plugin(registry, plugin, seed: int = 0, count: bool = True, isolate: 
     ``registry`` not a FactorRegistry, ``seed`` not an int >= 0, ``timeout`` not a number of
     seconds > 0, or ``count`` or ``isolate`` not True or False."""
     _check_plugin("verify_plugin", plugin)
-    _check_call("verify_plugin", registry, seed, timeout, count=count, isolate=isolate)
+    seed, timeout = _check_call("verify_plugin", registry, seed, timeout, count=count, isolate=isolate)
     why = cannot_run(registry, plugin)
     if why:
         return [CaseResult(plugin.name, "-", "-", "skipped", detail=why)]
