@@ -416,7 +416,8 @@ class TuningTable:
                 raise FactorError(f"{factor}: the tuning override for dim {dim!r} returned "
                                   f"{v!r} ({type(v).__name__}); expected an integer")
             return int(v)
-        ft = self.factors.get(factor) if factor not in self.refused else None
+        refused = self.refused   # read once: check() in another thread may replace it meanwhile
+        ft = self.factors.get(factor) if factor not in refused else None
         v = ft.lookup(sizes) if ft is not None and ft.dim == dim else None
         if v is BELOW:
             return default
@@ -428,9 +429,9 @@ class TuningTable:
             with self._lock:
                 new = (factor, shape) not in self._warned
                 self._warned.add((factor, shape))
-            if new and factor in self.refused:
+            if new and factor in refused:
                 warnings.warn(f"{factor}: running on the kernel's default choice of {dim}: "
-                              f"{self.refused[factor]}", TuningWarning, stacklevel=4)
+                              f"{refused[factor]}", TuningWarning, stacklevel=4)
             elif new:
                 how = ("unreadable or malformed" if self.unreadable and self.malformed
                        else "unreadable" if self.unreadable else "malformed")

@@ -74,3 +74,53 @@ def test_verify_plugin_still_refuses_a_bad_numpy_timeout(host_reg, timeout):
 
 
 
+# ------------------------------------------------------------------------------ tuning.value
+class _SwapOnSecondContains(dict):
+    """A ``refused`` dict whose second membership test is the moment check() (in another thread)
+    assigns a new ``refused`` to the table, one without this factor."""
+
+    def __init__(self, data, table):
+        super().__init__(data)
+        self.table, self.n = table, 0
+
+    def __contains__(self, key):
+        self.n += 1
+        if self.n == 2:
+            self.table.refused = {}
+        return super().__contains__(key)
+
+
+def test_tuning_value_reads_refused_once(tmp_path):
+    """check() now replaces ``refused`` whole so that value() "reads the old one or the new one",
+    but value() read the attribute up to three times: ``factor not in self.refused`` (old: set
+    aside), then ``factor in self.refused`` and ``self.refused[factor]`` for its warning; a check()
+    in between (new: not refused) made the call raise KeyError('moe_fused_gemm') out of dispatch."""
+    (tmp_path / "h200.yaml").write_text(
+        "device: NVIDIA H200\nmultiprocessor_count: 132\nmoe_fused_gemm:\n  dim: config\n"
+        "  key: [H, I, G, K]\n  values: {huge: 99}\n"
+        "  shapes:\n    - {H: 64, I: 32, G: 8, K: 2, by_T: [[1, huge]]}\n")
+    t = TuningTable.for_hardware(Hardware.from_profile("h200"), tmp_path, report=False)
+    manifests = {"moe_fused_gemm": Manifest.load(ROOT / "manifests" / "moe_fused_gemm.yaml")}
+    t.check(manifests)
+    assert "moe_fused_gemm" in t.refused
+    t.warn = True   # (as on a live GPU: the path that names why the table was set aside)
+    t.refused = _SwapOnSecondContains(t.refused, t)
+    sizes = {"H": 64, "I": 32, "G": 8, "K": 2, "T": 4}
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always", TuningWarning)
+        assert t.value("moe_fused_gemm", "config", sizes, -1) == -1
+    assert any("running on the kernel's default choice" in str(w.message) for w in got)
+
+
+def test_tuning_value_unchanged_without_a_race(tmp_path):
+    (tmp_path / "h200.yaml").write_text(
+        "device: NVIDIA H200\nmultiprocessor_count: 132\nmoe_fused_gemm:\n  dim: config\n"
+        "  key: [H, I, G, K]\n  values: {huge: 99}\n"
+        "  shapes:\n    - {H: 64, I: 32, G: 8, K: 2, by_T: [[1, huge]]}\n")
+    t = TuningTable.for_hardware(Hardware.from_profile("h200"), tmp_path, report=False)
+    sizes = {"H": 64, "I": 32, "G": 8, "K": 2, "T": 4}
+    assert t.value("moe_fused_gemm", "config", sizes, -1) == 99   # not yet checked: in use
+    t.check({"moe_fused_gemm": Manifest.load(ROOT / "manifests" / "moe_fused_gemm.yaml")})
+    assert t.value("moe_fused_gemm", "config", sizes, -1) == -1   # set aside
+
+
