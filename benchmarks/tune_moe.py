@@ -15,7 +15,8 @@ its comment header, below the new one. The file is read for that when the run en
 on its folder, so that tuners running at once (one per GPU of a host) keep each other's rows. A file that cannot be merged (another GPU's or SM count's
 tuning file, a file that is no tuning file, malformed YAML or a malformed table) is refused
 before any work (exit status 2; for another GPU's file, once the GPU is known) unless --replace
-is given, which writes a new table over it. Exit status: 0 written; 1 written, but a
+is given, which writes a new table over it (over the file as it was when the run started: rows
+another tuner writes there during the run are merged). Exit status: 0 written; 1 written, but a
 configuration failed its check; 2 bad arguments or a file it will not replace.
 
     python3 benchmarks/tune_moe.py --models qwen3-30b-a3b --tokens 1 64 4096 --out my.yaml
@@ -157,6 +158,16 @@ def merge_rows(data: dict, tuned: dict, device: str, sms: int) -> dict:
     return data
 
 
+def _file_state(path: Path):
+    """(device, inode, size, mtime in ns) of the file at ``path``, None where there is none: a
+    tuner that wrote it meanwhile (replace_file: a new inode) changed it."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
 @contextlib.contextmanager
 def _folder_locked(folder: Path):
     """Hold an exclusive flock on ``folder`` while a run reads, merges and writes its tuning file
@@ -199,7 +210,8 @@ def main() -> int:
                          "one that cannot be merged is refused unless --replace")
     ap.add_argument("--replace", action="store_true",
                     help="write a new table over --out's file, keeping none of its rows, where it cannot "
-                         "be merged (another GPU's tuning file, no tuning file, malformed)")
+                         "be merged (another GPU's tuning file, no tuning file, malformed); rows another "
+                         "tuner writes there during the run are kept")
     args = ap.parse_args()
     models = load_models_or_exit("tune_moe")
     # every argument checked before any work (the tuning file is written after the whole run)
@@ -233,6 +245,8 @@ def main() -> int:
     except FactorError as exc:
         report_problems("tune_moe", [_refusal(exc)])
         return 2
+    # --replace replaces the file as it is now; one another tuner writes during the run is merged
+    replaced = _file_state(out)
     # this run's rows: (H, I, G, K) -> (model, {T: row}), merged into the file as it is when the
     # run ends (read then, under a lock: another tuner may have written it meanwhile; the rows
     # it added were dropped when the file read before this run's minutes of work was written back)
@@ -288,11 +302,14 @@ def main() -> int:
               "# uses the row of the largest T not above its own. Format: ex_engine/tuning.py.\n")
     out.parent.mkdir(parents=True, exist_ok=True)
     with _folder_locked(out.parent):
-        try:
-            data, notes = ({}, []) if args.replace else existing_table(out, device, sms)
+        try:   # (with --replace: unless another tuner wrote the file during this run)
+            data, notes = ({}, []) if args.replace and _file_state(out) == replaced else \
+                existing_table(out, device, sms)
         except FactorError as exc:   # replaced during the run by a file it cannot merge into
-            report_problems("tune_moe", [_refusal(exc)])
-            return 2
+            if not args.replace:
+                report_problems("tune_moe", [_refusal(exc)])
+                return 2
+            data, notes = {}, []
         merge_rows(data, new_rows, device, sms)
         if notes:                      # what the merged file said of its earlier rows
             header += "# Earlier header of this file (its rows not re-tuned here keep its provenance):\n"

@@ -124,3 +124,88 @@ def test_tuning_value_unchanged_without_a_race(tmp_path):
     assert t.value("moe_fused_gemm", "config", sizes, -1) == -1   # set aside
 
 
+# ------------------------------------------------------------------------------ tune_moe --replace
+def _drive_tune_moe(monkeypatch, out, argv, during=None):
+    """benchmarks/tune_moe.py's main() on the CPU (the GPU parts as stand-ins, as
+    test_trial41cc drives it); ``during`` runs while the first configuration is timed. Returns
+    (main()'s status, the tuner module)."""
+    import sys
+    import types
+
+    from .test_bench_tools import import_tool
+    tune = import_tool("benchmarks", "tune_moe")
+    calls, forced = [], [None]
+
+    def graph_us(fns, warm_ms):
+        if not calls and during is not None:
+            during(tune)
+        calls.append(forced[0])
+        return 10.0 if forced[0] == "auto" else 5.0
+
+    cuda = types.SimpleNamespace(is_available=lambda: True, get_device_name=lambda: "NVIDIA H200",
+                                 get_device_properties=lambda i: types.SimpleNamespace(multi_processor_count=132),
+                                 empty_cache=lambda: None)
+    fake_reg = types.SimpleNamespace(get=lambda name: types.SimpleNamespace(path=Path("moe_fused_gemm.so")),
+                                     set_tuning=lambda name, fn: None)
+    monkeypatch.setattr(tune, "torch", types.SimpleNamespace(
+        cuda=cuda, bfloat16="bfloat16", Generator=lambda device: types.SimpleNamespace(manual_seed=lambda s: None)))
+    monkeypatch.setattr(tune, "FactorRegistry", types.SimpleNamespace(load=lambda: fake_reg))
+    for name, fn in (("layer_weights", lambda s, dt, gen: (None, None)),
+                     ("input_sets", lambda s, T, n, w13, w2, dt, gen: [(None,)]),
+                     ("reference", lambda *a: None), ("rel", lambda a, b: 0.0),
+                     ("moe_fused_gemm", lambda *a, **k: None),
+                     ("force_config", lambda reg, name: forced.__setitem__(0, name)),
+                     ("graph_us", graph_us), ("run_meta", lambda: {"commit": "test"})):
+        monkeypatch.setattr(tune, name, fn)
+    monkeypatch.setattr(sys, "argv", ["tune_moe.py", "--models", "qwen3-30b-a3b", "--tokens", "1",
+                                      "--out", str(out), *argv])
+    return tune.main(), tune
+
+
+_OTHER = {"H": 1024, "I": 256, "G": 16, "K": 2, "model": "other", "by_T": [[1, "tiny", 1.0, 2.0]]}
+
+
+def _shapes(tune, out):
+    data, _ = tune.existing_table(out, "NVIDIA H200", 132)
+    return {e["model"]: e for e in data["moe_fused_gemm"]["shapes"]}
+
+
+def test_tune_moe_replace_keeps_rows_another_tuner_wrote_during_the_run(tmp_path, monkeypatch):
+    """Two tuners at once (one per GPU) with --replace over a file that cannot be merged: the
+    merge at the end of the run, under the folder lock, was skipped for --replace, so the
+    tuner that finished last wrote a table of its own rows only, and the other's (written
+    during this run, into the file this run was told to replace) were lost, the loss the
+    commit set out to close. Now --replace replaces the file as it was when the run started."""
+    import yaml
+    out = tmp_path / "h200.yaml"
+    out.write_text("device: NVIDIA A100\nmultiprocessor_count: 108\nnot_a_tuning_table: 1\n")
+
+    def other_tuner(tune):   # with --replace too: a new table of its own rows
+        data = tune.merge_rows({}, {}, "NVIDIA H200", 132)
+        data["moe_fused_gemm"]["shapes"] = [dict(_OTHER)]
+        out.write_text("# the other tuner\n" + yaml.safe_dump(data, sort_keys=False))
+
+    rc, tune = _drive_tune_moe(monkeypatch, out, ["--replace"], during=other_tuner)
+    assert rc == 0
+    shapes = _shapes(tune, out)
+    assert "other" in shapes, "the other tuner's rows were dropped"
+    assert shapes["other"]["by_T"] == [[1, "tiny", 1.0, 2.0]]
+    assert [r for r in shapes["qwen3-30b-a3b"]["by_T"] if r[0] == 1][0][2:] == [5.0, 10.0]
+
+
+def test_tune_moe_replace_still_replaces_the_file_it_was_given(tmp_path, monkeypatch):
+    """(guard of the mend) unchanged during the run, --replace writes a new table over the file:
+    another GPU's table, or this GPU's, keeps none of its rows."""
+    import yaml
+    out = tmp_path / "h200.yaml"
+    out.write_text("device: NVIDIA A100\nmultiprocessor_count: 108\nnot_a_tuning_table: 1\n")
+    rc, tune = _drive_tune_moe(monkeypatch, out, ["--replace"])
+    assert rc == 0 and list(_shapes(tune, out)) == ["qwen3-30b-a3b"]
+    data = tune.merge_rows({}, {}, "NVIDIA H200", 132)
+    data["moe_fused_gemm"]["shapes"] = [dict(_OTHER)]
+    out.write_text(yaml.safe_dump(data, sort_keys=False))
+    rc, tune = _drive_tune_moe(monkeypatch, out, ["--replace"])
+    assert rc == 0 and list(_shapes(tune, out)) == ["qwen3-30b-a3b"]
+    out.unlink()   # and where there was no file
+    rc, tune = _drive_tune_moe(monkeypatch, out, ["--replace"])
+    assert rc == 0 and list(_shapes(tune, out)) == ["qwen3-30b-a3b"]
