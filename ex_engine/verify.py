@@ -560,7 +560,7 @@ def verify_plugin(registry, plugin, seed: int = 0, count: bool = True, isolate: 
     """Every (test shape, dtype) case of ``plugin``; a single 'skipped' result if it cannot run.
 
     isolate: run the cases in a child process (``timeout`` seconds for all of them, default
-    CHILD_TIMEOUT_S), so that a kernel that crashes (a far out-of-bounds write, an abort), ends
+    (or None) CHILD_TIMEOUT_S), so that a kernel that crashes (a far out-of-bounds write, an abort), ends
     the process or hangs is a FAIL row naming the case it was running, the cases before it keep
     their results, and this process goes on; the child's calls are added to
     ``registry.stats()`` when ``count``. A fallback set with ``registry.set_fallback`` or named in
@@ -570,6 +570,8 @@ def verify_plugin(registry, plugin, seed: int = 0, count: bool = True, isolate: 
     seconds > 0, or ``count`` or ``isolate`` not True or False."""
     _check_plugin("verify_plugin", plugin)
     seed, timeout = _check_call("verify_plugin", registry, seed, timeout, count=count, isolate=isolate)
+    if timeout is None:   # (the check passes None: in the child's wait it was a TypeError)
+        timeout = CHILD_TIMEOUT_S
     why = cannot_run(registry, plugin)
     if why:
         return [CaseResult(plugin.name, "-", "-", "skipped", detail=why)]

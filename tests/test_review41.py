@@ -209,3 +209,11 @@ def test_tune_moe_replace_still_replaces_the_file_it_was_given(tmp_path, monkeyp
     out.unlink()   # and where there was no file
     rc, tune = _drive_tune_moe(monkeypatch, out, ["--replace"])
     assert rc == 0 and list(_shapes(tune, out)) == ["qwen3-30b-a3b"]
+
+
+def test_verify_plugin_timeout_none_is_the_default_in_a_child_process(host_reg):
+    """The new check passes a timeout of None (as 'not given'), and in-process it is unused, but
+    with isolate=True the child's wait added it to a float: TypeError ('unsupported operand
+    type(s) for +: 'float' and 'NoneType''), the deep-inside error the check set out to end."""
+    rows = verify_plugin(host_reg, host_reg.get("host_scale"), isolate=True, timeout=None)
+    assert [r.status for r in rows] == ["pass"], [r.detail for r in rows]
