@@ -12,7 +12,7 @@ from ex_engine.errors import ArgumentError
 from ex_engine.hardware import Hardware
 from ex_engine.manifest import Manifest
 from ex_engine.tuning import TuningTable, TuningWarning
-from ex_engine.verify import format_table, run_case, verify_plugin
+from ex_engine.verify import format_table, verify_plugin
 
 from .conftest import ROOT, build_plugin
 
