@@ -2112,7 +2112,10 @@ class FactorRegistry:
         [-1, E)); the Python fallbacks report the same through counters. The error's message
         names each factor with its status word and flag texts.
         Reads the status word of every workspace (one per factor, device and stream) after
-        synchronising each device, then clears them; call it outside graph capture.
+        synchronising each device, then clears them; call it outside graph capture. Reading and
+        clearing a word are two steps, not one atomic exchange: call it where no other thread is
+        launching this registry's calls, else a flag such a call sets between the two steps is
+        cleared unreported, and two threads checking at once may both report the same flag.
         """
         problems = []
         with self._ws_lock:
