@@ -12,11 +12,12 @@ The file (--out; by default this GPU's: manifests/tuning/h200.yaml on an H200 wi
 manifests/tuning/<device>_<SMs>sm.yaml, e.g. nvidia_a100_sxm4_80gb_108sm.yaml) is merged into
 when it is this GPU's tuning file: rows of shapes and T not tuned in this run are kept, and so is
 its comment header, below the new one. The file is read for that when the run ends, under a lock
-on its folder, so that tuners running at once (one per GPU of a host) keep each other's rows. A file that cannot be merged (another GPU's or SM count's
-tuning file, a file that is no tuning file, malformed YAML or a malformed table) is refused
-before any work (exit status 2; for another GPU's file, once the GPU is known) unless --replace
-is given, which writes a new table over it (over the file as it was when the run started: rows
-another tuner writes there during the run are merged). Exit status: 0 written; 1 written, but a
+on its folder, so that tuners running at once (one per GPU of a host) keep each other's rows. A
+file that cannot be merged (another GPU's or SM count's tuning file, a file that is no tuning
+file, malformed YAML or a malformed table) is refused before any work (exit status 2; for another
+GPU's file, once the GPU is known) unless --replace is given, which writes a new table over it
+(over the file as it was when the run started: rows another tuner writes there during the run
+are merged). Exit status: 0 written; 1 written, but a
 configuration failed its check; 2 bad arguments or a file it will not replace.
 
     python3 benchmarks/tune_moe.py --models qwen3-30b-a3b --tokens 1 64 4096 --out my.yaml

@@ -559,10 +559,10 @@ def verify_plugin(registry, plugin, seed: int = 0, count: bool = True, isolate: 
                   timeout: float = CHILD_TIMEOUT_S) -> list:
     """Every (test shape, dtype) case of ``plugin``; a single 'skipped' result if it cannot run.
 
-    isolate: run the cases in a child process (``timeout`` seconds for all of them, default
-    (or None) CHILD_TIMEOUT_S), so that a kernel that crashes (a far out-of-bounds write, an abort), ends
-    the process or hangs is a FAIL row naming the case it was running, the cases before it keep
-    their results, and this process goes on; the child's calls are added to
+    isolate: run the cases in a child process (``timeout`` seconds for all of them; None or left
+    out: CHILD_TIMEOUT_S), so that a kernel that crashes (a far out-of-bounds write, an abort),
+    ends the process or hangs is a FAIL row naming the case it was running, the cases before it
+    keep their results, and this process goes on; the child's calls are added to
     ``registry.stats()`` when ``count``. A fallback set with ``registry.set_fallback`` or named in
     ``__main__`` exists in this process only: such a plugin runs here. Raises ArgumentError
     when ``plugin`` is not a loaded Plugin (e.g. a factor name: pass registry.get(name)),
