@@ -22,6 +22,7 @@ from ._scripts import output_file_problem, plugin_folder_problem, report_problem
 from .arrays import Bits16, TensorRef, bf16_bits_to_f32, f32_to_bf16_bits
 from .errors import ArgumentError, DTypeError, FactorError, ShapeError, is_integer, one_line
 from .fallbacks import moe_fused_gemm_math, topk_softmax_math
+from .manifest import bool_like
 from .ops import moe_fused_gemm, resolve_registry, topk_softmax
 from .verify import ROW_SLACK, row_error
 
@@ -224,10 +225,10 @@ class MoELayer:
     """Router weight (E, H) fp32, w13 (E, 2I, H) and w2 (E, H, I) of ``dtype`` on NumPy or CuPy
     (xp), drawn N(0, 0.02^2) from ``seed`` (as benchmarks/bench_moe.py draws its weights).
     bfloat16 arrays come as Bits16.
-    shape: an MoEShape (model_shape(name)) with H, I, E, K ints >= 1, K <= E; dtype:
-    'bfloat16' or 'float16'; xp: the module numpy or cupy; seed: an int >= 0. Raises
-    ArgumentError (DTypeError for dtype) naming the argument otherwise, before any array is
-    drawn."""
+    shape: an MoEShape (model_shape(name)) with H, I, E, K ints >= 1, K <= E, renormalize a
+    bool (or 0/1); dtype: 'bfloat16' or 'float16'; xp: the module numpy or cupy; seed: an
+    int >= 0. Raises ArgumentError (DTypeError for dtype) naming the argument otherwise, before
+    any array is drawn."""
 
     def __init__(self, shape: MoEShape, dtype: str = "bfloat16", xp=np, seed: int = 0):
         fn = "MoELayer"
@@ -238,6 +239,10 @@ class MoELayer:
             _check_int(fn, f"shape.{f}", getattr(shape, f), 1)
         if shape.K > shape.E:
             raise ArgumentError(fn, "shape.K", "K <= E", f"at most E = {shape.E}", shape.K)
+        if not bool_like(shape.renormalize):
+            # (checked here, before the weights are drawn: forward raised it later, after building
+            # them, as topk_softmax's argument 'renormalize', an argument the caller never gave)
+            raise ArgumentError(fn, "shape.renormalize", "type", "a bool (or 0/1)", repr(shape.renormalize))
         if not isinstance(dtype, str) or dtype not in LAYER_DTYPES:
             raise DTypeError(fn, "dtype", "the weights' dtype", "'bfloat16' or 'float16'", repr(dtype))
         if xp is not np and getattr(xp, "__name__", None) != "cupy":
