@@ -905,3 +905,40 @@ def test_bench_moe_graph_errors_catch_an_unwritten_element_in_graph_replay():
     errs = bench.graph_errors(all_but_one, sets, refs, out_arg=True)
     assert errs == [float("inf")] * 3
     assert "set 0 rel err inf" in bench.graph_failure(errs)
+
+
+def drive_tune_moe(monkeypatch, out, argv, during=None):
+    """benchmarks/tune_moe.py's main() on the CPU, the GPU parts as stand-ins (every candidate
+    configuration times 5 µs, the kernel's own choice 10), for qwen3-30b-a3b at T = 1 into
+    ``out`` with ``argv`` more; ``during(tune)`` runs while the first configuration is timed (a
+    second tuner writing the file, say). Returns (main()'s status, the tuner module)."""
+    import sys
+    import types
+
+    tune = import_tool("benchmarks", "tune_moe")
+    calls, forced = [], [None]
+
+    def graph_us(fns, warm_ms):
+        if not calls and during is not None:
+            during(tune)
+        calls.append(forced[0])
+        return 10.0 if forced[0] == "auto" else 5.0
+
+    cuda = types.SimpleNamespace(is_available=lambda: True, get_device_name=lambda: "NVIDIA H200",
+                                 get_device_properties=lambda i: types.SimpleNamespace(multi_processor_count=132),
+                                 empty_cache=lambda: None)
+    fake_reg = types.SimpleNamespace(get=lambda name: types.SimpleNamespace(path=Path("moe_fused_gemm.so")),
+                                     set_tuning=lambda name, fn: None)
+    monkeypatch.setattr(tune, "torch", types.SimpleNamespace(
+        cuda=cuda, bfloat16="bfloat16", Generator=lambda device: types.SimpleNamespace(manual_seed=lambda s: None)))
+    monkeypatch.setattr(tune, "FactorRegistry", types.SimpleNamespace(load=lambda: fake_reg))
+    for name, fn in (("layer_weights", lambda s, dt, gen: (None, None)),
+                     ("input_sets", lambda s, T, n, w13, w2, dt, gen: [(None,)]),
+                     ("reference", lambda *a: None), ("rel", lambda a, b: 0.0),
+                     ("moe_fused_gemm", lambda *a, **k: None),
+                     ("force_config", lambda reg, name: forced.__setitem__(0, name)),
+                     ("graph_us", graph_us), ("run_meta", lambda: {"commit": "test"})):
+        monkeypatch.setattr(tune, name, fn)
+    monkeypatch.setattr(sys, "argv", ["tune_moe.py", "--models", "qwen3-30b-a3b", "--tokens", "1",
+                                      "--out", str(out), *argv])
+    return tune.main(), tune

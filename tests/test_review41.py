@@ -2,19 +2,18 @@
 from __future__ import annotations
 
 import warnings
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from ex_engine import FactorRegistry
 from ex_engine.errors import ArgumentError
-from ex_engine.hardware import Hardware
 from ex_engine.manifest import Manifest
-from ex_engine.tuning import TuningTable, TuningWarning
+from ex_engine.tuning import TuningWarning
 from ex_engine.verify import format_table, verify_plugin
 
 from .conftest import ROOT, build_plugin
+from .test_trial41cc import table_outside_the_manifest
 
 
 @pytest.fixture
@@ -95,11 +94,7 @@ def test_tuning_value_reads_refused_once(tmp_path):
     but value() read the attribute up to three times: ``factor not in self.refused`` (old: set
     aside), then ``factor in self.refused`` and ``self.refused[factor]`` for its warning; a check()
     in between (new: not refused) made the call raise KeyError('moe_fused_gemm') out of dispatch."""
-    (tmp_path / "h200.yaml").write_text(
-        "device: NVIDIA H200\nmultiprocessor_count: 132\nmoe_fused_gemm:\n  dim: config\n"
-        "  key: [H, I, G, K]\n  values: {huge: 99}\n"
-        "  shapes:\n    - {H: 64, I: 32, G: 8, K: 2, by_T: [[1, huge]]}\n")
-    t = TuningTable.for_hardware(Hardware.from_profile("h200"), tmp_path, report=False)
+    t = table_outside_the_manifest(tmp_path)
     manifests = {"moe_fused_gemm": Manifest.load(ROOT / "manifests" / "moe_fused_gemm.yaml")}
     t.check(manifests)
     assert "moe_fused_gemm" in t.refused
@@ -113,11 +108,7 @@ def test_tuning_value_reads_refused_once(tmp_path):
 
 
 def test_tuning_value_unchanged_without_a_race(tmp_path):
-    (tmp_path / "h200.yaml").write_text(
-        "device: NVIDIA H200\nmultiprocessor_count: 132\nmoe_fused_gemm:\n  dim: config\n"
-        "  key: [H, I, G, K]\n  values: {huge: 99}\n"
-        "  shapes:\n    - {H: 64, I: 32, G: 8, K: 2, by_T: [[1, huge]]}\n")
-    t = TuningTable.for_hardware(Hardware.from_profile("h200"), tmp_path, report=False)
+    t = table_outside_the_manifest(tmp_path)
     sizes = {"H": 64, "I": 32, "G": 8, "K": 2, "T": 4}
     assert t.value("moe_fused_gemm", "config", sizes, -1) == 99   # not yet checked: in use
     t.check({"moe_fused_gemm": Manifest.load(ROOT / "manifests" / "moe_fused_gemm.yaml")})
@@ -125,41 +116,7 @@ def test_tuning_value_unchanged_without_a_race(tmp_path):
 
 
 # ------------------------------------------------------------------------------ tune_moe --replace
-def _drive_tune_moe(monkeypatch, out, argv, during=None):
-    """benchmarks/tune_moe.py's main() on the CPU (the GPU parts as stand-ins, as
-    test_trial41cc drives it); ``during`` runs while the first configuration is timed. Returns
-    (main()'s status, the tuner module)."""
-    import sys
-    import types
-
-    from .test_bench_tools import import_tool
-    tune = import_tool("benchmarks", "tune_moe")
-    calls, forced = [], [None]
-
-    def graph_us(fns, warm_ms):
-        if not calls and during is not None:
-            during(tune)
-        calls.append(forced[0])
-        return 10.0 if forced[0] == "auto" else 5.0
-
-    cuda = types.SimpleNamespace(is_available=lambda: True, get_device_name=lambda: "NVIDIA H200",
-                                 get_device_properties=lambda i: types.SimpleNamespace(multi_processor_count=132),
-                                 empty_cache=lambda: None)
-    fake_reg = types.SimpleNamespace(get=lambda name: types.SimpleNamespace(path=Path("moe_fused_gemm.so")),
-                                     set_tuning=lambda name, fn: None)
-    monkeypatch.setattr(tune, "torch", types.SimpleNamespace(
-        cuda=cuda, bfloat16="bfloat16", Generator=lambda device: types.SimpleNamespace(manual_seed=lambda s: None)))
-    monkeypatch.setattr(tune, "FactorRegistry", types.SimpleNamespace(load=lambda: fake_reg))
-    for name, fn in (("layer_weights", lambda s, dt, gen: (None, None)),
-                     ("input_sets", lambda s, T, n, w13, w2, dt, gen: [(None,)]),
-                     ("reference", lambda *a: None), ("rel", lambda a, b: 0.0),
-                     ("moe_fused_gemm", lambda *a, **k: None),
-                     ("force_config", lambda reg, name: forced.__setitem__(0, name)),
-                     ("graph_us", graph_us), ("run_meta", lambda: {"commit": "test"})):
-        monkeypatch.setattr(tune, name, fn)
-    monkeypatch.setattr(sys, "argv", ["tune_moe.py", "--models", "qwen3-30b-a3b", "--tokens", "1",
-                                      "--out", str(out), *argv])
-    return tune.main(), tune
+from .test_bench_tools import drive_tune_moe  # noqa: E402
 
 
 _OTHER = {"H": 1024, "I": 256, "G": 16, "K": 2, "model": "other", "by_T": [[1, "tiny", 1.0, 2.0]]}
@@ -185,7 +142,7 @@ def test_tune_moe_replace_keeps_rows_another_tuner_wrote_during_the_run(tmp_path
         data["moe_fused_gemm"]["shapes"] = [dict(_OTHER)]
         out.write_text("# the other tuner\n" + yaml.safe_dump(data, sort_keys=False))
 
-    rc, tune = _drive_tune_moe(monkeypatch, out, ["--replace"], during=other_tuner)
+    rc, tune = drive_tune_moe(monkeypatch, out, ["--replace"], during=other_tuner)
     assert rc == 0
     shapes = _shapes(tune, out)
     assert "other" in shapes, "the other tuner's rows were dropped"
@@ -199,15 +156,15 @@ def test_tune_moe_replace_still_replaces_the_file_it_was_given(tmp_path, monkeyp
     import yaml
     out = tmp_path / "h200.yaml"
     out.write_text("device: NVIDIA A100\nmultiprocessor_count: 108\nnot_a_tuning_table: 1\n")
-    rc, tune = _drive_tune_moe(monkeypatch, out, ["--replace"])
+    rc, tune = drive_tune_moe(monkeypatch, out, ["--replace"])
     assert rc == 0 and list(_shapes(tune, out)) == ["qwen3-30b-a3b"]
     data = tune.merge_rows({}, {}, "NVIDIA H200", 132)
     data["moe_fused_gemm"]["shapes"] = [dict(_OTHER)]
     out.write_text(yaml.safe_dump(data, sort_keys=False))
-    rc, tune = _drive_tune_moe(monkeypatch, out, ["--replace"])
+    rc, tune = drive_tune_moe(monkeypatch, out, ["--replace"])
     assert rc == 0 and list(_shapes(tune, out)) == ["qwen3-30b-a3b"]
     out.unlink()   # and where there was no file
-    rc, tune = _drive_tune_moe(monkeypatch, out, ["--replace"])
+    rc, tune = drive_tune_moe(monkeypatch, out, ["--replace"])
     assert rc == 0 and list(_shapes(tune, out)) == ["qwen3-30b-a3b"]
 
 

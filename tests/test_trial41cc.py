@@ -92,6 +92,17 @@ def test_concurrent_loads_into_one_registry_keep_both_choices(tmp_path, monkeypa
     assert _scale_call(reg)[0] == "plugin"
 
 
+def table_outside_the_manifest(folder):
+    """An H200 TuningTable read from ``folder``, where a tuning file is written whose one row
+    (H 64, I 32, G 8, K 2 from T = 1) names config 99, outside moe_fused_gemm's manifest range
+    (-1..12): check() sets that table aside."""
+    (folder / "h200.yaml").write_text(
+        "device: NVIDIA H200\nmultiprocessor_count: 132\nmoe_fused_gemm:\n  dim: config\n"
+        "  key: [H, I, G, K]\n  values: {huge: 99}\n"
+        "  shapes:\n    - {H: 64, I: 32, G: 8, K: 2, by_T: [[1, huge]]}\n")
+    return TuningTable.for_hardware(Hardware.from_profile("h200"), folder, report=False)
+
+
 class _HookDict(dict):
     """A dict that runs ``hook`` the first time it is iterated (the moment check() rebuilds
     ``refused`` while it walks the table's factors)."""
@@ -113,11 +124,7 @@ def test_tuning_check_never_exposes_an_empty_refused(tmp_path):
     loading more plugins while serving refused about a third of moe_fused_gemm's new-shape
     calls with "tuned dim ...: expected a value in the range -1..12, got 99" (226 of 685, three
     threads). Forced: value() is asked from inside check()."""
-    (tmp_path / "h200.yaml").write_text(
-        "device: NVIDIA H200\nmultiprocessor_count: 132\nmoe_fused_gemm:\n  dim: config\n"
-        "  key: [H, I, G, K]\n  values: {huge: 99}\n"
-        "  shapes:\n    - {H: 64, I: 32, G: 8, K: 2, by_T: [[1, huge]]}\n")
-    t = TuningTable.for_hardware(Hardware.from_profile("h200"), tmp_path, report=False)
+    t = table_outside_the_manifest(tmp_path)
     manifests = {"moe_fused_gemm": Manifest.load(ROOT / "manifests" / "moe_fused_gemm.yaml")}
     assert t.check(manifests) and "moe_fused_gemm" in t.refused
     sizes = {"H": 64, "I": 32, "G": 8, "K": 2, "T": 4}
@@ -134,12 +141,9 @@ def test_tune_moe_keeps_rows_another_tuner_wrote_during_its_run(tmp_path, monkey
     rows the other had written meanwhile were lost. Now the file is read, merged and written
     at the end, under a lock on its folder. Driven on the CPU: the GPU parts of the tuner are
     stand-ins, and 'the other tuner' writes its table while this one times its first case."""
-    import sys
-    import types
-
     import yaml
 
-    from .test_bench_tools import import_tool
+    from .test_bench_tools import drive_tune_moe, import_tool
     tune = import_tool("benchmarks", "tune_moe")
     out = tmp_path / "h200.yaml"
     out.write_text((ROOT / "manifests" / "tuning" / "h200.yaml").read_text())
@@ -151,31 +155,8 @@ def test_tune_moe_keeps_rows_another_tuner_wrote_during_its_run(tmp_path, monkey
                                                 "by_T": [[1, "tiny", 1.0, 2.0]]})
         out.write_text("\n".join(notes) + "\n" + yaml.safe_dump(data, sort_keys=False))
 
-    calls, forced = [], [None]
-
-    def graph_us(fns, warm_ms):
-        if not calls:
-            other_tuner_writes()
-        calls.append(forced[0])
-        return 10.0 if forced[0] == "auto" else 5.0   # every candidate beats the kernel's choice
-
-    cuda = types.SimpleNamespace(is_available=lambda: True, get_device_name=lambda: "NVIDIA H200",
-                                 get_device_properties=lambda i: types.SimpleNamespace(multi_processor_count=132),
-                                 empty_cache=lambda: None)
-    fake_reg = types.SimpleNamespace(get=lambda name: types.SimpleNamespace(path=Path("moe_fused_gemm.so")),
-                                     set_tuning=lambda name, fn: None)
-    monkeypatch.setattr(tune, "torch", types.SimpleNamespace(
-        cuda=cuda, bfloat16="bfloat16", Generator=lambda device: types.SimpleNamespace(manual_seed=lambda s: None)))
-    monkeypatch.setattr(tune, "FactorRegistry", types.SimpleNamespace(load=lambda: fake_reg))
-    for name, fn in (("layer_weights", lambda s, dt, gen: (None, None)),
-                     ("input_sets", lambda s, T, n, w13, w2, dt, gen: [(None,)]),
-                     ("reference", lambda *a: None), ("rel", lambda a, b: 0.0),
-                     ("moe_fused_gemm", lambda *a, **k: None), ("force_config", lambda reg, name: forced.__setitem__(0, name)),
-                     ("graph_us", graph_us), ("run_meta", lambda: {"commit": "test"})):
-        monkeypatch.setattr(tune, name, fn)
-    monkeypatch.setattr(sys, "argv", ["tune_moe.py", "--models", "qwen3-30b-a3b", "--tokens", "1",
-                                      "--out", str(out)])
-    assert tune.main() == 0 and calls
+    rc, _ = drive_tune_moe(monkeypatch, out, [], during=lambda _tune: other_tuner_writes())
+    assert rc == 0
     data, _ = tune.existing_table(out, "NVIDIA H200", 132)
     shapes = {tuple(e[k] for k in ("H", "I", "G", "K")): e for e in data["moe_fused_gemm"]["shapes"]}
     assert other_key in shapes, "the other tuner's rows were dropped"
