@@ -34,6 +34,11 @@ MAX_DEPTH = 100            # nesting levels, as written or as aliases expand the
 MAX_ALIAS_NODES = 100_000  # nodes the aliases may add to a document beyond those written
 
 
+def _refused(node, problem: str) -> yaml.constructor.ConstructorError:
+    """A scalar its (explicit) tag's constructor cannot read, marked at the scalar."""
+    return yaml.constructor.ConstructorError(None, None, problem, node.start_mark)
+
+
 class _Loader(yaml.SafeLoader):
     """SafeLoader that also reads YAML 1.2's floats (1e-5, 1.0e5, 3E8) as floats, and refuses a
     mapping that gives one key twice (PyYAML keeps the last silently: a manifest's second
@@ -90,7 +95,32 @@ class _Loader(yaml.SafeLoader):
         return super().construct_mapping(node, deep)
 
 
+    # PyYAML's own constructors for an explicit tag on a scalar they cannot read raise what no
+    # reader catches: ``!!bool maybe`` KeyError, ``!!timestamp abc`` AttributeError, an empty
+    # ``!!float`` IndexError (each escaped the registry as a traceback); refused by name here
+    def construct_yaml_bool(self, node):
+        text = self.construct_scalar(node)
+        if not isinstance(text, str) or text.lower() not in self.bool_values:
+            raise _refused(node, f"invalid boolean {brief(text)}: expected true or false")
+        return super().construct_yaml_bool(node)
+
+    def construct_yaml_float(self, node):
+        text = self.construct_scalar(node)
+        if not isinstance(text, str) or not text.replace("_", "").strip():
+            raise _refused(node, f"invalid float {brief(text)}: expected a number such as 1.0e-5")
+        return super().construct_yaml_float(node)
+
+    def construct_yaml_timestamp(self, node):
+        text = self.construct_scalar(node)
+        if not isinstance(text, str) or not self.timestamp_regexp.match(text):
+            raise _refused(node, f"invalid timestamp {brief(text)}: expected a date such as 2024-01-31")
+        return super().construct_yaml_timestamp(node)
+
+
 _Loader.add_constructor("tag:yaml.org,2002:int", _Loader.construct_yaml_int)
+_Loader.add_constructor("tag:yaml.org,2002:bool", _Loader.construct_yaml_bool)
+_Loader.add_constructor("tag:yaml.org,2002:float", _Loader.construct_yaml_float)
+_Loader.add_constructor("tag:yaml.org,2002:timestamp", _Loader.construct_yaml_timestamp)
 
 def _resolve_as_yaml_12(tag: str, pattern, first: str, in_place: bool) -> None:
     """Give _Loader YAML 1.2's implicit resolver ``pattern`` for ``tag`` in place of PyYAML's 1.1
@@ -228,7 +258,9 @@ def load(text, name=None):
         loader.name = name
     try:
         return loader.get_single_data()
-    except ValueError as exc:   # a scalar its resolver matched but its constructor refused
+    except (ValueError, LookupError, AttributeError, TypeError) as exc:
+        # a scalar its resolver (or an explicit tag) matched but its constructor refused; a
+        # constructor's other slips (KeyError, AttributeError) are malformed input all the same
         raise yaml.constructor.ConstructorError(None, None, f"{type(exc).__name__}: {exc}") from exc
     except RecursionError:      # (MAX_DEPTH keeps PyYAML from it; another path must not escape)
         raise yaml.YAMLError(f"nested too deeply to read (RecursionError); expected at most "

@@ -1,0 +1,53 @@
+"""Trial 41 (YAML author): defects found in how manifests, tuning files and profiles are read."""
+import shutil
+
+import pytest
+
+from ex_engine import FactorRegistry, _yaml
+from ex_engine.errors import FactorError
+from ex_engine.hardware import Hardware
+from ex_engine.tuning import TuningTable
+from tests.conftest import ROOT, build_plugin
+import yaml
+
+BAD_TAGS = ["!!bool maybe", "!!timestamp abc", "!!float ''"]
+
+
+@pytest.mark.parametrize("value", BAD_TAGS)
+def test_explicit_tag_a_constructor_cannot_read_is_a_yaml_error(value):
+    # PyYAML raised KeyError / AttributeError / IndexError, which no reader caught
+    with pytest.raises(yaml.YAMLError, match=r"invalid (boolean|timestamp|float).*\n.*f\.yaml\", line 2"):
+        _yaml.load(f"a: 1\nk: {value}\n", name="f.yaml")
+
+
+def test_explicit_tags_that_are_well_formed_still_read():
+    assert _yaml.load("a: !!bool yes\nb: !!float 1.5\nc: !!timestamp 2024-01-02\nd: !!bool FALSE\n") \
+        == {"a": True, "b": 1.5, "c": __import__("datetime").date(2024, 1, 2), "d": False}
+
+
+@pytest.mark.parametrize("value", BAD_TAGS)
+def test_manifest_with_bad_explicit_tag_rejects_its_plugin_not_the_registry(tmp_path, value):
+    build_plugin(tmp_path)
+    y = tmp_path / "host_scale.yaml"
+    y.write_text(y.read_text().replace("summary:", f"math: {value}\nsummary:"))
+    reg = FactorRegistry.load(tmp_path, hardware="h200")   # raised AttributeError / KeyError
+    p = reg.plugins[0]
+    assert p.status == "rejected" and "host_scale.yaml" in p.reason and "invalid" in p.reason, p.reason
+
+
+@pytest.mark.parametrize("value", BAD_TAGS)
+def test_profile_with_bad_explicit_tag_is_a_named_factor_error(tmp_path, value):
+    p = tmp_path / "hw.yaml"
+    p.write_text((ROOT / "manifests" / "hardware" / "h200.yaml").read_text()
+                 .replace("warp_size: 32", f"warp_size: {value}"))
+    with pytest.raises(FactorError, match=r"hardware profile .*hw\.yaml: malformed .*invalid"):
+        Hardware.from_profile(p)
+
+
+@pytest.mark.parametrize("value", BAD_TAGS)
+def test_tuning_file_with_bad_explicit_tag_is_skipped_with_a_problem(tmp_path, value):
+    (tmp_path / "a.yaml").write_text(f"device: NVIDIA H200\nmultiprocessor_count: {value}\n")
+    shutil.copy(ROOT / "manifests" / "tuning" / "h200.yaml", tmp_path / "b.yaml")
+    t = TuningTable.for_hardware("h200", folder=tmp_path, report=False)
+    assert len(t.problems) == 1 and "a.yaml" in t.problems[0] and "invalid" in t.problems[0]
+    assert t.path == str(tmp_path / "b.yaml")
