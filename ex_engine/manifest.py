@@ -483,6 +483,18 @@ class Manifest:
             kind = next((k for k in kinds if isinstance(src, dict) and k in src), None)
             if kind is None:
                 return f"dim_sources: {d}: expected one of {sorted(kinds)}, got {_got(src)}"
+            # one source a dim: _dim_value reads the first it finds and the rest were ignored
+            # without a word ({dtype_of: x, tuned: 3} listed a tuned dim no table could fill;
+            # {param: a, range: [0, 3]} bounded nothing); range and options qualify tuned only,
+            # encode param only
+            given = [k for k in kinds if k in src]
+            if len(given) > 1:
+                return (f"dim_sources: {d}: expected one source (a dim takes one value), got "
+                        f"{' and '.join(given)}")
+            for extra, owner in (("range", "tuned"), ("options", "tuned"), ("encode", "param")):
+                if extra in src and kind != owner:
+                    return (f"dim_sources: {d}: {extra}: expected it only with {owner}, got it with "
+                            f"{kind} (where it is never read)")
             if kinds[kind] is not None and src[kind] not in kinds[kind]:
                 return f"dim_sources: {d}: {kind}: expected one of {sorted(kinds[kind])}, got {_got(src[kind])}"
         # a size that a required array's shape gives reaches the kernel as bind measures it: a

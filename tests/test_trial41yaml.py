@@ -51,3 +51,44 @@ def test_tuning_file_with_bad_explicit_tag_is_skipped_with_a_problem(tmp_path, v
     t = TuningTable.for_hardware("h200", folder=tmp_path, report=False)
     assert len(t.problems) == 1 and "a.yaml" in t.problems[0] and "invalid" in t.problems[0]
     assert t.path == str(tmp_path / "b.yaml")
+
+
+# ---- a dim_sources entry with two sources, or a qualifier of another source ------------------
+_BASE = """name: f
+id: 7
+dims: [N, X]
+output: {name: out, shape: [N], dtype: [float32]}
+input: {name: x, shape: [N], dtype: [float32]}
+params: {a: {type: int, default: 1}}
+"""
+
+
+@pytest.mark.parametrize("src,needle", [
+    ("{dtype_of: x, tuned: 3}", "expected one source (a dim takes one value), got dtype_of and tuned"),
+    ("{tuned: 1, param: a}", "got param and tuned"),
+    ("{row_stride_of: x, param: a}", "got row_stride_of and param"),
+    ("{tuned: 1, default_dim: N}", "got default_dim and tuned"),
+    ("{param: a, range: [0, 3]}", "range: expected it only with tuned, got it with param"),
+    ("{param: a, options: [1]}", "options: expected it only with tuned, got it with param"),
+    ("{dtype_of: x, encode: f64_bits}", "encode: expected it only with param, got it with dtype_of"),
+])
+def test_dim_source_with_two_sources_or_a_stray_qualifier_is_refused(tmp_path, src, needle):
+    # each was accepted: _dim_value read one source and ignored the rest without a word (a
+    # tuned dim no table could fill; a param "bounded" by a range no call was held to)
+    from ex_engine.manifest import Manifest
+    p = tmp_path / "f.yaml"
+    p.write_text(_BASE + f"dim_sources: {{X: {src}}}\n")
+    with pytest.raises(FactorError, match=r"f\.yaml: dim_sources: X: ") as e:
+        Manifest.load(p)
+    assert needle in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("src", ["{param: a}", "{param: a, encode: f64_bits}", "{tuned: 1, range: [0, 3]}",
+                                 "{tuned: 1, options: [1, 2]}", "{dtype_of: x}", "{row_stride_of: x}"])
+def test_dim_source_of_one_kind_still_loads(tmp_path, src):
+    from ex_engine.manifest import Manifest
+    p = tmp_path / "f.yaml"
+    p.write_text(_BASE.replace("type: int, default: 1", "type: float, default: 1.0") if "encode" in src
+                 else _BASE + "")
+    p.write_text(p.read_text() + f"dim_sources: {{X: {src}}}\n")
+    assert Manifest.load(p).dim_sources["X"]
