@@ -84,16 +84,31 @@ class FactorTuning:
             problem = _yaml.unknown_keys("", data, TABLE_KEYS)   # (`kee: 1` passed unread)
             if problem:
                 raise ValueError(problem)
-            self.dim = str(data["dim"])
+            if not isinstance(data["dim"], str) or not data["dim"]:   # (str() made [config] "['config']")
+                raise TypeError(f"dim: expected the name of the manifest's tuned dim (e.g. config), "
+                                f"got {type(data['dim']).__name__} {_yaml.brief(data['dim'])}")
+            self.dim = data["dim"]
             key = data["key"]
             if not isinstance(key, list) or not key or not all(isinstance(k, str) for k in key):
                 raise TypeError(f"key: expected a non-empty list of size names (e.g. [H, I, G, K]), got {key!r}")
+            twice = next((k for k in key if key.count(k) > 1), None)
+            if twice is not None:   # ([H, H] for [H, I]: every entry held H to itself)
+                raise ValueError(f"key: expected each size once, got {twice!r} {key.count(twice)} times")
             self.key = key
             if not isinstance(data["values"], dict) or not data["values"]:
                 raise TypeError("values: expected a mapping of choice names to integers")
             # -1: the kernel's own choice; below that no kernel accepts a value (moe_fused_gemm
             # refuses the call), so the file is refused here instead
-            self.values = {str(k): _int(v, f"values.{k}", -1) for k, v in data["values"].items()}
+            # names are strings: a row names one as written (str() made YAML's booleans of
+            # `on: 1, off: 0` the names 'True' and 'False', which no row `[1, on]` could name,
+            # and folded `1: 2` and '1': 3 into one name, the last kept without a word)
+            for k in data["values"]:
+                if not isinstance(k, str):
+                    hint = (" (YAML reads unquoted on/off/yes/no/true/false as booleans: quote the "
+                            "name)" if isinstance(k, bool) else " (quote it)")
+                    raise TypeError(f"values: expected choice names (strings), got "
+                                    f"{type(k).__name__} {_yaml.brief(k)}{hint}")
+            self.values = {k: _int(v, f"values.{k}", -1) for k, v in data["values"].items()}
             # two names for one code: rows naming either run that code. An alias is harmless,
             # a slip (tiny: 1 beside decode: 1) is not: said in a remark, the table kept
             self.remarks: list = []

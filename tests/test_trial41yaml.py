@@ -92,3 +92,38 @@ def test_dim_source_of_one_kind_still_loads(tmp_path, src):
                  else _BASE + "")
     p.write_text(p.read_text() + f"dim_sources: {{X: {src}}}\n")
     assert Manifest.load(p).dim_sources["X"]
+
+
+# ---- tuning tables: names that str() bent --------------------------------------------------
+_TUNING_HEAD = "device: NVIDIA H200\nmultiprocessor_count: 132\n"
+_SHAPE = "{H: 2, I: 1, G: 1, K: 1, by_T: [[1, 1]]}"
+
+
+@pytest.mark.parametrize("table,needle", [
+    # `on`/`off` are YAML booleans: the names became 'True'/'False', which no row could name
+    ("{dim: config, key: [H, I, G, K], values: {off: 0, on: 1}, shapes: [%s]}" % _SHAPE,
+     "values: expected choice names (strings), got bool False (YAML reads unquoted on/off"),
+    # 1 and '1' folded into one name '1', the last value kept without a word
+    ("{dim: config, key: [H, I, G, K], values: {1: 2, '1': 1}, shapes: [%s]}" % _SHAPE,
+     "values: expected choice names (strings), got int 1"),
+    # [H, H] (for [H, I]) was accepted: every entry held H to itself
+    ("{dim: config, key: [H, H], values: {a: 1}, shapes: [{H: 2, by_T: [[1, a]]}]}",
+     "key: expected each size once, got 'H' 2 times"),
+    # dim: [config] was str()'d to "['config']", reported later as an unknown dim
+    ("{dim: [config], key: [H, I, G, K], values: {a: 1}, shapes: [%s]}" % _SHAPE,
+     "dim: expected the name of the manifest's tuned dim (e.g. config), got list ['config']"),
+])
+def test_tuning_table_names_are_read_as_written(tmp_path, table, needle):
+    (tmp_path / "t.yaml").write_text(_TUNING_HEAD + f"moe_fused_gemm: {table}\n")
+    t = TuningTable.for_hardware("h200", folder=tmp_path, report=False)
+    assert t.path is None and t.set_aside == [str(tmp_path / "t.yaml")]
+    assert len(t.problems) == 1 and "t.yaml: moe_fused_gemm: malformed" in t.problems[0]
+    assert needle in t.problems[0], t.problems[0]
+
+
+def test_tuning_table_with_quoted_names_still_loads(tmp_path):
+    (tmp_path / "t.yaml").write_text(_TUNING_HEAD + "moe_fused_gemm: {dim: config, key: [H, I, G, K], "
+                                     "values: {'off': 0, 'on': 1}, shapes: [{H: 2, I: 1, G: 1, K: 1, "
+                                     "by_T: [[1, 'on']]}]}\n")
+    t = TuningTable.for_hardware("h200", folder=tmp_path, report=False)
+    assert not t.problems and t.factors["moe_fused_gemm"].values == {"off": 0, "on": 1}
