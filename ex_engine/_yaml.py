@@ -94,7 +94,6 @@ class _Loader(yaml.SafeLoader):
                 seen[key] = key_node.start_mark.line
         return super().construct_mapping(node, deep)
 
-
     # PyYAML's own constructors for an explicit tag on a scalar they cannot read raise what no
     # reader catches: ``!!bool maybe`` KeyError, ``!!timestamp abc`` AttributeError, an empty
     # ``!!float`` IndexError (each escaped the registry as a traceback); refused by name here
