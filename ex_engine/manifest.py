@@ -480,14 +480,14 @@ class Manifest:
         kinds = {"dtype_of": names, "row_stride_of": names, "param": set(self.params),
                  "default_dim": syms, "tuned": None}
         for d, src in self.dim_sources.items():
-            kind = next((k for k in kinds if isinstance(src, dict) and k in src), None)
-            if kind is None:
+            given = [k for k in kinds if k in src] if isinstance(src, dict) else []
+            if not given:
                 return f"dim_sources: {d}: expected one of {sorted(kinds)}, got {_got(src)}"
+            kind = given[0]
             # one source a dim: _dim_value reads the first it finds and the rest were ignored
             # without a word ({dtype_of: x, tuned: 3} listed a tuned dim no table could fill;
             # {param: a, range: [0, 3]} bounded nothing); range and options qualify tuned only,
             # encode param only
-            given = [k for k in kinds if k in src]
             if len(given) > 1:
                 return (f"dim_sources: {d}: expected one source (a dim takes one value), got "
                         f"{' and '.join(given)}")
