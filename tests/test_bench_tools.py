@@ -770,6 +770,31 @@ def test_dram_rows_probe_checks_its_arguments_and_needs_a_gpu():
     assert r.returncode == 2 and r.stderr.startswith("dram_rows_probe.py: needs a GPU with CuPy"), r.stderr
 
 
+def test_decode_read_probe_checks_its_arguments_before_asking_for_a_gpu(tmp_path):
+    """benchmarks/decode_read_probe.py (session forty-two): an unknown model, a T outside 1..4096
+    or a --json in a missing folder is refused in one line naming the argument (exit 2, no
+    traceback); without CuPy or a GPU it says it needs them; --help needs neither."""
+    import subprocess
+    from tests.conftest import child_env
+    tool = str(ROOT / "benchmarks" / "decode_read_probe.py")
+    for args, says in ((["--models", "nope"], "--models: 'nope' is not one of all, "),
+                       (["--tokens", "0"], "--tokens: expected counts from 1 to 4096, got [0]"),
+                       (["--json", str(tmp_path / "no" / "x.json")], "--json: folder "),
+                       (["--models", "all", "qwen3-30b-a3b"], "'all' (every model) stands alone")):
+        r = subprocess.run([sys.executable, tool, *args], capture_output=True, text=True, env=child_env())
+        assert r.returncode == 2 and says in r.stderr and "Traceback" not in r.stderr, (args, r.stderr)
+    r = subprocess.run([sys.executable, tool, "--help"], capture_output=True, text=True, env=child_env())
+    assert r.returncode == 0 and "three launches" in r.stdout, r.stderr
+    try:
+        import cupy  # noqa: F401
+        return   # a machine with CuPy: the GPU path is the device's to run
+    except ImportError:
+        pass
+    r = subprocess.run([sys.executable, tool, "--models", "granite-3.0-3b-a800m"], capture_output=True,
+                       text=True, env=child_env())
+    assert r.returncode == 2 and r.stderr.startswith("decode_read_probe.py: needs a GPU with PyTorch and CuPy"), r.stderr
+
+
 def test_table_and_chart_keep_balanced_rows_apart(tmp_path):
     """--balanced rows (a diagnostic routing) are labelled as such in the table, get no vLLM
     ratio, and stay out of the chart, as --skew's rows do; files before 'routing' still read."""
