@@ -95,6 +95,23 @@ def default_out(device: str, sms: int) -> Path:
     return tuning_dir() / (re.sub(r"\W+", "_", device.lower()).strip("_") + f"_{sms}sm.yaml")
 
 
+EARLIER = "# Earlier header of this file (its rows not re-tuned here keep its provenance):"
+
+
+def merged_header(header: str, notes: list) -> str:
+    """The comment header of a merged tuning file: this run's ``header`` (lines ending in a
+    newline), then, under one EARLIER line, the merged file's leading comment lines (``notes``,
+    existing_table()) that this header does not already say. Without that, every merge into a
+    file nested its whole header again: one tuning run a model into one file repeated the same
+    five lines seven times (session forty-two)."""
+    said = set(header.splitlines())
+    kept = []
+    for n in notes:
+        if n != EARLIER and n not in said and n not in kept:
+            kept.append(n)
+    return header + (EARLIER + "\n" + "".join(n + "\n" for n in kept) if kept else "")
+
+
 def existing_table(out: Path, device: str | None = None, sms: int | None = None):
     """(data, notes) of the tuning file ``out`` to merge into: its mapping, read and checked as
     the registry reads it (YAML 1.2, device, the moe_fused_gemm table with key [H, I, G, K]), and
@@ -298,6 +315,8 @@ def main() -> int:
     commit = run_meta()["commit"]   # EX_COMMIT, else git describe of this checkout
     header = (f"# Tuned tile configurations of moe_fused_gemm on {device} (written by "
               f"benchmarks/tune_moe.py, {datetime.date.today().isoformat()}, commit {commit}).\n"
+              f"# This run: {', '.join(sorted({m for m, _ in cases}))} at T = "
+              f"{' '.join(map(str, sorted(set(args.tokens))))}.\n"
               "# by_T rows: [T, configuration, its µs, µs of the kernel's own choice ('auto')]; a\n"
               f"# configuration is recorded where it beat auto by more than {args.margin:.0%}. A call\n"
               "# uses the row of the largest T not above its own. Format: ex_engine/tuning.py.\n")
@@ -312,9 +331,7 @@ def main() -> int:
                 return 2
             data, notes = {}, []
         merge_rows(data, new_rows, device, sms)
-        if notes:                      # what the merged file said of its earlier rows
-            header += "# Earlier header of this file (its rows not re-tuned here keep its provenance):\n"
-            header += "".join(n + "\n" for n in notes)
+        header = merged_header(header, notes)
         # atomically: an interrupted write left a truncated table, which the registry set aside as
         # malformed and the next run would not merge into (only --replace, dropping every row)
         replace_file(out, header + yaml.safe_dump(data, sort_keys=False, default_flow_style=None, width=100))

@@ -967,3 +967,34 @@ def drive_tune_moe(monkeypatch, out, argv, during=None):
     monkeypatch.setattr(sys, "argv", ["tune_moe.py", "--models", "qwen3-30b-a3b", "--tokens", "1",
                                       "--out", str(out), *argv])
     return tune.main(), tune
+
+
+def test_tuner_merges_keep_one_header_each_run_named(monkeypatch, tmp_path):
+    """Session forty-two's H100 tuning ran tune_moe.py one model at a time into one file: every
+    merge nested the file's whole header under a new one, so the same five lines came seven
+    times. Now a merge keeps each earlier line once, under one 'Earlier header' line, and each
+    run names what it tuned ('This run: <models> at T = ...'), so the rows' provenance stays."""
+    out = tmp_path / "h200.yaml"
+    for tokens in (["--tokens", "1"], ["--tokens", "8", "64"], ["--tokens", "1"]):
+        rc, tune = drive_tune_moe(monkeypatch, out, tokens)
+        assert rc == 0
+    text = out.read_text()
+    lines = [ln for ln in text.splitlines() if ln.startswith("#")]
+    assert len(lines) == len(set(lines)), text            # no line twice
+    assert lines.count(tune.EARLIER) == 1 and lines[0].startswith("# Tuned tile configurations")
+    assert "# This run: qwen3-30b-a3b at T = 1." in lines[:3]
+    assert "# This run: qwen3-30b-a3b at T = 8 64." in lines[lines.index(tune.EARLIER):]
+    data, _ = tune.existing_table(out, "NVIDIA H200", 132)
+    rows = data["moe_fused_gemm"]["shapes"][0]["by_T"]
+    assert [r[0] for r in rows] == [1, 8, 64]
+
+
+def test_merged_header_drops_what_the_new_header_says():
+    """merged_header(): the merged file's lines that the new header repeats, and its own
+    'Earlier header' lines, are not kept again; other lines are kept once, in order."""
+    tune = import_tool("benchmarks", "tune_moe")
+    new = "# A\n# B\n"
+    assert tune.merged_header(new, []) == new
+    assert tune.merged_header(new, ["# A", "# B"]) == new
+    got = tune.merged_header(new, ["# old", "# B", tune.EARLIER, "# older", "# old"])
+    assert got == new + tune.EARLIER + "\n# old\n# older\n"
