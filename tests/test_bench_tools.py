@@ -710,8 +710,11 @@ def test_the_readme_names_the_tuning_files_as_tune_moe_writes_them(tune):
     assert tune.default_out("NVIDIA H200", 132).name == "h200.yaml"
     assert "`tune_moe.py` writes `manifests/tuning/h200.yaml` on the H200 (132 SMs)" in text
     assert "and for any other GPU `<device>_<SMs>sm.yaml`" in text
-    example = tune.default_out("NVIDIA A100-SXM4-80GB", 108).name
-    assert f"e.g. `{example}` for an NVIDIA A100-SXM4-80GB (108 SMs)" in text, example
+    example = tune.default_out("NVIDIA H100 80GB HBM3", 132).name
+    assert f"e.g. `{example}` for an NVIDIA H100 80GB HBM3 (132 SMs)" in text, example
+    # the shipped H100 file (session forty-two) has the name the tuner gives it
+    assert (ROOT / "manifests" / "tuning" / example).is_file()
+    assert f"Two files are shipped: `h200.yaml` and `{example}`" in text
     assert ("the registry reads every `*.yaml` and `*.yml` in `manifests/tuning/` and takes the one "
             "whose `device` is the GPU's name") in text
 
