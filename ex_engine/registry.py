@@ -413,7 +413,8 @@ class WorkspaceAllocationError(FactorError, MemoryError):
 
 
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-_SEMVER = re.compile(r"[0-9]+\.[0-9]+\.[0-9]+")   # (\d took any script's digits: "١.٠.٠")
+# (\d took any script's digits: "١.٠.٠"); 1 to 18 digits each: PLUGIN_VERSION_DIGITS
+_SEMVER = re.compile(r"[0-9]{1,18}\.[0-9]{1,18}\.[0-9]{1,18}")
 # ex_engine's own factors, from the ABI's ex_factor_id_t (whatever manifests folder is loaded)
 _BUILTIN_IDS = {v: k[len("EX_FACTOR_"):].lower() for k, v in abi.ffi.typeof("ex_factor_id_t").relements.items()
                 if v <= abi.FACTOR_BUILTIN_LAST and k != "EX_FACTOR_BUILTIN_LAST"}
@@ -461,29 +462,49 @@ def _path_arg(arg: str, value, what: str) -> Path:
     return Path(value)
 
 
-def _c_text(ptr) -> str:
-    """A NUL-terminated string of a library (UTF-8, undecodable bytes replaced), '' for NULL."""
-    return abi.ffi.string(ptr).decode(errors="replace") if ptr != abi.ffi.NULL else ""
+# the most bytes of a string a library hands over (name, version, description, last_error())
+# read: a 100 MB last_error was copied (twice: bytes, then str) at each error, the process's
+# peak memory +290 MB for a message that keeps 500 characters of it
+PLUGIN_STRING_BYTES = 1 << 16
+
+
+def _c_text(ptr) -> tuple:
+    """(text, cut) of a NUL-terminated string of a library (UTF-8, undecodable bytes replaced;
+    '' for NULL): at most PLUGIN_STRING_BYTES bytes of it are read, and ``cut`` says whether it
+    went on past them (the rest is never read)."""
+    if ptr == abi.ffi.NULL:
+        return "", False
+    raw = abi.ffi.string(ptr, PLUGIN_STRING_BYTES + 1)
+    return raw[:PLUGIN_STRING_BYTES].decode(errors="replace"), len(raw) > PLUGIN_STRING_BYTES
 
 
 _printable = errors.printable   # (the name the rest of the package imports)
 
 
-PLUGIN_TEXT_LIMIT = 500   # characters of a plugin's last_error() text kept in a message
+PLUGIN_TEXT_LIMIT = 500   # characters of a plugin's last_error() text (and description) kept
+PLUGIN_NAME_LIMIT = 250   # characters of a factor's name: '<name>.yaml' fits a file name (255 bytes)
+PLUGIN_VERSION_DIGITS = 18   # digits of each number of a version (what an int64 prints)
 
 
-def _plugin_text(text: str, limit: int = PLUGIN_TEXT_LIMIT) -> str:
-    """A plugin's free text (its last_error()) for a message: printable (no raw escape
-    sequence reaches a terminal), then cut to ``limit`` characters, the cut said:
-    '... (N more characters)' (errors.cut_text)."""
-    return errors.cut_text(text, limit)
+def _plugin_text(text: str, limit: int = PLUGIN_TEXT_LIMIT, cut: bool = False) -> str:
+    """A plugin's free text (its last_error(), name, version, description) for a message or a
+    table: printable (no raw escape sequence reaches a terminal), then cut to ``limit``
+    characters, the cut said: '... (N more characters)' (errors.cut_text), or, for a string
+    _c_text stopped reading (``cut``), '... (more than PLUGIN_STRING_BYTES bytes; the rest
+    not read)'."""
+    if not cut:
+        return errors.cut_text(text, limit)
+    return f"{_printable(text)[:limit]}... (more than {PLUGIN_STRING_BYTES} bytes; the rest not read)"
 
 
 def _last_error_text(plugin: Plugin) -> str:
     """The plugin's last_error() text ('' where it has no last_error): plugin-controlled text,
-    escaped and cut to length like its name and description."""
+    read up to PLUGIN_STRING_BYTES, escaped and cut to length like its name and description."""
     f = plugin.factor
-    return _plugin_text(_c_text(f.last_error())) if f.last_error != abi.ffi.NULL else ""
+    if f.last_error == abi.ffi.NULL:
+        return ""
+    text, cut = _c_text(f.last_error())
+    return _plugin_text(text, cut=cut)
 
 
 def _caller_stacklevel() -> int:
@@ -1230,9 +1251,13 @@ class FactorRegistry:
         if not p.require("name", f.name != abi.ffi.NULL, "expected a name, got NULL"):
             return p
         # the library's strings as read (checked below), and as kept for tables and messages:
-        # control characters escaped (a raw newline in version broke list-factors' table)
-        name, version = _c_text(f.name), _c_text(f.version)
-        p.name, p.version, p.description = _printable(name), _printable(version), _printable(_c_text(f.description))
+        # control characters escaped (a raw newline in version broke list-factors' table), cut
+        # to length (a 1 MB name made list-factors print 10 MB, every row padded to it)
+        (name, name_cut), (version, version_cut) = _c_text(f.name), _c_text(f.version)
+        p.name = _plugin_text(name, PLUGIN_NAME_LIMIT, name_cut)
+        p.version = _plugin_text(version, PLUGIN_VERSION_DIGITS * 3 + 2, version_cut)
+        description, description_cut = _c_text(f.description)
+        p.description = _plugin_text(description, cut=description_cut)
         p.factor_id = int(f.factor_id)
         p.priority = int(f.priority)
         p.tuning = {k: int(getattr(f.tuning, k)) for k in abi.TUNING_FIELDS}
@@ -1245,11 +1270,19 @@ class FactorRegistry:
             return p
         # the header's rules on names and versions: a name is also the manifest's file stem, so
         # '../x' or '/tmp/x' would pick a manifest outside the folders; versions order plugins
-        if not p.require("name is an identifier", _IDENT.fullmatch(name) is not None,
-                         f"expected letters, digits and _ (the manifest's file stem), got {name!r}"):
+        # a name past PLUGIN_NAME_LIMIT made '<name>.yaml' too long a file name (OSError out of
+        # load, the whole folder unloaded); a number of 4301 digits in a version made int()
+        # raise ValueError out of load where it was compared with another plugin's
+        if not p.require("name is an identifier",
+                         not name_cut and len(name) <= PLUGIN_NAME_LIMIT and _IDENT.fullmatch(name) is not None,
+                         f"expected letters, digits and _ (the manifest's file stem), at most "
+                         f"{PLUGIN_NAME_LIMIT} characters, got "
+                         + (_plugin_text(repr(name), 100, name_cut) if name_cut or len(name) > PLUGIN_NAME_LIMIT
+                            else repr(name))):
             return p
-        if not p.require("version is MAJOR.MINOR.PATCH", _SEMVER.fullmatch(version) is not None,
-                         f"expected three dot-separated numbers (e.g. 1.0.0), got {version!r}"):
+        if not p.require("version is MAJOR.MINOR.PATCH", not version_cut and _SEMVER.fullmatch(version) is not None,
+                         f"expected three dot-separated numbers of 1 to {PLUGIN_VERSION_DIGITS} digits "
+                         f"(e.g. 1.0.0), got {_plugin_text(repr(version), 100, version_cut)}"):
             return p
         p.check("name matches file stem", True,  # informative: a renamed drop-in still loads
                 "yes" if p.name == path.stem

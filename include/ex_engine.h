@@ -168,7 +168,8 @@ typedef struct ex_factor {
     int32_t factor_id;             /* an ex_factor_id_t, or >= EX_FACTOR_USER_FIRST; never < 0 */
     const char* name;              /* equals its manifest's name (and, by convention, the
                                     * library's file stem: a renamed file loads, with a note) */
-    const char* version;           /* the factor's own version, "MAJOR.MINOR.PATCH"           */
+    const char* version;           /* the factor's own version, "MAJOR.MINOR.PATCH" (each
+                                    * number 1 to 18 digits; a name: at most 250 characters) */
     ex_tuning_t tuning;            /* what the kernel launches with on this hardware         */
     ex_kernel_fn kernel;           /* the fast path; must not be NULL                        */
     ex_kernel_fn kernel_fallback;  /* a simpler C/CUDA path tried when kernel returns -1; may be NULL */

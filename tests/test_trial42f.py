@@ -6,9 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ex_engine import FactorRegistry, abi
+from ex_engine import FactorRegistry, KernelError, abi
 
-from .conftest import build_plugin
+from .conftest import PLUGIN_SRC, build_plugin
 
 
 def _x(n: int = 7) -> dict:
@@ -30,3 +30,66 @@ def test_loading_a_library_again_keeps_one_cffi_library_object(tmp_path):
         assert reg.dispatch("host_scale", _x()) == "plugin"
     assert len(abi.lib_ffi._libraries) == before
     assert abi.dlopen(tmp_path / "host_scale.so") is abi.dlopen(str(tmp_path / "host_scale.so"))
+
+
+def _with_big_strings(tmp_path, last_error: int = 0, description: int = 0):
+    """host_scale.c (BEHAVIOUR 3: EX_ERR_SHAPE) whose last_error() and description are strings
+    of that many bytes (0: its own), made at run time."""
+    text = PLUGIN_SRC.read_text()
+    helper = ('#include <string.h>\nstatic const char* big(long n, char c) { char* b = malloc(n + 1); '
+              'memset(b, c, n); b[n] = 0; return b; }\n')
+    for old, n, c in (('"N must be even"', last_error, "E"), ('"test: out = alpha * in on host memory"', description, "d")):
+        assert old in text
+        if n:
+            text = text.replace(old, f"big({n}, '{c}')")
+    src = tmp_path / "src" / "host_scale.c"
+    src.parent.mkdir(parents=True)
+    src.write_text(text.replace('#include "ex_engine.h"\n', '#include "ex_engine.h"\n#include <stdlib.h>\n' + helper, 1))
+    build_plugin(tmp_path / "p", defines={"BEHAVIOUR": 3}, src=src)
+    return FactorRegistry.load(tmp_path / "p", hardware="h200")
+
+
+def test_a_name_too_long_for_a_file_name_is_refused_and_the_folder_still_loads(tmp_path):
+    """A library whose name was an identifier of 300 characters made FactorRegistry.load raise
+    OSError (ENAMETOOLONG, looking for '<name>.yaml' beside it): no plugin of the folder loaded
+    (list-factors: a traceback)."""
+    build_plugin(tmp_path)
+    build_plugin(tmp_path, "long", {"NAME": '"' + "a" * 300 + '"'}, manifest=False)
+    reg = FactorRegistry.load(tmp_path, hardware="h200")
+    assert reg.dispatch("host_scale", _x()) == "plugin"
+    (p,) = [q for q in reg.plugins if q.path.name == "long.so"]
+    assert p.status == "rejected"
+    assert p.reason.startswith("name is an identifier: expected letters, digits and _ (the manifest's file "
+                               "stem), at most 250 characters, got 'aaa"), p.reason
+    assert p.reason.endswith("... (202 more characters)") and len(p.reason) < 300, p.reason
+    assert len(p.name) < 300 and p.name.endswith("... (50 more characters)")
+
+
+def test_a_version_number_past_python_ints_digit_limit_is_refused_and_the_other_plugin_wins(tmp_path):
+    """A version '1.0.<5000 digits>' (a valid MAJOR.MINOR.PATCH then) made load raise ValueError
+    (Python's limit of 4300 digits for int()) as it was compared with another plugin of the
+    name: the good one did not load either."""
+    build_plugin(tmp_path)
+    build_plugin(tmp_path, "host_scale_v", {"VERSION": '"1.0.' + "9" * 5000 + '"'}, manifest=False)
+    reg = FactorRegistry.load(tmp_path, hardware="h200")
+    assert reg.get("host_scale").path.name == "host_scale.so"
+    (p,) = [q for q in reg.plugins if q.path.name == "host_scale_v.so"]
+    assert p.status == "rejected" and p.reason.startswith(
+        "version is MAJOR.MINOR.PATCH: expected three dot-separated numbers of 1 to 18 digits (e.g. 1.0.0), "
+        "got '1.0.999"), p.reason
+    assert len(p.reason) < 300 and len(p.version) < 100, (p.reason, p.version)
+    # 18 digits still load (and order as numbers)
+    build_plugin(tmp_path / "b", "host_scale", {"VERSION": '"1.0.' + "9" * 18 + '"'})
+    assert FactorRegistry.load(tmp_path / "b", hardware="h200").get("host_scale") is not None
+
+
+def test_a_huge_description_and_last_error_are_read_in_part(tmp_path):
+    """A 2 MB description was kept whole (list-factors --why printed a 2 MB line), a 2 MB
+    last_error copied whole into every error (the message kept 500 characters of it)."""
+    reg = _with_big_strings(tmp_path, last_error=2 << 20, description=2 << 20)
+    p = reg.get("host_scale")
+    assert p.description == "d" * 500 + "... (more than 65536 bytes; the rest not read)"
+    with pytest.raises(KernelError) as e:
+        reg.dispatch("host_scale", _x())
+    assert str(e.value) == ("host_scale: kernel returned EX_ERR_SHAPE (3): " + "E" * 500
+                            + "... (more than 65536 bytes; the rest not read)")
