@@ -70,6 +70,55 @@ def check_segments(data: bytes) -> None:
                                     f"beyond the end of the file ({len(data)} B): truncated or corrupt")
 
 
+# ELF e_machine values a plugin may be built for, by name (others are named by number)
+MACHINE_NAMES = {3: "x86", 40: "ARM", 21: "PowerPC64", 22: "S/390", 62: "x86-64", 183: "AArch64", 243: "RISC-V"}
+
+
+def elf_machine(data: bytes):
+    """The e_machine field of an ELF file's header (the CPU its code is for: 62 x86-64, 183
+    AArch64), or None for ``data`` that is no ELF file or too short to say."""
+    if data[:4] != b"\x7fELF" or len(data) < 20 or data[5] not in (1, 2):
+        return None
+    return int.from_bytes(data[18:20], "little" if data[5] == 1 else "big")
+
+
+def machine_name(machine: int) -> str:
+    """'AArch64 (e_machine 183)': an e_machine value for a message."""
+    return f"{MACHINE_NAMES.get(machine, 'a CPU')} (e_machine {machine})"
+
+
+_OWN_MACHINE: list = []
+
+
+def process_machine():
+    """The e_machine of this process's own executable (/proc/self/exe, else sys.executable): the
+    CPU a library must be built for to be opened here; None where it cannot be read."""
+    if not _OWN_MACHINE:
+        import sys
+        found = None
+        for exe in ("/proc/self/exe", sys.executable):
+            try:
+                with open(exe, "rb") as fh:
+                    found = elf_machine(fh.read(64))
+            except (OSError, TypeError):
+                continue
+            if found is not None:
+                break
+        _OWN_MACHINE.append(found)
+    return _OWN_MACHINE[0]
+
+
+def check_machine(data: bytes) -> None:
+    """Raise FatbinError if the ELF file ``data`` is built for another CPU than this process's
+    (an AArch64 build, a GH200's, copied to an x86-64 server): dlopen refuses it with 'cannot
+    open shared object file: No such file or directory', naming a file that is there. Quiet
+    for anything else (no ELF file, an unknown own machine)."""
+    own, machine = process_machine(), elf_machine(data)
+    if own is not None and machine is not None and machine != own:
+        raise FatbinError(f"expected a library for this process's CPU, {machine_name(own)}, got one built "
+                          f"for {machine_name(machine)}")
+
+
 @dataclass(frozen=True)
 class CodeEntry:
     """One entry of a fatbin: kind 'sass' or 'ptx', arch as an integer (90), suffix '', 'a', 'f'."""

@@ -942,8 +942,13 @@ class FactorRegistry:
         return p.check("sha256 lock", False, detail + "; not opened")
 
     def _check_cuda_code(self, p: Plugin, data: bytes) -> bool:
-        """GPU code embedded in the library vs the hardware's compute capability (no code runs)."""
+        """The CPU the library is built for vs this process's (check 'elf'), and the GPU code
+        embedded in it vs the hardware's compute capability (no code runs)."""
         hw = self.hardware
+        try:
+            fatbin.check_machine(data)
+        except fatbin.FatbinError as exc:   # (dlopen's own words: 'No such file or directory')
+            return p.check("elf", False, f"{exc}; not opened")
         try:
             fatbin.check_segments(data)
             entries = fatbin.library_code(data)

@@ -93,3 +93,23 @@ def test_a_huge_description_and_last_error_are_read_in_part(tmp_path):
         reg.dispatch("host_scale", _x())
     assert str(e.value) == ("host_scale: kernel returned EX_ERR_SHAPE (3): " + "E" * 500
                             + "... (more than 65536 bytes; the rest not read)")
+
+
+def test_a_library_built_for_another_cpu_is_named_so_not_no_such_file(tmp_path):
+    """An AArch64 build (a GH200's) copied to an x86-64 server was refused as 'dlopen: not a
+    loadable shared library: ... cannot open shared object file: No such file or directory',
+    naming a file that is there."""
+    from ex_engine import fatbin
+    own = fatbin.process_machine()
+    if own is None:
+        pytest.skip("this process's executable says no ELF machine")
+    lib = build_plugin(tmp_path)
+    other = 62 if own != 62 else 183
+    data = bytearray(lib.read_bytes())
+    data[18:20] = other.to_bytes(2, "little")
+    lib.write_bytes(bytes(data))
+    (p,) = FactorRegistry.load(tmp_path, hardware="h200").plugins
+    assert p.status == "rejected"
+    assert p.reason == (f"elf: expected a library for this process's CPU, {fatbin.machine_name(own)}, got one "
+                        f"built for {fatbin.machine_name(other)}; not opened"), p.reason
+    assert [c.name for c in p.checks if c.name == "dlopen"] == []
