@@ -126,6 +126,20 @@ def test_a_prefer_met_by_the_first_load_leaves_no_note(tmp_path):
     assert not [n for n in reg.notes if n.startswith("prefer:")], reg.notes
 
 
+def test_a_malformed_lock_refuses_the_folder_before_any_library(tmp_path):
+    """load_folder reading the folder's lock after its libraries (not before): the refusal of a
+    malformed lock left a record of the first library in ``plugins`` (list-factors showed a
+    library of a folder whose load had raised)."""
+    from ex_engine.errors import FactorError
+    build_plugin(tmp_path)
+    build_plugin(tmp_path, "b_other", defines={"NAME": '"other"', "FACTOR_ID": 1201})
+    (tmp_path / "ex_engine.lock").write_text('["host_scale.so"]')
+    reg = FactorRegistry(hardware="h200", lock=True)
+    with pytest.raises(FactorError, match="expected a JSON object"):
+        reg.load_folder(tmp_path)
+    assert reg.plugins == [] and reg.get("host_scale") is None
+
+
 # ------------------------------------------------------------------------------ tuning
 _HEAD = "device: NVIDIA H200\nmultiprocessor_count: 132\n"
 
@@ -150,6 +164,21 @@ def test_a_tuning_value_below_minus_one_sets_the_file_aside(tmp_path):
                          "  shapes:\n    - {H: 64, I: 32, G: 8, K: 2, by_T: [[1, bad]]}\n")
     assert t.path is None and len(t.problems) == 1, t.problems
     assert "values.bad: expected an integer >= -1, got -2" in t.problems[0]
+
+
+@pytest.mark.parametrize("table,needle", [
+    ("  dim: ''\n  key: [H, I, G, K]\n  values: {tiny: 1}\n", "dim: expected the name of the manifest's tuned dim"),
+    ("  dim: config\n  key: [H, I, G, K]\n  values: {1: 1}\n", "got int 1 (quote it)"),
+    ("  dim: config\n  key: [H, I, G, K]\n  values: {yes: 1}\n", "got bool True (YAML reads unquoted on/off"),
+])
+def test_a_tuning_table_names_an_empty_dim_and_hints_by_the_names_type(tmp_path, table, needle):
+    """FactorTuning: ``or not data["dim"]`` dropped let dim '' through (set aside later as no
+    tuned dim, not as malformed); the booleans' hint (quote on/off/yes/no) given for an int
+    name too (``isinstance(k, int)``)."""
+    t = _table(tmp_path, table + "  shapes:\n    - {H: 64, I: 32, G: 8, K: 2, by_T: [[1, tiny]]}\n")
+    assert t.path is None and len(t.problems) == 1, t.problems
+    assert needle in t.problems[0], t.problems[0]
+    assert "int" not in needle or "on/off" not in t.problems[0]
 
 
 def test_refused_gives_every_reason_for_a_table(tmp_path):
@@ -184,6 +213,22 @@ def test_a_float_tag_on_underscores_only_is_named_at_its_line():
         _yaml.load("a: 1\nk: !!float _\n", name="f.yaml")
 
 
+# ------------------------------------------------------------------------------ manifest
+@pytest.mark.parametrize("src", ["{}", "3", "null", "[tuned]", "{range: [0, 3]}", "{encode: f64_bits}"])
+def test_a_dim_source_without_a_source_is_named(tmp_path, src):
+    """Manifest's dim_sources check with ``if not given`` weakened (``given is None``): an entry
+    that names no source (only a qualifier, or no mapping) became IndexError, reported as a
+    malformed manifest, not "expected one of [...]"."""
+    from ex_engine.errors import FactorError
+    p = tmp_path / "f.yaml"
+    p.write_text("name: f\nid: 7\ndims: [N, X]\noutput: {name: out, shape: [N], dtype: [float32]}\n"
+                 "input: {name: x, shape: [N], dtype: [float32]}\nparams: {a: {type: int, default: 1}}\n"
+                 f"dim_sources: {{X: {src}}}\n")
+    with pytest.raises(FactorError, match=r"dim_sources: X: expected one of \['default_dim', 'dtype_of', "
+                                          r"'param', 'row_stride_of', 'tuned'\], got "):
+        Manifest.load(p)
+
+
 # ------------------------------------------------------------------------------ tune_moe
 _OTHER = {"H": 1024, "I": 256, "G": 16, "K": 2, "model": "other", "by_T": [[1, "tiny", 1.0, 2.0]]}
 
@@ -202,6 +247,12 @@ def test_merge_rows_replaces_a_rows_T_keeps_the_rest_in_order():
     assert [(e["H"], e["model"]) for e in got] == [(512, "n"), (1024, "other"), (2048, "q")]
     assert got[2]["by_T"] == [[1, "auto", 2.0, 2.0], [64, "decode", 5.0, 6.0], [4096, "grouped", 9.0, 10.0]]
     assert got[1]["by_T"] == _OTHER["by_T"]
+    # a file of an older tuner (fewer configurations): its values become this tuner's, or the
+    # rows naming a new configuration name a value the file lacks (the table set aside)
+    old = {"device": "NVIDIA H200", "multiprocessor_count": 132,
+           "moe_fused_gemm": {"dim": "config", "key": ["H", "I", "G", "K"], "values": {"auto": -1, "tiny": 1},
+                              "shapes": [dict(_OTHER)]}}
+    assert tune.merge_rows(old, new, "NVIDIA H200", 132)["moe_fused_gemm"]["values"] == tune.VALUES
 
 
 def test_tune_moe_writes_its_file_under_an_exclusive_folder_lock(tmp_path, monkeypatch):
@@ -229,6 +280,24 @@ def test_tune_moe_writes_its_file_under_an_exclusive_folder_lock(tmp_path, monke
     rc, _ = drive_tune_moe(monkeypatch, out, [])
     assert rc == 0 and out.exists()
     assert probes == ["locked"]
+
+
+def test_tune_moe_writes_unlocked_where_the_folder_cannot_be_locked(tmp_path, monkeypatch):
+    """_folder_locked is best effort: where flock fails (a file system without it) the file is
+    written unlocked; without ``contextlib.suppress(OSError)`` the run's rows were lost to an
+    OSError traceback after the whole run."""
+    import errno
+    import fcntl
+
+    def no_flock(fd, op):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_flock)
+    out = tmp_path / "h200.yaml"
+    rc, tune = drive_tune_moe(monkeypatch, out, [])
+    assert rc == 0
+    data, _ = tune.existing_table(out, "NVIDIA H200", 132)
+    assert [e["model"] for e in data["moe_fused_gemm"]["shapes"]] == ["qwen3-30b-a3b"]
 
 
 def _a100(out):
@@ -314,3 +383,31 @@ def test_verify_in_process_keeps_a_flag_the_engine_set_before(tmp_path, monkeypa
     assert rows and all(r.status == "pass" for r in rows), [r.detail for r in rows]
     with pytest.raises(DeviceSideError, match="alpha was negative"):
         reg.check_device_errors()
+
+
+def test_run_case_puts_the_status_word_back_also_when_the_call_raises(tmp_path, monkeypatch):
+    """_run_case restores the thread's host status word in a ``finally``: without it a case whose
+    call flagged and then raised (a FAIL row) left its flag for the engine's next
+    check_device_errors(), as a call the engine never made."""
+    import shutil
+
+    from ex_engine import verify
+    from ex_engine.errors import FactorError
+    monkeypatch.setenv("EX_ENGINE_CACHE", str(tmp_path / "cache"))
+    folder = tmp_path / "ws"
+    build_plugin(folder, "host_scale_ws", defines={"WORKSPACE": True, "NAME": '"host_scale_ws"',
+                                                   "FACTOR_ID": 1107}, manifest=False)
+    shutil.copy(ROOT / "tests" / "plugins" / "host_scale_ws.yaml", folder / "host_scale_ws.yaml")
+    reg = FactorRegistry.load(folder, hardware="h200")
+    p = reg.get("host_scale_ws")
+    real = reg.call_plugin
+
+    def flag_then_raise(plugin, arrays, params, count=True):
+        real(plugin, arrays, params, count=count)
+        verify._host_status_word(reg, (plugin.name, -1, threading.get_ident()), 1)
+        raise FactorError("host_scale_ws: refused after flagging (a stand-in)")
+
+    monkeypatch.setattr(reg, "call_plugin", flag_then_raise)
+    row = verify.run_case(reg, p, {"N": 7}, "float32")
+    assert row.status == "FAIL" and "refused after flagging" in row.detail, row
+    reg.check_device_errors()   # raised DeviceSideError for the case's own flag
