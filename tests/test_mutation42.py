@@ -204,6 +204,37 @@ def test_check_with_more_manifests_takes_a_table_back_into_use(tmp_path):
     assert t.value("moe_fused_gemm", "config", _SIZES, -1) == 1
 
 
+class _SwapOnFirstContains(dict):
+    """A ``refused`` whose first membership test is the moment check() (in another thread)
+    assigns a new ``refused`` without this factor (the table back in use)."""
+
+    def __init__(self, data, table):
+        super().__init__(data)
+        self.table, self.n = table, 0
+
+    def __contains__(self, key):
+        self.n += 1
+        if self.n == 1:
+            self.table.refused = {}
+        return super().__contains__(key)
+
+
+def test_tuning_value_warns_with_the_refusal_it_acted_on(tmp_path):
+    """value() asking ``factor in self.refused`` again for its warning (not the ``refused`` it
+    read once): a check() in between made a call that had run on the default because its
+    table was set aside warn that the table had no row for its shape."""
+    from ex_engine.tuning import TuningWarning
+    t = _table(tmp_path, "  dim: config\n  key: [H, I, G, K]\n  values: {huge: 99}\n"
+                         "  shapes:\n    - {H: 64, I: 32, G: 8, K: 2, by_T: [[1, huge]]}\n")
+    t.check(_manifests())
+    t.warn = True
+    t.refused = _SwapOnFirstContains(t.refused, t)
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always", TuningWarning)
+        assert t.value("moe_fused_gemm", "config", _SIZES, -1) == -1
+    assert len(got) == 1 and "values: huge: 99 outside" in str(got[0].message), [str(w.message) for w in got]
+
+
 # ------------------------------------------------------------------------------ _yaml
 def test_a_float_tag_on_underscores_only_is_named_at_its_line():
     """construct_yaml_float testing ``text.strip()`` (not with the underscores taken out, as
@@ -353,6 +384,16 @@ def host_reg(tmp_path, monkeypatch):
     monkeypatch.setenv("EX_ENGINE_CACHE", str(tmp_path / "cache"))
     build_plugin(tmp_path / "lib")
     return FactorRegistry.load(tmp_path / "lib")
+
+
+@pytest.mark.parametrize("count", ["no", None, 2])
+def test_run_case_names_a_count_that_is_no_bool(host_reg, count):
+    """run_case's docstring: count a bool, ArgumentError otherwise; without ``count=count`` in
+    its check a count of None or 'no' ran the case (uncounted or counted, by truthiness)."""
+    from ex_engine.verify import run_case
+    with pytest.raises(ArgumentError) as err:
+        run_case(host_reg, host_reg.get("host_scale"), {"N": 7}, "float32", count=count)
+    assert err.value.argument == "count"
 
 
 @pytest.mark.parametrize("timeout", [float("inf"), True, False])
