@@ -21,6 +21,7 @@ from ex_engine.verify import verify_plugin
 
 from .conftest import ROOT, build_plugin
 from .test_bench_tools import drive_tune_moe, import_tool
+from .test_trial41cc import start_inside_the_choice
 
 
 # ------------------------------------------------------------------------------ registry: loads
@@ -32,18 +33,7 @@ def test_load_library_runs_one_at_a_time_with_a_load_folder(tmp_path, monkeypatc
     build_plugin(tmp_path / "a")
     lib = build_plugin(tmp_path / "b", "other", defines={"NAME": '"other"', "FACTOR_ID": 1201})
     reg = FactorRegistry(hardware="h200")
-    real = FactorRegistry._preferred
-    started = []
-
-    def preferred(self, p):
-        if not started and threading.current_thread() is threading.main_thread():
-            b = threading.Thread(target=reg.load_library, args=(lib,))
-            started.append(b)
-            b.start()
-            b.join(timeout=0.5)   # returns at once where nothing serialises the loads
-        return real(self, p)
-
-    monkeypatch.setattr(FactorRegistry, "_preferred", preferred)
+    started = start_inside_the_choice(monkeypatch, reg.load_library, lib)
     reg.load_folder(tmp_path / "a")
     started[0].join(timeout=30)
     assert not started[0].is_alive()
@@ -405,17 +395,23 @@ def test_verify_plugin_refuses_an_infinite_or_bool_timeout(host_reg, timeout):
     assert err.value.argument == "timeout"
 
 
-def test_verify_in_process_keeps_a_flag_the_engine_set_before(tmp_path, monkeypatch):
-    """_run_case puts the thread's host status word back as it was before the case, not to 0
-    (``before = 0``): a flag the engine's own call had set in this thread was cleared by a
-    verify_plugin run in the same thread, and check_device_errors() never reported it."""
+def _workspace_registry(tmp_path, monkeypatch):
+    """A registry of host_scale_ws (host_scale.c with a workspace, tests/plugins/host_scale_ws.yaml),
+    verify's cache in ``tmp_path``."""
     import shutil
     monkeypatch.setenv("EX_ENGINE_CACHE", str(tmp_path / "cache"))
     folder = tmp_path / "ws"
     build_plugin(folder, "host_scale_ws", defines={"WORKSPACE": True, "NAME": '"host_scale_ws"',
                                                    "FACTOR_ID": 1107}, manifest=False)
     shutil.copy(ROOT / "tests" / "plugins" / "host_scale_ws.yaml", folder / "host_scale_ws.yaml")
-    reg = FactorRegistry.load(folder, hardware="h200")
+    return FactorRegistry.load(folder, hardware="h200")
+
+
+def test_verify_in_process_keeps_a_flag_the_engine_set_before(tmp_path, monkeypatch):
+    """_run_case puts the thread's host status word back as it was before the case, not to 0
+    (``before = 0``): a flag the engine's own call had set in this thread was cleared by a
+    verify_plugin run in the same thread, and check_device_errors() never reported it."""
+    reg = _workspace_registry(tmp_path, monkeypatch)
     x = np.ones(8, np.float32)
     reg.dispatch("host_scale_ws", {"out": np.empty_like(x), "x": x, "alpha": np.array([-1.0], np.float32)})
     with warnings.catch_warnings():
@@ -430,16 +426,9 @@ def test_run_case_puts_the_status_word_back_also_when_the_call_raises(tmp_path, 
     """_run_case restores the thread's host status word in a ``finally``: without it a case whose
     call flagged and then raised (a FAIL row) left its flag for the engine's next
     check_device_errors(), as a call the engine never made."""
-    import shutil
-
     from ex_engine import verify
     from ex_engine.errors import FactorError
-    monkeypatch.setenv("EX_ENGINE_CACHE", str(tmp_path / "cache"))
-    folder = tmp_path / "ws"
-    build_plugin(folder, "host_scale_ws", defines={"WORKSPACE": True, "NAME": '"host_scale_ws"',
-                                                   "FACTOR_ID": 1107}, manifest=False)
-    shutil.copy(ROOT / "tests" / "plugins" / "host_scale_ws.yaml", folder / "host_scale_ws.yaml")
-    reg = FactorRegistry.load(folder, hardware="h200")
+    reg = _workspace_registry(tmp_path, monkeypatch)
     p = reg.get("host_scale_ws")
     real = reg.call_plugin
 

@@ -61,6 +61,25 @@ def test_dispatch_during_a_reload_sees_the_plugin_chosen_before(tmp_path, monkey
     assert reg.get("other") is not None and reg.get("host_scale") is not None
 
 
+def start_inside_the_choice(monkeypatch, load, *args) -> list:
+    """The next choice the main thread makes (FactorRegistry._preferred) first starts
+    ``load(*args)`` in a thread of its own and waits up to 0.5 s for it (it returns at once where
+    nothing serialises the loads); returns the list that will hold that thread."""
+    real = FactorRegistry._preferred
+    started = []
+
+    def preferred(self, p):
+        if not started and threading.current_thread() is threading.main_thread():
+            b = threading.Thread(target=load, args=args)
+            started.append(b)
+            b.start()
+            b.join(timeout=0.5)
+        return real(self, p)
+
+    monkeypatch.setattr(FactorRegistry, "_preferred", preferred)
+    return started
+
+
 def test_concurrent_loads_into_one_registry_keep_both_choices(tmp_path, monkeypatch):
     """Two threads loading folders into one registry: each load's choice is computed from the
     plugin list and then replaces ``_chosen`` whole (the test above), so loads run one at a time
@@ -73,18 +92,7 @@ def test_concurrent_loads_into_one_registry_keep_both_choices(tmp_path, monkeypa
     build_plugin(tmp_path / "a")
     build_plugin(tmp_path / "b", "other", defines={"NAME": '"other"', "FACTOR_ID": 1201})
     reg = FactorRegistry(hardware="h200")
-    real = FactorRegistry._preferred
-    started = []
-
-    def preferred(self, p):
-        if not started and threading.current_thread() is threading.main_thread():
-            b = threading.Thread(target=reg.load_folder, args=(tmp_path / "b",))
-            started.append(b)
-            b.start()
-            b.join(timeout=0.5)   # returns at once where nothing serialises the loads
-        return real(self, p)
-
-    monkeypatch.setattr(FactorRegistry, "_preferred", preferred)
+    started = start_inside_the_choice(monkeypatch, reg.load_folder, tmp_path / "b")
     reg.load_folder(tmp_path / "a")
     started[0].join(timeout=30)
     assert not started[0].is_alive()
