@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -120,7 +121,10 @@ def main(argv=None) -> int:
     sink = torch.zeros(1, dtype=torch.int32, device="cuda")
 
     def launch(kern, grid, args):
-        with cp.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):
+        with warnings.catch_warnings():   # (CuPy 14 calls ExternalStream deprecated; it is what ran)
+            warnings.simplefilter("ignore", DeprecationWarning)
+            stream = cp.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
+        with stream:
             kern((grid,), (256,), args)
 
     def reader(regions, blocks):
