@@ -62,7 +62,7 @@ def test_hardware_profile_json(capsys):
 def test_unknown_profile_is_a_clear_error(capsys):
     assert main(["hardware", "--profile", "tpu9"]) == 2
     err = capsys.readouterr().err
-    assert "hardware profile 'tpu9': no such profile; expected one of ['a100', 'bi-v100', 'h200']" in err
+    assert "hardware profile 'tpu9': no such profile; expected one of ['a100', 'bi-v100', 'h100', 'h200']" in err
 
 
 PROFILES = Path(__file__).resolve().parents[1] / "manifests" / "hardware"
@@ -765,7 +765,7 @@ def test_manifests_search_path_keeps_the_shipped_profiles_and_manifests(tmp_path
     path = os.pathsep.join([str(mine), str(shipped)])
     monkeypatch.setenv("EX_ENGINE_MANIFESTS", path)
     assert _paths.manifests_dirs() == [mine, shipped] and _paths.manifests_dir() == shipped
-    assert list_profiles() == ["a100", "bi-v100", "h200"]
+    assert list_profiles() == ["a100", "bi-v100", "h100", "h200"]
     assert Hardware.from_profile("h200").name == "NVIDIA H200"
     for reg in (FactorRegistry.load(plugs, hardware="h200"),                    # from the variable
                 FactorRegistry.load(plugs, hardware="h200", manifests_dir=path)):   # or given

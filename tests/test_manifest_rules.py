@@ -343,8 +343,21 @@ def test_a_hardware_profile_with_an_unknown_key_is_refused_with_a_hint(tmp_path,
 
 
 def test_the_shipped_profiles_load():
-    for name in ("a100", "h200", "bi-v100"):
+    for name in ("a100", "h100", "h200", "bi-v100"):
         assert Hardware.from_profile(name).name
+
+
+def test_the_h100_profile_finds_the_h100_tuning_file():
+    """Session forty-two shipped a tuning file for the H100 80GB HBM3 (132 SMs) and a profile of
+    that GPU: on a machine without it (CI), `--hardware h100` checks the plugins against it and
+    picks that file, as the live GPU does (the device name and SM count must match the file's)."""
+    from ex_engine.tuning import TuningTable
+    hw = Hardware.from_profile("h100")
+    assert (hw.name, hw.multiprocessor_count, hw.cc_major, hw.cc_minor) == ("NVIDIA H100 80GB HBM3", 132, 9, 0)
+    table = TuningTable.for_hardware(hw)
+    assert table.path is not None and table.path.endswith("nvidia_h100_80gb_hbm3_132sm.yaml"), table.path
+    assert not table.problems and not table.remarks, (table.problems, table.remarks)
+    assert TuningTable.for_hardware("h200").path.endswith("h200.yaml")
 
 
 @pytest.mark.parametrize("change,needle", [

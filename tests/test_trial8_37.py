@@ -110,7 +110,7 @@ def test_an_empty_manifests_folder_leads_with_its_missing_profiles(tmp_path, mon
 
 def test_a_wrong_profile_name_still_lists_the_profiles_there():
     from ex_engine.hardware import Hardware
-    with pytest.raises(FactorError, match=r"'tpu9': no such profile; expected one of \['a100', 'bi-v100', 'h200'\]"):
+    with pytest.raises(FactorError, match=r"'tpu9': no such profile; expected one of \['a100', 'bi-v100', 'h100', 'h200'\]"):
         Hardware.from_profile("tpu9")
 
 
