@@ -30,6 +30,7 @@ no GPU.
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 import warnings
 from pathlib import Path
@@ -129,10 +130,7 @@ def main(argv=None) -> int:
 
     def reader(regions, blocks):
         """A zero-argument callable reading ``regions`` [(address, 16-byte words)] in ``blocks``."""
-        words = [n for _, n in regions]
-        pre = [0]
-        for n in words:
-            pre.append(pre[-1] + n)
+        pre = [0, *itertools.accumulate(n for _, n in regions)]
         base_t = torch.tensor([p for p, _ in regions], dtype=torch.int64, device="cuda")
         pre_t = torch.tensor(pre, dtype=torch.int64, device="cuda")
         chunk = -(-pre[-1] // blocks)
@@ -157,8 +155,8 @@ def main(argv=None) -> int:
     empties = {n: graph_us([lambda n=n: [empty() for _ in range(n)]], warm_ms=200.0) for n in (1, 2, 3)}
     print("  empty launches a call: " + ", ".join(f"{n}: {us:.2f} µs" for n, us in empties.items()), flush=True)
     gen = torch.Generator(device="cuda")
+    esize = torch.tensor([], dtype=torch.bfloat16).element_size()
     for name, s in models:
-        esize = torch.tensor([], dtype=torch.bfloat16).element_size()
         w13_words, w2_words = 2 * s.I * s.H * esize // 16, s.H * s.I * esize // 16
         copies = []
         for _ in range(SETS):   # each set its own copy, as bench_moe: nothing left in L2
@@ -173,17 +171,19 @@ def main(argv=None) -> int:
             for _ in range(SETS):
                 _, ids = routing(T, s.E, s.K, s.renormalize, False, gen)
                 hit.append(sorted(set(ids.flatten().tolist())))
-            wbytes = sum(len(h) for h in hit) / SETS * 3 * s.H * s.I * esize
+            experts_hit = sum(len(h) for h in hit) / SETS
+            wbytes = experts_hit * 3 * s.H * s.I * esize
             floor_us = wbytes / (COPY_TBPS * 1e12) * 1e6
-            row = {"model": name, "T": T, "experts_hit": sum(len(h) for h in hit) / SETS,
+            row = {"model": name, "T": T, "experts_hit": experts_hit,
                    "weight_bytes": wbytes, "floor_us": floor_us}
+            # each set's regions (address, 16-byte words): its hit experts' w13 and w2 slices
+            slices = [([(w13[e].data_ptr(), w13_words) for e in h], [(w2[e].data_ptr(), w2_words) for e in h])
+                      for (w13, w2), h in zip(copies, hit)]
             for variant, n_launch in (("one launch", 1), ("two launches", 2), ("three launches", 3)):
                 best = None
                 for blocks in BLOCKS:
                     fns = []
-                    for (w13, w2), h in zip(copies, hit):
-                        r13 = [(w13[e].data_ptr(), w13_words) for e in h]
-                        r2 = [(w2[e].data_ptr(), w2_words) for e in h]
+                    for r13, r2 in slices:
                         if n_launch == 1:
                             parts = [reader(r13 + r2, blocks)]
                         else:

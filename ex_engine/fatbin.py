@@ -23,7 +23,9 @@ compute_XYa only for exactly X.Y; the family variants (f) stay within major X wi
 """
 from __future__ import annotations
 
+import functools
 import struct
+import sys
 from dataclasses import dataclass
 
 FATBIN_SECTION = ".nv_fatbin"
@@ -87,25 +89,19 @@ def machine_name(machine: int) -> str:
     return f"{MACHINE_NAMES.get(machine, 'a CPU')} (e_machine {machine})"
 
 
-_OWN_MACHINE: list = []
-
-
+@functools.cache
 def process_machine():
     """The e_machine of this process's own executable (/proc/self/exe, else sys.executable): the
-    CPU a library must be built for to be opened here; None where it cannot be read."""
-    if not _OWN_MACHINE:
-        import sys
-        found = None
-        for exe in ("/proc/self/exe", sys.executable):
-            try:
-                with open(exe, "rb") as fh:
-                    found = elf_machine(fh.read(64))
-            except (OSError, TypeError):
-                continue
-            if found is not None:
-                break
-        _OWN_MACHINE.append(found)
-    return _OWN_MACHINE[0]
+    CPU a library must be built for to be opened here; None where it cannot be read. Read once."""
+    for exe in ("/proc/self/exe", sys.executable):
+        try:
+            with open(exe, "rb") as fh:
+                found = elf_machine(fh.read(64))
+        except (OSError, TypeError):
+            continue
+        if found is not None:
+            return found
+    return None
 
 
 def check_machine(data: bytes) -> None:
