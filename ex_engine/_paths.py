@@ -1,8 +1,11 @@
 """Where ex_engine finds its factors, manifests and hardware profiles.
 
 The project root is the folder above this package (an editable install, or PYTHONPATH set to
-a checkout). EX_ENGINE_FACTORS and EX_ENGINE_MANIFESTS override the two folders; set to an
-empty string they count as unset (as EX_ENGINE_CACHE does), so the defaults apply.
+a checkout). A wheel (``pip install .``, ``python -m build``) carries a copy of manifests/ in
+the package (ex_engine/manifests: pyproject's package-dir), used where the root has none, and no
+plugin libraries (they are built in the checkout). EX_ENGINE_FACTORS and EX_ENGINE_MANIFESTS
+override the two folders; set to an empty string they count as unset (as EX_ENGINE_CACHE
+does), so the defaults apply.
 
 EX_ENGINE_MANIFESTS may name several folders joined with os.pathsep (':' on Linux), searched in
 order, as PATH is: a factor's manifest is taken from the first folder that has one of its name;
@@ -24,6 +27,8 @@ from pathlib import Path
 from .errors import FactorError
 
 ROOT = Path(__file__).resolve().parents[1]
+# the copy of manifests/ an installed wheel carries (absent in a checkout: see pyproject.toml)
+PACKAGE_MANIFESTS = Path(__file__).resolve().parent / "manifests"
 
 # the most bytes read of a manifest, lock file, hardware profile or tuning file (the shipped
 # ones are a few KiB; a file above this is no such file: a core dump, a disk image)
@@ -185,8 +190,8 @@ def usable_folders(value, what: str) -> tuple[list[Path], list[str]]:
     if not usable:
         env = what.startswith("EX_ENGINE_")
         head = f"{what}={text}" if env else f"{what} '{text}'"
-        if env and (ROOT / "manifests").is_dir():
-            tail = f"; unset it to use {ROOT / 'manifests'}"
+        if env and is_dir(default_manifests()):
+            tail = f"; unset it to use {default_manifests()}"
         else:
             tail = ""
         tail = separator_hint(text) + tail
@@ -206,10 +211,18 @@ def usable_folders(value, what: str) -> tuple[list[Path], list[str]]:
     return usable, notes
 
 
+def default_manifests() -> Path:
+    """<root>/manifests (a checkout); where there is none, the copy an installed wheel carries
+    in the package (PACKAGE_MANIFESTS); where neither is there, <root>/manifests (what the
+    errors name)."""
+    checkout = ROOT / "manifests"
+    return PACKAGE_MANIFESTS if not is_dir(checkout) and is_dir(PACKAGE_MANIFESTS) else checkout
+
+
 def manifests_dirs() -> list[Path]:
     """The manifests search path: the folders of $EX_ENGINE_MANIFESTS (see search_path; when
-    set and not only whitespace: env_value) or [<root>/manifests]."""
-    return search_path(env_value("EX_ENGINE_MANIFESTS")) or [ROOT / "manifests"]
+    set and not only whitespace: env_value) or [default_manifests()]."""
+    return search_path(env_value("EX_ENGINE_MANIFESTS")) or [default_manifests()]
 
 
 def home_dir(dirs) -> Path:
@@ -221,24 +234,33 @@ def home_dir(dirs) -> Path:
 def manifests_dir() -> Path:
     """The folder of hardware/ profiles, tuning/ and moe_models.yaml: $EX_ENGINE_MANIFESTS
     (when set and not empty; of several folders, the first with a hardware/ folder, see
-    home_dir) or <root>/manifests. Factor manifests are searched in all of manifests_dirs()."""
+    home_dir) or default_manifests(). Factor manifests are searched in all of manifests_dirs()."""
     return home_dir(manifests_dirs())
 
 
 def not_a_checkout(building: bool = False) -> str:
     """Why the default folders are missing, for error messages ('' where they are not): a
-    non-editable install (``pip install .``) copies the package alone into site-packages, and
-    the factors, manifests and Makefile stay in the checkout. building: for ``ex-engine build``,
+    non-editable install (``pip install .``, a wheel) copies the package and its manifests
+    (PACKAGE_MANIFESTS) into site-packages, and the factors and Makefile stay in the checkout
+    (a copy of the package alone lacks the manifests too). building: for ``ex-engine build``,
     which needs the checkout's Makefile itself (the folder variables do not help it): the text
     then names make in the checkout, and is given whatever the variables say."""
     if not building and (env_value("EX_ENGINE_MANIFESTS") or (ROOT / "manifests").is_dir()):
         return ""
-    missing = "no Makefile" if building and (ROOT / "manifests").is_dir() else "no manifests/"
-    why = (f"ex_engine at {ROOT} is not in a checkout of its repository ({missing} beside "
-           "the package: a plain `pip install .` copies the package alone)")
+    wheel = is_dir(PACKAGE_MANIFESTS)     # an installed wheel: the manifests came with it
+    if building:
+        missing = "no Makefile" if wheel or (ROOT / "manifests").is_dir() else "no manifests/"
+    else:
+        missing = "no factors/" if wheel else "no manifests/"
+    what = ("an installed wheel carries the package and its manifests, not the Makefile, the "
+            "sources or the plugin libraries" if wheel else "a plain `pip install .` copies the package alone")
+    why = f"ex_engine at {ROOT} is not in a checkout of its repository ({missing} beside the package: {what})"
     if building:
         return (f"{why}; build in the checkout (`make -C <checkout>`), or install it with "
                 "`pip install -e <checkout>` and run `ex-engine build` again")
+    if wheel:
+        return (f"{why}; build the plugins in the checkout (`make -C <checkout>`), then name their "
+                "folder (--dir, FactorRegistry.load(folder)) or set EX_ENGINE_FACTORS=<checkout>/factors")
     return (f"{why}; install it with `pip install -e <checkout>`, or set "
             "EX_ENGINE_MANIFESTS=<checkout>/manifests and EX_ENGINE_FACTORS=<checkout>/factors")
 

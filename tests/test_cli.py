@@ -1025,7 +1025,7 @@ def test_the_readme_says_build_needs_a_checkout_not_the_folder_variables():
     README said to, `ex-engine build` still refuses (no Makefile in site-packages): the README
     says so where it names the two variables."""
     text = " ".join((ROOT / "README.md").read_text().split())
-    at = text.index("A plain `pip install .` copies the package alone")
+    at = text.index("A plain `pip install .`")
     paragraph = text[at:text.index("**Run the tests**", at)]
     assert "`EX_ENGINE_FACTORS=<checkout>/factors`" in paragraph
     assert ("The two variables serve every command but `ex-engine build`, which runs the Makefile "
