@@ -6,8 +6,10 @@ folder, not from an editable checkout.
   to choose from'), and so did FactorRegistry.load(folder) without a GPU. It now carries
   manifests/ as ex_engine/manifests, the default where no checkout's manifests/ is beside the
   package; the missing plugin folder is what the first error names.
+- The sdist held the package and a partial tests/ (no conftest.py, reference.py or plugins/):
+  no Makefile, factors/*.cu, include/ or manifests/, so nothing could be built from it.
 
-The build tests run setuptools (build_py) in a copy of the checkout, not pip: a few
+The build tests run setuptools (build_py, sdist) in a copy of the checkout, not pip: a few
 seconds, no network, no `wheel` package needed.
 """
 from __future__ import annotations
@@ -16,6 +18,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -120,3 +123,19 @@ def test_the_rule_in_process_a_wheel_layout_without_the_checkout(tmp_path, monke
     # a copy of the package alone (no manifests anywhere) keeps its own words
     monkeypatch.setattr(_paths, "PACKAGE_MANIFESTS", tmp_path / "none")
     assert "EX_ENGINE_MANIFESTS=<checkout>/manifests" in _paths.not_a_checkout()
+
+
+def test_the_sdist_holds_what_make_builds_the_factors_from_and_the_tests(source_copy, tmp_path):
+    (source_copy / "factors" / "built.so").write_bytes(b"\x7fELF")        # built, not source
+    (source_copy / "factors" / "ex_engine.lock").write_text("{}\n")
+    _setup(source_copy, "-q", "sdist", "--dist-dir", str(tmp_path))
+    (sdist,) = tmp_path.glob("*.tar.gz")
+    with tarfile.open(sdist) as tar:
+        names = {n.split("/", 1)[1] for n in tar.getnames() if "/" in n}
+    tracked = ["Makefile", "include/ex_engine.h", "tests/conftest.py", "tests/reference.py",
+               "tests/plugins/host_scale.c", "docs/factor-contract.md", "scripts/test.sh"]
+    tracked += [str(p.relative_to(ROOT)) for ext in ("cu", "cuh") for p in (ROOT / "factors").glob(f"*.{ext}")]
+    tracked += [f"manifests/{m}" for m in MANIFEST_FILES]
+    missing = [t for t in tracked if t not in names]
+    assert not missing, missing
+    assert not [n for n in names if n.endswith((".so", ".pyc", ".lock"))]
