@@ -8,6 +8,7 @@ folder, not from an editable checkout.
   package; the missing plugin folder is what the first error names.
 - The sdist held the package and a partial tests/ (no conftest.py, reference.py or plugins/):
   no Makefile, factors/*.cu, include/ or manifests/, so nothing could be built from it.
+- `python -m build` left dist/ untracked in the checkout.
 
 The build tests run setuptools (build_py, sdist) in a copy of the checkout, not pip: a few
 seconds, no network, no `wheel` package needed.
@@ -139,3 +140,10 @@ def test_the_sdist_holds_what_make_builds_the_factors_from_and_the_tests(source_
     missing = [t for t in tracked if t not in names]
     assert not missing, missing
     assert not [n for n in names if n.endswith((".so", ".pyc", ".lock"))]
+
+
+def test_build_outputs_are_ignored_by_git():
+    if not (ROOT / ".git").exists() or shutil.which("git") is None:
+        pytest.skip("not a git checkout")
+    r = subprocess.run(["git", "check-ignore", "-q", "dist/ex_engine-0.1.0-py3-none-any.whl"], cwd=ROOT)
+    assert r.returncode == 0, "dist/ (python -m build's output) is not in .gitignore"
