@@ -140,6 +140,13 @@ def test_the_sdist_holds_what_make_builds_the_factors_from_and_the_tests(source_
     missing = [t for t in tracked if t not in names]
     assert not missing, missing
     assert not [n for n in names if n.endswith((".so", ".pyc", ".lock"))]
+    # one version: the metadata's is ex_engine.__version__ (pyproject reads it, no second copy)
+    import ex_engine
+    assert sdist.name == f"ex_engine-{ex_engine.__version__}.tar.gz"
+    with tarfile.open(sdist) as tar:
+        info = tar.extractfile(next(m for m in tar.getmembers() if m.name.endswith("/PKG-INFO"))).read().decode()
+    assert f"\nVersion: {ex_engine.__version__}\n" in info
+    assert 'version = "' not in (ROOT / "pyproject.toml").read_text()
 
 
 def test_build_outputs_are_ignored_by_git():
