@@ -3,6 +3,8 @@ mend. CPU only: host plugins built with gcc (tests/plugins/host_scale.c, and a f
 of their own where host_scale.c has no knob)."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -32,21 +34,32 @@ def test_loading_a_library_again_keeps_one_cffi_library_object(tmp_path):
     assert abi.dlopen(tmp_path / "host_scale.so") is abi.dlopen(str(tmp_path / "host_scale.so"))
 
 
-def _with_big_strings(tmp_path, last_error: int = 0, description: int = 0):
-    """host_scale.c (BEHAVIOUR 3: EX_ERR_SHAPE) whose last_error() and description are strings
-    of that many bytes (0: its own), made at run time."""
+def host_scale_with(tmp_path, helper: str, last_error: str = "", description: str = "",
+                    name: str = "") -> Path:
+    """Build tmp_path/p/host_scale.so: host_scale.c (BEHAVIOUR 3: EX_ERR_SHAPE) whose last_error()
+    text, description and name are C expressions of ``helper``'s functions where given ('' keeps
+    its own), evaluated at run time (a name of its own: no manifest). Returns the folder."""
     text = PLUGIN_SRC.read_text()
-    helper = ('#include <string.h>\nstatic const char* big(long n, char c) { char* b = malloc(n + 1); '
-              'memset(b, c, n); b[n] = 0; return b; }\n')
-    for old, n, c in (('"N must be even"', last_error, "E"), ('"test: out = alpha * in on host memory"', description, "d")):
+    for old, expr in (('"N must be even"', last_error), ('"test: out = alpha * in on host memory"', description),
+                      ("s_factor.name = NAME;", name and f"s_factor.name = {name};")):
         assert old in text
-        if n:
-            text = text.replace(old, f"big({n}, '{c}')")
+        if expr:
+            text = text.replace(old, expr)
     src = tmp_path / "src" / "host_scale.c"
     src.parent.mkdir(parents=True)
     src.write_text(text.replace('#include "ex_engine.h"\n', '#include "ex_engine.h"\n#include <stdlib.h>\n' + helper, 1))
-    build_plugin(tmp_path / "p", defines={"BEHAVIOUR": 3}, src=src)
-    return FactorRegistry.load(tmp_path / "p", hardware="h200")
+    build_plugin(tmp_path / "p", defines={"BEHAVIOUR": 3}, src=src, manifest=not name)
+    return tmp_path / "p"
+
+
+def _with_big_strings(tmp_path, last_error: int = 0, description: int = 0):
+    """host_scale.c (BEHAVIOUR 3: EX_ERR_SHAPE) whose last_error() and description are strings
+    of that many bytes (0: its own), made at run time."""
+    helper = ('#include <string.h>\nstatic const char* big(long n, char c) { char* b = malloc(n + 1); '
+              'memset(b, c, n); b[n] = 0; return b; }\n')
+    folder = host_scale_with(tmp_path, helper, last_error and f"big({last_error}, 'E')",
+                             description and f"big({description}, 'd')")
+    return FactorRegistry.load(folder, hardware="h200")
 
 
 def test_a_name_too_long_for_a_file_name_is_refused_and_the_folder_still_loads(tmp_path):
