@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import _paths, abi, errors, fatbin, trust
+from . import _cstring, _paths, abi, errors, fatbin, trust
 from ._fork import renew_after_fork
 # imported with the registry, not at the first fallback call (_poison_outputs): a child forked
 # while another thread was inside that first import waited forever on its module lock
@@ -468,14 +468,27 @@ def _path_arg(arg: str, value, what: str) -> Path:
 PLUGIN_STRING_BYTES = 1 << 16
 
 
+# why _c_text stopped reading a string that went on past PLUGIN_STRING_BYTES
+_NOT_READ = f"more than {PLUGIN_STRING_BYTES} bytes; the rest not read"
+
+
 def _c_text(ptr) -> tuple:
     """(text, cut) of a NUL-terminated string of a library (UTF-8, undecodable bytes replaced;
-    '' for NULL): at most PLUGIN_STRING_BYTES bytes of it are read, and ``cut`` says whether it
-    went on past them (the rest is never read)."""
+    '' for NULL): at most PLUGIN_STRING_BYTES bytes of it are read, through _cstring.read, so
+    that a string running into unreadable memory (or a wild pointer) is reported, not a SIGSEGV
+    of the process. ``cut`` is '' where the whole string was read, else why reading stopped:
+    _NOT_READ (it went on past the limit; the rest is never read), or 'unreadable string at
+    0x...' / 'unreadable memory at 0x... before a NUL; the rest not read'."""
     if ptr == abi.ffi.NULL:
-        return "", False
-    raw = abi.ffi.string(ptr, PLUGIN_STRING_BYTES + 1)
-    return raw[:PLUGIN_STRING_BYTES].decode(errors="replace"), len(raw) > PLUGIN_STRING_BYTES
+        return "", ""
+    addr = int(abi.ffi.cast("uintptr_t", ptr))
+    raw, fault = _cstring.read(addr, PLUGIN_STRING_BYTES + 1)
+    if fault is not None:
+        cut = (f"unreadable memory at {fault:#x} before a NUL; the rest not read" if raw
+               else f"unreadable string at {addr:#x}")
+    else:
+        cut = _NOT_READ if len(raw) > PLUGIN_STRING_BYTES else ""
+    return raw[:PLUGIN_STRING_BYTES].decode(errors="replace"), cut
 
 
 _printable = errors.printable   # (the name the rest of the package imports)
@@ -486,15 +499,14 @@ PLUGIN_NAME_LIMIT = 250   # characters of a factor's name: '<name>.yaml' fits a 
 PLUGIN_VERSION_DIGITS = 18   # digits of each number of a version (what an int64 prints)
 
 
-def _plugin_text(text: str, limit: int = PLUGIN_TEXT_LIMIT, cut: bool = False) -> str:
+def _plugin_text(text: str, limit: int = PLUGIN_TEXT_LIMIT, cut: str = "") -> str:
     """A plugin's free text (its last_error(), name, version, description) for a message or a
     table: printable (no raw escape sequence reaches a terminal), then cut to ``limit``
     characters, the cut said: '... (N more characters)' (errors.cut_text), or, for a string
-    _c_text stopped reading (``cut``), '... (more than PLUGIN_STRING_BYTES bytes; the rest
-    not read)'."""
+    _c_text stopped reading (``cut``), '... (<why>)' ('(<why>)' where nothing was read)."""
     if not cut:
         return errors.cut_text(text, limit)
-    return f"{_printable(text)[:limit]}... (more than {PLUGIN_STRING_BYTES} bytes; the rest not read)"
+    return f"{_printable(text)[:limit]}... ({cut})" if text else f"({cut})"
 
 
 def _last_error_text(plugin: Plugin) -> str:
@@ -1266,6 +1278,12 @@ class FactorRegistry:
         p.factor_id = int(f.factor_id)
         p.priority = int(f.priority)
         p.tuning = {k: int(getattr(f.tuning, k)) for k in abi.TUNING_FIELDS}
+        unreadable = [f"{what} {_plugin_text(text, 60, cut)}" for what, text, cut in (
+            ("name", name, name_cut), ("version", version, version_cut),
+            ("description", description, description_cut)) if cut and cut != _NOT_READ]
+        if not p.require("strings readable", not unreadable, "expected NUL-terminated strings in readable "
+                         f"memory, got {'; '.join(unreadable)}"):
+            return p
         if not p.require("kernel", f.kernel != abi.ffi.NULL, "expected a kernel function, got NULL"):
             return p
         if not p.require("reserved_i32", int(f.reserved_i32) == 0,
