@@ -234,7 +234,8 @@ def read_lock(path) -> dict:
 
 
 # ------------------------------------------------------------------------------------ probe
-# The child reports its stages ("dlopen", "opened", "ex_get_factor", "done ...") on a pipe of its
+# The child reports its stages ("dlopen", "opened", "ex_get_factor", "reading the factor it
+# returned", "done ...") on a pipe of its
 # own (the fd in argv[4]), each line starting with a random token it reads from stdin before the
 # library is opened: what a library prints (stdout is /dev/null here; "stage done" then _exit(0) passed
 # the probe when stages were read from stdout) cannot pass for a report, and a child that ends
@@ -272,6 +273,9 @@ def main():
     f = get(hw)
     if f == abi.ffi.NULL:
         return "NULL"
+    # ex_get_factor returned: a crash from here on is in what it returned (a wild pointer), not
+    # in its code, and the probe's reason says so
+    stage("reading the factor it returned")
     # every field the in-process load reads, read here first (a bad pointer crashes the child)
     for name in ("name", "version", "description"):
         p = getattr(f, name)
