@@ -179,15 +179,29 @@ def test_build_interrupted_stops_make_and_its_compilers(tmp_path, sig, code):
     fake.write_text(f"#!/bin/bash\nbash -c 'echo $$ > {pidfile}; exec sleep 300'\n")
     fake.chmod(0o755)
     env = dict(os.environ, PATH=f"{tmp_path}:{os.environ['PATH']}")
+    # SIGINT at its default in the command: a suite started with SIGINT ignored (a background
+    # job of a script, nohup) passed SIG_IGN on, Python then installs no KeyboardInterrupt
+    # handler and the command rightly ignored the interrupt: a 30 s timeout, not a bug
     proc = subprocess.Popen([sys.executable, "-m", "ex_engine.cli", "build"], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    for _ in range(200):
-        if pidfile.exists() and pidfile.read_text().strip():
-            break
-        time.sleep(0.05)
-    child = int(pidfile.read_text())
-    proc.send_signal(getattr(signal, sig))
-    out, err = proc.communicate(timeout=30)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        for _ in range(200):
+            if pidfile.exists() and pidfile.read_text().strip():
+                break
+            time.sleep(0.05)
+        child = int(pidfile.read_text())
+        proc.send_signal(getattr(signal, sig))
+        out, err = proc.communicate(timeout=30)
+    finally:   # a failure here left the command and `sleep 300` running past the test
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+            if pidfile.exists() and pidfile.read_text().strip():
+                try:   # make's process group (a session of its own), the stand-in included
+                    os.killpg(os.getpgid(int(pidfile.read_text())), signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
     assert proc.returncode == code, (out, err)
     for _ in range(100):      # the compiler stand-in is gone (reaped by init once orphaned)
         try:
