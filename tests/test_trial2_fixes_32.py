@@ -191,10 +191,11 @@ def test_an_empty_output_path_is_called_empty_not_a_folder(tmp_path):
 @pytest.mark.parametrize("tool, args", [("benchmarks/bench_moe.py", []), ("benchmarks/host_moe.py", []),
                                         ("scripts/kernel_times_moe.py", ["--cases", "olmoe-1b-7b:1"]),
                                         ("benchmarks/tune_moe.py", None)])
-def test_a_factors_file_is_called_a_file_not_a_missing_folder(tool, args):
+def test_a_factors_file_is_called_a_file_not_a_missing_folder(tool, args, monkeypatch):
     """`--factors README.md` said "folder 'README.md' does not exist": it exists, as a file."""
     from ex_engine.moe_layer import case_problems, load_models
     if args is None:   # tune_moe has no --factors: the shared check, through case_problems
+        monkeypatch.chdir(ROOT)   # 'README.md' is the checkout's, as the tools' cwd=ROOT below
         p = case_problems(load_models(), ["olmoe-1b-7b"], [1], "README.md")
         assert p == ["--factors: 'README.md' is a file, not a folder; expected a plugin folder"], p
         assert case_problems(load_models(), ["olmoe-1b-7b"], [1], "/nonexistent") == \
