@@ -21,6 +21,29 @@ def child_env(*extra) -> dict:
     return dict(os.environ, PYTHONPATH=os.pathsep.join(parts))
 
 
+# The documented defaults for the whole run, children included: the suite tests this checkout's
+# plugins as shipped, but variables left in the shell changed what it tested. EX_ENGINE_FACTORS /
+# EX_ENGINE_MANIFESTS (README: a pip-installed copy's setting) redirected every default load, and
+# a folder that is not there failed collection of test_gpu.py, test_gpu_ep.py and
+# test_trial_fixes_32.py; a plugin's EX_* variable (README's table, e.g.
+# EX_MOE_SM90_MIN_ROWS_PER_EXPERT) changed the plugins (test_hopper_moe_plugin_workspace). Dropped
+# before collection (module-level code reads them); a test that means to set one uses
+# monkeypatch, as the GPU tests of the variables do.
+_saved_env: dict = {}
+
+
+def pytest_configure(config):
+    from ex_engine._paths import plugin_env
+    for var in ("EX_ENGINE_FACTORS", "EX_ENGINE_MANIFESTS", *(k for k, _ in plugin_env())):
+        if var in os.environ:
+            _saved_env[var] = os.environ.pop(var)
+
+
+def pytest_unconfigure(config):
+    os.environ.update(_saved_env)
+    _saved_env.clear()
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _private_verify_cache(tmp_path_factory):
     """The whole run's verify cache (EX_ENGINE_CACHE) in a temporary folder, children included:
