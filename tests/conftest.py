@@ -33,6 +33,16 @@ _saved_env: dict = {}
 
 
 def pytest_configure(config):
+    # Hypothesis's example database and constants cache in the checkout's .hypothesis/ (git
+    # ignores it), wherever pytest runs: its default, <cwd>/.hypothesis, put it in the folder
+    # a run started from (`cd /tmp && pytest <checkout>/tests`: /tmp/.hypothesis)
+    if not os.environ.get("HYPOTHESIS_STORAGE_DIRECTORY"):
+        try:
+            from hypothesis.configuration import set_hypothesis_home_dir
+        except ImportError:
+            pass
+        else:
+            set_hypothesis_home_dir(ROOT / ".hypothesis")
     from ex_engine._paths import plugin_env
     for var in ("EX_ENGINE_FACTORS", "EX_ENGINE_MANIFESTS", *(k for k, _ in plugin_env())):
         if var in os.environ:
