@@ -49,6 +49,14 @@ def pytest_configure(config):
             _saved_env[var] = os.environ.pop(var)
 
 
+def pytest_report_header(config):
+    # said, not silent: a variable set on purpose (a mode to try) does not reach this run
+    if _saved_env:
+        return [f"ex_engine: the suite runs on the documented defaults; not passed to it: "
+                f"{', '.join(f'{k}={v}' for k, v in sorted(_saved_env.items()))}"]
+    return []
+
+
 def pytest_unconfigure(config):
     os.environ.update(_saved_env)
     _saved_env.clear()
