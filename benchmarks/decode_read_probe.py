@@ -207,4 +207,8 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    import runpy
+    # its --help and table print 'µs': escaped, not an error, under an ASCII locale (the helper
+    # loaded by path, standard library only: --help still needs no numpy)
+    runpy.run_path(str(HERE.parent / "ex_engine" / "_scripts.py"))["tolerant_stdio"]()
     sys.exit(main())

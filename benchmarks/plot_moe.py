@@ -151,4 +151,5 @@ def main():
 
 
 if __name__ == "__main__":
+    _scripts["tolerant_stdio"]()   # an ASCII locale: text it cannot print is escaped, not an error
     sys.exit(main())

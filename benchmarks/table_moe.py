@@ -173,6 +173,7 @@ def main(path) -> int:
 
 
 if __name__ == "__main__":
+    _scripts["tolerant_stdio"]()   # its table and --help hold 'µs', '×': escaped under an ASCII locale
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("json", help="the --json output of benchmarks/bench_moe.py")
     _scripts["exit_quietly_on_broken_pipe"](main, ap.parse_args().json)

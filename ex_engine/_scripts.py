@@ -32,6 +32,40 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescript
         return super()._get_help_string(action)
 
 
+def _escape_unencodable(exc):
+    """The error handler tolerant_stdio gives a surrogateescape stream: a lone surrogate (a file
+    name's undecodable byte) is written back as that byte, as before; any other character the
+    encoding lacks as a backslash escape ('\\xb5'), where it raised UnicodeEncodeError."""
+    if not isinstance(exc, UnicodeEncodeError):
+        raise exc
+    c = exc.object[exc.start]
+    if 0xDC80 <= ord(c) <= 0xDCFF:
+        return bytes([ord(c) - 0xDC00]), exc.start + 1
+    return c.encode("ascii", "backslashreplace").decode("ascii"), exc.start + 1
+
+
+def tolerant_stdio() -> None:
+    """Make sys.stdout and sys.stderr print any text: under an ASCII locale with Python's UTF-8
+    mode off (LC_ALL=C PYTHONUTF8=0 PYTHONCOERCECLOCALE=0) printing 'µs', '×' or '≥' (a table's
+    header, a --help) raised UnicodeEncodeError. Where a stream's encoding is not a UTF one and
+    its errors are 'strict' or 'surrogateescape' (those that raise for such a character), a
+    character it cannot encode is now written as a backslash escape ('\\xb5s'). A UTF-8 stream,
+    or one whose errors were chosen otherwise (PYTHONIOENCODING=ascii:replace), is left as it is.
+    The tools (benchmarks/, scripts/, examples/, the ex-engine command) call it at their entry
+    point; exit_quietly_on_broken_pipe does for the scripts it runs."""
+    import codecs
+    codecs.register_error("ex_engine_escape", _escape_unencodable)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            name = codecs.lookup(stream.encoding).name
+        except (AttributeError, LookupError, TypeError):   # None, or not a text stream
+            continue
+        errors = {"strict": "backslashreplace", "surrogateescape": "ex_engine_escape"}.get(
+            getattr(stream, "errors", None))
+        if errors and not name.startswith("utf") and hasattr(stream, "reconfigure"):
+            stream.reconfigure(errors=errors)
+
+
 def report_problems(tool: str, problems) -> bool:
     """Print each non-empty problem as '<tool>: <problem>' on stderr; True if there was any (the
     tool then exits with status 2 before any work)."""
@@ -136,9 +170,11 @@ def exit_quietly_on_broken_pipe(script_main, *args) -> None:
     - a reader that leaves early (`bench_moe.py | head`): READER_LEFT_STATUS (141), no line;
     - Ctrl-C: '<script>: interrupted', status 130;
     - an allocation that fails (sizes asked for that do not fit: `--tokens 1000000000000`):
-      '<script>: out of memory: <the allocator's words>', status 2.
+      '<script>: out of memory: <the allocator's words>', status 2;
+    and text its streams cannot encode (an ASCII locale) is escaped, not an error (tolerant_stdio).
     Never returns."""
     tool = Path(sys.argv[0]).name if sys.argv and sys.argv[0] else "script"
+    tolerant_stdio()
     try:
         code = script_main(*args)
         sys.stdout.flush()

@@ -23,7 +23,7 @@ import warnings
 from pathlib import Path
 
 from . import _paths
-from ._scripts import _reader_left, exit_quietly_on_broken_pipe  # noqa: F401 (the scripts' import)
+from ._scripts import _reader_left, exit_quietly_on_broken_pipe, tolerant_stdio  # noqa: F401 (the scripts' import)
 from .errors import FactorError
 from .hardware import Hardware, list_profiles, profiles_problem, resolve
 from .trust import CHILD_TIMEOUT_S, LIBRARY_LIMIT
@@ -813,6 +813,8 @@ def main(argv=None) -> int:
         # faulthandler.enable() raised RuntimeError (exit 1, nothing printed) and print(...,
         # file=sys.stderr) would write to stdout; its lines go to /dev/null instead
         sys.stderr = open(os.devnull, "w")
+    if argv is None:   # the command itself: 'µs' under an ASCII locale is escaped, not a traceback
+        tolerant_stdio()
     if sys.stdout is None:   # no stdout at all (>&-, a daemon's): print() writes nothing
         return _main(argv, None)
     out = sys.stdout = _Output(sys.stdout)
