@@ -242,7 +242,7 @@ def _users() -> list:
     from pathlib import Path
     here = Path(__file__).resolve().parent
     return sorted(p.name for p in here.glob("*.py")
-                  if p.name != "_timing.py" and "from _timing import" in p.read_text())
+                  if p.name != "_timing.py" and "from _timing import" in p.read_text(encoding="utf-8"))
 
 
 def main(argv=None) -> int:

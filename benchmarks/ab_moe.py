@@ -57,7 +57,7 @@ def readme_variables(readme=ROOT / "README.md"):
     load', 'when a registry loads'): the one list of what the plugins and the registry read, so
     a variable added to a plugin without its row cannot be compared here by mistake."""
     found = {}
-    for line in readme.read_text().splitlines():
+    for line in readme.read_text(encoding="utf-8").splitlines():
         cells = [c.strip() for c in re.split(r"(?<!\\)\|", line.strip().strip("|"))]  # not \|
         if len(cells) >= 3 and cells[0].startswith("`EX_"):
             for name in re.findall(r"EX_[A-Z0-9_]+", cells[0]):
@@ -71,7 +71,7 @@ def variable_problems(cfgs, variables, readme_text=None):
     variable of the table not read per call (the folder's plugins and registry load once, so
     the second config would run with the first's setting). Other variables (CUDA_LAUNCH_BLOCKING,
     ...) are the caller's business."""
-    text = readme_text if readme_text is not None else (ROOT / "README.md").read_text()
+    text = readme_text if readme_text is not None else (ROOT / "README.md").read_text(encoding="utf-8")
     named = set(re.findall(r"EX_[A-Z0-9_]+", text))   # whole names: EX_MOE_SM90_RASTER is none
     problems = []
     for n, folder, env in cfgs:

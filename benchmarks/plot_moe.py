@@ -80,7 +80,7 @@ def main():
         problems.append(f"--output: expected a .png, .pdf or .svg file name, got {a.output}")
     rows, data = [], None
     try:
-        with open(a.json) as f:
+        with open(a.json, encoding="utf-8") as f:
             data = json.load(f)
         problem = data_problem(data)
     except (OSError, ValueError) as exc:

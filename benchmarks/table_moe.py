@@ -137,7 +137,7 @@ def cells(r: dict, here: bool) -> list:
 def main(path) -> int:
     problem = ""
     try:
-        with open(path) as f:
+        with open(path, encoding="utf-8") as f:
             d = json.load(f)
         if shape_problem(d):
             raise ValueError(shape_problem(d))

@@ -119,7 +119,7 @@ def existing_table(out: Path, device: str | None = None, sms: int | None = None)
     and ``sms``: the file must be that GPU's. Raises FactorError saying why it cannot be merged
     (main refuses to replace such a file unless --replace)."""
     try:
-        if not out.exists() or not out.read_text().strip():
+        if not out.exists() or not out.read_text(encoding="utf-8").strip():
             return {}, []
     except (OSError, UnicodeDecodeError):
         pass                       # _read says what is wrong with it
@@ -136,7 +136,7 @@ def existing_table(out: Path, device: str | None = None, sms: int | None = None)
                           f"({data.get('multiprocessor_count', '?')} SMs), not of this GPU, {device} "
                           f"({sms} SMs): merging would drop every row of it")
     notes = []
-    for line in out.read_text().splitlines():
+    for line in out.read_text(encoding="utf-8").splitlines():
         if not line.startswith("#"):
             break
         notes.append(line)

@@ -85,7 +85,7 @@ renew_after_fork(sys.modules[__name__], "_LIBRARIES_LOCK")
 def _header_version() -> tuple[int, int]:
     """(major, minor) read from the header's #define lines; the header is the one truth."""
     if HEADER.exists():
-        text = HEADER.read_text()
+        text = HEADER.read_text(encoding="utf-8")
         major = int(re.search(r"#define EX_ABI_VERSION_MAJOR (\d+)", text).group(1))
         minor = int(re.search(r"#define EX_ABI_VERSION_MINOR (\d+)", text).group(1))
         return major, minor

@@ -592,7 +592,7 @@ _CHILD = r"""
 import dataclasses, json, os, signal, sys
 sys.path[:] = json.loads(sys.argv[1])
 a = json.loads(sys.argv[2])
-report = open(a["report"], "w")
+report = open(a["report"], "w", encoding="utf-8")
 try:
     import ctypes
     ctypes.CDLL(None).prctl(1, signal.SIGKILL)    # PR_SET_PDEATHSIG: end with the parent
@@ -649,7 +649,7 @@ def _verify_in_child(registry, plugin, seed: int, count: bool, timeout: float) -
     with contextlib.ExitStack() as stack:
         try:
             out = stack.enter_context(tempfile.NamedTemporaryFile(
-                "r", prefix="ex_engine_verify_", suffix=".txt", errors="replace"))
+                "r", prefix="ex_engine_verify_", suffix=".txt", encoding="utf-8", errors="replace"))
             err = stack.enter_context(tempfile.NamedTemporaryFile("w+b", prefix="ex_engine_verify_", suffix=".err"))
         except OSError as exc:
             return [fail("-", "-", f"could not start verify's child process: no writable temporary folder ({exc})")]

@@ -513,7 +513,7 @@ def main(argv=None) -> int:
                 (f", {n_fail} FAILED" if n_fail else ""))
     ctx.log(f"[ep_moe] done in {results['seconds']:.1f} s")
     if args.json and rank == 0:
-        with open(args.json, "w") as f:
+        with open(args.json, "w", encoding="utf-8") as f:
             json.dump(results, f, indent=1)
         ctx.log(f"[ep_moe] wrote {args.json}")
     ok = ctx.all_true(results["ok"])

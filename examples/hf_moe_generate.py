@@ -362,7 +362,7 @@ def main(argv=None) -> int:
     results["ok"] = all(m["ok"] for m in results["models"].values())
     log(f"[hf_moe] done in {results['seconds']:.1f} s: {'OK' if results['ok'] else 'MISMATCH'}")
     if args.json:
-        with open(args.json, "w") as f:
+        with open(args.json, "w", encoding="utf-8") as f:
             json.dump(results, f, indent=1)
         log(f"[hf_moe] wrote {args.json}")
     return 0 if results["ok"] else 1

@@ -33,4 +33,4 @@ for m, T, s in cases:
     med = lambda v: sorted(v)[len(v) // 2]
     print(f"{m:<22}{T:>6}  ours old {med(r['old_ours']):8.1f} new {med(r['new_ours']):8.1f}   gmm old {med(r['old_gmm']):8.1f} new {med(r['new_gmm']):8.1f}", flush=True)
     out.append(r)
-    Path(os.environ.get("OUT", "."), "graph_method_ab.json").write_text(json.dumps(out, indent=1))
+    Path(os.environ.get("OUT", "."), "graph_method_ab.json").write_text(json.dumps(out, indent=1), encoding="utf-8")

@@ -40,4 +40,4 @@ for m, T, s in cases:
         del g
     del w13, w2, sets
     torch.cuda.empty_cache()
-Path(os.environ.get("OUT", "."), "sustain.json").write_text(json.dumps(out))
+Path(os.environ.get("OUT", "."), "sustain.json").write_text(json.dumps(out), encoding="utf-8")

@@ -224,7 +224,7 @@ def main():
     t0 = time.time()
 
     def dump():
-        with open(os.path.join(args.out, "tune.json"), "w") as f:
+        with open(os.path.join(args.out, "tune.json"), "w", encoding="utf-8") as f:
             json.dump(res, f, indent=1)
 
     with stream:
