@@ -104,19 +104,19 @@ def build_plugin(folder: Path, stem: str = "host_scale", defines: dict | None = 
     folder.mkdir(parents=True, exist_ok=True)
     out = folder / f"{stem}.so"
     flags = []
-    for k, v in (defines or {}).items():
-        flags.append(f"-D{k}" if v is True else f"-D{k}={v}")
+    for k, v in (defines or {}).items():   # as UTF-8 bytes: a non-ASCII value reaches gcc under an ASCII locale too
+        flags.append((f"-D{k}" if v is True else f"-D{k}={v}").encode("utf-8"))
     subprocess.run(["gcc", "-shared", "-fPIC", "-fvisibility=hidden", "-O1", f"-I{ROOT / 'include'}",
                     *flags, "-o", str(out), str(src), *(link or [])], check=True)
     if manifest:
         name = (defines or {}).get("NAME", '"host_scale"').strip('"')
-        text = (ROOT / "tests" / "plugins" / "host_scale.yaml").read_text()
+        text = (ROOT / "tests" / "plugins" / "host_scale.yaml").read_text(encoding="utf-8")
         if name != "host_scale":
             text = text.replace("name: host_scale", f"name: {name}")
         fid = (defines or {}).get("FACTOR_ID")
         if fid is not None:
             text = text.replace("id: 1100", f"id: {fid}")
-        (folder / f"{name}.yaml").write_text(text)
+        (folder / f"{name}.yaml").write_text(text, encoding="utf-8")
     return out
 
 

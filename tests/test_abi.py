@@ -39,7 +39,7 @@ def c_layout(tmp_path_factory):
         lines.append(f'printf("enum {e} %d\\n", (int){e});')
     lines.append('printf("abi version %u\\n", (unsigned)EX_ABI_VERSION);')
     lines.append("return 0;}")
-    (d / "layout.c").write_text("\n".join(lines))
+    (d / "layout.c").write_text("\n".join(lines), encoding="utf-8")
     subprocess.run(["gcc", f"-I{ROOT / 'include'}", "-o", str(d / "layout"), str(d / "layout.c")], check=True)
     out = subprocess.run([str(d / "layout")], capture_output=True, text=True, check=True).stdout
     return dict(re.findall(r"^(\S+ \S+(?: \S+)?) (-?\d+)$", out, re.M))
@@ -58,7 +58,7 @@ def test_field_offsets_match(c_layout):
 
 def test_every_header_field_is_checked():
     """A field added to the header but not to this test (or to abi.py) fails here."""
-    text = (ROOT / "include" / "ex_engine.h").read_text()
+    text = (ROOT / "include" / "ex_engine.h").read_text(encoding="utf-8")
     for s, fields in STRUCTS.items():
         body = re.search(r"typedef struct \w+ \{([^}]*)\}\s*" + s, text).group(1)
         body = re.sub(r"/\*.*?\*/", "", body, flags=re.S)

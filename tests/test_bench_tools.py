@@ -84,7 +84,7 @@ def test_ab_moe_variables_come_from_the_readme_table(ab_moe):
     table = ab_moe.readme_variables()
     sources = set()
     for f in (ROOT / "factors").glob("*.cu*"):
-        sources |= set(re.findall(r'"(EX_[A-Z0-9_]+)"', f.read_text()))
+        sources |= set(re.findall(r'"(EX_[A-Z0-9_]+)"', f.read_text(encoding="utf-8")))
     assert sources, "no EX_ variable found in factors/"
     assert sources <= set(table), sorted(sources - set(table))
     assert table["EX_MOE_DECODE_CONFIG"] == "per call"
@@ -184,8 +184,8 @@ def test_a_script_given_a_bad_model_list_says_so_in_one_line(tmp_path, script, a
     from ex_engine import _paths
     m = tmp_path / "m"
     shutil.copytree(_paths.manifests_dir(), m)
-    text = (m / "moe_models.yaml").read_text()
-    (m / "moe_models.yaml").write_text(text.replace("{H: 2048, I: 768,", "{H: -8, I: 768,", 1))
+    text = (m / "moe_models.yaml").read_text(encoding="utf-8")
+    (m / "moe_models.yaml").write_text(text.replace("{H: 2048, I: 768,", "{H: -8, I: 768,", 1), encoding="utf-8")
     env = {**os.environ, "EX_ENGINE_MANIFESTS": str(m)}
     p = subprocess.run([sys.executable, str(ROOT / script), *args], capture_output=True, text=True,
                        cwd=ROOT, env=env, timeout=120)
@@ -213,8 +213,8 @@ def test_table_tools_end_quietly_when_the_reader_leaves(tmp_path):
     for tool in ("benchmarks/host_moe.py", "benchmarks/bench_moe.py", "benchmarks/ab_moe.py",
                  "benchmarks/tune_moe.py", "benchmarks/bench_router_norm.py",
                  "scripts/kernel_times_moe.py", "scripts/profile_moe.py"):
-        assert "exit_quietly_on_broken_pipe(main)" in (ROOT / tool).read_text(), tool
-    assert "except BrokenPipeError:" in (ROOT / "benchmarks" / "perf_peers.py").read_text()
+        assert "exit_quietly_on_broken_pipe(main)" in (ROOT / tool).read_text(encoding="utf-8"), tool
+    assert "except BrokenPipeError:" in (ROOT / "benchmarks" / "perf_peers.py").read_text(encoding="utf-8")
 
 
 def test_run_meta_records_date_device_and_commit(monkeypatch):
@@ -276,9 +276,11 @@ def test_gpu_selftests_fail_when_nothing_was_tested(tmp_path, monkeypatch, capsy
 
 
 def _run_table(path, python=sys.executable):
+    """table_moe.py's output as a UTF-8 terminal gets it ('µs'), whatever this run's locale."""
     import subprocess
     return subprocess.run([python, str(ROOT / "benchmarks" / "table_moe.py"), str(path)],
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, encoding="utf-8", timeout=120,
+                          env=dict(os.environ, PYTHONIOENCODING="utf-8"))
 
 
 def _table_rows(stdout):
@@ -316,7 +318,7 @@ def test_table_moe_reproduces_an_older_table():
 def _bench_json(tmp_path, rows, **meta):
     import json
     p = tmp_path / "b.json"
-    p.write_text(json.dumps({"meta": {"device": "X", **meta}, "rows": rows}))
+    p.write_text(json.dumps({"meta": {"device": "X", **meta}, "rows": rows}), encoding="utf-8")
     return p
 
 
@@ -368,7 +370,7 @@ def _without(tmp_path, *modules):
     import os
     for name in modules:
         (tmp_path / "hide" / name).mkdir(parents=True)
-        (tmp_path / "hide" / name / "__init__.py").write_text(f"raise ImportError('{name} hidden')\n")
+        (tmp_path / "hide" / name / "__init__.py").write_text(f"raise ImportError('{name} hidden')\n", encoding="utf-8")
     return dict(os.environ, PYTHONPATH=str(tmp_path / "hide"))
 
 
@@ -444,17 +446,17 @@ def test_tune_moe_merges_only_into_this_gpus_tuning_file(tune, tmp_path):
     assert "merging would drop every row" in problem and "--replace" in problem
     assert tune.merge_problem(shipped, True, "NVIDIA A100-SXM4-80GB", 108) == ""
     cases = {
-        "ab.yaml": (ROOT / "benchmarks" / "ab_narrow_h200_2026-12-01.json").read_text(),
+        "ab.yaml": (ROOT / "benchmarks" / "ab_narrow_h200_2026-12-01.json").read_text(encoding="utf-8"),
         "bad.yaml": "device: NVIDIA H200\nmoe_fused_gemm: [\n",
         "meta.yaml": '{"meta": {"date": "2026-12-02"}, "rows": []}',          # ab_moe's newer JSON
-        "noI.yaml": shipped.read_text().replace("    I: 512\n", "", 1),
+        "noI.yaml": shipped.read_text(encoding="utf-8").replace("    I: 512\n", "", 1),
         "other.yaml": "device: NVIDIA H200\nmultiprocessor_count: 132\nnotes: {a: 1}\n",
     }
     words = {"ab.yaml": "expected a mapping", "meta.yaml": "device:", "bad.yaml": "not readable YAML", "noI.yaml": "no 'I'",
              "other.yaml": "no moe_fused_gemm table"}
-    assert cases["noI.yaml"] != shipped.read_text()
+    assert cases["noI.yaml"] != shipped.read_text(encoding="utf-8")
     for name, text in cases.items():
-        (tmp_path / name).write_text(text)
+        (tmp_path / name).write_text(text, encoding="utf-8")
         problem = tune.merge_problem(tmp_path / name, False)
         assert problem.startswith("--out: will not replace it: tuning file ") and words[name] in problem, problem
         assert problem.endswith("give --replace to write a new table over it") and "\n" not in problem
@@ -467,13 +469,13 @@ def test_tune_moe_merges_only_into_this_gpus_tuning_file(tune, tmp_path):
 def test_tune_moe_refuses_a_file_it_cannot_merge_before_any_work(tmp_path):
     import subprocess
     out = tmp_path / "tuning.yaml"
-    text = (ROOT / "benchmarks" / "ab_narrow_h200_2026-12-01.json").read_text()
-    out.write_text(text)
+    text = (ROOT / "benchmarks" / "ab_narrow_h200_2026-12-01.json").read_text(encoding="utf-8")
+    out.write_text(text, encoding="utf-8")
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "tune_moe.py"), "--out", str(out)],
                        capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
     assert r.stderr.startswith(f"tune_moe: --out: will not replace it: tuning file {out}: expected a mapping"), r.stderr
-    assert out.read_text() == text
+    assert out.read_text(encoding="utf-8") == text
 
 
 @pytest.mark.parametrize("value", ["-1", "nan", "60001"])
@@ -581,7 +583,7 @@ def test_ep_moe_tiny_on_the_cpu_records_the_python_fallback(tmp_path):
                         "--tokens", "4", "--models", "olmoe-1b-7b", "--json", str(out)],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
-    info = json.loads(out.read_text())["info"]
+    info = json.loads(out.read_text(encoding="utf-8"))["info"]
     assert info["moe_fused_gemm"] == "the Python fallback" and set(info["moe_fused_gemm_calls"]) == {"python_fallback"}
     assert "moe_fused_gemm the Python fallback (CPU tensors)" in r.stdout and ".so" not in r.stdout, r.stdout
 
@@ -680,7 +682,7 @@ def test_plot_moe_names_what_is_wrong_with_a_malformed_json_as_table_moe_does(tm
     it now reports it in table_moe's words, one line per problem, exit status 2, no traceback."""
     import subprocess
     bad = tmp_path / "b.json"
-    bad.write_text(text)
+    bad.write_text(text, encoding="utf-8")
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "plot_moe.py"), str(bad), "-o",
                         str(tmp_path / "x.png")], capture_output=True, text=True, timeout=120)
     first = r.stderr.splitlines()[0]
@@ -699,13 +701,13 @@ def test_plot_moe_accepts_every_bench_moe_json_of_the_repo():
     import json
     plot = import_tool("benchmarks", "plot_moe")
     for path in sorted((ROOT / "benchmarks").glob("bench_moe*.json")):
-        assert plot.data_problem(json.loads(path.read_text())) == "", path
+        assert plot.data_problem(json.loads(path.read_text(encoding="utf-8"))) == "", path
 
 
 def test_the_readme_names_the_tuning_files_as_tune_moe_writes_them(tune):
     """The README said `manifests/tuning/<device>.yaml`; tune_moe.py writes h200.yaml on the H200
     and <device>_<SMs>sm.yaml elsewhere, and the registry picks a file by its content."""
-    text = " ".join((ROOT / "README.md").read_text().split())
+    text = " ".join((ROOT / "README.md").read_text(encoding="utf-8").split())
     assert "`manifests/tuning/<device>.yaml`" not in text
     assert tune.default_out("NVIDIA H200", 132).name == "h200.yaml"
     assert "`tune_moe.py` writes `manifests/tuning/h200.yaml` on the H200 (132 SMs)" in text
@@ -762,7 +764,7 @@ def test_dram_rows_probe_checks_its_arguments_and_needs_a_gpu():
                        (["--mb", "0"], "--mb must be > 0")):
         r = subprocess.run([sys.executable, tool, *args], capture_output=True, text=True, env=child_env())
         assert r.returncode == 2 and says in r.stderr and "Traceback" not in r.stderr, r.stderr
-    text = (ROOT / "benchmarks" / "dram_rows_probe.py").read_text()
+    text = (ROOT / "benchmarks" / "dram_rows_probe.py").read_text(encoding="utf-8")
     assert "run_meta(device=name)" in text
     try:
         import cupy  # noqa: F401
@@ -981,7 +983,7 @@ def test_tuner_merges_keep_one_header_each_run_named(monkeypatch, tmp_path):
     for tokens in (["--tokens", "1"], ["--tokens", "8", "64"], ["--tokens", "1"]):
         rc, tune = drive_tune_moe(monkeypatch, out, tokens)
         assert rc == 0
-    text = out.read_text()
+    text = out.read_text(encoding="utf-8")
     lines = [ln for ln in text.splitlines() if ln.startswith("#")]
     assert len(lines) == len(set(lines)), text            # no line twice
     assert lines.count(tune.EARLIER) == 1 and lines[0].startswith("# Tuned tile configurations")

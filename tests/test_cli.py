@@ -1,5 +1,6 @@
 """The ex-engine command line on a machine without a GPU."""
 import json
+import os
 import re
 import subprocess
 import sys
@@ -71,9 +72,9 @@ PROFILES = Path(__file__).resolve().parents[1] / "manifests" / "hardware"
 def _profile_with(tmp_path, field, text, name="bad.yaml"):
     """The h200 profile with ``field``'s line replaced by ``field: text`` (YAML as written)."""
     lines = [f"{field}: {text}" if line.startswith(f"{field}:") else line
-             for line in (PROFILES / "h200.yaml").read_text().splitlines()]
+             for line in (PROFILES / "h200.yaml").read_text(encoding="utf-8").splitlines()]
     path = tmp_path / name
-    path.write_text("\n".join(lines) + "\n")
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
     return path
 
 
@@ -206,7 +207,7 @@ def test_a_profile_is_found_by_name_with_its_suffix_or_by_any_existing_file(tmp_
     assert main(["hardware", "--profile", "a100.yaml", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["name"] == a100.name
     no_suffix = tmp_path / "myprof"
-    no_suffix.write_text((PROFILES / "bi-v100.yaml").read_text())
+    no_suffix.write_text((PROFILES / "bi-v100.yaml").read_text(encoding="utf-8"), encoding="utf-8")
     assert Hardware.from_profile(str(no_suffix)).name == "Iluvatar BI-V100"
     assert Hardware.from_profile(no_suffix).name == "Iluvatar BI-V100"     # a Path too
     monkeypatch.chdir(tmp_path)
@@ -424,6 +425,11 @@ def test_list_factors_columns_line_up_for_wide_and_combining_characters(tmp_path
     from ex_engine.cli import _width
     from tests.conftest import build_plugin
     names = ["plain", "u\u0308n\u0131", "\u6f22\u5b57"]
+    try:
+        [os.fsencode(n) for n in names]
+    except UnicodeEncodeError:
+        pytest.skip(f"file names with non-ASCII characters cannot be made under the file system "
+                    f"encoding {sys.getfilesystemencoding()!r} (an ASCII locale, UTF-8 mode off)")
     for i, stem in enumerate(names):
         build_plugin(tmp_path, stem, defines={"NAME": f'"host_scale_{i}"', "FACTOR_ID": 1110 + i})
     assert (_width("u\u0308"), _width("\u6f22\u5b57"), _width("abc")) == (1, 4, 3)
@@ -532,7 +538,7 @@ def _models_file(tmp_path, monkeypatch, text):
     import shutil
     mdir = tmp_path / "manifests"
     shutil.copytree(Path(__file__).resolve().parents[1] / "manifests", mdir)
-    (mdir / "moe_models.yaml").write_text(text)
+    (mdir / "moe_models.yaml").write_text(text, encoding="utf-8")
     monkeypatch.setenv("EX_ENGINE_MANIFESTS", str(mdir))
     return mdir / "moe_models.yaml"
 
@@ -757,11 +763,11 @@ def test_manifests_search_path_keeps_the_shipped_profiles_and_manifests(tmp_path
     mine, plugs = tmp_path / "mine", tmp_path / "plugs"
     mine.mkdir()
     build_plugin(plugs, manifest=False)                    # host_scale.so, no manifest beside it
-    host_text = (ROOT / "tests" / "plugins" / "host_scale.yaml").read_text()
-    (mine / "host_scale.yaml").write_text(host_text)
+    host_text = (ROOT / "tests" / "plugins" / "host_scale.yaml").read_text(encoding="utf-8")
+    (mine / "host_scale.yaml").write_text(host_text, encoding="utf-8")
     # a shipped factor's manifest in the first folder wins over the shipped one
-    topk = (shipped / "topk_softmax.yaml").read_text()
-    (mine / "topk_softmax.yaml").write_text(topk.replace("summary: \"", "summary: \"mine: ", 1))
+    topk = (shipped / "topk_softmax.yaml").read_text(encoding="utf-8")
+    (mine / "topk_softmax.yaml").write_text(topk.replace("summary: \"", "summary: \"mine: ", 1), encoding="utf-8")
     path = os.pathsep.join([str(mine), str(shipped)])
     monkeypatch.setenv("EX_ENGINE_MANIFESTS", path)
     assert _paths.manifests_dirs() == [mine, shipped] and _paths.manifests_dir() == shipped
@@ -803,7 +809,7 @@ def test_manifests_search_path_keeps_the_shipped_profiles_and_manifests(tmp_path
 def test_the_readme_dispatch_example_runs(capsys):
     """README said to dispatch 'with the manifest's parameters' but not how (keyword arguments
     are a TypeError): its example, parameters as the third argument, runs as printed."""
-    text = (ROOT / "README.md").read_text()
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
     at = text.index('reg.dispatch("fused_add_rmsnorm"')
     code = text[text.rindex("```python", 0, at) + len("```python"):text.index("```", at)]
     exec(compile(code, "README.md", "exec"), {})
@@ -909,20 +915,20 @@ def test_lock_replaces_a_lock_file_or_an_empty_file_and_refuses_a_bad_default(tm
     folder = _lock_folder(tmp_path)
     assert main(["lock", "--dir", str(folder)]) == 0
     lock = folder / "ex_engine.lock"
-    first = json.loads(lock.read_text())
+    first = json.loads(lock.read_text(encoding="utf-8"))
     (folder / "other.so").write_bytes(b"\x7fELF library two, rebuilt")
     assert main(["lock", "--dir", str(folder)]) == 0
-    assert json.loads(lock.read_text())["other.so"] != first["other.so"]
+    assert json.loads(lock.read_text(encoding="utf-8"))["other.so"] != first["other.so"]
     empty = tmp_path / "empty.lock"
     empty.write_text("")
     assert main(["lock", "--dir", str(folder), "--output", str(empty)]) == 0
-    assert json.loads(empty.read_text()) == json.loads(lock.read_text())
+    assert json.loads(empty.read_text(encoding="utf-8")) == json.loads(lock.read_text(encoding="utf-8"))
     capsys.readouterr()
     lock.write_text("not a lock\n")
     assert main(["lock", "--dir", str(folder)]) == 2
     err = capsys.readouterr().err
     assert f"lock: the default lock file {lock}: exists and is not a lock file" in err, err
-    assert lock.read_text() == "not a lock\n"
+    assert lock.read_text(encoding="utf-8") == "not a lock\n"
 
 
 def test_lock_notes_each_so_entry_it_leaves_out(tmp_path, capsys):
@@ -942,7 +948,7 @@ def test_lock_notes_each_so_entry_it_leaves_out(tmp_path, capsys):
                      "note: dir.so left out: a folder" + tail,
                      "note: fifo.so left out: a FIFO" + tail,
                      "note: linkdir.so left out: a link to a folder" + tail], out
-    assert set(json.loads((folder / "ex_engine.lock").read_text())) == {"other.so", "topk_softmax.so"}
+    assert set(json.loads((folder / "ex_engine.lock").read_text(encoding="utf-8"))) == {"other.so", "topk_softmax.so"}
     text = " ".join(build_parser()._subparsers._group_actions[0].choices["lock"].format_help().split())
     assert "every *.so file in the folder (an entry named *.so that is not a regular file" in text
 
@@ -978,7 +984,7 @@ def test_run_moe_unknown_model_names_all_as_a_choice(capsys, model, hint):
 
 def _readme_command_lines() -> dict:
     """The README's "Command line" block: {command (e.g. 'run moe'): its options part}."""
-    text = (ROOT / "README.md").read_text()
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
     block = text.split("## Command line\n", 1)[1].split("```\n", 2)[1]
     out = {}
     for line in block.splitlines():
@@ -1024,7 +1030,7 @@ def test_the_readme_says_build_needs_a_checkout_not_the_folder_variables():
     """After a plain `pip install .` with EX_ENGINE_MANIFESTS and EX_ENGINE_FACTORS set, as the
     README said to, `ex-engine build` still refuses (no Makefile in site-packages): the README
     says so where it names the two variables."""
-    text = " ".join((ROOT / "README.md").read_text().split())
+    text = " ".join((ROOT / "README.md").read_text(encoding="utf-8").split())
     at = text.index("A plain `pip install .`")
     paragraph = text[at:text.index("**Run the tests**", at)]
     assert "`EX_ENGINE_FACTORS=<checkout>/factors`" in paragraph

@@ -180,8 +180,8 @@ def test_what_is_remembered_is_what_was_checked(tmp_path):
     at the arrays: a parameter whose hash changes an array's dtype mid-call (as another thread
     flipping a flag could) leaves no unchecked signature behind."""
     build_plugin(tmp_path)
-    text = (tmp_path / "host_scale.yaml").read_text() + "params: {eps: {type: float, default: 1.0}}\n"
-    (tmp_path / "host_scale.yaml").write_text(text)
+    text = (tmp_path / "host_scale.yaml").read_text(encoding="utf-8") + "params: {eps: {type: float, default: 1.0}}\n"
+    (tmp_path / "host_scale.yaml").write_text(text, encoding="utf-8")
     reg = FactorRegistry.load(tmp_path, hardware="h200")
     assert reg.get("host_scale") is not None, reg.plugins[0].reason
 
@@ -236,8 +236,8 @@ def test_the_workspace_size_is_asked_on_every_call(tmp_path):
 
 def test_params_not_a_dict_and_int_parameters(tmp_path):
     build_plugin(tmp_path)
-    text = (tmp_path / "host_scale.yaml").read_text() + "params: {steps: {type: int, default: 1}}\n"
-    (tmp_path / "host_scale.yaml").write_text(text)
+    text = (tmp_path / "host_scale.yaml").read_text(encoding="utf-8") + "params: {steps: {type: int, default: 1}}\n"
+    (tmp_path / "host_scale.yaml").write_text(text, encoding="utf-8")
     reg = FactorRegistry.load(tmp_path, hardware="h200")
     with pytest.raises(ArgumentError, match="params.*dict"):
         reg.dispatch("host_scale", args(), [("steps", 2)])

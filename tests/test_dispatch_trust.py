@@ -212,9 +212,9 @@ def test_a_null_error_text_and_a_host_decline_are_reported_plainly(tmp_path):
         reg.dispatch("host_scale", {"x": x, "out": np.empty_like(x), "alpha": alpha})
     assert reg.stats()["host_scale"]["errors"] == 1
     build_plugin(tmp_path / "b", defines={"BEHAVIOUR": 2}, manifest=False)
-    text = (ROOT / "tests" / "plugins" / "host_scale.yaml").read_text()
+    text = (ROOT / "tests" / "plugins" / "host_scale.yaml").read_text(encoding="utf-8")
     (tmp_path / "b" / "host_scale.yaml").write_text(text.replace(
-        "fallback: tests.plugins.host_scale_fallback:scale", "fallback: null"))
+        "fallback: tests.plugins.host_scale_fallback:scale", "fallback: null"), encoding="utf-8")
     reg = FactorRegistry.load(tmp_path / "b", hardware="h200")
     with pytest.raises(FactorError, match="its plugin and kernel_fallback declined the call"):
         reg.dispatch("host_scale", {"x": x, "out": np.empty_like(x), "alpha": alpha})

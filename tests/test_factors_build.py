@@ -154,10 +154,10 @@ def test_template_factor_drops_in(template_plugin):
 def _template_manifest_with_fallback(folder, monkeypatch):
     """docs/template/my_op.yaml naming docs/template/my_op_fallback.py's silu, in ``folder``."""
     monkeypatch.syspath_prepend(str(ROOT / "docs" / "template"))
-    text = (ROOT / "docs" / "template" / "my_op.yaml").read_text()
+    text = (ROOT / "docs" / "template" / "my_op.yaml").read_text(encoding="utf-8")
     assert "\nfallback: null\n" in text
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "my_op.yaml").write_text(text.replace("\nfallback: null\n", "\nfallback: my_op_fallback:silu\n"))
+    (folder / "my_op.yaml").write_text(text.replace("\nfallback: null\n", "\nfallback: my_op_fallback:silu\n"), encoding="utf-8")
 
 
 def test_template_fallback_serves_host_arrays_from_the_manifest_alone(tmp_path, monkeypatch):
@@ -311,7 +311,7 @@ def test_a_build_with_other_flags_is_rebuilt_by_the_next_plain_make(tmp_path):
     assert make("HOST_CFLAGS=-O1 -Wall")                # other flags: rebuilt
     assert not make("HOST_CFLAGS=-O1 -Wall")
     assert make()                                       # back to the defaults: rebuilt again
-    assert "-O2 -Wall" in (proj / "build" / "flags" / "host_scale.so.txt").read_text()
+    assert "-O2 -Wall" in (proj / "build" / "flags" / "host_scale.so.txt").read_text(encoding="utf-8")
 
 
 def test_each_library_is_rebuilt_only_for_a_change_of_its_own_rule_s_flags(tmp_path):
@@ -397,7 +397,7 @@ def test_targets_older_than_sm80_are_refused_before_nvcc(tmp_path, archs, named)
     proj = _project_copy(tmp_path / "p")
     log = tmp_path / "nvcc.log"
     nvcc = tmp_path / "nvcc"
-    nvcc.write_text(f'#!/bin/sh\necho "$@" >> {log}\nwhile [ $# -gt 0 ]; do [ "$1" = -o ] && : > "$2"; shift; done\n')
+    nvcc.write_text(f'#!/bin/sh\necho "$@" >> {log}\nwhile [ $# -gt 0 ]; do [ "$1" = -o ] && : > "$2"; shift; done\n', encoding="utf-8")
     nvcc.chmod(0o755)
     (proj / "factors" / "g.cu").write_text("// a GPU factor\n")
 

@@ -210,7 +210,7 @@ def test_torchrun_two_gpus_bench_smoke(torch, tmp_path):
                          "--json", str(path)])
     print(text)
     assert rc == 0, text[-6000:]
-    res = json.loads(path.read_text())
+    res = json.loads(path.read_text(encoding="utf-8"))
     (case,) = res["bench"]
     assert case["world_size"] == 2 and case["timing"] in ("graph", "eager")
     assert case["total_us"] > 0 and case["allreduce_us"] > 0 and case["world1_us"] > 0

@@ -88,7 +88,7 @@ def test_load_verify_runs_once_then_uses_the_cache(cache):
     for name in BUILTIN:
         c = r.get(name).checks[-1]
         assert c.name == "verify" and c.ok and "cases passed" in c.detail, c.detail
-    data = json.loads(cache.read_text())
+    data = json.loads(cache.read_text(encoding="utf-8"))
     assert any(key.endswith("|" + r.hardware.name) for key in data)
     r = FactorRegistry.load(FACTORS, verify=True)
     for name in BUILTIN:

@@ -242,11 +242,11 @@ def test_manifest_problems_name_the_file_and_spare_the_rest(tmp_path, monkeypatc
         if stem == "a":
             (folder / f"{name}.yaml").mkdir()
         elif stem == "b":
-            (folder / f"{name}.yaml").write_text(text)
+            (folder / f"{name}.yaml").write_text(text, encoding="utf-8")
         else:
-            good = (ROOT / "tests" / "plugins" / "host_scale.yaml").read_text()
+            good = (ROOT / "tests" / "plugins" / "host_scale.yaml").read_text(encoding="utf-8")
             (folder / f"{name}.yaml").write_text(good.replace("name: host_scale", f"name: {name}")
-                                                 .replace("id: 1100", "id: 1103") + "params: {alpha2: 3}\n")
+                                                 .replace("id: 1100", "id: 1103") + "params: {alpha2: 3}\n", encoding="utf-8")
     reg = FactorRegistry.load(folder, hardware="h200")
     st = {p.path.stem: p for p in reg.plugins}
     assert "host_scale_a.yaml: not readable (IsADirectoryError" in st["a"].reason, st["a"].reason
@@ -269,9 +269,9 @@ def _manifest_variant(folder, stem, name, fid, change):
     """A host_scale plugin named ``name`` with id ``fid`` whose manifest beside it went through
     ``change(text) -> text``."""
     build_plugin(folder, stem, defines={"NAME": f'"{name}"', "FACTOR_ID": fid})
-    text = (ROOT / "tests" / "plugins" / "host_scale.yaml").read_text()
+    text = (ROOT / "tests" / "plugins" / "host_scale.yaml").read_text(encoding="utf-8")
     text = text.replace("name: host_scale", f"name: {name}").replace("id: 1100", f"id: {fid}")
-    (folder / f"{name}.yaml").write_text(change(text))
+    (folder / f"{name}.yaml").write_text(change(text), encoding="utf-8")
 
 
 def test_manifest_cross_references_fallback_and_reserved_ids_are_checked_at_load(tmp_path):
@@ -297,8 +297,8 @@ def test_manifest_cross_references_fallback_and_reserved_ids_are_checked_at_load
     for i, (stem, (change, _)) in enumerate(cases.items()):
         _manifest_variant(folder, stem, f"host_scale_{stem}", 1101 + i, change)
     build_plugin(folder, "evil", defines={"NAME": '"evil"', "FACTOR_ID": 0, "VERSION": '"9.0.0"'})
-    text = (ROOT / "tests" / "plugins" / "host_scale.yaml").read_text()
-    (folder / "evil.yaml").write_text(text.replace("name: host_scale", "name: evil").replace("id: 1100", "id: 0"))
+    text = (ROOT / "tests" / "plugins" / "host_scale.yaml").read_text(encoding="utf-8")
+    (folder / "evil.yaml").write_text(text.replace("name: host_scale", "name: evil").replace("id: 1100", "id: 0"), encoding="utf-8")
     reg = FactorRegistry.load(folder, hardware="h200")
     st = {p.path.stem: p for p in reg.plugins}
     for stem, (_, needle) in cases.items():
@@ -413,7 +413,7 @@ def test_a_device_manifest_on_a_library_without_gpu_code_is_said(tmp_path):
     that the library carries no GPU code of its own."""
     build_plugin(tmp_path)
     y = tmp_path / "host_scale.yaml"
-    y.write_text(y.read_text().replace("memory: host", "memory: device"))
+    y.write_text(y.read_text(encoding="utf-8").replace("memory: host", "memory: device"), encoding="utf-8")
     reg = FactorRegistry.load(tmp_path, hardware="h200")
     p = reg.plugins[0]
     assert p.status == "ready", p.reason
@@ -445,7 +445,7 @@ def test_a_library_open_in_another_registry_for_other_settings_is_a_warning(tmp_
     import os
     (tmp_path / "linked").mkdir()
     os.link(tmp_path / "host_scale.so", tmp_path / "linked" / "host_scale.so")
-    (tmp_path / "linked" / "host_scale.yaml").write_text((tmp_path / "host_scale.yaml").read_text())
+    (tmp_path / "linked" / "host_scale.yaml").write_text((tmp_path / "host_scale.yaml").read_text(encoding="utf-8"), encoding="utf-8")
     with pytest.warns(UserWarning, match="already open in this process by another registry"):
         FactorRegistry.load(tmp_path / "linked", hardware="a100")
     del first, same, other_hw
@@ -480,7 +480,7 @@ def test_a_library_of_another_project_or_abi_is_refused_before_its_code_runs(tmp
     if shutil.which("gcc") is None:
         pytest.skip("gcc not available")
     src = tmp_path / "ctor.c"
-    src.write_text(_CTOR_SRC)
+    src.write_text(_CTOR_SRC, encoding="utf-8")
     lib_dir = tmp_path / "lib"
     lib_dir.mkdir()
     flags = [] if abi_define is None else [f"-DABI={abi_define}u"]
@@ -660,10 +660,10 @@ def test_a_manifest_that_is_there_but_empty_or_misnamed_says_so(tmp_path):
     an empty file said 'malformed (TypeError: 'NoneType' object is not subscriptable)'."""
     mdir, plugins = tmp_path / "manifests", tmp_path / "plugins"
     mdir.mkdir()
-    good = (ROOT / "tests" / "plugins" / "host_scale.yaml").read_text()
+    good = (ROOT / "tests" / "plugins" / "host_scale.yaml").read_text(encoding="utf-8")
     (mdir / "host_scale.yaml").write_text("")
     (mdir / "host_scale_b.yaml").write_text(good.replace("name: host_scale", "name: host_scale_bb")
-                                            .replace("id: 1100", "id: 1101"))
+                                            .replace("id: 1100", "id: 1101"), encoding="utf-8")
     (mdir / "host_scale_c.yaml").write_text("# nothing but a comment\n- 1\n")
     build_plugin(plugins, manifest=False)
     build_plugin(plugins, "b", manifest=False, defines={"NAME": '"host_scale_b"', "FACTOR_ID": 1101})
@@ -809,8 +809,8 @@ def test_every_shipped_manifest_loads_and_test_shapes_keep_the_constraints(tmp_p
     assert sorted(load_all(ROOT / "manifests")) == ["fused_add_rmsnorm", "moe_fused_gemm", "topk_softmax"]
     assert sorted(load_all(ROOT / "docs" / "template")) == ["my_op"]
     assert sorted(load_all(ROOT / "tests" / "plugins")) == ["host_scale", "host_scale_ws"]
-    text = (ROOT / "manifests" / "topk_softmax.yaml").read_text()
-    (tmp_path / "topk_softmax.yaml").write_text(text.replace("{T: 1, E: 128, K: 8,", "{T: 1, E: 128, K: 800,"))
+    text = (ROOT / "manifests" / "topk_softmax.yaml").read_text(encoding="utf-8")
+    (tmp_path / "topk_softmax.yaml").write_text(text.replace("{T: 1, E: 128, K: 8,", "{T: 1, E: 128, K: 800,"), encoding="utf-8")
     with pytest.raises(FactorError, match=r"topk_softmax.yaml: test_shapes\[0\]: expected sizes that keep the "
                                           r"constraint 'K <= E', got K=800, E=128"):
         load_all(tmp_path)
@@ -851,9 +851,9 @@ def test_a_parameter_without_a_default_is_required_not_refused(tmp_path):
     check. The manifest loads; a call that omits it is refused by name, one that gives it runs."""
     from ex_engine import ArgumentError, FactorError
     from ex_engine.manifest import Manifest
-    text = ((ROOT / "tests" / "plugins" / "host_scale.yaml").read_text().replace("- {N: 7}", "- {N: 7, beta: 0.5}")
+    text = ((ROOT / "tests" / "plugins" / "host_scale.yaml").read_text(encoding="utf-8").replace("- {N: 7}", "- {N: 7, beta: 0.5}")
             + "params: {beta: {type: float, gt: 0}}\n")
-    (tmp_path / "host_scale.yaml").write_text(text)
+    (tmp_path / "host_scale.yaml").write_text(text, encoding="utf-8")
     m = Manifest.load(tmp_path / "host_scale.yaml")
     assert m._fields_problem() == ""
     with pytest.raises(ArgumentError, match=r"host_scale: argument 'beta': required: expected a value "
@@ -862,7 +862,7 @@ def test_a_parameter_without_a_default_is_required_not_refused(tmp_path):
     assert m.param_values({"beta": 2}) == {"beta": 2.0}
     with pytest.raises(ArgumentError, match=r"argument 'beta': value: expected a finite number > 0"):
         m.param_values({"beta": -1.0})
-    (tmp_path / "host_scale.yaml").write_text(text.replace("- {N: 7, beta: 0.5}", "- {N: 7}"))
+    (tmp_path / "host_scale.yaml").write_text(text.replace("- {N: 7, beta: 0.5}", "- {N: 7}"), encoding="utf-8")
     with pytest.raises(FactorError, match=r"test_shapes\[0\]: beta: expected a value \(the manifest gives no default\)"):
         Manifest.load(tmp_path / "host_scale.yaml")     # verify could not run that shape
 
@@ -872,14 +872,14 @@ def test_device_flags_take_a_quoted_bit_number(tmp_path):
     loaded as bit 0; it is bit 0 again, while a key that is no bit number is still refused."""
     from ex_engine import FactorError
     from ex_engine.manifest import Manifest
-    base = (ROOT / "tests" / "plugins" / "host_scale.yaml").read_text()
-    (tmp_path / "host_scale.yaml").write_text(base + 'device_flags: {"0": a bad alpha}\n')
+    base = (ROOT / "tests" / "plugins" / "host_scale.yaml").read_text(encoding="utf-8")
+    (tmp_path / "host_scale.yaml").write_text(base + 'device_flags: {"0": a bad alpha}\n', encoding="utf-8")
     assert Manifest.load(tmp_path / "host_scale.yaml").device_flags == {0: "a bad alpha"}
-    (tmp_path / "host_scale.yaml").write_text(base + 'device_flags: {0: one, "0": other}\n')
+    (tmp_path / "host_scale.yaml").write_text(base + 'device_flags: {0: one, "0": other}\n', encoding="utf-8")
     with pytest.raises(FactorError, match="device_flags: bit 0 given twice"):
         Manifest.load(tmp_path / "host_scale.yaml")          # (the second meaning had replaced the first)
     for key in ('"x"', "0.5", "32"):
-        (tmp_path / "host_scale.yaml").write_text(base + f"device_flags: {{{key}: a bad alpha}}\n")
+        (tmp_path / "host_scale.yaml").write_text(base + f"device_flags: {{{key}: a bad alpha}}\n", encoding="utf-8")
         with pytest.raises(FactorError, match="device_flags: .*expected a bit number 0..31"):
             Manifest.load(tmp_path / "host_scale.yaml")
 
@@ -896,7 +896,7 @@ def test_the_model_list_is_not_read_as_a_manifest(tmp_path, monkeypatch, text):
     mine.mkdir()
     (tmp_path / "none").mkdir()
     for d in (home, mine):
-        (d / "moe_models.yaml").write_text(text)
+        (d / "moe_models.yaml").write_text(text, encoding="utf-8")
     monkeypatch.setenv("EX_ENGINE_MANIFESTS", f"{mine}{os.pathsep}{home}")
     reg = FactorRegistry.load(tmp_path / "none", hardware="h200")
     assert not [n for n in reg.notes if "moe_models" in n], reg.notes

@@ -21,11 +21,11 @@ def test_two_manifests_naming_one_factor_prefer_the_file_of_that_name(tmp_path):
     stem is the name wins, whatever the order; the stray is a note."""
     mdir = tmp_path / "m"
     mdir.mkdir()
-    text = (ROOT / "manifests" / "topk_softmax.yaml").read_text()
+    text = (ROOT / "manifests" / "topk_softmax.yaml").read_text(encoding="utf-8")
     assert "dims: [T, E, K, renormalize, dtype]" in text
     (mdir / "a_topk.yaml").write_text(text.replace("dims: [T, E, K, renormalize, dtype]",
-                                                   "dims: [E, T, K, renormalize, dtype]"))
-    (mdir / "topk_softmax.yaml").write_text(text)
+                                                   "dims: [E, T, K, renormalize, dtype]"), encoding="utf-8")
+    (mdir / "topk_softmax.yaml").write_text(text, encoding="utf-8")
     reg = FactorRegistry(hardware="h200", manifests_dir=mdir)
     m = reg.manifests["topk_softmax"]
     assert m.path.endswith("topk_softmax.yaml") and m.dims[:2] == ["T", "E"]
@@ -40,10 +40,10 @@ def test_two_manifests_naming_one_factor_neither_by_its_name_refuse_its_plugin(t
     build_plugin(lib, manifest=False)
     build_plugin(lib, "other", defines={"NAME": '"other"', "FACTOR_ID": 1101}, manifest=False)
     mdir.mkdir()
-    text = (ROOT / "tests" / "plugins" / "host_scale.yaml").read_text()
-    (mdir / "b_copy.yaml").write_text(text)
-    (mdir / "c_copy.yaml").write_text(_stray_copy(text))
-    (mdir / "other.yaml").write_text(text.replace("name: host_scale", "name: other").replace("id: 1100", "id: 1101"))
+    text = (ROOT / "tests" / "plugins" / "host_scale.yaml").read_text(encoding="utf-8")
+    (mdir / "b_copy.yaml").write_text(text, encoding="utf-8")
+    (mdir / "c_copy.yaml").write_text(_stray_copy(text), encoding="utf-8")
+    (mdir / "other.yaml").write_text(text.replace("name: host_scale", "name: other").replace("id: 1100", "id: 1101"), encoding="utf-8")
     reg = FactorRegistry.load(lib, hardware="h200", manifests_dir=mdir)
     p = next(q for q in reg.plugins if q.path.name == "host_scale.so")
     assert p.status == "rejected"
@@ -61,9 +61,9 @@ def test_a_stray_copy_does_not_stand_in_for_a_malformed_manifest_of_that_name(tm
     lib, mdir = tmp_path / "lib", tmp_path / "m"
     build_plugin(lib, manifest=False)
     mdir.mkdir()
-    text = (ROOT / "tests" / "plugins" / "host_scale.yaml").read_text()
-    (mdir / "a_copy.yaml").write_text(_stray_copy(text))
-    (mdir / "host_scale.yaml").write_text(text.replace("dims: [N]", "dims: [N"))   # malformed
+    text = (ROOT / "tests" / "plugins" / "host_scale.yaml").read_text(encoding="utf-8")
+    (mdir / "a_copy.yaml").write_text(_stray_copy(text), encoding="utf-8")
+    (mdir / "host_scale.yaml").write_text(text.replace("dims: [N]", "dims: [N"), encoding="utf-8")   # malformed
     reg = FactorRegistry.load(lib, hardware="h200", manifests_dir=mdir)
     p = reg.plugins[0]
     assert p.status == "rejected" and "host_scale.yaml: malformed" in p.reason, p.reason
@@ -81,7 +81,7 @@ def test_a_fallback_that_takes_anything_is_refused_at_load_and_in_set_fallback(t
     from ex_engine.errors import FactorError
     build_plugin(tmp_path / "a", defines={"BEHAVIOUR": 2})
     good = tmp_path / "a" / "host_scale.yaml"
-    good.write_text(good.read_text().replace("tests.plugins.host_scale_fallback:scale", "builtins:print"))
+    good.write_text(good.read_text(encoding="utf-8").replace("tests.plugins.host_scale_fallback:scale", "builtins:print"), encoding="utf-8")
     build_plugin(tmp_path / "a", "other", defines={"NAME": '"other"', "FACTOR_ID": 1101})
     reg = FactorRegistry.load(tmp_path / "a", hardware="h200")
     p = next(q for q in reg.plugins if q.name == "host_scale")
@@ -103,8 +103,8 @@ def test_a_manifest_only_factor_with_such_a_fallback_is_not_called(tmp_path):
     from ex_engine.errors import FactorError
     mdir = tmp_path / "m"
     mdir.mkdir()
-    text = (ROOT / "tests" / "plugins" / "host_scale.yaml").read_text()
-    (mdir / "host_scale.yaml").write_text(text.replace("tests.plugins.host_scale_fallback:scale", "builtins:print"))
+    text = (ROOT / "tests" / "plugins" / "host_scale.yaml").read_text(encoding="utf-8")
+    (mdir / "host_scale.yaml").write_text(text.replace("tests.plugins.host_scale_fallback:scale", "builtins:print"), encoding="utf-8")
     (tmp_path / "lib").mkdir()
     reg = FactorRegistry.load(tmp_path / "lib", hardware="h200", manifests_dir=mdir)
     a = _x()
@@ -261,7 +261,7 @@ def test_the_probe_is_not_fooled_by_what_a_library_prints(tmp_path):
     import sys
     from tests.conftest import child_env
     src = tmp_path / "spoof.c"
-    src.write_text(SPOOF_C)
+    src.write_text(SPOOF_C, encoding="utf-8")
     build_plugin(tmp_path / "lib", "spoof", src=src, manifest=False)
     build_plugin(tmp_path / "lib")
     code = ("import sys; from ex_engine import FactorRegistry\n"
@@ -311,7 +311,7 @@ def test_an_abi_symbol_that_is_no_constant_uint32_is_named_for_what_it_is(tmp_pa
     '(changed on disk between the checks and dlopen?)'."""
     src = tmp_path / f"{case}.c"
     src.write_text('#include <stddef.h>\n#include "ex_engine.h"\n' + ABI_SRC[case] +
-                   "EX_EXPORT ex_factor_t* ex_get_factor(const ex_hardware_t* hw) { (void)hw; return NULL; }\n")
+                   "EX_EXPORT ex_factor_t* ex_get_factor(const ex_hardware_t* hw) { (void)hw; return NULL; }\n", encoding="utf-8")
     build_plugin(tmp_path / "lib", case, src=src, manifest=False)
     build_plugin(tmp_path / "lib")
     reg = FactorRegistry.load(tmp_path / "lib", hardware="h200")
@@ -329,7 +329,7 @@ def _wrapped(tmp_path, stem: str, body: str, defines=None):
     src.write_text(f'#define ex_get_factor host_scale_get_factor\n#include "{ROOT}/tests/plugins/host_scale.c"\n'
                    "#undef ex_get_factor\n"
                    "EX_EXPORT ex_factor_t* ex_get_factor(const ex_hardware_t* hw) {\n"
-                   f"    ex_factor_t* f = host_scale_get_factor(hw);\n    if (f) {{ {body} }}\n    return f;\n}}\n")
+                   f"    ex_factor_t* f = host_scale_get_factor(hw);\n    if (f) {{ {body} }}\n    return f;\n}}\n", encoding="utf-8")
     return build_plugin(tmp_path / stem, src=src, defines=defines)
 
 
@@ -371,10 +371,10 @@ def test_a_huge_integer_parameter_is_an_argument_error_of_bounded_size_and_count
     from ex_engine import verify
     from ex_engine.errors import ArgumentError
     build_plugin(tmp_path)
-    text = (tmp_path / "host_scale.yaml").read_text()
+    text = (tmp_path / "host_scale.yaml").read_text(encoding="utf-8")
     (tmp_path / "host_scale.yaml").write_text(
         text + "params: {beta: {type: float, default: 1.0}, steps: {type: int, default: 1}, "
-               "flag: {type: bool, default: false}}\n")
+               "flag: {type: bool, default: false}}\n", encoding="utf-8")
     reg = FactorRegistry.load(tmp_path, hardware="h200")
     for k, v in (("beta", 10 ** 5000), ("beta", -10 ** 400), ("steps", 10 ** 400), ("flag", 10 ** 5000)):
         with pytest.raises(ArgumentError) as e:
@@ -397,9 +397,9 @@ def test_the_search_path_applies_the_same_rule_across_folders(tmp_path):
     import os
     a = tmp_path / "a"
     a.mkdir()
-    text = (ROOT / "manifests" / "topk_softmax.yaml").read_text()
+    text = (ROOT / "manifests" / "topk_softmax.yaml").read_text(encoding="utf-8")
     (a / "my_new_op.yaml").write_text(text.replace("dims: [T, E, K, renormalize, dtype]",
-                                                   "dims: [E, T, K, renormalize, dtype]"))
+                                                   "dims: [E, T, K, renormalize, dtype]"), encoding="utf-8")
     path = os.pathsep.join([str(a), str(ROOT / "manifests")])
     reg = FactorRegistry(hardware="h200", manifests_dir=path)
     m = reg.manifests["topk_softmax"]
@@ -409,8 +409,8 @@ def test_the_search_path_applies_the_same_rule_across_folders(tmp_path):
     b = tmp_path / "b"
     b.mkdir()
     mine = text.replace("name: topk_softmax", "name: my_topk").replace("id: 0", "id: 1500")
-    (b / "my_topk.yaml").write_text(mine)
-    (b / "topk_softmax.yaml").write_text(mine)   # a leftover copy, its name: edited already
+    (b / "my_topk.yaml").write_text(mine, encoding="utf-8")
+    (b / "topk_softmax.yaml").write_text(mine, encoding="utf-8")   # a leftover copy, its name: edited already
     reg = FactorRegistry(hardware="h200", manifests_dir=os.pathsep.join([str(b), str(ROOT / "manifests")]))
     assert reg.manifests["topk_softmax"].path == str(ROOT / "manifests" / "topk_softmax.yaml")
     assert reg.manifests["my_topk"].path == str(b / "my_topk.yaml")
@@ -419,6 +419,6 @@ def test_the_search_path_applies_the_same_rule_across_folders(tmp_path):
 
     c = tmp_path / "c"   # an override that does not load is reported, not replaced by the next
     c.mkdir()
-    (c / "topk_softmax.yaml").write_text(text.replace("dims: [T, E", "dims: [T, E,,"))
+    (c / "topk_softmax.yaml").write_text(text.replace("dims: [T, E", "dims: [T, E,,"), encoding="utf-8")
     reg = FactorRegistry(hardware="h200", manifests_dir=os.pathsep.join([str(c), str(ROOT / "manifests")]))
     assert "topk_softmax" not in reg.manifests and "topk_softmax" in reg.manifest_errors

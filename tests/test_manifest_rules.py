@@ -13,7 +13,7 @@ from ex_engine.manifest import Manifest
 from ex_engine.tuning import TuningTable, TuningWarning
 from tests.conftest import ROOT, build_plugin
 
-BASE = (ROOT / "tests" / "plugins" / "host_scale.yaml").read_text()
+BASE = (ROOT / "tests" / "plugins" / "host_scale.yaml").read_text(encoding="utf-8")
 DEEP = "[" * 500 + "]" * 500                       # ~1 KB; RecursionError in PyYAML's composer
 # ~1 KB "billion laughs": 10**9 elements if every alias were copied
 BOMB = "[" + ", ".join(f"&a{i} [" + ",".join([f"*a{i - 1}" if i else "x"] * 10) + "]"
@@ -22,7 +22,7 @@ BOMB = "[" + ", ".join(f"&a{i} [" + ",".join([f"*a{i - 1}" if i else "x"] * 10) 
 
 def manifest(tmp_path, change=lambda t: t, name="m.yaml"):
     p = tmp_path / name
-    p.write_text(change(BASE))
+    p.write_text(change(BASE), encoding="utf-8")
     return p
 
 
@@ -57,7 +57,7 @@ def test_a_deep_or_aliased_manifest_refuses_its_plugin_and_the_registry_goes_on(
         build_plugin(folder, stem, defines={"NAME": f'"{name}"', "FACTOR_ID": 1101 + i})
         text = BASE.replace("name: host_scale", f"name: {name}").replace("id: 1100", f"id: {1101 + i}")
         (folder / f"{name}.yaml").write_text(text.replace('summary: "test factor: out = alpha * in, '
-                                                          'float32, on host memory"', f"summary: {value}"))
+                                                          'float32, on host memory"', f"summary: {value}"), encoding="utf-8")
     t = time.monotonic()
     reg = FactorRegistry.load(folder, hardware="h200")
     assert time.monotonic() - t < 20
@@ -71,8 +71,8 @@ def test_a_deep_or_aliased_manifest_refuses_its_plugin_and_the_registry_goes_on(
 
 def test_deep_and_aliased_tuning_files_and_profiles_are_reported(tmp_path):
     from types import SimpleNamespace
-    (tmp_path / "deep.yaml").write_text(f"device: {DEEP}\n")
-    (tmp_path / "bomb.yaml").write_text(f"device: NVIDIA H200\nmoe_fused_gemm: {BOMB}\n")
+    (tmp_path / "deep.yaml").write_text(f"device: {DEEP}\n", encoding="utf-8")
+    (tmp_path / "bomb.yaml").write_text(f"device: NVIDIA H200\nmoe_fused_gemm: {BOMB}\n", encoding="utf-8")
     hw = SimpleNamespace(name="NVIDIA H200", multiprocessor_count=132, live=True)
     with pytest.warns(TuningWarning) as w:
         TuningTable.for_hardware(hw, tmp_path)
@@ -81,7 +81,7 @@ def test_deep_and_aliased_tuning_files_and_profiles_are_reported(tmp_path):
     assert "bomb.yaml: not readable YAML" in text and "aliases would expand" in text
     for stem, value in (("deep", DEEP), ("bomb", BOMB)):
         p = tmp_path / f"{stem}_hw.yaml"
-        p.write_text(f"name: {value}\n")
+        p.write_text(f"name: {value}\n", encoding="utf-8")
         with pytest.raises(FactorError, match=f"hardware profile .*{stem}_hw.yaml: malformed") as e:
             Hardware.from_profile(str(p))
         assert "\n" not in str(e.value)     # one line, as a manifest's or a tuning file's
@@ -142,9 +142,9 @@ def test_a_huge_shared_structure_in_any_field_is_described_briefly(tmp_path, fie
 
 
 def test_a_hardware_profile_value_is_described_briefly(tmp_path):
-    good = (ROOT / "manifests" / "hardware" / "h200.yaml").read_text()
+    good = (ROOT / "manifests" / "hardware" / "h200.yaml").read_text(encoding="utf-8")
     p = tmp_path / "hw.yaml"
-    p.write_text(good.replace("warp_size: 32", "warp_size: [" + ", ".join(["12345678"] * 5000) + "]"))
+    p.write_text(good.replace("warp_size: 32", "warp_size: [" + ", ".join(["12345678"] * 5000) + "]"), encoding="utf-8")
     with pytest.raises(FactorError, match="warp_size: expected 32 or 64") as e:
         Hardware.from_profile(str(p))
     assert len(str(e.value)) < 400
@@ -200,7 +200,7 @@ def test_a_duplicate_array_name_refuses_the_plugin_the_registry_goes_on(tmp_path
     build_plugin(folder, "dup", defines={"NAME": '"host_scale_dup"', "FACTOR_ID": 1101})
     (folder / "host_scale_dup.yaml").write_text(
         BASE.replace("name: host_scale", "name: host_scale_dup").replace("id: 1100", "id: 1101")
-        .replace("{name: alpha, shape: [1]", "{name: x, shape: [1]"))
+        .replace("{name: alpha, shape: [1]", "{name: x, shape: [1]"), encoding="utf-8")
     reg = FactorRegistry.load(folder, hardware="h200")
     st = {p.path.stem: p for p in reg.plugins}
     assert st["dup"].status == "rejected" and "names input already" in st["dup"].reason
@@ -275,12 +275,12 @@ def test_gt_bounds_an_int_parameter_on_every_call(tmp_path):
 def test_a_plugin_whose_int_default_breaks_its_gt_is_refused_and_calls_below_it_never_run(tmp_path):
     folder = tmp_path / "p"
     build_plugin(folder)
-    text = (folder / "host_scale.yaml").read_text()
-    (folder / "host_scale.yaml").write_text(text + "params:\n  k: {type: int, default: 1, gt: 0}\n")
+    text = (folder / "host_scale.yaml").read_text(encoding="utf-8")
+    (folder / "host_scale.yaml").write_text(text + "params:\n  k: {type: int, default: 1, gt: 0}\n", encoding="utf-8")
     build_plugin(folder, "bad", defines={"NAME": '"host_scale_bad"', "FACTOR_ID": 1101})
     (folder / "host_scale_bad.yaml").write_text(
         BASE.replace("name: host_scale", "name: host_scale_bad").replace("id: 1100", "id: 1101")
-        + "params:\n  k: {type: int, default: 0, gt: 0}\n")
+        + "params:\n  k: {type: int, default: 0, gt: 0}\n", encoding="utf-8")
     reg = FactorRegistry.load(folder, hardware="h200")
     st = {p.path.stem: p for p in reg.plugins}
     assert st["bad"].status == "rejected" and "params: k: default: expected an int > 0, got 0" in st["bad"].reason
@@ -336,7 +336,7 @@ def test_values_of_the_documented_forms_load(tmp_path, values, dtype):
 ])
 def test_a_hardware_profile_with_an_unknown_key_is_refused_with_a_hint(tmp_path, extra, needle):
     p = tmp_path / "hw.yaml"
-    p.write_text((ROOT / "manifests" / "hardware" / "a100.yaml").read_text() + extra)
+    p.write_text((ROOT / "manifests" / "hardware" / "a100.yaml").read_text(encoding="utf-8") + extra, encoding="utf-8")
     with pytest.raises(FactorError) as e:
         Hardware.from_profile(str(p))
     assert f"hardware profile {p}: {needle}" in str(e.value), str(e.value)
@@ -378,7 +378,7 @@ def test_a_profile_saved_from_the_hardware_command_loads(tmp_path, capsys):
     the strict key check refused the fields the command adds (source, live, device_id)."""
     from ex_engine.cli import main as cli_main
     assert cli_main(["hardware", "--profile", "h200", "--json"]) == 0
-    (tmp_path / "my.yaml").write_text(capsys.readouterr().out)
+    (tmp_path / "my.yaml").write_text(capsys.readouterr().out, encoding="utf-8")
     hw = Hardware.from_profile(str(tmp_path / "my.yaml"))
     assert hw.multiprocessor_count == 132 and hw.live is False and hw.source == "profile my"
 
@@ -386,10 +386,10 @@ def test_a_profile_saved_from_the_hardware_command_loads(tmp_path, capsys):
 def test_a_parameter_named_like_a_dim_of_another_source_is_refused(tmp_path):
     """params: {dtype: ...} beside dims' dtype (from dtype_of) loaded; its docstring said no
     parameter may share a dim's name. A dim that takes the parameter's own value is fine."""
-    text = (ROOT / "manifests" / "topk_softmax.yaml").read_text()
+    text = (ROOT / "manifests" / "topk_softmax.yaml").read_text(encoding="utf-8")
     p = tmp_path / "topk_softmax.yaml"
     p.write_text(text.replace("  renormalize: {type: bool, default: false}",
-                              "  renormalize: {type: bool, default: false}\n  dtype: {type: int, default: 1}"))
+                              "  renormalize: {type: bool, default: false}\n  dtype: {type: int, default: 1}"), encoding="utf-8")
     with pytest.raises(FactorError, match="params: dtype: named like the dim dtype, whose value comes from"):
         Manifest.load(p)
     assert Manifest.load(ROOT / "manifests" / "topk_softmax.yaml").params["renormalize"]
@@ -475,7 +475,7 @@ def test_a_list_or_mapping_field_given_as_null_is_refused_naming_it(tmp_path, fi
                                              "values": "shape: [N], dtype: [float32], values: null}"}[field])
         return re.sub(rf"^{field}:.*(\n  .*)*", f"{field}: null", t, count=1, flags=re.M)
     p = manifest(tmp_path, change)
-    assert "null" in p.read_text()
+    assert "null" in p.read_text(encoding="utf-8")
     with pytest.raises(FactorError) as e:
         Manifest.load(p)
     assert str(e.value).startswith(f"manifest {p}: {needle}"), str(e.value)

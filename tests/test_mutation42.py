@@ -136,7 +136,7 @@ _HEAD = "device: NVIDIA H200\nmultiprocessor_count: 132\n"
 
 def _table(folder, table: str):
     from ex_engine.tuning import TuningTable
-    (folder / "h200.yaml").write_text(_HEAD + "moe_fused_gemm:\n" + table)
+    (folder / "h200.yaml").write_text(_HEAD + "moe_fused_gemm:\n" + table, encoding="utf-8")
     return TuningTable.for_hardware(Hardware.from_profile("h200"), folder, report=False)
 
 
@@ -244,7 +244,7 @@ def test_a_dim_source_without_a_source_is_named(tmp_path, src):
     p = tmp_path / "f.yaml"
     p.write_text("name: f\nid: 7\ndims: [N, X]\noutput: {name: out, shape: [N], dtype: [float32]}\n"
                  "input: {name: x, shape: [N], dtype: [float32]}\nparams: {a: {type: int, default: 1}}\n"
-                 f"dim_sources: {{X: {src}}}\n")
+                 f"dim_sources: {{X: {src}}}\n", encoding="utf-8")
     with pytest.raises(FactorError, match=r"dim_sources: X: expected one of \['default_dim', 'dtype_of', "
                                           r"'param', 'row_stride_of', 'tuned'\], got "):
         Manifest.load(p)
@@ -322,8 +322,8 @@ def test_tune_moe_writes_unlocked_where_the_folder_cannot_be_locked(tmp_path, mo
 
 
 def _a100(out):
-    out.write_text((ROOT / "manifests" / "tuning" / "h200.yaml").read_text()
-                   .replace("device: NVIDIA H200", "device: NVIDIA A100").replace("multiprocessor_count: 132", "multiprocessor_count: 108"))
+    out.write_text((ROOT / "manifests" / "tuning" / "h200.yaml").read_text(encoding="utf-8")
+                   .replace("device: NVIDIA H200", "device: NVIDIA A100").replace("multiprocessor_count: 132", "multiprocessor_count: 108"), encoding="utf-8")
 
 
 def test_tune_moe_refuses_another_gpus_file_before_any_work(tmp_path, monkeypatch, capsys):
@@ -332,10 +332,10 @@ def test_tune_moe_refuses_another_gpus_file_before_any_work(tmp_path, monkeypatc
     run's timing, at the merge (the docstring: refused before any work)."""
     out = tmp_path / "h200.yaml"
     _a100(out)
-    before = out.read_text()
+    before = out.read_text(encoding="utf-8")
     timed = []
     rc, _ = drive_tune_moe(monkeypatch, out, [], during=lambda tune: timed.append(1))
-    assert rc == 2 and timed == [] and out.read_text() == before
+    assert rc == 2 and timed == [] and out.read_text(encoding="utf-8") == before
     assert "the table of NVIDIA A100 (108 SMs), not of this GPU" in capsys.readouterr().err
 
 
@@ -346,23 +346,23 @@ def test_tune_moe_file_made_unmergeable_during_the_run(tmp_path, monkeypatch, re
     (status 0, this run's rows). ``if not args.replace`` inverted did the opposite of both: wrote
     over it unasked, and dropped the run's rows where --replace asked for it."""
     out = tmp_path / "h200.yaml"
-    out.write_text((ROOT / "manifests" / "tuning" / "h200.yaml").read_text())
+    out.write_text((ROOT / "manifests" / "tuning" / "h200.yaml").read_text(encoding="utf-8"), encoding="utf-8")
     rc, tune = drive_tune_moe(monkeypatch, out, ["--replace"] if replace else [], during=lambda t: _a100(out))
     if replace:
         assert rc == 0
         data, _ = tune.existing_table(out, "NVIDIA H200", 132)
         assert [e["model"] for e in data["moe_fused_gemm"]["shapes"]] == ["qwen3-30b-a3b"]
     else:
-        assert rc == 2 and "device: NVIDIA A100" in out.read_text()
+        assert rc == 2 and "device: NVIDIA A100" in out.read_text(encoding="utf-8")
 
 
 def test_tune_moe_keeps_the_merged_files_header(tmp_path, monkeypatch):
     """The merged file's comment header is kept below the new one ("Earlier header of this
     file"); dropping ``notes`` at the merge lost the provenance of the rows not re-tuned."""
     out = tmp_path / "h200.yaml"
-    out.write_text("# hand-tuned rows, see notes/x.txt\n" + (ROOT / "manifests" / "tuning" / "h200.yaml").read_text())
+    out.write_text("# hand-tuned rows, see notes/x.txt\n" + (ROOT / "manifests" / "tuning" / "h200.yaml").read_text(encoding="utf-8"), encoding="utf-8")
     rc, _ = drive_tune_moe(monkeypatch, out, [])
-    text = out.read_text()
+    text = out.read_text(encoding="utf-8")
     assert rc == 0 and text.startswith("# Tuned tile configurations of moe_fused_gemm on NVIDIA H200 (written by")
     head = text.split("\ndevice:")[0]
     assert "# Earlier header of this file" in head and "# hand-tuned rows, see notes/x.txt" in head

@@ -18,10 +18,10 @@ def test_read_lock_refuses_a_digest_that_is_not_64_hex_digits(tmp_path):
     few hex digits is no SHA-256 (and `ex-engine lock --output` would overwrite such a JSON file
     as if it were a lock file)."""
     lock = tmp_path / "ex_engine.lock"
-    lock.write_text(json.dumps({"host_scale.so": "abc123"}))
+    lock.write_text(json.dumps({"host_scale.so": "abc123"}), encoding="utf-8")
     with pytest.raises(FactorError, match="expected a SHA-256 digest"):
         trust.read_lock(lock)
-    lock.write_text(json.dumps({"host_scale.so": "a" * 63}))
+    lock.write_text(json.dumps({"host_scale.so": "a" * 63}), encoding="utf-8")
     with pytest.raises(FactorError, match="expected a SHA-256 digest"):
         trust.read_lock(lock)
 
@@ -32,7 +32,7 @@ def test_a_lock_with_upper_case_digests_matches(tmp_path):
     library although each digest matches."""
     build_plugin(tmp_path)
     digests = trust.lock_digests(tmp_path)
-    (tmp_path / "up.lock").write_text(json.dumps({k: v.upper() for k, v in digests.items()}))
+    (tmp_path / "up.lock").write_text(json.dumps({k: v.upper() for k, v in digests.items()}), encoding="utf-8")
     assert trust.read_lock(tmp_path / "up.lock") == digests
     reg = FactorRegistry.load(tmp_path, hardware="h200", lock=tmp_path / "up.lock")
     p = reg.plugins[0]
@@ -85,9 +85,9 @@ __attribute__((constructor)) static void start(void) {
     ok, detail = trust.probe_library(lib, Hardware.from_profile("h200"), timeout=10)
     assert ok, detail                       # no ex_abi_version: the in-process checks say so
     deadline = time.time() + 5
-    while not (pidfile.exists() and pidfile.read_text().strip()) and time.time() < deadline:
+    while not (pidfile.exists() and pidfile.read_text(encoding="utf-8").strip()) and time.time() < deadline:
         time.sleep(0.02)
-    pid = int(pidfile.read_text())
+    pid = int(pidfile.read_text(encoding="utf-8"))
     try:
         deadline = time.time() + 3
         while _alive(pid) and time.time() < deadline:
@@ -225,10 +225,10 @@ def test_a_host_factor_library_that_carries_gpu_code_is_refused(tmp_path):
     if not lib.exists():
         pytest.skip("factors/fused_add_rmsnorm.so not built")
     shutil.copy(lib, tmp_path / "fused_add_rmsnorm.so")
-    text = (ROOT / "manifests" / "fused_add_rmsnorm.yaml").read_text()
+    text = (ROOT / "manifests" / "fused_add_rmsnorm.yaml").read_text(encoding="utf-8")
     assert "\nmemory: device" in text or "\nmemory:" not in text
     text = text.replace("\nmemory: device", "") + "\nmemory: host\n"
-    (tmp_path / "fused_add_rmsnorm.yaml").write_text(text)
+    (tmp_path / "fused_add_rmsnorm.yaml").write_text(text, encoding="utf-8")
     p = FactorRegistry.load(tmp_path, hardware="h200").plugins[0]
     assert p.status == "rejected" and p.reason.startswith("memory: ") and "GPU code" in p.reason, p.reason
 
@@ -539,9 +539,9 @@ def test_a_hardware_profile_with_an_unknown_key_is_refused(tmp_path):
     import yaml
     from tests.conftest import ROOT
     from ex_engine.hardware import Hardware
-    data = yaml.safe_load((ROOT / "manifests" / "hardware" / "h200.yaml").read_text())
+    data = yaml.safe_load((ROOT / "manifests" / "hardware" / "h200.yaml").read_text(encoding="utf-8"))
     data["warpsize"] = 64
     path = tmp_path / "typo.yaml"
-    path.write_text(yaml.safe_dump(data))
+    path.write_text(yaml.safe_dump(data), encoding="utf-8")
     with pytest.raises(FactorError, match="warpsize"):
         Hardware.from_profile(str(path))

@@ -186,10 +186,10 @@ def test_an_error_status_is_not_retried_by_the_kernel_fallback(tmp_path):
     EX_ERR_SHAPE, with a kernel_fallback present) is a KernelError, not a silent retry."""
     from ex_engine import KernelError
     src = tmp_path / "host_scale_err_fb.c"
-    text = PLUGIN_SRC.read_text()
+    text = PLUGIN_SRC.read_text(encoding="utf-8")
     line = "s_factor.kernel_fallback = BEHAVIOUR == 1 ? kernel_fallback : NULL;"
     assert line in text
-    src.write_text(text.replace(line, "s_factor.kernel_fallback = kernel_fallback;"))
+    src.write_text(text.replace(line, "s_factor.kernel_fallback = kernel_fallback;"), encoding="utf-8")
     build_plugin(tmp_path / "p", defines={"BEHAVIOUR": 3}, src=src)
     reg = FactorRegistry.load(tmp_path / "p", hardware="h200")
     x, alpha = np.ones(8, np.float32), np.array([2.0], np.float32)

@@ -140,7 +140,7 @@ def test_tune_moe_replace_keeps_rows_another_tuner_wrote_during_the_run(tmp_path
     def other_tuner(tune):   # with --replace too: a new table of its own rows
         data = tune.merge_rows({}, {}, "NVIDIA H200", 132)
         data["moe_fused_gemm"]["shapes"] = [dict(_OTHER)]
-        out.write_text("# the other tuner\n" + yaml.safe_dump(data, sort_keys=False))
+        out.write_text("# the other tuner\n" + yaml.safe_dump(data, sort_keys=False), encoding="utf-8")
 
     rc, tune = drive_tune_moe(monkeypatch, out, ["--replace"], during=other_tuner)
     assert rc == 0
@@ -160,7 +160,7 @@ def test_tune_moe_replace_still_replaces_the_file_it_was_given(tmp_path, monkeyp
     assert rc == 0 and list(_shapes(tune, out)) == ["qwen3-30b-a3b"]
     data = tune.merge_rows({}, {}, "NVIDIA H200", 132)
     data["moe_fused_gemm"]["shapes"] = [dict(_OTHER)]
-    out.write_text(yaml.safe_dump(data, sort_keys=False))
+    out.write_text(yaml.safe_dump(data, sort_keys=False), encoding="utf-8")
     rc, tune = drive_tune_moe(monkeypatch, out, ["--replace"])
     assert rc == 0 and list(_shapes(tune, out)) == ["qwen3-30b-a3b"]
     out.unlink()   # and where there was no file

@@ -40,7 +40,7 @@ def test_output_file_problem_tries_to_open_the_file(tmp_path):
         assert problem.startswith(f"-o: cannot create {path} ("), problem
     (tmp_path / "old.json").write_text("kept")
     assert output_file_problem("--json", tmp_path / "old.json") == ""
-    assert (tmp_path / "old.json").read_text() == "kept"
+    assert (tmp_path / "old.json").read_text(encoding="utf-8") == "kept"
     assert output_file_problem("--json", tmp_path / "new.json") == ""
     assert sorted(p.name for p in tmp_path.iterdir()) == ["old.json"]   # new.json not left behind
     fifo = tmp_path / "fifo"

@@ -37,7 +37,7 @@ def test_tune_moe_refuses_a_margin_that_is_not_a_finite_fraction(margin):
 def test_bench_moe_json_records_sets_in_its_meta():
     """bench_moe.py --json wrote no 'sets', so table_moe.py printed "how many: not recorded" for
     every file (bench_moe needs a GPU to run: the run_meta call is read from the source)."""
-    tree = ast.parse((ROOT / "benchmarks" / "bench_moe.py").read_text())
+    tree = ast.parse((ROOT / "benchmarks" / "bench_moe.py").read_text(encoding="utf-8"))
     calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "run_meta"]
     assert len(calls) == 1
     kw = {k.arg: ast.unparse(k.value) for k in calls[0].keywords}
@@ -62,10 +62,10 @@ def test_readme_environment_table_lists_every_variable_the_python_reads():
     read = set()
     for f in [*(ROOT / "ex_engine").rglob("*.py"), *(ROOT / "benchmarks").glob("*.py")]:
         # (os.environ, or _paths.env_value, which reads a value of whitespace as unset)
-        read |= set(re.findall(r'(?:environ(?:\.get\(|\[)|env_value\()\s*"(EX_[A-Z0-9_]+)"', f.read_text()))
+        read |= set(re.findall(r'(?:environ(?:\.get\(|\[)|env_value\()\s*"(EX_[A-Z0-9_]+)"', f.read_text(encoding="utf-8")))
     assert {"EX_ENGINE_CACHE", "EX_COMMIT"} <= read
     assert read <= set(table), sorted(read - set(table))
-    text = (ROOT / "README.md").read_text()
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
     row = next(line for line in text.splitlines() if line.startswith("| `EX_ENGINE_CACHE"))
     assert "~/.cache/ex_engine/" in row and "verified.json" in row
     row = next(line for line in text.splitlines() if line.startswith("| `EX_COMMIT"))
@@ -78,18 +78,18 @@ def test_readme_environment_table_lists_every_variable_the_python_reads():
 def test_readme_rule_for_a_bad_switch_value_holds_for_every_switch():
     """README said a bad value keeps "the default (on, for a switch)"; EX_MOE_SM90_RASTER_N is an
     on/off switch that defaults to off (env_choice(..., kOffOn, 2, 0)): the rule names it."""
-    src = "\n".join(f.read_text() for f in (ROOT / "factors").glob("*.cu*"))
+    src = "\n".join(f.read_text(encoding="utf-8") for f in (ROOT / "factors").glob("*.cu*"))
     off = set(re.findall(r'env_choice\("(EX_[A-Z0-9_]+)", kOffOn, 2, 0\)', src))
     on = set(re.findall(r'env_switch\("(EX_[A-Z0-9_]+)"\)', src))
     assert "EX_MOE_SM90_RASTER_N" in off and on
-    text = " ".join((ROOT / "README.md").read_text().split())
+    text = " ".join((ROOT / "README.md").read_text(encoding="utf-8").split())
     rule = text[text.index("An on/off switch takes"):][:400]
     assert "(on, for a switch)" not in rule
     for name in off:
         assert f"off for `{name}=1`" in rule, rule
     table = _readme_table().readme_variables()
     for name in on:   # each on-by-default switch's row names its off value
-        line = next(li for li in (ROOT / "README.md").read_text().splitlines() if li.startswith(f"| `{name}"))
+        line = next(li for li in (ROOT / "README.md").read_text(encoding="utf-8").splitlines() if li.startswith(f"| `{name}"))
         assert f"`{name}=0`" in line, line
     assert "on for those written `=0`" in rule and set(table) >= on | off
 

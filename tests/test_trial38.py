@@ -18,7 +18,7 @@ ROW = {"model": "m", "T": 1, "floor_us": 1.0, "ours_us": 2.0, "x_floor": 2.0, "t
 
 def _table(tmp_path, data) -> subprocess.CompletedProcess:
     f = tmp_path / "b.json"
-    f.write_text(json.dumps(data))
+    f.write_text(json.dumps(data), encoding="utf-8")
     return subprocess.run([sys.executable, str(ROOT / "benchmarks" / "table_moe.py"), str(f)],
                           capture_output=True, text=True, timeout=60)
 

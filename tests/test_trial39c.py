@@ -94,7 +94,7 @@ def test_replace_file_leaves_what_is_not_a_regular_file(tmp_path):
     (tmp_path / "real").write_text("old")
     (tmp_path / "link2").symlink_to(tmp_path / "real")
     trust.replace_file(tmp_path / "link2", "new")   # a link to a regular file: as before
-    assert (tmp_path / "real").read_text() == "new" and (tmp_path / "link2").is_symlink()
+    assert (tmp_path / "real").read_text(encoding="utf-8") == "new" and (tmp_path / "link2").is_symlink()
 
 
 @pytest.mark.parametrize("content, why", [
@@ -112,7 +112,7 @@ def test_a_bad_cache_file_is_named_when_it_is_ignored(tmp_path, cache, content, 
     assert detail.startswith(f"1 cases passed against the Python fallback (cached in {cache}; "
                              f"the cache file found was ignored ({cache}: {why}"), detail
     assert any(n.startswith(f"verify cache {cache}: {why}") and n.endswith(": ignored") for n in reg.notes)
-    assert f"{reg.get('host_scale').sha256}|host" in json.loads(cache.read_text())   # replaced by a good one
+    assert f"{reg.get('host_scale').sha256}|host" in json.loads(cache.read_text(encoding="utf-8"))   # replaced by a good one
     again = FactorRegistry.load(tmp_path / "lib", hardware="h200", verify=True)
     assert _verify_check(again).detail.startswith("passed before") and not any("verify cache" in n for n in again.notes)
 
@@ -120,7 +120,7 @@ def test_a_bad_cache_file_is_named_when_it_is_ignored(tmp_path, cache, content, 
 def test_a_cache_file_over_the_limit_is_not_read(tmp_path, cache, monkeypatch):
     build_plugin(tmp_path / "lib")
     cache.parent.mkdir()
-    cache.write_text(json.dumps({"x": "y" * 200}))
+    cache.write_text(json.dumps({"x": "y" * 200}), encoding="utf-8")
     monkeypatch.setattr(verify, "CACHE_LIMIT", 100)
     reg = FactorRegistry.load(tmp_path / "lib", hardware="h200", verify=True)
     assert "over the limit of 100 B: not read" in _verify_check(reg).detail, _verify_check(reg).detail
@@ -155,7 +155,7 @@ def test_processes_verifying_at_once_keep_every_entry(tmp_path, cache):
     assert all(p.returncode == 0 for p in procs), [o[1][-500:] for o in outs]
     shas = {o[0].split()[0] for o in outs}
     assert all("cached in" in o[0] for o in outs), outs
-    assert shas <= {k.split("|")[0] for k in json.loads(cache.read_text())}, "entries lost"
+    assert shas <= {k.split("|")[0] for k in json.loads(cache.read_text(encoding="utf-8"))}, "entries lost"
 
 
 def test_a_pass_is_not_reused_under_other_ex_variables(tmp_path, cache, monkeypatch):

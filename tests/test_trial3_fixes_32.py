@@ -28,7 +28,7 @@ def _tuned_host_scale(tmp_path, table):
     reg = _registry_with_tuning(tmp_path, {**TABLE, "host_scale": table})
     build_plugin(tmp_path / "plugins")
     y = tmp_path / "plugins" / "host_scale.yaml"
-    y.write_text(y.read_text().replace("dims: [N]", "dims: [N, blk]\ndim_sources:\n  blk: {tuned: -1, range: [-1, 1]}"))
+    y.write_text(y.read_text(encoding="utf-8").replace("dims: [N]", "dims: [N, blk]\ndim_sources:\n  blk: {tuned: -1, range: [-1, 1]}"), encoding="utf-8")
     reg.load_folder(tmp_path / "plugins")
     notes = [n for n in reg.notes if n.startswith("tuning:") and "host_scale" in n]
     m = reg.manifest("host_scale")
@@ -69,9 +69,9 @@ def test_T_in_the_key_of_a_factor_without_T_is_no_size_of_its_calls(tmp_path):
 def _erroring_plugin(tmp_path, c_text):
     src = tmp_path / "src" / "host_scale.c"
     src.parent.mkdir(parents=True)
-    text = PLUGIN_SRC.read_text()
+    text = PLUGIN_SRC.read_text(encoding="utf-8")
     assert '"N must be even"' in text
-    src.write_text(text.replace('"N must be even"', c_text))
+    src.write_text(text.replace('"N must be even"', c_text), encoding="utf-8")
     build_plugin(tmp_path / "p", defines={"BEHAVIOUR": 3}, src=src)
     return FactorRegistry.load(tmp_path / "p", hardware="h200")
 
@@ -164,7 +164,7 @@ def test_dispatch_of_a_factor_whose_library_was_rejected_says_why(tmp_path, defi
     """The message was only "no factor named 'host_scale': known are [...]"."""
     build_plugin(tmp_path, defines=defines)
     y = tmp_path / "host_scale.yaml"
-    y.write_text(y.read_text().replace("id: 1101", "id: 1100"))   # the manifest keeps its id
+    y.write_text(y.read_text(encoding="utf-8").replace("id: 1101", "id: 1100"), encoding="utf-8")   # the manifest keeps its id
     reg = FactorRegistry.load(tmp_path, hardware="h200")
     with pytest.raises(FactorNotFoundError) as e:
         reg.dispatch("host_scale", _x())

@@ -19,7 +19,7 @@ DEEP = 100_000   # nesting levels: under the 4 MiB lock limit, far past Python's
 
 def _deep_json(path, prefix="") -> None:
     """A file of ``prefix`` and DEEP opening brackets: JSON nested past any recursion limit."""
-    path.write_text(prefix + "[" * DEEP)
+    path.write_text(prefix + "[" * DEEP, encoding="utf-8")
 
 
 def test_deeply_nested_lock_file_is_a_factor_error(tmp_path):

@@ -19,7 +19,7 @@ from .conftest import ROOT, build_plugin
 def _no_fallback(folder: Path) -> None:
     """The folder's host_scale.yaml without a Python fallback: a call no plugin takes raises."""
     m = folder / "host_scale.yaml"
-    m.write_text(m.read_text().replace("fallback: tests.plugins.host_scale_fallback:scale", "fallback: null"))
+    m.write_text(m.read_text(encoding="utf-8").replace("fallback: tests.plugins.host_scale_fallback:scale", "fallback: null"), encoding="utf-8")
 
 
 def _scale_call(reg, alpha: float = 2.0):
@@ -154,14 +154,14 @@ def test_tune_moe_keeps_rows_another_tuner_wrote_during_its_run(tmp_path, monkey
     from .test_bench_tools import drive_tune_moe, import_tool
     tune = import_tool("benchmarks", "tune_moe")
     out = tmp_path / "h200.yaml"
-    out.write_text((ROOT / "manifests" / "tuning" / "h200.yaml").read_text())
+    out.write_text((ROOT / "manifests" / "tuning" / "h200.yaml").read_text(encoding="utf-8"), encoding="utf-8")
     other_key = (1024, 256, 16, 2)
 
     def other_tuner_writes():   # its table: the file as it found it, with one shape more
         data, notes = tune.existing_table(out, "NVIDIA H200", 132)
         data["moe_fused_gemm"]["shapes"].append({"H": 1024, "I": 256, "G": 16, "K": 2, "model": "other",
                                                 "by_T": [[1, "tiny", 1.0, 2.0]]})
-        out.write_text("\n".join(notes) + "\n" + yaml.safe_dump(data, sort_keys=False))
+        out.write_text("\n".join(notes) + "\n" + yaml.safe_dump(data, sort_keys=False), encoding="utf-8")
 
     rc, _ = drive_tune_moe(monkeypatch, out, [], during=lambda _tune: other_tuner_writes())
     assert rc == 0

@@ -29,7 +29,7 @@ def test_explicit_tags_that_are_well_formed_still_read():
 def test_manifest_with_bad_explicit_tag_rejects_its_plugin_not_the_registry(tmp_path, value):
     build_plugin(tmp_path)
     y = tmp_path / "host_scale.yaml"
-    y.write_text(y.read_text().replace("summary:", f"math: {value}\nsummary:"))
+    y.write_text(y.read_text(encoding="utf-8").replace("summary:", f"math: {value}\nsummary:"), encoding="utf-8")
     reg = FactorRegistry.load(tmp_path, hardware="h200")   # raised AttributeError / KeyError
     p = reg.plugins[0]
     assert p.status == "rejected" and "host_scale.yaml" in p.reason and "invalid" in p.reason, p.reason
@@ -38,15 +38,15 @@ def test_manifest_with_bad_explicit_tag_rejects_its_plugin_not_the_registry(tmp_
 @pytest.mark.parametrize("value", BAD_TAGS)
 def test_profile_with_bad_explicit_tag_is_a_named_factor_error(tmp_path, value):
     p = tmp_path / "hw.yaml"
-    p.write_text((ROOT / "manifests" / "hardware" / "h200.yaml").read_text()
-                 .replace("warp_size: 32", f"warp_size: {value}"))
+    p.write_text((ROOT / "manifests" / "hardware" / "h200.yaml").read_text(encoding="utf-8")
+                 .replace("warp_size: 32", f"warp_size: {value}"), encoding="utf-8")
     with pytest.raises(FactorError, match=r"hardware profile .*hw\.yaml: malformed .*invalid"):
         Hardware.from_profile(p)
 
 
 @pytest.mark.parametrize("value", BAD_TAGS)
 def test_tuning_file_with_bad_explicit_tag_is_skipped_with_a_problem(tmp_path, value):
-    (tmp_path / "a.yaml").write_text(f"device: NVIDIA H200\nmultiprocessor_count: {value}\n")
+    (tmp_path / "a.yaml").write_text(f"device: NVIDIA H200\nmultiprocessor_count: {value}\n", encoding="utf-8")
     shutil.copy(ROOT / "manifests" / "tuning" / "h200.yaml", tmp_path / "b.yaml")
     t = TuningTable.for_hardware("h200", folder=tmp_path, report=False)
     assert len(t.problems) == 1 and "a.yaml" in t.problems[0] and "invalid" in t.problems[0]
@@ -77,7 +77,7 @@ def test_dim_source_with_two_sources_or_a_stray_qualifier_is_refused(tmp_path, s
     # tuned dim no table could fill; a param "bounded" by a range no call was held to)
     from ex_engine.manifest import Manifest
     p = tmp_path / "f.yaml"
-    p.write_text(_BASE + f"dim_sources: {{X: {src}}}\n")
+    p.write_text(_BASE + f"dim_sources: {{X: {src}}}\n", encoding="utf-8")
     with pytest.raises(FactorError, match=r"f\.yaml: dim_sources: X: ") as e:
         Manifest.load(p)
     assert needle in str(e.value), str(e.value)
@@ -89,8 +89,8 @@ def test_dim_source_of_one_kind_still_loads(tmp_path, src):
     from ex_engine.manifest import Manifest
     p = tmp_path / "f.yaml"
     p.write_text(_BASE.replace("type: int, default: 1", "type: float, default: 1.0") if "encode" in src
-                 else _BASE + "")
-    p.write_text(p.read_text() + f"dim_sources: {{X: {src}}}\n")
+                 else _BASE + "", encoding="utf-8")
+    p.write_text(p.read_text(encoding="utf-8") + f"dim_sources: {{X: {src}}}\n", encoding="utf-8")
     assert Manifest.load(p).dim_sources["X"]
 
 
@@ -114,7 +114,7 @@ _SHAPE = "{H: 2, I: 1, G: 1, K: 1, by_T: [[1, 1]]}"
      "dim: expected the name of the manifest's tuned dim (e.g. config), got list ['config']"),
 ])
 def test_tuning_table_names_are_read_as_written(tmp_path, table, needle):
-    (tmp_path / "t.yaml").write_text(_TUNING_HEAD + f"moe_fused_gemm: {table}\n")
+    (tmp_path / "t.yaml").write_text(_TUNING_HEAD + f"moe_fused_gemm: {table}\n", encoding="utf-8")
     t = TuningTable.for_hardware("h200", folder=tmp_path, report=False)
     assert t.path is None and t.set_aside == [str(tmp_path / "t.yaml")]
     assert len(t.problems) == 1 and "t.yaml: moe_fused_gemm: malformed" in t.problems[0]
@@ -124,6 +124,6 @@ def test_tuning_table_names_are_read_as_written(tmp_path, table, needle):
 def test_tuning_table_with_quoted_names_still_loads(tmp_path):
     (tmp_path / "t.yaml").write_text(_TUNING_HEAD + "moe_fused_gemm: {dim: config, key: [H, I, G, K], "
                                      "values: {'off': 0, 'on': 1}, shapes: [{H: 2, I: 1, G: 1, K: 1, "
-                                     "by_T: [[1, 'on']]}]}\n")
+                                     "by_T: [[1, 'on']]}]}\n", encoding="utf-8")
     t = TuningTable.for_hardware("h200", folder=tmp_path, report=False)
     assert not t.problems and t.factors["moe_fused_gemm"].values == {"off": 0, "on": 1}

@@ -39,7 +39,7 @@ def host_scale_with(tmp_path, helper: str, last_error: str = "", description: st
     """Build tmp_path/p/host_scale.so: host_scale.c (BEHAVIOUR 3: EX_ERR_SHAPE) whose last_error()
     text, description and name are C expressions of ``helper``'s functions where given ('' keeps
     its own), evaluated at run time (a name of its own: no manifest). Returns the folder."""
-    text = PLUGIN_SRC.read_text()
+    text = PLUGIN_SRC.read_text(encoding="utf-8")
     for old, expr in (('"N must be even"', last_error), ('"test: out = alpha * in on host memory"', description),
                       ("s_factor.name = NAME;", name and f"s_factor.name = {name};")):
         assert old in text
@@ -47,7 +47,7 @@ def host_scale_with(tmp_path, helper: str, last_error: str = "", description: st
             text = text.replace(old, expr)
     src = tmp_path / "src" / "host_scale.c"
     src.parent.mkdir(parents=True)
-    src.write_text(text.replace('#include "ex_engine.h"\n', '#include "ex_engine.h"\n#include <stdlib.h>\n' + helper, 1))
+    src.write_text(text.replace('#include "ex_engine.h"\n', '#include "ex_engine.h"\n#include <stdlib.h>\n' + helper, 1), encoding="utf-8")
     build_plugin(tmp_path / "p", defines={"BEHAVIOUR": 3}, src=src, manifest=not name)
     return tmp_path / "p"
 

@@ -146,7 +146,7 @@ def test_the_sdist_holds_what_make_builds_the_factors_from_and_the_tests(source_
     with tarfile.open(sdist) as tar:
         info = tar.extractfile(next(m for m in tar.getmembers() if m.name.endswith("/PKG-INFO"))).read().decode()
     assert f"\nVersion: {ex_engine.__version__}\n" in info
-    assert 'version = "' not in (ROOT / "pyproject.toml").read_text()
+    assert 'version = "' not in (ROOT / "pyproject.toml").read_text(encoding="utf-8")
 
 
 def test_build_outputs_are_ignored_by_git():

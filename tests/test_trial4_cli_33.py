@@ -141,13 +141,13 @@ def test_lock_replaces_its_file_atomically_keeping_its_mode(tmp_path, capsys):
     build_plugin(tmp_path)
     lock = tmp_path / "ex_engine.lock"
     assert main(["lock", "--dir", str(tmp_path)]) == 0
-    old_text = lock.read_text()
+    old_text = lock.read_text(encoding="utf-8")
     lock.chmod(0o600)
-    with open(lock) as held:
+    with open(lock, encoding="utf-8") as held:
         build_plugin(tmp_path, "second", manifest=False)
         assert main(["lock", "--dir", str(tmp_path)]) == 0
         assert held.read() == old_text                      # the old file, whole
-    assert json.loads(lock.read_text()) == _digests(tmp_path) and len(_digests(tmp_path)) == 2
+    assert json.loads(lock.read_text(encoding="utf-8")) == _digests(tmp_path) and len(_digests(tmp_path)) == 2
     assert oct(lock.stat().st_mode & 0o777) == oct(0o600)
     assert _leftovers(tmp_path) == []
     capsys.readouterr()
@@ -170,7 +170,7 @@ def test_lock_through_a_link_replaces_the_links_target(tmp_path, capsys):
     (tmp_path / "link.lock").symlink_to(tmp_path / "real.lock")
     assert main(["lock", "--dir", str(tmp_path / "lib"), "--output", str(tmp_path / "link.lock")]) == 0
     assert (tmp_path / "link.lock").is_symlink()
-    assert json.loads((tmp_path / "real.lock").read_text()) == _digests(tmp_path / "lib")
+    assert json.loads((tmp_path / "real.lock").read_text(encoding="utf-8")) == _digests(tmp_path / "lib")
     capsys.readouterr()
 
 
@@ -182,7 +182,7 @@ def test_a_lock_that_cannot_be_written_leaves_the_old_one_and_names_the_file(tmp
     build_plugin(tmp_path)
     lock = tmp_path / "ex_engine.lock"
     trust.write_lock(tmp_path)
-    old_text = lock.read_text()
+    old_text = lock.read_text(encoding="utf-8")
     build_plugin(tmp_path, "second", manifest=False)
 
     def limit():
@@ -191,7 +191,7 @@ def test_a_lock_that_cannot_be_written_leaves_the_old_one_and_names_the_file(tmp
     assert r.returncode == 2 and r.stdout == "", (r.returncode, r.stdout, r.stderr)
     assert r.stderr == (f"ex-engine: error: lock: cannot write the lock file {lock}: "
                         f"{os.strerror(errno.EFBIG)}\n"), r.stderr
-    assert lock.read_text() == old_text
+    assert lock.read_text(encoding="utf-8") == old_text
     assert _leftovers(tmp_path) == []
 
 
@@ -206,7 +206,7 @@ def test_a_failure_at_the_rename_removes_the_temporary_file(tmp_path, monkeypatc
     with pytest.raises(ex_engine.FactorError) as e:
         trust.write_lock(tmp_path)
     assert str(e.value) == f"lock: cannot write the lock file {lock}: {os.strerror(errno.EIO)}"
-    assert lock.read_text() == "{}\n" and _leftovers(tmp_path) == []
+    assert lock.read_text(encoding="utf-8") == "{}\n" and _leftovers(tmp_path) == []
 
 
 @pytest.mark.skipif(not Path("/proc/version").is_file(), reason="needs procfs")
@@ -258,7 +258,7 @@ def test_lock_help_documents_output_dash(capsys):
 
 
 def test_the_readme_documents_version_and_output_dash():
-    text = " ".join((ROOT / "README.md").read_text().split())
+    text = " ".join((ROOT / "README.md").read_text(encoding="utf-8").split())
     assert "`lock --output -` writes the JSON to stdout" in text
     assert "`ex-engine --version`" in text
 
@@ -285,7 +285,7 @@ def test_probe_names_the_childs_last_stderr_line_when_dlopen_ends_it(tmp_path):
     stderr. Now that line is in the reason, escaped."""
     if shutil.which("gcc") is None:
         pytest.skip("gcc not available")
-    (tmp_path / "dies.c").write_text(_DIES_IN_DLOPEN)
+    (tmp_path / "dies.c").write_text(_DIES_IN_DLOPEN, encoding="utf-8")
     subprocess.run(["gcc", "-shared", "-fPIC", "-fvisibility=hidden", f"-I{ROOT / 'include'}", "-o",
                     str(tmp_path / "dies.so"), str(tmp_path / "dies.c")], check=True)
     reg = FactorRegistry.load(tmp_path, hardware="h200", probe="subprocess")
@@ -355,7 +355,7 @@ def test_cache_writers_in_threads_do_not_share_a_temporary_file(tmp_path, monkey
         t.join()
     assert results == [""] * (n * rounds), sorted(set(results))
     assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == ["verified.json"]
-    assert json.loads((tmp_path / "cache" / "verified.json").read_text())["round"] == rounds - 1
+    assert json.loads((tmp_path / "cache" / "verified.json").read_text(encoding="utf-8"))["round"] == rounds - 1
 
 
 def test_cache_write_failure_still_names_the_cache_file(tmp_path, monkeypatch):
@@ -390,7 +390,7 @@ def test_lock_output_dash_with_stdout_closed_writes_no_file(tmp_path, monkeypatc
     (tmp_path / "ex_engine.lock").write_text('{"keep": "me"}')
     monkeypatch.setattr(sys, "stdout", None)
     assert cli.main(["lock", "--dir", str(tmp_path), "--output", "-"]) == 2
-    assert (tmp_path / "ex_engine.lock").read_text() == '{"keep": "me"}'
+    assert (tmp_path / "ex_engine.lock").read_text(encoding="utf-8") == '{"keep": "me"}'
     assert "expected a standard output to write the lock to" in capsys.readouterr().err
 
 
@@ -433,4 +433,4 @@ def test_a_writable_lock_in_a_folder_that_refuses_new_files_is_rewritten_in_plac
     monkeypatch.setattr(os, "open", no_new_files)
     ino = lock.stat().st_ino
     trust.write_lock(tmp_path)
-    assert "x.so" in lock.read_text() and lock.stat().st_ino == ino
+    assert "x.so" in lock.read_text(encoding="utf-8") and lock.stat().st_ino == ino

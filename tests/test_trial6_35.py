@@ -176,7 +176,7 @@ def test_build_interrupted_stops_make_and_its_compilers(tmp_path, sig, code):
     fake = tmp_path / "make"
     pidfile = tmp_path / "child.pid"
     # (in the foreground, as make runs nvcc: a non-interactive shell's `cmd &` ignores SIGINT)
-    fake.write_text(f"#!/bin/bash\nbash -c 'echo $$ > {pidfile}; exec sleep 300'\n")
+    fake.write_text(f"#!/bin/bash\nbash -c 'echo $$ > {pidfile}; exec sleep 300'\n", encoding="utf-8")
     fake.chmod(0o755)
     env = dict(os.environ, PATH=f"{tmp_path}:{os.environ['PATH']}")
     # SIGINT at its default in the command: a suite started with SIGINT ignored (a background
@@ -187,19 +187,19 @@ def test_build_interrupted_stops_make_and_its_compilers(tmp_path, sig, code):
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         for _ in range(200):
-            if pidfile.exists() and pidfile.read_text().strip():
+            if pidfile.exists() and pidfile.read_text(encoding="utf-8").strip():
                 break
             time.sleep(0.05)
-        child = int(pidfile.read_text())
+        child = int(pidfile.read_text(encoding="utf-8"))
         proc.send_signal(getattr(signal, sig))
         out, err = proc.communicate(timeout=30)
     finally:   # a failure here left the command and `sleep 300` running past the test
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-            if pidfile.exists() and pidfile.read_text().strip():
+            if pidfile.exists() and pidfile.read_text(encoding="utf-8").strip():
                 try:   # make's process group (a session of its own), the stand-in included
-                    os.killpg(os.getpgid(int(pidfile.read_text())), signal.SIGKILL)
+                    os.killpg(os.getpgid(int(pidfile.read_text(encoding="utf-8"))), signal.SIGKILL)
                 except ProcessLookupError:
                     pass
     assert proc.returncode == code, (out, err)
@@ -247,7 +247,7 @@ def test_benchmark_json_is_written_whole_or_not_at_all(tmp_path, monkeypatch):
         sys.path.remove(str(ROOT / "benchmarks"))
     out = tmp_path / "b.json"
     timing.write_json(out, {"rows": [1]})
-    assert json.loads(out.read_text()) == {"rows": [1]}
+    assert json.loads(out.read_text(encoding="utf-8")) == {"rows": [1]}
     import ex_engine.trust as trust
 
     def cut(*a, **k):          # the write is cut short where the new text would replace the old
@@ -255,6 +255,6 @@ def test_benchmark_json_is_written_whole_or_not_at_all(tmp_path, monkeypatch):
     monkeypatch.setattr(trust.os, "replace", cut)
     with pytest.raises(OSError, match="b.json"):
         timing.write_json(out, {"rows": [1, 2]})
-    assert json.loads(out.read_text()) == {"rows": [1]} and [p.name for p in tmp_path.iterdir()] == ["b.json"]
-    src = (ROOT / "benchmarks" / "tune_moe.py").read_text()
+    assert json.loads(out.read_text(encoding="utf-8")) == {"rows": [1]} and [p.name for p in tmp_path.iterdir()] == ["b.json"]
+    src = (ROOT / "benchmarks" / "tune_moe.py").read_text(encoding="utf-8")
     assert "replace_file(out, header" in src and "out.write_text(" not in src

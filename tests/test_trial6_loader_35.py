@@ -10,14 +10,14 @@ from ex_engine.errors import FactorError
 from ex_engine.manifest import Manifest
 from tests.conftest import ROOT, build_plugin
 
-HOST_SCALE_YAML = (ROOT / "tests" / "plugins" / "host_scale.yaml").read_text()
+HOST_SCALE_YAML = (ROOT / "tests" / "plugins" / "host_scale.yaml").read_text(encoding="utf-8")
 OUT = "output: {name: out, shape: [N], dtype: [float32]}"
 IN = "input: {name: x, shape: [N], dtype: [float32]}"
 
 
 def _manifest(tmp_path, text, stem="host_scale"):
     p = tmp_path / f"{stem}.yaml"
-    p.write_text(text)
+    p.write_text(text, encoding="utf-8")
     return p
 
 
@@ -40,7 +40,7 @@ def test_the_output_and_input_keep_their_roles(tmp_path, old, new, field):
 def test_a_read_only_output_is_refused_not_written(tmp_path):
     build_plugin(tmp_path)
     (tmp_path / "host_scale.yaml").write_text(HOST_SCALE_YAML.replace(
-        OUT, "output: {name: out, shape: [N], dtype: [float32], role: input}"))
+        OUT, "output: {name: out, shape: [N], dtype: [float32], role: input}"), encoding="utf-8")
     reg = FactorRegistry.load(tmp_path, hardware="h200")
     p = reg.plugins[0]
     assert p.status == "rejected" and "host_scale.yaml: output: role: expected output" in p.reason, p.reason
@@ -102,11 +102,11 @@ def test_a_fifo_or_an_oversized_file_is_refused_unread(tmp_path, monkeypatch):
     monkeypatch.setattr(_paths.read_small, "__defaults__", (1000,))
     big = tmp_path / "big"
     big.mkdir()
-    (big / "host_scale.yaml").write_text(HOST_SCALE_YAML + "#" * 2000 + "\n")
+    (big / "host_scale.yaml").write_text(HOST_SCALE_YAML + "#" * 2000 + "\n", encoding="utf-8")
     with pytest.raises(FactorError, match=r"manifest .*host_scale\.yaml: 2.\d\d KiB \(2\d\d\d bytes\), over the "
                                           r"limit of 1000 B"):
         manifest.load_all(big)
-    (big / "lk.json").write_text("{}" + " " * 2000)
+    (big / "lk.json").write_text("{}" + " " * 2000, encoding="utf-8")
     with pytest.raises(FactorError, match=r"lock file .*lk\.json: .*over the limit of 1000 B"):
         trust.read_lock(big / "lk.json")
 
@@ -233,7 +233,7 @@ def test_the_note_of_a_factor_whose_fallback_cannot_be_loaded_says_its_calls_rai
     m = tmp_path / "m"
     shutil.copytree(_paths.manifests_dir(), m)
     (m / "host_scale.yaml").write_text(HOST_SCALE_YAML.replace("tests.plugins.host_scale_fallback:scale",
-                                                               "nosuch_mod:scale"))
+                                                               "nosuch_mod:scale"), encoding="utf-8")
     build_plugin(tmp_path / "lib", manifest=False)
     reg = FactorRegistry.load(tmp_path / "lib", hardware="h200", manifests_dir=m)
     (p,) = reg.plugins
@@ -291,10 +291,10 @@ def test_a_lock_file_that_names_a_library_twice_is_refused(tmp_path):
     from ex_engine import trust
     a, b = "a" * 64, "b" * 64
     lk = tmp_path / "ex_engine.lock"
-    lk.write_text(f'{{"x.so": "{a}", "x.so": "{b}"}}')
+    lk.write_text(f'{{"x.so": "{a}", "x.so": "{b}"}}', encoding="utf-8")
     with pytest.raises(FactorError, match=rf"lock file {lk}: found duplicate key 'x.so': expected each library once"):
         trust.read_lock(lk)
-    lk.write_text(f'{{"x.so": "{a}", "y.so": "{b}"}}')
+    lk.write_text(f'{{"x.so": "{a}", "y.so": "{b}"}}', encoding="utf-8")
     assert trust.read_lock(lk) == {"x.so": a, "y.so": b}
 
 
@@ -309,7 +309,7 @@ def test_a_manifest_fallback_that_leaves_outputs_unwritten_is_an_error_as_set_fa
     monkeypatch.syspath_prepend(str(mods))
     build_plugin(tmp_path, defines={"BEHAVIOUR": 2})   # both C paths decline
     (tmp_path / "host_scale.yaml").write_text(HOST_SCALE_YAML.replace(
-        "tests.plugins.host_scale_fallback:scale", "trial6_half_fallback:half"))
+        "tests.plugins.host_scale_fallback:scale", "trial6_half_fallback:half"), encoding="utf-8")
     reg = FactorRegistry.load(tmp_path, hardware="h200")
     assert reg.get("host_scale").status == "ready"
     with pytest.raises(FactorError, match=r"host_scale: the Python fallback 'trial6_half_fallback:half' \(manifest "
@@ -321,7 +321,7 @@ def test_a_manifest_fallback_that_leaves_outputs_unwritten_is_an_error_as_set_fa
         _host_scale_call(reg)
     assert reg.stats()["host_scale"]["errors"] == 2
     reg.set_fallback("host_scale", None)
-    (tmp_path / "host_scale.yaml").write_text(HOST_SCALE_YAML)   # (a fallback that writes all: served)
+    (tmp_path / "host_scale.yaml").write_text(HOST_SCALE_YAML, encoding="utf-8")   # (a fallback that writes all: served)
     reg = FactorRegistry.load(tmp_path, hardware="h200")
     path, x, out = _host_scale_call(reg)
     assert path == "python_fallback" and (out == 2 * x).all()

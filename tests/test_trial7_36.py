@@ -213,7 +213,7 @@ def test_scripts_end_with_one_line_on_ctrl_c_and_on_memory_they_cannot_get(exc, 
     with pytest.raises(RuntimeError, match="another error"):     # not memory: left as it is
         exit_quietly_on_broken_pipe(lambda: (_ for _ in ()).throw(RuntimeError("another error")))
     for script in ("examples/ep_moe.py", "examples/hf_moe_generate.py", "benchmarks/topk_variants/model.py"):
-        assert "exit_quietly_on_broken_pipe(main)" in (ROOT / script).read_text(), script
+        assert "exit_quietly_on_broken_pipe(main)" in (ROOT / script).read_text(encoding="utf-8"), script
 
 
 def test_gpu_check_stops_before_any_stage_when_its_log_folder_cannot_be_written(tmp_path):

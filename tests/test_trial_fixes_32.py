@@ -128,7 +128,7 @@ def test_a_bad_bool_parameter_says_0_or_1_are_accepted(reg):
 def _tuning_folder(tmp_path, text: str):
     folder = tmp_path / "tuning"
     folder.mkdir(exist_ok=True)
-    (folder / "h200.yaml").write_text(text)
+    (folder / "h200.yaml").write_text(text, encoding="utf-8")
     return folder, str(folder / "h200.yaml")
 
 
@@ -137,7 +137,7 @@ def test_a_malformed_tuning_file_is_malformed_not_unreadable(tmp_path):
     "unreadable" in list-factors' header (the file was read: it is malformed). The file for
     this device (its device read) is set aside as malformed; malformed and unreadable list
     the files by what was wrong."""
-    shipped = (SHIPPED / "tuning" / "h200.yaml").read_text()
+    shipped = (SHIPPED / "tuning" / "h200.yaml").read_text(encoding="utf-8")
     assert "\nmultiprocessor_count: 132\n" in shipped
     folder, path = _tuning_folder(tmp_path, shipped.replace("\nmultiprocessor_count: 132\n",
                                                             "\nmultiprocessor_count: many\n"))
@@ -156,7 +156,7 @@ def test_list_factors_calls_a_malformed_sm_count_set_aside_as_malformed(tmp_path
     mdir = tmp_path / "m"
     shutil.copytree(SHIPPED, mdir)
     path = mdir / "tuning" / "h200.yaml"
-    path.write_text(path.read_text().replace("\nmultiprocessor_count: 132\n", "\nmultiprocessor_count: many\n"))
+    path.write_text(path.read_text(encoding="utf-8").replace("\nmultiprocessor_count: 132\n", "\nmultiprocessor_count: many\n"), encoding="utf-8")
     monkeypatch.setenv("EX_ENGINE_MANIFESTS", str(mdir))
     (tmp_path / "plugs").mkdir()
     cli_main(["list-factors", "--dir", str(tmp_path / "plugs"), "--hardware", "h200", "--no-probe"])
@@ -169,13 +169,13 @@ def test_a_file_none_of_whose_tables_is_used_is_not_in_use(tmp_path):
     """With its only table never used (dim: nodim) the file was still the tuning in use
     (TuningTable.path, which list-factors prints): in_use says None then, path still names
     the file read; with the table in use, in_use is the file."""
-    shipped = (SHIPPED / "tuning" / "h200.yaml").read_text()
+    shipped = (SHIPPED / "tuning" / "h200.yaml").read_text(encoding="utf-8")
     assert "\n  dim: config\n" in shipped
     mdir = tmp_path / "m"
     shutil.copytree(SHIPPED, mdir)
     good = FactorRegistry(hardware="h200", manifests_dir=mdir)
     assert good.tuning.in_use == good.tuning.path == str(mdir / "tuning" / "h200.yaml")
-    (mdir / "tuning" / "h200.yaml").write_text(shipped.replace("\n  dim: config\n", "\n  dim: nodim\n"))
+    (mdir / "tuning" / "h200.yaml").write_text(shipped.replace("\n  dim: config\n", "\n  dim: nodim\n"), encoding="utf-8")
     reg = FactorRegistry(hardware="h200", manifests_dir=mdir)
     assert reg.tuning.path == str(mdir / "tuning" / "h200.yaml") and set(reg.tuning.refused) == {"moe_fused_gemm"}
     assert reg.tuning.in_use is None
@@ -192,7 +192,7 @@ def test_list_factors_header_names_what_was_wrong_with_the_tuning_files(tmp_path
     plugs = tmp_path / "plugs"
     plugs.mkdir()
     args = ["list-factors", "--dir", str(plugs), "--hardware", "h200", "--no-probe"]
-    shipped = (mdir / "tuning" / "h200.yaml").read_text()
+    shipped = (mdir / "tuning" / "h200.yaml").read_text(encoding="utf-8")
     (mdir / "tuning" / "h200.yaml").unlink()
     (mdir / "tuning" / "empty.yaml").write_text("")
     (mdir / "tuning" / "gone.yaml").symlink_to(mdir / "tuning" / "nowhere.yaml")
@@ -202,13 +202,13 @@ def test_list_factors_header_names_what_was_wrong_with_the_tuning_files(tmp_path
     (mdir / "tuning" / "empty.yaml").unlink()
     (mdir / "tuning" / "gone.yaml").unlink()
     path = mdir / "tuning" / "h200.yaml"
-    path.write_text(shipped.replace("\n  dim: config\n", "\n  dim: nodim\n"))
+    path.write_text(shipped.replace("\n  dim: config\n", "\n  dim: nodim\n"), encoding="utf-8")
     cli_main(args)
     out = capsys.readouterr().out
     assert f"tuning: {path} (for NVIDIA H200): none of its tables is used" in out, out
     cli_main(args + ["--json"])
     assert json.loads(capsys.readouterr().out)["tuning_file"] is None
-    path.write_text(shipped)
+    path.write_text(shipped, encoding="utf-8")
     cli_main(args + ["--json"])
     assert json.loads(capsys.readouterr().out)["tuning_file"] == str(path)
 
@@ -234,9 +234,9 @@ def test_yaml_syntax_errors_name_the_file_not_a_unicode_string(tmp_path):
         _yaml.load("name: \x01\n", name="/some/where.yaml")    # refused before parsing starts
     mdir = tmp_path / "mm"
     mdir.mkdir()
-    text = (SHIPPED / "topk_softmax.yaml").read_text()
+    text = (SHIPPED / "topk_softmax.yaml").read_text(encoding="utf-8")
     assert "\nname: topk_softmax\n" in text
-    (mdir / "topk_softmax.yaml").write_text(text.replace("\nname: topk_softmax\n", "\nname: [topk_softmax\n"))
+    (mdir / "topk_softmax.yaml").write_text(text.replace("\nname: topk_softmax\n", "\nname: [topk_softmax\n"), encoding="utf-8")
     errors: dict = {}
     load_all(mdir, errors)
     msg = errors["topk_softmax"]

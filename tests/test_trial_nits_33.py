@@ -43,7 +43,7 @@ def test_every_factor_error_class_of_the_package_is_exported():
 
 
 def test_readme_lists_every_exported_error_class():
-    text = (ROOT / "README.md").read_text()
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
     for name in ex_engine.__all__:
         if name.endswith("Error"):
             assert f"`{name}`" in text, name
@@ -93,10 +93,10 @@ def test_the_structs_version_mismatch_says_where_the_expected_one_came_from(tmp_
 def _manifests_with_host_scale(tmp_path, fallback=True):
     m = tmp_path / "m"
     shutil.copytree(_paths.manifests_dir(), m)
-    text = (ROOT / "tests" / "plugins" / "host_scale.yaml").read_text()
+    text = (ROOT / "tests" / "plugins" / "host_scale.yaml").read_text(encoding="utf-8")
     if not fallback:
         text = "\n".join(line for line in text.splitlines() if not line.startswith("fallback:")) + "\n"
-    (m / "host_scale.yaml").write_text(text)
+    (m / "host_scale.yaml").write_text(text, encoding="utf-8")
     return m
 
 

@@ -29,10 +29,10 @@ def by_stem(reg, stem):
 
 def profile(tmp_path, base="h200", **changes) -> Path:
     """A hardware profile YAML in tmp_path: ``base`` with some fields changed."""
-    data = yaml.safe_load((ROOT / "manifests" / "hardware" / f"{base}.yaml").read_text())
+    data = yaml.safe_load((ROOT / "manifests" / "hardware" / f"{base}.yaml").read_text(encoding="utf-8"))
     data.update(changes)
     path = tmp_path / f"fake_{base}.yaml"
-    path.write_text(yaml.safe_dump(data))
+    path.write_text(yaml.safe_dump(data), encoding="utf-8")
     return path
 
 
@@ -83,7 +83,7 @@ def test_each_struct_problem_fails_its_own_check(tmp_path, defines, check):
 
 def test_id_other_than_the_manifest_is_refused(tmp_path):
     build_plugin(tmp_path, defines={"FACTOR_ID": 1108}, manifest=False)
-    (tmp_path / "host_scale.yaml").write_text((ROOT / "tests" / "plugins" / "host_scale.yaml").read_text())
+    (tmp_path / "host_scale.yaml").write_text((ROOT / "tests" / "plugins" / "host_scale.yaml").read_text(encoding="utf-8"), encoding="utf-8")
     p = FactorRegistry.load(tmp_path, hardware="h200").plugins[0]
     assert p.status == "rejected" and p.reason.startswith("manifest id: expected id 1100") and "library says 1108" in p.reason
 
@@ -288,7 +288,7 @@ def test_probe_fails_when_its_child_stops_between_opening_and_calling(tmp_path, 
 def test_lock_accepts_listed_files_and_refuses_changed_or_unlisted_ones_before_dlopen(tmp_path, capsys):
     build_plugin(tmp_path)
     assert cli_main(["lock", "--dir", str(tmp_path)]) == 0
-    lock = json.loads((tmp_path / "ex_engine.lock").read_text())
+    lock = json.loads((tmp_path / "ex_engine.lock").read_text(encoding="utf-8"))
     assert list(lock) == ["host_scale.so"] and len(lock["host_scale.so"]) == 64
     reg = FactorRegistry.load(tmp_path, hardware="h200", lock=True)
     assert reg.get("host_scale") is not None
@@ -308,7 +308,7 @@ def test_lock_accepts_listed_files_and_refuses_changed_or_unlisted_ones_before_d
 def test_lock_warn_mode_loads_with_a_warning(tmp_path, capsys):
     build_plugin(tmp_path)
     lock = tmp_path / "my.lock"
-    lock.write_text(json.dumps({"host_scale.so": "0" * 64}))
+    lock.write_text(json.dumps({"host_scale.so": "0" * 64}), encoding="utf-8")
     with pytest.warns(UserWarning, match="sha256 mismatch.*loaded anyway"):
         reg = FactorRegistry.load(tmp_path, hardware="h200", lock=lock, lock_mode="warn")
     p = reg.get("host_scale")
@@ -385,7 +385,7 @@ def test_a_locked_library_that_is_gone_is_noted(tmp_path, capsys):
 ])
 def test_a_malformed_lock_file_is_an_error_naming_the_entry(tmp_path, content, msg):
     build_plugin(tmp_path)
-    (tmp_path / "ex_engine.lock").write_text(content)
+    (tmp_path / "ex_engine.lock").write_text(content, encoding="utf-8")
     with pytest.raises(FactorError, match=msg):
         FactorRegistry.load(tmp_path, hardware="h200", lock=True)
 
@@ -410,7 +410,7 @@ def test_cli_lock_output_path(tmp_path, capsys):
     build_plugin(tmp_path)
     out = tmp_path / "sub.lock"
     assert cli_main(["lock", "--dir", str(tmp_path), "--output", str(out)]) == 0
-    assert "host_scale.so" in json.loads(out.read_text())
+    assert "host_scale.so" in json.loads(out.read_text(encoding="utf-8"))
     assert f"wrote {out}" in capsys.readouterr().out
 
 
@@ -487,28 +487,28 @@ def test_files_named_so_that_are_not_regular_files_are_refused_without_reading(t
         assert p.status == "rejected" and p.reason.startswith("read: not a regular file"), p.reason
     assert reg.get("host_scale").status == "ready"
     assert cli_main(["lock", "--dir", str(tmp_path)]) == 0
-    assert list(json.loads((tmp_path / "ex_engine.lock").read_text())) == ["host_scale.so"]
+    assert list(json.loads((tmp_path / "ex_engine.lock").read_text(encoding="utf-8"))) == ["host_scale.so"]
 
 
 def test_a_manifest_must_name_its_factor_as_the_library_does(tmp_path):
     """foo.so (factor foo) with a foo.yaml that says name: bar loaded, and its errors spoke of
     'bar'; two manifests of one name in the folder: the second was taken silently."""
     build_plugin(tmp_path, manifest=False)
-    text = (ROOT / "tests" / "plugins" / "host_scale.yaml").read_text()
-    (tmp_path / "host_scale.yaml").write_text(text.replace("name: host_scale", "name: other_name"))
+    text = (ROOT / "tests" / "plugins" / "host_scale.yaml").read_text(encoding="utf-8")
+    (tmp_path / "host_scale.yaml").write_text(text.replace("name: host_scale", "name: other_name"), encoding="utf-8")
     p = FactorRegistry.load(tmp_path, hardware="h200").plugins[0]
     assert p.status == "rejected" and p.reason.startswith("manifest name:") and "names 'other_name'" in p.reason
     mdir = tmp_path / "m"
     mdir.mkdir()
-    (mdir / "a.yaml").write_text(text)
-    (mdir / "b.yaml").write_text(text)
+    (mdir / "a.yaml").write_text(text, encoding="utf-8")
+    (mdir / "b.yaml").write_text(text, encoding="utf-8")
     (tmp_path / "empty").mkdir()
     reg = FactorRegistry.load(tmp_path / "empty", hardware="h200", manifests_dir=mdir)
     # neither is host_scale.yaml: which one describes the library cannot be told, none is used
     assert any("a.yaml and " in n and "b.yaml all name 'host_scale' and none is host_scale.yaml" in n
                for n in reg.notes), reg.notes
     assert "host_scale" not in reg.manifests
-    (mdir / "host_scale.yaml").write_text(text)   # the file of that name is the manifest
+    (mdir / "host_scale.yaml").write_text(text, encoding="utf-8")   # the file of that name is the manifest
     reg = FactorRegistry.load(tmp_path / "empty", hardware="h200", manifests_dir=mdir)
     assert str(reg.manifests["host_scale"].path).endswith("host_scale.yaml")
     assert any("b.yaml: names 'host_scale', as" in n and "is not used" in n for n in reg.notes), reg.notes

@@ -17,7 +17,7 @@ H200 = SimpleNamespace(name="NVIDIA H200", multiprocessor_count=132, live=True)
 
 def write(tmp_path, body, name="dev.yaml"):
     p = tmp_path / name
-    p.write_text(yaml.safe_dump(body))
+    p.write_text(yaml.safe_dump(body), encoding="utf-8")
     return tmp_path
 
 
@@ -133,7 +133,7 @@ def _registry_with_tuning(tmp_path, body):
     from ex_engine import _paths
     shutil.copytree(_paths.manifests_dir(), tmp_path / "m", ignore=shutil.ignore_patterns("tuning"))
     (tmp_path / "m" / "tuning").mkdir()
-    (tmp_path / "m" / "tuning" / "h200.yaml").write_text(yaml.safe_dump(body))
+    (tmp_path / "m" / "tuning" / "h200.yaml").write_text(yaml.safe_dump(body), encoding="utf-8")
     (tmp_path / "none").mkdir()
     return FactorRegistry.load(tmp_path / "none", hardware="h200", manifests_dir=tmp_path / "m")
 
@@ -207,7 +207,7 @@ def test_registry_passes_the_tuned_config_as_dims7(tmp_path):
 
 def test_shipped_tuning_files_parse():
     for p in sorted(tuning_dir().glob("*.yaml")):
-        data = yaml.safe_load(p.read_text())
+        data = yaml.safe_load(p.read_text(encoding="utf-8"))
         hw = SimpleNamespace(name=data["device"], multiprocessor_count=data["multiprocessor_count"],
                              live=False)
         t = TuningTable.for_hardware(hw, tuning_dir())
@@ -244,7 +244,7 @@ def test_config_values_agree_with_the_kernel():
     import sys
     from pathlib import Path
     root = Path(__file__).resolve().parents[1]
-    src = (root / "factors" / "moe_fused_gemm.cuh").read_text()
+    src = (root / "factors" / "moe_fused_gemm.cuh").read_text(encoding="utf-8")
     consts = {m[0]: int(m[1]) for m in re.findall(r"\b(kTileConfig\w+)\s*=\s*(-?\d+)", src)}
     lo, hi = consts["kTileConfigAuto"], consts["kTileConfigMax"]
     sys.path.insert(0, str(root / "benchmarks"))
@@ -256,7 +256,7 @@ def test_config_values_agree_with_the_kernel():
     for name, v in tune_moe.CONFIGS.items():
         assert consts.get("kTileConfig" + "".join(w.capitalize() for w in name.split("_"))) == v, name
     for p in sorted(tuning_dir().glob("*.yaml")):
-        table = yaml.safe_load(p.read_text())["moe_fused_gemm"]
+        table = yaml.safe_load(p.read_text(encoding="utf-8"))["moe_fused_gemm"]
         assert table["values"] == tune_moe.VALUES, p
 
 
@@ -298,7 +298,7 @@ def test_a_manifest_tuned_range_or_options_is_checked_at_load(tmp_path):
     options restrict a tuning table as a range does."""
     from ex_engine.manifest import Manifest
     from ex_engine import _paths
-    src = (_paths.manifests_dir() / "moe_fused_gemm.yaml").read_text()
+    src = (_paths.manifests_dir() / "moe_fused_gemm.yaml").read_text(encoding="utf-8")
     assert "config: {tuned: -1, range: [-1, 12]}" in src
     for entry, needle in (("{tuned: -1, range: [8, -1]}", "config: range: expected [LOWEST, HIGHEST]"),
                           ("{tuned: -1, range: [0, x]}", "config: range: expected [LOWEST, HIGHEST]"),
@@ -306,10 +306,10 @@ def test_a_manifest_tuned_range_or_options_is_checked_at_load(tmp_path):
                           ("{tuned: 13, range: [-1, 12]}", "config: tuned: the default 13 is outside the range -1..12"),
                           ("{tuned: x}", "config: tuned: expected the default value")):
         p = tmp_path / "moe_fused_gemm.yaml"
-        p.write_text(src.replace("config: {tuned: -1, range: [-1, 12]}", f"config: {entry}"))
+        p.write_text(src.replace("config: {tuned: -1, range: [-1, 12]}", f"config: {entry}"), encoding="utf-8")
         with pytest.raises(FactorError, match="^" + re.escape(f"manifest {p}: dim_sources: {needle}")):
             Manifest.load(p)
-    p.write_text(src.replace("config: {tuned: -1, range: [-1, 12]}", "config: {tuned: -1, options: [-1, 0, 2]}"))
+    p.write_text(src.replace("config: {tuned: -1, range: [-1, 12]}", "config: {tuned: -1, options: [-1, 0, 2]}"), encoding="utf-8")
     m = Manifest.load(p)
     (tmp_path / "t").mkdir()
     t = TuningTable.for_hardware(H200, write(tmp_path / "t", TABLE))
@@ -472,9 +472,9 @@ def test_an_unknown_key_inside_a_table_or_a_shape_entry_sets_the_file_aside(tmp_
     monkeypatch.setenv("EX_ENGINE_MANIFESTS", str(tmp_path / "m"))
     path = tmp_path / "m" / "tuning" / "h200.yaml"
     assert FactorRegistry.load(tmp_path / "none", hardware="h200").tuning.path == str(path)
-    text = path.read_text()
+    text = path.read_text(encoding="utf-8")
     assert old in text
-    path.write_text(text.replace(old, new, 1))
+    path.write_text(text.replace(old, new, 1), encoding="utf-8")
     reg = FactorRegistry.load(tmp_path / "none", hardware="h200")
     notes = [n for n in reg.notes if n.startswith("tuning:")]
     assert len(notes) == 1 and notes[0].startswith(f"tuning: tuning file {path}: {why}"), reg.notes

@@ -21,13 +21,13 @@ def _exiting_fallback_plugin(tmp_path, body: str, stem: str = "host_scale"):
     folder, mods = tmp_path / "p", tmp_path / "mods"
     mods.mkdir(parents=True, exist_ok=True)
     mod = f"exitmod_{uuid.uuid4().hex[:12]}"   # not in sys.modules: its code runs at import
-    (mods / f"{mod}.py").write_text(body)
+    (mods / f"{mod}.py").write_text(body, encoding="utf-8")
     name = stem
     defines = {} if stem == "host_scale" else {"NAME": f'"{stem}"', "FACTOR_ID": 1101}
     build_plugin(folder, stem, defines=defines)
     yaml = folder / f"{name}.yaml"
-    yaml.write_text(yaml.read_text().replace("fallback: tests.plugins.host_scale_fallback:scale",
-                                             f"fallback: {mod}:scale"))
+    yaml.write_text(yaml.read_text(encoding="utf-8").replace("fallback: tests.plugins.host_scale_fallback:scale",
+                                             f"fallback: {mod}:scale"), encoding="utf-8")
     return folder, mods, mod
 
 
@@ -95,7 +95,7 @@ def test_the_probe_imports_a_fallback_module_in_a_child_first(tmp_path, monkeypa
     folder2 = tmp_path / "q"
     build_plugin(folder2)
     yaml = folder2 / "host_scale.yaml"
-    yaml.write_text(yaml.read_text().replace("tests.plugins.host_scale_fallback:scale", f"{good_mod}:scale"))
+    yaml.write_text(yaml.read_text(encoding="utf-8").replace("tests.plugins.host_scale_fallback:scale", f"{good_mod}:scale"), encoding="utf-8")
     reg = FactorRegistry.load(folder2, hardware="h200", probe="subprocess")
     p = reg.plugins[0]
     assert p.status == "ready", p.reason
@@ -212,7 +212,7 @@ def test_in_place_and_inout_arrays_are_not_poisoned_and_the_plugin_path_pays_not
 def test_perf_md_is_cited_where_it_is(rel):
     """PERF.md is ../shared/PERF.md, beside the checkout, not in it: each citation outside the
     table's short column header says so."""
-    text = (ROOT / rel).read_text().replace("vLLM (PERF.md)", "")
+    text = (ROOT / rel).read_text(encoding="utf-8").replace("vLLM (PERF.md)", "")
     bare = [m.start() for m in re.finditer(r"PERF\.md", text) if text[max(0, m.start() - 10):m.start()] != "../shared/"]
     assert not bare, [text[max(0, i - 40):i + 10] for i in bare]
     assert "../shared/PERF.md" in text

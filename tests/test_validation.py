@@ -383,12 +383,12 @@ def test_an_absent_requires_with_a_number_on_the_left_still_holds(tmp_path):
     from ex_engine.manifest import Manifest
     from ex_engine.arrays import TensorRef
     from tests.conftest import ROOT
-    text = (ROOT / "tests" / "plugins" / "host_scale.yaml").read_text().replace(
+    text = (ROOT / "tests" / "plugins" / "host_scale.yaml").read_text(encoding="utf-8").replace(
         "  - {name: alpha, shape: [1], dtype: [float32], role: input}",
         "  - {name: alpha, shape: [1], dtype: [float32], role: input}\n"
         "  - {name: g, shape: [N], dtype: [float32], role: input, optional: true, absent_requires: \"1 == N\"}\n"
         "  - {name: h, shape: [N], dtype: [float32], role: input, optional: true}")
-    (tmp_path / "m.yaml").write_text(text)
+    (tmp_path / "m.yaml").write_text(text, encoding="utf-8")
     m = Manifest.load(tmp_path / "m.yaml")
     refs = {k: TensorRef.of(np.zeros(n, np.float32), k) for k, n in (("x", 7), ("out", 7), ("alpha", 1), ("h", 7))}
     with pytest.raises(ShapeError, match="1 == N when g is not given"):

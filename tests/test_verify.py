@@ -147,7 +147,7 @@ def test_load_verify_remembers_a_pass(tmp_path, cache):
     reg = FactorRegistry.load(tmp_path / "lib", hardware="h200", verify=True)
     check = reg.get("host_scale").checks[-1]
     assert check.name == "verify" and check.ok and check.detail.startswith("1 cases passed")
-    data = json.loads(cache.read_text())
+    data = json.loads(cache.read_text(encoding="utf-8"))
     key = f"{reg.get('host_scale').sha256}|host"
     assert data[key]["factor"] == "host_scale" and data[key]["cases"] == 1
     reg = FactorRegistry.load(tmp_path / "lib", hardware="h200", verify=True)
@@ -162,7 +162,7 @@ def test_load_verify_remembers_a_pass(tmp_path, cache):
     reg = FactorRegistry.load(tmp_path / "lib", hardware="h200", verify=True)
     (p,) = reg.plugins
     assert p.status == "rejected" and p.reason.startswith("loaded copy: "), p.reason
-    assert f"{p.sha256}|host" not in json.loads(cache.read_text())
+    assert f"{p.sha256}|host" not in json.loads(cache.read_text(encoding="utf-8"))
 
 
 def test_load_verify_says_when_the_pass_could_not_be_cached(tmp_path, monkeypatch):
@@ -176,7 +176,7 @@ def test_load_verify_says_when_the_pass_could_not_be_cached(tmp_path, monkeypatc
         assert check.name == "verify" and check.ok
         assert check.detail == (f"1 cases passed against the Python fallback (not cached: {tmp_path / 'afile'} "
                                 "is not a folder; it is verified again at the next load)"), check.detail
-    assert (tmp_path / "afile").read_text() == "not a folder"
+    assert (tmp_path / "afile").read_text(encoding="utf-8") == "not a folder"
 
 
 def test_a_failure_is_not_cached(tmp_path, cache):
@@ -207,7 +207,7 @@ def test_verify_plugin_reports_skips(tmp_path):
 def test_cli_verify_reports_a_fallback_of_the_wrong_signature_as_a_failure(tmp_path, capsys):
     build_plugin(tmp_path)
     y = tmp_path / "host_scale.yaml"
-    y.write_text(y.read_text().replace("host_scale_fallback:scale", "host_scale_fallback:wrong_signature"))
+    y.write_text(y.read_text(encoding="utf-8").replace("host_scale_fallback:scale", "host_scale_fallback:wrong_signature"), encoding="utf-8")
     # refused at load now (its signature is read there), so verify has nothing to run; it
     # failed every case before, and every call that fell back raised a raw TypeError
     reg = FactorRegistry.load(tmp_path, hardware="h200")
@@ -291,7 +291,7 @@ def test_verify_in_a_child_refuses_a_library_changed_after_loading(tmp_path):
 def test_verify_in_a_child_keeps_the_cases_before_a_crash_and_names_the_one_it_hit(tmp_path, capsys):
     build_plugin(tmp_path, defines={"CRASH_IN_KERNEL": 8, "CRASH_IF_N": 9})
     y = tmp_path / "host_scale.yaml"
-    y.write_text(y.read_text().replace("  - {N: 7}", "  - {N: 7}\n  - {N: 8}\n  - {N: 9}\n  - {N: 10}"))
+    y.write_text(y.read_text(encoding="utf-8").replace("  - {N: 7}", "  - {N: 7}\n  - {N: 8}\n  - {N: 9}\n  - {N: 10}"), encoding="utf-8")
     assert cli_main(["verify", "--dir", str(tmp_path), "--hardware", "h200"]) == 1
     out = capsys.readouterr().out
     assert "N=7   plugin" in out and "N=8   plugin" in out and "verify: 2 passed, 1 failed" in out, out
@@ -336,7 +336,7 @@ def test_a_fallback_that_calls_sys_exit_fails_its_case_in_process(tmp_path, caps
     build_plugin(tmp_path)
     (tmp_path / "exit_fallback.py").write_text("import sys\ndef scale(arrays, sizes, params):\n    sys.exit(4)\n")
     y = tmp_path / "host_scale.yaml"
-    y.write_text(y.read_text().replace("tests.plugins.host_scale_fallback:scale", "exit_fallback:scale"))
+    y.write_text(y.read_text(encoding="utf-8").replace("tests.plugins.host_scale_fallback:scale", "exit_fallback:scale"), encoding="utf-8")
     import sys
     sys.path.insert(0, str(tmp_path))
     try:
@@ -370,7 +370,7 @@ def test_a_crash_keeps_the_calls_before_it_in_the_stats_and_the_load_reason_coun
                                                                                                  cache):
     build_plugin(tmp_path, defines={"CRASH_IN_KERNEL": 8, "CRASH_IF_N": 9})
     y = tmp_path / "host_scale.yaml"
-    y.write_text(y.read_text().replace("  - {N: 7}", "  - {N: 7}\n  - {N: 8}\n  - {N: 9}\n  - {N: 10}"))
+    y.write_text(y.read_text(encoding="utf-8").replace("  - {N: 7}", "  - {N: 7}\n  - {N: 8}\n  - {N: 9}\n  - {N: 10}"), encoding="utf-8")
     assert cli_main(["verify", "--dir", str(tmp_path), "--hardware", "h200"]) == 1
     stats = json.loads(capsys.readouterr().out.split("stats: ")[1])
     assert stats["host_scale"]["plugin"] == 2                  # N=7 and N=8 ran before the crash
@@ -384,15 +384,15 @@ def test_a_cached_pass_is_not_reused_under_other_rules_or_another_fallback(tmp_p
     build_plugin(tmp_path)
     reg = FactorRegistry.load(tmp_path, hardware="h200", verify=True)
     key = f"{reg.get('host_scale').sha256}|host"
-    data = json.loads(cache.read_text())
+    data = json.loads(cache.read_text(encoding="utf-8"))
     assert data[key]["rules"] == VERIFY_RULES and len(data[key]["fallback_sha256"]) == 64
     data[key]["rules"] = VERIFY_RULES - 1
-    cache.write_text(json.dumps(data))
+    cache.write_text(json.dumps(data), encoding="utf-8")
     reg = FactorRegistry.load(tmp_path, hardware="h200", verify=True)
     assert reg.get("host_scale").checks[-1].detail.startswith("1 cases passed"), "re-verified"
-    data = json.loads(cache.read_text())
+    data = json.loads(cache.read_text(encoding="utf-8"))
     data[key]["fallback_sha256"] = "0" * 64
-    cache.write_text(json.dumps(data))
+    cache.write_text(json.dumps(data), encoding="utf-8")
     reg = FactorRegistry.load(tmp_path, hardware="h200", verify=True)
     assert reg.get("host_scale").checks[-1].detail.startswith("1 cases passed"), "re-verified"
     reg = FactorRegistry.load(tmp_path, hardware="h200", verify=True)
@@ -431,7 +431,7 @@ def test_a_fallback_in_main_is_verified_here_not_in_the_child(tmp_path):
     import __main__
     build_plugin(tmp_path)
     y = tmp_path / "host_scale.yaml"
-    y.write_text(y.read_text().replace("tests.plugins.host_scale_fallback:scale", "__main__:ex_engine_test_scale"))
+    y.write_text(y.read_text(encoding="utf-8").replace("tests.plugins.host_scale_fallback:scale", "__main__:ex_engine_test_scale"), encoding="utf-8")
     from tests.plugins.host_scale_fallback import scale
     __main__.ex_engine_test_scale = scale
     try:
@@ -454,7 +454,7 @@ def test_sigterm_during_an_in_process_fallback_ends_verify(tmp_path):
         "import time\nfrom tests.plugins.host_scale_fallback import scale as _s\n"
         "def scale(arrays, sizes, params):\n    time.sleep(20)\n    return _s(arrays, sizes, params)\n")
     y = tmp_path / "host_scale.yaml"
-    y.write_text(y.read_text().replace("tests.plugins.host_scale_fallback:scale", "slow_fallback:scale"))
+    y.write_text(y.read_text(encoding="utf-8").replace("tests.plugins.host_scale_fallback:scale", "slow_fallback:scale"), encoding="utf-8")
     env = child_env(tmp_path)
     proc = subprocess.Popen([sys.executable, "-m", "ex_engine", "verify", "--dir", str(tmp_path), "--hardware",
                              "h200", "--in-process"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
@@ -473,7 +473,7 @@ def test_the_child_finds_a_fallback_imported_before_a_chdir(tmp_path, monkeypatc
     (tmp_path / "mod").mkdir()
     (tmp_path / "mod" / "myfb.py").write_text("from tests.plugins.host_scale_fallback import scale\n")
     y = tmp_path / "plugs" / "host_scale.yaml"
-    y.write_text(y.read_text().replace("tests.plugins.host_scale_fallback:scale", "myfb:scale"))
+    y.write_text(y.read_text(encoding="utf-8").replace("tests.plugins.host_scale_fallback:scale", "myfb:scale"), encoding="utf-8")
     monkeypatch.chdir(tmp_path / "mod")
     monkeypatch.setattr(sys, "path", ["", *sys.path])
     reg = FactorRegistry.load(tmp_path / "plugs", hardware="h200")
@@ -490,7 +490,7 @@ def test_the_child_refuses_a_manifest_changed_after_loading(tmp_path):
     build_plugin(tmp_path)
     reg = FactorRegistry.load(tmp_path, hardware="h200")
     y = tmp_path / "host_scale.yaml"
-    y.write_text(y.read_text().replace("  - {N: 7}", "  - {N: 7}\n  - {N: 8}"))
+    y.write_text(y.read_text(encoding="utf-8").replace("  - {N: 7}", "  - {N: 7}\n  - {N: 8}"), encoding="utf-8")
     res = verify_plugin(reg, reg.get("host_scale"), isolate=True)
     assert [r.status for r in res] == ["FAIL"] and "host_scale.yaml changed after it was loaded" in res[0].detail
 
@@ -559,7 +559,7 @@ def test_the_fallback_digest_covers_the_helpers_of_its_package(tmp_path, monkeyp
     monkeypatch.syspath_prepend(str(tmp_path))
     build_plugin(tmp_path / "lib")
     y = tmp_path / "lib" / "host_scale.yaml"
-    y.write_text(y.read_text().replace("tests.plugins.host_scale_fallback:scale", "fbpkg.fb:scale"))
+    y.write_text(y.read_text(encoding="utf-8").replace("tests.plugins.host_scale_fallback:scale", "fbpkg.fb:scale"), encoding="utf-8")
     reg = FactorRegistry.load(tmp_path / "lib", hardware="h200")
     m = reg.get("host_scale").manifest
     before = _fallback_digest(reg, m)
@@ -572,7 +572,7 @@ def test_the_fallback_digest_covers_the_helpers_of_its_package(tmp_path, monkeyp
     (pkg / "dir.py").mkdir()
     odd = _fallback_digest(reg, m)
     assert len(odd) == 64 and odd == _fallback_digest(reg, m)
-    (pkg / "fb.py").write_text((pkg / "fb.py").read_text() + "# changed\n")
+    (pkg / "fb.py").write_text((pkg / "fb.py").read_text(encoding="utf-8") + "# changed\n", encoding="utf-8")
     assert _fallback_digest(reg, m) not in ("", odd)
     for mod in [k for k in sys.modules if k == "fbpkg" or k.startswith("fbpkg.")]:
         del sys.modules[mod]           # imported by this test: gone with its folder
