@@ -2,8 +2,8 @@
 
 graph_us: device µs per call of a CUDA graph that cycles over ``fns`` (one zero-argument
 callable per input set, so the sets can be rotated past the L2), after a warm-up of the graph;
-host_us: host µs of one eager call, device work left to overlap; ceilings: the card's matmul and
-copy ceilings with graph_us's timer; run_meta: the date, device and commit a result file records;
+host_us: host µs of one eager call, device work left to overlap; ceilings: the card's matmul,
+copy and write ceilings with graph_us's timer; run_meta: the date, device and commit a result file records;
 ClockSampler: the SM clock and power while a block runs (NVML).
 """
 from __future__ import annotations
@@ -194,9 +194,12 @@ class ClockSampler:
 def ceilings(warm_ms: float = 20.0) -> dict:
     """The card's ceilings measured here and now with graph_us's timer, for ratios that share the
     benchmark's clocks: bf16 torch.matmul of 8192 x 8192 x 8192 (random normal data, as ../shared/PERF.md's
-    787 TFLOP/s) and a device-to-device copy of 2 GiB by an elementwise kernel (bytes read +
-    written, as ../shared/PERF.md's 4229 GB/s). Returns {"matmul_tflops": ..., "copy_gbs": ...}; allocates ~4.4 GB (back to
-    torch's cache when it returns)."""
+    787 TFLOP/s), a device-to-device copy of 2 GiB by an elementwise kernel (bytes read +
+    written, as ../shared/PERF.md's 4229 GB/s) and a fill of 2 GiB by an elementwise kernel (bytes
+    written only: the rate that bounds a pass that mostly writes, such as moe_fused_gemm's gather;
+    3.18 TB/s against a 4.06 TB/s copy on the H200, RESULTS.md, session forty-four). Returns
+    {"matmul_tflops": ..., "copy_gbs": ..., "write_gbs": ...}; allocates ~4.4 GB (back to torch's
+    cache when it returns)."""
     n = 8192
     a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
@@ -206,7 +209,9 @@ def ceilings(warm_ms: float = 20.0) -> dict:
     src = torch.ones(nbytes // 4, device="cuda", dtype=torch.float32)   # copy engine (2.8 TB/s)
     dst = torch.empty_like(src)
     t_cp = graph_us([lambda: torch.neg(src, out=dst)], calls=4, warm_ms=warm_ms)
-    return {"matmul_tflops": 2.0 * n ** 3 / t_mm / 1e6, "copy_gbs": 2.0 * nbytes / t_cp / 1e3}
+    t_wr = graph_us([lambda: dst.fill_(2.0)], calls=4, warm_ms=warm_ms)
+    return {"matmul_tflops": 2.0 * n ** 3 / t_mm / 1e6, "copy_gbs": 2.0 * nbytes / t_cp / 1e3,
+            "write_gbs": nbytes / t_wr / 1e3}
 
 
 def host_us(fn, reps: int = 200, trials: int = 7, warm_ms: float = 100.0) -> float:

@@ -23,6 +23,13 @@ are synchronised one by one, so the card idles between them and holds higher clo
 graph: on the power-limited H200, qwen3-30b T = 4096 read 699 µs a call eager and 729-795 in
 graph replay (RESULTS.md, session thirty-one).
 
+--json FILE: also writes the run (date, device, commit) and, per case, the model's shape, the
+path, µs per call of each kernel, the graph's µs per call and clocks (--graph), and the routing's
+rows: T*K slots and the rows that 128-row tiles compute (each expert's rows rounded up to a
+multiple of 128, the mean over the three sets), after every case; benchmarks/gap_moe.py reads it.
+--ceilings: first measures the card's bf16 matmul, copy and write rates in this process
+(benchmarks/_timing.ceilings) and records them in the JSON.
+
 Needs PyTorch with a CUDA GPU (its profiler) and the built plugins; --help needs neither. Every
 argument problem is listed before any work (exit status 2).
 """
@@ -95,6 +102,23 @@ def idle_gaps(spans):
     return end - spans[0][0], busy, idle
 
 
+def routing_rows(sets, E: int, tile: int = 128) -> dict:
+    """{"slots": T*K, "tile_rows": the rows that ``tile``-row tiles compute (each expert's rows
+    rounded up to a multiple of ``tile``), "experts_hit": experts with a row; each the mean over
+    ``sets``} of input sets whose last item is topk_ids (T, K); ids outside 0..E-1 go nowhere
+    (counted in none)."""
+    slots, tiled, hit = 0.0, 0.0, 0.0
+    for a in sets:
+        ids = a[-1].reshape(-1).long()
+        ids = ids[(ids >= 0) & (ids < E)]
+        counts = torch.bincount(ids, minlength=E)
+        slots += float(counts.sum())
+        tiled += float(((counts + tile - 1) // tile * tile).sum())
+        hit += float((counts > 0).sum())
+    n = len(sets)
+    return {"slots": slots / n, "tile_rows": tiled / n, "tile": tile, "experts_hit": hit / n}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=_scripts["HelpFormatter"])
     ap.add_argument("--cases", nargs="+", required=True, metavar="MODEL:T",
@@ -107,6 +131,12 @@ def main() -> int:
     ap.add_argument("--graph", action="store_true",
                     help="time the kernels inside CUDA-graph replay (sustained, as the benchmarks time "
                          "calls) and report the SM clock and power it ran at")
+    ap.add_argument("--json", default=None, metavar="FILE",
+                    help="write the run and every case's kernel times here, after every case "
+                         "(benchmarks/gap_moe.py reads it); not written by default")
+    ap.add_argument("--ceilings", action="store_true",
+                    help="measure the card's matmul, copy and write rates first, in this process, "
+                         "and record them in the JSON")
     args = ap.parse_args()
     from ex_engine import FactorError, FactorRegistry, moe_fused_gemm
     from ex_engine.moe_layer import load_models_or_exit, parse_cases, report_problems
@@ -118,6 +148,9 @@ def main() -> int:
         problems.append(_scripts["plugin_folder_problem"]("--factors", args.factors))
     if args.calls < 1:
         problems.append(f"--calls: expected >= 1, got {args.calls}")
+    problem = _scripts["output_file_problem"]("--json", args.json)
+    if problem:
+        problems.append(problem)
     if torch is None or not torch.cuda.is_available():
         problems.append("needs PyTorch and a CUDA GPU")
     if report_problems("kernel_times_moe", problems):
@@ -125,7 +158,7 @@ def main() -> int:
     from torch.profiler import ProfilerActivity, profile
 
     from bench_moe import input_sets, layer_weights
-    from _timing import ClockSampler, _capture
+    from _timing import ClockSampler, _capture, ceilings, run_meta, write_json
 
     dt = getattr(torch, args.dtype)
     try:
@@ -136,11 +169,18 @@ def main() -> int:
     if args.config is not None:
         _scripts["force_config"](reg, args.config)
     gen = torch.Generator(device="cuda").manual_seed(0)
+    meta = run_meta(dtype=args.dtype, graph=args.graph, factors=args.factors or "factors/", config=args.config)
+    if args.ceilings:
+        print("measuring the card's ceilings here (matmul, copy, write) ...", file=sys.stderr, flush=True)
+        meta["ceilings_here"] = ceilings()
+        print("ceilings here: " + ", ".join(f"{k} {v:.1f}" for k, v in meta["ceilings_here"].items()), flush=True)
+    rows = []
     for i, (m, T) in enumerate(cases):
         print(f"[{i + 1}/{len(cases)}] {m} T={T} ...", file=sys.stderr, flush=True)
         s = models[m]
         w13, w2 = layer_weights(s, dt, gen)
         sets = input_sets(s, T, 3, w13, w2, dt, gen)
+        row = {"model": m, "T": T, "H": s.H, "I": s.I, "E": s.E, "K": s.K, **routing_rows(sets, s.E)}
         for a in sets:
             moe_fused_gemm(*a, registry=reg)
         torch.cuda.synchronize()
@@ -189,13 +229,20 @@ def main() -> int:
             spans.append((ev.time_range.start, ev.time_range.end, short_name(ev.name)))
         total = sum(per.values())
         path = reg.last_path.get("moe_fused_gemm")
+        row.update(path=path, calls=ncalls, kernels_us={k: v / ncalls for k, v in per.items()})
+        if args.graph:
+            span_us, busy_us, idle_before = idle_gaps(spans)
+            row.update(graph_us=graph_us, clocks=clocks.summary(), span_us=span_us / ncalls,
+                       busy_us=busy_us / ncalls)
+        rows.append(row)
+        if args.json:
+            write_json(args.json, {"meta": meta, "rows": rows})
         if args.graph:
             print(f"{m} T={T} ({path}, CUDA graph of {calls} calls, {replays} replays): kernels "
                   f"{total / ncalls:.1f} µs per call, graph {graph_us:.1f} µs per call; warm-up at "
                   f"{clocks.summary()}", flush=True)
             for k, v in sorted(per.items(), key=lambda kv: -kv[1]):
                 print(f"    {k:<36}{v / ncalls:>9.1f} µs {100 * v / total:>5.1f}%", flush=True)
-            span_us, busy_us, idle_before = idle_gaps(spans)
             print(f"  profiled replays: first kernel start to last end {span_us / ncalls:.1f} µs per "
                   f"call, some kernel running {busy_us / ncalls:.1f}, none running "
                   f"{(span_us - busy_us) / ncalls:.1f}; idle before each kernel (µs per call):", flush=True)

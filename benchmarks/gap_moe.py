@@ -1,0 +1,167 @@
+#!/usr/bin/env python3
+"""Where a moe_fused_gemm call's time goes, kernel by kernel, against the card's own rates.
+
+    python3 scripts/kernel_times_moe.py --graph --ceilings --json kt.json --cases qwen3-30b-a3b:4096 ...
+    python3 benchmarks/gap_moe.py kt.json [--matmul-tflops 690 --copy-gbs 4060 --write-gbs 3180]
+
+Reads the JSON of `scripts/kernel_times_moe.py --json` (per case: µs per call of each kernel, the
+routing's slots and the rows its 128-row tiles compute) and prints, per case:
+
+- the call (with --graph: first kernel start to last kernel end of the profiled replays, per call,
+  the replays the kernel times come from; else the kernels' sum) over the floor of
+  ../shared/PERF.md (787 TFLOP/s, 4.23 TB/s; FLOPs 6*T*K*H*I, bytes of the hit experts' weights
+  and of the activations, as benchmarks/bench_moe.py counts them);
+- each GEMM's useful TFLOP/s (slots) and its rate on the rows its tiles compute (tile_rows: each
+  expert's rows rounded up to the tile), as a share of the matmul rate;
+- the gather's rate against the write rate (it writes T*K rows of H and reads T rows: bound by
+  its writes; on the H200 a fill ran 3.18 TB/s against a 4.06 TB/s copy, RESULTS.md, session
+  forty-four) and the combine's against the copy rate (it reads T*K rows and writes T);
+- two bounds of the call over the floor under the present structure (routing, gather, two
+  grouped GEMMs, combine, one after another), each pass at the card's rate: (a) the GEMMs'
+  useful FLOPs at the matmul rate, the gather's writes at the write rate, the combine's bytes at
+  the copy rate, the routing as measured; (b) the same with the GEMMs on tile_rows. What the
+  measured call exceeds (b) by is the GEMMs' and the passes' own shortfall; what (b) exceeds (a)
+  by is the tiles' padding; what (a) exceeds 1.00 by is the card (its sustained matmul rate
+  under the power limit) and the gather and combine passes.
+
+The rates are the JSON's `ceilings_here` (kernel_times_moe.py --ceilings: measured in the same
+process), else given here, else PERF.md's (787 TFLOP/s, 4.23 TB/s copy; no write rate: the
+gather's share and bound (a)/(b) then read '-'). Kernels are told apart by name (GEMM1, GEMM2,
+gather, combine, routing; anything else is 'other' and counts in the bounds as measured; where
+GEMM1 has no name of its own, as an ungated GEMM1 under GEMM2's CUTLASS name, the GEMM2 column
+reads 'both': the two GEMMs together).
+
+Reads only the JSON (no GPU, no PyTorch). Exit status: 0 done; 2 a missing or unreadable file,
+or a file that is not such a JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from ex_engine._scripts import HelpFormatter, exit_quietly_on_broken_pipe  # noqa: E402
+
+PEAK_TFLOPS = 787.0   # ../shared/PERF.md: the floor's matmul ceiling
+PEAK_GBS = 4230.0     # ../shared/PERF.md: the floor's copy ceiling
+ROLES = ("GEMM1", "GEMM2", "gather", "combine", "routing", "other")
+
+
+def role(name: str) -> str:
+    """The stage a kernel of kernel_times_moe.py's short names does."""
+    if name.endswith("GEMM1>"):
+        return "GEMM1"
+    if name.endswith("<GEMM2>") or name.startswith("cutlass_grouped_gemm"):
+        return "GEMM2"
+    if name == "sm90_prepare_kernel" or "gather" in name:
+        return "gather"
+    if "combine" in name:
+        return "combine"
+    if name.startswith("moe_route") or name.startswith("topk"):
+        return "routing"
+    return "other"
+
+
+def analyse(row: dict, rates: dict) -> dict:
+    """The figures gap_moe prints for one kernel_times_moe.py row, given rates {"matmul_tflops",
+    "copy_gbs", "write_gbs" (None: unknown)}; times in µs, rates in TFLOP/s and GB/s."""
+    T, H, I, K = row["T"], row["H"], row["I"], row["K"]
+    slots, tile_rows = row["slots"], row["tile_rows"]
+    by = {r: 0.0 for r in ROLES}
+    for name, us in row["kernels_us"].items():
+        by[role(name)] += us
+    # the profiled replays' span (the replays the kernel times come from; the graph's own timing
+    # ran earlier, at the power-limited card's clocks of that moment: 2507 against 2233 µs at
+    # qwen3-30b T = 16384, H200, session forty-four), else the graph's, else the kernels' sum
+    call = row.get("span_us") or row.get("graph_us") or sum(by.values())
+    flops = 6.0 * slots * H * I
+    bytes_ = row["experts_hit"] * 3 * H * I * 2 + 2 * T * H * 2 + T * K * 8
+    floor = max(flops / PEAK_TFLOPS / 1e6, bytes_ / PEAK_GBS / 1e3)
+    mm, cp, wr = rates["matmul_tflops"], rates["copy_gbs"], rates.get("write_gbs")
+    out = {"call_us": call, "x_floor": call / floor, "floor_us": floor, "us": by}
+    # 2*rows*H*2I and 2*rows*I*H; where GEMM1 has no name of its own (an ungated GEMM1 shares
+    # GEMM2's CUTLASS name, and its silu runs apart), both GEMMs count under GEMM2
+    both = by["GEMM1"] <= 0 < by["GEMM2"]
+    for g, share in (("GEMM1", 4.0), ("GEMM2", 6.0 if both else 2.0)):
+        us = by[g]
+        out[g] = None if us <= 0 else {
+            "tflops": share * slots * H * I / us / 1e6, "tile_tflops": share * tile_rows * H * I / us / 1e6,
+            "both": both and g == "GEMM2"}
+    gather_w = slots * H * 2                     # its writes; it also reads T rows
+    combine_b = (slots + T) * H * 2              # reads T*K rows, writes T
+    out["gather_gbs"] = (gather_w + T * H * 2) / by["gather"] / 1e3 if by["gather"] > 0 else None
+    out["combine_gbs"] = combine_b / by["combine"] / 1e3 if by["combine"] > 0 else None
+    rest = by["routing"] + by["other"]
+    if wr:
+        passes = gather_w / wr / 1e3 + combine_b / cp / 1e3 + rest
+        out["bound_a"] = (flops / mm / 1e6 + passes) / floor
+        out["bound_b"] = (6.0 * tile_rows * H * I / mm / 1e6 + passes) / floor
+    else:
+        out["bound_a"] = out["bound_b"] = None
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    ap.add_argument("json_file", metavar="JSON", help="the output of scripts/kernel_times_moe.py --json")
+    ap.add_argument("--matmul-tflops", type=float, default=None, help="the card's bf16 matmul rate "
+                    "(default: the JSON's ceilings_here, else ../shared/PERF.md's 787)")
+    ap.add_argument("--copy-gbs", type=float, default=None, help="the card's copy rate, bytes read + "
+                    "written (default: the JSON's ceilings_here, else PERF.md's 4230)")
+    ap.add_argument("--write-gbs", type=float, default=None, help="the card's write-only rate "
+                    "(default: the JSON's ceilings_here, else unknown)")
+    args = ap.parse_args(argv)
+    rates = {"matmul_tflops": args.matmul_tflops, "copy_gbs": args.copy_gbs, "write_gbs": args.write_gbs}
+    for v, flag in ((args.matmul_tflops, "--matmul-tflops"), (args.copy_gbs, "--copy-gbs"),
+                    (args.write_gbs, "--write-gbs")):
+        if v is not None and not v > 0:
+            print(f"gap_moe: {flag}: expected a rate > 0, got {v}", file=sys.stderr)
+            return 2
+    try:
+        data = json.loads(Path(args.json_file).read_text(encoding="utf-8"))
+        meta, rows = data["meta"], data["rows"]
+        need = ("model", "T", "H", "I", "K", "slots", "tile_rows", "experts_hit", "kernels_us")
+        bad = [i for i, r in enumerate(rows) if not all(k in r for k in need)]
+        if bad:
+            raise KeyError(f"rows {bad} lack some of {', '.join(need)} (an older kernel_times_moe.py?)")
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        print(f"gap_moe: {args.json_file}: expected the JSON of scripts/kernel_times_moe.py --json: {exc}",
+              file=sys.stderr)
+        return 2
+    here = meta.get("ceilings_here") or {}
+    defaults = {"matmul_tflops": PEAK_TFLOPS, "copy_gbs": PEAK_GBS, "write_gbs": None}
+    for k in rates:
+        if rates[k] is None:
+            rates[k] = here.get(k, defaults[k])
+    wr = rates["write_gbs"]
+    print(f"# {meta.get('date')} {meta.get('device')} commit {meta.get('commit')}; rates: matmul "
+          f"{rates['matmul_tflops']:.0f} TFLOP/s, copy {rates['copy_gbs']:.0f} GB/s, write "
+          f"{'-' if not wr else f'{wr:.0f} GB/s'}; GEMMs: useful TFLOP/s / on the tiles' rows "
+          f"(% of matmul); gather: GB/s (its writes' % of the write rate); combine: GB/s (% of copy)")
+    print(f"{'model':<22}{'T':>6}{'call µs':>9}{'x floor':>8}  {'GEMM1':<18}{'GEMM2':<18}{'gather':<14}"
+          f"{'combine':<14}{'route':>6}{'(b)':>6}{'(a)':>6}")
+    pct = lambda x, base: f"{100 * x / base:.0f}%"
+    for r in rows:
+        a = analyse(r, rates)
+        gem = []
+        for g in ("GEMM1", "GEMM2"):
+            x = a[g]
+            gem.append("-" if x is None else ("both " if x["both"] else "") + f"{x['tflops']:.0f}/"
+                       f"{x['tile_tflops']:.0f} ({pct(x['tile_tflops'], rates['matmul_tflops'])})")
+        if a["gather_gbs"] is None:
+            gath = "-"
+        else:
+            w_gbs = r["slots"] * r["H"] * 2 / a["us"]["gather"] / 1e3
+            gath = f"{a['gather_gbs']:.0f}" + (f" ({pct(w_gbs, wr)})" if wr else "")
+        comb = "-" if a["combine_gbs"] is None else f"{a['combine_gbs']:.0f} ({pct(a['combine_gbs'], rates['copy_gbs'])})"
+        fmt = lambda v: "-" if v is None else f"{v:.2f}"
+        print(f"{r['model']:<22}{r['T']:>6}{a['call_us']:>9.1f}{a['x_floor']:>8.2f}  {gem[0]:<18}{gem[1]:<18}"
+              f"{gath:<14}{comb:<14}{a['us']['routing']:>6.1f}{fmt(a['bound_b']):>6}{fmt(a['bound_a']):>6}")
+    return 0
+
+
+if __name__ == "__main__":
+    exit_quietly_on_broken_pipe(main)

@@ -1,0 +1,130 @@
+"""benchmarks/gap_moe.py (the per-kernel decomposition of a call against the card's rates) and
+the rows kernel_times_moe.py --json records for it; CPU only."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.test_bench_tools import import_tool
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def gap():
+    return import_tool("benchmarks", "gap_moe")
+
+
+def row(**kw):
+    # qwen3-30b-a3b T = 16384 as kernel_times_moe.py --graph --json records it (H200, session 44)
+    r = {"model": "qwen3-30b-a3b", "T": 16384, "H": 2048, "I": 768, "E": 128, "K": 8,
+         "slots": 131072.0, "tile_rows": 139264.0, "tile": 128, "experts_hit": 128.0,
+         "kernels_us": {"cutlass_grouped_gemm<gated GEMM1>": 1216.4, "cutlass_grouped_gemm": 685.9,
+                        "sm90_prepare_kernel": 168.9, "sm90_combine_kernel": 158.5,
+                        "moe_route_place_kernel": 11.0, "moe_route_hist_kernel": 2.5},
+         "graph_us": 2243.2}
+    r.update(kw)
+    return r
+
+
+RATES = {"matmul_tflops": 690.0, "copy_gbs": 4060.0, "write_gbs": 3180.0}
+
+
+@pytest.mark.parametrize("name,want", [
+    ("cutlass_grouped_gemm<gated GEMM1>", "GEMM1"), ("cutlass_grouped_gemm", "GEMM2"),
+    ("cutlass_grouped_gemm<128 x 128 tiles>", "GEMM2"), ("chunked_gemm_kernel<GEMM1>", "GEMM1"),
+    ("chunked_gemm_kernel<GEMM2>", "GEMM2"), ("moe_gemm_kernel<GEMM1>", "GEMM1"),
+    ("sm90_prepare_kernel", "gather"), ("sm90_combine_kernel", "combine"),
+    ("moe_route_place_kernel", "routing"), ("sm90_silu_mul_kernel", "other")])
+def test_kernels_are_told_apart_by_name(gap, name, want):
+    assert gap.role(name) == want
+
+
+def test_rates_and_bounds_by_hand(gap):
+    a = gap.analyse(row(), RATES)
+    slots, tiles, H, I, T = 131072, 139264, 2048, 768, 16384
+    assert a["call_us"] == 2243.2
+    flops = 6.0 * slots * H * I
+    floor = flops / 787.0 / 1e6          # compute-bound: the weights are 1.2 GB at most
+    assert a["x_floor"] == pytest.approx(2243.2 / floor)
+    assert a["GEMM1"]["tflops"] == pytest.approx(4.0 * slots * H * I / 1216.4 / 1e6)
+    assert a["GEMM1"]["tile_tflops"] == pytest.approx(4.0 * tiles * H * I / 1216.4 / 1e6)
+    assert a["GEMM2"]["tflops"] == pytest.approx(2.0 * slots * H * I / 685.9 / 1e6)
+    assert not a["GEMM2"]["both"]
+    assert a["gather_gbs"] == pytest.approx((slots + T) * H * 2 / 168.9 / 1e3)
+    assert a["combine_gbs"] == pytest.approx((slots + T) * H * 2 / 158.5 / 1e3)
+    passes = slots * H * 2 / 3180.0 / 1e3 + (slots + T) * H * 2 / 4060.0 / 1e3 + 13.5
+    assert a["bound_a"] == pytest.approx((flops / 690.0 / 1e6 + passes) / floor)
+    assert a["bound_b"] == pytest.approx((6.0 * tiles * H * I / 690.0 / 1e6 + passes) / floor)
+    # the measured call is above both bounds, and padding only adds
+    assert 1.0 < a["bound_a"] < a["bound_b"] < a["x_floor"]
+
+
+def test_an_ungated_gemm1_counts_both_gemms_under_gemm2(gap):
+    k = {"cutlass_grouped_gemm": 1900.0, "sm90_silu_mul_kernel": 30.0}
+    a = gap.analyse(row(kernels_us=k, graph_us=None), RATES)
+    assert a["GEMM1"] is None and a["GEMM2"]["both"]
+    assert a["GEMM2"]["tflops"] == pytest.approx(6.0 * 131072 * 2048 * 768 / 1900.0 / 1e6)
+    assert a["call_us"] == pytest.approx(1930.0)   # no graph time: the kernels' sum
+
+
+def test_the_profiled_span_is_the_call_where_recorded(gap):
+    assert gap.analyse(row(span_us=2232.7), RATES)["call_us"] == 2232.7
+    assert gap.analyse(row(), RATES)["call_us"] == 2243.2     # else the graph's time
+
+
+def test_no_write_rate_leaves_the_bounds_out(gap):
+    a = gap.analyse(row(), {"matmul_tflops": 787.0, "copy_gbs": 4230.0, "write_gbs": None})
+    assert a["bound_a"] is None and a["bound_b"] is None
+
+
+def run(*args):
+    return subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gap_moe.py"), *map(str, args)],
+                          capture_output=True, text=True, encoding="utf-8")
+
+
+def test_cli_prints_a_row_with_the_files_rates(tmp_path):
+    f = tmp_path / "kt.json"
+    f.write_text(json.dumps({"meta": {"date": "2026-12-05", "device": "NVIDIA H200", "commit": "x",
+                                      "ceilings_here": RATES}, "rows": [row()]}), encoding="utf-8")
+    r = run(f)
+    assert r.returncode == 0, r.stderr
+    assert "matmul 690 TFLOP/s, copy 4060 GB/s, write 3180 GB/s" in r.stdout
+    line = [ln for ln in r.stdout.splitlines() if ln.startswith("qwen3-30b-a3b")][0]
+    assert "2243.2" in line
+    assert line.split()[3] == "1.43"   # x floor: 2243.2 over 6 * 131072 * 2048 * 768 / 787e12 s
+    # an override beats the file's rate
+    assert "matmul 600 TFLOP/s" in run(f, "--matmul-tflops", 600).stdout
+
+
+@pytest.mark.parametrize("content,expect", [
+    (None, "No such file"), ("not json", "expected the JSON"), ('{"meta": {}}', "expected the JSON"),
+    ('{"meta": {}, "rows": [{"model": "m"}]}', "lack some of")])
+def test_cli_refuses_what_is_not_its_json(tmp_path, content, expect):
+    f = tmp_path / "kt.json"
+    if content is not None:
+        f.write_text(content, encoding="utf-8")
+    r = run(f)
+    assert r.returncode == 2 and expect in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_cli_refuses_a_rate_that_is_not_positive(tmp_path):
+    r = run(tmp_path / "kt.json", "--write-gbs", 0)
+    assert r.returncode == 2 and "--write-gbs: expected a rate > 0, got 0" in r.stderr
+
+
+def test_kernel_times_counts_slots_and_tile_rows():
+    torch = pytest.importorskip("torch")
+    kt = import_tool("scripts", "kernel_times_moe")
+    # expert 0: 130 rows (2 tiles), expert 1: 1 row (1 tile), expert 2: none; an id of -1 goes nowhere
+    ids = torch.tensor([0] * 130 + [1, -1, 3], dtype=torch.int32).reshape(-1, 1)
+    got = kt.routing_rows([(None, ids)], E=3)
+    assert got == {"slots": 131.0, "tile_rows": 384.0, "tile": 128, "experts_hit": 2.0}
+    # the mean over sets
+    got = kt.routing_rows([(None, ids), (None, torch.zeros(1, 1, dtype=torch.int32))], E=3)
+    assert got["slots"] == 66.0 and got["tile_rows"] == 256.0 and got["experts_hit"] == 1.5
