@@ -266,7 +266,7 @@ def main():
               f"{args.factors or 'factors/'}: {[(p.path.name, p.reason) for p in reg.plugins]}", file=sys.stderr)
         return 2
     gen = torch.Generator(device="cuda").manual_seed(0)
-    print("measuring the card's ceilings here (matmul, copy) ...", file=sys.stderr, flush=True)
+    print("measuring the card's ceilings here (matmul, copy, write) ...", file=sys.stderr, flush=True)
     here = ceilings(args.warm_ms)
     plugin = reg.get("moe_fused_gemm")
     meta = run_meta(dtype=args.dtype, sets=args.sets, plugin=plugin.path.name,
