@@ -834,16 +834,7 @@ sm90_prepare_kernel(const T* __restrict__ x, T* __restrict__ xs, const int* __re
         for (long long item = item0; item < T_ * spans; item += nthreads >> 5) {
             const long long t = item / spans;
             const int c0 = (int)(item - t * spans) * span;
-#if defined(EX_MOE_EXP)
-            uint4 cur[8];
-#pragma unroll
-            for (int j = 0; j < 8; ++j) cur[j] = v[j];
-            if (item + (nthreads >> 5) < T_ * spans) load_span(item + (nthreads >> 5));
-#define EX_GATHER_V cur
-#else
             if (item != item0) load_span(item);  // the first was loaded before the wait
-#define EX_GATHER_V v
-#endif
             for (int kb = 0; kb < K; kb += 32) {  // 32 slots of the token at a time
                 int r = -1;  // lane j: sorted row of slot t*K + kb + j, -1 if it goes nowhere
                 if (kb + lane < K) {
@@ -859,12 +850,11 @@ sm90_prepare_kernel(const T* __restrict__ x, T* __restrict__ xs, const int* __re
 #pragma unroll
                     for (int j = 0; j < 8; ++j) {
                         const int c = c0 + j * 32 + lane;
-                        if (j < vpl && c < HV) dst[c] = EX_GATHER_V[j];
+                        if (j < vpl && c < HV) dst[c] = v[j];
                     }
                 }
             }
         }
-#undef EX_GATHER_V
         return;
     }
     // gather by sorted row (EX_MOE_SM90_GATHER_BY_TOKEN=0): one warp per row, 4 copies in flight
@@ -935,40 +925,6 @@ sm90_combine_kernel(T* __restrict__ out, const T* __restrict__ ys, const int* __
         float acc[8];
 #pragma unroll
         for (int v = 0; v < 8; ++v) acc[v] = 0.0f;
-#if defined(EX_MOE_EXP)
-        if (K <= 8) {
-            uint4 raw[8];
-            float w[8];
-            int rr[8];
-#pragma unroll
-            for (int k = 0; k < 8; ++k) {
-                rr[k] = -1;
-                w[k] = 0.0f;
-                if (k < K) {
-                    const long long slot = t * K + k;
-                    int unused = 0;
-                    const int pos = __ldg(slot_pos + slot);
-                    const float wk = __ldg(tw + slot);
-                    if (local_expert(em, __ldg(ids + slot), E, unused) >= 0) { rr[k] = pos; w[k] = wk; }
-                }
-            }
-#pragma unroll
-            for (int k = 0; k < 8; ++k)
-                raw[k] = rr[k] >= 0 ? __ldcs(reinterpret_cast<const uint4*>(ys + (long long)rr[k] * H) + hv)
-                                    : make_uint4(0u, 0u, 0u, 0u);
-#pragma unroll
-            for (int k = 0; k < 8; ++k) {
-                if (k >= K) break;
-                const E2* v2 = reinterpret_cast<const E2*>(&raw[k]);
-#pragma unroll
-                for (int v = 0; v < 4; ++v) {
-                    const float2 f = Elem<T>::unpack(v2[v]);
-                    acc[2 * v] = fmaf(w[k], f.x, acc[2 * v]);
-                    acc[2 * v + 1] = fmaf(w[k], f.y, acc[2 * v + 1]);
-                }
-            }
-        } else
-#endif
         for (int k0 = 0; k0 < K; k0 += 4) {
             uint4 raw[4];
             float w[4];
