@@ -31,13 +31,18 @@ gather, combine, routing; anything else is 'other' and counts in the bounds as m
 GEMM1 has no name of its own, as an ungated GEMM1 under GEMM2's CUTLASS name, the GEMM2 column
 reads 'both': the two GEMMs together).
 
-Reads only the JSON (no GPU, no PyTorch). Exit status: 0 done; 2 a missing or unreadable file,
-or a file that is not such a JSON.
+Reads only the JSON (no GPU, no PyTorch), and checks all of it before it prints anything: an
+object with 'meta' (an object; its ceilings_here, where given, rates > 0) and 'rows' (at least
+one case; T, H, I, K whole numbers >= 1, slots between 0 and T*K, tile_rows at least slots,
+experts_hit >= 0, every kernel's µs and span_us/graph_us finite and >= 0). Exit status: 0
+done; 2 a missing or unreadable file, or a file that is not such a JSON (the first thing wrong,
+named with what it expected and what came).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -48,6 +53,118 @@ from ex_engine._scripts import HelpFormatter, exit_quietly_on_broken_pipe  # noq
 PEAK_TFLOPS = 787.0   # ../shared/PERF.md: the floor's matmul ceiling
 PEAK_GBS = 4230.0     # ../shared/PERF.md: the floor's copy ceiling
 ROLES = ("GEMM1", "GEMM2", "gather", "combine", "routing", "other")
+NEED = ("model", "T", "H", "I", "K", "slots", "tile_rows", "experts_hit", "kernels_us")
+RATE_KEYS = ("matmul_tflops", "copy_gbs", "write_gbs")
+
+
+class BadInput(ValueError):
+    """What is wrong with the JSON, as 'where: expected ..., got ...'."""
+
+
+def shown(v) -> str:
+    """A JSON value as an error message shows it: JSON's words for null, booleans and the
+    non-finite numbers, the kind of a list or an object, a long value cut short."""
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, float) and not math.isfinite(v):
+        return "NaN" if v != v else ("Infinity" if v > 0 else "-Infinity")
+    if isinstance(v, list):
+        return "a list"
+    if isinstance(v, dict):
+        return "an object"
+    text = repr(v) if isinstance(v, str) else str(v)
+    return text if len(text) <= 24 else text[:20] + f"... ({len(text)} characters)"
+
+
+def kind(v) -> str:
+    """What sort of JSON value ``v`` is, in words."""
+    if v is None:
+        return "null"
+    for t, words in ((bool, "a boolean"), ((int, float), "a number"), (str, "a string"), (list, "a list"),
+                     (dict, "an object")):
+        if isinstance(v, t):
+            return words
+    return type(v).__name__
+
+
+def _finite(v):
+    """``v`` as a finite float, or None where it is no such number (bool, str, null, NaN, too big)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return None
+    try:
+        f = float(v)
+    except OverflowError:
+        return None
+    return f if math.isfinite(f) else None
+
+
+def check_rate(where: str, v) -> None:
+    """Refuses a rate (TFLOP/s or GB/s) that is not a finite number > 0."""
+    f = _finite(v)
+    if f is None or f <= 0:
+        raise BadInput(f"{where}: expected a rate > 0, got {shown(v)}")
+
+
+def check(data) -> None:
+    """Raises BadInput for the first thing in ``data`` (the parsed JSON) that analyse() and the
+    table cannot use, named with what was expected and what came; returns None where all is well."""
+    if not isinstance(data, dict):
+        raise BadInput(f"expected an object with 'meta' and 'rows', got {kind(data)}")
+    for k in ("meta", "rows"):
+        if k not in data:
+            raise BadInput(f"expected an object with 'meta' and 'rows', got one with no '{k}'")
+    meta, rows = data["meta"], data["rows"]
+    if not isinstance(meta, dict):
+        raise BadInput(f"meta: expected an object, got {shown(meta)}")
+    here = meta.get("ceilings_here")
+    if here is not None:
+        if not isinstance(here, dict):
+            raise BadInput(f"meta.ceilings_here: expected an object of {', '.join(RATE_KEYS)}, got {shown(here)}")
+        for k in RATE_KEYS:
+            if here.get(k) is not None:
+                check_rate(f"meta.ceilings_here.{k}", here[k])
+    if not isinstance(rows, list):
+        raise BadInput(f"rows: expected a list of cases, got {kind(rows)}")
+    if not rows:
+        raise BadInput("rows: expected at least one case, got none")
+    for i, r in enumerate(rows):
+        at = f"rows[{i}]"
+        if not isinstance(r, dict):
+            raise BadInput(f"{at}: expected an object, got {shown(r)}")
+        missing = [k for k in NEED if k not in r]
+        if missing:
+            raise BadInput(f"{at}: lacks {', '.join(missing)} (of {', '.join(NEED)}; an older kernel_times_moe.py?)")
+        if not isinstance(r["model"], str):
+            raise BadInput(f"{at}.model: expected a name, got {shown(r['model'])}")
+        for k in ("T", "H", "I", "K"):
+            v = r[k]
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1 or _finite(v) is None:
+                raise BadInput(f"{at}.{k}: expected a whole number >= 1, got {shown(v)}")
+        for k in ("slots", "tile_rows", "experts_hit"):
+            f = _finite(r[k])
+            if f is None or f < 0:
+                raise BadInput(f"{at}.{k}: expected a number >= 0, got {shown(r[k])}")
+        tk = r["T"] * r["K"]
+        if r["slots"] > tk:
+            raise BadInput(f"{at}.slots: expected at most T*K = {tk}, got {shown(r['slots'])}")
+        if r["tile_rows"] < r["slots"]:
+            raise BadInput(f"{at}.tile_rows: expected at least slots ({shown(r['slots'])}), got {shown(r['tile_rows'])}")
+        if _finite(6.0 * tk * r["H"] * r["I"]) is None:
+            raise BadInput(f"{at}: expected sizes whose FLOPs fit a float, got T*K*H*I = "
+                           f"{shown(tk * r['H'] * r['I'])}")
+        if not isinstance(r["kernels_us"], dict):
+            raise BadInput(f"{at}.kernels_us: expected an object of kernel name: µs, got {shown(r['kernels_us'])}")
+        for name, us in r["kernels_us"].items():
+            f = _finite(us)
+            if f is None or f < 0:
+                raise BadInput(f"{at}.kernels_us[{name!r}]: expected a time >= 0 µs, got {shown(us)}")
+        for k in ("span_us", "graph_us"):
+            if r.get(k) is not None:
+                f = _finite(r[k])
+                if f is None or f < 0:
+                    raise BadInput(f"{at}.{k}: expected a time >= 0 µs, got {shown(r[k])}")
 
 
 def role(name: str) -> str:
@@ -122,20 +239,27 @@ def main(argv=None) -> int:
             return 2
     try:
         data = json.loads(Path(args.json_file).read_text(encoding="utf-8"))
+        check(data)
         meta, rows = data["meta"], data["rows"]
-        need = ("model", "T", "H", "I", "K", "slots", "tile_rows", "experts_hit", "kernels_us")
-        bad = [i for i, r in enumerate(rows) if not all(k in r for k in need)]
-        if bad:
-            raise KeyError(f"rows {bad} lack some of {', '.join(need)} (an older kernel_times_moe.py?)")
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+        here = meta.get("ceilings_here") or {}
+        defaults = {"matmul_tflops": PEAK_TFLOPS, "copy_gbs": PEAK_GBS, "write_gbs": None}
+        for k in rates:
+            if rates[k] is None:
+                rates[k] = here.get(k) or defaults[k]
+        figures = []
+        for i, r in enumerate(rows):   # every case before any line, so that a refusal prints none
+            a = analyse(r, rates)
+            nums = [a["call_us"], a["x_floor"], a["floor_us"], a["gather_gbs"], a["combine_gbs"],
+                    a["bound_a"], a["bound_b"], *a["us"].values()]
+            nums += [a[g][k] for g in ("GEMM1", "GEMM2") if a[g] for k in ("tflops", "tile_tflops")]
+            if any(x is not None and not math.isfinite(x) for x in nums):
+                raise BadInput(f"rows[{i}]: a figure overflows (a time too small or a size too big "
+                               "for a float); expected a kernel_times_moe.py case")
+            figures.append(a)
+    except (OSError, ValueError) as exc:   # BadInput, json's errors and UnicodeDecodeError are ValueErrors
         print(f"gap_moe: {args.json_file}: expected the JSON of scripts/kernel_times_moe.py --json: {exc}",
               file=sys.stderr)
         return 2
-    here = meta.get("ceilings_here") or {}
-    defaults = {"matmul_tflops": PEAK_TFLOPS, "copy_gbs": PEAK_GBS, "write_gbs": None}
-    for k in rates:
-        if rates[k] is None:
-            rates[k] = here.get(k, defaults[k])
     wr = rates["write_gbs"]
     print(f"# {meta.get('date')} {meta.get('device')} commit {meta.get('commit')}; rates: matmul "
           f"{rates['matmul_tflops']:.0f} TFLOP/s, copy {rates['copy_gbs']:.0f} GB/s, write "
@@ -144,8 +268,7 @@ def main(argv=None) -> int:
     print(f"{'model':<22}{'T':>6}{'call µs':>9}{'x floor':>8}  {'GEMM1':<18}{'GEMM2':<18}{'gather':<14}"
           f"{'combine':<14}{'route':>6}{'(b)':>6}{'(a)':>6}")
     pct = lambda x, base: f"{100 * x / base:.0f}%"
-    for r in rows:
-        a = analyse(r, rates)
+    for r, a in zip(rows, figures):
         gem = []
         for g in ("GEMM1", "GEMM2"):
             x = a[g]

@@ -103,7 +103,7 @@ def test_cli_prints_a_row_with_the_files_rates(tmp_path):
 
 @pytest.mark.parametrize("content,expect", [
     (None, "No such file"), ("not json", "expected the JSON"), ('{"meta": {}}', "expected the JSON"),
-    ('{"meta": {}, "rows": [{"model": "m"}]}', "lack some of")])
+    ('{"meta": {}, "rows": [{"model": "m"}]}', "rows[0]: lacks T, H, I, K")])
 def test_cli_refuses_what_is_not_its_json(tmp_path, content, expect):
     f = tmp_path / "kt.json"
     if content is not None:
@@ -128,3 +128,92 @@ def test_kernel_times_counts_slots_and_tile_rows():
     # the mean over sets
     got = kt.routing_rows([(None, ids), (None, torch.zeros(1, 1, dtype=torch.int32))], E=3)
     assert got["slots"] == 66.0 and got["tile_rows"] == 256.0 and got["experts_hit"] == 1.5
+
+
+def write(tmp_path, data, raw=None):
+    f = tmp_path / "kt.json"
+    f.write_text(raw if raw is not None else json.dumps(data), encoding="utf-8")
+    return f
+
+
+def meta(**kw):
+    return {"date": "2026-12-05", "device": "NVIDIA H200", "commit": "x", "ceilings_here": RATES, **kw}
+
+
+@pytest.mark.parametrize("data,expect", [
+    ([1, 2], "expected an object with 'meta' and 'rows', got a list"),
+    ({"rows": [row()]}, "no 'meta'"),
+    ({"meta": [], "rows": [row()]}, "meta: expected an object, got a list"),
+    ({"meta": None, "rows": [row()]}, "meta: expected an object, got null"),
+    ({"meta": meta(), "rows": {"a": 1}}, "rows: expected a list of cases, got an object"),
+    ({"meta": meta(), "rows": "modelTHIKslotstile_rowsexperts_hitkernels_us"}, "rows: expected a list"),
+    ({"meta": meta(), "rows": []}, "rows: expected at least one case, got none"),
+    ({"meta": meta(), "rows": [[1]]}, "rows[0]: expected an object, got a list"),
+    ({"meta": meta(ceilings_here=[1]), "rows": [row()]}, "meta.ceilings_here: expected an object"),
+    ({"meta": meta(ceilings_here={**RATES, "copy_gbs": 0}), "rows": [row()]},
+     "meta.ceilings_here.copy_gbs: expected a rate > 0, got 0"),
+    ({"meta": meta(ceilings_here={**RATES, "matmul_tflops": -1}), "rows": [row()]},
+     "meta.ceilings_here.matmul_tflops: expected a rate > 0, got -1"),
+    ({"meta": meta(ceilings_here={**RATES, "matmul_tflops": "690"}), "rows": [row()]},
+     "meta.ceilings_here.matmul_tflops: expected a rate > 0, got '690'"),
+    ({"meta": meta(), "rows": [row(model=None)]}, "rows[0].model: expected a name, got null"),
+    ({"meta": meta(), "rows": [row(T="16384")]}, "rows[0].T: expected a whole number >= 1, got '16384'"),
+    ({"meta": meta(), "rows": [row(T=0, slots=0.0, tile_rows=0.0, experts_hit=0.0)]},
+     "rows[0].T: expected a whole number >= 1, got 0"),
+    ({"meta": meta(), "rows": [row(H=None)]}, "rows[0].H: expected a whole number >= 1, got null"),
+    ({"meta": meta(), "rows": [row(K=True)]}, "rows[0].K: expected a whole number >= 1, got true"),
+    ({"meta": meta(), "rows": [row(I=2.5)]}, "rows[0].I: expected a whole number >= 1, got 2.5"),
+    ({"meta": meta(), "rows": [row(slots=-5.0)]}, "rows[0].slots: expected a number >= 0, got -5.0"),
+    ({"meta": meta(), "rows": [row(slots=131073.0)]}, "rows[0].slots: expected at most T*K = 131072"),
+    ({"meta": meta(), "rows": [row(tile_rows=100.0)]}, "rows[0].tile_rows: expected at least slots"),
+    ({"meta": meta(), "rows": [row(kernels_us=[1, 2])]}, "rows[0].kernels_us: expected an object"),
+    ({"meta": meta(), "rows": [row(kernels_us={"cutlass_grouped_gemm": "x"})]},
+     "rows[0].kernels_us['cutlass_grouped_gemm']: expected a time >= 0 µs, got 'x'"),
+    ({"meta": meta(), "rows": [row(kernels_us={"cutlass_grouped_gemm": None})]},
+     "rows[0].kernels_us['cutlass_grouped_gemm']: expected a time >= 0 µs, got null"),
+    ({"meta": meta(), "rows": [row(kernels_us={"cutlass_grouped_gemm": -1.0})]},
+     "rows[0].kernels_us['cutlass_grouped_gemm']: expected a time >= 0 µs, got -1.0"),
+    ({"meta": meta(), "rows": [row(graph_us="2243")]}, "rows[0].graph_us: expected a time >= 0 µs"),
+    ({"meta": meta(), "rows": [row(span_us=-3.0)]}, "rows[0].span_us: expected a time >= 0 µs, got -3.0"),
+])
+def test_cli_names_what_it_expected_and_what_came(tmp_path, data, expect):
+    r = run(write(tmp_path, data))
+    assert r.returncode == 2, (r.returncode, r.stderr)
+    assert "Traceback" not in r.stderr and len(r.stderr.splitlines()) == 1, r.stderr
+    assert r.stderr.startswith(f"gap_moe: {tmp_path / 'kt.json'}: expected the JSON of "
+                               "scripts/kernel_times_moe.py --json: ")
+    assert expect in r.stderr, r.stderr
+    assert r.stdout == ""   # nothing printed before the refusal
+
+
+@pytest.mark.parametrize("raw,expect", [
+    ('{"meta": {}, "rows": [ROW]}'.replace("ROW", json.dumps(row()).replace("2243.2", "NaN")),
+     "rows[0].graph_us: expected a time >= 0 µs, got NaN"),
+    ('{"meta": {}, "rows": [ROW]}'.replace("ROW", json.dumps(row()).replace("2243.2", "Infinity")),
+     "rows[0].graph_us: expected a time >= 0 µs, got Infinity"),
+    ('{"meta": {}, "rows": [ROW]}'.replace("ROW", json.dumps(row()).replace("16384", "1" + "0" * 400, 1)),
+     "rows[0].T: expected a whole number >= 1, got 1000000000"),
+    ('{"meta": {}, "rows": [ROW]}'.replace("ROW", json.dumps(row(H=10 ** 200, I=10 ** 200))),
+     "rows[0]: expected sizes whose FLOPs fit a float"),
+    ('{"meta": {}, "rows": [ROW]}'.replace("ROW", json.dumps(
+        row(kernels_us={"cutlass_grouped_gemm": 1e-320}))), "rows[0]: a figure overflows"),
+    ("NaN", "expected an object with 'meta' and 'rows', got a number"),
+])
+def test_cli_refuses_non_finite_and_huge_values(tmp_path, raw, expect):
+    r = run(write(tmp_path, None, raw=raw))
+    assert r.returncode == 2 and "Traceback" not in r.stderr and len(r.stderr.splitlines()) == 1, r.stderr
+    assert expect in r.stderr, r.stderr
+    assert len(r.stderr) < 400     # a huge value is shown cut short
+
+
+def test_cli_refuses_a_folder_and_an_unreadable_file(gap, tmp_path, monkeypatch, capsys):
+    r = run(tmp_path)
+    assert r.returncode == 2 and "Is a directory" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    f = write(tmp_path, {"meta": meta(), "rows": [row()]})
+
+    def refuse(self, *a, **kw):   # as a file without read permission (root reads any file)
+        raise PermissionError(13, "Permission denied", str(self))
+    monkeypatch.setattr(gap.Path, "read_text", refuse)
+    assert gap.main([str(f)]) == 2
+    err = capsys.readouterr().err
+    assert "expected the JSON of scripts/kernel_times_moe.py --json: [Errno 13] Permission denied" in err
