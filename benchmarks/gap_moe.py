@@ -34,9 +34,10 @@ reads 'both': the two GEMMs together).
 Reads only the JSON (no GPU, no PyTorch), and checks all of it before it prints anything: an
 object with 'meta' (an object; its ceilings_here, where given, rates > 0) and 'rows' (at least
 one case; T, H, I, K whole numbers >= 1, slots between 0 and T*K, tile_rows at least slots,
-experts_hit >= 0, every kernel's µs and span_us/graph_us finite and >= 0). Exit status: 0
-done; 2 a missing or unreadable file, or a file that is not such a JSON (the first thing wrong,
-named with what it expected and what came).
+experts_hit >= 0, every kernel's µs and span_us/graph_us finite and >= 0). A case with no
+call time (no kernel, or every kernel at 0 µs) reads '-' over the floor. Exit status: 0 done;
+2 a missing or unreadable file, or a file that is not such a JSON (the first thing wrong, named
+with what it expected and what came).
 """
 from __future__ import annotations
 
@@ -184,7 +185,8 @@ def role(name: str) -> str:
 
 def analyse(row: dict, rates: dict) -> dict:
     """The figures gap_moe prints for one kernel_times_moe.py row, given rates {"matmul_tflops",
-    "copy_gbs", "write_gbs" (None: unknown)}; times in µs, rates in TFLOP/s and GB/s."""
+    "copy_gbs", "write_gbs" (None: unknown)}; times in µs, rates in TFLOP/s and GB/s; a figure
+    that would divide by a time of 0 µs is None (x_floor where the call has no time)."""
     T, H, I, K = row["T"], row["H"], row["I"], row["K"]
     slots, tile_rows = row["slots"], row["tile_rows"]
     by = {r: 0.0 for r in ROLES}
@@ -198,7 +200,7 @@ def analyse(row: dict, rates: dict) -> dict:
     bytes_ = row["experts_hit"] * 3 * H * I * 2 + 2 * T * H * 2 + T * K * 8
     floor = max(flops / PEAK_TFLOPS / 1e6, bytes_ / PEAK_GBS / 1e3)
     mm, cp, wr = rates["matmul_tflops"], rates["copy_gbs"], rates.get("write_gbs")
-    out = {"call_us": call, "x_floor": call / floor, "floor_us": floor, "us": by}
+    out = {"call_us": call, "x_floor": call / floor if call > 0 else None, "floor_us": floor, "us": by}
     # 2*rows*H*2I and 2*rows*I*H; where GEMM1 has no name of its own (an ungated GEMM1 shares
     # GEMM2's CUTLASS name, and its silu runs apart), both GEMMs count under GEMM2
     both = by["GEMM1"] <= 0 < by["GEMM2"]
@@ -261,7 +263,8 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return 2
     wr = rates["write_gbs"]
-    print(f"# {meta.get('date')} {meta.get('device')} commit {meta.get('commit')}; rates: matmul "
+    unknown = lambda k: meta.get(k) or "?"
+    print(f"# {unknown('date')} {unknown('device')} commit {unknown('commit')}; rates: matmul "
           f"{rates['matmul_tflops']:.0f} TFLOP/s, copy {rates['copy_gbs']:.0f} GB/s, write "
           f"{'-' if not wr else f'{wr:.0f} GB/s'}; GEMMs: useful TFLOP/s / on the tiles' rows "
           f"(% of matmul); gather: GB/s (its writes' % of the write rate); combine: GB/s (% of copy)")
@@ -281,7 +284,7 @@ def main(argv=None) -> int:
             gath = f"{a['gather_gbs']:.0f}" + (f" ({pct(w_gbs, wr)})" if wr else "")
         comb = "-" if a["combine_gbs"] is None else f"{a['combine_gbs']:.0f} ({pct(a['combine_gbs'], rates['copy_gbs'])})"
         fmt = lambda v: "-" if v is None else f"{v:.2f}"
-        print(f"{r['model']:<22}{r['T']:>6}{a['call_us']:>9.1f}{a['x_floor']:>8.2f}  {gem[0]:<18}{gem[1]:<18}"
+        print(f"{r['model']:<22}{r['T']:>6}{a['call_us']:>9.1f}{fmt(a['x_floor']):>8}  {gem[0]:<18}{gem[1]:<18}"
               f"{gath:<14}{comb:<14}{a['us']['routing']:>6.1f}{fmt(a['bound_b']):>6}{fmt(a['bound_a']):>6}")
     return 0
 

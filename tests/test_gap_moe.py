@@ -217,3 +217,20 @@ def test_cli_refuses_a_folder_and_an_unreadable_file(gap, tmp_path, monkeypatch,
     assert gap.main([str(f)]) == 2
     err = capsys.readouterr().err
     assert "expected the JSON of scripts/kernel_times_moe.py --json: [Errno 13] Permission denied" in err
+
+
+def test_cli_prints_zero_time_kernels_without_dividing_by_zero(tmp_path):
+    k = {n: 0.0 for n in row()["kernels_us"]}
+    r = run(write(tmp_path, {"meta": meta(), "rows": [row(kernels_us=k, graph_us=None), row(kernels_us={"foo": 0.0},
+                                                                                     graph_us=None)]}))
+    assert r.returncode == 0, r.stderr
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("qwen3-30b-a3b")]
+    assert len(lines) == 2
+    for ln in lines:   # no call time: no ratio to the floor
+        assert ln.split()[2:4] == ["0.0", "-"], ln
+
+
+def test_cli_header_reads_unknown_for_a_run_it_does_not_know(tmp_path):
+    r = run(write(tmp_path, {"meta": {}, "rows": [row()]}))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("# ? ? commit ?;"), r.stdout
