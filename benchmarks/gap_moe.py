@@ -36,8 +36,8 @@ object with 'meta' (an object; its ceilings_here, where given, rates > 0) and 'r
 one case; T, H, I, K whole numbers >= 1, slots between 0 and T*K, tile_rows at least slots,
 experts_hit >= 0, every kernel's µs and span_us/graph_us finite and >= 0). A case with no
 call time (no kernel, or every kernel at 0 µs) reads '-' over the floor. Exit status: 0 done;
-2 a missing or unreadable file, or a file that is not such a JSON (the first thing wrong, named
-with what it expected and what came).
+2 a rate given here that is not a finite number > 0, a missing or unreadable file, or a file
+that is not such a JSON (the first thing wrong, named with what it expected and what came).
 """
 from __future__ import annotations
 
@@ -236,8 +236,8 @@ def main(argv=None) -> int:
     rates = {"matmul_tflops": args.matmul_tflops, "copy_gbs": args.copy_gbs, "write_gbs": args.write_gbs}
     for v, flag in ((args.matmul_tflops, "--matmul-tflops"), (args.copy_gbs, "--copy-gbs"),
                     (args.write_gbs, "--write-gbs")):
-        if v is not None and not v > 0:
-            print(f"gap_moe: {flag}: expected a rate > 0, got {v}", file=sys.stderr)
+        if v is not None and not (math.isfinite(v) and v > 0):   # float() takes 'inf' and 'nan'
+            print(f"gap_moe: {flag}: expected a finite rate > 0, got {v:g}", file=sys.stderr)
             return 2
     try:
         data = json.loads(Path(args.json_file).read_text(encoding="utf-8"))

@@ -115,7 +115,7 @@ def test_cli_refuses_what_is_not_its_json(tmp_path, content, expect):
 
 def test_cli_refuses_a_rate_that_is_not_positive(tmp_path):
     r = run(tmp_path / "kt.json", "--write-gbs", 0)
-    assert r.returncode == 2 and "--write-gbs: expected a rate > 0, got 0" in r.stderr
+    assert r.returncode == 2 and "--write-gbs: expected a finite rate > 0, got 0" in r.stderr
 
 
 def test_kernel_times_counts_slots_and_tile_rows():
@@ -234,3 +234,10 @@ def test_cli_header_reads_unknown_for_a_run_it_does_not_know(tmp_path):
     r = run(write(tmp_path, {"meta": {}, "rows": [row()]}))
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("# ? ? commit ?;"), r.stdout
+
+
+@pytest.mark.parametrize("value", ["inf", "nan", "-1"])
+def test_cli_refuses_a_rate_that_is_not_finite(tmp_path, value):
+    r = run(write(tmp_path, {"meta": meta(), "rows": [row()]}), f"--copy-gbs={value}")
+    assert r.returncode == 2 and f"--copy-gbs: expected a finite rate > 0, got {value}" in r.stderr, r.stderr
+    assert r.stdout == ""
