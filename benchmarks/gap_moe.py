@@ -196,9 +196,11 @@ def analyse(row: dict, rates: dict) -> dict:
     # ran earlier, at the power-limited card's clocks of that moment: 2507 against 2233 µs at
     # qwen3-30b T = 16384, H200, session forty-four), else the graph's, else the kernels' sum
     call = row.get("span_us") or row.get("graph_us") or sum(by.values())
-    flops = 6.0 * slots * H * I
+    # the floor as benchmarks/bench_moe.py counts it: FLOPs 6*T*K*H*I (not the slots: where ids
+    # fall outside the layer's experts, the same case reads the same ratio in both tools)
     bytes_ = row["experts_hit"] * 3 * H * I * 2 + 2 * T * H * 2 + T * K * 8
-    floor = max(flops / PEAK_TFLOPS / 1e6, bytes_ / PEAK_GBS / 1e3)
+    floor = max(6.0 * T * K * H * I / PEAK_TFLOPS / 1e6, bytes_ / PEAK_GBS / 1e3)
+    flops = 6.0 * slots * H * I      # useful FLOPs: the bounds' and the GEMMs' rates
     mm, cp, wr = rates["matmul_tflops"], rates["copy_gbs"], rates.get("write_gbs")
     out = {"call_us": call, "x_floor": call / floor if call > 0 else None, "floor_us": floor, "us": by}
     # 2*rows*H*2I and 2*rows*I*H; where GEMM1 has no name of its own (an ungated GEMM1 shares

@@ -241,3 +241,14 @@ def test_cli_refuses_a_rate_that_is_not_finite(tmp_path, value):
     r = run(write(tmp_path, {"meta": meta(), "rows": [row()]}), f"--copy-gbs={value}")
     assert r.returncode == 2 and f"--copy-gbs: expected a finite rate > 0, got {value}" in r.stderr, r.stderr
     assert r.stdout == ""
+
+
+def test_the_floor_counts_t_times_k_as_bench_moe_does(gap):
+    # ids outside the layer's experts (slots < T*K) leave the floor as bench_moe.py counts it
+    # (FLOPs 6*T*K*H*I): the same case reads the same ratio to the floor in both tools
+    a = gap.analyse(row(slots=120000.0, tile_rows=128000.0), RATES)
+    floor = 6.0 * 16384 * 8 * 2048 * 768 / 787.0 / 1e6
+    assert a["floor_us"] == pytest.approx(floor)
+    assert a["x_floor"] == pytest.approx(2243.2 / floor)
+    # the GEMMs' useful rate and bound (a) stay on the slots
+    assert a["GEMM1"]["tflops"] == pytest.approx(4.0 * 120000 * 2048 * 768 / 1216.4 / 1e6)
