@@ -252,3 +252,12 @@ def test_the_floor_counts_t_times_k_as_bench_moe_does(gap):
     assert a["x_floor"] == pytest.approx(2243.2 / floor)
     # the GEMMs' useful rate and bound (a) stay on the slots
     assert a["GEMM1"]["tflops"] == pytest.approx(4.0 * 120000 * 2048 * 768 / 1216.4 / 1e6)
+
+
+def test_a_gemm1_of_0_us_is_not_counted_under_gemm2(gap):
+    # GEMM1 has a name of its own in the JSON (at 0 µs): GEMM2's time is GEMM2's alone
+    k = {**row()["kernels_us"], "cutlass_grouped_gemm<gated GEMM1>": 0.0}
+    a = gap.analyse(row(kernels_us=k), RATES)
+    assert a["GEMM1"] is None
+    assert not a["GEMM2"]["both"]
+    assert a["GEMM2"]["tflops"] == pytest.approx(2.0 * 131072 * 2048 * 768 / 685.9 / 1e6)
