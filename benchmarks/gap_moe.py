@@ -271,9 +271,9 @@ def main(argv=None) -> int:
           f"{rates['matmul_tflops']:.0f} TFLOP/s, copy {rates['copy_gbs']:.0f} GB/s, write "
           f"{'-' if not wr else f'{wr:.0f} GB/s'}; GEMMs: useful TFLOP/s / on the tiles' rows "
           f"(% of matmul); gather: GB/s (its writes' % of the write rate); combine: GB/s (% of copy)")
-    print(f"{'model':<22}{'T':>6}{'call µs':>9}{'x floor':>8}  {'GEMM1':<18}{'GEMM2':<18}{'gather':<14}"
-          f"{'combine':<14}{'route':>6}{'(b)':>6}{'(a)':>6}")
     pct = lambda x, base: f"{100 * x / base:.0f}%"
+    fmt = lambda v: "-" if v is None else f"{v:.2f}"
+    table = [("model", "T", "call µs", "x floor", "GEMM1", "GEMM2", "gather", "combine", "route", "(b)", "(a)")]
     for r, a in zip(rows, figures):
         gem = []
         for g in ("GEMM1", "GEMM2"):
@@ -286,9 +286,14 @@ def main(argv=None) -> int:
             w_gbs = r["slots"] * r["H"] * 2 / a["us"]["gather"] / 1e3
             gath = f"{a['gather_gbs']:.0f}" + (f" ({pct(w_gbs, wr)})" if wr else "")
         comb = "-" if a["combine_gbs"] is None else f"{a['combine_gbs']:.0f} ({pct(a['combine_gbs'], rates['copy_gbs'])})"
-        fmt = lambda v: "-" if v is None else f"{v:.2f}"
-        print(f"{r['model']:<22}{r['T']:>6}{a['call_us']:>9.1f}{fmt(a['x_floor']):>8}  {gem[0]:<18}{gem[1]:<18}"
-              f"{gath:<14}{comb:<14}{a['us']['routing']:>6.1f}{fmt(a['bound_b']):>6}{fmt(a['bound_a']):>6}")
+        table.append((r["model"], str(r["T"]), f"{a['call_us']:.1f}", fmt(a["x_floor"]), *gem, gath, comb,
+                      f"{a['us']['routing']:.1f}", fmt(a["bound_b"]), fmt(a["bound_a"])))
+    # each column as wide as its widest cell, two spaces between columns: no cell runs into the next
+    widths = [max(len(line[c]) for line in table) for c in range(len(table[0]))]
+    left = (True, False, False, False, True, True, True, True, False, False, False)
+    for line in table:
+        print("  ".join(cell.ljust(w) if lft else cell.rjust(w)
+                        for cell, w, lft in zip(line, widths, left)).rstrip())
     return 0
 
 

@@ -261,3 +261,22 @@ def test_a_gemm1_of_0_us_is_not_counted_under_gemm2(gap):
     assert a["GEMM1"] is None
     assert not a["GEMM2"]["both"]
     assert a["GEMM2"]["tflops"] == pytest.approx(2.0 * 131072 * 2048 * 768 / 685.9 / 1e6)
+
+
+def test_cli_columns_never_run_together(tmp_path):
+    # a 'both' GEMM2 cell (ungated GEMM1) of 20 characters ran into the gather's figure, and a
+    # model name of 22 characters into a T of 6 digits
+    k = {"cutlass_grouped_gemm": 1300.0, "sm90_silu_mul_kernel": 30.0, "sm90_prepare_kernel": 168.9,
+         "sm90_combine_kernel": 158.5}
+    long = row(model="a-model-of-22-letters-", T=131072, slots=131072 * 8.0, tile_rows=131072 * 8.0)
+    r = run(write(tmp_path, {"meta": meta(), "rows": [row(kernels_us=k, graph_us=None), long]}))
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()[2:]
+    first = lines[0].split()
+    assert first[5:9] == ["both", "952/1011", "(147%)", "3576"], lines[0]
+    assert lines[1].split()[:2] == ["a-model-of-22-letters-", "131072"], lines[1]
+    # the header's columns line up with the rows': each header name ends (right-aligned) or
+    # starts (left-aligned) where the rows' cells do
+    head = r.stdout.splitlines()[1]
+    assert head.index("x floor") + len("x floor") == lines[0].index(first[3]) + len(first[3])
+    assert head.index("gather") == lines[0].index("3576")
