@@ -8,7 +8,8 @@ Reads the JSON of `scripts/kernel_times_moe.py --json` (per case: µs per call o
 routing's slots and the rows its 128-row tiles compute) and prints, per case:
 
 - the call (with --graph: first kernel start to last kernel end of the profiled replays, per call,
-  the replays the kernel times come from; else the kernels' sum) over the floor of
+  the replays the kernel times come from; else the graph's µs per call; else the kernels' sum,
+  which counts twice the time kernels overlap under programmatic dependent launch) over the floor of
   ../shared/PERF.md (787 TFLOP/s, 4.23 TB/s; FLOPs 6*T*K*H*I, bytes of the hit experts' weights
   and of the activations, as benchmarks/bench_moe.py counts them);
 - each GEMM's useful TFLOP/s (slots) and its rate on the rows its tiles compute (tile_rows: each
@@ -22,14 +23,15 @@ routing's slots and the rows its 128-row tiles compute) and prints, per case:
   the copy rate, the routing as measured; (b) the same with the GEMMs on tile_rows. What the
   measured call exceeds (b) by is the GEMMs' and the passes' own shortfall; what (b) exceeds (a)
   by is the tiles' padding; what (a) exceeds 1.00 by is the card (its sustained matmul rate
-  under the power limit) and the gather and combine passes.
+  under the power limit), the gather and combine passes, and the routing's and other kernels'
+  measured time.
 
-The rates are the JSON's `ceilings_here` (kernel_times_moe.py --ceilings: measured in the same
-process), else given here, else PERF.md's (787 TFLOP/s, 4.23 TB/s copy; no write rate: the
-gather's share and bound (a)/(b) then read '-'). Kernels are told apart by name (GEMM1, GEMM2,
-gather, combine, routing; anything else is 'other' and counts in the bounds as measured; where
-GEMM1 has no name of its own, as an ungated GEMM1 under GEMM2's CUTLASS name, the GEMM2 column
-reads 'both': the two GEMMs together).
+The rates are those given here (--matmul-tflops, --copy-gbs, --write-gbs), else the JSON's
+`ceilings_here` (kernel_times_moe.py --ceilings: measured in the same process), else PERF.md's
+(787 TFLOP/s, 4.23 TB/s copy; no write rate: the gather's share and bound (a)/(b) then read '-').
+Kernels are told apart by name (GEMM1, GEMM2, gather, combine, routing; anything else is 'other'
+and counts in the bounds as measured; where GEMM1 has no name of its own, as an ungated GEMM1
+under GEMM2's CUTLASS name, the GEMM2 column reads 'both': the two GEMMs together).
 
 Reads only the JSON (no GPU, no PyTorch), and checks all of it before it prints anything: an
 object with 'meta' (an object; its ceilings_here, where given, rates > 0) and 'rows' (at least
@@ -122,7 +124,8 @@ def check(data) -> None:
     here = meta.get("ceilings_here")
     if here is not None:
         if not isinstance(here, dict):
-            raise BadInput(f"meta.ceilings_here: expected an object of {', '.join(RATE_KEYS)}, got {shown(here)}")
+            raise BadInput(f"meta.ceilings_here: expected an object of {', '.join(RATE_KEYS)}, "
+                           f"got {shown(here)}")
         for k in RATE_KEYS:
             if here.get(k) is not None:
                 check_rate(f"meta.ceilings_here.{k}", here[k])
@@ -136,7 +139,8 @@ def check(data) -> None:
             raise BadInput(f"{at}: expected an object, got {shown(r)}")
         missing = [k for k in NEED if k not in r]
         if missing:
-            raise BadInput(f"{at}: lacks {', '.join(missing)} (of {', '.join(NEED)}; an older kernel_times_moe.py?)")
+            raise BadInput(f"{at}: lacks {', '.join(missing)} (of {', '.join(NEED)}; "
+                           "an older kernel_times_moe.py?)")
         if not isinstance(r["model"], str):
             raise BadInput(f"{at}.model: expected a name, got {shown(r['model'])}")
         for k in ("T", "H", "I", "K"):
@@ -151,12 +155,14 @@ def check(data) -> None:
         if r["slots"] > tk:
             raise BadInput(f"{at}.slots: expected at most T*K = {tk}, got {shown(r['slots'])}")
         if r["tile_rows"] < r["slots"]:
-            raise BadInput(f"{at}.tile_rows: expected at least slots ({shown(r['slots'])}), got {shown(r['tile_rows'])}")
+            raise BadInput(f"{at}.tile_rows: expected at least slots ({shown(r['slots'])}), "
+                           f"got {shown(r['tile_rows'])}")
         if _finite(6.0 * tk * r["H"] * r["I"]) is None:
             raise BadInput(f"{at}: expected sizes whose FLOPs fit a float, got T*K*H*I = "
                            f"{shown(tk * r['H'] * r['I'])}")
         if not isinstance(r["kernels_us"], dict):
-            raise BadInput(f"{at}.kernels_us: expected an object of kernel name: µs, got {shown(r['kernels_us'])}")
+            raise BadInput(f"{at}.kernels_us: expected an object of kernel name: µs, "
+                           f"got {shown(r['kernels_us'])}")
         for name, us in r["kernels_us"].items():
             f = _finite(us)
             if f is None or f < 0:

@@ -280,3 +280,12 @@ def test_cli_columns_never_run_together(tmp_path):
     head = r.stdout.splitlines()[1]
     assert head.index("x floor") + len("x floor") == lines[0].index(first[3]) + len(first[3])
     assert head.index("gather") == lines[0].index("3576")
+
+
+def test_the_help_says_a_rate_given_here_beats_the_files(gap):
+    # the docstring said the JSON's ceilings_here came first, "else given here"; the code (and
+    # test_cli_prints_a_row_with_the_files_rates) lets a rate given here win
+    doc = " ".join(gap.__doc__.split())
+    assert "The rates are those given here (--matmul-tflops, --copy-gbs, --write-gbs), else the JSON's" in doc
+    r = run("--help")
+    assert "else the JSON's" in " ".join(r.stdout.split())
