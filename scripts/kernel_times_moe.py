@@ -24,11 +24,12 @@ graph: on the power-limited H200, qwen3-30b T = 4096 read 699 µs a call eager a
 graph replay (RESULTS.md, session thirty-one).
 
 --json FILE: also writes the run (date, device, commit) and, per case, the model's shape, the
-path, µs per call of each kernel, the graph's µs per call and clocks (--graph), and the routing's
-rows: T*K slots and the rows that 128-row tiles compute (each expert's rows rounded up to a
-multiple of 128, the mean over the three sets), after every case; benchmarks/gap_moe.py reads it.
---ceilings: first measures the card's bf16 matmul, copy and write rates in this process
-(benchmarks/_timing.ceilings) and records them in the JSON.
+path, µs per call of each kernel, with --graph the graph's µs per call, its clocks and the
+profiled replays' first kernel start to last end (span_us) and busy time (busy_us) per call, and
+the routing's rows: T*K slots and the rows that 128-row tiles compute (each expert's rows rounded
+up to a multiple of 128, the mean over the three sets), after every case; benchmarks/gap_moe.py
+reads it. --ceilings: first measures the card's bf16 matmul, copy and write rates in this process
+(benchmarks/_timing.ceilings), prints them and, with --json, records them in the JSON.
 
 Needs PyTorch with a CUDA GPU (its profiler) and the built plugins; --help needs neither. Every
 argument problem is listed before any work (exit status 2).
@@ -136,7 +137,7 @@ def main() -> int:
                          "(benchmarks/gap_moe.py reads it); not written by default")
     ap.add_argument("--ceilings", action="store_true",
                     help="measure the card's matmul, copy and write rates first, in this process, "
-                         "and record them in the JSON")
+                         "print them and, with --json, record them in the JSON")
     args = ap.parse_args()
     from ex_engine import FactorError, FactorRegistry, moe_fused_gemm
     from ex_engine.moe_layer import load_models_or_exit, parse_cases, report_problems

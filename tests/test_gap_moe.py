@@ -289,3 +289,14 @@ def test_the_help_says_a_rate_given_here_beats_the_files(gap):
     assert "The rates are those given here (--matmul-tflops, --copy-gbs, --write-gbs), else the JSON's" in doc
     r = run("--help")
     assert "else the JSON's" in " ".join(r.stdout.split())
+
+
+def test_kernel_times_help_names_what_its_json_holds():
+    # gap_moe's call time is the profiled replays' span (span_us), which the --json paragraph did
+    # not name; --ceilings without --json records nothing (the rates are printed only)
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "kernel_times_moe.py"), "--help"],
+                       capture_output=True, text=True, encoding="utf-8")
+    assert r.returncode == 0, r.stderr
+    text = " ".join(r.stdout.split())
+    assert "the profiled replays' first kernel start to last end (span_us) and busy time (busy_us)" in text
+    assert "prints them and, with --json, records them in the JSON" in text
