@@ -300,3 +300,12 @@ def test_kernel_times_help_names_what_its_json_holds():
     text = " ".join(r.stdout.split())
     assert "the profiled replays' first kernel start to last end (span_us) and busy time (busy_us)" in text
     assert "prints them and, with --json, records them in the JSON" in text
+
+
+@pytest.mark.parametrize("dest,expect", [("nowhere/kt.json", "--json: folder"), (".", "is a folder")])
+def test_kernel_times_checks_its_json_before_any_work(tmp_path, dest, expect):
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "kernel_times_moe.py"), "--cases",
+                        "qwen3-30b-a3b:1", "--json", str(tmp_path / dest)],
+                       capture_output=True, text=True, encoding="utf-8", timeout=120)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert any(ln.startswith("kernel_times_moe: --json: ") and expect in ln for ln in r.stderr.splitlines()), r.stderr
