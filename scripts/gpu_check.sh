@@ -3,9 +3,12 @@
 # tests, the main job on every model, and the benchmarks. Logs go to $OUT (or ./gpu_out).
 #
 #   bash scripts/gpu_check.sh [STAGE ...]    stages: setup build list tests selftest run bench bench_rn
-#                                            host tune ep (default: all but host, tune and ep, in
-#                                            that order; host: benchmarks/host_moe.py, the host
-#                                            time of one eager call by stage; ep: every GPU)
+#                                            host gap tune ep (default: all but host, gap, tune and
+#                                            ep, in that order; host: benchmarks/host_moe.py, the host
+#                                            time of one eager call by stage; gap: each kernel of the
+#                                            T >= 4096 calls against the card's matmul, copy and
+#                                            write rates, scripts/kernel_times_moe.py then
+#                                            benchmarks/gap_moe.py; ep: every GPU)
 # On the lent H200: carry .whl (cffi + pycparser cp312 wheels: cffi is not installed there)
 # and, to skip the build there, the factors/*.so built here.
 #
@@ -18,7 +21,8 @@
 #                     (where none is there yet, a copy of this GPU's shipped table if there is
 #                     one, e.g. manifests/tuning/h200.yaml on the H200; else a new table)
 #   TESTS_TIMEOUT (300), SELFTEST_TIMEOUT (150, each self-test), RUN_TIMEOUT (300),
-#   BENCH_TIMEOUT (500: bench, bench_rn and host each), TUNE_TIMEOUT (400), EP_TIMEOUT (300, each
+#   GAP_CASES         model:T cases of the gap stage (default: every model at T = 4096 and 16384)
+#   BENCH_TIMEOUT (500: bench, bench_rn, host and gap each), TUNE_TIMEOUT (400), EP_TIMEOUT (300, each
 #   torchrun): seconds before a stage's command is stopped (a stopped stage fails)
 # Exit status: 0 every stage passed; 1 a stage failed (a self-test that tested nothing, or GPU
 # tests that all skipped, fail too); 2 an unknown stage, a log folder (OUT) that cannot be
@@ -32,9 +36,9 @@ fi
 stages=${*:-setup build list tests selftest run bench bench_rn}
 has() { [[ " $stages " == *" $1 "* ]]; }
 for s in $stages; do
-  case " setup build list tests selftest run bench bench_rn host tune ep " in
+  case " setup build list tests selftest run bench bench_rn host gap tune ep " in
     *" $s "*) ;;
-    *) echo "gpu_check.sh: unknown stage '$s'; expected some of: setup build list tests selftest run bench bench_rn host tune ep" >&2; exit 2 ;;
+    *) echo "gpu_check.sh: unknown stage '$s'; expected some of: setup build list tests selftest run bench bench_rn host gap tune ep" >&2; exit 2 ;;
   esac
 done
 OUT=${OUT:-$PWD/gpu_out}
@@ -48,7 +52,7 @@ rm -f "$OUT/.gpu_check_write_test"
 status=0
 step() { echo; echo "=== $* ($(date +%T))"; }
 
-if has setup || has tests || has run || has bench || has bench_rn || has host || has list || has tune || has ep; then
+if has setup || has tests || has run || has bench || has bench_rn || has host || has gap || has list || has tune || has ep; then
   if ! python3 -c "import cffi" 2>/dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target /tmp/site .whl/*.whl || { echo "cannot install carried wheels from .whl/"; exit 2; }
@@ -100,6 +104,16 @@ fi
 if has host; then
   step "host time of one eager moe_fused_gemm call, by stage"
   timeout ${BENCH_TIMEOUT:-500} python3 benchmarks/host_moe.py --models qwen3-30b-a3b granite-3.0-3b-a800m mixtral-8x7b --json "$OUT/host_moe.json" 2>&1 | tee "$OUT/host_moe.txt"; [ "${PIPESTATUS[0]}" = 0 ] || status=1
+fi
+if has gap; then
+  step "each kernel of the T >= 4096 calls against the card's rates (kernel_times_moe.py, gap_moe.py)"
+  gap_cases=${GAP_CASES:-$(for m in deepseek-v2-lite granite-3.0-3b-a800m mixtral-8x7b olmoe-1b-7b phi-3.5-moe qwen3-235b-a22b qwen3-30b-a3b; do echo "$m:4096 $m:16384"; done)}
+  # (word splitting of gap_cases is meant: one argument per case)
+  timeout ${BENCH_TIMEOUT:-500} python3 scripts/kernel_times_moe.py --graph --ceilings --calls 4 --json "$OUT/kernel_times_gap.json" --cases $gap_cases 2>&1 | tee "$OUT/kernel_times_gap.txt"; [ "${PIPESTATUS[0]}" = 0 ] || status=1
+  # the cases timed before a stop are in the JSON too (written after every case)
+  if [ -f "$OUT/kernel_times_gap.json" ]; then
+    python3 benchmarks/gap_moe.py "$OUT/kernel_times_gap.json" 2>&1 | tee "$OUT/gap_moe.txt"; [ "${PIPESTATUS[0]}" = 0 ] || status=1
+  fi
 fi
 if has tune; then
   step "tune moe_fused_gemm tile configurations (writes $OUT/tuning.yaml; copy it to manifests/tuning/)"

@@ -309,3 +309,17 @@ def test_kernel_times_checks_its_json_before_any_work(tmp_path, dest, expect):
                        capture_output=True, text=True, encoding="utf-8", timeout=120)
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     assert any(ln.startswith("kernel_times_moe: --json: ") and expect in ln for ln in r.stderr.splitlines()), r.stderr
+
+
+def test_gpu_check_gap_stage_fails_plainly_without_a_gpu(tmp_path):
+    """scripts/gpu_check.sh's gap stage runs kernel_times_moe.py then gap_moe.py; with no GPU the
+    first says so, the second is not run on a JSON that was never written, and the stage fails."""
+    import os
+    env = {**os.environ, "OUT": str(tmp_path), "CUDA_VISIBLE_DEVICES": "",   # no GPU, wherever it runs
+           "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")}
+    r = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), "gap"], capture_output=True, text=True,
+                       encoding="utf-8", env=env, timeout=120)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "kernel_times_moe: needs PyTorch and a CUDA GPU" in r.stdout + r.stderr
+    assert not (tmp_path / "gap_moe.txt").exists()
+    assert "done: status 1" in r.stdout
