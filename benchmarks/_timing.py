@@ -29,8 +29,8 @@ def run_meta(**extra) -> dict:
     commit = os.environ.get("EX_COMMIT", "")
     if not commit:
         try:
-            commit = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True,
-                                    text=True, cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+            commit = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True,
+                                    encoding="utf-8", cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
         except OSError:
             commit = ""
     device = torch.cuda.get_device_name() if torch is not None and torch.cuda.is_available() else "?"

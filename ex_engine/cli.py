@@ -812,7 +812,7 @@ def main(argv=None) -> int:
         # the command started with stderr closed (2>&-): Python sets sys.stderr to None, so
         # faulthandler.enable() raised RuntimeError (exit 1, nothing printed) and print(...,
         # file=sys.stderr) would write to stdout; its lines go to /dev/null instead
-        sys.stderr = open(os.devnull, "w")
+        sys.stderr = open(os.devnull, "w", encoding="utf-8")
     if argv is None:   # the command itself: 'µs' under an ASCII locale is escaped, not a traceback
         tolerant_stdio()
     if sys.stdout is None:   # no stdout at all (>&-, a daemon's): print() writes nothing

@@ -443,7 +443,7 @@ def available_bytes(xp) -> int | None:
     try:
         if xp is not np:
             return int(xp.cuda.runtime.memGetInfo()[0])
-        with open("/proc/meminfo") as f:
+        with open("/proc/meminfo", encoding="utf-8") as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
                     return int(line.split()[1]) * 1024
