@@ -323,3 +323,32 @@ def test_gpu_check_gap_stage_fails_plainly_without_a_gpu(tmp_path):
     assert "kernel_times_moe: needs PyTorch and a CUDA GPU" in r.stdout + r.stderr
     assert not (tmp_path / "gap_moe.txt").exists()
     assert "done: status 1" in r.stdout
+
+
+@pytest.mark.gpu
+def test_kernel_times_json_feeds_gap_moe_on_the_gpu(tmp_path):
+    """The whole path on a GPU: kernel_times_moe.py --graph --ceilings --json on one case, then
+    gap_moe.py on its JSON (as scripts/gpu_check.sh's gap stage runs them)."""
+    pytest.importorskip("torch")
+    from tests.conftest import child_env
+    f = tmp_path / "kt.json"
+    T, K, E = 4096, 8, 40
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "kernel_times_moe.py"), "--graph", "--ceilings",
+                        "--calls", "3", "--json", str(f), "--cases", f"granite-3.0-3b-a800m:{T}"],
+                       capture_output=True, text=True, encoding="utf-8", env=child_env(), timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    data = json.loads(f.read_text(encoding="utf-8"))
+    assert set(data["meta"]["ceilings_here"]) == {"matmul_tflops", "copy_gbs", "write_gbs"}
+    assert all(v > 0 for v in data["meta"]["ceilings_here"].values())
+    (row,) = data["rows"]
+    assert row["slots"] == T * K                          # uniform routing: every slot valid
+    assert row["slots"] <= row["tile_rows"] and round(row["tile_rows"] * 3) % 128 == 0   # mean of 3 sets
+    assert 0 < row["experts_hit"] <= E
+    assert row["span_us"] > 0 and row["graph_us"] > 0
+    gap = import_tool("benchmarks", "gap_moe")
+    assert "GEMM1" in {gap.role(n) for n in row["kernels_us"]}
+    assert "GEMM2" in {gap.role(n) for n in row["kernels_us"]}
+    out = run(f)
+    assert out.returncode == 0, out.stderr
+    line = [ln for ln in out.stdout.splitlines() if ln.startswith("granite-3.0-3b-a800m")][0]
+    assert float(line.split()[3]) > 0.5   # over the floor: a figure, not '-'
