@@ -20,7 +20,9 @@ def gap():
 
 
 def row(**kw):
-    # qwen3-30b-a3b T = 16384 as kernel_times_moe.py --graph --json records it (H200, session 44)
+    # qwen3-30b-a3b T = 16384 in kernel_times_moe.py --json's form: the kernel times measured on the
+    # H200 in session 44 (that run recorded no routing: tile_rows is the expectation under uniform
+    # routing, 8.5 tiles an expert), graph_us their sum (that run's graph read 2507.3, span 2232.7)
     r = {"model": "qwen3-30b-a3b", "T": 16384, "H": 2048, "I": 768, "E": 128, "K": 8,
          "slots": 131072.0, "tile_rows": 139264.0, "tile": 128, "experts_hit": 128.0,
          "kernels_us": {"cutlass_grouped_gemm<gated GEMM1>": 1216.4, "cutlass_grouped_gemm": 685.9,
