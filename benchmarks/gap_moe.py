@@ -8,8 +8,9 @@ Reads the JSON of `scripts/kernel_times_moe.py --json` (per case: µs per call o
 routing's slots and the rows its 128-row tiles compute) and prints, per case:
 
 - the call (with --graph: first kernel start to last kernel end of the profiled replays, per call,
-  the replays the kernel times come from; else the graph's µs per call; else the kernels' sum,
-  which counts twice the time kernels overlap under programmatic dependent launch) over the floor of
+  the replays the kernel times come from; else the graph's µs per call; without --graph the
+  median wall time of an eager call, launch gaps included; else the kernels' sum, which counts
+  twice the time kernels overlap under programmatic dependent launch) over the floor of
   ../shared/PERF.md (787 TFLOP/s, 4.23 TB/s; FLOPs 6*T*K*H*I, bytes of the hit experts' weights
   and of the activations, as benchmarks/bench_moe.py counts them);
 - each GEMM's useful TFLOP/s (slots) and its rate on the rows its tiles compute (tile_rows: each
@@ -36,7 +37,7 @@ under GEMM2's CUTLASS name, the GEMM2 column reads 'both': the two GEMMs togethe
 Reads only the JSON (no GPU, no PyTorch), and checks all of it before it prints anything: an
 object with 'meta' (an object; its ceilings_here, where given, rates > 0) and 'rows' (at least
 one case; T, H, I, K whole numbers >= 1, slots between 0 and T*K, tile_rows at least slots,
-experts_hit >= 0, every kernel's µs and span_us/graph_us finite and >= 0). A case with no
+experts_hit >= 0, every kernel's µs and span_us/graph_us/wall_us finite and >= 0). A case with no
 call time (no kernel, or every kernel at 0 µs) reads '-' over the floor. Exit status: 0 done;
 2 a rate given here that is not a finite number > 0, a missing or unreadable file, or a file
 that is not such a JSON (the first thing wrong, named with what it expected and what came).
@@ -167,7 +168,7 @@ def check(data) -> None:
             f = _finite(us)
             if f is None or f < 0:
                 raise BadInput(f"{at}.kernels_us[{name!r}]: expected a time >= 0 µs, got {shown(us)}")
-        for k in ("span_us", "graph_us"):
+        for k in ("span_us", "graph_us", "wall_us"):
             if r.get(k) is not None:
                 f = _finite(r[k])
                 if f is None or f < 0:
@@ -200,8 +201,9 @@ def analyse(row: dict, rates: dict) -> dict:
         by[role(name)] += us
     # the profiled replays' span (the replays the kernel times come from; the graph's own timing
     # ran earlier, at the power-limited card's clocks of that moment: 2507 against 2233 µs at
-    # qwen3-30b T = 16384, H200, session forty-four), else the graph's, else the kernels' sum
-    call = row.get("span_us") or row.get("graph_us") or sum(by.values())
+    # qwen3-30b T = 16384, H200, session forty-four), else the graph's, else an eager call's wall
+    # time, else the kernels' sum
+    call = row.get("span_us") or row.get("graph_us") or row.get("wall_us") or sum(by.values())
     # the floor as benchmarks/bench_moe.py counts it: FLOPs 6*T*K*H*I (not the slots: where ids
     # fall outside the layer's experts, the same case reads the same ratio in both tools)
     bytes_ = row["experts_hit"] * 3 * H * I * 2 + 2 * T * H * 2 + T * K * 8

@@ -25,10 +25,12 @@ graph replay (RESULTS.md, session thirty-one).
 
 --json FILE: also writes the run (date, device, commit) and, per case, the model's shape, the
 path, µs per call of each kernel, with --graph the graph's µs per call, its clocks and the
-profiled replays' first kernel start to last end (span_us) and busy time (busy_us) per call, and
-the routing's rows: T*K slots and the rows that 128-row tiles compute (each expert's rows rounded
-up to a multiple of 128, the mean over the three sets), after every case; benchmarks/gap_moe.py
-reads it. --ceilings: first measures the card's bf16 matmul, copy and write rates in this process
+profiled replays' first kernel start to last end (span_us) and busy time (busy_us) per call,
+without --graph the median wall time of a call (wall_us, launch gaps included), and the
+routing's rows: T*K slots and the rows that 128-row tiles compute (each expert's rows rounded up
+to a multiple of 128, the mean over the three sets); written before the first case (with
+--ceilings' rates) and after every case; benchmarks/gap_moe.py reads it. --ceilings: first
+measures the card's bf16 matmul, copy and write rates in this process
 (benchmarks/_timing.ceilings), prints them and, with --json, records them in the JSON.
 
 Needs PyTorch with a CUDA GPU (its profiler) and the built plugins; --help needs neither. Every
@@ -176,6 +178,8 @@ def main() -> int:
         meta["ceilings_here"] = ceilings()
         print("ceilings here: " + ", ".join(f"{k} {v:.1f}" for k, v in meta["ceilings_here"].items()), flush=True)
     rows = []
+    if args.json:   # the rates are kept even if the first case fails
+        write_json(args.json, {"meta": meta, "rows": rows})
     for i, (m, T) in enumerate(cases):
         print(f"[{i + 1}/{len(cases)}] {m} T={T} ...", file=sys.stderr, flush=True)
         s = models[m]
@@ -266,6 +270,9 @@ def main() -> int:
             walls.append(cur[1] - cur[0])
         walls.sort()
         wall = walls[len(walls) // 2] if walls else 0.0
+        row["wall_us"] = wall
+        if args.json:
+            write_json(args.json, {"meta": meta, "rows": rows})
         print(f"{m} T={T} ({path}): kernels {total / args.calls:.1f} µs per call, wall {wall:.1f} µs "
               f"(median of {len(walls)} calls)", flush=True)
         for k, v in sorted(per.items(), key=lambda kv: -kv[1]):

@@ -77,6 +77,7 @@ def test_an_ungated_gemm1_counts_both_gemms_under_gemm2(gap):
 def test_the_profiled_span_is_the_call_where_recorded(gap):
     assert gap.analyse(row(span_us=2232.7), RATES)["call_us"] == 2232.7
     assert gap.analyse(row(), RATES)["call_us"] == 2243.2     # else the graph's time
+    assert gap.analyse(row(graph_us=None, wall_us=2400.0), RATES)["call_us"] == 2400.0   # else eager wall
 
 
 def test_no_write_rate_leaves_the_bounds_out(gap):
@@ -177,6 +178,7 @@ def meta(**kw):
      "rows[0].kernels_us['cutlass_grouped_gemm']: expected a time >= 0 µs, got -1.0"),
     ({"meta": meta(), "rows": [row(graph_us="2243")]}, "rows[0].graph_us: expected a time >= 0 µs"),
     ({"meta": meta(), "rows": [row(span_us=-3.0)]}, "rows[0].span_us: expected a time >= 0 µs, got -3.0"),
+    ({"meta": meta(), "rows": [row(wall_us=-3.0)]}, "rows[0].wall_us: expected a time >= 0 µs, got -3.0"),
 ])
 def test_cli_names_what_it_expected_and_what_came(tmp_path, data, expect):
     r = run(write(tmp_path, data))
