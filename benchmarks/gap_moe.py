@@ -223,6 +223,7 @@ def analyse(row: dict, rates: dict) -> dict:
     gather_w = slots * H * 2                     # its writes; it also reads T rows
     combine_b = (slots + T) * H * 2              # reads T*K rows, writes T
     out["gather_gbs"] = (gather_w + T * H * 2) / by["gather"] / 1e3 if by["gather"] > 0 else None
+    out["gather_write_gbs"] = gather_w / by["gather"] / 1e3 if by["gather"] > 0 else None
     out["combine_gbs"] = combine_b / by["combine"] / 1e3 if by["combine"] > 0 else None
     rest = by["routing"] + by["other"]
     if wr:
@@ -262,7 +263,7 @@ def main(argv=None) -> int:
         figures = []
         for i, r in enumerate(rows):   # every case before any line, so that a refusal prints none
             a = analyse(r, rates)
-            nums = [a["call_us"], a["x_floor"], a["floor_us"], a["gather_gbs"], a["combine_gbs"],
+            nums = [a["call_us"], a["x_floor"], a["floor_us"], a["gather_gbs"], a["gather_write_gbs"], a["combine_gbs"],
                     a["bound_a"], a["bound_b"], *a["us"].values()]
             nums += [a[g][k] for g in ("GEMM1", "GEMM2") if a[g] for k in ("tflops", "tile_tflops")]
             if any(x is not None and not math.isfinite(x) for x in nums):
@@ -291,8 +292,7 @@ def main(argv=None) -> int:
         if a["gather_gbs"] is None:
             gath = "-"
         else:
-            w_gbs = r["slots"] * r["H"] * 2 / a["us"]["gather"] / 1e3
-            gath = f"{a['gather_gbs']:.0f}" + (f" ({pct(w_gbs, wr)})" if wr else "")
+            gath = f"{a['gather_gbs']:.0f}" + (f" ({pct(a['gather_write_gbs'], wr)})" if wr else "")
         comb = "-" if a["combine_gbs"] is None else f"{a['combine_gbs']:.0f} ({pct(a['combine_gbs'], rates['copy_gbs'])})"
         table.append((r["model"], str(r["T"]), f"{a['call_us']:.1f}", fmt(a["x_floor"]), *gem, gath, comb,
                       f"{a['us']['routing']:.1f}", fmt(a["bound_b"]), fmt(a["bound_a"])))

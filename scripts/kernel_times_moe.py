@@ -105,6 +105,24 @@ def idle_gaps(spans):
     return end - spans[0][0], busy, idle
 
 
+def median_wall(spans) -> tuple:
+    """(median µs per call, calls seen) of profiled kernel spans (start µs, end µs, name) of
+    eager calls synchronised one by one: kernels grouped into calls by the idle gaps between them
+    (more than 20 µs: the next call); (0.0, 0) for no spans."""
+    walls, cur = [], None
+    for a, b, _ in sorted(spans):
+        if cur is None or a > cur[1] + 20:
+            if cur:
+                walls.append(cur[1] - cur[0])
+            cur = [a, b]
+        else:
+            cur[1] = max(cur[1], b)
+    if cur:
+        walls.append(cur[1] - cur[0])
+    walls.sort()
+    return (walls[len(walls) // 2] if walls else 0.0), len(walls)
+
+
 def routing_rows(sets, E: int, tile: int = 128) -> dict:
     """{"slots": T*K, "tile_rows": the rows that ``tile``-row tiles compute (each expert's rows
     rounded up to a multiple of ``tile``), "experts_hit": experts with a row; each the mean over
@@ -239,6 +257,9 @@ def main() -> int:
             span_us, busy_us, idle_before = idle_gaps(spans)
             row.update(graph_us=graph_us, clocks=clocks.summary(), span_us=span_us / ncalls,
                        busy_us=busy_us / ncalls)
+        else:
+            wall, n_walls = median_wall(spans)
+            row["wall_us"] = wall
         rows.append(row)
         if args.json:
             write_json(args.json, {"meta": meta, "rows": rows})
@@ -256,25 +277,8 @@ def main() -> int:
             del w13, w2, sets, fns
             torch.cuda.empty_cache()
             continue
-        # wall per call: kernels grouped into calls by the gaps between them (calls are synchronised)
-        spans.sort()
-        walls, cur = [], None
-        for a, b, _ in spans:
-            if cur is None or a > cur[1] + 20:  # > 20 µs idle: the next call
-                if cur:
-                    walls.append(cur[1] - cur[0])
-                cur = [a, b]
-            else:
-                cur[1] = max(cur[1], b)
-        if cur:
-            walls.append(cur[1] - cur[0])
-        walls.sort()
-        wall = walls[len(walls) // 2] if walls else 0.0
-        row["wall_us"] = wall
-        if args.json:
-            write_json(args.json, {"meta": meta, "rows": rows})
         print(f"{m} T={T} ({path}): kernels {total / args.calls:.1f} µs per call, wall {wall:.1f} µs "
-              f"(median of {len(walls)} calls)", flush=True)
+              f"(median of {n_walls} calls)", flush=True)
         for k, v in sorted(per.items(), key=lambda kv: -kv[1]):
             print(f"    {k:<36}{v / args.calls:>9.1f} µs {100 * v / total:>5.1f}%", flush=True)
         del w13, w2, sets

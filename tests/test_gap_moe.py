@@ -356,3 +356,11 @@ def test_kernel_times_json_feeds_gap_moe_on_the_gpu(tmp_path):
     assert out.returncode == 0, out.stderr
     line = [ln for ln in out.stdout.splitlines() if ln.startswith("granite-3.0-3b-a800m")][0]
     assert float(line.split()[3]) > 0.5   # over the floor: a figure, not '-'
+
+
+def test_kernel_times_median_wall_groups_kernels_into_calls():
+    kt = import_tool("scripts", "kernel_times_moe")
+    # two calls (a gap of more than 20 µs between them), the second with overlapping kernels
+    spans = [(100.0, 110.0, "b"), (0.0, 10.0, "a"), (12.0, 30.0, "b"), (105.0, 140.0, "c")]
+    assert kt.median_wall(spans) == (40.0, 2)
+    assert kt.median_wall([]) == (0.0, 0)
