@@ -156,6 +156,7 @@
 #include <cooperative_groups.h>
 #include <cub/block/block_scan.cuh>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -1264,6 +1265,192 @@ moe_fallback_out_kernel(T* __restrict__ out, const T* __restrict__ act, const T*
 }
 
 // ------------------------------------------------------------------------------------------
+// One-launch decode at T = 1 (EX_MOE_DECODE_CONFIG=gemv): dot products on CUDA cores, one
+// cooperative launch, a grid barrier between act and out.
+//   phase 1: warp q of the grid takes the (slot k, act column i) pairs q, q + warps, ...: the
+//            gate row i and the up row I+i of w13[e_k], 16-byte streaming loads, kGemvUnroll
+//            chunks of each row in flight per lane, x in shared memory as fp32; act[k][i] =
+//            dtype(silu(g) * u) to the workspace. No block-level step inside the loop: each
+//            warp streams on its own, as a plain read does (decode_read_probe.py).
+//   Before phase 1 each block issues cp.async copies of its own w2 rows (block b owns out rows
+//   [b*rows, (b+1)*rows), unit u = (row, slot k)) into shared memory, up to pf_units of them,
+//   so that w2 streams during phase 1 and the barrier.
+//   grid barrier (cooperative_groups grid sync; the launch is cooperative, so every block is
+//   resident), then phase 2: act -> shared memory, y[row][k] = dtype(w_k * (w2[e_k][row] .
+//   act[k])), out[row] = dtype(sum_k y[row][k]) in k order: the GEMM path's numerics (GEMM2's
+//   epilogue, then the combine), no combine launch.
+// ------------------------------------------------------------------------------------------
+constexpr int kGemvThreads = 256;
+constexpr int kGemvWarps = kGemvThreads / 32;
+constexpr int kGemvBlocksPerSm = 4;
+constexpr int kGemvUnroll = 4;
+
+struct GemvParams {
+    void* out;
+    const void* x;
+    const void* w13;
+    const void* w2;
+    const float* topk_weights;
+    const int* topk_ids;
+    ExpertMap em;
+    int* status;
+    void* act;       // workspace: dtype[K][I]
+    int H, I, E, K;
+    int rows;        // out rows per block
+    int pf_units;    // (row, slot) rows of w2 each block copies into shared memory up front
+    int off_ys, off_meta, off_wb;   // byte offsets in shared memory (region A at 0: x or act)
+};
+
+// Two elements of T packed in 32 bits, as fp32.
+template <typename T> __device__ __forceinline__ float2 unpack2(uint32_t v);
+template <> __device__ __forceinline__ float2 unpack2<__nv_bfloat16>(uint32_t v) {
+    return make_float2(__uint_as_float(v << 16), __uint_as_float(v & 0xffff0000u));
+}
+template <> __device__ __forceinline__ float2 unpack2<__half>(uint32_t v) {
+    return __half22float2(*reinterpret_cast<const __half2*>(&v));
+}
+// sum of the 8 products of w (8 elements of T) with x0 (the first 4) and x1 (the last 4)
+template <typename T>
+__device__ __forceinline__ float dot8(const uint4 w, const float4 x0, const float4 x1, float acc) {
+    const float2 a = unpack2<T>(w.x), b = unpack2<T>(w.y), c = unpack2<T>(w.z), d = unpack2<T>(w.w);
+    acc = fmaf(a.x, x0.x, acc); acc = fmaf(a.y, x0.y, acc);
+    acc = fmaf(b.x, x0.z, acc); acc = fmaf(b.y, x0.w, acc);
+    acc = fmaf(c.x, x1.x, acc); acc = fmaf(c.y, x1.y, acc);
+    acc = fmaf(d.x, x1.z, acc); acc = fmaf(d.y, x1.w, acc);
+    return acc;
+}
+template <typename T>
+__device__ __forceinline__ float dot8x8(const uint4 w, const uint4 v, float acc) {
+    const float2 a = unpack2<T>(v.x), b = unpack2<T>(v.y), c = unpack2<T>(v.z), d = unpack2<T>(v.w);
+    return dot8<T>(w, make_float4(a.x, a.y, b.x, b.y), make_float4(c.x, c.y, d.x, d.y), acc);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kGemvThreads, kGemvBlocksPerSm) moe_gemv_kernel(const GemvParams p) {
+    namespace cg = cooperative_groups;
+    extern __shared__ __align__(16) unsigned char smem[];
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int H = p.H, I = p.I, K = p.K;
+    const int nch = H >> 3, nchI = I >> 3;
+    float4* xa = reinterpret_cast<float4*>(smem);           // phase 1: x[8c .. 8c+3]
+    float4* xb = xa + nch;                                  //          x[8c+4 .. 8c+7]
+    uint4* as4 = reinterpret_cast<uint4*>(smem);            // phase 2: act[k][.] as 16-byte chunks
+    float* ys = reinterpret_cast<float*>(smem + p.off_ys);  // [rows][K]
+    int* se = reinterpret_cast<int*>(smem + p.off_meta);    // [K] local expert or -1
+    float* sw = reinterpret_cast<float*>(se + K);           // [K] topk weight
+    const uint4* wb = reinterpret_cast<const uint4*>(smem + p.off_wb);
+    const T* w13 = static_cast<const T*>(p.w13);
+    const T* w2 = static_cast<const T*>(p.w2);
+
+    pdl_wait();
+    if (tid < K) {
+        int bad = 0;
+        se[tid] = local_expert(p.em, __ldg(p.topk_ids + tid), p.E, bad);
+        sw[tid] = __ldg(p.topk_weights + tid);
+        if (bad && blockIdx.x == 0) atomicOr(p.status, bad);
+    }
+    const uint4* xg = static_cast<const uint4*>(p.x);
+    for (int c = tid; c < nch; c += kGemvThreads) {
+        const uint4 v = __ldg(xg + c);
+        const float2 a = unpack2<T>(v.x), b = unpack2<T>(v.y), cc = unpack2<T>(v.z), d = unpack2<T>(v.w);
+        xa[c] = make_float4(a.x, a.y, b.x, b.y);
+        xb[c] = make_float4(cc.x, cc.y, d.x, d.y);
+    }
+    __syncthreads();
+
+    // this block's w2 rows, unit u = row * K + k, the first pf_units into shared memory now
+    const int h0 = blockIdx.x * p.rows;
+    const int units = p.rows * K;
+    const int npf = units < p.pf_units ? units : p.pf_units;
+    const uint32_t wb_s = smem_u32(wb);
+    for (int idx = tid; idx < npf * nchI; idx += kGemvThreads) {
+        const int u = idx / nchI, c = idx - u * nchI;
+        const int hl = u / K, k = u - hl * K, h = h0 + hl, e = se[k];
+        if (h < H && e >= 0)
+            cp_async16(wb_s + (uint32_t)idx * 16u, w2 + ((size_t)e * H + h) * I + (size_t)c * 8, true);
+    }
+    cp_async_commit();
+
+    // phase 1: act
+    T* act = static_cast<T*>(p.act);
+    const int nw = gridDim.x * kGemvWarps;
+    for (int q = blockIdx.x * kGemvWarps + warp; q < K * I; q += nw) {
+        const int k = q / I, i = q - k * I;
+        const int e = se[k];
+        if (e < 0) continue;
+        const uint4* g = reinterpret_cast<const uint4*>(w13 + ((size_t)e * 2 * I + i) * H);
+        const uint4* u = g + (size_t)I * nch;
+        float ag = 0.0f, au = 0.0f;
+        for (int c0 = lane; c0 < nch; c0 += 32 * kGemvUnroll) {
+            uint4 vg[kGemvUnroll], vu[kGemvUnroll];
+#pragma unroll
+            for (int j = 0; j < kGemvUnroll; ++j) {
+                const int c = c0 + 32 * j;
+                if (c < nch) {
+                    vg[j] = __ldcs(g + c);
+                    vu[j] = __ldcs(u + c);
+                }
+            }
+#pragma unroll
+            for (int j = 0; j < kGemvUnroll; ++j) {
+                const int c = c0 + 32 * j;
+                if (c < nch) {
+                    const float4 x0 = xa[c], x1 = xb[c];
+                    ag = dot8<T>(vg[j], x0, x1, ag);
+                    au = dot8<T>(vu[j], x0, x1, au);
+                }
+            }
+        }
+        ag = warp_sum(ag);
+        au = warp_sum(au);
+        if (lane == 0) act[(size_t)k * I + i] = Elem<T>::from_f(silu_f(ag) * au);
+    }
+
+    cg::this_grid().sync();   // every act column written and visible
+    pdl_launch_dependents();
+
+    // phase 2: act -> shared memory (region A, x no longer needed), then out rows
+    const uint4* actg = reinterpret_cast<const uint4*>(act);
+    for (int c = tid; c < K * nchI; c += kGemvThreads) as4[c] = __ldcg(actg + c);
+    cp_async_wait<0>();
+    __syncthreads();
+    for (int u = warp; u < units; u += kGemvWarps) {
+        const int hl = u / K, k = u - hl * K, h = h0 + hl, e = se[k];
+        if (h >= H) break;
+        float d = 0.0f;
+        if (e >= 0) {
+            const uint4* ar = as4 + (size_t)k * nchI;
+            if (u < npf) {
+                const uint4* wr = wb + (size_t)u * nchI;
+                for (int c = lane; c < nchI; c += 32) d = dot8x8<T>(wr[c], ar[c], d);
+            } else {
+                const uint4* wr = reinterpret_cast<const uint4*>(w2 + ((size_t)e * H + h) * I);
+                for (int c0 = lane; c0 < nchI; c0 += 32 * kGemvUnroll) {
+                    uint4 v[kGemvUnroll];
+#pragma unroll
+                    for (int j = 0; j < kGemvUnroll; ++j)
+                        if (c0 + 32 * j < nchI) v[j] = __ldcs(wr + c0 + 32 * j);
+#pragma unroll
+                    for (int j = 0; j < kGemvUnroll; ++j)
+                        if (c0 + 32 * j < nchI) d = dot8x8<T>(v[j], ar[c0 + 32 * j], d);
+                }
+            }
+            d = warp_sum(d);
+        }
+        if (lane == 0) ys[u] = e >= 0 ? Elem<T>::to_f(Elem<T>::from_f(sw[k] * d)) : 0.0f;
+    }
+    __syncthreads();
+    T* out = static_cast<T*>(p.out);
+    for (int hl = tid; hl < p.rows; hl += kGemvThreads) {
+        const int h = h0 + hl;
+        if (h >= H) break;
+        float acc = 0.0f;
+        for (int k = 0; k < K; ++k) acc += ys[hl * K + k];
+        out[h] = Elem<T>::from_f(acc);
+    }
+}
+
+// ------------------------------------------------------------------------------------------
 // Host side: state, errors, workspace layout, argument checks
 // ------------------------------------------------------------------------------------------
 
@@ -1332,10 +1519,11 @@ constexpr int s_diag_skip = 0;
 //          T = 1..512 (qwen3-30b T = 8 127.7 -> 124.4 us, granite T = 8 53.8 -> 51.3), 0.4-1.0%
 //          slower on qwen3-30b T = 1 and 256 and granite T = 1 (ab_decode_wide_h200_2026-12-01.json)
 //   unfused  late's launches with the separate routing launch (and no fused routing anywhere)
-enum { MODE_OLD = 0, MODE_NOPDL = 1, MODE_NEW = 2, MODE_UNFUSED = 3, MODE_LATE = 4, MODE_ONEWAVE = 5 };
+enum { MODE_OLD = 0, MODE_NOPDL = 1, MODE_NEW = 2, MODE_UNFUSED = 3, MODE_LATE = 4, MODE_ONEWAVE = 5,
+       MODE_GEMV = 6 };
 static int decode_mode() {
-    static const char* const kNames[] = {"old", "nopdl", "new", "unfused", "late", "onewave"};  // MODE_* order
-    return explugin::env_choice("EX_MOE_DECODE_CONFIG", kNames, 6, MODE_NEW);
+    static const char* const kNames[] = {"old", "nopdl", "new", "unfused", "late", "onewave", "gemv"};  // MODE_* order
+    return explugin::env_choice("EX_MOE_DECODE_CONFIG", kNames, 7, MODE_NEW);
 }
 
 // A launch, with the programmatic-stream-serialization attribute when pdl is set (ex_plugin.cuh).
@@ -1776,11 +1964,124 @@ static int launch_fast(const Problem& P, void* out, const void* x, const void* w
     return EX_OK;
 }
 
+// The one-launch decode kernel (moe_gemv_kernel) at T = 1: its shared-memory plan for P, or
+// false where it does not fit kGemvBlocksPerSm blocks per SM (x as fp32 and act as dtype share
+// region A; y; the slots; the w2 rows copied up front, as many of the block's as fit).
+struct GemvPlan {
+    int rows, pf_units, off_ys, off_meta, off_wb, smem;
+    unsigned grid;
+};
+static bool gemv_plan(const Problem& P, int smem_per_sm, GemvPlan* g) {
+    const int64_t grid = (int64_t)kGemvBlocksPerSm * s_num_sms;
+    const int64_t rows = (P.H + grid - 1) / grid;
+    const int64_t budget = (int64_t)smem_per_sm / kGemvBlocksPerSm - 1024;   // 1 KB per block reserved
+    const int64_t region_a = align256(std::max<int64_t>(P.H * 4, P.K * P.I * 2));
+    const int64_t off_ys = region_a;
+    const int64_t off_meta = off_ys + align256(rows * P.K * 4);
+    const int64_t off_wb = off_meta + align256(P.K * 8);
+    const int64_t room = std::min<int64_t>(budget, s_smem_optin) - off_wb;
+    if (room < 0) return false;
+    const int64_t pf = std::min<int64_t>(rows * P.K, room / (P.I * 2));
+    g->rows = (int)rows;
+    g->pf_units = (int)pf;
+    g->off_ys = (int)off_ys;
+    g->off_meta = (int)off_meta;
+    g->off_wb = (int)off_wb;
+    g->smem = (int)(off_wb + pf * P.I * 2);
+    g->grid = (unsigned)grid;
+    return true;
+}
+
+// Launches moe_gemv_kernel (cooperative: all its blocks resident, or the launch is refused) and
+// sets *ran; *ran stays false where it does not apply (T != 1, too large for its shared memory,
+// fewer than kGemvBlocksPerSm blocks per SM resident, a refused launch): the caller runs the
+// GEMM path instead.
+template <typename T>
+static int launch_gemv(const Problem& P, void* out, const void* x, const void* w13, const void* w2,
+                       const float* tw, const int* ids, char* ws, cudaStream_t stream, bool* ran) {
+    *ran = false;
+    static int smem_per_sm = -1;
+    if (smem_per_sm < 0) {
+        int dev = 0, v = 0;
+        if (cudaGetDevice(&dev) != cudaSuccess ||
+            cudaDeviceGetAttribute(&v, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev) != cudaSuccess) {
+            (void)cudaGetLastError();
+            return EX_OK;
+        }
+        smem_per_sm = v;
+    }
+    GemvPlan g;
+    if (P.T != 1 || !gemv_plan(P, smem_per_sm, &g)) return EX_OK;
+    static int opted = 0;   // the largest dynamic shared memory opted in so far
+    if (g.smem > opted) {
+        if (cudaFuncSetAttribute(moe_gemv_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                 g.smem) != cudaSuccess) {
+            (void)cudaGetLastError();
+            return EX_OK;
+        }
+        opted = g.smem;
+    }
+    int per_sm = 0;
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, moe_gemv_kernel<T>, kGemvThreads,
+                                                      g.smem) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return EX_OK;
+    }
+    if (per_sm < kGemvBlocksPerSm) return EX_OK;
+    const WsLayout L = ws_layout(P);
+    GemvParams p;
+    p.out = out; p.x = x; p.w13 = w13; p.w2 = w2; p.topk_weights = tw; p.topk_ids = ids;
+    p.em = P.em(); p.status = reinterpret_cast<int*>(ws); p.act = ws + L.act;
+    p.H = (int)P.H; p.I = (int)P.I; p.E = (int)P.E; p.K = (int)P.K;
+    p.rows = g.rows; p.pf_units = g.pf_units;
+    p.off_ys = g.off_ys; p.off_meta = g.off_meta; p.off_wb = g.off_wb;
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(g.grid);
+    cfg.blockDim = dim3(kGemvThreads);
+    cfg.dynamicSmemBytes = (size_t)g.smem;
+    cfg.stream = stream;
+    cudaLaunchAttribute attr[2];
+    attr[0].id = cudaLaunchAttributeCooperative;
+    attr[0].val.cooperative = 1;
+    unsigned n = 1;
+    static bool pdl_refused = false;   // a device that refuses PDL with a cooperative launch
+    const bool pdl = pdl_ok() && !pdl_refused;
+    if (pdl) {
+        attr[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+        attr[1].val.programmaticStreamSerializationAllowed = 1;
+        n = 2;
+    }
+    cfg.attrs = attr;
+    cfg.numAttrs = n;
+    cudaError_t err = cudaLaunchKernelEx(&cfg, moe_gemv_kernel<T>, p);
+    if (err != cudaSuccess && pdl) {
+        (void)cudaGetLastError();
+        pdl_refused = true;
+        cfg.numAttrs = 1;
+        err = cudaLaunchKernelEx(&cfg, moe_gemv_kernel<T>, p);
+    }
+    if (err != cudaSuccess) {   // refused: nothing ran
+        (void)cudaGetLastError();
+        return EX_OK;
+    }
+    *ran = true;
+    if ((err = cudaGetLastError()) != cudaSuccess) return cuda_error(err);
+    return EX_OK;
+}
+
 template <typename T>
 static int dispatch_fast(const Problem& P, void* out, const void* x, const void* w13,
                          const void* w2, const float* tw, const int* ids, char* ws,
                          cudaStream_t stream) {
-    const int mode = decode_mode();
+    int mode = decode_mode();
+    if (mode == MODE_GEMV) {
+        if (P.T == 1) {
+            bool ran = false;
+            const int st = launch_gemv<T>(P, out, x, w13, w2, tw, ids, ws, stream, &ran);
+            if (st != EX_OK || ran) return st;
+        }
+        mode = MODE_NEW;   // everything else as the default
+    }
     // a configuration named by dims[7] (tuned data), when this hardware can run it
     if (P.config == kTileConfigTiny && kCfgTiny.smem <= s_smem_optin)
         return launch_fast<T, CfgTiny>(P, out, x, w13, w2, tw, ids, ws, stream, mode);

@@ -552,7 +552,67 @@ def test_moe_decode_survives_garbage_workspace_and_graph_replay(reg, cp, monkeyp
         assert bool((o.bits == want.bits).all())
 
 
-@pytest.mark.parametrize("mode", ["new", "onewave", "late", "unfused"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("H,E,I,K", [(2048, 128, 768, 8), (1536, 40, 512, 8), (2048, 64, 1408, 6),
+                                     (1544, 40, 520, 8), (4096, 16, 6400, 2), (264, 8, 136, 3)])
+def test_moe_gemv_decode_matches_the_reference(reg, cp, monkeypatch, dtype, H, E, I, K):
+    """EX_MOE_DECODE_CONFIG=gemv at T = 1 (one cooperative launch: dot products on CUDA cores, a
+    grid barrier between act and out): within the manifest's tolerance of the float64
+    reference on every row, every element written (poisoned first), an invalid id flagged and
+    skipped, a repeated expert counted twice; eager calls, a garbage workspace and graph replays
+    give the same bits. Its sums run in another order than the GEMM path's, so its output differs
+    from the new mode's in some roundings: that it is not bit-identical shows it ran."""
+    case = moe_case(cp, 1, H, E, I, K, dtype)
+    x, w13, w2, w, ids = case
+    monkeypatch.setenv("EX_MOE_DECODE_CONFIG", "new")
+    base = run_moe_check(reg, cp, case, dtype)
+    monkeypatch.setenv("EX_MOE_DECODE_CONFIG", "gemv")
+    first = run_moe_check(reg, cp, case, dtype)
+    assert not bool((first.bits == base.bits).all()), "the gemv path did not run"
+    outs = [first, run_moe_check(reg, cp, case, dtype)]
+    for buf in reg._workspaces.values():               # scratch: garbage (the status word kept)
+        buf[256:] = 0x55
+    outs.append(run_moe_check(reg, cp, case, dtype))
+    out = poison(cp, (1, H), dtype)
+    cp.cuda.Device().synchronize()
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        stream.begin_capture()
+        moe_fused_gemm(*case, out=out, registry=reg)
+        graph = stream.end_capture()
+        for _ in range(3):
+            out.bits.fill(0xFFFF)
+            graph.launch(stream)
+            stream.synchronize()
+            outs.append(Bits16(out.bits.copy()))
+    reg.check_device_errors()
+    for o in outs[1:]:
+        assert bool((o.bits == first.bits).all())
+    if K > 1:                                           # an invalid slot and a repeated expert
+        ids[0, 0] = E + 3
+        ids[0, K - 1] = ids[0, K - 2]
+        run_moe_check(reg, cp, (x, w13, w2, w, ids), dtype)
+        with pytest.raises(DeviceSideError, match="topk_id outside"):
+            reg.check_device_errors()
+
+
+def test_moe_gemv_decode_check_can_fail(reg, cp, monkeypatch):
+    """The gemv mode's tolerance check rejects a wrong output: the same case with one expert's
+    w2 rows scaled after the call is outside it (so the test above can fail)."""
+    case = moe_case(cp, 1, 2048, 128, 768, 8, "bfloat16")
+    x, w13, w2, w, ids = case
+    monkeypatch.setenv("EX_MOE_DECODE_CONFIG", "gemv")
+    out = poison(cp, (1, 2048), "bfloat16")
+    moe_fused_gemm(x, w13, w2, w, ids, out=out, registry=reg)
+    ref = moe_reference(cp, x, w13, w2, w, ids)
+    assert rel(cp, out, ref) < 1e-2
+    assert rel(cp, f64(out) * 0, ref) >= 1e-2          # all zeros fails
+    wrong = f64(out).copy()
+    wrong[0, :1024] = 0
+    assert rel(cp, wrong, ref) >= 1e-2
+
+
+@pytest.mark.parametrize("mode", ["new", "onewave", "late", "unfused", "gemv"])
 @pytest.mark.parametrize("T,H,E,I,K", [(1, 2048, 128, 768, 8), (4, 4096, 8, 14336, 2), (3, 1544, 40, 512, 8),
                                        (8, 1024, 64, 256, 8)])
 def test_moe_decode_with_no_valid_slot_writes_zeros(reg, cp, monkeypatch, mode, T, H, E, I, K):
