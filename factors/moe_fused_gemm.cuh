@@ -1343,10 +1343,10 @@ __global__ void __launch_bounds__(kGemvThreads, kGemvBlocksPerSm) moe_gemv_kerne
     const T* w2 = static_cast<const T*>(p.w2);
 
     pdl_wait();
-    if (tid < K) {
+    for (int k = tid; k < K; k += kGemvThreads) {
         int bad = 0;
-        se[tid] = local_expert(p.em, __ldg(p.topk_ids + tid), p.E, bad);
-        sw[tid] = __ldg(p.topk_weights + tid);
+        se[k] = local_expert(p.em, __ldg(p.topk_ids + k), p.E, bad);
+        sw[k] = __ldg(p.topk_weights + k);
         if (bad && blockIdx.x == 0) atomicOr(p.status, bad);
     }
     const uint4* xg = static_cast<const uint4*>(p.x);
@@ -1520,10 +1520,11 @@ constexpr int s_diag_skip = 0;
 //          slower on qwen3-30b T = 1 and 256 and granite T = 1 (ab_decode_wide_h200_2026-12-01.json)
 //   unfused  late's launches with the separate routing launch (and no fused routing anywhere)
 enum { MODE_OLD = 0, MODE_NOPDL = 1, MODE_NEW = 2, MODE_UNFUSED = 3, MODE_LATE = 4, MODE_ONEWAVE = 5,
-       MODE_GEMV = 6 };
+       MODE_GEMV = 6, MODE_GEMV_NOPF = 7 };
 static int decode_mode() {
-    static const char* const kNames[] = {"old", "nopdl", "new", "unfused", "late", "onewave", "gemv"};  // MODE_* order
-    return explugin::env_choice("EX_MOE_DECODE_CONFIG", kNames, 7, MODE_NEW);
+    static const char* const kNames[] = {"old", "nopdl", "new", "unfused", "late", "onewave", "gemv",
+                                         "gemvnopf"};  // MODE_* order
+    return explugin::env_choice("EX_MOE_DECODE_CONFIG", kNames, 8, MODE_NEW);
 }
 
 // A launch, with the programmatic-stream-serialization attribute when pdl is set (ex_plugin.cuh).
@@ -1971,7 +1972,7 @@ struct GemvPlan {
     int rows, pf_units, off_ys, off_meta, off_wb, smem;
     unsigned grid;
 };
-static bool gemv_plan(const Problem& P, int smem_per_sm, GemvPlan* g) {
+static bool gemv_plan(const Problem& P, int smem_per_sm, bool prefetch, GemvPlan* g) {
     const int64_t grid = (int64_t)kGemvBlocksPerSm * s_num_sms;
     const int64_t rows = (P.H + grid - 1) / grid;
     const int64_t budget = (int64_t)smem_per_sm / kGemvBlocksPerSm - 1024;   // 1 KB per block reserved
@@ -1981,7 +1982,7 @@ static bool gemv_plan(const Problem& P, int smem_per_sm, GemvPlan* g) {
     const int64_t off_wb = off_meta + align256(P.K * 8);
     const int64_t room = std::min<int64_t>(budget, s_smem_optin) - off_wb;
     if (room < 0) return false;
-    const int64_t pf = std::min<int64_t>(rows * P.K, room / (P.I * 2));
+    const int64_t pf = prefetch ? std::min<int64_t>(rows * P.K, room / (P.I * 2)) : 0;
     g->rows = (int)rows;
     g->pf_units = (int)pf;
     g->off_ys = (int)off_ys;
@@ -1998,7 +1999,8 @@ static bool gemv_plan(const Problem& P, int smem_per_sm, GemvPlan* g) {
 // GEMM path instead.
 template <typename T>
 static int launch_gemv(const Problem& P, void* out, const void* x, const void* w13, const void* w2,
-                       const float* tw, const int* ids, char* ws, cudaStream_t stream, bool* ran) {
+                       const float* tw, const int* ids, char* ws, cudaStream_t stream, bool prefetch,
+                       bool* ran) {
     *ran = false;
     static int smem_per_sm = -1;
     if (smem_per_sm < 0) {
@@ -2011,7 +2013,7 @@ static int launch_gemv(const Problem& P, void* out, const void* x, const void* w
         smem_per_sm = v;
     }
     GemvPlan g;
-    if (P.T != 1 || !gemv_plan(P, smem_per_sm, &g)) return EX_OK;
+    if (P.T != 1 || !gemv_plan(P, smem_per_sm, prefetch, &g)) return EX_OK;
     static int opted = 0;   // the largest dynamic shared memory opted in so far
     if (g.smem > opted) {
         if (cudaFuncSetAttribute(moe_gemv_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -2074,10 +2076,11 @@ static int dispatch_fast(const Problem& P, void* out, const void* x, const void*
                          const void* w2, const float* tw, const int* ids, char* ws,
                          cudaStream_t stream) {
     int mode = decode_mode();
-    if (mode == MODE_GEMV) {
+    if (mode == MODE_GEMV || mode == MODE_GEMV_NOPF) {
         if (P.T == 1) {
             bool ran = false;
-            const int st = launch_gemv<T>(P, out, x, w13, w2, tw, ids, ws, stream, &ran);
+            const int st = launch_gemv<T>(P, out, x, w13, w2, tw, ids, ws, stream,
+                                          mode == MODE_GEMV, &ran);
             if (st != EX_OK || ran) return st;
         }
         mode = MODE_NEW;   // everything else as the default
