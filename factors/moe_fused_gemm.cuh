@@ -157,6 +157,7 @@
 #include <cub/block/block_scan.cuh>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -1267,18 +1268,20 @@ moe_fallback_out_kernel(T* __restrict__ out, const T* __restrict__ act, const T*
 // ------------------------------------------------------------------------------------------
 // One-launch decode at T = 1 (EX_MOE_DECODE_CONFIG=gemv): dot products on CUDA cores, one
 // cooperative launch, a grid barrier between act and out.
-//   phase 1: warp q of the grid takes the (slot k, act column i) pairs q, q + warps, ...: the
-//            gate row i and the up row I+i of w13[e_k], 16-byte streaming loads, kGemvUnroll
-//            chunks of each row in flight per lane, x in shared memory as fp32; act[k][i] =
-//            dtype(silu(g) * u) to the workspace. No block-level step inside the loop: each
-//            warp streams on its own, as a plain read does (decode_read_probe.py).
-//   Before phase 1 each block issues cp.async copies of its own w2 rows (block b owns out rows
-//   [b*rows, (b+1)*rows), unit u = (row, slot k)) into shared memory, up to pf_units of them,
-//   so that w2 streams during phase 1 and the barrier.
+//   Up front each block issues cp.async copies of its own w2 rows into shared memory (block b
+//   owns out rows [b*rows, (b+1)*rows), unit u = (row u / K, slot u % K)), the first pf_units
+//   of them, and an L2 prefetch of the next l2_units, so that w2 streams during phase 1.
+//   phase 1: block b owns the (slot k, act column i) pairs [b*ppb, (b+1)*ppb) (pair q = k*I + i:
+//            consecutive gate and up rows of one expert), each cut into `parts` spans of H; its
+//            warps take the (pair, span) units w, w + 8, ...: 16-byte streaming loads of the gate
+//            row i and the up row I+i of w13[e_k], kGemvUnroll chunks of each in flight per lane,
+//            x in shared memory as fp32; the spans' sums go to shared memory, and after one
+//            __syncthreads act[k][i] = dtype(silu(g) * u) (spans summed in order) to the workspace.
 //   grid barrier (cooperative_groups grid sync; the launch is cooperative, so every block is
-//   resident), then phase 2: act -> shared memory, y[row][k] = dtype(w_k * (w2[e_k][row] .
-//   act[k])), out[row] = dtype(sum_k y[row][k]) in k order: the GEMM path's numerics (GEMM2's
-//   epilogue, then the combine), no combine launch.
+//   resident), then phase 2: the valid slots' act -> shared memory, y[row][k] = dtype(w_k *
+//   (w2[e_k][row] . act[k])), out[row] = dtype(sum_k y[row][k]) in k order: the roundings of
+//   the GEMM path where GEMM2 runs unsplit (its epilogue, then the combine; where it splits I,
+//   each split's y is rounded apart), no combine launch.
 // ------------------------------------------------------------------------------------------
 constexpr int kGemvThreads = 256;
 constexpr int kGemvWarps = kGemvThreads / 32;
@@ -1298,7 +1301,9 @@ struct GemvParams {
     int H, I, E, K;
     int rows;        // out rows per block
     int pf_units;    // (row, slot) rows of w2 each block copies into shared memory up front
-    int off_ys, off_meta, off_wb;   // byte offsets in shared memory (region A at 0: x or act)
+    int l2_units;    // ... and prefetches into L2 after those
+    int ppb, parts;  // phase 1: (slot, act column) pairs per block, spans of H per pair
+    int off_ys, off_meta, off_part, off_wb;   // byte offsets in shared memory (region A at 0: x or act)
 };
 
 // Two elements of T packed in 32 bits, as fp32.
@@ -1309,7 +1314,7 @@ template <> __device__ __forceinline__ float2 unpack2<__nv_bfloat16>(uint32_t v)
 template <> __device__ __forceinline__ float2 unpack2<__half>(uint32_t v) {
     return __half22float2(*reinterpret_cast<const __half2*>(&v));
 }
-// sum of the 8 products of w (8 elements of T) with x0 (the first 4) and x1 (the last 4)
+// acc + the 8 products of w (8 elements of T) with x0 (the first 4) and x1 (the last 4)
 template <typename T>
 __device__ __forceinline__ float dot8(const uint4 w, const float4 x0, const float4 x1, float acc) {
     const float2 a = unpack2<T>(w.x), b = unpack2<T>(w.y), c = unpack2<T>(w.z), d = unpack2<T>(w.w);
@@ -1332,12 +1337,14 @@ __global__ void __launch_bounds__(kGemvThreads, kGemvBlocksPerSm) moe_gemv_kerne
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int H = p.H, I = p.I, K = p.K;
     const int nch = H >> 3, nchI = I >> 3;
-    float4* xa = reinterpret_cast<float4*>(smem);           // phase 1: x[8c .. 8c+3]
-    float4* xb = xa + nch;                                  //          x[8c+4 .. 8c+7]
-    uint4* as4 = reinterpret_cast<uint4*>(smem);            // phase 2: act[k][.] as 16-byte chunks
-    float* ys = reinterpret_cast<float*>(smem + p.off_ys);  // [rows][K]
-    int* se = reinterpret_cast<int*>(smem + p.off_meta);    // [K] local expert or -1
-    float* sw = reinterpret_cast<float*>(se + K);           // [K] topk weight
+    float4* xa = reinterpret_cast<float4*>(smem);             // phase 1: x[8c .. 8c+3]
+    float4* xb = xa + nch;                                    //          x[8c+4 .. 8c+7]
+    uint4* as4 = reinterpret_cast<uint4*>(smem);              // phase 2: act[k][.] as 16-byte chunks
+    float* ys = reinterpret_cast<float*>(smem + p.off_ys);    // [rows][K]
+    int* se = reinterpret_cast<int*>(smem + p.off_meta);      // [K] local expert or -1
+    float* sw = reinterpret_cast<float*>(se + K);             // [K] topk weight
+    float* pg = reinterpret_cast<float*>(smem + p.off_part);  // [ppb * parts] span sums of g
+    float* pu = pg + p.ppb * p.parts;                         //                 ... and of u
     const uint4* wb = reinterpret_cast<const uint4*>(smem + p.off_wb);
     const T* w13 = static_cast<const T*>(p.w13);
     const T* w2 = static_cast<const T*>(p.w2);
@@ -1358,7 +1365,7 @@ __global__ void __launch_bounds__(kGemvThreads, kGemvBlocksPerSm) moe_gemv_kerne
     }
     __syncthreads();
 
-    // this block's w2 rows, unit u = row * K + k, the first pf_units into shared memory now
+    // this block's w2 rows: the first pf_units into shared memory, the next l2_units into L2
     const int h0 = blockIdx.x * p.rows;
     const int units = p.rows * K;
     const int npf = units < p.pf_units ? units : p.pf_units;
@@ -1370,48 +1377,81 @@ __global__ void __launch_bounds__(kGemvThreads, kGemvBlocksPerSm) moe_gemv_kerne
             cp_async16(wb_s + (uint32_t)idx * 16u, w2 + ((size_t)e * H + h) * I + (size_t)c * 8, true);
     }
     cp_async_commit();
-
-    // phase 1: act
-    T* act = static_cast<T*>(p.act);
-    const int nw = gridDim.x * kGemvWarps;
-    for (int q = blockIdx.x * kGemvWarps + warp; q < K * I; q += nw) {
-        const int k = q / I, i = q - k * I;
-        const int e = se[k];
-        if (e < 0) continue;
-        const uint4* g = reinterpret_cast<const uint4*>(w13 + ((size_t)e * 2 * I + i) * H);
-        const uint4* u = g + (size_t)I * nch;
-        float ag = 0.0f, au = 0.0f;
-        for (int c0 = lane; c0 < nch; c0 += 32 * kGemvUnroll) {
-            uint4 vg[kGemvUnroll], vu[kGemvUnroll];
-#pragma unroll
-            for (int j = 0; j < kGemvUnroll; ++j) {
-                const int c = c0 + 32 * j;
-                if (c < nch) {
-                    vg[j] = __ldcs(g + c);
-                    vu[j] = __ldcs(u + c);
-                }
-            }
-#pragma unroll
-            for (int j = 0; j < kGemvUnroll; ++j) {
-                const int c = c0 + 32 * j;
-                if (c < nch) {
-                    const float4 x0 = xa[c], x1 = xb[c];
-                    ag = dot8<T>(vg[j], x0, x1, ag);
-                    au = dot8<T>(vu[j], x0, x1, au);
-                }
+    {
+        const int nl2 = min(units - npf, p.l2_units);
+        const int lines = (I * 2 + 127) >> 7;   // 128-byte lines of a row (rows 16-byte aligned)
+        for (int idx = tid; idx < nl2 * lines; idx += kGemvThreads) {
+            const int u = npf + idx / lines, l = idx % lines;
+            const int hl = u / K, k = u - hl * K, h = h0 + hl, e = se[k];
+            if (h < H && e >= 0) {
+                const char* a = reinterpret_cast<const char*>(w2 + ((size_t)e * H + h) * I) + (size_t)l * 128;
+                asm volatile("prefetch.global.L2 [%0];\n" ::"l"(a));
             }
         }
-        ag = warp_sum(ag);
-        au = warp_sum(au);
-        if (lane == 0) act[(size_t)k * I + i] = Elem<T>::from_f(silu_f(ag) * au);
+    }
+
+    // phase 1: this block's pairs, each in `parts` spans of H
+    const int q0 = blockIdx.x * p.ppb;
+    const int nq = max(0, min(p.ppb, K * I - q0));
+    const int parts = p.parts;
+    const int span = (nch + parts - 1) / parts;
+    for (int w = warp; w < nq * parts; w += kGemvWarps) {
+        const int j = w / parts, part = w - j * parts;
+        const int q = q0 + j, k = q / I, i = q - k * I;
+        const int e = se[k];
+        float ag = 0.0f, au = 0.0f;
+        if (e >= 0) {
+            const uint4* g = reinterpret_cast<const uint4*>(w13 + ((size_t)e * 2 * I + i) * H);
+            const uint4* u = g + (size_t)I * nch;
+            const int cend = min(nch, (part + 1) * span);
+            for (int c0 = part * span + lane; c0 < cend; c0 += 32 * kGemvUnroll) {
+                uint4 vg[kGemvUnroll], vu[kGemvUnroll];
+#pragma unroll
+                for (int r = 0; r < kGemvUnroll; ++r) {
+                    const int c = c0 + 32 * r;
+                    if (c < cend) {
+                        vg[r] = __ldcs(g + c);
+                        vu[r] = __ldcs(u + c);
+                    }
+                }
+#pragma unroll
+                for (int r = 0; r < kGemvUnroll; ++r) {
+                    const int c = c0 + 32 * r;
+                    if (c < cend) {
+                        const float4 x0 = xa[c], x1 = xb[c];
+                        ag = dot8<T>(vg[r], x0, x1, ag);
+                        au = dot8<T>(vu[r], x0, x1, au);
+                    }
+                }
+            }
+            ag = warp_sum(ag);
+            au = warp_sum(au);
+        }
+        if (lane == 0) {
+            pg[w] = ag;
+            pu[w] = au;
+        }
+    }
+    __syncthreads();
+    T* act = static_cast<T*>(p.act);
+    for (int j = tid; j < nq; j += kGemvThreads) {
+        const int q = q0 + j;
+        if (se[q / I] < 0) continue;
+        float g = 0.0f, u = 0.0f;
+        for (int part = 0; part < parts; ++part) {
+            g += pg[j * parts + part];
+            u += pu[j * parts + part];
+        }
+        act[q] = Elem<T>::from_f(silu_f(g) * u);
     }
 
     cg::this_grid().sync();   // every act column written and visible
     pdl_launch_dependents();
 
-    // phase 2: act -> shared memory (region A, x no longer needed), then out rows
+    // phase 2: the valid slots' act -> shared memory (region A: x no longer needed), then out rows
     const uint4* actg = reinterpret_cast<const uint4*>(act);
-    for (int c = tid; c < K * nchI; c += kGemvThreads) as4[c] = __ldcg(actg + c);
+    for (int c = tid; c < K * nchI; c += kGemvThreads)
+        if (se[c / nchI] >= 0) as4[c] = __ldcg(actg + c);
     cp_async_wait<0>();
     __syncthreads();
     for (int u = warp; u < units; u += kGemvWarps) {
@@ -1428,11 +1468,11 @@ __global__ void __launch_bounds__(kGemvThreads, kGemvBlocksPerSm) moe_gemv_kerne
                 for (int c0 = lane; c0 < nchI; c0 += 32 * kGemvUnroll) {
                     uint4 v[kGemvUnroll];
 #pragma unroll
-                    for (int j = 0; j < kGemvUnroll; ++j)
-                        if (c0 + 32 * j < nchI) v[j] = __ldcs(wr + c0 + 32 * j);
+                    for (int r = 0; r < kGemvUnroll; ++r)
+                        if (c0 + 32 * r < nchI) v[r] = __ldcs(wr + c0 + 32 * r);
 #pragma unroll
-                    for (int j = 0; j < kGemvUnroll; ++j)
-                        if (c0 + 32 * j < nchI) d = dot8x8<T>(v[j], ar[c0 + 32 * j], d);
+                    for (int r = 0; r < kGemvUnroll; ++r)
+                        if (c0 + 32 * r < nchI) d = dot8x8<T>(v[r], ar[c0 + 32 * r], d);
                 }
             }
             d = warp_sum(d);
@@ -1965,28 +2005,59 @@ static int launch_fast(const Problem& P, void* out, const void* x, const void* w
     return EX_OK;
 }
 
-// The one-launch decode kernel (moe_gemv_kernel) at T = 1: its shared-memory plan for P, or
-// false where it does not fit kGemvBlocksPerSm blocks per SM (x as fp32 and act as dtype share
-// region A; y; the slots; the w2 rows copied up front, as many of the block's as fit).
+// The one-launch decode kernel (moe_gemv_kernel) at T = 1: its plan for P, or false where it
+// does not fit kGemvBlocksPerSm blocks per SM (x as fp32 and act as dtype share region A; y; the
+// slots; the spans' sums; then as many of the block's w2 rows as fit).
 struct GemvPlan {
-    int rows, pf_units, off_ys, off_meta, off_wb, smem;
+    int rows, pf_units, l2_units, ppb, parts, off_ys, off_meta, off_part, off_wb, smem;
     unsigned grid;
 };
-static bool gemv_plan(const Problem& P, int smem_per_sm, bool prefetch, GemvPlan* g) {
+// Dynamic shared memory each of kGemvBlocksPerSm blocks may have on this device (1 KB per block
+// reserved by the runtime), at most the opt-in limit; 0 where the query fails.
+static int gemv_smem_budget() {
+    static const int budget = [] {
+        int dev = 0, v = 0;
+        if (cudaGetDevice(&dev) != cudaSuccess ||
+            cudaDeviceGetAttribute(&v, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev) != cudaSuccess) {
+            (void)cudaGetLastError();
+            return 0;
+        }
+        const int b = v / kGemvBlocksPerSm - 1024;
+        return b < s_smem_optin ? (b > 0 ? b : 0) : s_smem_optin;
+    }();
+    return budget;
+}
+static bool gemv_plan(const Problem& P, bool prefetch, GemvPlan* g) {
+    const int64_t budget = gemv_smem_budget();
     const int64_t grid = (int64_t)kGemvBlocksPerSm * s_num_sms;
     const int64_t rows = (P.H + grid - 1) / grid;
-    const int64_t budget = (int64_t)smem_per_sm / kGemvBlocksPerSm - 1024;   // 1 KB per block reserved
+    const int64_t ppb = (P.K * P.I + grid - 1) / grid;
+    // spans per pair: the fewest that spread the block's pairs evenly over its warps
+    int parts = 1;
+    double best = 1e30;
+    for (int s = 1; s <= 4; s *= 2) {
+        const double load = (double)((ppb * s + kGemvWarps - 1) / kGemvWarps) / s;
+        if (load < best - 1e-9 && (P.H / 8) >= 32 * s) { best = load; parts = s; }
+    }
     const int64_t region_a = align256(std::max<int64_t>(P.H * 4, P.K * P.I * 2));
     const int64_t off_ys = region_a;
     const int64_t off_meta = off_ys + align256(rows * P.K * 4);
-    const int64_t off_wb = off_meta + align256(P.K * 8);
-    const int64_t room = std::min<int64_t>(budget, s_smem_optin) - off_wb;
+    const int64_t off_part = off_meta + align256(P.K * 8);
+    const int64_t off_wb = off_part + align256(ppb * parts * 8);
+    const int64_t room = budget - off_wb;
     if (room < 0) return false;
-    const int64_t pf = prefetch ? std::min<int64_t>(rows * P.K, room / (P.I * 2)) : 0;
+    const int64_t units = rows * P.K;
+    const int64_t pf = prefetch ? std::min<int64_t>(units, room / (P.I * 2)) : 0;
+    // L2 prefetch of the rest, at most a third of L2 over the whole grid
+    const int64_t l2 = prefetch ? std::min<int64_t>(units - pf, s_l2_bytes / 3 / grid / (P.I * 2)) : 0;
     g->rows = (int)rows;
     g->pf_units = (int)pf;
+    g->l2_units = (int)(l2 > 0 ? l2 : 0);
+    g->ppb = (int)ppb;
+    g->parts = parts;
     g->off_ys = (int)off_ys;
     g->off_meta = (int)off_meta;
+    g->off_part = (int)off_part;
     g->off_wb = (int)off_wb;
     g->smem = (int)(off_wb + pf * P.I * 2);
     g->grid = (unsigned)grid;
@@ -2002,41 +2073,29 @@ static int launch_gemv(const Problem& P, void* out, const void* x, const void* w
                        const float* tw, const int* ids, char* ws, cudaStream_t stream, bool prefetch,
                        bool* ran) {
     *ran = false;
-    static int smem_per_sm = -1;
-    if (smem_per_sm < 0) {
-        int dev = 0, v = 0;
-        if (cudaGetDevice(&dev) != cudaSuccess ||
-            cudaDeviceGetAttribute(&v, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev) != cudaSuccess) {
-            (void)cudaGetLastError();
-            return EX_OK;
-        }
-        smem_per_sm = v;
-    }
     GemvPlan g;
-    if (P.T != 1 || !gemv_plan(P, smem_per_sm, prefetch, &g)) return EX_OK;
-    static int opted = 0;   // the largest dynamic shared memory opted in so far
-    if (g.smem > opted) {
-        if (cudaFuncSetAttribute(moe_gemv_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                 g.smem) != cudaSuccess) {
+    if (P.T != 1 || !gemv_plan(P, prefetch, &g)) return EX_OK;
+    // the whole budget opted in once, and whether kGemvBlocksPerSm blocks of it are resident
+    static const bool resident = [] {
+        const int b = gemv_smem_budget();
+        int per_sm = 0;
+        if (b <= 0 ||
+            cudaFuncSetAttribute(moe_gemv_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, b) != cudaSuccess ||
+            cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, moe_gemv_kernel<T>, kGemvThreads, b) != cudaSuccess) {
             (void)cudaGetLastError();
-            return EX_OK;
+            return false;
         }
-        opted = g.smem;
-    }
-    int per_sm = 0;
-    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, moe_gemv_kernel<T>, kGemvThreads,
-                                                      g.smem) != cudaSuccess) {
-        (void)cudaGetLastError();
-        return EX_OK;
-    }
-    if (per_sm < kGemvBlocksPerSm) return EX_OK;
+        return per_sm >= kGemvBlocksPerSm;
+    }();
+    if (!resident) return EX_OK;
     const WsLayout L = ws_layout(P);
     GemvParams p;
     p.out = out; p.x = x; p.w13 = w13; p.w2 = w2; p.topk_weights = tw; p.topk_ids = ids;
     p.em = P.em(); p.status = reinterpret_cast<int*>(ws); p.act = ws + L.act;
     p.H = (int)P.H; p.I = (int)P.I; p.E = (int)P.E; p.K = (int)P.K;
-    p.rows = g.rows; p.pf_units = g.pf_units;
-    p.off_ys = g.off_ys; p.off_meta = g.off_meta; p.off_wb = g.off_wb;
+    p.rows = g.rows; p.pf_units = g.pf_units; p.l2_units = g.l2_units;
+    p.ppb = g.ppb; p.parts = g.parts;
+    p.off_ys = g.off_ys; p.off_meta = g.off_meta; p.off_part = g.off_part; p.off_wb = g.off_wb;
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = dim3(g.grid);
     cfg.blockDim = dim3(kGemvThreads);
@@ -2046,8 +2105,8 @@ static int launch_gemv(const Problem& P, void* out, const void* x, const void* w
     attr[0].id = cudaLaunchAttributeCooperative;
     attr[0].val.cooperative = 1;
     unsigned n = 1;
-    static bool pdl_refused = false;   // a device that refuses PDL with a cooperative launch
-    const bool pdl = pdl_ok() && !pdl_refused;
+    static std::atomic<bool> pdl_refused{false};   // a device that refuses PDL with a cooperative launch
+    const bool pdl = pdl_ok() && !pdl_refused.load();
     if (pdl) {
         attr[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
         attr[1].val.programmaticStreamSerializationAllowed = 1;
@@ -2058,9 +2117,9 @@ static int launch_gemv(const Problem& P, void* out, const void* x, const void* w
     cudaError_t err = cudaLaunchKernelEx(&cfg, moe_gemv_kernel<T>, p);
     if (err != cudaSuccess && pdl) {
         (void)cudaGetLastError();
-        pdl_refused = true;
         cfg.numAttrs = 1;
         err = cudaLaunchKernelEx(&cfg, moe_gemv_kernel<T>, p);
+        if (err == cudaSuccess) pdl_refused.store(true);
     }
     if (err != cudaSuccess) {   // refused: nothing ran
         (void)cudaGetLastError();
