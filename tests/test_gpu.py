@@ -250,6 +250,25 @@ def run_moe_check(reg, cp, case, dtype, want_path=("plugin",)):
     return out
 
 
+def graph_replays(reg, cp, case, shape, dtype, n=3):
+    """One moe_fused_gemm call of `case` captured in a CUDA graph and replayed n times, out
+    poisoned before each replay: the n outputs' bits."""
+    out = poison(cp, shape, dtype)
+    cp.cuda.Device().synchronize()                     # the poison (legacy stream) before the replay
+    stream = cp.cuda.Stream(non_blocking=True)
+    outs = []
+    with stream:
+        stream.begin_capture()
+        moe_fused_gemm(*case, out=out, registry=reg)
+        graph = stream.end_capture()
+        for _ in range(n):
+            out.bits.fill(0xFFFF)
+            graph.launch(stream)
+            stream.synchronize()
+            outs.append(Bits16(out.bits.copy()))
+    return outs
+
+
 MODELS = load_models()
 
 
@@ -535,18 +554,7 @@ def test_moe_decode_survives_garbage_workspace_and_graph_replay(reg, cp, monkeyp
     for buf in reg._workspaces.values():               # counters and scratch: garbage
         buf[256:] = 0x55
     outs.append(run_moe_check(reg, cp, case, "bfloat16"))
-    out = poison(cp, (T, H), "bfloat16")
-    cp.cuda.Device().synchronize()                     # the poison (legacy stream) before the replay
-    stream = cp.cuda.Stream(non_blocking=True)
-    with stream:
-        stream.begin_capture()
-        moe_fused_gemm(*case, out=out, registry=reg)
-        graph = stream.end_capture()
-        for _ in range(3):
-            out.bits.fill(0xFFFF)
-            graph.launch(stream)
-            stream.synchronize()
-            outs.append(Bits16(out.bits.copy()))
+    outs += graph_replays(reg, cp, case, (T, H), "bfloat16")
     reg.check_device_errors()
     for o in outs:
         assert bool((o.bits == want.bits).all())
@@ -573,18 +581,7 @@ def test_moe_gemv_decode_matches_the_reference(reg, cp, monkeypatch, dtype, H, E
     for buf in reg._workspaces.values():               # scratch: garbage (the status word kept)
         buf[256:] = 0x55
     outs.append(run_moe_check(reg, cp, case, dtype))
-    out = poison(cp, (1, H), dtype)
-    cp.cuda.Device().synchronize()
-    stream = cp.cuda.Stream(non_blocking=True)
-    with stream:
-        stream.begin_capture()
-        moe_fused_gemm(*case, out=out, registry=reg)
-        graph = stream.end_capture()
-        for _ in range(3):
-            out.bits.fill(0xFFFF)
-            graph.launch(stream)
-            stream.synchronize()
-            outs.append(Bits16(out.bits.copy()))
+    outs += graph_replays(reg, cp, case, (1, H), dtype)
     reg.check_device_errors()
     for o in outs[1:]:
         assert bool((o.bits == first.bits).all())
