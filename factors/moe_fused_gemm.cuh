@@ -1268,9 +1268,6 @@ moe_fallback_out_kernel(T* __restrict__ out, const T* __restrict__ act, const T*
 // ------------------------------------------------------------------------------------------
 // One-launch decode at T = 1 (EX_MOE_DECODE_CONFIG=gemv): dot products on CUDA cores, one
 // cooperative launch, a grid barrier between act and out.
-//   Up front each block issues cp.async copies of its own w2 rows into shared memory (block b
-//   owns out rows [b*rows, (b+1)*rows), unit u = (row u / K, slot u % K)), the first pf_units
-//   of them, and an L2 prefetch of the next l2_units, so that w2 streams during phase 1.
 //   phase 1: block b owns the (slot k, act column i) pairs [b*ppb, (b+1)*ppb) (pair q = k*I + i:
 //            consecutive gate and up rows of one expert), each cut into `parts` spans of H; its
 //            warps take the (pair, span) units w, w + 8, ...: 16-byte streaming loads of the gate
@@ -1278,7 +1275,9 @@ moe_fallback_out_kernel(T* __restrict__ out, const T* __restrict__ act, const T*
 //            x in shared memory as fp32; the spans' sums go to shared memory, and after one
 //            __syncthreads act[k][i] = dtype(silu(g) * u) (spans summed in order) to the workspace.
 //   grid barrier (cooperative_groups grid sync; the launch is cooperative, so every block is
-//   resident), then phase 2: the valid slots' act -> shared memory, y[row][k] = dtype(w_k *
+//   resident); before it (gemv, not gemvnopf) each warp issues the loads of the first chunks of
+//   its first w2 row. Phase 2: block b owns out rows [b*rows, (b+1)*rows), unit u = (row u / K,
+//   slot u % K) to warp u % 8: the valid slots' act -> shared memory, y[row][k] = dtype(w_k *
 //   (w2[e_k][row] . act[k])), out[row] = dtype(sum_k y[row][k]) in k order: the roundings of
 //   the GEMM path where GEMM2 runs unsplit (its epilogue, then the combine; where it splits I,
 //   each split's y is rounded apart), no combine launch.
@@ -1300,10 +1299,9 @@ struct GemvParams {
     void* act;       // workspace: dtype[K][I]
     int H, I, E, K;
     int rows;        // out rows per block
-    int pf_units;    // (row, slot) rows of w2 each block copies into shared memory up front
-    int l2_units;    // ... and prefetches into L2 after those
+    int prefetch;    // 1: each warp loads the first chunks of its first w2 row before the barrier
     int ppb, parts;  // phase 1: (slot, act column) pairs per block, spans of H per pair
-    int off_ys, off_meta, off_part, off_wb;   // byte offsets in shared memory (region A at 0: x or act)
+    int off_ys, off_meta, off_part;   // byte offsets in shared memory (region A at 0: x or act)
 };
 
 // Two elements of T packed in 32 bits, as fp32.
@@ -1345,7 +1343,6 @@ __global__ void __launch_bounds__(kGemvThreads, kGemvBlocksPerSm) moe_gemv_kerne
     float* sw = reinterpret_cast<float*>(se + K);             // [K] topk weight
     float* pg = reinterpret_cast<float*>(smem + p.off_part);  // [ppb * parts] span sums of g
     float* pu = pg + p.ppb * p.parts;                         //                 ... and of u
-    const uint4* wb = reinterpret_cast<const uint4*>(smem + p.off_wb);
     const T* w13 = static_cast<const T*>(p.w13);
     const T* w2 = static_cast<const T*>(p.w2);
 
@@ -1365,30 +1362,8 @@ __global__ void __launch_bounds__(kGemvThreads, kGemvBlocksPerSm) moe_gemv_kerne
     }
     __syncthreads();
 
-    // this block's w2 rows: the first pf_units into shared memory, the next l2_units into L2
     const int h0 = blockIdx.x * p.rows;
     const int units = p.rows * K;
-    const int npf = units < p.pf_units ? units : p.pf_units;
-    const uint32_t wb_s = smem_u32(wb);
-    for (int idx = tid; idx < npf * nchI; idx += kGemvThreads) {
-        const int u = idx / nchI, c = idx - u * nchI;
-        const int hl = u / K, k = u - hl * K, h = h0 + hl, e = se[k];
-        if (h < H && e >= 0)
-            cp_async16(wb_s + (uint32_t)idx * 16u, w2 + ((size_t)e * H + h) * I + (size_t)c * 8, true);
-    }
-    cp_async_commit();
-    {
-        const int nl2 = min(units - npf, p.l2_units);
-        const int lines = (I * 2 + 127) >> 7;   // 128-byte lines of a row (rows 16-byte aligned)
-        for (int idx = tid; idx < nl2 * lines; idx += kGemvThreads) {
-            const int u = npf + idx / lines, l = idx % lines;
-            const int hl = u / K, k = u - hl * K, h = h0 + hl, e = se[k];
-            if (h < H && e >= 0) {
-                const char* a = reinterpret_cast<const char*>(w2 + ((size_t)e * H + h) * I) + (size_t)l * 128;
-                asm volatile("prefetch.global.L2 [%0];\n" ::"l"(a));
-            }
-        }
-    }
 
     // phase 1: this block's pairs, each in `parts` spans of H
     const int q0 = blockIdx.x * p.ppb;
@@ -1445,6 +1420,18 @@ __global__ void __launch_bounds__(kGemvThreads, kGemvBlocksPerSm) moe_gemv_kerne
         act[q] = Elem<T>::from_f(silu_f(g) * u);
     }
 
+    // the first chunks of this warp's first w2 row, loaded while other blocks finish phase 1
+    uint4 v0[kGemvUnroll];
+    if (p.prefetch && warp < units) {
+        const int hl = warp / K, k = warp - hl * K, h = h0 + hl, e = se[k];
+        if (h < H && e >= 0) {
+            const uint4* wr = reinterpret_cast<const uint4*>(w2 + ((size_t)e * H + h) * I);
+#pragma unroll
+            for (int r = 0; r < kGemvUnroll; ++r)
+                if (lane + 32 * r < nchI) v0[r] = __ldcs(wr + lane + 32 * r);
+        }
+    }
+
     cg::this_grid().sync();   // every act column written and visible
     pdl_launch_dependents();
 
@@ -1452,7 +1439,6 @@ __global__ void __launch_bounds__(kGemvThreads, kGemvBlocksPerSm) moe_gemv_kerne
     const uint4* actg = reinterpret_cast<const uint4*>(act);
     for (int c = tid; c < K * nchI; c += kGemvThreads)
         if (se[c / nchI] >= 0) as4[c] = __ldcg(actg + c);
-    cp_async_wait<0>();
     __syncthreads();
     for (int u = warp; u < units; u += kGemvWarps) {
         const int hl = u / K, k = u - hl * K, h = h0 + hl, e = se[k];
@@ -1460,20 +1446,16 @@ __global__ void __launch_bounds__(kGemvThreads, kGemvBlocksPerSm) moe_gemv_kerne
         float d = 0.0f;
         if (e >= 0) {
             const uint4* ar = as4 + (size_t)k * nchI;
-            if (u < npf) {
-                const uint4* wr = wb + (size_t)u * nchI;
-                for (int c = lane; c < nchI; c += 32) d = dot8x8<T>(wr[c], ar[c], d);
-            } else {
-                const uint4* wr = reinterpret_cast<const uint4*>(w2 + ((size_t)e * H + h) * I);
-                for (int c0 = lane; c0 < nchI; c0 += 32 * kGemvUnroll) {
-                    uint4 v[kGemvUnroll];
+            const uint4* wr = reinterpret_cast<const uint4*>(w2 + ((size_t)e * H + h) * I);
+            for (int c0 = lane; c0 < nchI; c0 += 32 * kGemvUnroll) {
+                uint4 v[kGemvUnroll];
+                const bool pre = p.prefetch && u == warp && c0 == lane;   // loaded before the barrier
 #pragma unroll
-                    for (int r = 0; r < kGemvUnroll; ++r)
-                        if (c0 + 32 * r < nchI) v[r] = __ldcs(wr + c0 + 32 * r);
+                for (int r = 0; r < kGemvUnroll; ++r)
+                    if (c0 + 32 * r < nchI) v[r] = pre ? v0[r] : __ldcs(wr + c0 + 32 * r);
 #pragma unroll
-                    for (int r = 0; r < kGemvUnroll; ++r)
-                        if (c0 + 32 * r < nchI) d = dot8x8<T>(v[r], ar[c0 + 32 * r], d);
-                }
+                for (int r = 0; r < kGemvUnroll; ++r)
+                    if (c0 + 32 * r < nchI) d = dot8x8<T>(v[r], ar[c0 + 32 * r], d);
             }
             d = warp_sum(d);
         }
@@ -2005,11 +1987,11 @@ static int launch_fast(const Problem& P, void* out, const void* x, const void* w
     return EX_OK;
 }
 
-// The one-launch decode kernel (moe_gemv_kernel) at T = 1: its plan for P, or false where it
-// does not fit kGemvBlocksPerSm blocks per SM (x as fp32 and act as dtype share region A; y; the
-// slots; the spans' sums; then as many of the block's w2 rows as fit).
+// The one-launch decode kernel (moe_gemv_kernel) at T = 1: its plan for P, or false where its
+// shared memory (x as fp32 and act as dtype share region A; y; the slots; the spans' sums) does
+// not fit kGemvBlocksPerSm blocks per SM.
 struct GemvPlan {
-    int rows, pf_units, l2_units, ppb, parts, off_ys, off_meta, off_part, off_wb, smem;
+    int rows, ppb, parts, off_ys, off_meta, off_part, smem;
     unsigned grid;
 };
 // Dynamic shared memory each of kGemvBlocksPerSm blocks may have on this device (1 KB per block
@@ -2027,7 +2009,7 @@ static int gemv_smem_budget() {
     }();
     return budget;
 }
-static bool gemv_plan(const Problem& P, bool prefetch, GemvPlan* g) {
+static bool gemv_plan(const Problem& P, GemvPlan* g) {
     const int64_t budget = gemv_smem_budget();
     const int64_t grid = (int64_t)kGemvBlocksPerSm * s_num_sms;
     const int64_t rows = (P.H + grid - 1) / grid;
@@ -2043,23 +2025,15 @@ static bool gemv_plan(const Problem& P, bool prefetch, GemvPlan* g) {
     const int64_t off_ys = region_a;
     const int64_t off_meta = off_ys + align256(rows * P.K * 4);
     const int64_t off_part = off_meta + align256(P.K * 8);
-    const int64_t off_wb = off_part + align256(ppb * parts * 8);
-    const int64_t room = budget - off_wb;
-    if (room < 0) return false;
-    const int64_t units = rows * P.K;
-    const int64_t pf = prefetch ? std::min<int64_t>(units, room / (P.I * 2)) : 0;
-    // L2 prefetch of the rest, at most a third of L2 over the whole grid
-    const int64_t l2 = prefetch ? std::min<int64_t>(units - pf, s_l2_bytes / 3 / grid / (P.I * 2)) : 0;
+    const int64_t smem = off_part + align256(ppb * parts * 8);
+    if (smem > budget) return false;
     g->rows = (int)rows;
-    g->pf_units = (int)pf;
-    g->l2_units = (int)(l2 > 0 ? l2 : 0);
     g->ppb = (int)ppb;
     g->parts = parts;
     g->off_ys = (int)off_ys;
     g->off_meta = (int)off_meta;
     g->off_part = (int)off_part;
-    g->off_wb = (int)off_wb;
-    g->smem = (int)(off_wb + pf * P.I * 2);
+    g->smem = (int)smem;
     g->grid = (unsigned)grid;
     return true;
 }
@@ -2074,7 +2048,7 @@ static int launch_gemv(const Problem& P, void* out, const void* x, const void* w
                        bool* ran) {
     *ran = false;
     GemvPlan g;
-    if (P.T != 1 || !gemv_plan(P, prefetch, &g)) return EX_OK;
+    if (P.T != 1 || !gemv_plan(P, &g)) return EX_OK;
     // the whole budget opted in once, and whether kGemvBlocksPerSm blocks of it are resident
     static const bool resident = [] {
         const int b = gemv_smem_budget();
@@ -2093,9 +2067,9 @@ static int launch_gemv(const Problem& P, void* out, const void* x, const void* w
     p.out = out; p.x = x; p.w13 = w13; p.w2 = w2; p.topk_weights = tw; p.topk_ids = ids;
     p.em = P.em(); p.status = reinterpret_cast<int*>(ws); p.act = ws + L.act;
     p.H = (int)P.H; p.I = (int)P.I; p.E = (int)P.E; p.K = (int)P.K;
-    p.rows = g.rows; p.pf_units = g.pf_units; p.l2_units = g.l2_units;
+    p.rows = g.rows; p.prefetch = prefetch ? 1 : 0;
     p.ppb = g.ppb; p.parts = g.parts;
-    p.off_ys = g.off_ys; p.off_meta = g.off_meta; p.off_part = g.off_part; p.off_wb = g.off_wb;
+    p.off_ys = g.off_ys; p.off_meta = g.off_meta; p.off_part = g.off_part;
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = dim3(g.grid);
     cfg.blockDim = dim3(kGemvThreads);
