@@ -119,6 +119,9 @@
  * onewave + early launches of GEMM1's and GEMM2's successors whatever their wave count, and GEMM2's
  * weight prefetch before its wait also after a routing launch (T*K > 32); unfused = late's
  * launches with the separate routing launch (no fused routing, no early launches).
+ * gemv, gemvnopf (experimental, session 45): at T = 1 one cooperative launch of moe_gemv_kernel
+ * (dot products on CUDA cores, a grid barrier between act and out; gemv also loads each warp's
+ * first w2 chunks before the barrier) where its shared memory fits 4 blocks per SM; else new.
  *
  * y is kept in the input dtype, not fp32: it halves the bytes of the largest intermediate
  * (T*K*H) written by GEMM2 and read by the combine, which matters at prefill (qwen3-30b, T=4096:
