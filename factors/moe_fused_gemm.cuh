@@ -1307,13 +1307,9 @@ struct GemvParams {
     int off_ys, off_meta, off_part;   // byte offsets in shared memory (region A at 0: x or act)
 };
 
-// Two elements of T packed in 32 bits, as fp32.
-template <typename T> __device__ __forceinline__ float2 unpack2(uint32_t v);
-template <> __device__ __forceinline__ float2 unpack2<__nv_bfloat16>(uint32_t v) {
-    return make_float2(__uint_as_float(v << 16), __uint_as_float(v & 0xffff0000u));
-}
-template <> __device__ __forceinline__ float2 unpack2<__half>(uint32_t v) {
-    return __half22float2(*reinterpret_cast<const __half2*>(&v));
+// Two elements of T packed in 32 bits, as fp32 (Elem<T>::unpack of the pair).
+template <typename T> __device__ __forceinline__ float2 unpack2(uint32_t v) {
+    return Elem<T>::unpack(*reinterpret_cast<const typename Elem<T>::T2*>(&v));
 }
 // acc + the 8 products of w (8 elements of T) with x0 (the first 4) and x1 (the last 4)
 template <typename T>
@@ -1481,6 +1477,7 @@ __global__ void __launch_bounds__(kGemvThreads, kGemvBlocksPerSm) moe_gemv_kerne
 
 static int s_num_sms = 132;
 static int s_smem_optin = 232448;
+static int64_t s_smem_per_sm = 233472;   // hw->shared_mem_per_multiprocessor (moe_portable_init)
 static bool s_cfg_allowed[CFG_COUNT] = {true, true, true};
 static bool s_pdl_ok = false;  // cc >= 9.0: programmatic dependent launch
 // ... and the code run has griddepcontrol (explugin::pdl_code_ok: not PTX for compute_80 JIT-
@@ -1997,20 +1994,11 @@ struct GemvPlan {
     int rows, ppb, parts, off_ys, off_meta, off_part, smem;
     unsigned grid;
 };
-// Dynamic shared memory each of kGemvBlocksPerSm blocks may have on this device (1 KB per block
-// reserved by the runtime), at most the opt-in limit; 0 where the query fails.
+// Dynamic shared memory each of kGemvBlocksPerSm blocks may have on this hardware (1 KB per block
+// reserved by the runtime), at most the opt-in limit.
 static int gemv_smem_budget() {
-    static const int budget = [] {
-        int dev = 0, v = 0;
-        if (cudaGetDevice(&dev) != cudaSuccess ||
-            cudaDeviceGetAttribute(&v, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev) != cudaSuccess) {
-            (void)cudaGetLastError();
-            return 0;
-        }
-        const int b = v / kGemvBlocksPerSm - 1024;
-        return b < s_smem_optin ? (b > 0 ? b : 0) : s_smem_optin;
-    }();
-    return budget;
+    const int64_t b = s_smem_per_sm / kGemvBlocksPerSm - 1024;
+    return (int)std::max<int64_t>(0, std::min<int64_t>(b, s_smem_optin));
 }
 static bool gemv_plan(const Problem& P, GemvPlan* g) {
     const int64_t budget = gemv_smem_budget();
@@ -2073,29 +2061,16 @@ static int launch_gemv(const Problem& P, void* out, const void* x, const void* w
     p.rows = g.rows; p.prefetch = prefetch ? 1 : 0;
     p.ppb = g.ppb; p.parts = g.parts;
     p.off_ys = g.off_ys; p.off_meta = g.off_meta; p.off_part = g.off_part;
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3(g.grid);
-    cfg.blockDim = dim3(kGemvThreads);
-    cfg.dynamicSmemBytes = (size_t)g.smem;
-    cfg.stream = stream;
-    cudaLaunchAttribute attr[2];
-    attr[0].id = cudaLaunchAttributeCooperative;
-    attr[0].val.cooperative = 1;
-    unsigned n = 1;
     static std::atomic<bool> pdl_refused{false};   // a device that refuses PDL with a cooperative launch
     const bool pdl = pdl_ok() && !pdl_refused.load();
-    if (pdl) {
-        attr[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-        attr[1].val.programmaticStreamSerializationAllowed = 1;
-        n = 2;
-    }
-    cfg.attrs = attr;
-    cfg.numAttrs = n;
-    cudaError_t err = cudaLaunchKernelEx(&cfg, moe_gemv_kernel<T>, p);
+    const auto launch = [&](bool with_pdl) {
+        return explugin::launch_kernel_ex(moe_gemv_kernel<T>, dim3(g.grid), dim3(kGemvThreads),
+                                          (size_t)g.smem, stream, with_pdl, 0u, true, p);
+    };
+    cudaError_t err = launch(pdl);
     if (err != cudaSuccess && pdl) {
         (void)cudaGetLastError();
-        cfg.numAttrs = 1;
-        err = cudaLaunchKernelEx(&cfg, moe_gemv_kernel<T>, p);
+        err = launch(false);
         if (err == cudaSuccess) pdl_refused.store(true);
     }
     if (err != cudaSuccess) {   // refused: nothing ran
@@ -2260,6 +2235,7 @@ static bool moe_portable_init(const ex_hardware_t* hw, ex_tuning_t* tuning) {
     if (hw->l2_cache_bytes > 0) s_l2_bytes = hw->l2_cache_bytes;
     s_smem_optin = (int)(hw->shared_mem_per_block_optin < 0x7fffffff ? hw->shared_mem_per_block_optin
                                                                       : 0x7fffffff);
+    s_smem_per_sm = hw->shared_mem_per_multiprocessor;
     s_decode4_resident =
         CfgDecode4::smem_max() <= s_smem_optin &&
         (int64_t)CfgDecode4::MINB * (CfgDecode4::smem_max() + 1024) <= hw->shared_mem_per_multiprocessor &&
