@@ -119,9 +119,11 @@
  * onewave + early launches of GEMM1's and GEMM2's successors whatever their wave count, and GEMM2's
  * weight prefetch before its wait also after a routing launch (T*K > 32); unfused = late's
  * launches with the separate routing launch (no fused routing, no early launches).
- * gemv, gemvnopf (experimental, session 45): at T = 1 one cooperative launch of moe_gemv_kernel
- * (dot products on CUDA cores, a grid barrier between act and out; gemv also loads each warp's
- * first w2 chunks before the barrier) where its shared memory fits 4 blocks per SM; else new.
+ * gemv, gemvnopf, gemvl2 (experimental, sessions 45-46): at T = 1 one cooperative launch of
+ * moe_gemv_kernel (dot products on CUDA cores, a grid barrier between act and out; gemv also loads
+ * each warp's first w2 chunks before the barrier, gemvl2 instead prefetches the w2 rows of phase 2
+ * to L2 before phase 1, up to EX_MOE_GEMV_L2_PCT percent of L2) where its shared memory fits 4
+ * blocks per SM; else new.
  *
  * y is kept in the input dtype, not fp32: it halves the bytes of the largest intermediate
  * (T*K*H) written by GEMM2 and read by the combine, which matters at prefill (qwen3-30b, T=4096:
@@ -1303,6 +1305,8 @@ struct GemvParams {
     int H, I, E, K;
     int rows;        // out rows per block
     int prefetch;    // 1: each warp loads the first chunks of its first w2 row before the barrier
+    int pf_rows;     // > 0: the block's first pf_rows out rows' w2 bytes (every valid slot) are
+                     // prefetched to L2 before phase 1 (gemvl2), so that phase 2 reads them there
     int ppb, parts;  // phase 1: (slot, act column) pairs per block, spans of H per pair
     int off_ys, off_meta, off_part;   // byte offsets in shared memory (region A at 0: x or act)
 };
@@ -1353,6 +1357,25 @@ __global__ void __launch_bounds__(kGemvThreads, kGemvBlocksPerSm) moe_gemv_kerne
         if (bad && blockIdx.x == 0) atomicOr(p.status, bad);
     }
     const uint4* xg = static_cast<const uint4*>(p.x);
+    if (p.pf_rows > 0) {   // (se[] is read below after the __syncthreads; the prefetch needs it now)
+        __syncthreads();
+        const int h0p = blockIdx.x * p.rows;
+        const int nr = min(p.pf_rows, H - h0p);
+        if (nr > 0) {
+            const size_t row_bytes = (size_t)I * sizeof(T);
+            const size_t lines = (nr * row_bytes + 127) / 128 + 1;   // +1: a base not 128-aligned
+            for (size_t j = tid; j < (size_t)K * lines; j += kGemvThreads) {
+                const int k = (int)(j / lines);
+                const int e = se[k];
+                if (e < 0) continue;
+                const char* base = reinterpret_cast<const char*>(w2 + ((size_t)e * H + h0p) * I);
+                const size_t first = reinterpret_cast<uintptr_t>(base) & ~(uintptr_t)127;
+                const size_t end = reinterpret_cast<uintptr_t>(base) + nr * row_bytes;
+                const size_t a = first + (j - (size_t)k * lines) * 128;
+                if (a < end) asm volatile("prefetch.global.L2 [%0];" ::"l"(a));
+            }
+        }
+    }
     for (int c = tid; c < nch; c += kGemvThreads) {
         const uint4 v = __ldg(xg + c);
         const float2 a = unpack2<T>(v.x), b = unpack2<T>(v.y), cc = unpack2<T>(v.z), d = unpack2<T>(v.w);
@@ -1542,11 +1565,11 @@ constexpr int s_diag_skip = 0;
 //          slower on qwen3-30b T = 1 and 256 and granite T = 1 (ab_decode_wide_h200_2026-12-01.json)
 //   unfused  late's launches with the separate routing launch (and no fused routing anywhere)
 enum { MODE_OLD = 0, MODE_NOPDL = 1, MODE_NEW = 2, MODE_UNFUSED = 3, MODE_LATE = 4, MODE_ONEWAVE = 5,
-       MODE_GEMV = 6, MODE_GEMV_NOPF = 7 };
+       MODE_GEMV = 6, MODE_GEMV_NOPF = 7, MODE_GEMV_L2 = 8 };
 static int decode_mode() {
     static const char* const kNames[] = {"old", "nopdl", "new", "unfused", "late", "onewave", "gemv",
-                                         "gemvnopf"};  // MODE_* order
-    return explugin::env_choice("EX_MOE_DECODE_CONFIG", kNames, 8, MODE_NEW);
+                                         "gemvnopf", "gemvl2"};  // MODE_* order
+    return explugin::env_choice("EX_MOE_DECODE_CONFIG", kNames, 9, MODE_NEW);
 }
 
 // A launch, with the programmatic-stream-serialization attribute when pdl is set (ex_plugin.cuh).
@@ -2035,7 +2058,7 @@ static bool gemv_plan(const Problem& P, GemvPlan* g) {
 // GEMM path instead.
 template <typename T>
 static int launch_gemv(const Problem& P, void* out, const void* x, const void* w13, const void* w2,
-                       const float* tw, const int* ids, char* ws, cudaStream_t stream, bool prefetch,
+                       const float* tw, const int* ids, char* ws, cudaStream_t stream, int mode,
                        bool* ran) {
     *ran = false;
     GemvPlan g;
@@ -2058,7 +2081,16 @@ static int launch_gemv(const Problem& P, void* out, const void* x, const void* w
     p.out = out; p.x = x; p.w13 = w13; p.w2 = w2; p.topk_weights = tw; p.topk_ids = ids;
     p.em = P.em(); p.status = reinterpret_cast<int*>(ws); p.act = ws + L.act;
     p.H = (int)P.H; p.I = (int)P.I; p.E = (int)P.E; p.K = (int)P.K;
-    p.rows = g.rows; p.prefetch = prefetch ? 1 : 0;
+    p.rows = g.rows; p.prefetch = mode == MODE_GEMV ? 1 : 0;
+    p.pf_rows = 0;
+    if (mode == MODE_GEMV_L2) {
+        // the first out rows of every block whose w2 bytes (all K slots) fit EX_MOE_GEMV_L2_PCT
+        // percent of L2 (per call; default 60), spread evenly over the blocks
+        const long long pct = std::min(100LL, explugin::env_count("EX_MOE_GEMV_L2_PCT", 60));
+        const int64_t per_block = s_l2_bytes * pct / 100 / (int64_t)g.grid;
+        const int64_t row_bytes = P.K * P.I * (int64_t)sizeof(T);
+        p.pf_rows = (int)std::min<int64_t>(g.rows, per_block / row_bytes);
+    }
     p.ppb = g.ppb; p.parts = g.parts;
     p.off_ys = g.off_ys; p.off_meta = g.off_meta; p.off_part = g.off_part;
     static std::atomic<bool> pdl_refused{false};   // a device that refuses PDL with a cooperative launch
@@ -2087,11 +2119,10 @@ static int dispatch_fast(const Problem& P, void* out, const void* x, const void*
                          const void* w2, const float* tw, const int* ids, char* ws,
                          cudaStream_t stream) {
     int mode = decode_mode();
-    if (mode == MODE_GEMV || mode == MODE_GEMV_NOPF) {
+    if (mode == MODE_GEMV || mode == MODE_GEMV_NOPF || mode == MODE_GEMV_L2) {
         if (P.T == 1) {
             bool ran = false;
-            const int st = launch_gemv<T>(P, out, x, w13, w2, tw, ids, ws, stream,
-                                          mode == MODE_GEMV, &ran);
+            const int st = launch_gemv<T>(P, out, x, w13, w2, tw, ids, ws, stream, mode, &ran);
             if (st != EX_OK || ran) return st;
         }
         mode = MODE_NEW;   // everything else as the default

@@ -584,12 +584,14 @@ def test_moe_decode_survives_garbage_workspace_and_graph_replay(reg, cp, monkeyp
         assert bool((o.bits == want.bits).all())
 
 
+@pytest.mark.parametrize("mode", ["gemv", "gemvnopf", "gemvl2"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("H,E,I,K", [(2048, 128, 768, 8), (1536, 40, 512, 8), (2048, 64, 1408, 6),
                                      (1544, 40, 520, 8), (4096, 16, 6400, 2), (264, 8, 136, 3)])
-def test_moe_gemv_decode_matches_the_reference(reg, cp, monkeypatch, dtype, H, E, I, K):
-    """EX_MOE_DECODE_CONFIG=gemv at T = 1 (one cooperative launch: dot products on CUDA cores, a
-    grid barrier between act and out): within the manifest's tolerance of the float64
+def test_moe_gemv_decode_matches_the_reference(reg, cp, monkeypatch, mode, dtype, H, E, I, K):
+    """EX_MOE_DECODE_CONFIG=gemv, gemvnopf, gemvl2 at T = 1 (one cooperative launch: dot products
+    on CUDA cores, a grid barrier between act and out; the three differ in how w2 is fetched
+    before the barrier): within the manifest's tolerance of the float64
     reference on every row, every element written (poisoned first), an invalid id flagged and
     skipped, a repeated expert counted twice; eager calls, a garbage workspace and graph replays
     give the same bits. That it ran (and not the GEMM path): of a workspace filled with garbage
@@ -599,8 +601,8 @@ def test_moe_gemv_decode_matches_the_reference(reg, cp, monkeypatch, dtype, H, E
     monkeypatch.setenv("EX_MOE_DECODE_CONFIG", "unfused")
     run_moe_check(reg, cp, case, dtype)
     assert gemv_written_span(reg, cp, case, dtype) > K * I * 2      # the routing launch's tile list too
-    monkeypatch.setenv("EX_MOE_DECODE_CONFIG", "gemv")
-    assert gemv_written_span(reg, cp, case, dtype) <= K * I * 2, "the gemv path did not run"
+    monkeypatch.setenv("EX_MOE_DECODE_CONFIG", mode)
+    assert gemv_written_span(reg, cp, case, dtype) <= K * I * 2, f"the {mode} path did not run"
     first = run_moe_check(reg, cp, case, dtype)
     outs = [first, run_moe_check(reg, cp, case, dtype)]
     for buf in reg._workspaces.values():               # scratch: garbage (the status word kept)
@@ -634,7 +636,7 @@ def test_moe_gemv_decode_check_can_fail(reg, cp, monkeypatch):
     assert rel(cp, wrong, ref) >= 1e-2
 
 
-@pytest.mark.parametrize("mode", ["new", "onewave", "late", "unfused", "gemv"])
+@pytest.mark.parametrize("mode", ["new", "onewave", "late", "unfused", "gemv", "gemvl2"])
 @pytest.mark.parametrize("T,H,E,I,K", [(1, 2048, 128, 768, 8), (4, 4096, 8, 14336, 2), (3, 1544, 40, 512, 8),
                                        (8, 1024, 64, 256, 8)])
 def test_moe_decode_with_no_valid_slot_writes_zeros(reg, cp, monkeypatch, mode, T, H, E, I, K):
