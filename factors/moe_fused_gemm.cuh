@@ -1371,7 +1371,8 @@ __global__ void __launch_bounds__(kGemvThreads, kGemvBlocksPerSm) moe_gemv_kerne
                 const char* base = reinterpret_cast<const char*>(w2 + ((size_t)e * H + h0p) * I);
                 const size_t first = reinterpret_cast<uintptr_t>(base) & ~(uintptr_t)127;
                 const size_t end = reinterpret_cast<uintptr_t>(base) + nr * row_bytes;
-                const size_t a = first + (j - (size_t)k * lines) * 128;
+                // (the first line's address is base itself: never an address before the tensor)
+                const size_t a = max(first + (j - (size_t)k * lines) * 128, (size_t)base);
                 if (a < end) asm volatile("prefetch.global.L2 [%0];" ::"l"(a));
             }
         }
