@@ -168,16 +168,14 @@ static bool pdl_code_ok() {
 static bool g_pdl_hw = false;
 static bool pdl_enabled() { return g_pdl_hw && env_switch("EX_PDL") && pdl_code_ok(); }
 
-// A kernel launch, with the programmatic-stream-serialization attribute when pdl is set, in
+// A kernel launch, with the programmatic-stream-serialization attribute when pdl is set, and in
 // clusters of cluster_x blocks along x when cluster_x > 0 (cudaLaunchAttributeClusterDimension;
-// sm_90+), and cooperative (every block resident at once, or the launch is refused: what a grid
-// sync needs) when cooperative is set. Returns the launch's error (a plain <<<>>> launch:
-// cudaSuccess, errors reach cudaGetLastError).
+// sm_90+). Returns the launch's error (a plain <<<>>> launch: cudaSuccess, errors reach
+// cudaGetLastError).
 template <typename... KArgs, typename... Args>
-static cudaError_t launch_kernel_ex(void (*kern)(KArgs...), dim3 grid, dim3 block, size_t smem,
-                                   cudaStream_t stream, bool pdl, unsigned cluster_x, bool cooperative,
-                                   Args... args) {
-    if (!pdl && cluster_x == 0 && !cooperative) {
+static cudaError_t launch_kernel_cluster(void (*kern)(KArgs...), dim3 grid, dim3 block, size_t smem,
+                                         cudaStream_t stream, bool pdl, unsigned cluster_x, Args... args) {
+    if (!pdl && cluster_x == 0) {
         kern<<<grid, block, smem, stream>>>(args...);
         return cudaSuccess;
     }
@@ -186,7 +184,7 @@ static cudaError_t launch_kernel_ex(void (*kern)(KArgs...), dim3 grid, dim3 bloc
     cfg.blockDim = block;
     cfg.dynamicSmemBytes = smem;
     cfg.stream = stream;
-    cudaLaunchAttribute attr[3];
+    cudaLaunchAttribute attr[2];
     unsigned n = 0;
     if (cluster_x > 0) {
         attr[n].id = cudaLaunchAttributeClusterDimension;
@@ -200,21 +198,9 @@ static cudaError_t launch_kernel_ex(void (*kern)(KArgs...), dim3 grid, dim3 bloc
         attr[n].val.programmaticStreamSerializationAllowed = 1;
         ++n;
     }
-    if (cooperative) {
-        attr[n].id = cudaLaunchAttributeCooperative;
-        attr[n].val.cooperative = 1;
-        ++n;
-    }
     cfg.attrs = attr;
     cfg.numAttrs = n;
     return cudaLaunchKernelEx(&cfg, kern, static_cast<KArgs>(args)...);
-}
-
-// launch_kernel_ex, not cooperative
-template <typename... KArgs, typename... Args>
-static cudaError_t launch_kernel_cluster(void (*kern)(KArgs...), dim3 grid, dim3 block, size_t smem,
-                                         cudaStream_t stream, bool pdl, unsigned cluster_x, Args... args) {
-    return launch_kernel_ex(kern, grid, block, smem, stream, pdl, cluster_x, false, args...);
 }
 
 // launch_kernel_cluster without clusters

@@ -119,11 +119,6 @@
  * onewave + early launches of GEMM1's and GEMM2's successors whatever their wave count, and GEMM2's
  * weight prefetch before its wait also after a routing launch (T*K > 32); unfused = late's
  * launches with the separate routing launch (no fused routing, no early launches).
- * gemv, gemvnopf, gemvl2 (experimental, sessions 45-46): at T = 1 one cooperative launch of
- * moe_gemv_kernel (dot products on CUDA cores, a grid barrier between act and out; gemv also loads
- * each warp's first w2 chunks before the barrier, gemvl2 instead prefetches the w2 rows of phase 2
- * to L2 before phase 1, up to EX_MOE_GEMV_L2_PCT percent of L2) where its shared memory fits 4
- * blocks per SM; else new.
  *
  * y is kept in the input dtype, not fp32: it halves the bytes of the largest intermediate
  * (T*K*H) written by GEMM2 and read by the combine, which matters at prefill (qwen3-30b, T=4096:
@@ -161,8 +156,6 @@
 #include <cooperative_groups.h>
 #include <cub/block/block_scan.cuh>
 
-#include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -1271,237 +1264,11 @@ moe_fallback_out_kernel(T* __restrict__ out, const T* __restrict__ act, const T*
 }
 
 // ------------------------------------------------------------------------------------------
-// One-launch decode at T = 1 (EX_MOE_DECODE_CONFIG=gemv): dot products on CUDA cores, one
-// cooperative launch, a grid barrier between act and out.
-//   phase 1: block b owns the (slot k, act column i) pairs [b*ppb, (b+1)*ppb) (pair q = k*I + i:
-//            consecutive gate and up rows of one expert), each cut into `parts` spans of H; its
-//            warps take the (pair, span) units w, w + 8, ...: 16-byte streaming loads of the gate
-//            row i and the up row I+i of w13[e_k], kGemvUnroll chunks of each in flight per lane,
-//            x in shared memory as fp32; the spans' sums go to shared memory, and after one
-//            __syncthreads act[k][i] = dtype(silu(g) * u) (spans summed in order) to the workspace.
-//   grid barrier (cooperative_groups grid sync; the launch is cooperative, so every block is
-//   resident); before it (gemv, not gemvnopf) each warp issues the loads of the first chunks of
-//   its first w2 row. Phase 2: block b owns out rows [b*rows, (b+1)*rows), unit u = (row u / K,
-//   slot u % K) to warp u % 8: the valid slots' act -> shared memory, y[row][k] = dtype(w_k *
-//   (w2[e_k][row] . act[k])), out[row] = dtype(sum_k y[row][k]) in k order: the roundings of
-//   the GEMM path where GEMM2 runs unsplit (its epilogue, then the combine; where it splits I,
-//   each split's y is rounded apart), no combine launch.
-// ------------------------------------------------------------------------------------------
-constexpr int kGemvThreads = 256;
-constexpr int kGemvWarps = kGemvThreads / 32;
-constexpr int kGemvBlocksPerSm = 4;
-constexpr int kGemvUnroll = 4;
-
-struct GemvParams {
-    void* out;
-    const void* x;
-    const void* w13;
-    const void* w2;
-    const float* topk_weights;
-    const int* topk_ids;
-    ExpertMap em;
-    int* status;
-    void* act;       // workspace: dtype[K][I]
-    int H, I, E, K;
-    int rows;        // out rows per block
-    int prefetch;    // 1: each warp loads the first chunks of its first w2 row before the barrier
-    int pf_rows;     // > 0: the block's first pf_rows out rows' w2 bytes (every valid slot) are
-                     // prefetched to L2 before phase 1 (gemvl2), so that phase 2 reads them there
-    int ppb, parts;  // phase 1: (slot, act column) pairs per block, spans of H per pair
-    int off_ys, off_meta, off_part;   // byte offsets in shared memory (region A at 0: x or act)
-};
-
-// Two elements of T packed in 32 bits, as fp32 (Elem<T>::unpack of the pair).
-template <typename T> __device__ __forceinline__ float2 unpack2(uint32_t v) {
-    return Elem<T>::unpack(*reinterpret_cast<const typename Elem<T>::T2*>(&v));
-}
-// acc + the 8 products of w (8 elements of T) with x0 (the first 4) and x1 (the last 4)
-template <typename T>
-__device__ __forceinline__ float dot8(const uint4 w, const float4 x0, const float4 x1, float acc) {
-    const float2 a = unpack2<T>(w.x), b = unpack2<T>(w.y), c = unpack2<T>(w.z), d = unpack2<T>(w.w);
-    acc = fmaf(a.x, x0.x, acc); acc = fmaf(a.y, x0.y, acc);
-    acc = fmaf(b.x, x0.z, acc); acc = fmaf(b.y, x0.w, acc);
-    acc = fmaf(c.x, x1.x, acc); acc = fmaf(c.y, x1.y, acc);
-    acc = fmaf(d.x, x1.z, acc); acc = fmaf(d.y, x1.w, acc);
-    return acc;
-}
-template <typename T>
-__device__ __forceinline__ float dot8x8(const uint4 w, const uint4 v, float acc) {
-    const float2 a = unpack2<T>(v.x), b = unpack2<T>(v.y), c = unpack2<T>(v.z), d = unpack2<T>(v.w);
-    return dot8<T>(w, make_float4(a.x, a.y, b.x, b.y), make_float4(c.x, c.y, d.x, d.y), acc);
-}
-
-template <typename T>
-__global__ void __launch_bounds__(kGemvThreads, kGemvBlocksPerSm) moe_gemv_kernel(const GemvParams p) {
-    namespace cg = cooperative_groups;
-    extern __shared__ __align__(16) unsigned char smem[];
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int H = p.H, I = p.I, K = p.K;
-    const int nch = H >> 3, nchI = I >> 3;
-    float4* xa = reinterpret_cast<float4*>(smem);             // phase 1: x[8c .. 8c+3]
-    float4* xb = xa + nch;                                    //          x[8c+4 .. 8c+7]
-    uint4* as4 = reinterpret_cast<uint4*>(smem);              // phase 2: act[k][.] as 16-byte chunks
-    float* ys = reinterpret_cast<float*>(smem + p.off_ys);    // [rows][K]
-    int* se = reinterpret_cast<int*>(smem + p.off_meta);      // [K] local expert or -1
-    float* sw = reinterpret_cast<float*>(se + K);             // [K] topk weight
-    float* pg = reinterpret_cast<float*>(smem + p.off_part);  // [ppb * parts] span sums of g
-    float* pu = pg + p.ppb * p.parts;                         //                 ... and of u
-    const T* w13 = static_cast<const T*>(p.w13);
-    const T* w2 = static_cast<const T*>(p.w2);
-
-    pdl_wait();
-    for (int k = tid; k < K; k += kGemvThreads) {
-        int bad = 0;
-        se[k] = local_expert(p.em, __ldg(p.topk_ids + k), p.E, bad);
-        sw[k] = __ldg(p.topk_weights + k);
-        if (bad && blockIdx.x == 0) atomicOr(p.status, bad);
-    }
-    const uint4* xg = static_cast<const uint4*>(p.x);
-    if (p.pf_rows > 0) {   // (se[] is read below after the __syncthreads; the prefetch needs it now)
-        __syncthreads();
-        const int h0p = blockIdx.x * p.rows;
-        const int nr = min(p.pf_rows, H - h0p);
-        if (nr > 0) {
-            const size_t row_bytes = (size_t)I * sizeof(T);
-            const size_t lines = (nr * row_bytes + 127) / 128 + 1;   // +1: a base not 128-aligned
-            for (size_t j = tid; j < (size_t)K * lines; j += kGemvThreads) {
-                const int k = (int)(j / lines);
-                const int e = se[k];
-                if (e < 0) continue;
-                const char* base = reinterpret_cast<const char*>(w2 + ((size_t)e * H + h0p) * I);
-                const size_t first = reinterpret_cast<uintptr_t>(base) & ~(uintptr_t)127;
-                const size_t end = reinterpret_cast<uintptr_t>(base) + nr * row_bytes;
-                // (the first line's address is base itself: never an address before the tensor)
-                const size_t a = max(first + (j - (size_t)k * lines) * 128, (size_t)base);
-                if (a < end) asm volatile("prefetch.global.L2 [%0];" ::"l"(a));
-            }
-        }
-    }
-    for (int c = tid; c < nch; c += kGemvThreads) {
-        const uint4 v = __ldg(xg + c);
-        const float2 a = unpack2<T>(v.x), b = unpack2<T>(v.y), cc = unpack2<T>(v.z), d = unpack2<T>(v.w);
-        xa[c] = make_float4(a.x, a.y, b.x, b.y);
-        xb[c] = make_float4(cc.x, cc.y, d.x, d.y);
-    }
-    __syncthreads();
-
-    const int h0 = blockIdx.x * p.rows;
-    const int units = p.rows * K;
-
-    // phase 1: this block's pairs, each in `parts` spans of H
-    const int q0 = blockIdx.x * p.ppb;
-    const int nq = max(0, min(p.ppb, K * I - q0));
-    const int parts = p.parts;
-    const int span = (nch + parts - 1) / parts;
-    for (int w = warp; w < nq * parts; w += kGemvWarps) {
-        const int j = w / parts, part = w - j * parts;
-        const int q = q0 + j, k = q / I, i = q - k * I;
-        const int e = se[k];
-        float ag = 0.0f, au = 0.0f;
-        if (e >= 0) {
-            const uint4* g = reinterpret_cast<const uint4*>(w13 + ((size_t)e * 2 * I + i) * H);
-            const uint4* u = g + (size_t)I * nch;
-            const int cend = min(nch, (part + 1) * span);
-            for (int c0 = part * span + lane; c0 < cend; c0 += 32 * kGemvUnroll) {
-                uint4 vg[kGemvUnroll], vu[kGemvUnroll];
-#pragma unroll
-                for (int r = 0; r < kGemvUnroll; ++r) {
-                    const int c = c0 + 32 * r;
-                    if (c < cend) {
-                        vg[r] = __ldcs(g + c);
-                        vu[r] = __ldcs(u + c);
-                    }
-                }
-#pragma unroll
-                for (int r = 0; r < kGemvUnroll; ++r) {
-                    const int c = c0 + 32 * r;
-                    if (c < cend) {
-                        const float4 x0 = xa[c], x1 = xb[c];
-                        ag = dot8<T>(vg[r], x0, x1, ag);
-                        au = dot8<T>(vu[r], x0, x1, au);
-                    }
-                }
-            }
-            ag = warp_sum(ag);
-            au = warp_sum(au);
-        }
-        if (lane == 0) {
-            pg[w] = ag;
-            pu[w] = au;
-        }
-    }
-    __syncthreads();
-    T* act = static_cast<T*>(p.act);
-    for (int j = tid; j < nq; j += kGemvThreads) {
-        const int q = q0 + j;
-        if (se[q / I] < 0) continue;
-        float g = 0.0f, u = 0.0f;
-        for (int part = 0; part < parts; ++part) {
-            g += pg[j * parts + part];
-            u += pu[j * parts + part];
-        }
-        act[q] = Elem<T>::from_f(silu_f(g) * u);
-    }
-
-    // the first chunks of this warp's first w2 row, loaded while other blocks finish phase 1
-    uint4 v0[kGemvUnroll];
-    if (p.prefetch && warp < units) {
-        const int hl = warp / K, k = warp - hl * K, h = h0 + hl, e = se[k];
-        if (h < H && e >= 0) {
-            const uint4* wr = reinterpret_cast<const uint4*>(w2 + ((size_t)e * H + h) * I);
-#pragma unroll
-            for (int r = 0; r < kGemvUnroll; ++r)
-                if (lane + 32 * r < nchI) v0[r] = __ldcs(wr + lane + 32 * r);
-        }
-    }
-
-    cg::this_grid().sync();   // every act column written and visible
-    pdl_launch_dependents();
-
-    // phase 2: the valid slots' act -> shared memory (region A: x no longer needed), then out rows
-    const uint4* actg = reinterpret_cast<const uint4*>(act);
-    for (int c = tid; c < K * nchI; c += kGemvThreads)
-        if (se[c / nchI] >= 0) as4[c] = __ldcg(actg + c);
-    __syncthreads();
-    for (int u = warp; u < units; u += kGemvWarps) {
-        const int hl = u / K, k = u - hl * K, h = h0 + hl, e = se[k];
-        if (h >= H) break;
-        float d = 0.0f;
-        if (e >= 0) {
-            const uint4* ar = as4 + (size_t)k * nchI;
-            const uint4* wr = reinterpret_cast<const uint4*>(w2 + ((size_t)e * H + h) * I);
-            for (int c0 = lane; c0 < nchI; c0 += 32 * kGemvUnroll) {
-                uint4 v[kGemvUnroll];
-                const bool pre = p.prefetch && u == warp && c0 == lane;   // loaded before the barrier
-#pragma unroll
-                for (int r = 0; r < kGemvUnroll; ++r)
-                    if (c0 + 32 * r < nchI) v[r] = pre ? v0[r] : __ldcs(wr + c0 + 32 * r);
-#pragma unroll
-                for (int r = 0; r < kGemvUnroll; ++r)
-                    if (c0 + 32 * r < nchI) d = dot8x8<T>(v[r], ar[c0 + 32 * r], d);
-            }
-            d = warp_sum(d);
-        }
-        if (lane == 0) ys[u] = e >= 0 ? Elem<T>::to_f(Elem<T>::from_f(sw[k] * d)) : 0.0f;
-    }
-    __syncthreads();
-    T* out = static_cast<T*>(p.out);
-    for (int hl = tid; hl < p.rows; hl += kGemvThreads) {
-        const int h = h0 + hl;
-        if (h >= H) break;
-        float acc = 0.0f;
-        for (int k = 0; k < K; ++k) acc += ys[hl * K + k];
-        out[h] = Elem<T>::from_f(acc);
-    }
-}
-
-// ------------------------------------------------------------------------------------------
 // Host side: state, errors, workspace layout, argument checks
 // ------------------------------------------------------------------------------------------
 
 static int s_num_sms = 132;
 static int s_smem_optin = 232448;
-static int64_t s_smem_per_sm = 233472;   // hw->shared_mem_per_multiprocessor (moe_portable_init)
 static bool s_cfg_allowed[CFG_COUNT] = {true, true, true};
 static bool s_pdl_ok = false;  // cc >= 9.0: programmatic dependent launch
 // ... and the code run has griddepcontrol (explugin::pdl_code_ok: not PTX for compute_80 JIT-
@@ -1565,12 +1332,10 @@ constexpr int s_diag_skip = 0;
 //          T = 1..512 (qwen3-30b T = 8 127.7 -> 124.4 us, granite T = 8 53.8 -> 51.3), 0.4-1.0%
 //          slower on qwen3-30b T = 1 and 256 and granite T = 1 (ab_decode_wide_h200_2026-12-01.json)
 //   unfused  late's launches with the separate routing launch (and no fused routing anywhere)
-enum { MODE_OLD = 0, MODE_NOPDL = 1, MODE_NEW = 2, MODE_UNFUSED = 3, MODE_LATE = 4, MODE_ONEWAVE = 5,
-       MODE_GEMV = 6, MODE_GEMV_NOPF = 7, MODE_GEMV_L2 = 8 };
+enum { MODE_OLD = 0, MODE_NOPDL = 1, MODE_NEW = 2, MODE_UNFUSED = 3, MODE_LATE = 4, MODE_ONEWAVE = 5 };
 static int decode_mode() {
-    static const char* const kNames[] = {"old", "nopdl", "new", "unfused", "late", "onewave", "gemv",
-                                         "gemvnopf", "gemvl2"};  // MODE_* order
-    return explugin::env_choice("EX_MOE_DECODE_CONFIG", kNames, 9, MODE_NEW);
+    static const char* const kNames[] = {"old", "nopdl", "new", "unfused", "late", "onewave"};  // MODE_* order
+    return explugin::env_choice("EX_MOE_DECODE_CONFIG", kNames, 6, MODE_NEW);
 }
 
 // A launch, with the programmatic-stream-serialization attribute when pdl is set (ex_plugin.cuh).
@@ -2011,123 +1776,11 @@ static int launch_fast(const Problem& P, void* out, const void* x, const void* w
     return EX_OK;
 }
 
-// The one-launch decode kernel (moe_gemv_kernel) at T = 1: its plan for P, or false where its
-// shared memory (x as fp32 and act as dtype share region A; y; the slots; the spans' sums) does
-// not fit kGemvBlocksPerSm blocks per SM.
-struct GemvPlan {
-    int rows, ppb, parts, off_ys, off_meta, off_part, smem;
-    unsigned grid;
-};
-// Dynamic shared memory each of kGemvBlocksPerSm blocks may have on this hardware (1 KB per block
-// reserved by the runtime), at most the opt-in limit.
-static int gemv_smem_budget() {
-    const int64_t b = s_smem_per_sm / kGemvBlocksPerSm - 1024;
-    return (int)std::max<int64_t>(0, std::min<int64_t>(b, s_smem_optin));
-}
-static bool gemv_plan(const Problem& P, GemvPlan* g) {
-    const int64_t budget = gemv_smem_budget();
-    const int64_t grid = (int64_t)kGemvBlocksPerSm * s_num_sms;
-    const int64_t rows = (P.H + grid - 1) / grid;
-    const int64_t ppb = (P.K * P.I + grid - 1) / grid;
-    // spans per pair: the fewest that spread the block's pairs evenly over its warps
-    int parts = 1;
-    double best = 1e30;
-    for (int s = 1; s <= 4; s *= 2) {
-        const double load = (double)((ppb * s + kGemvWarps - 1) / kGemvWarps) / s;
-        if (load < best - 1e-9 && (P.H / 8) >= 32 * s) { best = load; parts = s; }
-    }
-    const int64_t region_a = align256(std::max<int64_t>(P.H * 4, P.K * P.I * 2));
-    const int64_t off_ys = region_a;
-    const int64_t off_meta = off_ys + align256(rows * P.K * 4);
-    const int64_t off_part = off_meta + align256(P.K * 8);
-    const int64_t smem = off_part + align256(ppb * parts * 8);
-    if (smem > budget) return false;
-    g->rows = (int)rows;
-    g->ppb = (int)ppb;
-    g->parts = parts;
-    g->off_ys = (int)off_ys;
-    g->off_meta = (int)off_meta;
-    g->off_part = (int)off_part;
-    g->smem = (int)smem;
-    g->grid = (unsigned)grid;
-    return true;
-}
-
-// Launches moe_gemv_kernel (cooperative: all its blocks resident, or the launch is refused) and
-// sets *ran; *ran stays false where it does not apply (T != 1, too large for its shared memory,
-// fewer than kGemvBlocksPerSm blocks per SM resident, a refused launch): the caller runs the
-// GEMM path instead.
-template <typename T>
-static int launch_gemv(const Problem& P, void* out, const void* x, const void* w13, const void* w2,
-                       const float* tw, const int* ids, char* ws, cudaStream_t stream, int mode,
-                       bool* ran) {
-    *ran = false;
-    GemvPlan g;
-    if (P.T != 1 || !gemv_plan(P, &g)) return EX_OK;
-    // the whole budget opted in once, and whether kGemvBlocksPerSm blocks of it are resident
-    static const bool resident = [] {
-        const int b = gemv_smem_budget();
-        int per_sm = 0;
-        if (b <= 0 ||
-            cudaFuncSetAttribute(moe_gemv_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, b) != cudaSuccess ||
-            cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, moe_gemv_kernel<T>, kGemvThreads, b) != cudaSuccess) {
-            (void)cudaGetLastError();
-            return false;
-        }
-        return per_sm >= kGemvBlocksPerSm;
-    }();
-    if (!resident) return EX_OK;
-    const WsLayout L = ws_layout(P);
-    GemvParams p;
-    p.out = out; p.x = x; p.w13 = w13; p.w2 = w2; p.topk_weights = tw; p.topk_ids = ids;
-    p.em = P.em(); p.status = reinterpret_cast<int*>(ws); p.act = ws + L.act;
-    p.H = (int)P.H; p.I = (int)P.I; p.E = (int)P.E; p.K = (int)P.K;
-    p.rows = g.rows; p.prefetch = mode == MODE_GEMV ? 1 : 0;
-    p.pf_rows = 0;
-    if (mode == MODE_GEMV_L2) {
-        // the first out rows of every block whose w2 bytes (all K slots) fit EX_MOE_GEMV_L2_PCT
-        // percent of L2 (per call; default 60), spread evenly over the blocks
-        const long long pct = std::min(100LL, explugin::env_count("EX_MOE_GEMV_L2_PCT", 60));
-        const int64_t per_block = s_l2_bytes * pct / 100 / (int64_t)g.grid;
-        const int64_t row_bytes = P.K * P.I * (int64_t)sizeof(T);
-        p.pf_rows = (int)std::min<int64_t>(g.rows, per_block / row_bytes);
-    }
-    p.ppb = g.ppb; p.parts = g.parts;
-    p.off_ys = g.off_ys; p.off_meta = g.off_meta; p.off_part = g.off_part;
-    static std::atomic<bool> pdl_refused{false};   // a device that refuses PDL with a cooperative launch
-    const bool pdl = pdl_ok() && !pdl_refused.load();
-    const auto launch = [&](bool with_pdl) {
-        return explugin::launch_kernel_ex(moe_gemv_kernel<T>, dim3(g.grid), dim3(kGemvThreads),
-                                          (size_t)g.smem, stream, with_pdl, 0u, true, p);
-    };
-    cudaError_t err = launch(pdl);
-    if (err != cudaSuccess && pdl) {
-        (void)cudaGetLastError();
-        err = launch(false);
-        if (err == cudaSuccess) pdl_refused.store(true);
-    }
-    if (err != cudaSuccess) {   // refused: nothing ran
-        (void)cudaGetLastError();
-        return EX_OK;
-    }
-    *ran = true;
-    if ((err = cudaGetLastError()) != cudaSuccess) return cuda_error(err);
-    return EX_OK;
-}
-
 template <typename T>
 static int dispatch_fast(const Problem& P, void* out, const void* x, const void* w13,
                          const void* w2, const float* tw, const int* ids, char* ws,
                          cudaStream_t stream) {
-    int mode = decode_mode();
-    if (mode == MODE_GEMV || mode == MODE_GEMV_NOPF || mode == MODE_GEMV_L2) {
-        if (P.T == 1) {
-            bool ran = false;
-            const int st = launch_gemv<T>(P, out, x, w13, w2, tw, ids, ws, stream, mode, &ran);
-            if (st != EX_OK || ran) return st;
-        }
-        mode = MODE_NEW;   // everything else as the default
-    }
+    const int mode = decode_mode();
     // a configuration named by dims[7] (tuned data), when this hardware can run it
     if (P.config == kTileConfigTiny && kCfgTiny.smem <= s_smem_optin)
         return launch_fast<T, CfgTiny>(P, out, x, w13, w2, tw, ids, ws, stream, mode);
@@ -2267,7 +1920,6 @@ static bool moe_portable_init(const ex_hardware_t* hw, ex_tuning_t* tuning) {
     if (hw->l2_cache_bytes > 0) s_l2_bytes = hw->l2_cache_bytes;
     s_smem_optin = (int)(hw->shared_mem_per_block_optin < 0x7fffffff ? hw->shared_mem_per_block_optin
                                                                       : 0x7fffffff);
-    s_smem_per_sm = hw->shared_mem_per_multiprocessor;
     s_decode4_resident =
         CfgDecode4::smem_max() <= s_smem_optin &&
         (int64_t)CfgDecode4::MINB * (CfgDecode4::smem_max() + 1024) <= hw->shared_mem_per_multiprocessor &&

@@ -21,8 +21,8 @@ serves this device (cc 9.0), factors/moe_fused_gemm_sm90.so (CUTLASS grouped GEM
 T*K/E >= 64; the portable code below that), then a side-by-side table of graph-replay times.
 `--lib PATH` (repeatable) tests only the libraries named; a named one that declines the device fails.
 
-Decode choices: the portable path reads EX_MOE_DECODE_CONFIG per call (old | nopdl | late | onewave | new | unfused |
-gemv | gemvnopf | gemvl2, default new; see factors/moe_fused_gemm.cuh). Every case above runs with the default; then, unless
+Decode choices: the portable path reads EX_MOE_DECODE_CONFIG per call (old | nopdl | late | onewave | new | unfused,
+default new; see factors/moe_fused_gemm.cuh). Every case above runs with the default; then, unless
 --no-decode, the decode shapes of ../shared/PERF.md (the project's shared reference beside the
 checkout, not in it; DECODE_CASES: qwen3/olmoe/granite/deepseek T=1, mixtral
 T=64, qwen3 T=64; uniform routing, weights rotated over several sets so they are not served from
@@ -726,7 +726,7 @@ def main():
     ap.add_argument("--rotate", type=int, default=4,
                     help="input sets rotated in the decode timings (weights not served from L2)")
     a = ap.parse_args()
-    known_modes = ("old", "nopdl", "late", "onewave", "new", "unfused", "gemv", "gemvnopf", "gemvl2")   # the .cuh's decode_mode()
+    known_modes = ("old", "nopdl", "late", "onewave", "new", "unfused")   # the .cuh's decode_mode()
     bad = [m for m in a.modes.split(",") if m not in known_modes]
     if bad or a.rotate < 1:
         print(f"gpu_moe_selftest: expected --modes from {','.join(known_modes)} and --rotate >= 1, "

@@ -33,6 +33,20 @@ def reg():
     return r
 
 
+@pytest.fixture(autouse=True)
+def _status_cleared_after(request):
+    """A test that fails between flagging the device status word and checking it would fail
+    every later test's check: after each test that used the module's registry, any flag left is
+    read and dropped, so a failure is reported once, by the test that caused it."""
+    yield
+    r = request.node.funcargs.get("reg")
+    if r is not None:
+        try:
+            r.check_device_errors()
+        except DeviceSideError:
+            pass
+
+
 def make(cp, values_f32, dtype):
     """A CuPy array (or Bits16 for bf16) of ``dtype`` from float32 values."""
     if dtype == "bfloat16":
@@ -248,49 +262,6 @@ def run_moe_check(reg, cp, case, dtype, want_path=("plugin",)):
     err = rel(cp, out, ref)
     assert err < tol, err
     return out
-
-
-def bits16(cp, a):
-    """The raw 16-bit words of a float16 array or a bfloat16 Bits16."""
-    return a.bits if hasattr(a, "bits") else a.view(cp.uint16)
-
-
-def gemv_written_span(reg, cp, case, dtype):
-    """Bytes from the first to the last workspace byte (past the status word) that one call of
-    `case` writes, every workspace filled with 0x55 first."""
-    x = case[0]
-    moe_fused_gemm(*case, out=poison(cp, TensorRef.of(x).shape, dtype), registry=reg)   # workspace sized
-    cp.cuda.Device().synchronize()
-    for buf in reg._workspaces.values():
-        buf[256:] = 0x55
-    cp.cuda.Device().synchronize()
-    moe_fused_gemm(*case, out=poison(cp, TensorRef.of(x).shape, dtype), registry=reg)
-    cp.cuda.Device().synchronize()
-    spans = [0]
-    for buf in reg._workspaces.values():               # the call's own; the others stay 0x55
-        changed = cp.nonzero(buf[256:] != 0x55)[0]
-        if changed.size:
-            spans.append(int(changed[-1] - changed[0]) + 1)
-    return max(spans)
-
-
-def graph_replays(reg, cp, case, shape, dtype, n=3):
-    """One moe_fused_gemm call of `case` captured in a CUDA graph and replayed n times, out
-    poisoned before each replay: the n outputs' bits."""
-    out = poison(cp, shape, dtype)
-    cp.cuda.Device().synchronize()                     # the poison (legacy stream) before the replay
-    stream = cp.cuda.Stream(non_blocking=True)
-    outs = []
-    with stream:
-        stream.begin_capture()
-        moe_fused_gemm(*case, out=out, registry=reg)
-        graph = stream.end_capture()
-        for _ in range(n):
-            out.bits.fill(0xFFFF)
-            graph.launch(stream)
-            stream.synchronize()
-            outs.append(Bits16(out.bits.copy()))
-    return outs
 
 
 MODELS = load_models()
@@ -578,65 +549,24 @@ def test_moe_decode_survives_garbage_workspace_and_graph_replay(reg, cp, monkeyp
     for buf in reg._workspaces.values():               # counters and scratch: garbage
         buf[256:] = 0x55
     outs.append(run_moe_check(reg, cp, case, "bfloat16"))
-    outs += graph_replays(reg, cp, case, (T, H), "bfloat16")
+    out = poison(cp, (T, H), "bfloat16")
+    cp.cuda.Device().synchronize()                     # the poison (legacy stream) before the replay
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        stream.begin_capture()
+        moe_fused_gemm(*case, out=out, registry=reg)
+        graph = stream.end_capture()
+        for _ in range(3):
+            out.bits.fill(0xFFFF)
+            graph.launch(stream)
+            stream.synchronize()
+            outs.append(Bits16(out.bits.copy()))
     reg.check_device_errors()
     for o in outs:
         assert bool((o.bits == want.bits).all())
 
 
-@pytest.mark.parametrize("mode", ["gemv", "gemvnopf", "gemvl2"])
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-@pytest.mark.parametrize("H,E,I,K", [(2048, 128, 768, 8), (1536, 40, 512, 8), (2048, 64, 1408, 6),
-                                     (1544, 40, 520, 8), (4096, 16, 6400, 2), (264, 8, 136, 3)])
-def test_moe_gemv_decode_matches_the_reference(reg, cp, monkeypatch, mode, dtype, H, E, I, K):
-    """EX_MOE_DECODE_CONFIG=gemv, gemvnopf, gemvl2 at T = 1 (one cooperative launch: dot products
-    on CUDA cores, a grid barrier between act and out; the three differ in how w2 is fetched
-    before the barrier): within the manifest's tolerance of the float64
-    reference on every row, every element written (poisoned first), an invalid id flagged and
-    skipped, a repeated expert counted twice; eager calls, a garbage workspace and graph replays
-    give the same bits. That it ran (and not the GEMM path): of a workspace filled with garbage
-    it writes act alone (K*I elements), where the GEMM path also writes its tile list before act."""
-    case = moe_case(cp, 1, H, E, I, K, dtype)
-    x, w13, w2, w, ids = case
-    monkeypatch.setenv("EX_MOE_DECODE_CONFIG", "unfused")
-    run_moe_check(reg, cp, case, dtype)
-    assert gemv_written_span(reg, cp, case, dtype) > K * I * 2      # the routing launch's tile list too
-    monkeypatch.setenv("EX_MOE_DECODE_CONFIG", mode)
-    assert gemv_written_span(reg, cp, case, dtype) <= K * I * 2, f"the {mode} path did not run"
-    first = run_moe_check(reg, cp, case, dtype)
-    outs = [first, run_moe_check(reg, cp, case, dtype)]
-    for buf in reg._workspaces.values():               # scratch: garbage (the status word kept)
-        buf[256:] = 0x55
-    outs.append(run_moe_check(reg, cp, case, dtype))
-    outs += graph_replays(reg, cp, case, (1, H), dtype)
-    reg.check_device_errors()
-    for o in outs[1:]:
-        assert bool((bits16(cp, o) == bits16(cp, first)).all())
-    if K > 1:                                           # an invalid slot and a repeated expert
-        ids[0, 0] = E + 3
-        ids[0, K - 1] = ids[0, K - 2]
-        run_moe_check(reg, cp, (x, w13, w2, w, ids), dtype)
-        with pytest.raises(DeviceSideError, match="topk_id outside"):
-            reg.check_device_errors()
-
-
-def test_moe_gemv_decode_check_can_fail(reg, cp, monkeypatch):
-    """The gemv mode's tolerance check rejects a wrong output: its own output with half the row
-    zeroed, or all of it, is outside the tolerance (so the test above can fail)."""
-    case = moe_case(cp, 1, 2048, 128, 768, 8, "bfloat16")
-    x, w13, w2, w, ids = case
-    monkeypatch.setenv("EX_MOE_DECODE_CONFIG", "gemv")
-    out = poison(cp, (1, 2048), "bfloat16")
-    moe_fused_gemm(x, w13, w2, w, ids, out=out, registry=reg)
-    ref = moe_reference(cp, x, w13, w2, w, ids)
-    assert rel(cp, out, ref) < 1e-2
-    assert rel(cp, f64(out) * 0, ref) >= 1e-2          # all zeros fails
-    wrong = f64(out).copy()
-    wrong[0, :1024] = 0
-    assert rel(cp, wrong, ref) >= 1e-2
-
-
-@pytest.mark.parametrize("mode", ["new", "onewave", "late", "unfused", "gemv", "gemvl2"])
+@pytest.mark.parametrize("mode", ["new", "onewave", "late", "unfused"])
 @pytest.mark.parametrize("T,H,E,I,K", [(1, 2048, 128, 768, 8), (4, 4096, 8, 14336, 2), (3, 1544, 40, 512, 8),
                                        (8, 1024, 64, 256, 8)])
 def test_moe_decode_with_no_valid_slot_writes_zeros(reg, cp, monkeypatch, mode, T, H, E, I, K):
