@@ -800,6 +800,41 @@ def test_decode_read_probe_checks_its_arguments_before_asking_for_a_gpu(tmp_path
     assert r.returncode == 2 and r.stderr.startswith("decode_read_probe.py: needs a GPU with PyTorch and CuPy"), r.stderr
 
 
+def test_gemm_shape_rate_checks_its_arguments_before_asking_for_a_gpu(tmp_path):
+    """benchmarks/gemm_shape_rate.py (session forty-seven): an unknown model, T < 1 or a --json in
+    a missing folder is refused in one line naming the argument (exit 2, no traceback); without
+    PyTorch's GPU it says it needs one; --help needs none; the GEMM shapes and the even groups are
+    those of a moe_fused_gemm call."""
+    import subprocess
+    from tests.conftest import child_env
+    tool = str(ROOT / "benchmarks" / "gemm_shape_rate.py")
+    for args, says in ((["--models", "nope"], "--models: 'nope' is not one of all, "),
+                       (["--tokens", "0"], "--tokens: expected T >= 1, got 0"),
+                       (["--json", str(tmp_path / "no" / "x.json")], "--json: folder ")):
+        r = subprocess.run([sys.executable, tool, *args], capture_output=True, text=True, env=child_env())
+        assert r.returncode == 2 and says in r.stderr and "Traceback" not in r.stderr, (args, r.stderr)
+    r = subprocess.run([sys.executable, tool, "--help"], capture_output=True, text=True, env=child_env())
+    assert r.returncode == 0 and "torch._grouped_mm" in r.stdout, r.stderr
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import gemm_shape_rate as g
+    finally:
+        sys.path.pop(0)
+    from ex_engine.moe_layer import load_models
+    s = load_models()["qwen3-30b-a3b"]
+    assert g.gemm_shapes(s, 4096) == {"GEMM1": (32768, 1536, 2048), "GEMM2": (32768, 2048, 768)}
+    assert g.even_groups(10, 4) == [3, 3, 2, 2] and sum(g.even_groups(32768 * 6, 40)) == 32768 * 6
+    try:
+        import torch
+        if torch.cuda.is_available():
+            return   # a machine with a GPU: the GPU path is the device's to run
+    except ImportError:
+        pass
+    r = subprocess.run([sys.executable, tool, "--models", "granite-3.0-3b-a800m"], capture_output=True,
+                       text=True, env=child_env())
+    assert r.returncode == 2 and r.stderr.startswith("gemm_shape_rate.py: needs a GPU with PyTorch"), r.stderr
+
+
 def test_table_and_chart_keep_balanced_rows_apart(tmp_path):
     """--balanced rows (a diagnostic routing) are labelled as such in the table, get no vLLM
     ratio, and stay out of the chart, as --skew's rows do; files before 'routing' still read."""
