@@ -62,10 +62,7 @@
  * groups are small), stages from StageCountAutoCarveout, epilogue
  * PtrArrayTmaWarpSpecializedCooperative with no source C (beta = 0), fp32 accumulation. GEMM2 under
  * Tile128 with a short reduction (I <= kSm90Gemm2PingpongMaxI) runs on Tile128N128 (128 x 128 x 64,
- * ping-pong, same cluster) instead. The gated GEMM1 under Tile128 with an odd I / 128 runs in
- * clusters of one CTA (Tile128C1): CUTLASS rounds a group's N-tiles up to the cluster's N, and in
- * pairs one tile per M-tile would multiply nothing that is stored (GEMM2 and the ungated GEMM1 keep
- * the pairs: N-tile counts of H / 256, H / 128, 2I / 256, even for every model of moe_models.yaml). Where dims[7] = 8 (tuned data: "narrow") both GEMMs run on
+ * ping-pong, same cluster) instead. Where dims[7] = 8 (tuned data: "narrow") both GEMMs run on
  * Tile128N128 (the gated GEMM1 with gate and up boxes of 64 rows): twice the tiles of Tile128,
  * for shapes whose 128 x 256 tiles leave the last round of the persistent grid mostly idle (granite
  * at T = 384..1024: ~160 tiles of GEMM1 on 132 SMs). Where dims[7] = 10 (tuned data: "chunked")
@@ -175,25 +172,13 @@ using namespace cute;
 // (ping-pong): half the M padding per expert (an expert with 136 rows needs 3 x 64 rows, not
 // 2 x 128), for the middle range of rows per expert. Under Tile128, GEMM2 with a short
 // reduction runs on a third, Tile128N128 (below), which the narrow configuration uses for both.
-// Each runs in clusters of 1 x 2 CTAs (A multicast to a pair of N-tiles) but Tile128C1.
 struct Tile128 {
     using TileShape = Shape<_128, _256, _64>;
-    using ClusterShape = Shape<_1, _2, _1>;
     using KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
     using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
 };
-// Tile128 in clusters of one CTA, for the gated GEMM1 where an expert has an odd number of N-tiles
-// (I / 128 odd: deepseek-v2-lite's I = 1408, 11 tiles). CUTLASS's group scheduler rounds each
-// group's N-tiles up to the cluster's N (sm90_tile_scheduler_group.hpp, get_tiled_cta_shape_mnl),
-// so in pairs the twelfth tile of every M-tile lies wholly past N: its CTA multiplies the up rows
-// of the first tile and zero fill, and its epilogue stores nothing, a twelfth of the GEMM's MMA
-// time spent on no output. One CTA per tile multiplies only the 11, at the cost of A's multicast.
-struct Tile128C1 : Tile128 {
-    using ClusterShape = Shape<_1, _1, _1>;
-};
 struct Tile64 {
     using TileShape = Shape<_64, _256, _64>;
-    using ClusterShape = Shape<_1, _2, _1>;
     using KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong;
     using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
 };
@@ -204,7 +189,6 @@ struct Tile64 {
 // then 128 rows, two MMAs along M (the gated epilogue handles both).
 struct Tile128N128 {
     using TileShape = Shape<_128, _128, _64>;
-    using ClusterShape = Shape<_1, _2, _1>;
     using KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong;
     using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
 };
@@ -344,7 +328,7 @@ template <typename ElementT, class Tile = Tile128>  // ElementT: cutlass::bfloat
 struct GroupedGemmKernel {
     using ProblemShape = cutlass::gemm::GroupProblemShape<Shape<int, int, int>>;  // (M, N, K) per group
     using TileShape = typename Tile::TileShape;
-    using ClusterShape = typename Tile::ClusterShape;
+    using ClusterShape = Shape<_1, _2, _1>;
     using LayoutA = cutlass::layout::RowMajor;     // M x K, K contiguous
     using LayoutB = cutlass::layout::ColumnMajor;  // K x N with K contiguous = weights [N][K]
     using LayoutD = cutlass::layout::RowMajor;     // M x N, N contiguous
@@ -1000,9 +984,6 @@ static bool s_sm90_gated = true;
 // set by ex_get_factor: under Tile128, GEMM2 runs on Tile128N128 where I <= kSm90Gemm2PingpongMaxI
 // (EX_MOE_SM90_GEMM2_PINGPONG=0: always on Tile128 as GEMM1, for comparison)
 static bool s_sm90_gemm2_pp = true;
-// set by ex_get_factor: under Tile128, the gated GEMM1 runs in clusters of one CTA where I / 128 is
-// odd (Tile128C1; EX_MOE_SM90_CLUSTER1_ODD_N=0: in pairs as everywhere else, for comparison)
-static bool s_sm90_cluster1_odd_n = true;
 // set by ex_get_factor: the gather of hidden_states into expert order runs a warp per token (its
 // row read once, written to its slots' sorted rows); EX_MOE_SM90_GATHER_BY_TOKEN=0: a warp per
 // sorted row (each row read K times), for comparison
@@ -1036,8 +1017,6 @@ using GemmPpBf16 = sm90::GroupedGemm<cutlass::bfloat16_t, sm90::Tile128N128>;
 using GemmPpF16 = sm90::GroupedGemm<cutlass::half_t, sm90::Tile128N128>;
 using GatedPpBf16 = sm90::GatedGemm1<cutlass::bfloat16_t, __nv_bfloat16, sm90::Tile128N128>;
 using GatedPpF16 = sm90::GatedGemm1<cutlass::half_t, __half, sm90::Tile128N128>;
-using GatedC1Bf16 = sm90::GatedGemm1<cutlass::bfloat16_t, __nv_bfloat16, sm90::Tile128C1>;
-using GatedC1F16 = sm90::GatedGemm1<cutlass::half_t, __half, sm90::Tile128C1>;
 
 // CUTLASS workspace bytes (per-SM TMA descriptors) for kSm90MaxSms SMs of one kernel type.
 template <class G> static int64_t cutlass_ws_bytes_for() {
@@ -1049,8 +1028,7 @@ template <class G> static int64_t cutlass_ws_bytes_for() {
 }
 
 // Every CUTLASS kernel type the plugin launches (two element types x three tilings, gated GEMM1
-// or not; the ungated 128 x 128 type is GEMM2's under Tile128 too; the gated GEMM1 of Tile128 also
-// in clusters of one CTA, Tile128C1); the workspace, smem and
+// or not; the ungated 128 x 128 type is GEMM2's under Tile128 too); the workspace, smem and
 // block-shape figures are taken over all of them.
 template <class G0, class... Gs>
 struct KernelSet {
@@ -1064,7 +1042,7 @@ struct KernelSet {
     }
 };
 using AllKernels = KernelSet<GemmBf16, GemmF16, GatedBf16, GatedF16, Gemm64Bf16, Gemm64F16, Gated64Bf16, Gated64F16,
-                             GemmPpBf16, GemmPpF16, GatedPpBf16, GatedPpF16, GatedC1Bf16, GatedC1F16>;
+                             GemmPpBf16, GemmPpF16, GatedPpBf16, GatedPpF16>;
 static int64_t cutlass_ws_bytes() { return AllKernels::ws_bytes(); }
 
 struct Sm90Layout {
@@ -1150,12 +1128,6 @@ static bool sm90_chunked_for(const Problem& P) {
 // Under the 128-row tiling, whether GEMM2 runs on Tile128N128 (short reduction over I).
 static bool sm90_gemm2_pingpong_for(const Problem& P) {
     return s_sm90_gemm2_pp && P.I <= kSm90Gemm2PingpongMaxI;
-}
-
-// Under the 128-row tiling, whether the gated GEMM1 runs in clusters of one CTA (Tile128C1): an
-// odd number of N-tiles per expert (I / 128), whose pairs would leave one tile per M-tile empty.
-static bool sm90_gated_cluster1_for(const Problem& P) {
-    return s_sm90_cluster1_odd_n && (P.I / 128) % 2 == 1;
 }
 
 static int64_t sm90_workspace_size(const int64_t dims[], int n_dims) {
@@ -1384,13 +1356,8 @@ static int launch_sm90(const Problem& P, void* out, const void* x, const void* w
                                             band, subs, s_num_sms, s_smem_optin, s_sm90_pdl, stream, extra);
         if (err != cudaSuccess) return cuda_error(err);
     } else if (gated) {
-        if (std::is_same<Tile, sm90::Tile128>::value && sm90_gated_cluster1_for(P)) {
-            using GG = sm90::GatedGemm1<CT, T, sm90::Tile128C1>;
-            st = run_grouped_gemm<GG, 1>(ga[0], E, cutlass_ws, key, stream, (void*)ga[1].a, (void*)ga[1].sa);
-        } else {
-            using GG = sm90::GatedGemm1<CT, T, Tile>;
-            st = run_grouped_gemm<GG, 1>(ga[0], E, cutlass_ws, key, stream, (void*)ga[1].a, (void*)ga[1].sa);
-        }
+        using GG = sm90::GatedGemm1<CT, T, Tile>;
+        st = run_grouped_gemm<GG, 1>(ga[0], E, cutlass_ws, key, stream, (void*)ga[1].a, (void*)ga[1].sa);
         if (st != EX_OK) return st;
     } else {
         st = run_grouped_gemm<GT, 1>(ga[0], E, cutlass_ws, key, stream);
@@ -1474,7 +1441,6 @@ extern "C" EX_EXPORT ex_factor_t* ex_get_factor(const ex_hardware_t* hw) {
     s_sm90_tile64_max_rows = explugin::env_count("EX_MOE_SM90_TILE64_MAX_ROWS", kSm90Tile64MaxRows);
     s_sm90_gated = explugin::env_switch("EX_MOE_SM90_SILU_IN_GEMM1");
     s_sm90_gemm2_pp = explugin::env_switch("EX_MOE_SM90_GEMM2_PINGPONG");
-    s_sm90_cluster1_odd_n = explugin::env_switch("EX_MOE_SM90_CLUSTER1_ODD_N");
     static const char* const kOffOn[] = {"0", "1"};  // a switch that is off unless set to 1
     s_sm90_raster_n = explugin::env_choice("EX_MOE_SM90_RASTER_N", kOffOn, 2, 0) == 1;
     s_sm90_gather_by_token = explugin::env_switch("EX_MOE_SM90_GATHER_BY_TOKEN");

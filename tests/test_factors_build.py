@@ -220,7 +220,6 @@ SWITCH_SAYS = "ignored: expected 0 (off) or 1 (on); using 1 (on, the default)"
     ("EX_MOE_SM90_MIN_ROWS_PER_EXPERT", "+12", "ignored: expected a decimal integer >= 0; using 64"),
     ("EX_MOE_SM90_SILU_IN_GEMM1", "off", SWITCH_SAYS),
     ("EX_MOE_SM90_GEMM2_PINGPONG", "no", SWITCH_SAYS),
-    ("EX_MOE_SM90_CLUSTER1_ODD_N", "2", SWITCH_SAYS),
     ("EX_MOE_SM90_GATHER_BY_TOKEN", "yes", SWITCH_SAYS),
     ("EX_MOE_SM90_SKIP_EMPTY_A", "no", SWITCH_SAYS),
     ("EX_MOE_SM90_CHUNKED_MULTICAST", "off", SWITCH_SAYS),

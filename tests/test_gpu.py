@@ -5,7 +5,6 @@ call, inputs drawn fresh, bf16 passed as Bits16 (uint16 bits) so CuPy needs no b
 """
 import math
 import os
-import re
 
 import numpy as np
 import pytest
@@ -950,56 +949,6 @@ def test_sm90_skip_empty_a_slices_bit_identical(skip_a_reg, cp, config, kind):
         outs.append(run_moe_check(r, cp, (x, w13, w2, w, ids), dtype))
         r.check_device_errors()
     assert same_bits(cp, outs[0], outs[1], dtype)
-
-
-CLUSTER1_ENV = "EX_MOE_SM90_CLUSTER1_ODD_N"   # read by the sm90 plugin's ex_get_factor
-
-
-def gated_gemm1_clusters(names):
-    """The cluster shapes (M, N) of every gated GEMM1 launch among the profiled kernel names: the
-    ClusterShape that CUTLASS's MainloopSm90ArrayTmaGmmaWarpSpecialized<Stages, ClusterShape, ...>
-    carries inside GatedMainloop; a set of pairs."""
-    found = set()
-    for name in names:
-        if "GatedMainloop" not in name:
-            continue
-        m = re.search(r"MainloopSm90ArrayTmaGmmaWarpSpecialized<\s*\d+\s*,\s*(?:cute::)?tuple<\s*"
-                      r"(?:cute::)?C<(\d+)>\s*,\s*(?:cute::)?C<(\d+)>", name)
-        assert m, name[:400]
-        found.add((int(m.group(1)), int(m.group(2))))
-    return found
-
-
-@pytest.mark.parametrize("kind", ["I=1408", "one expert", "I=128 fp16", "I=1024"])
-def test_sm90_gated_gemm1_in_clusters_of_one_where_n_tiles_are_odd(skip_a_reg, cp, kind):
-    """Under the 128 x 256 tiling (forced: dims[7] = 4), the gated GEMM1 of a shape with an odd I /
-    128 (1408: 11 N-tiles, 384: 3, 128: 1) runs in clusters of one CTA (the default; in pairs
-    CUTLASS rounds the N-tiles up to an even count and one tile per M-tile computes nothing that is
-    stored), and gives the same bits as in pairs (EX_MOE_SM90_CLUSTER1_ODD_N=0), both within
-    tolerance of the float64 reference; I = 1024 (8 N-tiles) runs in pairs either way. The
-    profiler's kernel names say which cluster shape ran. A tile mapped to the wrong gate or up rows,
-    or a cluster launched with a shape its kernel was not built for, changes the bits or fails the
-    call."""
-    shapes = {"I=1408": (700, 256, 8, 1408, 2), "one expert": (3000, 512, 16, 384, 1),
-              "I=128 fp16": (1000, 512, 40, 128, 6), "I=1024": (1024, 256, 8, 1024, 2)}
-    case, dtype = kind_case(cp, shapes, kind)
-    I = shapes[kind][3]
-    saved = {CLUSTER1_ENV: os.environ.get(CLUSTER1_ENV)}
-    outs, clusters = [], {}
-    try:
-        for on in (True, False):
-            os.environ[CLUSTER1_ENV] = "1" if on else "0"
-            r = skip_a_reg(True)
-            r.set_tuning("moe_fused_gemm", lambda sizes: 4)
-            out, names = profiled_kernels(cp, lambda: run_moe_check(r, cp, case, dtype))
-            outs.append(out)
-            clusters[on] = gated_gemm1_clusters(names)
-            r.check_device_errors()
-    finally:
-        restore_env(saved)
-    assert same_bits(cp, outs[0], outs[1], dtype)
-    assert clusters[True] == ({(1, 1)} if (I // 128) % 2 else {(1, 2)}), clusters
-    assert clusters[False] == {(1, 2)}, clusters
 
 
 CHUNKED_MC_ENV = "EX_MOE_SM90_CHUNKED_MULTICAST"   # read by the sm90 plugin's ex_get_factor
