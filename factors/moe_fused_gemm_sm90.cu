@@ -62,7 +62,9 @@
  * groups are small), stages from StageCountAutoCarveout, epilogue
  * PtrArrayTmaWarpSpecializedCooperative with no source C (beta = 0), fp32 accumulation. GEMM2 under
  * Tile128 with a short reduction (I <= kSm90Gemm2PingpongMaxI) runs on Tile128N128 (128 x 128 x 64,
- * ping-pong, same cluster) instead. Where dims[7] = 8 (tuned data: "narrow") both GEMMs run on
+ * ping-pong, same cluster) instead. The gated GEMM1 under Tile128 runs in clusters of 2 x 1 CTAs
+ * (Tile128M2: the weights multicast to a pair of M-tiles) where I / 128 is odd and an expert has
+ * kSm90ClusterM2Rows rows or more (sm90_gated_m2_for). Where dims[7] = 8 (tuned data: "narrow") both GEMMs run on
  * Tile128N128 (the gated GEMM1 with gate and up boxes of 64 rows): twice the tiles of Tile128,
  * for shapes whose 128 x 256 tiles leave the last round of the persistent grid mostly idle (granite
  * at T = 384..1024: ~160 tiles of GEMM1 on 132 SMs). Where dims[7] = 10 (tuned data: "chunked")
@@ -172,13 +174,31 @@ using namespace cute;
 // (ping-pong): half the M padding per expert (an expert with 136 rows needs 3 x 64 rows, not
 // 2 x 128), for the middle range of rows per expert. Under Tile128, GEMM2 with a short
 // reduction runs on a third, Tile128N128 (below), which the narrow configuration uses for both.
+// Each in clusters of 1 x 2 CTAs (A multicast to a pair of N-tiles); the gated GEMM1 also on Tile128M2.
 struct Tile128 {
     using TileShape = Shape<_128, _256, _64>;
+    using ClusterShape = Shape<_1, _2, _1>;
     using KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
     using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
 };
+// Tile128 in clusters of 2 x 1 CTAs: the weights (B) multicast to a pair of M-tiles of one expert
+// and N-tile, A loaded by each CTA (torch._grouped_mm's choice), for the gated GEMM1 where an
+// expert has an odd number of N-tiles (sm90_gated_m2_for). CUTLASS's group scheduler rounds each
+// group's tiles up to the cluster's shape (sm90_tile_scheduler_group.hpp, get_tiled_cta_shape_mnl):
+// in 1 x 2 pairs deepseek-v2-lite's 11 N-tiles (I / 128) run as 12, the twelfth multiplying the
+// first up rows and zero fill and storing nothing (8.3% of the MMAs); in 2 x 1 pairs the N-tiles
+// run as they are and the M-tiles are rounded up to pairs instead (13 run as 14, the last all zero
+// fill), which costs less only where an expert has many M-tiles. H100, 2026-12-06 (RESULTS.md,
+// session forty-seven): deepseek T = 16384 (1536 rows an expert) gated GEMM1 1858 -> 1663 us, the
+// call 3.5-7% faster; at 96-384 rows an expert 0.5-10% slower; with an even I / 128 (qwen3-235b,
+// qwen3-30b, olmoe, granite, phi-3.5 at 1024-3277 rows) within -1.7% to +0.8% of the pairs.
+// (One CTA per cluster instead, without any multicast, was no faster: 1.7x the DRAM reads.)
+struct Tile128M2 : Tile128 {
+    using ClusterShape = Shape<_2, _1, _1>;
+};
 struct Tile64 {
     using TileShape = Shape<_64, _256, _64>;
+    using ClusterShape = Shape<_1, _2, _1>;
     using KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong;
     using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
 };
@@ -189,6 +209,7 @@ struct Tile64 {
 // then 128 rows, two MMAs along M (the gated epilogue handles both).
 struct Tile128N128 {
     using TileShape = Shape<_128, _128, _64>;
+    using ClusterShape = Shape<_1, _2, _1>;
     using KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong;
     using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
 };
@@ -328,7 +349,7 @@ template <typename ElementT, class Tile = Tile128>  // ElementT: cutlass::bfloat
 struct GroupedGemmKernel {
     using ProblemShape = cutlass::gemm::GroupProblemShape<Shape<int, int, int>>;  // (M, N, K) per group
     using TileShape = typename Tile::TileShape;
-    using ClusterShape = Shape<_1, _2, _1>;
+    using ClusterShape = typename Tile::ClusterShape;
     using LayoutA = cutlass::layout::RowMajor;     // M x K, K contiguous
     using LayoutB = cutlass::layout::ColumnMajor;  // K x N with K contiguous = weights [N][K]
     using LayoutD = cutlass::layout::RowMajor;     // M x N, N contiguous
@@ -425,11 +446,16 @@ struct GatedMainloop : Base {
     // the B stages as 2 * Stages stages of half the rows (same bytes, same swizzle)
     using SmemLayoutBH = decltype(tile_to_shape(SmemLayoutAtomB{}, make_shape(HalfN{}, BK{}, Int<2 * kStages>{}),
                                                 Step<_1, _2, _3>{}));
-    static_assert(cute::is_same_v<typename Base::GmemTiledCopyB, SM90_TMA_LOAD>, "B not multicast (cluster M = 1)");
+    // In clusters of 2 x 1 (Tile128M2) the two CTAs share the N-tile: CTA x = 0 copies the gate
+    // box, x = 1 the up box, each multicast to both (the whole box: a TMA of cluster size 1)
+    static constexpr int kClusterM = cute::size<0>(typename DispatchPolicy::ClusterShape{});
+    static_assert(kClusterM == 1 || kClusterM == 2, "B multicast over at most a pair of M-tiles");
+    using BCopyOp = cute::conditional_t<kClusterM == 1, SM90_TMA_LOAD, SM90_TMA_LOAD_MULTICAST>;
+    static_assert(cute::is_same_v<typename Base::GmemTiledCopyB, BCopyOp>, "B multicast iff cluster M = 2");
     static_assert(!cutlass::gemm::detail::is_major<0, InternalStrideB>(), "B K-major");
     static_assert(cosize(SmemLayoutBH{}) == cosize(SmemLayoutB{}), "same B buffer");
     using TMA_BH = decltype(make_tma_copy(
-        SM90_TMA_LOAD{},
+        BCopyOp{},
         make_tensor(static_cast<InternalElementB const*>(nullptr), repeat_like(InternalStrideB{}, int32_t(0)),
                     InternalStrideB{}),
         SmemLayoutBH{}(_, _, cute::Int<0>{}), make_shape(HalfN{}, BK{}), _1{}));
@@ -447,7 +473,7 @@ struct GatedMainloop : Base {
         Tensor tensor_b = make_tensor(ptr_B_first, make_layout(make_shape(get<1>(init_shape), get<2>(init_shape),
                                                                           int32_t(1)),
                                                                InternalStrideB{}));
-        TMA_BH bh = make_tma_copy(SM90_TMA_LOAD{}, tensor_b, SmemLayoutBH{}(_, _, cute::Int<0>{}),
+        TMA_BH bh = make_tma_copy(BCopyOp{}, tensor_b, SmemLayoutBH{}(_, _, cute::Int<0>{}),
                                   make_shape(HalfN{}, BK{}), _1{});
         return Params{Base::to_underlying_arguments(problem_shapes, args, workspace), bh, g_skip_empty_a ? 1 : 0};
     }
@@ -499,11 +525,16 @@ struct GatedMainloop : Base {
             Tensor tBgBg = block_tma_b.partition_S(gBg);
             Tensor tBgBu = block_tma_b.partition_S(gBu);
             Tensor tBsB = block_tma_b.partition_D(sB);
-            uint16_t mcast_mask_a = 0;
+            uint16_t mcast_mask_a = 0, mcast_mask_b = 0;
             if constexpr (cute::is_same_v<typename Base::GmemTiledCopyA, SM90_TMA_LOAD_MULTICAST>) {
                 auto block_layout = Layout<typename DispatchPolicy::ClusterShape>{};
                 for (int n = 0; n < size<1>(block_layout); ++n)
                     mcast_mask_a |= (uint16_t(1) << block_layout(cluster_local_block_id.x, n, Int<0>{}));
+            }
+            if constexpr (kClusterM == 2) {
+                auto block_layout = Layout<typename DispatchPolicy::ClusterShape>{};
+                for (int m = 0; m < kClusterM; ++m)
+                    mcast_mask_b |= (uint16_t(1) << block_layout(m, cluster_local_block_id.y, Int<0>{}));
             }
             // A's multicast slices past the group's rows: not copied (EmptyASlices)
             const EmptyASlices<TileShape, typename DispatchPolicy::ClusterShape, InternalElementA> empty(
@@ -518,10 +549,18 @@ struct GatedMainloop : Base {
                     copy(p.tma_load_a.with(get<0>(input_tensormaps), *tma_barrier, mcast_mask_a),
                          tAgA(_, _, _, *k_tile_iter), tAsA(_, _, _, write_stage));
                 empty.complete(tma_barrier);
-                copy(p.tma_load_bh.with(get<1>(input_tensormaps), *tma_barrier, 0),
-                     tBgBg(_, _, _, *k_tile_iter), tBsB(_, _, _, 2 * write_stage));
-                copy(p.tma_load_bh.with(get<1>(input_tensormaps), *tma_barrier, 0),
-                     tBgBu(_, _, _, *k_tile_iter), tBsB(_, _, _, 2 * write_stage + 1));
+                if constexpr (kClusterM == 1) {
+                    copy(p.tma_load_bh.with(get<1>(input_tensormaps), *tma_barrier, 0),
+                         tBgBg(_, _, _, *k_tile_iter), tBsB(_, _, _, 2 * write_stage));
+                    copy(p.tma_load_bh.with(get<1>(input_tensormaps), *tma_barrier, 0),
+                         tBgBu(_, _, _, *k_tile_iter), tBsB(_, _, _, 2 * write_stage + 1));
+                } else if (cluster_local_block_id.x == 0) {
+                    copy(p.tma_load_bh.with(get<1>(input_tensormaps), *tma_barrier, mcast_mask_b),
+                         tBgBg(_, _, _, *k_tile_iter), tBsB(_, _, _, 2 * write_stage));
+                } else {
+                    copy(p.tma_load_bh.with(get<1>(input_tensormaps), *tma_barrier, mcast_mask_b),
+                         tBgBu(_, _, _, *k_tile_iter), tBsB(_, _, _, 2 * write_stage + 1));
+                }
                 ++k_tile_iter;
                 ++smem_pipe_write;
             }
@@ -984,6 +1023,11 @@ static bool s_sm90_gated = true;
 // set by ex_get_factor: under Tile128, GEMM2 runs on Tile128N128 where I <= kSm90Gemm2PingpongMaxI
 // (EX_MOE_SM90_GEMM2_PINGPONG=0: always on Tile128 as GEMM1, for comparison)
 static bool s_sm90_gemm2_pp = true;
+// set by ex_get_factor: rows per expert (T*K/G) from which the gated GEMM1 of the 128 x 256 tiling
+// runs in clusters of 2 x 1 CTAs where I / 128 is odd (Tile128M2, sm90_gated_m2_for);
+// EX_MOE_SM90_CLUSTER_M2_ROWS, 0: never
+constexpr int64_t kSm90ClusterM2Rows = 1024;
+static int64_t s_sm90_cluster_m2_rows = kSm90ClusterM2Rows;
 // set by ex_get_factor: the gather of hidden_states into expert order runs a warp per token (its
 // row read once, written to its slots' sorted rows); EX_MOE_SM90_GATHER_BY_TOKEN=0: a warp per
 // sorted row (each row read K times), for comparison
@@ -1017,6 +1061,8 @@ using GemmPpBf16 = sm90::GroupedGemm<cutlass::bfloat16_t, sm90::Tile128N128>;
 using GemmPpF16 = sm90::GroupedGemm<cutlass::half_t, sm90::Tile128N128>;
 using GatedPpBf16 = sm90::GatedGemm1<cutlass::bfloat16_t, __nv_bfloat16, sm90::Tile128N128>;
 using GatedPpF16 = sm90::GatedGemm1<cutlass::half_t, __half, sm90::Tile128N128>;
+using GatedM2Bf16 = sm90::GatedGemm1<cutlass::bfloat16_t, __nv_bfloat16, sm90::Tile128M2>;
+using GatedM2F16 = sm90::GatedGemm1<cutlass::half_t, __half, sm90::Tile128M2>;
 
 // CUTLASS workspace bytes (per-SM TMA descriptors) for kSm90MaxSms SMs of one kernel type.
 template <class G> static int64_t cutlass_ws_bytes_for() {
@@ -1028,7 +1074,8 @@ template <class G> static int64_t cutlass_ws_bytes_for() {
 }
 
 // Every CUTLASS kernel type the plugin launches (two element types x three tilings, gated GEMM1
-// or not; the ungated 128 x 128 type is GEMM2's under Tile128 too); the workspace, smem and
+// or not; the ungated 128 x 128 type is GEMM2's under Tile128 too; the gated GEMM1 of Tile128 also
+// in 2 x 1 clusters, Tile128M2); the workspace, smem and
 // block-shape figures are taken over all of them.
 template <class G0, class... Gs>
 struct KernelSet {
@@ -1042,7 +1089,7 @@ struct KernelSet {
     }
 };
 using AllKernels = KernelSet<GemmBf16, GemmF16, GatedBf16, GatedF16, Gemm64Bf16, Gemm64F16, Gated64Bf16, Gated64F16,
-                             GemmPpBf16, GemmPpF16, GatedPpBf16, GatedPpF16>;
+                             GemmPpBf16, GemmPpF16, GatedPpBf16, GatedPpF16, GatedM2Bf16, GatedM2F16>;
 static int64_t cutlass_ws_bytes() { return AllKernels::ws_bytes(); }
 
 struct Sm90Layout {
@@ -1128,6 +1175,14 @@ static bool sm90_chunked_for(const Problem& P) {
 // Under the 128-row tiling, whether GEMM2 runs on Tile128N128 (short reduction over I).
 static bool sm90_gemm2_pingpong_for(const Problem& P) {
     return s_sm90_gemm2_pp && P.I <= kSm90Gemm2PingpongMaxI;
+}
+
+// Under the 128 x 256 tiling, whether the gated GEMM1 runs in clusters of 2 x 1 (Tile128M2): an
+// odd number of N-tiles per expert (I / 128), which 1 x 2 pairs round up, and from
+// s_sm90_cluster_m2_rows rows per expert on (floor(T*K/G), as sm90_path_for), where the M-tiles
+// that 2 x 1 pairs round up instead are few against an expert's.
+static bool sm90_gated_m2_for(const Problem& P) {
+    return s_sm90_cluster_m2_rows > 0 && (P.I / 128) % 2 == 1 && P.TK / P.G >= s_sm90_cluster_m2_rows;
 }
 
 static int64_t sm90_workspace_size(const int64_t dims[], int n_dims) {
@@ -1356,8 +1411,12 @@ static int launch_sm90(const Problem& P, void* out, const void* x, const void* w
                                             band, subs, s_num_sms, s_smem_optin, s_sm90_pdl, stream, extra);
         if (err != cudaSuccess) return cuda_error(err);
     } else if (gated) {
-        using GG = sm90::GatedGemm1<CT, T, Tile>;
-        st = run_grouped_gemm<GG, 1>(ga[0], E, cutlass_ws, key, stream, (void*)ga[1].a, (void*)ga[1].sa);
+        if (std::is_same<Tile, sm90::Tile128>::value && sm90_gated_m2_for(P))
+            st = run_grouped_gemm<sm90::GatedGemm1<CT, T, sm90::Tile128M2>, 1>(ga[0], E, cutlass_ws, key, stream,
+                                                                               (void*)ga[1].a, (void*)ga[1].sa);
+        else
+            st = run_grouped_gemm<sm90::GatedGemm1<CT, T, Tile>, 1>(ga[0], E, cutlass_ws, key, stream,
+                                                                    (void*)ga[1].a, (void*)ga[1].sa);
         if (st != EX_OK) return st;
     } else {
         st = run_grouped_gemm<GT, 1>(ga[0], E, cutlass_ws, key, stream);
@@ -1441,6 +1500,7 @@ extern "C" EX_EXPORT ex_factor_t* ex_get_factor(const ex_hardware_t* hw) {
     s_sm90_tile64_max_rows = explugin::env_count("EX_MOE_SM90_TILE64_MAX_ROWS", kSm90Tile64MaxRows);
     s_sm90_gated = explugin::env_switch("EX_MOE_SM90_SILU_IN_GEMM1");
     s_sm90_gemm2_pp = explugin::env_switch("EX_MOE_SM90_GEMM2_PINGPONG");
+    s_sm90_cluster_m2_rows = explugin::env_count("EX_MOE_SM90_CLUSTER_M2_ROWS", kSm90ClusterM2Rows);
     static const char* const kOffOn[] = {"0", "1"};  // a switch that is off unless set to 1
     s_sm90_raster_n = explugin::env_choice("EX_MOE_SM90_RASTER_N", kOffOn, 2, 0) == 1;
     s_sm90_gather_by_token = explugin::env_switch("EX_MOE_SM90_GATHER_BY_TOKEN");

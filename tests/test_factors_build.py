@@ -210,6 +210,7 @@ SWITCH_SAYS = "ignored: expected 0 (off) or 1 (on); using 1 (on, the default)"
     ("EX_MOE_ROUTE_MULTIBLOCK_SLOTS", "abc", "ignored: expected a decimal integer >= 0; using 2048"),
     ("EX_MOE_SM90_MIN_ROWS_PER_EXPERT", "-1", "ignored: expected a decimal integer >= 0; using 64"),
     ("EX_MOE_SM90_TILE64_MAX_ROWS", "1e3", "ignored: expected a decimal integer >= 0; using 0"),
+    ("EX_MOE_SM90_CLUSTER_M2_ROWS", "x", "ignored: expected a decimal integer >= 0; using 1024"),
     ("EX_MOE_SM90_MIN_ROWS_PER_EXPERT", "99999999999999999999",    # beyond a long long: was
      "ignored: expected a decimal integer >= 0; using 64"),          # taken as LLONG_MAX
     ("EX_MOE_SM90_SWIZZLE", "3", "ignored: expected 1, 2, 4 or 8; using 1"),

@@ -5,6 +5,7 @@ call, inputs drawn fresh, bf16 passed as Bits16 (uint16 bits) so CuPy needs no b
 """
 import math
 import os
+import re
 
 import numpy as np
 import pytest
@@ -949,6 +950,69 @@ def test_sm90_skip_empty_a_slices_bit_identical(skip_a_reg, cp, config, kind):
         outs.append(run_moe_check(r, cp, (x, w13, w2, w, ids), dtype))
         r.check_device_errors()
     assert same_bits(cp, outs[0], outs[1], dtype)
+
+
+CLUSTER_M2_ENV = "EX_MOE_SM90_CLUSTER_M2_ROWS"   # read by the sm90 plugin's ex_get_factor
+
+
+def cutlass_clusters(names):
+    """{(GEMM, (cluster M, cluster N))} of every CUTLASS grouped GEMM launch among the profiled
+    kernel names: GEMM "gated" (GatedMainloop) or "plain", the ClusterShape that CUTLASS's
+    MainloopSm90ArrayTmaGmmaWarpSpecialized<Stages, ClusterShape, ...> carries."""
+    found = set()
+    for name in names:
+        if "MainloopSm90ArrayTmaGmmaWarpSpecialized" not in name:
+            continue
+        m = re.search(r"MainloopSm90ArrayTmaGmmaWarpSpecialized<\s*\d+\s*,\s*(?:cute::)?tuple<\s*"
+                      r"(?:cute::)?C<(\d+)>\s*,\s*(?:cute::)?C<(\d+)>", name)
+        if m is None:   # a name the profiler left mangled (seen on an H100): cute::C<m>, then the
+            # template C again with <n> (N SF_ I Li n E E E), or a back-reference where n == m
+            m = re.search(r"MainloopSm90ArrayTmaGmmaWarpSpecializedILi\d+E\w*?1CILi(\d+)EEE"
+                          r"(?:N[A-Z0-9]*_ILi(\d+)EEE|S[A-Z0-9]*_)", name)
+        assert m, name[:400]
+        cm = int(m.group(1))
+        cn = int(m.group(2)) if m.group(2) is not None else cm
+        found.add(("gated" if "GatedMainloop" in name else "plain", (cm, cn)))
+    return found
+
+
+@pytest.mark.parametrize("kind", ["I=1408", "one expert", "E=40 fp16", "empty experts", "ungated I=200",
+                                  "few rows"])
+def test_sm90_gated_gemm1_in_clusters_along_m_bit_identical(skip_a_reg, cp, kind):
+    """Under the 128 x 256 tiling (forced: dims[7] = 4), the gated GEMM1 of a shape with an odd
+    I / 128 runs in clusters of 2 x 1 CTAs (the weights multicast to a pair of M-tiles, the gate
+    and up boxes each copied by one CTA of the pair) from EX_MOE_SM90_CLUSTER_M2_ROWS rows per
+    expert on (set to 1 here: every call), and gives the same bits as in 1 x 2 pairs (=0), both
+    within tolerance of the float64 reference: I = 1408 (11 N-tiles), 384 with every slot on one
+    expert (24 M-tiles), 128 with idle experts (experts of one M-tile rounded up to a pair, the
+    second all zero fill, its A copy left out); an even I / 128 (256), the ungated GEMM1 (I = 200)
+    and GEMM2 keep their 1 x 2 pairs either way. The profiler's kernel names say which cluster
+    shapes ran. A box multicast to the wrong CTA, or a stage released before the peer read it,
+    changes the bits or hangs."""
+    shapes = {"I=1408": (700, 256, 8, 1408, 2), "one expert": (3000, 512, 16, 384, 1),
+              "E=40 fp16": (1000, 512, 40, 256, 6), "empty experts": (2048, 256, 64, 128, 4),
+              "ungated I=200": (700, 256, 8, 200, 2), "few rows": (40, 512, 64, 256, 6)}
+    case, dtype = kind_case(cp, shapes, kind)
+    I = shapes[kind][3]
+    saved = {CLUSTER_M2_ENV: os.environ.get(CLUSTER_M2_ENV)}
+    outs, clusters = [], {}
+    try:
+        for m2 in (True, False):
+            os.environ[CLUSTER_M2_ENV] = "1" if m2 else "0"
+            r = skip_a_reg(True)
+            r.set_tuning("moe_fused_gemm", lambda sizes: 4)
+            out, names = profiled_kernels(cp, lambda: run_moe_check(r, cp, case, dtype))
+            outs.append(out)
+            clusters[m2] = cutlass_clusters(names)
+            r.check_device_errors()
+    finally:
+        restore_env(saved)
+    assert same_bits(cp, outs[0], outs[1], dtype)
+    gemm1 = "gated" if I % 128 == 0 else "plain"
+    pairs = {(gemm1, (1, 2)), ("plain", (1, 2))}   # GEMM1, then GEMM2 (cooperative or ping-pong)
+    m2 = I % 128 == 0 and (I // 128) % 2 == 1
+    assert clusters[True] == ({("gated", (2, 1)), ("plain", (1, 2))} if m2 else pairs), clusters
+    assert clusters[False] == pairs, clusters
 
 
 CHUNKED_MC_ENV = "EX_MOE_SM90_CHUNKED_MULTICAST"   # read by the sm90 plugin's ex_get_factor
