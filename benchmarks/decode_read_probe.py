@@ -98,13 +98,9 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     a = parse_args(argv)
-    from ex_engine._scripts import output_file_problem, report_problems
-    from ex_engine.moe_layer import case_problems, load_models_or_exit
-    shapes = load_models_or_exit("decode_read_probe.py")
-    problems = case_problems(shapes, a.models, a.tokens, all_ok=True)
-    if report_problems("decode_read_probe.py", problems + [output_file_problem("--json", a.json)]):
-        return 2   # before the GPU work, whose figures would be lost at the end
-    models = [(m, shapes[m]) for m in (sorted(shapes) if a.models == ["all"] else a.models)]
+    from ex_engine.moe_layer import models_tokens_json_or_exit
+    shapes, names = models_tokens_json_or_exit("decode_read_probe.py", a.models, a.tokens, a.json)
+    models = [(m, shapes[m]) for m in names]
     try:
         import cupy as cp
         import torch

@@ -37,13 +37,12 @@ sys.path.insert(0, str(HERE.parent))
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter,
-                                 epilog=__doc__.split("\n\n", 2)[2])
+    from ex_engine._scripts import HelpFormatter
+    from ex_engine.moe_layer import models_help
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     ap.add_argument("--models", nargs="+", default=["all"], metavar="MODEL",
-                    help="models of manifests/moe_models.yaml, or 'all' (default)")
-    ap.add_argument("--tokens", nargs="+", type=int, default=[4096, 16384], metavar="T",
-                    help="token counts (default 4096 16384; each >= 1)")
+                    help=f"models of manifests/moe_models.yaml: {models_help(all_ok=True)}")
+    ap.add_argument("--tokens", nargs="+", type=int, default=[4096, 16384], metavar="T", help="token counts, each >= 1")
     ap.add_argument("--json", metavar="FILE", help="write the results here as JSON (after every shape)")
     ap.add_argument("--profile", action="store_true",
                     help="run each op once per shape inside a CUDA profiler range (for ncu); no timing")
@@ -65,13 +64,8 @@ def even_groups(M: int, E: int) -> list:
 
 def main(argv=None) -> int:
     a = parse_args(argv)
-    from ex_engine._scripts import output_file_problem, report_problems
-    from ex_engine.moe_layer import case_problems, load_models_or_exit
-    shapes = load_models_or_exit("gemm_shape_rate.py")
-    problems = case_problems(shapes, a.models, a.tokens, all_ok=True)
-    if report_problems("gemm_shape_rate.py", problems + [output_file_problem("--json", a.json)]):
-        return 2   # before the GPU work, whose figures would be lost at the end
-    models = sorted(shapes) if a.models == ["all"] else a.models
+    from ex_engine.moe_layer import models_tokens_json_or_exit
+    shapes, models = models_tokens_json_or_exit("gemm_shape_rate.py", a.models, a.tokens, a.json)
     try:
         import torch
         if not torch.cuda.is_available():

@@ -185,6 +185,18 @@ def load_models_or_exit(tool: str) -> dict:
         raise SystemExit(2) from None
 
 
+def models_tokens_json_or_exit(tool: str, models, tokens, json_path) -> tuple:
+    """(model name -> MoEShape of every model, [the chosen names]) for a script's --models ('all'
+    standing alone: every model, sorted), --tokens and --json, checked before any GPU work, whose
+    figures would otherwise be lost: every problem '<tool>: <why>' on stderr and exit status 2
+    (SystemExit), as load_models_or_exit and case_problems."""
+    shapes = load_models_or_exit(tool)
+    problems = case_problems(shapes, models, tokens, all_ok=True) + [output_file_problem("--json", json_path)]
+    if report_problems(tool, problems):
+        raise SystemExit(2)
+    return shapes, sorted(shapes) if list(models) == ["all"] else list(models)
+
+
 def model_shape(name: str) -> MoEShape:
     """The MoEShape of ``name``. Raises FactorError listing the known models."""
     models = load_models()
