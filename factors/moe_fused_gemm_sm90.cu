@@ -63,8 +63,8 @@
  * PtrArrayTmaWarpSpecializedCooperative with no source C (beta = 0), fp32 accumulation. GEMM2 under
  * Tile128 with a short reduction (I <= kSm90Gemm2PingpongMaxI) runs on Tile128N128 (128 x 128 x 64,
  * ping-pong, same cluster) instead. The gated GEMM1 under Tile128 runs in clusters of 2 x 1 CTAs
- * (Tile128M2: the weights multicast to a pair of M-tiles) where I / 128 is odd and an expert has
- * kSm90ClusterM2Rows rows or more (sm90_gated_m2_for). Where dims[7] = 8 (tuned data: "narrow") both GEMMs run on
+ * (Tile128M2: the weights multicast to a pair of M-tiles) where I / 128 is odd and the call has
+ * T*K/G >= kSm90ClusterM2Rows rows per expert (sm90_gated_m2_for). Where dims[7] = 8 (tuned data: "narrow") both GEMMs run on
  * Tile128N128 (the gated GEMM1 with gate and up boxes of 64 rows): twice the tiles of Tile128,
  * for shapes whose 128 x 256 tiles leave the last round of the persistent grid mostly idle (granite
  * at T = 384..1024: ~160 tiles of GEMM1 on 132 SMs). Where dims[7] = 10 (tuned data: "chunked")
@@ -225,7 +225,9 @@ static bool g_skip_empty_a = true;
 // stage barrier instead (the same elected lane that armed it, within the same phase). The MMA then
 // reads that slice's stale rows of the stage, which give output rows >= M only: the epilogues
 // store rows < M (the gated one by its row test, the TMA store by the group's D extent). Both CTAs
-// of a cluster work on the same M-tile of the same group (A is multicast between them).
+// of a 1 x 2 cluster work on the same M-tile of the same group (A is multicast between them); in a
+// 2 x 1 cluster (Tile128M2) each CTA loads its own M-tile's A as one slice, which is left out
+// where that tile lies wholly past the group's M (the pair's rounding of an expert of one M-tile).
 template <class TileShape, class ClusterShape, class ElementA>
 struct EmptyASlices {
     static constexpr int kSlices = cute::size<1>(ClusterShape{});
