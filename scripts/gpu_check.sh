@@ -8,7 +8,9 @@
 #                                            time of one eager call by stage; gap: each kernel of the
 #                                            T >= 4096 calls against the card's matmul, copy and
 #                                            write rates, scripts/kernel_times_moe.py then
-#                                            benchmarks/gap_moe.py; ep: every GPU)
+#                                            benchmarks/gap_moe.py, and cuBLAS and
+#                                            torch._grouped_mm at the same GEMM shapes,
+#                                            benchmarks/gemm_shape_rate.py; ep: every GPU)
 # On the lent H200: carry .whl (cffi + pycparser cp312 wheels: cffi is not installed there)
 # and, to skip the build there, the factors/*.so built here.
 #
@@ -114,6 +116,8 @@ if has gap; then
   if [ -f "$OUT/kernel_times_gap.json" ]; then
     python3 benchmarks/gap_moe.py "$OUT/kernel_times_gap.json" 2>&1 | tee "$OUT/gap_moe.txt"; [ "${PIPESTATUS[0]}" = 0 ] || status=1
   fi
+  step "cuBLAS and torch._grouped_mm at the same GEMM shapes (gemm_shape_rate.py)"
+  timeout ${BENCH_TIMEOUT:-500} python3 benchmarks/gemm_shape_rate.py --json "$OUT/gemm_shape_rate.json" 2>&1 | tee "$OUT/gemm_shape_rate.txt"; [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
 if has tune; then
   step "tune moe_fused_gemm tile configurations (writes $OUT/tuning.yaml; copy it to manifests/tuning/)"

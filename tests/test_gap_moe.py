@@ -326,6 +326,8 @@ def test_gpu_check_gap_stage_fails_plainly_without_a_gpu(tmp_path):
     assert r.returncode == 1, r.stdout + r.stderr
     assert "kernel_times_moe: needs PyTorch and a CUDA GPU" in r.stdout + r.stderr
     assert not (tmp_path / "gap_moe.txt").exists()
+    # then gemm_shape_rate.py (cuBLAS and torch._grouped_mm at the GEMMs' shapes) says so too
+    assert "gemm_shape_rate.py: needs a GPU with PyTorch" in r.stdout + r.stderr
     assert "done: status 1" in r.stdout
 
 
