@@ -22,8 +22,10 @@ matmul, copy and write rates measured in the same process (_timing.ceilings). --
 each op once per shape inside a CUDA profiler range instead (for Nsight Compute, as above), and
 times nothing.
 
-Inputs: N(0, 1) rows, N(0, 0.02) weights, bfloat16. Needs PyTorch with a CUDA GPU; --help needs
-neither. Exit status: 0 done; 2 bad arguments, or no GPU.
+Inputs: N(0, 1) rows, N(0, 0.02) weights, bfloat16. A model or T given twice is measured once.
+Needs PyTorch with a CUDA GPU and torch._grouped_mm (a Hopper-class card for its kernels); --help
+needs neither. Exit status: 0 done; 2 bad arguments (T*K above 2^31 - 1 too), no GPU, or shapes
+whose tensors do not fit in its memory (the shapes measured before are in --json).
 """
 from __future__ import annotations
 
@@ -64,12 +66,21 @@ def even_groups(M: int, E: int) -> list:
 
 def main(argv=None) -> int:
     a = parse_args(argv)
+    from ex_engine._scripts import report_problems
     from ex_engine.moe_layer import models_tokens_json_or_exit
     shapes, models = models_tokens_json_or_exit("gemm_shape_rate.py", a.models, a.tokens, a.json)
+    models, tokens = list(dict.fromkeys(models)), list(dict.fromkeys(a.tokens))   # each shape once
+    # torch._grouped_mm's offsets are int32: M = T*K rows must fit
+    if report_problems("gemm_shape_rate.py", [f"--tokens: T = {T} gives {m} T*K = {T * shapes[m].K} rows, above "
+                                              f"2^31 - 1 (torch._grouped_mm's int32 offsets)"
+                                              for m in models for T in tokens if T * shapes[m].K > 2 ** 31 - 1]):
+        return 2
     try:
         import torch
         if not torch.cuda.is_available():
             raise RuntimeError("torch sees no CUDA device")
+        if not hasattr(torch, "_grouped_mm"):
+            raise RuntimeError(f"torch {torch.__version__} has no torch._grouped_mm")
     except Exception as exc:   # ImportError, CUDA errors: a GPU is what this tool measures
         print(f"gemm_shape_rate.py: needs a GPU with PyTorch ({type(exc).__name__}: {exc})", file=sys.stderr)
         return 2
@@ -90,7 +101,7 @@ def main(argv=None) -> int:
         meta["ceilings_here"] = ceilings()
         print("ceilings here: " + ", ".join(f"{k} {v:.1f}" for k, v in meta["ceilings_here"].items()), flush=True)
     rows = []
-    cases = [(m, T, g) for m in models for T in a.tokens for g in ("GEMM1", "GEMM2")]
+    cases = [(m, T, g) for m in models for T in tokens for g in ("GEMM1", "GEMM2")]
     for i, (m, T, which) in enumerate(cases, 1):
         s = shapes[m]
         M, N, Kd = gemm_shapes(s, T)[which]

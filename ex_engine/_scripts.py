@@ -105,7 +105,10 @@ def output_file_problem(flag: str, path) -> str:
         return f"{flag}: {path} is a folder; expected a file path"
     target = p.resolve()   # a link (dangling too: writing creates its target) is checked there
     if not target.parent.is_dir():
-        return f"{flag}: folder {p.parent if target == p.absolute() else target.parent} does not exist"
+        parent = p.parent if target == p.absolute() else target.parent
+        if parent.exists():   # a file where the folder would be (--json /etc/passwd/x.json)
+            return f"{flag}: {parent} is not a folder"
+        return f"{flag}: folder {parent} does not exist"
     p = target
     existed = p.exists()
     flags = os.O_WRONLY | os.O_NONBLOCK | (0 if existed else os.O_CREAT | os.O_EXCL)

@@ -22,10 +22,12 @@
 #   TUNE_ARGS         arguments of benchmarks/tune_moe.py, whose --out is always $OUT/tuning.yaml
 #                     (where none is there yet, a copy of this GPU's shipped table if there is
 #                     one, e.g. manifests/tuning/h200.yaml on the H200; else a new table)
+#   GAP_CASES         model:T cases of the gap stage (default: every model at T = 4096 and 16384;
+#                     gemm_shape_rate.py takes their models and their T, every pairing of them)
 #   TESTS_TIMEOUT (300), SELFTEST_TIMEOUT (150, each self-test), RUN_TIMEOUT (300),
-#   GAP_CASES         model:T cases of the gap stage (default: every model at T = 4096 and 16384)
-#   BENCH_TIMEOUT (500: bench, bench_rn, host and gap each), TUNE_TIMEOUT (400), EP_TIMEOUT (300, each
-#   torchrun): seconds before a stage's command is stopped (a stopped stage fails)
+#   BENCH_TIMEOUT (500: bench, bench_rn, host, and each of the gap stage's two tools),
+#   TUNE_TIMEOUT (400), EP_TIMEOUT (300, each torchrun): seconds before a stage's command is
+#   stopped (a stopped stage fails)
 # Exit status: 0 every stage passed; 1 a stage failed (a self-test that tested nothing, or GPU
 # tests that all skipped, fail too); 2 an unknown stage, a log folder (OUT) that cannot be
 # written, or carried wheels that do not install.
@@ -117,7 +119,10 @@ if has gap; then
     python3 benchmarks/gap_moe.py "$OUT/kernel_times_gap.json" 2>&1 | tee "$OUT/gap_moe.txt"; [ "${PIPESTATUS[0]}" = 0 ] || status=1
   fi
   step "cuBLAS and torch._grouped_mm at the same GEMM shapes (gemm_shape_rate.py)"
-  timeout ${BENCH_TIMEOUT:-500} python3 benchmarks/gemm_shape_rate.py --json "$OUT/gemm_shape_rate.json" 2>&1 | tee "$OUT/gemm_shape_rate.txt"; [ "${PIPESTATUS[0]}" = 0 ] || status=1
+  gap_models=$(for c in $gap_cases; do echo "${c%%:*}"; done | sort -u)
+  gap_tokens=$(for c in $gap_cases; do echo "${c##*:}"; done | sort -un)
+  # (word splitting meant, as above)
+  timeout ${BENCH_TIMEOUT:-500} python3 benchmarks/gemm_shape_rate.py --models $gap_models --tokens $gap_tokens --json "$OUT/gemm_shape_rate.json" 2>&1 | tee "$OUT/gemm_shape_rate.txt"; [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
 if has tune; then
   step "tune moe_fused_gemm tile configurations (writes $OUT/tuning.yaml; copy it to manifests/tuning/)"

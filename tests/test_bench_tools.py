@@ -810,7 +810,9 @@ def test_gemm_shape_rate_checks_its_arguments_before_asking_for_a_gpu(tmp_path):
     tool = str(ROOT / "benchmarks" / "gemm_shape_rate.py")
     for args, says in ((["--models", "nope"], "--models: 'nope' is not one of all, "),
                        (["--tokens", "0"], "--tokens: expected T >= 1, got 0"),
-                       (["--json", str(tmp_path / "no" / "x.json")], "--json: folder ")):
+                       (["--json", str(tmp_path / "no" / "x.json")], "--json: folder "),
+                       (["--models", "mixtral-8x7b", "--tokens", "1073741824"],
+                        "--tokens: T = 1073741824 gives mixtral-8x7b T*K = 2147483648 rows, above 2^31 - 1")):
         r = subprocess.run([sys.executable, tool, *args], capture_output=True, text=True, env=child_env())
         assert r.returncode == 2 and says in r.stderr and "Traceback" not in r.stderr, (args, r.stderr)
     r = subprocess.run([sys.executable, tool, "--help"], capture_output=True, text=True, env=child_env())
