@@ -808,7 +808,10 @@ def test_gemm_shape_rate_checks_its_arguments_before_asking_for_a_gpu(tmp_path):
     import subprocess
     from tests.conftest import child_env
     tool = str(ROOT / "benchmarks" / "gemm_shape_rate.py")
+    (tmp_path / "a_file").write_text("x")
     for args, says in ((["--models", "nope"], "--models: 'nope' is not one of all, "),
+                       # a file where the folder would be: named as such (it read 'folder ... does not exist')
+                       (["--json", str(tmp_path / "a_file" / "x.json")], f"--json: {tmp_path / 'a_file'} is not a folder"),
                        (["--tokens", "0"], "--tokens: expected T >= 1, got 0"),
                        (["--json", str(tmp_path / "no" / "x.json")], "--json: folder "),
                        (["--models", "mixtral-8x7b", "--tokens", "1073741824"],
