@@ -156,6 +156,9 @@ constexpr int64_t kSm90Tile64MaxRows = 0;
 // 261.0 vs 253.9, phi-3.5 I = 6400 765 vs 643, mixtral I = 14336 1692 vs 1444), where the
 // epilogue is a small share of a tile's time and the 128 x 256 tile's operand reuse wins.
 constexpr int64_t kSm90Gemm2PingpongMaxI = 1024;
+// Under Tile128, rows per expert (T*K/G) from which the gated GEMM1 runs in clusters of 2 x 1 CTAs
+// where I / 128 is odd (sm90::Tile128M2, sm90_gated_m2_for; measurements there).
+constexpr int64_t kSm90ClusterM2Rows = 1024;
 // SM count the CUTLASS workspace (one TMA descriptor per SM and tensor) is sized for; the
 // launch uses min(multiprocessor_count, this).
 constexpr int kSm90MaxSms = 256;
@@ -1025,10 +1028,7 @@ static bool s_sm90_gated = true;
 // set by ex_get_factor: under Tile128, GEMM2 runs on Tile128N128 where I <= kSm90Gemm2PingpongMaxI
 // (EX_MOE_SM90_GEMM2_PINGPONG=0: always on Tile128 as GEMM1, for comparison)
 static bool s_sm90_gemm2_pp = true;
-// set by ex_get_factor: rows per expert (T*K/G) from which the gated GEMM1 of the 128 x 256 tiling
-// runs in clusters of 2 x 1 CTAs where I / 128 is odd (Tile128M2, sm90_gated_m2_for);
-// EX_MOE_SM90_CLUSTER_M2_ROWS, 0: never
-constexpr int64_t kSm90ClusterM2Rows = 1024;
+// set by ex_get_factor: kSm90ClusterM2Rows, or EX_MOE_SM90_CLUSTER_M2_ROWS (0: never)
 static int64_t s_sm90_cluster_m2_rows = kSm90ClusterM2Rows;
 // set by ex_get_factor: the gather of hidden_states into expert order runs a warp per token (its
 // row read once, written to its slots' sorted rows); EX_MOE_SM90_GATHER_BY_TOKEN=0: a warp per
@@ -1413,12 +1413,11 @@ static int launch_sm90(const Problem& P, void* out, const void* x, const void* w
                                             band, subs, s_num_sms, s_smem_optin, s_sm90_pdl, stream, extra);
         if (err != cudaSuccess) return cuda_error(err);
     } else if (gated) {
-        if (std::is_same<Tile, sm90::Tile128>::value && sm90_gated_m2_for(P))
-            st = run_grouped_gemm<sm90::GatedGemm1<CT, T, sm90::Tile128M2>, 1>(ga[0], E, cutlass_ws, key, stream,
-                                                                               (void*)ga[1].a, (void*)ga[1].sa);
-        else
-            st = run_grouped_gemm<sm90::GatedGemm1<CT, T, Tile>, 1>(ga[0], E, cutlass_ws, key, stream,
-                                                                    (void*)ga[1].a, (void*)ga[1].sa);
+        auto gemm1 = [&](auto tiling) {  // the gated GEMM1 on a tiling (its act and strides from ga[1])
+            return run_grouped_gemm<sm90::GatedGemm1<CT, T, decltype(tiling)>, 1>(
+                ga[0], E, cutlass_ws, key, stream, (void*)ga[1].a, (void*)ga[1].sa);
+        };
+        st = std::is_same<Tile, sm90::Tile128>::value && sm90_gated_m2_for(P) ? gemm1(sm90::Tile128M2{}) : gemm1(Tile{});
         if (st != EX_OK) return st;
     } else {
         st = run_grouped_gemm<GT, 1>(ga[0], E, cutlass_ws, key, stream);
