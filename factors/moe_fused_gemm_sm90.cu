@@ -1025,15 +1025,9 @@ static int s_sm90_swizzle = 1;
 // set by ex_get_factor: GEMM1 computes silu(g) * u in its epilogue where I % 128 == 0
 // (EX_MOE_SM90_SILU_IN_GEMM1=0: the separate silu_mul launch, for comparison)
 static bool s_sm90_gated = true;
-// set by ex_get_factor: under Tile128, GEMM2 runs on Tile128N128 where I <= s_sm90_gemm2_pp_max_i
-// (EX_MOE_SM90_GEMM2_PINGPONG=0: always on Tile128 as GEMM1, for comparison;
-// EX_MOE_SM90_GEMM2_PINGPONG_MAX_I=N moves the bound, kSm90Gemm2PingpongMaxI by default)
+// set by ex_get_factor: under Tile128, GEMM2 runs on Tile128N128 where I <= kSm90Gemm2PingpongMaxI
+// (EX_MOE_SM90_GEMM2_PINGPONG=0: always on Tile128 as GEMM1, for comparison)
 static bool s_sm90_gemm2_pp = true;
-static int64_t s_sm90_gemm2_pp_max_i = kSm90Gemm2PingpongMaxI;
-// set by ex_get_factor: under narrow (Tile128N128), GEMM2 on Tile128 (128 x 256 cooperative) where
-// I > s_sm90_gemm2_pp_max_i, as under Tile128 (EX_MOE_SM90_NARROW_GEMM2=rule); default (pingpong):
-// GEMM2 on Tile128N128 as GEMM1
-static bool s_sm90_narrow_gemm2_rule = false;
 // set by ex_get_factor: kSm90ClusterM2Rows, or EX_MOE_SM90_CLUSTER_M2_ROWS (0: never)
 static int64_t s_sm90_cluster_m2_rows = kSm90ClusterM2Rows;
 // set by ex_get_factor: the gather of hidden_states into expert order runs a warp per token (its
@@ -1182,7 +1176,7 @@ static bool sm90_chunked_for(const Problem& P) {
 
 // Under the 128-row tiling, whether GEMM2 runs on Tile128N128 (short reduction over I).
 static bool sm90_gemm2_pingpong_for(const Problem& P) {
-    return s_sm90_gemm2_pp && P.I <= s_sm90_gemm2_pp_max_i;
+    return s_sm90_gemm2_pp && P.I <= kSm90Gemm2PingpongMaxI;
 }
 
 // Under the 128 x 256 tiling, whether the gated GEMM1 runs in clusters of 2 x 1 (Tile128M2): an
@@ -1436,8 +1430,6 @@ static int launch_sm90(const Problem& P, void* out, const void* x, const void* w
     if (!use_chunked) {
         if (std::is_same<Tile, sm90::Tile128>::value && sm90_gemm2_pingpong_for(P))
             st = run_grouped_gemm<sm90::GroupedGemm<CT, sm90::Tile128N128>, 2>(ga[1], E, cutlass_ws, key, stream);
-        else if (std::is_same<Tile, sm90::Tile128N128>::value && s_sm90_narrow_gemm2_rule && !sm90_gemm2_pingpong_for(P))
-            st = run_grouped_gemm<sm90::GroupedGemm<CT, sm90::Tile128>, 2>(ga[1], E, cutlass_ws, key, stream);
         else
             st = run_grouped_gemm<GT, 2>(ga[1], E, cutlass_ws, key, stream);
         if (st != EX_OK) return st;
@@ -1509,9 +1501,6 @@ extern "C" EX_EXPORT ex_factor_t* ex_get_factor(const ex_hardware_t* hw) {
     s_sm90_tile64_max_rows = explugin::env_count("EX_MOE_SM90_TILE64_MAX_ROWS", kSm90Tile64MaxRows);
     s_sm90_gated = explugin::env_switch("EX_MOE_SM90_SILU_IN_GEMM1");
     s_sm90_gemm2_pp = explugin::env_switch("EX_MOE_SM90_GEMM2_PINGPONG");
-    s_sm90_gemm2_pp_max_i = explugin::env_count("EX_MOE_SM90_GEMM2_PINGPONG_MAX_I", kSm90Gemm2PingpongMaxI);
-    static const char* const kNarrowGemm2[] = {"pingpong", "rule"};
-    s_sm90_narrow_gemm2_rule = explugin::env_choice("EX_MOE_SM90_NARROW_GEMM2", kNarrowGemm2, 2, 0) == 1;
     s_sm90_cluster_m2_rows = explugin::env_count("EX_MOE_SM90_CLUSTER_M2_ROWS", kSm90ClusterM2Rows);
     static const char* const kOffOn[] = {"0", "1"};  // a switch that is off unless set to 1
     s_sm90_raster_n = explugin::env_choice("EX_MOE_SM90_RASTER_N", kOffOn, 2, 0) == 1;
