@@ -11,8 +11,9 @@
 #                                            benchmarks/gap_moe.py, and cuBLAS and
 #                                            torch._grouped_mm at the same GEMM shapes,
 #                                            benchmarks/gemm_shape_rate.py; ep: every GPU)
-# On the lent H200: carry .whl (cffi + pycparser cp312 wheels: cffi is not installed there)
-# and, to skip the build there, the factors/*.so built here.
+# On a GPU machine without cffi and without a package index (such as the project's lent H200):
+# bring .whl/ (the wheels of cffi and pycparser for its Python, e.g. cp312), which setup installs,
+# and, to skip the build there, the factors/*.so built elsewhere.
 #
 # Environment variables (all optional):
 #   OUT               folder of the logs and result files (default: gpu_out/ in the repository root)
