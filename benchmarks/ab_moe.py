@@ -42,7 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from ex_engine import FactorError, FactorRegistry, moe_fused_gemm  # noqa: E402
-from ex_engine._scripts import HelpFormatter, plugin_folder_problem  # noqa: E402
+from ex_engine._scripts import HelpFormatter, integer, plugin_folder_problem  # noqa: E402
 from ex_engine.moe_layer import (load_models_or_exit, models_help, output_file_problem,  # noqa: E402
                                  parse_cases, report_problems)
 from _timing import graph_us, run_meta, write_json  # noqa: E402
@@ -139,14 +139,14 @@ def main():
                     help="two or more, distinct names: a folder of plugin libraries and the environment "
                          "variables (README.md's table) set while the config runs; config=NAME forces "
                          "a tile configuration of tune_moe.py (e.g. t64=factors:config=grouped64)")
-    ap.add_argument("--sets", type=int, default=3, help="independently routed input sets rotated per graph")
+    ap.add_argument("--sets", type=integer, default=3, help="independently routed input sets rotated per graph")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"],
                     help="activation and weight dtype")
     ap.add_argument("--json", default=None, metavar="FILE",
                     help="write the run's date, device, commit and configs, and every row (with each round's "
                          "times) here, after every row; not written by default")
     ap.add_argument("--no-ref", action="store_true", help="skip the float32 reference check")
-    ap.add_argument("--rounds", type=int, default=2, help="timing rounds, config order reversed every other round")
+    ap.add_argument("--rounds", type=integer, default=2, help="timing rounds, config order reversed every other round")
     ap.add_argument("--unchecked", nargs="+", default=[], metavar="NAME",
                     help="configs timed whatever their output (diagnostic knock-out builds, "
                          "-DEX_MOE_DIAG: wrong by design); their checks are still reported")

@@ -206,10 +206,10 @@ def main():
     listed = models_help(all_ok=True) if FactorRegistry else "see manifests/moe_models.yaml (listing them needs numpy)"
     ap.add_argument("--models", nargs="+", default=["all"], metavar="MODEL",
                     help=f"models of manifests/moe_models.yaml, or all (alone: every model): {listed}")
-    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 64, 512, 4096, 16384], metavar="T",
+    ap.add_argument("--tokens", type=_scripts["integer"], nargs="+", default=[1, 8, 64, 512, 4096, 16384], metavar="T",
                     help="token counts T, each >= 1")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"], help="activation and weight dtype")
-    ap.add_argument("--sets", type=int, default=4,
+    ap.add_argument("--sets", type=_scripts["integer"], default=4,
                     help="independently routed input sets rotated through each graph (>= 1)")
     ap.add_argument("--skew", action="store_true",
                     help="also time skewed routing (a few hot experts take most tokens) at T = 64 and "
@@ -218,7 +218,7 @@ def main():
                     help="also time balanced routing (every expert exactly T*K/E slots: the case in "
                          "which experts' rows pad tiles least; a diagnostic, not a model's routing) "
                          "at each T of --tokens where E divides T*K")
-    ap.add_argument("--fallback-max-t", type=int, default=64,
+    ap.add_argument("--fallback-max-t", type=_scripts["integer"], default=64,
                     help="time the Python fallback (eager: one warm-up call, whose output is checked "
                          "against the reference, then the median of 5) at each T up to this")
     copies = ap.add_mutually_exclusive_group()
@@ -235,7 +235,7 @@ def main():
     ap.add_argument("--json", default=None, metavar="FILE",
                     help="write the run's meta and every row here, after each row (a run cut short "
                          "keeps what it measured); not written by default")
-    ap.add_argument("--warm-ms", type=float, default=200.0,
+    ap.add_argument("--warm-ms", type=_scripts["number"], default=200.0,
                     help="replay each graph this many ms before timing it, 0..60000: rows are timed "
                          "at the clocks of sustained load, which the card reaches within ~0.1 s")
     ap.add_argument("--factors", default=None, metavar="FOLDER",
@@ -251,6 +251,8 @@ def main():
     problems = case_problems(models, args.models, args.tokens, args.factors, all_ok=True)
     if args.sets < 1:
         problems.append(f"--sets: expected >= 1, got {args.sets}")
+    if args.fallback_max_t < 0:
+        problems.append(f"--fallback-max-t: expected T >= 0 (0: the fallback at no T), got {args.fallback_max_t}")
     if not 0 <= args.warm_ms <= 60000:
         problems.append(f"--warm-ms: expected 0..60000 ms, got {args.warm_ms}")
     problems.append(output_file_problem("--json", args.json))

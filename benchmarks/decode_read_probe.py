@@ -31,11 +31,14 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import runpy
 import sys
 import warnings
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+# the scripts' helpers, standard library only, loaded by path (--help needs no numpy)
+_scripts = runpy.run_path(str(HERE.parent / "ex_engine" / "_scripts.py"))
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
@@ -85,14 +88,16 @@ def parse_args(argv=None):
                                  epilog=__doc__.split("\n\n", 2)[2])
     ap.add_argument("--models", nargs="+", default=["all"], metavar="MODEL",
                     help="models of manifests/moe_models.yaml, or 'all' (default)")
-    ap.add_argument("--tokens", nargs="+", type=int, default=[1, 8, 64], metavar="T",
+    ap.add_argument("--tokens", nargs="+", type=_scripts["integer"], default=[1, 8, 64], metavar="T",
                     help="token counts (default 1 8 64; each 1..4096)")
-    ap.add_argument("--seed", type=int, default=0, help="seed of the routing (default 0)")
+    ap.add_argument("--seed", type=_scripts["integer"], default=0, help="seed of the routing, >= 0 (default 0)")
     ap.add_argument("--json", metavar="FILE", help="write the results here as JSON")
     a = ap.parse_args(argv)
     bad = [t for t in a.tokens if not 1 <= t <= 4096]
     if bad:
-        ap.error(f"--tokens: expected counts from 1 to 4096, got {bad}")
+        ap.error(f"--tokens: expected counts from 1 to 4096, got {' '.join(map(str, bad))}")
+    if a.seed < 0:   # torch's manual_seed takes no negative seed
+        ap.error(f"--seed: expected an integer >= 0, got {a.seed}")
     return a
 
 
@@ -203,8 +208,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    import runpy
-    # its --help and table print 'µs': escaped, not an error, under an ASCII locale (the helper
-    # loaded by path, standard library only: --help still needs no numpy)
-    runpy.run_path(str(HERE.parent / "ex_engine" / "_scripts.py"))["tolerant_stdio"]()
+    # its --help and table print 'µs': escaped, not an error, under an ASCII locale
+    _scripts["tolerant_stdio"]()
     sys.exit(main())

@@ -22,11 +22,13 @@ what holds their weight streams at 75-90% of the copy ceiling (benchmarks/RESULT
 from __future__ import annotations
 
 import argparse
+import runpy
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _timing import run_meta, write_json  # noqa: E402  (date, device, commit: RESULTS.md's rule)
+_scripts = runpy.run_path(str(Path(__file__).resolve().parents[1] / "ex_engine" / "_scripts.py"))  # stdlib only
 
 KERNEL = r"""
 extern "C" __global__ void __launch_bounds__(256)
@@ -66,12 +68,12 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog=__doc__.split("\n\n", 2)[2])
-    ap.add_argument("--mb", type=float, default=805.0,
+    ap.add_argument("--mb", type=_scripts["number"], default=805.0,
                     help="matrix size in MB (default 805: olmoe's w13 or qwen3-30b's)")
-    ap.add_argument("--row-bytes", type=int, default=4096,
+    ap.add_argument("--row-bytes", type=_scripts["integer"], default=4096,
                     help="bytes of one row (the reduction: H = 2048 bf16 is 4096; default)")
-    ap.add_argument("--rows", type=int, default=128, help="rows of a tile (one CTA's; default 128)")
-    ap.add_argument("--repeat", type=int, default=20, help="timed reads of each pattern (default 20)")
+    ap.add_argument("--rows", type=_scripts["integer"], default=128, help="rows of a tile (one CTA's; default 128)")
+    ap.add_argument("--repeat", type=_scripts["integer"], default=20, help="timed reads of each pattern (default 20)")
     ap.add_argument("--json", metavar="FILE", help="write the results here as JSON")
     a = ap.parse_args(argv)
     if a.mb <= 0 or a.repeat < 1 or a.rows < 1:

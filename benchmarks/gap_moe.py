@@ -52,7 +52,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from ex_engine._scripts import HelpFormatter, exit_quietly_on_broken_pipe  # noqa: E402
+from ex_engine._scripts import HelpFormatter, exit_quietly_on_broken_pipe, number  # noqa: E402
 
 PEAK_TFLOPS = 787.0   # ../shared/PERF.md: the floor's matmul ceiling
 PEAK_GBS = 4230.0     # ../shared/PERF.md: the floor's copy ceiling
@@ -140,8 +140,10 @@ def check(data) -> None:
             raise BadInput(f"{at}: expected an object, got {shown(r)}")
         missing = [k for k in NEED if k not in r]
         if missing:
-            raise BadInput(f"{at}: lacks {', '.join(missing)} (of {', '.join(NEED)}; "
-                           "an older kernel_times_moe.py?)")
+            whose = ("bench_moe.py's JSON, not kernel_times_moe.py's?" if "floor_us" in r else
+                     "ab_moe.py's JSON, not kernel_times_moe.py's?" if "configs" in meta else
+                     "an older kernel_times_moe.py, or another tool's JSON?")
+            raise BadInput(f"{at}: lacks {', '.join(missing)} (of {', '.join(NEED)}; {whose})")
         if not isinstance(r["model"], str):
             raise BadInput(f"{at}.model: expected a name, got {shown(r['model'])}")
         for k in ("T", "H", "I", "K"):
@@ -238,11 +240,11 @@ def analyse(row: dict, rates: dict) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     ap.add_argument("json_file", metavar="JSON", help="the output of scripts/kernel_times_moe.py --json")
-    ap.add_argument("--matmul-tflops", type=float, default=None, help="the card's bf16 matmul rate "
+    ap.add_argument("--matmul-tflops", type=number, default=None, help="the card's bf16 matmul rate "
                     "(default: the JSON's ceilings_here, else ../shared/PERF.md's 787)")
-    ap.add_argument("--copy-gbs", type=float, default=None, help="the card's copy rate, bytes read + "
+    ap.add_argument("--copy-gbs", type=number, default=None, help="the card's copy rate, bytes read + "
                     "written (default: the JSON's ceilings_here, else PERF.md's 4230)")
-    ap.add_argument("--write-gbs", type=float, default=None, help="the card's write-only rate "
+    ap.add_argument("--write-gbs", type=number, default=None, help="the card's write-only rate "
                     "(default: the JSON's ceilings_here, else unknown)")
     args = ap.parse_args(argv)
     rates = {"matmul_tflops": args.matmul_tflops, "copy_gbs": args.copy_gbs, "write_gbs": args.write_gbs}

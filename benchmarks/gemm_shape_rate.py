@@ -39,12 +39,12 @@ sys.path.insert(0, str(HERE.parent))
 
 
 def parse_args(argv=None):
-    from ex_engine._scripts import HelpFormatter
+    from ex_engine._scripts import HelpFormatter, integer
     from ex_engine.moe_layer import models_help
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     ap.add_argument("--models", nargs="+", default=["all"], metavar="MODEL",
                     help=f"models of manifests/moe_models.yaml: {models_help(all_ok=True)}")
-    ap.add_argument("--tokens", nargs="+", type=int, default=[4096, 16384], metavar="T", help="token counts, each >= 1")
+    ap.add_argument("--tokens", nargs="+", type=integer, default=[4096, 16384], metavar="T", help="token counts, each >= 1")
     ap.add_argument("--json", metavar="FILE", help="write the results here as JSON (after every shape)")
     ap.add_argument("--profile", action="store_true",
                     help="run each op once per shape inside a CUDA profiler range (for ncu); no timing")

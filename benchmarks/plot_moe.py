@@ -19,7 +19,7 @@ sys.path.insert(0, str(HERE))
 from perf_peers import VLLM_US  # noqa: E402
 # one check of bench_moe's JSON; and table_moe's _scripts (standard library only, loaded by
 # path: --help works without numpy, the package's __init__), not a second load of it
-from table_moe import _number, _scripts, route_of, shape_problem  # noqa: E402
+from table_moe import _number, _scripts, file_problem, route_of, shape_problem  # noqa: E402
 output_file_problem, report_problems = _scripts["output_file_problem"], _scripts["report_problems"]
 
 try:
@@ -42,12 +42,13 @@ def uniform(r: dict) -> bool:
 def data_problem(data) -> str:
     """What keeps bench_moe.py's JSON ``data`` out of the chart ('' if nothing), in table_moe.py's
     words (its shape_problem; its row_problem asks for columns the chart does not draw): not a
-    mapping with 'meta' (a mapping) and 'rows' (a list) (a bare KeyError: 'rows' before), a meta
+    mapping with 'meta' (a mapping) and 'rows' (a list) (a bare KeyError: 'rows' before), rows
+    of another tool (ab_moe.py's, host_moe.py's: table_moe.py's file_problem), a meta
     without the dtype, device, date and commit of the title, a row that is not a mapping, and in
     each row drawn (timed, uniform routing) no 'model' and 'T', a time that is not a number, or
     a floor_us not > 0."""
-    if shape_problem(data):
-        return shape_problem(data)
+    if shape_problem(data) or file_problem(data):   # (another tool's JSON named as table_moe names it)
+        return shape_problem(data) or file_problem(data)
     missing = [k for k in META if k not in data["meta"]]
     if missing:
         return f"meta: expected the keys {list(META)}, missing {missing}"

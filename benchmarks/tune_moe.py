@@ -45,7 +45,7 @@ import yaml  # noqa: E402
 from _timing import graph_us, run_meta  # noqa: E402
 from bench_moe import input_sets, layer_weights, reference, rel  # noqa: E402
 from ex_engine import FactorError, FactorRegistry, moe_fused_gemm  # noqa: E402
-from ex_engine._scripts import HelpFormatter  # noqa: E402
+from ex_engine._scripts import HelpFormatter, integer, number  # noqa: E402
 from ex_engine.trust import replace_file  # noqa: E402
 from ex_engine.moe_layer import (case_problems, load_models_or_exit, models_help,  # noqa: E402
                                  output_file_problem, report_problems)
@@ -211,15 +211,15 @@ def main() -> int:
     ap.add_argument("--models", nargs="+", default=["all"], metavar="MODEL",
                     help=f"models of manifests/moe_models.yaml, or all (alone: every model): "
                          f"{models_help(all_ok=True)}")
-    ap.add_argument("--tokens", type=int, nargs="+", metavar="T",
+    ap.add_argument("--tokens", type=integer, nargs="+", metavar="T",
                     default=[1, 8, 32, 64, 128, 512, 1024, 4096, 16384], help="T values to tune, each >= 1")
-    ap.add_argument("--sets", type=int, default=4, help="routed input sets rotated per graph (>= 1)")
-    ap.add_argument("--warm-ms", type=float, default=200.0,
+    ap.add_argument("--sets", type=integer, default=4, help="routed input sets rotated per graph (>= 1)")
+    ap.add_argument("--warm-ms", type=number, default=200.0,
                     help="replay each graph this many ms before timing it, 0..60000, as bench_moe.py does: "
                          "configurations are chosen at the clocks of sustained load, which the power-"
                          "limited card reaches within ~0.1 s (at 20 ms a T = 4096 row read ~10%% faster "
                          "than under the table's sustained load)")
-    ap.add_argument("--margin", type=float, default=0.03,
+    ap.add_argument("--margin", type=number, default=0.03,
                     help="record a configuration only if it beats the kernel's own choice by this "
                          "fraction, else record 'auto' (>= 0)")
     ap.add_argument("--out", default=None, metavar="FILE",

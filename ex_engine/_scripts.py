@@ -66,6 +66,33 @@ def tolerant_stdio() -> None:
             stream.reconfigure(errors=errors)
 
 
+# The largest token count T a tool takes (16.8 M: far beyond a layer's batch; moe_models.yaml tops
+# at 16384), the `ex-engine run moe` bound and the benchmarks' (case_problems).
+MAX_TOKENS = 1 << 24
+
+
+def integer(v: str) -> int:
+    """argparse type: an integer, its bounds checked by the tool with its other arguments (every
+    problem listed at once); a word or a fraction is refused naming what came ('expected an
+    integer, got 'abc''), not argparse's 'invalid int value'."""
+    try:
+        return int(v)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {v!r}") from None
+
+
+def number(v: str) -> float:
+    """argparse type: a finite number, its bounds checked by the tool as ``integer``'s; a word,
+    nan or inf is refused naming what came."""
+    try:
+        x = float(v)
+    except ValueError:
+        x = float("nan")
+    if x != x or x in (float("inf"), float("-inf")):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {v!r}")
+    return x
+
+
 def report_problems(tool: str, problems) -> bool:
     """Print each non-empty problem as '<tool>: <problem>' on stderr; True if there was any (the
     tool then exits with status 2 before any work)."""
@@ -78,6 +105,8 @@ def report_problems(tool: str, problems) -> bool:
 def plugin_folder_problem(flag: str, path) -> str:
     """What keeps ``path`` from being the plugin folder ``flag`` names ('' if nothing): a file in
     its place, or nothing there."""
+    if not str(path):   # Path('') is the current folder: an empty value is a slip, not '.'
+        return f"{flag}: expected a plugin folder, got ''"
     p = Path(path)
     if p.is_dir():
         return ""

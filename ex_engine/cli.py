@@ -23,7 +23,7 @@ import warnings
 from pathlib import Path
 
 from . import _paths
-from ._scripts import _reader_left, exit_quietly_on_broken_pipe, tolerant_stdio  # noqa: F401 (the scripts' import)
+from ._scripts import MAX_TOKENS, _reader_left, exit_quietly_on_broken_pipe, tolerant_stdio  # noqa: F401 (the scripts' import)
 from .errors import FactorError
 from .hardware import Hardware, list_profiles, profiles_problem, resolve
 from .trust import CHILD_TIMEOUT_S, LIBRARY_LIMIT
@@ -60,7 +60,6 @@ def nonempty(v: str) -> str:
     return v
 
 
-MAX_TOKENS = 1 << 24   # 16.8 M tokens: far beyond a layer's batch (moe_models.yaml tops at 16384)
 
 
 def tokens_arg(v: str) -> int:

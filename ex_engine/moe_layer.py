@@ -18,7 +18,7 @@ import numpy as np
 import yaml
 
 from . import _paths, _yaml
-from ._scripts import output_file_problem, plugin_folder_problem, report_problems  # noqa: F401 (the scripts' import)
+from ._scripts import MAX_TOKENS, output_file_problem, plugin_folder_problem, report_problems  # noqa: F401 (the scripts' import)
 from .arrays import Bits16, TensorRef, bf16_bits_to_f32, f32_to_bf16_bits
 from .errors import ArgumentError, DTypeError, FactorError, ShapeError, is_integer, one_line
 from .fallbacks import moe_fused_gemm_math, topk_softmax_math
@@ -132,8 +132,9 @@ def load_models(path=None) -> dict:
 def case_problems(models: dict, names, tokens, factors=None, all_ok: bool = False) -> list:
     """What is wrong with a benchmark tool's --models / --tokens / --factors (strings; [] if
     nothing): models not in ``models`` (``all_ok``: 'all' is a choice too, standing alone: 'all'
-    beside names is refused, not read as a model called 'all'), T < 1, a plugin folder that does
-    not exist. Checked before any work, so a mistake loses no measurement."""
+    beside names is refused, not read as a model called 'all'), T < 1 or above MAX_TOKENS (the
+    CLI's bound), a plugin folder that does not exist (or ''). Checked before any work, so a
+    mistake loses no measurement."""
     choices = (["all"] if all_ok else []) + sorted(models)
     out = []
     if all_ok and "all" in names:
@@ -144,8 +145,8 @@ def case_problems(models: dict, names, tokens, factors=None, all_ok: bool = Fals
     out += [f"--models: {m!r} is not one of {', '.join(choices)}" for m in names if m not in models]
     if not tokens:
         out.append("--tokens: expected at least one T")
-    elif min(tokens) < 1:
-        out.append(f"--tokens: expected T >= 1, got {' '.join(map(str, tokens))}")
+    elif min(tokens) < 1 or max(tokens) > MAX_TOKENS:
+        out.append(f"--tokens: expected T from 1 to {MAX_TOKENS}, got {' '.join(map(str, tokens))}")
     if factors is not None and plugin_folder_problem("--factors", factors):
         out.append(plugin_folder_problem("--factors", factors))
     return out

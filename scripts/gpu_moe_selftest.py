@@ -723,7 +723,7 @@ def main():
                     help=f"skip the decode shapes run once per {DECODE_ENV} mode")
     ap.add_argument("--modes", default="old,nopdl,late,new",
                     help=f"{DECODE_ENV} values to compare on the decode shapes (default old,nopdl,late,new)")
-    ap.add_argument("--rotate", type=int, default=4,
+    ap.add_argument("--rotate", type=_scripts["integer"], default=4,
                     help="input sets rotated in the decode timings (weights not served from L2)")
     a = ap.parse_args()
     known_modes = ("old", "nopdl", "late", "onewave", "new", "unfused")   # the .cuh's decode_mode()

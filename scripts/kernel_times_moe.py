@@ -144,7 +144,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=_scripts["HelpFormatter"])
     ap.add_argument("--cases", nargs="+", required=True, metavar="MODEL:T",
                     help="model:T pairs, T >= 1, models of manifests/moe_models.yaml, e.g. qwen3-30b-a3b:512")
-    ap.add_argument("--calls", type=int, default=8, help="profiled calls per case (>= 1)")
+    ap.add_argument("--calls", type=_scripts["integer"], default=8, help="profiled calls per case (>= 1)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"],
                     help="activation and weight dtype")
     ap.add_argument("--factors", default=None, metavar="FOLDER", help="plugin folder (default: factors/)")

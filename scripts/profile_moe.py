@@ -24,7 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ex_engine import FactorRegistry, moe_fused_gemm, topk_softmax  # noqa: E402
-from ex_engine._scripts import CONFIG_HELP, HelpFormatter, config_problems, cupy_with_gpu, force_config  # noqa: E402
+from ex_engine._scripts import CONFIG_HELP, HelpFormatter, config_problems, cupy_with_gpu, force_config, integer  # noqa: E402
 from ex_engine.moe_layer import (MoELayer, case_problems, load_models_or_exit, models_help,  # noqa: E402
                                  report_problems)
 
@@ -33,7 +33,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     ap.add_argument("--models", nargs="+", default=["qwen3-30b-a3b"], metavar="MODEL",
                     help=f"models of manifests/moe_models.yaml: {models_help()}")
-    ap.add_argument("--tokens", type=int, nargs="+", default=[1], metavar="T", help="token counts T, each >= 1")
+    ap.add_argument("--tokens", type=integer, nargs="+", default=[1], metavar="T", help="token counts T, each >= 1")
     ap.add_argument("--factors", default=None, metavar="FOLDER", help="plugin folder (default: factors/)")
     ap.add_argument("--config", default=None, help=CONFIG_HELP)
     args = ap.parse_args()
