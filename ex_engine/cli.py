@@ -60,8 +60,6 @@ def nonempty(v: str) -> str:
     return v
 
 
-
-
 def tokens_arg(v: str) -> int:
     """argparse type: a token count T, 1 <= T <= MAX_TOKENS (T = 0, an empty batch, would build
     the layer's weights to check nothing)."""
