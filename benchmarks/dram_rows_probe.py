@@ -76,8 +76,8 @@ def parse_args(argv=None):
     ap.add_argument("--repeat", type=_scripts["integer"], default=20, help="timed reads of each pattern (default 20)")
     ap.add_argument("--json", metavar="FILE", help="write the results here as JSON")
     a = ap.parse_args(argv)
-    if a.mb <= 0 or a.repeat < 1 or a.rows < 1:
-        ap.error("--mb must be > 0, --repeat and --rows >= 1")
+    if not 0 < a.mb < float("inf") or a.repeat < 1 or a.rows < 1:   # (nan fails the first test too)
+        ap.error(f"--mb must be a finite number > 0, --repeat and --rows >= 1; got {a.mb}, {a.repeat}, {a.rows}")
     if a.row_bytes < 128 or a.row_bytes % 128:
         ap.error(f"--row-bytes: expected a multiple of 128 (>= 128), got {a.row_bytes}")
     return a
