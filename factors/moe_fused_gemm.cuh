@@ -116,9 +116,11 @@
  * first global access);
  * onewave = late + the early launches (grids that fit in one wave) and GEMM2's own routing and
  * weight prefetch above; new (default; an unknown value is named on stderr and runs new) =
- * onewave + early launches of GEMM1's and GEMM2's successors whatever their wave count, and GEMM2's
- * weight prefetch before its wait also after a routing launch (T*K > 32); unfused = late's
- * launches with the separate routing launch (no fused routing, no early launches).
+ * onewave + early launches of GEMM1's and GEMM2's successors whatever their wave count, GEMM2's
+ * weight prefetch before its wait also after a routing launch (T*K > 32), and there GEMM2's blocks
+ * waiting for their own tile's act (per-tile counters GEMM1's blocks add to) instead of for GEMM1's
+ * whole grid, both GEMMs in N-tile-fastest order; gridwait = new without the per-tile waits;
+ * unfused = late's launches with the separate routing launch (no fused routing, no early launches).
  *
  * y is kept in the input dtype, not fp32: it halves the bytes of the largest intermediate
  * (T*K*H) written by GEMM2 and read by the combine, which matters at prefill (qwen3-30b, T=4096:
@@ -138,6 +140,8 @@
  *                   plugins' layouts, reserved whichever routing runs
  *   meta            int32[2]: number of tiles, number of valid rows
  *   tiles           int4[max_tiles(BM=16)]: {expert, first row, end row, 0}
+ *   ready           int32[max_tiles(BM=16)]: GEMM1 blocks done per tile (new decode mode, zeroed
+ *                   by the routing launch)
  *   sorted_slots    int32[T*K]
  *   act             dtype[T*K, I]   (fast path: sorted order; fallback: slot order)
  *   y               dtype[S_cap, T*K, H]   (S_cap = 8 if T*K <= 32, else 1)
@@ -516,9 +520,11 @@ moe_route_kernel(const int* __restrict__ topk_ids, const ExpertMap em, int TK, i
                  int* __restrict__ sorted_slots,  // (T*K,) slot of each sorted row
                  int* __restrict__ expert_off,    // optional (E+1,): first sorted row of each
                                                   // expert, [E] = valid rows (NULL: not written)
-                 int* __restrict__ slot_pos)      // optional (T*K,): sorted row of each placed
+                 int* __restrict__ slot_pos,      // optional (T*K,): sorted row of each placed
                                                   // slot (the inverse of sorted_slots; NULL: not
                                                   // written; a slot not placed keeps its old value)
+                 int* __restrict__ ready = nullptr,  // optional (n_ready,): GEMM1's per-tile
+                 int n_ready = 0)                 // counters (EX_MOE_DECODE_CONFIG=new), zeroed
 {
     using Scan = cub::BlockScan<int, kRouteThreads>;
     __shared__ typename Scan::TempStorage scan_tmp;
@@ -532,6 +538,7 @@ moe_route_kernel(const int* __restrict__ topk_ids, const ExpertMap em, int TK, i
     pdl_wait();               // launched with PDL: the previous kernel (topk_softmax, say) is done
     pdl_launch_dependents();  // GEMM1 blocks may get resident; they wait for this grid's end
     for (int e = tid; e < E; e += kRouteThreads) s_cnt[e] = 0;
+    for (int i = tid; i < n_ready; i += kRouteThreads) ready[i] = 0;  // read after GEMM1's wait
     __syncthreads();
 
     // 1. histogram; four independent loads in flight per thread
@@ -738,9 +745,22 @@ struct GemmParams {
                                // tiles and sorted_slots before GEMM1 started, so they are final:
                                // read them (through L2) and stream the first weight stages before
                                // the wait, as a GEMM2 that routes itself does
+    int* ready;                // EX_MOE_DECODE_CONFIG=new (with pre_ws): per-tile counters, zeroed
+                               // by the routing launch: GEMM1's block adds 1 to its tile's once its
+                               // act columns are stored; GEMM2's blocks wait for ready_target there
+                               // instead of for GEMM1's whole grid (griddepcontrol.wait)
+    int ready_target;          // GEMM2: GEMM1's N-tiles per tile
 };
 
 constexpr int kFusedRouteSlots = 32;  // one warp routes them with ballots and shuffles
+
+// An int read with acquire semantics at GPU scope (the reads after it see the writes that came
+// before the release it reads from: GEMM1's act before its atomicAdd, after its fence)
+__device__ __forceinline__ int ld_acquire_gpu(const int* p) {
+    int v;
+    asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
 
 // Routing of at most 32 slots by one warp (lane = slot), the same result as moe_route_kernel
 // up to the order of slots inside an expert (here: by slot index): s_sorted[r] = slot of sorted
@@ -1015,7 +1035,13 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) moe_gemm_kernel(const Gem
 #pragma unroll
         for (int s = 0; s < STAGES - 1; ++s)
             if (s < nkt) load_b(s, kt0 + s);
-        pdl_wait();  // act is GEMM1's output
+        if (!GATED && p.ready != nullptr) {   // this tile's act only (GEMM1's blocks all started)
+            if (tid == 0)
+                while (ld_acquire_gpu(p.ready + tile) < p.ready_target) __nanosleep(64);
+            __syncthreads();
+        } else {
+            pdl_wait();  // act is GEMM1's output
+        }
         if (p.early) pdl_launch_dependents();
 #pragma unroll
         for (int s = 0; s < STAGES - 1; ++s) {
@@ -1130,6 +1156,11 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) moe_gemm_kernel(const Gem
         }
     }
     if (to_cluster) cluster_combine<T, BM, BN, NT>(p, gemm_smem, n0);
+    if (GATED && p.ready != nullptr) {   // this block's act columns of the tile are stored
+        __threadfence();
+        __syncthreads();
+        if (tid == 0) atomicAdd(p.ready + tile, 1);
+    }
 }
 
 // ------------------------------------------------------------------------------------------
@@ -1331,11 +1362,23 @@ constexpr int s_diag_skip = 0;
 //          H200, 2026-12-01, shipped plugin: 0.1-4.5% faster than onewave on 15 of 18 rows at
 //          T = 1..512 (qwen3-30b T = 8 127.7 -> 124.4 us, granite T = 8 53.8 -> 51.3), 0.4-1.0%
 //          slower on qwen3-30b T = 1 and 256 and granite T = 1 (ab_decode_wide_h200_2026-12-01.json)
+//          And after a routing launch (T*K > 32, single-block routing) GEMM2's blocks wait for
+//          their own tile's act, not for GEMM1's whole grid: per-tile counters in the workspace,
+//          zeroed by the routing, to which each GEMM1 block adds 1 once its act columns are stored
+//          (fence, then atomicAdd; GEMM2 reads them with ld.acquire). Both GEMMs then run their
+//          blocks in N-tile-fastest order, so that tiles complete in turn and GEMM2's blocks of the
+//          first tiles stream their weights during GEMM1's last wave. No deadlock: GEMM2's blocks
+//          launch only once every GEMM1 block has started (it lets them launch after its own
+//          wait). H100, ab_moe 6 rounds each (ab_decode_tile_waits_h100_2026-12-06.json): 0-3.9%
+//          faster on 20 rows of T = 8..128, faster in every round on 18 (granite T = 8 66.8 ->
+//          64.2 us, deepseek T = 64 389.9 -> 375.5, qwen3-30b T = 8 173.2 -> 169.3), bit-identical
 //   unfused  late's launches with the separate routing launch (and no fused routing anywhere)
-enum { MODE_OLD = 0, MODE_NOPDL = 1, MODE_NEW = 2, MODE_UNFUSED = 3, MODE_LATE = 4, MODE_ONEWAVE = 5 };
+//   gridwait  new without those per-tile waits (GEMM2 waits for GEMM1's whole grid; M-tile-fastest
+//          order while the A tiles fit a quarter of L2), for comparison
+enum { MODE_OLD = 0, MODE_NOPDL = 1, MODE_NEW = 2, MODE_UNFUSED = 3, MODE_LATE = 4, MODE_ONEWAVE = 5, MODE_GRIDWAIT = 6 };
 static int decode_mode() {
-    static const char* const kNames[] = {"old", "nopdl", "new", "unfused", "late", "onewave"};  // MODE_* order
-    return explugin::env_choice("EX_MOE_DECODE_CONFIG", kNames, 6, MODE_NEW);
+    static const char* const kNames[] = {"old", "nopdl", "new", "unfused", "late", "onewave", "gridwait"};  // MODE_* order
+    return explugin::env_choice("EX_MOE_DECODE_CONFIG", kNames, 7, MODE_NEW);
 }
 
 // A launch, with the programmatic-stream-serialization attribute when pdl is set (ex_plugin.cuh).
@@ -1426,7 +1469,7 @@ static bool read_dims(const int64_t dims[], int n_dims, Problem* P, char* msg, s
 }
 
 struct WsLayout {
-    int64_t route, meta, tiles, sorted, act, y, total;
+    int64_t route, meta, tiles, ready, sorted, act, y, total;
     int split_cap;
 };
 
@@ -1464,6 +1507,8 @@ static WsLayout ws_layout(const Problem& P) {
     off += 256;
     L.tiles = off;
     off += align256(max_tiles_for(P.TK, P.E, kSmallBM) * 16);
+    L.ready = off;   // int32 per tile: GEMM1's act stored (EX_MOE_DECODE_CONFIG=new, see decode_mode)
+    off += align256(max_tiles_for(P.TK, P.E, kSmallBM) * 4);
     L.sorted = off;
     off += align256(P.TK * 4);
     L.act = off;
@@ -1556,7 +1601,7 @@ static cudaError_t gemm_smem_opt_in() {
 template <int NT>
 static int launch_route_nt(const Problem& P, int BM, int* status, int* meta, int4* tiles,
                            int* sorted, int* expert_off, int* slot_pos, const int* topk_ids,
-                           cudaStream_t stream, bool pdl) {
+                           cudaStream_t stream, bool pdl, int* ready = nullptr, int n_ready = 0) {
     const size_t scan_bytes = sizeof(typename cub::BlockScan<int, NT>::TempStorage);
     const size_t route_smem = (size_t)(4 * P.E + 1) * sizeof(int);
     if (route_smem + scan_bytes + 1024 > (size_t)s_smem_optin) return EX_FALLBACK;
@@ -1568,7 +1613,7 @@ static int launch_route_nt(const Problem& P, int BM, int* status, int* meta, int
     }
     const cudaError_t err = launch_k(moe_route_kernel<NT>, dim3(1), dim3(NT), route_smem, stream, pdl,
                                      topk_ids, P.em(), (int)P.TK, (int)P.E, BM, status, meta, tiles,
-                                     sorted, expert_off, slot_pos);
+                                     sorted, expert_off, slot_pos, ready, n_ready);
     return err == cudaSuccess ? EX_OK : cuda_error(err);
 }
 
@@ -1616,15 +1661,15 @@ static int launch_route_mb(const Problem& P, int BM, int* status, int* meta, int
 // else one block (a small one for few slots).
 static int launch_route(const Problem& P, int BM, int* status, int* meta, int4* tiles,
                         int* sorted, int* expert_off, const int* topk_ids, cudaStream_t stream,
-                        bool pdl = false, int* slot_pos = nullptr) {
+                        bool pdl = false, int* slot_pos = nullptr, int* ready = nullptr, int n_ready = 0) {
     if (P.TK > s_route_mb_slots && P.E <= kRouteMbMaxExperts)
         return launch_route_mb(P, BM, status, meta, tiles, sorted, expert_off, slot_pos, topk_ids,
                                stream, pdl);
     if (P.TK <= kRouteSmallSlots)
         return launch_route_nt<kRouteThreadsSmall>(P, BM, status, meta, tiles, sorted, expert_off,
-                                                   slot_pos, topk_ids, stream, pdl);
+                                                   slot_pos, topk_ids, stream, pdl, ready, n_ready);
     return launch_route_nt<kRouteThreads>(P, BM, status, meta, tiles, sorted, expert_off, slot_pos,
-                                          topk_ids, stream, pdl);
+                                          topk_ids, stream, pdl, ready, n_ready);
 }
 
 // Whether GEMM2 of (T, C) can run the cluster combine here, asked once per process: the code
@@ -1674,9 +1719,12 @@ static int launch_fast(const Problem& P, void* out, const void* x, const void* w
                              mode != MODE_OLD && mode != MODE_UNFUSED;
     // ... and GEMM2 too, prefetching weights before its wait; early launches of the next grid
     // where this one fits in one wave (MINB blocks per SM: the launch bounds guarantee them)
-    const bool early = fused_route && pdl && (mode == MODE_NEW || mode == MODE_ONEWAVE);
-    // new: early launches whatever the wave count (see decode_mode)
-    const bool wide = pdl && mode == MODE_NEW;
+    const bool early = fused_route && pdl && (mode == MODE_NEW || mode == MODE_ONEWAVE || mode == MODE_GRIDWAIT);
+    // new (and gridwait): early launches whatever the wave count (see decode_mode)
+    const bool wide = pdl && (mode == MODE_NEW || mode == MODE_GRIDWAIT);
+    // new: GEMM2's blocks wait for their tile's counter, after a single-block routing launch
+    // (which zeroes the counters; GEMM2 reads its tile list before its wait only after one)
+    const bool tile_waits = wide && mode == MODE_NEW && !fused_route && P.TK <= s_route_mb_slots;
     const int64_t wave = (int64_t)C::MINB * s_num_sms;
     int* status = reinterpret_cast<int*>(ws);
     int* meta = reinterpret_cast<int*>(ws + L.meta);
@@ -1704,8 +1752,10 @@ static int launch_fast(const Problem& P, void* out, const void* x, const void* w
     if ((err = gemm_smem_opt_in<T, C, false>()) != cudaSuccess) return cuda_error(err);
 
     // routing (EX_FALLBACK for an absurd E: the scalar fallback needs no routing)
+    int* ready = tile_waits ? reinterpret_cast<int*>(ws + L.ready) : nullptr;
     if (!fused_route) {
-        const int rs = launch_route(P, C::BM, status, meta, tiles, sorted, nullptr, topk_ids, stream, pdl);
+        const int rs = launch_route(P, C::BM, status, meta, tiles, sorted, nullptr, topk_ids, stream, pdl,
+                                    nullptr, ready, tile_waits ? (int)max_tiles : 0);
         if (rs != EX_OK) return rs;
     }
 
@@ -1724,7 +1774,9 @@ static int launch_fast(const Problem& P, void* out, const void* x, const void* w
     // well inside L2; otherwise the old order, which reuses one A tile over consecutive blocks
     const bool m_fast_ok = mode != MODE_OLD && C::BM <= 48;  // decode(4), tiny, mid32, mid48
     const int64_t a_bytes1 = max_tiles * C::BM * P.H * 2, a_bytes2 = max_tiles * C::BM * P.I * 2;
-    p1.m_tiles = (m_fast_ok && a_bytes1 <= s_l2_bytes / 4) ? (int)max_tiles : 0;
+    p1.m_tiles = (!tile_waits && m_fast_ok && a_bytes1 <= s_l2_bytes / 4) ? (int)max_tiles : 0;
+    p1.ready = ready;
+    p1.ready_target = 0;
     if ((err = launch_k(moe_gemm_kernel<T, C, true>, dim3((unsigned)blocks1, 1, 1),
                         dim3(C::THREADS), C::smem_bytes(true), stream, pdl, p1)) != cudaSuccess)
         return cuda_error(err);
@@ -1739,7 +1791,9 @@ static int launch_fast(const Problem& P, void* out, const void* x, const void* w
     p2.early = (early && blocks2 * S <= wave) || wide;
     p2.N = H; p2.Kd = I; p2.n_tiles_n = n_tiles_n2;
     p2.kt_per_split = kt_per_split; p2.split_stride = P.TK * P.H;
-    p2.m_tiles = (m_fast_ok && a_bytes2 <= s_l2_bytes / 4) ? (int)max_tiles : 0;
+    p2.m_tiles = (!tile_waits && m_fast_ok && a_bytes2 <= s_l2_bytes / 4) ? (int)max_tiles : 0;
+    p2.ready = p2.pre_ws ? ready : nullptr;
+    p2.ready_target = n_tiles_n1;
     // T = 1: GEMM2 in clusters of the token's K blocks of an N-tile, which sum its rows
     // themselves (cluster_combine): no y, no combine launch (EX_MOE_CLUSTER_COMBINE=0 at load:
     // off), where GEMM2 has at most kClusterCombineBlocksPerSm blocks per SM (see there)

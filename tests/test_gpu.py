@@ -567,7 +567,47 @@ def test_moe_decode_survives_garbage_workspace_and_graph_replay(reg, cp, monkeyp
         assert bool((o.bits == want.bits).all())
 
 
-@pytest.mark.parametrize("mode", ["new", "onewave", "late", "unfused"])
+@pytest.mark.parametrize("T,H,E,I,K,layout", [(5, 2048, 128, 768, 8, "uniform"), (8, 1544, 40, 512, 8, "uniform"),
+                                              (64, 1536, 40, 512, 8, "uniform"), (24, 4096, 8, 1024, 2, "uniform"),
+                                              (40, 1024, 64, 256, 8, "one expert"), (48, 1024, 64, 256, 4, "empty experts"),
+                                              (128, 2048, 128, 768, 8, "skew")])
+def test_moe_decode_tile_waits_equal_the_grid_wait(reg, cp, monkeypatch, T, H, E, I, K, layout):
+    """Decode after a routing launch (T*K > 32): under new, GEMM2's blocks wait for their own
+    tile's counter (GEMM1's blocks add to it once their act columns are stored) instead of for
+    GEMM1's whole grid, both GEMMs in N-tile-fastest order. Its outputs equal gridwait's (the
+    whole-grid wait) bit for bit, with an expert holding every token (many tiles of one expert),
+    experts without tokens, H off the tile (1544), and over 20 graph replays back to back (a
+    counter read too early would let GEMM2 multiply act rows from the replay before: every
+    replay's act is poisoned first by a garbage-filled workspace)."""
+    x, w13, w2, w, ids = moe_case(cp, T, H, E, I, K, "bfloat16", skew=layout == "skew")
+    if layout == "one expert":
+        ids[:, 0] = 3
+        ids[:, 1:] = cp.arange(4, 4 + K - 1, dtype=cp.int32)[None, :] % E
+    elif layout == "empty experts":
+        ids[:] = cp.asarray(empty_experts_ids(cp, T, E, K))
+    case = (x, w13, w2, w, ids)
+    monkeypatch.setenv("EX_MOE_DECODE_CONFIG", "gridwait")
+    want = run_moe_check(reg, cp, case, "bfloat16")
+    monkeypatch.setenv("EX_MOE_DECODE_CONFIG", "new")
+    assert bool((run_moe_check(reg, cp, case, "bfloat16").bits == want.bits).all())
+    out = poison(cp, (T, H), "bfloat16")
+    cp.cuda.Device().synchronize()
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        stream.begin_capture()
+        moe_fused_gemm(*case, out=out, registry=reg)
+        graph = stream.end_capture()
+        for _ in range(20):
+            for buf in reg._workspaces.values():     # counters and act: garbage before each replay
+                buf[256:] = 0x55
+            out.bits.fill(0xFFFF)
+            graph.launch(stream)
+        stream.synchronize()
+    reg.check_device_errors()
+    assert bool((out.bits == want.bits).all())
+
+
+@pytest.mark.parametrize("mode", ["new", "onewave", "late", "unfused", "gridwait"])
 @pytest.mark.parametrize("T,H,E,I,K", [(1, 2048, 128, 768, 8), (4, 4096, 8, 14336, 2), (3, 1544, 40, 512, 8),
                                        (8, 1024, 64, 256, 8)])
 def test_moe_decode_with_no_valid_slot_writes_zeros(reg, cp, monkeypatch, mode, T, H, E, I, K):
