@@ -534,6 +534,19 @@ def test_moe_fused_routing_equals_the_routing_launch(reg, cp, monkeypatch, T, H,
         assert bool((outs[0].bits == o.bits).all())
 
 
+def moe_graph(reg, cp, case, out):
+    """(stream, graph): one moe_fused_gemm call of ``case`` into ``out``, captured on a new
+    non-blocking stream (the device synchronised first: out's poison, filled on the legacy
+    stream, lands before any replay); replay it inside ``with stream:``."""
+    cp.cuda.Device().synchronize()
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        stream.begin_capture()
+        moe_fused_gemm(*case, out=out, registry=reg)
+        graph = stream.end_capture()
+    return stream, graph
+
+
 @pytest.mark.parametrize("T,H,E,I,K", [(1, 2048, 128, 768, 8), (3, 1544, 40, 512, 8), (16, 1024, 64, 256, 2),
                                        (8, 2048, 128, 768, 8), (64, 1024, 64, 256, 8)])
 def test_moe_decode_survives_garbage_workspace_and_graph_replay(reg, cp, monkeypatch, T, H, E, I, K):
@@ -551,12 +564,8 @@ def test_moe_decode_survives_garbage_workspace_and_graph_replay(reg, cp, monkeyp
         buf[256:] = 0x55
     outs.append(run_moe_check(reg, cp, case, "bfloat16"))
     out = poison(cp, (T, H), "bfloat16")
-    cp.cuda.Device().synchronize()                     # the poison (legacy stream) before the replay
-    stream = cp.cuda.Stream(non_blocking=True)
+    stream, graph = moe_graph(reg, cp, case, out)
     with stream:
-        stream.begin_capture()
-        moe_fused_gemm(*case, out=out, registry=reg)
-        graph = stream.end_capture()
         for _ in range(3):
             out.bits.fill(0xFFFF)
             graph.launch(stream)
@@ -591,12 +600,8 @@ def test_moe_decode_tile_waits_equal_the_grid_wait(reg, cp, monkeypatch, T, H, E
     monkeypatch.setenv("EX_MOE_DECODE_CONFIG", "new")
     assert bool((run_moe_check(reg, cp, case, "bfloat16").bits == want.bits).all())
     out = poison(cp, (T, H), "bfloat16")
-    cp.cuda.Device().synchronize()
-    stream = cp.cuda.Stream(non_blocking=True)
+    stream, graph = moe_graph(reg, cp, case, out)
     with stream:
-        stream.begin_capture()
-        moe_fused_gemm(*case, out=out, registry=reg)
-        graph = stream.end_capture()
         for _ in range(20):
             for buf in reg._workspaces.values():     # counters and act: garbage before each replay
                 buf[256:] = 0x55
