@@ -323,17 +323,18 @@ class TuningTable:
         if not isinstance(data, dict):
             raise FactorError(f"tuning file {p}: expected a mapping with device, "
                               f"multiprocessor_count and one table per factor, got {type(data).__name__}")
-        keys = sorted(map(str, data))
         raw = data.get("device")
-        data["device"] = dev = device_name(raw)   # 4090 -> '4090', as profiles
-        data[_NUMERIC_DEVICE] = dev is not raw and isinstance(dev, str)
+        dev = device_name(raw)   # 4090 -> '4090', as profiles
         if not isinstance(dev, str) or not dev:
             # no key at all: most likely another file (a benchmark's JSON), named as such
-            got = (f"got {raw!r}" if "device" in keys else
+            keys = sorted(map(str, data))
+            got = (f"got {raw!r}" if "device" in data else
                    f"got no 'device' key (top-level keys {', '.join(keys[:8])}{', ...' if len(keys) > 8 else ''}: "
                    "not a tuning file?)")
             raise FactorError(f"tuning file {p}: device: expected the name of the GPU it was "
                               f"tuned on (as `ex-engine hardware` prints it), {got}")
+        data["device"] = dev
+        data[_NUMERIC_DEVICE] = dev is not raw
         return data
 
     @staticmethod

@@ -1035,7 +1035,7 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) moe_gemm_kernel(const Gem
 #pragma unroll
         for (int s = 0; s < STAGES - 1; ++s)
             if (s < nkt) load_b(s, kt0 + s);
-        if (!GATED && p.ready != nullptr) {   // this tile's act only (GEMM1's blocks all started)
+        if (p.ready != nullptr) {   // this tile's act only (GEMM1's blocks all started)
             if (tid == 0)
                 while (ld_acquire_gpu(p.ready + tile) < p.ready_target) __nanosleep(64);
             __syncthreads();
@@ -1724,7 +1724,7 @@ static int launch_fast(const Problem& P, void* out, const void* x, const void* w
     const bool wide = pdl && (mode == MODE_NEW || mode == MODE_GRIDWAIT);
     // new: GEMM2's blocks wait for their tile's counter, after a single-block routing launch
     // (which zeroes the counters; GEMM2 reads its tile list before its wait only after one)
-    const bool tile_waits = wide && mode == MODE_NEW && !fused_route && P.TK <= s_route_mb_slots;
+    const bool tile_waits = pdl && mode == MODE_NEW && !fused_route && P.TK <= s_route_mb_slots;
     const int64_t wave = (int64_t)C::MINB * s_num_sms;
     int* status = reinterpret_cast<int*>(ws);
     int* meta = reinterpret_cast<int*>(ws + L.meta);
@@ -1792,7 +1792,7 @@ static int launch_fast(const Problem& P, void* out, const void* x, const void* w
     p2.N = H; p2.Kd = I; p2.n_tiles_n = n_tiles_n2;
     p2.kt_per_split = kt_per_split; p2.split_stride = P.TK * P.H;
     p2.m_tiles = (!tile_waits && m_fast_ok && a_bytes2 <= s_l2_bytes / 4) ? (int)max_tiles : 0;
-    p2.ready = p2.pre_ws ? ready : nullptr;
+    p2.ready = ready;   // (set only with a routing launch under new: then pre_ws is set too)
     p2.ready_target = n_tiles_n1;
     // T = 1: GEMM2 in clusters of the token's K blocks of an N-tile, which sum its rows
     // themselves (cluster_combine): no y, no combine launch (EX_MOE_CLUSTER_COMBINE=0 at load:
