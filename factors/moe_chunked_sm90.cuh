@@ -210,6 +210,9 @@ struct Args {
     int N;                  // GEMM1: I (act columns); GEMM2: H
     int Kdim;               // reduction: H or I
     int E;
+#if defined(EX_MOE_DIAG)
+    int diag_skip = 0;  // diagnostic build: EX_MOE_DIAG_SKIP's bits (4: GEMM2's A copies do not wait for GEMM1)
+#endif
 };
 
 // silu as the CUTLASS path's gated epilogue computes it (its EX_SM90_EPI_ACCURATE build: expf)
@@ -383,6 +386,9 @@ chunked_gemm_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_cons
                 // stages of this item whose A is owed (the first item's first stages: 0 .. pre-1)
                 const int pre = early ? min(KB, kStages) : 0;
                 auto pay = [&]() {
+#if defined(EX_MOE_DIAG)
+                    if (!(p.diag_skip & 4))
+#endif
                     explugin::pdl_wait();
                     for (int j = 0; j < pre; ++j) copy_a(j, j);
                     early = false;
@@ -408,6 +414,9 @@ chunked_gemm_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_cons
             }
             // a CTA without items waits too: this grid's end must imply the previous grid's (the
             // next grid waits for this one only)
+#if defined(EX_MOE_DIAG)
+            if (p.diag_skip & 4) early = true;  // the knock-out's wait, at the end only
+#endif
             if (early) explugin::pdl_wait();
             // kMc tail: wait until every stage is released once more, so that this CTA does not
             // exit while its peer's consumers may still arrive on its barriers

@@ -1332,7 +1332,8 @@ static int64_t s_route_mb_slots = kRouteMultiBlockSlots;
 // read from EX_MOE_DIAG_SKIP at load, of stages not run: 1 the Hopper path's gather after the
 // first call on a workspace and dims (its launch stays, one block that writes the group arrays
 // and copies no rows: GEMM1 reads the first call's rows, which GEMM2 leaves, writing ys to a
-// buffer of its own in such a build's larger workspace), 2 the combine (both paths). The output
+// buffer of its own in such a build's larger workspace), 2 the combine (both paths), 4 the chunked
+// GEMM2's wait for GEMM1 before it copies A (moe_chunked_sm90.cuh; it waits at its end). The output
 // is then wrong (benchmarks/ab_moe.py --unchecked times such a build): the time bounds what
 // folding that stage into a neighbour could save in a call (benchmarks/RESULTS.md, session 31).
 #if defined(EX_MOE_DIAG)

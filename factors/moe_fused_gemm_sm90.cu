@@ -1393,7 +1393,10 @@ static int launch_sm90(const Problem& P, void* out, const void* x, const void* w
     if (use_chunked) {  // both GEMMs (each multicasts A where its N-tiles pair up, unless chunked_nomc)
         const bool mc = s_sm90_chunked_mc && P.config == kTileConfigChunked;
         const chunked::Args a1{expert_off, act, I, I, H, E};
-        const chunked::Args a2{expert_off, ys, H, H, I, E};
+        chunked::Args a2{expert_off, ys, H, H, I, E};
+#if defined(EX_MOE_DIAG)
+        a2.diag_skip = s_diag_skip;  // 4: GEMM2's A copies skip the wait for GEMM1 (a bound)
+#endif
         // chunks of 128 rows (7 stages, one CTA per item) where the rows per expert fit them and
         // their shared memory fits (E <= 739), else 256 (EX_MOE_SM90_CHUNK_ROWS forces one)
         const int64_t rows_per_expert = P.TK / P.G;
