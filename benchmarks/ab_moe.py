@@ -21,7 +21,8 @@ could save; such a row is marked "unchecked" in the output and the JSON). Timing
 rounds, the config order reversed every other round (the power-limited card drifts by up to 12%
 within a minute); a row reports, per config, the median over rounds of graph_us
 (benchmarks/_timing.py). Progress on stderr; --json writes every round, and each config's plugin
-file and its SHA-256. Exit status: 0 every row checked; 1 a row failed its reference check; 2
+file and its SHA-256. A case MODEL:T:skewed draws bench_moe.py's skewed routing (a few hot experts
+take most tokens) instead of the uniform one. Exit status: 0 every row checked; 1 a row failed its reference check; 2
 bad arguments.
 """
 from __future__ import annotations
@@ -117,6 +118,12 @@ def parse_cfg(c, problems=None):
     return name, folder, env
 
 
+def case_routing(case):
+    """(MODEL:T, skewed) of a --cases entry: a trailing ':skewed' asks for bench_moe.py's skewed
+    routing (a few hot experts take most tokens); anything else is the case as given."""
+    return (case[: -len(":skewed")], True) if case.endswith(":skewed") else (case, False)
+
+
 def set_env(env, reg=None):
     """Set a config's environment variables (unsetting every other config's) and, given its
     registry, its forced tile configuration (config=NAME; else the tuning data's)."""
@@ -133,8 +140,9 @@ def set_env(env, reg=None):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
-    ap.add_argument("--cases", nargs="+", required=True, metavar="MODEL:T",
-                    help=f"model:T pairs, T >= 1, models of moe_models.yaml: {models_help()}")
+    ap.add_argument("--cases", nargs="+", required=True, metavar="MODEL:T[:skewed]",
+                    help=f"model:T pairs, T >= 1, models of moe_models.yaml: {models_help()}; "
+                         "a trailing :skewed draws skewed routing (a few hot experts)")
     ap.add_argument("--configs", nargs="+", required=True, metavar="NAME=FOLDER[:VAR=VALUE,...]",
                     help="two or more, distinct names: a folder of plugin libraries and the environment "
                          "variables (README.md's table) set while the config runs; config=NAME forces "
@@ -165,7 +173,7 @@ def main():
                         "against; put a checked config first")
     problems += variable_problems(cfgs, readme_variables())
     problems += [plugin_folder_problem(f"config {n}", folder) for n, folder, env in cfgs]
-    problems += parse_cases(models, args.cases)[1]
+    problems += parse_cases(models, [case_routing(c)[0] for c in args.cases])[1]
     problems.append(output_file_problem("--json", args.json))
     if args.rounds < 1 or args.sets < 1:
         problems.append(f"--rounds and --sets: expected >= 1, got {args.rounds} and {args.sets}")
@@ -199,7 +207,8 @@ def main():
     print(f"{'model':<22}{'T':>6} " + "".join(f"{n:>12}" for n, _, _ in cfgs), flush=True)
     for ci, case in enumerate(args.cases):
         print(f"[{ci + 1}/{len(args.cases)}] {case} ...", file=sys.stderr, flush=True)
-        m, T = case.split(":")
+        base, skew = case_routing(case)
+        m, T = base.split(":")
         T = int(T)
         s = models[m]
         if layer_key != m:
@@ -207,7 +216,7 @@ def main():
             torch.cuda.empty_cache()
             layer, layer_key = layer_weights(s, dt, gen), m
         w13, w2 = layer
-        sets = input_sets(s, T, args.sets, w13, w2, dt, gen)
+        sets = input_sets(s, T, args.sets, w13, w2, dt, gen, skew=skew)
         outs, checks = [], {}
         for name, folder, env in cfgs:
             reg = regs[folder]
@@ -222,9 +231,9 @@ def main():
             checks[cfgs[0][0]]["rel_ref"] = rel(outs[0], ref)
             del ref
             if not checks[cfgs[0][0]]["rel_ref"] <= 1e-2:   # the baseline itself wrong (NaN included)
-                print(f"{m:<22}{T:>6} FAILED CHECK: {cfgs[0][0]} rel err {checks[cfgs[0][0]]['rel_ref']:.2e} "
+                print(f"{m:<22}{T:>6}{'s' if skew else ' '}FAILED CHECK: {cfgs[0][0]} rel err {checks[cfgs[0][0]]['rel_ref']:.2e} "
                       "against the float32 reference (> 1e-2): the row is not timed", flush=True)
-                rows.append({"model": m, "T": T, "checks": checks, "error": "first config failed its reference check"})
+                rows.append({"model": m, "T": T, "skewed": skew, "checks": checks, "error": "first config failed its reference check"})
                 del outs
                 if args.json:
                     write_json(args.json, {"meta": meta, "rows": rows})
@@ -244,10 +253,10 @@ def main():
                 reg = regs[folder]
                 set_env(env, reg)
                 times[name].append(graph_us([lambda a=a, reg=reg: moe_fused_gemm(*a, registry=reg) for a in sets]))
-        row = {"model": m, "T": T, "checks": checks,
+        row = {"model": m, "T": T, "skewed": skew, "checks": checks,
                "us": {n: (median(v) if v else None) for n, v in times.items()}, "raw": times}
         rows.append(row)
-        print(f"{m:<22}{T:>6} " + "".join(
+        print(f"{m:<22}{T:>6}{'s' if skew else ' '}" + "".join(
             f"{row['us'][n]:>12.1f}" if row["us"][n] else f"{'FAIL':>12}" for n, _, _ in cfgs), flush=True)
         print("   checks: " + "; ".join(
             f"{n}: d={c['maxdiff_vs_first']:.2e} r={c['rel_vs_first']:.1e}" + (f" ref={c['rel_ref']:.1e}" if "rel_ref" in c else "")

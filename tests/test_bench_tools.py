@@ -41,6 +41,19 @@ def test_ab_moe_malformed_config_exits_2(ab_moe, bad, capsys):
     assert "expected NAME=FOLDER" in capsys.readouterr().err
 
 
+def test_ab_moe_case_routing(ab_moe):
+    """A trailing ':skewed' asks for skewed routing and leaves MODEL:T for the model check; a
+    misspelt suffix stays in the case, which parse_cases then refuses by name."""
+    assert ab_moe.case_routing("phi-3.5-moe:64:skewed") == ("phi-3.5-moe:64", True)
+    assert ab_moe.case_routing("phi-3.5-moe:64") == ("phi-3.5-moe:64", False)
+    assert ab_moe.case_routing("phi-3.5-moe:64:skew") == ("phi-3.5-moe:64:skew", False)
+    from ex_engine.moe_layer import load_models, parse_cases
+    models = load_models()
+    ok, problems = parse_cases(models, [ab_moe.case_routing(c)[0] for c in ("phi-3.5-moe:64:skewed", "phi-3.5-moe:64:skew")])
+    assert ok == [("phi-3.5-moe", 64)]
+    assert len(problems) == 1 and "'phi-3.5-moe:64:skew'" in problems[0]
+
+
 @pytest.fixture(scope="module")
 def kernel_times():
     return import_tool("scripts", "kernel_times_moe")
