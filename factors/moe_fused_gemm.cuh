@@ -455,8 +455,9 @@ __device__ __forceinline__ int route_prefix(typename cub::BlockScan<int, NT>::Te
     return tile_carry;
 }
 
-// Tile list entries i = i0, i0 + stride, ... below n_tiles: {e, first row, end row, 0}, tile i
-// belonging to the largest e with s_toff[e] <= i (necessarily non-empty)
+// Tile list entries i = i0, i0 + stride, ... below n_tiles: {e, first row, end row, first tile of
+// e}, tile i belonging to the largest e with s_toff[e] <= i (necessarily non-empty; its tiles are
+// s_toff[e] .. s_toff[e] + ceil(rows / BM) - 1, which GemmParams::expert_major's order reads)
 __device__ __forceinline__ void route_tiles(long long i0, long long stride, int n_tiles, int E,
                                             int BM, const int* s_toff, const int* s_row0,
                                             const int* s_cnt, int4* __restrict__ tiles) {
@@ -468,7 +469,7 @@ __device__ __forceinline__ void route_tiles(long long i0, long long stride, int 
             else hi = mid - 1;
         }
         const int r0 = s_row0[lo] + ((int)i - s_toff[lo]) * BM;
-        tiles[i] = make_int4(lo, r0, s_row0[lo] + s_cnt[lo], 0);
+        tiles[i] = make_int4(lo, r0, s_row0[lo] + s_cnt[lo], s_toff[lo]);
     }
 }
 
@@ -750,6 +751,12 @@ struct GemmParams {
                                // act columns are stored; GEMM2's blocks wait for ready_target there
                                // instead of for GEMM1's whole grid (griddepcontrol.wait)
     int ready_target;          // GEMM2: GEMM1's N-tiles per tile
+    int expert_major;          // 1 (with m_tiles == 0, a routing launch's tiles): block order by
+                               // expert, then N-tile, then the expert's M-tiles: the blocks of an
+                               // expert are those of N-tile-fastest order (its tiles complete in
+                               // turn, for the ready waits), and its M-tiles of one N-tile run
+                               // side by side (one read of those weight rows, the rest L2 hits:
+                               // a hot expert of many tiles)
 };
 
 constexpr int kFusedRouteSlots = 32;  // one warp routes them with ballots and shuffles
@@ -881,10 +888,10 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) moe_gemm_kernel(const Gem
         if (p.early) pdl_launch_dependents();
     }
     const bool m_fast = p.m_tiles > 0;
-    const int tile = m_fast ? (int)(blockIdx.x % (unsigned)p.m_tiles)
-                            : (int)(blockIdx.x / (unsigned)p.n_tiles_n);
-    const int ntile = m_fast ? (int)(blockIdx.x / (unsigned)p.m_tiles)
-                             : (int)(blockIdx.x % (unsigned)p.n_tiles_n);
+    int tile = m_fast ? (int)(blockIdx.x % (unsigned)p.m_tiles)
+                      : (int)(blockIdx.x / (unsigned)p.n_tiles_n);
+    int ntile = m_fast ? (int)(blockIdx.x / (unsigned)p.m_tiles)
+                       : (int)(blockIdx.x % (unsigned)p.n_tiles_n);
     int n_tiles;
     if (fused) {
         if (tid < 32) {
@@ -906,6 +913,20 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) moe_gemm_kernel(const Gem
     } else {
         n_tiles = __ldcg(p.meta);
     }
+    int4 td_first = make_int4(0, 0, 0, 0);  // expert_major: the tile read to place this block
+    bool reuse_first = false;                 // ... which is this block's own tile
+    if (p.expert_major && tile < n_tiles) {
+        const int t0 = tile;
+        // blocks [first * NN, (first + c) * NN) are expert e's (NN N-tiles, c = its M-tiles, the
+        // same blocks as in N-tile-fastest order): the tile this block had there is e's too
+        td_first = __ldcg(p.tiles + tile);
+        const int first = td_first.w;
+        const int c = (td_first.z - (td_first.y - (tile - first) * BM) + BM - 1) / BM;
+        const int local = (int)blockIdx.x - first * p.n_tiles_n;
+        ntile = local / c;
+        tile = first + local % c;
+        reuse_first = tile == t0;
+    }
     if (tile >= n_tiles) {  // surplus block: the whole block leaves before any barrier
         // A GEMM2 that routes itself (pre) has not waited yet: where no block of the grid has a
         // tile (every id invalid, or on another rank), every block waits here, so that this
@@ -920,7 +941,7 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) moe_gemm_kernel(const Gem
         }
         return;
     }
-    const int4 td = fused ? r_tiles[tile] : __ldcg(p.tiles + tile);
+    const int4 td = fused ? r_tiles[tile] : reuse_first ? td_first : __ldcg(p.tiles + tile);
     const int e = td.x, row0 = td.y, row_end = td.z;
     const int n0 = ntile * BN;
     const int KT = (p.Kd + BK - 1) / BK;
@@ -1367,8 +1388,12 @@ constexpr int s_diag_skip = 0;
 //          their own tile's act, not for GEMM1's whole grid: per-tile counters in the workspace,
 //          zeroed by the routing, to which each GEMM1 block adds 1 once its act columns are stored
 //          (fence, then atomicAdd; GEMM2 reads them with ld.acquire). Both GEMMs then run their
-//          blocks in N-tile-fastest order, so that tiles complete in turn and GEMM2's blocks of the
-//          first tiles stream their weights during GEMM1's last wave. No deadlock: GEMM2's blocks
+//          blocks expert by expert (GemmParams::expert_major: an expert's N-tiles in turn, its
+//          M-tiles of one N-tile side by side), so that tiles complete in turn and GEMM2's blocks
+//          of the first tiles stream their weights during GEMM1's last wave. (Plain N-tile-fastest
+//          order, e322d0e, read a hot expert's weight rows once per M-tile: under skewed routing
+//          on an H100 phi-3.5 T = 64 895.8 against gridwait's 840.1 us, qwen3-30b T = 128 412.1
+//          against 386.0, ab_skew_tile_waits_h100_2026-12-06.json.) No deadlock: GEMM2's blocks
 //          launch only once every GEMM1 block has started (it lets them launch after its own
 //          wait). H100, ab_moe 6 rounds each (ab_decode_tile_waits_h100_2026-12-06.json): 0-3.9%
 //          faster on 20 rows of T = 8..128, faster in every round on 18 (granite T = 8 66.8 ->
@@ -1778,6 +1803,7 @@ static int launch_fast(const Problem& P, void* out, const void* x, const void* w
     p1.m_tiles = (!tile_waits && m_fast_ok && a_bytes1 <= s_l2_bytes / 4) ? (int)max_tiles : 0;
     p1.ready = ready;
     p1.ready_target = 0;
+    p1.expert_major = tile_waits ? 1 : 0;   // (m_tiles is 0 there; the routing launch wrote tiles)
     if ((err = launch_k(moe_gemm_kernel<T, C, true>, dim3((unsigned)blocks1, 1, 1),
                         dim3(C::THREADS), C::smem_bytes(true), stream, pdl, p1)) != cudaSuccess)
         return cuda_error(err);

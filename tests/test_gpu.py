@@ -579,12 +579,13 @@ def test_moe_decode_survives_garbage_workspace_and_graph_replay(reg, cp, monkeyp
 @pytest.mark.parametrize("T,H,E,I,K,layout", [(5, 2048, 128, 768, 8, "uniform"), (8, 1544, 40, 512, 8, "uniform"),
                                               (64, 1536, 40, 512, 8, "uniform"), (24, 4096, 8, 1024, 2, "uniform"),
                                               (40, 1024, 64, 256, 8, "one expert"), (48, 1024, 64, 256, 4, "empty experts"),
-                                              (128, 2048, 128, 768, 8, "skew")])
+                                              (128, 2048, 128, 768, 8, "skew"), (100, 1024, 8, 512, 2, "one expert")])
 def test_moe_decode_tile_waits_equal_the_grid_wait(reg, cp, monkeypatch, T, H, E, I, K, layout):
     """Decode after a routing launch (T*K > 32): under new, GEMM2's blocks wait for their own
     tile's counter (GEMM1's blocks add to it once their act columns are stored) instead of for
-    GEMM1's whole grid, both GEMMs in N-tile-fastest order. Its outputs equal gridwait's (the
-    whole-grid wait) bit for bit, with an expert holding every token (many tiles of one expert),
+    GEMM1's whole grid, both GEMMs expert by expert (an expert's M-tiles of one N-tile side by
+    side). Its outputs equal gridwait's (the whole-grid wait) bit for bit, with an expert holding
+    every token (many tiles of one expert, 7 with a part-filled last at T = 100, K = 2),
     experts without tokens, H off the tile (1544), and over 20 graph replays back to back (a
     counter read too early would let GEMM2 multiply act rows from the replay before: every
     replay's act is poisoned first by a garbage-filled workspace)."""
