@@ -1395,8 +1395,9 @@ constexpr int s_diag_skip = 0;
 //          on an H100 phi-3.5 T = 64 895.8 against gridwait's 840.1 us, qwen3-30b T = 128 412.1
 //          against 386.0, ab_skew_tile_waits_h100_2026-12-06.json. Expert by expert, H100, 6 rounds,
 //          ab_expert_major_h100_2026-12-06.json, new / N-tile fastest / gridwait: skewed phi-3.5
-//          T = 64 820.4 / 870.0 / 841.0, mixtral T = 32 949.4 / 1015.5 / 966.7, 0.5-3.4% faster
-//          than both on four more skewed rows, but qwen3-30b T = 128 405.2 / 413.4 / 388.4; on six
+//          T = 64 820.4 / 870.0 / 841.0, mixtral T = 32 949.4 / 1015.5 / 966.7, 1.3-1.7% faster
+//          than both on three more skewed rows (granite's tied), but qwen3-30b T = 128 405.2 /
+//          413.4 / 388.4; on six
 //          uniform rows equal to N-tile fastest (phi-3.5 T = 64 1.8% faster), 1.6-3.1% ahead of
 //          gridwait.) No deadlock: GEMM2's blocks
 //          launch only once every GEMM1 block has started (it lets them launch after its own
