@@ -45,7 +45,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from ex_engine import FactorError, FactorRegistry, moe_fused_gemm  # noqa: E402
 from ex_engine._scripts import HelpFormatter, integer, plugin_folder_problem  # noqa: E402
 from ex_engine.moe_layer import (load_models_or_exit, models_help, output_file_problem,  # noqa: E402
-                                 parse_cases, report_problems)
+                                 case_routing, parse_cases, report_problems)
 from _timing import graph_us, run_meta, write_json  # noqa: E402
 from bench_moe import input_sets, layer_weights, reference, rel  # noqa: E402
 
@@ -116,12 +116,6 @@ def parse_cfg(c, problems=None):
         return None
     ENV_KEYS.update(k for k in env if k != "config")
     return name, folder, env
-
-
-def case_routing(case):
-    """(MODEL:T, skewed) of a --cases entry: a trailing ':skewed' asks for bench_moe.py's skewed
-    routing (a few hot experts take most tokens); anything else is the case as given."""
-    return (case[: -len(":skewed")], True) if case.endswith(":skewed") else (case, False)
 
 
 def set_env(env, reg=None):

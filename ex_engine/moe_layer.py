@@ -166,6 +166,13 @@ def parse_cases(models: dict, cases) -> tuple:
     return out, problems
 
 
+def case_routing(case: str) -> tuple:
+    """(MODEL:T, skewed) of a benchmark tool's --cases entry: a trailing ':skewed' asks for
+    benchmarks/bench_moe.py's skewed routing (a few hot experts take most tokens); anything else
+    is the case as given (parse_cases then checks it, and names a misspelt suffix)."""
+    return (case[: -len(":skewed")], True) if case.endswith(":skewed") else (case, False)
+
+
 def models_help(all_ok: bool = False) -> str:
     """The model names of manifests/moe_models.yaml for a --help text ('all, ' first with
     ``all_ok``), or, where the list cannot be read, why (--help answers all the same)."""

@@ -142,8 +142,9 @@ def routing_rows(sets, E: int, tile: int = 128) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=_scripts["HelpFormatter"])
-    ap.add_argument("--cases", nargs="+", required=True, metavar="MODEL:T",
-                    help="model:T pairs, T >= 1, models of manifests/moe_models.yaml, e.g. qwen3-30b-a3b:512")
+    ap.add_argument("--cases", nargs="+", required=True, metavar="MODEL:T[:skewed]",
+                    help="model:T pairs, T >= 1, models of manifests/moe_models.yaml, e.g. qwen3-30b-a3b:512; "
+                         "a trailing :skewed draws skewed routing (a few hot experts), as bench_moe.py --skew")
     ap.add_argument("--calls", type=_scripts["integer"], default=8, help="profiled calls per case (>= 1)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"],
                     help="activation and weight dtype")
@@ -160,10 +161,12 @@ def main() -> int:
                          "print them and, with --json, record them in the JSON")
     args = ap.parse_args()
     from ex_engine import FactorError, FactorRegistry, moe_fused_gemm
-    from ex_engine.moe_layer import load_models_or_exit, parse_cases, report_problems
+    from ex_engine.moe_layer import case_routing, load_models_or_exit, parse_cases, report_problems
 
     models = load_models_or_exit("kernel_times_moe")
-    cases, problems = parse_cases(models, args.cases)      # every problem at once, before any work
+    routed = [case_routing(c) for c in args.cases]
+    cases, problems = parse_cases(models, [c for c, _ in routed])   # every problem at once, before any work
+    skews = [skew for _, skew in routed]
     problems += _scripts["config_problems"](args.config)
     if args.factors is not None:
         problems.append(_scripts["plugin_folder_problem"]("--factors", args.factors))
@@ -198,12 +201,12 @@ def main() -> int:
     rows = []
     if args.json:   # the rates are kept even if the first case fails
         write_json(args.json, {"meta": meta, "rows": rows})
-    for i, (m, T) in enumerate(cases):
-        print(f"[{i + 1}/{len(cases)}] {m} T={T} ...", file=sys.stderr, flush=True)
+    for i, ((m, T), skew) in enumerate(zip(cases, skews)):
+        print(f"[{i + 1}/{len(cases)}] {m} T={T}{' skewed' if skew else ''} ...", file=sys.stderr, flush=True)
         s = models[m]
         w13, w2 = layer_weights(s, dt, gen)
-        sets = input_sets(s, T, 3, w13, w2, dt, gen)
-        row = {"model": m, "T": T, "H": s.H, "I": s.I, "E": s.E, "K": s.K, **routing_rows(sets, s.E)}
+        sets = input_sets(s, T, 3, w13, w2, dt, gen, skew=skew)
+        row = {"model": m, "T": T, "skewed": skew, "H": s.H, "I": s.I, "E": s.E, "K": s.K, **routing_rows(sets, s.E)}
         for a in sets:
             moe_fused_gemm(*a, registry=reg)
         torch.cuda.synchronize()
@@ -264,7 +267,7 @@ def main() -> int:
         if args.json:
             write_json(args.json, {"meta": meta, "rows": rows})
         if args.graph:
-            print(f"{m} T={T} ({path}, CUDA graph of {calls} calls, {replays} replays): kernels "
+            print(f"{m} T={T}{' skewed' if skew else ''} ({path}, CUDA graph of {calls} calls, {replays} replays): kernels "
                   f"{total / ncalls:.1f} µs per call, graph {graph_us:.1f} µs per call; warm-up at "
                   f"{clocks.summary()}", flush=True)
             for k, v in sorted(per.items(), key=lambda kv: -kv[1]):
@@ -277,7 +280,7 @@ def main() -> int:
             del w13, w2, sets, fns
             torch.cuda.empty_cache()
             continue
-        print(f"{m} T={T} ({path}): kernels {total / args.calls:.1f} µs per call, wall {wall:.1f} µs "
+        print(f"{m} T={T}{' skewed' if skew else ''} ({path}): kernels {total / args.calls:.1f} µs per call, wall {wall:.1f} µs "
               f"(median of {n_walls} calls)", flush=True)
         for k, v in sorted(per.items(), key=lambda kv: -kv[1]):
             print(f"    {k:<36}{v / args.calls:>9.1f} µs {100 * v / total:>5.1f}%", flush=True)

@@ -41,15 +41,15 @@ def test_ab_moe_malformed_config_exits_2(ab_moe, bad, capsys):
     assert "expected NAME=FOLDER" in capsys.readouterr().err
 
 
-def test_ab_moe_case_routing(ab_moe):
-    """A trailing ':skewed' asks for skewed routing and leaves MODEL:T for the model check; a
-    misspelt suffix stays in the case, which parse_cases then refuses by name."""
-    assert ab_moe.case_routing("phi-3.5-moe:64:skewed") == ("phi-3.5-moe:64", True)
-    assert ab_moe.case_routing("phi-3.5-moe:64") == ("phi-3.5-moe:64", False)
-    assert ab_moe.case_routing("phi-3.5-moe:64:skew") == ("phi-3.5-moe:64:skew", False)
-    from ex_engine.moe_layer import load_models, parse_cases
-    models = load_models()
-    ok, problems = parse_cases(models, [ab_moe.case_routing(c)[0] for c in ("phi-3.5-moe:64:skewed", "phi-3.5-moe:64:skew")])
+def test_case_routing_of_the_benchmark_tools():
+    """A trailing ':skewed' (ab_moe.py, kernel_times_moe.py) asks for skewed routing and leaves
+    MODEL:T for the model check; a misspelt suffix stays in the case, which parse_cases then
+    refuses by name."""
+    from ex_engine.moe_layer import case_routing, load_models, parse_cases
+    assert case_routing("phi-3.5-moe:64:skewed") == ("phi-3.5-moe:64", True)
+    assert case_routing("phi-3.5-moe:64") == ("phi-3.5-moe:64", False)
+    assert case_routing("phi-3.5-moe:64:skew") == ("phi-3.5-moe:64:skew", False)
+    ok, problems = parse_cases(load_models(), [case_routing(c)[0] for c in ("phi-3.5-moe:64:skewed", "phi-3.5-moe:64:skew")])
     assert ok == [("phi-3.5-moe", 64)]
     assert len(problems) == 1 and "'phi-3.5-moe:64:skew'" in problems[0]
 
