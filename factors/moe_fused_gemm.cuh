@@ -164,8 +164,6 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <algorithm>
-#include <numeric>
 #include <type_traits>
 
 #include "ex_engine.h"
@@ -460,13 +458,9 @@ __device__ __forceinline__ int route_prefix(typename cub::BlockScan<int, NT>::Te
 // Tile list entries i = i0, i0 + stride, ... below n_tiles: {e, first row, end row, first tile of
 // e}, tile i belonging to the largest e with s_toff[e] <= i (necessarily non-empty; its tiles are
 // s_toff[e] .. s_toff[e] + ceil(rows / BM) - 1, which GemmParams::expert_major's order reads)
-// spread > 0 (route_spread): s_toff is indexed by position p in the experts' spread order, expert
-// e = p * spread mod E (see moe_route_kernel), and tile i belongs to the expert at the largest
-// such p.
 __device__ __forceinline__ void route_tiles(long long i0, long long stride, int n_tiles, int E,
                                             int BM, const int* s_toff, const int* s_row0,
-                                            const int* s_cnt, int4* __restrict__ tiles,
-                                            int spread = 0) {
+                                            const int* s_cnt, int4* __restrict__ tiles) {
     for (long long i = i0; i < n_tiles; i += stride) {
         int lo = 0, hi = E - 1;
         while (lo < hi) {
@@ -474,9 +468,8 @@ __device__ __forceinline__ void route_tiles(long long i0, long long stride, int 
             if (s_toff[mid] <= i) lo = mid;
             else hi = mid - 1;
         }
-        const int e = spread > 0 ? (int)((long long)lo * spread % E) : lo;
-        const int r0 = s_row0[e] + ((int)i - s_toff[lo]) * BM;
-        tiles[i] = make_int4(e, r0, s_row0[e] + s_cnt[e], s_toff[lo]);
+        const int r0 = s_row0[lo] + ((int)i - s_toff[lo]) * BM;
+        tiles[i] = make_int4(lo, r0, s_row0[lo] + s_cnt[lo], s_toff[lo]);
     }
 }
 
@@ -524,7 +517,7 @@ __global__ void __launch_bounds__(kRouteThreads)
 moe_route_kernel(const int* __restrict__ topk_ids, const ExpertMap em, int TK, int E, int BM,
                  int* __restrict__ status,        // workspace byte 0
                  int* __restrict__ meta,          // [0] tiles, [1] valid rows
-                 int4* __restrict__ tiles,        // {e, first row, end row, e's first tile}
+                 int4* __restrict__ tiles,        // {e, first row, end row, 0}
                  int* __restrict__ sorted_slots,  // (T*K,) slot of each sorted row
                  int* __restrict__ expert_off,    // optional (E+1,): first sorted row of each
                                                   // expert, [E] = valid rows (NULL: not written)
@@ -532,9 +525,7 @@ moe_route_kernel(const int* __restrict__ topk_ids, const ExpertMap em, int TK, i
                                                   // slot (the inverse of sorted_slots; NULL: not
                                                   // written; a slot not placed keeps its old value)
                  int* __restrict__ ready = nullptr,  // optional (n_ready,): GEMM1's per-tile
-                 int n_ready = 0,                 // counters (EX_MOE_DECODE_CONFIG=new), zeroed
-                 int spread = 0)                  // > 0: the tile list in the experts' spread
-                                                  // order (route_spread), not their id order
+                 int n_ready = 0)                 // counters (EX_MOE_DECODE_CONFIG=new), zeroed
 {
     using Scan = cub::BlockScan<int, kRouteThreads>;
     __shared__ typename Scan::TempStorage scan_tmp;
@@ -562,24 +553,8 @@ moe_route_kernel(const int* __restrict__ topk_ids, const ExpertMap em, int TK, i
     const int n_tiles = route_prefix<kRouteThreads, false>(scan_tmp, E, BM, s_cnt, s_row0, s_cur,
                                                            s_toff, meta, expert_off);
 
-    // 2b. spread order: s_toff re-made as the tiles' exclusive prefix over positions p, expert
-    //     p * spread mod E (a permutation: spread and E coprime); rows and expert_off keep id order
-    if (spread > 0) {
-        int carry = 0;
-        for (int base = 0; base < E; base += kRouteThreads) {
-            const int p = base + tid;
-            const int nt = p < E ? (s_cnt[(int)((long long)p * spread % E)] + BM - 1) / BM : 0;
-            int ex, agg;
-            Scan(scan_tmp).ExclusiveSum(nt, ex, agg);
-            __syncthreads();  // scan_tmp reused
-            if (p < E) s_toff[p] = carry + ex;
-            carry += agg;
-        }
-        __syncthreads();  // (s_toff[E], the total, is unchanged)
-    }
-
     // 3. tile list
-    route_tiles(tid, kRouteThreads, n_tiles, E, BM, s_toff, s_row0, s_cnt, tiles, spread);
+    route_tiles(tid, kRouteThreads, n_tiles, E, BM, s_toff, s_row0, s_cnt, tiles);
 
     // 4. placement
     route_place<kRouteThreads, U>(topk_ids, em, E, tid, TK, s_cur, sorted_slots, slot_pos);
@@ -1652,19 +1627,6 @@ static cudaError_t gemm_smem_opt_in() {
     return err;
 }
 
-// The stride of the experts' spread order (moe_route_kernel's spread): the integer nearest
-// above 0.618 E that is coprime to E, so that p -> p * stride mod E is a permutation that places
-// experts of neighbouring ids far apart (E = 128: 79; expert e at position 47 e mod 128). Used
-// with the decode GEMMs' expert-major order: where the hot experts have neighbouring ids (a
-// benchmark's experts 0 .. E/16 - 1, or a placement that groups popular experts), the tile list in
-// id order gives a wave of GEMM1 blocks mostly the hot experts', whose M-tiles share each weight
-// stream, and few streams in flight (RESULTS.md, session forty-nine).
-static int route_spread(int E) {
-    int s = std::max(1, (int)(0.618 * E));
-    while (std::gcd(s, E) != 1) ++s;
-    return s;
-}
-
 // The routing launch (kernel 1): a small block when there are few slots. Returns EX_OK,
 // EX_FALLBACK (E so large that its counters do not fit in shared memory: the callers' scalar
 // paths need no routing) or EX_ERR_CUDA. expert_off may be nullptr.
@@ -1681,11 +1643,9 @@ static int launch_route_nt(const Problem& P, int BM, int* status, int* meta, int
                                  s_smem_optin - (int)scan_bytes - 1024);
         if (err != cudaSuccess) return cuda_error(err);
     }
-    // with the per-tile counters (the decode GEMMs' expert-major order): the tiles in spread order
     const cudaError_t err = launch_k(moe_route_kernel<NT>, dim3(1), dim3(NT), route_smem, stream, pdl,
                                      topk_ids, P.em(), (int)P.TK, (int)P.E, BM, status, meta, tiles,
-                                     sorted, expert_off, slot_pos, ready, n_ready,
-                                     ready != nullptr ? route_spread((int)P.E) : 0);
+                                     sorted, expert_off, slot_pos, ready, n_ready);
     return err == cudaSuccess ? EX_OK : cuda_error(err);
 }
 
