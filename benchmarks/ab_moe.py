@@ -45,7 +45,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from ex_engine import FactorError, FactorRegistry, moe_fused_gemm  # noqa: E402
 from ex_engine._scripts import HelpFormatter, integer, plugin_folder_problem  # noqa: E402
 from ex_engine.moe_layer import (load_models_or_exit, models_help, output_file_problem,  # noqa: E402
-                                 case_routing, parse_cases, report_problems)
+                                 parse_cases, report_problems)
 from _timing import graph_us, run_meta, write_json  # noqa: E402
 from bench_moe import input_sets, layer_weights, reference, rel  # noqa: E402
 
@@ -167,7 +167,8 @@ def main():
                         "against; put a checked config first")
     problems += variable_problems(cfgs, readme_variables())
     problems += [plugin_folder_problem(f"config {n}", folder) for n, folder, env in cfgs]
-    problems += parse_cases(models, [case_routing(c)[0] for c in args.cases])[1]
+    cases, case_problems = parse_cases(models, args.cases, skewed_ok=True)
+    problems += case_problems
     problems.append(output_file_problem("--json", args.json))
     if args.rounds < 1 or args.sets < 1:
         problems.append(f"--rounds and --sets: expected >= 1, got {args.rounds} and {args.sets}")
@@ -199,11 +200,8 @@ def main():
     rows = []
     layer_key, layer = None, None
     print(f"{'model':<22}{'T':>6} " + "".join(f"{n:>12}" for n, _, _ in cfgs), flush=True)
-    for ci, case in enumerate(args.cases):
-        print(f"[{ci + 1}/{len(args.cases)}] {case} ...", file=sys.stderr, flush=True)
-        base, skew = case_routing(case)
-        m, T = base.split(":")
-        T = int(T)
+    for ci, (case, (m, T, skew)) in enumerate(zip(args.cases, cases)):
+        print(f"[{ci + 1}/{len(cases)}] {case} ...", file=sys.stderr, flush=True)
         s = models[m]
         if layer_key != m:
             layer = None

@@ -152,25 +152,23 @@ def case_problems(models: dict, names, tokens, factors=None, all_ok: bool = Fals
     return out
 
 
-def parse_cases(models: dict, cases) -> tuple:
+def parse_cases(models: dict, cases, skewed_ok: bool = False) -> tuple:
     """([(model, T)], problems) of a benchmark tool's --cases, 'model:T' strings: one problem per
-    case that names no model of ``models`` or no T >= 1, every one listed (not the first alone)."""
+    case that names no model of ``models`` or no T from 1 to MAX_TOKENS, every one listed (not the
+    first alone), each quoting the case as given. With ``skewed_ok`` a case may also end in
+    ':skewed' (benchmarks/bench_moe.py's skewed routing: a few hot experts take most tokens), and
+    the list holds (model, T, skewed) triples."""
+    form = "model:T or model:T:skewed" if skewed_ok else "model:T"
     out, problems = [], []
     for c in cases:
-        m, _, t = c.partition(":")
-        if m not in models or not (t.isascii() and t.isdecimal()) or int(t) < 1:
-            problems.append(f"case {c!r}: expected model:T with T >= 1 and a model of moe_models.yaml "
-                            f"({', '.join(sorted(models))})")
+        skewed = skewed_ok and c.endswith(":skewed")
+        m, _, t = (c[: -len(":skewed")] if skewed else c).partition(":")
+        if m not in models or not (t.isascii() and t.isdecimal()) or not 1 <= int(t) <= MAX_TOKENS:
+            problems.append(f"case {c!r}: expected {form} with T from 1 to {MAX_TOKENS} and a model of "
+                            f"moe_models.yaml ({', '.join(sorted(models))})")
         else:
-            out.append((m, int(t)))
+            out.append((m, int(t), skewed) if skewed_ok else (m, int(t)))
     return out, problems
-
-
-def case_routing(case: str) -> tuple:
-    """(MODEL:T, skewed) of a benchmark tool's --cases entry: a trailing ':skewed' asks for
-    benchmarks/bench_moe.py's skewed routing (a few hot experts take most tokens); anything else
-    is the case as given (parse_cases then checks it, and names a misspelt suffix)."""
-    return (case[: -len(":skewed")], True) if case.endswith(":skewed") else (case, False)
 
 
 def models_help(all_ok: bool = False) -> str:

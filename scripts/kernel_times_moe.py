@@ -161,12 +161,10 @@ def main() -> int:
                          "print them and, with --json, record them in the JSON")
     args = ap.parse_args()
     from ex_engine import FactorError, FactorRegistry, moe_fused_gemm
-    from ex_engine.moe_layer import case_routing, load_models_or_exit, parse_cases, report_problems
+    from ex_engine.moe_layer import load_models_or_exit, parse_cases, report_problems
 
     models = load_models_or_exit("kernel_times_moe")
-    routed = [case_routing(c) for c in args.cases]
-    cases, problems = parse_cases(models, [c for c, _ in routed])   # every problem at once, before any work
-    skews = [skew for _, skew in routed]
+    cases, problems = parse_cases(models, args.cases, skewed_ok=True)   # every problem at once, before any work
     problems += _scripts["config_problems"](args.config)
     if args.factors is not None:
         problems.append(_scripts["plugin_folder_problem"]("--factors", args.factors))
@@ -201,7 +199,7 @@ def main() -> int:
     rows = []
     if args.json:   # the rates are kept even if the first case fails
         write_json(args.json, {"meta": meta, "rows": rows})
-    for i, ((m, T), skew) in enumerate(zip(cases, skews)):
+    for i, (m, T, skew) in enumerate(cases):
         print(f"[{i + 1}/{len(cases)}] {m} T={T}{' skewed' if skew else ''} ...", file=sys.stderr, flush=True)
         s = models[m]
         w13, w2 = layer_weights(s, dt, gen)

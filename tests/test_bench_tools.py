@@ -41,17 +41,23 @@ def test_ab_moe_malformed_config_exits_2(ab_moe, bad, capsys):
     assert "expected NAME=FOLDER" in capsys.readouterr().err
 
 
-def test_case_routing_of_the_benchmark_tools():
-    """A trailing ':skewed' (ab_moe.py, kernel_times_moe.py) asks for skewed routing and leaves
-    MODEL:T for the model check; a misspelt suffix stays in the case, which parse_cases then
-    refuses by name."""
-    from ex_engine.moe_layer import case_routing, load_models, parse_cases
-    assert case_routing("phi-3.5-moe:64:skewed") == ("phi-3.5-moe:64", True)
-    assert case_routing("phi-3.5-moe:64") == ("phi-3.5-moe:64", False)
-    assert case_routing("phi-3.5-moe:64:skew") == ("phi-3.5-moe:64:skew", False)
-    ok, problems = parse_cases(load_models(), [case_routing(c)[0] for c in ("phi-3.5-moe:64:skewed", "phi-3.5-moe:64:skew")])
-    assert ok == [("phi-3.5-moe", 64)]
-    assert len(problems) == 1 and "'phi-3.5-moe:64:skew'" in problems[0]
+def test_parse_cases_with_the_skewed_suffix():
+    """ab_moe.py and kernel_times_moe.py take MODEL:T:skewed cases (skewed_ok): the suffix gives
+    (model, T, True); a misspelt suffix, T = 0, T above MAX_TOKENS, an empty model or a doubled
+    suffix is a problem that quotes the case as given and names both forms. Without skewed_ok
+    the suffix is refused like any other."""
+    from ex_engine.moe_layer import MAX_TOKENS, load_models, parse_cases
+    models = load_models()
+    ok, problems = parse_cases(models, ["phi-3.5-moe:64:skewed", "phi-3.5-moe:8"], skewed_ok=True)
+    assert ok == [("phi-3.5-moe", 64, True), ("phi-3.5-moe", 8, False)] and problems == []
+    bad = ["phi-3.5-moe:64:skew", "phi-3.5-moe:0:skewed", f"phi-3.5-moe:{MAX_TOKENS + 1}", ":skewed",
+           "phi-3.5-moe::skewed", "phi-3.5-moe:64:skewed:skewed"]
+    ok, problems = parse_cases(models, bad, skewed_ok=True)
+    assert ok == [] and len(problems) == len(bad)
+    for c, p in zip(bad, problems):
+        assert p.startswith(f"case {c!r}: expected model:T or model:T:skewed with T from 1 to {MAX_TOKENS}")
+    ok, problems = parse_cases(models, ["phi-3.5-moe:64:skewed"])
+    assert ok == [] and "expected model:T with T from 1" in problems[0]
 
 
 @pytest.fixture(scope="module")
