@@ -47,8 +47,9 @@ def data_problem(data) -> str:
     without the dtype, device, date and commit of the title, a row that is not a mapping, and in
     each row drawn (timed, uniform routing) no 'model' and 'T', a time that is not a number, or
     a floor_us not > 0."""
-    if shape_problem(data) or file_problem(data):   # (another tool's JSON named as table_moe names it)
-        return shape_problem(data) or file_problem(data)
+    problem = shape_problem(data) or file_problem(data)   # (another tool's JSON named as table_moe names it)
+    if problem:
+        return problem
     missing = [k for k in META if k not in data["meta"]]
     if missing:
         return f"meta: expected the keys {list(META)}, missing {missing}"

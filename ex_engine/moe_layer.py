@@ -147,8 +147,9 @@ def case_problems(models: dict, names, tokens, factors=None, all_ok: bool = Fals
         out.append("--tokens: expected at least one T")
     elif min(tokens) < 1 or max(tokens) > MAX_TOKENS:
         out.append(f"--tokens: expected T from 1 to {MAX_TOKENS}, got {' '.join(map(str, tokens))}")
-    if factors is not None and plugin_folder_problem("--factors", factors):
-        out.append(plugin_folder_problem("--factors", factors))
+    folder = plugin_folder_problem("--factors", factors) if factors is not None else ""
+    if folder:
+        out.append(folder)
     return out
 
 

@@ -119,7 +119,8 @@
  * onewave + early launches of GEMM1's and GEMM2's successors whatever their wave count, GEMM2's
  * weight prefetch before its wait also after a routing launch (T*K > 32), and there GEMM2's blocks
  * waiting for their own tile's act (per-tile counters GEMM1's blocks add to) instead of for GEMM1's
- * whole grid, both GEMMs in N-tile-fastest order; gridwait = new without the per-tile waits;
+ * whole grid, both GEMMs expert by expert (GemmParams::expert_major); gridwait = new without the
+ * per-tile waits;
  * unfused = late's launches with the separate routing launch (no fused routing, no early launches).
  *
  * y is kept in the input dtype, not fp32: it halves the bytes of the largest intermediate
