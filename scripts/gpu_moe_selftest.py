@@ -726,7 +726,7 @@ def main():
     ap.add_argument("--rotate", type=_scripts["integer"], default=4,
                     help="input sets rotated in the decode timings (weights not served from L2)")
     a = ap.parse_args()
-    known_modes = ("old", "nopdl", "late", "onewave", "new", "unfused")   # the .cuh's decode_mode()
+    known_modes = ("old", "nopdl", "late", "onewave", "new", "unfused", "gridwait")   # the .cuh's decode_mode()
     bad = [m for m in a.modes.split(",") if m not in known_modes]
     if bad or a.rotate < 1:
         print(f"gpu_moe_selftest: expected --modes from {','.join(known_modes)} and --rotate >= 1, "
