@@ -119,8 +119,8 @@
  * onewave + early launches of GEMM1's and GEMM2's successors whatever their wave count, GEMM2's
  * weight prefetch before its wait also after a routing launch (T*K > 32), and there GEMM2's blocks
  * waiting for their own tile's act (per-tile counters GEMM1's blocks add to) instead of for GEMM1's
- * whole grid, both GEMMs expert by expert (GemmParams::expert_major); gridwait = new without the
- * per-tile waits;
+ * whole grid, both GEMMs expert by expert (GemmParams::expert_major), the experts in a spread order
+ * (route_spread); gridwait = new without the per-tile waits;
  * unfused = late's launches with the separate routing launch (no fused routing, no early launches).
  *
  * y is kept in the input dtype, not fp32: it halves the bytes of the largest intermediate
@@ -165,6 +165,8 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <algorithm>
+#include <numeric>
 #include <type_traits>
 
 #include "ex_engine.h"
@@ -421,14 +423,17 @@ template <int NT, bool kAddCursor>
 __device__ __forceinline__ int route_prefix(typename cub::BlockScan<int, NT>::TempStorage& scan_tmp,
                                             int E, int BM, const int* s_cnt, int* s_row0, int* s_cur,
                                             int* s_toff, int* __restrict__ meta,
-                                            int* __restrict__ expert_off) {
+                                            int* __restrict__ expert_off, int spread = 0) {
     using Scan = cub::BlockScan<int, NT>;
     const int tid = threadIdx.x;
     int row_carry = 0, tile_carry = 0;
     for (int base = 0; base < E; base += NT) {
         const int e = base + tid;
         const int c = (e < E) ? s_cnt[e] : 0;
-        const int nt = (c + BM - 1) / BM;
+        // spread > 0: s_toff in the experts' spread order (position e holds expert e * spread mod
+        // E; 32-bit: e * spread < E^2 <= 2^28), the rows in id order
+        const int ct = spread > 0 && e < E ? s_cnt[(int)((unsigned)e * (unsigned)spread % (unsigned)E)] : c;
+        const int nt = (ct + BM - 1) / BM;
         int rex, ragg, tex, tagg;
         Scan(scan_tmp).ExclusiveSum(c, rex, ragg);
         __syncthreads();  // scan_tmp reused
@@ -459,9 +464,13 @@ __device__ __forceinline__ int route_prefix(typename cub::BlockScan<int, NT>::Te
 // Tile list entries i = i0, i0 + stride, ... below n_tiles: {e, first row, end row, first tile of
 // e}, tile i belonging to the largest e with s_toff[e] <= i (necessarily non-empty; its tiles are
 // s_toff[e] .. s_toff[e] + ceil(rows / BM) - 1, which GemmParams::expert_major's order reads)
+// spread > 0 (route_spread): s_toff is indexed by position p in the experts' spread order, expert
+// e = p * spread mod E (see moe_route_kernel), and tile i belongs to the expert at the largest
+// such p.
 __device__ __forceinline__ void route_tiles(long long i0, long long stride, int n_tiles, int E,
                                             int BM, const int* s_toff, const int* s_row0,
-                                            const int* s_cnt, int4* __restrict__ tiles) {
+                                            const int* s_cnt, int4* __restrict__ tiles,
+                                            int spread = 0) {
     for (long long i = i0; i < n_tiles; i += stride) {
         int lo = 0, hi = E - 1;
         while (lo < hi) {
@@ -469,8 +478,9 @@ __device__ __forceinline__ void route_tiles(long long i0, long long stride, int 
             if (s_toff[mid] <= i) lo = mid;
             else hi = mid - 1;
         }
-        const int r0 = s_row0[lo] + ((int)i - s_toff[lo]) * BM;
-        tiles[i] = make_int4(lo, r0, s_row0[lo] + s_cnt[lo], s_toff[lo]);
+        const int e = spread > 0 ? (int)((unsigned)lo * (unsigned)spread % (unsigned)E) : lo;
+        const int r0 = s_row0[e] + ((int)i - s_toff[lo]) * BM;
+        tiles[i] = make_int4(e, r0, s_row0[e] + s_cnt[e], s_toff[lo]);
     }
 }
 
@@ -518,7 +528,7 @@ __global__ void __launch_bounds__(kRouteThreads)
 moe_route_kernel(const int* __restrict__ topk_ids, const ExpertMap em, int TK, int E, int BM,
                  int* __restrict__ status,        // workspace byte 0
                  int* __restrict__ meta,          // [0] tiles, [1] valid rows
-                 int4* __restrict__ tiles,        // {e, first row, end row, 0}
+                 int4* __restrict__ tiles,        // {e, first row, end row, e's first tile}
                  int* __restrict__ sorted_slots,  // (T*K,) slot of each sorted row
                  int* __restrict__ expert_off,    // optional (E+1,): first sorted row of each
                                                   // expert, [E] = valid rows (NULL: not written)
@@ -526,7 +536,9 @@ moe_route_kernel(const int* __restrict__ topk_ids, const ExpertMap em, int TK, i
                                                   // slot (the inverse of sorted_slots; NULL: not
                                                   // written; a slot not placed keeps its old value)
                  int* __restrict__ ready = nullptr,  // optional (n_ready,): GEMM1's per-tile
-                 int n_ready = 0)                 // counters (EX_MOE_DECODE_CONFIG=new), zeroed
+                 int n_ready = 0,                 // counters (EX_MOE_DECODE_CONFIG=new), zeroed
+                 int spread = 0)                  // > 0: the tile list in the experts' spread
+                                                  // order (route_spread), not their id order
 {
     using Scan = cub::BlockScan<int, kRouteThreads>;
     __shared__ typename Scan::TempStorage scan_tmp;
@@ -552,10 +564,10 @@ moe_route_kernel(const int* __restrict__ topk_ids, const ExpertMap em, int TK, i
 
     // 2. exclusive sums of rows and tiles per expert; meta and expert_off
     const int n_tiles = route_prefix<kRouteThreads, false>(scan_tmp, E, BM, s_cnt, s_row0, s_cur,
-                                                           s_toff, meta, expert_off);
+                                                           s_toff, meta, expert_off, spread);
 
     // 3. tile list
-    route_tiles(tid, kRouteThreads, n_tiles, E, BM, s_toff, s_row0, s_cnt, tiles);
+    route_tiles(tid, kRouteThreads, n_tiles, E, BM, s_toff, s_row0, s_cnt, tiles, spread);
 
     // 4. placement
     route_place<kRouteThreads, U>(topk_ids, em, E, tid, TK, s_cur, sorted_slots, slot_pos);
@@ -1400,7 +1412,13 @@ constexpr int s_diag_skip = 0;
 //          than both on three more skewed rows (granite's tied), but qwen3-30b T = 128 405.2 /
 //          413.4 / 388.4; on six
 //          uniform rows equal to N-tile fastest (phi-3.5 T = 64 1.8% faster), 1.6-3.1% ahead of
-//          gridwait.) No deadlock: GEMM2's blocks
+//          gridwait.) The routing lists the experts' tiles in a spread order (route_spread:
+//          experts of neighbouring ids far apart), so that hot experts with neighbouring ids do
+//          not fill a wave with blocks that share few weight streams. H100, ab_moe 6 rounds,
+//          against the id order (ab_spread_scan_h100_2026-12-06.json): skewed qwen3-30b T = 128
+//          414.4 -> 388.0 us, five more skewed rows 0.2-1.0% faster (mixtral T = 32 0.1%
+//          slower), nine uniform rows from 0.3% faster (granite T = 64) to 0.35% slower (olmoe
+//          T = 64 278.3 -> 279.3). No deadlock: GEMM2's blocks
 //          launch only once every GEMM1 block has started (it lets them launch after its own
 //          wait). H100, ab_moe 6 rounds each (ab_decode_tile_waits_h100_2026-12-06.json): 0-3.9%
 //          faster on 20 rows of T = 8..128, faster in every round on 18 (granite T = 8 66.8 ->
@@ -1628,6 +1646,19 @@ static cudaError_t gemm_smem_opt_in() {
     return err;
 }
 
+// The stride of the experts' spread order (moe_route_kernel's spread): the integer nearest
+// above 0.618 E that is coprime to E, so that p -> p * stride mod E is a permutation that places
+// experts of neighbouring ids far apart (E = 128: 79; expert e at position 47 e mod 128). Used
+// with the decode GEMMs' expert-major order: where the hot experts have neighbouring ids (a
+// benchmark's experts 0 .. E/16 - 1, or a placement that groups popular experts), the tile list in
+// id order gives a wave of GEMM1 blocks mostly the hot experts', whose M-tiles share each weight
+// stream, and few streams in flight (RESULTS.md, sessions forty-nine and fifty).
+static int route_spread(int E) {
+    int s = std::max(1, (int)(0.618 * E));
+    while (std::gcd(s, E) != 1) ++s;
+    return s;
+}
+
 // The routing launch (kernel 1): a small block when there are few slots. Returns EX_OK,
 // EX_FALLBACK (E so large that its counters do not fit in shared memory: the callers' scalar
 // paths need no routing) or EX_ERR_CUDA. expert_off may be nullptr.
@@ -1644,9 +1675,11 @@ static int launch_route_nt(const Problem& P, int BM, int* status, int* meta, int
                                  s_smem_optin - (int)scan_bytes - 1024);
         if (err != cudaSuccess) return cuda_error(err);
     }
+    // with the per-tile counters (the decode GEMMs' expert-major order): the tiles in spread order
     const cudaError_t err = launch_k(moe_route_kernel<NT>, dim3(1), dim3(NT), route_smem, stream, pdl,
                                      topk_ids, P.em(), (int)P.TK, (int)P.E, BM, status, meta, tiles,
-                                     sorted, expert_off, slot_pos, ready, n_ready);
+                                     sorted, expert_off, slot_pos, ready, n_ready,
+                                     ready != nullptr ? route_spread((int)P.E) : 0);
     return err == cudaSuccess ? EX_OK : cuda_error(err);
 }
 
