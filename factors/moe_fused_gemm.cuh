@@ -413,6 +413,14 @@ __device__ __forceinline__ void route_count(const int* __restrict__ topk_ids, co
     }
 }
 
+// The expert at position p of the experts' spread order of stride s (route_spread; s = 0: the id
+// order, p itself): p * s mod E in 32 bits (route_spread gives s > 0 only for E <= 65535, so
+// p * s < E^2 < 2^32). The decode routing's tile list and the Hopper path's CUTLASS groups run
+// the experts in this order.
+__host__ __device__ __forceinline__ int spread_expert(int p, int E, int s) {
+    return s > 0 ? (int)((unsigned)p * (unsigned)s % (unsigned)E) : p;
+}
+
 // Exclusive sums over the E experts, in chunks of NT, of their rows (s_cnt) and of their BM-row
 // tiles: s_row0[e] (first sorted row), s_toff[e] (first tile; s_toff[E] = all tiles) and the
 // placement cursor s_cur[e] = s_row0[e] (kAddCursor: s_cur[e] += s_row0[e], the rows of e that
@@ -430,9 +438,9 @@ __device__ __forceinline__ int route_prefix(typename cub::BlockScan<int, NT>::Te
     for (int base = 0; base < E; base += NT) {
         const int e = base + tid;
         const int c = (e < E) ? s_cnt[e] : 0;
-        // spread > 0: s_toff in the experts' spread order (position e holds expert e * spread mod
-        // E; 32-bit: e * spread < E^2 <= 2^28), the rows in id order
-        const int ct = spread > 0 && e < E ? s_cnt[(int)((unsigned)e * (unsigned)spread % (unsigned)E)] : c;
+        // spread > 0: s_toff in the experts' spread order (position e holds expert
+        // spread_expert(e)), the rows in id order
+        const int ct = e < E ? s_cnt[spread_expert(e, E, spread)] : 0;
         const int nt = (ct + BM - 1) / BM;
         int rex, ragg, tex, tagg;
         Scan(scan_tmp).ExclusiveSum(c, rex, ragg);
@@ -465,8 +473,7 @@ __device__ __forceinline__ int route_prefix(typename cub::BlockScan<int, NT>::Te
 // e}, tile i belonging to the largest e with s_toff[e] <= i (necessarily non-empty; its tiles are
 // s_toff[e] .. s_toff[e] + ceil(rows / BM) - 1, which GemmParams::expert_major's order reads)
 // spread > 0 (route_spread): s_toff is indexed by position p in the experts' spread order, expert
-// e = p * spread mod E (see moe_route_kernel), and tile i belongs to the expert at the largest
-// such p.
+// spread_expert(p), and tile i belongs to the expert at the largest such p.
 __device__ __forceinline__ void route_tiles(long long i0, long long stride, int n_tiles, int E,
                                             int BM, const int* s_toff, const int* s_row0,
                                             const int* s_cnt, int4* __restrict__ tiles,
@@ -478,7 +485,7 @@ __device__ __forceinline__ void route_tiles(long long i0, long long stride, int 
             if (s_toff[mid] <= i) lo = mid;
             else hi = mid - 1;
         }
-        const int e = spread > 0 ? (int)((unsigned)lo * (unsigned)spread % (unsigned)E) : lo;
+        const int e = spread_expert(lo, E, spread);
         const int r0 = s_row0[e] + ((int)i - s_toff[lo]) * BM;
         tiles[i] = make_int4(e, r0, s_row0[e] + s_cnt[e], s_toff[lo]);
     }
@@ -1646,14 +1653,16 @@ static cudaError_t gemm_smem_opt_in() {
     return err;
 }
 
-// The stride of the experts' spread order (moe_route_kernel's spread): the integer nearest
-// above 0.618 E that is coprime to E, so that p -> p * stride mod E is a permutation that places
-// experts of neighbouring ids far apart (E = 128: 79; expert e at position 47 e mod 128). Used
-// with the decode GEMMs' expert-major order: where the hot experts have neighbouring ids (a
-// benchmark's experts 0 .. E/16 - 1, or a placement that groups popular experts), the tile list in
-// id order gives a wave of GEMM1 blocks mostly the hot experts', whose M-tiles share each weight
-// stream, and few streams in flight (RESULTS.md, sessions forty-nine and fifty).
+// The stride of the experts' spread order (spread_expert): the integer nearest above 0.618 E
+// that is coprime to E, so that p -> p * stride mod E is a permutation that places experts of
+// neighbouring ids far apart (E = 128: 79; expert e at position 47 e mod 128); 0 (the id order)
+// past E = 65535. Used with the decode GEMMs' expert-major order: where the hot experts have
+// neighbouring ids (a benchmark's experts 0 .. E/16 - 1, or a placement that groups popular
+// experts), the tile list in id order gives a wave of GEMM1 blocks mostly the hot experts', whose
+// M-tiles share each weight stream, and few streams in flight (RESULTS.md, sessions forty-nine
+// and fifty). The Hopper path's CUTLASS groups use it too (moe_fused_gemm_sm90.cu).
 static int route_spread(int E) {
+    if (E > 65535) return 0;
     int s = std::max(1, (int)(0.618 * E));
     while (std::gcd(s, E) != 1) ++s;
     return s;

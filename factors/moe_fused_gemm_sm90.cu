@@ -813,7 +813,7 @@ sm90_prepare_kernel(const T* __restrict__ x, T* __restrict__ xs, const int* __re
                     const int* __restrict__ slot_pos, const int* __restrict__ ids, const ExpertMap em,
                     const T* __restrict__ w13, const T* __restrict__ w2, T* __restrict__ gu,
                     T* __restrict__ act, T* __restrict__ ys, int T_, int H, int I, int E, int K,
-                    bool by_token, int vpl, sm90::GroupArrays<G> g1, sm90::GroupArrays<G> g2) {
+                    bool by_token, int vpl, int spread, sm90::GroupArrays<G> g1, sm90::GroupArrays<G> g2) {
     using EA = typename G::EA;
     using EB = typename G::EB;
     using ED = typename G::ED;
@@ -844,28 +844,31 @@ sm90_prepare_kernel(const T* __restrict__ x, T* __restrict__ xs, const int* __re
     // expert_off before its own wait, so this comes after ours
     explugin::pdl_launch_dependents();
 
-    // per-expert problem sizes, pointers and strides (an empty expert gets M = 0: no tiles)
-    // the routing's outputs through L2 (__ldcg): written by the grid this one waited for
-    for (long long e = gtid; e < E; e += nthreads) {
+    // per-expert problem sizes, pointers and strides (an empty expert gets M = 0: no tiles), group
+    // g holding expert spread_expert(g) (the group scheduler runs the groups in index order:
+    // experts of neighbouring ids, hot together under a skew, do not run back to back); the
+    // routing's outputs through L2 (__ldcg): written by the grid this one waited for
+    for (long long g = gtid; g < E; g += nthreads) {
+        const long long e = spread_expert((int)g, E, spread);
         const long long off = __ldcg(expert_off + e);
         const int m = __ldcg(expert_off + e + 1) - (int)off;
-        g1.shapes[e] = typename G::Shape3(m, 2 * I, H);
-        g1.a[e] = reinterpret_cast<const EA*>(xs + off * H);
-        g1.b[e] = reinterpret_cast<const EB*>(w13 + e * 2LL * I * H);
-        g1.d[e] = reinterpret_cast<ED*>(gu + off * 2LL * I);
+        g1.shapes[g] = typename G::Shape3(m, 2 * I, H);
+        g1.a[g] = reinterpret_cast<const EA*>(xs + off * H);
+        g1.b[g] = reinterpret_cast<const EB*>(w13 + e * 2LL * I * H);
+        g1.d[g] = reinterpret_cast<ED*>(gu + off * 2LL * I);
         typename G::StrideA sa1{}; cute::get<0>(sa1) = H;       // A: M x H, row-major
         typename G::StrideB sb1{}; cute::get<0>(sb1) = H;       // B: 2I rows of H
         typename G::StrideD sd1{}; cute::get<0>(sd1) = 2LL * I; // D: M x 2I, row-major
-        g1.sa[e] = sa1; g1.sb[e] = sb1; g1.sd[e] = sd1;
+        g1.sa[g] = sa1; g1.sb[g] = sb1; g1.sd[g] = sd1;
 
-        g2.shapes[e] = typename G::Shape3(m, H, I);
-        g2.a[e] = reinterpret_cast<const EA*>(act + off * I);
-        g2.b[e] = reinterpret_cast<const EB*>(w2 + e * (long long)H * I);
-        g2.d[e] = reinterpret_cast<ED*>(ys + off * H);
+        g2.shapes[g] = typename G::Shape3(m, H, I);
+        g2.a[g] = reinterpret_cast<const EA*>(act + off * I);
+        g2.b[g] = reinterpret_cast<const EB*>(w2 + e * (long long)H * I);
+        g2.d[g] = reinterpret_cast<ED*>(ys + off * H);
         typename G::StrideA sa2{}; cute::get<0>(sa2) = I;
         typename G::StrideB sb2{}; cute::get<0>(sb2) = I;
         typename G::StrideD sd2{}; cute::get<0>(sd2) = H;
-        g2.sa[e] = sa2; g2.sb[e] = sb2; g2.sd[e] = sd2;
+        g2.sa[g] = sa2; g2.sb[g] = sb2; g2.sd[g] = sd2;
     }
 
     if (by_token) {
@@ -1034,6 +1037,10 @@ static int64_t s_sm90_cluster_m2_rows = kSm90ClusterM2Rows;
 // row read once, written to its slots' sorted rows); EX_MOE_SM90_GATHER_BY_TOKEN=0: a warp per
 // sorted row (each row read K times), for comparison
 static bool s_sm90_gather_by_token = true;
+// set by ex_get_factor: both GEMMs of the CUTLASS tilings run the experts' groups in their spread
+// order (route_spread; EX_MOE_SM90_EXPERT_ORDER=id: in id order). Not the chunked kernels' items:
+// that order was 0.8-2.4% slower there (T = 512, H100, RESULTS.md session fifty)
+static bool s_sm90_spread = true;
 // set by ex_get_factor: the chunked kernels in clusters of two CTAs multicasting A (where the
 // N-tiles pair up); EX_MOE_SM90_CHUNKED_MULTICAST=0: one CTA per item, each loading its own A
 static bool s_sm90_chunked_mc = true;
@@ -1373,13 +1380,15 @@ static int launch_sm90(const Problem& P, void* out, const void* x, const void* w
         std::copy(now, now + 6, last);
     }
 #endif
+    // the experts' order in the CUTLASS tilings' groups: spread unless EX_MOE_SM90_EXPERT_ORDER=id
+    const int spread = s_sm90_spread ? route_spread(E) : 0;
     const int64_t gather_warps = skip_gather ? 1 : s_sm90_gather_by_token ? P.T * spans(vpl) : P.TK;
     cudaError_t err = explugin::launch_kernel(
         sm90_prepare_kernel<T, G>, dim3(capped_blocks(gather_warps * 32, kPrepThreads, 8)), dim3(kPrepThreads), 0,
         stream, s_sm90_pdl, static_cast<const T*>(x), xs, (const int*)sorted, (const int*)meta,
         (const int*)expert_off, (const int*)slot_pos, ids, P.em(), static_cast<const T*>(w13),
         static_cast<const T*>(w2), gu, act, ys, skip_gather ? 0 : (int)P.T, H, I, E, K,
-        skip_gather || s_sm90_gather_by_token, vpl, ga[0], ga[1]);
+        skip_gather || s_sm90_gather_by_token, vpl, spread, ga[0], ga[1]);
     if (err == cudaSuccess) err = cudaGetLastError();
     if (err != cudaSuccess) return cuda_error(err);
 
@@ -1508,6 +1517,8 @@ extern "C" EX_EXPORT ex_factor_t* ex_get_factor(const ex_hardware_t* hw) {
     static const char* const kOffOn[] = {"0", "1"};  // a switch that is off unless set to 1
     s_sm90_raster_n = explugin::env_choice("EX_MOE_SM90_RASTER_N", kOffOn, 2, 0) == 1;
     s_sm90_gather_by_token = explugin::env_switch("EX_MOE_SM90_GATHER_BY_TOKEN");
+    static const char* const kOrders[] = {"id", "spread"};
+    s_sm90_spread = explugin::env_choice("EX_MOE_SM90_EXPERT_ORDER", kOrders, 2, 1) == 1;
     sm90::g_skip_empty_a = explugin::env_switch("EX_MOE_SM90_SKIP_EMPTY_A");
     s_sm90_chunked_mc = explugin::env_switch("EX_MOE_SM90_CHUNKED_MULTICAST");
     s_sm90_chunked_swap = explugin::env_switch("EX_MOE_SM90_CHUNKED_SWAP_AB");
