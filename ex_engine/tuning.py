@@ -149,8 +149,13 @@ class FactorTuning:
                     raise ValueError(f"shapes[{i}].by_T: expected rows [T, choice] with distinct T")
                 self.table[shape] = ([t for t, _ in rows], [v for _, v in rows])
         except (KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
+            # (a fresh user's trial: the README said "under `factors:`", a level the format
+            # does not have; the message says where the tables go)
+            hint = ("; each factor's table is a top-level key of its own (e.g. `my_op:` beside "
+                    "device), not an entry under `factors:`" if factor == "factors" else "")
             raise FactorError(f"tuning file {path}: {factor}: malformed ({type(exc).__name__}: {exc}); "
-                              "expected dim, key, values, shapes[{<key sizes>, by_T: [[T, choice]]}]") from exc
+                              "expected dim, key, values, shapes[{<key sizes>, by_T: [[T, choice]]}]"
+                              + hint) from exc
 
     def _value(self, v) -> int:
         """A choice: one of the names in values, or one of their integers."""
