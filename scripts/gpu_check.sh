@@ -30,8 +30,10 @@
 #   TUNE_TIMEOUT (400), EP_TIMEOUT (300, each torchrun): seconds before a stage's command is
 #   stopped (a stopped stage fails)
 # Exit status: 0 every stage passed; 1 a stage failed (a self-test that tested nothing, or GPU
-# tests that all skipped, fail too); 2 an unknown stage, a log folder (OUT) that cannot be
-# written, or carried wheels that do not install.
+# tests that all skipped, fail too; setup finding no CUDA device stops the script at once, with
+# a line "no CUDA device ...", where a later stage needs one: tests selftest run bench bench_rn
+# host gap tune ep); 2 an unknown stage, a log folder (OUT) that cannot be written, or carried
+# wheels that do not install.
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 if [ "${1:-}" = "-h" ] || [ "${1:-}" = "--help" ]; then
@@ -69,9 +71,32 @@ fi
 if has setup; then
   step setup
   # a device check on a machine without the device, the toolkit or CuPy has checked nothing: fail
-  nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,power.draw,temperature.gpu --format=csv || status=1
+  smi=0
+  nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,power.draw,temperature.gpu --format=csv || { status=1; smi=1; }
   nvcc --version | tail -1; [ "${PIPESTATUS[0]}" = 0 ] || status=1
-  python3 -c "import cupy, numpy, yaml, ml_dtypes, cffi; print('cupy', cupy.__version__, 'numpy', numpy.__version__, 'cffi', cffi.__version__); assert cupy.cuda.runtime.getDeviceCount() > 0, 'no CUDA device'" || status=1
+  # exit status 3: CuPy imports but sees no CUDA device (1: an import failed)
+  python3 -c "import cupy, numpy, yaml, ml_dtypes, cffi, sys; print('cupy', cupy.__version__, 'numpy', numpy.__version__, 'cffi', cffi.__version__)
+try:
+    n = cupy.cuda.runtime.getDeviceCount()
+except Exception as exc:
+    n, why = 0, f'{type(exc).__name__}: {exc}'
+else:
+    why = 'cupy.cuda.runtime.getDeviceCount() = 0'
+if n < 1:
+    print('no CUDA device:', why, file=sys.stderr)
+    sys.exit(3)"
+  py=$?
+  [ "$py" = 0 ] || status=1
+  # no device (CuPy sees none, or, where CuPy does not import, nvidia-smi fails): the GPU stages
+  # would run on the CPU or fail one by one (a CPU machine ran pytest and run moe --model all)
+  if [ "$py" = 3 ] || { [ "$py" != 0 ] && [ "$smi" != 0 ]; }; then
+    gpu_stages=""
+    for s in tests selftest run bench bench_rn host gap tune ep; do has "$s" && gpu_stages="$gpu_stages $s"; done
+    if [ -n "$gpu_stages" ]; then
+      echo "gpu_check.sh: no CUDA device (setup's device check failed, above): stopping before the stages that need one:$gpu_stages" >&2
+      exit 1
+    fi
+  fi
 fi
 if has build; then
   step build

@@ -47,3 +47,53 @@ def test_a_factors_level_is_named_in_the_malformed_note(tmp_path):
         t = TuningTable.for_hardware("h200", folder=tmp_path)
     assert t.set_aside == [str(tmp_path / "h200.yaml")] and len(t.problems) == 1
     assert "not an entry under `factors:`" in t.problems[0], t.problems
+
+
+# ------------------------------------------------- 2. gpu_check.sh on a machine with no GPU
+def _gpu_check(tmp_path, *stages, fake_cupy_count=None):
+    """scripts/gpu_check.sh STAGES with no GPU (CUDA_VISIBLE_DEVICES=''); with fake_cupy_count,
+    a stand-in cupy whose getDeviceCount() gives that number and an nvidia-smi that succeeds
+    (CuPy imports, nvidia-smi answers, yet no device)."""
+    import os
+    import subprocess
+    import sys
+    out, path, pythonpath = tmp_path / "out", [os.path.dirname(sys.executable)], []
+    if fake_cupy_count is not None:
+        fake = tmp_path / "fake"
+        (fake / "cupy" / "cuda").mkdir(parents=True)
+        (fake / "cupy" / "__init__.py").write_text("__version__ = '0.fake'\nfrom . import cuda\n")
+        (fake / "cupy" / "cuda" / "__init__.py").write_text(
+            f"class runtime:\n    @staticmethod\n    def getDeviceCount():\n        return {fake_cupy_count}\n")
+        (fake / "nvidia-smi").write_text("#!/bin/sh\necho 'name, driver_version'\n")
+        (fake / "nvidia-smi").chmod(0o755)
+        path.insert(0, str(fake))
+        pythonpath.append(str(fake))
+    env = {**os.environ, "OUT": str(out), "CUDA_VISIBLE_DEVICES": "",
+           "PATH": os.pathsep.join(path + [os.environ.get("PATH", "")]),
+           "PYTHONPATH": os.pathsep.join(pythonpath + [os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), *stages], capture_output=True,
+                          text=True, encoding="utf-8", env=env, timeout=300)
+
+
+def test_gpu_check_stops_after_setup_without_a_gpu(tmp_path):
+    """Setup's device check failed, and the script went on to run pytest and `run moe --model
+    all` on the CPU. It stops there now, naming the stages it did not run."""
+    r = _gpu_check(tmp_path, "setup", "tests", "run")
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "gpu_check.sh: no CUDA device" in r.stderr and "stages that need one: tests run" in r.stderr
+    assert "=== GPU tests" not in r.stdout and "=== run moe" not in r.stdout, r.stdout
+    assert not (tmp_path / "out" / "gpu_tests.log").exists()
+
+
+def test_gpu_check_stops_when_cupy_imports_but_sees_no_device(tmp_path):
+    r = _gpu_check(tmp_path, "setup", "selftest", fake_cupy_count=0)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "no CUDA device: cupy.cuda.runtime.getDeviceCount() = 0" in r.stderr, r.stderr
+    assert "stages that need one: selftest" in r.stderr and "=== scripts/" not in r.stdout
+
+
+def test_gpu_check_without_a_gpu_stage_goes_on(tmp_path):
+    """Stages that need no GPU (build, list) still run after a failed setup; status 1."""
+    r = _gpu_check(tmp_path, "setup", "list")
+    assert r.returncode == 1 and "=== list-factors" in r.stdout and "done: status 1" in r.stdout, r.stdout
+    assert "no CUDA device (setup" not in r.stderr
