@@ -492,7 +492,11 @@ def run_moe(model: str, tokens: int, dtype: str = "bfloat16", seed: int = 0, rep
     differ from the fallback's, its weights are off by 1e-5 or more, the experts' output is off
     the float64 reference by the dtype's tolerance or more (rel_err), or its worst token row by
     more than verify.ROW_SLACK times it (worst_row_err, verify.row_error). Raises FactorError
-    for an unknown model, another registry type, or an argument out of those ranges.
+    for an unknown model, another registry type, or an argument out of those ranges; MemoryError
+    ("about N GB needed at T=..., M GB available on the GPU / this host") where the weights
+    (unless reused) and T's arrays need more than the free memory of the GPU or host that would
+    hold them, checked before anything is drawn (an allocation that fails later raises CuPy's or
+    NumPy's MemoryError subclass).
     """
     step = progress or (lambda line: None)
     for name, v, lo in (("tokens", tokens, 1), ("seed", seed, 0), ("repeat", repeat, 1)):
