@@ -97,3 +97,20 @@ def test_gpu_check_without_a_gpu_stage_goes_on(tmp_path):
     r = _gpu_check(tmp_path, "setup", "list")
     assert r.returncode == 1 and "=== list-factors" in r.stdout and "done: status 1" in r.stdout, r.stdout
     assert "no CUDA device (setup" not in r.stderr
+
+
+# ------------------------------------------------- 4. UnsupportedModelError is a FactorError
+def test_unsupported_model_error_is_a_factor_error_and_a_value_error():
+    """patch_moe's error was a ValueError only: `except FactorError` (every other ex_engine
+    error) let it through. Needs torch (the module imports it), not transformers."""
+    import pickle
+
+    import pytest
+    pytest.importorskip("torch")
+    from ex_engine.errors import FactorError
+    from ex_engine.integrations.transformers import UnsupportedModelError
+    assert issubclass(UnsupportedModelError, FactorError) and issubclass(UnsupportedModelError, ValueError)
+    err = pickle.loads(pickle.dumps(UnsupportedModelError("model.layers.0.mlp: x")))
+    assert type(err) is UnsupportedModelError and str(err) == "model.layers.0.mlp: x"
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert "| `UnsupportedModelError` | `patch_moe`" in readme

@@ -69,7 +69,7 @@ except ImportError as _exc:   # say what to install instead of a bare "No module
     raise ImportError("ex_engine.integrations.transformers needs PyTorch and transformers: "
                       "pip install -e '.[hf]'") from _exc
 
-from ..errors import ArgumentError
+from ..errors import ArgumentError, FactorError
 from ..ops import moe_fused_gemm, resolve_registry, topk_softmax
 from ..registry import FactorRegistry
 
@@ -80,9 +80,10 @@ _MARK = "_ex_engine_moe_patch"
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 
 
-class UnsupportedModelError(ValueError):
+class UnsupportedModelError(FactorError, ValueError):
     """The model (or one of its MoE blocks) cannot be served by ex_engine's factors; the message
-    names the block and what did not fit."""
+    names the block and what did not fit. A FactorError, as every ex_engine error is, and a
+    ValueError (what it was before it was a FactorError)."""
 
 
 def _stock_weights(experts):
