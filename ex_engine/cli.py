@@ -805,6 +805,21 @@ def _os_error(exc: OSError) -> str:
 
 
 def main(argv=None) -> int:
+    """Run the ex-engine command line; the entry point of ``ex-engine`` and ``python -m ex_engine``.
+
+    argv: the arguments after the program name, a list of str (e.g. ``["list-factors",
+    "--json"]``), or None for ``sys.argv[1:]``: the command itself, which also makes its stdio
+    tolerant of text the locale cannot encode and enables faulthandler (a program passing a
+    list keeps its own stdio).
+
+    Returns the exit status, an int: 0 success; 1 a check failed; 2 an error (a FactorError or
+    an OSError, its message on stderr as 'ex-engine: error: ...', or an output that cannot be
+    written); 3 verify --strict's checks left something unchecked; 130 Ctrl-C; 141 the reader of
+    stdout left early; 143 SIGTERM (the epilog of ``ex-engine --help``). As argparse does,
+    --help and --version raise SystemExit(0) after printing, and a usage error (an unknown
+    option, a bad value, a missing argument) raises SystemExit(2) after printing the usage and
+    an 'error:' line on stderr; where stdout cannot be written then, it returns 2 or 141
+    instead."""
     if argv is None and sys.stderr is None:
         # the command started with stderr closed (2>&-): Python sets sys.stderr to None, so
         # faulthandler.enable() raised RuntimeError (exit 1, nothing printed) and print(...,
