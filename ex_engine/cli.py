@@ -168,6 +168,15 @@ def _none_ready(reg, folder) -> int:
     return 1
 
 
+def _not_detected(reg) -> str:
+    """What the first line of list-factors and verify says of a registry's hardware that is a
+    profile, not a live GPU ('profile h200' alone read as if an H200 had been detected): no
+    GPU seen, so the default profile; or the profile of --hardware."""
+    if reg.no_gpu_note:
+        return f"no GPU here: {reg.hardware.source}"
+    return f"{reg.hardware.source} from --hardware, not a detected GPU"
+
+
 def cmd_list_factors(args) -> int:
     reg = _registry(args)
     if args.json:
@@ -176,8 +185,12 @@ def cmd_list_factors(args) -> int:
                           "plugins": [p.as_dict() for p in reg.plugins]}, indent=2))
         return _none_ready(reg, args.dir)
     hw = reg.hardware
-    print(f"hardware: {hw.name} (sm_{hw.cc_major}{hw.cc_minor}, {hw.multiprocessor_count} SMs, "
-          f"warp {hw.warp_size}; {hw.source})")
+    if hw.live:
+        print(f"hardware: {hw.name} (sm_{hw.cc_major}{hw.cc_minor}, {hw.multiprocessor_count} SMs, "
+              f"warp {hw.warp_size}; {hw.source})")
+    else:
+        print(f"hardware: {hw.name} ({_not_detected(reg)}; sm_{hw.cc_major}{hw.cc_minor}, "
+              f"{hw.multiprocessor_count} SMs, warp {hw.warp_size})")
     if reg.tuning.in_use:
         print(f"tuning: {reg.tuning.in_use}")
     elif reg.tuning.path:   # read, but check() set every table of it aside (the notes say why)
@@ -312,7 +325,7 @@ def cmd_verify(args) -> int:
         raise FactorError("--timeout: applies to the child processes; not with --in-process")
     reg = _registry(args)
     hw = reg.hardware
-    print(f"hardware: {hw.name} ({hw.source})")
+    print(f"hardware: {hw.name} ({hw.source if hw.live else _not_detected(reg)})")
     _print_notes(reg)
     sys.stdout.flush()
     refused = _note_refused(reg)   # (verify named none of them: --strict passed on a folder

@@ -114,3 +114,22 @@ def test_unsupported_model_error_is_a_factor_error_and_a_value_error():
     assert type(err) is UnsupportedModelError and str(err) == "model.layers.0.mlp: x"
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     assert "| `UnsupportedModelError` | `patch_moe`" in readme
+
+
+# ------------------------------------------------- 6. the first line names a profile as such
+def test_list_factors_and_verify_say_the_hardware_is_a_profile(tmp_path, capsys, monkeypatch):
+    """Without a GPU, 'hardware: NVIDIA H200 (sm_90, 132 SMs, warp 32; profile h200)' read as if an
+    H200 had been detected. A live GPU's line is unchanged (test_gpu)."""
+    from ex_engine import hardware as hwmod
+    from ex_engine.cli import main
+    monkeypatch.setattr(hwmod.Hardware, "detect", classmethod(lambda cls, *a, **k: None))
+    empty = tmp_path / "none"
+    empty.mkdir()
+    main(["list-factors", "--dir", str(empty), "--no-probe"])
+    assert capsys.readouterr().out.splitlines()[0] == \
+        "hardware: NVIDIA H200 (no GPU here: profile h200; sm_90, 132 SMs, warp 32)"
+    main(["list-factors", "--dir", str(empty), "--no-probe", "--hardware", "h100"])
+    assert capsys.readouterr().out.splitlines()[0] == ("hardware: NVIDIA H100 80GB HBM3 (profile h100 from "
+                                                       "--hardware, not a detected GPU; sm_90, 132 SMs, warp 32)")
+    main(["verify", "--dir", str(empty), "--no-probe", "--in-process"])
+    assert capsys.readouterr().out.splitlines()[0] == "hardware: NVIDIA H200 (no GPU here: profile h200)"
