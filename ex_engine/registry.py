@@ -944,7 +944,7 @@ class FactorRegistry:
         if want == p.sha256:
             return p.check("sha256 lock", True, f"matches {lock_path}")
         detail = (f"sha256 mismatch: lock has {want}, file has {p.sha256}" if want else
-                  f"sha256 mismatch: lock has no entry for '{p.path.name}', file has {p.sha256}")
+                  f"not listed in the lock (no entry for '{_printable(p.path.name)}'), file has {p.sha256}")
         detail += f" (lock {lock_path})"
         if self.lock_mode == "warn":
             self.notes.append(f"lock: {p.path.name}: {detail}; loaded anyway (lock_mode=warn)")
@@ -1311,8 +1311,12 @@ class FactorRegistry:
                 "yes" if p.name == path.stem
                 else f"note: name '{p.name}' differs from file '{_printable(path.name)}'")
         m, why = self._find_manifest(p.name, path.parent)
+        # the folders searched, named (a fresh user's trial: "the manifests folder" left them to guess)
+        dirs = [_printable(str(d)) for d in self.manifests_dirs]
         if not p.require("manifest", m is not None,
-                       why or f"expected {p.name}.yaml beside the library or in the manifests folder, found none",
+                       why or f"expected {p.name}.yaml beside the library (in {_printable(str(path.parent))}) "
+                              f"or in the manifests folder{'s' if len(dirs) > 1 else ''} {', '.join(dirs)}, "
+                              "found none",
                        str(m.path) if m is not None else ""):
             return p
         if not p.require("manifest name", m.name == p.name,

@@ -676,7 +676,8 @@ def test_a_manifest_that_is_there_but_empty_or_misnamed_says_so(tmp_path):
     assert st["b"].reason == (f"manifest: manifest {mdir / 'host_scale_b.yaml'}: names 'host_scale_bb', the "
                               "library 'host_scale_b': the manifest must name its factor as the library does")
     assert "host_scale_c.yaml: expected a mapping (name, id, dims, ...), got list" in st["c"].reason
-    assert "expected host_scale_d.yaml beside the library or in the manifests folder, found none" in st["d"].reason
+    assert (f"expected host_scale_d.yaml beside the library (in {plugins}) or in the manifests folder {mdir}, "
+            "found none") in st["d"].reason, st["d"].reason   # the folders searched, named
     beside = tmp_path / "beside"
     build_plugin(beside)
     (beside / "host_scale.yaml").write_text("# emptied\n")

@@ -133,3 +133,20 @@ def test_list_factors_and_verify_say_the_hardware_is_a_profile(tmp_path, capsys,
                                                        "--hardware, not a detected GPU; sm_90, 132 SMs, warp 32)")
     main(["verify", "--dir", str(empty), "--no-probe", "--in-process"])
     assert capsys.readouterr().out.splitlines()[0] == "hardware: NVIDIA H200 (no GPU here: profile h200)"
+
+
+# ------------------------------------------------- 7. a missing manifest names the folders searched
+def test_a_missing_manifest_names_every_folder_searched(tmp_path):
+    """'expected x.yaml beside the library or in the manifests folder, found none' named no folder."""
+    import os
+
+    from ex_engine import FactorRegistry
+
+    from .conftest import build_plugin
+    a, b, plugins = tmp_path / "ma", tmp_path / "mb", tmp_path / "plugins"
+    a.mkdir()
+    b.mkdir()
+    build_plugin(plugins, manifest=False)
+    reg = FactorRegistry.load(plugins, hardware="h200", manifests_dir=f"{a}{os.pathsep}{b}")
+    assert reg.plugins[0].reason == (f"manifest: expected host_scale.yaml beside the library (in {plugins}) "
+                                     f"or in the manifests folders {a}, {b}, found none"), reg.plugins[0].reason

@@ -302,7 +302,8 @@ def test_lock_accepts_listed_files_and_refuses_changed_or_unlisted_ones_before_d
     assert changed.reason.startswith(f"sha256 lock: sha256 mismatch: lock has {lock['host_scale.so']}, "
                                      f"file has {changed.sha256}")
     assert extra.status == "rejected" and extra.lib is None
-    assert "sha256 mismatch: lock has no entry for 'extra.so'" in extra.reason
+    assert extra.reason.startswith("sha256 lock: not listed in the lock (no entry for 'extra.so'), file has "
+                                   f"{extra.sha256}"), extra.reason   # not a "mismatch": no entry at all
 
 
 def test_lock_warn_mode_loads_with_a_warning(tmp_path, capsys):
