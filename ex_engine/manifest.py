@@ -212,6 +212,9 @@ def raw_problem(d: dict) -> str:
         return "id: missing; expected the factor id (an integer)"
     if not _is_int(d["id"]) or not -_ID_MAX - 1 <= d["id"] <= _ID_MAX:   # (the registry judges its value)
         return f"id: expected an integer (the factor id, an int32_t), got {_got(d['id'])}"
+    if d["id"] < 0:   # (a manifest of id: -5 loaded; only a library claiming it was refused)
+        return (f"id: expected an integer >= 0 (the factor id; include/ex_engine.h: never negative), "
+                f"got {d['id']}")
     for k in ("summary", "math"):   # text for readers: null is none
         if d.get(k) is not None and not isinstance(d[k], str):
             return f"{k}: expected a string, got {_got(d[k])}"

@@ -150,3 +150,27 @@ def test_a_missing_manifest_names_every_folder_searched(tmp_path):
     reg = FactorRegistry.load(plugins, hardware="h200", manifests_dir=f"{a}{os.pathsep}{b}")
     assert reg.plugins[0].reason == (f"manifest: expected host_scale.yaml beside the library (in {plugins}) "
                                      f"or in the manifests folders {a}, {b}, found none"), reg.plugins[0].reason
+
+
+# ------------------------------------------------- 8. a negative manifest id
+def test_a_manifest_with_a_negative_id_is_malformed(tmp_path):
+    """The ABI's factor ids are >= 0; a manifest of id: -5 loaded (only a library claiming it was
+    refused, by the registry's factor id check)."""
+    import pytest
+
+    from ex_engine.errors import FactorError
+    from ex_engine.manifest import Manifest, load_all
+    text = (ROOT / "tests" / "plugins" / "host_scale.yaml").read_text(encoding="utf-8")
+    assert re.search(r"^id: 1100$", text, re.M)
+    for bad in ("-5", "-1"):
+        f = tmp_path / bad / "host_scale.yaml"
+        f.parent.mkdir()
+        f.write_text(re.sub(r"^id: 1100$", f"id: {bad}", text, flags=re.M), encoding="utf-8")
+        with pytest.raises(FactorError, match=rf"host_scale.yaml: id: expected an integer >= 0 .*got {bad}$"):
+            Manifest.load(f)
+        errors: dict = {}
+        assert load_all(f.parent, errors) == {} and "id: expected an integer >= 0" in errors["host_scale"]
+    f = tmp_path / "zero.yaml"
+    f.write_text(re.sub(r"^name: host_scale$", "name: zero", re.sub(r"^id: 1100$", "id: 0", text, flags=re.M),
+                        flags=re.M), encoding="utf-8")
+    assert Manifest.load(f).id == 0
