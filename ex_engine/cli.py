@@ -685,8 +685,11 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--repeat", type=positive_count, default=10, metavar="N",
                    help="timed calls per factor on a GPU (default: %(default)s)")
     q.set_defaults(fn=cmd_run_moe, command_parser=q)
-    # `ex-engine run` without a job: run's own help (bind p now: p is rebound below)
-    p.set_defaults(fn=lambda a, run_parser=p: (run_parser.print_help(), 2)[1], command_parser=p)
+    # `ex-engine run` without a job: run's usage and argparse's error line on stderr, SystemExit(2)
+    # as for any usage error (it printed the whole help with no 'error:' line); bind p now: p is
+    # rebound below. (Not required=True: `run --x` would then say JOB, not the unknown --x.)
+    p.set_defaults(fn=lambda a, run_parser=p: run_parser.error("the following arguments are required: JOB"),
+                   command_parser=p)
 
     p = sub.add_parser("verify", help="run every ready factor against its Python fallback on its test shapes",
                        description="Run every ready factor against its Python fallback on the test "

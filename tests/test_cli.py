@@ -332,11 +332,16 @@ def test_prefer_refuses_a_factor_preferred_twice(tmp_path, capsys, command):
     assert captured.out == ""
 
 
-def test_run_without_a_job_prints_runs_help(capsys):
-    """`ex-engine run` alone: run's usage (not the last subcommand's), exit status 2."""
-    assert main(["run"]) == 2
-    out = capsys.readouterr().out
-    assert "usage: ex-engine run" in out and "ex-engine build" not in out
+def test_run_without_a_job_is_a_usage_error(capsys):
+    """`ex-engine run` alone: run's usage (not the last subcommand's) and argparse's error line
+    on stderr, exit status 2 (SystemExit, as every usage error; it printed run's whole help on
+    stdout with no 'error:' line)."""
+    with pytest.raises(SystemExit) as e:
+        main(["run"])
+    captured = capsys.readouterr()
+    assert e.value.code == 2 and captured.out == ""
+    assert captured.err.startswith("usage: ex-engine run") and "ex-engine build" not in captured.err
+    assert captured.err.endswith("ex-engine run: error: the following arguments are required: JOB\n"), captured.err
 
 
 def test_lock_to_a_missing_folder_is_a_clear_error(tmp_path, capsys):

@@ -45,7 +45,7 @@ def _ex_engine(args, cwd, **kw):
     ["lock", "--dir", "{d}", "--output", "{d}/x.lock"],
     ["lock", "--dir", "{d}", "--output", "-"],
     ["verify", "--dir", "{d}", "--hardware", "h200", "--no-probe", "--in-process"],
-    ["run"],   # run's own help, status 2 either way
+    # (["run"] printed run's help on stdout; now a usage error on stderr, stdout untouched)
 ])
 def test_a_full_stdout_is_one_error_line_and_status_2(tmp_path, argv):
     """`ex-engine list-factors > /dev/full` was a traceback and exit status 1 (the status of a
