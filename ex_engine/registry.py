@@ -1310,6 +1310,13 @@ class FactorRegistry:
         p.check("name matches file stem", True,  # informative: a renamed drop-in still loads
                 "yes" if p.name == path.stem
                 else f"note: name '{p.name}' differs from file '{_printable(path.name)}'")
+        # a negative id: the library's own struct field is wrong, whatever manifest it has (one
+        # of a matching id: -5 is itself malformed, and its message would name the manifest)
+        id_rule = (f"expected an id >= 0 (0-{abi.FACTOR_BUILTIN_LAST} ex_engine's own factors, "
+                   f"{abi.FACTOR_BUILTIN_LAST + 1} and up third-party ones), got {p.factor_id}: ")
+        if p.factor_id < 0:
+            p.require("factor id", False, id_rule + "negative ids are invalid")
+            return p
         m, why = self._find_manifest(p.name, path.parent)
         # the folders searched, named (a fresh user's trial: "the manifests folder" left them to guess)
         dirs = [_printable(str(d)) for d in self.manifests_dirs]
@@ -1331,12 +1338,9 @@ class FactorRegistry:
         # one that a built-in manifest owns (it would shadow the built-in by version or priority)
         owner = _BUILTIN_IDS.get(p.factor_id) or next(
             (q.name for q in self.manifests.values() if q.id == p.factor_id), None)
-        if not p.require("factor id", p.factor_id >= 0 and (p.factor_id > abi.FACTOR_BUILTIN_LAST or owner == p.name),
-                         f"expected an id >= 0 (0-{abi.FACTOR_BUILTIN_LAST} ex_engine's own factors, "
-                         f"{abi.FACTOR_BUILTIN_LAST + 1} and up third-party ones), got {p.factor_id}: "
-                         "negative ids are invalid" if p.factor_id < 0 else
-                         (f"id {p.factor_id} is reserved for ex_engine's '{owner}'" if owner else
-                          f"id {p.factor_id} is in ex_engine's reserved range") +
+        if not p.require("factor id", p.factor_id > abi.FACTOR_BUILTIN_LAST or owner == p.name,
+                         id_rule + (f"id {p.factor_id} is reserved for ex_engine's '{owner}'" if owner else
+                                    f"id {p.factor_id} is in ex_engine's reserved range") +
                          f" (ids 0-{abi.FACTOR_BUILTIN_LAST}); third-party "
                          f"factors take ids from {abi.FACTOR_BUILTIN_LAST + 1}"):
             return p
