@@ -202,6 +202,7 @@ def main():
     print(f"{'model':<22}{'T':>6} " + "".join(f"{n:>12}" for n, _, _ in cfgs), flush=True)
     for ci, (case, (m, T, skew)) in enumerate(zip(args.cases, cases)):
         print(f"[{ci + 1}/{len(cases)}] {case} ...", file=sys.stderr, flush=True)
+        head = f"{m:<22}{T:>6}{'s' if skew else ' '}"   # a row's first columns
         s = models[m]
         if layer_key != m:
             layer = None
@@ -223,7 +224,7 @@ def main():
             checks[cfgs[0][0]]["rel_ref"] = rel(outs[0], ref)
             del ref
             if not checks[cfgs[0][0]]["rel_ref"] <= 1e-2:   # the baseline itself wrong (NaN included)
-                print(f"{m:<22}{T:>6}{'s' if skew else ' '}FAILED CHECK: {cfgs[0][0]} rel err {checks[cfgs[0][0]]['rel_ref']:.2e} "
+                print(f"{head}FAILED CHECK: {cfgs[0][0]} rel err {checks[cfgs[0][0]]['rel_ref']:.2e} "
                       "against the float32 reference (> 1e-2): the row is not timed", flush=True)
                 rows.append({"model": m, "T": T, "skewed": skew, "checks": checks, "error": "first config failed its reference check"})
                 del outs
@@ -248,7 +249,7 @@ def main():
         row = {"model": m, "T": T, "skewed": skew, "checks": checks,
                "us": {n: (median(v) if v else None) for n, v in times.items()}, "raw": times}
         rows.append(row)
-        print(f"{m:<22}{T:>6}{'s' if skew else ' '}" + "".join(
+        print(head + "".join(
             f"{row['us'][n]:>12.1f}" if row["us"][n] else f"{'FAIL':>12}" for n, _, _ in cfgs), flush=True)
         print("   checks: " + "; ".join(
             f"{n}: d={c['maxdiff_vs_first']:.2e} r={c['rel_vs_first']:.1e}" + (f" ref={c['rel_ref']:.1e}" if "rel_ref" in c else "")

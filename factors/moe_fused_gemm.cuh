@@ -119,7 +119,7 @@
  * onewave + early launches of GEMM1's and GEMM2's successors whatever their wave count, GEMM2's
  * weight prefetch before its wait also after a routing launch (T*K > 32), and there GEMM2's blocks
  * waiting for their own tile's act (per-tile counters GEMM1's blocks add to) instead of for GEMM1's
- * whole grid, both GEMMs expert by expert (GemmParams::expert_major), the experts in a spread order
+ * whole grid, both GEMMs expert by expert (GemmParams::ready), the experts in a spread order
  * (route_spread); gridwait = new without the per-tile waits;
  * unfused = late's launches with the separate routing launch (no fused routing, no early launches).
  *
@@ -471,7 +471,7 @@ __device__ __forceinline__ int route_prefix(typename cub::BlockScan<int, NT>::Te
 
 // Tile list entries i = i0, i0 + stride, ... below n_tiles: {e, first row, end row, first tile of
 // e}, tile i belonging to the largest e with s_toff[e] <= i (necessarily non-empty; its tiles are
-// s_toff[e] .. s_toff[e] + ceil(rows / BM) - 1, which GemmParams::expert_major's order reads)
+// s_toff[e] .. s_toff[e] + ceil(rows / BM) - 1, which the expert-major order of GemmParams::ready reads)
 // spread > 0 (route_spread): s_toff is indexed by position p in the experts' spread order, expert
 // spread_expert(p), and tile i belongs to the expert at the largest such p.
 __device__ __forceinline__ void route_tiles(long long i0, long long stride, int n_tiles, int E,
@@ -769,14 +769,15 @@ struct GemmParams {
     int* ready;                // EX_MOE_DECODE_CONFIG=new (with pre_ws): per-tile counters, zeroed
                                // by the routing launch: GEMM1's block adds 1 to its tile's once its
                                // act columns are stored; GEMM2's blocks wait for ready_target there
-                               // instead of for GEMM1's whole grid (griddepcontrol.wait)
+                               // instead of for GEMM1's whole grid (griddepcontrol.wait).
+                               // Set (both GEMMs; m_tiles == 0, a routing launch's tiles), it also
+                               // orders the blocks expert by expert ("expert-major"): by expert,
+                               // then N-tile, then the expert's M-tiles: the blocks of an expert
+                               // are those of N-tile-fastest order (its tiles complete in turn, for
+                               // the ready waits), and its M-tiles of one N-tile run side by side
+                               // (one read of those weight rows, the rest L2 hits: a hot expert of
+                               // many tiles)
     int ready_target;          // GEMM2: GEMM1's N-tiles per tile
-    int expert_major;          // 1 (with m_tiles == 0, a routing launch's tiles): block order by
-                               // expert, then N-tile, then the expert's M-tiles: the blocks of an
-                               // expert are those of N-tile-fastest order (its tiles complete in
-                               // turn, for the ready waits), and its M-tiles of one N-tile run
-                               // side by side (one read of those weight rows, the rest L2 hits:
-                               // a hot expert of many tiles)
 };
 
 constexpr int kFusedRouteSlots = 32;  // one warp routes them with ballots and shuffles
@@ -933,9 +934,9 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) moe_gemm_kernel(const Gem
     } else {
         n_tiles = __ldcg(p.meta);
     }
-    int4 td_first = make_int4(0, 0, 0, 0);  // expert_major: the tile read to place this block
+    int4 td_first = make_int4(0, 0, 0, 0);  // expert-major: the tile read to place this block
     bool reuse_first = false;                 // ... which is this block's own tile
-    if (p.expert_major && tile < n_tiles) {
+    if (p.ready != nullptr && tile < n_tiles) {   // expert-major order (see GemmParams::ready)
         const int t0 = tile;
         // blocks [first * NN, (first + c) * NN) are expert e's (NN N-tiles, c = its M-tiles, the
         // same blocks as in N-tile-fastest order): the tile this block had there is e's too
@@ -1408,7 +1409,7 @@ constexpr int s_diag_skip = 0;
 //          their own tile's act, not for GEMM1's whole grid: per-tile counters in the workspace,
 //          zeroed by the routing, to which each GEMM1 block adds 1 once its act columns are stored
 //          (fence, then atomicAdd; GEMM2 reads them with ld.acquire). Both GEMMs then run their
-//          blocks expert by expert (GemmParams::expert_major: an expert's N-tiles in turn, its
+//          blocks expert by expert (GemmParams::ready: an expert's N-tiles in turn, its
 //          M-tiles of one N-tile side by side), so that tiles complete in turn and GEMM2's blocks
 //          of the first tiles stream their weights during GEMM1's last wave. (Plain N-tile-fastest
 //          order, e322d0e, read a hot expert's weight rows once per M-tile: under skewed routing
@@ -1850,9 +1851,8 @@ static int launch_fast(const Problem& P, void* out, const void* x, const void* w
     const bool m_fast_ok = mode != MODE_OLD && C::BM <= 48;  // decode(4), tiny, mid32, mid48
     const int64_t a_bytes1 = max_tiles * C::BM * P.H * 2, a_bytes2 = max_tiles * C::BM * P.I * 2;
     p1.m_tiles = (!tile_waits && m_fast_ok && a_bytes1 <= s_l2_bytes / 4) ? (int)max_tiles : 0;
-    p1.ready = ready;
+    p1.ready = ready;   // also: expert-major order (m_tiles is 0 there; the routing launch wrote tiles)
     p1.ready_target = 0;
-    p1.expert_major = tile_waits ? 1 : 0;   // (m_tiles is 0 there; the routing launch wrote tiles)
     if ((err = launch_k(moe_gemm_kernel<T, C, true>, dim3((unsigned)blocks1, 1, 1),
                         dim3(C::THREADS), C::smem_bytes(true), stream, pdl, p1)) != cudaSuccess)
         return cuda_error(err);

@@ -200,7 +200,8 @@ def main() -> int:
     if args.json:   # the rates are kept even if the first case fails
         write_json(args.json, {"meta": meta, "rows": rows})
     for i, (m, T, skew) in enumerate(cases):
-        print(f"[{i + 1}/{len(cases)}] {m} T={T}{' skewed' if skew else ''} ...", file=sys.stderr, flush=True)
+        label = f"{m} T={T}{' skewed' if skew else ''}"
+        print(f"[{i + 1}/{len(cases)}] {label} ...", file=sys.stderr, flush=True)
         s = models[m]
         w13, w2 = layer_weights(s, dt, gen)
         sets = input_sets(s, T, 3, w13, w2, dt, gen, skew=skew)
@@ -265,7 +266,7 @@ def main() -> int:
         if args.json:
             write_json(args.json, {"meta": meta, "rows": rows})
         if args.graph:
-            print(f"{m} T={T}{' skewed' if skew else ''} ({path}, CUDA graph of {calls} calls, {replays} replays): kernels "
+            print(f"{label} ({path}, CUDA graph of {calls} calls, {replays} replays): kernels "
                   f"{total / ncalls:.1f} µs per call, graph {graph_us:.1f} µs per call; warm-up at "
                   f"{clocks.summary()}", flush=True)
             for k, v in sorted(per.items(), key=lambda kv: -kv[1]):
@@ -278,7 +279,7 @@ def main() -> int:
             del w13, w2, sets, fns
             torch.cuda.empty_cache()
             continue
-        print(f"{m} T={T}{' skewed' if skew else ''} ({path}): kernels {total / args.calls:.1f} µs per call, wall {wall:.1f} µs "
+        print(f"{label} ({path}): kernels {total / args.calls:.1f} µs per call, wall {wall:.1f} µs "
               f"(median of {n_walls} calls)", flush=True)
         for k, v in sorted(per.items(), key=lambda kv: -kv[1]):
             print(f"    {k:<36}{v / args.calls:>9.1f} µs {100 * v / total:>5.1f}%", flush=True)
