@@ -153,8 +153,12 @@ constexpr bool gate_up_tile() { return kGated && (kBand > 0 || kX > 0); }
 // chunks; at 128 (olmoe T = 1024) 369.1 against 300.7; nothing measured between 104 and 128.
 constexpr int64_t kSmallChunkMaxRowsPerExpert = 104;
 inline int chunk_subs(int64_t rows_per_expert) { return rows_per_expert <= kSmallChunkMaxRowsPerExpert ? 2 : kMaxSub; }
+// Shared memory of a kernel: the ring, its barriers and the per-expert chunk prefix (E + 1 ints),
+// with interleave (Args) a second prefix of the hot experts' chunks
 template <int kSubs, int kX = 0>
-inline int64_t smem_bytes(int64_t E) { return Geo<kSubs, kX>::kPreOff + (E + 1) * 4; }
+inline int64_t smem_bytes(int64_t E, bool interleave = false) {
+    return Geo<kSubs, kX>::kPreOff + (interleave ? 2 : 1) * (E + 1) * 4;
+}
 inline int64_t smem_bytes_for(int subs, int64_t E) { return subs == 2 ? smem_bytes<2>(E) : smem_bytes<4>(E); }
 // Swap AB by band (kBand, 1..4; 0: none): a kernel of band b runs swap AB on the chunks of
 // 64(b-1) + 1 .. 64(b-1) + 32 rows, with N = band_n(b) = 64(b-1) + 32 (32, 96, 160, 224), and the
@@ -203,6 +207,11 @@ struct Types {
     using TiledMma = decltype(make_tiled_mma(MmaOp{}));  // one warpgroup
 };
 
+// An expert is hot (Args::interleave) where it has more than kHotMeanRatio times the mean rows
+// per expert (the call's rows / E) and at least two chunks: skewed routing, not uniform routing's
+// spread (at T = 4096 an expert of qwen3-235b has 256 +- 16 rows)
+constexpr int kHotMeanRatio = 2;
+
 struct Args {
     const int* expert_off;  // E + 1 (routing output)
     void* out;              // act (rows, I) for GEMM1, ys (rows, H) for GEMM2
@@ -210,6 +219,10 @@ struct Args {
     int N;                  // GEMM1: I (act columns); GEMM2: H
     int Kdim;               // reduction: H or I
     int E;
+    // 1: hot experts' items (more than kHotMeanRatio times the mean rows, two chunks or more) dealt
+    // alternately with the others' (see item_of); 0: every item in expert order. run() clears it
+    // where the second prefix does not fit the shared memory
+    int interleave = 0;
 #if defined(EX_MOE_DIAG)
     int diag_skip = 0;  // diagnostic build: EX_MOE_DIAG_SKIP's bits (4: GEMM2's A copies do not wait for GEMM1)
 #endif
@@ -279,6 +292,7 @@ chunked_gemm_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_cons
     uint64_t* full = reinterpret_cast<uint64_t*>(smem + kBarOff);
     uint64_t* empty = full + kStages;
     int* s_pre = reinterpret_cast<int*>(smem + kPreOff);  // chunks before expert e; [E] = total
+    int* s_preh = s_pre + (p.E + 1);  // (p.interleave only) hot experts' chunks before expert e
 
     const int tid = threadIdx.x;
     const int warp = tid / 32, lane = tid % 32;
@@ -300,41 +314,81 @@ chunked_gemm_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_cons
         }
         cutlass::arch::fence_barrier_init();
     }
-    if (warp == 1) {  // chunks per expert, exclusive prefix
-        int carry = 0;
+    if (warp == 1) {  // chunks per expert, exclusive prefix (and, interleaved, the hot experts')
+        const int64_t rows = p.interleave ? __ldg(p.expert_off + p.E) - __ldg(p.expert_off) : 0;
+        int carry = 0, carry_h = 0;
         for (int base = 0; base < p.E; base += 32) {
             const int e = base + lane;
             int m = 0;
             if (e < p.E) m = __ldg(p.expert_off + e + 1) - __ldg(p.expert_off + e);
             const int nc = chunks_of<kSubs, kX>(m);
-            int inc = nc;
+            const int nh = (p.interleave && nc >= 2 && (int64_t)m * p.E > kHotMeanRatio * rows) ? nc : 0;
+            int inc = nc, inh = nh;
 #pragma unroll
             for (int o = 1; o < 32; o <<= 1) {
                 const int v = __shfl_up_sync(0xffffffffu, inc, o);
-                if (lane >= o) inc += v;
+                const int vh = __shfl_up_sync(0xffffffffu, inh, o);
+                if (lane >= o) { inc += v; inh += vh; }
             }
-            if (e < p.E) s_pre[e] = carry + inc - nc;
+            if (e < p.E) {
+                s_pre[e] = carry + inc - nc;
+                if (p.interleave) s_preh[e] = carry_h + inh - nh;
+            }
             carry += __shfl_sync(0xffffffffu, inc, 31);
+            carry_h += __shfl_sync(0xffffffffu, inh, 31);
         }
-        if (lane == 0) s_pre[p.E] = carry;
+        if (lane == 0) {
+            s_pre[p.E] = carry;
+            if (p.interleave) s_preh[p.E] = carry_h;
+        }
     }
     if constexpr (kMc)
         cute::cluster_sync();  // the peer's barriers are initialized before any multicast or remote arrival
     else
         __syncthreads();
     const int n_items = s_pre[p.E] * NT;
+    // interleaved: the hot experts' items (n_hot) and the others' (n_cold), each stream in expert
+    // order; else one stream, every item in expert order
+    const int n_hot = p.interleave ? s_preh[p.E] * NT : 0, n_cold = n_items - n_hot;
+    const bool mix = n_hot > 0 && n_cold > 0;
 
-    // item -> expert, first row of the chunk, its rows (1..chunk_rows), N-tile
+    // item -> expert, first row of the chunk, its rows (1..chunk_rows), N-tile.
+    // Mixed (skewed routing): item it is CTA (cluster) it % n_clusters's (it / n_clusters)-th, and
+    // takes the next of the hot stream where that CTA's index plus that round is even, else the
+    // next of the cold stream (once a stream is used up, the other's next), so that in every round
+    // half the CTAs multiply a hot expert's chunks (MMA-bound: its weight tile serves many rows)
+    // and half stream a cold expert's weights (memory-bound), and every CTA alternates. In expert
+    // order such a call ran the hot experts' items first and the cold ones' after, the tensor cores
+    // then the memory idle in turn (qwen3-235b T = 4096, skewed: 22% over uniform routing).
     auto item_of = [&](int it, int& e, int& m0, int& mv, int& n) {
-        const int c = it / NT;  // items of expert e are [pre[e]*NT, pre[e+1]*NT): it / NT finds e
+        int idx = it, hot = 0;
+        if (mix) {
+            const int k = it / n_clusters, x = it - k * n_clusters;
+            // positions before it whose pattern is hot: rounds j < k take (n+1)/2 (j even) or n/2
+            const int hc = ((k + 1) / 2) * ((n_clusters + 1) / 2) + (k / 2) * (n_clusters / 2) +
+                           ((k & 1) ? x / 2 : (x + 1) / 2);
+            const int cc = it - hc;
+            if (hc < n_hot && cc < n_cold) {
+                hot = ((x + k) & 1) == 0;
+                idx = hot ? hc : cc;
+            } else if (hc >= n_hot) {
+                idx = it - n_hot;  // the hot stream is used up: the cold stream's next
+            } else {
+                hot = 1;
+                idx = it - n_cold;
+            }
+        }
+        // the stream's chunk prefix: every expert's (one stream), the hot experts', or the others'
+        auto pre = [&](int j) { return !mix ? s_pre[j] : hot ? s_preh[j] : s_pre[j] - s_preh[j]; };
+        const int c = idx / NT;  // items of expert e are [pre(e)*NT, pre(e+1)*NT): idx / NT finds e
         int lo = 0, hi = p.E - 1;
         while (lo < hi) {
             const int mid = (lo + hi + 1) >> 1;
-            if (s_pre[mid] <= c) lo = mid; else hi = mid - 1;
+            if (pre(mid) <= c) lo = mid; else hi = mid - 1;
         }
         e = lo;
-        const int nc = s_pre[e + 1] - s_pre[e];
-        const int local = it - s_pre[e] * NT;  // n-major within the expert
+        const int nc = pre(e + 1) - pre(e);
+        const int local = idx - pre(e) * NT;  // n-major within the expert
         n = local / nc;
         const int q = local - n * nc;
         const int off = __ldg(p.expert_off + e);
@@ -753,8 +807,10 @@ cudaError_t run(const T* a, int rows_cap, const T* b, int b_rows, const Args& ar
     }
     if (kMc && n_tiles(kGated, args.N) % 2 != 0) return cudaErrorInvalidValue;  // an N-tile would be left out
     auto kern = chunked_gemm_kernel<T, kGated, kMc, kBand, kSubs, kX>;
-    const int smem = (int)smem_bytes<kSubs, kX>(args.E);
-    if (smem > smem_optin) return cudaErrorInvalidValue;  // the caller checks smem_bytes_for first
+    if (smem_bytes<kSubs, kX>(args.E) > smem_optin) return cudaErrorInvalidValue;  // the caller checks smem_bytes_for first
+    Args a_ = args;  // the interleave only where its second prefix fits
+    if (a_.interleave && smem_bytes<kSubs, kX>(args.E, true) > smem_optin) a_.interleave = 0;
+    const int smem = (int)smem_bytes<kSubs, kX>(args.E, a_.interleave != 0);
     static const cudaError_t set = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                         smem_optin);
     if (set != cudaSuccess) return set;
@@ -791,7 +847,7 @@ cudaError_t run(const T* a, int rows_cap, const T* b, int b_rows, const Args& ar
     }
     cfg.gridDim = dim3((unsigned)grid);
     cfg.dynamicSmemBytes = (size_t)smem;
-    const cudaError_t err = cudaLaunchKernelEx(&cfg, kern, c.ta, c.tb, c.tb_gu, args);
+    const cudaError_t err = cudaLaunchKernelEx(&cfg, kern, c.ta, c.tb, c.tb_gu, a_);
     if (err != cudaSuccess) (void)cudaGetLastError();  // reported here, not again by the next check
     return err;
 }

@@ -1049,6 +1049,10 @@ static bool s_sm90_chunked_mc = true;
 // 64j + 32 rows, the band nearest the call's rows per expert (chunked::swap_band, swap_pays);
 // EX_MOE_SM90_CHUNKED_SWAP_AB=0: never, for comparison
 static bool s_sm90_chunked_swap = true;
+// set by ex_get_factor: the chunked kernels deal the items of hot experts (skewed routing: more
+// than chunked::kHotMeanRatio times the mean rows and two chunks or more) alternately with the
+// others' (chunked::Args::interleave); EX_MOE_SM90_CHUNKED_INTERLEAVE=0: every item in expert order
+static bool s_sm90_chunked_interleave = true;
 // set by ex_get_factor (cc >= 9.0 and EX_MOE_SM90_PDL not 0): programmatic dependent launch of the
 // gather (it loads its first hidden_states before it waits for the routing), of the chunked GEMMs
 // (each copies its first weight stages before it waits for the previous grid) and of the combine
@@ -1401,8 +1405,9 @@ static int launch_sm90(const Problem& P, void* out, const void* x, const void* w
     // run instead: the same launch, a few KB)
     if (use_chunked) {  // both GEMMs (each multicasts A where its N-tiles pair up, unless chunked_nomc)
         const bool mc = s_sm90_chunked_mc && P.config == kTileConfigChunked;
-        const chunked::Args a1{expert_off, act, I, I, H, E};
-        chunked::Args a2{expert_off, ys, H, H, I, E};
+        const int il = s_sm90_chunked_interleave ? 1 : 0;
+        const chunked::Args a1{expert_off, act, I, I, H, E, il};
+        chunked::Args a2{expert_off, ys, H, H, I, E, il};
 #if defined(EX_MOE_DIAG)
         a2.diag_skip = s_diag_skip;  // 4: GEMM2's A copies skip the wait for GEMM1 (a bound)
 #endif
@@ -1522,6 +1527,7 @@ extern "C" EX_EXPORT ex_factor_t* ex_get_factor(const ex_hardware_t* hw) {
     sm90::g_skip_empty_a = explugin::env_switch("EX_MOE_SM90_SKIP_EMPTY_A");
     s_sm90_chunked_mc = explugin::env_switch("EX_MOE_SM90_CHUNKED_MULTICAST");
     s_sm90_chunked_swap = explugin::env_switch("EX_MOE_SM90_CHUNKED_SWAP_AB");
+    s_sm90_chunked_interleave = explugin::env_switch("EX_MOE_SM90_CHUNKED_INTERLEAVE");
     s_sm90_pdl = hw->cc_major >= 9 && explugin::env_switch("EX_MOE_SM90_PDL");
     static const char* const kChunkRowsNames[] = {"auto", "256", "128"};
     static const int kChunkSubs[] = {0, 4, 2};

@@ -998,6 +998,25 @@ def test_sm90_skip_empty_a_slices_bit_identical(skip_a_reg, cp, config, kind):
     assert same_bits(cp, outs[0], outs[1], dtype)
 
 
+def outputs_under_env(skip_a_reg, cp, case, dtype, config, env, values):
+    """[out for each of values]: moe_fused_gemm's output on case, each from a fresh Hopper registry
+    loaded with the variable env set to that value (a load-time setting) and the tile configuration
+    forced to config (dims[7]), each checked against the float64 reference (run_moe_check) and for
+    device errors; env is restored at the end."""
+    saved = {env: os.environ.get(env)}
+    outs = []
+    try:
+        for v in values:
+            os.environ[env] = v
+            r = skip_a_reg(True)
+            r.set_tuning("moe_fused_gemm", lambda sizes: config)
+            outs.append(run_moe_check(r, cp, case, dtype))
+            r.check_device_errors()
+    finally:
+        restore_env(saved)
+    return outs
+
+
 EXPERT_ORDER_ENV = "EX_MOE_SM90_EXPERT_ORDER"   # read by the sm90 plugin's ex_get_factor
 
 
@@ -1018,17 +1037,35 @@ def test_sm90_expert_spread_order_bit_identical(skip_a_reg, cp, config, kind):
     if kind == "hot neighbours":
         T = shapes[kind][0]
         case[4][:, 0] = cp.arange(T, dtype=cp.int32) % 4
-    saved = {EXPERT_ORDER_ENV: os.environ.get(EXPERT_ORDER_ENV)}
-    outs = []
-    try:
-        for order in ("spread", "id"):
-            os.environ[EXPERT_ORDER_ENV] = order
-            r = skip_a_reg(True)
-            r.set_tuning("moe_fused_gemm", lambda sizes: config)
-            outs.append(run_moe_check(r, cp, case, dtype))
-            r.check_device_errors()
-    finally:
-        restore_env(saved)
+    outs = outputs_under_env(skip_a_reg, cp, case, dtype, config, EXPERT_ORDER_ENV, ("spread", "id"))
+    assert same_bits(cp, outs[0], outs[1], dtype)
+
+
+INTERLEAVE_ENV = "EX_MOE_SM90_CHUNKED_INTERLEAVE"   # read by the sm90 plugin's ex_get_factor
+
+
+@pytest.mark.parametrize("config", [10, 11, 12])
+@pytest.mark.parametrize("kind", ["two hot", "four hot, odd N-tiles", "128-row chunks", "qwen3-30b T=512"])
+def test_sm90_chunked_hot_items_interleaved_bit_identical(skip_a_reg, cp, config, kind):
+    """The chunked kernels (forced: 10 chunked, 11 chunked_nomc, 12 chunked_tail) with the hot
+    experts' items dealt alternately with the others' (the default; a hot expert has more than
+    twice the mean rows and two chunks or more) give the same bits as in expert order
+    (EX_MOE_SM90_CHUNKED_INTERLEAVE=0), both within tolerance of the float64 reference: an item
+    dealt twice or never would leave rows of act or ys unwritten or wrong. The interleaved run
+    comes first, on a fresh registry. "two hot": every token's first slot on expert 0 or 1
+    (about 1000 rows each against a mean of 256: 5 chunks; the cold stream outlasts the hot one);
+    "four hot, odd N-tiles": on experts 0..3 (E = 16, 4 chunks each, more hot items than cold;
+    H = 384: GEMM2's 3 N-tiles, no multicast, an odd grid); "128-row chunks": a mean of 64 rows
+    (chunked and chunked_nomc take 128-row chunks: 3 for a hot expert); "qwen3-30b T=512": uniform
+    routing, no hot expert (the expert order either way)."""
+    shapes = {"two hot": (2048, 512, 32, 256, 4), "four hot, odd N-tiles": (3000, 384, 16, 256, 2),
+              "128-row chunks": (512, 512, 32, 256, 4), "qwen3-30b T=512": (512, 2048, 128, 768, 8)}
+    case, dtype = kind_case(cp, shapes, kind)
+    T = shapes[kind][0]
+    hot = {"two hot": 2, "four hot, odd N-tiles": 4, "128-row chunks": 2}.get(kind)
+    if hot:
+        case[4][:, 0] = cp.arange(T, dtype=cp.int32) % hot
+    outs = outputs_under_env(skip_a_reg, cp, case, dtype, config, INTERLEAVE_ENV, ("1", "0"))
     assert same_bits(cp, outs[0], outs[1], dtype)
 
 
