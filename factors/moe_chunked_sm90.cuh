@@ -154,7 +154,7 @@ constexpr bool gate_up_tile() { return kGated && (kBand > 0 || kX > 0); }
 constexpr int64_t kSmallChunkMaxRowsPerExpert = 104;
 inline int chunk_subs(int64_t rows_per_expert) { return rows_per_expert <= kSmallChunkMaxRowsPerExpert ? 2 : kMaxSub; }
 // Shared memory of a kernel: the ring, its barriers and the per-expert chunk prefix (E + 1 ints),
-// with interleave (Args) a second prefix of the hot experts' chunks
+// with interleave (Args::hot_rows) a second prefix of the hot experts' chunks
 template <int kSubs, int kX = 0>
 inline int64_t smem_bytes(int64_t E, bool interleave = false) {
     return Geo<kSubs, kX>::kPreOff + (interleave ? 2 : 1) * (E + 1) * 4;
@@ -207,9 +207,9 @@ struct Types {
     using TiledMma = decltype(make_tiled_mma(MmaOp{}));  // one warpgroup
 };
 
-// An expert is hot (Args::interleave) where it has more than kHotMeanRatio times the mean rows
-// per expert (the call's rows / E) and at least two chunks: skewed routing, not uniform routing's
-// spread (at T = 4096 an expert of qwen3-235b has 256 +- 16 rows)
+// An expert is hot (Args::hot_rows) where it has more than kHotMeanRatio times the mean rows per
+// expert (T*K / E) and at least two chunks: skewed routing, not uniform routing's spread (at
+// T = 4096 an expert of qwen3-235b has 256 +- 16 rows)
 constexpr int kHotMeanRatio = 2;
 
 struct Args {
@@ -219,10 +219,10 @@ struct Args {
     int N;                  // GEMM1: I (act columns); GEMM2: H
     int Kdim;               // reduction: H or I
     int E;
-    // 1: hot experts' items (more than kHotMeanRatio times the mean rows, two chunks or more) dealt
-    // alternately with the others' (see item_of); 0: every item in expert order. run() clears it
-    // where the second prefix does not fit the shared memory
-    int interleave = 0;
+    // > 0: the items of hot experts (more rows than this, kHotMeanRatio * T*K / E from the host,
+    // and two chunks or more) dealt alternately with the others' (see item_of); 0: every item in
+    // expert order. run() clears it where the second prefix does not fit the shared memory
+    int hot_rows = 0;
 #if defined(EX_MOE_DIAG)
     int diag_skip = 0;  // diagnostic build: EX_MOE_DIAG_SKIP's bits (4: GEMM2's A copies do not wait for GEMM1)
 #endif
@@ -292,7 +292,7 @@ chunked_gemm_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_cons
     uint64_t* full = reinterpret_cast<uint64_t*>(smem + kBarOff);
     uint64_t* empty = full + kStages;
     int* s_pre = reinterpret_cast<int*>(smem + kPreOff);  // chunks before expert e; [E] = total
-    int* s_preh = s_pre + (p.E + 1);  // (p.interleave only) hot experts' chunks before expert e
+    int* s_preh = s_pre + (p.E + 1);  // (p.hot_rows > 0 only) hot experts' chunks before expert e
 
     const int tid = threadIdx.x;
     const int warp = tid / 32, lane = tid % 32;
@@ -315,14 +315,14 @@ chunked_gemm_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_cons
         cutlass::arch::fence_barrier_init();
     }
     if (warp == 1) {  // chunks per expert, exclusive prefix (and, interleaved, the hot experts')
-        const int64_t rows = p.interleave ? __ldg(p.expert_off + p.E) - __ldg(p.expert_off) : 0;
+        const bool il = p.hot_rows > 0;
         int carry = 0, carry_h = 0;
         for (int base = 0; base < p.E; base += 32) {
             const int e = base + lane;
             int m = 0;
             if (e < p.E) m = __ldg(p.expert_off + e + 1) - __ldg(p.expert_off + e);
             const int nc = chunks_of<kSubs, kX>(m);
-            const int nh = (p.interleave && nc >= 2 && (int64_t)m * p.E > kHotMeanRatio * rows) ? nc : 0;
+            const int nh = (il && nc >= 2 && m > p.hot_rows) ? nc : 0;
             int inc = nc, inh = nh;
 #pragma unroll
             for (int o = 1; o < 32; o <<= 1) {
@@ -332,14 +332,14 @@ chunked_gemm_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_cons
             }
             if (e < p.E) {
                 s_pre[e] = carry + inc - nc;
-                if (p.interleave) s_preh[e] = carry_h + inh - nh;
+                if (il) s_preh[e] = carry_h + inh - nh;
             }
             carry += __shfl_sync(0xffffffffu, inc, 31);
             carry_h += __shfl_sync(0xffffffffu, inh, 31);
         }
         if (lane == 0) {
             s_pre[p.E] = carry;
-            if (p.interleave) s_preh[p.E] = carry_h;
+            if (il) s_preh[p.E] = carry_h;
         }
     }
     if constexpr (kMc)
@@ -349,7 +349,7 @@ chunked_gemm_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_cons
     const int n_items = s_pre[p.E] * NT;
     // interleaved: the hot experts' items (n_hot) and the others' (n_cold), each stream in expert
     // order; else one stream, every item in expert order
-    const int n_hot = p.interleave ? s_preh[p.E] * NT : 0, n_cold = n_items - n_hot;
+    const int n_hot = p.hot_rows > 0 ? s_preh[p.E] * NT : 0, n_cold = n_items - n_hot;
     const bool mix = n_hot > 0 && n_cold > 0;
 
     // item -> expert, first row of the chunk, its rows (1..chunk_rows), N-tile.
@@ -809,8 +809,8 @@ cudaError_t run(const T* a, int rows_cap, const T* b, int b_rows, const Args& ar
     auto kern = chunked_gemm_kernel<T, kGated, kMc, kBand, kSubs, kX>;
     if (smem_bytes<kSubs, kX>(args.E) > smem_optin) return cudaErrorInvalidValue;  // the caller checks smem_bytes_for first
     Args a_ = args;  // the interleave only where its second prefix fits
-    if (a_.interleave && smem_bytes<kSubs, kX>(args.E, true) > smem_optin) a_.interleave = 0;
-    const int smem = (int)smem_bytes<kSubs, kX>(args.E, a_.interleave != 0);
+    if (a_.hot_rows > 0 && smem_bytes<kSubs, kX>(args.E, true) > smem_optin) a_.hot_rows = 0;
+    const int smem = (int)smem_bytes<kSubs, kX>(args.E, a_.hot_rows > 0);
     static const cudaError_t set = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                         smem_optin);
     if (set != cudaSuccess) return set;

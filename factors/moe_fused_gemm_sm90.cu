@@ -1051,7 +1051,7 @@ static bool s_sm90_chunked_mc = true;
 static bool s_sm90_chunked_swap = true;
 // set by ex_get_factor: the chunked kernels deal the items of hot experts (skewed routing: more
 // than chunked::kHotMeanRatio times the mean rows and two chunks or more) alternately with the
-// others' (chunked::Args::interleave); EX_MOE_SM90_CHUNKED_INTERLEAVE=0: every item in expert order
+// others' (chunked::Args::hot_rows); EX_MOE_SM90_CHUNKED_INTERLEAVE=0: every item in expert order
 static bool s_sm90_chunked_interleave = true;
 // set by ex_get_factor (cc >= 9.0 and EX_MOE_SM90_PDL not 0): programmatic dependent launch of the
 // gather (it loads its first hidden_states before it waits for the routing), of the chunked GEMMs
@@ -1405,7 +1405,11 @@ static int launch_sm90(const Problem& P, void* out, const void* x, const void* w
     // run instead: the same launch, a few KB)
     if (use_chunked) {  // both GEMMs (each multicasts A where its N-tiles pair up, unless chunked_nomc)
         const bool mc = s_sm90_chunked_mc && P.config == kTileConfigChunked;
-        const int il = s_sm90_chunked_interleave ? 1 : 0;
+        // hot: more rows than kHotMeanRatio times the mean, T*K / E (under an expert map, an upper
+        // bound on the local rows' mean: fewer experts count as hot)
+        const int il = s_sm90_chunked_interleave
+                           ? (int)std::min<int64_t>(INT32_MAX, std::max<int64_t>(1, chunked::kHotMeanRatio * P.TK / E))
+                           : 0;
         const chunked::Args a1{expert_off, act, I, I, H, E, il};
         chunked::Args a2{expert_off, ys, H, H, I, E, il};
 #if defined(EX_MOE_DIAG)
