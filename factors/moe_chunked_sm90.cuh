@@ -20,8 +20,11 @@
  * Work: an item is (expert e, chunk q, N-tile n); per expert the items run N-tile-major (the
  * chunks of one N-tile side by side, so a second chunk's weight reads hit L2). The grid is
  * persistent (at most one CTA per SM, sized on the host), items dealt round-robin; the item
- * count comes from expert_off on the device. By default (kMc) CTAs run in clusters of two on the
- * two N-tiles of a pair and multicast the chunk's A sub-tiles (each CTA copies half to both).
+ * count comes from expert_off on the device. Under skewed routing the hot experts' items (more
+ * than twice the mean rows) are dealt alternately with the others' (item_of; RESULTS.md session
+ * fifty-one: skewed rows 0.7-6.9% faster on an H100, uniform rows in the same order as before).
+ * By default (kMc) CTAs run in clusters of two on the two N-tiles of a pair and multicast the
+ * chunk's A sub-tiles (each CTA copies half to both).
  *
  * Measured (H200, benchmarks/RESULTS.md "Chunked", "Swap AB" and "Swap AB by band"): mixtral
  * T = 512 875 µs against 1006 on the 128 x 256 tiling; swap AB by band 873.7 against 928.5 without

@@ -1407,11 +1407,11 @@ static int launch_sm90(const Problem& P, void* out, const void* x, const void* w
         const bool mc = s_sm90_chunked_mc && P.config == kTileConfigChunked;
         // hot: more rows than kHotMeanRatio times the mean, T*K / E (under an expert map, an upper
         // bound on the local rows' mean: fewer experts count as hot)
-        const int il = s_sm90_chunked_interleave
-                           ? (int)std::min<int64_t>(INT32_MAX, std::max<int64_t>(1, chunked::kHotMeanRatio * P.TK / E))
-                           : 0;
-        const chunked::Args a1{expert_off, act, I, I, H, E, il};
-        chunked::Args a2{expert_off, ys, H, H, I, E, il};
+        const int hot_rows = s_sm90_chunked_interleave
+                                 ? (int)std::min<int64_t>(INT32_MAX, std::max<int64_t>(1, chunked::kHotMeanRatio * P.TK / E))
+                                 : 0;
+        const chunked::Args a1{expert_off, act, I, I, H, E, hot_rows};
+        chunked::Args a2{expert_off, ys, H, H, I, E, hot_rows};
 #if defined(EX_MOE_DIAG)
         a2.diag_skip = s_diag_skip;  // 4: GEMM2's A copies skip the wait for GEMM1 (a bound)
 #endif
