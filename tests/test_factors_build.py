@@ -225,6 +225,7 @@ SWITCH_SAYS = "ignored: expected 0 (off) or 1 (on); using 1 (on, the default)"
     ("EX_MOE_SM90_SKIP_EMPTY_A", "no", SWITCH_SAYS),
     ("EX_MOE_SM90_CHUNKED_MULTICAST", "off", SWITCH_SAYS),
     ("EX_MOE_SM90_CHUNKED_SWAP_AB", "false", SWITCH_SAYS),
+    ("EX_MOE_SM90_CHUNKED_INTERLEAVE", "2", SWITCH_SAYS),
     ("EX_MOE_SM90_PDL", "garbage", SWITCH_SAYS),
 ])
 def test_a_malformed_switch_is_reported_when_the_plugins_load(built, var, value, says):
