@@ -1049,8 +1049,8 @@ static bool s_sm90_chunked_mc = true;
 // 64j + 32 rows, the band nearest the call's rows per expert (chunked::swap_band, swap_pays);
 // EX_MOE_SM90_CHUNKED_SWAP_AB=0: never, for comparison
 static bool s_sm90_chunked_swap = true;
-// set by ex_get_factor: the chunked kernels spread the items of hot experts (skewed routing: more
-// than chunked::kHotMeanRatio times the mean rows and two chunks or more) evenly among the
+// set by ex_get_factor: the chunked kernels deal the items of hot experts (skewed routing: more
+// than chunked::kHotMeanRatio times the mean rows and two chunks or more) alternately with the
 // others' (chunked::Args::hot_rows); EX_MOE_SM90_CHUNKED_INTERLEAVE=0: every item in expert order
 static bool s_sm90_chunked_interleave = true;
 // set by ex_get_factor (cc >= 9.0 and EX_MOE_SM90_PDL not 0): programmatic dependent launch of the

@@ -1049,19 +1049,18 @@ INTERLEAVE_ENV = "EX_MOE_SM90_CHUNKED_INTERLEAVE"   # read by the sm90 plugin's 
                                   "qwen3-30b T=512"])
 def test_sm90_chunked_hot_items_interleaved_bit_identical(skip_a_reg, cp, config, kind):
     """The chunked kernels (forced: 10 chunked, 11 chunked_nomc, 12 chunked_tail) with the hot
-    experts' items spread evenly among the others' (the default; a hot expert has more than twice
-    the mean rows and two chunks or more) give the same bits as in expert order
+    experts' items dealt alternately with the others' (the default; a hot expert has more than
+    twice the mean rows and two chunks or more) give the same bits as in expert order
     (EX_MOE_SM90_CHUNKED_INTERLEAVE=0), both within tolerance of the float64 reference: an item
     dealt twice or never would leave rows of act or ys unwritten or wrong. The interleaved run
     comes first, on a fresh registry. "two hot": every token's first slot on expert 0 or 1
-    (about 1000 rows each against a mean of 256: 5 chunks; fewer hot items than cold);
+    (about 1000 rows each against a mean of 256: 5 chunks; the cold stream outlasts the hot one);
     "four hot, odd N-tiles": on experts 0..3 (E = 16, 4 chunks each, more hot items than cold;
     H = 384: GEMM2's 3 N-tiles, no multicast, an odd grid); "128-row chunks": a mean of 64 rows
     (chunked and chunked_nomc take 128-row chunks: 3 for a hot expert); "many rounds": two hot of
     16 experts at T = 8192 (about 4600 rows each against a mean of 1024), some 600 items a GEMM:
-    several full rounds of the persistent grid, where each CTA's share of hot items is counted,
-    and a partial last one (the other kinds' items fit one round); "qwen3-30b T=512": uniform
-    routing, no hot expert (the expert order either way)."""
+    several full rounds of the persistent grid and a partial last one (the other kinds' items fill
+    one or two); "qwen3-30b T=512": uniform routing, no hot expert (the expert order either way)."""
     shapes = {"two hot": (2048, 512, 32, 256, 4), "four hot, odd N-tiles": (3000, 384, 16, 256, 2),
               "128-row chunks": (512, 512, 32, 256, 4), "many rounds": (8192, 2048, 16, 1024, 2),
               "qwen3-30b T=512": (512, 2048, 128, 768, 8)}
