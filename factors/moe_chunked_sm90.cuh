@@ -365,10 +365,6 @@ chunked_gemm_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_cons
     // then the memory idle in turn (qwen3-235b T = 4096, skewed: 22% over uniform routing).
     auto item_of = [&](int it, int& e, int& m0, int& mv, int& n) {
         int idx = it, hot = 0;
-#ifndef EX_MOE_DEAL
-#define EX_MOE_DEAL 1
-#endif
-#if EX_MOE_DEAL == 1
         if (mix) {
             const int k = it / n_clusters, x = it - k * n_clusters;
             // positions before it whose pattern is hot: rounds j < k take (n+1)/2 (j even) or n/2
@@ -385,54 +381,6 @@ chunked_gemm_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_cons
                 idx = it - n_cold;
             }
         }
-#elif EX_MOE_DEAL == 2
-        // diagnostic: 1:1 in contiguous blocks of CTAs (even rounds: x < h0 hot; odd: x >= h0)
-        if (mix) {
-            const int k = it / n_clusters, x = it - k * n_clusters;
-            const int h0 = (n_clusters + 1) / 2;
-            const int hc = ((k + 1) / 2) * h0 + (k / 2) * (n_clusters / 2) +
-                           ((k & 1) ? max(0, x - h0) : min(x, h0));
-            const int cc = it - hc;
-            if (hc < n_hot && cc < n_cold) {
-                hot = (k & 1) ? x >= h0 : x < h0;
-                idx = hot ? hc : cc;
-            } else if (hc >= n_hot) {
-                idx = it - n_hot;
-            } else {
-                hot = 1;
-                idx = it - n_cold;
-            }
-        }
-#else
-        // diagnostic: hot items spread evenly over rounds and CTAs (Hermite shares), the CTAs
-        // relabelled x' = x * s mod n (s coprime to n, near n * 0.618) so that a round's hot CTAs
-        // are scattered over the machine, not a contiguous block
-        if (mix) {
-            const int k = it / n_clusters, x = it - k * n_clusters;
-            const int64_t nh = n_hot;
-            int hc;
-            if ((k + 1) * n_clusters <= n_items) {
-                int st = (int)(n_clusters * 0.618f) | 1;
-                auto gcd = [](int u, int v) { while (v) { const int t = u % v; u = v; v = t; } return u; };
-                while (st > 1 && gcd(st, n_clusters) != 1) ++st;
-                if (st >= n_clusters) st = 1;
-                const int xp = (int)(((int64_t)x * st) % n_clusters);
-                const int a0 = (int)((int64_t)k * n_clusters * nh / n_items);
-                const int a1 = (int)((int64_t)(k + 1) * n_clusters * nh / n_items);
-                auto share_below = [&](int a) {
-                    const int q = a / n_clusters, r = a - q * n_clusters;
-                    return q * xp + max(0, xp - n_clusters + r);
-                };
-                hot = (a1 + xp) / n_clusters - (a0 + xp) / n_clusters;
-                hc = a0 + share_below(a1) - share_below(a0);
-                idx = hot ? hc : k * n_clusters + xp - hc;
-            } else {
-                hc = (int)(it * nh / n_items);
-                hot = (int)((it + 1) * nh / n_items) > hc;
-                idx = hot ? hc : it - hc;
-            }
-        }
-#endif
         // the stream's chunk prefix: every expert's (one stream), the hot experts', or the others'
         auto pre = [&](int j) { return !mix ? s_pre[j] : hot ? s_preh[j] : s_pre[j] - s_preh[j]; };
         const int c = idx / NT;  // items of expert e are [pre(e)*NT, pre(e+1)*NT): idx / NT finds e
