@@ -365,31 +365,6 @@ chunked_gemm_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_cons
     // then the memory idle in turn (qwen3-235b T = 4096, skewed: 22% over uniform routing).
     auto item_of = [&](int it, int& e, int& m0, int& mv, int& n) {
         int idx = it, hot = 0;
-#if defined(EX_MOE_DEAL_H)
-        // diagnostic: position (k, x) takes the hot stream where (x + k) mod P < H (H of every P
-        // positions; H = 1, P = 2 is the shipped deal), once a stream is used up the other's next
-        if (mix) {
-            constexpr int64_t H = EX_MOE_DEAL_H, P = EX_MOE_DEAL_P;
-            const int k = it / n_clusters, x = it - k * n_clusters;
-            auto C = [](int64_t z) { return (z / P) * H + min(z % P, H); };
-            auto S = [](int64_t z) {
-                const int64_t a = z / P, b = z % P, M = H * (H - 1) / 2 + (P - H) * H;
-                const int64_t part = b * a * H + (b <= H ? b * (b - 1) / 2 : H * (H - 1) / 2 + (b - H) * H);
-                return P * H * a * (a - 1) / 2 + a * M + part;
-            };
-            const int hc = (int)(S(n_clusters + k) - S(n_clusters) - S(k) + C(k + x) - C(k));
-            const int cc = it - hc;
-            if (hc < n_hot && cc < n_cold) {
-                hot = (x + k) % P < H;
-                idx = hot ? hc : cc;
-            } else if (hc >= n_hot) {
-                idx = it - n_hot;
-            } else {
-                hot = 1;
-                idx = it - n_cold;
-            }
-        }
-#else
         if (mix) {
             const int k = it / n_clusters, x = it - k * n_clusters;
             // positions before it whose pattern is hot: rounds j < k take (n+1)/2 (j even) or n/2
@@ -406,7 +381,6 @@ chunked_gemm_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_cons
                 idx = it - n_cold;
             }
         }
-#endif
         // the stream's chunk prefix: every expert's (one stream), the hot experts', or the others'
         auto pre = [&](int j) { return !mix ? s_pre[j] : hot ? s_preh[j] : s_pre[j] - s_preh[j]; };
         const int c = idx / NT;  // items of expert e are [pre(e)*NT, pre(e+1)*NT): idx / NT finds e
