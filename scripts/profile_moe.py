@@ -4,7 +4,9 @@
         python3 scripts/profile_moe.py --models qwen3-30b-a3b olmoe-1b-7b --tokens 1
 
 --config forces a tile configuration by name (as kernel_times_moe.py's), e.g. `--config chunked`
-to profile the chunked kernels on a row the tuning file gives to another tiling.
+to profile the chunked kernels on a row the tuning file gives to another tiling. --skew draws
+benchmarks/bench_moe.py's skewed routing instead (a few hot experts take most tokens; its weights
+and inputs, seed 0; needs PyTorch), as bench_moe.py --skew and ab_moe.py's MODEL:T:skewed time it.
 
 Each case: build the layer (N(0, 0.02) bf16 weights), route, three warm-up calls outside the
 range, then one call inside it, so the profile shows that call's kernels only (serialised by
@@ -36,6 +38,9 @@ def main() -> int:
     ap.add_argument("--tokens", type=integer, nargs="+", default=[1], metavar="T", help="token counts T, each >= 1")
     ap.add_argument("--factors", default=None, metavar="FOLDER", help="plugin folder (default: factors/)")
     ap.add_argument("--config", default=None, help=CONFIG_HELP)
+    ap.add_argument("--skew", action="store_true",
+                    help="bench_moe.py's skewed routing and inputs (a few hot experts take most tokens; "
+                         "needs PyTorch) instead of the layer's router")
     args = ap.parse_args()
     models = load_models_or_exit("profile_moe")
     problems = case_problems(models, args.models, args.tokens, args.factors) + config_problems(args.config)
@@ -48,18 +53,35 @@ def main() -> int:
     reg = FactorRegistry.load(args.factors)
     if args.config is not None:
         force_config(reg, args.config)
+    if args.skew:
+        try:
+            import torch
+            sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+            from bench_moe import input_sets, layer_weights
+        except ImportError as e:
+            print(f"profile_moe: --skew needs PyTorch: {e}", file=sys.stderr)
+            return 2
+
+        def skewed(s, T):   # (hidden_states, w13, w2, topk_weights, topk_ids), as bench_moe's first set
+            gen = torch.Generator(device="cuda").manual_seed(0)
+            w13, w2 = layer_weights(s, torch.bfloat16, gen)
+            return input_sets(s, T, 1, w13, w2, torch.bfloat16, gen, skew=True)[0]
     for m in args.models:
         s = models[m]
-        layer = MoELayer(s, "bfloat16", cupy, seed=1)
+        layer = None if args.skew else MoELayer(s, "bfloat16", cupy, seed=1)
         for T in args.tokens:
-            x = layer.hidden_states(T)
-            w, ids = topk_softmax(layer.router_logits(x), s.K, s.renormalize, registry=reg)
+            if args.skew:
+                call = skewed(s, T)
+            else:
+                x = layer.hidden_states(T)
+                w, ids = topk_softmax(layer.router_logits(x), s.K, s.renormalize, registry=reg)
+                call = (x, layer.w13, layer.w2, w, ids)
             for _ in range(3):
-                moe_fused_gemm(x, layer.w13, layer.w2, w, ids, registry=reg)
+                moe_fused_gemm(*call, registry=reg)
             cupy.cuda.runtime.deviceSynchronize()
-            print(f"[profile_moe] {m} T={T}: profiled call follows", flush=True)
+            print(f"[profile_moe] {m} T={T}{' skewed' if args.skew else ''}: profiled call follows", flush=True)
             cupy.cuda.runtime.profilerStart()
-            moe_fused_gemm(x, layer.w13, layer.w2, w, ids, registry=reg)
+            moe_fused_gemm(*call, registry=reg)
             cupy.cuda.runtime.deviceSynchronize()
             cupy.cuda.runtime.profilerStop()
     return 0

@@ -640,7 +640,7 @@ def test_ab_moe_and_kernel_times_list_every_problem_at_once(ab_moe):
     ("scripts/kernel_times_moe.py", ["activation and weight dtype (default: bfloat16)", "(default: 8)",
                                      "Needs PyTorch with a CUDA GPU"]),
     ("scripts/profile_moe.py", ["Needs CuPy with a CUDA GPU", "Nsight Compute (ncu", "qwen3-30b-a3b",
-                                "force a tile configuration by name"]),
+                                "force a tile configuration by name", "bench_moe.py's skewed routing"]),
     ("examples/hf_moe_generate.py", ["tokens to generate, >= 5", "tokens of the random prompt (>= 1) (default: 16)",
                                      "vocabulary size", "seed of the weights and the prompt (default: 0)",
                                      "(default: all)"]),
