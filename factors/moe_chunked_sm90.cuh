@@ -364,8 +364,8 @@ chunked_gemm_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_cons
     // order such a call ran the hot experts' items first and the cold ones' after, the tensor cores
     // then the memory idle in turn (qwen3-235b T = 4096, skewed: 22% over uniform routing). Other
     // deals measured slower (RESULTS.md session fifty-two): the hot items spread evenly over the
-    // call, or on 2 of 3 or 1 of 3 positions, all near the expert order's time there; only 1:1
-    // deals, where every CTA alternates hot and cold items, gained.
+    // call, or on 2 of 3 or 1 of 3 positions, all within 3% of the expert order's time at skewed
+    // qwen3-235b T = 4096; only 1:1 deals, where every CTA alternates hot and cold items, gained.
     auto item_of = [&](int it, int& e, int& m0, int& mv, int& n) {
         int idx = it, hot = 0;
         if (mix) {
