@@ -61,6 +61,10 @@ def main() -> int:
         except ImportError as e:
             print(f"profile_moe: --skew needs PyTorch: {e}", file=sys.stderr)
             return 2
+        if not torch.cuda.is_available():
+            print(f"profile_moe: --skew needs PyTorch with CUDA (torch {torch.__version__} sees no CUDA device)",
+                  file=sys.stderr)
+            return 2
 
         def skewed(s, T):   # (hidden_states, w13, w2, topk_weights, topk_ids), as bench_moe's first set
             gen = torch.Generator(device="cuda").manual_seed(0)

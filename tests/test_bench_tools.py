@@ -271,6 +271,32 @@ def test_cupy_scripts_need_a_usable_gpu_and_say_so_in_one_line(monkeypatch, caps
         assert "PASS" not in out
 
 
+def test_profile_moe_skew_needs_torch_with_cuda_and_says_so_in_one_line(monkeypatch, capsys):
+    """profile_moe.py --skew draws bench_moe's skewed routing with PyTorch on the GPU: without
+    PyTorch, or with a PyTorch that sees no CUDA device, one line naming what it needs and exit
+    status 2, not a traceback (CuPy's device found first, the registry stubbed)."""
+    from types import SimpleNamespace
+    tool = import_tool("scripts", "profile_moe")
+    monkeypatch.setattr(tool, "cupy_with_gpu", lambda: (object(), ""))
+    monkeypatch.setattr(tool, "FactorRegistry", SimpleNamespace(load=lambda folder: object()))
+    monkeypatch.setattr(sys, "argv", ["profile_moe.py", "--skew", "--models", "qwen3-30b-a3b"])
+    monkeypatch.setitem(sys.modules, "torch", None)          # import torch raises ImportError
+    assert tool.main() == 2
+    err = capsys.readouterr().err
+    assert err.startswith("profile_moe: --skew needs PyTorch: ") and err.count("\n") == 1, err
+    fake = SimpleNamespace(__version__="0.0+cpu", cuda=SimpleNamespace(is_available=lambda: False))
+    monkeypatch.setitem(sys.modules, "torch", fake)
+    before = sys.modules.get("bench_moe")     # profile_moe imports it, which binds the fake torch
+    try:
+        assert tool.main() == 2
+    finally:
+        sys.modules.pop("bench_moe", None)
+        if before is not None:
+            sys.modules["bench_moe"] = before
+    err = capsys.readouterr().err
+    assert err == "profile_moe: --skew needs PyTorch with CUDA (torch 0.0+cpu sees no CUDA device)\n", err
+
+
 def test_gpu_selftests_fail_when_nothing_was_tested(tmp_path, monkeypatch, capsys):
     """No library built (or none serving the device): 'skipped' for each, then ALL PASS and exit
     status 0, which scripts/gpu_check.sh took for a pass. Now NOTHING TESTED and exit status 1."""
