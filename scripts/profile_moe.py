@@ -56,8 +56,6 @@ def main() -> int:
     if args.skew:
         try:
             import torch
-            sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-            from bench_moe import input_sets, layer_weights
         except ImportError as e:
             print(f"profile_moe: --skew needs PyTorch: {e}", file=sys.stderr)
             return 2
@@ -65,6 +63,8 @@ def main() -> int:
             print(f"profile_moe: --skew needs PyTorch with CUDA (torch {torch.__version__} sees no CUDA device)",
                   file=sys.stderr)
             return 2
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+        from bench_moe import input_sets, layer_weights
 
         def skewed(s, T):   # (hidden_states, w13, w2, topk_weights, topk_ids), as bench_moe's first set
             gen = torch.Generator(device="cuda").manual_seed(0)
