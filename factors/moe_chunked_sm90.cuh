@@ -282,7 +282,7 @@ chunked_gemm_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_cons
                     const __grid_constant__ CUtensorMap tma_b_gu, const Args p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(CUTE_ARCH_MMA_SM90A_ENABLED)
     static_assert(kBand <= kSubs, "a swap band's N fits the chunk");
-    static_assert(kX == 0 || (kBand == 0 && !kMc), "extra rows: no swap band, no multicast");
+    static_assert(kX == 0 || kBand == 0, "extra rows: no swap band");
     using G = Geo<kSubs, kX>;
     constexpr int kStages = G::kStages, kABytes = G::kABytes, kABoxes = G::kABoxes;
     constexpr int kBarOff = G::kBarOff, kPreOff = G::kPreOff;
@@ -434,6 +434,10 @@ chunked_gemm_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_cons
                         for (int s = rank; s < nsub; s += 2)
                             SM90_TMA_LOAD_MULTICAST_2D::copy(&tma_a, &full[st], (uint16_t)0x3, hint,
                                                              sa + s * kBoxBytes, kb * kBK, m0 + s * kSub);
+                        // (kX) the extra rows' box, by the CTA whose turn follows the sub-tiles'
+                        if (nx && rank == (nsub & 1))
+                            SM90_TMA_LOAD_MULTICAST_2D::copy(&tma_a, &full[st], (uint16_t)0x3, hint,
+                                                             sa + kSubs * kBoxBytes, kb * kBK, m0 + chunk_rows);
                     } else {
                         for (int s = 0; s < nsub; ++s)
                             SM90_TMA_LOAD_2D::copy(&tma_a, &full[st], hint, sa + s * kBoxBytes, kb * kBK,
@@ -887,6 +891,13 @@ cudaError_t launch(const T* a, int rows_max, const T* b, int b_rows, const Args&
                    int subs, int num_sms, int smem_optin, bool pdl, cudaStream_t stream, bool extra = false) {
     if (extra) {  // 256-row chunks whose last takes up to kXRows more rows; no swap band, no multicast
         if (subs != kMaxSub || band != 0) return cudaErrorInvalidValue;
+#if defined(EX_MOE_TAIL_MC)
+        if (multicast && n_tiles(kGated, args.N) % 2 == 0) {
+            const int64_t work = ((int64_t)rows_max / Geo<kMaxSub>::kRows + args.E) * n_tiles(kGated, args.N);
+            return run<T, kGated, true, 0, kMaxSub, kXRows>(a, rows_max, b, b_rows, args, work, num_sms, smem_optin,
+                                                             pdl, stream);
+        }
+#endif
         return launch_mc<T, kGated, 0, kMaxSub, kXRows>(a, rows_max, b, b_rows, args, false, num_sms, smem_optin,
                                                          pdl, stream);
     }
