@@ -1083,7 +1083,9 @@ def load_all(folder, errors: dict | None = None, notes: list | None = None) -> d
     given: then errors[file stem] = the message and the other files still load (a registry
     rejects only the plugins that need the broken manifest). A stray file that names a factor
     whose own <name>.yaml is there (see _one_claim) is such an error too, unless ``notes`` is
-    given: then its message is appended there (it blocks no factor of its stem's name).
+    given: then its message is appended there (it blocks no factor of its stem's name), as is a
+    note for a file that is empty or one scalar (a mapping or list of other keys is some other
+    file, passed over).
 
     folder: a str or os.PathLike (ArgumentError otherwise). A folder that does not exist (or
     is not a directory) raises FactorError naming it, unless ``errors`` is given: then the
@@ -1109,6 +1111,13 @@ def load_all(folder, errors: dict | None = None, notes: list | None = None) -> d
             if isinstance(d, dict) and "name" in d and ("dims" in d or "id" in d):
                 m = Manifest.load(p, d, raw)  # a factor manifest (one missing a key is named)
                 claims.setdefault(m.name, []).append(m)
+            elif notes is not None and not isinstance(d, (dict, list)):
+                # empty, or one scalar (a clobbered file): no manifest, and nothing else either; a
+                # plugin of its stem names it in its reason (why_not_found), the notes name it here
+                notes.append(f"manifest {p}: empty: expected a factor manifest (name, id, dims, ...); "
+                             "not used" if d is None else
+                             f"manifest {p}: expected a mapping (name, id, dims, ...), got "
+                             f"{type(d).__name__}; not used")
         except FactorError as exc:
             if errors is None:
                 raise

@@ -131,6 +131,11 @@ class FactorTuning:
                                      f"(the entry has {sorted(map(str, entry))})")
                 problem = _yaml.unknown_keys(f"shapes[{i}]: ", entry, [*self.key, *SHAPE_KEYS])
                 if problem:   # (`Z: 3` beside the key sizes passed unread)
+                    # (a key shortened by hand, [H, I, G] for [H, I, G, K], left every entry's K
+                    # unknown: the message names the key it is checked against)
+                    unk = next(k for k in entry if k not in [*self.key, *SHAPE_KEYS])
+                    if isinstance(unk, str) and unk.isidentifier() and unk.isupper():
+                        problem += f" (a size of the entry must be in the file's key, {self.key}: {unk} is not)"
                     raise ValueError(problem)
                 shape = tuple(_int(entry[k], f"shapes[{i}].{k}", 1) for k in self.key)
                 if shape in self.table:
@@ -143,8 +148,15 @@ class FactorTuning:
                     if not isinstance(r, list) or len(r) < 2:
                         raise ValueError(f"shapes[{i}].by_T[{j}]: expected a row [T, configuration, its µs, "
                                          f"auto's µs] (the µs optional), got {r!r}")
-                rows = sorted((_int(r[0], f"shapes[{i}].by_T T", 0), self._value(r[1]))
-                              for r in entry["by_T"])
+                rows = []
+                for j, r in enumerate(entry["by_T"]):
+                    t = _int(r[0], f"shapes[{i}].by_T T", 0)
+                    try:
+                        choice = self._value(r[1])
+                    except (TypeError, ValueError) as exc:   # (which row: a fresh user's trial)
+                        raise type(exc)(f"shapes[{i}].by_T[{j}]: {exc}") from None
+                    rows.append((t, choice))
+                rows.sort()
                 if not rows or len({t for t, _ in rows}) != len(rows):
                     raise ValueError(f"shapes[{i}].by_T: expected rows [T, choice] with distinct T")
                 self.table[shape] = ([t for t, _ in rows], [v for _, v in rows])

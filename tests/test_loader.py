@@ -224,6 +224,26 @@ def test_a_malformed_manifest_rejects_only_its_plugin(tmp_path):
     assert call(reg)[0] == "plugin"
 
 
+@pytest.mark.parametrize("body, why", [("", "empty: expected"),
+                                       (":::bad yaml[\n", "expected a mapping (name, id, dims, ...), got str")])
+def test_an_empty_or_scalar_manifest_is_named_in_the_notes(tmp_path, body, why):
+    """A manifests folder's <name>.yaml that is empty or one scalar (a clobbered file) refuses
+    its factor's plugin, whose reason names the file, and the registry's notes name it too (a
+    new user's trial, session fifty-three: the reason was there, the note was not); other YAML
+    files there (a mapping of other keys) stay unmentioned."""
+    mdir, plugins = tmp_path / "manifests", tmp_path / "plugins"
+    mdir.mkdir()
+    (mdir / "host_scale.yaml").write_text(body)
+    (mdir / "other.yaml").write_text("colour: blue\n")
+    build_plugin(plugins, manifest=False)
+    reg = FactorRegistry.load(plugins, hardware="h200", manifests_dir=mdir)
+    p = next(p for p in reg.plugins if p.path.stem == "host_scale")
+    assert p.status == "rejected" and why in p.reason, p.reason
+    hits = [n for n in reg.notes if "host_scale.yaml" in n]
+    assert len(hits) == 1 and why in hits[0] and hits[0].endswith("not used"), reg.notes
+    assert not any("other.yaml" in n for n in reg.notes), reg.notes
+
+
 def test_manifest_problems_name_the_file_and_spare_the_rest(tmp_path, monkeypatch):
     """An unreadable manifest beside a plugin (here a folder in its place), a misspelt key and a
     bad params entry each refuse only their plugin, naming the file; a malformed hardware

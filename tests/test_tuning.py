@@ -62,8 +62,8 @@ SHAPE = {"H": 64, "I": 32, "G": 8, "K": 2}
 
 
 @pytest.mark.parametrize("body,why", [
-    (_mt(shapes=[{**SHAPE, "by_T": [[1, "huge"]]}]), "huge"),
-    (_mt(shapes=[{**SHAPE, "by_T": [[1, 99]]}]), "choice 99"),
+    (_mt(shapes=[{**SHAPE, "by_T": [[1, "huge"]]}]), r"shapes\[0\].by_T\[0\]: choice 'huge' not in values"),
+    (_mt(shapes=[{**SHAPE, "by_T": [[1, "tiny"], [8, 99]]}]), r"shapes\[0\].by_T\[1\]: choice 99"),
     (_mt(shapes=[{**SHAPE, "by_T": [[64]]}]), r"shapes\[0\].by_T\[0\]: expected a row \[T, configuration, its µs, "
                                              r"auto's µs\] \(the µs optional\), got \[64\]"),
     (_mt(shapes=[{**SHAPE, "by_T": [[1, "tiny"], 7]}]), r"shapes\[0\].by_T\[1\]: expected a row"),
@@ -459,7 +459,14 @@ def test_two_names_for_one_code_keep_the_table_with_a_remark(tmp_path):
      "dim, key, values, shapes)"),
     ("    G: 40\n", "    G: 40\n    Z: 3\n",
      "moe_fused_gemm: malformed (ValueError: shapes[0]: unknown key 'Z'; expected some of H, I, G, K, "
+     "model, by_T (a size of the entry must be in the file's key, ['H', 'I', 'G', 'K']: Z is not))"),
+    ("    G: 40\n", "    G: 40\n    z: 3\n",
+     "moe_fused_gemm: malformed (ValueError: shapes[0]: unknown key 'z'; expected some of H, I, G, K, "
      "model, by_T)"),
+    # a key shortened by hand: the entries' K is what is unknown, and the message names the key
+    ("  key: [H, I, G, K]\n", "  key: [H, I, G]\n",
+     "moe_fused_gemm: malformed (ValueError: shapes[0]: unknown key 'K'; expected some of H, I, G, "
+     "model, by_T (a size of the entry must be in the file's key, ['H', 'I', 'G']: K is not))"),
 ])
 def test_an_unknown_key_inside_a_table_or_a_shape_entry_sets_the_file_aside(tmp_path, monkeypatch, old, new, why):
     """`kee: 1` in the moe_fused_gemm table, or `Z: 3` in a shapes entry, of a copy of the shipped
