@@ -51,7 +51,8 @@
  * element at a time (a thread holds 2 weight rows x 2 chunk rows per block of 8 chunk rows). The
  * outputs are bit-identical to the sub-tiles' (tests/test_gpu.py).
  *
- * Tail (kX = kXRows, dims[7] = 12, "chunked_tail": 256-row chunks, one CTA per item, no swap band):
+ * Tail (kX = kXRows, dims[7] = 12, "chunked_tail": 256-row chunks, one CTA per item (a build with
+ * -DEX_MOE_TAIL_MC: pairs multicasting A, the extra box too; not yet measured), no swap band):
  * the last of an expert's chunks takes up to 32 rows more, multiplied as a swap-AB piece (64 weight
  * rows of the warpgroup's half x 32 rows) from a fifth A box per stage (4 stages of 56 KB), so that
  * an expert of 257..288 rows is one item and streams its weights once. Without it such an expert
@@ -865,7 +866,9 @@ cudaError_t run(const T* a, int rows_cap, const T* b, int b_rows, const Args& ar
 // One GEMM on the chunked kernels: rows_max = T*K (an upper bound on the sorted rows; the chunk
 // count is at most rows_max / (64 * kSubs) + E), multicast where asked, the GEMM's N-tiles pair
 // up and the chunks are of 256 rows (the smaller chunks' kernels run one CTA per item).
-// (kX > 0, chunked_tail: never multicast; its chunks are no more than the plain ones)
+// (kX > 0, chunked_tail: never multicast here; its chunks are no more than the plain ones. A build
+// with -DEX_MOE_TAIL_MC multicasts it in launch(), an experiment not yet measured: RESULTS.md
+// session fifty-three)
 template <typename T, bool kGated, int kBand, int kSubs, int kX = 0>
 cudaError_t launch_mc(const T* a, int rows_max, const T* b, int b_rows, const Args& args, bool multicast,
                       int num_sms, int smem_optin, bool pdl, cudaStream_t stream) {
@@ -884,12 +887,12 @@ cudaError_t launch_mc(const T* a, int rows_max, const T* b, int b_rows, const Ar
 // another subs is refused. pdl: programmatic dependent launch (sm_90's griddepcontrol): the
 // caller's previous launch in the stream must be one that let this grid launch only once
 // expert_off was final (see the producer's first stages). extra (chunked_tail): 256-row chunks whose
-// last takes up to kXRows rows more (subs 4, band 0, no multicast; the caller checks
-// smem_bytes<kMaxSub, kXRows>(E) against the opt-in shared memory)
+// last takes up to kXRows rows more (subs 4, band 0, no multicast but in an EX_MOE_TAIL_MC build;
+// the caller checks smem_bytes<kMaxSub, kXRows>(E) against the opt-in shared memory)
 template <typename T, bool kGated>
 cudaError_t launch(const T* a, int rows_max, const T* b, int b_rows, const Args& args, bool multicast, int band,
                    int subs, int num_sms, int smem_optin, bool pdl, cudaStream_t stream, bool extra = false) {
-    if (extra) {  // 256-row chunks whose last takes up to kXRows more rows; no swap band, no multicast
+    if (extra) {  // 256-row chunks whose last takes up to kXRows more rows; no swap band
         if (subs != kMaxSub || band != 0) return cudaErrorInvalidValue;
 #if defined(EX_MOE_TAIL_MC)
         if (multicast && n_tiles(kGated, args.N) % 2 == 0) {
