@@ -101,6 +101,17 @@ constexpr int kMaxSub = 4;    // sub-tiles of the largest chunk (256 rows)
 constexpr int kBN = 128;      // weight rows per B tile (GEMM1: 64 gate + 64 up -> 64 act columns)
 constexpr int kBK = 64;       // reduction columns per stage (128 bytes: the swizzle's width)
 constexpr int kThreads = 384;
+// Registers a thread after setmaxnreg: the producer warpgroup gives up what the two consumer
+// warpgroups take (168 at launch: 65536 / 384, rounded down to 8). 40 / 232 as CUTLASS's
+// warp-specialized kernels; a build with -DEX_MOE_CHUNKED_PRODUCER_REGS=56 gives 56 / 224
+#if defined(EX_MOE_CHUNKED_PRODUCER_REGS)
+constexpr int kProducerRegs = EX_MOE_CHUNKED_PRODUCER_REGS;
+#else
+constexpr int kProducerRegs = 40;
+#endif
+constexpr int kConsumerRegs = 168 + (168 - kProducerRegs) / 2;
+static_assert(kProducerRegs % 8 == 0 && kConsumerRegs % 8 == 0 && kProducerRegs >= 24 && kConsumerRegs <= 256,
+              "setmaxnreg takes multiples of 8 in 24..256");
 constexpr int kBoxBytes = kSub * kBK * 2;                 // 8 KB
 constexpr int kBBytes = kBN * kBK * 2;                    // 16 KB per stage
 // Chunk geometry of a kernel whose chunks hold up to kSubs sub-tiles (kSubs * 64 rows: 4 or 2). A
@@ -408,8 +419,11 @@ chunked_gemm_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_cons
     if (warp < 4) {
         // ------------------------------ producer ------------------------------
         // registers: 40 a thread here, 232 for the consumers (128 of their accumulators), as
-        // CUTLASS's warp-specialized kernels split them (the whole warpgroup executes it)
-        cutlass::arch::warpgroup_reg_dealloc<40>();
+        // CUTLASS's warp-specialized kernels split them (the whole warpgroup executes it). With
+        // the multicast, ptxas spills 12-28 bytes of this producer at 40 and none at 56 (224 a
+        // consumer, no consumer spill either): kProducerRegs, an experiment not yet measured
+        // (RESULTS.md session fifty-three)
+        cutlass::arch::warpgroup_reg_dealloc<kProducerRegs>();
         if (warp != 0) return;
         if (cute::elect_one_sync()) {
             int stage = 0, phase = 1;  // a fresh empty barrier passes parity 1
@@ -496,7 +510,7 @@ chunked_gemm_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_cons
     }
 
     // ------------------------------ consumers ------------------------------
-    cutlass::arch::warpgroup_reg_alloc<232>();
+    cutlass::arch::warpgroup_reg_alloc<kConsumerRegs>();
     const int ct = tid - 128;
     // warp-uniform by construction (a shuffle's broadcast), so that ptxas sees the MMA branches
     // below as non-divergent and keeps the wgmmas asynchronous (else warning C7520)
