@@ -129,11 +129,12 @@ class FactorTuning:
                 if missing:
                     raise ValueError(f"shapes[{i}]: no {missing[0]!r}, a size the key {self.key} names "
                                      f"(the entry has {sorted(map(str, entry))})")
-                problem = _yaml.unknown_keys(f"shapes[{i}]: ", entry, [*self.key, *SHAPE_KEYS])
+                known = [*self.key, *SHAPE_KEYS]
+                problem = _yaml.unknown_keys(f"shapes[{i}]: ", entry, known)
                 if problem:   # (`Z: 3` beside the key sizes passed unread)
                     # (a key shortened by hand, [H, I, G] for [H, I, G, K], left every entry's K
                     # unknown: the message names the key it is checked against)
-                    unk = next(k for k in entry if k not in [*self.key, *SHAPE_KEYS])
+                    unk = next(k for k in entry if k not in known)
                     if isinstance(unk, str) and unk.isidentifier() and unk.isupper():
                         problem += f" (a size of the entry must be in the file's key, {self.key}: {unk} is not)"
                     raise ValueError(problem)

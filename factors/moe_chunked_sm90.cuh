@@ -102,14 +102,15 @@ constexpr int kBN = 128;      // weight rows per B tile (GEMM1: 64 gate + 64 up 
 constexpr int kBK = 64;       // reduction columns per stage (128 bytes: the swizzle's width)
 constexpr int kThreads = 384;
 // Registers a thread after setmaxnreg: the producer warpgroup gives up what the two consumer
-// warpgroups take (168 at launch: 65536 / 384, rounded down to 8). 40 / 232 as CUTLASS's
-// warp-specialized kernels; a build with -DEX_MOE_CHUNKED_PRODUCER_REGS=56 gives 56 / 224
+// warpgroups take (kLaunchRegs at launch: 65536 / 384, rounded down to 8, 168). 40 / 232 as
+// CUTLASS's warp-specialized kernels; a build with -DEX_MOE_CHUNKED_PRODUCER_REGS=56 gives 56 / 224
 #if defined(EX_MOE_CHUNKED_PRODUCER_REGS)
 constexpr int kProducerRegs = EX_MOE_CHUNKED_PRODUCER_REGS;
 #else
 constexpr int kProducerRegs = 40;
 #endif
-constexpr int kConsumerRegs = 168 + (168 - kProducerRegs) / 2;
+constexpr int kLaunchRegs = 65536 / kThreads / 8 * 8;
+constexpr int kConsumerRegs = kLaunchRegs + (kLaunchRegs - kProducerRegs) / 2;
 static_assert(kProducerRegs % 8 == 0 && kConsumerRegs % 8 == 0 && kProducerRegs >= 24 && kConsumerRegs <= 256,
               "setmaxnreg takes multiples of 8 in 24..256");
 constexpr int kBoxBytes = kSub * kBK * 2;                 // 8 KB
@@ -125,6 +126,13 @@ constexpr int kBBytes = kBN * kBK * 2;                    // 16 KB per stage
 // multiplied as a swap-AB piece (N = kX) from one more A box per stage (256-row chunks only:
 // 4 stages of 56 KB)
 constexpr int kXRows = 32;
+// Whether chunked_tail (kX) runs in multicast pairs too: only in a build with -DEX_MOE_TAIL_MC, an
+// experiment not yet measured (RESULTS.md session fifty-three)
+#if defined(EX_MOE_TAIL_MC)
+constexpr bool kTailMulticast = true;
+#else
+constexpr bool kTailMulticast = false;
+#endif
 template <int kSubs, int kX = 0>
 struct Geo {
     static_assert(kSubs == 2 || kSubs == 4, "chunks of 128 or 256 rows");
@@ -880,17 +888,16 @@ cudaError_t run(const T* a, int rows_cap, const T* b, int b_rows, const Args& ar
 // One GEMM on the chunked kernels: rows_max = T*K (an upper bound on the sorted rows; the chunk
 // count is at most rows_max / (64 * kSubs) + E), multicast where asked, the GEMM's N-tiles pair
 // up and the chunks are of 256 rows (the smaller chunks' kernels run one CTA per item).
-// (kX > 0, chunked_tail: never multicast here; its chunks are no more than the plain ones. A build
-// with -DEX_MOE_TAIL_MC multicasts it in launch(), an experiment not yet measured: RESULTS.md
-// session fifty-three)
+// (kX > 0, chunked_tail: its chunks are no more than the plain ones; multicast only where
+// kTailMulticast)
 template <typename T, bool kGated, int kBand, int kSubs, int kX = 0>
 cudaError_t launch_mc(const T* a, int rows_max, const T* b, int b_rows, const Args& args, bool multicast,
                       int num_sms, int smem_optin, bool pdl, cudaStream_t stream) {
     const int64_t work = ((int64_t)rows_max / Geo<kSubs>::kRows + args.E) * n_tiles(kGated, args.N);
-    if constexpr (kSubs == kMaxSub && kX == 0) {
+    if constexpr (kSubs == kMaxSub && (kX == 0 || kTailMulticast)) {
         if (multicast && n_tiles(kGated, args.N) % 2 == 0)
-            return run<T, kGated, true, kBand, kSubs, 0>(a, rows_max, b, b_rows, args, work, num_sms, smem_optin,
-                                                         pdl, stream);
+            return run<T, kGated, true, kBand, kSubs, kX>(a, rows_max, b, b_rows, args, work, num_sms, smem_optin,
+                                                          pdl, stream);
     }
     return run<T, kGated, false, kBand, kSubs, kX>(a, rows_max, b, b_rows, args, work, num_sms, smem_optin, pdl,
                                                    stream);
@@ -908,15 +915,8 @@ cudaError_t launch(const T* a, int rows_max, const T* b, int b_rows, const Args&
                    int subs, int num_sms, int smem_optin, bool pdl, cudaStream_t stream, bool extra = false) {
     if (extra) {  // 256-row chunks whose last takes up to kXRows more rows; no swap band
         if (subs != kMaxSub || band != 0) return cudaErrorInvalidValue;
-#if defined(EX_MOE_TAIL_MC)
-        if (multicast && n_tiles(kGated, args.N) % 2 == 0) {
-            const int64_t work = ((int64_t)rows_max / Geo<kMaxSub>::kRows + args.E) * n_tiles(kGated, args.N);
-            return run<T, kGated, true, 0, kMaxSub, kXRows>(a, rows_max, b, b_rows, args, work, num_sms, smem_optin,
-                                                             pdl, stream);
-        }
-#endif
-        return launch_mc<T, kGated, 0, kMaxSub, kXRows>(a, rows_max, b, b_rows, args, false, num_sms, smem_optin,
-                                                         pdl, stream);
+        return launch_mc<T, kGated, 0, kMaxSub, kXRows>(a, rows_max, b, b_rows, args, multicast, num_sms,
+                                                         smem_optin, pdl, stream);
     }
 #define EX_CHUNKED_LAUNCH(B, S) \
     launch_mc<T, kGated, B, S>(a, rows_max, b, b_rows, args, multicast, num_sms, smem_optin, pdl, stream)

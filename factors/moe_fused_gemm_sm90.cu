@@ -1404,11 +1404,9 @@ static int launch_sm90(const Problem& P, void* out, const void* x, const void* w
     // (the gather's group arrays for the CUTLASS GEMMs are written also where the chunked kernels
     // run instead: the same launch, a few KB)
     if (use_chunked) {  // both GEMMs (each multicasts A where its N-tiles pair up, unless chunked_nomc)
-#if defined(EX_MOE_TAIL_MC)
-        const bool mc = s_sm90_chunked_mc && (P.config == kTileConfigChunked || P.config == kTileConfigChunkedTail);
-#else
-        const bool mc = s_sm90_chunked_mc && P.config == kTileConfigChunked;
-#endif
+        // (chunked_tail: only where chunked::kTailMulticast, an experiment build)
+        const bool mc = s_sm90_chunked_mc && (P.config == kTileConfigChunked ||
+                                              (chunked::kTailMulticast && P.config == kTileConfigChunkedTail));
         // hot: more rows than kHotMeanRatio times the mean, T*K / E (under an expert map, an upper
         // bound on the local rows' mean: fewer experts count as hot)
         const int hot_rows = s_sm90_chunked_interleave

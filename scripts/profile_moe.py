@@ -66,16 +66,17 @@ def main() -> int:
         sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
         from bench_moe import input_sets, layer_weights
 
-        def skewed(s, T):   # (hidden_states, w13, w2, topk_weights, topk_ids), as bench_moe's first set
-            gen = torch.Generator(device="cuda").manual_seed(0)
-            w13, w2 = layer_weights(s, torch.bfloat16, gen)
-            return input_sets(s, T, 1, w13, w2, torch.bfloat16, gen, skew=True)[0]
     for m in args.models:
         s = models[m]
         layer = None if args.skew else MoELayer(s, "bfloat16", cupy, seed=1)
+        if args.skew:   # the weights once per model; each T's inputs from the generator as it left them
+            gen = torch.Generator(device="cuda").manual_seed(0)
+            w13, w2 = layer_weights(s, torch.bfloat16, gen)
+            after_weights = gen.get_state()
         for T in args.tokens:
-            if args.skew:
-                call = skewed(s, T)
+            if args.skew:   # (hidden_states, w13, w2, topk_weights, topk_ids), as bench_moe's first set
+                gen.set_state(after_weights)
+                call = input_sets(s, T, 1, w13, w2, torch.bfloat16, gen, skew=True)[0]
             else:
                 x = layer.hidden_states(T)
                 w, ids = topk_softmax(layer.router_logits(x), s.K, s.renormalize, registry=reg)
