@@ -51,8 +51,9 @@
  * element at a time (a thread holds 2 weight rows x 2 chunk rows per block of 8 chunk rows). The
  * outputs are bit-identical to the sub-tiles' (tests/test_gpu.py).
  *
- * Tail (kX = kXRows, dims[7] = 12, "chunked_tail": 256-row chunks, one CTA per item (a build with
- * -DEX_MOE_TAIL_MC: pairs multicasting A, the extra box too; not yet measured), no swap band):
+ * Tail (kX = kXRows, dims[7] = 12, "chunked_tail": 256-row chunks in pairs multicasting A as the
+ * plain 256-row chunks do, the extra box too (EX_MOE_SM90_CHUNKED_MULTICAST=0: one CTA per item),
+ * no swap band):
  * the last of an expert's chunks takes up to 32 rows more, multiplied as a swap-AB piece (64 weight
  * rows of the warpgroup's half x 32 rows) from a fifth A box per stage (4 stages of 56 KB), so that
  * an expert of 257..288 rows is one item and streams its weights once. Without it such an expert
@@ -102,12 +103,15 @@ constexpr int kBN = 128;      // weight rows per B tile (GEMM1: 64 gate + 64 up 
 constexpr int kBK = 64;       // reduction columns per stage (128 bytes: the swizzle's width)
 constexpr int kThreads = 384;
 // Registers a thread after setmaxnreg: the producer warpgroup gives up what the two consumer
-// warpgroups take (kLaunchRegs at launch: 65536 / 384, rounded down to 8, 168). 40 / 232 as
-// CUTLASS's warp-specialized kernels; a build with -DEX_MOE_CHUNKED_PRODUCER_REGS=56 gives 56 / 224
+// warpgroups take (kLaunchRegs at launch: 65536 / 384, rounded down to 8, 168): 56 / 224, not
+// CUTLASS's 40 / 232, at which ptxas spills the producer of every multicast kernel (12-28 bytes of
+// stores; none spills at 56 / 224, the consumers included). Measured on an H200 (RESULTS.md session
+// fifty-four): chunked_tail multicasting A 1-3% faster at 56 / 224 than at 40 / 232. A build with
+// -DEX_MOE_CHUNKED_PRODUCER_REGS=N gives N / the rest, for comparison (multiples of 8)
 #if defined(EX_MOE_CHUNKED_PRODUCER_REGS)
 constexpr int kProducerRegs = EX_MOE_CHUNKED_PRODUCER_REGS;
 #else
-constexpr int kProducerRegs = 40;
+constexpr int kProducerRegs = 56;
 #endif
 constexpr int kLaunchRegs = 65536 / kThreads / 8 * 8;
 constexpr int kConsumerRegs = kLaunchRegs + (kLaunchRegs - kProducerRegs) / 2;
@@ -126,13 +130,6 @@ constexpr int kBBytes = kBN * kBK * 2;                    // 16 KB per stage
 // multiplied as a swap-AB piece (N = kX) from one more A box per stage (256-row chunks only:
 // 4 stages of 56 KB)
 constexpr int kXRows = 32;
-// Whether chunked_tail (kX) runs in multicast pairs too: only in a build with -DEX_MOE_TAIL_MC, an
-// experiment not yet measured (RESULTS.md session fifty-three)
-#if defined(EX_MOE_TAIL_MC)
-constexpr bool kTailMulticast = true;
-#else
-constexpr bool kTailMulticast = false;
-#endif
 template <int kSubs, int kX = 0>
 struct Geo {
     static_assert(kSubs == 2 || kSubs == 4, "chunks of 128 or 256 rows");
@@ -426,11 +423,8 @@ chunked_gemm_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_cons
 
     if (warp < 4) {
         // ------------------------------ producer ------------------------------
-        // registers: 40 a thread here, 232 for the consumers (128 of their accumulators), as
-        // CUTLASS's warp-specialized kernels split them (the whole warpgroup executes it). With
-        // the multicast, ptxas spills 12-28 bytes of this producer at 40 and none at 56 (224 a
-        // consumer, no consumer spill either): kProducerRegs, an experiment not yet measured
-        // (RESULTS.md session fifty-three)
+        // registers: kProducerRegs (56) a thread here, kConsumerRegs (224) for the consumers (128
+        // of their accumulators); the whole warpgroup executes it
         cutlass::arch::warpgroup_reg_dealloc<kProducerRegs>();
         if (warp != 0) return;
         if (cute::elect_one_sync()) {
@@ -888,13 +882,12 @@ cudaError_t run(const T* a, int rows_cap, const T* b, int b_rows, const Args& ar
 // One GEMM on the chunked kernels: rows_max = T*K (an upper bound on the sorted rows; the chunk
 // count is at most rows_max / (64 * kSubs) + E), multicast where asked, the GEMM's N-tiles pair
 // up and the chunks are of 256 rows (the smaller chunks' kernels run one CTA per item).
-// (kX > 0, chunked_tail: its chunks are no more than the plain ones; multicast only where
-// kTailMulticast)
+// (kX > 0, chunked_tail: its chunks are no more than the plain ones)
 template <typename T, bool kGated, int kBand, int kSubs, int kX = 0>
 cudaError_t launch_mc(const T* a, int rows_max, const T* b, int b_rows, const Args& args, bool multicast,
                       int num_sms, int smem_optin, bool pdl, cudaStream_t stream) {
     const int64_t work = ((int64_t)rows_max / Geo<kSubs>::kRows + args.E) * n_tiles(kGated, args.N);
-    if constexpr (kSubs == kMaxSub && (kX == 0 || kTailMulticast)) {
+    if constexpr (kSubs == kMaxSub) {
         if (multicast && n_tiles(kGated, args.N) % 2 == 0)
             return run<T, kGated, true, kBand, kSubs, kX>(a, rows_max, b, b_rows, args, work, num_sms, smem_optin,
                                                           pdl, stream);
@@ -908,8 +901,7 @@ cudaError_t launch_mc(const T* a, int rows_max, const T* b, int b_rows, const Ar
 // another subs is refused. pdl: programmatic dependent launch (sm_90's griddepcontrol): the
 // caller's previous launch in the stream must be one that let this grid launch only once
 // expert_off was final (see the producer's first stages). extra (chunked_tail): 256-row chunks whose
-// last takes up to kXRows rows more (subs 4, band 0, no multicast but in an EX_MOE_TAIL_MC build;
-// the caller checks smem_bytes<kMaxSub, kXRows>(E) against the opt-in shared memory)
+// last takes up to kXRows rows more (subs 4, band 0, multicast as the plain 256-row chunks; the caller checks smem_bytes<kMaxSub, kXRows>(E) against the opt-in shared memory)
 template <typename T, bool kGated>
 cudaError_t launch(const T* a, int rows_max, const T* b, int b_rows, const Args& args, bool multicast, int band,
                    int subs, int num_sms, int smem_optin, bool pdl, cudaStream_t stream, bool extra = false) {

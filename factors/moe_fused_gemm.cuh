@@ -240,7 +240,7 @@ enum {
     kTileConfigDecode4 = 9,  // CfgDecode4
     kTileConfigChunked = 10,  // moe_fused_gemm_sm90.so's GEMMs on chunks of up to 256 rows (else: auto)
     kTileConfigChunkedNomc = 11,  // the same, each CTA copying its own chunk's A (no cluster multicast)
-    kTileConfigChunkedTail = 12,  // chunked_nomc on 256-row chunks whose last takes up to 32 rows more
+    kTileConfigChunkedTail = 12,  // chunked on 256-row chunks whose last takes up to 32 rows more
     kTileConfigMax = 12,
 };
 
@@ -1475,7 +1475,7 @@ struct Problem {
                                // 8 Hopper grouped GEMMs on 128 x 128 tiles, 9 decode4,
                                // 10 Hopper GEMMs on chunks of up to 256 of an expert's rows,
                                // 11 the same without the multicast of A (chunked_nomc),
-                               // 12 chunked_nomc on 256-row chunks, the last of an expert's
+                               // 12 chunked on 256-row chunks, the last of an expert's
                                // taking up to 32 rows more (chunked_tail)
                                // (kTileConfig*; the registry passes tuned values,
                                // manifests/tuning; below -1: read_dims rejects the call; above

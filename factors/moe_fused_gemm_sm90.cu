@@ -74,7 +74,7 @@
  * chunk sizes per launch; the two CTAs of a cluster multicasting the chunk's A, or, where dims[7]
  * = 11 ("chunked_nomc"), each CTA copying its own; chunks of up to 128 rows, one CTA each, with a
  * deeper ring, where the call's rows per expert are at most 104 on average; where dims[7] = 12
- * ("chunked_tail"), chunked_nomc's kernels on 256-row chunks whose last takes up to 32 rows more
+ * ("chunked_tail"), chunked's kernels (multicast too) on 256-row chunks whose last takes up to 32 rows more
  * as a swap-AB piece, so that an expert of 257..288 rows streams its weights once) where sm90_chunked_for
  * allows (GEMM1 gated, H % 128 == 0, H and I <= 2^23, E <= 4096), else as dims[7] = 4; for experts of a little over
  * 128 rows (mixtral T = 512).
@@ -1041,8 +1041,9 @@ static bool s_sm90_gather_by_token = true;
 // order (route_spread; EX_MOE_SM90_EXPERT_ORDER=id: in id order). Not the chunked kernels' items:
 // that order was 0.8-2.4% slower there (T = 512, H100, RESULTS.md session fifty)
 static bool s_sm90_spread = true;
-// set by ex_get_factor: the chunked kernels in clusters of two CTAs multicasting A (where the
-// N-tiles pair up); EX_MOE_SM90_CHUNKED_MULTICAST=0: one CTA per item, each loading its own A
+// set by ex_get_factor: the chunked kernels (chunked, chunked_tail) in clusters of two CTAs
+// multicasting A (where the N-tiles pair up); EX_MOE_SM90_CHUNKED_MULTICAST=0: one CTA per item,
+// each loading its own A
 static bool s_sm90_chunked_mc = true;
 // set by ex_get_factor: the chunked kernels' swap AB (a chunk's rows as the GMMA's N instead of
 // 64-row sub-tiles; the weights' 64-row halves as M) on the chunks of one band of sizes, 64j + 1 ..
@@ -1404,9 +1405,7 @@ static int launch_sm90(const Problem& P, void* out, const void* x, const void* w
     // (the gather's group arrays for the CUTLASS GEMMs are written also where the chunked kernels
     // run instead: the same launch, a few KB)
     if (use_chunked) {  // both GEMMs (each multicasts A where its N-tiles pair up, unless chunked_nomc)
-        // (chunked_tail: only where chunked::kTailMulticast, an experiment build)
-        const bool mc = s_sm90_chunked_mc && (P.config == kTileConfigChunked ||
-                                              (chunked::kTailMulticast && P.config == kTileConfigChunkedTail));
+        const bool mc = s_sm90_chunked_mc && (P.config == kTileConfigChunked || P.config == kTileConfigChunkedTail);
         // hot: more rows than kHotMeanRatio times the mean, T*K / E (under an expert map, an upper
         // bound on the local rows' mean: fewer experts count as hot)
         const int hot_rows = s_sm90_chunked_interleave

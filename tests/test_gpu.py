@@ -326,7 +326,7 @@ def sm90_registry():
 # narrow (both GEMMs on 128 x 128 ping-pong tiles, two MMAs along M per warpgroup), chunked
 # (both GEMMs on chunks of up to 256 of an expert's rows; on the gated shapes with H % 128 == 0,
 # else the 128 x 256 tiling), chunked_nomc (the same without the multicast of A), chunked_tail
-# (256-row chunks whose last takes up to 32 rows more)
+# (256-row chunks whose last takes up to 32 rows more, with the multicast of A)
 @pytest.mark.parametrize("config", [4, 7, 8, 10])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("kind", ["T=1", "T=3 E=40", "E=40", "ungated I=200", "I > H", "one expert",
@@ -1402,11 +1402,14 @@ def chunked_kernel_extra(names):
 def test_chunked_extra_rows_bit_identical(skip_a_reg, cp, kind):
     """chunked_tail (dims[7] = 12: 256-row chunks whose last takes up to 32 rows more as a swap-AB
     piece, so an expert of 257..288 rows is one item; GEMM1's weight tile loaded as interleaved
-    groups of 8 gate and 8 up rows) gives the same bits as chunked_nomc on plain 256-row chunks
-    (EX_MOE_SM90_CHUNK_ROWS=256), both within tolerance of the float64 reference: each row's sum runs over the same
-    k-steps of 16 whichever MMA holds it, so a row stored to the wrong place, a gate paired with
-    the wrong up, the extra box copied to the wrong rows or a chunk left out changes the bits.
-    The profiler shows kX = 32 ran under chunked_tail and 0 under chunked_nomc. Shapes: ~270 rows per expert
+    groups of 8 gate and 8 up rows; in clusters of two CTAs multicasting A, the extra box too)
+    gives the same bits as chunked_nomc on plain 256-row chunks (EX_MOE_SM90_CHUNK_ROWS=256), and
+    as itself with one CTA per item (EX_MOE_SM90_CHUNKED_MULTICAST=0), all within tolerance of the
+    float64 reference: each row's sum runs over the same k-steps of 16 whichever MMA holds it, so a
+    row stored to the wrong place, a gate paired with the wrong up, the extra box copied to the
+    wrong rows or by the wrong CTA of a pair, or a chunk left out changes the bits. The profiler
+    shows kX = 32 ran under chunked_tail and 0 under chunked_nomc, and the multicast kernels under
+    chunked_tail only where the switch leaves them on. Shapes: ~270 rows per expert
     (experts under 256, of 257..288 and past 288 rows) in bfloat16 and float16, qwen3-30b's
     T = 4096 (256 +- 16), one expert of 2840 rows (11 chunks, the last of 280), I = 1408, and
     shapes without extra rows (E = 40, idle experts, T = 1); E = 768, past the 751 experts whose
@@ -1419,21 +1422,27 @@ def test_chunked_extra_rows_bit_identical(skip_a_reg, cp, kind):
     case, dtype = kind_case(cp, shapes, kind)
     if kind == "one expert 2840":
         case[4][:] = 3  # every slot on expert 3
-    saved = {CHUNK_ROWS_ENV: os.environ.get(CHUNK_ROWS_ENV)}
-    outs, kxs = [], []
+    saved = {k: os.environ.get(k) for k in (CHUNK_ROWS_ENV, CHUNKED_MC_ENV)}
+    outs, kxs, kmcs = [], [], []
     try:
-        for config in (11, 12):
+        for config, mc in ((11, "1"), (12, "1"), (12, "0")):
             os.environ[CHUNK_ROWS_ENV] = "256"  # chunked_tail's chunks whatever the setting
+            os.environ[CHUNKED_MC_ENV] = mc
             r = skip_a_reg(True)
             r.set_tuning("moe_fused_gemm", lambda sizes, c=config: c)
             out, names = profiled_kernels(cp, lambda: run_moe_check(r, cp, case, dtype))
             outs.append(out)
             kxs.append(chunked_kernel_extra(names))
+            kmcs.append(chunked_kernel_multicast(names))
             r.check_device_errors()
     finally:
         restore_env(saved)
-    assert kxs == [{0}, {0 if shapes[kind][2] > 751 else 32}], kxs
-    assert same_bits(cp, outs[0], outs[1], dtype)
+    kx = 0 if shapes[kind][2] > 751 else 32
+    assert kxs == [{0}, {kx}, {kx}], kxs
+    # every shape here has an even count of N-tiles in both GEMMs (I / 64 and H / 128): chunked_tail
+    # multicasts A in pairs by default, one CTA per item under the switch; chunked_nomc never
+    assert kmcs == [{False}, {True}, {False}], kmcs
+    assert same_bits(cp, outs[0], outs[1], dtype) and same_bits(cp, outs[0], outs[2], dtype)
 
 
 @pytest.mark.parametrize("config", [11, 10])
