@@ -103,12 +103,12 @@ def merged_header(header: str, notes: list) -> str:
     newline), then, under one EARLIER line, the merged file's leading comment lines (``notes``,
     existing_table()) that this header does not already say. Without that, every merge into a
     file nested its whole header again: one tuning run a model into one file repeated the same
-    five lines seven times (session forty-two)."""
+    five lines seven times (session forty-two). A line of the notes that this header does not say
+    is kept each time it comes: two earlier runs' paragraphs may open with the same line (a
+    date and a session), and dropping the second dropped that run's provenance (session
+    fifty-four)."""
     said = set(header.splitlines())
-    kept = []
-    for n in notes:
-        if n != EARLIER and n not in said and n not in kept:
-            kept.append(n)
+    kept = [n for n in notes if n != EARLIER and n not in said]
     return header + (EARLIER + "\n" + "".join(n + "\n" for n in kept) if kept else "")
 
 

@@ -1079,13 +1079,17 @@ def test_tuner_merges_keep_one_header_each_run_named(monkeypatch, tmp_path):
 
 def test_merged_header_drops_what_the_new_header_says():
     """merged_header(): the merged file's lines that the new header repeats, and its own
-    'Earlier header' lines, are not kept again; other lines are kept once, in order."""
+    'Earlier header' lines, are not kept again; every other line is kept, in order, a repeated
+    one too (two earlier runs' paragraphs that open with the same line each keep it)."""
     tune = import_tool("benchmarks", "tune_moe")
     new = "# A\n# B\n"
     assert tune.merged_header(new, []) == new
     assert tune.merged_header(new, ["# A", "# B"]) == new
     got = tune.merged_header(new, ["# old", "# B", tune.EARLIER, "# older", "# old"])
-    assert got == new + tune.EARLIER + "\n# old\n# older\n"
+    assert got == new + tune.EARLIER + "\n# old\n# older\n# old\n"
+    # merging twice adds nothing: the merged header's notes are what it already says or keeps
+    again = tune.merged_header(new, got.splitlines())
+    assert again == got
 
 
 def test_benchmark_tools_name_a_bad_number_and_check_every_argument_before_the_gpu(tmp_path):
