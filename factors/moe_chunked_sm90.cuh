@@ -901,7 +901,8 @@ cudaError_t launch_mc(const T* a, int rows_max, const T* b, int b_rows, const Ar
 // another subs is refused. pdl: programmatic dependent launch (sm_90's griddepcontrol): the
 // caller's previous launch in the stream must be one that let this grid launch only once
 // expert_off was final (see the producer's first stages). extra (chunked_tail): 256-row chunks whose
-// last takes up to kXRows rows more (subs 4, band 0, multicast as the plain 256-row chunks; the caller checks smem_bytes<kMaxSub, kXRows>(E) against the opt-in shared memory)
+// last takes up to kXRows rows more (subs 4, band 0, multicast as the plain 256-row chunks; the
+// caller checks smem_bytes<kMaxSub, kXRows>(E) against the opt-in shared memory)
 template <typename T, bool kGated>
 cudaError_t launch(const T* a, int rows_max, const T* b, int b_rows, const Args& args, bool multicast, int band,
                    int subs, int num_sms, int smem_optin, bool pdl, cudaStream_t stream, bool extra = false) {

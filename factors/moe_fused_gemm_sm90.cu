@@ -74,8 +74,8 @@
  * chunk sizes per launch; the two CTAs of a cluster multicasting the chunk's A, or, where dims[7]
  * = 11 ("chunked_nomc"), each CTA copying its own; chunks of up to 128 rows, one CTA each, with a
  * deeper ring, where the call's rows per expert are at most 104 on average; where dims[7] = 12
- * ("chunked_tail"), chunked's kernels (multicast too) on 256-row chunks whose last takes up to 32 rows more
- * as a swap-AB piece, so that an expert of 257..288 rows streams its weights once) where sm90_chunked_for
+ * ("chunked_tail"), chunked's kernels (multicast too) on 256-row chunks whose last takes up to 32
+ * rows more as a swap-AB piece, so that an expert of 257..288 rows streams its weights once) where sm90_chunked_for
  * allows (GEMM1 gated, H % 128 == 0, H and I <= 2^23, E <= 4096), else as dims[7] = 4; for experts of a little over
  * 128 rows (mixtral T = 512).
  *
