@@ -1164,7 +1164,33 @@ def load_search_path(folders, errors: dict, notes: list) -> dict:
                      "manifest, this one is not used (a stray copy? rename it or remove it)"
                      for _, o in cands if o is not m and Path(o.path).stem != name)
     errors.update((k, v) for k, (_, v) in errs.items() if k not in out)
+    notes.extend(_misnamed_notes(out))
     return out
+
+
+def _misnamed_notes(out: dict) -> list:
+    """Notes on the manifests ``out`` (name -> Manifest) uses that look like a mistake (a fresh
+    user's trial: an override topk_softmax.yaml whose name: read 'other' was used, silently, as
+    factor other's manifest, with topk_softmax's own id, while the shipped topk_softmax.yaml
+    stayed in force): a file named after one factor that names another factor, and two factors
+    that declare the same id (a library is checked against its own factor's id only)."""
+    found = []
+    for name, m in out.items():
+        stem = Path(m.path).stem
+        if stem != name and stem in out:
+            found.append(f"manifest {m.path}: named after factor '{stem}' but it names '{name}': used as "
+                         f"'{name}''s manifest, not as an override of '{stem}', whose manifest is "
+                         f"{out[stem].path} (rename the file or correct its name:)")
+    by_id: dict = {}
+    for name, m in out.items():
+        by_id.setdefault(m.id, []).append(m)
+    for fid, ms in by_id.items():
+        if len(ms) > 1:
+            listed = ", ".join(f"'{m.name}' ({m.path})" for m in ms)
+            found.append(f"manifests of {listed} all declare id {fid}: a factor's id must be its own "
+                         "(a library of one of them that says that id is checked against its own "
+                         "manifest only; give each factor its own id)")
+    return found
 
 
 def _one_claim(name: str, ms: list, errors: dict) -> tuple:

@@ -422,3 +422,31 @@ def test_the_search_path_applies_the_same_rule_across_folders(tmp_path):
     (c / "topk_softmax.yaml").write_text(text.replace("dims: [T, E", "dims: [T, E,,"), encoding="utf-8")
     reg = FactorRegistry(hardware="h200", manifests_dir=os.pathsep.join([str(c), str(ROOT / "manifests")]))
     assert "topk_softmax" not in reg.manifests and "topk_softmax" in reg.manifest_errors
+
+
+def test_an_override_that_names_another_factor_is_noted(tmp_path):
+    """A fresh user's trial (session fifty-five): EX_ENGINE_MANIFESTS=A:manifests with
+    A/topk_softmax.yaml whose name: reads 'other' (an override edited wrongly). The shipped
+    topk_softmax.yaml stays in force and 'other' is registered with topk_softmax's id, as
+    before, but now with notes that say so: the file is named after another factor, and two
+    factors declare one id."""
+    import os
+    a = tmp_path / "a"
+    a.mkdir()
+    text = (ROOT / "manifests" / "topk_softmax.yaml").read_text(encoding="utf-8")
+    assert "name: topk_softmax" in text
+    (a / "topk_softmax.yaml").write_text(text.replace("name: topk_softmax", "name: other"), encoding="utf-8")
+    reg = FactorRegistry(hardware="h200", manifests_dir=os.pathsep.join([str(a), str(ROOT / "manifests")]))
+    assert reg.manifests["topk_softmax"].path == str(ROOT / "manifests" / "topk_softmax.yaml")
+    assert reg.manifests["other"].path == str(a / "topk_softmax.yaml")
+    named = [n for n in reg.notes if str(a / "topk_softmax.yaml") in n and "named after factor 'topk_softmax'" in n]
+    assert len(named) == 1 and "names 'other'" in named[0], reg.notes
+    same_id = [n for n in reg.notes if "all declare id" in n]
+    assert len(same_id) == 1 and "'other'" in same_id[0] and "'topk_softmax'" in same_id[0], reg.notes
+
+
+def test_the_shipped_manifests_give_no_misnamed_or_shared_id_note():
+    """The shipped manifests folder alone: every file is named after its factor and every id is
+    its own, so neither note of _misnamed_notes appears (a note there would be noise)."""
+    reg = FactorRegistry(hardware="h200")
+    assert not [n for n in reg.notes if "named after factor" in n or "all declare id" in n], reg.notes
