@@ -46,9 +46,22 @@ def token_count(v: str) -> int:
 
 
 def positive_count(v: str) -> int:
-    """argparse type: an integer >= 1 (--repeat, --jobs); refused like any argument error, with
+    """argparse type: an integer >= 1 (--repeat); refused like any argument error, with
     the usage line (was a bare message after parsing)."""
     return _int_at_least(v, 1)
+
+
+MAX_JOBS = 256   # make's jobserver puts N - 1 tokens in a pipe: at N >= ~65537 it blocked for ever
+
+
+def job_count(v: str) -> int:
+    """argparse type: --jobs, 1 <= N <= MAX_JOBS (a fresh user's trial: `build -j 70000` hung in
+    make, which could not write its jobserver's tokens into a 64 KiB pipe; each nvcc job of the
+    Hopper plugin takes gigabytes of memory, so more than a few dozen never pays)."""
+    n = _int_at_least(v, 1)
+    if n > MAX_JOBS:
+        raise argparse.ArgumentTypeError(f"expected at most {MAX_JOBS} parallel jobs, got {v!r}")
+    return n
 
 
 def nonempty(v: str) -> str:
@@ -751,7 +764,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="nvcc -gencode flags for the portable plugins, written with '=' because they start "
                         "with '-': --archs='-gencode=arch=compute_80,code=sm_80' (default: the Makefile's "
                         "sm_90a + sm_80 + PTX); rebuilds every plugin built (the NAMEs given, or all)")
-    p.add_argument("-j", "--jobs", type=positive_count, default=2, metavar="N", help="parallel nvcc jobs (default: %(default)s)")
+    p.add_argument("-j", "--jobs", type=job_count, default=2, metavar="N",
+                   help=f"parallel nvcc jobs, 1..{MAX_JOBS} (default: %(default)s)")
     p.set_defaults(fn=cmd_build, command_parser=p)
     return ap
 

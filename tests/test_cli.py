@@ -368,6 +368,9 @@ def test_lock_escapes_a_file_name_with_a_newline_as_list_factors_does(tmp_path, 
      "argument --repeat: expected an integer >= 1, got '0'"),
     (["build", "--jobs", "0"], "argument -j/--jobs: expected an integer >= 1, got '0'"),
     (["build", "-j", "two"], "argument -j/--jobs: expected an integer >= 1, got 'two'"),
+    # a fresh user's trial (session fifty-five): -j 70000 reached make, which hung for ever
+    (["build", "-j", "70000"], "argument -j/--jobs: expected at most 256 parallel jobs, got '70000'"),
+    (["build", "-j", "257", "topk_softmax"], "argument -j/--jobs: expected at most 256 parallel jobs, got '257'"),
 ])
 def test_bad_counts_are_refused_before_any_work(argv, says, capsys):
     """As every argument error: argparse's usage line and 'error:', exit status 2 (these two
