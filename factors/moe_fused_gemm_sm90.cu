@@ -1045,9 +1045,6 @@ static bool s_sm90_spread = true;
 // multicasting A (where the N-tiles pair up); EX_MOE_SM90_CHUNKED_MULTICAST=0: one CTA per item,
 // each loading its own A
 static bool s_sm90_chunked_mc = true;
-// EX_MOE_SM90_CHUNKED_GEMM2=cutlass: under the chunked tilings GEMM2 runs on the CUTLASS
-// grouped GEMM that the call's Tile gives (128 x 128 ping-pong where I <= 1024), GEMM1 chunked
-static bool s_sm90_chunked_gemm2_cutlass = false;
 // set by ex_get_factor: the chunked kernels' swap AB (a chunk's rows as the GMMA's N instead of
 // 64-row sub-tiles; the weights' 64-row halves as M) on the chunks of one band of sizes, 64j + 1 ..
 // 64j + 32 rows, the band nearest the call's rows per expert (chunked::swap_band, swap_pays);
@@ -1433,7 +1430,7 @@ static int launch_sm90(const Problem& P, void* out, const void* x, const void* w
         const int band = s_sm90_chunked_swap && !extra ? chunked::swap_band(rows_per_expert, subs) : 0;
         err = chunked::launch<T, true>(xs, (int)P.TK, static_cast<const T*>(w13), 2 * I, a1, mc,
                                        band, subs, s_num_sms, s_smem_optin, s_sm90_pdl, stream, extra);
-        if (err == cudaSuccess && !s_sm90_chunked_gemm2_cutlass)
+        if (err == cudaSuccess)
             err = chunked::launch<T, false>(act, (int)P.TK, static_cast<const T*>(w2), H, a2, mc,
                                             band, subs, s_num_sms, s_smem_optin, s_sm90_pdl, stream, extra);
         if (err != cudaSuccess) return cuda_error(err);
@@ -1451,9 +1448,8 @@ static int launch_sm90(const Problem& P, void* out, const void* x, const void* w
                                   stream>>>(act, gu, meta, I);
     }
 
-    // 5. GEMM2: ys = act . w2[e]^T per expert (the chunked kernels ran both above, unless
-    //    EX_MOE_SM90_CHUNKED_GEMM2=cutlass)
-    if (!use_chunked || s_sm90_chunked_gemm2_cutlass) {
+    // 5. GEMM2: ys = act . w2[e]^T per expert (the chunked kernels ran both above)
+    if (!use_chunked) {
         if (std::is_same<Tile, sm90::Tile128>::value && sm90_gemm2_pingpong_for(P))
             st = run_grouped_gemm<sm90::GroupedGemm<CT, sm90::Tile128N128>, 2>(ga[1], E, cutlass_ws, key, stream);
         else
@@ -1535,8 +1531,6 @@ extern "C" EX_EXPORT ex_factor_t* ex_get_factor(const ex_hardware_t* hw) {
     s_sm90_spread = explugin::env_choice("EX_MOE_SM90_EXPERT_ORDER", kOrders, 2, 1) == 1;
     sm90::g_skip_empty_a = explugin::env_switch("EX_MOE_SM90_SKIP_EMPTY_A");
     s_sm90_chunked_mc = explugin::env_switch("EX_MOE_SM90_CHUNKED_MULTICAST");
-    static const char* const kGemm2Kinds[] = {"chunked", "cutlass"};
-    s_sm90_chunked_gemm2_cutlass = explugin::env_choice("EX_MOE_SM90_CHUNKED_GEMM2", kGemm2Kinds, 2, 0) == 1;
     s_sm90_chunked_swap = explugin::env_switch("EX_MOE_SM90_CHUNKED_SWAP_AB");
     s_sm90_chunked_interleave = explugin::env_switch("EX_MOE_SM90_CHUNKED_INTERLEAVE");
     s_sm90_pdl = hw->cc_major >= 9 && explugin::env_switch("EX_MOE_SM90_PDL");
