@@ -1174,16 +1174,14 @@ def _misnamed_notes(out: dict) -> list:
     factor other's manifest, with topk_softmax's own id, while the shipped topk_softmax.yaml
     stayed in force): a file named after one factor that names another factor, and two factors
     that declare the same id (a library is checked against its own factor's id only)."""
-    found = []
+    found, by_id = [], {}
     for name, m in out.items():
+        by_id.setdefault(m.id, []).append(m)
         stem = Path(m.path).stem
         if stem != name and stem in out:
             found.append(f"manifest {m.path}: named after factor '{stem}' but it names '{name}': used as "
                          f"'{name}''s manifest, not as an override of '{stem}', whose manifest is "
                          f"{out[stem].path} (rename the file or correct its name:)")
-    by_id: dict = {}
-    for name, m in out.items():
-        by_id.setdefault(m.id, []).append(m)
     for fid, ms in by_id.items():
         if len(ms) > 1:
             listed = ", ".join(f"'{m.name}' ({m.path})" for m in ms)
