@@ -169,7 +169,7 @@ def main():
     problems += [plugin_folder_problem(f"config {n}", folder) for n, folder, env in cfgs]
     cases, case_problems = parse_cases(models, args.cases, skewed_ok=True)
     problems += case_problems
-    problems.append(output_file_problem("--json", args.json))
+    problems.append(output_file_problem("--json", args.json, (".json",)))
     if args.rounds < 1 or args.sets < 1:
         problems.append(f"--rounds and --sets: expected >= 1, got {args.rounds} and {args.sets}")
     if report_problems("ab_moe", problems):

@@ -255,7 +255,7 @@ def main():
         problems.append(f"--fallback-max-t: expected T >= 0 (0: the fallback at no T), got {args.fallback_max_t}")
     if not 0 <= args.warm_ms <= 60000:
         problems.append(f"--warm-ms: expected 0..60000 ms, got {args.warm_ms}")
-    problems.append(output_file_problem("--json", args.json))
+    problems.append(output_file_problem("--json", args.json, (".json",)))
     if report_problems("bench_moe", problems):
         return 2
     if torch is None or not torch.cuda.is_available():

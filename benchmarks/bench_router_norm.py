@@ -74,7 +74,7 @@ def main():
                     help="time ex_engine only, not the PyTorch eager / torch.compile peers (PyTorch is "
                          "still needed: it makes the inputs and times the calls)")
     args = ap.parse_args()
-    if report_problems("bench_router_norm", [output_file_problem("--json", args.json)]):
+    if report_problems("bench_router_norm", [output_file_problem("--json", args.json, (".json",))]):
         return 2
     if torch is None or not torch.cuda.is_available():
         print("bench_router_norm: needs PyTorch and a CUDA GPU (README: 'On a GPU machine')", file=sys.stderr)

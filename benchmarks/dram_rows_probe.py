@@ -87,7 +87,7 @@ def main(argv=None) -> int:
     a = parse_args(argv)
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from ex_engine._scripts import output_file_problem, report_problems
-    if report_problems("dram_rows_probe.py", [output_file_problem("--json", a.json)]):
+    if report_problems("dram_rows_probe.py", [output_file_problem("--json", a.json, (".json",))]):
         return 2   # before the GPU work, whose figures would be lost at the end
     try:
         import cupy as cp

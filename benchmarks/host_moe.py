@@ -123,7 +123,7 @@ def main() -> int:
     problems = case_problems(models, args.models, args.tokens, args.factors)
     if args.rounds < 1:
         problems.append(f"--rounds: expected >= 1, got {args.rounds}")
-    problems.append(output_file_problem("--json", args.json))
+    problems.append(output_file_problem("--json", args.json, (".json",)))
     if torch is None or not torch.cuda.is_available():
         problems.append("needs PyTorch with a CUDA GPU")
     if report_problems("host_moe", problems):

@@ -113,12 +113,18 @@ def plugin_folder_problem(flag: str, path) -> str:
     return f"{flag}: folder {str(path)!r} does not exist"
 
 
-def output_file_problem(flag: str, path) -> str:
+def output_file_problem(flag: str, path, suffixes=()) -> str:
     """What stops a tool from writing its output file ``path`` ('' if nothing): a folder in its
     place, a parent folder that does not exist, or a file that cannot be opened for writing (no
     permission, a read-only or virtual file system such as /proc or /sys, where root's
     permission bits say nothing). Tools check it before any work, so a bad destination never
     loses a run's measurements at the end.
+
+    ``suffixes`` (lower case, e.g. ``(".json",)``): the file names the tool writes. A name with
+    another suffix is refused (``--json bench_moe.py``, a slip of tab completion, would have
+    replaced the script), and where ".json" is among them an existing file that does not parse
+    as JSON is refused rather than replaced (a file of another kind under a .json name). A
+    device or pipe (``/dev/null``) is not a file name and passes.
 
     The check opens the file for writing, without truncating it: a file that did not exist is
     created and removed again; an existing one is left as it was (a FIFO without a reader is
@@ -138,6 +144,12 @@ def output_file_problem(flag: str, path) -> str:
         return f"{flag}: folder {parent} does not exist"
     p = target
     existed = p.exists()
+    if suffixes and (p.is_file() or not existed):
+        if Path(path).suffix.lower() not in suffixes:
+            return f"{flag}: expected a {' or '.join(suffixes)} file name, got {path}"
+        if existed and ".json" in suffixes and not _json_file(p):
+            return (f"{flag}: {path} exists and is not JSON: refusing to replace it "
+                    f"(remove it, or name another file)")
     flags = os.O_WRONLY | os.O_NONBLOCK | (0 if existed else os.O_CREAT | os.O_EXCL)
     try:
         os.close(os.open(p, flags, 0o666))
@@ -150,6 +162,19 @@ def output_file_problem(flag: str, path) -> str:
         except OSError:
             pass
     return ""
+
+
+def _json_file(p: Path) -> bool:
+    """Whether the regular file ``p`` is empty or parses as JSON (an unreadable one: False)."""
+    import json
+    try:
+        with open(p, encoding="utf-8") as f:
+            text = f.read()
+        if text.strip():
+            json.loads(text)
+    except (OSError, ValueError):
+        return False
+    return True
 
 
 def cupy_with_gpu():

@@ -198,7 +198,7 @@ def models_tokens_json_or_exit(tool: str, models, tokens, json_path) -> tuple:
     figures would otherwise be lost: every problem '<tool>: <why>' on stderr and exit status 2
     (SystemExit), as load_models_or_exit and case_problems."""
     shapes = load_models_or_exit(tool)
-    problems = case_problems(shapes, models, tokens, all_ok=True) + [output_file_problem("--json", json_path)]
+    problems = case_problems(shapes, models, tokens, all_ok=True) + [output_file_problem("--json", json_path, (".json",))]
     if report_problems(tool, problems):
         raise SystemExit(2)
     return shapes, sorted(shapes) if list(models) == ["all"] else list(models)

@@ -447,7 +447,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tiny", action="store_true",
                     help="tiny layers (H 64, I 32, at most 16 experts, at most top-4): a smoke test")
     args = ap.parse_args(argv)
-    problems = [output_file_problem("--json", args.json)]
+    problems = [output_file_problem("--json", args.json, (".json",))]
     if args.replays < 1:
         problems.append(f"--replays: expected >= 1, got {args.replays}")
     if args.calls < 0:

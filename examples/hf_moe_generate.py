@@ -295,7 +295,7 @@ def main(argv=None) -> int:
                     help="also capture stock grouped_mm in a CUDA graph (run last per model)")
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args(argv)
-    problems = [output_file_problem("--json", args.json)]
+    problems = [output_file_problem("--json", args.json, (".json",))]
     if args.tokens < 5:
         problems.append(f"--tokens: expected >= 5 (the first 4 steps are warm-ups, not timed), got {args.tokens}")
     if args.prompt_len < 1:

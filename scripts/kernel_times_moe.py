@@ -170,7 +170,7 @@ def main() -> int:
         problems.append(_scripts["plugin_folder_problem"]("--factors", args.factors))
     if args.calls < 1:
         problems.append(f"--calls: expected >= 1, got {args.calls}")
-    problem = _scripts["output_file_problem"]("--json", args.json)
+    problem = _scripts["output_file_problem"]("--json", args.json, (".json",))
     if problem:
         problems.append(problem)
     if torch is None or not torch.cuda.is_available():

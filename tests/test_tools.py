@@ -31,6 +31,29 @@ def test_output_file_problem(tmp_path):
     assert "does not exist" in output_file_problem("--out", tmp_path / "nowhere" / "x.yaml")
 
 
+def test_output_file_problem_refuses_another_kind_of_file(tmp_path):
+    """A fresh user's trial: --json factors/topk_softmax.so and --json benchmarks/bench_moe.py
+    passed the check, and bench_moe replaces its --json after every row. With suffixes, a name
+    of another kind and an existing .json that is not JSON are refused; their content is kept."""
+    json_only = (".json",)
+    script = tmp_path / "bench_moe.py"
+    script.write_text("print('kept')")
+    assert output_file_problem("--json", script, json_only) == \
+        f"--json: expected a .json file name, got {script}"
+    assert output_file_problem("--json", tmp_path / "new.so", json_only).startswith("--json: expected a .json")
+    not_json = tmp_path / "notes.json"
+    not_json.write_text("not json at all")
+    problem = output_file_problem("--json", not_json, json_only)
+    assert problem == f"--json: {not_json} exists and is not JSON: refusing to replace it (remove it, or name another file)"
+    assert not_json.read_text() == "not json at all" and script.read_text() == "print('kept')"
+    for fine in ("old.json", "empty.json", "NEW.JSON"):
+        if fine != "NEW.JSON":
+            (tmp_path / fine).write_text('{"rows": []}' if fine == "old.json" else "")
+        assert output_file_problem("--json", tmp_path / fine, json_only) == "", fine
+    assert output_file_problem("--json", "/dev/null", json_only) == ""   # a device, not a file name
+    assert output_file_problem("--json", script) == ""   # without suffixes: the old check only
+
+
 def test_output_file_problem_tries_to_open_the_file(tmp_path):
     """As root, os.access said /proc/p.png and /sys/p.png were writable: plot_moe then failed at
     savefig after the drawing, bench_moe after its first row. The check now opens the file for
