@@ -75,7 +75,13 @@ if has setup; then
   nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,power.draw,temperature.gpu --format=csv || { status=1; smi=1; }
   nvcc --version | tail -1; [ "${PIPESTATUS[0]}" = 0 ] || status=1
   # exit status 3: CuPy imports but sees no CUDA device (1: an import failed)
-  python3 -c "import cupy, numpy, yaml, ml_dtypes, cffi, sys; print('cupy', cupy.__version__, 'numpy', numpy.__version__, 'cffi', cffi.__version__)
+  python3 -c "import sys
+try:
+    import cupy, numpy, yaml, ml_dtypes, cffi
+except ImportError as exc:   # one line, not a traceback: which module this Python lacks
+    print(f'gpu_check.sh: setup: {exc.name or exc} is not installed for', sys.executable, file=sys.stderr)
+    sys.exit(1)
+print('cupy', cupy.__version__, 'numpy', numpy.__version__, 'cffi', cffi.__version__)
 try:
     n = cupy.cuda.runtime.getDeviceCount()
 except Exception as exc:

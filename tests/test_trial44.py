@@ -83,6 +83,12 @@ def test_gpu_check_stops_after_setup_without_a_gpu(tmp_path):
     assert "gpu_check.sh: no CUDA device" in r.stderr and "stages that need one: tests run" in r.stderr
     assert "=== GPU tests" not in r.stdout and "=== run moe" not in r.stdout, r.stdout
     assert not (tmp_path / "out" / "gpu_tests.log").exists()
+    # a Python without CuPy said so in a ModuleNotFoundError traceback (a fresh user's trial)
+    assert "Traceback" not in r.stderr, r.stderr
+    try:
+        import cupy  # noqa: F401
+    except ImportError:
+        assert "gpu_check.sh: setup: cupy is not installed for " in r.stderr, r.stderr
 
 
 def test_gpu_check_stops_when_cupy_imports_but_sees_no_device(tmp_path):
