@@ -6,7 +6,8 @@
 One row per bench_moe row: floor, our time and its ratio to the floor, TFLOP/s and GB/s, the
 torch._grouped_mm pipeline ('gmm'), vLLM's time (column 'vLLM (PERF.md)': from ../shared/PERF.md,
 the project's shared reference beside the checkout, not in it; its vLLM times are carried in
-benchmarks/perf_peers.py; uniform routing only; measured in another process) and the Python
+benchmarks/perf_peers.py; uniform routing only; measured in another process; shown only beside
+an H200 run in bfloat16, as they were measured) and the Python
 fallback. Where the JSON has the ratio against the ceilings measured during the run (bench_moe's
 'x_floor_here', newer files), an 'x here' column follows 'ours/floor'. '-' is a time not
 measured (a gmm peer that could not be captured, a T beyond --fallback-max-t, no vLLM time); a
@@ -17,6 +18,7 @@ early (`| head`); 2 a file that is not bench_moe.py's JSON, or one without rows.
 """
 import argparse
 import json
+import math
 import runpy
 from pathlib import Path
 
@@ -30,6 +32,26 @@ NUMBERS = ("floor_us", "ours_us", "x_floor", "tflops", "gbs")   # what a timed r
 
 def _number(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _time(v) -> bool:
+    """Whether ``v`` can be a time (µs) or a rate: a finite number > 0 (not NaN, inf, 0, a bool)."""
+    return _number(v) and math.isfinite(v) and v > 0
+
+
+def vllm_comparable(m: dict) -> bool:
+    """Whether PERF.md's vLLM times (an H200, bfloat16) may sit beside a run whose meta is ``m``:
+    its device is an H200 and its dtype bfloat16 (a file without a dtype is an early bfloat16
+    one). An H100 or float16 run against them would compare two cards or two dtypes."""
+    return "H200" in str(m.get("device")) and m.get("dtype", "bfloat16") == "bfloat16"
+
+
+def vllm_note(m: dict) -> str:
+    """The line that says why the vLLM times are left out ('' where they are not)."""
+    if vllm_comparable(m):
+        return ""
+    return (f"vLLM's times left out: PERF.md measured them on an H200 in bfloat16, this run is "
+            f"{m.get('device') or 'on an unrecorded device'}, {m.get('dtype') or 'dtype not recorded'}")
 
 
 def shape_problem(d) -> str:
@@ -56,26 +78,30 @@ def file_problem(d: dict) -> str:
 
 
 def row_problem(i: int, r) -> str:
-    """What keeps row ``i`` out of the table ('' if nothing): not a mapping, no model or T, no
+    """What keeps row ``i`` out of the table and the chart ('' if nothing; plot_moe.py's check
+    too): not a mapping, no model, a T that is not an integer > 0 (``true`` is no T), no
     floor_us, a timed row (one with ours_us) without one of NUMBERS, an untimed row without the
-    'error' bench_moe writes for it, an optional time that is not a number."""
+    'error' bench_moe writes for it; and a time, ratio or rate (NUMBERS, gmm_us, fallback_us,
+    x_floor_here) that is not a finite number > 0 (the optional ones may be null)."""
     if not isinstance(r, dict):
         return f"row {i}: expected a mapping, got {type(r).__name__}"
-    if not isinstance(r.get("model"), str) or not isinstance(r.get("T"), int):
-        return f"row {i}: expected 'model' (a name) and 'T' (an integer), got {r.get('model')!r} and {r.get('T')!r}"
-    where = f"row {i} ({r['model']} T={r['T']})"
+    T = r.get("T")
+    if not isinstance(r.get("model"), str) or not _number(T) or not isinstance(T, int) or T < 1:
+        return (f"row {i}: expected 'model' (a name) and 'T' (an integer > 0), "
+                f"got {r.get('model')!r} and {T!r}")
+    where = f"row {i} ({r['model']} T={T})"
     need = NUMBERS if "ours_us" in r else ("floor_us",)
     for k in need:
         if not _number(r.get(k)):
             return f"{where}: '{k}': expected a number, got {r.get(k, 'nothing')!r}"
-    if "ours_us" in r and not r["ours_us"] > 0:   # the ratios divide by it
-        return f"{where}: 'ours_us': expected a time > 0, got {r['ours_us']!r}"
+        if not _time(r[k]):   # the ratios divide by the times; a rate <= 0 or NaN is no rate
+            return f"{where}: '{k}': expected a finite number > 0, got {r[k]!r}"
     if "ours_us" not in r and not isinstance(r.get("error"), str):
         return (f"{where}: expected 'ours_us' (a timed row) or 'error' (a failed one), "
                 f"got neither")
     for k in ("gmm_us", "fallback_us", "x_floor_here"):
-        if r.get(k) is not None and not _number(r[k]):
-            return f"{where}: '{k}': expected a number or null, got {r[k]!r}"
+        if r.get(k) is not None and not _time(r[k]):
+            return f"{where}: '{k}': expected a finite number > 0 or null, got {r[k]!r}"
     return ""
 
 
@@ -113,8 +139,8 @@ def route_of(r: dict) -> str:
     return r.get("routing") or ("skewed" if r.get("skewed") else "uniform")
 
 
-def cells(r: dict, here: bool) -> list:
-    """The row's cells, as many as the header has."""
+def cells(r: dict, here: bool, vllm: bool = True) -> list:
+    """The row's cells, as many as the header has (vLLM's '-' where ``vllm`` is False)."""
     route = route_of(r)
     floor = f"{r['floor_us']:.1f}" if r.get("floor_us") is not None else "-"
     width = 14 if here else 13
@@ -122,7 +148,7 @@ def cells(r: dict, here: bool) -> list:
         why = str(r.get("error") or "not timed").replace("|", "\\|")
         return [r["model"], str(r["T"]), route, floor, f"FAILED: {why}"] + ["-"] * (width - 5)
     ours = r["ours_us"]
-    v = VLLM_US.get((r["model"], r["T"])) if route == "uniform" else None
+    v = VLLM_US.get((r["model"], r["T"])) if route == "uniform" and vllm else None
     g = r.get("gmm_us")
     out = [r["model"], str(r["T"]), route, floor, f"{ours:.1f}", f"{r['x_floor']:.2f}"]
     if here:
@@ -162,13 +188,15 @@ def main(path) -> int:
     print("| " + " | ".join(names) + " |")
     print("| " + " | ".join("---" if n in ("model", "routing") else "---:" for n in names) + " |")
     for r in rows:
-        print("| " + " | ".join(cells(r, here)) + " |")
+        print("| " + " | ".join(cells(r, here, vllm_comparable(m))) + " |")
     skipped = {}
     for r in rows:
         if "ours_us" in r and not r.get("gmm_us") and r.get("gmm_skipped"):
             skipped[r["gmm_skipped"]] = skipped.get(r["gmm_skipped"], 0) + 1
     for why, n in skipped.items():
         print(f"\ngmm '-' ({n} row{'s' if n > 1 else ''}): {why}")
+    if vllm_note(m):
+        print(f"\n{vllm_note(m)}")
     return 0
 
 

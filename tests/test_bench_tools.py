@@ -328,14 +328,32 @@ def _table_rows(stdout):
 
 def test_table_moe_prints_dashes_for_a_gmm_peer_that_was_not_timed():
     """The repo's float16 table (gmm_us null: torch's float16 _grouped_mm cannot be captured)
-    was a TypeError: now '-' in both gmm columns, and the reason once below the table."""
+    was a TypeError: now '-' in both gmm columns, and the reason once below the table. vLLM's
+    bfloat16 times are '-' too (a fresh user's trial: 'vLLM/ours' set them against float16),
+    and a line says why."""
     r = _run_table(ROOT / "benchmarks" / "bench_moe_fp16_h200_2026-12-01_3385675.json")
     assert r.returncode == 0, r.stderr
     rows = _table_rows(r.stdout)
     assert len(rows) == 2 + 42
-    assert rows[2] == ("| deepseek-v2-lite | 1 | uniform | 24.5 | 32.0 | 1.30 | 3 | 3242 | - | - | 37.2 | 1.16 "
+    assert rows[2] == ("| deepseek-v2-lite | 1 | uniform | 24.5 | 32.0 | 1.30 | 3 | 3242 | - | - | - | - "
                        "| 1,046,364 |"), rows[2]
     assert "gmm '-' (42 rows): not CUDA-graph capturable" in r.stdout
+    assert ("vLLM's times left out: PERF.md measured them on an H200 in bfloat16, this run is "
+            "NVIDIA H200, float16") in r.stdout
+
+
+@pytest.mark.parametrize("device, dtype, shown", [("NVIDIA H200", "bfloat16", True),
+                                                  ("NVIDIA H100 80GB HBM3", "bfloat16", False),
+                                                  ("NVIDIA H200", "float16", False), ("X", None, False)])
+def test_table_moe_shows_vllm_only_beside_an_h200_bfloat16_run(tmp_path, device, dtype, shown):
+    """PERF.md's vLLM times are an H200's in bfloat16: beside an H100 or a float16 run the ratio
+    compared two cards or two dtypes (a fresh user's trial: mixtral T = 64 'vLLM/ours' 0.72)."""
+    meta = {"device": device} if dtype is None else {"device": device, "dtype": dtype}
+    r = _run_table(_bench_json(tmp_path, [TIMED], **meta))
+    assert r.returncode == 0, r.stderr
+    row = _table_rows(r.stdout)[2]
+    assert ("| 30.2 | 1.21 |" in row) == shown, row
+    assert ("vLLM's times left out" in r.stdout) == (not shown), r.stdout
 
 
 def test_table_moe_reproduces_an_older_table():
@@ -357,7 +375,8 @@ def test_table_moe_reproduces_an_older_table():
 def _bench_json(tmp_path, rows, **meta):
     import json
     p = tmp_path / "b.json"
-    p.write_text(json.dumps({"meta": {"device": "X", **meta}, "rows": rows}), encoding="utf-8")
+    meta = {"device": "NVIDIA H200", "dtype": "bfloat16", **meta}   # vLLM's times sit beside such a run
+    p.write_text(json.dumps({"meta": meta, "rows": rows}), encoding="utf-8")
     return p
 
 
@@ -386,7 +405,7 @@ def test_table_moe_cells_match_the_header_and_x_here_appears_when_recorded(tmp_p
     assert {row.count("|") for row in rows} == {15}, rows
     assert "| 1.25 | 1.10 | 3 |" in rows[2]
     first = r.stdout.splitlines()[0]
-    assert first.startswith("X, ?, commit ?, ?, torch ?;") and "over 3 independently routed input sets" in first
+    assert first.startswith("NVIDIA H200, ?, commit ?, bfloat16, torch ?;") and "over 3 independently routed input sets" in first
     assert "replayed 200 ms" in first and "(700 TFLOP/s, 4000 GB/s)" in first, first
 
 
@@ -430,21 +449,120 @@ def test_table_and_help_work_without_numpy(tmp_path):
     assert r.returncode == 2 and r.stderr == "plot_moe: needs matplotlib (pip install matplotlib)\n", r.stderr
 
 
-def test_plot_moe_default_output_is_beside_the_script(tmp_path):
-    """Run from another folder, the default 'benchmarks/moe_vs_floor.png' was relative to it:
-    '--output: folder benchmarks does not exist'. Now it is the script's own folder."""
+def test_plot_moe_default_output_is_the_jsons_name_in_the_current_folder(tmp_path):
+    """The default was benchmarks/moe_vs_floor.png, a chart the repository ships (a fresh user's
+    trial: `plot_moe.py F` as bench_moe's --help gives it left the checkout modified). Now it is
+    the JSON's name with .png, in the folder it is run from."""
     import subprocess
     bad = tmp_path / "b.json"
     bad.write_text('{"meta": {"dtype": "b", "device": "x", "date": "d", "commit": "c"}, "rows": []}')
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "plot_moe.py"), str(bad)], cwd=tmp_path,
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "--output:" not in r.stderr and "no timed uniform-routing rows" in r.stderr, r.stderr
-    plot = import_tool("benchmarks", "plot_moe")
-    assert plot.HERE == ROOT / "benchmarks"
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "plot_moe.py"), "--help"], cwd=tmp_path,
                        capture_output=True, text=True, timeout=120)
     text = " ".join(r.stdout.split())
-    assert "one panel per model" in text and "in this script's folder" in text, r.stdout
+    assert "one panel per model" in text and "the first JSON's name with .png, in the current folder" in text, r.stdout
+    pytest.importorskip("matplotlib")
+    shipped = ROOT / "benchmarks" / "moe_vs_floor.png"
+    before = shipped.stat().st_mtime_ns if shipped.exists() else None
+    src = ROOT / "benchmarks" / "bench_moe_full_1bbcbb6_h200_2026-12-05.json"
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "plot_moe.py"), str(src)], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+    out = tmp_path / "bench_moe_full_1bbcbb6_h200_2026-12-05.png"
+    assert r.stdout == f"wrote {out.name}\n" and out.stat().st_size > 20000, r.stdout
+    assert (shipped.stat().st_mtime_ns if shipped.exists() else None) == before
+
+
+def _plot(tmp_path, data, *args):
+    import json
+    import subprocess
+    src = tmp_path / "in.json"
+    src.write_text(json.dumps(data), encoding="utf-8")
+    out = tmp_path / "out.png"
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "plot_moe.py"), str(src), "-o", str(out), *args],
+                       capture_output=True, text=True, timeout=300)
+    return r, out
+
+
+def test_plot_moe_says_which_rows_failed_and_draws_vllm_only_beside_an_h200_bfloat16_run(tmp_path):
+    """A fresh user's trial: a row whose check failed was left out of the chart in silence (its
+    model's panel gone, exit 0), and PERF.md's H200 bfloat16 vLLM times were drawn over an H100
+    run. Now stderr names the failed rows (the panel too), and the vLLM line is drawn only
+    beside an H200 bfloat16 run, stderr saying why otherwise."""
+    import json
+    pytest.importorskip("matplotlib")
+    plot = import_tool("benchmarks", "plot_moe")
+    data = json.loads((ROOT / "benchmarks" / "bench_moe_large_14b93ea_h100_2026-12-06.json").read_text(encoding="utf-8"))
+    for r in data["rows"]:
+        if r["model"] == "mixtral-8x7b":
+            del r["ours_us"]
+            r["error"] = "check failed: rel err 0.5"
+    r, out = _plot(tmp_path, data)
+    assert r.returncode == 0 and out.stat().st_size > 20000, r.stderr
+    lines = r.stderr.splitlines()
+    assert lines[0] == ("plot_moe: 2 row(s) not drawn, their check failed: mixtral-8x7b T=4096: check failed: "
+                        "rel err 0.5; mixtral-8x7b T=16384: check failed: rel err 0.5"), r.stderr
+    assert lines[1] == ("plot_moe: vLLM's times left out: PERF.md measured them on an H200 in bfloat16, this run "
+                        "is NVIDIA H100 80GB HBM3, bfloat16"), r.stderr
+    assert len(lines) == 2
+    h200 = json.loads((ROOT / "benchmarks" / "bench_moe_full_1bbcbb6_h200_2026-12-05.json").read_text(encoding="utf-8"))
+    r, out = _plot(tmp_path, h200)
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+    assert plot.fallback_text([{"fallback_us": 300.0, "floor_us": 2.0}, {"fallback_us": 50.0, "floor_us": 1.0}]) == \
+        "Python fallback: 50-150x the floor (--fallback draws it)"
+    assert plot.fallback_text([{"fallback_us": None, "floor_us": 2.0}]) == ""
+    r, _ = _plot(tmp_path, h200, "--fallback")
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+
+
+def test_plot_moe_draws_one_run_from_its_two_files(tmp_path):
+    """Session fifty-four's table of record is two files (T <= 512, T >= 4096), and plot_moe took
+    one: its chart could not be drawn. Several files now make one chart where they share device
+    and dtype and no (model, T) is in two (else one line each, exit 2)."""
+    import subprocess
+    pytest.importorskip("matplotlib")
+    B = ROOT / "benchmarks"
+    small, large = (B / f"bench_moe_{p}_1acb49f-tmc56_h200_2026-12-06.json" for p in ("small", "large"))
+    plot = [sys.executable, str(B / "plot_moe.py")]
+    out = tmp_path / "both.png"
+    r = subprocess.run(plot + [str(small), str(large), "-o", str(out)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stderr == "" and out.stat().st_size > 20000, r.stderr
+    h100 = B / "bench_moe_large_14b93ea_h100_2026-12-06.json"
+    r = subprocess.run(plot + [str(small), str(h100), "-o", str(tmp_path / "x.png")], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert "expected one device in a chart, got NVIDIA H100 80GB HBM3 and NVIDIA H200" in r.stderr, r.stderr
+    r = subprocess.run(plot + [str(small), str(small), "-o", str(tmp_path / "x.png")], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert "expected each (model, T) in one file only, got 28 in two, the first: deepseek-v2-lite T=1 in " in r.stderr
+    assert not (tmp_path / "x.png").exists()
+
+
+@pytest.mark.parametrize("key, value, says", [
+    ("ours_us", -5.0, "'ours_us': expected a finite number > 0, got -5.0"),
+    ("ours_us", float("nan"), "'ours_us': expected a finite number > 0, got nan"),
+    ("floor_us", float("inf"), "'floor_us': expected a finite number > 0, got inf"),
+    ("gmm_us", -1.0, "'gmm_us': expected a finite number > 0 or null, got -1.0"),
+    ("fallback_us", float("nan"), "'fallback_us': expected a finite number > 0 or null, got nan"),
+    ("T", True, "expected 'model' (a name) and 'T' (an integer > 0), got 'deepseek-v2-lite' and True"),
+    ("T", 0, "expected 'model' (a name) and 'T' (an integer > 0), got 'deepseek-v2-lite' and 0"),
+])
+def test_table_and_chart_refuse_the_same_broken_rows(tmp_path, key, value, says):
+    """A fresh user's trial: plot_moe drew ours_us = -5, 0 or NaN (a line off the axis, exit 0)
+    where table_moe refused it; both took T = true (table_moe then matched vLLM's T = 1 time), T
+    <= 0, inf and negative peers' times. Both now run one check (table_moe.row_problem)."""
+    import json
+    data = json.loads((ROOT / "benchmarks" / "bench_moe_large_14b93ea_h100_2026-12-06.json").read_text(encoding="utf-8"))
+    data["rows"][0][key] = value
+    src = tmp_path / "in.json"
+    src.write_text(json.dumps(data), encoding="utf-8")   # NaN and Infinity as Python's json writes them
+    t = _run_table(src)
+    assert t.returncode == 2 and says in t.stderr and t.stdout == "", t.stderr
+    plot = import_tool("benchmarks", "plot_moe")
+    assert says in plot.data_problem(json.loads(src.read_text(encoding="utf-8")))
 
 
 @pytest.fixture(scope="module")
@@ -707,10 +825,10 @@ def test_ab_moe_unchecked_names_configs_and_not_the_first():
     ('{"meta": {"device": "X"}, "rows": []}', "meta: expected the keys ['dtype', 'device', 'date', 'commit'], "
                                                "missing ['dtype', 'date', 'commit']"),
     ('{"meta": {"dtype": "b", "device": "x", "date": "d", "commit": "c"}, "rows": [{"T": 1, "ours_us": 2.0}]}',
-     "row 0: expected 'model' (a name) and 'T' (an integer), got None and 1"),
+     "row 0: expected 'model' (a name) and 'T' (an integer > 0), got None and 1"),
     ('{"meta": {"dtype": "b", "device": "x", "date": "d", "commit": "c"}, "rows": [{"model": "m", "T": 1, '
      '"floor_us": 0, "ours_us": 2.0, "x_floor": 1.0, "tflops": 1.0, "gbs": 1.0}]}',
-     "row 0 (m T=1): floor_us must be > 0, got 0"),
+     "row 0 (m T=1): 'floor_us': expected a finite number > 0, got 0"),
     ('{"meta": {"dtype": "b", "device": "x", "date": "d", "commit": "c"}, "rows": [{"model": "m", "T": 1, '
      '"floor_us": 1.0, "ours_us": "2"}]}', "row 0 (m T=1): 'ours_us': expected a number, got '2'"),
     ('{"meta": {"dtype": "b", "device": "x", "date": "d", "commit": "c"}, "rows": [3]}',

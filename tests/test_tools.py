@@ -138,7 +138,7 @@ def test_plot_moe_checks_its_output_name_and_rows_before_drawing(tmp_path):
         r = subprocess.run([sys.executable, "benchmarks/plot_moe.py", str(bad), "-o", str(out)], cwd=ROOT,
                            capture_output=True, text=True, timeout=120)
         assert r.returncode == 2 and "--output: expected a .png, .pdf or .svg file name" in r.stderr, r.stderr
-        assert "floor_us must be > 0" in r.stderr and not out.exists() and not out.with_suffix(".png").exists()
+        assert "'floor_us': expected a finite number > 0, got 0" in r.stderr and not out.exists() and not out.with_suffix(".png").exists()
 
 
 # ---- moe_layer's helpers check their arguments up front ------------------------------------
