@@ -40,7 +40,7 @@ def _time(v) -> bool:
 
 
 def vllm_comparable(m: dict) -> bool:
-    """Whether PERF.md's vLLM times (an H200, bfloat16) may sit beside a run whose meta is ``m``:
+    """Whether ../shared/PERF.md's vLLM times (an H200, bfloat16) may sit beside a run whose meta is ``m``:
     its device is an H200 and its dtype bfloat16 (a file without a dtype is an early bfloat16
     one). An H100 or float16 run against them would compare two cards or two dtypes."""
     return "H200" in str(m.get("device")) and m.get("dtype", "bfloat16") == "bfloat16"
@@ -50,7 +50,7 @@ def vllm_note(m: dict) -> str:
     """The line that says why the vLLM times are left out ('' where they are not)."""
     if vllm_comparable(m):
         return ""
-    return (f"vLLM's times left out: PERF.md measured them on an H200 in bfloat16, this run is "
+    return (f"vLLM's times left out: ../shared/PERF.md measured them on an H200 in bfloat16, this run is "
             f"{m.get('device') or 'on an unrecorded device'}, {m.get('dtype') or 'dtype not recorded'}")
 
 

@@ -338,7 +338,7 @@ def test_table_moe_prints_dashes_for_a_gmm_peer_that_was_not_timed():
     assert rows[2] == ("| deepseek-v2-lite | 1 | uniform | 24.5 | 32.0 | 1.30 | 3 | 3242 | - | - | - | - "
                        "| 1,046,364 |"), rows[2]
     assert "gmm '-' (42 rows): not CUDA-graph capturable" in r.stdout
-    assert ("vLLM's times left out: PERF.md measured them on an H200 in bfloat16, this run is "
+    assert ("vLLM's times left out: ../shared/PERF.md measured them on an H200 in bfloat16, this run is "
             "NVIDIA H200, float16") in r.stdout
 
 
@@ -504,7 +504,7 @@ def test_plot_moe_says_which_rows_failed_and_draws_vllm_only_beside_an_h200_bflo
     lines = r.stderr.splitlines()
     assert lines[0] == ("plot_moe: 2 row(s) not drawn, their check failed: mixtral-8x7b T=4096: check failed: "
                         "rel err 0.5; mixtral-8x7b T=16384: check failed: rel err 0.5"), r.stderr
-    assert lines[1] == ("plot_moe: vLLM's times left out: PERF.md measured them on an H200 in bfloat16, this run "
+    assert lines[1] == ("plot_moe: vLLM's times left out: ../shared/PERF.md measured them on an H200 in bfloat16, this run "
                         "is NVIDIA H100 80GB HBM3, bfloat16"), r.stderr
     assert len(lines) == 2
     h200 = json.loads((ROOT / "benchmarks" / "bench_moe_full_1bbcbb6_h200_2026-12-05.json").read_text(encoding="utf-8"))

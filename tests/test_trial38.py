@@ -26,8 +26,8 @@ def _table(tmp_path, data) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize("meta, row, needle", [
     ({"warm_ms": "200"}, ROW, "meta: 'warm_ms': expected a number or null, got '200'"),
     ({"sets": [4]}, ROW, "meta: 'sets': expected a number or null"),
-    ({}, dict(ROW, ours_us=0), "'ours_us': expected a time > 0, got 0"),
-    ({}, dict(ROW, ours_us=-3.0, gmm_us=5.0), "'ours_us': expected a time > 0, got -3.0"),
+    ({}, dict(ROW, ours_us=0), "'ours_us': expected a finite number > 0, got 0"),
+    ({}, dict(ROW, ours_us=-3.0, gmm_us=5.0), "'ours_us': expected a finite number > 0, got -3.0"),
 ])
 def test_table_moe_refuses_what_it_cannot_format_instead_of_a_traceback(tmp_path, meta, row, needle):
     """A string warm_ms raised ValueError ('Unknown format code g'), ours_us = 0 a
