@@ -35,6 +35,8 @@ try:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # noqa: E402
+    if "text.parse_math" in matplotlib.rcParams:   # a '$' in a model name or commit is text, not TeX
+        matplotlib.rcParams["text.parse_math"] = False
 except ImportError:  # --help works without it; a run says it needs it
     plt = None
 
@@ -83,7 +85,8 @@ def fallback_text(rs: list) -> str:
     f = [r["fallback_us"] / r["floor_us"] for r in rs if r.get("fallback_us")]
     if not f:
         return ""
-    span = f"{min(f):,.0f}x" if len(f) == 1 else f"{min(f):,.0f}-{max(f):,.0f}x"
+    lo, hi = (f"{v:,.0f}" if v >= 10 else f"{v:.2g}" for v in (min(f), max(f)))
+    span = f"{lo}x" if lo == hi else f"{lo}-{hi}x"
     return f"Python fallback: {span} the floor (--fallback draws it)"
 
 
@@ -117,10 +120,20 @@ def main():
                     help="draw the Python fallback as a line (its times stretch the shared log "
                          "axis to 1000x the floor); without it, each panel names its range in text")
     a = ap.parse_args()
-    if a.output is None:
-        a.output = Path(a.json[0]).with_suffix(".png").name
-    problems = [output_file_problem("--output", a.output)]
-    if not problems[0] and Path(a.output).suffix.lower() not in (".png", ".pdf", ".svg"):
+    problems, flag = [], "--output"
+    if a.output is None:   # the first JSON's name with .png, in the current folder
+        flag = "--output (not given: the JSON's name with .png, in the current folder)"
+        name = Path(a.json[0]).name
+        if not Path(name).stem:   # '.', '/', '': no name to take
+            problems.append(f"--output: {a.json[0]!r} gives no file name for the chart; name one with -o")
+            a.output = "plot_moe_output.png"
+        else:
+            a.output = str(Path(name).with_suffix(".png"))
+    problems.append(output_file_problem(flag, a.output))
+    if any(Path(a.output).resolve() == Path(j).resolve() for j in a.json):   # a JSON named *.png
+        problems = [f"--output: {a.output} is one of the JSON files read; name another file with -o"]
+    problems = [p for p in problems if p]
+    if not problems and Path(a.output).suffix.lower() not in (".png", ".pdf", ".svg"):
         # matplotlib appends .png to a name without a suffix and refuses others after all the work
         problems.append(f"--output: expected a .png, .pdf or .svg file name, got {a.output}")
     files = []
@@ -136,7 +149,10 @@ def main():
         else:
             files.append((path, data))
     rows, m = [], {}
-    if len(files) == len(a.json):
+    named = [str(Path(j).resolve()) for j in a.json]
+    if len(set(named)) < len(named):
+        problems.append(f"{', '.join(a.json)}: expected each file once, got one named twice")
+    elif len(files) == len(a.json):
         problem, m = merged_meta(files)
         if problem:
             problems.append(problem)
@@ -146,7 +162,7 @@ def main():
                 if not uniform(r):
                     continue
                 key = (r["model"], r["T"])
-                if key in seen:
+                if seen.get(key, path) != path:   # repeats within one file (--tokens 64 64) are drawn
                     twice.append(f"{r['model']} T={r['T']} in {seen[key]} and {path}")
                 seen.setdefault(key, path)
                 rows.append(r)
@@ -154,9 +170,13 @@ def main():
             problems.append(f"expected each (model, T) in one file only, got {len(twice)} in two, "
                             f"the first: {twice[0]}")
         if not any("ours_us" in r for r in rows):
-            problems.append(f"{', '.join(a.json)}: no timed uniform-routing rows to plot")
+            bad = [r for r in rows if failed(r)]
+            why = (f" ({len(bad)} failed their check: " + "; ".join(
+                f"{r['model']} T={r['T']}: {r.get('error', 'not timed')}" for r in bad[:3]) +
+                   ("; ..." if len(bad) > 3 else "") + ")") if bad else ""
+            problems.append(f"{', '.join(a.json)}: no timed uniform-routing rows to plot{why}")
     if plt is None:   # reported with the other problems, not after installing it
-        problems.append("needs matplotlib (pip install matplotlib)")
+        problems.append("needs matplotlib (pip install matplotlib, or the package's [plot] extra)")
     if report_problems("plot_moe", problems):
         return 2
     by_model = defaultdict(list)

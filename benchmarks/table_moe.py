@@ -19,6 +19,7 @@ early (`| head`); 2 a file that is not bench_moe.py's JSON, or one without rows.
 import argparse
 import json
 import math
+import re
 import runpy
 from pathlib import Path
 
@@ -28,6 +29,7 @@ from perf_peers import VLLM_US
 _scripts = runpy.run_path(str(Path(__file__).resolve().parents[1] / "ex_engine" / "_scripts.py"))
 
 NUMBERS = ("floor_us", "ours_us", "x_floor", "tflops", "gbs")   # what a timed row must have
+ROUTINGS = ("uniform", "skewed", "balanced")   # bench_moe's 'routing' values
 
 
 def _number(v) -> bool:
@@ -43,7 +45,9 @@ def vllm_comparable(m: dict) -> bool:
     """Whether ../shared/PERF.md's vLLM times (an H200, bfloat16) may sit beside a run whose meta is ``m``:
     its device is an H200 and its dtype bfloat16 (a file without a dtype is an early bfloat16
     one). An H100 or float16 run against them would compare two cards or two dtypes."""
-    return "H200" in str(m.get("device")) and m.get("dtype", "bfloat16") == "bfloat16"
+    device = str(m.get("device"))   # the H200 itself: not a GH200, not an H200 NVL (another power limit)
+    return (re.search(r"(?<![A-Za-z0-9])H200(?![A-Za-z0-9])", device) is not None and "NVL" not in device
+            and m.get("dtype", "bfloat16") == "bfloat16")
 
 
 def vllm_note(m: dict) -> str:
@@ -81,8 +85,9 @@ def row_problem(i: int, r) -> str:
     """What keeps row ``i`` out of the table and the chart ('' if nothing; plot_moe.py's check
     too): not a mapping, no model, a T that is not an integer > 0 (``true`` is no T), no
     floor_us, a timed row (one with ours_us) without one of NUMBERS, an untimed row without the
-    'error' bench_moe writes for it; and a time, ratio or rate (NUMBERS, gmm_us, fallback_us,
-    x_floor_here) that is not a finite number > 0 (the optional ones may be null)."""
+    'error' bench_moe writes for it; a time, ratio or rate (NUMBERS, gmm_us, fallback_us,
+    x_floor_here) that is not a finite number > 0 (the optional ones may be null); a 'routing'
+    other than ROUTINGS or a 'skewed' that is not a bool."""
     if not isinstance(r, dict):
         return f"row {i}: expected a mapping, got {type(r).__name__}"
     T = r.get("T")
@@ -96,6 +101,10 @@ def row_problem(i: int, r) -> str:
             return f"{where}: '{k}': expected a number, got {r.get(k, 'nothing')!r}"
         if not _time(r[k]):   # the ratios divide by the times; a rate <= 0 or NaN is no rate
             return f"{where}: '{k}': expected a finite number > 0, got {r[k]!r}"
+    if r.get("routing") is not None and r["routing"] not in ROUTINGS:
+        return f"{where}: 'routing': expected one of {', '.join(ROUTINGS)}, got {r['routing']!r}"
+    if r.get("skewed") is not None and not isinstance(r["skewed"], bool):
+        return f"{where}: 'skewed': expected true or false, got {r['skewed']!r}"
     if "ours_us" not in r and not isinstance(r.get("error"), str):
         return (f"{where}: expected 'ours_us' (a timed row) or 'error' (a failed one), "
                 f"got neither")

@@ -240,7 +240,7 @@ def main() -> int:
         problems.append(f"--warm-ms: expected 0..60000 ms, got {args.warm_ms}")
     if not (math.isfinite(args.margin) and args.margin >= 0):   # nan passed `< 0`: no margin test
         problems.append(f"--margin: expected a finite fraction >= 0, got {args.margin}")
-    problems.append(output_file_problem("--out", args.out))
+    problems.append(output_file_problem("--out", args.out, (".yaml", ".yml")))
     if not problems[-1]:
         problems.append(merge_problem(args.out, args.replace))
     if report_problems("tune_moe", problems):

@@ -122,9 +122,11 @@ def output_file_problem(flag: str, path, suffixes=()) -> str:
 
     ``suffixes`` (lower case, e.g. ``(".json",)``): the file names the tool writes. A name with
     another suffix is refused (``--json bench_moe.py``, a slip of tab completion, would have
-    replaced the script), and where ".json" is among them an existing file that does not parse
-    as JSON is refused rather than replaced (a file of another kind under a .json name). A
-    device or pipe (``/dev/null``) is not a file name and passes.
+    replaced the script); so is a path that exists and is no regular file (``/dev/null``, a
+    pipe: the tools replace their file whole, which such a path refuses at the end, after the
+    measurements); and where ".json" is among them an existing file that does not parse as JSON,
+    or cannot be read, is refused rather than replaced (a file of another kind under a .json
+    name).
 
     The check opens the file for writing, without truncating it: a file that did not exist is
     created and removed again; an existing one is left as it was (a FIFO without a reader is
@@ -144,12 +146,15 @@ def output_file_problem(flag: str, path, suffixes=()) -> str:
         return f"{flag}: folder {parent} does not exist"
     p = target
     existed = p.exists()
-    if suffixes and (p.is_file() or not existed):
-        if Path(path).suffix.lower() not in suffixes:
+    if suffixes:
+        if existed and not p.is_file():
+            return (f"{flag}: {path} is not a regular file (a device or a pipe); expected a "
+                    f"{' or '.join(suffixes)} file the tool can replace")
+        if Path(path).suffix.lower() not in suffixes or not Path(path).stem:
             return f"{flag}: expected a {' or '.join(suffixes)} file name, got {path}"
-        if existed and ".json" in suffixes and not _json_file(p):
-            return (f"{flag}: {path} exists and is not JSON: refusing to replace it "
-                    f"(remove it, or name another file)")
+        why = _json_file(p) if existed and ".json" in suffixes else ""
+        if why:
+            return f"{flag}: {path} {why}: refusing to replace it (remove it, or name another file)"
     flags = os.O_WRONLY | os.O_NONBLOCK | (0 if existed else os.O_CREAT | os.O_EXCL)
     try:
         os.close(os.open(p, flags, 0o666))
@@ -164,17 +169,29 @@ def output_file_problem(flag: str, path, suffixes=()) -> str:
     return ""
 
 
-def _json_file(p: Path) -> bool:
-    """Whether the regular file ``p`` is empty or parses as JSON (an unreadable one: False)."""
+_JSON_PARSE_MAX = 64 << 20   # bytes: a larger file is judged by its first character
+
+
+def _json_file(p: Path) -> str:
+    """'' if the regular file ``p`` is empty or JSON, else why not: it cannot be read, or is not
+    JSON (a file over 64 MiB by its first non-blank character, '{' or '[', not parsed whole)."""
     import json
     try:
-        with open(p, encoding="utf-8") as f:
-            text = f.read()
-        if text.strip():
-            json.loads(text)
-    except (OSError, ValueError):
-        return False
-    return True
+        with open(p, "rb") as f:
+            big = p.stat().st_size > _JSON_PARSE_MAX
+            data = f.read(4096) if big else f.read()
+    except OSError as exc:
+        return f"exists and cannot be read ({exc.strerror or exc})"
+    text = data.decode("utf-8", errors="replace").lstrip("\ufeff \t\r\n")
+    if not text:
+        return ""
+    if big:
+        return "" if text[0] in "{[" else "exists and is not JSON"
+    try:
+        json.loads(text)
+    except ValueError:
+        return "exists and is not JSON"
+    return ""
 
 
 def cupy_with_gpu():

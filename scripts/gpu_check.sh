@@ -78,8 +78,12 @@ if has setup; then
   python3 -c "import sys
 try:
     import cupy, numpy, yaml, ml_dtypes, cffi
-except ImportError as exc:   # one line, not a traceback: which module this Python lacks
-    print(f'gpu_check.sh: setup: {exc.name or exc} is not installed for', sys.executable, file=sys.stderr)
+except ImportError as exc:   # one line, not a traceback: which module this Python cannot import
+    first = (str(exc).strip().splitlines() or [''])[0]
+    if isinstance(exc, ModuleNotFoundError) and exc.name and '.' not in exc.name:
+        print(f'gpu_check.sh: setup: {exc.name} is not installed for', sys.executable, file=sys.stderr)
+    else:   # installed but broken (CuPy: 'CuPy is not correctly installed', a numpy extension)
+        print(f'gpu_check.sh: setup: an import failed for {sys.executable}: {first}', file=sys.stderr)
     sys.exit(1)
 print('cupy', cupy.__version__, 'numpy', numpy.__version__, 'cffi', cffi.__version__)
 try:

@@ -446,7 +446,7 @@ def test_table_and_help_work_without_numpy(tmp_path):
         r = run(str(ROOT / script), "--help")
         assert r.returncode == 0 and "usage:" in r.stdout, (script, r.stderr)
     r = run(str(ROOT / "benchmarks" / "plot_moe.py"), str(ROOT / "benchmarks" / "bench_moe_h200_2026-12-02_fe1d21b.json"))
-    assert r.returncode == 2 and r.stderr == "plot_moe: needs matplotlib (pip install matplotlib)\n", r.stderr
+    assert r.returncode == 2 and r.stderr == "plot_moe: needs matplotlib (pip install matplotlib, or the package's [plot] extra)\n", r.stderr
 
 
 def test_plot_moe_default_output_is_the_jsons_name_in_the_current_folder(tmp_path):
@@ -534,11 +534,61 @@ def test_plot_moe_draws_one_run_from_its_two_files(tmp_path):
                        timeout=300)
     assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
     assert "expected one device in a chart, got NVIDIA H100 80GB HBM3 and NVIDIA H200" in r.stderr, r.stderr
-    r = subprocess.run(plot + [str(small), str(small), "-o", str(tmp_path / "x.png")], capture_output=True, text=True,
+    again = tmp_path / "again.json"   # the same rows in another file (a file named twice: the next test)
+    again.write_text(small.read_text(encoding="utf-8"), encoding="utf-8")
+    r = subprocess.run(plot + [str(small), str(again), "-o", str(tmp_path / "x.png")], capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
     assert "expected each (model, T) in one file only, got 28 in two, the first: deepseek-v2-lite T=1 in " in r.stderr
     assert not (tmp_path / "x.png").exists()
+
+
+def test_plot_moe_review_findings(tmp_path):
+    """A helper's review of the new plot_moe: a file with a (model, T) twice (bench_moe
+    --tokens 64 64 writes one) was refused as if two files held it; one file named twice was
+    'in a.json and a.json'; `plot_moe.py .` was a ValueError traceback; a JSON named *.png was
+    overwritten by its own chart; a file whose rows all failed said only 'no timed rows'."""
+    import json
+    import subprocess
+    pytest.importorskip("matplotlib")
+    src = ROOT / "benchmarks" / "bench_moe_large_14b93ea_h100_2026-12-06.json"
+    data = json.loads(src.read_text(encoding="utf-8"))
+    data["rows"].append(dict(data["rows"][0]))
+    r, out = _plot(tmp_path, data)
+    assert r.returncode == 0 and out.exists(), r.stderr
+    plot = [sys.executable, str(ROOT / "benchmarks" / "plot_moe.py")]
+    r = subprocess.run(plot + [str(src), str(src), "-o", str(tmp_path / "x.png")], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 2 and "expected each file once, got one named twice" in r.stderr, r.stderr
+    r = subprocess.run(plot + ["."], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert r.returncode == 2 and "Traceback" not in r.stderr and "gives no file name for the chart" in r.stderr, r.stderr
+    png = tmp_path / "data.png"
+    png.write_text(src.read_text(encoding="utf-8"), encoding="utf-8")
+    r = subprocess.run(plot + ["data.png"], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert r.returncode == 2 and "data.png is one of the JSON files read" in r.stderr, r.stderr
+    assert png.read_text(encoding="utf-8") == src.read_text(encoding="utf-8")
+    for row in data["rows"]:
+        row.pop("ours_us")
+        row["error"] = "check failed"
+    r, _ = _plot(tmp_path, data)
+    assert r.returncode == 2 and "no timed uniform-routing rows to plot (15 failed their check: " in r.stderr, r.stderr
+
+
+def test_vllm_times_only_beside_the_h200_itself():
+    table = import_tool("benchmarks", "table_moe")
+    assert table.vllm_comparable({"device": "NVIDIA H200", "dtype": "bfloat16"})
+    assert table.vllm_comparable({"device": "NVIDIA H200"})   # early files: no dtype, bfloat16
+    for device in ("NVIDIA GH200 480GB", "NVIDIA H200 NVL", "NVIDIA H100 80GB HBM3", "H2000"):
+        assert not table.vllm_comparable({"device": device, "dtype": "bfloat16"}), device
+
+
+@pytest.mark.parametrize("key, value, says", [("routing", 5, "'routing': expected one of uniform, skewed, balanced, got 5"),
+                                              ("routing", "Uniform", "got 'Uniform'"),
+                                              ("skewed", "no", "'skewed': expected true or false, got 'no'")])
+def test_table_and_chart_refuse_a_routing_bench_moe_never_writes(tmp_path, key, value, says):
+    """'routing': 5 was a TypeError traceback in table_moe and a row plot_moe dropped in silence."""
+    r = _run_table(_bench_json(tmp_path, [dict(TIMED, **{key: value})]))
+    assert r.returncode == 2 and says in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
 @pytest.mark.parametrize("key, value, says", [
@@ -1237,7 +1287,7 @@ def test_benchmark_tools_name_a_bad_number_and_check_every_argument_before_the_g
         ([B / "plot_moe.py", str(B / "ab_knockout_h200_2026-12-04.json"), "-o", str(tmp_path / "x.png")],
          "(ab_moe.py's JSON?)"),
         ([B / "tune_moe.py", "--out", str(B / "bench_moe_full_708b2a2_h200_2026-12-05.json"), "--tokens", "8"],
-         "got no 'device' key (top-level keys meta, rows: not a tuning file?)"),
+         "tune_moe: --out: expected a .yaml or .yml file name, got "),
     ]
     for args, says in cases:
         r = subprocess.run([sys.executable, *map(str, args)], capture_output=True, text=True, env=child_env(), timeout=120)

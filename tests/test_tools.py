@@ -50,8 +50,29 @@ def test_output_file_problem_refuses_another_kind_of_file(tmp_path):
         if fine != "NEW.JSON":
             (tmp_path / fine).write_text('{"rows": []}' if fine == "old.json" else "")
         assert output_file_problem("--json", tmp_path / fine, json_only) == "", fine
-    assert output_file_problem("--json", "/dev/null", json_only) == ""   # a device, not a file name
+    # a device is no file the tools can replace (write_json refused it after the measurements)
+    assert output_file_problem("--json", "/dev/null", json_only) == \
+        "--json: /dev/null is not a regular file (a device or a pipe); expected a .json file the tool can replace"
+    assert output_file_problem("--json", tmp_path / ".json", json_only).startswith("--json: expected a .json file name")
     assert output_file_problem("--json", script) == ""   # without suffixes: the old check only
+    assert output_file_problem("--out", tmp_path / "t.yml", (".yaml", ".yml")) == ""
+    assert output_file_problem("--out", script, (".yaml", ".yml")) == f"--out: expected a .yaml or .yml file name, got {script}"
+
+
+def test_output_file_problem_judges_a_large_json_by_its_first_character(tmp_path, monkeypatch):
+    """A helper's review: the check read a 142 MB JSON whole (11 s, 1.1 GB) before a run; past
+    64 MiB it now reads the first 4 KiB only. A file with a byte-order mark is JSON too."""
+    import ex_engine._scripts as scripts
+    monkeypatch.setattr(scripts, "_JSON_PARSE_MAX", 16)
+    big = tmp_path / "big.json"
+    big.write_text('  {"rows": [' + "1, " * 100 + '1]}')
+    assert scripts.output_file_problem("--json", big, (".json",)) == ""
+    big.write_text("x" * 100)
+    assert "exists and is not JSON" in scripts.output_file_problem("--json", big, (".json",))
+    monkeypatch.setattr(scripts, "_JSON_PARSE_MAX", 64 << 20)
+    bom = tmp_path / "bom.json"
+    bom.write_bytes(b"\xef\xbb\xbf{}")
+    assert scripts.output_file_problem("--json", bom, (".json",)) == ""
 
 
 def test_output_file_problem_tries_to_open_the_file(tmp_path):

@@ -91,6 +91,27 @@ def test_gpu_check_stops_after_setup_without_a_gpu(tmp_path):
         assert "gpu_check.sh: setup: cupy is not installed for " in r.stderr, r.stderr
 
 
+def test_gpu_check_names_a_broken_cupy_in_one_line(tmp_path):
+    """CuPy installed but broken raises ImportError('CuPy is not correctly installed.\\n...') with
+    no module name: the setup printed that whole message and 'is not installed'. Now one line
+    that says an import failed and quotes the error's first line."""
+    import os
+    import subprocess
+    import sys
+    fake = tmp_path / "fake" / "cupy"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text('raise ImportError("CuPy is not correctly installed.\\n\\noriginal error: x")\n')
+    env = {**os.environ, "OUT": str(tmp_path / "out"), "CUDA_VISIBLE_DEVICES": "",
+           "PATH": os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")]),
+           "PYTHONPATH": os.pathsep.join([str(tmp_path / "fake"), os.environ.get("PYTHONPATH", "")])}
+    r = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), "setup"], capture_output=True, text=True,
+                       encoding="utf-8", env=env, timeout=300)
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("gpu_check.sh: setup:")]
+    assert len(lines) == 1 and lines[0].startswith("gpu_check.sh: setup: an import failed for "), r.stderr
+    assert lines[0].endswith(": CuPy is not correctly installed."), r.stderr
+    assert "Traceback" not in r.stderr and "original error" not in r.stderr and r.returncode == 1, r.stderr
+
+
 def test_gpu_check_stops_when_cupy_imports_but_sees_no_device(tmp_path):
     r = _gpu_check(tmp_path, "setup", "selftest", fake_cupy_count=0)
     assert r.returncode == 1, r.stdout + r.stderr
