@@ -74,6 +74,14 @@ def failed(r: dict) -> bool:
     return uniform(r) and "ours_us" not in r
 
 
+def failed_text(bad: list, most: int = 0) -> str:
+    """The failed rows ``bad`` as 'model T=..: error; ...' (the first ``most`` of them and '...'
+    where ``most`` is set and there are more)."""
+    shown = bad[:most] if most else bad
+    return "; ".join(f"{r['model']} T={r['T']}: {r.get('error', 'not timed')}" for r in shown) + \
+        ("; ..." if len(shown) < len(bad) else "")
+
+
 def target(t: int) -> float:
     """Issue 3's target at T = ``t`` (../shared/PERF.md): 1.10 up to T = 64, 1.15 at T = 512,
     1.35 from 4096."""
@@ -171,9 +179,7 @@ def main():
                             f"the first: {twice[0]}")
         if not any("ours_us" in r for r in rows):
             bad = [r for r in rows if failed(r)]
-            why = (f" ({len(bad)} failed their check: " + "; ".join(
-                f"{r['model']} T={r['T']}: {r.get('error', 'not timed')}" for r in bad[:3]) +
-                   ("; ..." if len(bad) > 3 else "") + ")") if bad else ""
+            why = f" ({len(bad)} failed their check: {failed_text(bad, 3)})" if bad else ""
             problems.append(f"{', '.join(a.json)}: no timed uniform-routing rows to plot{why}")
     if plt is None:   # reported with the other problems, not after installing it
         problems.append("needs matplotlib (pip install matplotlib, or the package's [plot] extra)")
@@ -184,11 +190,10 @@ def main():
         by_model[r["model"]].append(r)
     bad = [r for r in rows if failed(r)]
     if bad:   # not drawn: said here and in the panel, never left out in silence
-        print(f"plot_moe: {len(bad)} row(s) not drawn, their check failed: " +
-              "; ".join(f"{r['model']} T={r['T']}: {r.get('error', 'not timed')}" for r in bad), file=sys.stderr)
-    vllm = vllm_comparable(m)
-    if not vllm:
-        print(f"plot_moe: {vllm_note(m)}", file=sys.stderr)
+        print(f"plot_moe: {len(bad)} row(s) not drawn, their check failed: {failed_text(bad)}", file=sys.stderr)
+    vllm, note = vllm_comparable(m), vllm_note(m)
+    if note:
+        print(f"plot_moe: {note}", file=sys.stderr)
     n = len(by_model)
     cols = min(4, n)
     width = max(4.2 * cols, 7.0)   # one panel: room for the title
@@ -243,8 +248,8 @@ def main():
         full.legend(handles, labels, fontsize=7)
     title = (f"MoE layer time over the H200 floor, {m['dtype']}, CUDA-graph replay "
              f"({m['device']}, {m['date']}, commit {m['commit']})")
-    if not vllm:
-        title += f". {vllm_note(m)}"
+    if note:
+        title += f". {note}"
     fig.suptitle("\n".join(textwrap.wrap(title, int(width * 11))), fontsize=10)
     fig.tight_layout()
     try:

@@ -196,16 +196,17 @@ def main(path) -> int:
     print(header(m, here) + "\n")
     print("| " + " | ".join(names) + " |")
     print("| " + " | ".join("---" if n in ("model", "routing") else "---:" for n in names) + " |")
+    vllm, note = vllm_comparable(m), vllm_note(m)
     for r in rows:
-        print("| " + " | ".join(cells(r, here, vllm_comparable(m))) + " |")
+        print("| " + " | ".join(cells(r, here, vllm)) + " |")
     skipped = {}
     for r in rows:
         if "ours_us" in r and not r.get("gmm_us") and r.get("gmm_skipped"):
             skipped[r["gmm_skipped"]] = skipped.get(r["gmm_skipped"], 0) + 1
     for why, n in skipped.items():
         print(f"\ngmm '-' ({n} row{'s' if n > 1 else ''}): {why}")
-    if vllm_note(m):
-        print(f"\n{vllm_note(m)}")
+    if note:
+        print(f"\n{note}")
     return 0
 
 
