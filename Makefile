@@ -12,7 +12,7 @@
 #   variables: NVCC, ARCHS, NVCCFLAGS, EXTRA_NVCCFLAGS (added to both nvcc rules, e.g. -DNAME=1),
 #              NVCC_THREADS (nvcc --threads per job; default 1), PYTHON, CUTLASS_INC;
 #              for host factors CC, CXX, HOST_CFLAGS, HOST_CXXFLAGS, HOST_LDLIBS
-#   The Hopper plugin (moe_fused_gemm_sm90.so: CUTLASS templates) takes 1.5-8 minutes on 2 cores
+#   The Hopper plugin (moe_fused_gemm_sm90.so: CUTLASS templates) takes 1.5-8.5 minutes on 2 cores
 #   (the longer while other jobs share them); the others 5 s to 3 minutes each. Every factor needs sm_80 or newer (ARCHS must name such targets).
 #   One name, one source: factors/x.cu beside factors/x.c (or x.cpp) is an error.
 #

@@ -1339,10 +1339,10 @@ class FactorRegistry:
         owner = _BUILTIN_IDS.get(p.factor_id) or next(
             (q.name for q in self.manifests.values() if q.id == p.factor_id), None)
         if not p.require("factor id", p.factor_id > abi.FACTOR_BUILTIN_LAST or owner == p.name,
-                         id_rule + (f"id {p.factor_id} is reserved for ex_engine's '{owner}'" if owner else
-                                    f"id {p.factor_id} is in ex_engine's reserved range") +
-                         f" (ids 0-{abi.FACTOR_BUILTIN_LAST}); third-party "
-                         f"factors take ids from {abi.FACTOR_BUILTIN_LAST + 1}"):
+                         f"expected an id of {abi.FACTOR_BUILTIN_LAST + 1} or more for a factor named "
+                         f"'{p.name}' (ids 0-{abi.FACTOR_BUILTIN_LAST} are ex_engine's own factors'), got "
+                         f"{p.factor_id}: " + (f"id {p.factor_id} is reserved for ex_engine's '{owner}'" if owner
+                                               else f"id {p.factor_id} is in ex_engine's reserved range")):
             return p
         gpu_code = bool(p.cuda_code and (p.cuda_code.get("sass") or p.cuda_code.get("ptx")))
         if not p.require("memory", not (m.memory == "host" and gpu_code),

@@ -21,7 +21,7 @@ serves this device (cc 9.0), factors/moe_fused_gemm_sm90.so (CUTLASS grouped GEM
 T*K/E >= 64; the portable code below that), then a side-by-side table of graph-replay times.
 `--lib PATH` (repeatable) tests only the libraries named; a named one that declines the device fails.
 
-Decode choices: the portable path reads EX_MOE_DECODE_CONFIG per call (old | nopdl | late | onewave | new | unfused,
+Decode choices: the portable path reads EX_MOE_DECODE_CONFIG per call (old | nopdl | late | onewave | new | unfused | gridwait,
 default new; see factors/moe_fused_gemm.cuh). Every case above runs with the default; then, unless
 --no-decode, the decode shapes of ../shared/PERF.md (the project's shared reference beside the
 checkout, not in it; DECODE_CASES: qwen3/olmoe/granite/deepseek T=1, mixtral
