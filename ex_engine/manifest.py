@@ -276,6 +276,11 @@ def raw_problem(d: dict) -> str:
     return ""
 
 
+def _param_type(spec) -> str:
+    """A ``params`` entry's type ('float' where it names none, as _param_value reads it)."""
+    return spec.get("type", "float") if isinstance(spec, dict) else ""
+
+
 def _param_spec_problem(spec) -> str:
     """What is wrong with one ``params`` entry's spec ('' if nothing): its form, a type other
     than float, int or bool, and a key its type does not use (``gt`` bounds floats and ints,
@@ -459,9 +464,15 @@ class Manifest:
                         "name no array, size or dim uses")
             src = self.dim_sources.get(k)
             if k in self.dims and not (isinstance(src, dict) and src.get("param") == k):
-                return (f"params: {k}: named like the dim {k}, whose value comes from "
-                        f"{brief(src) if src else 'elsewhere'}; expected a name no array, size or "
-                        f"dim uses (a dim may take a parameter's value: dim_sources: {{{k}: {{param: {k}}}}})")
+                if src is None:   # the dim has no source at all: the source is what is missing
+                    return (f"dim_sources: {k}: expected a source for the dim {k} (e.g. {{param: {k}}}: "
+                            f"the parameter of that name), got none")
+                if isinstance(src, dict) and "param" in src:   # the dim takes another parameter
+                    return (f"dim_sources: {k}: param: expected the parameter {k!r} (a dim named like a "
+                            f"parameter takes that parameter's value), got {_got(src['param'])}")
+                return (f"params: {k}: named like the dim {k}, whose value comes from {brief(src)}; "
+                        f"expected a name no array, size or dim uses (a dim may take a parameter's value: "
+                        f"dim_sources: {{{k}: {{param: {k}}}}})")
         # the kernel's first two pointers have their roles by their place in the ABI (void*
         # output, const void* input): output: {role: input} turned off the checks of what the
         # kernel writes (a read-only array given as out was written: SIGSEGV)
@@ -500,6 +511,13 @@ class Manifest:
                             f"{kind} (where it is never read)")
             if kinds[kind] is not None and src[kind] not in kinds[kind]:
                 return f"dim_sources: {d}: {kind}: expected one of {sorted(kinds[kind])}, got {_got(src[kind])}"
+            # a float reaches the kernel as an int64 dim: only as its bits (encode: f64_bits);
+            # without it bind passed int(2.5) = 2, and the kernel computed with 2 without a word
+            if (kind == "param" and "encode" not in src
+                    and _param_type(self.params.get(src["param"])) == "float"):
+                return (f"dim_sources: {d}: param {src['param']}: expected encode: f64_bits for a float "
+                        "parameter (the kernel receives a dim as an int64: a float travels as the bits of "
+                        "its double), got no encode, which would cut it to an integer")
         # a size that a required array's shape gives reaches the kernel as bind measures it: a
         # source on it ({N: {dtype_of: x}}, or a default_dim) is never read, and the kernel got
         # the size, not the dtype code. A size only optional arrays (or a workspace) give takes
@@ -532,6 +550,28 @@ class Manifest:
         for d in self.dims:
             if d not in syms and d not in self.dim_sources:
                 return f"dims: {d}: expected a size of an array's shape or a dim_sources entry, got neither"
+        # every size of a shape reaches the kernel: as a dim, or equal to one by a constraint
+        # ("M == N"). One that does not (out: [M] beside a kernel that only learns N) let a call
+        # whose out is shorter than x pass bind, and the kernel wrote past out's end
+        tied = set(self.dims)
+        equal = [m.group(1, 3) for m in (_CONSTRAINT.match(str(c)) for c in self.constraints)
+                 if m and m.group(2) == "=="]
+        grew = True
+        while grew:
+            grew = False
+            for a, b in equal:
+                for x, y in ((a, b), (b, a)):
+                    if y in tied and x not in tied:
+                        tied.add(x)
+                        grew = True
+        for t in arrays:
+            for _, sym in t.parsed:
+                if sym is not None and sym not in tied:
+                    return (f"{t.name}: shape: size {sym}: expected a size the kernel receives (one of dims "
+                            f"{self.dims}, or equal to one by a constraint such as '{sym} == "
+                            f"{self.dims[0] if self.dims else 'N'}'), "
+                            f"got a size no dim passes: the kernel could not know it, and an array of "
+                            f"another {sym} would be read or written past its end")
         unused = [k for k in self.dim_sources if k not in self.dims]
         if unused:   # a source whose size is never passed: a misspelt dim, or one left out of dims
             return (f"dim_sources: {brief(unused[0])}: expected one of dims {self.dims} (a size the "

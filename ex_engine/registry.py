@@ -1366,8 +1366,13 @@ class FactorRegistry:
             return p
         if m.memory != "host" and not gpu_code and p.code_known:
             # allowed (its kernels may live in a library it links, or be loaded at run time), said
-            p.check("gpu code", True, "none in the library itself although the manifest says memory: "
-                    "device: its kernels must come from a library it links or loads (not checked)")
+            # a warning and a note: a host factor whose manifest left out memory: host loads as
+            # a device factor, and on a GPU its C kernel would be handed device pointers
+            detail = ("warning: none in the library itself although the manifest says memory: device (the "
+                      "default): its kernels must come from a library it links or loads (not checked); a "
+                      "kernel that reads host memory needs memory: host in its manifest")
+            p.check("gpu code", True, detail, warn=True)
+            self.notes.append(f"{_printable(p.path.name)}: gpu code: {detail} ({m.path})")
         if m.fallback:
             mod = m.fallback.partition(":")[0]
             if self.probe == "subprocess" and mod not in sys.modules and mod.partition(".")[0] != "ex_engine":
@@ -1376,7 +1381,10 @@ class FactorRegistry:
                 hit = self._fallback_probes.get(mod)
                 if hit is None:
                     hit = self._fallback_probes[mod] = probe_fallback_import(mod, self.probe_timeout)
-                if not p.check("python fallback probe (child process)", *hit):
+                ok, detail = hit
+                # an import that raised is the next check's failure: here a warning, not an ok
+                if not p.check("python fallback probe (child process)", ok, detail,
+                               warn=ok and detail.endswith("(reported below)")):
                     return p
             try:
                 problem = fallback_problem(m.fallback_fn())
@@ -1447,7 +1455,7 @@ class FactorRegistry:
         Python fallback, for a factor whose plugin stayed loaded and ready)."""
         self._note_unused_tuning()
         before = dict(self._chosen)
-        self.notes = [n for n in self.notes if not n.startswith("prefer:")]
+        self.notes = [n for n in self.notes if not n.startswith(("prefer:", "factor id "))]
         by_name = defaultdict(list)
         for p in self.plugins:
             if p.status in ("ready", "shadowed"):
@@ -1488,6 +1496,11 @@ class FactorRegistry:
                     q.status = "rejected"
                     q.reason = f"factor id {fid} already taken by '{win.name}' ({win.path.name}); rule: {rule}"
                     del chosen[q.name]
+                    # two factors of different names on one id: one of them is lost, which only its
+                    # own row said (list-factors exits 0 on the other); a note names both
+                    self.notes.append(f"factor id {fid}: claimed by '{win.name}' ({win.path.name}) and "
+                                      f"'{q.name}' ({q.path.name}); '{q.name}' is not loaded ({rule}): give "
+                                      "each factor its own id (its manifest's id and the library's)")
         self._chosen = chosen
         if any(chosen.get(n) is not p for n, p in before.items()):   # (a new name: nothing to drop)
             self._forget_calls()
@@ -1517,9 +1530,14 @@ class FactorRegistry:
                 why = "" if broken in p.reason else f" ({broken})"
                 fb = (f"its Python fallback {m.fallback} cannot be loaded{why}, so its calls raise "
                       "FactorError unless set_fallback gives it a Python fallback")
+            elif m.fallback:
+                # whether it imports is known only where a library's load got to its check
+                tried = any(q.name == name and q.manifest is not None and q.manifest.fallback == m.fallback
+                            and any(c.name == "python fallback" for c in q.checks) for q in self.plugins)
+                fb = f"its calls go to the Python fallback {m.fallback}" + (
+                    "" if tried else " if it imports (not checked: the library was rejected before that check)")
             else:
-                fb = (f"its calls go to the Python fallback {m.fallback}" if m.fallback else
-                      "its calls raise FactorError unless set_fallback gives it a Python fallback")
+                fb = "its calls raise FactorError unless set_fallback gives it a Python fallback"
             self.notes.append(f"fallback: {name}: {marker}: {_printable(p.path.name)} was rejected "
                               f"({p.reason}); {fb}; see list-factors --why")
 
@@ -1755,8 +1773,9 @@ class FactorRegistry:
             elif m.memory != "host" and not self.hardware.live:
                 why = (f"the registry has no live GPU (plugins checked against the profile "
                        f"{self.hardware.name}) and so calls no device plugin")
-            else:   # a plugin was called: it and its kernel_fallback said EX_FALLBACK
-                why = "its plugin and kernel_fallback declined the call"
+            else:   # a plugin was called: it (and its kernel_fallback, where it has one) said EX_FALLBACK
+                why = ("its plugin and kernel_fallback declined the call" if plugin.factor.kernel_fallback
+                       != abi.ffi.NULL else "its plugin declined the call (EX_FALLBACK) and it has no kernel_fallback")
             raise FactorError(f"{name}: no plugin took the call ({why}) and the manifest names no "
                               "Python fallback")
         problem = self._fallback_problem(name, fn)

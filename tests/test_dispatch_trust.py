@@ -216,7 +216,7 @@ def test_a_null_error_text_and_a_host_decline_are_reported_plainly(tmp_path):
     (tmp_path / "b" / "host_scale.yaml").write_text(text.replace(
         "fallback: tests.plugins.host_scale_fallback:scale", "fallback: null"), encoding="utf-8")
     reg = FactorRegistry.load(tmp_path / "b", hardware="h200")
-    with pytest.raises(FactorError, match="its plugin and kernel_fallback declined the call"):
+    with pytest.raises(FactorError, match=r"its plugin declined the call \(EX_FALLBACK\) and it has no kernel_fallback"):
         reg.dispatch("host_scale", {"x": x, "out": np.empty_like(x), "alpha": alpha})
 
 

@@ -54,3 +54,85 @@ def test_list_factors_help_says_the_checks_stop_at_the_first_failure_and_what_ex
     text = _help("-m", "ex_engine.cli", "list-factors")
     assert "up to its first failure" in text and "every check" not in text
     assert "its own status, even 0" in text
+
+
+# ---- a plugin author's trial (session 57): manifest holes, notes and messages -----------------
+BASE = (ROOT / "tests" / "plugins" / "host_scale.yaml").read_text(encoding="utf-8")
+
+
+def _manifest_problem(tmp_path, change) -> str:
+    import pytest
+    from ex_engine import FactorError
+    from ex_engine.manifest import Manifest
+    p = tmp_path / "m.yaml"
+    p.write_text(change(BASE), encoding="utf-8")
+    with pytest.raises(FactorError) as exc:
+        Manifest.load(p)
+    return str(exc.value)
+
+
+def test_a_shape_size_the_kernel_never_receives_is_refused(tmp_path):
+    """out: [M] beside dims [N] loaded, verify passed (test shapes gave M = N), and a call
+    with out shorter than x was written past out's end: the kernel learns only N."""
+    msg = _manifest_problem(tmp_path, lambda t: t.replace("output: {name: out, shape: [N]",
+                                                          "output: {name: out, shape: [M]"))
+    assert "out: shape: size M: expected a size the kernel receives" in msg, msg
+    msg = _manifest_problem(tmp_path, lambda t: t.replace("shape: [1], dtype: [float32], role: input",
+                                                          "shape: [2*M], dtype: [float32], role: input"))
+    assert "alpha: shape: size M" in msg, msg
+
+
+def test_a_shape_size_tied_to_a_dim_by_a_constraint_loads(tmp_path):
+    from ex_engine.manifest import Manifest
+    p = tmp_path / "m.yaml"
+    p.write_text(BASE.replace("output: {name: out, shape: [N]", "output: {name: out, shape: [M]")
+                 .replace("- {N: 7}", "- {N: 7, M: 7}") + 'constraints: ["M == N"]\n', encoding="utf-8")
+    assert Manifest.load(p).dims == ["N"]
+
+
+def test_a_float_parameter_passed_as_a_dim_needs_its_bits(tmp_path):
+    """{param: alpha} without encode: f64_bits made bind pass int(2.5) = 2 to the kernel."""
+    def change(t):
+        return (t.replace("dims: [N]", "dims: [N, beta]") + "params: {beta: {type: float, default: 1.0}}\n"
+                + "dim_sources: {beta: {param: beta}}\n")
+    msg = _manifest_problem(tmp_path, change)
+    assert "dim_sources: beta: param beta: expected encode: f64_bits for a float parameter" in msg, msg
+    from ex_engine.manifest import Manifest
+    p = tmp_path / "ok.yaml"
+    p.write_text(change(BASE).replace("{param: beta}", "{param: beta, encode: f64_bits}"), encoding="utf-8")
+    Manifest.load(p)
+    p.write_text(change(BASE).replace("type: float, default: 1.0", "type: int, default: 1"), encoding="utf-8")
+    Manifest.load(p)   # an int parameter passes as it is
+
+
+def test_a_dim_named_like_a_parameter_without_its_source_names_the_source(tmp_path):
+    base = lambda t: t.replace("dims: [N]", "dims: [N, beta]") + "params: {beta: {type: int, default: 1}}\n"
+    msg = _manifest_problem(tmp_path, base)
+    assert msg.endswith("dim_sources: beta: expected a source for the dim beta (e.g. {param: beta}: the "
+                        "parameter of that name), got none") or "dim_sources: beta: expected a source" in msg, msg
+    msg = _manifest_problem(tmp_path, lambda t: base(t).replace("params: {beta:", "params: {gamma: {type: int, default: 2}, beta:")
+                            + "dim_sources: {beta: {param: gamma}}\n")
+    assert "dim_sources: beta: param: expected the parameter 'beta'" in msg and "got str 'gamma'" in msg, msg
+
+
+def test_a_host_library_whose_manifest_says_device_is_noted(tmp_path):
+    build_plugin(tmp_path)
+    (tmp_path / "host_scale.yaml").write_text(BASE.replace("memory: host\n", ""), encoding="utf-8")
+    reg = FactorRegistry.load(tmp_path, hardware="h200")
+    p = reg.plugins[0]
+    gpu = [c for c in p.checks if c.name == "gpu code"]
+    assert gpu and gpu[0].warn and "needs memory: host" in gpu[0].detail, [str(c) for c in p.checks]
+    assert any(n.startswith("host_scale.so: gpu code: warning") for n in reg.notes), reg.notes
+
+
+def test_a_factor_lost_to_another_on_its_id_is_noted(tmp_path):
+    build_plugin(tmp_path, defines={"FACTOR_ID": 1040})
+    build_plugin(tmp_path, stem="other_scale", defines={"FACTOR_ID": 1040, "NAME": '"other_scale"',
+                                                         "VERSION": '"0.1.0"'})
+    reg = FactorRegistry.load(tmp_path, hardware="h200")
+    lost = [p for p in reg.plugins if p.status == "rejected"]
+    assert [p.name for p in lost] == ["other_scale"], [(p.name, p.status, p.reason) for p in reg.plugins]
+    notes = [n for n in reg.notes if n.startswith("factor id 1040:")]
+    assert len(notes) == 1 and "'other_scale' is not loaded" in notes[0], reg.notes
+    reg.load(tmp_path)   # a second load of the folder does not repeat the note
+    assert len([n for n in reg.notes if n.startswith("factor id 1040:")]) == 1, reg.notes

@@ -110,7 +110,8 @@ def test_a_rejected_library_whose_manifest_is_in_the_manifests_folder_gets_a_not
     assert p.status == "rejected"
     notes = [n for n in reg.notes if n.startswith("fallback:")]
     assert notes == [f"fallback: host_scale: no ready plugin: host_scale.so was rejected ({p.reason}); its "
-                     "calls go to the Python fallback tests.plugins.host_scale_fallback:scale; see "
+                     "calls go to the Python fallback tests.plugins.host_scale_fallback:scale if it imports "
+                     "(not checked: the library was rejected before that check); see "
                      "list-factors --why"], reg.notes
     assert reg.dispatch("host_scale", _x()) == "python_fallback"
 
