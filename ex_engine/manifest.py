@@ -466,7 +466,7 @@ class Manifest:
             if k in self.dims and not (isinstance(src, dict) and src.get("param") == k):
                 if src is None:   # the dim has no source at all: the source is what is missing
                     return (f"dim_sources: {k}: expected a source for the dim {k} (e.g. {{param: {k}}}: "
-                            f"the parameter of that name), got none")
+                            f"the parameter of that name), got " + ("null" if k in self.dim_sources else "no entry"))
                 if isinstance(src, dict) and "param" in src:   # the dim takes another parameter
                     return (f"dim_sources: {k}: param: expected the parameter {k!r} (a dim named like a "
                             f"parameter takes that parameter's value), got {_got(src['param'])}")
@@ -509,7 +509,7 @@ class Manifest:
                 if extra in src and kind != owner:
                     return (f"dim_sources: {d}: {extra}: expected it only with {owner}, got it with "
                             f"{kind} (where it is never read)")
-            if kinds[kind] is not None and src[kind] not in kinds[kind]:
+            if kinds[kind] is not None and (not isinstance(src[kind], str) or src[kind] not in kinds[kind]):
                 return f"dim_sources: {d}: {kind}: expected one of {sorted(kinds[kind])}, got {_got(src[kind])}"
             # a float reaches the kernel as an int64 dim: only as its bits (encode: f64_bits);
             # without it bind passed int(2.5) = 2, and the kernel computed with 2 without a word
@@ -550,28 +550,36 @@ class Manifest:
         for d in self.dims:
             if d not in syms and d not in self.dim_sources:
                 return f"dims: {d}: expected a size of an array's shape or a dim_sources entry, got neither"
-        # every size of a shape reaches the kernel: as a dim, or equal to one by a constraint
-        # ("M == N"). One that does not (out: [M] beside a kernel that only learns N) let a call
-        # whose out is shorter than x pass bind, and the kernel wrote past out's end
-        tied = set(self.dims)
-        equal = [m.group(1, 3) for m in (_CONSTRAINT.match(str(c)) for c in self.constraints)
+        # every size of a shape reaches the kernel: as a dim, or equal by a constraint ("M == N",
+        # "S == 1") to a dim that bind always knows (a size of a required array, or one with a
+        # default_dim) or to a number. One that does not (out: [M] beside a kernel that learns
+        # only N) let a call whose out is shorter than x pass bind, and the kernel wrote past
+        # out's end. A tie through a dim bind may not know (a param, a tuned choice, a size of an
+        # optional array only) is no tie: bind skips a constraint with an unknown side. A
+        # workspace's shape is not checked by bind (workspace_size sizes it): not counted
+        known = {sym for t in arrays if not t.optional and t.role != "workspace"
+                 for _, sym in t.parsed if sym is not None}
+        known |= {d for d, src in self.dim_sources.items() if isinstance(src, dict) and "default_dim" in src}
+        known &= set(self.dims)
+        equal = [m.group(1, 3) for m in (_CONSTRAINT.match(c) for c in self.constraints if isinstance(c, str))
                  if m and m.group(2) == "=="]
-        grew = True
-        while grew:
-            grew = False
-            for a, b in equal:
-                for x, y in ((a, b), (b, a)):
-                    if y in tied and x not in tied:
-                        tied.add(x)
-                        grew = True
-        for t in arrays:
+
+        def tied(sym) -> bool:
+            return sym in self.dims or any(y in known or y.isdecimal() for a, b in equal
+                                           for x, y in ((a, b), (b, a)) if x == sym)
+        for label, t in [("output", self.output), ("input", self.input),
+                         *((f"aux[{i}]", a) for i, a in enumerate(self.aux))]:
+            if t.role == "workspace" or t.same_as_output:
+                continue
             for _, sym in t.parsed:
-                if sym is not None and sym not in tied:
-                    return (f"{t.name}: shape: size {sym}: expected a size the kernel receives (one of dims "
-                            f"{self.dims}, or equal to one by a constraint such as '{sym} == "
-                            f"{self.dims[0] if self.dims else 'N'}'), "
-                            f"got a size no dim passes: the kernel could not know it, and an array of "
-                            f"another {sym} would be read or written past its end")
+                if sym is not None and not tied(sym):
+                    example = next(iter(sorted(known)), None)
+                    how = (f"one of dims {self.dims}, or equal by a constraint to a dim every call gives "
+                           f"(such as '{sym} == {example}') or to a number"
+                           if example else f"one of dims {self.dims}, or equal to a number by a constraint")
+                    return (f"{label} ({t.name}): shape: size {sym}: expected a size the kernel receives "
+                            f"({how}), got a size no dim passes: the kernel could not know it, and an "
+                            f"array of another {sym} would be read or written past its end")
         unused = [k for k in self.dim_sources if k not in self.dims]
         if unused:   # a source whose size is never passed: a misspelt dim, or one left out of dims
             return (f"dim_sources: {brief(unused[0])}: expected one of dims {self.dims} (a size the "

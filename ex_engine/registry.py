@@ -1455,7 +1455,7 @@ class FactorRegistry:
         Python fallback, for a factor whose plugin stayed loaded and ready)."""
         self._note_unused_tuning()
         before = dict(self._chosen)
-        self.notes = [n for n in self.notes if not n.startswith(("prefer:", "factor id "))]
+        self.notes = [n for n in self.notes if not n.startswith("prefer:")]
         by_name = defaultdict(list)
         for p in self.plugins:
             if p.status in ("ready", "shadowed"):
@@ -1498,9 +1498,12 @@ class FactorRegistry:
                     del chosen[q.name]
                     # two factors of different names on one id: one of them is lost, which only its
                     # own row said (list-factors exits 0 on the other); a note names both
-                    self.notes.append(f"factor id {fid}: claimed by '{win.name}' ({win.path.name}) and "
-                                      f"'{q.name}' ({q.path.name}); '{q.name}' is not loaded ({rule}): give "
-                                      "each factor its own id (its manifest's id and the library's)")
+                    # (kept across later loads: the loser stays rejected, and _choose no longer sees it)
+                    note = (f"factor id {fid}: claimed by '{win.name}' ({win.path.name}) and '{q.name}' "
+                            f"({q.path.name}); '{q.name}' is rejected ({rule}): give each factor its own id "
+                            "(its manifest's id and the library's)")
+                    if note not in self.notes:
+                        self.notes.append(note)
         self._chosen = chosen
         if any(chosen.get(n) is not p for n, p in before.items()):   # (a new name: nothing to drop)
             self._forget_calls()
@@ -1532,8 +1535,10 @@ class FactorRegistry:
                       "FactorError unless set_fallback gives it a Python fallback")
             elif m.fallback:
                 # whether it imports is known only where a library's load got to its check
-                tried = any(q.name == name and q.manifest is not None and q.manifest.fallback == m.fallback
-                            and any(c.name == "python fallback" for c in q.checks) for q in self.plugins)
+                # (ex_engine's own fallbacks are known to import, as the load's probe takes them)
+                tried = m.fallback.partition(":")[0].partition(".")[0] == "ex_engine" or any(
+                    q.name == name and q.manifest is not None and q.manifest.fallback == m.fallback
+                    and any(c.name == "python fallback" for c in q.checks) for q in self.plugins)
                 fb = f"its calls go to the Python fallback {m.fallback}" + (
                     "" if tried else " if it imports (not checked: the library was rejected before that check)")
             else:
