@@ -1340,7 +1340,7 @@ class FactorRegistry:
             (q.name for q in self.manifests.values() if q.id == p.factor_id), None)
         if not p.require("factor id", p.factor_id > abi.FACTOR_BUILTIN_LAST or owner == p.name,
                          f"expected an id of {abi.FACTOR_BUILTIN_LAST + 1} or more for a factor named "
-                         f"'{p.name}' (ids 0-{abi.FACTOR_BUILTIN_LAST} are ex_engine's own factors'), got "
+                         f"'{p.name}' (ids 0-{abi.FACTOR_BUILTIN_LAST} are ex_engine's own factors), got "
                          f"{p.factor_id}: " + (f"id {p.factor_id} is reserved for ex_engine's '{owner}'" if owner
                                                else f"id {p.factor_id} is in ex_engine's reserved range")):
             return p
