@@ -445,8 +445,9 @@ class Manifest:
         # one name, one array: bind looks arrays up by name, so a second 'out' (or an aux named
         # like the input) was handed the first one's array and the kernel got the wrong memory
         where: dict = {}
-        for label, t in [("output", self.output), ("input", self.input),
-                         *((f"aux[{i}]", a) for i, a in enumerate(self.aux))]:
+        labelled = [("output", self.output), ("input", self.input),
+                    *((f"aux[{i}]", a) for i, a in enumerate(self.aux))]
+        for label, t in labelled:
             if t.same_as_output:       # the in-place input is the output, by its name
                 continue
             if t.name in where:
@@ -557,18 +558,15 @@ class Manifest:
         # out's end. A tie through a dim bind may not know (a param, a tuned choice, a size of an
         # optional array only) is no tie: bind skips a constraint with an unknown side. A
         # workspace's shape is not checked by bind (workspace_size sizes it): not counted
-        known = {sym for t in arrays if not t.optional and t.role != "workspace"
-                 for _, sym in t.parsed if sym is not None}
-        known |= {d for d, src in self.dim_sources.items() if isinstance(src, dict) and "default_dim" in src}
-        known &= set(self.dims)
+        known = (set(fixed) | {d for d, src in self.dim_sources.items()
+                               if isinstance(src, dict) and "default_dim" in src}) & set(self.dims)
         equal = [m.group(1, 3) for m in (_CONSTRAINT.match(c) for c in self.constraints if isinstance(c, str))
                  if m and m.group(2) == "=="]
 
         def tied(sym) -> bool:
             return sym in self.dims or any(y in known or y.isdecimal() for a, b in equal
                                            for x, y in ((a, b), (b, a)) if x == sym)
-        for label, t in [("output", self.output), ("input", self.input),
-                         *((f"aux[{i}]", a) for i, a in enumerate(self.aux))]:
+        for label, t in labelled:
             if t.role == "workspace" or t.same_as_output:
                 continue
             for _, sym in t.parsed:
