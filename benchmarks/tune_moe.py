@@ -215,9 +215,9 @@ def main() -> int:
                     default=[1, 8, 32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 16384],
                     help="T values to tune, each >= 1 (a call uses the row of the largest tuned T not "
                          "above its own, so a gap runs the lower row's choice: on an H100, granite T = "
-                         "1536 ran the T = 1024 row's chunked_nomc, 25%% slower than auto there, and "
-                         "olmoe T = 2048 and deepseek T = 3072 ran a T = 1024 row 20-25%% slower than "
-                         "chunked_tail; sessions fifty-six and fifty-eight)")
+                         "1536 ran the T = 1024 row's chunked_nomc, 26%% slower than auto there, and "
+                         "olmoe and phi-3.5 T = 2048 ran it 27%% slower than chunked_tail; RESULTS.md, "
+                         "session fifty-eight)")
     ap.add_argument("--sets", type=integer, default=4, help="routed input sets rotated per graph (>= 1)")
     ap.add_argument("--warm-ms", type=number, default=200.0,
                     help="replay each graph this many ms before timing it, 0..60000, as bench_moe.py does: "
