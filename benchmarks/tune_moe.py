@@ -176,6 +176,36 @@ def merge_rows(data: dict, tuned: dict, device: str, sms: int) -> dict:
     return data
 
 
+def gap_notes(data: dict, timed: dict, margin: float) -> list:
+    """Lines naming the gaps this run's timings show in the merged table ``data``
+    (merge_rows's result): ``timed`` maps (H, I, G, K, T) of each row tuned in this run to
+    (model, {configuration: µs}); for each, where the file's row just below T chose a
+    configuration other than this row's and that configuration ran here more than ``margin``
+    slower than this row's choice, a call between the two T ran it (a call uses the row of the
+    largest tuned T not above its own) and may lose up to that much: the line says so and which
+    T to tune next. On an H100 such a gap cost 26-27% (RESULTS.md, session fifty-eight: granite
+    T = 1536 ran T = 1024's chunked_nomc, 237.3 against auto's 188.9 µs)."""
+    shapes = {tuple(e[k] for k in KEY): e for e in data.get("moe_fused_gemm", {}).get("shapes") or []}
+    out = []
+    for (*key, T), (model, times) in sorted(timed.items(), key=lambda kv: (kv[1][0], kv[0][-1])):
+        rows = {r[0]: r for r in shapes.get(tuple(key), {}).get("by_T", [])}
+        below = [t for t in rows if t < T]
+        if T not in rows or not below:
+            continue
+        lower, chosen = rows[max(below)], rows[T][1]
+        cfg = lower[1]
+        if cfg == chosen or cfg not in times or chosen not in times or T - lower[0] < 2:
+            continue               # (adjacent T: no call runs between them)
+        loss = times[cfg] / times[chosen] - 1
+        if loss > margin:
+            mid = min(max(round((lower[0] * T) ** 0.5), lower[0] + 1), T - 1)
+            out.append(f"# gap: {model} T = {lower[0]}..{T - 1} runs the T = {lower[0]} row's {cfg}, "
+                       f"{loss:.0%} slower at T = {T} ({times[cfg]:.1f} µs) than this row's {chosen} "
+                       f"({times[chosen]:.1f}); tune a T between them (e.g. --models {model} --tokens "
+                       f"{mid}) to find where {cfg} stops winning")
+    return out
+
+
 def _file_state(path: Path):
     """(device, inode, size, mtime in ns) of the file at ``path``, None where there is none: a
     tuner that wrote it meanwhile (replace_file: a new inode) changed it."""
@@ -274,6 +304,7 @@ def main() -> int:
     # run ends (read then, under a lock: another tuner may have written it meanwhile; the rows
     # it added were dropped when the file read before this run's minutes of work was written back)
     new_rows = {}
+    timed = {}   # (H, I, G, K, T) -> (model, {configuration: µs}) of each row timed: gap_notes
 
     names = sorted(models) if args.models == ["all"] else args.models
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -317,6 +348,7 @@ def main() -> int:
                                            for c in ["auto", *CONFIGS]) + f"  {best}", flush=True)
         new_rows.setdefault((s.H, s.I, s.E, s.K), (m, {}))[1][T] = [
             T, best, round(times[best], 1), round(times["auto"], 1)]
+        timed[(s.H, s.I, s.E, s.K, T)] = (m, dict(times))
     commit = run_meta()["commit"]   # EX_COMMIT, else git describe of this checkout
     header = (f"# Tuned tile configurations of moe_fused_gemm on {device} (written by "
               f"benchmarks/tune_moe.py, {datetime.date.today().isoformat()}, commit {commit}).\n"
@@ -341,6 +373,8 @@ def main() -> int:
         # malformed and the next run would not merge into (only --replace, dropping every row)
         replace_file(out, header + yaml.safe_dump(data, sort_keys=False, default_flow_style=None, width=100))
     print(f"# wrote {out}; {failed} configuration(s) failed their check", flush=True)
+    for line in gap_notes(data, timed, args.margin):
+        print(line, flush=True)
     return 1 if failed else 0
 
 
