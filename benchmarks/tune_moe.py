@@ -176,33 +176,102 @@ def merge_rows(data: dict, tuned: dict, device: str, sms: int) -> dict:
     return data
 
 
+_NAMES = {v: k for k, v in VALUES.items()}
+
+
+def _choice(c) -> str:
+    """A row's configuration as its name (a file may give its value, an int, instead)."""
+    return c if isinstance(c, str) else _NAMES.get(c, str(c))
+
+
+def _rows_by_T(data: dict) -> dict:
+    """(H, I, G, K) -> {T: row} of the merged table ``data``; the rows are the table's own lists."""
+    shapes = data.get("moe_fused_gemm", {}).get("shapes") or []
+    return {tuple(e[k] for k in KEY): {r[0]: r for r in e.get("by_T") or []} for e in shapes}
+
+
+def _between(lo: int, hi: int) -> int:
+    """A T strictly between lo and hi (hi - lo >= 2): their geometric mean, clamped."""
+    return min(max(round((max(lo, 0) * hi) ** 0.5), lo + 1), hi - 1)
+
+
+def keep_lower_choices(data: dict, timed: dict) -> list:
+    """Rows of this run that record auto (no configuration beat it by more than the margin), in
+    the merged table ``data``, between two rows that chose configurations: where the row just
+    below chose one that ran faster than auto at this row's T (inside the margin, or it would have
+    been this row's choice), the row records it instead, so that such a range does not flip to
+    auto and back. On an H100 phi-3.5's T = 384 row recorded auto (870.6 µs; T = 256's
+    chunked_nomc ran 846.0 there) under a chunked row at 512, and T = 384..511 then ran auto, 10%
+    slower than chunked at T = 512 (RESULTS.md, session fifty-eight). Where the row above records
+    auto (or there is none), auto stays: there the lower choice may be near the row count it
+    stops winning at (mixtral T = 1133: T = 1024's chunked_tail ran 1.5% faster than auto, and
+    30% slower at 1254, whose row is auto). ``timed`` maps (H, I, G, K, T) of each row tuned in
+    this run to (model, {configuration: µs}). Changes ``data``'s rows in place; returns a line
+    for each row changed."""
+    rows_of = _rows_by_T(data)
+    out = []
+    for (*key, T), (model, times) in sorted(timed.items()):
+        rows = rows_of.get(tuple(key), {})
+        below, above = [t for t in rows if t < T], [t for t in rows if t > T]
+        if T not in rows or _choice(rows[T][1]) != "auto" or not below or not above or "auto" not in times:
+            continue
+        cfg = _choice(rows[max(below)][1])
+        if _choice(rows[min(above)][1]) != "auto" and cfg != "auto" and cfg in times \
+                and times[cfg] < times["auto"]:
+            rows[T][1:3] = [cfg, round(times[cfg], 1)]
+            out.append(f"# kept: {model} T = {T} records the T = {max(below)} row's {cfg} ({times[cfg]:.1f} "
+                       f"µs), within the margin of auto ({times['auto']:.1f}) but faster here, under the "
+                       f"T = {min(above)} row's {_choice(rows[min(above)][1])}")
+    return out
+
+
 def gap_notes(data: dict, timed: dict, margin: float) -> list:
-    """Lines naming the gaps this run's timings show in the merged table ``data``
-    (merge_rows's result): ``timed`` maps (H, I, G, K, T) of each row tuned in this run to
-    (model, {configuration: µs}); for each, where the file's row just below T chose a
-    configuration other than this row's and that configuration ran here more than ``margin``
-    slower than this row's choice, a call between the two T ran it (a call uses the row of the
-    largest tuned T not above its own) and may lose up to that much: the line says so and which
-    T to tune next. On an H100 such a gap cost 26-27% (RESULTS.md, session fifty-eight: granite
-    T = 1536 ran T = 1024's chunked_nomc, 237.3 against auto's 188.9 µs)."""
-    shapes = {tuple(e[k] for k in KEY): e for e in data.get("moe_fused_gemm", {}).get("shapes") or []}
+    """Lines naming the gaps around the rows tuned in this run, in the merged table ``data``
+    (merge_rows's result; a call uses the row of the largest tuned T not above its own).
+    ``timed`` maps (H, I, G, K, T) of each row tuned in this run to (model, {configuration:
+    µs}). Below a row at T: where the row just below chose another configuration and it ran
+    here more than ``margin`` slower than this row's choice, every call from that row's T to T -
+    1 runs it, and it loses that much at T (measured at T only). Above it, where the next row up
+    (U) was not tuned in this run and chose otherwise: calls from T to U - 1 run this row's
+    choice; if that is auto, U's row says what auto lost there; else it was never timed at U and
+    the line says so. Each line names a T between the two to tune next. On an H100 such gaps cost
+    up to 36% (RESULTS.md, session fifty-eight: olmoe T = 2266 ran T = 1024's chunked_nomc,
+    806.5 against auto's 591.4 µs)."""
+    rows_of = _rows_by_T(data)
     out = []
     for (*key, T), (model, times) in sorted(timed.items(), key=lambda kv: (kv[1][0], kv[0][-1])):
-        rows = {r[0]: r for r in shapes.get(tuple(key), {}).get("by_T", [])}
-        below = [t for t in rows if t < T]
-        if T not in rows or not below:
+        rows = rows_of.get(tuple(key), {})
+        if T not in rows:
             continue
-        lower, chosen = rows[max(below)], rows[T][1]
-        cfg = lower[1]
-        if cfg == chosen or cfg not in times or chosen not in times or T - lower[0] < 2:
-            continue               # (adjacent T: no call runs between them)
-        loss = times[cfg] / times[chosen] - 1
-        if loss > margin:
-            mid = min(max(round((lower[0] * T) ** 0.5), lower[0] + 1), T - 1)
-            out.append(f"# gap: {model} T = {lower[0]}..{T - 1} runs the T = {lower[0]} row's {cfg}, "
-                       f"{loss:.0%} slower at T = {T} ({times[cfg]:.1f} µs) than this row's {chosen} "
-                       f"({times[chosen]:.1f}); tune a T between them (e.g. --models {model} --tokens "
-                       f"{mid}) to find where {cfg} stops winning")
+        chosen = _choice(rows[T][1])
+        below = [t for t in rows if t < T]
+        if below and T - max(below) >= 2:
+            lo = max(below)
+            cfg = _choice(rows[lo][1])
+            if cfg != chosen and cfg in times and times.get(chosen, 0) > 0:
+                loss = times[cfg] / times[chosen] - 1
+                if loss > margin:
+                    out.append(f"# gap: {model} T = {lo}..{T - 1} runs the T = {lo} row's {cfg}, {loss:.0%} "
+                               f"slower at T = {T} ({times[cfg]:.1f} µs) than this row's {chosen} "
+                               f"({times[chosen]:.1f}); tune a T between them (e.g. --models {model} "
+                               f"--tokens {_between(lo, T)}) to find where the choice changes")
+        above = [t for t in rows if t > T]
+        if not above or min(above) - T < 2 or tuple(key) + (min(above),) in timed:
+            continue      # (a row above tuned in this run: its own check below it covers the range)
+        hi = min(above)
+        up = rows[hi]
+        cfg = _choice(up[1])
+        if cfg == chosen:
+            continue
+        hint = f"tune a T between them (e.g. --models {model} --tokens {_between(T, hi)})"
+        if chosen == "auto":
+            if cfg != "auto" and up[2] > 0 and up[3] / up[2] - 1 > margin:
+                out.append(f"# gap: {model} T = {T}..{hi - 1} runs this row's auto, {up[3] / up[2] - 1:.0%} "
+                           f"slower at T = {hi} ({up[3]} µs, that row's figures) than the T = {hi} "
+                           f"row's {cfg} ({up[2]}); {hint} to find where the choice changes")
+        else:
+            out.append(f"# unchecked: {model} T = {T}..{hi - 1} runs this row's {chosen}, never timed at "
+                       f"T = {hi}, whose row chose {cfg}; {hint} to check it")
     return out
 
 
@@ -256,7 +325,9 @@ def main() -> int:
                          "than under the table's sustained load)")
     ap.add_argument("--margin", type=number, default=0.03,
                     help="record a configuration only if it beats the kernel's own choice by this "
-                         "fraction, else record 'auto' (>= 0)")
+                         "fraction; else, between two rows of configurations, the row below's where it "
+                         "ran faster than auto at this T; else 'auto'. Also the loss over which a "
+                         "'# gap:' line is printed (>= 0)")
     ap.add_argument("--out", default=None, metavar="FILE",
                     help="tuning file to merge into or write (default: this GPU's, "
                          "manifests/tuning/h200.yaml on an H200, else manifests/tuning/<device>_<SMs>sm.yaml); "
@@ -355,8 +426,9 @@ def main() -> int:
               f"# This run: {', '.join(sorted({m for m, _ in cases}))} at T = "
               f"{' '.join(map(str, sorted(set(args.tokens))))}.\n"
               "# by_T rows: [T, configuration, its µs, µs of the kernel's own choice ('auto')]; a\n"
-              f"# configuration is recorded where it beat auto by more than {args.margin:.0%}. A call\n"
-              "# uses the row of the largest T not above its own. Format: ex_engine/tuning.py.\n")
+              f"# configuration is recorded where it beat auto by more than {args.margin:.0%}; else, between\n"
+              "# rows of configurations, the row below's where it ran faster than auto; else auto. A\n"
+              "# call uses the row of the largest T not above its own. Format: ex_engine/tuning.py.\n")
     out.parent.mkdir(parents=True, exist_ok=True)
     with _folder_locked(out.parent):
         try:   # (with --replace: unless another tuner wrote the file during this run)
@@ -368,12 +440,13 @@ def main() -> int:
                 return 2
             data, notes = {}, []
         merge_rows(data, new_rows, device, sms)
+        kept = keep_lower_choices(data, timed)
         header = merged_header(header, notes)
         # atomically: an interrupted write left a truncated table, which the registry set aside as
         # malformed and the next run would not merge into (only --replace, dropping every row)
         replace_file(out, header + yaml.safe_dump(data, sort_keys=False, default_flow_style=None, width=100))
     print(f"# wrote {out}; {failed} configuration(s) failed their check", flush=True)
-    for line in gap_notes(data, timed, args.margin):
+    for line in kept + gap_notes(data, timed, args.margin):
         print(line, flush=True)
     return 1 if failed else 0
 

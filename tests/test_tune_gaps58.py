@@ -62,3 +62,68 @@ def test_the_tuner_prints_the_gap_after_writing_its_file(monkeypatch, tmp_path, 
     wrote = text.index("# wrote ")
     gap = text.index("# gap: qwen3-30b-a3b T = 1..7 runs the T = 1 row's auto, 100% slower at T = 8 (10.0 µs)")
     assert gap > wrote and "--models qwen3-30b-a3b --tokens 3)" in text[gap:]
+
+
+def test_an_auto_row_keeps_the_lower_rows_choice_where_it_ran_faster_here():
+    """keep_lower_choices: phi-3.5's T = 384 row recorded auto (870.6 µs) where T = 256's
+    chunked_nomc ran 846.0, inside the 3% margin, and T = 384..511 then ran auto, 10% slower than
+    chunked at T = 512 (H100, session fifty-eight). Now such a row keeps the lower choice where
+    the row above chose a configuration too; under an auto row (mixtral T = 1133 under 1254:
+    chunked_tail 1.5% faster at 1133, 30% slower at 1254) or at the top, auto stays."""
+    tune = import_tool("benchmarks", "tune_moe")
+    data = _data([[256, "chunked_nomc", 846.0, 900.0], [384, "auto", 870.6, 870.6], [512, "chunked", 890.0, 980.8],
+                  [1024, "chunked_tail", 1.0, 2.0], [1133, "auto", 1795.9, 1795.9], [1254, "auto", 1778.1, 1778.1],
+                  [2048, "chunked", 5.0, 6.0], [4096, "auto", 7.0, 7.0]])
+    timed = {_Q + (1133,): ("q", {"auto": 1795.9, "chunked_tail": 1769.4}),   # under auto: stays
+             _Q + (384,): ("q", {"auto": 870.6, "chunked_nomc": 846.0, "chunked": 850.0}),
+             _Q + (512,): ("q", {"auto": 980.8, "chunked": 890.0}),            # not auto: left alone
+             _Q + (4096,): ("q", {"auto": 7.0, "chunked": 6.9})}               # the top row: stays
+    lines = tune.keep_lower_choices(data, timed)
+    rows = data["moe_fused_gemm"]["shapes"][0]["by_T"]
+    assert [r[:3] for r in rows] == [[256, "chunked_nomc", 846.0], [384, "chunked_nomc", 846.0],
+                                     [512, "chunked", 890.0], [1024, "chunked_tail", 1.0],
+                                     [1133, "auto", 1795.9], [1254, "auto", 1778.1], [2048, "chunked", 5.0],
+                                     [4096, "auto", 7.0]]
+    assert rows[1] == [384, "chunked_nomc", 846.0, 870.6]
+    assert lines == ["# kept: q T = 384 records the T = 256 row's chunked_nomc (846.0 µs), within the margin "
+                     "of auto (870.6) but faster here, under the T = 512 row's chunked"]
+    # the lower choice slower than auto here, or not timed here (candidates() left it out): unchanged
+    data = _data([[256, "tiny", 1.0, 2.0], [384, "auto", 3.0, 3.0], [512, "mid", 1.0, 2.0]])
+    assert tune.keep_lower_choices(data, {_Q + (384,): ("q", {"auto": 3.0, "chunked": 2.9})}) == []
+    assert tune.keep_lower_choices(data, {_Q + (384,): ("q", {"auto": 3.0, "tiny": 3.1})}) == []
+    assert data["moe_fused_gemm"]["shapes"][0]["by_T"][1] == [384, "auto", 3.0, 3.0]
+    assert tune.keep_lower_choices(data, {_Q + (384,): ("q", {"auto": 3.0, "tiny": 2.95})}) != []
+
+
+def test_the_range_above_a_row_is_checked_against_the_next_rows_own_figures():
+    """gap_notes above a row: an auto row under a chunked row not tuned in this run loses what
+    that row's figures say auto lost there; a non-auto choice never timed at the next row's T is
+    named as unchecked; a row above that this run tuned is left to its own check."""
+    tune = import_tool("benchmarks", "tune_moe")
+    data = _data([[384, "auto", 870.6, 870.6], [512, "chunked", 890.0, 980.8], [1024, "auto", 5.0, 5.0]])
+    (line,) = tune.gap_notes(data, {_Q + (384,): ("q", {"auto": 870.6, "chunked_nomc": 846.0})}, 0.03)
+    assert line.startswith("# gap: q T = 384..511 runs this row's auto, 10% slower at T = 512 (980.8 µs, "
+                           "that row's figures) than the T = 512 row's chunked (890.0); tune a T between them")
+    assert "--tokens 443)" in line
+    below, line = tune.gap_notes(data, {_Q + (512,): ("q", {"auto": 980.8, "chunked": 890.0})}, 0.03)
+    assert below.startswith("# gap: q T = 384..511 runs the T = 384 row's auto, 10% slower at T = 512")
+    assert line.startswith("# unchecked: q T = 512..1023 runs this row's chunked, never timed at T = 1024, "
+                           "whose row chose auto; tune a T between them (e.g. --models q --tokens 724) to check it")
+    both = {_Q + (384,): ("q", {"auto": 870.6}), _Q + (512,): ("q", {"auto": 980.8, "chunked": 890.0}),
+            _Q + (1024,): ("q", {"auto": 5.0, "chunked": 9.0})}
+    lines = tune.gap_notes(data, both, 0.03)
+    # 384..511: 512's own check (auto at 512 timed: 10% slower); 512..1023: 1024's (chunked 80%)
+    assert [ln.split(" runs ")[0] for ln in lines] == ["# gap: q T = 384..511", "# gap: q T = 512..1023"]
+    assert tune.gap_notes(data, both, 0.9) == []
+
+
+def test_gap_notes_take_a_choice_given_as_its_value_and_survive_a_zero_time():
+    """A file's row may give its configuration as the value (11 for chunked_nomc); a time of 0
+    (a stand-in, a broken timer) is no ZeroDivisionError after the file was written."""
+    tune = import_tool("benchmarks", "tune_moe")
+    data = _data([[1024, tune.VALUES["chunked_nomc"], 143.5, 150.7], [1536, "auto", 188.9, 188.9]])
+    (line,) = tune.gap_notes(data, {_Q + (1536,): ("q", {"auto": 188.9, "chunked_nomc": 237.3})}, 0.03)
+    assert "runs the T = 1024 row's chunked_nomc, 26% slower" in line
+    assert tune.gap_notes(data, {_Q + (1536,): ("q", {"auto": 0.0, "chunked_nomc": 237.3})}, 0.03) == []
+    zero_up = _data([[384, "auto", 1.0, 1.0], [512, "chunked", 0.0, 980.8]])
+    assert tune.gap_notes(zero_up, {_Q + (384,): ("q", {"auto": 1.0})}, 0.03) == []
