@@ -17,7 +17,11 @@ file that cannot be merged (another GPU's or SM count's tuning file, a file that
 file, malformed YAML or a malformed table) is refused before any work (exit status 2; for another
 GPU's file, once the GPU is known) unless --replace is given, which writes a new table over it
 (over the file as it was when the run started: rows another tuner writes there during the run
-are merged). Exit status: 0 written; 1 written, but a
+are merged). A row records the fastest configuration where it beats auto by more than --margin;
+else, between two rows of configurations, the row below's where it ran faster than auto ('# kept:'
+line); else auto. After writing, '# gap:' and '# unchecked:' lines name the ranges around the
+tuned rows where a call runs a choice that lost, or was never timed, at the neighbouring row's T,
+each with a T between them to tune next. Exit status: 0 written; 1 written, but a
 configuration failed its check; 2 bad arguments or a file it will not replace.
 
     python3 benchmarks/tune_moe.py --models qwen3-30b-a3b --tokens 1 64 4096 --out my.yaml
