@@ -18,8 +18,8 @@ file, malformed YAML or a malformed table) is refused before any work (exit stat
 GPU's file, once the GPU is known) unless --replace is given, which writes a new table over it
 (over the file as it was when the run started: rows another tuner writes there during the run
 are merged). A row records the fastest configuration where it beats auto by more than --margin;
-else, between two rows of configurations, the row below's where it ran faster than auto ('# kept:'
-line); else auto. After writing, '# gap:' and '# unchecked:' lines name the ranges around the
+else, between two rows of configurations, the row above's or else the row below's where it ran
+faster than auto ('# kept:' line); else auto. After writing, '# gap:' and '# unchecked:' lines name the ranges around the
 tuned rows where a call runs a choice that lost, or was never timed, at the neighbouring row's T,
 each with a T between them to tune next. Exit status: 0 written; 1 written, but a
 configuration failed its check; 2 bad arguments or a file it will not replace.
@@ -199,33 +199,40 @@ def _between(lo: int, hi: int) -> int:
     return min(max(round((max(lo, 0) * hi) ** 0.5), lo + 1), hi - 1)
 
 
-def keep_lower_choices(data: dict, timed: dict) -> list:
+def keep_neighbour_choices(data: dict, timed: dict) -> list:
     """Rows of this run that record auto (no configuration beat it by more than the margin), in
-    the merged table ``data``, between two rows that chose configurations: where the row just
-    below chose one that ran faster than auto at this row's T (inside the margin, or it would have
-    been this row's choice), the row records it instead, so that such a range does not flip to
-    auto and back. On an H100 phi-3.5's T = 384 row recorded auto (870.6 µs; T = 256's
-    chunked_nomc ran 846.0 there) under a chunked row at 512, and T = 384..511 then ran auto, 10%
-    slower than chunked at T = 512 (RESULTS.md, session fifty-eight). Where the row above records
-    auto (or there is none), auto stays: there the lower choice may be near the row count it
-    stops winning at (mixtral T = 1133: T = 1024's chunked_tail ran 1.5% faster than auto, and
-    30% slower at 1254, whose row is auto). ``timed`` maps (H, I, G, K, T) of each row tuned in
-    this run to (model, {configuration: µs}). Changes ``data``'s rows in place; returns a line
-    for each row changed."""
+    the merged table ``data``, between two rows that chose configurations: the row records
+    instead the row above's choice where it ran faster than auto at this row's T (it is then
+    the faster at both ends of the range this row covers), else the row below's where that ran
+    faster than auto here (inside the margin, or it would have been this row's choice), so that
+    such a range does not flip to auto and back. On an H100 phi-3.5's T = 384 row recorded auto
+    (870.6 µs; T = 512's chunked ran 850.0 there) under a chunked row at 512, and T = 384..511
+    then ran auto, 10% slower than chunked at 512; phi-3.5's T = 1906 auto (1212.3 µs;
+    chunked_tail 1202.2) under chunked_tail rows ran 13% slower at T = 1923 (RESULTS.md,
+    session fifty-eight). Where the row above records auto (or there is none), auto stays: there
+    the lower choice may be near the row count it stops winning at (mixtral T = 1133: T = 1024's
+    chunked_tail ran 1.5% faster than auto, and 30% slower at 1254, whose row is auto).
+    ``timed`` maps (H, I, G, K, T) of each row tuned in this run to (model, {configuration:
+    µs}). Changes ``data``'s rows in place, highest T first (so that the row above is settled
+    before the row it may lend its choice to); returns a line for each row changed."""
     rows_of = _rows_by_T(data)
     out = []
-    for (*key, T), (model, times) in sorted(timed.items()):
+    for (*key, T), (model, times) in sorted(timed.items(), reverse=True):
         rows = rows_of.get(tuple(key), {})
         below, above = [t for t in rows if t < T], [t for t in rows if t > T]
         if T not in rows or _choice(rows[T][1]) != "auto" or not below or not above or "auto" not in times:
             continue
-        cfg = _choice(rows[max(below)][1])
-        if _choice(rows[min(above)][1]) != "auto" and cfg != "auto" and cfg in times \
-                and times[cfg] < times["auto"]:
-            rows[T][1:3] = [cfg, round(times[cfg], 1)]
-            out.append(f"# kept: {model} T = {T} records the T = {max(below)} row's {cfg} ({times[cfg]:.1f} "
-                       f"µs), within the margin of auto ({times['auto']:.1f}) but faster here, under the "
-                       f"T = {min(above)} row's {_choice(rows[min(above)][1])}")
+        lo, hi = max(below), min(above)
+        upper = _choice(rows[hi][1])
+        if upper == "auto":
+            continue
+        for t, cfg in ((hi, upper), (lo, _choice(rows[lo][1]))):
+            if cfg != "auto" and cfg in times and times[cfg] < times["auto"]:
+                rows[T][1:3] = [cfg, round(times[cfg], 1)]
+                out.append(f"# kept: {model} T = {T} records the T = {t} row's {cfg} ({times[cfg]:.1f} µs), "
+                           f"within the margin of auto ({times['auto']:.1f}) but faster here, between the "
+                           f"T = {lo} row's {_choice(rows[lo][1])} and the T = {hi} row's {upper}")
+                break
     return out
 
 
@@ -329,8 +336,9 @@ def main() -> int:
                          "than under the table's sustained load)")
     ap.add_argument("--margin", type=number, default=0.03,
                     help="record a configuration only if it beats the kernel's own choice by this "
-                         "fraction; else, between two rows of configurations, the row below's where it "
-                         "ran faster than auto at this T; else 'auto'. Also the loss over which a "
+                         "fraction; else, between two rows of configurations, the row above's or else "
+                         "the row below's where it ran faster than auto at this T; else 'auto'. Also "
+                         "the loss over which a "
                          "'# gap:' line is printed (>= 0)")
     ap.add_argument("--out", default=None, metavar="FILE",
                     help="tuning file to merge into or write (default: this GPU's, "
@@ -431,8 +439,9 @@ def main() -> int:
               f"{' '.join(map(str, sorted(set(args.tokens))))}.\n"
               "# by_T rows: [T, configuration, its µs, µs of the kernel's own choice ('auto')]; a\n"
               f"# configuration is recorded where it beat auto by more than {args.margin:.0%}; else, between\n"
-              "# rows of configurations, the row below's where it ran faster than auto; else auto. A\n"
-              "# call uses the row of the largest T not above its own. Format: ex_engine/tuning.py.\n")
+              "# rows of configurations, the row above's or else below's where it ran faster than auto;\n"
+              "# else auto. A call uses the row of the largest T not above its own. Format:\n"
+              "# ex_engine/tuning.py.\n")
     out.parent.mkdir(parents=True, exist_ok=True)
     with _folder_locked(out.parent):
         try:   # (with --replace: unless another tuner wrote the file during this run)
@@ -444,7 +453,7 @@ def main() -> int:
                 return 2
             data, notes = {}, []
         merge_rows(data, new_rows, device, sms)
-        kept = keep_lower_choices(data, timed)
+        kept = keep_neighbour_choices(data, timed)
         header = merged_header(header, notes)
         # atomically: an interrupted write left a truncated table, which the registry set aside as
         # malformed and the next run would not merge into (only --replace, dropping every row)

@@ -64,35 +64,46 @@ def test_the_tuner_prints_the_gap_after_writing_its_file(monkeypatch, tmp_path, 
     assert gap > wrote and "--models qwen3-30b-a3b --tokens 3)" in text[gap:]
 
 
-def test_an_auto_row_keeps_the_lower_rows_choice_where_it_ran_faster_here():
-    """keep_lower_choices: phi-3.5's T = 384 row recorded auto (870.6 µs) where T = 256's
-    chunked_nomc ran 846.0, inside the 3% margin, and T = 384..511 then ran auto, 10% slower than
-    chunked at T = 512 (H100, session fifty-eight). Now such a row keeps the lower choice where
-    the row above chose a configuration too; under an auto row (mixtral T = 1133 under 1254:
-    chunked_tail 1.5% faster at 1133, 30% slower at 1254) or at the top, auto stays."""
+def test_an_auto_row_between_configurations_keeps_a_neighbours_choice_that_ran_faster_here():
+    """keep_neighbour_choices: phi-3.5's T = 384 row recorded auto (870.6 µs) inside the 3%
+    margin, and T = 384..511 then ran auto, 10% slower than chunked at T = 512 (H100, session
+    fifty-eight). Now such a row records the row above's choice where it ran faster than auto
+    here (faster at both ends of the range), else the row below's; under an auto row (mixtral T
+    = 1133 under 1254: chunked_tail 1.5% faster at 1133, 30% slower at 1254) or at the top, auto
+    stays."""
     tune = import_tool("benchmarks", "tune_moe")
     data = _data([[256, "chunked_nomc", 846.0, 900.0], [384, "auto", 870.6, 870.6], [512, "chunked", 890.0, 980.8],
                   [1024, "chunked_tail", 1.0, 2.0], [1133, "auto", 1795.9, 1795.9], [1254, "auto", 1778.1, 1778.1],
-                  [2048, "chunked", 5.0, 6.0], [4096, "auto", 7.0, 7.0]])
+                  [1536, "chunked", 3.0, 4.0], [1906, "auto", 1212.3, 1212.3], [2048, "chunked_tail", 5.0, 6.0],
+                  [4096, "auto", 7.0, 7.0]])
     timed = {_Q + (1133,): ("q", {"auto": 1795.9, "chunked_tail": 1769.4}),   # under auto: stays
-             _Q + (384,): ("q", {"auto": 870.6, "chunked_nomc": 846.0, "chunked": 850.0}),
+             _Q + (384,): ("q", {"auto": 870.6, "chunked_nomc": 846.0, "chunked": 850.0}),   # above's, not below's
              _Q + (512,): ("q", {"auto": 980.8, "chunked": 890.0}),            # not auto: left alone
+             _Q + (1906,): ("q", {"auto": 1212.3, "chunked": 1266.1, "chunked_tail": 1202.2}),
              _Q + (4096,): ("q", {"auto": 7.0, "chunked": 6.9})}               # the top row: stays
-    lines = tune.keep_lower_choices(data, timed)
+    lines = tune.keep_neighbour_choices(data, timed)
     rows = data["moe_fused_gemm"]["shapes"][0]["by_T"]
-    assert [r[:3] for r in rows] == [[256, "chunked_nomc", 846.0], [384, "chunked_nomc", 846.0],
-                                     [512, "chunked", 890.0], [1024, "chunked_tail", 1.0],
-                                     [1133, "auto", 1795.9], [1254, "auto", 1778.1], [2048, "chunked", 5.0],
-                                     [4096, "auto", 7.0]]
-    assert rows[1] == [384, "chunked_nomc", 846.0, 870.6]
-    assert lines == ["# kept: q T = 384 records the T = 256 row's chunked_nomc (846.0 µs), within the margin "
-                     "of auto (870.6) but faster here, under the T = 512 row's chunked"]
-    # the lower choice slower than auto here, or not timed here (candidates() left it out): unchanged
+    assert [r[:2] for r in rows] == [[256, "chunked_nomc"], [384, "chunked"], [512, "chunked"],
+                                     [1024, "chunked_tail"], [1133, "auto"], [1254, "auto"], [1536, "chunked"],
+                                     [1906, "chunked_tail"], [2048, "chunked_tail"], [4096, "auto"]]
+    assert rows[1] == [384, "chunked", 850.0, 870.6] and rows[7] == [1906, "chunked_tail", 1202.2, 1212.3]
+    assert lines == ["# kept: q T = 1906 records the T = 2048 row's chunked_tail (1202.2 µs), within the margin of "
+                     "auto (1212.3) but faster here, between the T = 1536 row's chunked and the T = 2048 row's "
+                     "chunked_tail",
+                     "# kept: q T = 384 records the T = 512 row's chunked (850.0 µs), within the margin of auto "
+                     "(870.6) but faster here, between the T = 256 row's chunked_nomc and the T = 512 row's chunked"]
+    # highest T first: an auto row under a row this run settles takes that row's new choice
+    chain = _data([[256, "auto", 1.0, 1.0], [384, "auto", 9.0, 9.0], [448, "auto", 9.0, 9.0], [512, "mid", 1.0, 2.0]])
+    tune.keep_neighbour_choices(chain, {_Q + (384,): ("q", {"auto": 9.0, "mid": 8.9}),
+                                        _Q + (448,): ("q", {"auto": 9.0, "mid": 8.8})})
+    assert [r[1] for r in chain["moe_fused_gemm"]["shapes"][0]["by_T"]] == ["auto", "mid", "mid", "mid"]
+    # the row above's choice slower than auto here (or not timed): the row below's where it is faster
     data = _data([[256, "tiny", 1.0, 2.0], [384, "auto", 3.0, 3.0], [512, "mid", 1.0, 2.0]])
-    assert tune.keep_lower_choices(data, {_Q + (384,): ("q", {"auto": 3.0, "chunked": 2.9})}) == []
-    assert tune.keep_lower_choices(data, {_Q + (384,): ("q", {"auto": 3.0, "tiny": 3.1})}) == []
+    assert tune.keep_neighbour_choices(data, {_Q + (384,): ("q", {"auto": 3.0, "chunked": 2.9})}) == []
+    assert tune.keep_neighbour_choices(data, {_Q + (384,): ("q", {"auto": 3.0, "tiny": 3.1, "mid": 3.2})}) == []
     assert data["moe_fused_gemm"]["shapes"][0]["by_T"][1] == [384, "auto", 3.0, 3.0]
-    assert tune.keep_lower_choices(data, {_Q + (384,): ("q", {"auto": 3.0, "tiny": 2.95})}) != []
+    (line,) = tune.keep_neighbour_choices(data, {_Q + (384,): ("q", {"auto": 3.0, "tiny": 2.8, "mid": 3.2})})
+    assert line.startswith("# kept: q T = 384 records the T = 256 row's tiny (2.8 µs)")
 
 
 def test_the_range_above_a_row_is_checked_against_the_next_rows_own_figures():
