@@ -18,11 +18,11 @@ file, malformed YAML or a malformed table) is refused before any work (exit stat
 GPU's file, once the GPU is known) unless --replace is given, which writes a new table over it
 (over the file as it was when the run started: rows another tuner writes there during the run
 are merged). A row records the fastest configuration where it beats auto by more than --margin;
-else, between two rows of configurations, the row above's or else the row below's where it ran
-faster than auto ('# kept:' line); else auto. After writing, '# gap:' and '# unchecked:' lines name the ranges around the
-tuned rows where a call runs a choice that lost, or was never timed, at the neighbouring row's T,
-each with a T between them to tune next. Exit status: 0 written; 1 written, but a
-configuration failed its check; 2 bad arguments or a file it will not replace.
+else, under a row of a configuration, that row's choice or else the row below's where it ran
+faster than auto ('# kept:' line); else auto. After writing, '# gap:' and '# unchecked:' lines
+name the ranges around the tuned rows where a call runs a choice that lost, or was never timed,
+at the neighbouring row's T, each with a T between them to tune next. Exit status: 0 written; 1
+written, but a configuration failed its check; 2 bad arguments or a file it will not replace.
 
     python3 benchmarks/tune_moe.py --models qwen3-30b-a3b --tokens 1 64 4096 --out my.yaml
 """
@@ -201,17 +201,19 @@ def _between(lo: int, hi: int) -> int:
 
 def keep_neighbour_choices(data: dict, timed: dict) -> list:
     """Rows of this run that record auto (no configuration beat it by more than the margin), in
-    the merged table ``data``, between two rows that chose configurations: the row records
-    instead the row above's choice where it ran faster than auto at this row's T (it is then
-    the faster at both ends of the range this row covers), else the row below's where that ran
-    faster than auto here (inside the margin, or it would have been this row's choice), so that
-    such a range does not flip to auto and back. On an H100 phi-3.5's T = 384 row recorded auto
-    (870.6 µs; T = 512's chunked ran 850.0 there) under a chunked row at 512, and T = 384..511
-    then ran auto, 10% slower than chunked at 512; phi-3.5's T = 1906 auto (1212.3 µs;
-    chunked_tail 1202.2) under chunked_tail rows ran 13% slower at T = 1923 (RESULTS.md,
-    session fifty-eight). Where the row above records auto (or there is none), auto stays: there
-    the lower choice may be near the row count it stops winning at (mixtral T = 1133: T = 1024's
-    chunked_tail ran 1.5% faster than auto, and 30% slower at 1254, whose row is auto).
+    the merged table ``data``, under a row that chose a configuration and above another row:
+    the row records instead the row above's choice where it ran faster than auto at this row's
+    T (it is then the faster at both ends of the range this row covers); else the row below's,
+    where that is a configuration that ran faster than auto here (inside the margin, or it would
+    have been this row's choice) and, where the row above was tuned in this run too, ran no
+    slower than auto there. So such a range does not flip to auto and back. On an H100
+    phi-3.5's T = 384 row recorded auto (870.6 µs; T = 512's chunked ran 850.0 there) under a
+    chunked row at 512, and T = 384..511 then ran auto, 10% slower than chunked at 512;
+    phi-3.5's T = 1906 auto (1212.3 µs; chunked_tail 1202.2) under chunked_tail rows ran 11%
+    slower at T = 1923 (RESULTS.md, session fifty-eight). Where the row above records auto (or
+    there is none), auto stays: there the lower choice may be near the row count it stops
+    winning at (mixtral T = 1133: T = 1024's chunked_tail ran 1.5% faster than auto, and 30%
+    slower at 1254, whose row is auto). Faster means by 0.1 µs or more, as the row records µs.
     ``timed`` maps (H, I, G, K, T) of each row tuned in this run to (model, {configuration:
     µs}). Changes ``data``'s rows in place, highest T first (so that the row above is settled
     before the row it may lend its choice to); returns a line for each row changed."""
@@ -223,15 +225,17 @@ def keep_neighbour_choices(data: dict, timed: dict) -> list:
         if T not in rows or _choice(rows[T][1]) != "auto" or not below or not above or "auto" not in times:
             continue
         lo, hi = max(below), min(above)
-        upper = _choice(rows[hi][1])
+        upper, lower = _choice(rows[hi][1]), _choice(rows[lo][1])
         if upper == "auto":
             continue
-        for t, cfg in ((hi, upper), (lo, _choice(rows[lo][1]))):
-            if cfg != "auto" and cfg in times and times[cfg] < times["auto"]:
+        at_hi = timed.get(tuple(key) + (hi,), (None, None))[1]   # the row above's timings, if this run's
+        lower_ok = at_hi is None or (lower in at_hi and "auto" in at_hi and at_hi[lower] <= at_hi["auto"])
+        for t, cfg in ((hi, upper), (lo, lower) if lower_ok else (lo, "auto")):
+            if cfg != "auto" and cfg in times and round(times[cfg], 1) < round(times["auto"], 1):
                 rows[T][1:3] = [cfg, round(times[cfg], 1)]
                 out.append(f"# kept: {model} T = {T} records the T = {t} row's {cfg} ({times[cfg]:.1f} µs), "
                            f"within the margin of auto ({times['auto']:.1f}) but faster here, between the "
-                           f"T = {lo} row's {_choice(rows[lo][1])} and the T = {hi} row's {upper}")
+                           f"T = {lo} row's {lower} and the T = {hi} row's {upper}")
                 break
     return out
 
@@ -276,7 +280,9 @@ def gap_notes(data: dict, timed: dict, margin: float) -> list:
             continue
         hint = f"tune a T between them (e.g. --models {model} --tokens {_between(T, hi)})"
         if chosen == "auto":
-            if cfg != "auto" and up[2] > 0 and up[3] / up[2] - 1 > margin:
+            figures = len(up) >= 4 and all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                                           for v in up[2:4])   # (a file's row may give no µs, or a note)
+            if cfg != "auto" and figures and up[2] > 0 and up[3] / up[2] - 1 > margin:
                 out.append(f"# gap: {model} T = {T}..{hi - 1} runs this row's auto, {up[3] / up[2] - 1:.0%} "
                            f"slower at T = {hi} ({up[3]} µs, that row's figures) than the T = {hi} "
                            f"row's {cfg} ({up[2]}); {hint} to find where the choice changes")
@@ -336,8 +342,8 @@ def main() -> int:
                          "than under the table's sustained load)")
     ap.add_argument("--margin", type=number, default=0.03,
                     help="record a configuration only if it beats the kernel's own choice by this "
-                         "fraction; else, between two rows of configurations, the row above's or else "
-                         "the row below's where it ran faster than auto at this T; else 'auto'. Also "
+                         "fraction; else, under a row of a configuration, that row's choice or else the "
+                         "row below's where it ran faster than auto at this T; else 'auto'. Also "
                          "the loss over which a "
                          "'# gap:' line is printed (>= 0)")
     ap.add_argument("--out", default=None, metavar="FILE",
@@ -438,9 +444,9 @@ def main() -> int:
               f"# This run: {', '.join(sorted({m for m, _ in cases}))} at T = "
               f"{' '.join(map(str, sorted(set(args.tokens))))}.\n"
               "# by_T rows: [T, configuration, its µs, µs of the kernel's own choice ('auto')]; a\n"
-              f"# configuration is recorded where it beat auto by more than {args.margin:.0%}; else, between\n"
-              "# rows of configurations, the row above's or else below's where it ran faster than auto;\n"
-              "# else auto. A call uses the row of the largest T not above its own. Format:\n"
+              f"# configuration is recorded where it beat auto by more than {args.margin:.0%}; else,\n"
+              "# under a row of a configuration, that row's or else the row below's where it ran faster\n"
+              "# than auto; else auto. A call uses the row of the largest T not above its own. Format:\n"
               "# ex_engine/tuning.py.\n")
     out.parent.mkdir(parents=True, exist_ok=True)
     with _folder_locked(out.parent):

@@ -138,3 +138,37 @@ def test_gap_notes_take_a_choice_given_as_its_value_and_survive_a_zero_time():
     assert tune.gap_notes(data, {_Q + (1536,): ("q", {"auto": 0.0, "chunked_nomc": 237.3})}, 0.03) == []
     zero_up = _data([[384, "auto", 1.0, 1.0], [512, "chunked", 0.0, 980.8]])
     assert tune.gap_notes(zero_up, {_Q + (384,): ("q", {"auto": 1.0})}, 0.03) == []
+
+
+def test_the_lower_choice_is_not_lent_where_the_row_above_shows_it_losing_or_never_timed():
+    """keep_neighbour_choices (a review of 4ed1480): where the row above was tuned in this run,
+    the row below's choice is lent only if it ran no slower than auto there too; one that
+    candidates() left out there (tiny above 64 rows per expert) or that lost there stays out, so
+    no range runs a choice that lost, or went untimed, at both ends."""
+    tune = import_tool("benchmarks", "tune_moe")
+    for at_512 in ({"auto": 2.0, "mid": 1.0}, {"auto": 2.0, "mid": 1.0, "tiny": 4.0}):
+        data = _data([[256, "tiny", 1.0, 2.0], [384, "auto", 3.0, 3.0], [512, "mid", 1.0, 2.0]])
+        timed = {_Q + (384,): ("q", {"auto": 3.0, "tiny": 2.8, "mid": 3.2}), _Q + (512,): ("q", at_512)}
+        assert tune.keep_neighbour_choices(data, timed) == []
+        assert data["moe_fused_gemm"]["shapes"][0]["by_T"][1][1] == "auto"
+        # and the range 384..511, auto, is reported against mid at 512 (100% slower)
+        assert any("T = 384..511 runs the T = 384 row's auto, 100% slower" in ln
+                   for ln in tune.gap_notes(data, timed, 0.03))
+    data = _data([[256, "tiny", 1.0, 2.0], [384, "auto", 3.0, 3.0], [512, "mid", 1.0, 2.0]])
+    timed = {_Q + (384,): ("q", {"auto": 3.0, "tiny": 2.8, "mid": 3.2}),
+             _Q + (512,): ("q", {"auto": 2.0, "mid": 1.0, "tiny": 1.9})}          # tiny no slower than auto at 512
+    (line,) = tune.keep_neighbour_choices(data, timed)
+    assert "records the T = 256 row's tiny" in line
+    # a difference the row's 0.1 µs cannot show is no reason to change it
+    data = _data([[256, "tiny", 1.0, 2.0], [384, "auto", 870.6, 870.6], [512, "mid", 1.0, 2.0]])
+    assert tune.keep_neighbour_choices(data, {_Q + (384,): ("q", {"auto": 870.64, "mid": 870.56})}) == []
+
+
+def test_gap_notes_take_a_file_row_without_figures():
+    """A file's row may give only [T, configuration] or a note after it (ex_engine/tuning.py);
+    the range below it is then not judged from its figures, and nothing raises."""
+    tune = import_tool("benchmarks", "tune_moe")
+    for up in ([512, "chunked"], [512, "chunked", "a note", None], [512, "chunked", None, None],
+               [512, "chunked", True, 3.0]):
+        data = _data([[384, "auto", 9.0, 9.0], up])
+        assert tune.gap_notes(data, {_Q + (384,): ("q", {"auto": 9.0})}, 0.03) == []
