@@ -1,6 +1,7 @@
-"""tune_moe.gap_notes: after a run, the rows whose lower neighbour's choice lost at this row's T
-(a call between the two T runs that choice; session fifty-eight found such gaps costing 26-27%
-on an H100)."""
+"""tune_moe's checks after a run: gap_notes (the ranges around each tuned row where a call runs a
+choice that lost, or was never timed, at a neighbouring row's T; session fifty-eight found such
+gaps costing up to 36% on an H100) and keep_neighbour_choices (an auto row inside the margin
+takes a neighbour's faster choice)."""
 from .test_bench_tools import drive_tune_moe, import_tool
 
 _Q = (2048, 768, 128, 8)
