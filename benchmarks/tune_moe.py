@@ -240,7 +240,7 @@ def keep_neighbour_choices(data: dict, timed: dict) -> list:
     return out
 
 
-def gap_notes(data: dict, timed: dict, margin: float) -> list:
+def gap_notes(data: dict, timed: dict, margin: float, out: str | None = None) -> list:
     """Lines naming the gaps around the rows tuned in this run, in the merged table ``data``
     (merge_rows's result; a call uses the row of the largest tuned T not above its own).
     ``timed`` maps (H, I, G, K, T) of each row tuned in this run to (model, {configuration:
@@ -249,11 +249,13 @@ def gap_notes(data: dict, timed: dict, margin: float) -> list:
     1 runs it, and it loses that much at T (measured at T only). Above it, where the next row up
     (U) was not tuned in this run and chose otherwise: calls from T to U - 1 run this row's
     choice; if that is auto, U's row says what auto lost there; else it was never timed at U and
-    the line says so. Each line names a T between the two to tune next. On an H100 such gaps cost
+    the line says so. Each line names a T between the two to tune next (with ``--out out`` where
+    the run was given one, so that the next run merges into the same file). On an H100 such gaps cost
     up to 36% (RESULTS.md, session fifty-eight: olmoe T = 2266 ran T = 1024's chunked_nomc,
     806.5 against auto's 591.4 µs)."""
     rows_of = _rows_by_T(data)
-    out = []
+    to = f" --out {out}" if out else ""
+    lines = []
     for (*key, T), (model, times) in sorted(timed.items(), key=lambda kv: (kv[1][0], kv[0][-1])):
         rows = rows_of.get(tuple(key), {})
         if T not in rows:
@@ -266,10 +268,10 @@ def gap_notes(data: dict, timed: dict, margin: float) -> list:
             if cfg != chosen and cfg in times and times.get(chosen, 0) > 0:
                 loss = times[cfg] / times[chosen] - 1
                 if loss > margin:
-                    out.append(f"# gap: {model} T = {lo}..{T - 1} runs the T = {lo} row's {cfg}, {loss:.0%} "
+                    lines.append(f"# gap: {model} T = {lo}..{T - 1} runs the T = {lo} row's {cfg}, {loss:.0%} "
                                f"slower at T = {T} ({times[cfg]:.1f} µs) than this row's {chosen} "
                                f"({times[chosen]:.1f}); tune a T between them (e.g. --models {model} "
-                               f"--tokens {_between(lo, T)}) to find where the choice changes")
+                               f"--tokens {_between(lo, T)}{to}) to find where the choice changes")
         above = [t for t in rows if t > T]
         if not above or min(above) - T < 2 or tuple(key) + (min(above),) in timed:
             continue      # (a row above tuned in this run: its own check below it covers the range)
@@ -278,18 +280,18 @@ def gap_notes(data: dict, timed: dict, margin: float) -> list:
         cfg = _choice(up[1])
         if cfg == chosen:
             continue
-        hint = f"tune a T between them (e.g. --models {model} --tokens {_between(T, hi)})"
+        hint = f"tune a T between them (e.g. --models {model} --tokens {_between(T, hi)}{to})"
         if chosen == "auto":
             figures = len(up) >= 4 and all(isinstance(v, (int, float)) and not isinstance(v, bool)
                                            for v in up[2:4])   # (a file's row may give no µs, or a note)
             if cfg != "auto" and figures and up[2] > 0 and up[3] / up[2] - 1 > margin:
-                out.append(f"# gap: {model} T = {T}..{hi - 1} runs this row's auto, {up[3] / up[2] - 1:.0%} "
+                lines.append(f"# gap: {model} T = {T}..{hi - 1} runs this row's auto, {up[3] / up[2] - 1:.0%} "
                            f"slower at T = {hi} ({up[3]} µs, that row's figures) than the T = {hi} "
                            f"row's {cfg} ({up[2]}); {hint} to find where the choice changes")
         else:
-            out.append(f"# unchecked: {model} T = {T}..{hi - 1} runs this row's {chosen}, never timed at "
+            lines.append(f"# unchecked: {model} T = {T}..{hi - 1} runs this row's {chosen}, never timed at "
                        f"T = {hi}, whose row chose {cfg}; {hint} to check it")
-    return out
+    return lines
 
 
 def _file_state(path: Path):
@@ -465,7 +467,7 @@ def main() -> int:
         # malformed and the next run would not merge into (only --replace, dropping every row)
         replace_file(out, header + yaml.safe_dump(data, sort_keys=False, default_flow_style=None, width=100))
     print(f"# wrote {out}; {failed} configuration(s) failed their check", flush=True)
-    for line in kept + gap_notes(data, timed, args.margin):
+    for line in kept + gap_notes(data, timed, args.margin, args.out):
         print(line, flush=True)
     return 1 if failed else 0
 

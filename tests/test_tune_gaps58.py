@@ -39,6 +39,9 @@ def test_no_gap_where_the_choice_is_the_same_within_the_margin_or_untimed_or_low
     # a timed row the merged table lacks (or a shape it lacks): nothing, no KeyError
     assert tune.gap_notes(data, {_Q + (3000,): ("q", {"auto": 1.0})}, 0.03) == []
     assert tune.gap_notes({}, timed, 0.03) == []
+    assert lines[0].endswith("--tokens 2896) to find where the choice changes")
+    assert tune.gap_notes(data, timed, 0.03, "my.yaml")[0].endswith("--tokens 2896 --out my.yaml) to find where "
+                                                                    "the choice changes")
     # adjacent T: no call runs between them; T two apart: the one between is the T to tune
     near = _data([[1, "auto", 9.0, 9.0], [2, "tiny", 5.0, 9.0], [4, "tiny", 5.0, 9.0]])
     assert tune.gap_notes(near, {_Q + (2,): ("q", {"auto": 9.0, "tiny": 5.0})}, 0.03) == []
@@ -62,7 +65,7 @@ def test_the_tuner_prints_the_gap_after_writing_its_file(monkeypatch, tmp_path, 
     text = capsys.readouterr().out
     wrote = text.index("# wrote ")
     gap = text.index("# gap: qwen3-30b-a3b T = 1..7 runs the T = 1 row's auto, 100% slower at T = 8 (10.0 µs)")
-    assert gap > wrote and "--models qwen3-30b-a3b --tokens 3)" in text[gap:]
+    assert gap > wrote and f"--models qwen3-30b-a3b --tokens 3 --out {out})" in text[gap:]   # the next run merges into the same file
 
 
 def test_an_auto_row_between_configurations_keeps_a_neighbours_choice_that_ran_faster_here():
