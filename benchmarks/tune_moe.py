@@ -35,6 +35,7 @@ import math
 import os
 import re
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -404,9 +405,12 @@ def main() -> int:
     print(f"# tuning moe_fused_gemm with {plugin.path.name} on {device} ({sms} SMs)", flush=True)
     print(f"{'model':<22}{'T':>6}  " + "".join(f"{c:>{_width(c)}}" for c in ["auto", *CONFIGS]) + "  best")
     cur, failed = None, 0
+    started = time.monotonic()
     for i, (m, T) in enumerate(cases):
         s = models[m]
-        print(f"[{i + 1}/{len(cases)}] {m} T={T} ...", file=sys.stderr, flush=True)
+        # (the rows left at the mean pace so far: T and the model change a row's time, ~10 s on an H100)
+        left = "" if i == 0 else f" (about {(time.monotonic() - started) / i * (len(cases) - i) / 60:.0f} min left)"
+        print(f"[{i + 1}/{len(cases)}] {m} T={T} ...{left}", file=sys.stderr, flush=True)
         if m != cur:
             torch.cuda.empty_cache()
             w13, w2 = layer_weights(s, dt, gen)

@@ -176,3 +176,12 @@ def test_gap_notes_take_a_file_row_without_figures():
                [512, "chunked", True, 3.0]):
         data = _data([[384, "auto", 9.0, 9.0], up])
         assert tune.gap_notes(data, {_Q + (384,): ("q", {"auto": 9.0})}, 0.03) == []
+
+
+def test_the_progress_line_says_how_long_is_left_from_the_second_row(monkeypatch, tmp_path, capsys):
+    """A default run is ~105 rows (~18 minutes on an H100): from the second row on, the progress
+    line estimates the minutes left at the mean pace so far."""
+    assert drive_tune_moe(monkeypatch, tmp_path / "h200.yaml", ["--tokens", "1", "8", "64"])[0] == 0
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("[")]
+    assert err[0] == "[1/3] qwen3-30b-a3b T=1 ..."
+    assert err[1].startswith("[2/3] qwen3-30b-a3b T=8 ... (about ") and err[2].endswith(" min left)")
