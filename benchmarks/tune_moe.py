@@ -164,6 +164,11 @@ def merge_problem(out, replace: bool, device=None, sms=None) -> str:
     return ""
 
 
+def _entries_by_key(table: dict) -> dict:
+    """(H, I, G, K) -> shapes entry of a factor's table (its own dicts)."""
+    return {tuple(e[k] for k in KEY): e for e in table.get("shapes") or []}
+
+
 def merge_rows(data: dict, tuned: dict, device: str, sms: int) -> dict:
     """``data`` (existing_table's mapping, {} for a new table) with this run's rows merged in:
     ``tuned`` maps (H, I, G, K) to (model, {T: [T, configuration, its µs, auto's µs]}); a row
@@ -171,7 +176,7 @@ def merge_rows(data: dict, tuned: dict, device: str, sms: int) -> dict:
     data.update({"device": device, "multiprocessor_count": sms})
     table = data.setdefault("moe_fused_gemm", {})
     table.update({"dim": "config", "key": KEY, "values": VALUES})
-    shapes = {tuple(e[k] for k in KEY): e for e in table.get("shapes") or []}
+    shapes = _entries_by_key(table)
     for key, (model, new) in tuned.items():
         entry = shapes.setdefault(key, {**dict(zip(KEY, key)), "model": model, "by_T": []})
         rows = {r[0]: r for r in entry["by_T"]}
@@ -191,8 +196,8 @@ def _choice(c) -> str:
 
 def _rows_by_T(data: dict) -> dict:
     """(H, I, G, K) -> {T: row} of the merged table ``data``; the rows are the table's own lists."""
-    shapes = data.get("moe_fused_gemm", {}).get("shapes") or []
-    return {tuple(e[k] for k in KEY): {r[0]: r for r in e.get("by_T") or []} for e in shapes}
+    return {key: {r[0]: r for r in e.get("by_T") or []}
+            for key, e in _entries_by_key(data.get("moe_fused_gemm", {})).items()}
 
 
 def _between(lo: int, hi: int) -> int:

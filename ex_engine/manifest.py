@@ -287,7 +287,7 @@ def _param_spec_problem(spec) -> str:
     ``float32`` applies to floats: on an int or a bool they were ignored without a word)."""
     if not isinstance(spec, dict):
         return f"expected {{type: float | int | bool, default: ...}}, got {_got(spec)}"
-    typ = spec.get("type", "float")
+    typ = _param_type(spec)
     if typ not in ("float", "int", "bool"):
         return f"type: expected float, int or bool, got {_got(typ)}"
     if "float32" in spec:
@@ -877,7 +877,7 @@ class Manifest:
         converted (bool, int or float); raises ArgumentError naming the parameter. A bool
         parameter takes 0 and 1 too, which a call's message says; ``in_manifest`` (the
         manifest's default, written in YAML, whose bools are true and false) says "a bool"."""
-        typ = spec.get("type", "float")
+        typ = _param_type(spec)
         if typ == "bool":
             if not bool_like(v):
                 raise ArgumentError(self.name, k, "type", "a bool" if in_manifest else "a bool (or 0/1)",
