@@ -21,15 +21,20 @@ are merged). A row records the fastest configuration where it beats auto by more
 else, under a row of a configuration, that row's choice or else the row below's where it ran
 faster than auto ('# kept:' line); else auto. After writing, '# gap:' and '# unchecked:' lines
 name the ranges around the tuned rows where a call runs a choice that lost, or was never timed,
-at the neighbouring row's T, each with a T between them to tune next. Exit status: 0 written; 1
-written, but a configuration failed its check; 2 bad arguments or a file it will not replace.
+at the neighbouring row's T, each with a T between them to tune next. With --follow-gaps
+MINUTES the tuner tunes those T itself, round after round, until no line names one or its time
+is spent (the rows asked for always run; the file is still written once, at the end). Exit
+status: 0 written; 1 written, but a configuration failed its check; 2 bad arguments or a file it
+will not replace.
 
     python3 benchmarks/tune_moe.py --models qwen3-30b-a3b --tokens 1 64 4096 --out my.yaml
+    python3 benchmarks/tune_moe.py --models olmoe-1b-7b --tokens 1774 2217 --follow-gaps 3
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import datetime
 import math
 import os
@@ -246,7 +251,7 @@ def keep_neighbour_choices(data: dict, timed: dict) -> list:
     return out
 
 
-def gap_notes(data: dict, timed: dict, margin: float, out: str | None = None) -> list:
+def _gap_items(data: dict, timed: dict, margin: float, out: str | None = None) -> list:
     """Lines naming the gaps around the rows tuned in this run, in the merged table ``data``
     (merge_rows's result; a call uses the row of the largest tuned T not above its own).
     ``timed`` maps (H, I, G, K, T) of each row tuned in this run to (model, {configuration:
@@ -258,7 +263,8 @@ def gap_notes(data: dict, timed: dict, margin: float, out: str | None = None) ->
     the line says so. Each line names a T between the two to tune next (with ``--out out`` where
     the run was given one, so that the next run merges into the same file). On an H100 such gaps cost
     up to 36% (RESULTS.md, session fifty-eight: olmoe T = 2266 ran T = 1024's chunked_nomc,
-    806.5 against auto's 591.4 µs)."""
+    806.5 against auto's 591.4 µs). Returns (line, model, the T to tune) for each.
+    gap_notes gives the lines; --follow-gaps tunes the T."""
     rows_of = _rows_by_T(data)
     to = f" --out {out}" if out else ""
     lines = []
@@ -274,10 +280,11 @@ def gap_notes(data: dict, timed: dict, margin: float, out: str | None = None) ->
             if cfg != chosen and cfg in times and times.get(chosen, 0) > 0:
                 loss = times[cfg] / times[chosen] - 1
                 if loss > margin:
-                    lines.append(f"# gap: {model} T = {lo}..{T - 1} runs the T = {lo} row's {cfg}, {loss:.0%} "
+                    nxt = _between(lo, T)
+                    lines.append((f"# gap: {model} T = {lo}..{T - 1} runs the T = {lo} row's {cfg}, {loss:.0%} "
                                f"slower at T = {T} ({times[cfg]:.1f} µs) than this row's {chosen} "
                                f"({times[chosen]:.1f}); tune a T between them (e.g. --models {model} "
-                               f"--tokens {_between(lo, T)}{to}) to find where the choice changes")
+                               f"--tokens {nxt}{to}) to find where the choice changes", model, nxt))
         above = [t for t in rows if t > T]
         if not above or min(above) - T < 2 or tuple(key) + (min(above),) in timed:
             continue      # (a row above tuned in this run: its own check below it covers the range)
@@ -286,18 +293,41 @@ def gap_notes(data: dict, timed: dict, margin: float, out: str | None = None) ->
         cfg = _choice(up[1])
         if cfg == chosen:
             continue
-        hint = f"tune a T between them (e.g. --models {model} --tokens {_between(T, hi)}{to})"
+        nxt = _between(T, hi)
+        hint = f"tune a T between them (e.g. --models {model} --tokens {nxt}{to})"
         if chosen == "auto":
             figures = len(up) >= 4 and all(isinstance(v, (int, float)) and not isinstance(v, bool)
                                            for v in up[2:4])   # (a file's row may give no µs, or a note)
             if cfg != "auto" and figures and up[2] > 0 and up[3] / up[2] - 1 > margin:
-                lines.append(f"# gap: {model} T = {T}..{hi - 1} runs this row's auto, {up[3] / up[2] - 1:.0%} "
-                           f"slower at T = {hi} ({up[3]} µs, that row's figures) than the T = {hi} "
-                           f"row's {cfg} ({up[2]}); {hint} to find where the choice changes")
+                lines.append((f"# gap: {model} T = {T}..{hi - 1} runs this row's auto, {up[3] / up[2] - 1:.0%} "
+                              f"slower at T = {hi} ({up[3]} µs, that row's figures) than the T = {hi} "
+                              f"row's {cfg} ({up[2]}); {hint} to find where the choice changes", model, nxt))
         else:
-            lines.append(f"# unchecked: {model} T = {T}..{hi - 1} runs this row's {chosen}, never timed at "
-                       f"T = {hi}, whose row chose {cfg}; {hint} to check it")
+            lines.append((f"# unchecked: {model} T = {T}..{hi - 1} runs this row's {chosen}, never timed at "
+                          f"T = {hi}, whose row chose {cfg}; {hint} to check it", model, nxt))
     return lines
+
+
+def gap_notes(data: dict, timed: dict, margin: float, out: str | None = None) -> list:
+    """The '# gap:' and '# unchecked:' lines of _gap_items (which says what they check)."""
+    return [line for line, _, _ in _gap_items(data, timed, margin, out)]
+
+
+def follow_cases(start: dict, new_rows: dict, timed: dict, margin: float, device: str, sms: int) -> list:
+    """The (model, T) that the gap and unchecked lines would name if the run ended now: this
+    run's rows (``new_rows``, as merge_rows takes them; ``timed`` as gap_notes takes it) merged
+    into a copy of ``start`` (the file's table as the run found it, {} for a new one) with the
+    neighbours' choices kept, as the file will be written. In order of the lines, each once,
+    leaving out a T this run timed already. --follow-gaps tunes them, round after round: on an H100
+    six rounds by hand took the largest gap from 32% to 7% (RESULTS.md, session fifty-eight)."""
+    data = merge_rows(copy.deepcopy(start), copy.deepcopy(new_rows), device, sms)
+    keep_neighbour_choices(data, timed)
+    done = {(model, key[-1]) for key, (model, _) in timed.items()}
+    out = []
+    for _, model, T in _gap_items(data, timed, margin):
+        if (model, T) not in done and (model, T) not in out:
+            out.append((model, T))
+    return out
 
 
 def _file_state(path: Path):
@@ -354,6 +384,13 @@ def main() -> int:
                          "row below's where it ran faster than auto at this T; else 'auto'. Also "
                          "the loss over which a "
                          "'# gap:' line is printed (>= 0)")
+    ap.add_argument("--follow-gaps", type=number, default=0.0, metavar="MINUTES",
+                    help="after the T asked for, tune the T that the '# gap:' and '# unchecked:' lines "
+                         "would name, round after round (a round's rows may name more), until none is "
+                         "named or the next row would end more than MINUTES after the run started, at "
+                         "the mean pace so far; the file is written once, at the end, and the lines "
+                         "left are printed (0, the default: off; on an H100 six rounds by hand took "
+                         "the largest gap from 32%% to 7%%)")
     ap.add_argument("--out", default=None, metavar="FILE",
                     help="tuning file to merge into or write (default: this GPU's, "
                          "manifests/tuning/h200.yaml on an H200, else manifests/tuning/<device>_<SMs>sm.yaml); "
@@ -370,6 +407,8 @@ def main() -> int:
         problems.append(f"--sets: expected >= 1, got {args.sets}")
     if not 0 <= args.warm_ms <= 60000:   # (nan fails both)
         problems.append(f"--warm-ms: expected 0..60000 ms, got {args.warm_ms}")
+    if not (math.isfinite(args.follow_gaps) and args.follow_gaps >= 0):
+        problems.append(f"--follow-gaps: expected finite minutes >= 0, got {args.follow_gaps}")
     if not (math.isfinite(args.margin) and args.margin >= 0):   # nan passed `< 0`: no margin test
         problems.append(f"--margin: expected a finite fraction >= 0, got {args.margin}")
     problems.append(output_file_problem("--out", args.out, (".yaml", ".yml")))
@@ -390,8 +429,8 @@ def main() -> int:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     out = Path(args.out) if args.out else default_out(device, sms)
     try:   # (read once more now that this GPU is known: the file must be its table)
-        if not args.replace:
-            existing_table(out, device, sms)
+        # (the table as found: --follow-gaps judges each round's gaps against it and the rows so far)
+        start = {} if args.replace else existing_table(out, device, sms)[0]
     except FactorError as exc:
         report_problems("tune_moe", [_refusal(exc)])
         return 2
@@ -411,49 +450,78 @@ def main() -> int:
     print(f"{'model':<22}{'T':>6}  " + "".join(f"{c:>{_width(c)}}" for c in ["auto", *CONFIGS]) + "  best")
     cur, failed = None, 0
     started = time.monotonic()
-    for i, (m, T) in enumerate(cases):
-        s = models[m]
-        # (the rows left at the mean pace so far: T and the model change a row's time, ~10 s on an H100)
-        left = "" if i == 0 else f" (about {(time.monotonic() - started) / i * (len(cases) - i) / 60:.0f} min left)"
-        print(f"[{i + 1}/{len(cases)}] {m} T={T} ...{left}", file=sys.stderr, flush=True)
-        if m != cur:
-            torch.cuda.empty_cache()
-            w13, w2 = layer_weights(s, dt, gen)
-            cur = m
-        sets = input_sets(s, T, args.sets, w13, w2, dt, gen)
-        ref = reference(*sets[0])
-        times = {}
-        names = []
-        for name in ["auto", *candidates(T * s.K / s.E, grouped, s.H, s.I)]:
-            force_config(reg, name)
-            err = rel(moe_fused_gemm(*sets[0], registry=reg), ref)
-            if not err <= 1e-2:   # (NaN never passes)
-                print(f"  {name}: rel err {err:.2e} > 1e-2, not timed", flush=True)
-                failed += 1
+    asked = len(cases)   # the rows asked for; those after them come from gap lines (--follow-gaps)
+    followed, rounds, i = {}, 0, 0
+    while True:
+        while i < len(cases):
+            m, T = cases[i]
+            s = models[m]
+            spent = time.monotonic() - started
+            # (the rows left at the mean pace so far: T and the model change a row's time, ~10 s on an H100)
+            if i < asked:
+                left = "" if i == 0 else f" (about {spent / i * (asked - i) / 60:.0f} min left)"
+            elif spent + spent / i > args.follow_gaps * 60:   # the next row would end past the budget
+                print(f"# --follow-gaps: {args.follow_gaps:g} min spent; the lines below name what is "
+                      f"left", flush=True)
+                break
             else:
-                names.append(name)
-        # two rounds in opposite orders, best of both: clocks and caches favour no position
-        for name in names + names[::-1]:
-            force_config(reg, name)
-            t = graph_us([lambda a=a: moe_fused_gemm(*a, registry=reg) for a in sets], warm_ms=args.warm_ms)
-            times[name] = min(t, times.get(name, t))
-        reg.set_tuning("moe_fused_gemm", None)
-        tuned = {k: v for k, v in times.items() if k != "auto"}
-        if not tuned or "auto" not in times:
-            continue
-        best = min(tuned, key=tuned.get)
-        if tuned[best] > times["auto"] * (1 - args.margin):
-            best = "auto"              # no configuration is clearly better than the default
-        print(f"{m:<22}{T:>6}  " + "".join(f"{times[c]:>{_width(c)}.1f}" if c in times else f"{'-':>{_width(c)}}"
-                                           for c in ["auto", *CONFIGS]) + f"  {best}", flush=True)
-        new_rows.setdefault((s.H, s.I, s.E, s.K), (m, {}))[1][T] = [
-            T, best, round(times[best], 1), round(times["auto"], 1)]
-        timed[(s.H, s.I, s.E, s.K, T)] = (m, dict(times))
+                left = f" (gap round {rounds}; stops starting rows {args.follow_gaps - spent / 60:.1f} min from now)"
+            print(f"[{i + 1}/{len(cases)}] {m} T={T} ...{left}", file=sys.stderr, flush=True)
+            i += 1
+            if m != cur:
+                torch.cuda.empty_cache()
+                w13, w2 = layer_weights(s, dt, gen)
+                cur = m
+            sets = input_sets(s, T, args.sets, w13, w2, dt, gen)
+            ref = reference(*sets[0])
+            times = {}
+            passed = []
+            for name in ["auto", *candidates(T * s.K / s.E, grouped, s.H, s.I)]:
+                force_config(reg, name)
+                err = rel(moe_fused_gemm(*sets[0], registry=reg), ref)
+                if not err <= 1e-2:   # (NaN never passes)
+                    print(f"  {name}: rel err {err:.2e} > 1e-2, not timed", flush=True)
+                    failed += 1
+                else:
+                    passed.append(name)
+            # two rounds in opposite orders, best of both: clocks and caches favour no position
+            for name in passed + passed[::-1]:
+                force_config(reg, name)
+                t = graph_us([lambda a=a: moe_fused_gemm(*a, registry=reg) for a in sets], warm_ms=args.warm_ms)
+                times[name] = min(t, times.get(name, t))
+            reg.set_tuning("moe_fused_gemm", None)
+            tuned = {k: v for k, v in times.items() if k != "auto"}
+            if not tuned or "auto" not in times:
+                continue
+            best = min(tuned, key=tuned.get)
+            if tuned[best] > times["auto"] * (1 - args.margin):
+                best = "auto"              # no configuration is clearly better than the default
+            print(f"{m:<22}{T:>6}  " + "".join(f"{times[c]:>{_width(c)}.1f}" if c in times else f"{'-':>{_width(c)}}"
+                                               for c in ["auto", *CONFIGS]) + f"  {best}", flush=True)
+            new_rows.setdefault((s.H, s.I, s.E, s.K), (m, {}))[1][T] = [
+                T, best, round(times[best], 1), round(times["auto"], 1)]
+            timed[(s.H, s.I, s.E, s.K, T)] = (m, dict(times))
+        if i < len(cases) or not args.follow_gaps:
+            break
+        # the T the gap lines would name now: the next round (by model, so weights load once each)
+        # (a T tried already is not tried again: one whose every configuration failed its check
+        # has no row, and the same line would name it round after round)
+        nxt = sorted((c for c in follow_cases(start, new_rows, timed, args.margin, device, sms) if c not in cases),
+                     key=lambda c: (names.index(c[0]) if c[0] in names else len(names), c[0], c[1]))
+        if not nxt:
+            break
+        rounds += 1
+        cases += nxt
+        for m, T in nxt:
+            followed.setdefault(m, []).append(T)
     commit = run_meta()["commit"]   # EX_COMMIT, else git describe of this checkout
     header = (f"# Tuned tile configurations of moe_fused_gemm on {device} (written by "
               f"benchmarks/tune_moe.py, {datetime.date.today().isoformat()}, commit {commit}).\n"
               f"# This run: {', '.join(sorted({m for m, _ in cases}))} at T = "
-              f"{' '.join(map(str, sorted(set(args.tokens))))}.\n"
+              f"{' '.join(map(str, sorted(set(args.tokens))))}"
+              + (f"; then, in {rounds} round(s) of its gap lines (--follow-gaps), "
+                 + "; ".join(f"{m} T = {' '.join(map(str, sorted(ts)))}" for m, ts in sorted(followed.items()))
+                 if followed else "") + ".\n"
               "# by_T rows: [T, configuration, its µs, µs of the kernel's own choice ('auto')]; a\n"
               f"# configuration is recorded where it beat auto by more than {args.margin:.0%}; else,\n"
               "# under a row of a configuration, that row's or else the row below's where it ran faster\n"

@@ -23,6 +23,8 @@
 #   TUNE_ARGS         arguments of benchmarks/tune_moe.py, whose --out is always $OUT/tuning.yaml
 #                     (where none is there yet, a copy of this GPU's shipped table if there is
 #                     one, e.g. manifests/tuning/h200.yaml on the H200; else a new table)
+#                     (with --follow-gaps M, keep M a few rows' time under TUNE_TIMEOUT / 60: a
+#                     tuner stopped by the timeout writes no file)
 #   GAP_CASES         model:T cases of the gap stage (default: every model at T = 4096 and 16384;
 #                     gemm_shape_rate.py takes their models and their T, every pairing of them)
 #   TESTS_TIMEOUT (300), SELFTEST_TIMEOUT (150, each self-test), RUN_TIMEOUT (300),

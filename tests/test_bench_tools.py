@@ -1188,22 +1188,35 @@ def test_bench_moe_graph_errors_catch_an_unwritten_element_in_graph_replay():
     assert "set 0 rel err inf" in bench.graph_failure(errs)
 
 
-def drive_tune_moe(monkeypatch, out, argv, during=None):
+def drive_tune_moe(monkeypatch, out, argv, during=None, us=None, err=None, clock=None):
     """benchmarks/tune_moe.py's main() on the CPU, the GPU parts as stand-ins (every candidate
-    configuration times 5 µs, the kernel's own choice 10), for qwen3-30b-a3b at T = 1 into
-    ``out`` with ``argv`` more; ``during(tune)`` runs while the first configuration is timed (a
-    second tuner writing the file, say). Returns (main()'s status, the tuner module)."""
+    configuration times 5 µs, the kernel's own choice 10, or ``us(configuration, T)``; each
+    check's error 0, or ``err(configuration, T)``), for qwen3-30b-a3b at T = 1 into ``out`` with
+    ``argv`` more; ``during(tune)`` runs while the first configuration is timed (a second tuner
+    writing the file, say); ``clock``: the seconds each timing takes on the tuner's clock (else
+    its own). Returns (main()'s status, the tuner module)."""
     import sys
     import types
 
     tune = import_tool("benchmarks", "tune_moe")
-    calls, forced = [], [None]
+    calls, forced, row_T, now = [], [None], [None], [0.0]
 
     def graph_us(fns, warm_ms):
         if not calls and during is not None:
             during(tune)
         calls.append(forced[0])
+        if clock is not None:
+            now[0] += clock
+        if us is not None:
+            return us(forced[0], row_T[0])
         return 10.0 if forced[0] == "auto" else 5.0
+
+    def input_sets(s, T, n, w13, w2, dt, gen):
+        row_T[0] = T
+        return [(None,)]
+
+    if clock is not None:
+        monkeypatch.setattr(tune, "time", types.SimpleNamespace(monotonic=lambda: now[0]))
 
     cuda = types.SimpleNamespace(is_available=lambda: True, get_device_name=lambda: "NVIDIA H200",
                                  get_device_properties=lambda i: types.SimpleNamespace(multi_processor_count=132),
@@ -1214,8 +1227,9 @@ def drive_tune_moe(monkeypatch, out, argv, during=None):
         cuda=cuda, bfloat16="bfloat16", Generator=lambda device: types.SimpleNamespace(manual_seed=lambda s: None)))
     monkeypatch.setattr(tune, "FactorRegistry", types.SimpleNamespace(load=lambda: fake_reg))
     for name, fn in (("layer_weights", lambda s, dt, gen: (None, None)),
-                     ("input_sets", lambda s, T, n, w13, w2, dt, gen: [(None,)]),
-                     ("reference", lambda *a: None), ("rel", lambda a, b: 0.0),
+                     ("input_sets", input_sets),
+                     ("reference", lambda *a: None),
+                     ("rel", lambda a, b: 0.0 if err is None else err(forced[0], row_T[0])),
                      ("moe_fused_gemm", lambda *a, **k: None),
                      ("force_config", lambda reg, name: forced.__setitem__(0, name)),
                      ("graph_us", graph_us), ("run_meta", lambda: {"commit": "test"})):
