@@ -263,7 +263,8 @@ def _gap_items(data: dict, timed: dict, margin: float, out: str | None = None) -
     the line says so. Each line names a T between the two to tune next (with ``--out out`` where
     the run was given one, so that the next run merges into the same file). On an H100 such gaps cost
     up to 36% (RESULTS.md, session fifty-eight: olmoe T = 2266 ran T = 1024's chunked_nomc,
-    806.5 against auto's 591.4 µs). Returns (line, model, the T to tune) for each.
+    806.5 against auto's 591.4 µs). Returns (line, model, the T to tune, lo, hi) for each, lo..hi - 1
+    the range the line names.
     gap_notes gives the lines; --follow-gaps tunes the T."""
     rows_of = _rows_by_T(data)
     to = f" --out {out}" if out else ""
@@ -284,7 +285,7 @@ def _gap_items(data: dict, timed: dict, margin: float, out: str | None = None) -
                     lines.append((f"# gap: {model} T = {lo}..{T - 1} runs the T = {lo} row's {cfg}, {loss:.0%} "
                                f"slower at T = {T} ({times[cfg]:.1f} µs) than this row's {chosen} "
                                f"({times[chosen]:.1f}); tune a T between them (e.g. --models {model} "
-                               f"--tokens {nxt}{to}) to find where the choice changes", model, nxt))
+                               f"--tokens {nxt}{to}) to find where the choice changes", model, nxt, lo, T))
         above = [t for t in rows if t > T]
         if not above or min(above) - T < 2 or tuple(key) + (min(above),) in timed:
             continue      # (a row above tuned in this run: its own check below it covers the range)
@@ -301,16 +302,19 @@ def _gap_items(data: dict, timed: dict, margin: float, out: str | None = None) -
             if cfg != "auto" and figures and up[2] > 0 and up[3] / up[2] - 1 > margin:
                 lines.append((f"# gap: {model} T = {T}..{hi - 1} runs this row's auto, {up[3] / up[2] - 1:.0%} "
                               f"slower at T = {hi} ({up[3]} µs, that row's figures) than the T = {hi} "
-                              f"row's {cfg} ({up[2]}); {hint} to find where the choice changes", model, nxt))
+                              f"row's {cfg} ({up[2]}); {hint} to find where the choice changes", model, nxt, T, hi))
         else:
             lines.append((f"# unchecked: {model} T = {T}..{hi - 1} runs this row's {chosen}, never timed at "
-                          f"T = {hi}, whose row chose {cfg}; {hint} to check it", model, nxt))
+                          f"T = {hi}, whose row chose {cfg}; {hint} to check it", model, nxt, T, hi))
     return lines
 
 
 def gap_notes(data: dict, timed: dict, margin: float, out: str | None = None) -> list:
     """The '# gap:' and '# unchecked:' lines of _gap_items (which says what they check)."""
-    return [line for line, _, _ in _gap_items(data, timed, margin, out)]
+    return [item[0] for item in _gap_items(data, timed, margin, out)]
+
+
+FOLLOW_SPAN = 0.02   # --follow-gaps leaves a range narrower than this fraction of its top T
 
 
 def follow_cases(start: dict, new_rows: dict, timed: dict, margin: float, device: str, sms: int) -> list:
@@ -318,14 +322,16 @@ def follow_cases(start: dict, new_rows: dict, timed: dict, margin: float, device
     run's rows (``new_rows``, as merge_rows takes them; ``timed`` as gap_notes takes it) merged
     into a copy of ``start`` (the file's table as the run found it, {} for a new one) with the
     neighbours' choices kept, as the file will be written. In order of the lines, each once,
-    leaving out a T this run timed already. --follow-gaps tunes them, round after round: on an H100
+    leaving out a T this run timed already and ranges narrower than FOLLOW_SPAN of their top T
+    (the line is still printed): where a cliff lies to within 2% of T matters less than the
+    other gaps the time could go to, and the routing's spread of rows per expert blurs it anyway. --follow-gaps tunes them, round after round: on an H100
     six rounds by hand took the largest gap from 32% to 7% (RESULTS.md, session fifty-eight)."""
     data = merge_rows(copy.deepcopy(start), copy.deepcopy(new_rows), device, sms)
     keep_neighbour_choices(data, timed)
     done = {(model, key[-1]) for key, (model, _) in timed.items()}
     out = []
-    for _, model, T in _gap_items(data, timed, margin):
-        if (model, T) not in done and (model, T) not in out:
+    for _, model, T, lo, hi in _gap_items(data, timed, margin):
+        if hi - lo >= FOLLOW_SPAN * hi and (model, T) not in done and (model, T) not in out:
             out.append((model, T))
     return out
 
