@@ -8,6 +8,7 @@ ml_dtypes and CuPy without bfloat16 support still work.
 """
 from __future__ import annotations
 
+import operator
 import sys
 from dataclasses import dataclass
 from typing import Any
@@ -304,18 +305,30 @@ class TensorRef:
             return cls._from_buffer(x, "cupy", x.data.ptr, x.device.id)
         cai = getattr(x, "__cuda_array_interface__", None)
         if cai is not None:
-            dt = np.dtype(cai["typestr"])
-            shape = tuple(cai["shape"])
-            isz = dt.itemsize
+            try:
+                dt = np.dtype(cai["typestr"])
+                shape = tuple(operator.index(n) for n in cai["shape"])
+                isz = dt.itemsize
+                raw = cai.get("strides")
+                raw = None if raw is None else tuple(operator.index(b) for b in raw)
+                ptr, readonly = operator.index(cai["data"][0]), bool(cai["data"][1])
+            except (KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
+                # a producer's malformed interface: named, not NumPy's or Python's error from in here
+                # (a KeyError, a TypeError of np.dtype or of None[0]; a user's trial, session 59)
+                from .errors import DTypeError
+                raise DTypeError(factor, name, "type", "an object whose __cuda_array_interface__ (a dict) "
+                                 "has typestr (a NumPy type string), shape (ints), data (pointer, "
+                                 "read-only) and, optionally, strides (ints, bytes; or None)",
+                                 f"a {type(x).__name__} whose interface failed: {type(exc).__name__}: "
+                                 f"{exc}") from None
             if isz < 1:
                 _refuse_empty_elements(name, factor, dt)
-            if cai.get("strides") is None:
+            if raw is None:
                 strides = tuple(int(np.prod(shape[i + 1:])) for i in range(len(shape)))
             else:   # bytes -> elements; a fraction (not a whole element) is refused by the validator
-                strides = tuple(s / isz if s % isz else s // isz for s in cai["strides"])
-            ptr = int(cai["data"][0])
+                strides = tuple(s / isz if s % isz else s // isz for s in raw)
             return cls(x, "cai", ptr, shape, strides, _dtype_name(dt), isz, _cai_device(x, ptr),
-                       readonly=bool(cai["data"][1]))
+                       readonly=readonly)
         from .errors import DTypeError     # a FactorError (and a TypeError), naming the argument
         raise DTypeError(factor, name, "type", "a NumPy/CuPy array or a torch tensor",
                          type(x).__name__)

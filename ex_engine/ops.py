@@ -15,7 +15,7 @@ from contextlib import contextmanager
 
 from ._fork import renew_after_fork
 from .arrays import _KINDS, _NP_NAMES, Bits16, TensorRef, _cupy_importable, _kind_of, data_ptr, no_cupy_error
-from .errors import ArgumentError, DTypeError, FactorError, ShapeError
+from .errors import ArgumentError, DeviceError, DTypeError, FactorError, ShapeError
 from .registry import FactorRegistry
 
 _default: FactorRegistry | None = None
@@ -74,7 +74,9 @@ def _empty(ref: TensorRef, shape, dtype: str, factor: str, name: str, reg: Facto
            expected: str = "a numeric dtype in native byte order"):
     """An uninitialised array of ``shape``/``dtype`` from the same library and device as ``ref``
     (argument ``name`` of ``factor``). Raises DeviceError for a device array where CuPy cannot
-    be imported (no_cupy_error; counted in ``reg``'s errors, as dispatch counts a refusal), and
+    be imported (no_cupy_error; counted in ``reg``'s errors, as dispatch counts a refusal) or
+    cannot use the device (CuPy's CUDARuntimeError, e.g. a CuPy for another CUDA than the
+    driver's; counted likewise), and
     DTypeError (counted likewise) for a dtype no array can be made of, e.g. float16 in
     non-native byte order or a structured dtype (the argument's own dtype, which dispatch would
     have refused by name: np.empty's TypeError named neither)."""
@@ -93,10 +95,26 @@ def _empty(ref: TensorRef, shape, dtype: str, factor: str, name: str, reg: Facto
         raise problem
     if ref.on_device:
         import cupy
-        with cupy.cuda.Device(ref.device):
-            if dtype == "bfloat16" and isinstance(like, Bits16):
-                return Bits16(cupy.empty(shape, dtype=cupy.uint16), "bfloat16")
-            return cupy.empty(shape, dtype=_np_dtype(dtype))
+        try:
+            with cupy.cuda.Device(ref.device):
+                if dtype == "bfloat16" and isinstance(like, Bits16):
+                    return Bits16(cupy.empty(shape, dtype=cupy.uint16), "bfloat16")
+                return cupy.empty(shape, dtype=_np_dtype(dtype))
+        except MemoryError:   # (CuPy's OutOfMemoryError: says what it needed)
+            raise
+        except Exception as exc:
+            if not type(exc).__module__.startswith("cupy"):
+                raise
+            # CuPy imports but cannot use the device: a CuPy built for another CUDA than the
+            # driver's (cudaErrorInsufficientDriver), no driver, a device gone; its bare
+            # CUDARuntimeError named neither the factor nor the argument (a user's trial, session 59)
+            if reg is not None:
+                reg._count(factor, "errors")
+            raise DeviceError(factor, name, "device", "a CUDA device that CuPy can use, to allocate the "
+                              "outputs of an array in device memory (a CuPy built for this driver's CUDA: "
+                              "cupy-cuda13x, or cupy-cuda12x for CUDA 12)",
+                              f"a {type(like).__name__} on device {ref.device}, and CuPy failed: "
+                              f"{type(exc).__name__}: {exc}") from exc
     if dtype == "bfloat16" and isinstance(like, Bits16):
         import numpy as np
         return Bits16(np.empty(shape, dtype=np.uint16), "bfloat16")
