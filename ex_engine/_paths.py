@@ -12,7 +12,8 @@ order, as PATH is: a factor's manifest is taken from the first folder that has o
 the hardware profiles (hardware/), the tuning files (tuning/) and the model list
 (moe_models.yaml) come from one folder, the first of the list that has a hardware/ folder (so
 ``EX_ENGINE_MANIFESTS=$HOME/my_manifests:<checkout>/manifests`` keeps the shipped profiles,
-tuning and factors' manifests beside the author's). An entry that is no folder is skipped, with a
+tuning and factors' manifests beside the author's); another folder's tuning/ files are not read,
+and the registry notes so (unread_tuning). An entry that is no folder is skipped, with a
 note; none being a folder is an error naming the variable, its value and what each entry is
 (usable_folders: the registry checks it first, before any hardware profile is looked for in
 it). The registry's manifests_dir= takes the same form, by the same rule.
@@ -229,6 +230,33 @@ def home_dir(dirs) -> Path:
     """Of the manifests folders ``dirs`` (a non-empty list), the one whose hardware/, tuning/
     and moe_models.yaml are used: the first with a hardware/ folder, else the first."""
     return next((d for d in dirs if is_dir(d / "hardware")), dirs[0])
+
+
+def unread_tuning(dirs) -> list[str]:
+    """A note for each folder of the manifests search path ``dirs`` (those that are folders)
+    other than home_dir's whose tuning/ holds *.yaml or *.yml files: they are not read (a new
+    user's trial: a tuning file in their own folder, listed before the shipped one, was
+    silently ignored). Only a listing of each tuning/ folder; one that cannot be listed says
+    nothing."""
+    if len(dirs) < 2:
+        return []
+    home = home_dir(dirs)
+    why = ("the first folder of the search path with a hardware/ folder" if is_dir(home / "hardware")
+           else "the first folder of the search path: none has a hardware/ folder")
+    out = []
+    for d in dict.fromkeys(dirs):   # (a folder listed twice: one note)
+        if d == home:
+            continue
+        try:
+            with os.scandir(d / "tuning") as it:
+                n = sum(e.name.endswith((".yaml", ".yml")) for e in it)
+        except OSError:   # no tuning/ there (or not to be listed)
+            continue
+        if n:
+            out.append(f"tuning: tuning folder {d / 'tuning'}: not read ({n} *.yaml/*.yml file(s)): "
+                       f"tuning files come from {home / 'tuning'} only ({home} is {why}); "
+                       "to use them, put them there")
+    return out
 
 
 def manifests_dir() -> Path:

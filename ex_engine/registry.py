@@ -786,8 +786,10 @@ class FactorRegistry:
         self.tuning: TuningTable = TuningTable.for_hardware(
             hw, _paths.home_dir(self.manifests_dirs) / "tuning", report=False)
         self.notes.extend(path_notes)   # the search path's entries that are no folder
+        # the other folders' tuning files, which are not read (a user's trial: silently ignored)
+        self.notes.extend(_paths.unread_tuning(self.manifests_dirs))
         self.notes.extend(f"tuning: {msg}; skipped" for msg in self.tuning.problems)
-        self.notes.extend(f"tuning: {msg}" for msg in self.tuning.remarks)
+        self._tuning_notes: list = []   # the notes _note_unused_tuning made last (it redoes them)
         self._note_unused_tuning()
         self.notes.extend(f"{msg}; skipped" for msg in self.manifest_errors.values())
         self.notes.extend(self._manifest_notes)
@@ -1435,15 +1437,20 @@ class FactorRegistry:
     def _note_unused_tuning(self) -> None:
         """Notes for the tuning file's tables that can never apply, against every manifest known
         so far (the manifests folder's and those found beside libraries); recomputed after each
-        load, so a table for a plugin whose manifest sits beside it is not called unused."""
-        marker = "its table is never used"
-        self.notes = [n for n in self.notes if not (n.startswith("tuning:") and marker in n)]
+        load, so a table for a plugin whose manifest sits beside it is not called unused. With
+        them the tuning's remarks, which TuningTable.check redoes with the file that serves (a
+        file for this GPU none of whose tables can be used is passed over for the next): the
+        notes say which file serves as check() last decided, not as it was first read."""
+        made = set(self._tuning_notes)
+        self.notes = [n for n in self.notes if n not in made]
         known = dict(self.manifests)
         known.update({p.name: p.manifest for p in self.plugins if p.manifest is not None})
-        before = set(self.tuning.refused)
-        self.notes.extend(f"tuning: {msg}" for msg in self.tuning.check(known))
-        if set(self.tuning.refused) != before:   # calls remembered with a tuned dim from a table
-            self._forget_calls()                  # now set aside (or back in use) bind again
+        before = (self.tuning.path, set(self.tuning.refused))
+        unused = self.tuning.check(known)
+        self._tuning_notes = [f"tuning: {msg}" for msg in (*self.tuning.remarks, *unused)]
+        self.notes.extend(self._tuning_notes)
+        if (self.tuning.path, set(self.tuning.refused)) != before:   # calls remembered with a tuned
+            self._forget_calls()   # dim from a table now set aside (or back in use, or of another file) bind again
 
     def _choose(self) -> None:
         """Pick one ready plugin per name: the user's ``prefer``, else highest version, then

@@ -13,6 +13,10 @@ file and the key; its shapes run on DEFAULT).
 Where the dim's manifest entry gives ``range: [LO, HI]`` or ``options: [...]``, a table whose
 rows use a value outside is set aside (a registry note, and on a live GPU a warning, name the
 file, the values and the allowed ones; its shapes run on DEFAULT).
+Of several files for one device the first by name that has a table in use serves: a file none of
+whose tables can be used (each set aside as above, or none there) is passed over for the next, as
+a malformed one is (a remark names it and why), and serves only where no file for the device has
+a table that can be used (its notes then say why none is used).
 
 File format (written by benchmarks/tune_moe.py)::
 
@@ -199,20 +203,33 @@ class TuningTable:
     """Every factor's tuned choices for one device (empty when no file matches it)."""
 
     def __init__(self, factors: dict | None = None, path: str | None = None, warn: bool = False,
-                 problems: list | None = None, folder=None, remarks: list | None = None):
-        self.factors: dict = factors or {}
-        self.path = path
+                 problems: list | None = None, folder=None, remarks: list | None = None, *,
+                 candidates: list | None = None, device: str | None = None):
+        # the file that serves, its tables, and those of them check() set aside (factor -> why):
+        # one tuple, which check() replaces whole and value() reads once (check() may pass to
+        # another file: its tables read with the other file's refusals would hand a kernel a
+        # value its manifest does not allow). path, factors and refused read and set its parts.
+        self._served: tuple = (path, factors or {}, {})
+        # the well-formed files for this device, [(path, factors)] in name order: check() serves
+        # the first with a table that can be used (before any check(), the first)
+        self.candidates: list = candidates if candidates is not None else (
+            [(path, self.factors)] if path is not None else [])
+        self.device = device                   # the GPU's name the files were matched against
         self.folder = Path(folder) if folder else tuning_dir()   # where the files were looked for
         self.warn = warn
         self.problems: list = problems or []   # files skipped, unreadable or malformed (message each)
-        self.remarks: list = remarks or []     # well-formed files not used, and why; two names
-                                               # for one code in a table (message each)
+        # well-formed files not used, and why; two names for one code in a table (message
+        # each): those said on reading, and those on which file serves (check() redoes these)
+        self._read_remarks: list = list(remarks or [])
+        self.remarks: list = self._read_remarks + self._choice_remarks(0, {})
         self._warned: set = set()
         self._lock = threading.Lock()
         renew_after_fork(self, "_lock")        # (a fresh lock in a forked child)
         self._overrides: dict = {}
-        self.refused: dict = {}                # factor -> why check() set its table aside
         self.set_aside: list = []              # files for this device skipped as malformed
+        # files for this device passed over by check(): well-formed, but none of their tables
+        # can be used (the remarks say why)
+        self.unused_files: list = []
         # the files of ``problems``, by what was wrong: ``unreadable``, not read from disk at
         # all (no permission, a dangling link, a folder); ``malformed``, read but wrong (not
         # text, not YAML, not a tuning file's form: an empty file, multiprocessor_count: many)
@@ -224,13 +241,42 @@ class TuningTable:
         self.folder_problem: str = ""
 
     @property
+    def path(self) -> str | None:
+        """The file that serves (None: no file for this device)."""
+        return self._served[0]
+
+    @path.setter
+    def path(self, value) -> None:
+        self._served = (value, *self._served[1:])
+
+    @property
+    def factors(self) -> dict:
+        """The tables of ``path``: factor -> FactorTuning."""
+        return self._served[1]
+
+    @factors.setter
+    def factors(self, value) -> None:
+        path, _, refused = self._served
+        self._served = (path, value, refused)
+
+    @property
+    def refused(self) -> dict:
+        """Factor -> why check() set its table (of ``path``) aside."""
+        return self._served[2]
+
+    @refused.setter
+    def refused(self, value) -> None:
+        self._served = (*self._served[:2], value)
+
+    @property
     def in_use(self) -> str | None:
         """The file whose tables serve calls: ``path`` while check() has left at least one of
         its tables in use; None when there is no file, or none of its tables can apply (each
         set aside by check(): a dim no manifest has, say; ``path`` still names the file read)."""
-        if self.path is None or not any(name not in self.refused for name in self.factors):
+        path, factors, refused = self._served
+        if path is None or not any(name not in refused for name in factors):
             return None
-        return self.path
+        return path
 
     @classmethod
     def for_hardware(cls, hardware, folder=None, report: bool = True) -> "TuningTable":
@@ -240,10 +286,11 @@ class TuningTable:
         Every file is read. A malformed one is skipped (an entry in ``problems`` says why, and
         with ``report`` a TuningWarning; a registry passes report=False and lists ``problems`` in
         its notes): like a bad plugin, it never stops the registry; its shapes run on the
-        kernels' defaults. Of several files for this device the first by name is used and the
-        others are named in ``remarks``, as is a file for this GPU's name in other letter case
-        or for another SM count, and a table that gives one configuration code two names (kept:
-        rows naming either run that code).
+        kernels' defaults. Of several files for this device the first by name is used (until
+        check() passes over one none of whose tables can be used: see check) and the others are
+        named in ``remarks``, as is a file for this GPU's name in other letter case or for
+        another SM count, and a table that gives one configuration code two names (kept: rows
+        naming either run that code).
 
         hardware: a Hardware (or any object with ``name``, ``multiprocessor_count`` and
         ``live``), a profile name or path (str or os.PathLike: Hardware.from_profile), or None
@@ -270,7 +317,7 @@ class TuningTable:
             t = cls(warn=warn, problems=[why], folder=folder)
             t.folder_problem, t.unreadable = why, [str(folder)]
             return t
-        problems, remarks, chosen, set_aside, unreadable, malformed = [], [], None, [], [], []
+        problems, remarks, cands, set_aside, unreadable, malformed = [], [], [], [], [], []
         for p in files:
             device = None
             try:
@@ -294,11 +341,7 @@ class TuningTable:
                 factors = {k: FactorTuning(k, v, str(p)) for k, v in data.items()
                            if k not in ("device", "multiprocessor_count", _NUMERIC_DEVICE)}
                 remarks += [f"tuning file {p}: {k}: {r}" for k, f in factors.items() for r in f.remarks]
-                if chosen is not None:
-                    remarks.append(f"tuning file {p}: also for {device}; {chosen[1]} (first by name) "
-                                   "is used, this one is not")
-                    continue
-                chosen = (factors, str(p))
+                cands.append((str(p), factors))   # (which serves: the remarks on it, __init__)
             except FactorError as exc:
                 problems.append(str(exc))
                 (unreadable if isinstance(exc, _Unreadable) else malformed).append(str(p))
@@ -307,10 +350,11 @@ class TuningTable:
                 if report:
                     warnings.warn(f"{exc}; skipped (its shapes run on the kernels' defaults)",
                                   TuningWarning, stacklevel=2)
-        if chosen is None:
-            t = cls(warn=warn, problems=problems, folder=folder, remarks=remarks)
+        if not cands:
+            t = cls(warn=warn, problems=problems, folder=folder, remarks=remarks, device=hardware.name)
         else:
-            t = cls(chosen[0], chosen[1], warn, problems, folder, remarks)
+            t = cls(cands[0][1], cands[0][0], warn, problems, folder, remarks, candidates=cands,
+                    device=hardware.name)
         t.set_aside, t.unreadable, t.malformed = set_aside, unreadable, malformed
         return t
 
@@ -378,26 +422,32 @@ class TuningTable:
         rows that all lie above T = 0 for a factor without T (its calls look up T = 0), a value its rows use outside what the manifest allows
         for the dim (range / options). Such a table never matches a call (its shapes run on the
         defaults; check() sets it aside), so a misspelt name would otherwise pass unnoticed."""
+        path, factors, _ = self._served
+        return self._unused(path, factors, manifests)
+
+    @staticmethod
+    def _unused(path, factors: dict, manifests: dict) -> list:
+        """unused() for the file ``path`` whose tables are ``factors``."""
         out = []
-        for name, ft in sorted(self.factors.items()):
+        for name, ft in sorted(factors.items()):
             m = manifests.get(name)
             if m is None:
-                out.append(f"tuning file {self.path}: {name}: no factor of that name has a manifest "
+                out.append(f"tuning file {path}: {name}: no factor of that name has a manifest "
                            f"(known: {', '.join(sorted(manifests)) or 'none'}); its table is never used")
                 continue
             first = len(out)
             if ft.dim not in m.tuned_dims:
-                out.append(f"tuning file {self.path}: {name}: dim: expected one of {name}'s tuned dims "
+                out.append(f"tuning file {path}: {name}: dim: expected one of {name}'s tuned dims "
                            f"{m.tuned_dims}, got {ft.dim!r}; its table is never used")
             bad = [k for k in ft.key if k not in m.size_names]   # (T too, for a factor without T)
             if bad:
-                out.append(f"tuning file {self.path}: {name}: key: {bad} no size of {name}'s calls "
+                out.append(f"tuning file {path}: {name}: key: {bad} no size of {name}'s calls "
                            f"(expected some of {sorted(m.size_names)}); its table is never used")
             if "T" not in m.size_names and len(out) == first:   # (a wrong dim or key said first)
                 # lookup() reads a call's T as 0 when the factor has none: only rows at T = 0 apply
                 if not any(rows[0] == 0 for rows, _ in ft.table.values()):
                     ts = sorted({t for rows, _ in ft.table.values() for t in rows})
-                    out.append(f"tuning file {self.path}: {name}: by_T: {name}'s calls have no size T "
+                    out.append(f"tuning file {path}: {name}: by_T: {name}'s calls have no size T "
                                f"(its sizes: {sorted(m.size_names)}), so every call looks up T = 0; "
                                f"expected a row at T = 0, got rows at T = {ts}; its table is never used")
             if ft.dim in m.tuned_dims:
@@ -406,7 +456,7 @@ class TuningTable:
                 used = {v for _, vs in ft.table.values() for v in vs}
                 bad = {k: v for k, v in ft.values.items() if v in used and not ok(v)}
                 if bad:
-                    out.append(f"tuning file {self.path}: {name}: values: "
+                    out.append(f"tuning file {path}: {name}: values: "
                                f"{', '.join(f'{k}: {v}' for k, v in bad.items())} outside what {m.path} "
                                f"allows for {ft.dim} ({allowed}); its table is never used")
         return out
@@ -418,14 +468,72 @@ class TuningTable:
         decision replaces ``refused`` whole, so that value() in another thread meanwhile reads the
         old one or the new one (it read an empty one while it was refilled, and handed calls the
         value of a table set aside: a registry loading more plugins while serving refused those
-        calls for a tuned value outside the manifest's range)."""
-        out = self.unused(manifests)
-        refused = {}
-        for name in self.factors:
-            why = [m for m in out if m.startswith(f"tuning file {self.path}: {name}: ")]
-            if why:
-                refused[name] = "; ".join(why)
-        self.refused = refused
+        calls for a tuned value outside the manifest's range).
+
+        Which file serves is decided here too: of the files for this device (``candidates``, in
+        name order) the first with a table that can be used, so that a well-formed file whose
+        every table is set aside (or that has none) no longer shadows the next one, the shipped
+        file, say (a user's trial: a file whose only table used a value outside the manifest's
+        range served nothing, and every row of the shipped file was dropped for it, while a
+        malformed file in its place was skipped). Such a file is passed over (``unused_files``;
+        a remark names it and why); where no file has a table that can be used, the first serves
+        and the returned messages say why none of its tables is used. ``path``, its tables and
+        their refusals change together (see _served); ``remarks`` is redone to say which file
+        serves."""
+        path, factors, _ = self._served
+        # the file serving now is judged by the tables value() reads (``factors``)
+        cands = [(p, factors if p == path else f) for p, f in self.candidates] or [(path, factors)]
+        judged: dict = {}   # index in cands -> (messages, refused)
+        served = 0
+        for i, (p, f) in enumerate(cands):
+            out = self._unused(p, f, manifests)
+            refused = {}
+            for name in f:
+                why = [m for m in out if m.startswith(f"tuning file {p}: {name}: ")]
+                if why:
+                    refused[name] = "; ".join(why)
+            judged[i] = (out, refused)
+            if any(name not in refused for name in f):
+                served = i
+                break
+        out, refused = judged[served]
+        p, f = cands[served]
+        self.unused_files = [cands[i][0] for i, (_, r) in judged.items()
+                             if i != served and not any(n not in r for n in cands[i][1])]
+        self.remarks = self._read_remarks + self._choice_remarks(served, judged, cands)
+        self._served = (p, f, refused)
+        return out
+
+    def _choice_remarks(self, served: int, judged: dict, cands: list | None = None) -> list:
+        """The remarks on the files for this device other than the one that serves, cands[served]
+        (cands: ``candidates``): one check() passed over, none of whose tables can be used (its
+        reasons, from judged: index -> (unused messages, refused)), and one after the one that
+        serves ("also for"). Before any check(), judged is empty: every file taken as usable."""
+        cands = self.candidates if cands is None else cands
+        if len(cands) < 2:
+            return []
+        device = self.device or "this GPU"
+        first = cands[served][0]
+
+        def usable(i):   # a table of it in use (not judged: not checked yet, taken as usable)
+            return i not in judged or any(n not in judged[i][1] for n in cands[i][1])
+
+        out = []
+        for i, (p, _) in enumerate(cands):
+            if i == served:
+                continue
+            if not usable(i):
+                head, tail = f"tuning file {p}: ", "; its table is never used"
+                why = "; ".join(m[len(head):].removesuffix(tail) if m.startswith(head) else m
+                                for m in judged[i][0]) or "it has no table"
+                then = (f"{first} (the first file for {device} by name with a table that can be "
+                        f"used) is used instead" if usable(served) else
+                        f"no file for {device} has a table that can be used")
+                out.append(f"tuning file {p}: for {device}, but none of its tables can be used "
+                           f"({why}): set aside; {then}")
+            else:
+                which = "first by name" if served == 0 else "first by name with a table that can be used"
+                out.append(f"tuning file {p}: also for {device}; {first} ({which}) is used, this one is not")
         return out
 
     def override(self, factor: str, fn) -> None:
@@ -455,8 +563,10 @@ class TuningTable:
                 raise FactorError(f"{factor}: the tuning override for dim {dim!r} returned "
                                   f"{v!r} ({type(v).__name__}); expected an integer")
             return int(v)
-        refused = self.refused   # read once: check() in another thread may replace it meanwhile
-        ft = self.factors.get(factor) if factor not in refused else None
+        # read once: check() in another thread may replace it meanwhile (another file's tables,
+        # or the same ones with other refusals)
+        path, factors, refused = self._served
+        ft = factors.get(factor) if factor not in refused else None
         v = ft.lookup(sizes) if ft is not None and ft.dim == dim else None
         if v is BELOW:
             return default
@@ -474,11 +584,11 @@ class TuningTable:
             elif new:
                 how = ("unreadable or malformed" if self.unreadable and self.malformed
                        else "unreadable" if self.unreadable else "malformed")
-                where = self.path or (f"{self.folder} (this device's file set aside as malformed: "
-                                      f"{'; '.join(self.problems)})" if self.set_aside else
-                                      f"{self.folder} (no file for this device; skipped as "
-                                      f"{how}: {'; '.join(self.problems)})" if self.problems
-                                      else f"{self.folder} (no file for this device)")
+                where = path or (f"{self.folder} (this device's file set aside as malformed: "
+                                 f"{'; '.join(self.problems)})" if self.set_aside else
+                                 f"{self.folder} (no file for this device; skipped as "
+                                 f"{how}: {'; '.join(self.problems)})" if self.problems
+                                 else f"{self.folder} (no file for this device)")
                 warnings.warn(
                     f"{factor}: no tuned {dim} for {', '.join(f'{k}={v}' for k, v in shape)} in "
                     f"{where}; running on the kernel's default choice. Run benchmarks/tune_moe.py "
