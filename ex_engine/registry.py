@@ -1550,8 +1550,12 @@ class FactorRegistry:
                     "" if tried else " if it imports (not checked: the library was rejected before that check)")
             else:
                 fb = "its calls raise FactorError unless set_fallback gives it a Python fallback"
-            self.notes.append(f"fallback: {name}: {marker}: {_printable(p.path.name)} was rejected "
-                              f"({p.reason}); {fb}; see list-factors --why")
+            # every library of that name that was rejected (a user's trial: of two, one was named)
+            rej = [q for q in self.plugins if q.status == "rejected" and (q.name or q.path.stem) == name]
+            which = (f"{_printable(p.path.name)} was rejected ({p.reason})" if len(rej) < 2 else
+                     f"{len(rej)} libraries were rejected ("
+                     + "; ".join(f"{_printable(q.path.name)}: {q.reason}" for q in rej) + ")")
+            self.notes.append(f"fallback: {name}: {marker}: {which}; {fb}; see list-factors --why")
 
     def _forget_calls(self) -> None:
         """Drop every remembered call (bind cache, short path): what they hold (dims, the tuned

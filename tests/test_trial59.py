@@ -101,3 +101,27 @@ def test_a_wellformed_interface_still_reads_as_before():
     assert ref.shape == (2, 8) and ref.strides == (8, 1) and ref.dtype == "float32" and ref.ptr == 0xDEAD000
     ref = TensorRef.of(_CAI({**_GOOD, "shape": (np.int64(2), 8), "strides": None}), "x", "f")
     assert ref.shape == (2, 8) and ref.strides == (8, 1)
+
+
+def test_the_fallback_note_names_every_rejected_library_of_a_factor(tmp_path):
+    """Two libraries of one factor, both rejected (their manifest's fallback does not import):
+    the note named one of them; it names both, each with its reason."""
+    import shutil
+
+    from ex_engine import _paths
+    from tests.conftest import ROOT, build_plugin
+
+    m = tmp_path / "m"
+    shutil.copytree(_paths.manifests_dir(), m)
+    yaml_text = (ROOT / "tests" / "plugins" / "host_scale.yaml").read_text(encoding="utf-8")
+    (m / "host_scale.yaml").write_text(yaml_text.replace("tests.plugins.host_scale_fallback:scale",
+                                                         "nosuch_mod:scale"), encoding="utf-8")
+    build_plugin(tmp_path / "lib", manifest=False)
+    build_plugin(tmp_path / "lib", "host_scale_b", manifest=False)
+    reg = FactorRegistry.load(tmp_path / "lib", hardware="h200", manifests_dir=m)
+    a, b = reg.plugins
+    assert a.status == b.status == "rejected" and a.name == b.name == "host_scale"
+    (note,) = [n for n in reg.notes if n.startswith("fallback:")]
+    assert note.startswith(f"fallback: host_scale: no ready plugin: 2 libraries were rejected "
+                           f"({a.path.name}: {a.reason}; {b.path.name}: {b.reason}); its Python fallback "
+                           "nosuch_mod:scale cannot be loaded"), note
