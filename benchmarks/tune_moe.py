@@ -22,8 +22,9 @@ else, under a row of a configuration, that row's choice or else the row below's 
 faster than auto ('# kept:' line); else auto. After writing, '# gap:' and '# unchecked:' lines
 name the ranges around the tuned rows where a call runs a choice that lost, or was never timed,
 at the neighbouring row's T, each with a T between them to tune next. With --follow-gaps
-MINUTES the tuner tunes those T itself, round after round, until no line names one or its time
-is spent (the rows asked for always run; the file is still written once, at the end). Exit
+MINUTES the tuner tunes those T itself, round after round, until no line names one (ranges
+narrower than 2% of their T are left: their lines are printed) or its time is spent (the rows
+asked for always run; the file is still written once, at the end). Exit
 status: 0 written; 1 written, but a configuration failed its check; 2 bad arguments or a file it
 will not replace.
 
@@ -167,6 +168,11 @@ def merge_problem(out, replace: bool, device=None, sms=None) -> str:
     except FactorError as exc:
         return _refusal(exc)
     return ""
+
+
+def _key(s) -> tuple:
+    """(H, I, G, K) of a model's shape (moe_models.yaml: G is its E)."""
+    return s.H, s.I, s.E, s.K
 
 
 def _entries_by_key(table: dict) -> dict:
@@ -393,7 +399,8 @@ def main() -> int:
     ap.add_argument("--follow-gaps", type=number, default=0.0, metavar="MINUTES",
                     help="after the T asked for, tune the T that the '# gap:' and '# unchecked:' lines "
                          "would name, round after round (a round's rows may name more), until none is "
-                         "named or the next row would end more than MINUTES after the run started, at "
+                         "named (a range narrower than 2%% of its T is left; its line is printed) or "
+                         "the next row would end more than MINUTES after the run started, at "
                          "the mean pace so far; the file is written once, at the end, and the lines "
                          "left are printed (0, the default: off; on an H100 six rounds by hand took "
                          "the largest gap from 32%% to 7%%)")
@@ -457,7 +464,7 @@ def main() -> int:
     cur, failed = None, 0
     started = time.monotonic()
     asked = len(cases)   # the rows asked for; those after them come from gap lines (--follow-gaps)
-    followed, rounds, i = {}, 0, 0
+    round_of, rounds, i = {}, 0, 0   # (model, T) -> the gap round that named it
     while True:
         while i < len(cases):
             m, T = cases[i]
@@ -504,9 +511,9 @@ def main() -> int:
                 best = "auto"              # no configuration is clearly better than the default
             print(f"{m:<22}{T:>6}  " + "".join(f"{times[c]:>{_width(c)}.1f}" if c in times else f"{'-':>{_width(c)}}"
                                                for c in ["auto", *CONFIGS]) + f"  {best}", flush=True)
-            new_rows.setdefault((s.H, s.I, s.E, s.K), (m, {}))[1][T] = [
+            new_rows.setdefault(_key(s), (m, {}))[1][T] = [
                 T, best, round(times[best], 1), round(times["auto"], 1)]
-            timed[(s.H, s.I, s.E, s.K, T)] = (m, dict(times))
+            timed[(*_key(s), T)] = (m, dict(times))
         if i < len(cases) or not args.follow_gaps:
             break
         # the T the gap lines would name now: the next round (by model, so weights load once each)
@@ -518,14 +525,19 @@ def main() -> int:
             break
         rounds += 1
         cases += nxt
-        for m, T in nxt:
-            followed.setdefault(m, []).append(T)
+        round_of.update((c, rounds) for c in nxt)
+    # the header names the rows the gap rounds wrote: not those the budget left unstarted, nor a
+    # T whose every configuration failed its check (no row); a review, session 59
+    wrote = [(m, T) for m, T in cases[asked:i] if (*_key(models[m]), T) in timed]
+    followed = {}
+    for m, T in wrote:
+        followed.setdefault(m, []).append(T)
     commit = run_meta()["commit"]   # EX_COMMIT, else git describe of this checkout
     header = (f"# Tuned tile configurations of moe_fused_gemm on {device} (written by "
               f"benchmarks/tune_moe.py, {datetime.date.today().isoformat()}, commit {commit}).\n"
               f"# This run: {', '.join(sorted({m for m, _ in cases}))} at T = "
               f"{' '.join(map(str, sorted(set(args.tokens))))}"
-              + (f"; then, in {rounds} round(s) of its gap lines (--follow-gaps), "
+              + (f"; then, in {max(round_of[c] for c in wrote)} round(s) of its gap lines (--follow-gaps), "
                  + "; ".join(f"{m} T = {' '.join(map(str, sorted(ts)))}" for m, ts in sorted(followed.items()))
                  if followed else "") + ".\n"
               "# by_T rows: [T, configuration, its µs, µs of the kernel's own choice ('auto')]; a\n"

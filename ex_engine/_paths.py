@@ -243,10 +243,17 @@ def unread_tuning(dirs) -> list[str]:
     home = home_dir(dirs)
     why = ("the first folder of the search path with a hardware/ folder" if is_dir(home / "hardware")
            else "the first folder of the search path: none has a hardware/ folder")
-    out = []
-    for d in dict.fromkeys(dirs):   # (a folder listed twice: one note)
-        if d == home:
+    def real(d):   # (a folder reached through a symlink is the folder: a review, session 59)
+        try:
+            return os.path.realpath(d)
+        except (OSError, ValueError):
+            return str(d)
+
+    out, seen = [], {real(home)}
+    for d in dirs:   # (a folder listed twice, or under two names: one note, or none for home's)
+        if real(d) in seen:
             continue
+        seen.add(real(d))
         try:
             with os.scandir(d / "tuning") as it:
                 n = sum(e.name.endswith((".yaml", ".yml")) for e in it)

@@ -312,6 +312,10 @@ class TensorRef:
                 raw = cai.get("strides")
                 raw = None if raw is None else tuple(operator.index(b) for b in raw)
                 ptr, readonly = operator.index(cai["data"][0]), bool(cai["data"][1])
+                if raw is not None and len(raw) != len(shape):   # (zip in is_contiguous stopped short)
+                    raise ValueError(f"strides {raw} for shape {shape}: expected one per dim")
+                if any(n < 0 for n in shape):
+                    raise ValueError(f"shape {shape}: expected sizes >= 0")
             except (KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
                 # a producer's malformed interface: named, not NumPy's or Python's error from in here
                 # (a KeyError, a TypeError of np.dtype or of None[0]; a user's trial, session 59)

@@ -27,6 +27,8 @@ _GOOD = {"shape": (2, 8), "typestr": "<f4", "data": (0xDEAD000, False), "version
     {"data": None},               # None[0]
     {"data": (0xDEAD000,)},       # no read-only flag
     {"strides": ("a", 4)},
+    {"strides": (32,)},           # one stride for two dims (a review: taken as contiguous)
+    {"shape": (-4, 8)},           # a negative size (likewise)
 ])
 def test_a_malformed_cuda_array_interface_is_refused_by_name(change):
     d = {**_GOOD, **change}

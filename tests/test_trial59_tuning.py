@@ -228,3 +228,40 @@ def test_the_note_says_so_where_no_folder_has_hardware(tmp_path):
     notes = [n for n in reg.notes if "not read" in n]
     assert len(notes) == 1 and f"tuning folder {second / 'tuning'}: not read (2 *.yaml/*.yml file(s))" in notes[0]
     assert f"({first} is the first folder of the search path: none has a hardware/ folder)" in notes[0], notes
+
+
+def test_a_table_for_a_rejected_library_does_not_make_its_file_serve(tmp_path):
+    """A review of the file choice: a file (first by name) whose only table is for my_moe was
+    passed over at start; loading a folder whose only my_moe library is rejected (its manifest
+    beside it) made that file serve, dropping every shipped moe_fused_gemm row mid-run. A
+    rejected library's manifest makes no table usable."""
+    from tests.conftest import build_plugin
+
+    mdir = _copy(tmp_path)
+    mine = {"device": "NVIDIA H200", "multiprocessor_count": 132,
+            "my_moe": {"dim": "config", "key": ["H", "I", "G", "K"], "values": {"auto": -1, "tiny": 0},
+                       "shapes": [{**QWEN, "by_T": [[1, "tiny"]]}]}}
+    _dump(mdir / "tuning" / "a_mine.yaml", mine)
+    lib = tmp_path / "lib"
+    build_plugin(lib, "my_moe", defines={"NAME": '"my_moe"', "FACTOR_ID": 1234}, manifest=False)
+    (lib / "my_moe.yaml").write_text((SHIPPED / "moe_fused_gemm.yaml").read_text(encoding="utf-8")
+                                     .replace("moe_fused_gemm", "my_moe"), encoding="utf-8")
+    reg = FactorRegistry(hardware="h200", manifests_dir=mdir)
+    assert reg.tuning.in_use == str(mdir / "tuning" / "h200.yaml")
+    reg.load_folder(lib)
+    assert [(p.name, p.status) for p in reg.plugins if p.name == "my_moe"] == [("my_moe", "rejected")]
+    assert reg.tuning.in_use == str(mdir / "tuning" / "h200.yaml")
+
+
+def test_the_folder_tuning_is_read_from_is_not_called_unread_under_another_name(tmp_path):
+    """A review: the manifests folder listed once through a symlink and once by its path got a
+    note that its own tuning files were not read."""
+    from ex_engine import _paths
+
+    mdir = _copy(tmp_path)
+    link = tmp_path / "link"
+    link.symlink_to(mdir)
+    assert _paths.unread_tuning([link, mdir]) == []
+    other = _copy(tmp_path, "other")
+    (notes,) = [_paths.unread_tuning([link, mdir, other])]
+    assert len(notes) == 1 and str(other / "tuning") in notes[0]

@@ -66,12 +66,23 @@ def test_follow_gaps_stops_starting_rows_at_its_budget_and_says_what_is_left(mon
     text = capsys.readouterr().out
     stop = text.index("# --follow-gaps: 1 min spent; the lines below name what is left")
     assert text.index("# gap: qwen3-30b-a3b T = 2048..4095") > stop
-    # a budget the first round fits in: one more row, then the stop
-    capsys.readouterr()
-    out2 = tmp_path / "two" / "h200.yaml"
-    out2.parent.mkdir()
-    drive_tune_moe(monkeypatch, out2, ["--tokens", "2048", "4096", "--follow-gaps", "5"], us=_cliff, clock=10.0)
-    assert 2 < len(_rows(out2)) < 12
+    # the rows' times on that clock: T = 2048 (128 rows per expert) times auto, mid, mid32, mid48
+    # and prefill twice (100 s), T = 4096 and 2896 auto, mid and prefill (60 s). After the two
+    # rows asked for, 160 s are spent at 80 s a row: under 3 minutes, but the next row would end
+    # past them, so none starts; under 4.1 minutes (246 s) T = 2896 runs (160 + 80 <= 246), and
+    # then (220 s, 73 s a row) none more. The header names what was written, not what was queued.
+    for minutes, rows in (("3", [2048, 4096]), ("4.1", [2048, 2896, 4096])):
+        out2 = tmp_path / minutes / "h200.yaml"
+        out2.parent.mkdir()
+        drive_tune_moe(monkeypatch, out2, ["--tokens", "2048", "4096", "--follow-gaps", minutes], us=_cliff,
+                       clock=10.0)
+        assert sorted(_rows(out2)) == rows
+        header = out2.read_text(encoding="utf-8").splitlines()[1]
+        assert header == ("# This run: qwen3-30b-a3b at T = 2048 4096."
+                          if minutes == "3" else "# This run: qwen3-30b-a3b at T = 2048 4096; then, in 1 "
+                          "round(s) of its gap lines (--follow-gaps), qwen3-30b-a3b T = 2896."), header
+    header = out.read_text(encoding="utf-8").splitlines()[1]
+    assert header == "# This run: qwen3-30b-a3b at T = 2048 4096.", header   # (2896: queued, not run)
 
 
 def test_a_named_T_whose_checks_all_fail_is_not_tried_again(monkeypatch, tmp_path, capsys):
@@ -83,6 +94,7 @@ def test_a_named_T_whose_checks_all_fail_is_not_tried_again(monkeypatch, tmp_pat
                            err=lambda cfg, T: float("nan") if T == 2896 else 0.0)
     assert rc == 1
     assert sorted(_rows(out)) == [2048, 4096]
+    assert out.read_text(encoding="utf-8").splitlines()[1] == "# This run: qwen3-30b-a3b at T = 2048 4096."
     text = capsys.readouterr()
     assert text.err.count("qwen3-30b-a3b T=2896 ...") == 1
     assert "--tokens 2896 --out" in text.out
