@@ -330,8 +330,9 @@ def follow_cases(start: dict, new_rows: dict, timed: dict, margin: float, device
     neighbours' choices kept, as the file will be written. In order of the lines, each once,
     leaving out a T this run timed already and ranges narrower than FOLLOW_SPAN of their top T
     (the line is still printed): where a cliff lies to within 2% of T matters less than the
-    other gaps the time could go to, and the routing's spread of rows per expert blurs it anyway. --follow-gaps tunes them, round after round: on an H100
-    six rounds by hand took the largest gap from 32% to 7% (RESULTS.md, session fifty-eight)."""
+    other gaps the time could go to, and the routing's spread of rows per expert blurs it
+    anyway. --follow-gaps tunes them, round after round: on an H100 six rounds by hand took the
+    largest gap from 32% to 7% (RESULTS.md, session fifty-eight)."""
     data = merge_rows(copy.deepcopy(start), copy.deepcopy(new_rows), device, sms)
     keep_neighbour_choices(data, timed)
     done = {(model, key[-1]) for key, (model, _) in timed.items()}
