@@ -60,6 +60,7 @@ from ex_engine._scripts import HelpFormatter, integer, number  # noqa: E402
 from ex_engine.trust import replace_file  # noqa: E402
 from ex_engine.moe_layer import (case_problems, load_models_or_exit, models_help,  # noqa: E402
                                  output_file_problem, report_problems)
+from ex_engine._paths import TUNING_SUFFIXES  # noqa: E402
 from ex_engine.tuning import _NUMERIC_DEVICE, FactorTuning, TuningTable, tuning_dir  # noqa: E402
 
 from ex_engine._scripts import CONFIGS, VALUES, force_config  # noqa: E402,F401  (tests import CONFIGS, VALUES from here)
@@ -323,19 +324,22 @@ def gap_notes(data: dict, timed: dict, margin: float, out: str | None = None) ->
 FOLLOW_SPAN = 0.02   # --follow-gaps leaves a range narrower than this fraction of its top T
 
 
-def follow_cases(start: dict, new_rows: dict, timed: dict, margin: float, device: str, sms: int) -> list:
+def follow_cases(start: dict, new_rows: dict, timed: dict, margin: float, device: str, sms: int,
+                 tried=()) -> list:
     """The (model, T) that the gap and unchecked lines would name if the run ended now: this
     run's rows (``new_rows``, as merge_rows takes them; ``timed`` as gap_notes takes it) merged
     into a copy of ``start`` (the file's table as the run found it, {} for a new one) with the
     neighbours' choices kept, as the file will be written. In order of the lines, each once,
-    leaving out a T this run timed already and ranges narrower than FOLLOW_SPAN of their top T
+    leaving out a T this run timed already or ``tried`` ((model, T) pairs: a T whose every
+    configuration failed its check has no row, and the same line would name it round after
+    round) and ranges narrower than FOLLOW_SPAN of their top T
     (the line is still printed): where a cliff lies to within 2% of T matters less than the
     other gaps the time could go to, and the routing's spread of rows per expert blurs it
     anyway. --follow-gaps tunes them, round after round: on an H100 six rounds by hand took the
     largest gap from 32% to 7% (RESULTS.md, session fifty-eight)."""
     data = merge_rows(copy.deepcopy(start), copy.deepcopy(new_rows), device, sms)
     keep_neighbour_choices(data, timed)
-    done = {(model, key[-1]) for key, (model, _) in timed.items()}
+    done = {(model, key[-1]) for key, (model, _) in timed.items()} | set(tried)
     out = []
     for _, model, T, lo, hi in _gap_items(data, timed, margin):
         if hi - lo >= FOLLOW_SPAN * hi and (model, T) not in done and (model, T) not in out:
@@ -425,7 +429,7 @@ def main() -> int:
         problems.append(f"--follow-gaps: expected finite minutes >= 0, got {args.follow_gaps}")
     if not (math.isfinite(args.margin) and args.margin >= 0):   # nan passed `< 0`: no margin test
         problems.append(f"--margin: expected a finite fraction >= 0, got {args.margin}")
-    problems.append(output_file_problem("--out", args.out, (".yaml", ".yml")))
+    problems.append(output_file_problem("--out", args.out, TUNING_SUFFIXES))
     if not problems[-1]:
         problems.append(merge_problem(args.out, args.replace))
     if report_problems("tune_moe", problems):
@@ -517,11 +521,10 @@ def main() -> int:
             timed[(*_key(s), T)] = (m, dict(times))
         if i < len(cases) or not args.follow_gaps:
             break
-        # the T the gap lines would name now: the next round (by model, so weights load once each)
-        # (a T tried already is not tried again: one whose every configuration failed its check
-        # has no row, and the same line would name it round after round)
-        nxt = sorted((c for c in follow_cases(start, new_rows, timed, args.margin, device, sms) if c not in cases),
-                     key=lambda c: (names.index(c[0]) if c[0] in names else len(names), c[0], c[1]))
+        # the T the gap lines would name now, none tried before: the next round (by model, so
+        # weights load once each)
+        nxt = sorted(follow_cases(start, new_rows, timed, args.margin, device, sms, tried=cases),
+                     key=lambda c: (names.index(c[0]), c[1]))
         if not nxt:
             break
         rounds += 1

@@ -232,6 +232,9 @@ def home_dir(dirs) -> Path:
     return next((d for d in dirs if is_dir(d / "hardware")), dirs[0])
 
 
+TUNING_SUFFIXES = (".yaml", ".yml")   # the names of tuning files (tuning/*.yaml, *.yml)
+
+
 def unread_tuning(dirs) -> list[str]:
     """A note for each folder of the manifests search path ``dirs`` (those that are folders)
     other than home_dir's whose tuning/ holds *.yaml or *.yml files: they are not read (a new
@@ -243,6 +246,7 @@ def unread_tuning(dirs) -> list[str]:
     home = home_dir(dirs)
     why = ("the first folder of the search path with a hardware/ folder" if is_dir(home / "hardware")
            else "the first folder of the search path: none has a hardware/ folder")
+
     def real(d):   # (a folder reached through a symlink is the folder: a review, session 59)
         try:
             return os.path.realpath(d)
@@ -251,12 +255,13 @@ def unread_tuning(dirs) -> list[str]:
 
     out, seen = [], {real(home)}
     for d in dirs:   # (a folder listed twice, or under two names: one note, or none for home's)
-        if real(d) in seen:
+        r = real(d)
+        if r in seen:
             continue
-        seen.add(real(d))
+        seen.add(r)
         try:
             with os.scandir(d / "tuning") as it:
-                n = sum(e.name.endswith((".yaml", ".yml")) for e in it)
+                n = sum(e.name.endswith(TUNING_SUFFIXES) for e in it)
         except OSError:   # no tuning/ there (or not to be listed)
             continue
         if n:

@@ -1446,7 +1446,8 @@ class FactorRegistry:
         known = dict(self.manifests)
         # (a rejected library serves nothing: its manifest makes no table usable, so a file whose only
         # table is for it does not displace the next file: a review of the file choice, session 59)
-        known.update({p.name: p.manifest for p in self.plugins if p.manifest is not None and p.status != "rejected"})
+        known.update({p.name: p.manifest for p in self.plugins
+                      if p.manifest is not None and p.status != "rejected"})
         before = (self.tuning.path, set(self.tuning.refused))
         unused = self.tuning.check(known)
         self._tuning_notes = [f"tuning: {msg}" for msg in (*self.tuning.remarks, *unused)]

@@ -199,6 +199,12 @@ class FactorTuning:
         return vs[i] if i >= 0 else BELOW  # below every tuned T: the default, not the first row
 
 
+def _serves(factors: dict, refused: dict) -> bool:
+    """Whether a file whose tables are ``factors`` has one in use: one check() did not set aside
+    (``refused``: factor -> why)."""
+    return any(name not in refused for name in factors)
+
+
 class TuningTable:
     """Every factor's tuned choices for one device (empty when no file matches it)."""
 
@@ -274,7 +280,7 @@ class TuningTable:
         its tables in use; None when there is no file, or none of its tables can apply (each
         set aside by check(): a dim no manifest has, say; ``path`` still names the file read)."""
         path, factors, refused = self._served
-        if path is None or not any(name not in refused for name in factors):
+        if path is None or not _serves(factors, refused):
             return None
         return path
 
@@ -307,7 +313,7 @@ class TuningTable:
             return cls(warn=warn, folder=folder)
         try:
             with os.scandir(folder) as it:
-                files = sorted(folder / e.name for e in it if e.name.endswith((".yaml", ".yml")))
+                files = sorted(folder / e.name for e in it if e.name.endswith(_paths.TUNING_SUFFIXES))
         except (FileNotFoundError, NotADirectoryError):
             return cls(warn=warn, folder=folder)
         except OSError as exc:   # there, but not to be listed (or a folder above not entered)
@@ -493,13 +499,14 @@ class TuningTable:
                 if why:
                     refused[name] = "; ".join(why)
             judged[i] = (out, refused)
-            if any(name not in refused for name in f):
+            if _serves(f, refused):
                 served = i
                 break
         out, refused = judged[served]
         p, f = cands[served]
-        self.unused_files = [cands[i][0] for i, (_, r) in judged.items()
-                             if i != served and not any(n not in r for n in cands[i][1])]
+        # (the files judged before the one that serves had no table in use; where none has, all
+        # were judged and the first serves)
+        self.unused_files = [cands[i][0] for i in judged if i != served]
         self.remarks = self._read_remarks + self._choice_remarks(served, judged, cands)
         self._served = (p, f, refused)
         return out
@@ -516,7 +523,7 @@ class TuningTable:
         first = cands[served][0]
 
         def usable(i):   # a table of it in use (not judged: not checked yet, taken as usable)
-            return i not in judged or any(n not in judged[i][1] for n in cands[i][1])
+            return i not in judged or _serves(cands[i][1], judged[i][1])
 
         out = []
         for i, (p, _) in enumerate(cands):
