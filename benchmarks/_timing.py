@@ -271,6 +271,6 @@ def main(argv=None) -> int:
 if __name__ == "__main__":
     import runpy
     from pathlib import Path
-    # 'µs' in its --help, escaped under an ASCII locale (the helper loaded by path, as table_moe.py does)
-    runpy.run_path(str(Path(__file__).resolve().parents[1] / "ex_engine" / "_scripts.py"))["tolerant_stdio"]()
-    raise SystemExit(main())
+    # 'µs' in its --help, escaped under an ASCII locale; `> /dev/full`: one line, no traceback (the
+    # helper loaded by path, as table_moe.py does)
+    runpy.run_path(str(Path(__file__).resolve().parents[1] / "ex_engine" / "_scripts.py"))["exit_quietly_on_broken_pipe"](main)

@@ -208,6 +208,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    # its --help and table print 'µs': escaped, not an error, under an ASCII locale
-    _scripts["tolerant_stdio"]()
-    sys.exit(main())
+    # its --help and table print 'µs': escaped, not an error, under an ASCII locale; `| head`,
+    # Ctrl-C, `> /dev/full`: one line, no traceback
+    _scripts["exit_quietly_on_broken_pipe"](main)

@@ -20,8 +20,6 @@ VLLM_US = {
 def main(argv=None) -> int:
     import argparse
     import json
-    import os
-    import sys
     ap = argparse.ArgumentParser(
         prog="perf_peers.py",
         description="Print vLLM 0.33.0's fused-MoE times on the H200 (µs per call, CUDA-graph "
@@ -38,18 +36,13 @@ def main(argv=None) -> int:
     else:
         text = "\n".join([f"{'model':<18} {'T':>6} {'vLLM (µs)':>10}"] +
                          [f"{r['model']:<18} {r['T']:>6} {r['vllm_us']:>10.1f}" for r in rows])
-    try:
-        print(text, flush=True)
-    except BrokenPipeError:     # `perf_peers.py | head`: the reader left early
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 141              # as ex_engine._scripts.READER_LEFT_STATUS (this tool imports nothing of it)
+    print(text)
     return 0
 
 
 if __name__ == "__main__":
     import runpy
     from pathlib import Path
-    # 'µs' in its table and --help, escaped under an ASCII locale (the helper loaded by path:
-    # standard library only, as table_moe.py does)
-    runpy.run_path(str(Path(__file__).resolve().parents[1] / "ex_engine" / "_scripts.py"))["tolerant_stdio"]()
-    raise SystemExit(main())
+    # 'µs' in its table and --help, escaped under an ASCII locale; `| head`, `> /dev/full`: one
+    # line, no traceback (the helper loaded by path: standard library only, as table_moe.py does)
+    runpy.run_path(str(Path(__file__).resolve().parents[1] / "ex_engine" / "_scripts.py"))["exit_quietly_on_broken_pipe"](main)

@@ -226,6 +226,10 @@ def main():
                 marker="_" if len(Tt) == 1 else None, markersize=16, label="target (PERF.md)")
         ax.axhline(1.0, color="k", lw=0.8)
         ax.set_xscale("log", base=2)
+        # the log axis labels its ticks 2^n in TeX by default, which text.parse_math = False (set
+        # above, for a '$' in a model name) drew as raw "$\\mathdefault{2^{12}}$": plain T instead
+        ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda x, _: f"{x:g}"))
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         ax.set_yscale("log")
         ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda y, _: f"{y:g}"))
         ax.yaxis.set_minor_formatter(matplotlib.ticker.FuncFormatter(
@@ -261,5 +265,5 @@ def main():
 
 
 if __name__ == "__main__":
-    _scripts["tolerant_stdio"]()   # an ASCII locale: text it cannot print is escaped, not an error
-    sys.exit(main())
+    # an ASCII locale: text it cannot print is escaped, not an error; `> /dev/full`: one line
+    _scripts["exit_quietly_on_broken_pipe"](main)

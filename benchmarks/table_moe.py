@@ -211,7 +211,9 @@ def main(path) -> int:
 
 
 if __name__ == "__main__":
-    _scripts["tolerant_stdio"]()   # its table and --help hold 'µs', '×': escaped under an ASCII locale
+    # its table and --help hold 'µs', '×': escaped under an ASCII locale (the helper's
+    # tolerant_stdio); --help's text is written inside the helper, so that a stdout that cannot be
+    # written is one line, status 2, for it too
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("json", help="the --json output of benchmarks/bench_moe.py")
-    _scripts["exit_quietly_on_broken_pipe"](main, ap.parse_args().json)
+    _scripts["exit_quietly_on_broken_pipe"](lambda: main(ap.parse_args().json))

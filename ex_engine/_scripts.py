@@ -236,6 +236,59 @@ def _allocation_failed(exc: BaseException) -> bool:
     return out_of_memory(exc) or isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc)
 
 
+class StdoutGuard:
+    """sys.stdout while a command runs: the stream itself, except that it remembers the first
+    error writing to it (a full disk, /dev/full; not BrokenPipeError, a reader that left, which
+    the callers handle on their own): argparse swallows such an error (`--help > /dev/full`
+    exited 0, its text lost), and a command's can surface in any print of it (a traceback, exit
+    status 1). ex-engine's main() and exit_quietly_on_broken_pipe use it."""
+
+    def __init__(self, stream):
+        self.stream = stream
+        self.lost = None
+
+    def _guard(self, call, *args):
+        try:
+            return call(*args)
+        except BrokenPipeError:
+            raise
+        except OSError as exc:
+            if self.lost is None:
+                self.lost = exc
+            raise
+
+    def write(self, text):
+        return self._guard(self.stream.write, text)
+
+    def writelines(self, lines):
+        return self._guard(self.stream.writelines, lines)
+
+    def flush(self):
+        return self._guard(self.stream.flush)
+
+    def __getattr__(self, name):   # fileno, isatty, encoding, buffer, ...
+        return getattr(self.stream, name)
+
+
+def output_lost(exc: OSError, tool: str, command: bool = True) -> int:
+    """After an error writing stdout: '<tool>: error: cannot write the output: <why>' on stderr;
+    status 2. In a command's own process (``command``), stdout goes to /dev/null too (what is
+    still buffered would fail again at exit, with Python's 'Exception ignored' lines); a function
+    called by a program (ex-engine's main(argv)) leaves that program's stdout alone."""
+    fd = None
+    try:
+        if command:
+            fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):   # not a file (a program's own stream)
+        fd = None
+    if fd is not None:
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, fd)
+        os.close(null)
+    print(f"{tool}: error: cannot write the output: {exc.strerror or exc}", file=sys.stderr)
+    return 2
+
+
 def exit_quietly_on_broken_pipe(script_main, *args) -> None:
     """``sys.exit(script_main(*args))`` for the scripts in benchmarks/, scripts/ and examples/,
     ending as ex-engine's own commands do, with one line on stderr instead of a traceback:
@@ -243,18 +296,29 @@ def exit_quietly_on_broken_pipe(script_main, *args) -> None:
     - Ctrl-C: '<script>: interrupted', status 130;
     - an allocation that fails (sizes asked for that do not fit: `--tokens 1000000000000`):
       '<script>: out of memory: <the allocator's words>', status 2;
+    - stdout that cannot be written (`> /dev/full`, a full disk; --help's text too, which
+      argparse lost with status 0): '<script>: error: cannot write the output: <why>', status 2;
     and text its streams cannot encode (an ASCII locale) is escaped, not an error (tolerant_stdio).
     Never returns."""
     tool = Path(sys.argv[0]).name if sys.argv and sys.argv[0] else "script"
     tolerant_stdio()
+    out = None
+    if sys.stdout is not None and not isinstance(sys.stdout, StdoutGuard):
+        out = sys.stdout = StdoutGuard(sys.stdout)
     try:
-        code = script_main(*args)
+        try:
+            code = script_main(*args)
+        except SystemExit as exc:   # argparse's --help and usage errors, a script's own exit
+            code = exc.code
         sys.stdout.flush()
     except BrokenPipeError:
         code = _reader_left()
     except KeyboardInterrupt:
         print(f"{tool}: interrupted", file=sys.stderr)
         code = 130
+    except OSError:
+        if out is None or out.lost is None:   # not stdout's: left as it is
+            raise
     except (MemoryError, RuntimeError) as exc:
         if not _allocation_failed(exc):
             raise
@@ -262,6 +326,11 @@ def exit_quietly_on_broken_pipe(script_main, *args) -> None:
         print(f"{tool}: out of memory: {words} (the sizes asked for do not fit: ask for fewer "
               "tokens or a smaller shape)", file=sys.stderr)
         code = 2
+    finally:
+        if out is not None and sys.stdout is out:   # a caller in the same process gets its stream back
+            sys.stdout = out.stream
+    if out is not None and out.lost is not None:   # also where the script caught the error itself
+        code = output_lost(out.lost, tool)
     sys.exit(code)
 
 

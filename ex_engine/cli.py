@@ -23,7 +23,8 @@ import warnings
 from pathlib import Path
 
 from . import _paths
-from ._scripts import MAX_TOKENS, _reader_left, exit_quietly_on_broken_pipe, tolerant_stdio  # noqa: F401 (the scripts' import)
+from ._scripts import (MAX_TOKENS, StdoutGuard, _reader_left, exit_quietly_on_broken_pipe,  # noqa: F401 (the scripts' import)
+                       output_lost, tolerant_stdio)
 from .errors import FactorError
 from .hardware import Hardware, list_profiles, profiles_problem, resolve
 from .trust import CHILD_TIMEOUT_S, LIBRARY_LIMIT
@@ -776,56 +777,12 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-class _Output:
-    """sys.stdout while main() runs: the stream itself, except that it remembers the first error
-    writing to it (a full disk, /dev/full; not BrokenPipeError, a reader that left, which main
-    handles on its own): argparse swallows such an error (`--help > /dev/full` exited 0, its
-    text lost), and a command's can surface in any print of it (a traceback, exit status 1)."""
-
-    def __init__(self, stream):
-        self.stream = stream
-        self.lost = None
-
-    def _guard(self, call, *args):
-        try:
-            return call(*args)
-        except BrokenPipeError:
-            raise
-        except OSError as exc:
-            if self.lost is None:
-                self.lost = exc
-            raise
-
-    def write(self, text):
-        return self._guard(self.stream.write, text)
-
-    def writelines(self, lines):
-        return self._guard(self.stream.writelines, lines)
-
-    def flush(self):
-        return self._guard(self.stream.flush)
-
-    def __getattr__(self, name):   # fileno, isatty, encoding, buffer, ...
-        return getattr(self.stream, name)
+_Output = StdoutGuard   # sys.stdout while main() runs (the scripts' helper)
 
 
 def _output_lost(exc: OSError, command: bool = True) -> int:
-    """After an error writing stdout: one line on stderr; status 2. In the ex-engine command
-    itself (``command``), stdout goes to /dev/null too (what is still buffered would fail again
-    at exit, with Python's 'Exception ignored' lines); main() called by a program leaves that
-    program's stdout alone."""
-    fd = None
-    try:
-        if command:
-            fd = sys.stdout.fileno()
-    except (AttributeError, OSError, ValueError):   # not a file (a program's own stream)
-        fd = None
-    if fd is not None:
-        null = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(null, fd)
-        os.close(null)
-    print(f"ex-engine: error: cannot write the output: {exc.strerror or exc}", file=sys.stderr)
-    return 2
+    """After an error writing stdout: one line on stderr, status 2 (_scripts.output_lost)."""
+    return output_lost(exc, "ex-engine", command)
 
 
 def _os_error(exc: OSError) -> str:

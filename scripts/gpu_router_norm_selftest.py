@@ -660,4 +660,4 @@ def main():
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    _scripts["exit_quietly_on_broken_pipe"](main)   # `| head`, Ctrl-C, `> /dev/full`: one line, no traceback

@@ -319,4 +319,4 @@ def main():
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    st._scripts["exit_quietly_on_broken_pipe"](main)   # `| head`, Ctrl-C, `> /dev/full`: one line, no traceback
