@@ -18,6 +18,9 @@ from ex_engine.tuning import TuningTable
 from tests.conftest import ROOT, build_plugin
 
 from .test_bench_tools import drive_tune_moe, import_tool
+from .test_tune_follow59 import _cliff
+from .test_tune_follow59 import _rows as _rows_by_T
+from .test_tuning import small_moe_inputs
 
 SHIPPED = ROOT / "manifests"
 H200 = SimpleNamespace(name="NVIDIA H200", multiprocessor_count=132, live=False)
@@ -91,13 +94,7 @@ def test_calls_bind_again_when_another_file_comes_to_serve(tmp_path):
     seen = []
     value = reg.tuning.value
     reg.tuning.value = lambda *a, **k: seen.append(value(*a, **k)) or seen[-1]
-    rng = np.random.default_rng(0)
-    T, H, E, I, K = 64, 64, 8, 32, 2
-    x = rng.standard_normal((T, H)).astype(np.float16)
-    w13 = (rng.standard_normal((E, 2 * I, H)) * 0.1).astype(np.float16)
-    w2 = (rng.standard_normal((E, H, I)) * 0.1).astype(np.float16)
-    w = np.full((T, K), 0.5, np.float32)
-    ids = np.stack([np.arange(T) % E, (np.arange(T) + 1) % E], 1).astype(np.int32)
+    x, w13, w2, w, ids = small_moe_inputs(np.random.default_rng())
     for _ in range(2):
         moe_fused_gemm(x, w13, w2, w, ids, registry=reg)
     assert seen == [2], seen
@@ -277,18 +274,8 @@ def test_follow_cases_leaves_ranges_under_two_percent_and_follows_those_of_two()
         assert tune.follow_cases(start, new_rows, timed, 0.03, "NVIDIA H200", 132) == want, lo
 
 
-def _cliff(cfg, T):
-    """mid wins up to T = 3000 and loses beyond; auto 10 µs; every other candidate slower."""
-    if cfg == "auto":
-        return 10.0
-    if cfg == "mid":
-        return 5.0 if T <= 3000 else 20.0
-    return 30.0
-
-
 def _rows(out):
-    (entry,) = yaml.safe_load(out.read_text(encoding="utf-8"))["moe_fused_gemm"]["shapes"]
-    return sorted(r[0] for r in entry["by_T"])
+    return sorted(_rows_by_T(out))
 
 
 def test_follow_gaps_judges_gaps_against_the_files_own_rows(monkeypatch, tmp_path, capsys):

@@ -321,6 +321,18 @@ def test_a_manifest_tuned_range_or_options_is_checked_at_load(tmp_path):
     assert "(the options [-1, 0, 2])" in msgs[0] and set(t.refused) == {"moe_fused_gemm"}
 
 
+
+def small_moe_inputs(rng):
+    """hidden_states (64, 64), w13 (8, 64, 64), w2 (8, 64, 32) float16, topk_weights (64, 2) and
+    topk_ids (64, 2: token t on experts t % 8 and (t + 1) % 8): a T = 64 call the fallback runs fast."""
+    T, H, E, I, K = 64, 64, 8, 32, 2
+    x = rng.standard_normal((T, H)).astype(np.float16)
+    w13 = (rng.standard_normal((E, 2 * I, H)) * 0.1).astype(np.float16)
+    w2 = (rng.standard_normal((E, H, I)) * 0.1).astype(np.float16)
+    w = np.full((T, K), 0.5, np.float32)
+    ids = np.stack([np.arange(T) % E, (np.arange(T) + 1) % E], 1).astype(np.int32)
+    return x, w13, w2, w, ids
+
 def test_calls_bind_again_when_a_table_is_set_aside_later(tmp_path):
     """A call remembers its dims (the tuned one included) in the registry's caches; when a
     later load makes the tuning table be set aside (a manifest found then limits the values),
@@ -331,13 +343,7 @@ def test_calls_bind_again_when_a_table_is_set_aside_later(tmp_path):
     seen = []                                 # the tuned values bind() asked for
     value = reg.tuning.value
     reg.tuning.value = lambda *a, **k: seen.append(value(*a, **k)) or seen[-1]
-    rng = np.random.default_rng()
-    T, H, E, I, K = 64, 64, 8, 32, 2
-    x = rng.standard_normal((T, H)).astype(np.float16)
-    w13 = (rng.standard_normal((E, 2 * I, H)) * 0.1).astype(np.float16)
-    w2 = (rng.standard_normal((E, H, I)) * 0.1).astype(np.float16)
-    w = np.full((T, K), 0.5, np.float32)
-    ids = np.stack([np.arange(T) % E, (np.arange(T) + 1) % E], 1).astype(np.int32)
+    x, w13, w2, w, ids = small_moe_inputs(np.random.default_rng())
     for _ in range(2):
         moe_fused_gemm(x, w13, w2, w, ids, registry=reg)
     assert seen == [2], seen                  # the T = 64 row ('mid'); the second call from the cache
