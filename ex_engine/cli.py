@@ -777,9 +777,6 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-_Output = StdoutGuard   # sys.stdout while main() runs (the scripts' helper)
-
-
 def _output_lost(exc: OSError, command: bool = True) -> int:
     """After an error writing stdout: one line on stderr, status 2 (_scripts.output_lost)."""
     return output_lost(exc, "ex-engine", command)
@@ -822,7 +819,7 @@ def main(argv=None) -> int:
         tolerant_stdio()
     if sys.stdout is None:   # no stdout at all (>&-, a daemon's): print() writes nothing
         return _main(argv, None)
-    out = sys.stdout = _Output(sys.stdout)
+    out = sys.stdout = StdoutGuard(sys.stdout)   # remembers an error writing stdout
     try:
         return _main(argv, out)
     finally:
