@@ -228,7 +228,7 @@ def main():
         ax.set_xscale("log", base=2)
         # the log axis labels its ticks 2^n in TeX by default, which text.parse_math = False (set
         # above, for a '$' in a model name) drew as raw "$\\mathdefault{2^{12}}$": plain T instead
-        ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda x, _: f"{x:g}"))
+        ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda x, _: f"{x:.0f}" if x >= 1 else f"{x:g}"))
         ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         ax.set_yscale("log")
         ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda y, _: f"{y:g}"))

@@ -310,7 +310,11 @@ def exit_quietly_on_broken_pipe(script_main, *args) -> None:
             code = script_main(*args)
         except SystemExit as exc:   # argparse's --help and usage errors, a script's own exit
             code = exc.code
-        sys.stdout.flush()
+            if code is not None and not isinstance(code, int):   # sys.exit("why"): said now, as
+                print(code, file=sys.stderr)                       # Python would, whatever follows
+                code = 1
+        if sys.stdout is not None:   # none at all (>&-, a daemon's): nothing to flush
+            sys.stdout.flush()
     except BrokenPipeError:
         code = _reader_left()
     except KeyboardInterrupt:
