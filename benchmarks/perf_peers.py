@@ -45,4 +45,5 @@ if __name__ == "__main__":
     from pathlib import Path
     # 'µs' in its table and --help, escaped under an ASCII locale; `| head`, `> /dev/full`: one
     # line, no traceback (the helper loaded by path: standard library only, as table_moe.py does)
-    runpy.run_path(str(Path(__file__).resolve().parents[1] / "ex_engine" / "_scripts.py"))["exit_quietly_on_broken_pipe"](main)
+    _scripts = runpy.run_path(str(Path(__file__).resolve().parents[1] / "ex_engine" / "_scripts.py"))
+    _scripts["exit_quietly_on_broken_pipe"](main)

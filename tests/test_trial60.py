@@ -9,19 +9,27 @@ from pathlib import Path
 
 import pytest
 
+from .test_bench_tools import import_tool
+
 ROOT = Path(__file__).resolve().parents[1]
 B = ROOT / "benchmarks"
+
+
+class _FullStdout:
+    """A stdout on a full disk: every write fails with ENOSPC."""
+
+    def write(self, text):
+        raise OSError(28, "No space left on device")
+
+    def flush(self):
+        pass
 
 
 def _t_labels(tmp_path, monkeypatch, files):
     """The T axis labels of each panel of plot_moe's chart of ``files``."""
     pytest.importorskip("matplotlib")
     import matplotlib.figure
-    sys.path.insert(0, str(B))
-    try:
-        import plot_moe
-    finally:
-        sys.path.remove(str(B))
+    plot_moe = import_tool("benchmarks", "plot_moe")
     figs = []
     monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda self, *a, **k: figs.append(self))
     monkeypatch.setattr(sys, "argv", ["plot_moe.py", *map(str, files), "-o", str(tmp_path / "x.png")])
@@ -115,20 +123,13 @@ def test_the_helper_leaves_other_errors_and_the_callers_stdout_alone(monkeypatch
         exit_quietly_on_broken_pipe(usage)
     assert ended.value.code == 3 and sys.stdout is before and capsys.readouterr().out == "some text\n"
 
-    class Full:
-        def write(self, text):
-            raise OSError(28, "No space left on device")
-
-        def flush(self):
-            pass
-
     def swallowing():   # a script that catches the write error itself still ends with status 2
         try:
             print("x")
         except OSError:
             pass
         return 0
-    monkeypatch.setattr(sys, "stdout", Full())
+    monkeypatch.setattr(sys, "stdout", _FullStdout())
     with pytest.raises(SystemExit) as ended:
         exit_quietly_on_broken_pipe(swallowing)
     assert ended.value.code == 2
@@ -151,20 +152,13 @@ def test_a_scripts_exit_message_is_said_even_when_stdout_is_lost(monkeypatch, ca
     from ex_engine._scripts import exit_quietly_on_broken_pipe
     monkeypatch.setattr(sys, "argv", ["/somewhere/tool.py"])
 
-    class Full:
-        def write(self, text):
-            raise OSError(28, "No space left on device")
-
-        def flush(self):
-            pass
-
     def failing():
         try:
             print("table")
         except OSError:
             pass
         sys.exit("tool.py: 3 checks FAILED")
-    monkeypatch.setattr(sys, "stdout", Full())
+    monkeypatch.setattr(sys, "stdout", _FullStdout())
     with pytest.raises(SystemExit) as ended:
         exit_quietly_on_broken_pipe(failing)
     assert ended.value.code == 2
