@@ -321,7 +321,6 @@ def test_a_manifest_tuned_range_or_options_is_checked_at_load(tmp_path):
     assert "(the options [-1, 0, 2])" in msgs[0] and set(t.refused) == {"moe_fused_gemm"}
 
 
-
 def small_moe_inputs(rng):
     """hidden_states (64, 64), w13 (8, 64, 64), w2 (8, 64, 32) float16, topk_weights (64, 2) and
     topk_ids (64, 2: token t on experts t % 8 and (t + 1) % 8): a T = 64 call the fallback runs fast."""
@@ -332,6 +331,7 @@ def small_moe_inputs(rng):
     w = np.full((T, K), 0.5, np.float32)
     ids = np.stack([np.arange(T) % E, (np.arange(T) + 1) % E], 1).astype(np.int32)
     return x, w13, w2, w, ids
+
 
 def test_calls_bind_again_when_a_table_is_set_aside_later(tmp_path):
     """A call remembers its dims (the tuned one included) in the registry's caches; when a
