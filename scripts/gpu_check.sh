@@ -3,8 +3,12 @@
 # tests, the main job on every model, and the benchmarks. Logs go to $OUT (or ./gpu_out).
 #
 #   bash scripts/gpu_check.sh [STAGE ...]    stages: setup build list tests selftest run bench bench_rn
-#                                            host gap tune ep (default: all but host, gap, tune and
-#                                            ep, in that order; host: benchmarks/host_moe.py, the host
+#                                            host gap tune ep sanitize (default: all but host, gap,
+#                                            tune, ep and sanitize, in that order; sanitize: the GPU
+#                                            tests of the factors under compute-sanitizer's memcheck,
+#                                            racecheck, synccheck and initcheck, each first shown a
+#                                            planted fault, scripts/gpu_sanitize.py; host:
+#                                            benchmarks/host_moe.py, the host
 #                                            time of one eager call by stage; gap: each kernel of the
 #                                            T >= 4096 calls against the card's matmul, copy and
 #                                            write rates, scripts/kernel_times_moe.py then
@@ -25,6 +29,8 @@
 #                     one, e.g. manifests/tuning/h200.yaml on the H200; else a new table)
 #                     (with --follow-gaps M, keep M a few rows' time under TUNE_TIMEOUT / 60: a
 #                     tuner stopped by the timeout writes no file)
+#   SANITIZE_ARGS     arguments of scripts/gpu_sanitize.py (e.g. --tools memcheck --timeout 300;
+#                     its --out is always $OUT; its logs: $OUT/sanitize_<tool>.txt)
 #   GAP_CASES         model:T cases of the gap stage (default: every model at T = 4096 and 16384;
 #                     gemm_shape_rate.py takes their models and their T, every pairing of them)
 #   TESTS_TIMEOUT (300), SELFTEST_TIMEOUT (150, each self-test), RUN_TIMEOUT (300),
@@ -34,7 +40,7 @@
 # Exit status: 0 every stage passed; 1 a stage failed (a self-test that tested nothing, or GPU
 # tests that all skipped, fail too; setup finding no CUDA device stops the script at once, with
 # a line "no CUDA device ...", where a later stage needs one: tests selftest run bench bench_rn
-# host gap tune ep); 2 an unknown stage, a log folder (OUT) that cannot be written, or carried
+# host gap tune ep sanitize); 2 an unknown stage, a log folder (OUT) that cannot be written, or carried
 # wheels that do not install.
 set -u -o pipefail
 cd "$(dirname "$0")/.."
@@ -45,9 +51,9 @@ fi
 stages=${*:-setup build list tests selftest run bench bench_rn}
 has() { [[ " $stages " == *" $1 "* ]]; }
 for s in $stages; do
-  case " setup build list tests selftest run bench bench_rn host gap tune ep " in
+  case " setup build list tests selftest run bench bench_rn host gap tune ep sanitize " in
     *" $s "*) ;;
-    *) echo "gpu_check.sh: unknown stage '$s'; expected some of: setup build list tests selftest run bench bench_rn host gap tune ep" >&2; exit 2 ;;
+    *) echo "gpu_check.sh: unknown stage '$s'; expected some of: setup build list tests selftest run bench bench_rn host gap tune ep sanitize" >&2; exit 2 ;;
   esac
 done
 OUT=${OUT:-$PWD/gpu_out}
@@ -61,7 +67,7 @@ rm -f "$OUT/.gpu_check_write_test"
 status=0
 step() { echo; echo "=== $* ($(date +%T))"; }
 
-if has setup || has tests || has run || has bench || has bench_rn || has host || has gap || has list || has tune || has ep; then
+if has setup || has tests || has run || has bench || has bench_rn || has host || has gap || has list || has tune || has ep || has sanitize; then
   if ! python3 -c "import cffi" 2>/dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target /tmp/site .whl/*.whl || { echo "cannot install carried wheels from .whl/"; exit 2; }
@@ -103,7 +109,7 @@ if n < 1:
   # would run on the CPU or fail one by one (a CPU machine ran pytest and run moe --model all)
   if [ "$py" = 3 ] || { [ "$py" != 0 ] && [ "$smi" != 0 ]; }; then
     gpu_stages=""
-    for s in tests selftest run bench bench_rn host gap tune ep; do has "$s" && gpu_stages="$gpu_stages $s"; done
+    for s in tests selftest run bench bench_rn host gap tune ep sanitize; do has "$s" && gpu_stages="$gpu_stages $s"; done
     if [ -n "$gpu_stages" ]; then
       echo "gpu_check.sh: no CUDA device (setup's device check failed, above): stopping before the stages that need one:$gpu_stages" >&2
       exit 1
@@ -179,6 +185,11 @@ if has ep; then
   for n in $(seq 1 "$ngpu"); do
     timeout ${EP_TIMEOUT:-300} torchrun --standalone --nproc_per_node="$n" examples/ep_moe.py --bench --json "$OUT/ep_bench_$n.json" 2>&1 | tee "$OUT/ep_bench_$n.txt"; [ "${PIPESTATUS[0]}" = 0 ] || status=1
   done
+fi
+if has sanitize; then
+  step "GPU tests under compute-sanitizer (scripts/gpu_sanitize.py; logs: $OUT/sanitize_<tool>.txt)"
+  # (word splitting of SANITIZE_ARGS is meant: one argument per word)
+  python3 scripts/gpu_sanitize.py ${SANITIZE_ARGS:-} --out "$OUT" 2>&1 | tee "$OUT/sanitize.txt"; [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
 step "done: status $status"
 exit $status

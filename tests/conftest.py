@@ -47,6 +47,18 @@ def pytest_configure(config):
     for var in ("EX_ENGINE_FACTORS", "EX_ENGINE_MANIFESTS", *(k for k, _ in plugin_env())):
         if var in os.environ:
             _saved_env[var] = os.environ.pop(var)
+    # under compute-sanitizer (scripts/gpu_sanitize.py): every CuPy array its own cudaMalloc, so
+    # a write past one is an access outside any allocation, not into a pooled neighbour's bytes;
+    # said on stdout (pytest -q prints no report header), which the script checks
+    if os.environ.get("EX_TEST_NO_MEMORY_POOL") == "1":
+        try:
+            import cupy
+        except ImportError:
+            pass
+        else:
+            cupy.cuda.set_allocator(None)
+            cupy.cuda.set_pinned_memory_allocator(None)
+            print("ex_engine tests: CuPy memory pool off (EX_TEST_NO_MEMORY_POOL=1)", flush=True)
 
 
 def pytest_report_header(config):

@@ -1,0 +1,112 @@
+"""scripts/gpu_sanitize.py on the CPU: its arguments, and how it reads a tool's output.
+
+The tool itself needs compute-sanitizer and a GPU (scripts/gpu_check.sh's sanitize stage); here
+its verdicts are checked on outputs shaped as compute-sanitizer and pytest write them, so that a
+run with sanitizer errors, failing tests, no tests, a pool left on or a stop at the timeout can
+never read as clean.
+"""
+import runpy
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import ROOT
+
+SCRIPT = ROOT / "scripts" / "gpu_sanitize.py"
+san = runpy.run_path(str(SCRIPT), run_name="gpu_sanitize")
+judge, parse_timeouts, ERROR_STATUS = san["judge"], san["parse_timeouts"], san["ERROR_STATUS"]
+
+POOL = "ex_engine tests: CuPy memory pool off (EX_TEST_NO_MEMORY_POOL=1)\n"
+CLEAN = POOL + "........ [100%]\n8 passed in 12.0s\n========= ERROR SUMMARY: 0 errors\n"
+
+
+def test_a_clean_run_reads_clean():
+    tests, summary, verdict = judge(0, CLEAN, 100)
+    assert verdict == "clean" and tests == "8 passed, 0 failed, 0 skipped", tests
+    assert summary == "ERROR SUMMARY: 0 errors"
+
+
+@pytest.mark.parametrize("rc, text, says", [
+    (ERROR_STATUS, CLEAN.replace("0 errors", "3 errors"), "sanitizer errors"),
+    (0, CLEAN.replace("0 errors", "2 errors"), "sanitizer errors"),        # status lost, summary says
+    (ERROR_STATUS, CLEAN, "sanitizer errors"),                             # summary lost, status says
+    (1, POOL + "..F [100%]\n1 failed, 2 passed in 3s\n========= ERROR SUMMARY: 0 errors\n", "tests failed (status 1)"),
+    (5, POOL + "\n12 deselected in 1s\n========= ERROR SUMMARY: 0 errors\n", "tests failed (status 5)"),
+    (0, POOL + "sss [100%]\n3 skipped in 1s\n========= ERROR SUMMARY: 0 errors\n", "no test ran"),
+    (0, CLEAN.replace(POOL, ""), "CuPy's pool was not off"),
+    (0, CLEAN.replace("========= ERROR SUMMARY: 0 errors\n", ""), "no sanitizer summary"),
+    (None, POOL + ".... [ 40%]\n..F. [ 80%]\n", "stopped after 100 s"),
+])
+def test_every_other_run_is_not_clean(rc, text, says):
+    tests, _, verdict = judge(rc, text, 100)
+    assert verdict == says, (verdict, tests)
+
+
+def test_a_stopped_run_counts_the_progress_lines():
+    tests, summary, _ = judge(None, POOL + ".... [ 40%]\n..Fs [ 80%]\n", 100)
+    assert tests == "6 passed, 1 failed, 1 skipped so far"
+    assert summary == "no summary line"
+
+
+def test_racecheck_summary_is_read():
+    text = POOL + ". [100%]\n1 passed in 1s\n========= RACECHECK SUMMARY: 0 hazards displayed (0 errors, 2 warnings)\n"
+    assert judge(0, text, 10)[1:] == ("RACECHECK SUMMARY: 0 hazards displayed (0 errors, 2 warnings)", "clean")
+    bad = text.replace("0 hazards displayed (0 errors", "4 hazards displayed (4 errors")
+    assert judge(0, bad, 10)[2] == "sanitizer errors"
+
+
+@pytest.mark.parametrize("text, want", [
+    ("90", {"memcheck": 90, "racecheck": 90, "synccheck": 90, "initcheck": 90}),
+    ("memcheck=300,racecheck=20", {"memcheck": 300, "racecheck": 20, "synccheck": 150, "initcheck": 150}),
+    ("0", None), ("memcheck=0", None), ("foo=3", None), ("memcheck=x", None), ("", None)])
+def test_timeouts(text, want):
+    assert parse_timeouts(text) == want
+
+
+def test_the_planted_faults_name_every_tool():
+    assert set(san["PLANTED"]) == set(san["TOOLS"]) == set(san["TESTS"])
+    # each planted kernel is in the source the --plant run compiles
+    for kernel in ("oob", "race", "badsync", "uninit"):
+        assert f"__global__ void {kernel}(" in san["KERNELS"]
+
+
+def run(*args):
+    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=60)
+
+
+def test_help_and_list():
+    r = run("--help")
+    assert r.returncode == 0 and "compute-sanitizer" in r.stdout and "Exit status" in r.stdout
+    r = run("--list", "--tools", "memcheck,initcheck", "--timeout", "memcheck=300")
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0].startswith("memcheck (300 s): pytest -m gpu tests/test_gpu_configs.py") and len(lines) == 2
+    assert lines[1].startswith("initcheck (150 s): ")
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--tools", "memcheck,foo"], "--tools: expected some of memcheck,racecheck,synccheck,initcheck"),
+    (["--tools", ""], "--tools: expected some of"),
+    (["--timeout", "-5"], "--timeout: expected seconds >= 1"),
+    (["--sanitizer", "/nonexistent/compute-sanitizer"], "--sanitizer: expected a compute-sanitizer executable, "
+                                                        "got /nonexistent/compute-sanitizer"),
+])
+def test_bad_arguments_are_named(args, says):
+    r = run(*args)
+    assert r.returncode == 2 and says in r.stderr, (r.returncode, r.stderr)
+
+
+def test_the_selection_collects_the_forced_configurations():
+    """memcheck's selection takes every forced case of test_gpu_configs.py (20 configurations x
+    10 kinds) besides test_gpu.py's; the small set 20 x 5 of them (pytest's collection, on any
+    machine: the GPU marks skip only at run time)."""
+    def collected(tool):
+        args = san["TESTS"][tool]
+        r = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                            "-m", "gpu", *args], capture_output=True, text=True, cwd=ROOT, timeout=120)
+        return [ln for ln in r.stdout.splitlines() if "::" in ln]
+    mem, small = collected("memcheck"), collected("racecheck")
+    forced = lambda ids: [i for i in ids if "test_moe_every_config_on_awkward_shapes" in i]
+    assert len(forced(mem)) == 200 and len(forced(small)) == 100
+    assert any("test_moe_plugin_awkward" in i for i in mem) and any("test_topk_softmax_plugin" in i for i in small)
