@@ -1,35 +1,41 @@
 #!/usr/bin/env python3
-"""The factors' GPU tests under NVIDIA's compute-sanitizer: every device access checked.
+"""The factors' GPU tests under NVIDIA's compute-sanitizer (memcheck, racecheck, synccheck, initcheck).
 
-For each tool (default: memcheck racecheck synccheck initcheck):
-1. a planted fault first: a small CuPy kernel with the one defect that tool exists to find (a
-   write one element past a 1000-float array, inside the allocation's rounding to 256 bytes; two
-   warps writing one shared word; a __syncwarp whose mask leaves out the calling threads; a read
-   of memory never written). The tool must report it (its error exit status and its words),
-   or its silence on the tests below proves nothing and the tool fails;
-2. then the GPU tests of the factors (pytest, -m gpu; each tool's selection below) run under it,
-   with CuPy's memory pool off (EX_TEST_NO_MEMORY_POOL=1, tests/conftest.py): each array is its
-   own cudaMalloc, so a write past one is reported, not absorbed by a pooled neighbour.
-   PyTorch's caching allocator is off too (PYTORCH_NO_CUDA_MEMORY_CACHING=1).
+For each tool (default: all four, in that order):
+1. planted faults first, each in a process of its own, which the tool must report (its error
+   exit status and its words), or its silence on the tests below proves nothing and the tool
+   fails. memcheck: a CuPy kernel's write one element past a 1000-float array (inside the
+   allocation's rounding to 256 bytes), and the moe_fused_gemm plugin (factors/moe_fused_gemm.so,
+   called through its C entry point) given an output one row short, so the check reaches the
+   kernels of a library opened at run time; racecheck: two warps writing one shared word;
+   synccheck: a __syncwarp whose mask leaves out the calling lanes; initcheck: a read of memory
+   never written;
+2. then the GPU tests of the factors (pytest -m gpu; each tool's selection in TESTS, or --list)
+   under the tool, with CuPy's memory pool off and every registry's workspace released after
+   each test (EX_TEST_NO_MEMORY_POOL=1, tests/conftest.py): each array, and each test's first
+   workspace, is a cudaMalloc of its own size, so a write past one is an access outside any
+   allocation, not into a pooled neighbour's bytes; memcheck pads each allocation (--padding) so
+   an access that runs on into the next allocation is caught too. PyTorch's caching allocator is
+   off as well (PYTORCH_NO_CUDA_MEMORY_CACHING=1).
 
-A tool passes when its planted fault was reported, every selected test passed (at least one ran)
-and the sanitizer reported no error on them. Its whole output is in OUT/sanitize_<tool>.txt;
-a table at the end gives each tool's result and time. The selection per tool (memcheck the
-widest; the others, many times slower, the forced-configuration tests and the small factors):
-see TESTS below, or --list.
+A tool passes when its planted faults were reported, every selected test passed (none skipped:
+a plugin not built or not ready would skip its cases) and the sanitizer reported no error. Its
+whole output is in OUT/sanitize_<tool>.txt; a table at the end gives each tool's result and time.
 
-What the tools see and what they do not (compute-sanitizer's documentation): memcheck checks
-each thread's global and shared loads and stores against the allocations, and the CUDA API
-calls; TMA's bulk copies are done by the copy engine of each multiprocessor, outside the
-threads' instructions, so a tensor map that reached past an allocation would not show here.
-racecheck sees shared-memory hazards between threads; synccheck barrier misuse; initcheck global
-reads of memory never written since its allocation.
+What is not checked: accesses inside a workspace's own bounds (a plugin's sub-buffers are one
+allocation to the tool), and a later call in the same test that needs less workspace than its
+first; memcheck sees the TMA's bulk copies and the warpgroup MMAs only where this
+compute-sanitizer has --check-bulk-copy and --check-warpgroup-mma (used when its --help lists
+them; the log's first line says which); racecheck sees shared-memory hazards between threads
+(not those of the TMA, whose writes belong to no thread), synccheck barrier misuse, initcheck
+global reads of memory never written since its allocation (a workspace is zeroed when made).
 
     python3 scripts/gpu_sanitize.py [--tools memcheck,racecheck] [--timeout memcheck=240,...] [--out DIR]
                                     [--sanitizer PATH] [-k EXPR] [--list]
 
 Exit status: 0 every tool passed; 1 a tool failed (a planted fault not seen, a sanitizer error,
-a failing test, no test run, a timeout); 2 bad arguments, no compute-sanitizer, or no CuPy / GPU.
+a failing or skipped test, no test run, a timeout); 2 bad arguments, no compute-sanitizer, a
+factor library not built, or no CuPy / GPU.
 """
 import argparse
 import os
@@ -65,13 +71,23 @@ TESTS = {
     "synccheck": SMALL,
     "initcheck": SMALL,
 }
-# the planted defect of each tool, and words its report must contain
+# each tool's planted defects (--plant NAME, one process each), and words its report must contain
 PLANTED = {
-    "memcheck": ("a write one float past a 1000-float array", r"Invalid __global__ write"),
-    "racecheck": ("two warps writing one shared word, no barrier", r"[Hh]azard"),
-    "synccheck": ("__syncwarp with a mask that leaves out the calling threads", r"[Bb]arrier error|Invalid arguments"),
-    "initcheck": ("a read of global memory never written", r"Uninitialized __global__ memory read"),
+    "memcheck": [("oob", "a write one float past a 1000-float array", r"Invalid __global__ write"),
+                 ("plugin", "moe_fused_gemm.so given an output one row short", r"Invalid __global__ write")],
+    "racecheck": [("race", "two warps writing one shared word, no barrier",
+                   r"RACECHECK SUMMARY: [1-9]\d* hazards?|Race reported")],
+    "synccheck": [("badsync", "a __syncwarp whose mask leaves out the calling lanes",
+                   r"[Bb]arrier error|Invalid arguments")],
+    "initcheck": [("uninit", "a read of global memory never written", r"Uninitialized __global__ memory read")],
 }
+PLANTS = [name for plants in PLANTED.values() for name, _, _ in plants]
+# options a tool gets where this compute-sanitizer's --help lists them
+EXTRA = {"memcheck": [("--padding", "65536"), ("--check-bulk-copy", "yes"), ("--check-warpgroup-mma", "yes")],
+         "racecheck": [("--racecheck-memcpy-async", "yes")]}
+# words of a sanitizer that did not check (a device or an instruction it does not support)
+BROKEN = r"Internal Sanitizer Error|Device not supported|not supported on this (?:device|platform)"
+LIBS = ("moe_fused_gemm.so", "moe_fused_gemm_sm90.so", "topk_softmax.so", "fused_add_rmsnorm.so")
 KERNELS = r"""
 extern "C" __global__ void oob(float* a, int n) {          // memcheck: a[n] is one past the end
     int i = blockIdx.x * blockDim.x + threadIdx.x;
@@ -95,26 +111,38 @@ extern "C" __global__ void uninit(const float* a, float* b, int n) {   // initch
 ERROR_STATUS = 86   # the sanitizer's exit status where it reported an error (--error-exitcode)
 
 
-def plant(tool):
-    """Run the planted defect of ``tool`` (this process is the one under the sanitizer)."""
+def plant(name):
+    """Run the planted defect ``name`` (of PLANTS; this process is the one under the sanitizer)."""
     import cupy as cp
-    cp.cuda.set_allocator(None)        # each array its own cudaMalloc, as the tests below
-    mod = cp.RawModule(code=KERNELS)
+    cp.cuda.set_allocator(None)        # each array its own cudaMalloc, as in the tests
     n = 1000
-    if tool == "memcheck":
-        a = cp.zeros(n, cp.float32)
-        mod.get_function("oob")((4,), (256,), (a, cp.int32(n)))
-    elif tool == "racecheck":
-        out = cp.zeros(64, cp.float32)
-        mod.get_function("race")((1,), (64,), (out,))
-    elif tool == "synccheck":
-        out = cp.zeros(32, cp.float32)
-        mod.get_function("badsync")((1,), (32,), (out,))
+    if name == "plugin":               # the plugin's combine writes row T-1 of out, past the array
+        st = runpy.run_path(str(ROOT / "scripts" / "gpu_moe_selftest.py"))
+        fac, dt = st["Factor"](str(ROOT / "factors" / "moe_fused_gemm.so")), st["Dt"]("bf16")
+        T, H, E, I, K = 4, 256, 8, 128, 2
+        x, w13, w2, tw, ids = st["make_inputs"](dt, T, H, E, I, K, None)
+        dims = [T, H, E, I, K, dt.code]
+        ws = cp.zeros(max(fac.workspace_size(dims), 256), cp.uint8)
+        out = cp.zeros((T - 1) * H, cp.uint16)
+        aux = [None, w13.data.ptr, w2.data.ptr, tw.data.ptr, ids.data.ptr, ws.data.ptr]
+        rc, path = fac.call(out.data.ptr, x.data.ptr, aux, dims, cp.cuda.get_current_stream().ptr)
+        print(f"plugin call: status {rc}, path {path}")
     else:
-        a, b = cp.empty(n, cp.float32), cp.zeros(n, cp.float32)
-        mod.get_function("uninit")((4,), (256,), (a, b, cp.int32(n)))
+        mod = cp.RawModule(code=KERNELS)
+        if name == "oob":
+            a = cp.zeros(n, cp.float32)
+            mod.get_function("oob")((4,), (256,), (a, cp.int32(n)))
+        elif name == "race":
+            out = cp.zeros(64, cp.float32)
+            mod.get_function("race")((1,), (64,), (out,))
+        elif name == "badsync":
+            out = cp.zeros(32, cp.float32)
+            mod.get_function("badsync")((1,), (32,), (out,))
+        else:
+            a, b = cp.empty(n, cp.float32), cp.zeros(n, cp.float32)
+            mod.get_function("uninit")((4,), (256,), (a, b, cp.int32(n)))
     cp.cuda.Device().synchronize()
-    print(f"planted {tool} defect ran")
+    print(f"planted {name} defect ran")
     return 0
 
 
@@ -171,11 +199,15 @@ def run(cmd, log, timeout, env=None):
 def judge(rc, text, timeout):
     """(tests, sanitizer summary, verdict) of one tool's pytest run under the sanitizer: rc its exit
     status (None: stopped at ``timeout`` s), text its output. verdict is "clean" only where pytest
-    passed (at least one test), the sanitizer's summary says 0 errors and its status is not
-    ERROR_STATUS, and the run says CuPy's pool was off. A run stopped at the timeout counts the
+    passed (at least one test, none skipped), the sanitizer's summary says 0 errors, its status is
+    not ERROR_STATUS, it said nothing of an internal error or an unsupported device, and the run
+    says CuPy's pool was off. A run stopped at the timeout counts the
     tests of pytest's progress lines ('..F.s [ 12%]') so far."""
+    # pytest's last summary line ("1 failed, 7 passed, 2 skipped in 12.0s"), not any such words
+    # a test printed
+    final = re.findall(r"^=*\s*(\d+ (?:passed|failed|skipped|errors?|deselected)\b[^\n]*) in [\d.]+s\b", text, re.M)
     counts = {k.rstrip("s") if k.startswith("error") else k: int(n)
-              for n, k in re.findall(r"(\d+) (passed|failed|errors?|skipped)\b", text)}
+              for n, k in re.findall(r"(\d+) (passed|failed|errors?|skipped)\b", final[-1] if final else "")}
     if rc is None:   # no summary line: what the progress lines show
         marks = "".join(m for m in re.findall(r"^([.FEsx]+)\s*\[\s*\d+%\]\s*$", text, re.M))
         counts = {"passed": marks.count("."), "failed": marks.count("F") + marks.count("E"),
@@ -191,10 +223,14 @@ def judge(rc, text, timeout):
         verdict = f"stopped after {timeout} s"
     elif rc == ERROR_STATUS or (n_err or 0) > 0:
         verdict = "sanitizer errors"
+    elif re.search(BROKEN, text):
+        verdict = "the sanitizer did not check: " + re.search(BROKEN, text).group(0)
     elif rc != 0:
         verdict = f"tests failed (status {rc})"
     elif not counts.get("passed"):
         verdict = "no test ran"
+    elif counts.get("skipped"):
+        verdict = f"{counts['skipped']} tests skipped (not checked)"
     elif "CuPy memory pool off" not in text:
         verdict = "CuPy's pool was not off"
     elif n_err is None:
@@ -204,28 +240,44 @@ def judge(rc, text, timeout):
     return tests, (lines[-1] if lines else "no summary line"), verdict
 
 
+def extra_options(san, tool):
+    """EXTRA[tool]'s options that this compute-sanitizer's --help lists, as arguments."""
+    try:
+        text = subprocess.run([san, "--help"], capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [x for opt, value in EXTRA.get(tool, []) if re.search(re.escape(opt) + r"\b", text) for x in (opt, value)]
+
+
 def check_tool(tool, san, a):
-    """One row of the table: (tool, planted, tests, sanitizer, seconds, ok)."""
+    """One row of the table: (tool, planted, tests, sanitizer summary, seconds, ok, verdict)."""
     log = Path(a.out) / f"sanitize_{tool}.txt"
-    log.write_text("")
-    base = [san, "--tool", tool, "--error-exitcode", str(ERROR_STATUS), "--print-limit", "50"]
-    rc, t_plant = run(base + [sys.executable, __file__, "--plant", tool], log, 120)
-    text = log.read_text(encoding="utf-8", errors="replace")
-    what, words = PLANTED[tool]
-    seen = rc == ERROR_STATUS and re.search(words, text) is not None
-    planted = "seen" if seen else f"NOT SEEN (status {rc})"
-    print(f"  {tool}: planted {what}: {planted} ({t_plant:.0f} s)", flush=True)
+    extra = extra_options(san, tool)
+    log.write_text(f"options beyond --tool {tool}: {' '.join(extra) or 'none'} (EXTRA: "
+                   f"{' '.join(o for o, _ in EXTRA.get(tool, [])) or 'none'})\n", encoding="utf-8")
+    base = [san, "--tool", tool, "--error-exitcode", str(ERROR_STATUS), "--print-limit", "50", *extra]
+    missed, t_plant = [], 0.0
+    for name, what, words in PLANTED[tool]:
+        start = log.stat().st_size
+        rc, secs = run(base + [sys.executable, __file__, "--plant", name], log, 120)
+        t_plant += secs
+        text = log.read_text(encoding="utf-8", errors="replace")[start:]
+        seen = rc == ERROR_STATUS and re.search(words, text) is not None
+        if not seen:
+            missed.append(name)
+        print(f"  {tool}: planted {what}: {'seen' if seen else f'NOT SEEN (status {rc})'} ({secs:.0f} s)", flush=True)
+    planted = "seen" if not missed else f"NOT SEEN: {', '.join(missed)}"
     env = dict(os.environ, EX_TEST_NO_MEMORY_POOL="1", PYTORCH_NO_CUDA_MEMORY_CACHING="1",
                PYTHONPATH=os.pathsep.join([str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
     args = list(TESTS[tool]) if not a.k else SMALL[:-1] + [f"({SMALL[-1]}) and ({a.k})"]
     start = log.stat().st_size
-    rc, secs = run(base + [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", "-rfE",
+    rc, secs = run(base + [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", "-rfEs",
                            *args], log, a.timeouts[tool], env)
     text = log.read_text(encoding="utf-8", errors="replace")[start:]
     tests, summary, verdict = judge(rc, text, a.timeouts[tool])
-    ok = seen and verdict == "clean"
+    ok = not missed and verdict == "clean"
     print(f"  {tool}: {tests}; {summary}; {verdict} ({secs:.0f} s)", flush=True)
-    if not seen:
+    if missed:
         verdict = f"planted fault not seen; tests {verdict}"
     return tool, planted, tests, summary, secs + t_plant, ok, verdict
 
@@ -241,7 +293,7 @@ def main():
     ap.add_argument("-k", default=None, help="run the small set (forced configurations, topk_softmax, "
                                               "fused_add_rmsnorm) narrowed by this pytest -k expression instead")
     ap.add_argument("--list", action="store_true", help="print each tool's pytest arguments and stop")
-    ap.add_argument("--plant", choices=TOOLS, help=argparse.SUPPRESS)
+    ap.add_argument("--plant", choices=PLANTS, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.plant:
         return plant(a.plant)
@@ -266,6 +318,11 @@ def main():
     if san is None:
         print(f"gpu_sanitize: --sanitizer: expected a compute-sanitizer executable, got "
               f"{a.sanitizer or 'none on PATH or in /usr/local/cuda*/bin'}", file=sys.stderr)
+        return 2
+    missing = [lib for lib in LIBS if not (ROOT / "factors" / lib).is_file()]
+    if missing:
+        print(f"gpu_sanitize: expected the built factors in {ROOT / 'factors'}, missing {', '.join(missing)} "
+              "(run make, or gpu_check.sh's build stage, first)", file=sys.stderr)
         return 2
     cupy, why = _scripts["cupy_with_gpu"]()
     if cupy is None:

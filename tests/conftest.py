@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import weakref
 from pathlib import Path
 
 import pytest
@@ -43,22 +44,54 @@ def pytest_configure(config):
             pass
         else:
             set_hypothesis_home_dir(ROOT / ".hypothesis")
+    # read before the loop below drops every EX_* variable (a plugin's), this one included
+    _no_memory_pool(os.environ.get("EX_TEST_NO_MEMORY_POOL") == "1")
     from ex_engine._paths import plugin_env
     for var in ("EX_ENGINE_FACTORS", "EX_ENGINE_MANIFESTS", *(k for k, _ in plugin_env())):
         if var in os.environ:
             _saved_env[var] = os.environ.pop(var)
-    # under compute-sanitizer (scripts/gpu_sanitize.py): every CuPy array its own cudaMalloc, so
-    # a write past one is an access outside any allocation, not into a pooled neighbour's bytes;
-    # said on stdout (pytest -q prints no report header), which the script checks
-    if os.environ.get("EX_TEST_NO_MEMORY_POOL") == "1":
+
+
+# the registries made while EX_TEST_NO_MEMORY_POOL=1 (none otherwise): their workspaces are
+# released after each test
+_registries: "weakref.WeakSet" = weakref.WeakSet()
+
+
+def _no_memory_pool(on: bool) -> None:
+    """Under compute-sanitizer (scripts/gpu_sanitize.py, EX_TEST_NO_MEMORY_POOL=1): every CuPy
+    array its own cudaMalloc, so a write past one is an access outside any allocation, not into
+    a pooled neighbour's bytes; and every registry made from now on noted, so that
+    _workspaces_released_after_each_test makes each test's first workspace a new allocation of
+    the size that call asked for (a registry keeps and grows one, so a later test's overrun
+    would land in a larger, older buffer). Said on stdout (pytest -q prints no report header),
+    which the script checks."""
+    if not on:
+        return
+    try:
+        import cupy
+    except ImportError:
+        return
+    cupy.cuda.set_allocator(None)
+    cupy.cuda.set_pinned_memory_allocator(None)
+    from ex_engine.registry import FactorRegistry
+    init = FactorRegistry.__init__
+
+    def noted_init(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        _registries.add(self)
+
+    FactorRegistry.__init__ = noted_init
+    print("ex_engine tests: CuPy memory pool off (EX_TEST_NO_MEMORY_POOL=1)", flush=True)
+
+
+@pytest.fixture(autouse=True)
+def _workspaces_released_after_each_test():
+    yield
+    for r in list(_registries):
         try:
-            import cupy
-        except ImportError:
+            r.release_workspaces()
+        except Exception:   # noqa: BLE001 - a device flag the test left (its own check reports it)
             pass
-        else:
-            cupy.cuda.set_allocator(None)
-            cupy.cuda.set_pinned_memory_allocator(None)
-            print("ex_engine tests: CuPy memory pool off (EX_TEST_NO_MEMORY_POOL=1)", flush=True)
 
 
 def pytest_report_header(config):

@@ -11,8 +11,9 @@ chunked_nomc, chunked_tail). A configuration that does not take a shape runs wha
 documents for it (the chunked ones: the 128-row tiling where the GEMM1 is ungated or H % 128
 != 0; see factors/moe_fused_gemm.cu's header).
 
-These small shapes are also what scripts/gpu_sanitize.py runs under compute-sanitizer (every
-access of every configuration checked for bounds, races, barriers and uninitialised reads).
+These small shapes are also what scripts/gpu_sanitize.py runs under compute-sanitizer (each
+configuration's accesses checked for bounds, shared-memory races, barrier misuse and
+uninitialised reads, as far as each tool sees them: that script's docstring says where not).
 
 The forced cases are marked `gpu`: skipped where CuPy or a GPU is missing; a plugin not built or
 not ready on this GPU skips its cases. The check of the configuration list runs everywhere.

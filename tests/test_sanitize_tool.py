@@ -37,6 +37,11 @@ def test_a_clean_run_reads_clean():
     (0, CLEAN.replace(POOL, ""), "CuPy's pool was not off"),
     (0, CLEAN.replace("========= ERROR SUMMARY: 0 errors\n", ""), "no sanitizer summary"),
     (None, POOL + ".... [ 40%]\n..F. [ 80%]\n", "stopped after 100 s"),
+    (0, CLEAN.replace("8 passed", "6 passed, 2 skipped"), "2 tests skipped (not checked)"),
+    (0, "========= Internal Sanitizer Error: x\n" + CLEAN, "the sanitizer did not check: Internal Sanitizer Error"),
+    (0, "========= Device not supported\n" + CLEAN, "the sanitizer did not check: Device not supported"),
+    # words a test printed are not pytest's summary line
+    (0, POOL + "log: 3 passed\n\n========= ERROR SUMMARY: 0 errors\n", "no test ran"),
 ])
 def test_every_other_run_is_not_clean(rc, text, says):
     tests, _, verdict = judge(rc, text, 100)
@@ -69,6 +74,28 @@ def test_the_planted_faults_name_every_tool():
     # each planted kernel is in the source the --plant run compiles
     for kernel in ("oob", "race", "badsync", "uninit"):
         assert f"__global__ void {kernel}(" in san["KERNELS"]
+    assert san["PLANTS"] == ["oob", "plugin", "race", "badsync", "uninit"]
+    # the racecheck words need a hazard counted: its summary with 0 hazards is no report
+    words = dict((n, w) for plants in san["PLANTED"].values() for n, _, w in plants)
+    import re
+    assert not re.search(words["race"], "RACECHECK SUMMARY: 0 hazards displayed (0 errors, 0 warnings)")
+    assert re.search(words["race"], "RACECHECK SUMMARY: 2 hazards displayed (2 errors, 0 warnings)")
+
+
+def test_a_missing_library_is_named(tmp_path):
+    """Without the built factors the tests would skip (and the tool say so): it stops first."""
+    import shutil
+    (tmp_path / "scripts").mkdir()
+    (tmp_path / "ex_engine").mkdir()
+    (tmp_path / "factors").mkdir()
+    shutil.copy(SCRIPT, tmp_path / "scripts" / "gpu_sanitize.py")
+    shutil.copy(ROOT / "ex_engine" / "_scripts.py", tmp_path / "ex_engine" / "_scripts.py")
+    fake = tmp_path / "compute-sanitizer"
+    fake.write_text("#!/bin/sh\nexit 0\n", encoding="utf-8")
+    fake.chmod(0o755)
+    r = subprocess.run([sys.executable, str(tmp_path / "scripts" / "gpu_sanitize.py"), "--sanitizer", str(fake)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "missing moe_fused_gemm.so, moe_fused_gemm_sm90.so" in r.stderr, r.stderr
 
 
 def run(*args):
@@ -110,3 +137,68 @@ def test_the_selection_collects_the_forced_configurations():
     forced = lambda ids: [i for i in ids if "test_moe_every_config_on_awkward_shapes" in i]
     assert len(forced(mem)) == 200 and len(forced(small)) == 100
     assert any("test_moe_plugin_awkward" in i for i in mem) and any("test_topk_softmax_plugin" in i for i in small)
+
+
+STUB_CUPY = '''
+calls = []
+class _Cuda:
+    @staticmethod
+    def set_allocator(a):
+        calls.append(("allocator", a))
+    @staticmethod
+    def set_pinned_memory_allocator(a):
+        calls.append(("pinned", a))
+cuda = _Cuda()
+'''
+
+PROBE = '''
+import cupy
+from ex_engine.registry import FactorRegistry
+from tests import conftest
+
+made = {}
+
+def test_pool_off_and_registry_noted():
+    assert cupy.calls == [("allocator", None), ("pinned", None)]
+    r = FactorRegistry(hardware="h200")
+    assert r in conftest._registries
+    made["n"] = 0
+    def released():
+        made["n"] += 1
+    r.release_workspaces = released
+    made["r"] = r
+
+def test_workspaces_released_after_the_test_before():
+    assert made["n"] == 1
+'''
+
+
+@pytest.mark.parametrize("on", [True, False])
+def test_conftest_turns_the_pool_off_under_the_sanitizer(tmp_path, on):
+    """EX_TEST_NO_MEMORY_POOL=1 (what gpu_sanitize.py sets): tests/conftest.py turns CuPy's pool
+    off, says so on stdout, notes every registry made and releases its workspaces after each
+    test. A copy of tests/ (conftest.py and a probe test) runs in a child pytest with a stub
+    cupy; unset, nothing of that happens. (The variable is an EX_* one, which conftest drops with
+    the plugins' variables: it must be read before that, as it once was not.)"""
+    import os
+    import shutil
+    (tmp_path / "stub" / "cupy").mkdir(parents=True)
+    (tmp_path / "stub" / "cupy" / "__init__.py").write_text(STUB_CUPY, encoding="utf-8")
+    tests = tmp_path / "tests"
+    tests.mkdir()
+    shutil.copy(ROOT / "tests" / "conftest.py", tests / "conftest.py")
+    (tests / "__init__.py").write_text("", encoding="utf-8")
+    (tests / "test_probe.py").write_text(PROBE, encoding="utf-8")
+    env = {k: v for k, v in os.environ.items() if k != "EX_TEST_NO_MEMORY_POOL"}
+    if on:
+        env["EX_TEST_NO_MEMORY_POOL"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path / "stub"), str(tmp_path), str(ROOT),
+                                         env.get("PYTHONPATH", "")])
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tests)],
+                       capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120)
+    if on:
+        assert r.returncode == 0 and "2 passed" in r.stdout, r.stdout + r.stderr
+        assert "CuPy memory pool off (EX_TEST_NO_MEMORY_POOL=1)" in r.stdout
+    else:
+        assert "CuPy memory pool off" not in r.stdout, r.stdout
+        assert "FAILED tests/test_probe.py::test_pool_off_and_registry_noted" in r.stdout, r.stdout + r.stderr
