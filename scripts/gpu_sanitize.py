@@ -243,7 +243,8 @@ def judge(rc, text, timeout):
 def extra_options(san, tool):
     """EXTRA[tool]'s options that this compute-sanitizer's --help lists, as arguments."""
     try:
-        text = subprocess.run([san, "--help"], capture_output=True, text=True, timeout=60).stdout
+        text = subprocess.run([san, "--help"], capture_output=True, text=True, encoding="utf-8", errors="replace",
+                              timeout=60).stdout
     except (OSError, subprocess.SubprocessError):
         return []
     return [x for opt, value in EXTRA.get(tool, []) if re.search(re.escape(opt) + r"\b", text) for x in (opt, value)]
