@@ -10,8 +10,9 @@ For each tool (default: all four, in that order):
    kernels of a library opened at run time; racecheck: two warps writing one shared word;
    synccheck: a __syncwarp whose mask leaves out the calling lanes; initcheck: a read of memory
    never written;
-2. then the GPU tests of the factors (pytest -m gpu; each tool's selection in TESTS, or --list)
-   under the tool, with CuPy's memory pool off and every registry's workspace released after
+2. then the GPU tests of the factors (pytest -m gpu; each tool's selection in TESTS, or --list:
+   every tile configuration of moe_fused_gemm forced on five awkward shapes on both plugins, and
+   the router and norm factors' plugin tests, 136 tests; racecheck, the slowest, 76) under the tool, with CuPy's memory pool off and every registry's workspace released after
    each test (EX_TEST_NO_MEMORY_POOL=1, tests/conftest.py): each array, and each test's first
    workspace, is a cudaMalloc of its own size, so a write past one is an access outside any
    allocation, not into a pooled neighbour's bytes; memcheck pads each allocation (--padding) so
@@ -19,12 +20,14 @@ For each tool (default: all four, in that order):
    off as well (PYTORCH_NO_CUDA_MEMORY_CACHING=1).
 
 A tool passes when its planted faults were reported, every selected test passed (none skipped:
-a plugin not built or not ready would skip its cases) and the sanitizer reported no error. Its
-whole output is in OUT/sanitize_<tool>.txt; a table at the end gives each tool's result and time.
+a plugin not built or not ready would skip its cases) and the sanitizer reported no error (nor,
+for racecheck, a warning). Its whole output is in OUT/sanitize_<tool>.txt; a table at the end
+gives each tool's result and time. A tool may take up to 9 minutes (--timeout, 540 s each): on a
+machine lent for 10 minutes a call, run one tool a call (--tools memcheck).
 
-What is not checked: CuPy's own kernels (EXCLUDE: those the tests' inputs and references run);
-accesses inside a workspace's own bounds (a plugin's sub-buffers are one
-allocation to the tool), and a later call in the same test that needs less workspace than its
+What is not checked: CuPy's own kernels (EXCLUDE: those the tests' inputs and references run;
+not where this compute-sanitizer lacks --kernel-name-exclude); accesses inside a workspace's own
+bounds (a plugin's sub-buffers are one allocation to the tool), and a later call in the same test that needs less workspace than its
 first; memcheck sees the TMA's bulk copies and the warpgroup MMAs only where this
 compute-sanitizer has --check-bulk-copy and --check-warpgroup-mma (used when its --help lists
 them; the log's first line says which); racecheck sees shared-memory hazards between threads
@@ -32,7 +35,7 @@ them; the log's first line says which); racecheck sees shared-memory hazards bet
 global reads of memory never written since its allocation (a workspace is zeroed when made).
 
     python3 scripts/gpu_sanitize.py [--tools memcheck,racecheck] [--timeout memcheck=240,...] [--out DIR]
-                                    [--sanitizer PATH] [-k EXPR] [--list]
+                                    [--sanitizer PATH] [-k EXPR] [--wide] [--list]
 
 Exit status: 0 every tool passed; 1 a tool failed (a planted fault not seen, a sanitizer error,
 a failing or skipped test, no test run, a timeout); 2 bad arguments, no compute-sanitizer, a
@@ -58,20 +61,33 @@ TOOLS = ("memcheck", "racecheck", "synccheck", "initcheck")
 SMALL_KINDS = "T_3_E_40 or E_40_fp16 or one_expert or H_200 or ungated_I_200"
 SMALL = ["tests/test_gpu_configs.py", "tests/test_gpu.py", "-k",
          f"(test_moe_every_config and ({SMALL_KINDS})) or test_topk_softmax_plugin or test_fused_add_rmsnorm_plugin"]
-# each tool's pytest arguments (after -m gpu): memcheck, the quickest, runs every forced
-# configuration on all ten kinds, the registry's own choices on the awkward shapes and the model
-# shapes at T = 1 and 64 (bfloat16), and the tests of invalid ids, unaligned sizes, one hot
-# expert, no valid slot and empty batches; the others, many times slower, the small set
+# each tool's pytest arguments (after -m gpu). Paces seen on an H100 (2026-12-07, CuPy's kernels
+# still checked): synccheck 136 tests in 34 s, memcheck about 3 s a test, initcheck and racecheck
+# 7-9 s. So each tool runs the small set (136 tests), racecheck a third of it; --wide gives
+# memcheck test_gpu.py's wider selection too (WIDE: the registry's own choices on the awkward
+# shapes, the model shapes at T = 1 and 64, bfloat16, and the tests of invalid ids, unaligned
+# sizes, one hot expert, no valid slot and empty batches: about 310 tests, some 16 minutes)
+RACE_KINDS = "T_3_E_40 or one_expert"
 TESTS = {
-    "memcheck": ["tests/test_gpu_configs.py", "tests/test_gpu.py", "-k",
-                 "test_moe_every_config or test_topk_softmax_plugin or test_fused_add_rmsnorm_plugin "
-                 "or test_moe_plugin_awkward or test_moe_unaligned or test_moe_skewed_and_single "
-                 "or test_moe_out_of_range_ids_are or test_moe_empty_batch or test_moe_decode_with_no_valid_slot "
-                 "or (test_moe_plugin_on_model_shapes and bfloat16)"],
-    "racecheck": SMALL,
+    "memcheck": SMALL,
+    "racecheck": SMALL[:-1] + [f"(test_moe_every_config and ({RACE_KINDS})) or test_topk_softmax_plugin"],
     "synccheck": SMALL,
     "initcheck": SMALL,
 }
+WIDE = ["tests/test_gpu_configs.py", "tests/test_gpu.py", "-k",
+        "test_moe_every_config or test_topk_softmax_plugin or test_fused_add_rmsnorm_plugin "
+        "or test_moe_plugin_awkward or test_moe_unaligned or test_moe_skewed_and_single "
+        "or test_moe_out_of_range_ids_are or test_moe_empty_batch or test_moe_decode_with_no_valid_slot "
+        "or (test_moe_plugin_on_model_shapes and bfloat16)"]
+
+
+def selection(tool, k=None, wide=False):
+    """The pytest arguments of ``tool``: TESTS (memcheck with --wide: WIDE), narrowed by the
+    -k expression ``k``."""
+    args = WIDE if wide and tool == "memcheck" else TESTS[tool]
+    return list(args) if not k else args[:-1] + [f"({args[-1]}) and ({k})"]
+
+
 # each tool's planted defects (--plant NAME, one process each), and words its report must contain
 PLANTED = {
     "memcheck": [("oob", "a write one float past a 1000-float array", r"Invalid __global__ write"),
@@ -87,10 +103,11 @@ PLANTS = [name for plants in PLANTED.values() for name, _, _ in plants]
 EXTRA = {"memcheck": [("--padding", "65536"), ("--check-bulk-copy", "yes"), ("--check-warpgroup-mma", "yes")],
          "racecheck": [("--racecheck-memcpy-async", "yes")]}
 # kernels not checked: CuPy's own (its elementwise, reduction and scan kernels are named cupy_*,
-# its sorts are thrust's), which the tests' inputs and float64 references run. On the first run
+# its sorts are thrust's), which the tests' inputs and float64 references run. On the first runs
 # (an H100, 2026-12-07) initcheck reported thrust's merge sort (cp.argsort) and racecheck CuPy's
-# nonzero scan, and they took most of each tool's time
-EXCLUDE = ["--exclude", "kns=cupy_", "--exclude", "kns=thrust"]
+# nonzero scan (warnings), 50 reports each, the print limit, which would hide a later report of ours
+# (--kernel-name-exclude, as compute-sanitizer 2025.3 spells it: it has no --exclude)
+EXCLUDE = ["--kernel-name-exclude", "kns=cupy_", "--kernel-name-exclude", "kns=thrust"]
 # words of a sanitizer that did not check (a device or an instruction it does not support)
 BROKEN = r"Internal Sanitizer Error|Device not supported|not supported on this (?:device|platform)"
 LIBS = ("moe_fused_gemm.so", "moe_fused_gemm_sm90.so", "topk_softmax.so", "fused_add_rmsnorm.so")
@@ -154,8 +171,8 @@ def plant(name):
 
 def parse_timeouts(text):
     """{tool: seconds} of --timeout: "150" (every tool) or "memcheck=240,racecheck=90" (the tools
-    not named 150); None where it is neither, or a value is below 1."""
-    out = dict.fromkeys(TOOLS, 150)
+    not named 540); None where it is neither, or a value is below 1."""
+    out = dict.fromkeys(TOOLS, 540)
     try:
         if "=" not in text:
             out = dict.fromkeys(TOOLS, int(text))
@@ -215,14 +232,18 @@ def judge(rc, text, timeout):
     counts = {k.rstrip("s") if k.startswith("error") else k: int(n)
               for n, k in re.findall(r"(\d+) (passed|failed|errors?|skipped)\b", final[-1] if final else "")}
     if rc is None:   # no summary line: what the progress lines show
-        marks = "".join(m for m in re.findall(r"^([.FEsx]+)\s*(?:\[\s*\d+%\])?\s*$", text, re.M))
+        # (a sanitizer report may follow a test's mark on its line: '.========= Warning: ...')
+        marks = "".join(m for m in re.findall(r"^([.FEsx]+)(?=\s*\[\s*\d+%\]\s*$|\s*$|=========)", text, re.M))
         counts = {"passed": marks.count("."), "failed": marks.count("F") + marks.count("E"),
                   "skipped": marks.count("s")}
     lines = re.findall(r"(?:ERROR|RACECHECK) SUMMARY: [^\n]*", text)
     # memcheck, synccheck, initcheck: "ERROR SUMMARY: 0 errors"; racecheck: "RACECHECK SUMMARY:
-    # 0 hazards displayed (0 errors, 0 warnings)" (its warnings, hazards it deems possibly benign, kept in the line)
+    # 0 hazards displayed (0 errors, 0 warnings)" (its warnings, hazards it deems possibly benign,
+    # fail too: the kernels left after EXCLUDE are ours)
     errors = re.search(r"ERROR SUMMARY: (\d+) error|RACECHECK SUMMARY: \d+ hazards? displayed \((\d+) error", text)
     n_err = int(errors.group(1) or errors.group(2)) if errors else None
+    warned = re.search(r"RACECHECK SUMMARY: \d+ hazards? displayed \(\d+ errors?, (\d+) warning", text)
+    warnings = int(warned.group(1)) if warned else 0
     tests = (f"{counts.get('passed', 0)} passed, {counts.get('failed', 0)} failed, {counts.get('skipped', 0)} skipped"
              + (f", {counts['error']} errors" if counts.get("error") else "") + (" so far" if rc is None else ""))
     if rc is None:
@@ -241,6 +262,8 @@ def judge(rc, text, timeout):
         verdict = "CuPy's pool was not off"
     elif n_err is None:
         verdict = "no sanitizer summary"
+    elif warnings:
+        verdict = f"{warnings} racecheck warnings (hazards it deems possibly benign: read the log)"
     else:
         verdict = "clean"
     return tests, (lines[-1] if lines else "no summary line"), verdict
@@ -248,14 +271,14 @@ def judge(rc, text, timeout):
 
 def extra_options(san, tool):
     """EXTRA[tool]'s options that this compute-sanitizer's --help lists, and EXCLUDE where it
-    lists --exclude, as arguments."""
+    lists --kernel-name-exclude, as arguments."""
     try:
         text = subprocess.run([san, "--help"], capture_output=True, text=True, encoding="utf-8", errors="replace",
                               timeout=60).stdout
     except (OSError, subprocess.SubprocessError):
         return []
     listed = [x for opt, value in EXTRA.get(tool, []) if re.search(re.escape(opt) + r"\b", text) for x in (opt, value)]
-    return listed + (EXCLUDE if re.search(r"--exclude\b", text) else [])
+    return listed + (EXCLUDE if re.search(r"--kernel-name-exclude\b", text) else [])
 
 
 def check_tool(tool, san, a):
@@ -264,7 +287,7 @@ def check_tool(tool, san, a):
     extra = extra_options(san, tool)
     log.write_text(f"options beyond --tool {tool}: {' '.join(extra) or 'none'} (EXTRA: "
                    f"{' '.join(o for o, _ in EXTRA.get(tool, [])) or 'none'})\n", encoding="utf-8")
-    base = [san, "--tool", tool, "--error-exitcode", str(ERROR_STATUS), "--print-limit", "50", *extra]
+    base = [san, "--tool", tool, "--error-exitcode", str(ERROR_STATUS), "--print-limit", "200", *extra]
     missed, t_plant = [], 0.0
     for name, what, words in PLANTED[tool]:
         start = log.stat().st_size
@@ -278,7 +301,7 @@ def check_tool(tool, san, a):
     planted = "seen" if not missed else f"NOT SEEN: {', '.join(missed)}"
     env = dict(os.environ, EX_TEST_NO_MEMORY_POOL="1", PYTORCH_NO_CUDA_MEMORY_CACHING="1",
                PYTHONPATH=os.pathsep.join([str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
-    args = list(TESTS[tool]) if not a.k else SMALL[:-1] + [f"({SMALL[-1]}) and ({a.k})"]
+    args = selection(tool, a.k, a.wide)
     start = log.stat().st_size
     rc, secs = run(base + [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", "-rfEs",
                            *args], log, a.timeouts[tool], env)
@@ -294,13 +317,13 @@ def check_tool(tool, san, a):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=_scripts["HelpFormatter"])
     ap.add_argument("--tools", default=",".join(TOOLS), help="comma-separated compute-sanitizer tools to run")
-    ap.add_argument("--timeout", default="memcheck=240,racecheck=150,synccheck=90,initcheck=120",
+    ap.add_argument("--timeout", default="540",
                     help="seconds for each tool's tests: one number for all, or tool=seconds pairs "
-                         "(a tool not named: 150)")
+                         "(a tool not named: 540); on a machine lent 600 s a call, one tool a call")
     ap.add_argument("--out", default=str(ROOT / "gpu_out"), help="folder of the logs (sanitize_<tool>.txt)")
     ap.add_argument("--sanitizer", default=None, help="compute-sanitizer executable (default: PATH, then CUDA's bin/)")
-    ap.add_argument("-k", default=None, help="run the small set (forced configurations, topk_softmax, "
-                                              "fused_add_rmsnorm) narrowed by this pytest -k expression instead")
+    ap.add_argument("-k", default=None, help="narrow each tool's selection by this pytest -k expression")
+    ap.add_argument("--wide", action="store_true", help="memcheck also runs test_gpu.py's wider selection (WIDE)")
     ap.add_argument("--list", action="store_true", help="print each tool's pytest arguments and stop")
     ap.add_argument("--plant", choices=PLANTS, help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -320,7 +343,7 @@ def main():
     a.timeouts = timeouts
     if a.list:
         for t in tools:
-            args = TESTS[t] if not a.k else SMALL[:-1] + [f"({SMALL[-1]}) and ({a.k})"]
+            args = selection(t, a.k, a.wide)
             print(f"{t} ({timeouts[t]} s): pytest -m gpu " + " ".join(f"'{x}'" if " " in x else x for x in args))
         return 0
     san = find_sanitizer(a.sanitizer)

@@ -55,15 +55,25 @@ def test_a_stopped_run_counts_the_progress_lines():
 
 
 def test_racecheck_summary_is_read():
-    text = POOL + ". [100%]\n1 passed in 1s\n========= RACECHECK SUMMARY: 0 hazards displayed (0 errors, 2 warnings)\n"
-    assert judge(0, text, 10)[1:] == ("RACECHECK SUMMARY: 0 hazards displayed (0 errors, 2 warnings)", "clean")
+    text = POOL + ". [100%]\n1 passed in 1s\n========= RACECHECK SUMMARY: 0 hazards displayed (0 errors, 0 warnings)\n"
+    assert judge(0, text, 10)[1:] == ("RACECHECK SUMMARY: 0 hazards displayed (0 errors, 0 warnings)", "clean")
     bad = text.replace("0 hazards displayed (0 errors", "4 hazards displayed (4 errors")
     assert judge(0, bad, 10)[2] == "sanitizer errors"
+    # warnings (hazards racecheck deems possibly benign) fail too: the kernels checked are ours
+    warned = text.replace("(0 errors, 0 warnings)", "(0 errors, 2 warnings)")
+    assert judge(0, warned, 10)[2].startswith("2 racecheck warnings")
+
+
+def test_a_stopped_run_counts_marks_before_a_report_on_their_line():
+    """racecheck's reports follow a test's '.' on its line ('.========= Warning: ...'), as on the
+    H100 on 2026-12-07, where such a run was read as one test."""
+    text = POOL + "========= Warning: x\n.========= Warning: y\n.========= Warning: z\n..\n"
+    assert judge(None, text, 80)[0] == "4 passed, 0 failed, 0 skipped so far"
 
 
 @pytest.mark.parametrize("text, want", [
     ("90", {"memcheck": 90, "racecheck": 90, "synccheck": 90, "initcheck": 90}),
-    ("memcheck=300,racecheck=20", {"memcheck": 300, "racecheck": 20, "synccheck": 150, "initcheck": 150}),
+    ("memcheck=300,racecheck=20", {"memcheck": 300, "racecheck": 20, "synccheck": 540, "initcheck": 540}),
     ("0", None), ("memcheck=0", None), ("foo=3", None), ("memcheck=x", None), ("", None)])
 def test_timeouts(text, want):
     assert parse_timeouts(text) == want
@@ -109,7 +119,9 @@ def test_help_and_list():
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
     assert lines[0].startswith("memcheck (300 s): pytest -m gpu tests/test_gpu_configs.py") and len(lines) == 2
-    assert lines[1].startswith("initcheck (150 s): ")
+    assert lines[1].startswith("initcheck (540 s): ")
+    r = run("--list", "--tools", "memcheck", "--wide", "-k", "bfloat16")
+    assert "test_moe_plugin_awkward" in r.stdout and r.stdout.rstrip().endswith("and (bfloat16)'"), r.stdout
 
 
 @pytest.mark.parametrize("args, says", [
@@ -125,18 +137,20 @@ def test_bad_arguments_are_named(args, says):
 
 
 def test_the_selection_collects_the_forced_configurations():
-    """memcheck's selection takes every forced case of test_gpu_configs.py (20 configurations x
-    10 kinds) besides test_gpu.py's; the small set 20 x 5 of them (pytest's collection, on any
-    machine: the GPU marks skip only at run time)."""
-    def collected(tool):
-        args = san["TESTS"][tool]
+    """Each tool's selection takes the forced cases of test_gpu_configs.py it says: the small set
+    20 configurations x 5 kinds, racecheck's 20 x 2, memcheck's wide one all 20 x 10 besides
+    test_gpu.py's (pytest's collection, on any machine: the GPU marks skip only at run time)."""
+    def collected(tool, wide=False):
+        args = san["selection"](tool, wide=wide)
         r = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
                             "-m", "gpu", *args], capture_output=True, text=True, cwd=ROOT, timeout=120)
         return [ln for ln in r.stdout.splitlines() if "::" in ln]
-    mem, small = collected("memcheck"), collected("racecheck")
+    wide, small, race = collected("memcheck", True), collected("memcheck"), collected("racecheck")
     forced = lambda ids: [i for i in ids if "test_moe_every_config_on_awkward_shapes" in i]
-    assert len(forced(mem)) == 200 and len(forced(small)) == 100
-    assert any("test_moe_plugin_awkward" in i for i in mem) and any("test_topk_softmax_plugin" in i for i in small)
+    assert len(forced(wide)) == 200 and len(forced(small)) == 100 and len(forced(race)) == 40
+    assert len(small) == 136 and collected("initcheck") == small == collected("synccheck")
+    assert any("test_moe_plugin_awkward" in i for i in wide) and not any("test_moe_plugin_awkward" in i for i in small)
+    assert any("test_topk_softmax_plugin" in i for i in race)
 
 
 STUB_CUPY = '''
