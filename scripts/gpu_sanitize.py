@@ -314,6 +314,12 @@ def check_tool(tool, san, a):
     return tool, planted, tests, summary, secs + t_plant, ok, verdict
 
 
+def usage(message):
+    """Say ``message`` on stderr as this script's error and give the exit status of bad usage (2)."""
+    print(f"gpu_sanitize: {message}", file=sys.stderr)
+    return 2
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=_scripts["HelpFormatter"])
     ap.add_argument("--tools", default=",".join(TOOLS), help="comma-separated compute-sanitizer tools to run")
@@ -332,14 +338,11 @@ def main():
     tools = [t for t in a.tools.split(",") if t]
     bad = [t for t in tools if t not in TOOLS]
     if bad or not tools:
-        print(f"gpu_sanitize: --tools: expected some of {','.join(TOOLS)}, comma-separated, got {a.tools!r}",
-              file=sys.stderr)
-        return 2
+        return usage(f"--tools: expected some of {','.join(TOOLS)}, comma-separated, got {a.tools!r}")
     timeouts = parse_timeouts(a.timeout)
     if timeouts is None:
-        print(f"gpu_sanitize: --timeout: expected seconds >= 1, or tool=seconds pairs of {','.join(TOOLS)} "
-              f"(e.g. memcheck=240,racecheck=90), got {a.timeout!r}", file=sys.stderr)
-        return 2
+        return usage(f"--timeout: expected seconds >= 1, or tool=seconds pairs of {','.join(TOOLS)} "
+                     f"(e.g. memcheck=240,racecheck=90), got {a.timeout!r}")
     a.timeouts = timeouts
     if a.list:
         for t in tools:
@@ -348,23 +351,19 @@ def main():
         return 0
     san = find_sanitizer(a.sanitizer)
     if san is None:
-        print(f"gpu_sanitize: --sanitizer: expected a compute-sanitizer executable, got "
-              f"{a.sanitizer or 'none on PATH or in /usr/local/cuda*/bin'}", file=sys.stderr)
-        return 2
+        return usage(f"--sanitizer: expected a compute-sanitizer executable, got "
+                     f"{a.sanitizer or 'none on PATH or in /usr/local/cuda*/bin'}")
     missing = [lib for lib in LIBS if not (ROOT / "factors" / lib).is_file()]
     if missing:
-        print(f"gpu_sanitize: expected the built factors in {ROOT / 'factors'}, missing {', '.join(missing)} "
-              "(run make, or gpu_check.sh's build stage, first)", file=sys.stderr)
-        return 2
+        return usage(f"expected the built factors in {ROOT / 'factors'}, missing {', '.join(missing)} "
+                     "(run make, or gpu_check.sh's build stage, first)")
     cupy, why = _scripts["cupy_with_gpu"]()
     if cupy is None:
-        print(f"gpu_sanitize: needs CuPy and a CUDA GPU: {why}", file=sys.stderr)
-        return 2
+        return usage(f"needs CuPy and a CUDA GPU: {why}")
     try:
         Path(a.out).mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        print(f"gpu_sanitize: --out: cannot make the log folder {a.out}: {exc}", file=sys.stderr)
-        return 2
+        return usage(f"--out: cannot make the log folder {a.out}: {exc}")
     print(f"compute-sanitizer: {san}; tools: {', '.join(tools)}; logs in {a.out}", flush=True)
     rows = []
     for i, t in enumerate(tools, 1):
