@@ -12,12 +12,13 @@ For each tool (default: all four, in that order):
    never written;
 2. then the GPU tests of the factors (pytest -m gpu; each tool's selection in TESTS, or --list:
    every tile configuration of moe_fused_gemm forced on five awkward shapes on both plugins, and
-   the router and norm factors' plugin tests, 136 tests; racecheck, the slowest, 76) under the tool, with CuPy's memory pool off and every registry's workspace released after
-   each test (EX_TEST_NO_MEMORY_POOL=1, tests/conftest.py): each array, and each test's first
-   workspace, is a cudaMalloc of its own size, so a write past one is an access outside any
-   allocation, not into a pooled neighbour's bytes; memcheck pads each allocation (--padding) so
-   an access that runs on into the next allocation is caught too. PyTorch's caching allocator is
-   off as well (PYTORCH_NO_CUDA_MEMORY_CACHING=1).
+   the router and norm factors' plugin tests, 136 tests; racecheck, the slowest, 38) under the
+   tool, with CuPy's memory pool off and every registry's workspace released after each test
+   (EX_TEST_NO_MEMORY_POOL=1, tests/conftest.py): each array, and each test's first workspace,
+   is a cudaMalloc of its own size, so a write past one is an access outside any allocation, not
+   into a pooled neighbour's bytes; memcheck pads each allocation (--padding) so an access that
+   runs on into the next allocation is caught too. PyTorch's caching allocator is off as well
+   (PYTORCH_NO_CUDA_MEMORY_CACHING=1).
 
 A tool passes when its planted faults were reported, every selected test passed (none skipped:
 a plugin not built or not ready would skip its cases) and the sanitizer reported no error (nor,
@@ -27,12 +28,13 @@ machine lent for 10 minutes a call, run one tool a call (--tools memcheck).
 
 What is not checked: CuPy's own kernels (EXCLUDE: those the tests' inputs and references run;
 not where this compute-sanitizer lacks --kernel-name-exclude); accesses inside a workspace's own
-bounds (a plugin's sub-buffers are one allocation to the tool), and a later call in the same test that needs less workspace than its
-first; memcheck sees the TMA's bulk copies and the warpgroup MMAs only where this
-compute-sanitizer has --check-bulk-copy and --check-warpgroup-mma (used when its --help lists
-them; the log's first line says which); racecheck sees shared-memory hazards between threads
-(not those of the TMA, whose writes belong to no thread), synccheck barrier misuse, initcheck
-global reads of memory never written since its allocation (a workspace is zeroed when made).
+bounds (a plugin's sub-buffers are one allocation to the tool), and a later call in the same
+test that needs less workspace than its first; memcheck sees the TMA's bulk copies and the
+warpgroup MMAs only where this compute-sanitizer has --check-bulk-copy and --check-warpgroup-mma
+(used when its --help lists them; the log's first line says which); racecheck sees shared-memory
+hazards between threads (not those of the TMA, whose writes belong to no thread), synccheck
+barrier misuse, initcheck global reads of memory never written since its allocation (a workspace
+is zeroed when made).
 
     python3 scripts/gpu_sanitize.py [--tools memcheck,racecheck] [--timeout memcheck=240,...] [--out DIR]
                                     [--sanitizer PATH] [-k EXPR] [--wide] [--list]
@@ -62,12 +64,13 @@ SMALL_KINDS = "T_3_E_40 or E_40_fp16 or one_expert or H_200 or ungated_I_200"
 SMALL = ["tests/test_gpu_configs.py", "tests/test_gpu.py", "-k",
          f"(test_moe_every_config and ({SMALL_KINDS})) or test_topk_softmax_plugin or test_fused_add_rmsnorm_plugin"]
 # each tool's pytest arguments (after -m gpu). Paces seen on an H100 (2026-12-07, CuPy's kernels
-# still checked): synccheck 136 tests in 34 s, memcheck about 3 s a test, initcheck and racecheck
-# 7-9 s. So each tool runs the small set (136 tests), racecheck a third of it; --wide gives
+# still checked): synccheck 136 tests in 34 s, memcheck about 3 s a test, initcheck 4-7 s,
+# racecheck 10-20 s. So each tool runs the small set (136 tests), racecheck the forced
+# configurations on one shape and topk_softmax's plugin tests (38); --wide gives
 # memcheck test_gpu.py's wider selection too (WIDE: the registry's own choices on the awkward
 # shapes, the model shapes at T = 1 and 64, bfloat16, and the tests of invalid ids, unaligned
 # sizes, one hot expert, no valid slot and empty batches: about 310 tests, some 16 minutes)
-RACE_KINDS = "T_3_E_40 or one_expert"
+RACE_KINDS = "one_expert"
 TESTS = {
     "memcheck": SMALL,
     "racecheck": SMALL[:-1] + [f"(test_moe_every_config and ({RACE_KINDS})) or test_topk_softmax_plugin"],
