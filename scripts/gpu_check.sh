@@ -35,8 +35,8 @@
 #                     gemm_shape_rate.py takes their models and their T, every pairing of them)
 #   TESTS_TIMEOUT (450: the suite took 282 s on an H100 before test_gpu_configs.py's 200 cases),
 #   SELFTEST_TIMEOUT (150, each self-test), RUN_TIMEOUT (300), BENCH_TIMEOUT (500: bench,
-#   bench_rn, host, and each of the gap stage's two tools), TUNE_TIMEOUT (400), EP_TIMEOUT (300, each torchrun): seconds before a stage's command is
-#   stopped (a stopped stage fails)
+#   bench_rn, host, and each of the gap stage's two tools), TUNE_TIMEOUT (400), EP_TIMEOUT (300,
+#   each torchrun): seconds before a stage's command is stopped (a stopped stage fails)
 # Exit status: 0 every stage passed; 1 a stage failed (a self-test that tested nothing, or GPU
 # tests that all skipped, fail too; setup finding no CUDA device stops the script at once, with
 # a line "no CUDA device ...", where a later stage needs one: tests selftest run bench bench_rn
