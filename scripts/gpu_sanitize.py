@@ -107,8 +107,9 @@ EXTRA = {"memcheck": [("--padding", "65536"), ("--check-bulk-copy", "yes"), ("--
          "racecheck": [("--racecheck-memcpy-async", "yes")]}
 # kernels not checked: CuPy's own (its elementwise, reduction and scan kernels are named cupy_*,
 # its sorts are thrust's), which the tests' inputs and float64 references run. On the first runs
-# (an H100, 2026-12-07) initcheck reported thrust's merge sort (cp.argsort) and racecheck CuPy's
-# nonzero scan (warnings), 50 reports each, the print limit, which would hide a later report of ours
+# (an H100, 2026-12-07) initcheck reported thrust's merge sort (cp.argsort) in both, racecheck
+# CuPy's nonzero scan (warnings) in the first, 50 reports each, the print limit, which would hide
+# a later report of ours
 # (--kernel-name-exclude, as compute-sanitizer 2025.3 spells it: it has no --exclude)
 EXCLUDE = ["--kernel-name-exclude", "kns=cupy_", "--kernel-name-exclude", "kns=thrust"]
 # words of a sanitizer that did not check (a device or an instruction it does not support)
