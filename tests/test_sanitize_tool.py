@@ -216,3 +216,17 @@ def test_conftest_turns_the_pool_off_under_the_sanitizer(tmp_path, on):
     else:
         assert "CuPy memory pool off" not in r.stdout, r.stdout
         assert "FAILED tests/test_probe.py::test_pool_off_and_registry_noted" in r.stdout, r.stdout + r.stderr
+
+
+def test_the_plugin_plant_finds_what_it_uses_in_the_self_test():
+    """--plant plugin calls moe_fused_gemm.so through scripts/gpu_moe_selftest.py's ctypes mirror
+    (Factor, Dt, make_inputs); a rename there would show only on a GPU, as a planted fault not
+    seen. Loaded as the plant loads it (the self-test runs without CuPy up to its GPU calls)."""
+    import inspect
+    st = runpy.run_path(str(ROOT / "scripts" / "gpu_moe_selftest.py"))
+    assert list(inspect.signature(st["make_inputs"]).parameters) == ["dt", "T", "H", "E", "I", "K", "special"]
+    assert list(inspect.signature(st["Factor"].call).parameters)[:6] == ["self", "out_ptr", "x_ptr", "aux", "dims",
+                                                                         "stream_ptr"]
+    assert callable(st["Factor"].workspace_size) and st["Dt"]("bf16").code == st["EX_DTYPE_BFLOAT16"]
+    src = SCRIPT.read_text(encoding="utf-8")
+    assert 'st["Factor"](str(ROOT / "factors" / "moe_fused_gemm.so"))' in src and 'st["make_inputs"](' in src
