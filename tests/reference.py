@@ -133,3 +133,15 @@ def random_routing(rng, T, E, K):
     ids = np.argsort(-logits, axis=1)[:, :K].astype(np.int32)
     w = rng.random((T, K)).astype(np.float32) + 0.1
     return (w / w.sum(1, keepdims=True)).astype(np.float32), ids
+
+
+def random_moe_case(rng, T, H, E, I, K, dtype="float32"):
+    """Random inputs of a MoE layer in ``dtype`` (a NP_DTYPES name): hidden_states (T, H), w13
+    (E, 2I, H) and w2 (E, H, I) scaled by 1/sqrt of their inner size (outputs O(1)), then
+    random_routing's topk_weights and topk_ids (T, K)."""
+    npdt = NP_DTYPES[dtype]
+    x = rng.standard_normal((T, H)).astype(npdt)
+    w13 = (rng.standard_normal((E, 2 * I, H)) / math.sqrt(H)).astype(npdt)
+    w2 = (rng.standard_normal((E, H, I)) / math.sqrt(I)).astype(npdt)
+    w, ids = random_routing(rng, T, E, K)
+    return x, w13, w2, w, ids

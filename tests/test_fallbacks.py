@@ -6,7 +6,7 @@ import pytest
 
 from ex_engine import (DeviceSideError, FactorRegistry, ShapeError, fused_add_rmsnorm,
                        moe_fused_gemm, topk_softmax)
-from tests.reference import (NP_DTYPES, moe_ref, random_routing, rel_err, rmsnorm_ref,
+from tests.reference import (NP_DTYPES, moe_ref, random_moe_case, rel_err, rmsnorm_ref,
                              rmsnorm_storage_problems, topk_softmax_ref)
 
 
@@ -100,20 +100,11 @@ def test_fused_add_rmsnorm_on_row_views_leaves_padding(reg):
 
 
 # ------------------------------------------------------------------------------ moe_fused_gemm
-def _moe_case(rng, T, H, E, I, K, dtype):
-    npdt = NP_DTYPES[dtype]
-    x = rng.standard_normal((T, H)).astype(npdt)
-    w13 = (rng.standard_normal((E, 2 * I, H)) / math.sqrt(H)).astype(npdt)
-    w2 = (rng.standard_normal((E, H, I)) / math.sqrt(I)).astype(npdt)
-    w, ids = random_routing(rng, T, E, K)
-    return x, w13, w2, w, ids
-
-
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("T,H,E,I,K", [(1, 111, 40, 67, 8), (3, 64, 40, 32, 8), (19, 111, 40, 67, 6), (5, 48, 7, 24, 7)])
 def test_moe_matches_float64(reg, dtype, T, H, E, I, K):
     rng = np.random.default_rng()
-    x, w13, w2, w, ids = _moe_case(rng, T, H, E, I, K, dtype)
+    x, w13, w2, w, ids = random_moe_case(rng, T, H, E, I, K, dtype)
     out = np.full((T, H), np.nan, NP_DTYPES[dtype])   # poisoned: every element must be written
     moe_fused_gemm(x, w13, w2, w, ids, out=out, registry=reg)
     ref = moe_ref(x, w13, w2, w, ids)
@@ -124,7 +115,7 @@ def test_moe_matches_float64(reg, dtype, T, H, E, I, K):
 
 def test_moe_all_tokens_on_one_expert_and_idle_experts(reg):
     rng = np.random.default_rng()
-    x, w13, w2, w, ids = _moe_case(rng, 16, 64, 10, 32, 3, "bfloat16")
+    x, w13, w2, w, ids = random_moe_case(rng, 16, 64, 10, 32, 3, "bfloat16")
     ids[:, 0] = 4
     ids[:, 1] = np.where(ids[:, 1] == 4, 5, ids[:, 1])
     ids[:, 2] = 9
@@ -135,7 +126,7 @@ def test_moe_all_tokens_on_one_expert_and_idle_experts(reg):
 
 def test_moe_out_of_range_ids_contribute_nothing_and_are_reported(reg):
     rng = np.random.default_rng()
-    x, w13, w2, w, ids = _moe_case(rng, 4, 32, 6, 16, 2, "float16")
+    x, w13, w2, w, ids = random_moe_case(rng, 4, 32, 6, 16, 2, "float16")
     ids[1, 0], ids[2, 1] = 6, -1
     out = moe_fused_gemm(x, w13, w2, w, ids, registry=reg)
     assert rel_err(out, moe_ref(x, w13, w2, w, ids)) < 5e-3
@@ -145,5 +136,5 @@ def test_moe_out_of_range_ids_contribute_nothing_and_are_reported(reg):
 
 
 def test_moe_empty_batch(reg):
-    x, w13, w2, w, ids = _moe_case(np.random.default_rng(), 0, 32, 6, 16, 2, "float16")
+    x, w13, w2, w, ids = random_moe_case(np.random.default_rng(), 0, 32, 6, 16, 2, "float16")
     assert moe_fused_gemm(x, w13, w2, w, ids, registry=reg).shape == (0, 32)

@@ -4,8 +4,6 @@ let pass. CPU only: the Python fallbacks on NumPy, and bare __cuda_array_interfa
 are never dereferenced."""
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import pytest
 
@@ -14,7 +12,7 @@ from ex_engine.arrays import Bits16, TensorRef, bf16_bits_to_f32, f32_to_bf16_bi
 from ex_engine.fallbacks import fused_add_rmsnorm_math
 from ex_engine.moe_layer import rel_error
 
-from .reference import random_routing, rmsnorm_ref
+from .reference import random_moe_case, rmsnorm_ref
 
 
 @pytest.fixture(scope="module")
@@ -32,14 +30,8 @@ class _CAI:
 
 
 def _moe_case(T=5, H=16, E=4, I=8, K=2, seed=61):
-    """Random float32 inputs of a small MoE layer: x (T,H), w13 (E,2I,H), w2 (E,H,I), weights, ids
-    (reference.random_routing)."""
-    rng = np.random.default_rng(seed)
-    x = rng.standard_normal((T, H), dtype=np.float32)
-    w13 = rng.standard_normal((E, 2 * I, H), dtype=np.float32) / np.float32(math.sqrt(H))
-    w2 = rng.standard_normal((E, H, I), dtype=np.float32) / np.float32(math.sqrt(I))
-    w, ids = random_routing(rng, T, E, K)
-    return x, w13, w2, w, ids
+    """reference.random_moe_case in float32, seeded."""
+    return random_moe_case(np.random.default_rng(seed), T, H, E, I, K)
 
 
 # ------------------------------------------------------------------------------ ops.py
