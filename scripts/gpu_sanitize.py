@@ -244,18 +244,18 @@ def judge(rc, text, timeout):
     # memcheck, synccheck, initcheck: "ERROR SUMMARY: 0 errors"; racecheck: "RACECHECK SUMMARY:
     # 0 hazards displayed (0 errors, 0 warnings)" (its warnings, hazards it deems possibly benign,
     # fail too: the kernels left after EXCLUDE are ours)
-    errors = re.search(r"ERROR SUMMARY: (\d+) error|RACECHECK SUMMARY: \d+ hazards? displayed \((\d+) error", text)
-    n_err = int(errors.group(1) or errors.group(2)) if errors else None
-    warned = re.search(r"RACECHECK SUMMARY: \d+ hazards? displayed \(\d+ errors?, (\d+) warning", text)
-    warnings = int(warned.group(1)) if warned else 0
+    race = re.search(r"RACECHECK SUMMARY: \d+ hazards? displayed \((\d+) errors?, (\d+) warning", text)
+    errors = race or re.search(r"ERROR SUMMARY: (\d+) error", text)
+    n_err = int(errors.group(1)) if errors else None
+    warnings = int(race.group(2)) if race else 0
     tests = (f"{counts.get('passed', 0)} passed, {counts.get('failed', 0)} failed, {counts.get('skipped', 0)} skipped"
              + (f", {counts['error']} errors" if counts.get("error") else "") + (" so far" if rc is None else ""))
     if rc is None:
         verdict = f"stopped after {timeout} s"
     elif rc == ERROR_STATUS or (n_err or 0) > 0:
         verdict = "sanitizer errors"
-    elif re.search(BROKEN, text):
-        verdict = "the sanitizer did not check: " + re.search(BROKEN, text).group(0)
+    elif broken := re.search(BROKEN, text):
+        verdict = "the sanitizer did not check: " + broken.group(0)
     elif rc != 0:
         verdict = f"tests failed (status {rc})"
     elif not counts.get("passed"):
@@ -273,22 +273,34 @@ def judge(rc, text, timeout):
     return tests, (lines[-1] if lines else "no summary line"), verdict
 
 
-def extra_options(san, tool):
-    """EXTRA[tool]'s options that this compute-sanitizer's --help lists, and EXCLUDE where it
-    lists --kernel-name-exclude, as arguments."""
+def sanitizer_help(san):
+    """The text of ``san --help`` ('' where it cannot be run)."""
     try:
-        text = subprocess.run([san, "--help"], capture_output=True, text=True, encoding="utf-8", errors="replace",
+        return subprocess.run([san, "--help"], capture_output=True, text=True, encoding="utf-8", errors="replace",
                               timeout=60).stdout
     except (OSError, subprocess.SubprocessError):
-        return []
-    listed = [x for opt, value in EXTRA.get(tool, []) if re.search(re.escape(opt) + r"\b", text) for x in (opt, value)]
-    return listed + (EXCLUDE if re.search(r"--kernel-name-exclude\b", text) else [])
+        return ""
 
 
-def check_tool(tool, san, a):
+def extra_options(help_text, tool):
+    """EXTRA[tool]'s options that the sanitizer's --help text lists, and EXCLUDE where it lists
+    --kernel-name-exclude, as arguments."""
+    listed = [x for opt, value in EXTRA.get(tool, []) if re.search(re.escape(opt) + r"\b", help_text)
+              for x in (opt, value)]
+    return listed + (EXCLUDE if re.search(r"--kernel-name-exclude\b", help_text) else [])
+
+
+def read_from(log, start):
+    """The text of ``log`` from byte ``start`` on (what the last command appended)."""
+    with open(log, "rb") as f:
+        f.seek(start)
+        return f.read().decode("utf-8", errors="replace")
+
+
+def check_tool(tool, san, help_text, a):
     """One row of the table: (tool, planted, tests, sanitizer summary, seconds, ok, verdict)."""
     log = Path(a.out) / f"sanitize_{tool}.txt"
-    extra = extra_options(san, tool)
+    extra = extra_options(help_text, tool)
     log.write_text(f"options beyond --tool {tool}: {' '.join(extra) or 'none'} (EXTRA: "
                    f"{' '.join(o for o, _ in EXTRA.get(tool, [])) or 'none'})\n", encoding="utf-8")
     base = [san, "--tool", tool, "--error-exitcode", str(ERROR_STATUS), "--print-limit", "200", *extra]
@@ -297,7 +309,7 @@ def check_tool(tool, san, a):
         start = log.stat().st_size
         rc, secs = run(base + [sys.executable, __file__, "--plant", name], log, 120)
         t_plant += secs
-        text = log.read_text(encoding="utf-8", errors="replace")[start:]
+        text = read_from(log, start)
         seen = rc == ERROR_STATUS and re.search(words, text) is not None
         if not seen:
             missed.append(name)
@@ -309,7 +321,7 @@ def check_tool(tool, san, a):
     start = log.stat().st_size
     rc, secs = run(base + [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", "-rfEs",
                            *args], log, a.timeouts[tool], env)
-    text = log.read_text(encoding="utf-8", errors="replace")[start:]
+    text = read_from(log, start)
     tests, summary, verdict = judge(rc, text, a.timeouts[tool])
     ok = not missed and verdict == "clean"
     print(f"  {tool}: {tests}; {summary}; {verdict} ({secs:.0f} s)", flush=True)
@@ -369,10 +381,11 @@ def main():
     except OSError as exc:
         return usage(f"--out: cannot make the log folder {a.out}: {exc}")
     print(f"compute-sanitizer: {san}; tools: {', '.join(tools)}; logs in {a.out}", flush=True)
+    help_text = sanitizer_help(san)
     rows = []
     for i, t in enumerate(tools, 1):
         print(f"[{i}/{len(tools)}] {t} ...", flush=True)
-        rows.append(check_tool(t, san, a))
+        rows.append(check_tool(t, san, help_text, a))
     print("\n| tool | planted fault | tests | sanitizer | s | result |\n| --- | --- | --- | --- | ---: | --- |")
     for tool, planted, tests, summary, secs, ok, verdict in rows:
         print(f"| {tool} | {planted} | {tests} | {summary} | {secs:.0f} | {'PASS' if ok else 'FAIL: ' + verdict} |")
