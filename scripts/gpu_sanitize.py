@@ -22,12 +22,15 @@ For each tool (default: all four, in that order):
 
 A tool passes when its planted faults were reported, every selected test passed (none skipped:
 a plugin not built or not ready would skip its cases) and the sanitizer reported no error (nor,
-for racecheck, a warning). Its whole output is in OUT/sanitize_<tool>.txt; a table at the end
+for racecheck, a warning). Its whole output is in OUT/sanitize_<tool>.txt, the device memory
+free after each test in OUT/sanitize_<tool>_memory.txt (the least is said with the tool's
+result: "out of memory" from a leak or from one test too large for the tool); a table at the end
 gives each tool's result and time. A tool may take up to 9 minutes (--timeout, 540 s each): on a
 machine lent for 10 minutes a call, run one tool a call (--tools memcheck).
 
-What is not checked: CuPy's own kernels (EXCLUDE: those the tests' inputs and references run;
-not where this compute-sanitizer lacks --kernel-name-exclude); accesses inside a workspace's own
+What is not checked: CuPy's own kernels and the CUB and thrust kernels it runs (EXCLUDE: those
+the tests' inputs and references run; not where this compute-sanitizer lacks
+--kernel-name-exclude); accesses inside a workspace's own
 bounds (a plugin's sub-buffers are one allocation to the tool), and a later call in the same
 test that needs less workspace than its first; memcheck sees the TMA's bulk copies and the
 warpgroup MMAs only where this compute-sanitizer has --check-bulk-copy and --check-warpgroup-mma
@@ -106,14 +109,20 @@ PLANTS = [name for plants in PLANTED.values() for name, _, _ in plants]
 EXTRA = {"memcheck": [("--padding", "65536"), ("--check-bulk-copy", "yes"), ("--check-warpgroup-mma", "yes")],
          "racecheck": [("--racecheck-memcpy-async", "yes")]}
 # kernels not checked: CuPy's own (its elementwise, reduction and scan kernels are named cupy_*,
-# its sorts are thrust's), which the tests' inputs and float64 references run. On the first runs
-# (an H100, 2026-12-07) initcheck reported thrust's merge sort (cp.argsort) in both, racecheck
-# CuPy's nonzero scan (warnings) in the first, 50 reports each, the print limit, which would hide
-# a later report of ours
+# its sorts are thrust's, its reductions over an axis CUB's device-wide kernels, in CUB's
+# versioned namespace CUB_<version>_SM_...), which the tests' inputs and float64 references run.
+# Our kernels use CUB's block scans inside their own code, so no name of ours holds CUB_.
+# On the first runs (an H100, 2026-12-07) initcheck reported thrust's merge sort (cp.argsort) in
+# both, racecheck CuPy's nonzero scan (warnings) in the first, 50 reports each, the print limit,
+# which would hide a later report of ours; with those excluded, the next initcheck run's 200
+# reports were all CUB's segmented reduce (the tests' w.sum(1)).
 # (--kernel-name-exclude, as compute-sanitizer 2025.3 spells it: it has no --exclude)
-EXCLUDE = ["--kernel-name-exclude", "kns=cupy_", "--kernel-name-exclude", "kns=thrust"]
+EXCLUDE = ["--kernel-name-exclude", "kns=cupy_", "--kernel-name-exclude", "kns=thrust",
+           "--kernel-name-exclude", "kns=CUB_"]
 # words of a sanitizer that did not check (a device or an instruction it does not support)
 BROKEN = r"Internal Sanitizer Error|Device not supported|not supported on this (?:device|platform)"
+# words of a sanitizer whose target (pytest) failed or died
+TARGET_FAILED = r"Target application returned an error|process didn't terminate successfully"
 LIBS = ("moe_fused_gemm.so", "moe_fused_gemm_sm90.so", "topk_softmax.so", "fused_add_rmsnorm.so")
 KERNELS = r"""
 extern "C" __global__ void oob(float* a, int n) {          // memcheck: a[n] is one past the end
@@ -244,12 +253,14 @@ def judge(rc, text, timeout):
     # memcheck, synccheck, initcheck: "ERROR SUMMARY: 0 errors"; racecheck: "RACECHECK SUMMARY:
     # 0 hazards displayed (0 errors, 0 warnings)" (its warnings, hazards it deems possibly benign,
     # fail too: the kernels left after EXCLUDE are ours)
-    race = re.search(r"RACECHECK SUMMARY: \d+ hazards? displayed \((\d+) errors?, (\d+) warning", text)
-    errors = race or re.search(r"ERROR SUMMARY: (\d+) error", text)
-    n_err = int(errors.group(1)) if errors else None
-    warnings = int(race.group(2)) if race else 0
+    # every summary counts, not the first: a process of its own (--target-processes all) has one
+    races = re.findall(r"RACECHECK SUMMARY: \d+ hazards? displayed \((\d+) errors?, (\d+) warning", text)
+    errors = [int(e) for e, _ in races] + [int(e) for e in re.findall(r"ERROR SUMMARY: (\d+) error", text)]
+    n_err = sum(errors) if errors else None
+    warnings = sum(int(w) for _, w in races)
     tests = (f"{counts.get('passed', 0)} passed, {counts.get('failed', 0)} failed, {counts.get('skipped', 0)} skipped"
              + (f", {counts['error']} errors" if counts.get("error") else "") + (" so far" if rc is None else ""))
+    died = re.search(TARGET_FAILED, text)
     if rc is None:
         verdict = f"stopped after {timeout} s"
     elif rc == ERROR_STATUS or (n_err or 0) > 0:
@@ -258,6 +269,9 @@ def judge(rc, text, timeout):
         verdict = "the sanitizer did not check: " + broken.group(0)
     elif rc != 0:
         verdict = f"tests failed (status {rc})"
+    elif counts.get("failed") or counts.get("error") or died:
+        # status 0, yet pytest or the sanitizer says the tests' process failed
+        verdict = "tests failed (" + (died.group(0) if died else "pytest's summary") + ", status 0)"
     elif not counts.get("passed"):
         verdict = "no test ran"
     elif counts.get("skipped"):
@@ -297,6 +311,20 @@ def read_from(log, start):
         return f.read().decode("utf-8", errors="replace")
 
 
+def least_free(memory_log):
+    """'; least free device memory after a test: N of M MiB (test id)' from the lines
+    tests/conftest.py appends to ``memory_log`` ('<id> free <N> of <M> MiB'), or '' where none."""
+    try:
+        text = Path(memory_log).read_text(encoding="utf-8")
+    except OSError:
+        return ""
+    seen = [(int(m.group(2)), m.group(3), m.group(1)) for m in re.finditer(r"^(.*) free (\d+) of (\d+) MiB$", text, re.M)]
+    if not seen:
+        return ""
+    free, total, test = min(seen)
+    return f"; least free device memory after a test: {free} of {total} MiB ({test})"
+
+
 def check_tool(tool, san, help_text, a):
     """One row of the table: (tool, planted, tests, sanitizer summary, seconds, ok, verdict)."""
     log = Path(a.out) / f"sanitize_{tool}.txt"
@@ -315,7 +343,10 @@ def check_tool(tool, san, help_text, a):
             missed.append(name)
         print(f"  {tool}: planted {what}: {'seen' if seen else f'NOT SEEN (status {rc})'} ({secs:.0f} s)", flush=True)
     planted = "seen" if not missed else f"NOT SEEN: {', '.join(missed)}"
+    memory_log = Path(a.out) / f"sanitize_{tool}_memory.txt"
+    memory_log.write_text("", encoding="utf-8")
     env = dict(os.environ, EX_TEST_NO_MEMORY_POOL="1", PYTORCH_NO_CUDA_MEMORY_CACHING="1",
+               EX_TEST_MEMORY_LOG=str(memory_log),
                PYTHONPATH=os.pathsep.join([str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
     args = selection(tool, a.k, a.wide)
     start = log.stat().st_size
@@ -324,7 +355,7 @@ def check_tool(tool, san, help_text, a):
     text = read_from(log, start)
     tests, summary, verdict = judge(rc, text, a.timeouts[tool])
     ok = not missed and verdict == "clean"
-    print(f"  {tool}: {tests}; {summary}; {verdict} ({secs:.0f} s)", flush=True)
+    print(f"  {tool}: {tests}; {summary}; {verdict} ({secs:.0f} s){least_free(memory_log)}", flush=True)
     if missed:
         verdict = f"planted fault not seen; tests {verdict}"
     return tool, planted, tests, summary, secs + t_plant, ok, verdict

@@ -45,7 +45,7 @@ def pytest_configure(config):
         else:
             set_hypothesis_home_dir(ROOT / ".hypothesis")
     # read before the loop below drops every EX_* variable (a plugin's), this one included
-    _no_memory_pool(os.environ.get("EX_TEST_NO_MEMORY_POOL") == "1")
+    _no_memory_pool(os.environ.get("EX_TEST_NO_MEMORY_POOL") == "1", os.environ.get("EX_TEST_MEMORY_LOG"))
     from ex_engine._paths import plugin_env
     for var in ("EX_ENGINE_FACTORS", "EX_ENGINE_MANIFESTS", *(k for k, _ in plugin_env())):
         if var in os.environ:
@@ -55,9 +55,13 @@ def pytest_configure(config):
 # the registries made while EX_TEST_NO_MEMORY_POOL=1 (none otherwise): their workspaces are
 # released after each test
 _registries: "weakref.WeakSet" = weakref.WeakSet()
+# with the pool off and EX_TEST_MEMORY_LOG set: the file each test's line (its id, the device
+# memory free after it) is appended to, so that a run that ends in "out of memory" tells a leak
+# (free memory falling test after test) from one test too large for the tool
+_memory_log: list = []
 
 
-def _no_memory_pool(on: bool) -> None:
+def _no_memory_pool(on: bool, memory_log: str | None = None) -> None:
     """Under compute-sanitizer (scripts/gpu_sanitize.py, EX_TEST_NO_MEMORY_POOL=1): every CuPy
     array its own cudaMalloc, so a write past one is an access outside any allocation, not into
     a pooled neighbour's bytes; and every registry made from now on noted, so that
@@ -81,17 +85,33 @@ def _no_memory_pool(on: bool) -> None:
         _registries.add(self)
 
     FactorRegistry.__init__ = noted_init
+    if memory_log:
+        _memory_log.append(memory_log)
     print("ex_engine tests: CuPy memory pool off (EX_TEST_NO_MEMORY_POOL=1)", flush=True)
 
 
 @pytest.fixture(autouse=True)
-def _workspaces_released_after_each_test():
+def _workspaces_released_after_each_test(request):
     yield
     for r in list(_registries):
         try:
             r.release_workspaces()
         except Exception:   # noqa: BLE001 - a device flag the test left (its own check reports it)
             pass
+    if _memory_log:
+        _note_free_memory(_memory_log[0], request.node.nodeid)
+
+
+def _note_free_memory(path: str, test: str) -> None:
+    """Append '<test> free <MiB> of <MiB> MiB' (cudaMemGetInfo after the test) to ``path``."""
+    import cupy
+    try:
+        free, total = cupy.cuda.runtime.memGetInfo()
+        line = f"{test} free {free >> 20} of {total >> 20} MiB\n"
+    except Exception as exc:   # noqa: BLE001 - a device left unusable: said in the line
+        line = f"{test} free unknown ({type(exc).__name__}: {exc})\n"
+    with open(path, "a", encoding="utf-8") as fh:
+        fh.write(line)
 
 
 def pytest_report_header(config):
