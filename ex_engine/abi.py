@@ -7,6 +7,7 @@ library's ``ex_get_factor`` and ``ex_abi_version`` resolve to that library's own
 """
 from __future__ import annotations
 
+import ctypes
 import os
 import re
 import sys
@@ -143,5 +144,20 @@ def dlopen(path: str):
     with _LIBRARIES_LOCK:
         lib = _LIBRARIES.get(full)
         if lib is None:
-            lib = _LIBRARIES[full] = lib_ffi.dlopen(full, lib_ffi.RTLD_NOW | lib_ffi.RTLD_LOCAL)
+            # opened through ctypes first, the same flags (one handle: dlopen counts the second
+            # open of a path), so that a file the loader refuses fails here with dlerror's words.
+            # cffi's dlopen, on a failure, asks ctypes.util.find_library for the name, which
+            # starts ldconfig, gcc and ld (three child processes, ~36 ms a file, on every load of
+            # a folder that holds it) and keeps the first error in a frame cycle that held the
+            # registry and the file's bytes until the cyclic GC ran (a leak trial, session
+            # sixty-three). ctypes never closes a handle, as cffi does not.
+            flags = lib_ffi.RTLD_NOW | lib_ffi.RTLD_LOCAL
+            try:
+                ctypes.CDLL(full, mode=flags)
+                refused = None
+            except OSError as exc:
+                refused = str(exc)
+            if refused is not None:
+                raise OSError(refused)
+            lib = _LIBRARIES[full] = lib_ffi.dlopen(full, flags)
     return lib

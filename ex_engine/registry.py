@@ -1116,7 +1116,7 @@ class FactorRegistry:
     def _dlopen_reason(exc: OSError, path: Path) -> str:
         """Why dlopen failed, from its message: a missing dependency, an unresolved symbol,
         or not a loadable shared library."""
-        text = str(exc).split(".  Additionally, ctypes.util.find_library()")[0]
+        text = str(exc)   # dlerror's words (abi.dlopen)
         m = re.search(r"([^\s:'\"]+): cannot open shared object file", text)
         if m and Path(m.group(1)).name != path.name:
             return f"missing dependency {m.group(1)} (needed by {path.name}; check `ldd {path}`): {text}"

@@ -925,3 +925,28 @@ def test_the_model_list_is_not_read_as_a_manifest(tmp_path, monkeypatch, text):
     assert {"moe_fused_gemm", "topk_softmax"} <= set(reg.manifests)
     with pytest.raises(FactorError, match=f"model list {home / 'moe_models.yaml'}: "):
         load_models()
+
+
+def test_a_file_dlopen_refuses_starts_no_process_and_leaves_no_cycle(tmp_path, monkeypatch):
+    """A file the loader refuses (text named .so) is reported with dlerror's words, and costs
+    no child process: cffi's dlopen, on a failure, asked ctypes.util.find_library, which starts
+    ldconfig, gcc and ld (~36 ms a file, on every load of the folder), and kept its first error
+    in a frame cycle that held the registry and the file's bytes until the cyclic GC ran (a leak
+    trial, session sixty-three). The registry is freed when dropped, GC off."""
+    import ctypes.util
+    import gc
+    import weakref
+    (tmp_path / "b_text.so").write_text("not a library\n", encoding="utf-8")
+    monkeypatch.setattr(ctypes.util, "find_library", lambda name: pytest.fail(f"find_library({name!r}) ran"))
+    gc.collect()
+    gc.disable()
+    try:
+        reg = FactorRegistry.load(tmp_path, hardware="h200")
+        [p] = reg.plugins
+        [why] = [c.detail for c in p.checks if c.name == "dlopen" and not c.ok]
+        assert "b_text.so" in why and "Additionally" not in why, why
+        gone = weakref.ref(reg)
+        del reg, p
+        assert gone() is None
+    finally:
+        gc.enable()
