@@ -1424,15 +1424,19 @@ class FactorRegistry:
 
     @staticmethod
     def _win_rule(win: Plugin, q: Plugin, prefer_text: str) -> str:
-        """Why ``win`` beats ``q``: the user's choice, then version, then priority, then file name."""
+        """Why ``win`` beats ``q``: the user's choice, then version, then priority, then file name,
+        then the order of loading."""
         if prefer_text:
             return f"the user's choice (prefer={prefer_text}) overrides version and priority"
         if win.version_key() != q.version_key():
             return f"higher version wins: {win.version} over {q.version}"
         if win.priority != q.priority:
             return f"same version {win.version}, higher priority wins: {win.priority} over {q.priority}"
-        return (f"same version {win.version} and priority {win.priority}: the file name that sorts "
-                f"last wins ({win.path.name} after {q.path.name})")
+        if win.path.name != q.path.name:
+            return (f"same version {win.version} and priority {win.priority}: the file name that sorts "
+                    f"last wins ({win.path.name} after {q.path.name})")
+        return (f"same version {win.version}, priority {win.priority} and file name: the one loaded last "
+                f"wins ({win.path} over {q.path})")
 
     def _note_unused_tuning(self) -> None:
         """Notes for the tuning file's tables that can never apply, against every manifest known
@@ -1472,8 +1476,13 @@ class FactorRegistry:
                 p.status = "ready"
                 by_name[p.name].append(p)
         chosen = {}
+        # last tie-break: the one loaded last (a later load_folder's copy of the same file name,
+        # a hot reload into a new folder; by the full path, 'v9' beat 'v11' and a folder
+        # reloaded since kept serving: a leak trial, session sixty-three)
+        loaded = {id(p): i for i, p in enumerate(self.plugins)}
+        rank = lambda q: (self._preferred(q), q.version_key(), q.priority, q.path.name, loaded[id(q)])  # noqa: E731
         for name, ps in by_name.items():
-            ps.sort(key=lambda q: (self._preferred(q), q.version_key(), q.priority, q.path.name, str(q.path)), reverse=True)
+            ps.sort(key=rank, reverse=True)
             win = ps[0]
             chosen[name] = win
             pref = f"{{{name!r}: {str(self.prefer[name])!r}}}" if self._preferred(win) else ""
@@ -1497,7 +1506,7 @@ class FactorRegistry:
             ids[p.factor_id].append(p)
         for fid, ps in ids.items():
             if len(ps) > 1:
-                ps.sort(key=lambda q: (self._preferred(q), q.version_key(), q.priority, q.path.name, str(q.path)))
+                ps.sort(key=rank)
                 win = ps[-1]
                 for q in ps[:-1]:
                     pref = (f"{{{win.name!r}: {str(self.prefer[win.name])!r}}}"

@@ -428,6 +428,22 @@ def test_the_file_name_breaks_a_tie_not_the_folder(tmp_path):
     assert reg.get("host_scale").path.name == "zzz.so"
 
 
+@pytest.mark.parametrize("order", [("v9", "v11"), ("v11", "v9")])
+def test_the_same_file_name_in_two_folders_the_one_loaded_last_wins(tmp_path, order):
+    """A reload into a new folder (same name, version and priority) serves the new copy, in
+    either order of the folders' names: the full path decided, so 'v9' beat 'v11' and a folder
+    loaded since kept serving the old one (a leak trial, session sixty-three). The loser's
+    reason says the rule."""
+    first, last = order
+    for v in order:
+        build_plugin(tmp_path / v)
+    reg = FactorRegistry.load(tmp_path / first, hardware="h200")
+    reg.load_folder(tmp_path / last)
+    assert reg.get("host_scale").path.parent.name == last
+    [old] = [p for p in reg.plugins if p.path.parent.name == first]
+    assert old.status == "shadowed" and "the one loaded last wins" in old.reason, old.reason
+
+
 def test_a_device_manifest_on_a_library_without_gpu_code_is_said(tmp_path):
     """Allowed (kernels may come from a library it links or loads), but list-factors --why says
     that the library carries no GPU code of its own."""
