@@ -950,7 +950,7 @@ class FactorRegistry:
         detail += f" (lock {lock_path})"
         if self.lock_mode == "warn":
             self.notes.append(f"lock: {p.path.name}: {detail}; loaded anyway (lock_mode=warn)")
-            warnings.warn(f"{p.path}: {detail}; loaded anyway (lock_mode=warn)", stacklevel=3)
+            warnings.warn(f"{p.path}: {detail}; loaded anyway (lock_mode=warn)", stacklevel=_caller_stacklevel())
             return p.check("sha256 lock", True, "warning: " + detail + "; loaded anyway (lock_mode=warn)",
                            warn=True)
         return p.check("sha256 lock", False, detail + "; not opened")

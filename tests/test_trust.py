@@ -310,8 +310,10 @@ def test_lock_warn_mode_loads_with_a_warning(tmp_path, capsys):
     build_plugin(tmp_path)
     lock = tmp_path / "my.lock"
     lock.write_text(json.dumps({"host_scale.so": "0" * 64}), encoding="utf-8")
-    with pytest.warns(UserWarning, match="sha256 mismatch.*loaded anyway"):
+    with pytest.warns(UserWarning, match="sha256 mismatch.*loaded anyway") as caught:
         reg = FactorRegistry.load(tmp_path, hardware="h200", lock=lock, lock_mode="warn")
+    # said at the user's call, not inside ex_engine (stacklevel=3 named registry.py)
+    assert [w.filename for w in caught if "loaded anyway" in str(w.message)] == [__file__]
     p = reg.get("host_scale")
     assert p is not None and p.checks[0].warn and "sha256 mismatch: lock has 000" in p.checks[0].detail
     assert any(n.startswith("lock: host_scale.so: sha256 mismatch") for n in reg.notes), reg.notes
