@@ -66,13 +66,16 @@ TOOLS = ("memcheck", "racecheck", "synccheck", "initcheck")
 SMALL_KINDS = "T_3_E_40 or E_40_fp16 or one_expert or H_200 or ungated_I_200"
 SMALL = ["tests/test_gpu_configs.py", "tests/test_gpu.py", "-k",
          f"(test_moe_every_config and ({SMALL_KINDS})) or test_topk_softmax_plugin or test_fused_add_rmsnorm_plugin"]
-# each tool's pytest arguments (after -m gpu). Paces seen on an H100 (2026-12-07, CuPy's kernels
-# still checked): synccheck 136 tests in 34 s, memcheck about 3 s a test, initcheck 4-7 s,
-# racecheck 10-20 s. So each tool runs the small set (136 tests), racecheck the forced
+# each tool's pytest arguments (after -m gpu). Paces seen on an H100 (2026-12-07, first with
+# CuPy's kernels still checked: synccheck 136 tests in 34 s, memcheck about 3 s a test,
+# initcheck 4-7 s, racecheck 10-20 s; then with them excluded: memcheck 136 tests in 45 s,
+# synccheck in 22 s, racecheck's 38 in 94 s, initcheck not one test in 140 s, CUB's reduce
+# reports filling its log). So each tool runs the small set (136 tests), racecheck the forced
 # configurations on one shape and topk_softmax's plugin tests (38); --wide gives
 # memcheck test_gpu.py's wider selection too (WIDE: the registry's own choices on the awkward
 # shapes, the model shapes at T = 1 and 64, bfloat16, and the tests of invalid ids, unaligned
-# sizes, one hot expert, no valid slot and empty batches: about 310 tests, some 16 minutes)
+# sizes, one hot expert, no valid slot and empty batches: 311 tests, 122-136 s in one process
+# until it ran out of memory; now in 20 processes, group_ids)
 RACE_KINDS = "one_expert"
 TESTS = {
     "memcheck": SMALL,
@@ -85,6 +88,76 @@ WIDE = ["tests/test_gpu_configs.py", "tests/test_gpu.py", "-k",
         "or test_moe_plugin_awkward or test_moe_unaligned or test_moe_skewed_and_single "
         "or test_moe_out_of_range_ids_are or test_moe_empty_batch or test_moe_decode_with_no_valid_slot "
         "or (test_moe_plugin_on_model_shapes and bfloat16)"]
+
+
+def collect_ids(args, env):
+    """The node ids pytest selects with ``args`` (``-m gpu``; collected without the sanitizer),
+    or [] where collection fails."""
+    try:
+        r = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                            "-m", "gpu", *args], capture_output=True, text=True, encoding="utf-8",
+                           errors="replace", cwd=ROOT, env=env, timeout=300)
+    except (OSError, subprocess.SubprocessError):
+        return []
+    if r.returncode != 0:
+        return []
+    # the ids come first, one a line, up to a blank line (a warnings summary after it names ids again)
+    ids = []
+    for line in r.stdout.splitlines():
+        if not line.strip():
+            break
+        if "::" in line:
+            ids.append(line.strip())
+    return list(dict.fromkeys(ids))
+
+
+def group_ids(ids):
+    """``ids`` in groups, each for a process of its own, in the order given: one per test
+    function, but one per model for test_moe_plugin_on_model_shapes ('...[T-model-dtype]') and
+    one per shape for test_moe_decode_with_no_valid_slot_writes_zeros ('...[T-H-E-I-K-mode]').
+    Why: under memcheck with the pool off, the device memory the tests free is not given back
+    (an H100, 2026-12-07: free memory fell by each test's own allocations, ~280 MB a forced case
+    at E = 40, 7.2 GB at mixtral T = 1, the same on both plugins and every configuration, ~0 on
+    the router and norm tests; the same tests with the pool on run in one process without a
+    fall), so the wide set ran out of the card's 80 GB in one process; the forced cases took
+    56 GB in all, the largest shapes 5-20 GB a test."""
+    groups = {}
+    for i in ids:
+        fn, _, params = i.partition("[")
+        params = params.rstrip("]")
+        key = fn
+        if fn.endswith("::test_moe_plugin_on_model_shapes") and params.count("-") >= 2:
+            key = (fn, params.split("-", 1)[1].rsplit("-", 1)[0])      # the model
+        elif fn.endswith("::test_moe_decode_with_no_valid_slot_writes_zeros") and "-" in params:
+            key = (fn, params.rsplit("-", 1)[0])                         # the shape, not the mode
+        groups.setdefault(key, []).append(i)
+    return list(groups.values())
+
+
+def judge_all(runs, timeout, n_groups):
+    """judge() of each of ``runs`` ((status or None, text) of one process each, of ``n_groups``
+    groups) made one row: the tests summed, the sanitizer's errors summed, the first verdict
+    that is not clean (naming its group) or "clean"; a run stopped at the timeout, or groups
+    left unrun, make it "stopped"."""
+    rows = [judge(rc, text, timeout) for rc, text in runs]
+    counts = {}
+    for tests, _, _ in rows:
+        for n, k in re.findall(r"(\d+) (passed|failed|skipped|errors)", tests):
+            counts[k] = counts.get(k, 0) + int(n)
+    stopped = runs[-1][0] is None or len(runs) < n_groups
+    tests = (f"{counts.get('passed', 0)} passed, {counts.get('failed', 0)} failed, {counts.get('skipped', 0)} skipped"
+             + (f", {counts['errors']} errors" if counts.get("errors") else "") + (" so far" if stopped else ""))
+    errors = [int(n) for _, summary, _ in rows for n in re.findall(r"ERROR SUMMARY: (\d+) error", summary)]
+    summary = (f"ERROR SUMMARY: {sum(errors)} errors ({len(runs)} processes)" if len(errors) == len(rows)
+               else "; ".join(dict.fromkeys(r[1] for r in rows)))
+    bad = [(i, r[2]) for i, r in enumerate(rows, 1) if r[2] != "clean"]
+    if stopped:
+        verdict = f"stopped after {timeout} s ({len(runs)} of {n_groups} processes started)"
+    elif bad:
+        verdict = f"{bad[0][1]} (process {bad[0][0]} of {n_groups})"
+    else:
+        verdict = "clean"
+    return tests, summary, verdict
 
 
 def selection(tool, k=None, wide=False):
@@ -349,11 +422,22 @@ def check_tool(tool, san, help_text, a):
                EX_TEST_MEMORY_LOG=str(memory_log),
                PYTHONPATH=os.pathsep.join([str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
     args = selection(tool, a.k, a.wide)
-    start = log.stat().st_size
-    rc, secs = run(base + [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", "-rfEs",
-                           *args], log, a.timeouts[tool], env)
-    text = read_from(log, start)
-    tests, summary, verdict = judge(rc, text, a.timeouts[tool])
+    groups = [args]
+    if a.wide and tool == "memcheck":   # a process per group (group_ids says why)
+        groups = group_ids(collect_ids(args, env)) or [args]
+    runs, secs, limit = [], 0.0, a.timeouts[tool]
+    for g in groups:
+        start = log.stat().st_size
+        rc, took = run(base + [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", "-rfEs",
+                               *g], log, max(1, limit - secs), env)
+        secs += took
+        runs.append((rc, read_from(log, start)))
+        if rc is None or secs >= limit:
+            break
+    if len(groups) == 1:
+        tests, summary, verdict = judge(runs[0][0], runs[0][1], limit)
+    else:
+        tests, summary, verdict = judge_all(runs, limit, len(groups))
     ok = not missed and verdict == "clean"
     print(f"  {tool}: {tests}; {summary}; {verdict} ({secs:.0f} s){least_free(memory_log)}", flush=True)
     if missed:
@@ -376,7 +460,8 @@ def main():
     ap.add_argument("--out", default=str(ROOT / "gpu_out"), help="folder of the logs (sanitize_<tool>.txt)")
     ap.add_argument("--sanitizer", default=None, help="compute-sanitizer executable (default: PATH, then CUDA's bin/)")
     ap.add_argument("-k", default=None, help="narrow each tool's selection by this pytest -k expression")
-    ap.add_argument("--wide", action="store_true", help="memcheck also runs test_gpu.py's wider selection (WIDE)")
+    ap.add_argument("--wide", action="store_true", help="memcheck also runs test_gpu.py's wider selection (WIDE), "
+                    "in a process per test function (per model, per decode shape: group_ids)")
     ap.add_argument("--list", action="store_true", help="print each tool's pytest arguments and stop")
     ap.add_argument("--plant", choices=PLANTS, help=argparse.SUPPRESS)
     a = ap.parse_args()

@@ -490,3 +490,54 @@ def test_the_least_free_memory_is_named(tmp_path):
                    "tests/a.py::t[3] free unknown (CUDARuntimeError: out of memory)\n"
                    "tests/a.py::t[4] free 5000 of 81000 MiB\n", encoding="utf-8")
     assert least_free(log) == "; least free device memory after a test: 120 of 81000 MiB (tests/a.py::t[2])"
+
+
+def test_the_wide_set_is_grouped_a_process_per_function_model_and_decode_shape():
+    """memcheck keeps the device memory tests free (group_ids says what was measured), so the
+    wide set runs in processes of a test function each, a model each for the model shapes and
+    a shape each for the decode tests of several modes."""
+    ids = ["tests/test_gpu_configs.py::test_moe_every_config_on_awkward_shapes[moe_fused_gemm-tiny-E_40]",
+           "tests/test_gpu_configs.py::test_moe_every_config_on_awkward_shapes[moe_fused_gemm_sm90-narrow-T_1]",
+           "tests/test_gpu.py::test_moe_plugin_on_model_shapes[1-mixtral-8x7b-bfloat16]",
+           "tests/test_gpu.py::test_moe_plugin_on_model_shapes[1-qwen3-30b-a3b-bfloat16]",
+           "tests/test_gpu.py::test_moe_plugin_on_model_shapes[64-mixtral-8x7b-bfloat16]",
+           "tests/test_gpu.py::test_moe_empty_batch_on_gpu",
+           "tests/test_gpu.py::test_moe_decode_with_no_valid_slot_writes_zeros[1-2048-128-768-8-new]",
+           "tests/test_gpu.py::test_moe_decode_with_no_valid_slot_writes_zeros[1-2048-128-768-8-late]",
+           "tests/test_gpu.py::test_moe_decode_with_no_valid_slot_writes_zeros[4-4096-8-14336-2-new]"]
+    assert san["group_ids"](ids) == [ids[:2], [ids[2], ids[4]], [ids[3]], [ids[5]], ids[6:8], [ids[8]]]
+
+
+def test_the_groups_runs_make_one_row():
+    judge_all = san["judge_all"]
+    clean = (0, RUN_CLEAN)
+    assert judge_all([clean, clean], 100, 2) == ("16 passed, 0 failed, 0 skipped",
+                                                 "ERROR SUMMARY: 0 errors (2 processes)", "clean")
+    bad = (ERROR_STATUS, RUN_CLEAN.replace("0 errors", "3 errors"))
+    tests, summary, verdict = judge_all([clean, bad, clean], 100, 3)
+    assert summary == "ERROR SUMMARY: 3 errors (3 processes)" and verdict == "sanitizer errors (process 2 of 3)"
+    # a process stopped at the time limit, or groups never started, is not a pass
+    assert judge_all([clean, (None, POOL + "...")], 100, 2)[::2] == (
+        "11 passed, 0 failed, 0 skipped so far", "stopped after 100 s (2 of 2 processes started)")
+    assert judge_all([clean], 100, 3)[2] == "stopped after 100 s (1 of 3 processes started)"
+    assert judge_all([clean, (0, POOL + "no tests ran in 0.1s")], 100, 2)[2] == "no test ran (process 2 of 2)"
+
+
+def test_memcheck_wide_runs_each_group_in_a_process_of_its_own(tmp_path, monkeypatch):
+    import argparse
+    import json
+    fake = tmp_path / "compute-sanitizer"
+    fake.write_text(FAKE_SAN.format(python=sys.executable), encoding="utf-8")
+    fake.chmod(0o755)
+    calls = tmp_path / "calls.jsonl"
+    monkeypatch.setenv("FAKE_SAN", json.dumps(dict(SEEN, pytest=[RUN_CLEAN, 0, 0])))
+    monkeypatch.setenv("FAKE_SAN_CALLS", str(calls))
+    ids = ["tests/a.py::t1[x]", "tests/a.py::t1[y]", "tests/a.py::t2"]
+    check_tool = san["check_tool"]
+    monkeypatch.setitem(check_tool.__globals__, "collect_ids", lambda args, env: ids)
+    a = argparse.Namespace(out=str(tmp_path), k=None, wide=True, timeouts=dict.fromkeys(san["TOOLS"], 60))
+    row = check_tool("memcheck", str(fake), HELP_NEW, a)
+    assert row[2:4] == ("16 passed, 0 failed, 0 skipped", "ERROR SUMMARY: 0 errors (2 processes)")
+    assert row[5:] == (True, "clean"), row
+    runs = [json.loads(x)["argv"] for x in calls.read_text().splitlines()][2:]
+    assert [r[r.index("-rfEs") + 1:] for r in runs] == [ids[:2], ids[2:]]
