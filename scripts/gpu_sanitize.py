@@ -118,9 +118,9 @@ def group_ids(ids):
     Why: under memcheck with the pool off, the device memory the tests free is not given back
     (an H100, 2026-12-07: free memory fell by each test's own allocations, ~280 MB a forced case
     at E = 40, 7.2 GB at mixtral T = 1, the same on both plugins and every configuration, ~0 on
-    the router and norm tests; the same tests with the pool on run in one process without a
-    fall), so the wide set ran out of the card's 80 GB in one process; the forced cases took
-    56 GB in all, the largest shapes 5-20 GB a test."""
+    the router and norm tests; with the pool on, the GPU suite's 747 tests, these among them,
+    passed in one process), so the wide set ran out of the card's 80 GB in one process; the
+    forced cases took 56 GB in all, a model shape up to 7.5 GB a test (mixtral T = 1 7.2)."""
     groups = {}
     for i in ids:
         fn, _, params = i.partition("[")
