@@ -115,12 +115,13 @@ def group_ids(ids):
     """``ids`` in groups, each for a process of its own, in the order given: one per test
     function, but one per model for test_moe_plugin_on_model_shapes ('...[T-model-dtype]') and
     one per shape for test_moe_decode_with_no_valid_slot_writes_zeros ('...[T-H-E-I-K-mode]').
-    Why: under memcheck with the pool off, the device memory the tests free is not given back
-    (an H100, 2026-12-07: free memory fell by each test's own allocations, ~280 MB a forced case
-    at E = 40, 7.2 GB at mixtral T = 1, the same on both plugins and every configuration, ~0 on
-    the router and norm tests; with the pool on, the GPU suite's 747 tests, these among them,
-    passed in one process), so the wide set ran out of the card's 80 GB in one process; the
-    forced cases took 56 GB in all, a model shape up to 7.5 GB a test (mixtral T = 1 7.2)."""
+    Why: under memcheck with the pool off, most of the device memory the tests free is not
+    given back (an H100, 2026-12-07: free memory fell with each test, by an amount that grew with
+    its sizes, 310-318 MiB a forced case at E = 40, 7456 MiB at deepseek T = 1, the same on
+    both plugins and every configuration, 0-56 MiB on the router and norm tests; with the pool
+    on, the GPU suite's 747 tests, these among them, passed in one process), so the wide set ran
+    out of the card's 80 GB in one process, at mixtral T = 1; the forced cases took 55908 MiB
+    in all."""
     groups = {}
     for i in ids:
         fn, _, params = i.partition("[")
