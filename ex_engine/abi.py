@@ -154,10 +154,7 @@ def dlopen(path: str):
             flags = lib_ffi.RTLD_NOW | lib_ffi.RTLD_LOCAL
             try:
                 ctypes.CDLL(full, mode=flags)
-                refused = None
             except OSError as exc:
-                refused = str(exc)
-            if refused is not None:
-                raise OSError(refused)
+                raise OSError(str(exc)) from None
             lib = _LIBRARIES[full] = lib_ffi.dlopen(full, flags)
     return lib

@@ -90,12 +90,15 @@ WIDE = ["tests/test_gpu_configs.py", "tests/test_gpu.py", "-k",
         "or (test_moe_plugin_on_model_shapes and bfloat16)"]
 
 
+# the tests' command (collected, or run under the sanitizer): the GPU tests only
+PYTEST = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu"]
+
+
 def collect_ids(args, env):
     """The node ids pytest selects with ``args`` (``-m gpu``; collected without the sanitizer),
     or [] where collection fails."""
     try:
-        r = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
-                            "-m", "gpu", *args], capture_output=True, text=True, encoding="utf-8",
+        r = subprocess.run([*PYTEST, "--collect-only", *args], capture_output=True, text=True, encoding="utf-8",
                            errors="replace", cwd=ROOT, env=env, timeout=300)
     except (OSError, subprocess.SubprocessError):
         return []
@@ -140,25 +143,24 @@ def judge_all(runs, timeout, n_groups):
     groups) made one row: the tests summed, the sanitizer's errors summed, the first verdict
     that is not clean (naming its group) or "clean"; a run stopped at the timeout, or groups
     left unrun, make it "stopped"."""
-    rows = [judge(rc, text, timeout) for rc, text in runs]
+    read = [read_run(rc, text, timeout) for rc, text in runs]
     counts = {}
-    for tests, _, _ in rows:
-        for n, k in re.findall(r"(\d+) (passed|failed|skipped|errors)", tests):
-            counts[k] = counts.get(k, 0) + int(n)
+    for c, _, _ in read:
+        for k, n in c.items():
+            counts[k] = counts.get(k, 0) + n
     stopped = runs[-1][0] is None or len(runs) < n_groups
-    tests = (f"{counts.get('passed', 0)} passed, {counts.get('failed', 0)} failed, {counts.get('skipped', 0)} skipped"
-             + (f", {counts['errors']} errors" if counts.get("errors") else "") + (" so far" if stopped else ""))
-    errors = [int(n) for _, summary, _ in rows for n in re.findall(r"ERROR SUMMARY: (\d+) error", summary)]
-    summary = (f"ERROR SUMMARY: {sum(errors)} errors ({len(runs)} processes)" if len(errors) == len(rows)
-               else "; ".join(dict.fromkeys(r[1] for r in rows)))
-    bad = [(i, r[2]) for i, r in enumerate(rows, 1) if r[2] != "clean"]
+    summaries = [line for _, line, _ in read]
+    errors = [int(m.group(1)) for line in summaries if (m := re.match(r"ERROR SUMMARY: (\d+) error", line))]
+    summary = (f"ERROR SUMMARY: {sum(errors)} errors ({len(runs)} processes)" if len(errors) == len(read)
+               else "; ".join(dict.fromkeys(summaries)))
+    bad = [(i, verdict) for i, (_, _, verdict) in enumerate(read, 1) if verdict != "clean"]
     if stopped:
         verdict = f"stopped after {timeout} s ({len(runs)} of {n_groups} processes started)"
     elif bad:
         verdict = f"{bad[0][1]} (process {bad[0][0]} of {n_groups})"
     else:
         verdict = "clean"
-    return tests, summary, verdict
+    return tests_text(counts, stopped), summary, verdict
 
 
 def selection(tool, k=None, wide=False):
@@ -306,8 +308,20 @@ def run(cmd, log, timeout, env=None):
     return rc, time.time() - t0
 
 
+def tests_text(counts, so_far):
+    """'N passed, N failed, N skipped[, N errors][ so far]' of pytest's ``counts``."""
+    return (f"{counts.get('passed', 0)} passed, {counts.get('failed', 0)} failed, {counts.get('skipped', 0)} skipped"
+            + (f", {counts['error']} errors" if counts.get("error") else "") + (" so far" if so_far else ""))
+
+
 def judge(rc, text, timeout):
-    """(tests, sanitizer summary, verdict) of one tool's pytest run under the sanitizer: rc its exit
+    """(tests, sanitizer summary, verdict) of one tool's pytest run under the sanitizer (read_run)."""
+    counts, summary, verdict = read_run(rc, text, timeout)
+    return tests_text(counts, rc is None), summary, verdict
+
+
+def read_run(rc, text, timeout):
+    """(pytest's counts, sanitizer summary, verdict) of one pytest run under the sanitizer: rc its exit
     status (None: stopped at ``timeout`` s), text its output. verdict is "clean" only where pytest
     passed (at least one test, none skipped), the sanitizer's summary says 0 errors, its status is
     not ERROR_STATUS, it said nothing of an internal error or an unsupported device, and the run
@@ -332,8 +346,6 @@ def judge(rc, text, timeout):
     errors = [int(e) for e, _ in races] + [int(e) for e in re.findall(r"ERROR SUMMARY: (\d+) error", text)]
     n_err = sum(errors) if errors else None
     warnings = sum(int(w) for _, w in races)
-    tests = (f"{counts.get('passed', 0)} passed, {counts.get('failed', 0)} failed, {counts.get('skipped', 0)} skipped"
-             + (f", {counts['error']} errors" if counts.get("error") else "") + (" so far" if rc is None else ""))
     died = re.search(TARGET_FAILED, text)
     if rc is None:
         verdict = f"stopped after {timeout} s"
@@ -358,7 +370,7 @@ def judge(rc, text, timeout):
         verdict = f"{warnings} racecheck warnings (hazards it deems possibly benign: read the log)"
     else:
         verdict = "clean"
-    return tests, (lines[-1] if lines else "no summary line"), verdict
+    return counts, (lines[-1] if lines else "no summary line"), verdict
 
 
 def sanitizer_help(san):
@@ -429,8 +441,7 @@ def check_tool(tool, san, help_text, a):
     runs, secs, limit = [], 0.0, a.timeouts[tool]
     for g in groups:
         start = log.stat().st_size
-        rc, took = run(base + [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", "-rfEs",
-                               *g], log, max(1, limit - secs), env)
+        rc, took = run(base + [*PYTEST, "-rfEs", *g], log, max(1, limit - secs), env)
         secs += took
         runs.append((rc, read_from(log, start)))
         if rc is None or secs >= limit:
