@@ -71,6 +71,15 @@ class _Loader(yaml.SafeLoader):
         _check_expansion(node)
         return super().construct_document(node)
 
+    def construct_object(self, node, deep=False):
+        # a constructor's refusal (``!!int x``, the date 2024-13-01: ValueError) marked at its
+        # node, so the error names the file and line as a malformed file's does (it said only
+        # "ValueError: month must be in 1..12"); the innermost node's mark is the one kept
+        try:
+            return super().construct_object(node, deep)
+        except (ValueError, LookupError, AttributeError, TypeError) as exc:
+            raise _refused(node, f"{type(exc).__name__}: {exc}") from exc
+
     def construct_yaml_int(self, node):
         """YAML 1.2 core schema: decimal (leading zeros too, a sign), 0o octal, 0x hex (no sign;
         an explicit ``!!int`` scalar is held to the same forms)."""
