@@ -299,8 +299,8 @@ def _parse(text, name):
     try:
         return loader.get_single_data()
     except (ValueError, LookupError, AttributeError, TypeError) as exc:
-        # a scalar its resolver (or an explicit tag) matched but its constructor refused; a
-        # constructor's other slips (KeyError, AttributeError) are malformed input all the same
+        # (_Loader.construct_object marks a constructor's refusal at its node: this is only for
+        # a slip outside any one node's construction, malformed input all the same)
         raise yaml.constructor.ConstructorError(None, None, f"{type(exc).__name__}: {exc}") from exc
     except RecursionError:      # (MAX_DEPTH keeps PyYAML from it; another path must not escape)
         raise yaml.YAMLError(f"nested too deeply to read (RecursionError); expected at most "
